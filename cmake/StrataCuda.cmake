@@ -1,0 +1,33 @@
+# Optional CUDA: sets STRATA_HAVE_CUDA and, when on, enables the CUDA language, CUDA::cudart and
+# strata::nccl. The architectures are an explicit list, never "native": CI machines have no GPU.
+set(STRATA_HAVE_CUDA OFF)
+if(NOT STRATA_CUDA STREQUAL "OFF")
+  include(CheckLanguage)
+  check_language(CUDA)
+  if(CMAKE_CUDA_COMPILER)
+    if(NOT DEFINED CMAKE_CUDA_ARCHITECTURES OR CMAKE_CUDA_ARCHITECTURES STREQUAL "")
+      set(CMAKE_CUDA_ARCHITECTURES "80;90" CACHE STRING "CUDA architectures to build for")
+    endif()
+    enable_language(CUDA)
+    find_package(CUDAToolkit REQUIRED)
+    set(STRATA_HAVE_CUDA ON)
+  elseif(STRATA_CUDA STREQUAL "ON")
+    message(FATAL_ERROR "STRATA_CUDA=ON but no CUDA compiler was found: put nvcc on the PATH or "
+                        "configure with -DSTRATA_CUDA=OFF")
+  endif()
+endif()
+
+if(STRATA_HAVE_CUDA)
+  set(CMAKE_CUDA_STANDARD 17)
+  set(CMAKE_CUDA_STANDARD_REQUIRED ON)
+  find_path(STRATA_NCCL_INCLUDE nccl.h HINTS ${CUDAToolkit_INCLUDE_DIRS})
+  find_library(STRATA_NCCL_LIB nccl HINTS ${CUDAToolkit_LIBRARY_DIR})
+  if(NOT STRATA_NCCL_INCLUDE OR NOT STRATA_NCCL_LIB)
+    message(FATAL_ERROR "CUDA is on but NCCL was not found next to the toolkit; install NCCL or "
+                        "configure with -DSTRATA_CUDA=OFF")
+  endif()
+  add_library(strata_nccl INTERFACE)
+  add_library(strata::nccl ALIAS strata_nccl)
+  target_include_directories(strata_nccl INTERFACE "${STRATA_NCCL_INCLUDE}")
+  target_link_libraries(strata_nccl INTERFACE "${STRATA_NCCL_LIB}" CUDA::cudart)
+endif()

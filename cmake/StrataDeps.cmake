@@ -1,0 +1,53 @@
+# Finds every dependency that is not CUDA. Nothing is vendored.
+find_package(Threads REQUIRED)
+find_package(PkgConfig REQUIRED)
+pkg_check_modules(URING REQUIRED IMPORTED_TARGET liburing)
+pkg_check_modules(HWLOC REQUIRED IMPORTED_TARGET hwloc)
+find_package(TBB REQUIRED)
+find_package(nlohmann_json 3 REQUIRED)
+find_package(CLI11 CONFIG QUIET)
+if(NOT CLI11_FOUND)
+  find_path(CLI11_INCLUDE_DIR CLI/CLI.hpp REQUIRED)
+  add_library(CLI11::CLI11 INTERFACE IMPORTED)
+  target_include_directories(CLI11::CLI11 INTERFACE "${CLI11_INCLUDE_DIR}")
+endif()
+
+# LibTorch: a TorchConfig.cmake (LibTorch 2.x zip, pip wheel) wins; otherwise Debian's
+# libtorch-dev layout (headers in the system include dir plus torch/csrc/api/include; libraries
+# torch, torch_cpu, c10). Both end in one target, strata::torch.
+find_package(Torch QUIET)
+add_library(strata_torch_deps INTERFACE)
+add_library(strata::torch ALIAS strata_torch_deps)
+if(Torch_FOUND)
+  set(STRATA_TORCH_LAYOUT "TorchConfig")
+  target_link_libraries(strata_torch_deps INTERFACE ${TORCH_LIBRARIES})
+  target_include_directories(strata_torch_deps INTERFACE ${TORCH_INCLUDE_DIRS})
+else()
+  find_path(STRATA_TORCH_API_INCLUDE torch/torch.h
+            PATHS /usr/include/torch/csrc/api/include NO_DEFAULT_PATH)
+  find_library(STRATA_TORCH_LIB torch)
+  find_library(STRATA_TORCH_CPU_LIB torch_cpu)
+  find_library(STRATA_C10_LIB c10)
+  if(NOT STRATA_TORCH_API_INCLUDE OR NOT STRATA_TORCH_LIB OR NOT STRATA_TORCH_CPU_LIB OR NOT STRATA_C10_LIB)
+    message(FATAL_ERROR "LibTorch not found: install libtorch-dev (tools/scripts/setup.sh does) "
+                        "or pass -DCMAKE_PREFIX_PATH=/path/to/libtorch")
+  endif()
+  set(STRATA_TORCH_LAYOUT "Debian")
+  target_include_directories(strata_torch_deps INTERFACE "${STRATA_TORCH_API_INCLUDE}")
+  target_link_libraries(strata_torch_deps INTERFACE "${STRATA_TORCH_LIB}" "${STRATA_TORCH_CPU_LIB}"
+                                                    "${STRATA_C10_LIB}")
+endif()
+# c10d's headers expose ProcessGroupGloo only with USE_C10D_GLOO, which LibTorch builds that
+# include Gloo (Debian's does; libgloo-dev supplies the headers) need defined by their users.
+find_path(STRATA_GLOO_INCLUDE gloo/config.h)
+if(STRATA_GLOO_INCLUDE)
+  target_compile_definitions(strata_torch_deps INTERFACE USE_C10D_GLOO USE_DISTRIBUTED)
+  set(STRATA_HAVE_GLOO ON)
+else()
+  set(STRATA_HAVE_GLOO OFF)
+endif()
+
+if(STRATA_BUILD_TESTS)
+  find_package(GTest REQUIRED)
+  find_package(benchmark QUIET)
+endif()

@@ -1,0 +1,166 @@
+// Config: the DeepSpeed-style JSON that drives Strata, parsed and validated into structs.
+//
+// A user's ds_config.json for supported features works unchanged: every DeepSpeed key Strata
+// reads has DeepSpeed's default. Strata's own settings live under "strata"; the model trained by
+// strata-train under "model". Parsing is strict:
+// - an unknown or misspelled key is an error naming the key and its closest valid spelling;
+// - a wrong type or an out-of-range value is an error naming the key, the value and the range;
+// - deprecated spellings (aio.thread_count, num_threads, "true"/"false" strings) are accepted
+//   with a warning (collected in Config::warnings and logged), never silently ignored;
+// - numbers may be written as 5e8; byte sizes in "strata" may also be strings like "24GiB".
+// ToJson() prints the effective config with every default filled in; parsing that JSON again
+// gives an equal Config.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json_fwd.hpp>
+
+#include "runtime/status.h"
+
+namespace strata {
+
+enum class OffloadDevice { kNone, kCpu, kNvme };
+enum class EvictionPolicy { kNextUse, kLru };
+enum class ChecksumKind { kNone, kCrc32c };
+enum class StateDtype { kFp32, kBf16 };
+
+struct OffloadParamConfig {
+  OffloadDevice device = OffloadDevice::kNone;
+  std::vector<std::string> nvme_path;  // one or more directories; several are striped
+  int64_t buffer_count = 5;
+  int64_t buffer_size = 100000000;     // elements
+  int64_t max_in_cpu = 1000000000;     // elements
+  bool pin_memory = true;
+};
+
+struct OffloadOptimizerConfig {
+  OffloadDevice device = OffloadDevice::kNone;
+  std::vector<std::string> nvme_path;
+  int64_t buffer_count = 4;
+  bool pin_memory = true;
+  bool pipeline_read = false;
+  bool pipeline_write = false;
+  double ratio = 1.0;  // fraction of optimizer states offloaded; the rest stay on the device
+};
+
+struct ZeroConfig {
+  int stage = 0;
+  bool contiguous_gradients = true;
+  bool overlap_comm = true;  // DeepSpeed turns it on for stage 3; honoured for all stages here
+  int64_t reduce_bucket_size = 500000000;      // elements
+  int64_t allgather_bucket_size = 500000000;   // elements
+  int64_t sub_group_size = 1000000000;         // elements
+  int64_t stage3_prefetch_bucket_size = 50000000;       // elements
+  int64_t stage3_param_persistence_threshold = 100000;  // elements
+  int64_t stage3_max_live_parameters = 1000000000;      // elements
+  int64_t stage3_max_reuse_distance = 1000000000;       // elements
+  OffloadParamConfig offload_param;
+  OffloadOptimizerConfig offload_optimizer;
+};
+
+// Drives the NVMe engine (tiers/nvme). Effects are documented in tiers/nvme/uring_engine.h.
+struct AioConfig {
+  int64_t block_size = 1048576;     // bytes per request; larger transfers are split
+  int64_t queue_depth = 8;          // requests in flight per ring
+  int64_t intra_op_parallelism = 1; // rings (and completion threads) per direction
+  bool single_submit = false;       // submit each request alone instead of in batches
+  bool overlap_events = true;       // keep the ring full while completions are reaped
+  bool use_gds = false;             // GPUDirect Storage: accepted, not supported (warns)
+};
+
+enum class OptimizerType { kAdam, kAdamW };
+
+struct OptimizerConfig {
+  OptimizerType type = OptimizerType::kAdamW;
+  double lr = 1e-3;
+  double beta1 = 0.9;
+  double beta2 = 0.999;
+  double eps = 1e-8;
+  double weight_decay = 0.0;
+  bool bias_correction = true;
+};
+
+enum class SchedulerType { kNone, kWarmupLR, kWarmupDecayLR, kWarmupCosineLR };
+
+struct SchedulerConfig {
+  SchedulerType type = SchedulerType::kNone;
+  double warmup_min_lr = 0.0;
+  double warmup_max_lr = 1e-3;
+  int64_t warmup_num_steps = 1000;
+  int64_t total_num_steps = 10000;  // WarmupDecayLR / WarmupCosineLR
+};
+
+struct Fp16Config {
+  bool enabled = false;
+  double loss_scale = 0.0;  // 0 selects dynamic loss scaling
+  int64_t initial_scale_power = 16;
+  int64_t loss_scale_window = 1000;
+  int64_t hysteresis = 2;
+  double min_loss_scale = 1.0;
+};
+
+struct Bf16Config {
+  bool enabled = false;
+};
+
+// Strata's own settings.
+struct StrataConfig {
+  uint64_t device_memory_budget = 0;  // bytes; 0: the whole device (CPU device: 4 GiB)
+  uint64_t host_memory_budget = 0;    // bytes; 0: half of physical memory
+  uint64_t nvme_capacity = 0;         // bytes per rank; 0: what the filesystem has free
+  uint64_t chunk_size = 64ull << 20;  // bytes per chunk before sharding
+  EvictionPolicy eviction = EvictionPolicy::kNextUse;
+  bool overlap_optimizer = true;      // run CPU Adam per chunk during backward
+  ChecksumKind checksums = ChecksumKind::kCrc32c;
+  int64_t prefetch_lookahead = 4;     // blocks issued ahead of use from the trace
+  StateDtype optimizer_state_dtype = StateDtype::kFp32;  // exp_avg / exp_avg_sq
+  int64_t optimizer_threads = 0;      // 0: all cores
+  std::string comm_backend = "auto";  // auto | single | gloo | nccl
+  double comm_timeout_s = 300;
+  std::string device = "auto";        // auto | cpu | cuda
+};
+
+// The model strata-train builds (a decoder-only GPT with byte-level tokens by default).
+struct ModelConfig {
+  int64_t n_layers = 4;
+  int64_t d_model = 128;
+  int64_t n_heads = 4;
+  int64_t seq_len = 128;
+  int64_t vocab_size = 256;
+  double dropout = 0.0;
+  uint64_t seed = 1234;
+};
+
+struct Config {
+  int64_t train_batch_size = 0;  // 0: micro × accumulation × world size
+  int64_t train_micro_batch_size_per_gpu = 1;
+  int64_t gradient_accumulation_steps = 1;
+  double gradient_clipping = 0.0;  // 0 disables clipping
+  int64_t steps_per_print = 10;
+  bool wall_clock_breakdown = false;
+  OptimizerConfig optimizer;
+  SchedulerConfig scheduler;
+  Fp16Config fp16;
+  Bf16Config bf16;
+  ZeroConfig zero_optimization;
+  AioConfig aio;
+  StrataConfig strata;
+  ModelConfig model;
+
+  std::vector<std::string> warnings;  // deprecations met while parsing, in order
+
+  // Parses and validates. `source` names the input in messages (a path or "<string>").
+  static StatusOr<Config> FromJsonText(const std::string& text, const std::string& source = "<string>");
+  static StatusOr<Config> FromFile(const std::string& path);
+
+  // The effective config, every default filled in.
+  nlohmann::json ToJson() const;
+  std::string ToJsonString(int indent = 2) const;
+};
+
+bool operator==(const Config& a, const Config& b);
+
+}  // namespace strata

@@ -1,0 +1,41 @@
+// Helpers shared by the test suites.
+#pragma once
+
+#include <gtest/gtest.h>
+
+#include "runtime/status.h"
+
+#define ASSERT_OK(expr)                                      \
+  do {                                                       \
+    const ::strata::Status strata_t_s_ = (expr);             \
+    ASSERT_TRUE(strata_t_s_.ok()) << strata_t_s_.ToString(); \
+  } while (0)
+
+#define EXPECT_OK(expr)                                      \
+  do {                                                       \
+    const ::strata::Status strata_t_s_ = (expr);             \
+    EXPECT_TRUE(strata_t_s_.ok()) << strata_t_s_.ToString(); \
+  } while (0)
+
+// Asserts a StatusOr is OK and binds its value: ASSERT_OK_AND_ASSIGN(auto x, MakeX());
+#define ASSERT_OK_AND_ASSIGN(lhs, expr) \
+  ASSERT_OK_AND_ASSIGN_IMPL(STRATA_STATUS_CONCAT(strata_t_sor_, __LINE__), lhs, expr)
+#define ASSERT_OK_AND_ASSIGN_IMPL(tmp, lhs, expr)             \
+  auto tmp = (expr);                                          \
+  ASSERT_TRUE(tmp.ok()) << tmp.status().ToString();           \
+  lhs = std::move(tmp).value()
+
+namespace strata::testing {
+
+// A fresh directory under $TMPDIR (or /tmp), removed with its contents on destruction.
+class TempDir {
+ public:
+  TempDir();
+  ~TempDir();
+  const std::string& path() const { return path_; }
+
+ private:
+  std::string path_;
+};
+
+}  // namespace strata::testing

@@ -1,0 +1,12 @@
+// strata-swapbench subcommands. Each lives in its own file and registers itself on the app;
+// the callback it installs runs the measurement and sets *exit_code.
+#pragma once
+
+#include <CLI/CLI.hpp>
+
+namespace strata::swapbench {
+
+void RegisterNvmeCommand(CLI::App& app, int* exit_code);
+void RegisterAdamCommand(CLI::App& app, int* exit_code);
+
+}  // namespace strata::swapbench

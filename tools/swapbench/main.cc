@@ -1,0 +1,19 @@
+// strata-swapbench: what can this machine's NVMe, DRAM, PCIe and CPU do for offloaded training.
+#include <cstdio>
+
+#include <CLI/CLI.hpp>
+
+#include "tools/swapbench/commands.h"
+
+int main(int argc, char** argv) {
+  CLI::App app{
+      "strata-swapbench: measures the bandwidths Strata's tiers depend on (NVMe through "
+      "io_uring, CPU Adam) and compares each figure with its reference on the same machine.\n"
+      "Run a subcommand with --help for its options."};
+  app.require_subcommand(1);
+  int exit_code = 0;
+  strata::swapbench::RegisterNvmeCommand(app, &exit_code);
+  strata::swapbench::RegisterAdamCommand(app, &exit_code);
+  CLI11_PARSE(app, argc, argv);
+  return exit_code;
+}

@@ -1,0 +1,100 @@
+#include "tiers/nvme/nvme_tier.h"
+
+#include "runtime/check.h"
+#include "runtime/units.h"
+
+namespace strata::nvme {
+
+StatusOr<std::unique_ptr<NvmeTier>> NvmeTier::Create(const NvmeTierOptions& options) {
+  STRATA_CHECK(options.capacity > 0, "nvme tier capacity is 0: set strata.nvme_capacity to the "
+                                     "bytes per rank the NVMe tier may use, e.g. \"64GiB\"");
+  SwapStoreOptions so;
+  so.paths = options.paths;
+  so.rank = options.rank;
+  so.capacity = options.capacity;
+  so.aio = options.aio;
+  so.checksums = options.checksums;
+  so.mode = SwapOpenMode::kCreate;
+  so.force_fallback = options.force_fallback;
+  so.fault_hook = options.fault_hook;
+  std::unique_ptr<NvmeTier> t(new NvmeTier);
+  STRATA_ASSIGN_OR_RETURN(t->store_, SwapStore::Open(so));
+  t->capacity_ = options.capacity;
+  return t;
+}
+
+NvmeTier::~NvmeTier() = default;  // the store drains and saves its index
+
+StatusOr<TierRegion> NvmeTier::Allocate(uint64_t bytes) {
+  STRATA_CHECK(bytes > 0, "nvme tier: cannot allocate a region of 0 bytes");
+  const uint64_t charged = (bytes + kSwapAlignment - 1) / kSwapAlignment * kSwapAlignment;
+  uint64_t id;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (stats_.bytes_allocated + charged > capacity_)
+      return ResourceExhausted(StrCat("nvme tier budget: ", FormatBytes(charged), " requested, ",
+                                      FormatBytes(capacity_ - stats_.bytes_allocated), " of ",
+                                      FormatBytes(capacity_), " left; raise strata.nvme_capacity"));
+    id = next_id_++;
+    stats_.bytes_allocated += charged;
+    stats_.peak_bytes_allocated = std::max(stats_.peak_bytes_allocated, stats_.bytes_allocated);
+  }
+  Status s = store_->Allocate(id, bytes);
+  if (!s.ok()) {
+    std::lock_guard<std::mutex> lock(mu_);
+    stats_.bytes_allocated -= charged;
+    return s;
+  }
+  return TierRegion{id, bytes};
+}
+
+Status NvmeTier::Free(const TierRegion& region) {
+  STRATA_RETURN_IF_ERROR(store_->Free(region.id));
+  const uint64_t charged = (region.size + kSwapAlignment - 1) / kSwapAlignment * kSwapAlignment;
+  std::lock_guard<std::mutex> lock(mu_);
+  stats_.bytes_allocated -= std::min(charged, stats_.bytes_allocated);
+  return Status::Ok();
+}
+
+IoDone NvmeTier::Track(bool read, uint64_t bytes, IoCallback done) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (inflight_++ == 0) busy_since_ = std::chrono::steady_clock::now();
+  }
+  return [this, read, bytes, done = std::move(done)](Status s) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (--inflight_ == 0)
+        stats_.busy_seconds +=
+            std::chrono::duration<double>(std::chrono::steady_clock::now() - busy_since_).count();
+      if (!s.ok()) {
+        ++stats_.errors;
+      } else if (read) {
+        ++stats_.reads;
+        stats_.bytes_read += bytes;
+      } else {
+        ++stats_.writes;
+        stats_.bytes_written += bytes;
+      }
+    }
+    done(std::move(s));
+  };
+}
+
+void NvmeTier::WriteAsync(const TierRegion& region, const void* src, IoCallback done) {
+  store_->WriteAsync(region.id, src, Track(false, region.size, std::move(done)));
+}
+
+void NvmeTier::ReadAsync(const TierRegion& region, void* dst, IoCallback done) {
+  store_->ReadAsync(region.id, dst, Track(true, region.size, std::move(done)));
+}
+
+TierStats NvmeTier::stats() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  TierStats s = stats_;
+  if (inflight_ > 0)
+    s.busy_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - busy_since_).count();
+  return s;
+}
+
+}  // namespace strata::nvme

@@ -1,0 +1,65 @@
+// NvmeTier: the Tier interface (tiers/tier.h) over a SwapStore.
+//
+// Regions are swap blocks; capacity() is the configured byte budget, and Allocate() charges
+// each region its size rounded up to 4 KiB. Buffers passed to I/O should be 4 KiB-aligned
+// (alignment() says so): aligned buffers go straight to the device with O_DIRECT, others take a
+// bounce copy. Thread safety and failure behaviour are Tier's; in addition every read verifies
+// the block's crc32c (when checksums are on) and fails with DATA_LOSS instead of returning
+// corrupted bytes. The store's index is saved when the tier is destroyed.
+#pragma once
+
+#include <chrono>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "runtime/config.h"
+#include "tiers/nvme/swap_store.h"
+#include "tiers/tier.h"
+
+namespace strata::nvme {
+
+struct NvmeTierOptions {
+  std::vector<std::string> paths;
+  uint32_t rank = 0;
+  uint64_t capacity = 0;  // bytes; must be > 0
+  AioConfig aio;
+  ChecksumKind checksums = ChecksumKind::kCrc32c;
+  bool force_fallback = false;
+  IoFaultHook fault_hook;  // test-only
+};
+
+class NvmeTier final : public Tier {
+ public:
+  // Starts with an empty swap store (any earlier index for this rank is discarded).
+  static StatusOr<std::unique_ptr<NvmeTier>> Create(const NvmeTierOptions& options);
+  ~NvmeTier() override;
+
+  std::string_view name() const override { return "nvme"; }
+  uint64_t capacity() const override { return capacity_; }
+  uint64_t alignment() const override { return kSwapAlignment; }
+
+  StatusOr<TierRegion> Allocate(uint64_t bytes) override;
+  Status Free(const TierRegion& region) override;
+  void WriteAsync(const TierRegion& region, const void* src, IoCallback done) override;
+  void ReadAsync(const TierRegion& region, void* dst, IoCallback done) override;
+  TierStats stats() const override;
+
+  SwapStore& store() { return *store_; }
+
+ private:
+  NvmeTier() = default;
+  IoDone Track(bool read, uint64_t bytes, IoCallback done);
+
+  std::unique_ptr<SwapStore> store_;
+  uint64_t capacity_ = 0;
+
+  mutable std::mutex mu_;
+  uint64_t next_id_ = 1;             // GUARDED_BY(mu_)
+  TierStats stats_;                  // GUARDED_BY(mu_)
+  uint64_t inflight_ = 0;            // GUARDED_BY(mu_)
+  std::chrono::steady_clock::time_point busy_since_;  // GUARDED_BY(mu_)
+};
+
+}  // namespace strata::nvme

@@ -1,0 +1,602 @@
+#include "tiers/nvme/swap_store.h"
+
+#include <fcntl.h>
+#include <sys/file.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstdlib>
+#include <cstring>
+#include <future>
+#include <set>
+
+#include "runtime/check.h"
+#include "runtime/logging.h"
+#include "runtime/units.h"
+#include "tiers/nvme/crc32c.h"
+
+namespace strata::nvme {
+
+// Note [swap durability]
+// O_DIRECT completions mean the bytes left the page cache for the device, but the file system
+// may still hold the metadata that makes them reachable (fallocate leaves "unwritten" extents
+// that the first write converts) and the device may hold them in a volatile cache. So a write is
+// reported complete when its bytes are in the file, and SaveIndex() -- the only point from which
+// another process can find a block -- fdatasyncs every swap file before it replaces the index.
+// Where O_DIRECT is refused (tmpfs), files are opened O_DSYNC so that a completed pwrite is
+// equally complete.
+
+namespace {
+
+struct FreeDeleter {
+  void operator()(char* p) const { std::free(p); }
+};
+using AlignedBuf = std::unique_ptr<char, FreeDeleter>;
+
+AlignedBuf AllocAligned(uint64_t bytes) {
+  void* p = nullptr;
+  if (posix_memalign(&p, kSwapAlignment, std::max<uint64_t>(bytes, kSwapAlignment)) != 0) return nullptr;
+  return AlignedBuf(static_cast<char*>(p));
+}
+
+uint64_t RoundUp(uint64_t v, uint64_t a) { return (v + a - 1) / a * a; }
+
+std::string SwapFileName(const std::string& dir, uint32_t rank) {
+  return StrCat(dir, dir.empty() || dir.back() == '/' ? "" : "/", "strata-rank", rank, ".swap");
+}
+
+Status CheckDirectory(const std::string& dir) {
+  struct stat st;
+  if (stat(dir.c_str(), &st) != 0) {
+    int err = errno;
+    if (err == ENOENT)
+      return NotFound(StrCat("nvme path ", dir, " does not exist: create it (mkdir -p ", dir,
+                             ") or set nvme_path to an existing directory on the NVMe device"));
+    return ErrnoToStatus(err, StrCat("nvme path ", dir));
+  }
+  if (!S_ISDIR(st.st_mode))
+    return InvalidArgument(StrCat("nvme path ", dir, " is not a directory: nvme_path must name "
+                                  "directories in which swap files can be created"));
+  return Status::Ok();
+}
+
+}  // namespace
+
+struct SwapStore::Op {
+  IoOp op;
+  uint64_t key = 0;
+  uint64_t length = 0;   // block bytes
+  uint64_t body = 0;     // bytes moved straight from/to the user's buffer
+  char* user = nullptr;
+  AlignedBuf bounce;     // whole block, when the user's buffer is not aligned
+  AlignedBuf tail;       // the last partial 4 KiB, when it is
+  uint32_t crc = 0;      // write: computed before; read: expected
+  bool verify = false;
+  std::string files;     // for messages
+  IoDone done;
+  std::atomic<int> left{0};
+  std::mutex mu;
+  Status first_error;    // GUARDED_BY(mu)
+};
+
+StatusOr<std::unique_ptr<SwapStore>> SwapStore::Open(const SwapStoreOptions& options) {
+  STRATA_CHECK(!options.paths.empty(),
+               "no nvme path given: set offload_param.nvme_path / offload_optimizer.nvme_path to "
+               "one or more directories on NVMe devices");
+  STRATA_CHECK(options.paths.size() <= 64, "nvme_path has ", options.paths.size(),
+               " directories: at most 64 can be striped");
+  STRATA_RETURN_IF_ERROR(ValidateAioConfig(options.aio));
+  STRATA_CHECK(options.capacity > 0 || options.mode == SwapOpenMode::kOpenExisting,
+               "nvme swap capacity is 0: set strata.nvme_capacity to the bytes per rank the swap "
+               "files may take, e.g. \"64GiB\"");
+  std::set<std::string> seen;
+  for (const auto& p : options.paths) {
+    STRATA_CHECK(seen.insert(p).second, "nvme path ", p,
+                 " is listed twice: each striped directory must be distinct");
+    STRATA_RETURN_IF_ERROR(CheckDirectory(p));
+  }
+
+  std::unique_ptr<SwapStore> s(new SwapStore);
+  s->rank_ = options.rank;
+  s->stripe_unit_ = static_cast<uint64_t>(options.aio.block_size);
+  s->checksums_ = options.checksums;
+  const uint64_t n = options.paths.size();
+  const std::string& first = options.paths[0];
+  s->index_path_ = StrCat(first, first.back() == '/' ? "" : "/", "strata-rank", options.rank, ".index");
+
+  std::optional<SwapIndex> index;
+  if (options.mode != SwapOpenMode::kCreate) {
+    auto bytes = ReadWholeFile(s->index_path_);
+    if (bytes.ok()) {
+      STRATA_ASSIGN_OR_RETURN(SwapIndex parsed, ParseSwapIndex(*bytes, s->index_path_));
+      index = std::move(parsed);
+    } else if (bytes.status().code() != StatusCode::kNotFound || options.mode == SwapOpenMode::kOpenExisting) {
+      return bytes.status().WithContext(
+          options.mode == SwapOpenMode::kOpenExisting
+              ? "reopening the swap store needs its index (was the store closed or SaveIndex()ed?)"
+              : "reading the swap index");
+    }
+  } else if (unlink(s->index_path_.c_str()) != 0 && errno != ENOENT) {
+    return ErrnoToStatus(errno, StrCat("removing the old swap index ", s->index_path_));
+  }
+
+  if (index) {
+    std::vector<std::string> expected;
+    for (const auto& p : options.paths) expected.push_back(SwapFileName(p, options.rank));
+    if (index->files != expected || index->rank != options.rank)
+      return FailedPrecondition(StrCat("swap index ", s->index_path_, " describes rank ", index->rank,
+                                       " with files [", index->files.front(), ", ...] (",
+                                       index->files.size(), "), not the nvme paths given now; reopen "
+                                       "with the same nvme_path list and rank"));
+    if (index->stripe_unit != s->stripe_unit_)
+      return FailedPrecondition(StrCat("swap index ", s->index_path_, " was written with aio.block_size=",
+                                       index->stripe_unit, " (the stripe unit) but aio.block_size=",
+                                       s->stripe_unit_, " now; reopen with the same block size"));
+    s->capacity_ = index->capacity;
+    s->checksums_ = index->checksums;
+  } else {
+    s->capacity_ = RoundUp(options.capacity, s->stripe_unit_ * n);
+  }
+  STRATA_RETURN_IF_ERROR(s->OpenFiles(options, !index.has_value(), s->capacity_ / n));
+
+  IoEngineOptions eo;
+  eo.aio = options.aio;
+  eo.fault_hook = options.fault_hook;
+  eo.force_fallback = options.force_fallback || !s->direct_;
+  if (!s->direct_) {
+    eo.fallback_reason = "a swap directory does not support O_DIRECT (tmpfs?); buffered I/O with O_DSYNC";
+  } else if (options.force_fallback) {
+    eo.fallback_reason = "forced by option";
+  }
+  STRATA_ASSIGN_OR_RETURN(s->engine_, IoEngine::Create(eo));
+  std::vector<IoFile> io_files;
+  for (const auto& f : s->files_) io_files.push_back({f.fd, f.path});
+  STRATA_RETURN_IF_ERROR(s->engine_->SetFiles(std::move(io_files)));
+
+  s->free_[0] = s->capacity_;
+  if (index) STRATA_RETURN_IF_ERROR(s->LoadIndex(*index));
+  s->opened_ = true;
+  STRATA_LOG(INFO) << "nvme swap store rank=" << s->rank_ << " paths=" << n
+                   << " capacity=" << s->capacity_ << " stripe_unit=" << s->stripe_unit_
+                   << " engine=" << s->engine_->name() << " direct_io=" << s->direct_
+                   << " blocks=" << s->blocks_.size();
+  return s;
+}
+
+Status SwapStore::OpenFiles(const SwapStoreOptions& options, bool create, uint64_t per_file) {
+  bool all_direct = true;
+  for (const auto& dir : options.paths) {
+    File f;
+    f.path = SwapFileName(dir, options.rank);
+    int flags = O_RDWR | O_CLOEXEC | (create ? O_CREAT : 0);
+    f.fd = open(f.path.c_str(), flags | O_DIRECT, 0600);
+    if (f.fd < 0 && errno == EINVAL) {
+      // The file system refuses O_DIRECT (tmpfs): Note [swap durability].
+      all_direct = false;
+      f.fd = open(f.path.c_str(), flags | O_DSYNC, 0600);
+    }
+    if (f.fd < 0) {
+      int err = errno;
+      if (err == ENOENT && !create)
+        return NotFound(StrCat("swap file ", f.path, " named by index ", index_path_,
+                               " is missing; the swap store cannot be reopened (delete the index "
+                               "to start empty)"));
+      return ErrnoToStatus(err, StrCat(create ? "creating" : "opening", " swap file ", f.path));
+    }
+    files_.push_back(f);  // closed by the destructor from here on
+    if (flock(f.fd, LOCK_EX | LOCK_NB) != 0) {
+      int err = errno;
+      if (err == EWOULDBLOCK)
+        return FailedPrecondition(StrCat("swap file ", f.path, " is in use by another process "
+                                         "(locked); give each rank and job its own rank or path"));
+      return ErrnoToStatus(err, StrCat("locking swap file ", f.path));
+    }
+    if (create) {
+      if (ftruncate(f.fd, 0) != 0) return ErrnoToStatus(errno, StrCat("truncating swap file ", f.path));
+      int rc = fallocate(f.fd, 0, 0, static_cast<off_t>(per_file));
+      if (rc != 0 && (errno == EOPNOTSUPP || errno == ENOSYS)) {
+        STRATA_LOG_ONCE(WARN) << "nvme fallocate unsupported on " << f.path
+                              << "; the swap file is sparse and may hit ENOSPC on write";
+        rc = ftruncate(f.fd, static_cast<off_t>(per_file));
+      }
+      if (rc != 0)
+        return ErrnoToStatus(errno, StrCat("preallocating ", FormatBytes(per_file), " for swap file ",
+                                           f.path, " (lower strata.nvme_capacity or free space)"));
+    } else {
+      struct stat st;
+      if (fstat(f.fd, &st) != 0) return ErrnoToStatus(errno, StrCat("stat swap file ", f.path));
+      if (static_cast<uint64_t>(st.st_size) < per_file)
+        return DataLoss(StrCat("swap file ", f.path, " is ", st.st_size, " bytes but index ", index_path_,
+                               " needs ", per_file, ": the file was truncated and blocks in it are "
+                               "lost; delete the index to start empty"));
+    }
+  }
+  direct_ = all_direct;
+  return Status::Ok();
+}
+
+Status SwapStore::LoadIndex(const SwapIndex& index) {
+  for (const auto& b : index.blocks) {
+    const uint64_t len = RoundUp(b.length, kSwapAlignment);
+    auto it = free_.upper_bound(b.offset);
+    STRATA_DCHECK(it != free_.begin(), "free map has no extent before ", b.offset);
+    --it;
+    const uint64_t fo = it->first, fl = it->second;
+    if (b.offset + len > fo + fl)
+      return DataLoss(StrCat("swap index ", index_path_, ": block ", b.key, " overlaps another block"));
+    free_.erase(it);
+    if (b.offset > fo) free_[fo] = b.offset - fo;
+    if (fo + fl > b.offset + len) free_[b.offset + len] = fo + fl - (b.offset + len);
+    blocks_[b.key] = Block{b.offset, b.length, b.crc, b.written};
+    bytes_allocated_ += len;
+  }
+  return Status::Ok();
+}
+
+SwapStore::~SwapStore() {
+  Status s = Close();
+  if (!s.ok()) STRATA_LOG(ERROR) << "closing nvme swap store: " << s;
+}
+
+Status SwapStore::Close() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (closed_) return Status::Ok();
+  }
+  Status result;
+  if (engine_) {
+    engine_->Drain();
+    std::lock_guard<std::mutex> lock(mu_);
+    // A store whose Open failed half-way must not overwrite the index it could not load.
+    if (opened_) result = SaveIndexLocked();
+    closed_ = true;
+  }
+  engine_.reset();
+  for (auto& f : files_) {
+    if (f.fd >= 0 && close(f.fd) != 0 && result.ok())
+      result = ErrnoToStatus(errno, StrCat("closing swap file ", f.path));
+    f.fd = -1;
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  closed_ = true;
+  return result;
+}
+
+Status SwapStore::Allocate(uint64_t key, uint64_t bytes) {
+  STRATA_CHECK(bytes > 0, "swap block ", key, ": cannot allocate 0 bytes");
+  std::lock_guard<std::mutex> lock(mu_);
+  if (closed_) return FailedPrecondition("swap store is closed");
+  if (blocks_.count(key)) return Status(StatusCode::kAlreadyExists, StrCat("swap block ", key, " already exists"));
+  const uint64_t len = RoundUp(bytes, kSwapAlignment);
+  for (auto it = free_.begin(); it != free_.end(); ++it) {
+    if (it->second < len) continue;
+    const uint64_t off = it->first, rest = it->second - len;
+    free_.erase(it);
+    if (rest > 0) free_[off + len] = rest;
+    blocks_[key] = Block{off, bytes, 0, false};
+    bytes_allocated_ += len;
+    return Status::Ok();
+  }
+  return ResourceExhausted(StrCat("swap store has no free extent of ", FormatBytes(len), " for block ",
+                                  key, " (", FormatBytes(capacity_ - bytes_allocated_), " of ",
+                                  FormatBytes(capacity_), " free); raise strata.nvme_capacity"));
+}
+
+Status SwapStore::Free(uint64_t key) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (closed_) return FailedPrecondition("swap store is closed");
+  auto it = blocks_.find(key);
+  if (it == blocks_.end()) return NotFound(StrCat("swap block ", key, " does not exist"));
+  uint64_t off = it->second.offset, len = RoundUp(it->second.length, kSwapAlignment);
+  blocks_.erase(it);
+  bytes_allocated_ -= len;
+  auto next = free_.lower_bound(off);
+  if (next != free_.end() && next->first == off + len) {
+    len += next->second;
+    free_.erase(next);
+  }
+  auto prev = free_.lower_bound(off);
+  if (prev != free_.begin()) {
+    --prev;
+    if (prev->first + prev->second == off) {
+      prev->second += len;
+      return Status::Ok();
+    }
+  }
+  free_[off] = len;
+  return Status::Ok();
+}
+
+std::vector<SwapStore::Segment> SwapStore::MapExtent(uint64_t logical, uint64_t length) const {
+  std::vector<Segment> segs;
+  const uint64_t n = files_.size(), su = stripe_unit_;
+  uint64_t pos = 0;
+  while (pos < length) {
+    const uint64_t l = logical + pos;
+    const uint64_t stripe = l / su;
+    const uint64_t within = l % su;
+    const int file = static_cast<int>(stripe % n);
+    const uint64_t foff = (stripe / n) * su + within;
+    const uint64_t len = std::min(su - within, length - pos);
+    if (!segs.empty() && segs.back().file == file &&
+        segs.back().file_offset + segs.back().length == foff) {
+      segs.back().length += len;  // one path: the whole block is one contiguous request
+    } else {
+      segs.push_back(Segment{file, foff, pos, len});
+    }
+    pos += len;
+  }
+  return segs;
+}
+
+std::string SwapStore::FilesOf(const std::vector<Segment>& segs) const {
+  std::set<int> used;
+  for (const auto& s : segs) used.insert(s.file);
+  std::string out;
+  for (int f : used) out += (out.empty() ? "" : ", ") + files_[f].path;
+  if (!segs.empty()) out += StrCat(" (first extent at file offset ", segs.front().file_offset, ")");
+  return out;
+}
+
+void SwapStore::WriteAsync(uint64_t key, const void* src, IoDone done) {
+  Block block;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (closed_) return done(FailedPrecondition(StrCat("write of swap block ", key, ": store is closed")));
+    auto it = blocks_.find(key);
+    if (it == blocks_.end()) return done(NotFound(StrCat("write of swap block ", key, ": no such block")));
+    it->second.written = false;  // until this write completes
+    block = it->second;
+  }
+  auto op = std::make_shared<Op>();
+  op->op = IoOp::kWrite;
+  op->key = key;
+  op->length = block.length;
+  op->done = std::move(done);
+  op->user = static_cast<char*>(const_cast<void*>(src));
+  if (checksums_ == ChecksumKind::kCrc32c) op->crc = Crc32c(src, block.length);
+  const uint64_t rounded = RoundUp(block.length, kSwapAlignment);
+  if (reinterpret_cast<uintptr_t>(src) % kSwapAlignment != 0) {
+    op->bounce = AllocAligned(rounded);
+    if (!op->bounce) return op->done(ResourceExhausted(StrCat("bounce buffer of ", rounded, " bytes")));
+    std::memcpy(op->bounce.get(), src, block.length);
+    std::memset(op->bounce.get() + block.length, 0, rounded - block.length);
+    op->body = 0;
+  } else {
+    op->body = block.length / kSwapAlignment * kSwapAlignment;
+    if (op->body < block.length) {
+      op->tail = AllocAligned(kSwapAlignment);
+      if (!op->tail) return op->done(ResourceExhausted("tail bounce buffer of 4096 bytes"));
+      std::memset(op->tail.get(), 0, kSwapAlignment);
+      std::memcpy(op->tail.get(), op->user + op->body, block.length - op->body);
+    }
+  }
+  Issue(IoOp::kWrite, key, block, op->user, std::move(op));
+}
+
+void SwapStore::ReadAsync(uint64_t key, void* dst, IoDone done) {
+  Block block;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (closed_) return done(FailedPrecondition(StrCat("read of swap block ", key, ": store is closed")));
+    auto it = blocks_.find(key);
+    if (it == blocks_.end()) return done(NotFound(StrCat("read of swap block ", key, ": no such block")));
+    if (!it->second.written)
+      return done(FailedPrecondition(StrCat("read of swap block ", key, ": the block was allocated "
+                                            "but never completely written")));
+    block = it->second;
+  }
+  auto op = std::make_shared<Op>();
+  op->op = IoOp::kRead;
+  op->key = key;
+  op->length = block.length;
+  op->done = std::move(done);
+  op->user = static_cast<char*>(dst);
+  op->crc = block.crc;
+  op->verify = checksums_ == ChecksumKind::kCrc32c;
+  const uint64_t rounded = RoundUp(block.length, kSwapAlignment);
+  if (reinterpret_cast<uintptr_t>(dst) % kSwapAlignment != 0) {
+    op->bounce = AllocAligned(rounded);
+    if (!op->bounce) return op->done(ResourceExhausted(StrCat("bounce buffer of ", rounded, " bytes")));
+    op->body = 0;
+  } else {
+    op->body = block.length / kSwapAlignment * kSwapAlignment;
+    if (op->body < block.length) {
+      op->tail = AllocAligned(kSwapAlignment);
+      if (!op->tail) return op->done(ResourceExhausted("tail bounce buffer of 4096 bytes"));
+    }
+  }
+  Issue(IoOp::kRead, key, block, op->user, std::move(op));
+}
+
+void SwapStore::Issue(IoOp kind, uint64_t key, const Block& block, char* user, std::shared_ptr<Op> op) {
+  const uint64_t rounded = RoundUp(block.length, kSwapAlignment);
+  std::vector<Segment> segs = MapExtent(block.offset, rounded);
+  op->files = FilesOf(segs);
+  // Split segments where the source switches from the user's buffer to the tail bounce.
+  struct Piece {
+    int file;
+    uint64_t foff;
+    char* buf;
+    uint64_t len;
+  };
+  std::vector<Piece> pieces;
+  for (const auto& s : segs) {
+    uint64_t pos = s.logical, end = s.logical + s.length;
+    while (pos < end) {
+      char* buf;
+      uint64_t len;
+      if (op->bounce) {
+        buf = op->bounce.get() + pos;
+        len = end - pos;
+      } else if (pos < op->body) {
+        buf = user + pos;
+        len = std::min(end, op->body) - pos;
+      } else {
+        buf = op->tail.get() + (pos - op->body);
+        len = end - pos;
+      }
+      pieces.push_back(Piece{s.file, s.file_offset + (pos - s.logical), buf, len});
+      pos += len;
+    }
+  }
+  op->left.store(static_cast<int>(pieces.size()));
+  (void)key;
+  for (const auto& p : pieces) {
+    IoRequest r;
+    r.op = kind;
+    r.file = p.file;
+    r.buf = p.buf;
+    r.length = p.len;
+    r.offset = p.foff;
+    r.done = [this, op](Status s) {
+      if (!s.ok()) {
+        std::lock_guard<std::mutex> lock(op->mu);
+        if (op->first_error.ok()) op->first_error = std::move(s);
+      }
+      if (op->left.fetch_sub(1, std::memory_order_acq_rel) != 1) return;
+      if (op->op == IoOp::kRead) {
+        FinishRead(op);
+      } else {
+        FinishWrite(op);
+      }
+    };
+    engine_->Submit(std::move(r));
+  }
+}
+
+void SwapStore::FinishWrite(const std::shared_ptr<Op>& op) {
+  Status s;
+  {
+    std::lock_guard<std::mutex> lock(op->mu);
+    s = std::move(op->first_error);
+  }
+  if (s.ok()) {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = blocks_.find(op->key);
+    if (it != blocks_.end()) {
+      it->second.crc = op->crc;
+      it->second.written = true;
+    }
+  } else {
+    s = s.WithContext(StrCat("writing swap block ", op->key, " (", op->length, " bytes) to ", op->files));
+  }
+  IoDone done = std::move(op->done);
+  op->bounce.reset();
+  op->tail.reset();
+  done(std::move(s));
+}
+
+void SwapStore::FinishRead(const std::shared_ptr<Op>& op) {
+  Status s;
+  {
+    std::lock_guard<std::mutex> lock(op->mu);
+    s = std::move(op->first_error);
+  }
+  if (s.ok()) {
+    if (op->bounce) {
+      std::memcpy(op->user, op->bounce.get(), op->length);
+    } else if (op->tail) {
+      std::memcpy(op->user + op->body, op->tail.get(), op->length - op->body);
+    }
+    if (op->verify) {
+      const uint32_t got = Crc32c(op->user, op->length);
+      if (got != op->crc) {
+        checksum_failures_.fetch_add(1, std::memory_order_relaxed);
+        s = DataLoss(StrCat("swap block ", op->key, " (", op->length, " bytes) in ", op->files,
+                            " failed its crc32c check (stored 0x", std::hex, op->crc, ", read 0x", got,
+                            std::dec, "): the swap file is corrupted on disk and the block's contents "
+                            "are lost; restore from the last checkpoint and check the device"));
+      }
+    }
+  } else {
+    s = s.WithContext(StrCat("reading swap block ", op->key, " (", op->length, " bytes) from ", op->files));
+  }
+  IoDone done = std::move(op->done);
+  op->bounce.reset();
+  op->tail.reset();
+  done(std::move(s));
+}
+
+Status SwapStore::Write(uint64_t key, const void* src) {
+  std::promise<Status> p;
+  auto f = p.get_future();
+  WriteAsync(key, src, [&p](Status s) { p.set_value(std::move(s)); });
+  return f.get();
+}
+
+Status SwapStore::Read(uint64_t key, void* dst) {
+  std::promise<Status> p;
+  auto f = p.get_future();
+  ReadAsync(key, dst, [&p](Status s) { p.set_value(std::move(s)); });
+  return f.get();
+}
+
+Status SwapStore::SaveIndex() {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (closed_) return FailedPrecondition("swap store is closed");
+  return SaveIndexLocked();
+}
+
+Status SwapStore::SaveIndexLocked() {
+  for (const auto& f : files_) {
+    if (fdatasync(f.fd) != 0) return ErrnoToStatus(errno, StrCat("fdatasync swap file ", f.path));
+  }
+  SwapIndex idx;
+  idx.rank = rank_;
+  idx.checksums = checksums_;
+  idx.stripe_unit = stripe_unit_;
+  idx.capacity = capacity_;
+  for (const auto& f : files_) idx.files.push_back(f.path);
+  for (const auto& [key, b] : blocks_) idx.blocks.push_back({key, b.offset, b.length, b.crc, b.written});
+  std::sort(idx.blocks.begin(), idx.blocks.end(), [](auto& a, auto& b) { return a.key < b.key; });
+  return WriteFileAtomically(index_path_, SerializeSwapIndex(idx));
+}
+
+Status SwapStore::RegisterBuffers(const std::vector<iovec>& ranges) {
+  if (!engine_) return FailedPrecondition("swap store is closed");
+  return engine_->RegisterBuffers(ranges);
+}
+
+StatusOr<SwapBlockRecord> SwapStore::Lookup(uint64_t key) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = blocks_.find(key);
+  if (it == blocks_.end()) return NotFound(StrCat("swap block ", key, " does not exist"));
+  return SwapBlockRecord{key, it->second.offset, it->second.length, it->second.crc, it->second.written};
+}
+
+StatusOr<std::vector<SwapExtent>> SwapStore::Locate(uint64_t key) const {
+  STRATA_ASSIGN_OR_RETURN(SwapBlockRecord r, Lookup(key));
+  std::vector<SwapExtent> out;
+  for (const auto& s : MapExtent(r.offset, RoundUp(r.length, kSwapAlignment)))
+    out.push_back({files_[s.file].path, s.file_offset, s.length});
+  return out;
+}
+
+std::vector<uint64_t> SwapStore::Keys() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::vector<uint64_t> keys;
+  for (const auto& kv : blocks_) keys.push_back(kv.first);
+  std::sort(keys.begin(), keys.end());
+  return keys;
+}
+
+SwapStoreStats SwapStore::stats() const {
+  SwapStoreStats s;
+  if (engine_) {
+    s.engine = std::string(engine_->name());
+    s.fallback_reason = engine_->fallback_reason();
+    s.io = engine_->stats();
+  }
+  s.direct_io = direct_;
+  s.capacity = capacity_;
+  s.checksum_failures = checksum_failures_.load();
+  std::lock_guard<std::mutex> lock(mu_);
+  s.blocks = blocks_.size();
+  s.bytes_allocated = bytes_allocated_;
+  return s;
+}
+
+}  // namespace strata::nvme

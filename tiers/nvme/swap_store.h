@@ -1,0 +1,162 @@
+// SwapStore: blocks (chunk shards of any state) kept in preallocated per-rank swap files.
+//
+// Layout. One file per nvme path, `<path>/strata-rank<R>.swap`, preallocated with fallocate at
+// open. With several paths the files form one logical space striped RAID-0 style in units of
+// aio.block_size: logical stripe s lives in file s % N at offset (s / N) × block_size, so one
+// large block is read from every device at once. Blocks get 4 KiB-aligned logical extents from a
+// first-fit allocator. The index (block key → extent, length, checksum) lives in memory and is
+// persisted to `<paths[0]>/strata-rank<R>.index` by SaveIndex() and Close() (swap_index.h).
+//
+// Data safety (Note [swap durability] in swap_store.cc)
+// - Every write carries a crc32c of the block (unless checksums are off); every read verifies it
+//   and fails with DATA_LOSS naming the block and the file(s) instead of returning bad bytes.
+// - A write completes OK only when every byte reached the file through O_DIRECT (or O_DSYNC on
+//   the fallback); until then, and after a failed write, the block reads as "never written".
+// - SaveIndex() fdatasyncs the swap files, then replaces the index atomically. Blocks written
+//   after the last SaveIndex() are not known to a process that reopens the store.
+// - ENOSPC, EIO, short files, missing directories and permission problems come back as Status
+//   naming the path and what to do. The swap files are locked (flock) against a second process.
+//
+// Thread safety: every method may be called from any thread. I/O on one block must be serialized
+// by the caller (one read or write at a time); I/O on different blocks runs concurrently.
+// Completion callbacks run on engine threads and must not call Close() or destroy the store.
+#pragma once
+
+#include <sys/uio.h>
+
+#include <atomic>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "runtime/config.h"
+#include "runtime/status.h"
+#include "tiers/nvme/io_engine.h"
+#include "tiers/nvme/swap_index.h"
+
+namespace strata::nvme {
+
+enum class SwapOpenMode {
+  kCreate,        // start empty: an existing index for this rank is discarded
+  kOpenExisting,  // the index must exist (NOT_FOUND otherwise) and is validated
+  kOpenOrCreate,  // reopen when an index exists, else start empty
+};
+
+struct SwapStoreOptions {
+  std::vector<std::string> paths;  // directories; several are striped
+  uint32_t rank = 0;
+  uint64_t capacity = 0;           // bytes across all paths; rounded up to block_size × paths
+  AioConfig aio;
+  ChecksumKind checksums = ChecksumKind::kCrc32c;  // ignored on reopen: the index's kind wins
+  SwapOpenMode mode = SwapOpenMode::kCreate;
+  bool force_fallback = false;     // pread/pwrite engine even where io_uring works (tests)
+  IoFaultHook fault_hook;          // test-only, see io_engine.h
+};
+
+// Where a block's bytes are: one entry per file extent, in block order.
+struct SwapExtent {
+  std::string path;
+  uint64_t file_offset = 0;
+  uint64_t length = 0;
+};
+
+struct SwapStoreStats {
+  std::string engine;           // "io_uring" or "fallback"
+  std::string fallback_reason;  // empty with io_uring
+  bool direct_io = false;       // files opened with O_DIRECT
+  IoEngineStats io;
+  uint64_t blocks = 0;          // GAUGE: allocated blocks
+  uint64_t bytes_allocated = 0; // GAUGE: bytes of logical space held by blocks (4 KiB-rounded)
+  uint64_t capacity = 0;        // bytes of logical space
+  uint64_t checksum_failures = 0;  // COUNT: reads that failed verification
+};
+
+class SwapStore {
+ public:
+  static StatusOr<std::unique_ptr<SwapStore>> Open(const SwapStoreOptions& options);
+  // Closes (see Close) and logs a failure, which it cannot return.
+  ~SwapStore();
+
+  // Drains I/O, saves the index, closes and unlocks the files. Idempotent; after it every other
+  // call fails with FAILED_PRECONDITION.
+  Status Close();
+
+  // Reserves space for a block of `bytes` under the caller's `key`. ALREADY_EXISTS for a used
+  // key, RESOURCE_EXHAUSTED when no free extent is large enough.
+  Status Allocate(uint64_t key, uint64_t bytes);
+  Status Free(uint64_t key);
+
+  // Transfer the whole block (its allocated length). Buffers need not be aligned (unaligned ones
+  // go through a bounce buffer; 4 KiB-aligned ones are used directly) and must stay valid until
+  // `done` runs.
+  void WriteAsync(uint64_t key, const void* src, IoDone done);
+  void ReadAsync(uint64_t key, void* dst, IoDone done);
+  Status Write(uint64_t key, const void* src);
+  Status Read(uint64_t key, void* dst);
+
+  // Makes every completed write durable and persists the index atomically.
+  Status SaveIndex();
+
+  // Registers caller-owned buffers (the pinned pool) for fixed-buffer I/O; call with no I/O in
+  // flight. A failure leaves I/O working without them.
+  Status RegisterBuffers(const std::vector<iovec>& ranges);
+
+  StatusOr<SwapBlockRecord> Lookup(uint64_t key) const;
+  StatusOr<std::vector<SwapExtent>> Locate(uint64_t key) const;
+  std::vector<uint64_t> Keys() const;
+  SwapStoreStats stats() const;
+  uint64_t capacity() const { return capacity_; }
+  const std::string& index_path() const { return index_path_; }
+
+ private:
+  struct File {
+    int fd = -1;
+    std::string path;
+  };
+  struct Block {
+    uint64_t offset = 0;
+    uint64_t length = 0;
+    uint32_t crc = 0;
+    bool written = false;
+  };
+  struct Segment {
+    int file;
+    uint64_t file_offset;
+    uint64_t logical;  // offset within the block
+    uint64_t length;
+  };
+  struct Op;
+
+  SwapStore() = default;
+  Status OpenFiles(const SwapStoreOptions& options, bool create, uint64_t per_file);
+  Status LoadIndex(const SwapIndex& index);
+  std::vector<Segment> MapExtent(uint64_t logical, uint64_t length) const;
+  std::string FilesOf(const std::vector<Segment>& segs) const;
+  void Issue(IoOp op, uint64_t key, const Block& block, char* buf, std::shared_ptr<Op> state);
+  void FinishRead(const std::shared_ptr<Op>& op);
+  void FinishWrite(const std::shared_ptr<Op>& op);
+  Status SaveIndexLocked();
+
+  std::vector<File> files_;
+  std::string index_path_;
+  uint32_t rank_ = 0;
+  uint64_t stripe_unit_ = 0;
+  uint64_t capacity_ = 0;
+  ChecksumKind checksums_ = ChecksumKind::kCrc32c;
+  bool direct_ = false;
+  bool opened_ = false;  // Open() completed; only then may Close() write the index
+  std::unique_ptr<IoEngine> engine_;
+  std::atomic<uint64_t> checksum_failures_{0};
+
+  mutable std::mutex mu_;
+  bool closed_ = false;                           // GUARDED_BY(mu_)
+  std::unordered_map<uint64_t, Block> blocks_;    // GUARDED_BY(mu_)
+  std::map<uint64_t, uint64_t> free_;             // GUARDED_BY(mu_): offset → length, coalesced
+  uint64_t bytes_allocated_ = 0;                  // GUARDED_BY(mu_)
+};
+
+}  // namespace strata::nvme

@@ -1,0 +1,73 @@
+#include "tiers/nvme/thread_pool_engine.h"
+
+#include <unistd.h>
+
+#include <cerrno>
+#include <system_error>
+
+namespace strata::nvme {
+
+ThreadPoolEngine::ThreadPoolEngine(const IoEngineOptions& options) : IoEngine(options) {}
+
+StatusOr<std::unique_ptr<ThreadPoolEngine>> ThreadPoolEngine::Create(const IoEngineOptions& options,
+                                                                     std::string reason) {
+  STRATA_RETURN_IF_ERROR(ValidateAioConfig(options.aio));
+  std::unique_ptr<ThreadPoolEngine> e(new ThreadPoolEngine(options));
+  e->fallback_reason_ = std::move(reason);
+  const int64_t n = 2 * options.aio.intra_op_parallelism;
+  try {
+    for (int64_t i = 0; i < n; ++i) e->threads_.emplace_back([p = e.get()] { p->Worker(); });
+  } catch (const std::system_error& err) {
+    return ResourceExhausted(StrCat("starting ", n, " I/O worker threads: ", err.what()));
+  }
+  return e;
+}
+
+ThreadPoolEngine::~ThreadPoolEngine() {
+  Drain();
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stopping_ = true;
+  }
+  cv_.notify_all();
+  for (auto& t : threads_) t.join();
+}
+
+Status ThreadPoolEngine::SetFiles(std::vector<IoFile> files) {
+  files_ = std::move(files);
+  return Status::Ok();
+}
+
+void ThreadPoolEngine::Enqueue(std::vector<Piece*>& pieces) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    queue_.insert(queue_.end(), pieces.begin(), pieces.end());
+  }
+  if (pieces.size() == 1) {
+    cv_.notify_one();
+  } else {
+    cv_.notify_all();
+  }
+}
+
+void ThreadPoolEngine::Worker() {
+  while (true) {
+    Piece* p;
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      cv_.wait(lock, [this] { return stopping_ || !queue_.empty(); });
+      if (queue_.empty()) return;  // stopping and drained
+      p = queue_.front();
+      queue_.pop_front();
+    }
+    const int fd = files_[p->file].fd;
+    bool finished = false;
+    while (!finished) {
+      ssize_t r = p->op == IoOp::kRead ? pread(fd, p->buf, p->remaining, static_cast<off_t>(p->offset))
+                                       : pwrite(fd, p->buf, p->remaining, static_cast<off_t>(p->offset));
+      finished = OnResult(p, r < 0 ? -static_cast<int64_t>(errno) : static_cast<int64_t>(r));
+    }
+  }
+}
+
+}  // namespace strata::nvme

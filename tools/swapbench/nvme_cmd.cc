@@ -1,6 +1,391 @@
-// Placeholder until the nvme subcommand lands.
+// `strata-swapbench nvme`: sequential read or write throughput of one file through Strata's NVMe
+// engine (tiers/nvme/io_engine.h), optionally compared in the same run with fio (io_uring engine,
+// O_DIRECT, same file, size, block size and queue depth).
+//
+// The measurement is a closed loop like fio's: queue_depth × threads buffers of block_size bytes,
+// each resubmitted from its completion callback for the next block of the file until the file
+// has been covered once. The timed phase runs from the first submission to the last completion.
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <iostream>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "runtime/check.h"
+#include "runtime/logging.h"
+#include "runtime/status.h"
+#include "runtime/units.h"
+#include "tiers/nvme/io_engine.h"
 #include "tools/swapbench/commands.h"
 
 namespace strata::swapbench {
-void RegisterNvmeCommand(CLI::App&, int*) {}
+namespace {
+
+using nvme::IoEngine;
+using nvme::IoOp;
+
+struct NvmeArgs {
+  std::string path;
+  std::string size = "2GiB";
+  std::string block_size = "1MiB";
+  std::string queue_depth = "32";
+  std::string threads = "1";
+  std::string rw;
+  std::string repeat = "1";
+  bool json = false;
+  bool fio = false;
+  bool fallback = false;
+  bool cleanup = false;
+};
+
+struct Settings {
+  std::string dir;
+  std::string file;
+  uint64_t size = 0;
+  uint64_t block_size = 0;
+  int64_t queue_depth = 0;
+  int64_t threads = 0;
+  int64_t repeat = 1;
+  IoOp op = IoOp::kRead;
+};
+
+StatusOr<int64_t> ParseCount(const std::string& flag, const std::string& text, int64_t lo, int64_t hi) {
+  char* end = nullptr;
+  errno = 0;
+  long long v = std::strtoll(text.c_str(), &end, 10);
+  if (text.empty() || errno != 0 || *end != '\0' || v < lo || v > hi)
+    return InvalidArgument(StrCat(flag, "=", text, ": must be an integer in ", lo, "..", hi));
+  return static_cast<int64_t>(v);
+}
+
+StatusOr<Settings> Validate(const NvmeArgs& a) {
+  Settings s;
+  if (a.path.empty()) return InvalidArgument("--path is required: a directory on the device to measure");
+  struct stat st;
+  if (stat(a.path.c_str(), &st) != 0 || !S_ISDIR(st.st_mode))
+    return InvalidArgument(StrCat("--path=", a.path, ": not an existing directory; create it first"));
+  s.dir = a.path;
+  s.file = StrCat(a.path, a.path.back() == '/' ? "" : "/", "strata-swapbench.dat");
+  auto size = ParseBytes(a.size);
+  if (!size.ok()) return InvalidArgument(StrCat("--size=", a.size, ": ", size.status().message()));
+  auto bs = ParseBytes(a.block_size);
+  if (!bs.ok()) return InvalidArgument(StrCat("--block-size=", a.block_size, ": ", bs.status().message()));
+  s.size = *size;
+  s.block_size = *bs;
+  if (s.block_size < 4096 || s.block_size % 4096 != 0 || s.block_size > (1ull << 30))
+    return InvalidArgument(StrCat("--block-size=", a.block_size, ": must be a multiple of 4KiB "
+                                  "between 4KiB and 1GiB (O_DIRECT transfers are 4 KiB-aligned)"));
+  if (s.size < s.block_size || s.size % s.block_size != 0)
+    return InvalidArgument(StrCat("--size=", a.size, ": must be a positive multiple of --block-size=",
+                                  a.block_size, " (e.g. 2GiB)"));
+  STRATA_ASSIGN_OR_RETURN(s.queue_depth, ParseCount("--queue-depth", a.queue_depth, 1, 4096));
+  STRATA_ASSIGN_OR_RETURN(s.threads, ParseCount("--threads", a.threads, 1, 64));
+  STRATA_ASSIGN_OR_RETURN(s.repeat, ParseCount("--repeat", a.repeat, 1, 100));
+  if (a.rw == "read") {
+    s.op = IoOp::kRead;
+  } else if (a.rw == "write") {
+    s.op = IoOp::kWrite;
+  } else {
+    return InvalidArgument(StrCat("--rw=", a.rw, ": must be read or write"));
+  }
+  const uint64_t buffers = s.block_size * static_cast<uint64_t>(s.queue_depth * s.threads);
+  if (buffers > (16ull << 30))
+    return InvalidArgument(StrCat("--block-size x --queue-depth x --threads = ", FormatBytes(buffers),
+                                  " of buffers: keep it under 16 GiB"));
+  return s;
+}
+
+struct Buffers {
+  std::vector<char*> bufs;
+  ~Buffers() {
+    for (char* b : bufs) std::free(b);
+  }
+};
+
+struct RunResult {
+  double seconds = 0;
+  double gbps = 0;
+};
+
+// Runs the closed loop once over the whole file.
+StatusOr<RunResult> RunOnce(IoEngine& engine, const Settings& s, IoOp op, const Buffers& buffers) {
+  const uint64_t total = s.size / s.block_size;
+  std::atomic<uint64_t> next{0};
+  std::mutex mu;
+  std::condition_variable cv;
+  size_t active = 0;
+  Status first_error;
+
+  // One closure per slot: it owns a buffer and keeps it busy until the file is covered.
+  std::vector<std::function<void(Status)>> loops(buffers.bufs.size());
+  auto issue = [&](size_t slot, uint64_t block) {
+    nvme::IoRequest r;
+    r.op = op;
+    r.file = 0;
+    r.buf = buffers.bufs[slot];
+    r.length = s.block_size;
+    r.offset = block * s.block_size;
+    r.done = loops[slot];
+    engine.Submit(std::move(r));
+  };
+  for (size_t slot = 0; slot < loops.size(); ++slot) {
+    loops[slot] = [&, slot](Status st) {
+      if (!st.ok()) {
+        std::lock_guard<std::mutex> lock(mu);
+        if (first_error.ok()) first_error = st;
+      }
+      uint64_t b = next.fetch_add(1);
+      bool failed;
+      {
+        std::lock_guard<std::mutex> lock(mu);
+        failed = !first_error.ok();
+      }
+      if (b < total && !failed) {
+        issue(slot, b);
+        return;
+      }
+      std::lock_guard<std::mutex> lock(mu);
+      if (--active == 0) cv.notify_all();
+    };
+  }
+  const auto t0 = std::chrono::steady_clock::now();
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    active = std::min<uint64_t>(loops.size(), total);
+  }
+  const size_t starters = std::min<uint64_t>(loops.size(), total);
+  for (size_t slot = 0; slot < starters; ++slot) issue(slot, next.fetch_add(1));
+  {
+    std::unique_lock<std::mutex> lock(mu);
+    cv.wait(lock, [&] { return active == 0; });
+  }
+  const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  engine.Drain();
+  if (!first_error.ok()) return first_error;
+  return RunResult{secs, static_cast<double>(s.size) / secs / 1e9};
+}
+
+// fio with the io_uring engine on the same file; returns decimal GB/s.
+StatusOr<double> RunFio(const Settings& s) {
+  const char* rw = s.op == IoOp::kRead ? "read" : "write";
+  std::string cmd = StrCat("fio --name=strata-swapbench --filename=", s.file, " --rw=", rw,
+                           " --bs=", s.block_size, " --iodepth=", s.queue_depth,
+                           " --ioengine=io_uring --direct=1 --numjobs=", s.threads,
+                           " --group_reporting --output-format=json");
+  if (s.threads > 1) {
+    cmd += StrCat(" --size=", s.size / s.threads, " --offset_increment=", s.size / s.threads);
+  } else {
+    cmd += StrCat(" --size=", s.size);
+  }
+  cmd += " 2>&1";
+  FILE* p = popen(cmd.c_str(), "r");
+  if (!p) return ErrnoToStatus(errno, "starting fio");
+  std::string out;
+  char buf[4096];
+  size_t n;
+  while ((n = fread(buf, 1, sizeof buf, p)) > 0) out.append(buf, n);
+  int rc = pclose(p);
+  if (rc != 0)
+    return Unavailable(StrCat("fio failed (exit ", rc, "; is fio installed? apt-get install fio): ",
+                              out.substr(0, 500)));
+  auto brace = out.find('{');
+  if (brace == std::string::npos) return Internal(StrCat("fio printed no JSON: ", out.substr(0, 500)));
+  auto j = nlohmann::json::parse(out.substr(brace), nullptr, false);
+  if (j.is_discarded() || !j.contains("jobs") || j["jobs"].empty())
+    return Internal(StrCat("could not parse fio's JSON: ", out.substr(0, 500)));
+  const auto& job = j["jobs"][0][rw];
+  if (!job.contains("bw_bytes")) return Internal("fio's JSON has no bw_bytes");
+  return job["bw_bytes"].get<double>() / 1e9;
+}
+
+double Median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  const size_t n = v.size();
+  return n % 2 ? v[n / 2] : (v[n / 2 - 1] + v[n / 2]) / 2;
+}
+
+// Returns the process exit code: 0 success, 1 run-time failure, 2 bad arguments.
+int RunNvme(const NvmeArgs& args) {
+  auto settings = Validate(args);
+  if (!settings.ok()) {
+    std::cerr << "strata-swapbench nvme: " << settings.status().message()
+              << "\nRun `strata-swapbench nvme --help` for the options.\n";
+    return 2;
+  }
+  const Settings& s = *settings;
+
+  bool direct = true;
+  int fd = open(s.file.c_str(), O_RDWR | O_CREAT | O_CLOEXEC | O_DIRECT, 0644);
+  if (fd < 0 && errno == EINVAL) {
+    direct = false;
+    fd = open(s.file.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+  }
+  if (fd < 0) {
+    std::cerr << "strata-swapbench nvme: " << ErrnoToStatus(errno, StrCat("opening ", s.file)) << "\n";
+    return 1;
+  }
+  struct stat st;
+  fstat(fd, &st);
+  const bool needs_fill = static_cast<uint64_t>(st.st_size) < s.size;
+  if (needs_fill && fallocate(fd, 0, 0, static_cast<off_t>(s.size)) != 0 && errno != EOPNOTSUPP) {
+    std::cerr << "strata-swapbench nvme: "
+              << ErrnoToStatus(errno, StrCat("preallocating ", FormatBytes(s.size), " for ", s.file))
+              << "\n";
+    close(fd);
+    return 1;
+  }
+
+  nvme::IoEngineOptions eo;
+  eo.aio.block_size = static_cast<int64_t>(s.block_size);
+  eo.aio.queue_depth = s.queue_depth;
+  eo.aio.intra_op_parallelism = s.threads;
+  eo.force_fallback = args.fallback || !direct;
+  if (!direct) eo.fallback_reason = StrCat(s.dir, " does not support O_DIRECT");
+  auto engine_or = IoEngine::Create(eo);
+  if (!engine_or.ok()) {
+    std::cerr << "strata-swapbench nvme: " << engine_or.status() << "\n";
+    close(fd);
+    return 1;
+  }
+  auto engine = std::move(engine_or).value();
+  STRATA_CHECK_OK(engine->SetFiles({{fd, s.file}}));
+
+  Buffers buffers;
+  std::vector<iovec> iov;
+  for (int64_t i = 0; i < s.queue_depth * s.threads; ++i) {
+    void* p = nullptr;
+    if (posix_memalign(&p, 4096, s.block_size) != 0) {
+      std::cerr << "strata-swapbench nvme: out of memory for " << FormatBytes(s.block_size) << " buffers\n";
+      close(fd);
+      return 1;
+    }
+    // Distinct, non-zero contents so a write really moves data.
+    std::memset(p, static_cast<int>(0x5a ^ i), s.block_size);
+    buffers.bufs.push_back(static_cast<char*>(p));
+    iov.push_back({p, s.block_size});
+  }
+  Status reg = engine->RegisterBuffers(iov);
+  if (!reg.ok()) STRATA_LOG(WARN) << "nvme bench: " << reg;
+
+  if (needs_fill && s.op == IoOp::kRead) {
+    // Preallocated space reads back as zeros without touching the device: write it for real.
+    auto fill = RunOnce(*engine, s, IoOp::kWrite, buffers);
+    if (!fill.ok()) {
+      std::cerr << "strata-swapbench nvme: filling " << s.file << ": " << fill.status() << "\n";
+      close(fd);
+      return 1;
+    }
+  }
+
+  std::vector<double> ours, fio;
+  std::vector<double> secs;
+  for (int64_t r = 0; r < s.repeat; ++r) {
+    auto res = RunOnce(*engine, s, s.op, buffers);
+    if (!res.ok()) {
+      std::cerr << "strata-swapbench nvme: " << res.status() << "\n";
+      close(fd);
+      return 1;
+    }
+    ours.push_back(res->gbps);
+    secs.push_back(res->seconds);
+    if (args.fio) {
+      auto f = RunFio(s);
+      if (!f.ok()) {
+        std::cerr << "strata-swapbench nvme: " << f.status() << "\n";
+        close(fd);
+        return 1;
+      }
+      fio.push_back(*f);
+    }
+    if (!args.json) {
+      std::cout << "run " << r + 1 << "/" << s.repeat << ": strata " << res->gbps << " GB/s";
+      if (args.fio) std::cout << ", fio " << fio.back() << " GB/s, ratio " << res->gbps / fio.back();
+      std::cout << "\n";
+    }
+  }
+  const auto io = engine->stats();
+  const std::string engine_name(engine->name());
+  const std::string reason = engine->fallback_reason();
+  engine.reset();
+  close(fd);
+  if (args.cleanup) unlink(s.file.c_str());
+
+  const double gbps = Median(ours);
+  if (args.json) {
+    nlohmann::json j;
+    j["command"] = "nvme";
+    j["file"] = s.file;
+    j["rw"] = s.op == IoOp::kRead ? "read" : "write";
+    j["size"] = s.size;
+    j["block_size"] = s.block_size;
+    j["queue_depth"] = s.queue_depth;
+    j["threads"] = s.threads;
+    j["repeat"] = s.repeat;
+    j["engine"] = engine_name;
+    if (!reason.empty()) j["fallback_reason"] = reason;
+    j["direct_io"] = direct;
+    j["fixed_buffers"] = io.fixed_buffers;
+    j["fixed_files"] = io.fixed_files;
+    j["gbps"] = gbps;
+    j["runs_gbps"] = ours;
+    j["seconds"] = Median(secs);
+    j["retries_short"] = io.retries_short;
+    j["retries_eagain"] = io.retries_eagain;
+    if (args.fio) {
+      j["fio_gbps"] = Median(fio);
+      j["fio_runs_gbps"] = fio;
+      j["ratio_vs_fio"] = gbps / Median(fio);
+    }
+    std::cout << j.dump() << "\n";
+  } else {
+    std::cout << "nvme " << (s.op == IoOp::kRead ? "read" : "write") << " file=" << s.file
+              << " size=" << FormatBytes(s.size) << " bs=" << FormatBytes(s.block_size)
+              << " qd=" << s.queue_depth << " threads=" << s.threads << " engine=" << engine_name
+              << " fixed_buffers=" << io.fixed_buffers << "\n  strata: " << gbps << " GB/s (median of "
+              << s.repeat << ")\n";
+    if (args.fio)
+      std::cout << "  fio:    " << Median(fio) << " GB/s\n  ratio:  " << gbps / Median(fio) << "\n";
+  }
+  return 0;
+}
+
+}  // namespace
+
+void RegisterNvmeCommand(CLI::App& app, int* exit_code) {
+  auto args = std::make_shared<NvmeArgs>();
+  CLI::App* cmd = app.add_subcommand(
+      "nvme",
+      "Sequential read or write throughput of one file through Strata's NVMe engine (io_uring, "
+      "O_DIRECT, registered buffers), in decimal GB/s. The file is <path>/strata-swapbench.dat, "
+      "preallocated to --size (and written once before a read test if it was shorter). Keeps "
+      "queue-depth x threads requests of block-size bytes in flight. With --fio, fio runs with the "
+      "io_uring engine on the same file, size, block size and queue depth after each of our runs, "
+      "and the ratio is printed. Exit status: 0 ok, 1 I/O failure, 2 bad arguments.");
+  cmd->add_option("--path", args->path, "Directory on the device to measure (required)");
+  cmd->add_option("--size", args->size, "File size, e.g. 2GiB (default 2GiB)");
+  cmd->add_option("--block-size", args->block_size, "Bytes per request, multiple of 4KiB, e.g. 1MiB (default 1MiB)");
+  cmd->add_option("--queue-depth", args->queue_depth, "Requests in flight per ring, 1..4096 (default 32)");
+  cmd->add_option("--threads", args->threads, "Rings per direction (aio.intra_op_parallelism), 1..64 (default 1)");
+  cmd->add_option("--rw", args->rw, "read or write (required)");
+  cmd->add_option("--repeat", args->repeat, "Runs (alternating with fio when --fio); medians are reported (default 1)");
+  cmd->add_flag("--json", args->json, "Print one JSON object (gbps, engine, settings, fio figures)");
+  cmd->add_flag("--fio", args->fio, "Also run fio (io_uring, O_DIRECT) on the same file and print the ratio");
+  cmd->add_flag("--fallback", args->fallback, "Use the pread/pwrite fallback engine instead of io_uring");
+  cmd->add_flag("--cleanup", args->cleanup, "Delete the test file afterwards");
+  cmd->callback([args, exit_code] { *exit_code = RunNvme(*args); });
+}
+
 }  // namespace strata::swapbench

@@ -1,0 +1,320 @@
+#include "runtime/config.h"
+
+#include <filesystem>
+#include <fstream>
+
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+
+#include "tests/test_util.h"
+
+namespace strata {
+namespace {
+
+using nlohmann::json;
+
+// Every key Strata reads, each set to a value other than its default.
+const char* kFullConfig = R"({
+  "train_batch_size": 32,
+  "train_micro_batch_size_per_gpu": 4,
+  "gradient_accumulation_steps": 2,
+  "gradient_clipping": 1.0,
+  "steps_per_print": 5,
+  "wall_clock_breakdown": true,
+  "optimizer": {"type": "Adam", "params": {"lr": 3e-4, "betas": [0.8, 0.95], "eps": 1e-6,
+                "weight_decay": 0.01, "bias_correction": false}},
+  "scheduler": {"type": "WarmupDecayLR", "params": {"warmup_min_lr": 1e-5, "warmup_max_lr": 3e-4,
+                "warmup_num_steps": 10, "total_num_steps": 100}},
+  "fp16": {"enabled": true, "loss_scale": 0, "initial_scale_power": 12, "loss_scale_window": 500,
+           "hysteresis": 3, "min_loss_scale": 0.5},
+  "bf16": {"enabled": false},
+  "zero_optimization": {
+    "stage": 3, "contiguous_gradients": false, "overlap_comm": false,
+    "reduce_bucket_size": 2e8, "allgather_bucket_size": 3e8, "sub_group_size": 5e8,
+    "stage3_prefetch_bucket_size": 1e7, "stage3_param_persistence_threshold": 1e4,
+    "stage3_max_live_parameters": 2e8, "stage3_max_reuse_distance": 3e8,
+    "offload_param": {"device": "nvme", "nvme_path": ["/a", "/b"], "buffer_count": 6,
+                      "buffer_size": 2e8, "max_in_cpu": 5e8, "pin_memory": false},
+    "offload_optimizer": {"device": "cpu", "nvme_path": "/c", "buffer_count": 8,
+                          "pin_memory": false, "pipeline_read": true, "pipeline_write": true,
+                          "ratio": 0.5}
+  },
+  "aio": {"block_size": 8388608, "queue_depth": 64, "intra_op_parallelism": 2,
+          "single_submit": true, "overlap_events": false, "use_gds": false},
+  "strata": {"device_memory_budget": "2GiB", "host_memory_budget": "24GiB",
+             "nvme_capacity": "100GiB", "chunk_size": "32MiB", "eviction": "lru",
+             "overlap_optimizer": false, "checksums": "none", "prefetch_lookahead": 8,
+             "optimizer_state_dtype": "bf16", "optimizer_threads": 2, "comm_backend": "gloo",
+             "comm_timeout_s": 30, "device": "cpu"},
+  "model": {"n_layers": 6, "d_model": 256, "n_heads": 8, "seq_len": 64, "vocab_size": 256,
+            "dropout": 0.1, "seed": 7}
+})";
+
+TEST(Config, DefaultsMatchDeepSpeed) {
+  ASSERT_OK_AND_ASSIGN(Config c, Config::FromJsonText("{}"));
+  const auto& z = c.zero_optimization;
+  EXPECT_EQ(z.stage, 0);
+  EXPECT_TRUE(z.contiguous_gradients);
+  EXPECT_EQ(z.reduce_bucket_size, 500000000);
+  EXPECT_EQ(z.allgather_bucket_size, 500000000);
+  EXPECT_EQ(z.sub_group_size, 1000000000);
+  EXPECT_EQ(z.stage3_prefetch_bucket_size, 50000000);
+  EXPECT_EQ(z.stage3_param_persistence_threshold, 100000);
+  EXPECT_EQ(z.stage3_max_live_parameters, 1000000000);
+  EXPECT_EQ(z.stage3_max_reuse_distance, 1000000000);
+  EXPECT_EQ(z.offload_param.device, OffloadDevice::kNone);
+  EXPECT_EQ(z.offload_param.buffer_count, 5);
+  EXPECT_EQ(z.offload_param.buffer_size, 100000000);
+  EXPECT_EQ(z.offload_param.max_in_cpu, 1000000000);
+  EXPECT_TRUE(z.offload_param.pin_memory);
+  EXPECT_EQ(z.offload_optimizer.buffer_count, 4);
+  EXPECT_FALSE(z.offload_optimizer.pipeline_read);
+  EXPECT_FALSE(z.offload_optimizer.pipeline_write);
+  EXPECT_DOUBLE_EQ(z.offload_optimizer.ratio, 1.0);
+  EXPECT_EQ(c.aio.block_size, 1048576);
+  EXPECT_EQ(c.aio.queue_depth, 8);
+  EXPECT_EQ(c.aio.intra_op_parallelism, 1);
+  EXPECT_FALSE(c.aio.single_submit);
+  EXPECT_TRUE(c.aio.overlap_events);
+  EXPECT_FALSE(c.aio.use_gds);
+  EXPECT_EQ(c.fp16.initial_scale_power, 16);
+  EXPECT_EQ(c.fp16.loss_scale_window, 1000);
+  EXPECT_EQ(c.fp16.hysteresis, 2);
+  EXPECT_DOUBLE_EQ(c.fp16.min_loss_scale, 1.0);
+  EXPECT_EQ(c.train_micro_batch_size_per_gpu, 1);
+  EXPECT_EQ(c.gradient_accumulation_steps, 1);
+  EXPECT_TRUE(c.warnings.empty());
+}
+
+TEST(Config, EveryKeyIsRead) {
+  ASSERT_OK_AND_ASSIGN(Config c, Config::FromJsonText(kFullConfig));
+  EXPECT_TRUE(c.warnings.empty()) << c.warnings[0];
+  EXPECT_EQ(c.train_batch_size, 32);
+  EXPECT_EQ(c.train_micro_batch_size_per_gpu, 4);
+  EXPECT_EQ(c.gradient_accumulation_steps, 2);
+  EXPECT_DOUBLE_EQ(c.gradient_clipping, 1.0);
+  EXPECT_EQ(c.steps_per_print, 5);
+  EXPECT_TRUE(c.wall_clock_breakdown);
+  EXPECT_EQ(c.optimizer.type, OptimizerType::kAdam);
+  EXPECT_DOUBLE_EQ(c.optimizer.lr, 3e-4);
+  EXPECT_DOUBLE_EQ(c.optimizer.beta1, 0.8);
+  EXPECT_DOUBLE_EQ(c.optimizer.beta2, 0.95);
+  EXPECT_DOUBLE_EQ(c.optimizer.eps, 1e-6);
+  EXPECT_DOUBLE_EQ(c.optimizer.weight_decay, 0.01);
+  EXPECT_FALSE(c.optimizer.bias_correction);
+  EXPECT_EQ(c.scheduler.type, SchedulerType::kWarmupDecayLR);
+  EXPECT_DOUBLE_EQ(c.scheduler.warmup_min_lr, 1e-5);
+  EXPECT_DOUBLE_EQ(c.scheduler.warmup_max_lr, 3e-4);
+  EXPECT_EQ(c.scheduler.warmup_num_steps, 10);
+  EXPECT_EQ(c.scheduler.total_num_steps, 100);
+  EXPECT_TRUE(c.fp16.enabled);
+  EXPECT_DOUBLE_EQ(c.fp16.loss_scale, 0);
+  EXPECT_EQ(c.fp16.initial_scale_power, 12);
+  EXPECT_EQ(c.fp16.loss_scale_window, 500);
+  EXPECT_EQ(c.fp16.hysteresis, 3);
+  EXPECT_DOUBLE_EQ(c.fp16.min_loss_scale, 0.5);
+  const auto& z = c.zero_optimization;
+  EXPECT_EQ(z.stage, 3);
+  EXPECT_FALSE(z.contiguous_gradients);
+  EXPECT_FALSE(z.overlap_comm);
+  EXPECT_EQ(z.reduce_bucket_size, 200000000);
+  EXPECT_EQ(z.allgather_bucket_size, 300000000);
+  EXPECT_EQ(z.sub_group_size, 500000000);
+  EXPECT_EQ(z.stage3_prefetch_bucket_size, 10000000);
+  EXPECT_EQ(z.stage3_param_persistence_threshold, 10000);
+  EXPECT_EQ(z.stage3_max_live_parameters, 200000000);
+  EXPECT_EQ(z.stage3_max_reuse_distance, 300000000);
+  EXPECT_EQ(z.offload_param.device, OffloadDevice::kNvme);
+  EXPECT_EQ(z.offload_param.nvme_path, (std::vector<std::string>{"/a", "/b"}));
+  EXPECT_EQ(z.offload_param.buffer_count, 6);
+  EXPECT_EQ(z.offload_param.buffer_size, 200000000);
+  EXPECT_EQ(z.offload_param.max_in_cpu, 500000000);
+  EXPECT_FALSE(z.offload_param.pin_memory);
+  EXPECT_EQ(z.offload_optimizer.device, OffloadDevice::kCpu);
+  EXPECT_EQ(z.offload_optimizer.nvme_path, (std::vector<std::string>{"/c"}));
+  EXPECT_EQ(z.offload_optimizer.buffer_count, 8);
+  EXPECT_FALSE(z.offload_optimizer.pin_memory);
+  EXPECT_TRUE(z.offload_optimizer.pipeline_read);
+  EXPECT_TRUE(z.offload_optimizer.pipeline_write);
+  EXPECT_DOUBLE_EQ(z.offload_optimizer.ratio, 0.5);
+  EXPECT_EQ(c.aio.block_size, 8388608);
+  EXPECT_EQ(c.aio.queue_depth, 64);
+  EXPECT_EQ(c.aio.intra_op_parallelism, 2);
+  EXPECT_TRUE(c.aio.single_submit);
+  EXPECT_FALSE(c.aio.overlap_events);
+  EXPECT_EQ(c.strata.device_memory_budget, 2ull << 30);
+  EXPECT_EQ(c.strata.host_memory_budget, 24ull << 30);
+  EXPECT_EQ(c.strata.nvme_capacity, 100ull << 30);
+  EXPECT_EQ(c.strata.chunk_size, 32ull << 20);
+  EXPECT_EQ(c.strata.eviction, EvictionPolicy::kLru);
+  EXPECT_FALSE(c.strata.overlap_optimizer);
+  EXPECT_EQ(c.strata.checksums, ChecksumKind::kNone);
+  EXPECT_EQ(c.strata.prefetch_lookahead, 8);
+  EXPECT_EQ(c.strata.optimizer_state_dtype, StateDtype::kBf16);
+  EXPECT_EQ(c.strata.optimizer_threads, 2);
+  EXPECT_EQ(c.strata.comm_backend, "gloo");
+  EXPECT_DOUBLE_EQ(c.strata.comm_timeout_s, 30);
+  EXPECT_EQ(c.strata.device, "cpu");
+  EXPECT_EQ(c.model.n_layers, 6);
+  EXPECT_EQ(c.model.d_model, 256);
+  EXPECT_EQ(c.model.n_heads, 8);
+  EXPECT_EQ(c.model.seq_len, 64);
+  EXPECT_EQ(c.model.vocab_size, 256);
+  EXPECT_DOUBLE_EQ(c.model.dropout, 0.1);
+  EXPECT_EQ(c.model.seed, 7u);
+}
+
+TEST(Config, RoundTripThroughNormalizedJson) {
+  for (const char* text : {"{}", kFullConfig}) {
+    ASSERT_OK_AND_ASSIGN(Config a, Config::FromJsonText(text));
+    std::string normalized = a.ToJsonString();
+    ASSERT_OK_AND_ASSIGN(Config b, Config::FromJsonText(normalized));
+    EXPECT_TRUE(a == b) << normalized;
+    EXPECT_EQ(normalized, b.ToJsonString());
+  }
+}
+
+// Parses `text` and expects an INVALID_ARGUMENT whose message contains every piece.
+void ExpectError(const std::string& text, std::initializer_list<std::string> pieces) {
+  auto r = Config::FromJsonText(text);
+  ASSERT_FALSE(r.ok()) << "accepted: " << text;
+  EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument);
+  for (const auto& p : pieces)
+    EXPECT_NE(r.status().message().find(p), std::string::npos)
+        << "message '" << r.status().message() << "' lacks '" << p << "'";
+}
+
+TEST(Config, UnknownKeysSuggestTheClosestSpelling) {
+  ExpectError(R"({"zero_optimization": {"stage3_prefech_bucket_size": 5}})",
+              {"unknown key zero_optimization.stage3_prefech_bucket_size",
+               "did you mean zero_optimization.stage3_prefetch_bucket_size?"});
+  ExpectError(R"({"aio": {"queue_dept": 5}})", {"did you mean aio.queue_depth?"});
+  ExpectError(R"({"train_micro_batch_size": 5})", {"did you mean train_micro_batch_size_per_gpu?"});
+  ExpectError(R"({"strata": {"chunksize": 4096}})", {"did you mean strata.chunk_size?"});
+  ExpectError(R"({"zzzzzzzzzzzz": 1})", {"unknown key zzzzzzzzzzzz", "valid keys here:"});
+}
+
+TEST(Config, WrongTypes) {
+  ExpectError(R"({"zero_optimization": {"stage": "three"}})",
+              {"zero_optimization.stage=\"three\"", "whole number in 0..3"});
+  ExpectError(R"({"aio": {"single_submit": 1}})", {"aio.single_submit=1", "true or false"});
+  ExpectError(R"({"zero_optimization": []})", {"zero_optimization=[]", "JSON object"});
+  ExpectError(R"({"optimizer": {"params": {"betas": 0.9}}})", {"optimizer.params.betas", "two numbers"});
+  ExpectError(R"({"strata": {"host_memory_budget": "lots"}})", {"strata.host_memory_budget", "'lots'"});
+  ExpectError(R"({"zero_optimization": {"offload_param": {"nvme_path": 3}}})",
+              {"nvme_path=3", "list of strings"});
+  ExpectError(R"([1, 2])", {"must be a JSON object"});
+  ExpectError(R"({"aio": )", {"not valid JSON"});
+}
+
+TEST(Config, OutOfRange) {
+  ExpectError(R"({"aio": {"queue_depth": 0}})", {"aio.queue_depth=0", "1..4096"});
+  ExpectError(R"({"aio": {"block_size": 5000}})", {"aio.block_size=5000", "multiple of 4096"});
+  ExpectError(R"({"zero_optimization": {"stage": 4}})", {"zero_optimization.stage=4", "0..3"});
+  ExpectError(R"({"zero_optimization": {"offload_optimizer": {"ratio": 1.5}}})",
+              {"ratio=1.5", "[0, 1]"});
+  ExpectError(R"({"optimizer": {"params": {"eps": 0}}})", {"optimizer.params.eps=0", "(0, 1]"});
+  ExpectError(R"({"optimizer": {"params": {"betas": [0.9, 1.0]}}})", {"[0, 1)"});
+  ExpectError(R"({"train_micro_batch_size_per_gpu": 2.5})", {"whole number"});
+  ExpectError(R"({"zero_optimization": {"offload_param": {"device": "disk"}}})",
+              {"device=\"disk\"", "none, cpu, nvme"});
+  ExpectError(R"({"strata": {"eviction": "fifo"}})", {"next_use, lru"});
+  ExpectError(R"({"strata": {"chunk_size": 5000}})", {"multiple of 4096"});
+  ExpectError(R"({"model": {"d_model": 100, "n_heads": 3}})", {"not divisible"});
+}
+
+TEST(Config, CrossKeyChecks) {
+  ExpectError(R"({"fp16": {"enabled": true}, "bf16": {"enabled": true}})", {"enable at most one"});
+  ExpectError(R"({"zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"}}})",
+              {"requires stage 3"});
+  ExpectError(R"({"zero_optimization": {"offload_optimizer": {"device": "cpu"}}})",
+              {"stage 1, 2 or 3"});
+  ExpectError(R"({"train_batch_size": 7, "train_micro_batch_size_per_gpu": 2})",
+              {"train_batch_size=7"});
+  ExpectError(R"({"scheduler": {"type": "WarmupDecayLR", "params": {"warmup_num_steps": 10,
+              "total_num_steps": 5}}})", {"total_num_steps=5"});
+}
+
+TEST(Config, DeprecatedSpellingsWarnAndApply) {
+  ASSERT_OK_AND_ASSIGN(Config c, Config::FromJsonText(R"({
+    "aio": {"thread_count": 4, "single_submit": "true", "overlap_events": "False"},
+    "zero_optimization": {"stage": 2, "cpu_offload": true}
+  })"));
+  EXPECT_EQ(c.aio.intra_op_parallelism, 4);
+  EXPECT_TRUE(c.aio.single_submit);
+  EXPECT_FALSE(c.aio.overlap_events);
+  EXPECT_EQ(c.zero_optimization.offload_optimizer.device, OffloadDevice::kCpu);
+  ASSERT_EQ(c.warnings.size(), 4u);
+  auto has = [&](const std::string& piece) {
+    for (const auto& w : c.warnings)
+      if (w.find(piece) != std::string::npos) return true;
+    return false;
+  };
+  EXPECT_TRUE(has("aio.thread_count is deprecated; use aio.intra_op_parallelism"));
+  EXPECT_TRUE(has("aio.single_submit=\"true\" is a string; write the JSON boolean true"));
+  EXPECT_TRUE(has("zero_optimization.cpu_offload is deprecated"));
+
+  ASSERT_OK_AND_ASSIGN(Config d, Config::FromJsonText(R"({"aio": {"num_threads": 3}})"));
+  EXPECT_EQ(d.aio.intra_op_parallelism, 3);
+  ASSERT_EQ(d.warnings.size(), 1u);
+
+  ASSERT_OK_AND_ASSIGN(Config e, Config::FromJsonText(R"({"bfloat16": {"enabled": true}})"));
+  EXPECT_TRUE(e.bf16.enabled);
+  ASSERT_EQ(e.warnings.size(), 1u);
+
+  // Both spellings at once is ambiguous.
+  ExpectError(R"({"aio": {"thread_count": 2, "intra_op_parallelism": 3}})", {"both set"});
+  // A deprecated key's value is still validated, under its own name.
+  ExpectError(R"({"aio": {"thread_count": 0}})", {"aio.thread_count=0", "1..256"});
+}
+
+TEST(Config, IgnoredDeepSpeedKeysWarn) {
+  ASSERT_OK_AND_ASSIGN(Config c, Config::FromJsonText(R"({
+    "zero_allow_untested_optimizer": true,
+    "zero_optimization": {"stage": 3, "stage3_gather_16bit_weights_on_model_save": true}
+  })"));
+  EXPECT_EQ(c.warnings.size(), 2u);
+}
+
+TEST(Config, NumbersAndSizes) {
+  ASSERT_OK_AND_ASSIGN(Config c, Config::FromJsonText(R"({
+    "zero_optimization": {"reduce_bucket_size": 5e8},
+    "strata": {"chunk_size": 4194304, "host_memory_budget": 1.6e10, "device_memory_budget": "512MiB"}
+  })"));
+  EXPECT_EQ(c.zero_optimization.reduce_bucket_size, 500000000);
+  EXPECT_EQ(c.strata.chunk_size, 4194304u);
+  EXPECT_EQ(c.strata.host_memory_budget, 16000000000u);
+  EXPECT_EQ(c.strata.device_memory_budget, 512ull << 20);
+  ExpectError(R"({"zero_optimization": {"reduce_bucket_size": 5.5}})", {"whole number"});
+}
+
+TEST(Config, FromFileNamesThePath) {
+  testing::TempDir dir;
+  auto missing = Config::FromFile(dir.path() + "/nope.json");
+  ASSERT_FALSE(missing.ok());
+  EXPECT_EQ(missing.status().code(), StatusCode::kNotFound);
+  EXPECT_NE(missing.status().message().find("nope.json"), std::string::npos);
+
+  std::string path = dir.path() + "/bad.json";
+  std::ofstream(path) << R"({"aio": {"queue_depth": -1}})";
+  auto bad = Config::FromFile(path);
+  ASSERT_FALSE(bad.ok());
+  EXPECT_NE(bad.status().message().find(path + ": aio.queue_depth=-1"), std::string::npos)
+      << bad.status().message();
+}
+
+TEST(Config, ShippedConfigsParseWithoutWarnings) {
+  int seen = 0;
+  for (const auto& entry :
+       std::filesystem::directory_iterator(std::string(STRATA_SOURCE_DIR) + "/configs")) {
+    if (entry.path().extension() != ".json") continue;
+    ++seen;
+    auto c = Config::FromFile(entry.path().string());
+    ASSERT_TRUE(c.ok()) << entry.path() << ": " << c.status();
+    EXPECT_TRUE(c->warnings.empty()) << entry.path() << ": " << c->warnings[0];
+  }
+  EXPECT_GE(seen, 4);
+}
+
+}  // namespace
+}  // namespace strata

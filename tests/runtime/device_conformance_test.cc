@@ -1,0 +1,175 @@
+// The device conformance suite: every device this machine can create runs the same cases.
+// A new device adds nothing here; it is picked up from AvailableDevices().
+#include "runtime/device.h"
+
+#include <atomic>
+#include <chrono>
+#include <cstring>
+#include <numeric>
+#include <random>
+#include <thread>
+#include <vector>
+
+#include <gtest/gtest.h>
+
+#include "tests/test_util.h"
+
+namespace strata {
+namespace {
+
+class DeviceConformance : public ::testing::TestWithParam<std::string> {
+ protected:
+  void SetUp() override {
+    auto d = CreateDevice(GetParam(), 64ull << 20);
+    ASSERT_TRUE(d.ok()) << d.status();
+    device_ = std::move(d).value();
+  }
+  std::unique_ptr<Device> device_;
+};
+
+TEST_P(DeviceConformance, AccountsCapacityAndRefusesWhatDoesNotFit) {
+  EXPECT_EQ(device_->capacity(), 64ull << 20);
+  ASSERT_OK_AND_ASSIGN(void* a, device_->Allocate(40 << 20));
+  EXPECT_GE(device_->allocated(), 40u << 20);
+  auto b = device_->Allocate(40 << 20);
+  ASSERT_FALSE(b.ok());
+  EXPECT_EQ(b.status().code(), StatusCode::kResourceExhausted);
+  EXPECT_NE(b.status().message().find("cannot allocate"), std::string::npos);
+  ASSERT_OK(device_->Free(a));
+  EXPECT_EQ(device_->allocated(), 0u);
+  EXPECT_GE(device_->peak_allocated(), 40u << 20);
+  ASSERT_OK_AND_ASSIGN(void* c, device_->Allocate(40 << 20));  // the space came back
+  ASSERT_OK(device_->Free(c));
+  int local = 0;
+  EXPECT_EQ(device_->Free(&local).code(), StatusCode::kInvalidArgument);
+  ASSERT_OK_AND_ASSIGN(void* z, device_->Allocate(0));
+  EXPECT_NE(z, nullptr);
+  EXPECT_EQ(reinterpret_cast<uintptr_t>(z) % 256, 0u);
+  ASSERT_OK(device_->Free(z));
+}
+
+TEST_P(DeviceConformance, CopiesOfOddSizesAndOffsetsRoundTrip) {
+  constexpr size_t kBuf = 1 << 20;
+  ASSERT_OK_AND_ASSIGN(void* dev, device_->Allocate(kBuf));
+  ASSERT_OK_AND_ASSIGN(void* dev2, device_->Allocate(kBuf));
+  ASSERT_OK_AND_ASSIGN(auto stream, device_->CreateStream());
+  std::mt19937 rng(42);
+  std::vector<uint8_t> src(kBuf), back(kBuf);
+  for (auto& b : src) b = static_cast<uint8_t>(rng());
+  for (size_t size : {size_t{1}, size_t{3}, size_t{7}, size_t{4095}, size_t{4097}, size_t{65537},
+                      kBuf - 13}) {
+    for (size_t off : {size_t{0}, size_t{1}, size_t{5}, size_t{13}}) {
+      if (off + size > kBuf) continue;
+      std::fill(back.begin(), back.end(), 0xEE);
+      auto* d = static_cast<uint8_t*>(dev) + off;
+      auto* d2 = static_cast<uint8_t*>(dev2) + (kBuf - size - off);
+      ASSERT_OK(stream->MemcpyAsync(d, src.data() + off, size, CopyKind::kHostToDevice));
+      ASSERT_OK(stream->MemcpyAsync(d2, d, size, CopyKind::kDeviceToDevice));
+      ASSERT_OK(stream->MemcpyAsync(back.data() + off, d2, size, CopyKind::kDeviceToHost));
+      ASSERT_OK(stream->Synchronize());
+      ASSERT_EQ(0, std::memcmp(back.data() + off, src.data() + off, size))
+          << "size=" << size << " off=" << off;
+      EXPECT_EQ(back[off + size - 1 + (off + size < kBuf ? 1 : 0)],
+                off + size < kBuf ? 0xEE : src[kBuf - 1])
+          << "copy wrote past its end";
+    }
+  }
+  ASSERT_OK(stream->MemsetAsync(dev, 0x7f, 4099));
+  ASSERT_OK(stream->MemcpyAsync(back.data(), dev, 4100, CopyKind::kDeviceToHost));
+  ASSERT_OK(stream->Synchronize());
+  for (int i = 0; i < 4099; ++i) ASSERT_EQ(back[i], 0x7f) << i;
+  ASSERT_OK(device_->Free(dev));
+  ASSERT_OK(device_->Free(dev2));
+}
+
+TEST_P(DeviceConformance, WorkOnOneStreamRunsInOrder) {
+  ASSERT_OK_AND_ASSIGN(auto stream, device_->CreateStream());
+  std::vector<int> order;
+  for (int i = 0; i < 200; ++i) ASSERT_OK(stream->LaunchHostFunc([&order, i] { order.push_back(i); }));
+  ASSERT_OK(stream->Synchronize());
+  ASSERT_EQ(order.size(), 200u);
+  for (int i = 0; i < 200; ++i) EXPECT_EQ(order[i], i);
+  EXPECT_TRUE(stream->Query());
+}
+
+TEST_P(DeviceConformance, EventsOrderWorkAcrossStreams) {
+  ASSERT_OK_AND_ASSIGN(auto producer, device_->CreateStream(StreamPriority::kNormal));
+  ASSERT_OK_AND_ASSIGN(auto consumer, device_->CreateStream(StreamPriority::kHigh));
+  ASSERT_OK_AND_ASSIGN(auto ready, device_->CreateEvent());
+  EXPECT_TRUE(ready->Query()) << "an event never recorded is complete";
+
+  std::atomic<bool> release{false};
+  std::atomic<int> value{0};
+  int seen = -1;
+  ASSERT_OK(producer->LaunchHostFunc([&] {
+    while (!release.load()) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    value.store(42);
+  }));
+  ASSERT_OK(producer->Record(*ready));
+  ASSERT_OK(consumer->Wait(*ready));
+  ASSERT_OK(consumer->LaunchHostFunc([&] { seen = value.load(); }));
+
+  // Wait() must not block the host thread, and the consumer must not run ahead.
+  std::this_thread::sleep_for(std::chrono::milliseconds(30));
+  EXPECT_FALSE(ready->Query());
+  EXPECT_FALSE(consumer->Query());
+  release.store(true);
+  ASSERT_OK(ready->Synchronize());
+  EXPECT_TRUE(ready->Query());
+  ASSERT_OK(consumer->Synchronize());
+  EXPECT_EQ(seen, 42);
+
+  // Re-recording moves the event to the newer point.
+  std::atomic<bool> second{false};
+  ASSERT_OK(producer->LaunchHostFunc([&] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    second.store(true);
+  }));
+  ASSERT_OK(producer->Record(*ready));
+  ASSERT_OK(ready->Synchronize());
+  EXPECT_TRUE(second.load());
+  ASSERT_OK(device_->Synchronize());
+}
+
+TEST_P(DeviceConformance, CopyOutsideAnAllocationIsAnErrorOnTheCpuDevice) {
+  if (device_->kind() != DeviceKind::kCpu) GTEST_SKIP() << "only the CPU device can check ranges";
+  ASSERT_OK_AND_ASSIGN(void* dev, device_->Allocate(4096));
+  ASSERT_OK_AND_ASSIGN(auto stream, device_->CreateStream());
+  std::vector<uint8_t> host(8192);
+  Status s = stream->MemcpyAsync(dev, host.data(), 4097, CopyKind::kHostToDevice);
+  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message().find("not inside a live allocation"), std::string::npos);
+  EXPECT_EQ(stream->MemcpyAsync(host.data(), host.data() + 10, 10, CopyKind::kDeviceToHost).code(),
+            StatusCode::kInvalidArgument);
+  ASSERT_OK(device_->Free(dev));
+}
+
+INSTANTIATE_TEST_SUITE_P(AllDevices, DeviceConformance, ::testing::ValuesIn(AvailableDevices()),
+                         [](const auto& info) {
+                           std::string n = info.param;
+                           for (char& c : n)
+                             if (c == ':') c = '_';
+                           return n;
+                         });
+
+TEST(DeviceRegistry, CpuAlwaysAvailableAndBadSpecsAreClear) {
+  auto devices = AvailableDevices();
+  ASSERT_FALSE(devices.empty());
+  EXPECT_EQ(devices[0], "cpu");
+  EXPECT_GE(CudaDeviceCount(), 0);  // never throws, never negative, even without a driver
+  ASSERT_OK_AND_ASSIGN(auto dev, CreateDevice("auto", 1 << 20));
+  EXPECT_EQ(dev->kind(), CudaDeviceCount() > 0 ? DeviceKind::kCuda : DeviceKind::kCpu);
+  auto bad = CreateDevice("tpu");
+  ASSERT_FALSE(bad.ok());
+  EXPECT_NE(bad.status().message().find("'tpu'"), std::string::npos);
+  if (CudaDeviceCount() == 0) {
+    auto cuda = CreateDevice("cuda:0");
+    ASSERT_FALSE(cuda.ok());
+    EXPECT_TRUE(cuda.status().code() == StatusCode::kUnavailable ||
+                cuda.status().code() == StatusCode::kUnimplemented)
+        << cuda.status();
+  }
+}
+
+}  // namespace
+}  // namespace strata

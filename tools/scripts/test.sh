@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# The README's test command: installs what is missing, builds Strata with CUDA on when nvcc is
+# present (every .cu file compiles even without a GPU), runs the CPU test suite, then builds and
+# tests again with -DSTRATA_CUDA=OFF. GPU-only tests (label gpu) run only where a GPU exists.
+#
+#   tools/scripts/test.sh                  # everything
+#   STRATA_TEST_CUDA_OFF=0 tools/scripts/test.sh   # skip the CUDA=OFF pass
+#   STRATA_CTEST_ARGS="-L nvme" tools/scripts/test.sh
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+root=$(pwd)
+
+bash tools/scripts/setup.sh
+
+export CCACHE_DIR="${CCACHE_DIR:-$HOME/.cache/strata-ccache}"
+export CCACHE_BASEDIR="$root"
+export CCACHE_NOHASHDIR=1
+export CCACHE_MAXSIZE="${CCACHE_MAXSIZE:-5G}"
+jobs="${STRATA_JOBS:-$(nproc)}"
+
+gpu_label_args=(-LE gpu)
+if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+  gpu_label_args=()   # a GPU is present: run the gpu-labelled tests too
+fi
+
+run_pass() {
+  local dir="$1"; shift
+  local t0=$(date +%s)
+  echo "== configure $dir ($*)"
+  cmake -S . -B "$dir" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo "$@" >"$dir.configure.log" 2>&1 ||
+    { cat "$dir.configure.log"; exit 1; }
+  echo "== build $dir"
+  cmake --build "$dir" -j "$jobs"
+  local t1=$(date +%s)
+  echo "== test $dir"
+  (cd "$dir" && ctest --output-on-failure -j "$jobs" "${gpu_label_args[@]}" ${STRATA_CTEST_ARGS:-})
+  local t2=$(date +%s)
+  echo "== $dir: build $((t1 - t0)) s, tests $((t2 - t1)) s"
+}
+
+mkdir -p build-ci
+run_pass build-ci/cuda-auto -DSTRATA_CUDA=AUTO
+if [ "${STRATA_TEST_CUDA_OFF:-1}" = "1" ]; then
+  run_pass build-ci/cuda-off -DSTRATA_CUDA=OFF
+fi

@@ -171,11 +171,14 @@ Status SwapStore::OpenFiles(const SwapStoreOptions& options, bool create, uint64
     File f;
     f.path = SwapFileName(dir, options.rank);
     int flags = O_RDWR | O_CLOEXEC | (create ? O_CREAT : 0);
-    f.fd = open(f.path.c_str(), flags | O_DIRECT, 0600);
+    auto do_open = [&](int fl) {
+      return options.open_file ? options.open_file(f.path, fl, 0600) : open(f.path.c_str(), fl, 0600);
+    };
+    f.fd = do_open(flags | O_DIRECT);
     if (f.fd < 0 && errno == EINVAL) {
-      // The file system refuses O_DIRECT (tmpfs): Note [swap durability].
+      // The file system refuses O_DIRECT (tmpfs before Linux 6.6): Note [swap durability].
       all_direct = false;
-      f.fd = open(f.path.c_str(), flags | O_DSYNC, 0600);
+      f.fd = do_open(flags | O_DSYNC);
     }
     if (f.fd < 0) {
       int err = errno;
@@ -255,6 +258,9 @@ Status SwapStore::Close() {
   }
   engine_.reset();
   for (auto& f : files_) {
+    // Unlock explicitly: io_uring tears a ring down asynchronously and its registered-file
+    // references would keep the lock alive for a moment after close(), failing a prompt reopen.
+    if (f.fd >= 0) flock(f.fd, LOCK_UN);
     if (f.fd >= 0 && close(f.fd) != 0 && result.ok())
       result = ErrnoToStatus(errno, StrCat("closing swap file ", f.path));
     f.fd = -1;
@@ -373,7 +379,8 @@ void SwapStore::WriteAsync(uint64_t key, const void* src, IoDone done) {
       std::memcpy(op->tail.get(), op->user + op->body, block.length - op->body);
     }
   }
-  Issue(IoOp::kWrite, key, block, op->user, std::move(op));
+  char* user = op->user;  // read before `op` is moved from
+  Issue(IoOp::kWrite, key, block, user, std::move(op));
 }
 
 void SwapStore::ReadAsync(uint64_t key, void* dst, IoDone done) {
@@ -408,7 +415,8 @@ void SwapStore::ReadAsync(uint64_t key, void* dst, IoDone done) {
       if (!op->tail) return op->done(ResourceExhausted("tail bounce buffer of 4096 bytes"));
     }
   }
-  Issue(IoOp::kRead, key, block, op->user, std::move(op));
+  char* user = op->user;  // read before `op` is moved from
+  Issue(IoOp::kRead, key, block, user, std::move(op));
 }
 
 void SwapStore::Issue(IoOp kind, uint64_t key, const Block& block, char* user, std::shared_ptr<Op> op) {

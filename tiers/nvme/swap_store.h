@@ -25,7 +25,10 @@
 #include <sys/uio.h>
 
 #include <atomic>
+#include <sys/types.h>
+
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -55,6 +58,9 @@ struct SwapStoreOptions {
   SwapOpenMode mode = SwapOpenMode::kCreate;
   bool force_fallback = false;     // pread/pwrite engine even where io_uring works (tests)
   IoFaultHook fault_hook;          // test-only, see io_engine.h
+  // Test-only: replaces open(2) for the swap files (returns an fd, or -1 with errno set), so a
+  // file system that refuses O_DIRECT can be simulated on one that accepts it.
+  std::function<int(const std::string& path, int flags, mode_t mode)> open_file;
 };
 
 // Where a block's bytes are: one entry per file extent, in block order.

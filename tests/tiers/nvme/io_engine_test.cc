@@ -1,0 +1,267 @@
+// IoEngine: both backends move bytes exactly, finish short transfers, retry EAGAIN and turn
+// errors into Status naming the file; plus crc32c's known values.
+#include "tiers/nvme/io_engine.h"
+
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cerrno>
+#include <cstdlib>
+#include <cstring>
+#include <future>
+#include <memory>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "tests/test_util.h"
+#include "tiers/nvme/crc32c.h"
+
+namespace strata::nvme {
+namespace {
+
+using strata::testing::TempDir;
+
+struct Aligned {
+  explicit Aligned(size_t n) : size(n) {
+    void* q = nullptr;
+    if (posix_memalign(&q, 4096, n) != 0) std::abort();
+    p = static_cast<char*>(q);
+  }
+  ~Aligned() { std::free(p); }
+  char* p;
+  size_t size;
+};
+
+void Fill(char* p, size_t n, uint32_t seed) {
+  std::mt19937 rng(seed);
+  for (size_t i = 0; i < n; ++i) p[i] = static_cast<char>(rng());
+}
+
+class EngineTest : public ::testing::TestWithParam<bool> {
+ protected:
+  void SetUp() override {
+    path_ = dir_.path() + "/engine.dat";
+    fd_ = open(path_.c_str(), O_RDWR | O_CREAT | O_DIRECT, 0600);
+    ASSERT_GE(fd_, 0) << std::strerror(errno);
+    ASSERT_EQ(fallocate(fd_, 0, 0, 8 << 20), 0);
+  }
+  void TearDown() override { close(fd_); }
+
+  std::unique_ptr<IoEngine> Make(AioConfig aio = {}, IoFaultHook hook = nullptr) {
+    IoEngineOptions o;
+    o.aio = aio;
+    o.force_fallback = GetParam();
+    o.fault_hook = std::move(hook);
+    auto e = IoEngine::Create(o);
+    EXPECT_TRUE(e.ok()) << e.status();
+    auto engine = std::move(e).value();
+    EXPECT_OK(engine->SetFiles({{fd_, path_}}));
+    EXPECT_EQ(engine->name(), GetParam() ? "fallback" : "io_uring");
+    return engine;
+  }
+
+  static Status Io(IoEngine& e, IoOp op, void* buf, uint64_t len, uint64_t off) {
+    std::promise<Status> p;
+    auto f = p.get_future();
+    e.Submit({op, 0, buf, len, off, [&p](Status s) { p.set_value(std::move(s)); }});
+    return f.get();
+  }
+
+  TempDir dir_;
+  std::string path_;
+  int fd_ = -1;
+};
+
+TEST_P(EngineTest, RoundTripSplitsByBlockSize) {
+  AioConfig aio;
+  aio.block_size = 16384;  // a 100 KiB request becomes 7 pieces
+  aio.queue_depth = 4;
+  auto e = Make(aio);
+  Aligned w(25 * 4096), r(25 * 4096);
+  Fill(w.p, w.size, 1);
+  ASSERT_OK(Io(*e, IoOp::kWrite, w.p, w.size, 3 * 4096));
+  std::memset(r.p, 0, r.size);
+  ASSERT_OK(Io(*e, IoOp::kRead, r.p, r.size, 3 * 4096));
+  EXPECT_EQ(std::memcmp(w.p, r.p, w.size), 0);
+  auto st = e->stats();
+  EXPECT_EQ(st.requests, 2u);
+  EXPECT_EQ(st.pieces, 14u);
+  EXPECT_EQ(st.bytes_written, w.size);
+  EXPECT_EQ(st.bytes_read, r.size);
+}
+
+TEST_P(EngineTest, ManyConcurrentRequestsEachCompleteOnTheirOwn) {
+  for (bool overlap : {true, false}) {
+    for (bool single : {false, true}) {
+      AioConfig aio;
+      aio.block_size = 8192;
+      aio.queue_depth = 3;
+      aio.intra_op_parallelism = 2;
+      aio.overlap_events = overlap;
+      aio.single_submit = single;
+      auto e = Make(aio);
+      constexpr int kN = 64;
+      Aligned w(kN * 12288), r(kN * 12288);
+      Fill(w.p, w.size, 7);
+      std::atomic<int> ok{0}, calls{0};
+      for (int i = 0; i < kN; ++i)
+        e->Submit({IoOp::kWrite, 0, w.p + i * 12288, 12288, uint64_t(i) * 12288, [&](Status s) {
+                     calls++;
+                     if (s.ok()) ok++;
+                   }});
+      e->Drain();
+      ASSERT_EQ(calls.load(), kN);
+      ASSERT_EQ(ok.load(), kN);
+      // Reads issued from several threads at once, each waiting only for its own completion.
+      std::vector<std::future<Status>> fs;
+      for (int i = 0; i < kN; ++i)
+        fs.push_back(std::async(std::launch::async, [&, i] {
+          return Io(*e, IoOp::kRead, r.p + i * 12288, 12288, uint64_t(i) * 12288);
+        }));
+      for (auto& f : fs) ASSERT_OK(f.get());
+      EXPECT_EQ(std::memcmp(w.p, r.p, w.size), 0) << "overlap=" << overlap << " single=" << single;
+    }
+  }
+}
+
+TEST_P(EngineTest, ShortTransfersAreFinished) {
+  std::atomic<int> shortened{0};
+  auto hook = [&](const IoAttempt& a, int64_t res) -> int64_t {
+    // Report only the first 4 KiB of every first attempt longer than that.
+    if (a.attempt == 0 && res > 4096) {
+      shortened++;
+      return 4096;
+    }
+    return res;
+  };
+  auto e = Make(AioConfig{}, hook);
+  Aligned w(64 * 1024), r(64 * 1024);
+  Fill(w.p, w.size, 3);
+  ASSERT_OK(Io(*e, IoOp::kWrite, w.p, w.size, 0));
+  ASSERT_OK(Io(*e, IoOp::kRead, r.p, r.size, 0));
+  EXPECT_EQ(std::memcmp(w.p, r.p, w.size), 0);
+  EXPECT_EQ(shortened.load(), 2);
+  EXPECT_EQ(e->stats().retries_short, 2u);
+}
+
+TEST_P(EngineTest, EagainIsRetried) {
+  std::atomic<int> refused{0};
+  auto hook = [&](const IoAttempt& a, int64_t res) -> int64_t {
+    if (a.attempt < 3) {
+      refused++;
+      return -EAGAIN;
+    }
+    return res;
+  };
+  auto e = Make(AioConfig{}, hook);
+  Aligned w(8192), r(8192);
+  Fill(w.p, w.size, 4);
+  ASSERT_OK(Io(*e, IoOp::kWrite, w.p, w.size, 4096));
+  ASSERT_OK(Io(*e, IoOp::kRead, r.p, r.size, 4096));
+  EXPECT_EQ(std::memcmp(w.p, r.p, w.size), 0);
+  EXPECT_EQ(e->stats().retries_eagain, 6u);
+}
+
+TEST_P(EngineTest, ErrorsNameTheFileAndKeepTheirCode) {
+  auto hook = [](const IoAttempt& a, int64_t res) -> int64_t {
+    if (a.offset == 0) return a.op == IoOp::kWrite ? -ENOSPC : -EIO;
+    return res;
+  };
+  AioConfig aio;
+  aio.block_size = 4096;
+  auto e = Make(aio, hook);
+  Aligned b(3 * 4096);
+  Fill(b.p, b.size, 5);
+  Status w = Io(*e, IoOp::kWrite, b.p, b.size, 0);
+  EXPECT_EQ(w.code(), StatusCode::kResourceExhausted) << w;
+  EXPECT_NE(w.message().find(path_), std::string::npos) << w;
+  Status r = Io(*e, IoOp::kRead, b.p, b.size, 0);
+  EXPECT_EQ(r.code(), StatusCode::kIoError) << r;
+  EXPECT_NE(r.message().find(path_), std::string::npos) << r;
+  EXPECT_EQ(e->stats().errors, 2u);
+  // Pieces not hit by the fault still work.
+  ASSERT_OK(Io(*e, IoOp::kWrite, b.p, 4096, 4096));
+}
+
+TEST_P(EngineTest, ReadPastEndOfFileIsAShortFile) {
+  auto e = Make();
+  Aligned b(8192);
+  Status s = Io(*e, IoOp::kRead, b.p, b.size, (8 << 20) - 4096);
+  EXPECT_EQ(s.code(), StatusCode::kOutOfRange) << s;
+  EXPECT_NE(s.message().find("short file"), std::string::npos) << s;
+  EXPECT_NE(s.message().find(path_), std::string::npos) << s;
+}
+
+TEST_P(EngineTest, RegisteredBuffersAreUsedWhenAvailable) {
+  auto e = Make();
+  Aligned w(1 << 20), r(1 << 20);
+  Fill(w.p, w.size, 9);
+  ASSERT_OK(e->RegisterBuffers({{w.p, w.size}, {r.p, r.size}}));
+  ASSERT_OK(Io(*e, IoOp::kWrite, w.p + 4096, w.size - 4096, 0));
+  ASSERT_OK(Io(*e, IoOp::kRead, r.p, r.size - 4096, 0));
+  EXPECT_EQ(std::memcmp(w.p + 4096, r.p, w.size - 4096), 0);
+  if (!GetParam()) {
+    EXPECT_TRUE(e->stats().fixed_buffers);
+  }
+}
+
+TEST_P(EngineTest, DestructionDrainsInFlightIo) {
+  std::atomic<int> done{0};
+  Aligned w(32 * 4096);
+  Fill(w.p, w.size, 11);
+  {
+    AioConfig aio;
+    aio.block_size = 4096;
+    aio.queue_depth = 2;
+    auto e = Make(aio);
+    for (int i = 0; i < 32; ++i)
+      e->Submit({IoOp::kWrite, 0, w.p + i * 4096, 4096, uint64_t(i) * 4096, [&](Status s) {
+                   EXPECT_OK(s);
+                   done++;
+                 }});
+  }
+  EXPECT_EQ(done.load(), 32);
+}
+
+INSTANTIATE_TEST_SUITE_P(Backends, EngineTest, ::testing::Values(false, true),
+                         [](const auto& info) { return info.param ? "Fallback" : "IoUring"; });
+
+TEST(AioConfigTest, BadValuesNameTheKeyAndRange) {
+  AioConfig aio;
+  aio.queue_depth = 0;
+  Status s = ValidateAioConfig(aio);
+  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message().find("aio.queue_depth=0"), std::string::npos) << s;
+  aio = {};
+  aio.block_size = 1000;
+  s = ValidateAioConfig(aio);
+  EXPECT_NE(s.message().find("aio.block_size=1000"), std::string::npos) << s;
+  aio = {};
+  aio.intra_op_parallelism = 0;
+  IoEngineOptions o;
+  o.aio = aio;
+  EXPECT_FALSE(IoEngine::Create(o).ok());
+}
+
+TEST(Crc32cTest, KnownValuesAndBothPathsAgree) {
+  EXPECT_EQ(Crc32c("123456789", 9), 0xE3069283u);
+  EXPECT_EQ(Crc32c("", 0), 0u);
+  std::vector<char> zeros(32, 0);
+  EXPECT_EQ(Crc32c(zeros.data(), zeros.size()), 0x8A9136AAu);
+  std::vector<char> data(100003);
+  Fill(data.data(), data.size(), 13);
+  for (size_t off : {0, 1, 3, 7}) {
+    for (size_t n : {0, 1, 7, 8, 9, 63, 4096, 99990}) {
+      EXPECT_EQ(Crc32cExtendPortable(0, data.data() + off, n), Crc32c(data.data() + off, n));
+    }
+  }
+  // Extending in pieces equals one pass.
+  uint32_t c = Crc32cExtend(0, data.data(), 1000);
+  c = Crc32cExtend(c, data.data() + 1000, data.size() - 1000);
+  EXPECT_EQ(c, Crc32c(data.data(), data.size()));
+}
+
+}  // namespace
+}  // namespace strata::nvme

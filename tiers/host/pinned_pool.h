@@ -1,0 +1,140 @@
+// PinnedPool: the host tier's memory — one arena of page-locked DRAM carved into power-of-two
+// size classes, so that NVMe reads and host<->device copies land in pinned memory with no bounce
+// copy.
+//
+// Backing (chosen once, at Create; see Note [pinned fallback] in pinned_pool.cc)
+// - cudaHostAlloc (portable) when the build has CUDA and a GPU is present;
+// - otherwise anonymous mmap, 2 MiB-aligned, madvise(MADV_HUGEPAGE) where the kernel offers
+//   transparent huge pages, bound to one NUMA node through hwloc when the machine has several,
+//   and mlock'd as far as RLIMIT_MEMLOCK allows;
+// - whatever could not be pinned stays pageable, announced by exactly one warning per pool.
+//   `force_pageable` skips pinning on purpose (tests, machines where locking memory is unwanted).
+//
+// Budget. The arena is the budget rounded down to min_block and is reserved (and pinned) whole
+// at Create: the pool never holds more host memory than its budget, and no later allocation can
+// fail for lack of pinnable memory. Allocations never exceed the arena.
+//
+// Size classes. A request takes the smallest power of two >= max(bytes, min_block) (a buddy
+// system over the arena); a block's offset in the arena is a multiple of its class, and the
+// arena starts 2 MiB-aligned (mmap) or page-aligned (cudaHostAlloc), so every block is at least
+// 4 KiB-aligned, as O_DIRECT needs. Freed blocks merge with their free buddy at once,
+// so fragmentation cannot accumulate: a run of frees always restores the largest blocks the
+// live allocations allow. The price is internal waste for sizes that are not powers of two (at
+// most half a block; stats().bytes_in_use counts class bytes, bytes_requested what was asked).
+//
+// Thread safety: every method may be called from any thread.
+#pragma once
+
+#include <sys/uio.h>
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <set>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "runtime/status.h"
+
+namespace strata {
+
+struct PinnedPoolOptions {
+  uint64_t budget = 0;           // bytes of host memory the pool may hold; must be >= min_block
+  uint64_t min_block = 4096;     // smallest size class; a power of two >= 4096
+  bool allow_cuda = true;        // use cudaHostAlloc when the build has CUDA and a GPU is present
+  bool force_pageable = false;   // do not pin at all (the pageable fallback, on purpose)
+  bool huge_pages = true;        // madvise(MADV_HUGEPAGE) on the mmap path
+  int numa_node = -1;            // -1: the node of the calling thread's CPU when there are several
+};
+
+// How the arena's memory is held.
+enum class PinnedBacking { kCudaHost, kMlock, kPageable };
+std::string_view PinnedBackingName(PinnedBacking b);
+
+struct PinnedPoolStats {
+  std::string backing;               // "cuda_host", "mlock" or "pageable"
+  uint64_t budget = 0;               // bytes, as configured
+  uint64_t arena_bytes = 0;          // GAUGE: bytes reserved (budget rounded down to min_block)
+  uint64_t pinned_bytes = 0;         // GAUGE: bytes of the arena that are page-locked
+  uint64_t pageable_bytes = 0;       // GAUGE: arena_bytes - pinned_bytes
+  bool huge_pages = false;           // MADV_HUGEPAGE accepted for the arena
+  int numa_node = -1;                // node the arena is bound to, -1 when not bound
+  uint64_t bytes_in_use = 0;         // GAUGE: class bytes of live allocations
+  uint64_t bytes_requested = 0;      // GAUGE: bytes asked for by live allocations
+  uint64_t peak_bytes_in_use = 0;    // MAX: highest bytes_in_use seen
+  uint64_t live_allocations = 0;     // GAUGE: blocks handed out and not freed
+  uint64_t allocations = 0;          // COUNT: successful Allocate calls
+  uint64_t failed_allocations = 0;   // COUNT: Allocate calls answered RESOURCE_EXHAUSTED
+  uint64_t largest_free_block = 0;   // GAUGE: bytes of the largest block Allocate could return now
+};
+
+// A block handed out by the pool.
+struct PinnedBlock {
+  void* ptr = nullptr;
+  uint64_t size = 0;         // bytes requested
+  uint64_t class_bytes = 0;  // bytes of the size class actually held (>= size)
+};
+
+class PinnedPool {
+ public:
+  // Reserves the arena. Fails with INVALID_ARGUMENT on a bad option (naming it) and with
+  // RESOURCE_EXHAUSTED when not even pageable memory of that size can be mapped. Failure to pin
+  // is not an error (see the header comment).
+  static StatusOr<std::unique_ptr<PinnedPool>> Create(const PinnedPoolOptions& options);
+  // Releases the arena. Live blocks become invalid; callers must have stopped using them.
+  ~PinnedPool();
+
+  PinnedPool(const PinnedPool&) = delete;
+  PinnedPool& operator=(const PinnedPool&) = delete;
+
+  // A block of at least `bytes` (> 0), never waiting: RESOURCE_EXHAUSTED when no free block of
+  // the class exists right now (the caller frees or waits and retries), INVALID_ARGUMENT when the
+  // class is larger than the arena could ever provide (see max_allocation()).
+  StatusOr<PinnedBlock> Allocate(uint64_t bytes);
+  // Returns a block from Allocate. Freeing anything else is a bug and aborts.
+  void Free(const PinnedBlock& block);
+
+  // The class bytes a request of `bytes` occupies.
+  uint64_t ClassBytes(uint64_t bytes) const;
+  // The largest class the arena can ever hold (with nothing else allocated).
+  uint64_t max_allocation() const { return max_class_; }
+  uint64_t arena_bytes() const { return arena_bytes_; }
+  PinnedBacking backing() const { return backing_; }
+
+  // The arena as ranges of at most 1 GiB (io_uring's limit per registered buffer), for
+  // IoEngine::RegisterBuffers / SwapStore::RegisterBuffers.
+  std::vector<iovec> IoRanges() const;
+  // True when [p, p+len) lies inside the arena.
+  bool Contains(const void* p, uint64_t len) const;
+
+  PinnedPoolStats stats() const;
+
+ private:
+  explicit PinnedPool(const PinnedPoolOptions& options) : options_(options) {}
+  Status Reserve();
+  Status ReserveMmap();
+  void InitFreeLists();
+  int OrderOf(uint64_t class_bytes) const;
+
+  const PinnedPoolOptions options_;
+  char* base_ = nullptr;
+  uint64_t arena_bytes_ = 0;
+  uint64_t map_bytes_ = 0;      // bytes mmap'd (== arena_bytes_ on the mmap path)
+  uint64_t pinned_bytes_ = 0;
+  uint64_t max_class_ = 0;
+  PinnedBacking backing_ = PinnedBacking::kPageable;
+  bool huge_pages_ = false;
+  int numa_node_ = -1;
+
+  mutable std::mutex mu_;
+  // free_[k]: offsets of free blocks of min_block << k, ordered so the lowest address is reused
+  // first (keeps live blocks packed at the start of the arena).
+  std::vector<std::set<uint64_t>> free_;                // GUARDED_BY(mu_)
+  std::unordered_map<uint64_t, int> live_;             // GUARDED_BY(mu_): offset -> order
+  std::unordered_map<uint64_t, uint64_t> requested_;   // GUARDED_BY(mu_): offset -> bytes
+  PinnedPoolStats stats_;                               // GUARDED_BY(mu_)
+};
+
+}  // namespace strata

@@ -46,7 +46,7 @@ inline __m128i Bf16Bits(__m256 x) {
   return _mm256_castsi256_si128(_mm256_permute4x64_epi64(packed, 0x08));
 }
 
-template <DType T>
+template <DType T, bool kStream = false>
 inline void Store(void* base, size_t i, __m256 x) {
   if constexpr (T == DType::kFloat32) {
     _mm256_storeu_ps(static_cast<float*>(base) + i, x);
@@ -57,7 +57,9 @@ inline void Store(void* base, size_t i, __m256 x) {
     } else {
       h = _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     }
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(static_cast<uint16_t*>(base) + i), h);
+    __m128i* p = reinterpret_cast<__m128i*>(static_cast<uint16_t*>(base) + i);
+    if constexpr (kStream) _mm_stream_si128(p, h);
+    else _mm_storeu_si128(p, h);
   }
 }
 
@@ -91,7 +93,7 @@ struct VecConsts {
       inv_sqrt_bc2, l2, decay;
 };
 
-template <DType G, DType S, P16 P, bool kL2, bool kDecay>
+template <DType G, DType S, P16 P, bool kL2, bool kDecay, bool kStream>
 void AdamLoop(const AdamKernelArgs& a, size_t begin, size_t end) {
   const VecConsts c(a.c);
   size_t i = begin;
@@ -109,9 +111,10 @@ void AdamLoop(const AdamKernelArgs& a, size_t begin, size_t end) {
     Store<DType::kFloat32>(a.master, i, p);
     Store<S>(a.exp_avg, i, m);
     Store<S>(a.exp_avg_sq, i, v);
-    if constexpr (P == P16::kBf16) Store<DType::kBFloat16>(a.param16, i, p);
-    if constexpr (P == P16::kFp16) Store<DType::kFloat16>(a.param16, i, p);
+    if constexpr (P == P16::kBf16) Store<DType::kBFloat16, kStream>(a.param16, i, p);
+    if constexpr (P == P16::kFp16) Store<DType::kFloat16, kStream>(a.param16, i, p);
   }
+  if constexpr (kStream) _mm_sfence();
   for (; i < end; ++i) {
     float p = a.master[i];
     float m = LoadOne<S>(a.exp_avg, i);
@@ -125,15 +128,29 @@ void AdamLoop(const AdamKernelArgs& a, size_t begin, size_t end) {
   }
 }
 
+template <DType G, DType S, P16 P, bool kStream>
+void AdamDecay(const AdamKernelArgs& a, size_t begin, size_t end) {
+  if (a.c.has_l2) {
+    AdamLoop<G, S, P, true, false, kStream>(a, begin, end);
+  } else if (a.c.has_decay) {
+    AdamLoop<G, S, P, false, true, kStream>(a, begin, end);
+  } else {
+    AdamLoop<G, S, P, false, false, kStream>(a, begin, end);
+  }
+}
+
+// Streaming stores for the 16-bit copy when it is 16-byte aligned: see
+// Note [streaming param16 stores] in adam_kernel_avx512.cc.
 template <DType G, DType S, P16 P>
 void Adam256(const AdamKernelArgs& a, size_t begin, size_t end) {
-  if (a.c.has_l2) {
-    AdamLoop<G, S, P, true, false>(a, begin, end);
-  } else if (a.c.has_decay) {
-    AdamLoop<G, S, P, false, true>(a, begin, end);
-  } else {
-    AdamLoop<G, S, P, false, false>(a, begin, end);
+  if constexpr (P != P16::kNone) {
+    const auto addr = reinterpret_cast<uintptr_t>(static_cast<uint16_t*>(a.param16) + begin);
+    if (addr % 16 == 0) {
+      AdamDecay<G, S, P, true>(a, begin, end);
+      return;
+    }
   }
+  AdamDecay<G, S, P, false>(a, begin, end);
 }
 
 template <DType G>

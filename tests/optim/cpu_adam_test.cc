@@ -180,6 +180,40 @@ TEST(CpuAdamTest, EveryIsaMatchesScalarBitForBit) {
   EXPECT_GT(cases, 0);
 }
 
+// The 16-bit copy takes a streaming-store path when it is aligned and an ordinary one when not;
+// both must write the scalar reference's bytes.
+TEST(CpuAdamTest, Param16AlignedAndUnalignedMatchScalar) {
+  std::mt19937 rng(77);
+  tbb::task_arena arena(2);
+  const size_t n = 3000;
+  const Shard start = MakeShard(n, DType::kFloat32, DType::kFloat32, false, DType::kBFloat16, rng);
+  for (DType p16 : {DType::kBFloat16, DType::kFloat16}) {
+    for (size_t offset_elems : {size_t{0}, size_t{1}, size_t{8}}) {
+      std::vector<std::vector<uint16_t>> outs;
+      for (Isa isa : AllIsas()) {
+        // 64-byte aligned storage, then shifted by offset_elems 16-bit elements.
+        std::vector<uint16_t> storage(n + 64, 0);
+        uint16_t* base = storage.data();
+        while (reinterpret_cast<uintptr_t>(base) % 64 != 0) ++base;
+        uint16_t* out = base + offset_elems;
+        Shard sh = start;
+        AdamBuffers b = sh.Buffers();
+        b.param16 = out;
+        b.param16_dtype = p16;
+        AdamOptions opt;
+        opt.isa = isa;
+        opt.arena = &arena;
+        opt.grain = 256;
+        ASSERT_OK(AdamStep(AdamParams{}, b, 1.0f, opt).status());
+        outs.emplace_back(out, out + n);
+      }
+      for (size_t k = 1; k < outs.size(); ++k) {
+        EXPECT_EQ(outs[k], outs[0]) << IsaName(AllIsas()[k]) << " offset=" << offset_elems;
+      }
+    }
+  }
+}
+
 // The formula in cpu_adam.h evaluated in double; the float kernel must agree to float
 // precision (a few ulps, plus the rounding of the constants).
 TEST(CpuAdamTest, MatchesDoublePrecisionFormula) {

@@ -21,8 +21,9 @@
 //
 // Contract
 // - Submit() never blocks on I/O and may be called from any thread, including from a completion
-//   callback. `done` runs exactly once, on an engine thread, with OK only when every byte of the
-//   request was transferred. Callbacks must be short and must not call Drain() or destroy the
+//   callback. `done` runs exactly once, on an engine thread (inline, before Submit returns, for a
+//   request naming an unknown file), with OK only when every byte of the request was
+//   transferred. Callbacks must be short and must not call Drain() or destroy the
 //   engine.
 // - Partial transfers are finished (the remainder is resubmitted); -EAGAIN / -EINTR are retried
 //   (bounded); any other error fails the request with a Status naming the file, offset and

@@ -1,9 +1,25 @@
 #include "tiers/nvme/nvme_tier.h"
 
+#include <algorithm>
+
 #include "runtime/check.h"
 #include "runtime/units.h"
 
 namespace strata::nvme {
+
+NvmeTierOptions NvmeTierOptionsFromConfig(const Config& config, uint32_t rank) {
+  NvmeTierOptions o;
+  for (const auto* list : {&config.zero_optimization.offload_param.nvme_path,
+                           &config.zero_optimization.offload_optimizer.nvme_path}) {
+    for (const auto& p : *list)
+      if (std::find(o.paths.begin(), o.paths.end(), p) == o.paths.end()) o.paths.push_back(p);
+  }
+  o.rank = rank;
+  o.capacity = config.strata.nvme_capacity;
+  o.aio = config.aio;
+  o.checksums = config.strata.checksums;
+  return o;
+}
 
 StatusOr<std::unique_ptr<NvmeTier>> NvmeTier::Create(const NvmeTierOptions& options) {
   STRATA_CHECK(options.capacity > 0, "nvme tier capacity is 0: set strata.nvme_capacity to the "

@@ -30,6 +30,11 @@ struct NvmeTierOptions {
   IoFaultHook fault_hook;  // test-only
 };
 
+// The NVMe tier of `config` for `rank`: the directories of offload_param.nvme_path and
+// offload_optimizer.nvme_path (each once, in that order), strata.nvme_capacity, the aio block
+// and strata.checksums.
+NvmeTierOptions NvmeTierOptionsFromConfig(const Config& config, uint32_t rank);
+
 class NvmeTier final : public Tier {
  public:
   // Starts with an empty swap store (any earlier index for this rank is discarded).

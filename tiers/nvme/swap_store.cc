@@ -248,15 +248,20 @@ Status SwapStore::Close() {
     std::lock_guard<std::mutex> lock(mu_);
     if (closed_) return Status::Ok();
   }
+  if (engine_) engine_->Drain();  // outside mu_: completions take it
+  std::lock_guard<std::mutex> lock(mu_);
   Status result;
+  // A store whose Open failed half-way must not overwrite the index it could not load.
+  if (opened_) result = SaveIndexLocked();
+  closed_ = true;
   if (engine_) {
-    engine_->Drain();
-    std::lock_guard<std::mutex> lock(mu_);
-    // A store whose Open failed half-way must not overwrite the index it could not load.
-    if (opened_) result = SaveIndexLocked();
-    closed_ = true;
+    engine_name_ = std::string(engine_->name());
+    fallback_reason_ = engine_->fallback_reason();
+    closed_io_ = engine_->stats();
+    // Drained above, so no callback is running and none can start: joining the engine's
+    // threads under mu_ cannot deadlock, and stats() never sees a half-destroyed engine.
+    engine_.reset();
   }
-  engine_.reset();
   for (auto& f : files_) {
     // Unlock explicitly: io_uring tears a ring down asynchronously and its registered-file
     // references would keep the lock alive for a moment after close(), failing a prompt reopen.
@@ -265,8 +270,6 @@ Status SwapStore::Close() {
       result = ErrnoToStatus(errno, StrCat("closing swap file ", f.path));
     f.fd = -1;
   }
-  std::lock_guard<std::mutex> lock(mu_);
-  closed_ = true;
   return result;
 }
 
@@ -564,6 +567,7 @@ Status SwapStore::SaveIndexLocked() {
 }
 
 Status SwapStore::RegisterBuffers(const std::vector<iovec>& ranges) {
+  std::lock_guard<std::mutex> lock(mu_);
   if (!engine_) return FailedPrecondition("swap store is closed");
   return engine_->RegisterBuffers(ranges);
 }
@@ -593,15 +597,19 @@ std::vector<uint64_t> SwapStore::Keys() const {
 
 SwapStoreStats SwapStore::stats() const {
   SwapStoreStats s;
+  std::lock_guard<std::mutex> lock(mu_);
   if (engine_) {
     s.engine = std::string(engine_->name());
     s.fallback_reason = engine_->fallback_reason();
     s.io = engine_->stats();
+  } else {
+    s.engine = engine_name_;
+    s.fallback_reason = fallback_reason_;
+    s.io = closed_io_;
   }
   s.direct_io = direct_;
   s.capacity = capacity_;
   s.checksum_failures = checksum_failures_.load();
-  std::lock_guard<std::mutex> lock(mu_);
   s.blocks = blocks_.size();
   s.bytes_allocated = bytes_allocated_;
   return s;

@@ -155,7 +155,7 @@ class SwapStore {
   ChecksumKind checksums_ = ChecksumKind::kCrc32c;
   bool direct_ = false;
   bool opened_ = false;  // Open() completed; only then may Close() write the index
-  std::unique_ptr<IoEngine> engine_;
+  std::unique_ptr<IoEngine> engine_;  // reset by Close() under mu_
   std::atomic<uint64_t> checksum_failures_{0};
 
   mutable std::mutex mu_;
@@ -163,6 +163,9 @@ class SwapStore {
   std::unordered_map<uint64_t, Block> blocks_;    // GUARDED_BY(mu_)
   std::map<uint64_t, uint64_t> free_;             // GUARDED_BY(mu_): offset → length, coalesced
   uint64_t bytes_allocated_ = 0;                  // GUARDED_BY(mu_)
+  // What stats() reports once Close() has destroyed the engine. GUARDED_BY(mu_)
+  std::string engine_name_, fallback_reason_;
+  IoEngineStats closed_io_;
 };
 
 }  // namespace strata::nvme

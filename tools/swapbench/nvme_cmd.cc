@@ -49,6 +49,7 @@ struct NvmeArgs {
   bool fio = false;
   bool fallback = false;
   bool cleanup = false;
+  bool no_fixed_buffers = false;
 };
 
 struct Settings {
@@ -277,8 +278,10 @@ int RunNvme(const NvmeArgs& args) {
     buffers.bufs.push_back(static_cast<char*>(p));
     iov.push_back({p, s.block_size});
   }
-  Status reg = engine->RegisterBuffers(iov);
-  if (!reg.ok()) STRATA_LOG(WARN) << "nvme bench: " << reg;
+  if (!args.no_fixed_buffers) {
+    Status reg = engine->RegisterBuffers(iov);
+    if (!reg.ok()) STRATA_LOG(WARN) << "nvme bench: " << reg;
+  }
 
   if (needs_fill && s.op == IoOp::kRead) {
     // Preallocated space reads back as zeros without touching the device: write it for real.
@@ -292,7 +295,23 @@ int RunNvme(const NvmeArgs& args) {
 
   std::vector<double> ours, fio;
   std::vector<double> secs;
+  // With --fio the order alternates (ours first, then fio first, ...): on a virtual disk the
+  // host may cache what the previous run read, which would favour whoever runs second.
   for (int64_t r = 0; r < s.repeat; ++r) {
+    const bool fio_first = args.fio && r % 2 == 1;
+    auto run_fio = [&]() -> bool {
+      auto f = RunFio(s);
+      if (!f.ok()) {
+        std::cerr << "strata-swapbench nvme: " << f.status() << "\n";
+        return false;
+      }
+      fio.push_back(*f);
+      return true;
+    };
+    if (fio_first && !run_fio()) {
+      close(fd);
+      return 1;
+    }
     auto res = RunOnce(*engine, s, s.op, buffers);
     if (!res.ok()) {
       std::cerr << "strata-swapbench nvme: " << res.status() << "\n";
@@ -301,14 +320,9 @@ int RunNvme(const NvmeArgs& args) {
     }
     ours.push_back(res->gbps);
     secs.push_back(res->seconds);
-    if (args.fio) {
-      auto f = RunFio(s);
-      if (!f.ok()) {
-        std::cerr << "strata-swapbench nvme: " << f.status() << "\n";
-        close(fd);
-        return 1;
-      }
-      fio.push_back(*f);
+    if (args.fio && !fio_first && !run_fio()) {
+      close(fd);
+      return 1;
     }
     if (!args.json) {
       std::cout << "run " << r + 1 << "/" << s.repeat << ": strata " << res->gbps << " GB/s";
@@ -372,8 +386,8 @@ void RegisterNvmeCommand(CLI::App& app, int* exit_code) {
       "O_DIRECT, registered buffers), in decimal GB/s. The file is <path>/strata-swapbench.dat, "
       "preallocated to --size (and written once before a read test if it was shorter). Keeps "
       "queue-depth x threads requests of block-size bytes in flight. With --fio, fio runs with the "
-      "io_uring engine on the same file, size, block size and queue depth after each of our runs, "
-      "and the ratio is printed. Exit status: 0 ok, 1 I/O failure, 2 bad arguments.");
+      "io_uring engine on the same file, size, block size and queue depth in each round (alternating "
+      "which runs first), and the ratio of the medians is printed. Exit status: 0 ok, 1 I/O failure, 2 bad arguments.");
   cmd->add_option("--path", args->path, "Directory on the device to measure (required)");
   cmd->add_option("--size", args->size, "File size, e.g. 2GiB (default 2GiB)");
   cmd->add_option("--block-size", args->block_size, "Bytes per request, multiple of 4KiB, e.g. 1MiB (default 1MiB)");
@@ -385,6 +399,8 @@ void RegisterNvmeCommand(CLI::App& app, int* exit_code) {
   cmd->add_flag("--fio", args->fio, "Also run fio (io_uring, O_DIRECT) on the same file and print the ratio");
   cmd->add_flag("--fallback", args->fallback, "Use the pread/pwrite fallback engine instead of io_uring");
   cmd->add_flag("--cleanup", args->cleanup, "Delete the test file afterwards");
+  cmd->add_flag("--no-fixed-buffers", args->no_fixed_buffers,
+                "Do not register the buffers with io_uring (plain read/write opcodes)");
   cmd->callback([args, exit_code] { *exit_code = RunNvme(*args); });
 }
 

@@ -3,7 +3,14 @@
 #include "tiers/nvme/io_engine.h"
 
 #include <fcntl.h>
+#include <linux/filter.h>
+#include <linux/seccomp.h>
+#include <sys/prctl.h>
+#include <sys/syscall.h>
+#include <sys/wait.h>
 #include <unistd.h>
+
+#include <cstddef>
 
 #include <atomic>
 #include <cerrno>
@@ -227,6 +234,55 @@ TEST_P(EngineTest, DestructionDrainsInFlightIo) {
 
 INSTANTIATE_TEST_SUITE_P(Backends, EngineTest, ::testing::Values(false, true),
                          [](const auto& info) { return info.param ? "Fallback" : "IoUring"; });
+
+// Makes io_uring_setup fail with ENOSYS in this process, as on a kernel built without io_uring
+// or with it disabled, without touching the machine-wide io_uring_disabled sysctl.
+bool DenyIoUringSetup() {
+#if defined(__x86_64__) && defined(__NR_io_uring_setup)
+  sock_filter filter[] = {
+      BPF_STMT(BPF_LD | BPF_W | BPF_ABS, offsetof(seccomp_data, nr)),
+      BPF_JUMP(BPF_JMP | BPF_JEQ | BPF_K, __NR_io_uring_setup, 0, 1),
+      BPF_STMT(BPF_RET | BPF_K, SECCOMP_RET_ERRNO | (ENOSYS & SECCOMP_RET_DATA)),
+      BPF_STMT(BPF_RET | BPF_K, SECCOMP_RET_ALLOW),
+  };
+  sock_fprog prog{static_cast<unsigned short>(sizeof(filter) / sizeof(filter[0])), filter};
+  if (prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0) return false;
+  return prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, &prog) == 0;
+#else
+  return false;
+#endif
+}
+
+TEST(EngineSetupTest, FallsBackWhenIoUringCannotBeSetUp) {
+  TempDir dir;
+  const std::string path = dir.path() + "/f.dat";
+  pid_t pid = fork();
+  ASSERT_GE(pid, 0);
+  if (pid == 0) {
+    if (!DenyIoUringSetup()) _exit(77);
+    IoEngineOptions o;
+    auto e = IoEngine::Create(o);
+    if (!e.ok()) _exit(10);
+    if ((*e)->name() != "fallback") _exit(11);
+    if ((*e)->fallback_reason().find("io_uring") == std::string::npos) _exit(12);
+    int fd = open(path.c_str(), O_RDWR | O_CREAT | O_DIRECT, 0600);
+    if (fd < 0 || !(*e)->SetFiles({{fd, path}}).ok()) _exit(13);
+    Aligned w(8192), r(8192);
+    Fill(w.p, w.size, 21);
+    std::promise<Status> pw, pr;
+    (*e)->Submit({IoOp::kWrite, 0, w.p, w.size, 0, [&](Status s) { pw.set_value(s); }});
+    if (!pw.get_future().get().ok()) _exit(14);
+    (*e)->Submit({IoOp::kRead, 0, r.p, r.size, 0, [&](Status s) { pr.set_value(s); }});
+    if (!pr.get_future().get().ok()) _exit(15);
+    if (std::memcmp(w.p, r.p, w.size) != 0) _exit(16);
+    _exit(0);
+  }
+  int status = 0;
+  ASSERT_EQ(waitpid(pid, &status, 0), pid);
+  ASSERT_TRUE(WIFEXITED(status));
+  if (WEXITSTATUS(status) == 77) GTEST_SKIP() << "seccomp unavailable";
+  EXPECT_EQ(WEXITSTATUS(status), 0) << "child check failed (see exit code)";
+}
 
 TEST(AioConfigTest, BadValuesNameTheKeyAndRange) {
   AioConfig aio;

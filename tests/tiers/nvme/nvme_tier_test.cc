@@ -107,5 +107,22 @@ TEST(NvmeTierTest, FaultsAndCorruptionAreErrorsCounted) {
   EXPECT_EQ(tier->stats().errors, 2u);
 }
 
+TEST(NvmeTierTest, OptionsComeFromTheConfig) {
+  Config c;
+  c.zero_optimization.offload_param.nvme_path = {"/a", "/b"};
+  c.zero_optimization.offload_optimizer.nvme_path = {"/b", "/c"};
+  c.strata.nvme_capacity = 1 << 30;
+  c.strata.checksums = ChecksumKind::kNone;
+  c.aio.block_size = 8 << 20;
+  c.aio.queue_depth = 64;
+  NvmeTierOptions o = NvmeTierOptionsFromConfig(c, 3);
+  EXPECT_EQ(o.paths, (std::vector<std::string>{"/a", "/b", "/c"}));
+  EXPECT_EQ(o.rank, 3u);
+  EXPECT_EQ(o.capacity, 1u << 30);
+  EXPECT_EQ(o.checksums, ChecksumKind::kNone);
+  EXPECT_EQ(o.aio.block_size, 8 << 20);
+  EXPECT_EQ(o.aio.queue_depth, 64);
+}
+
 }  // namespace
 }  // namespace strata::nvme

@@ -107,7 +107,8 @@ struct TierManager::Block {
   bool prefetched = false;         // read by prefetch, not yet acquired
   bool evict_after_write = false;  // drop when the write-back completes (if unpinned)
   uint64_t read_gen = 0, read_done_gen = 0;
-  Status read_status;
+  uint64_t read_failed_gen = 0;  // the last read that failed
+  Status read_status;            // of the last read that failed
   uint64_t write_gen = 0, write_done_gen = 0;
   Status write_status;
   std::vector<uint64_t> uses;  // positions in the trace, ascending
@@ -120,6 +121,8 @@ struct TierManager::IoAction {
   TierRegion region;
   uint64_t gen = 0;
 };
+
+TierManager::TierManager(const TierManagerOptions& options, Tier* nvme) : options_(options), nvme_(nvme) {}
 
 StatusOr<std::unique_ptr<TierManager>> TierManager::Create(const TierManagerOptions& options, Tier* nvme) {
   STRATA_CHECK(options.host_budget > 0,
@@ -419,7 +422,6 @@ void TierManager::OnReadDone(Block* b, uint64_t gen, const Status& s) {
     --inflight_;
     b->read_done_gen = gen;
     if (s.ok()) {
-      b->read_status = Status::Ok();
       b->host = HostResidency::kClean;
       b->last_use = ++tick_;
       stats_.bytes_nvme_to_host += b->bytes;
@@ -427,6 +429,7 @@ void TierManager::OnReadDone(Block* b, uint64_t gen, const Status& s) {
     } else {
       // Never hand out what a failed read left in the buffer.
       b->read_status = s.WithContext(StrCat("reading ", ToString(b->id), " from NVMe"));
+      b->read_failed_gen = gen;
       ++stats_.read_errors;
       pool_->Free(b->mem);
       stats_.host_bytes_resident -= b->mem.class_bytes;
@@ -661,7 +664,7 @@ StatusOr<void*> TierManager::Acquire(BlockId id, Access access) {
         while (b->read_done_gen < gen && !timed_out) Wait(lk, deadline, &timed_out);
         --b->pins;
         if (timed_out) return timeout();
-        if (b->host == HostResidency::kAbsent && !b->read_status.ok()) return b->read_status;
+        if (b->read_failed_gen >= gen) return b->read_status;
         continue;
       }
       case HostResidency::kAbsent: {
@@ -694,7 +697,6 @@ StatusOr<void*> TierManager::Acquire(BlockId id, Access access) {
           lk.lock();
           --b->pins;
           b->read_done_gen = gen;
-          b->read_status = Status::Ok();
           b->host = HostResidency::kClean;
           stats_.bytes_zero_filled += b->bytes;
           cv_.notify_all();
@@ -702,9 +704,17 @@ StatusOr<void*> TierManager::Acquire(BlockId id, Access access) {
         }
         ++stats_.nvme_hits;
         StartRead(b, *mem, /*prefetch=*/false, &io);
+        // Wait for this read (the completion may even run inside Issue) and judge it by its
+        // generation: a failed read must be reported, not silently retried.
+        const uint64_t gen = b->read_gen;
+        ++b->pins;
         lk.unlock();
         Issue(io);
         lk.lock();
+        while (b->read_done_gen < gen && !timed_out) Wait(lk, deadline, &timed_out);
+        --b->pins;
+        if (timed_out) return timeout();
+        if (b->read_failed_gen >= gen) return b->read_status;
         continue;
       }
     }

@@ -211,7 +211,7 @@ class TierManager {
   struct IoAction;
   using Lock = std::unique_lock<std::mutex>;
 
-  TierManager(const TierManagerOptions& options, Tier* nvme) : options_(options), nvme_(nvme) {}
+  TierManager(const TierManagerOptions& options, Tier* nvme);
 
   Block* Find(BlockId id) const;  // REQUIRES(mu_)
   void RecordUse(Block* b);       // REQUIRES(mu_)

@@ -22,7 +22,7 @@ namespace strata {
 //      DMA engines use them directly (mlock'd memory would still be staged by the driver).
 //   2. mmap + mlock: locked pages for io_uring (and for the CPU device, which copies with
 //      memcpy). Locking is done in segments so that a limit met half-way keeps what was locked:
-//      a non-root user with RLIMIT_MEMLOCK = 8 MiB gets 8 MiB pinned and the rest pageable.
+//      a non-root user with RLIMIT_MEMLOCK = 8 MiB gets (up to) 8 MiB pinned, the rest pageable.
 //   3. Pageable memory: everything still works; transfers are slower (the kernel pins pages per
 //      request, CUDA stages through its own buffers). One warning says so and how to fix it.
 // Pinning failure is never an error: a training run that cannot lock memory must still run.
@@ -153,17 +153,23 @@ Status PinnedPool::ReserveMmap() {
                      << " stays pageable";
     return Status::Ok();
   }
+  // Lock in segments, halving the segment on failure, so that a limit met part-way still pins
+  // as much as it allows (down to one huge page of granularity).
   int err = 0;
-  for (uint64_t off = 0; off < arena_bytes_; off += kLockSegment) {
-    const uint64_t len = std::min(kLockSegment, arena_bytes_ - off);
-    if (mlock(base_ + off, len) != 0) {
-      err = errno;
-      break;
+  uint64_t segment = kLockSegment;
+  for (uint64_t off = 0; off < arena_bytes_;) {
+    const uint64_t len = std::min(segment, arena_bytes_ - off);
+    if (mlock(base_ + off, len) == 0) {
+      pinned_bytes_ += len;
+      off += len;
+      continue;
     }
-    pinned_bytes_ += len;
+    err = errno;
+    if (segment <= kHugePage) break;
+    segment /= 2;
   }
   if (pinned_bytes_ > 0) backing_ = PinnedBacking::kMlock;
-  if (err != 0) {
+  if (pinned_bytes_ < arena_bytes_) {
     struct rlimit rl {};
     getrlimit(RLIMIT_MEMLOCK, &rl);
     const bool unlimited = rl.rlim_cur == RLIM_INFINITY;

@@ -22,8 +22,6 @@ NvmeTierOptions NvmeTierOptionsFromConfig(const Config& config, uint32_t rank) {
 }
 
 StatusOr<std::unique_ptr<NvmeTier>> NvmeTier::Create(const NvmeTierOptions& options) {
-  STRATA_CHECK(options.capacity > 0, "nvme tier capacity is 0: set strata.nvme_capacity to the "
-                                     "bytes per rank the NVMe tier may use, e.g. \"64GiB\"");
   SwapStoreOptions so;
   so.paths = options.paths;
   so.rank = options.rank;
@@ -35,7 +33,8 @@ StatusOr<std::unique_ptr<NvmeTier>> NvmeTier::Create(const NvmeTierOptions& opti
   so.fault_hook = options.fault_hook;
   std::unique_ptr<NvmeTier> t(new NvmeTier);
   STRATA_ASSIGN_OR_RETURN(t->store_, SwapStore::Open(so));
-  t->capacity_ = options.capacity;
+  // 0 means what the file systems have free, which the store worked out.
+  t->capacity_ = options.capacity > 0 ? options.capacity : t->store_->capacity();
   return t;
 }
 

@@ -23,7 +23,7 @@ namespace strata::nvme {
 struct NvmeTierOptions {
   std::vector<std::string> paths;
   uint32_t rank = 0;
-  uint64_t capacity = 0;  // bytes; must be > 0
+  uint64_t capacity = 0;  // bytes; 0: what the file systems have free at creation
   AioConfig aio;
   ChecksumKind checksums = ChecksumKind::kCrc32c;
   bool force_fallback = false;

@@ -3,12 +3,14 @@
 #include <fcntl.h>
 #include <sys/file.h>
 #include <sys/stat.h>
+#include <sys/statvfs.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <cerrno>
 #include <cstdlib>
 #include <cstring>
+#include <cstdint>
 #include <future>
 #include <set>
 
@@ -42,6 +44,8 @@ AlignedBuf AllocAligned(uint64_t bytes) {
 }
 
 uint64_t RoundUp(uint64_t v, uint64_t a) { return (v + a - 1) / a * a; }
+
+constexpr uint64_t kInitialPreallocation = 64ull << 20;  // per file; Note [preallocation]
 
 std::string SwapFileName(const std::string& dir, uint32_t rank) {
   return StrCat(dir, dir.empty() || dir.back() == '/' ? "" : "/", "strata-rank", rank, ".swap");
@@ -88,9 +92,6 @@ StatusOr<std::unique_ptr<SwapStore>> SwapStore::Open(const SwapStoreOptions& opt
   STRATA_CHECK(options.paths.size() <= 64, "nvme_path has ", options.paths.size(),
                " directories: at most 64 can be striped");
   STRATA_RETURN_IF_ERROR(ValidateAioConfig(options.aio));
-  STRATA_CHECK(options.capacity > 0 || options.mode == SwapOpenMode::kOpenExisting,
-               "nvme swap capacity is 0: set strata.nvme_capacity to the bytes per rank the swap "
-               "files may take, e.g. \"64GiB\"");
   std::set<std::string> seen;
   for (const auto& p : options.paths) {
     STRATA_CHECK(seen.insert(p).second, "nvme path ", p,
@@ -136,8 +137,21 @@ StatusOr<std::unique_ptr<SwapStore>> SwapStore::Open(const SwapStoreOptions& opt
                                        s->stripe_unit_, " now; reopen with the same block size"));
     s->capacity_ = index->capacity;
     s->checksums_ = index->checksums;
-  } else {
+  } else if (options.capacity > 0) {
     s->capacity_ = RoundUp(options.capacity, s->stripe_unit_ * n);
+  } else {
+    // strata.nvme_capacity=0: what the file systems have free now (the smallest, times the
+    // number of stripes, since every path holds the same share).
+    uint64_t min_free = UINT64_MAX;
+    for (const auto& p : options.paths) {
+      struct statvfs vfs;
+      if (statvfs(p.c_str(), &vfs) != 0) return ErrnoToStatus(errno, StrCat("statvfs ", p));
+      min_free = std::min<uint64_t>(min_free, uint64_t{vfs.f_bavail} * vfs.f_frsize);
+    }
+    s->capacity_ = min_free / s->stripe_unit_ * s->stripe_unit_ * n;
+    if (s->capacity_ == 0)
+      return ResourceExhausted(StrCat("nvme path ", options.paths[0], " has less than one aio.block_size (",
+                                      s->stripe_unit_, " bytes) free; free space or set another nvme_path"));
   }
   STRATA_RETURN_IF_ERROR(s->OpenFiles(options, !index.has_value(), s->capacity_ / n));
 
@@ -198,26 +212,54 @@ Status SwapStore::OpenFiles(const SwapStoreOptions& options, bool create, uint64
     }
     if (create) {
       if (ftruncate(f.fd, 0) != 0) return ErrnoToStatus(errno, StrCat("truncating swap file ", f.path));
-      int rc = fallocate(f.fd, 0, 0, static_cast<off_t>(per_file));
-      if (rc != 0 && (errno == EOPNOTSUPP || errno == ENOSYS)) {
-        STRATA_LOG_ONCE(WARN) << "nvme fallocate unsupported on " << f.path
-                              << "; the swap file is sparse and may hit ENOSPC on write";
-        rc = ftruncate(f.fd, static_cast<off_t>(per_file));
-      }
-      if (rc != 0)
-        return ErrnoToStatus(errno, StrCat("preallocating ", FormatBytes(per_file), " for swap file ",
-                                           f.path, " (lower strata.nvme_capacity or free space)"));
+      files_.back().size = 0;
     } else {
       struct stat st;
       if (fstat(f.fd, &st) != 0) return ErrnoToStatus(errno, StrCat("stat swap file ", f.path));
-      if (static_cast<uint64_t>(st.st_size) < per_file)
-        return DataLoss(StrCat("swap file ", f.path, " is ", st.st_size, " bytes but index ", index_path_,
-                               " needs ", per_file, ": the file was truncated and blocks in it are "
-                               "lost; delete the index to start empty"));
+      files_.back().size = static_cast<uint64_t>(st.st_size) / stripe_unit_ * stripe_unit_;
     }
   }
   direct_ = all_direct;
+  if (create) {
+    const uint64_t initial = std::min(per_file, kInitialPreallocation);
+    STRATA_RETURN_IF_ERROR(Preallocate(initial, initial));
+  }
   return Status::Ok();
+}
+
+// Note [preallocation]
+// Swap files are preallocated with fallocate so that a write never meets ENOSPC and the
+// extents are laid out once. The whole capacity is not reserved up front -- it may be "all the
+// free space" (strata.nvme_capacity=0) or a generous cap -- but before any block is handed out
+// its extent lies inside preallocated space: Open() reserves min(capacity, 64 MiB) per file and
+// Allocate() grows the files (doubling, capped at capacity) when a block would reach past them.
+// A file system that cannot hold the growth fails that Allocate with RESOURCE_EXHAUSTED.
+Status SwapStore::Preallocate(uint64_t wanted, uint64_t needed) {
+  for (auto& f : files_) {
+    if (f.size >= needed) continue;
+    uint64_t target = std::max(wanted, needed);
+    int rc = fallocate(f.fd, 0, 0, static_cast<off_t>(target));
+    if (rc != 0 && errno == ENOSPC && target > needed) {
+      target = needed;  // the doubling did not fit; the block itself may
+      rc = fallocate(f.fd, 0, 0, static_cast<off_t>(target));
+    }
+    if (rc != 0 && (errno == EOPNOTSUPP || errno == ENOSYS)) {
+      STRATA_LOG_ONCE(WARN) << "nvme fallocate unsupported on " << f.path
+                            << "; the swap file is sparse and writes may meet ENOSPC";
+      rc = ftruncate(f.fd, static_cast<off_t>(target));
+    }
+    if (rc != 0)
+      return ErrnoToStatus(errno, StrCat("preallocating ", FormatBytes(target), " for swap file ", f.path,
+                                         " (lower strata.nvme_capacity or free space on that device)"));
+    f.size = target;
+  }
+  return Status::Ok();
+}
+
+uint64_t SwapStore::PerFileBytesFor(uint64_t logical_end) const {
+  const uint64_t n = files_.size();
+  const uint64_t stripes = (logical_end + stripe_unit_ - 1) / stripe_unit_;
+  return (stripes + n - 1) / n * stripe_unit_;
 }
 
 Status SwapStore::LoadIndex(const SwapIndex& index) {
@@ -234,6 +276,13 @@ Status SwapStore::LoadIndex(const SwapIndex& index) {
     if (fo + fl > b.offset + len) free_[b.offset + len] = fo + fl - (b.offset + len);
     blocks_[b.key] = Block{b.offset, b.length, b.crc, b.written};
     bytes_allocated_ += len;
+    const uint64_t need = PerFileBytesFor(b.offset + len);
+    for (const auto& f : files_) {
+      if (f.size < need)
+        return DataLoss(StrCat("swap file ", f.path, " is ", f.size, " bytes but block ", b.key, " of index ",
+                               index_path_, " needs ", need, ": the file was truncated and its blocks "
+                               "are lost; delete the index to start empty"));
+    }
   }
   return Status::Ok();
 }
@@ -282,6 +331,12 @@ Status SwapStore::Allocate(uint64_t key, uint64_t bytes) {
   for (auto it = free_.begin(); it != free_.end(); ++it) {
     if (it->second < len) continue;
     const uint64_t off = it->first, rest = it->second - len;
+    const uint64_t need = PerFileBytesFor(off + len);
+    if (need > files_.front().size || need > files_.back().size) {
+      const uint64_t per_file = capacity_ / files_.size();
+      Status grown = Preallocate(std::min(per_file, std::max(need, 2 * files_.front().size)), need);
+      if (!grown.ok()) return grown.WithContext(StrCat("allocating swap block ", key, " of ", FormatBytes(bytes)));
+    }
     free_.erase(it);
     if (rest > 0) free_[off + len] = rest;
     blocks_[key] = Block{off, bytes, 0, false};

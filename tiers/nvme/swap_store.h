@@ -1,7 +1,8 @@
 // SwapStore: blocks (chunk shards of any state) kept in preallocated per-rank swap files.
 //
-// Layout. One file per nvme path, `<path>/strata-rank<R>.swap`, preallocated with fallocate at
-// open. With several paths the files form one logical space striped RAID-0 style in units of
+// Layout. One file per nvme path, `<path>/strata-rank<R>.swap`, preallocated with fallocate
+// (Note [preallocation] in swap_store.cc: up to 64 MiB at open, grown by Allocate before any
+// block reaches past it, never beyond the capacity). With several paths the files form one logical space striped RAID-0 style in units of
 // aio.block_size: logical stripe s lives in file s % N at offset (s / N) × block_size, so one
 // large block is read from every device at once. Blocks get 4 KiB-aligned logical extents from a
 // first-fit allocator. The index (block key → extent, length, checksum) lives in memory and is
@@ -52,7 +53,9 @@ enum class SwapOpenMode {
 struct SwapStoreOptions {
   std::vector<std::string> paths;  // directories; several are striped
   uint32_t rank = 0;
-  uint64_t capacity = 0;           // bytes across all paths; rounded up to block_size × paths
+  // Bytes across all paths, rounded up to block_size × paths; 0 takes what the file systems
+  // have free at open (strata.nvme_capacity=0). Ignored on reopen: the index's capacity wins.
+  uint64_t capacity = 0;
   AioConfig aio;
   ChecksumKind checksums = ChecksumKind::kCrc32c;  // ignored on reopen: the index's kind wins
   SwapOpenMode mode = SwapOpenMode::kCreate;
@@ -122,6 +125,7 @@ class SwapStore {
   struct File {
     int fd = -1;
     std::string path;
+    uint64_t size = 0;  // bytes preallocated (GUARDED_BY(mu_) after Open)
   };
   struct Block {
     uint64_t offset = 0;
@@ -140,6 +144,8 @@ class SwapStore {
   SwapStore() = default;
   Status OpenFiles(const SwapStoreOptions& options, bool create, uint64_t per_file);
   Status LoadIndex(const SwapIndex& index);
+  Status Preallocate(uint64_t wanted, uint64_t needed);  // per file; Note [preallocation]
+  uint64_t PerFileBytesFor(uint64_t logical_end) const;
   std::vector<Segment> MapExtent(uint64_t logical, uint64_t length) const;
   std::string FilesOf(const std::vector<Segment>& segs) const;
   void Issue(IoOp op, uint64_t key, const Block& block, char* buf, std::shared_ptr<Op> state);

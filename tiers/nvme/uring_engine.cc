@@ -49,7 +49,12 @@ class UringEngine::Ring {
       Wake();
       thread_.join();
     }
-    if (ring_ok_) io_uring_queue_exit(&ring_);
+    if (ring_ok_) {
+      // The kernel finishes tearing a ring down asynchronously; dropping the registered files
+      // first releases them (and their locks and mounts) before we return.
+      if (engine_->fixed_files_.load()) io_uring_unregister_files(&ring_);
+      io_uring_queue_exit(&ring_);
+    }
     if (efd_ >= 0) close(efd_);
   }
 

@@ -6,6 +6,9 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <cstdlib>
+#include <functional>
+#include <future>
 #include <chrono>
 #include <deque>
 #include <thread>
@@ -36,9 +39,22 @@ constexpr uint64_t kWakeTag = 1;  // user_data of the eventfd poll; pieces are p
 thread_local const void* tls_current_ring = nullptr;
 }  // namespace
 
+// Note [ring ownership]
+// Each ring is created, used and torn down by its own thread. That lets the ring be set up with
+// IORING_SETUP_SINGLE_ISSUER | IORING_SETUP_DEFER_TASKRUN, so the kernel runs completion work
+// only when that thread asks for events (no interrupts of a thread that is busy refilling the
+// ring), which also means registrations must be made from that thread: Call() posts them there.
+// Kernels without those flags (before 6.1) get a plain ring. STRATA_NVME_PLAIN_RING=1 forces a
+// plain ring, for comparisons.
+const bool kPlainRing = [] {
+  const char* v = std::getenv("STRATA_NVME_PLAIN_RING");
+  return v != nullptr && v[0] == '1';
+}();
+
 class UringEngine::Ring {
  public:
-  Ring(UringEngine* engine, std::string label) : engine_(engine), label_(std::move(label)) {}
+  Ring(UringEngine* engine, std::string label, unsigned queue_depth)
+      : engine_(engine), label_(std::move(label)), qd_(queue_depth) {}
 
   ~Ring() {
     if (thread_.joinable()) {
@@ -49,38 +65,36 @@ class UringEngine::Ring {
       Wake();
       thread_.join();
     }
-    if (ring_ok_) {
-      // The kernel finishes tearing a ring down asynchronously; dropping the registered files
-      // first releases them (and their locks and mounts) before we return.
-      if (engine_->fixed_files_.load()) io_uring_unregister_files(&ring_);
-      io_uring_queue_exit(&ring_);
-    }
     if (efd_ >= 0) close(efd_);
   }
 
-  Status Init(unsigned queue_depth) {
-    qd_ = queue_depth;
+  // Starts the thread, which creates the ring; fails when the ring cannot be created.
+  Status Start() {
     efd_ = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
     if (efd_ < 0) return ErrnoToStatus(errno, "eventfd for an io_uring ring");
-    int ret = io_uring_queue_init(queue_depth + 1, &ring_, 0);
-    if (ret < 0) return ErrnoToStatus(-ret, StrCat("io_uring_queue_init(", queue_depth + 1, ")"));
-    ring_ok_ = true;
-    return Status::Ok();
+    std::promise<Status> ready;
+    auto f = ready.get_future();
+    thread_ = std::thread([this, &ready] { Loop(&ready); });
+    Status s = f.get();
+    if (!s.ok()) thread_.join();
+    return s;
   }
 
-  void Start() { thread_ = std::thread([this] { Loop(); }); }
+  unsigned setup_flags() const { return setup_flags_; }
 
-  Status RegisterFiles(const std::vector<int>& fds) {
-    int ret = io_uring_register_files(&ring_, fds.data(), static_cast<unsigned>(fds.size()));
-    if (ret < 0) return ErrnoToStatus(-ret, "io_uring_register_files");
-    return Status::Ok();
+  // Runs `fn` on the ring's thread (Note [ring ownership]) and returns its result.
+  Status Call(std::function<Status(io_uring*)> fn) {
+    if (tls_current_ring == this) return fn(&ring_);
+    auto task = std::make_shared<Task>();
+    task->fn = std::move(fn);
+    auto f = task->result.get_future();
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      tasks_.push_back(task);
+    }
+    Wake();
+    return f.get();
   }
-  Status RegisterBuffers(const std::vector<iovec>& iov) {
-    int ret = io_uring_register_buffers(&ring_, iov.data(), static_cast<unsigned>(iov.size()));
-    if (ret < 0) return ErrnoToStatus(-ret, "io_uring_register_buffers");
-    return Status::Ok();
-  }
-  void UnregisterBuffers() { io_uring_unregister_buffers(&ring_); }
 
   void Push(std::vector<Piece*>& pieces) {
     bool was_empty;
@@ -93,6 +107,11 @@ class UringEngine::Ring {
   }
 
  private:
+  struct Task {
+    std::function<Status(io_uring*)> fn;
+    std::promise<Status> result;
+  };
+
   void Wake() {
     uint64_t one = 1;
     // EAGAIN means the counter is already non-zero: a wake-up is pending anyway.
@@ -130,11 +149,34 @@ class UringEngine::Ring {
     io_uring_sqe_set_data(sqe, p);
   }
 
-  void Loop() {
+  Status Setup() {
+    io_uring_params params{};
+    int ret = -EINVAL;
+    if (!kPlainRing) {
+      params.flags = IORING_SETUP_SINGLE_ISSUER | IORING_SETUP_DEFER_TASKRUN;
+      ret = io_uring_queue_init_params(qd_ + 1, &ring_, &params);
+    }
+    if (ret == -EINVAL) {  // older kernel: a plain ring
+      params = io_uring_params{};
+      ret = io_uring_queue_init_params(qd_ + 1, &ring_, &params);
+    }
+    if (ret < 0) return ErrnoToStatus(-ret, StrCat("io_uring_queue_init(", qd_ + 1, ")"));
+    setup_flags_ = params.flags;
+    return Status::Ok();
+  }
+
+  void Loop(std::promise<Status>* ready) {
     tls_current_ring = this;
+    {
+      Status s = Setup();
+      const bool ok = s.ok();
+      ready->set_value(std::move(s));  // `ready` dies with Start()'s frame after this
+      if (!ok) return;
+    }
     const bool overlap = engine_->options_.aio.overlap_events;
     const bool single = engine_->options_.aio.single_submit;
     std::deque<Piece*> local;
+    std::vector<std::shared_ptr<Task>> tasks;
     ArmWake();
     io_uring_cqe* cqes[64];
     while (true) {
@@ -143,8 +185,11 @@ class UringEngine::Ring {
         std::lock_guard<std::mutex> lock(mu_);
         for (Piece* p : queue_) local.push_back(p);
         queue_.clear();
+        tasks.swap(tasks_);
         stop = stopping_;
       }
+      for (auto& t : tasks) t->result.set_value(t->fn(&ring_));
+      tasks.clear();
       if (overlap || inflight_ == 0) {
         while (inflight_ < qd_ && !local.empty()) {
           Prep(local.front());
@@ -174,6 +219,10 @@ class UringEngine::Ring {
         io_uring_cq_advance(&ring_, n);
       }
     }
+    // The kernel finishes tearing a ring down asynchronously; dropping the registered files
+    // first releases them (and their locks and mounts) before the engine is gone.
+    if (engine_->fixed_files_.load()) io_uring_unregister_files(&ring_);
+    io_uring_queue_exit(&ring_);
     tls_current_ring = nullptr;
   }
 
@@ -196,15 +245,16 @@ class UringEngine::Ring {
   UringEngine* engine_;
   std::string label_;
   io_uring ring_{};
-  bool ring_ok_ = false;
+  unsigned setup_flags_ = 0;
   int efd_ = -1;
   unsigned qd_ = 1;
   unsigned inflight_ = 0;  // owned by the ring thread
   std::thread thread_;
 
   std::mutex mu_;
-  std::vector<Piece*> queue_;  // GUARDED_BY(mu_)
-  bool stopping_ = false;      // GUARDED_BY(mu_)
+  std::vector<Piece*> queue_;                 // GUARDED_BY(mu_)
+  std::vector<std::shared_ptr<Task>> tasks_;  // GUARDED_BY(mu_)
+  bool stopping_ = false;                     // GUARDED_BY(mu_)
 };
 
 UringEngine::UringEngine(const IoEngineOptions& options) : IoEngine(options) {}
@@ -214,15 +264,14 @@ StatusOr<std::unique_ptr<UringEngine>> UringEngine::Create(const IoEngineOptions
   std::unique_ptr<UringEngine> e(new UringEngine(options));
   const auto qd = static_cast<unsigned>(options.aio.queue_depth);
   for (int64_t i = 0; i < options.aio.intra_op_parallelism; ++i) {
-    auto r = std::make_unique<Ring>(e.get(), StrCat("read", i));
-    STRATA_RETURN_IF_ERROR(r->Init(qd));
-    e->read_rings_.push_back(std::move(r));
-    auto w = std::make_unique<Ring>(e.get(), StrCat("write", i));
-    STRATA_RETURN_IF_ERROR(w->Init(qd));
-    e->write_rings_.push_back(std::move(w));
+    e->read_rings_.push_back(std::make_unique<Ring>(e.get(), StrCat("read", i), qd));
+    STRATA_RETURN_IF_ERROR(e->read_rings_.back()->Start());
+    e->write_rings_.push_back(std::make_unique<Ring>(e.get(), StrCat("write", i), qd));
+    STRATA_RETURN_IF_ERROR(e->write_rings_.back()->Start());
   }
-  for (auto& r : e->read_rings_) r->Start();
-  for (auto& r : e->write_rings_) r->Start();
+  STRATA_LOG_ONCE(INFO) << "nvme engine=io_uring rings_per_direction=" << options.aio.intra_op_parallelism
+                        << " queue_depth=" << qd << " defer_taskrun="
+                        << ((e->read_rings_.front()->setup_flags() & IORING_SETUP_DEFER_TASKRUN) != 0);
   return e;
 }
 
@@ -240,7 +289,10 @@ Status UringEngine::SetFiles(std::vector<IoFile> files) {
   Status st;
   for (auto* rings : {&read_rings_, &write_rings_}) {
     for (auto& r : *rings) {
-      st = r->RegisterFiles(fds);
+      st = r->Call([&fds](io_uring* ring) {
+        int ret = io_uring_register_files(ring, fds.data(), static_cast<unsigned>(fds.size()));
+        return ret < 0 ? ErrnoToStatus(-ret, "io_uring_register_files") : Status::Ok();
+      });
       if (!st.ok()) break;
     }
     if (!st.ok()) break;
@@ -259,10 +311,18 @@ Status UringEngine::RegisterBuffers(const std::vector<iovec>& ranges) {
   registered_ = ranges;
   for (auto* rings : {&read_rings_, &write_rings_}) {
     for (auto& r : *rings) {
-      Status st = r->RegisterBuffers(ranges);
+      Status st = r->Call([&ranges](io_uring* ring) {
+        int ret = io_uring_register_buffers(ring, ranges.data(), static_cast<unsigned>(ranges.size()));
+        return ret < 0 ? ErrnoToStatus(-ret, "io_uring_register_buffers") : Status::Ok();
+      });
       if (!st.ok()) {
         for (auto* rs : {&read_rings_, &write_rings_})
-          for (auto& x : *rs) x->UnregisterBuffers();
+          for (auto& x : *rs) {
+            x->Call([](io_uring* ring) {
+                io_uring_unregister_buffers(ring);  // rings that never registered say ENXIO
+                return Status::Ok();
+              }).IgnoreError();
+          }
         registered_.clear();
         fixed_buffers_ = false;
         return st.WithContext("registering buffers (I/O continues without them)");

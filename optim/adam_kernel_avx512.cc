@@ -19,6 +19,23 @@ namespace {
 
 constexpr size_t kW = 16;
 
+// Note [prefetch]
+// Software prefetch of the four read streams 512 elements ahead (2 KB for fp32): measured on
+// the 2-core AVX-512 machine, the fp32 step went from 0.89-0.94 of the streaming roofline to
+// 0.99-1.08 (1 and 2 threads; distances 256 and 2048 were no better). The hardware prefetchers
+// stop at 4 KB page boundaries and the divide/sqrt chain keeps fewer loads in flight than the
+// roofline loop; the explicit hints cover both. Prefetching past the end of a buffer is
+// harmless (prefetches never fault); the address is formed as an integer for that reason.
+constexpr size_t kPrefetchElems = 512;
+
+template <DType T>
+inline void Prefetch(const void* base, size_t i) {
+  constexpr size_t kSize = T == DType::kFloat32 ? 4 : 2;
+  _mm_prefetch(reinterpret_cast<const char*>(reinterpret_cast<uintptr_t>(base) +
+                                             (i + kPrefetchElems) * kSize),
+               _MM_HINT_T0);
+}
+
 template <DType T, bool kMask>
 inline __m512 Load(const void* base, size_t i, __mmask16 k) {
   if constexpr (T == DType::kFloat32) {
@@ -134,6 +151,10 @@ void AdamLoop(const AdamKernelArgs& a, size_t begin, size_t end) {
   const VecConsts c(a.c);
   size_t i = begin;
   for (; i + kW <= end; i += kW) {
+    Prefetch<DType::kFloat32>(a.master, i);  // Note [prefetch]
+    Prefetch<G>(a.grad, i);
+    Prefetch<S>(a.exp_avg, i);
+    Prefetch<S>(a.exp_avg_sq, i);
     AdamVector<G, S, P, kInsn, false, kL2, kDecay, kStream>(a, c, i, 0);
   }
   if (i < end) {
@@ -182,20 +203,45 @@ inline void StatsVector(const void* grad, size_t i, __mmask16 k, __m512 scale, _
   s1 = _mm512_fmadd_pd(hi, hi, s1);
 }
 
+// Note [interleaved scan]
+// A single sequential read stream per core is limited by how many cache misses the core keeps
+// in flight: measured here, one thread scanning one fp32 buffer from DRAM reached ~7.5 GB/s
+// while the Adam-shaped loop, with four read streams, moved ~23 GB/s. The scan therefore walks
+// its range as kStreams interleaved sub-ranges, each with its own accumulators, so the
+// prefetchers track several streams at once. The split depends only on (begin, end), so the
+// sum stays deterministic.
+constexpr size_t kStreams = 4;
+
 template <DType G>
 GradPartial Stats512(const void* grad, float scale, size_t begin, size_t end) {
   const __m512 vscale = _mm512_set1_ps(scale);
-  __m512d s0 = _mm512_setzero_pd(), s1 = _mm512_setzero_pd();
-  __m512 poison = _mm512_setzero_ps();
-  size_t i = begin;
-  for (; i + kW <= end; i += kW) StatsVector<G, false>(grad, i, 0, vscale, s0, s1, poison);
+  __m512d s0[kStreams], s1[kStreams];
+  __m512 poison[kStreams];
+  for (size_t k = 0; k < kStreams; ++k) {
+    s0[k] = s1[k] = _mm512_setzero_pd();
+    poison[k] = _mm512_setzero_ps();
+  }
+  const size_t part = (end - begin) / kStreams / kW * kW;
+  for (size_t j = 0; j < part; j += kW) {
+    for (size_t k = 0; k < kStreams; ++k) {
+      StatsVector<G, false>(grad, begin + k * part + j, 0, vscale, s0[k], s1[k], poison[k]);
+    }
+  }
+  size_t i = begin + kStreams * part;
+  for (; i + kW <= end; i += kW) StatsVector<G, false>(grad, i, 0, vscale, s0[0], s1[0], poison[0]);
   if (i < end) {
     const __mmask16 k = static_cast<__mmask16>((1u << (end - i)) - 1u);
-    StatsVector<G, true>(grad, i, k, vscale, s0, s1, poison);
+    StatsVector<G, true>(grad, i, k, vscale, s0[0], s1[0], poison[0]);
+  }
+  __m512d sum = _mm512_setzero_pd();
+  __m512 bad = _mm512_setzero_ps();
+  for (size_t k = 0; k < kStreams; ++k) {
+    sum = _mm512_add_pd(sum, _mm512_add_pd(s0[k], s1[k]));
+    bad = _mm512_add_ps(bad, poison[k]);
   }
   GradPartial r;
-  r.sum_sq = _mm512_reduce_add_pd(_mm512_add_pd(s0, s1));
-  r.nonfinite = _mm512_cmp_ps_mask(poison, poison, _CMP_UNORD_Q) != 0;
+  r.sum_sq = _mm512_reduce_add_pd(sum);
+  r.nonfinite = _mm512_cmp_ps_mask(bad, bad, _CMP_UNORD_Q) != 0;
   return r;
 }
 

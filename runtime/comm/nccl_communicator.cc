@@ -1,0 +1,279 @@
+// NCCL directly on a private CUDA stream. Collectives are enqueued and then waited for by polling,
+// so that a dead peer turns into an error instead of a hang (Note [nccl timeouts]).
+#include <chrono>
+#include <cstring>
+#include <thread>
+
+#include <cuda_runtime.h>
+#include <nccl.h>
+
+#include "runtime/check.h"
+#include "runtime/comm/backends.h"
+#include "runtime/logging.h"
+
+// Note [nccl timeouts]
+// A blocking NCCL communicator waits forever for a peer that died. Strata creates its
+// communicator non-blocking (ncclConfig_t::blocking = 0): calls return ncclInProgress while
+// NCCL works in the background, and every wait here polls cudaStreamQuery and
+// ncclCommGetAsyncError against a deadline. When the deadline passes, ncclCommAbort frees the
+// stuck kernels and the call returns DEADLINE_EXCEEDED; the communicator is then unusable, as
+// the Communicator contract says.
+
+namespace strata {
+
+namespace {
+
+// Turns a CUDA error into a Status and clears CUDA's sticky last error.
+#define STRATA_CUDA_RETURN(expr)                                                           \
+  do {                                                                                     \
+    const cudaError_t strata_ce_ = (expr);                                                 \
+    if (strata_ce_ != cudaSuccess) {                                                       \
+      (void)cudaGetLastError();                                                            \
+      return ::strata::Internal(::strata::StrCat(#expr, ": ", cudaGetErrorString(strata_ce_))); \
+    }                                                                                      \
+  } while (0)
+
+Status NcclError(ncclResult_t r, const char* what, ncclComm_t comm) {
+  const char* last = comm != nullptr ? ncclGetLastError(comm) : ncclGetLastError(nullptr);
+  std::string msg = StrCat(what, ": ", ncclGetErrorString(r));
+  if (last != nullptr && *last != '\0') msg += StrCat(" (", last, ")");
+  if (r == ncclRemoteError || r == ncclSystemError) {
+    return Unavailable(StrCat(msg, "; a peer rank may have exited"));
+  }
+  if (r == ncclInvalidArgument || r == ncclInvalidUsage) return InvalidArgument(msg);
+  return Internal(msg);
+}
+
+ncclDataType_t ToNccl(DType d) {
+  switch (d) {
+    case DType::kF32: return ncclFloat32;
+    case DType::kF64: return ncclFloat64;
+    case DType::kBF16: return ncclBfloat16;
+    case DType::kF16: return ncclFloat16;
+    case DType::kI32: return ncclInt32;
+    case DType::kI64: return ncclInt64;
+    case DType::kU8: return ncclUint8;
+  }
+  return ncclUint8;
+}
+
+ncclRedOp_t ToNccl(ReduceOp op) {
+  switch (op) {
+    case ReduceOp::kSum: return ncclSum;
+    case ReduceOp::kAvg: return ncclAvg;
+    case ReduceOp::kMax: return ncclMax;
+    case ReduceOp::kMin: return ncclMin;
+  }
+  return ncclSum;
+}
+
+class NcclCommunicator final : public Communicator {
+ public:
+  NcclCommunicator(const DistEnv& env, int device, double timeout_s)
+      : Communicator(env.rank, env.world_size), device_(device), timeout_s_(timeout_s) {}
+
+  ~NcclCommunicator() override {
+    if (comm_ != nullptr) {
+      // A failed communicator may have kernels stuck on a dead peer: abort instead of destroy.
+      if (!aborted_) {
+        if (failed_) {
+          ncclCommAbort(comm_);
+        } else {
+          ncclCommDestroy(comm_);
+        }
+      }
+    }
+    if (scratch_ != nullptr) cudaFree(scratch_);
+    if (stream_ != nullptr) cudaStreamDestroy(stream_);
+  }
+
+  std::string_view backend() const override { return "nccl"; }
+  MemoryKind memory_kind() const override { return MemoryKind::kDevice; }
+
+  Status Init(RendezvousStore& store) {
+    STRATA_CUDA_RETURN(cudaSetDevice(device_));
+    STRATA_CUDA_RETURN(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+    STRATA_CUDA_RETURN(cudaMalloc(&scratch_, sizeof(int32_t)));
+    ncclUniqueId id;
+    const std::string key = "strata/nccl/unique_id";
+    if (rank() == 0) {
+      const ncclResult_t r = ncclGetUniqueId(&id);
+      if (r != ncclSuccess) return NcclError(r, "ncclGetUniqueId", nullptr);
+      STRATA_RETURN_IF_ERROR(store.Set(key, std::string(id.internal, sizeof(id.internal))));
+    } else {
+      STRATA_ASSIGN_OR_RETURN(std::string bytes, store.Get(key));
+      if (bytes.size() != sizeof(id.internal)) {
+        return Internal(StrCat("store key ", key, " holds ", bytes.size(), " bytes, expected ",
+                               sizeof(id.internal)));
+      }
+      std::memcpy(id.internal, bytes.data(), bytes.size());
+    }
+    ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+    config.blocking = 0;
+    const ncclResult_t r = ncclCommInitRankConfig(&comm_, world_size(), id, rank(), &config);
+    if (r != ncclSuccess && r != ncclInProgress) {
+      comm_ = nullptr;
+      return NcclError(r, "ncclCommInitRankConfig", nullptr);
+    }
+    return WaitComm("ncclCommInitRankConfig");
+  }
+
+ protected:
+  Status AllGatherImpl(const void* src, void* dst, int64_t count, int64_t dst_stride,
+                       DType dtype) override {
+    const size_t esize = DTypeSize(dtype);
+    if (dst_stride == count) {
+      return Issue("ncclAllGather", [&] {
+        return ncclAllGather(src, dst, count, ToNccl(dtype), comm_, stream_);
+      });
+    }
+    // A bucket: each rank's slice lands at its own offset, so one broadcast per root.
+    return Issue("ncclBroadcast(group)", [&] {
+      ncclResult_t r = ncclGroupStart();
+      for (int root = 0; root < world_size() && (r == ncclSuccess || r == ncclInProgress); ++root) {
+        r = ncclBroadcast(src, static_cast<char*>(dst) + root * dst_stride * esize, count,
+                          ToNccl(dtype), root, comm_, stream_);
+      }
+      const ncclResult_t e = ncclGroupEnd();
+      return r == ncclSuccess ? e : r;
+    });
+  }
+
+  Status ReduceScatterImpl(const void* src, int64_t src_stride, void* dst, int64_t count,
+                           DType dtype, ReduceOp op) override {
+    const size_t esize = DTypeSize(dtype);
+    if (src_stride == count) {
+      return Issue("ncclReduceScatter", [&] {
+        return ncclReduceScatter(src, dst, count, ToNccl(dtype), ToNccl(op), comm_, stream_);
+      });
+    }
+    return Issue("ncclReduce(group)", [&] {
+      ncclResult_t r = ncclGroupStart();
+      for (int root = 0; root < world_size() && (r == ncclSuccess || r == ncclInProgress); ++root) {
+        r = ncclReduce(static_cast<const char*>(src) + root * src_stride * esize, dst, count,
+                       ToNccl(dtype), ToNccl(op), root, comm_, stream_);
+      }
+      const ncclResult_t e = ncclGroupEnd();
+      return r == ncclSuccess ? e : r;
+    });
+  }
+
+  Status AllReduceImpl(void* buf, int64_t count, DType dtype, ReduceOp op) override {
+    return Issue("ncclAllReduce", [&] {
+      return ncclAllReduce(buf, buf, count, ToNccl(dtype), ToNccl(op), comm_, stream_);
+    });
+  }
+
+  Status BroadcastImpl(void* buf, int64_t count, DType dtype, int root) override {
+    return Issue("ncclBroadcast", [&] {
+      return ncclBroadcast(buf, buf, count, ToNccl(dtype), root, comm_, stream_);
+    });
+  }
+
+  Status BarrierImpl() override {
+    return Issue("barrier", [&] {
+      return ncclAllReduce(scratch_, scratch_, 1, ncclInt32, ncclSum, comm_, stream_);
+    });
+  }
+
+ private:
+  template <typename F>
+  Status Issue(const char* what, F&& enqueue) {
+    STRATA_CUDA_RETURN(cudaSetDevice(device_));
+    const ncclResult_t r = enqueue();
+    if (r != ncclSuccess && r != ncclInProgress) return Fail(NcclError(r, what, comm_));
+    STRATA_RETURN_IF_ERROR(WaitComm(what));
+    return WaitStream(what);
+  }
+
+  std::chrono::steady_clock::time_point Deadline() const {
+    return std::chrono::steady_clock::now() +
+           std::chrono::microseconds(static_cast<int64_t>(timeout_s_ * 1e6));
+  }
+
+  // Waits until the non-blocking communicator has finished the pending call (enqueueing, or init).
+  Status WaitComm(const char* what) {
+    const auto deadline = Deadline();
+    for (;;) {
+      ncclResult_t state = ncclSuccess;
+      const ncclResult_t r = ncclCommGetAsyncError(comm_, &state);
+      if (r != ncclSuccess) return Fail(NcclError(r, "ncclCommGetAsyncError", comm_));
+      if (state == ncclSuccess) return Status::Ok();
+      if (state != ncclInProgress) return Fail(NcclError(state, what, comm_));
+      if (std::chrono::steady_clock::now() > deadline) return Abort(what);
+      std::this_thread::sleep_for(std::chrono::microseconds(50));
+    }
+  }
+
+  Status WaitStream(const char* what) {
+    const auto deadline = Deadline();
+    for (;;) {
+      const cudaError_t q = cudaStreamQuery(stream_);
+      if (q == cudaSuccess) return Status::Ok();
+      if (q != cudaErrorNotReady) {
+        (void)cudaGetLastError();
+        return Fail(Internal(StrCat(what, ": cudaStreamQuery: ", cudaGetErrorString(q))));
+      }
+      ncclResult_t state = ncclSuccess;
+      if (ncclCommGetAsyncError(comm_, &state) == ncclSuccess && state != ncclSuccess &&
+          state != ncclInProgress) {
+        return Fail(NcclError(state, what, comm_));
+      }
+      if (std::chrono::steady_clock::now() > deadline) return Abort(what);
+      std::this_thread::sleep_for(std::chrono::microseconds(20));
+    }
+  }
+
+  Status Fail(Status s) {
+    failed_ = true;
+    return s;
+  }
+
+  Status Abort(const char* what) {
+    failed_ = true;
+    if (comm_ != nullptr && !aborted_) {
+      ncclCommAbort(comm_);
+      aborted_ = true;
+    }
+    return DeadlineExceeded(StrCat(what, " did not complete within strata.comm_timeout_s=",
+                                   timeout_s_, " s; the NCCL communicator was aborted (a peer rank "
+                                   "may have died or stalled)"));
+  }
+
+  const int device_;
+  const double timeout_s_;
+  cudaStream_t stream_ = nullptr;
+  ncclComm_t comm_ = nullptr;
+  void* scratch_ = nullptr;  // 4 bytes of device memory for the barrier's all-reduce
+  bool failed_ = false;
+  bool aborted_ = false;
+};
+
+}  // namespace
+
+StatusOr<std::unique_ptr<Communicator>> CreateNcclCommunicator(
+    const DistEnv& env, std::shared_ptr<RendezvousStore> store, double timeout_s,
+    int cuda_device) {
+  STRATA_CHECK(store != nullptr, "CreateNcclCommunicator: null store");
+  STRATA_CHECK(timeout_s > 0, "strata.comm_timeout_s=", timeout_s, ": must be > 0");
+  int count = 0;
+  const cudaError_t ce = cudaGetDeviceCount(&count);
+  if (ce != cudaSuccess) {
+    (void)cudaGetLastError();
+    count = 0;  // no driver or no GPU: same as zero devices
+  }
+  if (count == 0) {
+    return FailedPrecondition(
+        "strata.comm_backend=nccl needs a CUDA GPU and none is usable here; use gloo (or auto "
+        "with device=cpu)");
+  }
+  STRATA_CHECK(cuda_device >= 0 && cuda_device < count, "CUDA device ", cuda_device,
+               " for rank ", env.rank, ": this host has ", count,
+               " GPU(s); set LOCAL_RANK below the GPU count (one rank per GPU)");
+  auto comm = std::make_unique<NcclCommunicator>(env, cuda_device, timeout_s);
+  STRATA_RETURN_IF_ERROR(comm->Init(*store).WithContext(
+      StrCat("nccl init of rank ", env.rank, " of ", env.world_size, " on cuda:", cuda_device)));
+  return std::unique_ptr<Communicator>(std::move(comm));
+}
+
+}  // namespace strata

@@ -1,0 +1,107 @@
+// strata-commbench: all_gather and reduce_scatter throughput of one communicator backend.
+// Run under a launcher: strata-launch --nproc 2 -- strata-commbench --bytes 64MiB
+// Reports, per collective, the algorithm bandwidth (full-buffer bytes / time) and the bus
+// bandwidth (algbw · (N-1)/N, the bytes each rank actually moves, as nccl-tests count them).
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <vector>
+
+#include <CLI/CLI.hpp>
+
+#include "runtime/check.h"
+#include "runtime/comm/backends.h"
+#include "runtime/units.h"
+
+namespace {
+
+using strata::Status;
+
+struct Result {
+  double seconds = 0;  // best of the timed iterations
+  double mean_seconds = 0;
+};
+
+template <typename F>
+strata::StatusOr<Result> Time(strata::Communicator& comm, int warmup, int iters, F&& op) {
+  for (int i = 0; i < warmup; ++i) STRATA_RETURN_IF_ERROR(op());
+  Result res;
+  res.seconds = 1e30;
+  double total = 0;
+  for (int i = 0; i < iters; ++i) {
+    STRATA_RETURN_IF_ERROR(comm.Barrier());
+    const auto t0 = std::chrono::steady_clock::now();
+    STRATA_RETURN_IF_ERROR(op());
+    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    // The slowest rank defines the collective's time.
+    double worst = s;
+    STRATA_RETURN_IF_ERROR(comm.AllReduce(&worst, 1, strata::DType::kF64, strata::ReduceOp::kMax));
+    res.seconds = std::min(res.seconds, worst);
+    total += worst;
+  }
+  res.mean_seconds = total / iters;
+  return res;
+}
+
+Status Run(const std::string& bytes_text, int iters, int warmup, const std::string& backend,
+           double timeout_s, int64_t bucket) {
+  STRATA_ASSIGN_OR_RETURN(uint64_t bytes, strata::ParseBytes(bytes_text));
+  strata::CommOptions opts;
+  opts.backend = backend;
+  opts.timeout_s = timeout_s;
+  if (bucket > 0) opts.buckets = {bucket, bucket};
+  STRATA_ASSIGN_OR_RETURN(std::unique_ptr<strata::Communicator> comm,
+                          strata::CreateCommunicator(opts));
+  STRATA_CHECK(comm->memory_kind() == strata::MemoryKind::kHost, "strata-commbench measures host ",
+               "backends (gloo, single); backend=", comm->backend(), " uses device memory");
+  const int n = comm->world_size();
+  const int64_t shard = std::max<int64_t>(1, static_cast<int64_t>(bytes / 4) / n);
+  std::vector<float> full(static_cast<size_t>(shard) * n, 1.0f);
+  std::vector<float> part(static_cast<size_t>(shard), 1.0f);
+  const double full_bytes = static_cast<double>(full.size()) * 4;
+
+  STRATA_ASSIGN_OR_RETURN(Result ag, Time(*comm, warmup, iters, [&] {
+                            return comm->AllGather(part.data(), full.data(), shard,
+                                                   strata::DType::kF32);
+                          }));
+  STRATA_ASSIGN_OR_RETURN(Result rs, Time(*comm, warmup, iters, [&] {
+                            return comm->ReduceScatter(full.data(), part.data(), shard,
+                                                       strata::DType::kF32, strata::ReduceOp::kAvg);
+                          }));
+  if (comm->rank() == 0) {
+    const double factor = n > 1 ? static_cast<double>(n - 1) / n : 1.0;
+    for (auto [name, r] : {std::pair{"all_gather", ag}, std::pair{"reduce_scatter", rs}}) {
+      const double algbw = full_bytes / r.seconds / 1e9;
+      std::printf(
+          "{\"op\":\"%s\",\"backend\":\"%s\",\"world_size\":%d,\"bytes\":%.0f,\"iters\":%d,"
+          "\"best_s\":%.6f,\"mean_s\":%.6f,\"algbw_gbps\":%.3f,\"busbw_gbps\":%.3f}\n",
+          name, std::string(comm->backend()).c_str(), n, full_bytes, iters, r.seconds,
+          r.mean_seconds, algbw, algbw * factor);
+    }
+  }
+  return comm->Barrier();
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"strata-commbench: all_gather / reduce_scatter throughput (run under strata-launch)"};
+  std::string bytes = "64MiB";
+  int iters = 5, warmup = 1;
+  std::string backend = "auto";
+  double timeout_s = 120;
+  int64_t bucket = 0;
+  app.add_option("--bytes", bytes, "size of the full (gathered) fp32 buffer, e.g. 64MiB");
+  app.add_option("--iters", iters, "timed iterations")->check(CLI::Range(1, 100000));
+  app.add_option("--warmup", warmup, "untimed iterations first")->check(CLI::Range(0, 1000));
+  app.add_option("--backend", backend, "auto | single | gloo");
+  app.add_option("--timeout", timeout_s, "strata.comm_timeout_s");
+  app.add_option("--bucket", bucket, "bucket size in elements (0: DeepSpeed's 5e8 default)");
+  CLI11_PARSE(app, argc, argv);
+  const Status s = Run(bytes, iters, warmup, backend, timeout_s, bucket);
+  if (!s.ok()) {
+    std::fprintf(stderr, "strata-commbench: %s\n", s.ToString().c_str());
+    return 1;
+  }
+  return 0;
+}

@@ -1,0 +1,328 @@
+// strata-launch: starts N local ranks of a command with the torchrun-style environment, prefixes
+// their output, forwards signals, and tears everything down when one rank fails.
+//
+// Note [launcher teardown]
+// A rank that fails leaves its peers blocked in a collective until their timeout; waiting for
+// that wastes the timeout and, with NCCL, GPU time. So the first rank to exit non-zero (or by a
+// signal) makes the launcher send SIGTERM to every other rank's process group, then SIGKILL after
+// --grace seconds, and exit with the failed rank's code (128+signal for a signal). A rank that
+// exits 0 early is not a failure: its peers either finish or fail on their own (their
+// collectives return an error within strata.comm_timeout_s), which is what the multi-process
+// fault test relies on.
+#include <fcntl.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <signal.h>
+#include <sys/signalfd.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include <CLI/CLI.hpp>
+
+namespace {
+
+constexpr const char* kHelpFooter = R"(
+Each rank runs CMD with MASTER_ADDR=127.0.0.1, MASTER_PORT, RANK, WORLD_SIZE, LOCAL_RANK and
+LOCAL_WORLD_SIZE set; its stdout and stderr lines are prefixed with "[rank R] ". SIGINT and
+SIGTERM are forwarded to every rank. When a rank fails, the others get SIGTERM, then SIGKILL after
+--grace seconds, and strata-launch exits with the failed rank's code.
+
+Example:
+  strata-launch --nproc 2 -- strata-train --config configs/tiny.json
+
+More than one machine: strata-launch only starts local ranks. Use an external launcher that sets
+the same variables on every node, with MASTER_ADDR naming node 0 and RANK unique across nodes:
+  torchrun --nnodes 2 --nproc-per-node 4 --rdzv-endpoint node0:29500 strata-train ...
+  srun (Slurm): export MASTER_ADDR=$(scontrol show hostnames | head -1) MASTER_PORT=29500
+                WORLD_SIZE=$SLURM_NTASKS RANK=$SLURM_PROCID LOCAL_RANK=$SLURM_LOCALID
+  mpirun: map OMPI_COMM_WORLD_RANK/SIZE/LOCAL_RANK to RANK/WORLD_SIZE/LOCAL_RANK in a wrapper.
+Set GLOO_SOCKET_IFNAME to pick the network interface Gloo uses across machines.)";
+
+struct Rank {
+  pid_t pid = -1;
+  bool running = false;
+  int status = 0;         // waitpid status once exited
+  int fds[2] = {-1, -1};  // read ends of the stdout and stderr pipes
+  std::string partial[2];  // an unfinished line per stream
+};
+
+void Die(const std::string& msg) {
+  std::fprintf(stderr, "strata-launch: %s\n", msg.c_str());
+  std::exit(2);
+}
+
+void WriteAll(int fd, const std::string& text) {
+  size_t done = 0;
+  while (done < text.size()) {
+    const ssize_t n = write(fd, text.data() + done, text.size() - done);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) return;  // our own stdout is gone: nothing left to report to
+    done += static_cast<size_t>(n);
+  }
+}
+
+// Binds port 0 on loopback to let the kernel pick a free port. Another process could take it
+// before rank 0 binds it; the store then fails with a clear "address in use" error.
+int PickFreePort() {
+  const int s = socket(AF_INET, SOCK_STREAM, 0);
+  if (s < 0) Die(std::string("socket: ") + std::strerror(errno));
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  addr.sin_port = 0;
+  socklen_t len = sizeof(addr);
+  if (bind(s, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0 ||
+      getsockname(s, reinterpret_cast<sockaddr*>(&addr), &len) != 0) {
+    Die(std::string("picking a free port: ") + std::strerror(errno));
+  }
+  close(s);
+  return ntohs(addr.sin_port);
+}
+
+int ExitCodeOf(int status) {
+  if (WIFEXITED(status)) return WEXITSTATUS(status);
+  if (WIFSIGNALED(status)) return 128 + WTERMSIG(status);
+  return 1;
+}
+
+std::string Describe(int status) {
+  if (WIFEXITED(status)) return "exited with code " + std::to_string(WEXITSTATUS(status));
+  if (WIFSIGNALED(status)) {
+    return std::string("was killed by signal ") + std::to_string(WTERMSIG(status)) + " (" +
+           strsignal(WTERMSIG(status)) + ")";
+  }
+  return "stopped";
+}
+
+// Emits the complete lines of `data` with the rank prefix; keeps the rest for later.
+void EmitLines(int rank, int stream, std::string* partial, const char* data, size_t len,
+               bool flush) {
+  partial->append(data, len);
+  const std::string prefix = "[rank " + std::to_string(rank) + "] ";
+  std::string out;
+  size_t start = 0;
+  for (size_t nl; (nl = partial->find('\n', start)) != std::string::npos; start = nl + 1) {
+    out += prefix;
+    out.append(*partial, start, nl + 1 - start);
+  }
+  partial->erase(0, start);
+  if (flush && !partial->empty()) {
+    out += prefix + *partial + "\n";
+    partial->clear();
+  }
+  if (!out.empty()) WriteAll(stream == 0 ? STDOUT_FILENO : STDERR_FILENO, out);
+}
+
+pid_t SpawnRank(int rank, int nproc, int port, const std::vector<std::string>& cmd, int out_fd,
+                int err_fd, const sigset_t& old_mask) {
+  const pid_t pid = fork();
+  if (pid < 0) Die(std::string("fork: ") + std::strerror(errno));
+  if (pid > 0) return pid;
+  // Child: own process group (so teardown reaches the rank's own children), default signals.
+  setpgid(0, 0);
+  sigprocmask(SIG_SETMASK, &old_mask, nullptr);
+  dup2(out_fd, STDOUT_FILENO);
+  dup2(err_fd, STDERR_FILENO);
+  setenv("MASTER_ADDR", "127.0.0.1", 1);
+  setenv("MASTER_PORT", std::to_string(port).c_str(), 1);
+  setenv("RANK", std::to_string(rank).c_str(), 1);
+  setenv("LOCAL_RANK", std::to_string(rank).c_str(), 1);
+  setenv("WORLD_SIZE", std::to_string(nproc).c_str(), 1);
+  setenv("LOCAL_WORLD_SIZE", std::to_string(nproc).c_str(), 1);
+  std::vector<char*> argv;
+  for (const std::string& a : cmd) argv.push_back(const_cast<char*>(a.c_str()));
+  argv.push_back(nullptr);
+  execvp(argv[0], argv.data());
+  std::fprintf(stderr, "strata-launch: cannot run '%s': %s\n", argv[0], std::strerror(errno));
+  _exit(127);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  // Everything after "--" is the command, untouched by option parsing.
+  std::vector<std::string> cmd;
+  int own_argc = argc;
+  for (int i = 1; i < argc; ++i) {
+    if (std::strcmp(argv[i], "--") == 0) {
+      own_argc = i;
+      for (int j = i + 1; j < argc; ++j) cmd.emplace_back(argv[j]);
+      break;
+    }
+  }
+
+  CLI::App app{
+      "strata-launch: start N local ranks of a Strata program (torchrun-style env)\n"
+      "usage: strata-launch --nproc N [--master-port P] [--grace S] -- CMD [ARGS...]",
+      "strata-launch"};
+  app.footer(kHelpFooter);
+  int nproc = 0;
+  int port = 0;
+  double grace_s = 5.0;
+  app.add_option("--nproc,--nproc-per-node", nproc, "number of local ranks to start")
+      ->required()
+      ->check(CLI::Range(1, 1024));
+  app.add_option("--master-port", port, "rank 0's store port; 0 or absent picks a free one")
+      ->check(CLI::Range(0, 65535));
+  app.add_option("--grace", grace_s, "seconds between SIGTERM and SIGKILL at teardown")
+      ->check(CLI::Range(0.0, 3600.0));
+  try {
+    app.parse(own_argc, argv);
+  } catch (const CLI::ParseError& e) {
+    return app.exit(e);
+  }
+  if (cmd.empty()) {
+    std::fprintf(stderr, "strata-launch: no command given: put it after '--', e.g. "
+                         "strata-launch --nproc 2 -- ./my_program --flag\n");
+    return 2;
+  }
+  if (port == 0) port = PickFreePort();
+
+  // Signals arrive through a signalfd so the poll loop sees them in order with output and exits.
+  sigset_t mask, old_mask;
+  sigemptyset(&mask);
+  sigaddset(&mask, SIGINT);
+  sigaddset(&mask, SIGTERM);
+  sigaddset(&mask, SIGCHLD);
+  sigaddset(&mask, SIGHUP);
+  sigprocmask(SIG_BLOCK, &mask, &old_mask);
+  const int sig_fd = signalfd(-1, &mask, SFD_CLOEXEC | SFD_NONBLOCK);
+  if (sig_fd < 0) Die(std::string("signalfd: ") + std::strerror(errno));
+  signal(SIGPIPE, SIG_IGN);
+
+  std::vector<Rank> ranks(nproc);
+  for (int r = 0; r < nproc; ++r) {
+    int out[2], err[2];
+    if (pipe2(out, O_CLOEXEC) != 0 || pipe2(err, O_CLOEXEC) != 0) {
+      Die(std::string("pipe: ") + std::strerror(errno));
+    }
+    ranks[r].pid = SpawnRank(r, nproc, port, cmd, out[1], err[1], old_mask);
+    setpgid(ranks[r].pid, ranks[r].pid);  // also here: no race with an early kill(-pid)
+    ranks[r].running = true;
+    close(out[1]);
+    close(err[1]);
+    ranks[r].fds[0] = out[0];
+    ranks[r].fds[1] = err[0];
+  }
+
+  using Clock = std::chrono::steady_clock;
+  int failed_rank = -1;
+  int failed_code = 0;
+  int received_signal = 0;
+  bool kill_pending = false;
+  Clock::time_point kill_at;
+  Clock::time_point drain_until = Clock::time_point::max();
+
+  auto signal_all = [&](int sig) {
+    for (const Rank& r : ranks) {
+      if (r.running) kill(-r.pid, sig);
+    }
+  };
+  auto start_teardown = [&](int sig) {
+    signal_all(sig);
+    if (!kill_pending) {
+      kill_pending = true;
+      kill_at = Clock::now() + std::chrono::milliseconds(static_cast<int64_t>(grace_s * 1000));
+    }
+  };
+
+  for (;;) {
+    int running = 0, open_fds = 0;
+    std::vector<pollfd> pfds;
+    std::vector<std::pair<int, int>> owners;  // (rank, stream) of each pollfd after the first
+    pfds.push_back({sig_fd, POLLIN, 0});
+    for (int r = 0; r < nproc; ++r) {
+      running += ranks[r].running;
+      for (int s = 0; s < 2; ++s) {
+        if (ranks[r].fds[s] < 0) continue;
+        ++open_fds;
+        pfds.push_back({ranks[r].fds[s], POLLIN, 0});
+        owners.emplace_back(r, s);
+      }
+    }
+    if (running == 0 && open_fds == 0) break;
+    // A rank's own children may hold its pipes open after it exits: give them a moment, then stop.
+    if (running == 0 && drain_until == Clock::time_point::max()) {
+      drain_until = Clock::now() + std::chrono::seconds(2);
+    }
+    if (running == 0 && Clock::now() >= drain_until) break;
+
+    int timeout_ms = -1;
+    if (kill_pending) {
+      timeout_ms = static_cast<int>(std::max<int64_t>(
+          0, std::chrono::duration_cast<std::chrono::milliseconds>(kill_at - Clock::now()).count()));
+    }
+    if (running == 0) timeout_ms = 100;
+    const int n = poll(pfds.data(), pfds.size(), timeout_ms);
+    if (n < 0 && errno != EINTR) Die(std::string("poll: ") + std::strerror(errno));
+
+    if (kill_pending && Clock::now() >= kill_at) {
+      signal_all(SIGKILL);
+      kill_pending = false;
+    }
+
+    for (size_t i = 1; i < pfds.size(); ++i) {
+      if (!(pfds[i].revents & (POLLIN | POLLHUP | POLLERR))) continue;
+      auto [r, s] = owners[i - 1];
+      char buf[65536];
+      const ssize_t got = read(ranks[r].fds[s], buf, sizeof(buf));
+      if (got > 0) {
+        EmitLines(r, s, &ranks[r].partial[s], buf, static_cast<size_t>(got), false);
+      } else if (got == 0 || (errno != EINTR && errno != EAGAIN)) {
+        EmitLines(r, s, &ranks[r].partial[s], nullptr, 0, true);
+        close(ranks[r].fds[s]);
+        ranks[r].fds[s] = -1;
+      }
+    }
+
+    if (pfds[0].revents & POLLIN) {
+      signalfd_siginfo info;
+      while (read(sig_fd, &info, sizeof(info)) == static_cast<ssize_t>(sizeof(info))) {
+        const int sig = static_cast<int>(info.ssi_signo);
+        if (sig == SIGCHLD) continue;  // reaped below
+        if (received_signal != 0) {
+          signal_all(SIGKILL);  // a second interrupt: stop waiting for a clean exit
+        } else {
+          received_signal = sig;
+          std::fprintf(stderr, "strata-launch: got %s, forwarding to all ranks\n", strsignal(sig));
+          start_teardown(sig);
+        }
+        break;
+      }
+    }
+
+    for (;;) {
+      int status = 0;
+      const pid_t pid = waitpid(-1, &status, WNOHANG);
+      if (pid <= 0) break;
+      for (int r = 0; r < nproc; ++r) {
+        if (ranks[r].pid != pid || !ranks[r].running) continue;
+        ranks[r].running = false;
+        ranks[r].status = status;
+        const bool ok = WIFEXITED(status) && WEXITSTATUS(status) == 0;
+        if (!ok && failed_rank < 0 && received_signal == 0) {
+          failed_rank = r;
+          failed_code = ExitCodeOf(status);
+          std::fprintf(stderr, "strata-launch: rank %d %s; terminating the other ranks\n", r,
+                       Describe(status).c_str());
+          start_teardown(SIGTERM);
+        }
+      }
+    }
+  }
+
+  if (failed_rank >= 0) return failed_code == 0 ? 1 : failed_code;
+  if (received_signal != 0) return 128 + received_signal;
+  for (const Rank& r : ranks) {
+    if (ExitCodeOf(r.status) != 0) return ExitCodeOf(r.status);
+  }
+  return 0;
+}

@@ -386,6 +386,7 @@ void TierManager::StartWriteBack(Block* b, bool evict, std::vector<IoAction>* io
   b->nvme = NvmeResidency::kWriting;
   b->evict_after_write = evict;
   if (evict) reclaiming_bytes_ += b->mem.class_bytes;
+  ++writes_inflight_;
   ++inflight_;
   io->push_back(IoAction{true, b, b->mem.ptr, b->region, ++b->write_gen});
 }
@@ -448,6 +449,7 @@ void TierManager::OnWriteDone(Block* b, uint64_t gen, const Status& s) {
   {
     Lock lk(mu_);
     --inflight_;
+    --writes_inflight_;
     STRATA_DCHECK(b->host == HostResidency::kWriting, "write-back completion of ", ToString(b->id), " in state ",
                   HostResidencyName(b->host));
     const bool evict = b->evict_after_write;
@@ -594,6 +596,15 @@ void TierManager::Pump(std::vector<IoAction>* io) {
       pending += v->mem.class_bytes;
       StartWriteBack(v, /*evict=*/true, io);
     }
+  }
+  // Write-behind: when the window is served and no write-back is running, clean the block that
+  // will be evicted next (if it is dirty) so that its eviction becomes a drop and the write
+  // overlaps the reads instead of standing in front of them. Only under pressure: with room
+  // to spare, nothing needs evicting soon. See Note [prefetch and eviction].
+  if (writes_inflight_ == 0 && pool_->arena_bytes() - stats_.host_bytes_resident < pool_->max_allocation()) {
+    const uint64_t horizon = cursor_ + window;
+    Block* v = PickVictim(&horizon);
+    if (v != nullptr && v->host == HostResidency::kDirty) StartWriteBack(v, /*evict=*/false, io);
   }
 }
 

@@ -250,6 +250,7 @@ class TierManager {
   uint64_t inflight_ = 0;                // GUARDED_BY(mu_): I/O issued or about to be
   uint64_t reclaiming_bytes_ = 0;        // GUARDED_BY(mu_): class bytes of write-backs that evict
   int space_waiters_ = 0;                // GUARDED_BY(mu_)
+  uint64_t writes_inflight_ = 0;         // GUARDED_BY(mu_): write-backs issued, not completed
   uint64_t write_error_gen_ = 0;         // GUARDED_BY(mu_): bumps on every failed write-back
   Status last_write_error_;              // GUARDED_BY(mu_)
   uint64_t tick_ = 0;                    // GUARDED_BY(mu_): LRU clock

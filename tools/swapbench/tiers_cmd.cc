@@ -13,8 +13,8 @@
 //
 // Figures: achieved_gbps = bytes moved between host and NVMe / wall time of the timed iterations;
 // nvme_raw_gbps = the NVMe tier's own sequential throughput (large blocks, closed loop, same aio
-// settings, registered pinned buffers), measured in the same run and mixed in the trace's
-// read/write proportion; stall_fraction = time callers waited in Acquire / wall time.
+// settings, registered pinned buffers, best of two), measured in the same run: the better of
+// reads and writes mixed serially in the trace's proportion and reads+writes at once; stall_fraction = time callers waited in Acquire / wall time.
 #include <sys/statfs.h>
 #include <unistd.h>
 
@@ -154,11 +154,59 @@ StatusOr<Settings> Validate(const TiersArgs& a) {
 struct RawResult {
   double read_gbps = 0;
   double write_gbps = 0;
+  double concurrent_gbps = 0;  // reads and writes at once (half the slots each)
 };
 
-// Closed-loop sequential throughput of the NVMe tier: `bufs.size()` requests of `region` bytes in
-// flight, each resubmitted from its completion until `count` regions were transferred.
-StatusOr<RawResult> MeasureRaw(nvme::NvmeTier& tier, const std::vector<void*>& bufs, uint64_t region, int count) {
+// Closed-loop sequential throughput of the NVMe tier: one request of `region` bytes in flight per
+// buffer, each resubmitted from its completion until its share of `regions` was transferred.
+// Slots below `first_write_slot` read, the others write; the result is bytes / wall time.
+StatusOr<double> RawPhase(nvme::NvmeTier& tier, const std::vector<void*>& bufs, const std::vector<TierRegion>& regions,
+                          size_t first_write_slot) {
+  std::mutex mu;
+  std::condition_variable cv;
+  const size_t nr = first_write_slot == 0 ? 0 : (first_write_slot >= bufs.size() ? regions.size() : regions.size() / 2);
+  size_t next_read = 0, next_write = nr;
+  size_t done = 0;
+  Status first;
+  std::function<void(size_t)> submit = [&](size_t slot) {
+    const bool write = slot >= first_write_slot;
+    size_t idx;
+    {
+      std::lock_guard<std::mutex> l(mu);
+      size_t& next = write ? next_write : next_read;
+      if (next >= (write ? regions.size() : nr)) return;
+      idx = next++;
+    }
+    // Resubmit first, count last: once `done` reaches the total the waiting thread may leave and
+    // destroy everything this lambda refers to, so nothing is touched after the unlock.
+    auto cb = [&, slot](Status s) {
+      submit(slot);
+      std::lock_guard<std::mutex> l(mu);
+      if (!s.ok() && first.ok()) first = s;
+      ++done;
+      cv.notify_all();
+    };
+    if (write) {
+      tier.WriteAsync(regions[idx], bufs[slot], cb);
+    } else {
+      tier.ReadAsync(regions[idx], bufs[slot], cb);
+    }
+  };
+  const auto t0 = Clock::now();
+  for (size_t slot = 0; slot < bufs.size(); ++slot) submit(slot);
+  {
+    std::unique_lock<std::mutex> l(mu);
+    cv.wait(l, [&] { return done == regions.size(); });
+  }
+  const double secs = std::chrono::duration<double>(Clock::now() - t0).count();
+  STRATA_RETURN_IF_ERROR(first);
+  return static_cast<double>(regions[0].size) * static_cast<double>(regions.size()) / secs / 1e9;
+}
+
+// Best of `reps` for writes, reads, and both at once (the machine is noisy; the best run is the
+// hardest reference to meet).
+StatusOr<RawResult> MeasureRaw(nvme::NvmeTier& tier, const std::vector<void*>& bufs, uint64_t region, int count,
+                               int reps) {
   std::vector<TierRegion> regions;
   for (int i = 0; i < count; ++i) {
     STRATA_ASSIGN_OR_RETURN(TierRegion r, tier.Allocate(region));
@@ -166,43 +214,13 @@ StatusOr<RawResult> MeasureRaw(nvme::NvmeTier& tier, const std::vector<void*>& b
   }
   for (size_t i = 0; i < bufs.size(); ++i) std::memset(bufs[i], static_cast<int>(i + 1), region);
   RawResult out;
-  for (bool write : {true, false}) {
-    std::mutex mu;
-    std::condition_variable cv;
-    int next = 0, done = 0;
-    Status first;
-    std::function<void(size_t)> submit = [&](size_t slot) {
-      int idx;
-      {
-        std::lock_guard<std::mutex> l(mu);
-        if (next >= count) return;
-        idx = next++;
-      }
-      // Resubmit first, count last: once `done` reaches `count` the waiting thread may leave
-      // and destroy everything this lambda refers to, so nothing is touched after the unlock.
-      auto cb = [&, slot](Status s) {
-        submit(slot);
-        std::lock_guard<std::mutex> l(mu);
-        if (!s.ok() && first.ok()) first = s;
-        ++done;
-        cv.notify_all();
-      };
-      if (write) {
-        tier.WriteAsync(regions[static_cast<size_t>(idx)], bufs[slot], cb);
-      } else {
-        tier.ReadAsync(regions[static_cast<size_t>(idx)], bufs[slot], cb);
-      }
-    };
-    const auto t0 = Clock::now();
-    for (size_t slot = 0; slot < bufs.size(); ++slot) submit(slot);
-    {
-      std::unique_lock<std::mutex> l(mu);
-      cv.wait(l, [&] { return done == count; });
-    }
-    const double secs = std::chrono::duration<double>(Clock::now() - t0).count();
-    STRATA_RETURN_IF_ERROR(first);
-    const double gbps = static_cast<double>(region) * count / secs / 1e9;
-    (write ? out.write_gbps : out.read_gbps) = gbps;
+  for (int r = 0; r < reps; ++r) {
+    STRATA_ASSIGN_OR_RETURN(double w, RawPhase(tier, bufs, regions, 0));
+    STRATA_ASSIGN_OR_RETURN(double rd, RawPhase(tier, bufs, regions, bufs.size()));
+    STRATA_ASSIGN_OR_RETURN(double both, RawPhase(tier, bufs, regions, bufs.size() / 2));
+    out.write_gbps = std::max(out.write_gbps, w);
+    out.read_gbps = std::max(out.read_gbps, rd);
+    out.concurrent_gbps = std::max(out.concurrent_gbps, both);
   }
   for (auto& r : regions) STRATA_RETURN_IF_ERROR(tier.Free(r));
   return out;
@@ -279,7 +297,7 @@ StatusOr<RunResult> RunTrace(const Settings& s, EvictionPolicy policy, int64_t l
   out.policy = policy == EvictionPolicy::kNextUse ? "next_use" : "lru";
   out.lookahead = lookahead;
   if (measure_raw) {
-    STRATA_ASSIGN_OR_RETURN(out.raw, MeasureRaw(*tier, raw_bufs, raw_region, raw_count));
+    STRATA_ASSIGN_OR_RETURN(out.raw, MeasureRaw(*tier, raw_bufs, raw_region, raw_count, 2));
   }
 
   const uint64_t c1 = s.chunk, c2 = 2 * s.chunk;
@@ -398,7 +416,10 @@ int RunTiers(const TiersArgs& args) {
   const RunResult& main = results[0];
   // Raw throughput mixed in the trace's proportion of reads and writes.
   const double rb = static_cast<double>(main.bytes_read), wb = static_cast<double>(main.bytes_written);
-  const double raw_mixed = (rb + wb) / (rb / (main.raw.read_gbps * 1e9) + wb / (main.raw.write_gbps * 1e9)) / 1e9;
+  const double raw_serial = (rb + wb) / (rb / (main.raw.read_gbps * 1e9) + wb / (main.raw.write_gbps * 1e9)) / 1e9;
+  // The reference is the better of: reads and writes one after the other in the trace's
+  // proportion, or both at once (separate rings let the device overlap them).
+  const double raw_mixed = std::max(raw_serial, main.raw.concurrent_gbps);
   const double ratio = main.achieved_gbps / raw_mixed;
   if (args.json) {
     nlohmann::json j;
@@ -421,6 +442,8 @@ int RunTiers(const TiersArgs& args) {
     j["nvme_raw_gbps"] = raw_mixed;
     j["nvme_raw_read_gbps"] = main.raw.read_gbps;
     j["nvme_raw_write_gbps"] = main.raw.write_gbps;
+    j["nvme_raw_concurrent_gbps"] = main.raw.concurrent_gbps;
+    j["nvme_raw_serial_mix_gbps"] = raw_serial;
     j["achieved_over_raw"] = ratio;
     j["stall_fraction"] = main.stall_fraction;
     j["seconds"] = main.seconds;
@@ -436,7 +459,8 @@ int RunTiers(const TiersArgs& args) {
     std::cout << j.dump(2) << "\n";
   } else {
     std::cout << "nvme raw: read " << main.raw.read_gbps << " GB/s, write " << main.raw.write_gbps
-              << " GB/s, mixed as the trace " << raw_mixed << " GB/s\n"
+              << " GB/s, both at once " << main.raw.concurrent_gbps << " GB/s; reference " << raw_mixed
+              << " GB/s\n"
               << "achieved / raw = " << ratio << " (target >= 0.8); hit rate next-use " << results[0].hit_rate
               << " vs LRU " << results[1].hit_rate << " (without prefetch " << results[2].hit_rate << " vs "
               << results[3].hit_rate << ")\n";

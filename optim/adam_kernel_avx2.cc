@@ -153,25 +153,49 @@ void Adam256(const AdamKernelArgs& a, size_t begin, size_t end) {
   AdamDecay<G, S, P, false>(a, begin, end);
 }
 
+// Several interleaved streams keep more misses in flight: Note [interleaved scan] in
+// adam_kernel_avx512.cc.
+constexpr size_t kStreams = 4;
+
+template <DType G>
+inline void StatsVector(const void* grad, size_t i, __m256 scale, __m256d& s0, __m256d& s1,
+                        __m256& poison) {
+  const __m256 x = _mm256_mul_ps(Load<G>(grad, i), scale);
+  poison = _mm256_fmadd_ps(x, _mm256_setzero_ps(), poison);  // NaN once any x is inf or NaN
+  const __m256d lo = _mm256_cvtps_pd(_mm256_castps256_ps128(x));
+  const __m256d hi = _mm256_cvtps_pd(_mm256_extractf128_ps(x, 1));
+  s0 = _mm256_fmadd_pd(lo, lo, s0);
+  s1 = _mm256_fmadd_pd(hi, hi, s1);
+}
+
 template <DType G>
 GradPartial Stats256(const void* grad, float scale, size_t begin, size_t end) {
   const __m256 vscale = _mm256_set1_ps(scale);
-  __m256d s0 = _mm256_setzero_pd(), s1 = _mm256_setzero_pd();
-  __m256 poison = _mm256_setzero_ps();  // see Stats512: NaN once any x is inf or NaN
-  size_t i = begin;
-  for (; i + kW <= end; i += kW) {
-    const __m256 x = _mm256_mul_ps(Load<G>(grad, i), vscale);
-    poison = _mm256_fmadd_ps(x, _mm256_setzero_ps(), poison);
-    const __m256d lo = _mm256_cvtps_pd(_mm256_castps256_ps128(x));
-    const __m256d hi = _mm256_cvtps_pd(_mm256_extractf128_ps(x, 1));
-    s0 = _mm256_fmadd_pd(lo, lo, s0);
-    s1 = _mm256_fmadd_pd(hi, hi, s1);
+  __m256d s0[kStreams], s1[kStreams];
+  __m256 poison[kStreams];
+  for (size_t k = 0; k < kStreams; ++k) {
+    s0[k] = s1[k] = _mm256_setzero_pd();
+    poison[k] = _mm256_setzero_ps();
+  }
+  const size_t part = (end - begin) / kStreams / kW * kW;
+  for (size_t j = 0; j < part; j += kW) {
+    for (size_t k = 0; k < kStreams; ++k) {
+      StatsVector<G>(grad, begin + k * part + j, vscale, s0[k], s1[k], poison[k]);
+    }
+  }
+  size_t i = begin + kStreams * part;
+  for (; i + kW <= end; i += kW) StatsVector<G>(grad, i, vscale, s0[0], s1[0], poison[0]);
+  __m256d sum = _mm256_setzero_pd();
+  __m256 bad = _mm256_setzero_ps();
+  for (size_t k = 0; k < kStreams; ++k) {
+    sum = _mm256_add_pd(sum, _mm256_add_pd(s0[k], s1[k]));
+    bad = _mm256_add_ps(bad, poison[k]);
   }
   alignas(32) double lanes[4];
-  _mm256_store_pd(lanes, _mm256_add_pd(s0, s1));
+  _mm256_store_pd(lanes, sum);
   GradPartial r;
   r.sum_sq = (lanes[0] + lanes[1]) + (lanes[2] + lanes[3]);
-  r.nonfinite = _mm256_movemask_ps(_mm256_cmp_ps(poison, poison, _CMP_UNORD_Q)) != 0;
+  r.nonfinite = _mm256_movemask_ps(_mm256_cmp_ps(bad, bad, _CMP_UNORD_Q)) != 0;
   for (; i < end; ++i) {
     const float x = LoadOne<G>(grad, i) * scale;
     if (!std::isfinite(x)) r.nonfinite = true;

@@ -28,7 +28,10 @@ std::chrono::milliseconds ToMillis(double seconds) {
 // the messages say which, so they are kept. A timeout reads as DEADLINE_EXCEEDED so callers can
 // tell a slow or dead peer from a broken one.
 Status FromException(const std::exception& e, std::string_view what) {
-  const std::string msg = StrCat(what, ": ", e.what());
+  // c10::Error::what() appends a C++ backtrace of our own frames: noise in a user's log.
+  const auto* c10_error = dynamic_cast<const c10::Error*>(&e);
+  const std::string msg =
+      StrCat(what, ": ", c10_error != nullptr ? c10_error->what_without_backtrace() : e.what());
   if (msg.find("imeout") != std::string::npos || msg.find("imed out") != std::string::npos) {
     return DeadlineExceeded(msg);
   }

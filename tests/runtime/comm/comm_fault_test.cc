@@ -59,6 +59,15 @@ TEST(CommFaultTest, VanishedRankMakesPeerFailWithinTimeout) {
   EXPECT_LT(r.seconds, 20.0);
 }
 
+TEST(CommFaultTest, StalledRankMakesPeerTimeOut) {
+  const auto r = RunShell(
+      StrCat(STRATA_LAUNCH_BIN, " --nproc 2 --grace 1 -- ", FAULT_RANK_BIN, " stall 3"));
+  EXPECT_EQ(r.exit_code, 3) << r.output;
+  EXPECT_NE(r.output.find("[rank 0] collective failed after"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("DEADLINE_EXCEEDED"), std::string::npos) << r.output;
+  EXPECT_LT(r.seconds, 15.0);
+}
+
 TEST(CommFaultTest, CrashedRankTearsDownPeersAndLauncherFails) {
   const auto r = RunShell(
       StrCat(STRATA_LAUNCH_BIN, " --nproc 2 --grace 2 -- ", FAULT_RANK_BIN, " crash 30"));

@@ -2,6 +2,8 @@
 //   fault_rank vanish <timeout_s>: rank 1 leaves with _exit(0) after one collective (a rank that
 //     disappears without reporting failure); rank 0's next collective must fail within the
 //     timeout. Rank 0 exits 3 when it saw the error in time, 4 when it did not, 5 on no error.
+//   fault_rank stall <timeout_s>: rank 1 stays alive but stops calling collectives (a hung
+//     peer); rank 0 must get DEADLINE_EXCEEDED from the timeout, with the same exit codes.
 //   fault_rank crash <timeout_s>: rank 1 leaves with _exit(7); rank 0 blocks in a collective and
 //     is expected to be torn down by the launcher.
 #include <unistd.h>
@@ -16,7 +18,7 @@
 
 int main(int argc, char** argv) {
   if (argc != 3) {
-    std::fprintf(stderr, "usage: fault_rank vanish|crash <timeout_s>\n");
+    std::fprintf(stderr, "usage: fault_rank vanish|stall|crash <timeout_s>\n");
     return 2;
   }
   const std::string mode = argv[1];
@@ -33,7 +35,12 @@ int main(int argc, char** argv) {
   if (!comm.AllReduce(&x, 1, strata::DType::kF32, strata::ReduceOp::kSum).ok()) return 1;
   std::printf("first all_reduce ok: %g\n", x);
   std::fflush(stdout);
-  if (comm.rank() == 1) _exit(mode == "crash" ? 7 : 0);
+  if (comm.rank() == 1) {
+    if (mode == "stall") {
+      for (;;) pause();  // until the launcher tears this rank down
+    }
+    _exit(mode == "crash" ? 7 : 0);
+  }
 
   const auto t0 = std::chrono::steady_clock::now();
   std::vector<float> big(1 << 20, 1.0f);

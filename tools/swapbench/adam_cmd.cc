@@ -76,7 +76,9 @@ StatusOr<Settings> Validate(const AdamArgs& a) {
   STRATA_ASSIGN_OR_RETURN(const int64_t threads, ParseInt("--threads", a.threads, 0, 1024,
                                                           "0 = every core TBB sees"));
   STRATA_ASSIGN_OR_RETURN(const int64_t reps, ParseInt("--reps", a.reps, 1, 1000, "best of this many runs"));
-  STRATA_ASSIGN_OR_RETURN(s.isa, optim::ParseIsa(a.isa.c_str()));
+  StatusOr<Isa> isa = optim::ParseIsa(a.isa.c_str());
+  if (!isa.ok()) return InvalidArgument(StrCat("--", isa.status().message()));
+  s.isa = *isa;
   if (!optim::IsaSupported(s.isa)) {
     return InvalidArgument(StrCat("--isa=", a.isa, ": this CPU cannot run it; the best it has is ",
                                   optim::IsaName(optim::DetectIsa())));
@@ -287,12 +289,16 @@ void RegisterAdamCommand(CLI::App& app, int* exit_code) {
       "an Adam-shaped fp32 streaming loop (the memory-bandwidth roofline) and LibTorch's "
       "torch::optim::AdamW, all in one run on the same n and threads. Each figure is the best of "
       "--reps runs. Exit status: 0 ok, 1 a step failed, 2 bad arguments.");
-  cmd->add_option("--n", args->n, "Parameters per buffer, >= 1 (default 67108864 = 64M; needs ~3.5 GB)");
+  cmd->add_option("--n", args->n, "Parameters per buffer, >= 1 (default 67108864 = 64M; needs ~3.5 GB)")
+      ->type_name("N");
   cmd->add_option("--threads", args->threads,
                   "Threads for Strata (a TBB arena of this width), the roofline and LibTorch; 0 = all "
-                  "cores (default 0)");
-  cmd->add_option("--reps", args->reps, "Timed repetitions per variant; the best is reported (default 5)");
-  cmd->add_option("--isa", args->isa, "Kernel: auto, scalar, avx2, avx512, avx512_bf16 (default auto)");
+                  "cores (default 0)")
+      ->type_name("T");
+  cmd->add_option("--reps", args->reps, "Timed repetitions per variant; the best is reported (default 5)")
+      ->type_name("R");
+  cmd->add_option("--isa", args->isa, "Kernel: auto, scalar, avx2, avx512, avx512_bf16 (default auto: the best this CPU has)")
+      ->type_name("ISA");
   cmd->add_flag("--json", args->json,
                 "Print one JSON object: <variant>_gparams_s / _gbps for strata, strata_scan_first, "
                 "strata_bf16_param, strata_bf16_states, grad_scan, libtorch_adamw, roofline; isa; ratios");

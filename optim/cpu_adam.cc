@@ -266,6 +266,12 @@ StatusOr<GradStats> UnscaleCheckNorm(const void* grad, DType grad_dtype, size_t 
   return RunStats(isa, grad, grad_dtype, n, scale, GrainOf(options), options.arena);
 }
 
+float CombinedGradScale(double global_sum_sq, double max_norm, double inv_loss_scale) {
+  if (max_norm <= 0) return static_cast<float>(inv_loss_scale);
+  const double clip = (std::sqrt(global_sum_sq) + 1e-6) / max_norm;
+  return static_cast<float>(clip > 1 ? inv_loss_scale / clip : inv_loss_scale);
+}
+
 StatusOr<AdamResult> AdamStep(const AdamParams& params, const AdamBuffers& bufs, float grad_scale,
                               const AdamOptions& options) {
   STRATA_RETURN_IF_ERROR(ValidateParams(params, grad_scale));

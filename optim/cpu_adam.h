@@ -155,4 +155,11 @@ struct GradStats {
 StatusOr<GradStats> UnscaleCheckNorm(const void* grad, DType grad_dtype, size_t n, float scale,
                                      const AdamOptions& options = {});
 
+// The grad_scale AdamStep needs after global-norm clipping, with DeepSpeed's rule:
+// norm = sqrt(global_sum_sq) is the norm of the unscaled gradients (the sum of
+// UnscaleCheckNorm's sum_sq over every shard, each called with scale = inv_loss_scale);
+// clip = (norm + 1e-6) / max_norm; the result is inv_loss_scale / clip when clip > 1, else
+// inv_loss_scale. max_norm <= 0 means no clipping (DeepSpeed's gradient_clipping = 0).
+float CombinedGradScale(double global_sum_sq, double max_norm, double inv_loss_scale);
+
 }  // namespace strata::optim

@@ -515,6 +515,33 @@ TEST(CpuAdamTest, UnscaleCheckNormMatchesReference) {
   EXPECT_FALSE(UnscaleCheckNorm(nullptr, DType::kFloat32, 4, 1.0f).ok());
 }
 
+// Clipping by global norm across shards: the combined scale brings the norm to max_norm.
+TEST(CpuAdamTest, CombinedGradScaleClipsGlobalNorm) {
+  std::mt19937 rng(31);
+  const float inv_loss_scale = 1.0f / 1024;
+  double sum_sq = 0;
+  std::vector<Shard> shards;
+  for (size_t n : {size_t{1000}, size_t{517}}) {
+    shards.push_back(MakeShard(n, DType::kFloat32, DType::kFloat32, false, DType::kBFloat16, rng));
+    ASSERT_OK_AND_ASSIGN(GradStats s, UnscaleCheckNorm(shards.back().grad.data(), DType::kFloat32,
+                                                       n, inv_loss_scale));
+    sum_sq += s.sum_sq;
+  }
+  const double norm = std::sqrt(sum_sq);
+  EXPECT_EQ(CombinedGradScale(sum_sq, 0.0, inv_loss_scale), inv_loss_scale);      // off
+  EXPECT_EQ(CombinedGradScale(sum_sq, norm * 2, inv_loss_scale), inv_loss_scale);  // below
+  const float scale = CombinedGradScale(sum_sq, norm / 4, inv_loss_scale);
+  double clipped = 0;
+  for (Shard& sh : shards) {
+    ASSERT_OK_AND_ASSIGN(GradStats s, UnscaleCheckNorm(sh.grad.data(), DType::kFloat32, sh.n, scale));
+    clipped += s.sum_sq;
+  }
+  // DeepSpeed's rule divides by (norm + 1e-6) / max_norm, so the result sits just below max_norm.
+  const double want = norm * (norm / 4) / (norm + 1e-6);
+  EXPECT_NEAR(std::sqrt(clipped), want, 1e-6 * want);
+  EXPECT_LT(std::sqrt(clipped), norm / 4);
+}
+
 // Note [bf16 optimizer states] claims 0.999 * v rounds back to v in bf16, so v cannot decay,
 // while m (beta1 = 0.9) still does. Check both on every ISA, against fp32 states.
 TEST(CpuAdamTest, Bf16StatesBehaveAsDocumented) {

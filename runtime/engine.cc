@@ -1,0 +1,955 @@
+#include "runtime/engine.h"
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cmath>
+#include <condition_variable>
+#include <cstring>
+#include <deque>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <mutex>
+#include <stdexcept>
+#include <thread>
+
+#include <tbb/task_arena.h>
+
+#include "optim/cpu_adam.h"
+#include "optim/loss_scaler.h"
+#include "runtime/block_store.h"
+#include "runtime/check.h"
+#include "runtime/comm/communicator.h"
+#include "runtime/device.h"
+#include "runtime/logging.h"
+#include "runtime/lr_schedule.h"
+#include "runtime/partitioner.h"
+#include "runtime/units.h"
+#include "tiers/nvme/nvme_tier.h"
+
+namespace strata {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double Since(Clock::time_point t0) {
+  return std::chrono::duration<double>(Clock::now() - t0).count();
+}
+
+[[noreturn]] void Throw(const Status& s) { throw std::runtime_error(s.ToString()); }
+
+torch::Dtype TorchDtype(optim::DType d) {
+  switch (d) {
+    case optim::DType::kFloat32: return torch::kFloat32;
+    case optim::DType::kBFloat16: return torch::kBFloat16;
+    case optim::DType::kFloat16: return torch::kFloat16;
+  }
+  return torch::kFloat32;
+}
+
+strata::DType CommDtype(optim::DType d) {
+  switch (d) {
+    case optim::DType::kFloat32: return strata::DType::kF32;
+    case optim::DType::kBFloat16: return strata::DType::kBF16;
+    case optim::DType::kFloat16: return strata::DType::kF16;
+  }
+  return strata::DType::kF32;
+}
+
+// Adds a lane's busy time from the scope's start to its end.
+class LaneTimer {
+ public:
+  explicit LaneTimer(double* sum) : sum_(sum), t0_(Clock::now()) {}
+  ~LaneTimer() { *sum_ += Since(t0_); }
+
+ private:
+  double* sum_;
+  Clock::time_point t0_;
+};
+
+}  // namespace
+
+nlohmann::json StepReport::ToJson() const {
+  return {{"step", step},
+          {"skipped", skipped},
+          {"lr", lr},
+          {"loss_scale", loss_scale},
+          {"grad_norm", grad_norm},
+          {"step_time_s", step_time_s},
+          {"compute_s", compute_s},
+          {"copy_s", copy_s},
+          {"comm_s", comm_s},
+          {"nvme_s", nvme_s},
+          {"optimizer_s", optimizer_s},
+          {"stall_s", stall_s},
+          {"overlap_efficiency", overlap_efficiency},
+          {"bytes_host_to_device", bytes_host_to_device},
+          {"bytes_device_to_host", bytes_device_to_host},
+          {"bytes_nvme_to_host", bytes_nvme_to_host},
+          {"bytes_host_to_nvme", bytes_host_to_nvme},
+          {"peak_device_bytes", peak_device_bytes},
+          {"peak_host_bytes", peak_host_bytes}};
+}
+
+class Engine::Impl {
+ public:
+  Impl(torch::nn::Sequential model, const Config& config, Communicator* comm, Device* device)
+      : model_(std::move(model)), config_(config), comm_(comm), device_(device) {}
+  ~Impl() { StopOptimizerLane(); }
+
+  Status Init(const EngineOptions& options);
+  torch::Tensor Forward(const torch::Tensor& input);
+  Status Backward(const torch::Tensor& loss);
+  StatusOr<StepReport> Step();
+  StatusOr<std::vector<torch::Tensor>> GatherMasterParams();
+  Status Save(const std::string& dir, const nlohmann::json& extra);
+  StatusOr<nlohmann::json> Load(const std::string& dir);
+
+  int64_t global_step_ = 0;
+  int64_t micro_step_ = 0;
+  nlohmann::json Describe() const;
+  int64_t num_params() const { return partitioner_ ? partitioner_->param_numel() : 0; }
+  uint64_t model_state_bytes() const;
+
+ private:
+  struct ParamInfo {
+    torch::Tensor tensor;
+    std::vector<int64_t> shape;
+    int64_t block = 0;
+  };
+  struct BlockInfo {
+    torch::nn::AnyModule module;
+    std::vector<int64_t> params;
+    std::vector<int64_t> chunks;
+  };
+  struct ChunkState {
+    std::vector<int64_t> blocks;
+    torch::Tensor full;       // gathered working copy on the device (stage 3: while live)
+    int live = 0;             // blocks holding `full` (stage 3)
+    torch::Tensor grad_full;  // fp32 gradient of the whole chunk for this micro-step
+    int pending = 0;          // blocks whose backward has not finished this micro-step
+  };
+
+  // Device memory counted against the device budget, owned by the returned tensor: the memory
+  // returns to the allocator when the last view of it dies.
+  StatusOr<torch::Tensor> DeviceTensor(int64_t numel, torch::Dtype dtype);
+  torch::TensorOptions DeviceOptions(torch::Dtype dtype) const;
+
+  Status GatherChunk(int64_t c);
+  void ReleaseChunk(int64_t c);
+  Status GatherBlock(int64_t b);
+  void ReleaseBlock(int64_t b);
+  void OnBackwardReach(int64_t b);
+  Status FinishBlockBackward(int64_t b);
+  Status ReduceChunk(int64_t c);
+  Status AdamChunk(int64_t c, float grad_scale, double lr, int64_t step);
+  Status PublishParams(int64_t c, const void* shard_values, optim::DType dtype);
+
+  // Optimizer lane: a thread that runs chunk updates in the order queued.
+  void StartOptimizerLane();
+  void StopOptimizerLane();
+  void EnqueueOptimizer(int64_t c);
+  Status DrainOptimizer();
+
+  int shard_rank() const { return config_.zero_optimization.stage == 0 ? 0 : comm_->rank(); }
+  int shard_world() const {
+    return config_.zero_optimization.stage == 0 ? 1 : comm_->world_size();
+  }
+  bool immediate_optimizer() const {
+    return config_.strata.overlap_optimizer && config_.gradient_clipping == 0 &&
+           !config_.fp16.enabled;
+  }
+  bool last_micro_step() const {
+    return (micro_step_ + 1) % config_.gradient_accumulation_steps == 0;
+  }
+
+  torch::nn::Sequential model_;
+  Config config_;
+  Communicator* comm_;
+  Device* device_;
+  std::unique_ptr<Stream> copy_stream_;
+  std::unique_ptr<Tier> nvme_;
+  std::unique_ptr<BlockStore> store_;
+  std::optional<Partitioner> partitioner_;
+  std::optional<optim::DynamicLossScaler> scaler_;
+  std::unique_ptr<tbb::task_arena> arena_;
+  optim::DType compute_dtype_ = optim::DType::kFloat32;
+  optim::DType state_dtype_ = optim::DType::kFloat32;
+  Placement param_placement_ = Placement::kDevice;
+  Placement optim_placement_ = Placement::kDevice;
+
+  std::vector<ParamInfo> params_;
+  std::vector<BlockInfo> blocks_;
+  std::vector<ChunkState> chunks_;
+  std::vector<bool> chunk_ready_;  // grads complete for this step
+
+  // Per-step lanes (main thread), reset when a step begins.
+  bool step_open_ = false;
+  Clock::time_point step_start_;
+  double compute_s_ = 0, copy_s_ = 0, comm_s_ = 0, stall_s_ = 0;
+  uint64_t bytes_h2d_ = 0, bytes_d2h_ = 0;
+  BlockStoreStats store_at_step_start_;
+  std::vector<int64_t> ready_order_;  // chunks in the order their grads completed
+  Status backward_error_;
+
+  // Optimizer lane state.
+  std::thread opt_thread_;
+  std::mutex opt_mu_;
+  std::condition_variable opt_cv_;
+  std::deque<int64_t> opt_queue_;  // GUARDED_BY(opt_mu_)
+  int opt_busy_ = 0;               // GUARDED_BY(opt_mu_)
+  bool opt_stop_ = false;          // GUARDED_BY(opt_mu_)
+  Status opt_error_;               // GUARDED_BY(opt_mu_)
+  double opt_s_ = 0;               // GUARDED_BY(opt_mu_)
+  float opt_grad_scale_ = 1;       // set before enqueueing
+  double opt_lr_ = 0;
+  int64_t opt_step_ = 0;
+};
+
+torch::TensorOptions Engine::Impl::DeviceOptions(torch::Dtype dtype) const {
+  torch::Device dev = device_->kind() == DeviceKind::kCuda
+                          ? torch::Device(torch::kCUDA, static_cast<int16_t>(device_->index()))
+                          : torch::Device(torch::kCPU);
+  return torch::TensorOptions().dtype(dtype).device(dev);
+}
+
+StatusOr<torch::Tensor> Engine::Impl::DeviceTensor(int64_t numel, torch::Dtype dtype) {
+  const size_t bytes = static_cast<size_t>(numel) * torch::elementSize(dtype);
+  STRATA_ASSIGN_OR_RETURN(void* p, device_->Allocate(bytes));
+  Device* dev = device_;
+  return torch::from_blob(
+      p, {numel}, [dev](void* ptr) { dev->Free(ptr).IgnoreError(); }, DeviceOptions(dtype));
+}
+
+Status Engine::Impl::Init(const EngineOptions& options) {
+  const auto& z = config_.zero_optimization;
+  if (config_.bf16.enabled) compute_dtype_ = optim::DType::kBFloat16;
+  if (config_.fp16.enabled) compute_dtype_ = optim::DType::kFloat16;
+  state_dtype_ = config_.strata.optimizer_state_dtype == StateDtype::kBf16 ? optim::DType::kBFloat16
+                                                                            : optim::DType::kFloat32;
+  auto placement = [](OffloadDevice d) {
+    return d == OffloadDevice::kNone  ? Placement::kDevice
+           : d == OffloadDevice::kCpu ? Placement::kHost
+                                      : Placement::kNvme;
+  };
+  param_placement_ = placement(z.offload_param.device);
+  optim_placement_ = placement(z.offload_optimizer.device);
+  if (optim_placement_ == Placement::kDevice && device_->kind() != DeviceKind::kCpu)
+    return Unimplemented(
+        "offload_optimizer.device=none on a CUDA device needs the GPU Adam, which this build does "
+        "not run yet; set zero_optimization.offload_optimizer.device to cpu or nvme");
+  if (comm_->world_size() > 1 && comm_->memory_kind() == MemoryKind::kHost &&
+      device_->kind() != DeviceKind::kCpu)
+    return FailedPrecondition(StrCat("communicator ", comm_->backend(),
+                                     " moves host memory but the device is ", device_->name(),
+                                     "; use the nccl backend with CUDA"));
+  if (config_.fp16.enabled && device_->kind() == DeviceKind::kCpu)
+    return InvalidArgument(
+        "fp16.enabled=true on the cpu device: LibTorch has no fp16 CPU kernels for LayerNorm and "
+        "matmul; use bf16.enabled=true instead (same memory, no loss scaling needed), or run on a "
+        "GPU");
+  if (config_.fp16.enabled) {
+    STRATA_ASSIGN_OR_RETURN(auto s, optim::DynamicLossScaler::FromConfig(config_.fp16));
+    scaler_.emplace(std::move(s));
+  }
+
+  STRATA_ASSIGN_OR_RETURN(copy_stream_, device_->CreateStream(StreamPriority::kHigh));
+  int threads = static_cast<int>(config_.strata.optimizer_threads);
+  const int arena_threads = threads > 0 ? threads : static_cast<int>(tbb::task_arena::automatic);
+  arena_ = std::make_unique<tbb::task_arena>(arena_threads);
+
+  // Partition in registration order, block by block.
+  PartitionerOptions po;
+  po.chunk_size = config_.strata.chunk_size;
+  po.world_size = shard_world();
+  po.element_size = static_cast<int>(optim::DTypeSize(compute_dtype_));
+  STRATA_ASSIGN_OR_RETURN(Partitioner part, Partitioner::Create(po));
+  int64_t b = 0;
+  for (const auto& child : *model_) {
+    BlockInfo info;
+    info.module = child;
+    for (auto& named : child.ptr()->named_parameters(/*recurse=*/true)) {
+      torch::Tensor p = named.value();
+      if (!p.requires_grad()) continue;
+      STRATA_ASSIGN_OR_RETURN(int64_t id,
+                              part.AddParam(StrCat("block", b, ".", named.key()), p.numel()));
+      STRATA_DCHECK(id == static_cast<int64_t>(params_.size()));
+      params_.push_back({p, p.sizes().vec(), b});
+      info.params.push_back(id);
+    }
+    blocks_.push_back(std::move(info));
+    ++b;
+  }
+  if (params_.empty()) return InvalidArgument("the model has no trainable parameters");
+  STRATA_RETURN_IF_ERROR(part.Finalize());
+  partitioner_.emplace(std::move(part));
+  const auto& chunk_infos = partitioner_->chunks();
+  chunks_.resize(chunk_infos.size());
+  chunk_ready_.assign(chunk_infos.size(), false);
+  for (size_t bi = 0; bi < blocks_.size(); ++bi) {
+    for (int64_t pid : blocks_[bi].params) {
+      int64_t c = partitioner_->location(pid).chunk;
+      if (blocks_[bi].chunks.empty() || blocks_[bi].chunks.back() != c) {
+        blocks_[bi].chunks.push_back(c);
+        chunks_[c].blocks.push_back(static_cast<int64_t>(bi));
+      }
+    }
+  }
+
+  // NVMe tier for whatever is placed there.
+  if (param_placement_ == Placement::kNvme || optim_placement_ == Placement::kNvme) {
+    std::vector<std::string> paths = options.nvme_path;
+    if (paths.empty())
+      paths = optim_placement_ == Placement::kNvme ? z.offload_optimizer.nvme_path
+                                                   : z.offload_param.nvme_path;
+    if (paths.empty())
+      return InvalidArgument(
+          "NVMe offload is configured but no nvme_path is set; set "
+          "zero_optimization.offload_optimizer.nvme_path (or pass --nvme-path)");
+    nvme::NvmeTierOptions o;
+    o.paths = paths;
+    o.rank = static_cast<uint32_t>(comm_->rank());
+    // Without a configured capacity, reserve what this rank's NVMe-placed shards need.
+    uint64_t need = 0;
+    const uint64_t ssize = optim::DTypeSize(state_dtype_);
+    for (const ChunkInfo& ci : partitioner_->chunks()) {
+      auto round = [](uint64_t b) { return (b + 4095) / 4096 * 4096; };
+      const uint64_t n = static_cast<uint64_t>(ci.shard_numel);
+      if (optim_placement_ == Placement::kNvme)
+        need += round(n * 4) * 2 + round(n * ssize) * 2;
+      if (param_placement_ == Placement::kNvme && z.stage == 3)
+        need += round(n * optim::DTypeSize(compute_dtype_));
+    }
+    o.capacity = config_.strata.nvme_capacity ? config_.strata.nvme_capacity : need;
+    o.aio = config_.aio;
+    o.checksums = config_.strata.checksums;
+    o.force_fallback = options.force_fallback_io;
+    STRATA_ASSIGN_OR_RETURN(auto tier, nvme::NvmeTier::Create(o));
+    nvme_ = std::move(tier);
+  }
+  store_ = MakeDirectBlockStore(device_, nvme_.get());
+
+  // Every rank starts from rank 0's initial values.
+  if (comm_->world_size() > 1) {
+    for (auto& p : params_) {
+      torch::Tensor t = p.tensor.detach().to(torch::kFloat32).contiguous();
+      STRATA_RETURN_IF_ERROR(comm_->Broadcast(t.data_ptr(), t.numel(), strata::DType::kF32, 0));
+      torch::NoGradGuard ng;
+      p.tensor.copy_(t);
+    }
+  }
+
+  // Register every block and write its initial contents, chunk by chunk, so that at most one
+  // chunk's full fp32 values exist at a time besides the model.
+  const int stage = z.stage;
+  const size_t esize = optim::DTypeSize(compute_dtype_);
+  const size_t ssize = optim::DTypeSize(state_dtype_);
+  const torch::Dtype tdtype = TorchDtype(compute_dtype_);
+  for (size_t c = 0; c < chunk_infos.size(); ++c) {
+    const ChunkInfo& ci = chunk_infos[c];
+    const int64_t n = ci.shard_numel;
+    const int64_t c64 = static_cast<int64_t>(c);
+    torch::Tensor full32 = torch::zeros({ci.numel}, torch::kFloat32);
+    for (int64_t pid : ci.params) {
+      const ParamLocation& loc = partitioner_->location(pid);
+      full32.narrow(0, loc.offset, loc.numel)
+          .copy_(params_[pid].tensor.detach().reshape({-1}).to(torch::kFloat32));
+    }
+    torch::Tensor shard32 =
+        full32.narrow(0, partitioner_->ShardOffset(c64, shard_rank()), n).contiguous();
+    auto put = [&](StateKind kind, uint64_t bytes, Placement where, const void* src) -> Status {
+      BlockKey key{c64, kind};
+      STRATA_RETURN_IF_ERROR(store_->Register(key, bytes, where));
+      STRATA_ASSIGN_OR_RETURN(void* dst, store_->Acquire(key, Access::kWrite));
+      if (src) std::memcpy(dst, src, bytes);
+      else std::memset(dst, 0, bytes);
+      return store_->Release(key, /*dirty=*/true);
+    };
+    STRATA_RETURN_IF_ERROR(put(StateKind::kMaster32, n * 4, optim_placement_, shard32.data_ptr()));
+    STRATA_RETURN_IF_ERROR(put(StateKind::kExpAvg, n * ssize, optim_placement_, nullptr));
+    STRATA_RETURN_IF_ERROR(put(StateKind::kExpAvgSq, n * ssize, optim_placement_, nullptr));
+    STRATA_RETURN_IF_ERROR(put(StateKind::kGrad, n * 4, optim_placement_, nullptr));
+    torch::Tensor work = full32.to(tdtype);
+    if (stage == 3) {
+      torch::Tensor shard16 =
+          work.narrow(0, partitioner_->ShardOffset(c64, shard_rank()), n).contiguous();
+      STRATA_RETURN_IF_ERROR(put(StateKind::kParam16, n * esize, param_placement_, shard16.data_ptr()));
+    } else {
+      // Stages 0-2 keep the whole working copy on the device for the whole run.
+      STRATA_ASSIGN_OR_RETURN(chunks_[c].full, DeviceTensor(ci.numel, tdtype));
+      chunks_[c].full.copy_(work);
+    }
+  }
+  // Point every parameter at its home: its slice of the chunk (stages 0-2) or nothing (stage 3).
+  {
+    torch::NoGradGuard ng;
+    for (size_t pid = 0; pid < params_.size(); ++pid) {
+      auto& p = params_[pid];
+      if (p.tensor.scalar_type() != tdtype) p.tensor.set_data(p.tensor.to(tdtype));
+      if (stage == 3) {
+        p.tensor.set_data(torch::empty({0}, DeviceOptions(tdtype)));
+      } else {
+        const ParamLocation& loc = partitioner_->location(static_cast<int64_t>(pid));
+        p.tensor.set_data(chunks_[loc.chunk].full.narrow(0, loc.offset, loc.numel).view(p.shape));
+      }
+    }
+  }
+  StartOptimizerLane();
+  STRATA_LOG(INFO) << "engine stage=" << stage << " world=" << comm_->world_size()
+                   << " params=" << partitioner_->param_numel()
+                   << " chunks=" << chunk_infos.size()
+                   << " param_placement=" << PlacementName(param_placement_)
+                   << " optimizer_placement=" << PlacementName(optim_placement_)
+                   << " dtype=" << optim::DTypeName(compute_dtype_)
+                   << " optimizer_overlap=" << (immediate_optimizer() ? "backward" : "deferred");
+  return Status::Ok();
+}
+
+// ---------------------------------------------------------------------------------------------
+// Materialization (stage 3).
+
+Status Engine::Impl::GatherChunk(int64_t c) {
+  ChunkState& cs = chunks_[c];
+  if (cs.live++ > 0) return Status::Ok();
+  const ChunkInfo& ci = partitioner_->chunks()[c];
+  const torch::Dtype tdtype = TorchDtype(compute_dtype_);
+  const size_t esize = optim::DTypeSize(compute_dtype_);
+  STRATA_ASSIGN_OR_RETURN(torch::Tensor full, DeviceTensor(ci.numel, tdtype));
+  char* dst = static_cast<char*>(full.data_ptr()) + partitioner_->ShardOffset(c, shard_rank()) * esize;
+  const size_t bytes = ci.shard_numel * esize;
+  BlockKey key{c, StateKind::kParam16};
+  auto t0 = Clock::now();
+  STRATA_ASSIGN_OR_RETURN(void* src, store_->Acquire(key, Access::kRead));
+  stall_s_ += Since(t0);
+  {
+    LaneTimer t(&copy_s_);
+    CopyKind kind = param_placement_ == Placement::kDevice ? CopyKind::kDeviceToDevice
+                                                           : CopyKind::kHostToDevice;
+    Status s = copy_stream_->MemcpyAsync(dst, src, bytes, kind);
+    if (s.ok()) s = copy_stream_->Synchronize();
+    Status r = store_->Release(key, false);
+    STRATA_RETURN_IF_ERROR(s);
+    STRATA_RETURN_IF_ERROR(r);
+    if (kind == CopyKind::kHostToDevice) bytes_h2d_ += bytes;
+  }
+  if (comm_->world_size() > 1) {
+    LaneTimer t(&comm_s_);
+    STRATA_RETURN_IF_ERROR(
+        comm_->AllGather(dst, full.data_ptr(), ci.shard_numel, CommDtype(compute_dtype_)));
+  }
+  cs.full = full;
+  torch::NoGradGuard ng;
+  for (int64_t pid : ci.params) {
+    const ParamLocation& loc = partitioner_->location(pid);
+    params_[pid].tensor.set_data(full.narrow(0, loc.offset, loc.numel).view(params_[pid].shape));
+  }
+  return Status::Ok();
+}
+
+void Engine::Impl::ReleaseChunk(int64_t c) {
+  ChunkState& cs = chunks_[c];
+  STRATA_DCHECK(cs.live > 0, "chunk ", c, " released more often than gathered");
+  if (--cs.live > 0) return;
+  torch::NoGradGuard ng;
+  torch::Tensor empty = torch::empty({0}, DeviceOptions(TorchDtype(compute_dtype_)));
+  for (int64_t pid : partitioner_->chunks()[c].params) params_[pid].tensor.set_data(empty);
+  cs.full = torch::Tensor();
+}
+
+Status Engine::Impl::GatherBlock(int64_t b) {
+  if (config_.zero_optimization.stage != 3) return Status::Ok();
+  for (int64_t c : blocks_[b].chunks) STRATA_RETURN_IF_ERROR(GatherChunk(c));
+  // Hint the next block's shards while this one computes.
+  return Status::Ok();
+}
+
+void Engine::Impl::ReleaseBlock(int64_t b) {
+  if (config_.zero_optimization.stage != 3) return;
+  for (int64_t c : blocks_[b].chunks) ReleaseChunk(c);
+}
+
+torch::Tensor Engine::Impl::Forward(const torch::Tensor& input) {
+  if (!step_open_) {
+    step_open_ = true;
+    step_start_ = Clock::now();
+    compute_s_ = copy_s_ = comm_s_ = stall_s_ = 0;
+    bytes_h2d_ = bytes_d2h_ = 0;
+    store_at_step_start_ = store_->stats();
+    ready_order_.clear();
+    {
+      std::lock_guard<std::mutex> l(opt_mu_);
+      opt_s_ = 0;
+    }
+  }
+  for (auto& cs : chunks_) cs.pending = static_cast<int>(cs.blocks.size());
+  torch::Tensor x = input;
+  const int64_t nb = static_cast<int64_t>(blocks_.size());
+  for (int64_t b = 0; b < nb; ++b) {
+    Status s = GatherBlock(b);
+    if (!s.ok()) Throw(s.WithContext(StrCat("gathering block ", b, " for forward")));
+    if (config_.zero_optimization.stage == 3 && b + 1 < nb && param_placement_ != Placement::kDevice)
+      for (int64_t c : blocks_[b + 1].chunks) store_->Prefetch({c, StateKind::kParam16});
+    {
+      LaneTimer t(&compute_s_);
+      x = blocks_[b].module.forward(x);
+    }
+    if (x.requires_grad()) {
+      x.register_hook([this, b](const torch::Tensor&) { OnBackwardReach(b); });
+    }
+    ReleaseBlock(b);
+  }
+  return x;
+}
+
+// Note [backward order]
+// A hook on block b's output runs as a pre-hook of the node that produced it, i.e. just before
+// backward enters block b. By then block b+1's backward is complete: that node becomes ready only
+// after every consumer of block b's output (all of block b+1's nodes on the path) has run, and
+// the AccumulateGrad nodes of block b+1's parameters, which autograd schedules ahead of any other
+// ready node, have run too. So the hook both finishes block b+1 (reduce its gradients, release its
+// parameters) and materializes block b for its backward. Block 0 is finished after backward
+// returns. The equivalence tests check this ordering end to end against plain LibTorch.
+void Engine::Impl::OnBackwardReach(int64_t b) {
+  if (!backward_error_.ok()) return;
+  const int64_t nb = static_cast<int64_t>(blocks_.size());
+  Status s;
+  if (b + 1 < nb) s = FinishBlockBackward(b + 1);
+  if (s.ok()) s = GatherBlock(b);
+  if (!s.ok()) {
+    backward_error_ = s;
+    // Autograd cannot be cancelled from a hook without unwinding through it: throw, and
+    // Backward turns the exception back into this Status.
+    Throw(s);
+  }
+}
+
+Status Engine::Impl::FinishBlockBackward(int64_t b) {
+  {
+    torch::NoGradGuard ng;
+    for (int64_t pid : blocks_[b].params) {
+      auto& p = params_[pid];
+      torch::Tensor g = p.tensor.grad();
+      if (!g.defined()) continue;  // unused in this forward
+      const ParamLocation& loc = partitioner_->location(pid);
+      ChunkState& cs = chunks_[loc.chunk];
+      if (!cs.grad_full.defined()) {
+        STRATA_ASSIGN_OR_RETURN(cs.grad_full,
+                                DeviceTensor(partitioner_->chunks()[loc.chunk].numel, torch::kFloat32));
+        cs.grad_full.zero_();
+      }
+      cs.grad_full.narrow(0, loc.offset, loc.numel).add_(g.reshape({-1}).to(torch::kFloat32));
+      p.tensor.mutable_grad() = torch::Tensor();
+    }
+  }
+  ReleaseBlock(b);
+  for (int64_t c : blocks_[b].chunks)
+    if (--chunks_[c].pending == 0) STRATA_RETURN_IF_ERROR(ReduceChunk(c));
+  return Status::Ok();
+}
+
+Status Engine::Impl::ReduceChunk(int64_t c) {
+  ChunkState& cs = chunks_[c];
+  const ChunkInfo& ci = partitioner_->chunks()[c];
+  if (!cs.grad_full.defined()) {  // no parameter of the chunk took part: a zero gradient
+    STRATA_ASSIGN_OR_RETURN(cs.grad_full, DeviceTensor(ci.numel, torch::kFloat32));
+    cs.grad_full.zero_();
+  }
+  float* full = cs.grad_full.data_ptr<float>();
+  const int64_t off = partitioner_->ShardOffset(c, shard_rank());
+  if (comm_->world_size() > 1) {
+    LaneTimer t(&comm_s_);
+    if (config_.zero_optimization.stage == 0) {
+      STRATA_RETURN_IF_ERROR(comm_->AllReduce(full, ci.numel, strata::DType::kF32, ReduceOp::kAvg));
+    } else {
+      STRATA_RETURN_IF_ERROR(comm_->ReduceScatter(full, full + off, ci.shard_numel,
+                                                  strata::DType::kF32, ReduceOp::kAvg));
+    }
+  }
+  torch::Tensor shard = cs.grad_full.narrow(0, off, ci.shard_numel);
+  const bool first_micro = micro_step_ % config_.gradient_accumulation_steps == 0;
+  BlockKey key{c, StateKind::kGrad};
+  auto t0 = Clock::now();
+  STRATA_ASSIGN_OR_RETURN(void* dst, store_->Acquire(key, first_micro ? Access::kWrite : Access::kReadWrite));
+  stall_s_ += Since(t0);
+  {
+    LaneTimer t(&copy_s_);
+    torch::NoGradGuard ng;
+    torch::Tensor host = torch::from_blob(
+        dst, {ci.shard_numel},
+        optim_placement_ == Placement::kDevice ? DeviceOptions(torch::kFloat32)
+                                               : torch::TensorOptions().dtype(torch::kFloat32));
+    if (first_micro) host.copy_(shard);
+    else host.add_(shard.to(host.device()));
+    if (device_->kind() != DeviceKind::kCpu) bytes_d2h_ += ci.shard_numel * 4;
+  }
+  cs.grad_full = torch::Tensor();
+  STRATA_RETURN_IF_ERROR(store_->Release(key, true));
+  if (last_micro_step()) {
+    chunk_ready_[c] = true;
+    ready_order_.push_back(c);
+    if (immediate_optimizer()) EnqueueOptimizer(c);
+  }
+  return Status::Ok();
+}
+
+Status Engine::Impl::Backward(const torch::Tensor& loss) {
+  if (!step_open_)
+    return FailedPrecondition("Backward called without a Forward in this step");
+  backward_error_ = Status::Ok();
+  if (last_micro_step() && immediate_optimizer()) {
+    // Updates start during this backward: fix their step-wide inputs now.
+    opt_step_ = global_step_ + 1;
+    opt_lr_ = LearningRate(config_, opt_step_);
+    opt_grad_scale_ = 1.0f;
+  }
+  double scale = scaler_ ? scaler_->scale() : 1.0;
+  torch::Tensor scaled = loss * (scale / static_cast<double>(config_.gradient_accumulation_steps));
+  try {
+    LaneTimer t(&compute_s_);
+    scaled.backward();
+  } catch (const std::exception& e) {
+    if (!backward_error_.ok()) return backward_error_;
+    return Internal(StrCat("backward failed: ", e.what()));
+  }
+  STRATA_RETURN_IF_ERROR(FinishBlockBackward(0));
+  for (size_t c = 0; c < chunks_.size(); ++c)
+    if (chunks_[c].pending != 0)
+      return Internal(StrCat("chunk ", c, " still waits for ", chunks_[c].pending,
+                             " block(s) after backward"));
+  ++micro_step_;
+  return Status::Ok();
+}
+
+// ---------------------------------------------------------------------------------------------
+// Optimizer.
+
+void Engine::Impl::StartOptimizerLane() {
+  opt_thread_ = std::thread([this] {
+    std::unique_lock<std::mutex> l(opt_mu_);
+    for (;;) {
+      opt_cv_.wait(l, [&] { return opt_stop_ || !opt_queue_.empty(); });
+      if (opt_queue_.empty()) return;
+      int64_t c = opt_queue_.front();
+      opt_queue_.pop_front();
+      ++opt_busy_;
+      bool failed = !opt_error_.ok();
+      l.unlock();
+      auto t0 = Clock::now();
+      Status s = failed ? Status::Ok() : AdamChunk(c, opt_grad_scale_, opt_lr_, opt_step_);
+      double dt = Since(t0);
+      l.lock();
+      opt_s_ += dt;
+      if (!s.ok() && opt_error_.ok()) opt_error_ = s;
+      --opt_busy_;
+      opt_cv_.notify_all();
+    }
+  });
+}
+
+void Engine::Impl::StopOptimizerLane() {
+  {
+    std::lock_guard<std::mutex> l(opt_mu_);
+    opt_stop_ = true;
+  }
+  opt_cv_.notify_all();
+  if (opt_thread_.joinable()) opt_thread_.join();
+}
+
+void Engine::Impl::EnqueueOptimizer(int64_t c) {
+  // Start reading the chunk's states now; the lane picks it up in order.
+  for (StateKind k : {StateKind::kMaster32, StateKind::kExpAvg, StateKind::kExpAvgSq})
+    store_->Prefetch({c, k});
+  {
+    std::lock_guard<std::mutex> l(opt_mu_);
+    opt_queue_.push_back(c);
+  }
+  opt_cv_.notify_all();
+}
+
+Status Engine::Impl::DrainOptimizer() {
+  std::unique_lock<std::mutex> l(opt_mu_);
+  opt_cv_.wait(l, [&] { return opt_queue_.empty() && opt_busy_ == 0; });
+  Status s = opt_error_;
+  opt_error_ = Status::Ok();
+  return s;
+}
+
+Status Engine::Impl::AdamChunk(int64_t c, float grad_scale, double lr, int64_t step) {
+  const ChunkInfo& ci = partitioner_->chunks()[c];
+  const int64_t n = ci.shard_numel;
+  const auto& oc = config_.optimizer;
+  BlockKey km{c, StateKind::kMaster32}, ka{c, StateKind::kExpAvg}, kv{c, StateKind::kExpAvgSq},
+      kg{c, StateKind::kGrad};
+  STRATA_ASSIGN_OR_RETURN(void* master, store_->Acquire(km, Access::kReadWrite));
+  STRATA_ASSIGN_OR_RETURN(void* m, store_->Acquire(ka, Access::kReadWrite));
+  STRATA_ASSIGN_OR_RETURN(void* v, store_->Acquire(kv, Access::kReadWrite));
+  STRATA_ASSIGN_OR_RETURN(void* g, store_->Acquire(kg, Access::kRead));
+  // The new working copy goes straight into its home when the CPU can address it.
+  const int stage = config_.zero_optimization.stage;
+  const size_t esize = optim::DTypeSize(compute_dtype_);
+  void* out = nullptr;
+  BlockKey kp{c, StateKind::kParam16};
+  std::vector<char> staging;
+  bool param_block_held = false;
+  if (stage == 3) {
+    if (param_placement_ != Placement::kDevice || device_->kind() == DeviceKind::kCpu) {
+      STRATA_ASSIGN_OR_RETURN(out, store_->Acquire(kp, Access::kWrite));
+      param_block_held = true;
+    }
+  } else if (device_->kind() == DeviceKind::kCpu) {
+    out = static_cast<char*>(chunks_[c].full.data_ptr()) +
+          partitioner_->ShardOffset(c, shard_rank()) * esize;
+  }
+  if (!out) {
+    staging.resize(n * esize);
+    out = staging.data();
+  }
+
+  optim::AdamParams ap;
+  ap.lr = lr;
+  ap.beta1 = oc.beta1;
+  ap.beta2 = oc.beta2;
+  ap.eps = oc.eps;
+  ap.weight_decay = oc.weight_decay;
+  ap.adamw = oc.type == OptimizerType::kAdamW;
+  ap.bias_correction = oc.bias_correction;
+  ap.step = step;
+  optim::AdamBuffers bufs;
+  bufs.master = static_cast<float*>(master);
+  bufs.grad = g;
+  bufs.grad_dtype = optim::DType::kFloat32;
+  bufs.exp_avg = m;
+  bufs.exp_avg_sq = v;
+  bufs.state_dtype = state_dtype_;
+  bufs.n = static_cast<size_t>(n);
+  if (compute_dtype_ != optim::DType::kFloat32) {
+    bufs.param16 = out;
+    bufs.param16_dtype = compute_dtype_;
+  }
+  optim::AdamOptions ao;
+  ao.arena = arena_.get();
+  ao.grad_check = optim::GradCheck::kCallerChecked;
+  auto r = optim::AdamStep(ap, bufs, grad_scale, ao);
+  if (r.ok() && compute_dtype_ == optim::DType::kFloat32) std::memcpy(out, master, n * 4);
+
+  Status s = r.status();
+  for (const BlockKey& k : {km, ka, kv}) {
+    Status rs = store_->Release(k, r.ok());
+    if (s.ok()) s = rs;
+  }
+  Status gs = store_->Release(kg, false);
+  if (s.ok()) s = gs;
+  if (param_block_held) {
+    Status ps = store_->Release(kp, r.ok());
+    if (s.ok()) s = ps;
+  }
+  if (!s.ok()) return s.WithContext(StrCat("optimizer step of chunk ", c));
+  if (!staging.empty()) return PublishParams(c, staging.data(), compute_dtype_);
+  return Status::Ok();
+}
+
+// Copies a shard of new working values from host memory to where the device reads it.
+Status Engine::Impl::PublishParams(int64_t c, const void* shard_values, optim::DType dtype) {
+  const ChunkInfo& ci = partitioner_->chunks()[c];
+  const size_t bytes = ci.shard_numel * optim::DTypeSize(dtype);
+  void* dst;
+  bool held = false;
+  if (config_.zero_optimization.stage == 3) {
+    STRATA_ASSIGN_OR_RETURN(dst, store_->Acquire({c, StateKind::kParam16}, Access::kWrite));
+    held = true;
+  } else {
+    dst = static_cast<char*>(chunks_[c].full.data_ptr()) +
+          partitioner_->ShardOffset(c, shard_rank()) * optim::DTypeSize(dtype);
+  }
+  // A dedicated stream: this runs on the optimizer lane, concurrently with compute.
+  STRATA_ASSIGN_OR_RETURN(auto stream, device_->CreateStream());
+  Status s = stream->MemcpyAsync(dst, shard_values, bytes, CopyKind::kHostToDevice);
+  if (s.ok()) s = stream->Synchronize();
+  if (held) {
+    Status r = store_->Release({c, StateKind::kParam16}, true);
+    if (s.ok()) s = r;
+  }
+  return s;
+}
+
+StatusOr<StepReport> Engine::Impl::Step() {
+  if (micro_step_ == 0 || micro_step_ % config_.gradient_accumulation_steps != 0)
+    return FailedPrecondition(StrCat("Step after ", micro_step_ % config_.gradient_accumulation_steps,
+                                     " of ", config_.gradient_accumulation_steps,
+                                     " micro-steps; run Forward/Backward until the accumulation "
+                                     "boundary"));
+  StepReport rep;
+  rep.loss_scale = scaler_ ? scaler_->scale() : 1.0;
+  bool overflow = false;
+  if (immediate_optimizer()) {
+    STRATA_RETURN_IF_ERROR(DrainOptimizer());
+    rep.lr = opt_lr_;
+  } else {
+    // Global conditions first: the squared norm and the overflow flag over every shard.
+    double sum_sq = 0;
+    bool nonfinite = false;
+    const double inv = scaler_ ? scaler_->inv_scale() : 1.0;
+    for (size_t c = 0; c < chunks_.size(); ++c) {
+      const int64_t c64 = static_cast<int64_t>(c);
+      auto t0 = Clock::now();
+      STRATA_ASSIGN_OR_RETURN(void* g, store_->Acquire({c64, StateKind::kGrad}, Access::kRead));
+      stall_s_ += Since(t0);
+      auto st = optim::UnscaleCheckNorm(g, optim::DType::kFloat32,
+                                        partitioner_->chunks()[c].shard_numel,
+                                        static_cast<float>(inv));
+      STRATA_RETURN_IF_ERROR(store_->Release({c64, StateKind::kGrad}, false));
+      STRATA_RETURN_IF_ERROR(st.status());
+      nonfinite |= st->found_nonfinite;
+      sum_sq += st->sum_sq;
+    }
+    if (comm_->world_size() > 1 && config_.zero_optimization.stage > 0) {
+      LaneTimer t(&comm_s_);
+      double flags[2] = {sum_sq, nonfinite ? 1.0 : 0.0};
+      STRATA_RETURN_IF_ERROR(comm_->AllReduce(&flags[0], 1, strata::DType::kF64, ReduceOp::kSum));
+      STRATA_RETURN_IF_ERROR(comm_->AllReduce(&flags[1], 1, strata::DType::kF64, ReduceOp::kMax));
+      sum_sq = flags[0];
+      nonfinite = flags[1] > 0;
+    }
+    overflow = nonfinite;
+    double norm = std::sqrt(sum_sq);
+    rep.grad_norm = overflow ? 0.0 : norm;
+    if (!overflow) {
+      double clip = 1.0;
+      if (config_.gradient_clipping > 0)
+        clip = std::min(1.0, config_.gradient_clipping / (norm + 1e-6));
+      opt_grad_scale_ = static_cast<float>(clip * inv);
+      opt_step_ = global_step_ + 1;
+      opt_lr_ = LearningRate(config_, opt_step_);
+      rep.lr = opt_lr_;
+      // Backward order is the order the states were last touched; update in it.
+      for (int64_t c : ready_order_) EnqueueOptimizer(c);
+      STRATA_RETURN_IF_ERROR(DrainOptimizer());
+    }
+  }
+  if (scaler_) STRATA_RETURN_IF_ERROR(scaler_->Update(overflow));
+  if (!overflow) {
+    ++global_step_;
+    // Stages 1-2: every rank updated its shard of the replicated working copy; share them.
+    if (config_.zero_optimization.stage > 0 && config_.zero_optimization.stage < 3 &&
+        comm_->world_size() > 1) {
+      LaneTimer t(&comm_s_);
+      const size_t esize = optim::DTypeSize(compute_dtype_);
+      for (size_t c = 0; c < chunks_.size(); ++c) {
+        const ChunkInfo& ci = partitioner_->chunks()[c];
+        char* full = static_cast<char*>(chunks_[c].full.data_ptr());
+        STRATA_RETURN_IF_ERROR(comm_->AllGather(
+            full + partitioner_->ShardOffset(static_cast<int64_t>(c), shard_rank()) * esize, full,
+            ci.shard_numel, CommDtype(compute_dtype_)));
+      }
+    }
+  }
+  std::fill(chunk_ready_.begin(), chunk_ready_.end(), false);
+
+  rep.step = global_step_;
+  rep.skipped = overflow;
+  rep.step_time_s = Since(step_start_);
+  rep.compute_s = std::max(0.0, compute_s_ - stall_s_ - copy_s_ - comm_s_);
+  rep.copy_s = copy_s_;
+  rep.comm_s = comm_s_;
+  {
+    std::lock_guard<std::mutex> l(opt_mu_);
+    rep.optimizer_s = opt_s_;
+  }
+  BlockStoreStats now = store_->stats();
+  rep.nvme_s = now.nvme_busy_s - store_at_step_start_.nvme_busy_s;
+  rep.stall_s = stall_s_ + (now.stall_s - store_at_step_start_.stall_s);
+  rep.bytes_host_to_device = bytes_h2d_;
+  rep.bytes_device_to_host = bytes_d2h_;
+  rep.bytes_nvme_to_host = now.bytes_nvme_to_host - store_at_step_start_.bytes_nvme_to_host;
+  rep.bytes_host_to_nvme = now.bytes_host_to_nvme - store_at_step_start_.bytes_host_to_nvme;
+  rep.peak_device_bytes = device_->peak_allocated();
+  rep.peak_host_bytes = now.peak_bytes_host;
+  double longest = std::max({rep.compute_s, rep.copy_s, rep.comm_s, rep.nvme_s, rep.optimizer_s});
+  rep.overlap_efficiency = rep.step_time_s > 0 ? std::min(1.0, longest / rep.step_time_s) : 0;
+  step_open_ = false;
+  return rep;
+}
+
+StatusOr<std::vector<torch::Tensor>> Engine::Impl::GatherMasterParams() {
+  std::vector<torch::Tensor> out;
+  out.reserve(params_.size());
+  for (auto& p : params_) out.push_back(torch::zeros(p.shape, torch::kFloat32));
+  for (size_t c = 0; c < chunks_.size(); ++c) {
+    const ChunkInfo& ci = partitioner_->chunks()[c];
+    const int64_t c64 = static_cast<int64_t>(c);
+    torch::Tensor full = torch::zeros({ci.numel}, torch::kFloat32);
+    float* shard = full.data_ptr<float>() + partitioner_->ShardOffset(c64, shard_rank());
+    STRATA_ASSIGN_OR_RETURN(void* m, store_->Acquire({c64, StateKind::kMaster32}, Access::kRead));
+    std::memcpy(shard, m, ci.shard_numel * 4);
+    STRATA_RETURN_IF_ERROR(store_->Release({c64, StateKind::kMaster32}, false));
+    if (shard_world() > 1)
+      STRATA_RETURN_IF_ERROR(
+          comm_->AllGather(shard, full.data_ptr(), ci.shard_numel, strata::DType::kF32));
+    for (int64_t pid : ci.params) {
+      const ParamLocation& loc = partitioner_->location(pid);
+      out[pid].copy_(full.narrow(0, loc.offset, loc.numel).view(params_[pid].shape));
+    }
+  }
+  return out;
+}
+
+uint64_t Engine::Impl::model_state_bytes() const {
+  const uint64_t n = static_cast<uint64_t>(num_params());
+  const uint64_t work = optim::DTypeSize(compute_dtype_);
+  const uint64_t state = optim::DTypeSize(state_dtype_);
+  // working copy + fp32 grad + fp32 master + two moments
+  return n * (work + 4 + 4 + 2 * state);
+}
+
+nlohmann::json Engine::Impl::Describe() const {
+  return {{"stage", config_.zero_optimization.stage},
+          {"world_size", comm_->world_size()},
+          {"parameters", num_params()},
+          {"chunks", chunks_.size()},
+          {"chunk_size", config_.strata.chunk_size},
+          {"dtype", optim::DTypeName(compute_dtype_)},
+          {"optimizer_state_dtype", optim::DTypeName(state_dtype_)},
+          {"param_placement", PlacementName(param_placement_)},
+          {"optimizer_placement", PlacementName(optim_placement_)},
+          {"optimizer_overlap", immediate_optimizer() ? "backward" : "deferred"},
+          {"model_state_bytes", model_state_bytes()},
+          {"device", device_->name()}};
+}
+
+// ---------------------------------------------------------------------------------------------
+
+Engine::Engine(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+Engine::~Engine() = default;
+
+StatusOr<std::unique_ptr<Engine>> Engine::Create(torch::nn::Sequential model, const Config& config,
+                                                 Communicator* comm, Device* device,
+                                                 const EngineOptions& options) {
+  if (!model) return InvalidArgument("Engine::Create: the model is null");
+  if (!comm || !device) return InvalidArgument("Engine::Create: communicator and device are required");
+  auto impl = std::make_unique<Impl>(std::move(model), config, comm, device);
+  STRATA_RETURN_IF_ERROR(impl->Init(options));
+  return std::unique_ptr<Engine>(new Engine(std::move(impl)));
+}
+
+torch::Tensor Engine::Forward(const torch::Tensor& input) { return impl_->Forward(input); }
+Status Engine::Backward(const torch::Tensor& loss) { return impl_->Backward(loss); }
+StatusOr<StepReport> Engine::Step() { return impl_->Step(); }
+StatusOr<std::vector<torch::Tensor>> Engine::GatherMasterParams() {
+  return impl_->GatherMasterParams();
+}
+Status Engine::SaveCheckpoint(const std::string& dir, const nlohmann::json& extra) {
+  return impl_->Save(dir, extra);
+}
+StatusOr<nlohmann::json> Engine::LoadCheckpoint(const std::string& dir) { return impl_->Load(dir); }
+
+Status Engine::Impl::Save(const std::string&, const nlohmann::json&) { return Unimplemented("checkpoint"); }
+StatusOr<nlohmann::json> Engine::Impl::Load(const std::string&) { return Unimplemented("checkpoint"); }
+int64_t Engine::global_step() const { return impl_->global_step_; }
+int64_t Engine::micro_step() const { return impl_->micro_step_; }
+int64_t Engine::num_parameters() const { return impl_->num_params(); }
+uint64_t Engine::model_state_bytes() const { return impl_->model_state_bytes(); }
+nlohmann::json Engine::Describe() const { return impl_->Describe(); }
+
+}  // namespace strata

@@ -1,0 +1,136 @@
+// Shared by the equivalence suites: a small GPT, learnable synthetic text, plain LibTorch
+// training as the reference, and the same training through the engine.
+#pragma once
+
+#include <cmath>
+#include <memory>
+#include <vector>
+
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include "runtime/comm/communicator.h"
+#include "runtime/config.h"
+#include "runtime/device.h"
+#include "runtime/engine.h"
+#include "tests/test_util.h"
+#include "tools/train/gpt.h"
+
+namespace strata {
+
+inline constexpr int kSteps = 4;
+
+inline Config BaseConfig() {
+  Config c;
+  c.model.n_layers = 2;
+  c.model.d_model = 32;
+  c.model.n_heads = 4;
+  c.model.seq_len = 16;
+  c.model.vocab_size = 64;
+  c.model.seed = 99;
+  c.train_micro_batch_size_per_gpu = 4;
+  c.optimizer.type = OptimizerType::kAdamW;
+  c.optimizer.lr = 3e-3;
+  c.optimizer.weight_decay = 0.01;
+  c.strata.chunk_size = 16 << 10;  // small chunks: several per block, some spanning blocks
+  c.strata.device = "cpu";
+  return c;
+}
+
+// Batches for one micro-step: [B, T+1] tokens from a fixed generator.
+// The text follows a rule (each token is 5 x the previous + 3, mod the vocabulary) from random
+// starting tokens, so there is something to learn and the loss falls within a few steps.
+inline torch::Tensor Batch(const Config& c, int step, int micro) {
+  torch::manual_seed(1000 + step * 31 + micro);
+  const int64_t B = c.train_micro_batch_size_per_gpu, T = c.model.seq_len + 1;
+  torch::Tensor t = torch::empty({B, T}, torch::kLong);
+  t.select(1, 0).copy_(torch::randint(0, c.model.vocab_size, {B}, torch::kLong));
+  for (int64_t i = 1; i < T; ++i)
+    t.select(1, i).copy_((t.select(1, i - 1) * 5 + 3).remainder(c.model.vocab_size));
+  return t;
+}
+
+struct TrainRun {
+  std::vector<double> losses;
+  std::vector<torch::Tensor> params;
+};
+
+// Plain LibTorch training: the reference.
+inline TrainRun Reference(const Config& c) {
+  auto model = models::BuildGpt(c.model);
+  std::vector<torch::Tensor> params = model->parameters();
+  torch::optim::AdamW adamw(params, torch::optim::AdamWOptions(c.optimizer.lr)
+                                        .betas({c.optimizer.beta1, c.optimizer.beta2})
+                                        .eps(c.optimizer.eps)
+                                        .weight_decay(c.optimizer.weight_decay));
+  TrainRun run;
+  for (int s = 0; s < kSteps; ++s) {
+    double step_loss = 0;
+    for (int m = 0; m < c.gradient_accumulation_steps; ++m) {
+      torch::Tensor b = Batch(c, s, m);
+      torch::Tensor loss = models::LanguageModelLoss(model->forward(b.narrow(1, 0, c.model.seq_len)),
+                                                     b.narrow(1, 1, c.model.seq_len));
+      (loss / c.gradient_accumulation_steps).backward();
+      step_loss += loss.item<double>() / c.gradient_accumulation_steps;
+    }
+    if (c.gradient_clipping > 0) torch::nn::utils::clip_grad_norm_(params, c.gradient_clipping);
+    adamw.step();
+    adamw.zero_grad();
+    run.losses.push_back(step_loss);
+  }
+  for (auto& p : params) run.params.push_back(p.detach().clone());
+  return run;
+}
+
+// Trains through the engine on `comm` (a single-rank one when null). With several ranks, rank r
+// takes micro-batch r of each step's global batch and the reported loss is the mean over ranks.
+inline TrainRun ThroughEngine(const Config& c, const EngineOptions& opts = {},
+                              Communicator* comm_in = nullptr) {
+  std::unique_ptr<Communicator> own;
+  Communicator* comm = comm_in;
+  if (!comm) {
+    own = CreateSingleCommunicator();
+    comm = own.get();
+  }
+  auto device = CreateDevice("cpu", 256 << 20).value();
+  auto engine_or = Engine::Create(models::BuildGpt(c.model), c, comm, device.get(), opts);
+  EXPECT_TRUE(engine_or.ok()) << engine_or.status();
+  if (!engine_or.ok()) return {};
+  auto engine = std::move(engine_or).value();
+  TrainRun run;
+  for (int s = 0; s < kSteps; ++s) {
+    double step_loss = 0;
+    for (int m = 0; m < c.gradient_accumulation_steps; ++m) {
+      torch::Tensor b = Batch(c, s, m).chunk(comm->world_size(), 0)[comm->rank()].contiguous();
+      torch::Tensor loss = models::LanguageModelLoss(engine->Forward(b.narrow(1, 0, c.model.seq_len)),
+                                                     b.narrow(1, 1, c.model.seq_len));
+      Status st = engine->Backward(loss);
+      EXPECT_TRUE(st.ok()) << st;
+      double l = loss.item<double>() / c.gradient_accumulation_steps;
+      if (comm->world_size() > 1) {
+        EXPECT_OK(comm->AllReduce(&l, 1, strata::DType::kF64, ReduceOp::kAvg));
+      }
+      step_loss += l;
+    }
+    auto rep = engine->Step();
+    EXPECT_TRUE(rep.ok()) << rep.status();
+    run.losses.push_back(step_loss);
+  }
+  auto params = engine->GatherMasterParams();
+  EXPECT_TRUE(params.ok()) << params.status();
+  if (params.ok()) run.params = *params;
+  return run;
+}
+
+inline void ExpectMatch(const TrainRun& ref, const TrainRun& got, double loss_tol, double param_tol) {
+  ASSERT_EQ(ref.losses.size(), got.losses.size());
+  for (size_t i = 0; i < ref.losses.size(); ++i)
+    EXPECT_NEAR(got.losses[i], ref.losses[i], loss_tol * std::abs(ref.losses[i])) << "step " << i;
+  ASSERT_EQ(ref.params.size(), got.params.size());
+  for (size_t i = 0; i < ref.params.size(); ++i) {
+    double diff = (ref.params[i] - got.params[i]).abs().max().item<double>();
+    EXPECT_LT(diff, param_tol) << "parameter " << i;
+  }
+}
+
+}  // namespace strata

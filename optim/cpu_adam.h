@@ -38,7 +38,7 @@
 // the step). With GradCheck::kScanFirst, AdamStep first reads the gradients once (read-only, in
 // parallel) and returns skipped = true before any buffer is written. That scan costs one extra
 // read of the gradients: 4 more bytes on top of 28 per element with fp32 everything, but reads
-// are what limits a core here, so the measured cost is ~25-30 % of the step (strata-swapbench
+// are what limits a core here, so the measured cost is ~20-30 % of the step (strata-swapbench
 // adam, "pre-scan" row). No single pass can do better: until the last gradient is read, a
 // write may have to be undone. The engine
 // usually knows already: it must run UnscaleCheckNorm over all gradients of the step anyway

@@ -51,6 +51,7 @@ struct NvmeArgs {
   bool fallback = false;
   bool cleanup = false;
   bool no_fixed_buffers = false;
+  bool no_huge_pages = false;
 };
 
 struct Settings {
@@ -122,7 +123,7 @@ struct Buffers {
   ~Buffers() {
     if (base != nullptr) munmap(base, mapped);
   }
-  Status Allocate(size_t count, size_t bytes) {
+  Status Allocate(size_t count, size_t bytes, bool huge) {
     constexpr size_t kHuge = 2u << 20;
     const size_t total = (count * bytes + kHuge - 1) / kHuge * kHuge;
     mapped = total + kHuge;
@@ -133,7 +134,7 @@ struct Buffers {
     }
     base = static_cast<char*>(p);
     char* aligned = reinterpret_cast<char*>((reinterpret_cast<uintptr_t>(base) + kHuge - 1) / kHuge * kHuge);
-    madvise(aligned, total, MADV_HUGEPAGE);  // advisory: 4 KiB pages still work
+    madvise(aligned, total, huge ? MADV_HUGEPAGE : MADV_NOHUGEPAGE);  // advisory
     for (size_t i = 0; i < count; ++i) {
       bufs.push_back(aligned + i * bytes);
       // Distinct, non-zero contents so a write really moves data (and the pages exist).
@@ -292,7 +293,8 @@ int RunNvme(const NvmeArgs& args) {
   STRATA_CHECK_OK(engine->SetFiles({{fd, s.file}}));
 
   Buffers buffers;
-  Status mem = buffers.Allocate(static_cast<size_t>(s.queue_depth * s.threads), s.block_size);
+  Status mem = buffers.Allocate(static_cast<size_t>(s.queue_depth * s.threads), s.block_size,
+                                !args.no_huge_pages);
   if (!mem.ok()) {
     std::cerr << "strata-swapbench nvme: " << mem << "\n";
     close(fd);
@@ -375,6 +377,7 @@ int RunNvme(const NvmeArgs& args) {
     j["direct_io"] = direct;
     j["fixed_buffers"] = io.fixed_buffers;
     j["fixed_files"] = io.fixed_files;
+    j["huge_pages"] = !args.no_huge_pages;
     j["gbps"] = gbps;
     j["runs_gbps"] = ours;
     j["seconds"] = Median(secs);
@@ -421,6 +424,9 @@ void RegisterNvmeCommand(CLI::App& app, int* exit_code) {
   cmd->add_flag("--fio", args->fio, "Also run fio (io_uring, O_DIRECT) on the same file and print the ratio");
   cmd->add_flag("--fallback", args->fallback, "Use the pread/pwrite fallback engine instead of io_uring");
   cmd->add_flag("--cleanup", args->cleanup, "Delete the test file afterwards");
+  cmd->add_flag("--no-huge-pages", args->no_huge_pages,
+                "Back the buffers with 4 KiB pages (MADV_NOHUGEPAGE), as fio's default buffers are "
+                "where transparent huge pages are madvise-only");
   cmd->add_flag("--no-fixed-buffers", args->no_fixed_buffers,
                 "Do not register the buffers with io_uring (plain read/write opcodes)");
   cmd->callback([args, exit_code] { *exit_code = RunNvme(*args); });

@@ -7,6 +7,8 @@
 // pre-scan (GradCheck::kScanFirst), with a bf16 parameter copy written, and with bf16 states.
 // Each figure is the best of --reps repetitions; variants are interleaved within a repetition
 // so machine noise spreads over all of them.
+#include <sys/mman.h>
+
 #include <tbb/blocked_range.h>
 #include <tbb/info.h>
 #include <tbb/parallel_for.h>
@@ -42,6 +44,7 @@ using optim::DType;
 using optim::Isa;
 
 struct AdamArgs {
+  bool hugepages = false;
   std::string n = "67108864";
   std::string threads = "0";
   std::string reps = "5";
@@ -50,6 +53,7 @@ struct AdamArgs {
 };
 
 struct Settings {
+  bool hugepages = false;
   size_t n = 0;
   int threads = 0;
   int reps = 0;
@@ -84,10 +88,38 @@ StatusOr<Settings> Validate(const AdamArgs& a) {
                                   optim::IsaName(optim::DetectIsa())));
   }
   s.n = static_cast<size_t>(n);
+  s.hugepages = a.hugepages;
   s.threads = threads == 0 ? tbb::info::default_concurrency() : static_cast<int>(threads);
   s.reps = static_cast<int>(reps);
   return s;
 }
+
+// An anonymous mapping of n elements, optionally backed by transparent huge pages (what the
+// host tier's pinned pool uses), so the effect of TLB misses on the streams can be measured.
+template <typename T>
+class Buffer {
+ public:
+  Buffer(size_t n, bool hugepages) : bytes_(std::max<size_t>(n * sizeof(T), 1)) {
+    void* p = mmap(nullptr, bytes_, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (p == MAP_FAILED) {
+      std::perror("strata-swapbench adam: mmap");
+      std::exit(1);
+    }
+    if (hugepages && madvise(p, bytes_, MADV_HUGEPAGE) != 0) {
+      std::perror("strata-swapbench adam: madvise(MADV_HUGEPAGE), continuing without");
+    }
+    data_ = static_cast<T*>(p);
+  }
+  ~Buffer() { munmap(data_, bytes_); }
+  Buffer(const Buffer&) = delete;
+  Buffer& operator=(const Buffer&) = delete;
+  T* data() { return data_; }
+  T& operator[](size_t i) { return data_[i]; }
+
+ private:
+  size_t bytes_;
+  T* data_ = nullptr;
+};
 
 double Seconds(const std::function<void()>& fn) {
   const auto t0 = std::chrono::steady_clock::now();
@@ -148,8 +180,8 @@ int RunAdam(const AdamArgs& args) {
   torch::set_num_threads(s.threads);
 
   // Buffers, first touched in parallel inside the arena so pages are spread like the work.
-  std::vector<float> p(n), g(n), m(n), v(n);
-  std::vector<uint16_t> m16(n), v16(n), p16(n);
+  Buffer<float> p(n, s.hugepages), g(n, s.hugepages), m(n, s.hugepages), v(n, s.hugepages);
+  Buffer<uint16_t> m16(n, s.hugepages), v16(n, s.hugepages), p16(n, s.hugepages);
   ParallelRange(arena, n, [&](size_t b, size_t e) {
     for (size_t i = b; i < e; ++i) {
       const float x = static_cast<float>((i * 2654435761u) % 1000) * 1e-3f - 0.5f;
@@ -254,6 +286,7 @@ int RunAdam(const AdamArgs& args) {
     j["threads"] = s.threads;
     j["reps"] = s.reps;
     j["isa"] = optim::IsaName(isa_used);
+    j["hugepages"] = s.hugepages;
     for (const Variant& var : variants) {
       j[var.json_key + "_gparams_s"] = gparams(var);
       j[var.json_key + "_gbps"] = gparams(var) * var.bytes_per_elem;
@@ -264,8 +297,8 @@ int RunAdam(const AdamArgs& args) {
     std::cout << j.dump(2) << "\n";
     return 0;
   }
-  std::printf("strata-swapbench adam: n=%zu threads=%d isa=%s, best of %d\n", n, s.threads,
-              optim::IsaName(isa_used), s.reps);
+  std::printf("strata-swapbench adam: n=%zu threads=%d isa=%s hugepages=%s, best of %d\n", n,
+              s.threads, optim::IsaName(isa_used), s.hugepages ? "on" : "off", s.reps);
   std::printf("%-42s %10s %8s %8s %12s %12s\n", "variant", "G param/s", "B/param", "GB/s",
               "vs roofline", "vs LibTorch");
   for (const Variant& var : variants) {
@@ -299,6 +332,9 @@ void RegisterAdamCommand(CLI::App& app, int* exit_code) {
       ->type_name("R");
   cmd->add_option("--isa", args->isa, "Kernel: auto, scalar, avx2, avx512, avx512_bf16 (default auto: the best this CPU has)")
       ->type_name("ISA");
+  cmd->add_flag("--hugepages", args->hugepages,
+                 "Back Strata's and the roofline's buffers with transparent huge pages "
+                 "(madvise), as the host tier's pinned pool does; LibTorch keeps its own allocator");
   cmd->add_flag("--json", args->json,
                 "Print one JSON object: <variant>_gparams_s / _gbps for strata, strata_scan_first, "
                 "strata_bf16_param, strata_bf16_states, grad_scan, libtorch_adamw, roofline; isa; ratios");

@@ -3,9 +3,10 @@
 //
 // The loop body mirrors AdamElement (adam_kernels.h) operation for operation; the tail uses
 // masked loads and stores, so every element goes through the same vector code.
+//
 // GCC 12's AVX-512 intrinsics build their pass-through operand from _mm512_undefined_*(), a
-// self-initialised variable that -Wuninitialized reports at every inlined use (a known false
-// positive, fixed in GCC 13).
+// self-initialised variable that -Wuninitialized reports at every inlined use (a false
+// positive); the pragmas keep the build -Wall -Wextra clean.
 #pragma GCC diagnostic ignored "-Wuninitialized"
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #include <immintrin.h>
@@ -22,7 +23,8 @@ constexpr size_t kW = 16;
 // Note [prefetch]
 // Software prefetch of the four read streams 512 elements ahead (2 KB for fp32): measured on
 // the 2-core AVX-512 machine, the fp32 step went from 0.89-0.94 of the streaming roofline to
-// 0.99-1.08 (1 and 2 threads; distances 256 and 2048 were no better). The hardware prefetchers
+// 0.99-1.08 (1 and 2 threads, three alternating runs each on a shared, noisy machine; distances
+// 256, 1024 and 2048 were no better). The hardware prefetchers
 // stop at 4 KB page boundaries and the divide/sqrt chain keeps fewer loads in flight than the
 // roofline loop; the explicit hints cover both. Prefetching past the end of a buffer is
 // harmless (prefetches never fault); the address is formed as an integer for that reason.

@@ -203,7 +203,16 @@ Status SwapStore::OpenFiles(const SwapStoreOptions& options, bool create, uint64
       return ErrnoToStatus(err, StrCat(create ? "creating" : "opening", " swap file ", f.path));
     }
     files_.push_back(f);  // closed by the destructor from here on
-    if (flock(f.fd, LOCK_EX | LOCK_NB) != 0) {
+    // A process that died holding the lock releases it only when the kernel tears down its
+    // io_uring (registered files keep the file open), which happens asynchronously after exit.
+    // A restart right after a crash must not fail on that: wait up to 3 s for the lock.
+    int lock_rc = -1;
+    for (int attempt = 0; attempt < 150; ++attempt) {
+      lock_rc = flock(f.fd, LOCK_EX | LOCK_NB);
+      if (lock_rc == 0 || errno != EWOULDBLOCK) break;
+      usleep(20000);
+    }
+    if (lock_rc != 0) {
       int err = errno;
       if (err == EWOULDBLOCK)
         return FailedPrecondition(StrCat("swap file ", f.path, " is in use by another process "

@@ -1,0 +1,237 @@
+// Checkpoint and resume under offload: 2N steps equal N steps + save + resume + N steps, bit for
+// bit; a crash in the middle of a save leaves the previous checkpoint loadable; damaged or
+// mismatched checkpoints are clear errors that overwrite nothing.
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <filesystem>
+#include <fstream>
+#include <random>
+#include <thread>
+
+#include <gtest/gtest.h>
+
+#include "runtime/checkpoint.h"
+#include "tests/runtime/gpt_training.h"
+
+namespace strata {
+namespace {
+
+namespace fs = std::filesystem;
+
+struct Trainer {
+  std::unique_ptr<Communicator> comm = CreateSingleCommunicator();
+  std::unique_ptr<Device> device = CreateDevice("cpu", 256 << 20).value();
+  std::unique_ptr<Engine> engine;
+  Config config;
+
+  Trainer(const Config& c, const std::string& nvme_dir) : config(c) {
+    EngineOptions o;
+    if (!nvme_dir.empty()) o.nvme_path = {nvme_dir};
+    auto e = Engine::Create(models::BuildGpt(c.model), c, comm.get(), device.get(), o);
+    if (!e.ok()) {
+      ADD_FAILURE() << e.status();
+      std::abort();  // nothing below can run without an engine
+    }
+    engine = std::move(e).value();
+  }
+
+  // Runs steps [from, to) and returns their losses.
+  std::vector<double> Train(int from, int to) {
+    std::vector<double> losses;
+    for (int s = from; s < to; ++s) {
+      torch::Tensor b = Batch(config, s, 0);
+      torch::Tensor loss = models::LanguageModelLoss(
+          engine->Forward(b.narrow(1, 0, config.model.seq_len)), b.narrow(1, 1, config.model.seq_len));
+      EXPECT_OK(engine->Backward(loss));
+      EXPECT_TRUE(engine->Step().ok());
+      losses.push_back(loss.item<double>());
+    }
+    return losses;
+  }
+};
+
+Config ResumeConfig(int stage, OffloadDevice where) {
+  Config c = BaseConfig();
+  c.zero_optimization.stage = stage;
+  c.zero_optimization.offload_optimizer.device = where;
+  if (stage == 3) c.zero_optimization.offload_param.device = where;
+  c.gradient_clipping = 1.0;
+  c.scheduler.type = SchedulerType::kWarmupDecayLR;
+  c.scheduler.warmup_num_steps = 2;
+  c.scheduler.total_num_steps = 20;
+  c.scheduler.warmup_max_lr = 3e-3;
+  return c;
+}
+
+void ExpectBitwiseEqual(const std::vector<torch::Tensor>& a, const std::vector<torch::Tensor>& b) {
+  ASSERT_EQ(a.size(), b.size());
+  for (size_t i = 0; i < a.size(); ++i) EXPECT_TRUE(torch::equal(a[i], b[i])) << "parameter " << i;
+}
+
+class Resume : public ::testing::TestWithParam<std::tuple<int, OffloadDevice>> {};
+
+TEST_P(Resume, TwoNStepsEqualNPlusSavePlusResumePlusN) {
+  auto [stage, where] = GetParam();
+  Config c = ResumeConfig(stage, where);
+  constexpr int kN = 3;
+  testing::TempDir dir;
+  const std::string swap_a = dir.path() + "/swap-a", swap_b = dir.path() + "/swap-b",
+                    swap_c = dir.path() + "/swap-c", ckpt = dir.path() + "/ckpt";
+  for (const auto& d : {swap_a, swap_b, swap_c}) fs::create_directories(d);
+  const bool nvme = where == OffloadDevice::kNvme;
+
+  Trainer straight(c, nvme ? swap_a : "");
+  std::vector<double> ref = straight.Train(0, 2 * kN);
+  auto ref_params = straight.engine->GatherMasterParams().value();
+
+  std::vector<double> resumed;
+  {
+    Trainer first(c, nvme ? swap_b : "");
+    resumed = first.Train(0, kN);
+    ASSERT_OK(first.engine->SaveCheckpoint(ckpt, {{"next_step", kN}}));
+  }
+  Trainer second(c, nvme ? swap_c : "");
+  auto extra = second.engine->LoadCheckpoint(ckpt);
+  ASSERT_TRUE(extra.ok()) << extra.status();
+  EXPECT_EQ((*extra)["next_step"], kN);
+  EXPECT_EQ(second.engine->global_step(), kN);
+  for (double l : second.Train(kN, 2 * kN)) resumed.push_back(l);
+
+  ASSERT_EQ(resumed.size(), ref.size());
+  for (size_t i = 0; i < ref.size(); ++i) EXPECT_EQ(resumed[i], ref[i]) << "step " << i;
+  ExpectBitwiseEqual(second.engine->GatherMasterParams().value(), ref_params);
+}
+
+INSTANTIATE_TEST_SUITE_P(Placements, Resume,
+                         ::testing::Values(std::make_tuple(1, OffloadDevice::kNone),
+                                           std::make_tuple(2, OffloadDevice::kCpu),
+                                           std::make_tuple(3, OffloadDevice::kNvme)));
+
+TEST(ResumeErrors, MismatchesAndDamageAreClearAndOverwriteNothing) {
+  testing::TempDir dir;
+  Config c = ResumeConfig(2, OffloadDevice::kCpu);
+  const std::string ckpt = dir.path() + "/ckpt";
+  {
+    Trainer t(c, "");
+    t.Train(0, 1);
+    ASSERT_OK(t.engine->SaveCheckpoint(ckpt, {}));
+  }
+  ASSERT_OK_AND_ASSIGN(std::string step_dir, checkpoint::ResolveCheckpointDir(ckpt));
+  EXPECT_EQ(fs::path(step_dir).filename(), "step-00000001");
+
+  auto missing = checkpoint::ResolveCheckpointDir(dir.path() + "/nope");
+  ASSERT_FALSE(missing.ok());
+  EXPECT_EQ(missing.status().code(), StatusCode::kNotFound);
+
+  Config other = c;
+  other.model.d_model = 48;
+  other.model.n_heads = 4;
+  Trainer wrong_model(other, "");
+  auto r1 = wrong_model.engine->LoadCheckpoint(ckpt);
+  ASSERT_FALSE(r1.ok());
+  EXPECT_NE(r1.status().message().find("another model"), std::string::npos) << r1.status();
+
+  Config stage1 = c;
+  stage1.zero_optimization.stage = 1;
+  Trainer wrong_stage(stage1, "");
+  auto r2 = wrong_stage.engine->LoadCheckpoint(ckpt);
+  ASSERT_FALSE(r2.ok());
+  EXPECT_NE(r2.status().message().find("zero_optimization.stage=2"), std::string::npos) << r2.status();
+
+  // Flip one byte of the shard file: DATA_LOSS naming the block, and the live state is untouched.
+  const std::string bin = step_dir + "/rank-00000.bin";
+  std::string bytes = checkpoint::ReadFile(bin).value();
+  std::string original = bytes;
+  bytes[bytes.size() / 2] ^= 0x01;
+  std::ofstream(bin, std::ios::binary | std::ios::trunc) << bytes;
+  Trainer victim(c, "");
+  auto before = victim.engine->GatherMasterParams().value();
+  auto r3 = victim.engine->LoadCheckpoint(ckpt);
+  ASSERT_FALSE(r3.ok());
+  EXPECT_EQ(r3.status().code(), StatusCode::kDataLoss);
+  EXPECT_NE(r3.status().message().find("crc32c"), std::string::npos) << r3.status();
+  ExpectBitwiseEqual(victim.engine->GatherMasterParams().value(), before);
+
+  // A truncated file and a garbled manifest are DATA_LOSS too.
+  std::ofstream(bin, std::ios::binary | std::ios::trunc) << original.substr(0, original.size() / 3);
+  auto r4 = victim.engine->LoadCheckpoint(ckpt);
+  ASSERT_FALSE(r4.ok());
+  EXPECT_EQ(r4.status().code(), StatusCode::kDataLoss);
+  std::ofstream(step_dir + "/rank-00000.json", std::ios::trunc) << "{\"format\": \"strata-chec";
+  auto r5 = victim.engine->LoadCheckpoint(ckpt);
+  ASSERT_FALSE(r5.ok());
+  EXPECT_EQ(r5.status().code(), StatusCode::kDataLoss);
+}
+
+// Runs `body` in a child process and returns its wait status.
+template <typename F>
+int InChild(F body) {
+  pid_t pid = fork();
+  if (pid == 0) {
+    body();
+    _exit(0);
+  }
+  int status = 0;
+  waitpid(pid, &status, 0);
+  return status;
+}
+
+TEST(ResumeCrash, DeathBeforePublishKeepsThePreviousCheckpoint) {
+  testing::TempDir dir;
+  Config c = ResumeConfig(3, OffloadDevice::kNvme);
+  const std::string ckpt = dir.path() + "/ckpt", swap = dir.path() + "/swap";
+  fs::create_directories(swap);
+  int status = InChild([&] {
+    Trainer t(c, swap);
+    t.Train(0, 1);
+    if (!t.engine->SaveCheckpoint(ckpt, {{"next_step", 1}}).ok()) _exit(3);
+    t.Train(1, 2);
+    setenv("STRATA_TEST_CRASH_BEFORE_PUBLISH", "1", 1);
+    (void)t.engine->SaveCheckpoint(ckpt, {{"next_step", 2}});
+    _exit(4);  // not reached: the hook exits with 137
+  });
+  ASSERT_TRUE(WIFEXITED(status));
+  ASSERT_EQ(WEXITSTATUS(status), 137);
+  ASSERT_OK_AND_ASSIGN(std::string step_dir, checkpoint::ResolveCheckpointDir(ckpt));
+  EXPECT_EQ(fs::path(step_dir).filename(), "step-00000001");
+  Trainer t(c, swap);
+  auto extra = t.engine->LoadCheckpoint(ckpt);
+  ASSERT_TRUE(extra.ok()) << extra.status();
+  EXPECT_EQ((*extra)["next_step"], 1);
+}
+
+TEST(ResumeCrash, SigkillAtRandomMomentsLeavesALoadableCheckpoint) {
+  testing::TempDir dir;
+  Config c = ResumeConfig(3, OffloadDevice::kNvme);
+  c.model.d_model = 64;
+  const std::string ckpt = dir.path() + "/ckpt", swap = dir.path() + "/swap";
+  fs::create_directories(swap);
+  std::mt19937 rng(7);
+  for (int round = 0; round < 3; ++round) {
+    pid_t pid = fork();
+    if (pid == 0) {
+      Trainer t(c, swap);
+      for (int s = 0;; ++s) {
+        t.Train(s, s + 1);
+        if (!t.engine->SaveCheckpoint(ckpt, {{"next_step", s + 1}}).ok()) _exit(3);
+      }
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(400 + rng() % 800));
+    kill(pid, SIGKILL);
+    int status = 0;
+    waitpid(pid, &status, 0);
+    ASSERT_TRUE(WIFSIGNALED(status)) << "the child stopped on its own: " << status;
+    auto resolved = checkpoint::ResolveCheckpointDir(ckpt);
+    if (!resolved.ok()) continue;  // killed before the first save finished
+    Trainer t(c, swap);
+    auto extra = t.engine->LoadCheckpoint(ckpt);
+    ASSERT_TRUE(extra.ok()) << "round " << round << ": " << extra.status();
+    EXPECT_EQ((*extra)["next_step"].get<int64_t>(), t.engine->global_step());
+  }
+}
+
+}  // namespace
+}  // namespace strata

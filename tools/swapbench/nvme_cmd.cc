@@ -17,6 +17,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <functional>
 #include <iostream>
 #include <memory>
 #include <mutex>
@@ -30,6 +31,7 @@
 #include "runtime/status.h"
 #include "runtime/units.h"
 #include "tiers/nvme/io_engine.h"
+#include "tiers/nvme/swap_store.h"
 #include "tools/swapbench/commands.h"
 
 namespace strata::swapbench {
@@ -52,6 +54,7 @@ struct NvmeArgs {
   bool cleanup = false;
   bool no_fixed_buffers = false;
   bool no_huge_pages = false;
+  bool store = false;
 };
 
 struct Settings {
@@ -149,8 +152,12 @@ struct RunResult {
   double gbps = 0;
 };
 
+// Moves one block: through the engine (a file range) or through the swap store (a block key).
+using MoveFn = std::function<void(IoOp op, uint64_t block, char* buf, nvme::IoDone done)>;
+
 // Runs the closed loop once over the whole file.
-StatusOr<RunResult> RunOnce(IoEngine& engine, const Settings& s, IoOp op, const Buffers& buffers) {
+StatusOr<RunResult> RunOnce(const MoveFn& move, const std::function<void()>& drain, const Settings& s,
+                            IoOp op, const Buffers& buffers) {
   const uint64_t total = s.size / s.block_size;
   std::atomic<uint64_t> next{0};
   std::mutex mu;
@@ -160,16 +167,7 @@ StatusOr<RunResult> RunOnce(IoEngine& engine, const Settings& s, IoOp op, const 
 
   // One closure per slot: it owns a buffer and keeps it busy until the file is covered.
   std::vector<std::function<void(Status)>> loops(buffers.bufs.size());
-  auto issue = [&](size_t slot, uint64_t block) {
-    nvme::IoRequest r;
-    r.op = op;
-    r.file = 0;
-    r.buf = buffers.bufs[slot];
-    r.length = s.block_size;
-    r.offset = block * s.block_size;
-    r.done = loops[slot];
-    engine.Submit(std::move(r));
-  };
+  auto issue = [&](size_t slot, uint64_t block) { move(op, block, buffers.bufs[slot], loops[slot]); };
   for (size_t slot = 0; slot < loops.size(); ++slot) {
     loops[slot] = [&, slot](Status st) {
       if (!st.ok()) {
@@ -196,13 +194,22 @@ StatusOr<RunResult> RunOnce(IoEngine& engine, const Settings& s, IoOp op, const 
     active = std::min<uint64_t>(loops.size(), total);
   }
   const size_t starters = std::min<uint64_t>(loops.size(), total);
-  for (size_t slot = 0; slot < starters; ++slot) issue(slot, next.fetch_add(1));
+  for (size_t slot = 0; slot < starters; ++slot) {
+    // Early completions already take blocks from `next`, so a starter may find none left.
+    const uint64_t b = next.fetch_add(1);
+    if (b < total) {
+      issue(slot, b);
+    } else {
+      std::lock_guard<std::mutex> lock(mu);
+      if (--active == 0) cv.notify_all();
+    }
+  }
   {
     std::unique_lock<std::mutex> lock(mu);
     cv.wait(lock, [&] { return active == 0; });
   }
   const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  engine.Drain();
+  drain();
   if (!first_error.ok()) return first_error;
   return RunResult{secs, static_cast<double>(s.size) / secs / 1e9};
 }
@@ -256,65 +263,108 @@ int RunNvme(const NvmeArgs& args) {
   }
   const Settings& s = *settings;
 
-  bool direct = true;
-  int fd = open(s.file.c_str(), O_RDWR | O_CREAT | O_CLOEXEC | O_DIRECT, 0644);
-  if (fd < 0 && errno == EINVAL) {
-    direct = false;
-    fd = open(s.file.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
-  }
-  if (fd < 0) {
-    std::cerr << "strata-swapbench nvme: " << ErrnoToStatus(errno, StrCat("opening ", s.file)) << "\n";
-    return 1;
-  }
-  struct stat st;
-  fstat(fd, &st);
-  const bool needs_fill = static_cast<uint64_t>(st.st_size) < s.size;
-  if (needs_fill && fallocate(fd, 0, 0, static_cast<off_t>(s.size)) != 0 && errno != EOPNOTSUPP) {
-    std::cerr << "strata-swapbench nvme: "
-              << ErrnoToStatus(errno, StrCat("preallocating ", FormatBytes(s.size), " for ", s.file))
-              << "\n";
-    close(fd);
-    return 1;
-  }
-
-  nvme::IoEngineOptions eo;
-  eo.aio.block_size = static_cast<int64_t>(s.block_size);
-  eo.aio.queue_depth = s.queue_depth;
-  eo.aio.intra_op_parallelism = s.threads;
-  eo.force_fallback = args.fallback || !direct;
-  if (!direct) eo.fallback_reason = StrCat(s.dir, " does not support O_DIRECT");
-  auto engine_or = IoEngine::Create(eo);
-  if (!engine_or.ok()) {
-    std::cerr << "strata-swapbench nvme: " << engine_or.status() << "\n";
-    close(fd);
-    return 1;
-  }
-  auto engine = std::move(engine_or).value();
-  STRATA_CHECK_OK(engine->SetFiles({{fd, s.file}}));
-
   Buffers buffers;
   Status mem = buffers.Allocate(static_cast<size_t>(s.queue_depth * s.threads), s.block_size,
                                 !args.no_huge_pages);
   if (!mem.ok()) {
     std::cerr << "strata-swapbench nvme: " << mem << "\n";
-    close(fd);
     return 1;
   }
   std::vector<iovec> iov;
   for (char* b : buffers.bufs) iov.push_back({b, s.block_size});
-  if (!args.no_fixed_buffers) {
-    Status reg = engine->RegisterBuffers(iov);
-    if (!reg.ok()) STRATA_LOG(WARN) << "nvme bench: " << reg;
+
+  AioConfig aio;
+  aio.block_size = static_cast<int64_t>(s.block_size);
+  aio.queue_depth = s.queue_depth;
+  aio.intra_op_parallelism = s.threads;
+
+  // Exactly one of the two paths is set up: the raw engine on one file, or the swap store.
+  bool direct = true;
+  int fd = -1;
+  std::unique_ptr<IoEngine> engine;
+  std::unique_ptr<nvme::SwapStore> store;
+  bool needs_fill = true;
+  Settings run = s;
+  MoveFn move;
+  std::function<void()> drain;
+  auto fail = [&](const Status& st) {
+    std::cerr << "strata-swapbench nvme: " << st << "\n";
+    engine.reset();
+    store.reset();
+    if (fd >= 0) close(fd);
+    return 1;
+  };
+  if (args.store) {
+    nvme::SwapStoreOptions so;
+    so.paths = {s.dir};
+    so.capacity = s.size;
+    so.aio = aio;
+    so.force_fallback = args.fallback;
+    auto st = nvme::SwapStore::Open(so);
+    if (!st.ok()) return fail(st.status());
+    store = std::move(st).value();
+    for (uint64_t b = 0; b < s.size / s.block_size; ++b) {
+      Status a = store->Allocate(b, s.block_size);
+      if (!a.ok()) return fail(a);
+    }
+    auto ext = store->Locate(0);
+    if (!ext.ok()) return fail(ext.status());
+    run.file = (*ext)[0].path;  // fio measures the swap file itself
+    direct = store->stats().direct_io;
+    move = [&](IoOp op, uint64_t block, char* buf, nvme::IoDone done) {
+      if (op == IoOp::kRead) {
+        store->ReadAsync(block, buf, std::move(done));
+      } else {
+        store->WriteAsync(block, buf, std::move(done));
+      }
+    };
+    drain = [] {};  // every block's callback has run when the loop ends
+    if (!args.no_fixed_buffers) {
+      Status reg = store->RegisterBuffers(iov);
+      if (!reg.ok()) STRATA_LOG(WARN) << "nvme bench: " << reg;
+    }
+  } else {
+    fd = open(s.file.c_str(), O_RDWR | O_CREAT | O_CLOEXEC | O_DIRECT, 0644);
+    if (fd < 0 && errno == EINVAL) {
+      direct = false;
+      fd = open(s.file.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+    }
+    if (fd < 0) return fail(ErrnoToStatus(errno, StrCat("opening ", s.file)));
+    struct stat st;
+    fstat(fd, &st);
+    needs_fill = static_cast<uint64_t>(st.st_size) < s.size;
+    if (needs_fill && fallocate(fd, 0, 0, static_cast<off_t>(s.size)) != 0 && errno != EOPNOTSUPP)
+      return fail(ErrnoToStatus(errno, StrCat("preallocating ", FormatBytes(s.size), " for ", s.file)));
+    nvme::IoEngineOptions eo;
+    eo.aio = aio;
+    eo.force_fallback = args.fallback || !direct;
+    if (!direct) eo.fallback_reason = StrCat(s.dir, " does not support O_DIRECT");
+    auto engine_or = IoEngine::Create(eo);
+    if (!engine_or.ok()) return fail(engine_or.status());
+    engine = std::move(engine_or).value();
+    Status files = engine->SetFiles({{fd, s.file}});
+    if (!files.ok()) return fail(files);
+    move = [&](IoOp op, uint64_t block, char* buf, nvme::IoDone done) {
+      nvme::IoRequest r;
+      r.op = op;
+      r.file = 0;
+      r.buf = buf;
+      r.length = s.block_size;
+      r.offset = block * s.block_size;
+      r.done = std::move(done);
+      engine->Submit(std::move(r));
+    };
+    drain = [&] { engine->Drain(); };
+    if (!args.no_fixed_buffers) {
+      Status reg = engine->RegisterBuffers(iov);
+      if (!reg.ok()) STRATA_LOG(WARN) << "nvme bench: " << reg;
+    }
   }
 
   if (needs_fill && s.op == IoOp::kRead) {
     // Preallocated space reads back as zeros without touching the device: write it for real.
-    auto fill = RunOnce(*engine, s, IoOp::kWrite, buffers);
-    if (!fill.ok()) {
-      std::cerr << "strata-swapbench nvme: filling " << s.file << ": " << fill.status() << "\n";
-      close(fd);
-      return 1;
-    }
+    auto filled = RunOnce(move, drain, s, IoOp::kWrite, buffers);
+    if (!filled.ok()) return fail(filled.status().WithContext("filling the file before reading"));
   }
 
   std::vector<double> ours, fio;
@@ -323,30 +373,23 @@ int RunNvme(const NvmeArgs& args) {
   // host may cache what the previous run read, which would favour whoever runs second.
   for (int64_t r = 0; r < s.repeat; ++r) {
     const bool fio_first = args.fio && r % 2 == 1;
-    auto run_fio = [&]() -> bool {
-      auto f = RunFio(s);
-      if (!f.ok()) {
-        std::cerr << "strata-swapbench nvme: " << f.status() << "\n";
-        return false;
-      }
+    auto run_fio = [&]() -> Status {
+      auto f = RunFio(run);
+      if (!f.ok()) return f.status();
       fio.push_back(*f);
-      return true;
+      return Status::Ok();
     };
-    if (fio_first && !run_fio()) {
-      close(fd);
-      return 1;
+    if (fio_first) {
+      Status f = run_fio();
+      if (!f.ok()) return fail(f);
     }
-    auto res = RunOnce(*engine, s, s.op, buffers);
-    if (!res.ok()) {
-      std::cerr << "strata-swapbench nvme: " << res.status() << "\n";
-      close(fd);
-      return 1;
-    }
+    auto res = RunOnce(move, drain, s, s.op, buffers);
+    if (!res.ok()) return fail(res.status());
     ours.push_back(res->gbps);
     secs.push_back(res->seconds);
-    if (args.fio && !fio_first && !run_fio()) {
-      close(fd);
-      return 1;
+    if (args.fio && !fio_first) {
+      Status f = run_fio();
+      if (!f.ok()) return fail(f);
     }
     if (!args.json) {
       std::cout << "run " << r + 1 << "/" << s.repeat << ": strata " << res->gbps << " GB/s";
@@ -354,18 +397,31 @@ int RunNvme(const NvmeArgs& args) {
       std::cout << "\n";
     }
   }
-  const auto io = engine->stats();
-  const std::string engine_name(engine->name());
-  const std::string reason = engine->fallback_reason();
-  engine.reset();
-  close(fd);
+  nvme::IoEngineStats io;
+  std::string engine_name, reason;
+  if (store) {
+    auto ss = store->stats();
+    io = ss.io;
+    engine_name = ss.engine;
+    reason = ss.fallback_reason;
+    store.reset();
+    unlink(run.file.c_str());  // a fresh store is made on every run
+    unlink(StrCat(s.dir, "/strata-rank0.index").c_str());
+  } else {
+    io = engine->stats();
+    engine_name = std::string(engine->name());
+    reason = engine->fallback_reason();
+    engine.reset();
+    close(fd);
+  }
   if (args.cleanup) unlink(s.file.c_str());
 
   const double gbps = Median(ours);
   if (args.json) {
     nlohmann::json j;
     j["command"] = "nvme";
-    j["file"] = s.file;
+    j["file"] = run.file;
+    j["path"] = args.store ? "swap_store" : "engine";
     j["rw"] = s.op == IoOp::kRead ? "read" : "write";
     j["size"] = s.size;
     j["block_size"] = s.block_size;
@@ -390,7 +446,7 @@ int RunNvme(const NvmeArgs& args) {
     }
     std::cout << j.dump() << "\n";
   } else {
-    std::cout << "nvme " << (s.op == IoOp::kRead ? "read" : "write") << " file=" << s.file
+    std::cout << "nvme " << (s.op == IoOp::kRead ? "read" : "write") << " file=" << run.file
               << " size=" << FormatBytes(s.size) << " bs=" << FormatBytes(s.block_size)
               << " qd=" << s.queue_depth << " threads=" << s.threads << " engine=" << engine_name
               << " fixed_buffers=" << io.fixed_buffers << "\n  strata: " << gbps << " GB/s (median of "
@@ -424,6 +480,9 @@ void RegisterNvmeCommand(CLI::App& app, int* exit_code) {
   cmd->add_flag("--fio", args->fio, "Also run fio (io_uring, O_DIRECT) on the same file and print the ratio");
   cmd->add_flag("--fallback", args->fallback, "Use the pread/pwrite fallback engine instead of io_uring");
   cmd->add_flag("--cleanup", args->cleanup, "Delete the test file afterwards");
+  cmd->add_flag("--store", args->store,
+                "Go through the swap store (one block per request, crc32c on every block, index) "
+                "instead of the raw engine; fio then measures the swap file");
   cmd->add_flag("--no-huge-pages", args->no_huge_pages,
                 "Back the buffers with 4 KiB pages (MADV_NOHUGEPAGE), as fio's default buffers are "
                 "where transparent huge pages are madvise-only");

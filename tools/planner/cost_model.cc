@@ -1,0 +1,285 @@
+#include "tools/planner/cost_model.h"
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <set>
+#include <tuple>
+
+#include <nlohmann/json.hpp>
+
+#include "runtime/units.h"
+
+namespace strata::planner {
+
+const char* OffloadName(OffloadDevice d) {
+  switch (d) {
+    case OffloadDevice::kNone: return "none";
+    case OffloadDevice::kCpu: return "cpu";
+    case OffloadDevice::kNvme: return "nvme";
+  }
+  return "?";
+}
+
+nlohmann::json StepPrediction::ToJson() const {
+  return {{"step_s", step_s},       {"compute_s", compute_s},
+          {"copy_s", copy_s},       {"nvme_s", nvme_s},
+          {"optimizer_s", optimizer_s}, {"main_s", main_s},
+          {"lane_s", lane_s},       {"bytes_nvme_read", bytes_nvme_read},
+          {"bytes_nvme_write", bytes_nvme_write}, {"bytes_copy", bytes_copy},
+          {"flops", flops}};
+}
+
+StatusOr<Rates> RatesFromProfile(const HardwareProfile& p, const std::string& device,
+                                 double gflops_override) {
+  Rates r;
+  r.gflops = gflops_override > 0 ? gflops_override : p.compute_gflops;
+  if (r.gflops <= 0)
+    return InvalidArgument("the profile has no compute figure (compute.gflops) and --gflops was not given; "
+                           "rerun `strata-swapbench profile` or pass --gflops");
+  if (gflops_override > 0) r.assumptions.push_back(StrCat("compute rate ", gflops_override, " GFLOP/s (--gflops)"));
+  if (p.dram_gbps <= 0)
+    return InvalidArgument("the profile has no dram.copy_gbps; rerun `strata-swapbench profile`");
+  r.dram_gbps = p.dram_gbps;
+  if (p.adam_gelems_per_s <= 0)
+    return InvalidArgument("the profile has no adam.gelems_per_s; rerun `strata-swapbench profile`");
+  r.adam_gelems = p.adam_gelems_per_s;
+  const double h2d = p.CopyGbps(device, "h2d"), d2h = p.CopyGbps(device, "d2h");
+  if (h2d > 0 && d2h > 0) {
+    r.copy_gbps = std::min(h2d, d2h);
+  } else if (device == "cpu") {
+    r.copy_gbps = p.dram_gbps;
+    r.assumptions.push_back("no cpu-device copy figure in the profile: copies at the DRAM figure");
+  } else {
+    return InvalidArgument(StrCat("the profile has no ", device, " copy figures (copies[]); profile on "
+                                  "the machine with the ", device, " device"));
+  }
+  return r;
+}
+
+StatusOr<StepPrediction> PredictStep(const Config& config, const ModelSpec& model,
+                                     const MemoryEstimate& mem, const Rates& r,
+                                     const std::string& device) {
+  if (!model.gpt)
+    return InvalidArgument("step-time prediction needs the model's shapes: pass a config with a \"model\" "
+                           "section");
+  const auto& z = config.zero_optimization;
+  const double S = static_cast<double>(mem.shard_numel);
+  const double e = (config.bf16.enabled || config.fp16.enabled) ? 2 : 4;
+  const double ss = config.strata.optimizer_state_dtype == StateDtype::kBf16 ? 2 : 4;
+  const int acc = static_cast<int>(std::max<int64_t>(1, config.gradient_accumulation_steps));
+  const bool cuda = device == "cuda";
+  const bool immediate = config.strata.overlap_optimizer && config.gradient_clipping == 0 &&
+                         !config.fp16.enabled;
+  const OffloadDevice pdev = z.stage == 3 ? z.offload_param.device : OffloadDevice::kNone;
+  const OffloadDevice odev = z.offload_optimizer.device;
+
+  StepPrediction p;
+  auto copy_t = [&](double bytes) { return bytes / (r.copy_gbps * 1e9); };
+  auto d2d_t = [&](double bytes) { return cuda ? 0.0 : bytes / (r.dram_gbps * 1e9); };
+  auto rd_t = [&](double bytes) { return r.nvme_read_gbps > 0 ? bytes / (r.nvme_read_gbps * 1e9) : 0; };
+  auto wr_t = [&](double bytes) { return r.nvme_write_gbps > 0 ? bytes / (r.nvme_write_gbps * 1e9) : 0; };
+  double copy_bytes = 0, nvme_r = 0, nvme_w = 0;
+
+  const double flops_micro =
+      GptFlopsPerMicroBatch(*model.gpt, config.train_micro_batch_size_per_gpu);
+  const double compute_micro = flops_micro / (r.gflops * 1e9);
+  // Main thread, per micro-step: parameter fetches (forward + backward) and gradient hand-off.
+  double param_io = 0, grad_io = 0, grad_io_first = 0;
+  if (z.stage == 3) {
+    const double b = 2 * S * e;
+    if (pdev == OffloadDevice::kNone) param_io = d2d_t(b);
+    if (pdev == OffloadDevice::kCpu) { param_io = copy_t(b); copy_bytes += acc * b; }
+    if (pdev == OffloadDevice::kNvme) {
+      param_io = copy_t(b) + rd_t(b);
+      copy_bytes += acc * b;
+      nvme_r += acc * b;
+    }
+  }
+  if (odev == OffloadDevice::kNone) {
+    grad_io = grad_io_first = d2d_t(S * 4);
+  } else {
+    grad_io = grad_io_first = copy_t(S * 4);
+    copy_bytes += acc * S * 4;
+    if (odev == OffloadDevice::kNvme) {
+      grad_io_first += wr_t(S * 4);
+      grad_io += wr_t(S * 4) + rd_t(S * 4);  // accumulating micro-steps read the shard back
+      nvme_w += acc * S * 4;
+      nvme_r += (acc - 1) * S * 4;
+    }
+  }
+  const double main_first = compute_micro + param_io + grad_io_first;
+  const double main_next = compute_micro + param_io + grad_io;
+  p.main_s = main_first + (acc - 1) * main_next;
+  const double last_micro_forward = compute_micro / 3 + param_io / 2;
+  const double before_last = acc > 1 ? main_first + (acc - 2) * main_next : 0;
+
+  // Optimizer lane.
+  p.optimizer_s = S / (r.adam_gelems * 1e9);
+  double lane_io = 0;
+  if (odev == OffloadDevice::kNvme) {
+    lane_io += rd_t(S * (4 + 2 * ss + 4)) + wr_t(S * (4 + 2 * ss));
+    nvme_r += S * (4 + 2 * ss + 4);
+    nvme_w += S * (4 + 2 * ss);
+  }
+  if (pdev == OffloadDevice::kNvme) {
+    lane_io += wr_t(S * e);
+    nvme_w += S * e;
+  }
+  if (cuda && (z.stage < 3 || pdev == OffloadDevice::kNone)) {
+    lane_io += copy_t(S * e);
+    copy_bytes += S * e;
+  }
+  p.lane_s = p.optimizer_s + lane_io;
+
+  p.compute_s = acc * compute_micro;
+  p.flops = acc * flops_micro;
+  p.bytes_nvme_read = static_cast<uint64_t>(nvme_r);
+  p.bytes_nvme_write = static_cast<uint64_t>(nvme_w);
+  p.bytes_copy = static_cast<uint64_t>(copy_bytes);
+  p.nvme_s = rd_t(nvme_r) + wr_t(nvme_w);
+  p.copy_s = copy_t(copy_bytes);
+  if (immediate) {
+    p.step_s = std::max(p.main_s, before_last + last_micro_forward + p.lane_s);
+  } else {
+    double scan = S * 4 / (r.dram_gbps * 1e9);
+    if (odev == OffloadDevice::kNvme) {
+      scan += rd_t(S * 4);
+      nvme_r += S * 4;
+      p.bytes_nvme_read = static_cast<uint64_t>(nvme_r);
+      p.nvme_s = rd_t(nvme_r) + wr_t(nvme_w);
+    }
+    p.step_s = p.main_s + scan + p.lane_s;
+  }
+  p.step_s = std::max({p.step_s, p.nvme_s, p.copy_s});
+  return p;
+}
+
+std::string Candidate::Describe() const {
+  std::string s = StrCat("param=", OffloadName(param), " optimizer=", OffloadName(optimizer));
+  if (uses_nvme)
+    s += StrCat(" aio=", FormatBytes(static_cast<uint64_t>(aio.block_size)), "xQD", aio.queue_depth, "x",
+                aio.parallelism);
+  return s;
+}
+
+StatusOr<TuneResult> Tune(const Config& config, const ModelSpec& model, const HardwareProfile& profile,
+                          const TuneOptions& o) {
+  if (!model.gpt)
+    return InvalidArgument("strata-tune needs the model's shapes: pass a config with a \"model\" section");
+  STRATA_ASSIGN_OR_RETURN(Rates base, RatesFromProfile(profile, o.device, o.gflops_override));
+  TuneResult res;
+  res.assumptions = base.assumptions;
+  const bool cpu = o.device == "cpu";
+  res.device_budget = o.device_budget ? o.device_budget
+                      : config.strata.device_memory_budget ? config.strata.device_memory_budget
+                      : cpu ? (4ull << 30) : 0;
+  if (o.host_budget) {
+    res.host_budget = o.host_budget;
+  } else if (config.strata.host_memory_budget) {
+    res.host_budget = config.strata.host_memory_budget;
+  } else {
+    res.host_budget = static_cast<uint64_t>(sysconf(_SC_PHYS_PAGES)) *
+                      static_cast<uint64_t>(sysconf(_SC_PAGESIZE)) / 2;
+  }
+  res.nvme_budget = o.nvme_budget ? o.nvme_budget : config.strata.nvme_capacity;
+
+  // aio settings to try: every measured read point (write figure at the same setting, or the
+  // best write when that setting was not measured for writes).
+  std::vector<NvmePoint> aios;
+  double best_write = 0;
+  for (const auto& p : profile.nvme)
+    if (p.write) best_write = std::max(best_write, p.gbps);
+  for (const auto& p : profile.nvme)
+    if (!p.write) aios.push_back(p);
+  const bool nvme_ok = o.nvme_allowed && !aios.empty();
+  if (!o.nvme_allowed) res.assumptions.push_back("NVMe placements skipped: no nvme_path (pass --nvme-path)");
+  else if (aios.empty()) res.assumptions.push_back("NVMe placements skipped: the profile has no NVMe points");
+
+  std::vector<OffloadDevice> params = {OffloadDevice::kNone};
+  if (config.zero_optimization.stage == 3) params = {OffloadDevice::kNone, OffloadDevice::kCpu, OffloadDevice::kNvme};
+  std::vector<OffloadDevice> optims = {OffloadDevice::kCpu, OffloadDevice::kNvme};
+  // The engine runs Adam on device-placed states only on the CPU device (no GPU Adam yet).
+  if (cpu) optims.insert(optims.begin(), OffloadDevice::kNone);
+
+  for (OffloadDevice pd : params) {
+    for (OffloadDevice od : optims) {
+      const bool nv = pd == OffloadDevice::kNvme || od == OffloadDevice::kNvme;
+      if (nv && !nvme_ok) continue;
+      Config c = config;
+      c.zero_optimization.offload_param.device = pd;
+      c.zero_optimization.offload_optimizer.device = od;
+      EstimateOptions eo;
+      eo.world_size = o.world_size;
+      eo.device = o.device;
+      STRATA_ASSIGN_OR_RETURN(MemoryEstimate mem, EstimateMemory(c, model, eo));
+      std::vector<NvmePoint> settings = nv ? aios : std::vector<NvmePoint>{NvmePoint{}};
+      for (const NvmePoint& a : settings) {
+        Candidate cand;
+        cand.param = pd;
+        cand.optimizer = od;
+        cand.uses_nvme = nv;
+        cand.aio = a;
+        cand.memory = mem;
+        Rates r = base;
+        if (nv) {
+          c.aio.block_size = a.block_size;
+          c.aio.queue_depth = a.queue_depth;
+          c.aio.intra_op_parallelism = a.parallelism;
+          r.nvme_read_gbps = a.gbps;
+          auto w = profile.NvmeGbps(true, a.block_size, a.queue_depth, a.parallelism);
+          r.nvme_write_gbps = w.ok() ? *w : best_write;
+          if (r.nvme_write_gbps <= 0) r.nvme_write_gbps = a.gbps;
+        }
+        STRATA_ASSIGN_OR_RETURN(cand.prediction, PredictStep(c, model, mem, r, o.device));
+        cand.feasible = true;
+        if (res.device_budget && mem.hbm_bytes > res.device_budget) {
+          cand.feasible = false;
+          cand.why_not = StrCat("device ", FormatBytes(mem.hbm_bytes), " > budget ", FormatBytes(res.device_budget));
+        } else if (mem.host_pageable_bytes + mem.host_pinned_bytes > res.host_budget) {
+          cand.feasible = false;
+          cand.why_not = StrCat("host ", FormatBytes(mem.host_pageable_bytes + mem.host_pinned_bytes),
+                                " > budget ", FormatBytes(res.host_budget));
+        } else if (res.nvme_budget && mem.nvme_bytes > res.nvme_budget) {
+          cand.feasible = false;
+          cand.why_not = StrCat("nvme ", FormatBytes(mem.nvme_bytes), " > budget ", FormatBytes(res.nvme_budget));
+        }
+        res.candidates.push_back(std::move(cand));
+      }
+    }
+  }
+  // Feasible first; then faster; near-ties (1 %) go to less NVMe traffic, then less host memory.
+  std::stable_sort(res.candidates.begin(), res.candidates.end(), [](const Candidate& a, const Candidate& b) {
+    if (a.feasible != b.feasible) return a.feasible;
+    const double ta = a.prediction.step_s, tb = b.prediction.step_s;
+    if (std::abs(ta - tb) > 0.01 * std::max(ta, tb)) return ta < tb;
+    const uint64_t na = a.prediction.bytes_nvme_read + a.prediction.bytes_nvme_write;
+    const uint64_t nb = b.prediction.bytes_nvme_read + b.prediction.bytes_nvme_write;
+    if (na != nb) return na < nb;
+    return a.memory.host_pageable_bytes < b.memory.host_pageable_bytes;
+  });
+  return res;
+}
+
+void ApplyCandidate(const Candidate& c, const std::string& nvme_path, nlohmann::json* cfg) {
+  nlohmann::json& z = (*cfg)["zero_optimization"];
+  auto set = [&](const char* section, OffloadDevice d) {
+    nlohmann::json& s = z[section];
+    s["device"] = OffloadName(d);
+    if (d == OffloadDevice::kNvme && (!s.contains("nvme_path") || s["nvme_path"].empty()) &&
+        !nvme_path.empty())
+      s["nvme_path"] = nvme_path;
+  };
+  if (z.value("stage", 0) == 3 || c.param != OffloadDevice::kNone) set("offload_param", c.param);
+  set("offload_optimizer", c.optimizer);
+  if (c.uses_nvme) {
+    nlohmann::json& a = (*cfg)["aio"];
+    a["block_size"] = c.aio.block_size;
+    a["queue_depth"] = c.aio.queue_depth;
+    // DeepSpeed's old spelling would make the config carry two keys for one knob.
+    a.erase("thread_count");
+    a["intra_op_parallelism"] = c.aio.parallelism;
+  }
+}
+
+}  // namespace strata::planner

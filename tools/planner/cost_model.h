@@ -1,0 +1,111 @@
+// Cost model and placement search for strata-tune.
+//
+// Lanes of one optimizer step (per rank), following what runtime/engine.cc does today:
+// - main thread: compute (FLOPs / measured FLOP rate), and — serially, because the engine's
+//   gathers and gradient hand-offs block the compute thread — stage-3 parameter fetches (NVMe
+//   read + host->device copy, twice per micro-step: forward and backward) and gradient shards
+//   (device->host copy; NVMe write, plus a read when accumulating);
+// - optimizer lane: Adam elements / measured Adam throughput, plus its NVMe state traffic (read
+//   master/m/v/grad, write master/m/v, and param16 for stage 3 NVMe params) and the copy of new
+//   working values to the device;
+// - the NVMe and copy lanes are shared: the step can be no shorter than their total busy time.
+// Step time = max(main, start of the lane + lane, NVMe busy, copy busy) when the optimizer
+// overlaps backward (the lane starts once backward of the last micro-step begins), and
+// main + gradient-norm scan + lane when it is deferred (clipping or fp16).
+// Thread-safety: plain functions on values.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json_fwd.hpp>
+
+#include "runtime/config.h"
+#include "runtime/status.h"
+#include "tools/planner/memory_model.h"
+#include "tools/planner/model_spec.h"
+#include "tools/planner/profile.h"
+
+namespace strata::planner {
+
+struct StepPrediction {
+  double step_s = 0;
+  // Busy seconds per lane.
+  double compute_s = 0;
+  double copy_s = 0;
+  double nvme_s = 0;
+  double optimizer_s = 0;  // Adam arithmetic only
+  double main_s = 0;       // main thread: compute + its serial I/O
+  double lane_s = 0;       // optimizer lane: Adam + its serial I/O
+  // SUM: bytes per step.
+  uint64_t bytes_nvme_read = 0;
+  uint64_t bytes_nvme_write = 0;
+  uint64_t bytes_copy = 0;
+  double flops = 0;
+  nlohmann::json ToJson() const;
+};
+
+// Rates the model uses; FromProfile fills them and says what it had to assume.
+struct Rates {
+  double gflops = 0;          // compute
+  double copy_gbps = 0;       // host<->device
+  double dram_gbps = 0;       // host memory streaming (gradient-norm scan, device-to-device on cpu)
+  double adam_gelems = 0;     // CPU Adam elements per second / 1e9
+  double nvme_read_gbps = 0;  // at the chosen aio setting
+  double nvme_write_gbps = 0;
+  std::vector<std::string> assumptions;
+};
+
+// Fills Rates from a profile for `device` ("cpu"/"cuda"); a figure the profile lacks is taken
+// from `fallback_gflops` (compute) or fails naming the missing section (copies, Adam, DRAM).
+StatusOr<Rates> RatesFromProfile(const HardwareProfile& profile, const std::string& device,
+                                 double gflops_override);
+
+// Predicts one step of a GPT model (the model must carry its ModelConfig: FLOPs need shapes).
+StatusOr<StepPrediction> PredictStep(const Config& config, const ModelSpec& model,
+                                     const MemoryEstimate& memory, const Rates& rates,
+                                     const std::string& device);
+
+struct TuneOptions {
+  int world_size = 1;
+  std::string device = "cpu";
+  uint64_t device_budget = 0;  // bytes; 0: config's strata.device_memory_budget, then 4 GiB (cpu)
+  uint64_t host_budget = 0;    // bytes; 0: config's strata.host_memory_budget, then half of RAM
+  uint64_t nvme_budget = 0;    // bytes; 0: config's strata.nvme_capacity, then unlimited
+  bool nvme_allowed = true;    // false when no nvme_path is known
+  double gflops_override = 0;
+};
+
+struct Candidate {
+  OffloadDevice param = OffloadDevice::kNone;      // stage 3 only
+  OffloadDevice optimizer = OffloadDevice::kCpu;
+  bool uses_nvme = false;
+  NvmePoint aio;                                   // meaningful when uses_nvme
+  MemoryEstimate memory;
+  StepPrediction prediction;
+  bool feasible = false;
+  std::string why_not;                             // when !feasible: the budget it breaks
+  std::string Describe() const;                    // "param=cpu optimizer=nvme aio=8MiBxQD32x1"
+};
+
+struct TuneResult {
+  std::vector<Candidate> candidates;  // feasible ones first, each group by predicted step time
+  uint64_t device_budget = 0, host_budget = 0, nvme_budget = 0;  // as applied (0: unlimited)
+  std::vector<std::string> assumptions;
+};
+
+// Enumerates placements (offload_param x offload_optimizer devices, and for NVMe every measured
+// aio setting), estimates memory and step time for each, and ranks them. Fails when the model is
+// not a GPT or the profile lacks a figure every candidate needs.
+StatusOr<TuneResult> Tune(const Config& config, const ModelSpec& model, const HardwareProfile& profile,
+                          const TuneOptions& options);
+
+// Applies a candidate to a config JSON in place, touching only the keys it decides:
+// zero_optimization.offload_param.device / offload_optimizer.device (+ nvme_path when NVMe is
+// chosen and none is set) and, with NVMe, aio.block_size / queue_depth / intra_op_parallelism.
+void ApplyCandidate(const Candidate& c, const std::string& nvme_path, nlohmann::json* config);
+
+const char* OffloadName(OffloadDevice d);  // "none", "cpu", "nvme"
+
+}  // namespace strata::planner

@@ -1,0 +1,368 @@
+#include "tools/planner/memory_model.h"
+
+#include <algorithm>
+#include <cstdio>
+#include <map>
+#include <sstream>
+
+#include <nlohmann/json.hpp>
+
+#include "runtime/partitioner.h"
+#include "runtime/units.h"
+
+namespace strata::planner {
+
+const char* MemTierName(MemTier t) {
+  switch (t) {
+    case MemTier::kHbm: return "hbm";
+    case MemTier::kHostPinned: return "host_pinned";
+    case MemTier::kHostPageable: return "host_pageable";
+    case MemTier::kNvme: return "nvme";
+  }
+  return "?";
+}
+
+namespace {
+
+MemTier TierOf(OffloadDevice d) {
+  return d == OffloadDevice::kNone  ? MemTier::kHbm
+         : d == OffloadDevice::kCpu ? MemTier::kHostPageable
+                                    : MemTier::kNvme;
+}
+
+uint64_t Round(uint64_t bytes, uint64_t to) { return (std::max<uint64_t>(bytes, 1) + to - 1) / to * to; }
+
+}  // namespace
+
+// Note [device replay]
+// The device peak is not a sum: stage-3 chunk buffers and fp32 gradient buffers come and go as
+// blocks run. Replaying the engine's order exactly gives the peak it will see:
+//   forward, for each block b:  gather(b); release(b)
+//   backward: the hook on block nb-1's output gathers nb-1; the hook on block b's output runs
+//     finish(b+1) then gather(b); after backward returns, finish(0)
+//   finish(b): allocate the fp32 full-chunk gradient buffer of every chunk of b that has none,
+//     release(b), then free the buffer of each chunk whose last block this was.
+// gather/release keep a live count per chunk (a chunk shared by two blocks is freed when both
+// released it). Allocations are rounded the way the device allocator rounds them.
+StatusOr<MemoryEstimate> EstimateMemory(const Config& config, const ModelSpec& model,
+                                        const EstimateOptions& options) {
+  if (model.params.empty()) return InvalidArgument("the model has no parameters to estimate");
+  if (options.world_size < 1)
+    return InvalidArgument(StrCat("--world-size=", options.world_size, ": must be >= 1"));
+  const auto& z = config.zero_optimization;
+  if (z.stage < 0 || z.stage > 3)
+    return InvalidArgument(StrCat("zero_optimization.stage=", z.stage, ": must be 0..3"));
+
+  MemoryEstimate est;
+  est.stage = z.stage;
+  est.world_size = options.world_size;
+  est.device = options.device.empty() ? (config.strata.device == "cuda" ? "cuda" : "cpu")
+                                      : options.device;
+  if (est.device != "cpu" && est.device != "cuda")
+    return InvalidArgument(StrCat("--device=", est.device, ": must be cpu or cuda"));
+  const bool cpu_device = est.device == "cpu";
+  const uint64_t dev_round = cpu_device ? 64 : 256;
+  const uint64_t esize = (config.bf16.enabled || config.fp16.enabled) ? 2 : 4;
+  const uint64_t ssize = config.strata.optimizer_state_dtype == StateDtype::kBf16 ? 2 : 4;
+  const int shard_world = z.stage == 0 ? 1 : options.world_size;
+  const MemTier optim_tier = TierOf(z.offload_optimizer.device);
+  const MemTier param_tier = z.stage == 3 ? TierOf(z.offload_param.device) : MemTier::kHbm;
+  const bool immediate = config.strata.overlap_optimizer && config.gradient_clipping == 0 &&
+                         !config.fp16.enabled;
+
+  PartitionerOptions po;
+  po.chunk_size = config.strata.chunk_size;
+  po.world_size = shard_world;
+  po.element_size = static_cast<int>(esize);
+  STRATA_ASSIGN_OR_RETURN(Partitioner part, Partitioner::Create(po));
+  for (const auto& p : model.params) STRATA_RETURN_IF_ERROR(part.AddParam(p.name, p.numel).status());
+  STRATA_RETURN_IF_ERROR(part.Finalize());
+  const auto& chunks = part.chunks();
+  est.chunks = static_cast<int64_t>(chunks.size());
+  est.param_numel = part.param_numel();
+  est.padded_numel = part.total_numel();
+  est.shard_numel = part.shard_numel_per_rank();
+
+  // Block <-> chunk maps, as Engine::Impl::Init builds them.
+  std::vector<std::vector<int64_t>> block_chunks(static_cast<size_t>(model.num_blocks));
+  std::vector<int> chunk_blocks(chunks.size(), 0);
+  for (size_t pid = 0; pid < model.params.size(); ++pid) {
+    const int64_t c = part.location(static_cast<int64_t>(pid)).chunk;
+    auto& bc = block_chunks[static_cast<size_t>(model.params[pid].block)];
+    if (bc.empty() || bc.back() != c) {
+      bc.push_back(c);
+      ++chunk_blocks[static_cast<size_t>(c)];
+    }
+  }
+
+  // Resident per-state bytes, as registered (device allocations rounded).
+  struct StateSum {
+    MemTier tier;
+    uint64_t bytes = 0;
+  };
+  std::map<std::string, StateSum> states;
+  auto add_state = [&](const std::string& name, MemTier tier, uint64_t raw) {
+    auto& s = states.try_emplace(name, StateSum{tier, 0}).first->second;
+    s.bytes += tier == MemTier::kHbm ? Round(raw, dev_round) : raw;
+  };
+  uint64_t nvme_need = 0, max_shard = 0;
+  for (const ChunkInfo& ci : chunks) {
+    const uint64_t n = static_cast<uint64_t>(ci.shard_numel);
+    max_shard = std::max(max_shard, n);
+    add_state("master32", optim_tier, n * 4);
+    add_state("exp_avg", optim_tier, n * ssize);
+    add_state("exp_avg_sq", optim_tier, n * ssize);
+    add_state("grad", optim_tier, n * 4);
+    if (z.stage == 3) {
+      add_state("param16", param_tier, n * esize);
+    } else {
+      add_state("param16", MemTier::kHbm, static_cast<uint64_t>(ci.numel) * esize);
+    }
+    if (optim_tier == MemTier::kNvme) nvme_need += Round(n * 4, 4096) * 2 + Round(n * ssize, 4096) * 2;
+    if (param_tier == MemTier::kNvme) nvme_need += Round(n * esize, 4096);
+  }
+  const char* dtype_name = esize == 2 ? (config.fp16.enabled ? "fp16" : "bf16") : "fp32";
+  const char* sdtype_name = ssize == 2 ? "bf16" : "fp32";
+  uint64_t device_resident = 0, host_resident = 0;
+  for (const auto& [name, s] : states) {
+    MemoryItem it;
+    it.what = name;
+    it.tier = s.tier;
+    it.bytes = s.bytes;
+    if (name == "param16")
+      it.note = z.stage == 3 ? StrCat("this rank's shard of the ", dtype_name, " working copy")
+                             : StrCat("full ", dtype_name, " working copy of every chunk (stage ",
+                                      z.stage, " keeps it on the device)");
+    else if (name == "master32" || name == "grad")
+      it.note = StrCat("fp32 shard", shard_world > 1 ? " (1/world of each chunk)" : "");
+    else
+      it.note = StrCat(sdtype_name, " Adam moment shard");
+    if (s.tier == MemTier::kHbm) {
+      it.measured_by = "peak_device_bytes";
+      device_resident += s.bytes;
+    } else if (s.tier == MemTier::kHostPageable) {
+      it.measured_by = "peak_host_bytes";
+      host_resident += s.bytes;
+    } else {
+      it.note += "; staged in host memory while in use";
+    }
+    est.items.push_back(it);
+  }
+
+  // Device transients: replay (Note [device replay]).
+  uint64_t cur = device_resident, peak = device_resident;
+  std::vector<int> live(chunks.size(), 0), pending(chunks.size(), 0);
+  std::vector<bool> grad_buf(chunks.size(), false);
+  uint64_t gather_peak = 0, gather_cur = 0, gradbuf_cur = 0, gradbuf_at_peak = 0, gather_at_peak = 0;
+  auto note_peak = [&] {
+    if (cur > peak) {
+      peak = cur;
+      gather_at_peak = gather_cur;
+      gradbuf_at_peak = gradbuf_cur;
+    }
+    gather_peak = std::max(gather_peak, gather_cur);
+  };
+  auto gather = [&](int64_t b) {
+    if (z.stage != 3) return;
+    for (int64_t c : block_chunks[static_cast<size_t>(b)]) {
+      if (live[static_cast<size_t>(c)]++ > 0) continue;
+      const uint64_t bytes = Round(static_cast<uint64_t>(chunks[static_cast<size_t>(c)].numel) * esize, dev_round);
+      cur += bytes;
+      gather_cur += bytes;
+      note_peak();
+    }
+  };
+  auto release = [&](int64_t b) {
+    if (z.stage != 3) return;
+    for (int64_t c : block_chunks[static_cast<size_t>(b)]) {
+      if (--live[static_cast<size_t>(c)] > 0) continue;
+      const uint64_t bytes = Round(static_cast<uint64_t>(chunks[static_cast<size_t>(c)].numel) * esize, dev_round);
+      cur -= bytes;
+      gather_cur -= bytes;
+    }
+  };
+  auto finish = [&](int64_t b) {
+    const auto& bc = block_chunks[static_cast<size_t>(b)];
+    for (int64_t c : bc) {
+      if (grad_buf[static_cast<size_t>(c)]) continue;
+      grad_buf[static_cast<size_t>(c)] = true;
+      const uint64_t bytes = Round(static_cast<uint64_t>(chunks[static_cast<size_t>(c)].numel) * 4, dev_round);
+      cur += bytes;
+      gradbuf_cur += bytes;
+      note_peak();
+    }
+    release(b);
+    for (int64_t c : bc) {
+      if (--pending[static_cast<size_t>(c)] != 0) continue;
+      const uint64_t bytes = Round(static_cast<uint64_t>(chunks[static_cast<size_t>(c)].numel) * 4, dev_round);
+      grad_buf[static_cast<size_t>(c)] = false;
+      cur -= bytes;
+      gradbuf_cur -= bytes;
+    }
+  };
+  const int64_t nb = model.num_blocks;
+  for (size_t c = 0; c < chunks.size(); ++c) pending[c] = chunk_blocks[c];
+  for (int64_t b = 0; b < nb; ++b) {
+    gather(b);
+    release(b);
+  }
+  if (nb > 0) gather(nb - 1);
+  for (int64_t b = nb - 2; b >= 0; --b) {
+    finish(b + 1);
+    gather(b);
+  }
+  if (nb > 0) finish(0);
+  if (z.stage == 3) {
+    MemoryItem it{"param16 gather buffers", MemTier::kHbm, gather_at_peak, "peak_device_bytes", true,
+                  StrCat("full chunks of the live block(s) at the device peak (largest during the "
+                         "step: ", FormatBytes(gather_peak), ")")};
+    est.items.push_back(it);
+  }
+  est.items.push_back({"grad fp32 chunk buffers", MemTier::kHbm, gradbuf_at_peak, "peak_device_bytes",
+                       true, "full-chunk fp32 gradients of the block in backward, until reduced"});
+  est.engine_device_peak_bytes = peak;
+
+  // Host staging of NVMe blocks (counted by the block store).
+  // The lane holds one chunk's NVMe-placed states; with the optimizer overlapping backward the
+  // main thread may hold one more shard (a grad in ReduceChunk, a param16 in GatherChunk) at the
+  // same time. Deferred updates run while the main thread waits, so nothing overlaps them.
+  uint64_t lane = 0, main = 0;
+  if (optim_tier == MemTier::kNvme) {
+    lane += max_shard * (4 + 2 * ssize + 4);
+    if (immediate) main = std::max(main, max_shard * 4);
+  }
+  if (param_tier == MemTier::kNvme) {
+    lane += max_shard * esize;
+    if (immediate) main = std::max(main, max_shard * esize);
+  }
+  const uint64_t staging = lane + main;
+  if (staging > 0)
+    est.items.push_back({"NVMe staging buffers", MemTier::kHostPageable, staging, "peak_host_bytes", true,
+                         StrCat("optimizer lane holds one chunk's NVMe-placed states (",
+                                FormatBytes(lane), "); the main thread one more shard (",
+                                FormatBytes(main), ") when they overlap — an upper bound")});
+  est.engine_host_peak_bytes = host_resident + staging;
+
+  // Host memory outside the block store.
+  uint64_t host_other = 0;
+  if (!cpu_device && (z.stage < 3 || param_tier == MemTier::kHbm)) {
+    host_other = max_shard * esize;
+    est.items.push_back({"optimizer output staging", MemTier::kHostPageable, host_other, "", true,
+                         "new working values copied to the device by the optimizer lane"});
+  }
+  uint64_t init_bytes = static_cast<uint64_t>(est.param_numel) * 4;
+  uint64_t max_chunk = 0;
+  for (const ChunkInfo& ci : chunks) max_chunk = std::max<uint64_t>(max_chunk, ci.numel);
+  init_bytes += max_chunk * (4 + esize) + max_shard * (4 + esize);
+
+  // Activations and LibTorch's own gradients (not seen by the engine's counters).
+  uint64_t torch_dev = 0;
+  const uint64_t block_grads = static_cast<uint64_t>(model.largest_block_numel()) * esize;
+  est.items.push_back({"parameter .grad of one block", MemTier::kHbm, block_grads, "", true,
+                       "LibTorch's gradients of the block in backward, before the engine takes them"});
+  torch_dev += block_grads;
+  if (model.gpt) {
+    ActivationEstimate a = GptActivations(*model.gpt, config.train_micro_batch_size_per_gpu,
+                                          static_cast<int>(esize));
+    est.activation_bytes = a.saved_bytes;
+    est.items.push_back({"activations saved for backward", MemTier::kHbm, a.saved_bytes, "", true,
+                         StrCat("one micro-batch of ", config.train_micro_batch_size_per_gpu,
+                                " x ", model.gpt->seq_len, " tokens (", FormatBytes(a.per_block_bytes),
+                                " per block, ", FormatBytes(a.head_bytes), " head + loss)")});
+    torch_dev += a.saved_bytes;
+  } else {
+    est.notes.push_back("activations: unknown for a model given by --params; add them (or pass --config "
+                        "with a \"model\" section)");
+  }
+
+  est.hbm_bytes = est.engine_device_peak_bytes + torch_dev;
+  est.host_pageable_bytes = est.engine_host_peak_bytes + host_other;
+  est.host_pinned_bytes = 0;
+  est.nvme_bytes = nvme_need;
+  if (nvme_need > 0 && config.strata.nvme_capacity > 0 && config.strata.nvme_capacity < nvme_need)
+    est.notes.push_back(StrCat("strata.nvme_capacity=", config.strata.nvme_capacity, " is below the ",
+                               FormatBytes(nvme_need), " the NVMe-placed shards need: raise it or set 0"));
+  est.notes.push_back(StrCat("engine init (Engine::Create) also holds the model's fp32 parameters plus one "
+                             "chunk's fp32 and working copies: about ", FormatBytes(init_bytes),
+                             " of pageable host memory, freed before training"));
+  est.notes.push_back("host_pinned is 0: the engine's block store allocates host states and NVMe staging "
+                      "with aligned_alloc (pageable) whatever pin_memory says");
+  if (cpu_device)
+    est.notes.push_back("device=cpu: 'hbm' is host DRAM bounded by strata.device_memory_budget");
+  if (z.offload_optimizer.ratio != 1.0)
+    est.notes.push_back(StrCat("offload_optimizer.ratio=", z.offload_optimizer.ratio,
+                               " is not applied by the engine (all optimizer states follow "
+                               "offload_optimizer.device); estimated as 1.0"));
+  if (z.stage < 3 && z.offload_param.device != OffloadDevice::kNone)
+    est.notes.push_back(StrCat("offload_param applies to stage 3 only; stage ", z.stage,
+                               " keeps the working copy on the device"));
+  return est;
+}
+
+nlohmann::json MemoryEstimate::ToJson() const {
+  nlohmann::json items_j = nlohmann::json::array();
+  nlohmann::json per_state = nlohmann::json::object();
+  for (const auto& it : items) {
+    items_j.push_back({{"what", it.what},
+                       {"tier", MemTierName(it.tier)},
+                       {"bytes", it.bytes},
+                       {"measured_by", it.measured_by},
+                       {"transient", it.transient},
+                       {"note", it.note}});
+    if (it.what == "param16" || it.what == "grad" || it.what == "master32" || it.what == "exp_avg" ||
+        it.what == "exp_avg_sq")
+      per_state[it.what] = {{"tier", MemTierName(it.tier)}, {"bytes", it.bytes}};
+  }
+  return {{"hbm_bytes", hbm_bytes},
+          {"host_pinned_bytes", host_pinned_bytes},
+          {"host_pageable_bytes", host_pageable_bytes},
+          {"nvme_bytes", nvme_bytes},
+          {"engine_device_peak_bytes", engine_device_peak_bytes},
+          {"engine_host_peak_bytes", engine_host_peak_bytes},
+          {"activation_bytes", activation_bytes},
+          {"stage", stage},
+          {"world_size", world_size},
+          {"device", device},
+          {"chunks", chunks},
+          {"param_numel", param_numel},
+          {"padded_numel", padded_numel},
+          {"shard_numel", shard_numel},
+          {"per_state", per_state},
+          {"breakdown", items_j},
+          {"notes", notes}};
+}
+
+std::string MemoryEstimate::ToTable() const {
+  std::ostringstream o;
+  char line[512];
+  o << "stage " << stage << ", world size " << world_size << ", device " << device << ": "
+    << param_numel << " parameters in " << chunks << " chunks (" << padded_numel
+    << " elements with padding, " << shard_numel << " per rank)\n\n";
+  std::snprintf(line, sizeof line, "%-32s %-14s %12s  %-18s %s\n", "what", "tier", "bytes",
+                "engine counter", "note");
+  o << line;
+  for (const auto& it : items) {
+    std::snprintf(line, sizeof line, "%-32s %-14s %12s  %-18s %s%s\n", it.what.c_str(),
+                  MemTierName(it.tier), FormatBytes(it.bytes).c_str(),
+                  it.measured_by.empty() ? "-" : it.measured_by.c_str(),
+                  it.transient ? "[peak] " : "", it.note.c_str());
+    o << line;
+  }
+  o << "\nper rank at the step's peak:\n";
+  auto row = [&](const char* name, uint64_t b, const char* extra) {
+    std::snprintf(line, sizeof line, "  %-14s %12s  (%llu B)%s\n", name, FormatBytes(b).c_str(),
+                  static_cast<unsigned long long>(b), extra);
+    o << line;
+  };
+  row("hbm", hbm_bytes, activation_bytes ? "  incl. activations" : "");
+  row("host_pinned", host_pinned_bytes, "");
+  row("host_pageable", host_pageable_bytes, "");
+  row("nvme", nvme_bytes, "");
+  o << "engine counters after a step should read: peak_device_bytes ~ "
+    << FormatBytes(engine_device_peak_bytes) << ", peak_host_bytes ~ "
+    << FormatBytes(engine_host_peak_bytes) << "\n";
+  for (const auto& n : notes) o << "note: " << n << "\n";
+  return o.str();
+}
+
+}  // namespace strata::planner

@@ -1,0 +1,89 @@
+// Memory model: what strata::Engine (runtime/engine.cc) allocates on each tier for a model under a
+// config, per rank — modelled on the engine as it is, not on what DeepSpeed would allocate.
+//
+// What the engine does (and this model follows):
+// - Parameters are packed by the real Partitioner (chunk padding and shard alignment included),
+//   sharded over world_size ranks for stages 1-3 and not at all for stage 0.
+// - Per chunk shard it registers master32 (fp32), grad (fp32), exp_avg and exp_avg_sq (state
+//   dtype) at offload_optimizer.device's placement, and for stage 3 param16 at
+//   offload_param.device's placement (device / host / nvme). Stages 0-2 keep the whole working
+//   copy of every chunk on the device for the whole run.
+// - Transients on the device: stage 3 gathers a full chunk buffer while a block that uses it is
+//   live; every stage accumulates a block's gradients into an fp32 full-chunk buffer until the
+//   chunk's last block finished backward. The peak is found by replaying the engine's
+//   forward/backward order (Note [device replay] in memory_model.cc).
+// - NVMe-placed blocks are staged in host memory while acquired: the optimizer lane holds one
+//   chunk's master/m/v/grad (+param16 for stage 3), the main thread at the same time one grad
+//   shard (ReduceChunk) or param16 shard (GatherChunk) when the optimizer overlaps backward.
+// - Host blocks and staging come from aligned_alloc: pageable, whatever pin_memory says.
+// Activations (LibTorch's own allocations, outside the engine's device accounting) are added to
+// the HBM total when the model is a GPT, and listed apart.
+// Thread-safety: plain functions on values.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json_fwd.hpp>
+
+#include "runtime/config.h"
+#include "runtime/status.h"
+#include "tools/planner/model_spec.h"
+
+namespace strata::planner {
+
+enum class MemTier { kHbm, kHostPinned, kHostPageable, kNvme };
+const char* MemTierName(MemTier t);  // "hbm", "host_pinned", "host_pageable", "nvme"
+
+struct MemoryItem {
+  std::string what;      // "master32", "param16 gather buffers (peak)", ...
+  MemTier tier = MemTier::kHbm;
+  uint64_t bytes = 0;
+  // Which StepReport field sees these bytes: "peak_device_bytes", "peak_host_bytes" or "" when
+  // the engine does not account for them (LibTorch allocations, init-time copies).
+  std::string measured_by;
+  bool transient = false;  // a peak over the step, not a resident allocation
+  std::string note;
+};
+
+struct EstimateOptions {
+  int world_size = 1;
+  // "cpu" or "cuda": sets the device allocator's rounding and whether host staging copies exist.
+  // Empty: from config.strata.device ("auto" reads as cpu: no GPU is needed to estimate).
+  std::string device;
+};
+
+struct MemoryEstimate {
+  // SUM: bytes per rank on each tier at the step's peak (resident + transient), activations
+  // included in hbm when known.
+  uint64_t hbm_bytes = 0;
+  uint64_t host_pinned_bytes = 0;
+  uint64_t host_pageable_bytes = 0;
+  uint64_t nvme_bytes = 0;
+  // What the engine's own counters should read after a step: StepReport.peak_device_bytes and
+  // StepReport.peak_host_bytes.
+  uint64_t engine_device_peak_bytes = 0;
+  uint64_t engine_host_peak_bytes = 0;
+  uint64_t activation_bytes = 0;  // 0 when the model is not a GPT
+  // Packing.
+  int64_t chunks = 0;
+  int64_t param_numel = 0;
+  int64_t padded_numel = 0;       // all chunks, padding included
+  int64_t shard_numel = 0;        // this rank's elements over all chunks
+  int stage = 0;
+  int world_size = 1;
+  std::string device;
+  std::vector<MemoryItem> items;
+  std::vector<std::string> notes;
+
+  nlohmann::json ToJson() const;
+  std::string ToTable() const;  // human-readable, one line per item plus per-tier totals
+};
+
+// Estimates for one rank. Fails on a config/model the engine would reject (an invalid chunk
+// size, a model without parameters, world_size < 1).
+StatusOr<MemoryEstimate> EstimateMemory(const Config& config, const ModelSpec& model,
+                                        const EstimateOptions& options = {});
+
+}  // namespace strata::planner

@@ -1,0 +1,114 @@
+#include "tools/planner/model_spec.h"
+
+#include <algorithm>
+
+namespace strata::planner {
+
+int64_t ModelSpec::param_count() const {
+  int64_t n = 0;
+  for (const auto& p : params) n += p.numel;
+  return n;
+}
+
+int64_t ModelSpec::largest_block_numel() const {
+  std::vector<int64_t> per(static_cast<size_t>(num_blocks), 0);
+  for (const auto& p : params) per[static_cast<size_t>(p.block)] += p.numel;
+  return per.empty() ? 0 : *std::max_element(per.begin(), per.end());
+}
+
+StatusOr<ModelSpec> GptModelSpec(const ModelConfig& c) {
+  if (c.n_layers < 0 || c.d_model < 1 || c.n_heads < 1 || c.seq_len < 1 || c.vocab_size < 1)
+    return InvalidArgument(StrCat("model: n_layers=", c.n_layers, " d_model=", c.d_model,
+                                  " n_heads=", c.n_heads, " seq_len=", c.seq_len, " vocab_size=",
+                                  c.vocab_size, ": sizes must be >= 1 (n_layers >= 0)"));
+  if (c.d_model % c.n_heads != 0)
+    return InvalidArgument(StrCat("model.d_model=", c.d_model, " is not divisible by model.n_heads=",
+                                  c.n_heads));
+  const int64_t d = c.d_model, V = c.vocab_size, T = c.seq_len;
+  ModelSpec m;
+  m.gpt = c;
+  int64_t block = 0;
+  auto add = [&](std::string name, int64_t numel) { m.params.push_back({std::move(name), numel, block}); };
+  add("embedding.pos", T * d);
+  add("embedding.tok.weight", V * d);
+  for (int64_t l = 0; l < c.n_layers; ++l) {
+    ++block;
+    const std::string p = StrCat("block", l, ".");
+    add(p + "ln1.weight", d);
+    add(p + "ln1.bias", d);
+    add(p + "ln2.weight", d);
+    add(p + "ln2.bias", d);
+    add(p + "qkv.weight", 3 * d * d);
+    add(p + "qkv.bias", 3 * d);
+    add(p + "proj.weight", d * d);
+    add(p + "proj.bias", d);
+    add(p + "fc.weight", 4 * d * d);
+    add(p + "fc.bias", 4 * d);
+    add(p + "out.weight", 4 * d * d);
+    add(p + "out.bias", d);
+  }
+  ++block;
+  add("head.ln.weight", d);
+  add("head.ln.bias", d);
+  add("head.lm.weight", V * d);
+  add("head.lm.bias", V);
+  m.num_blocks = block + 1;
+  return m;
+}
+
+StatusOr<ModelSpec> SyntheticModelSpec(int64_t params, int64_t largest_layer) {
+  if (params < 1) return InvalidArgument(StrCat("--params=", params, ": must be >= 1"));
+  if (largest_layer < 1 || largest_layer > params)
+    return InvalidArgument(StrCat("--largest-layer=", largest_layer, ": must be in 1..--params (",
+                                  params, ")"));
+  ModelSpec m;
+  int64_t left = params, block = 0;
+  while (left > 0) {
+    const int64_t n = std::min(left, largest_layer);
+    m.params.push_back({StrCat("layer", block), n, block});
+    left -= n;
+    ++block;
+  }
+  m.num_blocks = block;
+  return m;
+}
+
+// Note [activation count]
+// What autograd saves in GptBlockImpl::forward (tools/train/gpt.cc), per sequence of T tokens
+// with d = d_model, h = n_heads, e = activation bytes:
+//   ln1: input x (T·d·e) + mean, rstd (2·T·4)        qkv (StrataLinear): input (T·d·e)
+//   q/k/v: views of the qkv output, saved by the two matmuls: 3·T·d·e
+//   softmax: its output (h·T·T·e), also saved by att·v   proj: input y (T·d·e)
+//   ln2: input h (T·d·e) + stats (2·T·4)              fc: input (T·d·e)
+//   gelu: input (4·T·d·e)                              out: input = gelu output (4·T·d·e)
+//   => 16·T·d·e + h·T·T·e + 16·T bytes, plus with dropout > 0 one byte per element of the
+//      attention probabilities and of the two residual branches (h·T·T + 2·T·d).
+// Head: ln input + stats, lm input (2·T·d·e + 8·T); the logits (T·V·e) are kept by the caller
+// for the loss, which casts them to fp32 and saves log_softmax's fp32 output (T·V·4).
+// Embedding: the token ids (T·8).
+ActivationEstimate GptActivations(const ModelConfig& c, int64_t micro_batch, int elem_size) {
+  const uint64_t B = static_cast<uint64_t>(std::max<int64_t>(micro_batch, 0));
+  const uint64_t T = static_cast<uint64_t>(c.seq_len), d = static_cast<uint64_t>(c.d_model),
+                 h = static_cast<uint64_t>(c.n_heads), V = static_cast<uint64_t>(c.vocab_size);
+  const uint64_t e = static_cast<uint64_t>(elem_size);
+  ActivationEstimate a;
+  uint64_t block = 16 * T * d * e + h * T * T * e + 16 * T;
+  if (c.dropout > 0) block += h * T * T + 2 * T * d;
+  a.per_block_bytes = B * block;
+  a.head_bytes = B * (2 * T * d * e + 8 * T + T * V * e + T * V * 4);
+  a.saved_bytes = a.per_block_bytes * static_cast<uint64_t>(c.n_layers) + a.head_bytes + B * T * 8;
+  return a;
+}
+
+double GptFlopsPerMicroBatch(const ModelConfig& c, int64_t micro_batch) {
+  const double tokens = static_cast<double>(micro_batch) * static_cast<double>(c.seq_len);
+  // Parameters that take part in matmuls (the embedding table is a lookup, not a matmul).
+  const double d = static_cast<double>(c.d_model);
+  const double matmul_params =
+      static_cast<double>(c.n_layers) * 12.0 * d * d + d * static_cast<double>(c.vocab_size);
+  const double attention = 12.0 * static_cast<double>(c.n_layers) * static_cast<double>(c.seq_len) *
+                           static_cast<double>(c.seq_len) * d * static_cast<double>(micro_batch);
+  return 6.0 * matmul_params * tokens + attention;
+}
+
+}  // namespace strata::planner

@@ -1,0 +1,181 @@
+#include "tools/planner/profile.h"
+
+#include <fstream>
+#include <sstream>
+
+#include <nlohmann/json.hpp>
+
+namespace strata::planner {
+
+StatusOr<NvmePoint> HardwareProfile::BestAio() const {
+  const NvmePoint* best = nullptr;
+  for (const auto& p : nvme) {
+    if (p.write) continue;
+    if (!best || p.gbps > best->gbps * 1.03) {
+      best = &p;
+    } else if (p.gbps > best->gbps * 0.97) {
+      // Within noise of the best read: prefer the better write at that setting.
+      auto w_new = NvmeGbps(true, p.block_size, p.queue_depth, p.parallelism);
+      auto w_old = NvmeGbps(true, best->block_size, best->queue_depth, best->parallelism);
+      if (w_new.ok() && (!w_old.ok() || *w_new > *w_old)) best = &p;
+    }
+  }
+  if (!best) return NotFound("the profile has no NVMe read measurements (run profile with --path)");
+  return *best;
+}
+
+StatusOr<double> HardwareProfile::NvmeGbps(bool write, int64_t block_size, int64_t queue_depth,
+                                           int64_t parallelism) const {
+  for (const auto& p : nvme)
+    if (p.write == write && p.block_size == block_size && p.queue_depth == queue_depth &&
+        p.parallelism == parallelism)
+      return p.gbps;
+  return NotFound(StrCat("no NVMe ", write ? "write" : "read", " figure at block_size=", block_size,
+                         " queue_depth=", queue_depth, " intra_op_parallelism=", parallelism));
+}
+
+double HardwareProfile::CopyGbps(const std::string& dev, const std::string& direction) const {
+  double pageable = 0;
+  for (const auto& c : copies) {
+    if (c.device != dev || c.direction != direction) continue;
+    if (c.memory == "pinned") return c.gbps;
+    pageable = c.gbps;
+  }
+  return pageable;
+}
+
+nlohmann::json HardwareProfile::ToJson() const {
+  nlohmann::json j = {{"version", 1}, {"device", device}};
+  if (!nvme.empty()) {
+    nlohmann::json pts = nlohmann::json::array();
+    for (const auto& p : nvme)
+      pts.push_back({{"op", p.write ? "write" : "read"},
+                     {"block_size", p.block_size},
+                     {"queue_depth", p.queue_depth},
+                     {"intra_op_parallelism", p.parallelism},
+                     {"gbps", p.gbps}});
+    j["nvme"] = {{"path", nvme_path}, {"engine", nvme_engine}, {"points", pts}};
+    if (has_fio)
+      j["nvme"]["fio"] = {{"op", fio.write ? "write" : "read"},
+                          {"block_size", fio.block_size},
+                          {"queue_depth", fio.queue_depth},
+                          {"gbps", fio.gbps}};
+    auto best = BestAio();
+    if (best.ok())
+      j["recommended_aio"] = {{"block_size", best->block_size},
+                              {"queue_depth", best->queue_depth},
+                              {"intra_op_parallelism", best->parallelism}};
+  }
+  if (dram_gbps > 0) j["dram"] = {{"copy_gbps", dram_gbps}};
+  if (!copies.empty()) {
+    nlohmann::json cs = nlohmann::json::array();
+    for (const auto& c : copies)
+      cs.push_back({{"device", c.device}, {"memory", c.memory}, {"direction", c.direction}, {"gbps", c.gbps}});
+    j["copies"] = cs;
+  }
+  if (adam_gelems_per_s > 0)
+    j["adam"] = {{"elements", adam_elements}, {"gelems_per_s", adam_gelems_per_s}, {"isa", adam_isa}};
+  if (compute_gflops > 0) j["compute"] = {{"dtype", compute_dtype}, {"gflops", compute_gflops}};
+  return j;
+}
+
+namespace {
+
+// Reads j[key] as a number > 0 (or >= 0), naming the path on failure.
+Status Num(const nlohmann::json& j, const std::string& where, const char* key, double* out) {
+  if (!j.contains(key) || !j[key].is_number())
+    return InvalidArgument(StrCat("profile: ", where, ".", key, " is missing or not a number"));
+  *out = j[key].get<double>();
+  if (!(*out >= 0)) return InvalidArgument(StrCat("profile: ", where, ".", key, "=", *out, ": must be >= 0"));
+  return Status::Ok();
+}
+
+Status Str(const nlohmann::json& j, const std::string& where, const char* key, std::string* out) {
+  if (!j.contains(key) || !j[key].is_string())
+    return InvalidArgument(StrCat("profile: ", where, ".", key, " is missing or not a string"));
+  *out = j[key].get<std::string>();
+  return Status::Ok();
+}
+
+Status Point(const nlohmann::json& p, const std::string& where, NvmePoint* out) {
+  std::string op;
+  STRATA_RETURN_IF_ERROR(Str(p, where, "op", &op));
+  if (op != "read" && op != "write")
+    return InvalidArgument(StrCat("profile: ", where, ".op=\"", op, "\": must be read or write"));
+  out->write = op == "write";
+  double bs = 0, qd = 0, par = 1;
+  STRATA_RETURN_IF_ERROR(Num(p, where, "block_size", &bs));
+  STRATA_RETURN_IF_ERROR(Num(p, where, "queue_depth", &qd));
+  if (p.contains("intra_op_parallelism")) STRATA_RETURN_IF_ERROR(Num(p, where, "intra_op_parallelism", &par));
+  STRATA_RETURN_IF_ERROR(Num(p, where, "gbps", &out->gbps));
+  out->block_size = static_cast<int64_t>(bs);
+  out->queue_depth = static_cast<int64_t>(qd);
+  out->parallelism = static_cast<int64_t>(par);
+  return Status::Ok();
+}
+
+}  // namespace
+
+StatusOr<HardwareProfile> HardwareProfile::FromJson(const nlohmann::json& j) {
+  if (!j.is_object()) return InvalidArgument("profile: the top level must be a JSON object");
+  HardwareProfile h;
+  if (j.contains("device")) STRATA_RETURN_IF_ERROR(Str(j, "", "device", &h.device));
+  if (j.contains("nvme")) {
+    const auto& n = j["nvme"];
+    if (n.contains("path")) STRATA_RETURN_IF_ERROR(Str(n, "nvme", "path", &h.nvme_path));
+    if (n.contains("engine")) STRATA_RETURN_IF_ERROR(Str(n, "nvme", "engine", &h.nvme_engine));
+    if (!n.contains("points") || !n["points"].is_array())
+      return InvalidArgument("profile: nvme.points is missing or not an array");
+    for (size_t i = 0; i < n["points"].size(); ++i) {
+      NvmePoint p;
+      STRATA_RETURN_IF_ERROR(Point(n["points"][i], StrCat("nvme.points[", i, "]"), &p));
+      h.nvme.push_back(p);
+    }
+    if (n.contains("fio")) {
+      STRATA_RETURN_IF_ERROR(Point(n["fio"], "nvme.fio", &h.fio));
+      h.has_fio = true;
+    }
+  }
+  if (j.contains("dram")) STRATA_RETURN_IF_ERROR(Num(j["dram"], "dram", "copy_gbps", &h.dram_gbps));
+  if (j.contains("copies")) {
+    if (!j["copies"].is_array()) return InvalidArgument("profile: copies must be an array");
+    for (size_t i = 0; i < j["copies"].size(); ++i) {
+      const auto& c = j["copies"][i];
+      const std::string w = StrCat("copies[", i, "]");
+      CopyFigure f;
+      STRATA_RETURN_IF_ERROR(Str(c, w, "device", &f.device));
+      STRATA_RETURN_IF_ERROR(Str(c, w, "memory", &f.memory));
+      STRATA_RETURN_IF_ERROR(Str(c, w, "direction", &f.direction));
+      STRATA_RETURN_IF_ERROR(Num(c, w, "gbps", &f.gbps));
+      h.copies.push_back(f);
+    }
+  }
+  if (j.contains("adam")) {
+    double n = 0;
+    STRATA_RETURN_IF_ERROR(Num(j["adam"], "adam", "gelems_per_s", &h.adam_gelems_per_s));
+    if (j["adam"].contains("elements")) STRATA_RETURN_IF_ERROR(Num(j["adam"], "adam", "elements", &n));
+    if (j["adam"].contains("isa")) STRATA_RETURN_IF_ERROR(Str(j["adam"], "adam", "isa", &h.adam_isa));
+    h.adam_elements = static_cast<int64_t>(n);
+  }
+  if (j.contains("compute")) {
+    STRATA_RETURN_IF_ERROR(Num(j["compute"], "compute", "gflops", &h.compute_gflops));
+    if (j["compute"].contains("dtype"))
+      STRATA_RETURN_IF_ERROR(Str(j["compute"], "compute", "dtype", &h.compute_dtype));
+  }
+  return h;
+}
+
+StatusOr<HardwareProfile> HardwareProfile::FromFile(const std::string& path) {
+  std::ifstream in(path);
+  if (!in) return NotFound(StrCat("profile ", path, ": cannot open it (run `strata-swapbench profile --json > ",
+                                  path, "`)"));
+  std::stringstream ss;
+  ss << in.rdbuf();
+  auto j = nlohmann::json::parse(ss.str(), nullptr, /*allow_exceptions=*/false);
+  if (j.is_discarded()) return InvalidArgument(StrCat("profile ", path, ": not valid JSON"));
+  auto h = FromJson(j);
+  if (!h.ok()) return h.status().WithContext(path);
+  return h;
+}
+
+}  // namespace strata::planner

@@ -1,0 +1,76 @@
+// HardwareProfile: the measured figures the cost model needs, as `strata-swapbench profile --json`
+// writes them and strata-tune reads them. One schema, one struct, both directions.
+//
+// JSON (all bandwidths decimal GB/s):
+//   {"version": 1, "device": "cpu",
+//    "nvme": {"path": "...", "engine": "io_uring", "points": [
+//       {"op": "read"|"write", "block_size": B, "queue_depth": Q, "intra_op_parallelism": P,
+//        "gbps": x}, ...],
+//       "fio": {"op": "read", "block_size": B, "queue_depth": Q, "gbps": x} (optional)},
+//    "dram": {"copy_gbps": x},
+//    "copies": [{"device": "cpu"|"cuda", "memory": "pinned"|"pageable",
+//                "direction": "h2d"|"d2h", "gbps": x}, ...],
+//    "adam": {"elements": N, "gelems_per_s": x, "isa": "avx512"},
+//    "compute": {"dtype": "bf16"|"fp32", "gflops": x},
+//    "recommended_aio": {"block_size": B, "queue_depth": Q, "intra_op_parallelism": P}}
+// Sections may be missing (a profile without --path has no "nvme"); readers say what is missing
+// when they need it.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json_fwd.hpp>
+
+#include "runtime/status.h"
+
+namespace strata::planner {
+
+struct NvmePoint {
+  bool write = false;
+  int64_t block_size = 0;
+  int64_t queue_depth = 0;
+  int64_t parallelism = 1;
+  double gbps = 0;
+};
+
+struct CopyFigure {
+  std::string device;     // "cpu" or "cuda"
+  std::string memory;     // "pinned" or "pageable"
+  std::string direction;  // "h2d" or "d2h"
+  double gbps = 0;
+};
+
+struct HardwareProfile {
+  std::string device = "cpu";
+  std::string nvme_path;
+  std::string nvme_engine;
+  std::vector<NvmePoint> nvme;
+  bool has_fio = false;
+  NvmePoint fio;           // fio's figure at one point (the ceiling for ours)
+  double dram_gbps = 0;    // streaming copy (the ceiling for host copies)
+  std::vector<CopyFigure> copies;
+  int64_t adam_elements = 0;
+  double adam_gelems_per_s = 0;
+  std::string adam_isa;
+  std::string compute_dtype;
+  double compute_gflops = 0;
+
+  // The fastest read point, with the write figure at the same setting breaking ties; aio.
+  // block_size / queue_depth / intra_op_parallelism to recommend. NOT_FOUND without NVMe points.
+  StatusOr<NvmePoint> BestAio() const;
+  // Bandwidth at exactly this setting, or NOT_FOUND.
+  StatusOr<double> NvmeGbps(bool write, int64_t block_size, int64_t queue_depth,
+                            int64_t parallelism) const;
+  // A copy figure for `device` ("cpu"/"cuda") preferring pinned memory; 0 when not measured.
+  double CopyGbps(const std::string& device, const std::string& direction) const;
+
+  nlohmann::json ToJson() const;
+  // Fails with the key that is malformed (missing sections are allowed).
+  static StatusOr<HardwareProfile> FromJson(const nlohmann::json& j);
+  static StatusOr<HardwareProfile> FromFile(const std::string& path);
+};
+
+}  // namespace strata::planner

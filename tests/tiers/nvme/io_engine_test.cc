@@ -309,7 +309,8 @@ TEST(Crc32cTest, KnownValuesAndBothPathsAgree) {
   std::vector<char> data(100003);
   Fill(data.data(), data.size(), 13);
   for (size_t off : {0, 1, 3, 7}) {
-    for (size_t n : {0, 1, 7, 8, 9, 63, 4096, 99990}) {
+    // Around the three-lane runs of 12 KiB: below, at, just past, several.
+    for (size_t n : {0, 1, 7, 8, 9, 63, 4096, 12287, 12288, 12289, 12296, 36864 + 5, 99990}) {
       EXPECT_EQ(Crc32cExtendPortable(0, data.data() + off, n), Crc32c(data.data() + off, n));
     }
   }

@@ -1,0 +1,120 @@
+// Internal to kernels/: what kernels.cc (validation, dispatch) hands to the two backends.
+// Arguments arriving here are already validated. Free of CUDA and TBB headers: the CUDA
+// sources include it.
+//
+// Note [stats order]
+// AccumulateGradStats must give a deterministic sum, and the CPU twin must give the very same
+// double as the GPU so that a run on either device clips identically. Both therefore use one
+// fixed reduction layout that depends only on n:
+//   blocks = StatsBlocks(n), lanes = blocks * kGradStatsThreads.
+//   Lane l (thread t of block b, l = b * kGradStatsThreads + t) sums x*x over i = l, l + lanes,
+//   l + 2 * lanes, ... in that order, starting from 0.0.
+//   Each block folds its lanes with a halving tree: for w = T/2, T/4, ..., 1: s[t] += s[t + w]
+//   (t < w), leaving partial[b] = s[0].
+//   One final block of T lanes sums partial[t], partial[t + T], ... in order, folds them with
+//   the same tree, and adds the result to acc->sum_sq.
+// x*x is exact in double (24-bit significands), so a fused multiply-add and a separate multiply
+// and add round the same; only the order of additions matters, and it is fixed.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "kernels/grad_stats.h"
+#include "optim/dtype.h"
+#include "runtime/status.h"
+
+namespace strata::optim {
+struct AdamParams;
+struct AdamBuffers;
+}  // namespace strata::optim
+
+namespace strata::kernels {
+// Declared in kernels.h too; repeated here for the CUDA source and its stub, which define it
+// and do not include kernels.h (it pulls in TBB through optim/cpu_adam.h).
+bool CudaKernelsBuilt();
+}  // namespace strata::kernels
+
+namespace strata::kernels::internal {
+
+using optim::DType;
+
+// ---- Reduction layout (Note [stats order]) ----
+inline constexpr int kGradStatsThreads = 256;    // lanes per block; a power of two
+inline constexpr size_t kGradStatsPerLane = 8;   // elements per lane before adding blocks
+
+inline int StatsBlocks(size_t n) {
+  const size_t per_block = kGradStatsThreads * kGradStatsPerLane;
+  const size_t blocks = (n + per_block - 1) / per_block;
+  if (blocks < 1) return 1;
+  return blocks > static_cast<size_t>(kGradStatsMaxBlocks) ? kGradStatsMaxBlocks
+                                                            : static_cast<int>(blocks);
+}
+
+// ---- Adam ----
+// The scalar constants of one step, rounded to float once. They must equal optim's
+// (optim/cpu_adam.cc, MakeConsts) bit for bit; kernels.cc computes them the same way and the
+// GPU-vs-CPU test would catch any drift.
+struct AdamConsts {
+  float grad_scale;
+  float beta1, one_minus_beta1;
+  float beta2, one_minus_beta2;
+  float eps;
+  float neg_step_size;  // -lr / bc1
+  float inv_sqrt_bc2;   // 1 / sqrt(bc2)
+  float l2;             // Adam: weight_decay; AdamW: 0
+  float decay;          // AdamW: 1 - lr * weight_decay; Adam: 1
+  bool has_l2;
+  bool has_decay;
+};
+
+struct AdamLaunch {
+  AdamConsts c;
+  float* master;
+  const void* grad;
+  DType grad_dtype;
+  void* exp_avg;
+  void* exp_avg_sq;
+  DType state_dtype;
+  void* param16;  // null: no 16-bit copy
+  DType param16_dtype;
+  size_t n;
+  const GradStatsAccumulator* skip_if_nonfinite;  // null: never skip
+};
+
+// ---- Chunks ----
+// One contiguous byte copy; src == nullptr means "fill with zero bytes". PackChunk and
+// UnpackChunk are planned on the host (kernels.cc) into a list of these, then executed.
+struct CopySegment {
+  const void* src;
+  void* dst;
+  size_t bytes;
+};
+
+// ---- CPU twins (cpu_kernels.cc) ----
+void CpuCastFp32To16(const float* src, void* dst, DType dst_dtype, size_t n);
+void CpuCast16ToFp32(const void* src, DType src_dtype, float* dst, size_t n);
+void CpuAccumulateGradStats(const void* grad, DType grad_dtype, size_t n, float scale,
+                            GradStatsAccumulator* acc);
+// optim::AdamStep (kCallerChecked) unless skip_if_nonfinite is set.
+Status CpuAdamStep(const optim::AdamParams& params, const optim::AdamBuffers& bufs,
+                   float grad_scale, const GradStatsAccumulator* skip_if_nonfinite);
+void CpuCopySegments(const CopySegment* segs, size_t count);
+
+// ---- CUDA (cuda_kernels.cu, or cuda_stub.cc: UNIMPLEMENTED) ----
+// All asynchronous on `stream` (a cudaStream_t).
+Status CudaCastFp32To16(const float* src, void* dst, DType dst_dtype, size_t n, void* stream);
+Status CudaCast16ToFp32(const void* src, DType src_dtype, float* dst, size_t n, void* stream);
+Status CudaResetGradStats(GradStatsAccumulator* acc, void* stream);
+Status CudaAccumulateGradStats(const void* grad, DType grad_dtype, size_t n, float scale,
+                               GradStatsAccumulator* acc, void* stream);
+// Copies sum_sq and found_nonfinite to the host and synchronizes the stream.
+Status CudaReadGradStats(const GradStatsAccumulator* acc, double* sum_sq, uint32_t* flag,
+                         void* stream);
+// Device scratch for the one-shot UnscaleCheckNorm (stream-ordered allocation).
+Status CudaAllocAccumulator(GradStatsAccumulator** acc, void* stream);
+Status CudaFreeAccumulator(GradStatsAccumulator* acc, void* stream);
+Status CudaAdamStep(const AdamLaunch& launch, void* stream);
+Status CudaCopySegments(const CopySegment* segs, size_t count, void* stream);
+
+}  // namespace strata::kernels::internal

@@ -429,6 +429,9 @@ TEST(KernelsCudaUnavailable, FailsCleanlyWithoutBuildOrDevice) {
   if (!CudaKernelsBuilt()) {
     EXPECT_EQ(s.code(), StatusCode::kUnimplemented);
     EXPECT_NE(s.message().find("Backend::kCpu"), std::string::npos) << s.message();
+  } else {
+    // The launch fails with "no device" or "driver insufficient", both UNAVAILABLE.
+    EXPECT_EQ(s.code(), StatusCode::kUnavailable) << s.ToString();
   }
   GradStatsAccumulator acc{};
   EXPECT_FALSE(AccumulateGradStats(Backend::kCuda, src.data(), DType::kFloat32, 64, 1.0f, &acc).ok());

@@ -11,8 +11,8 @@
 //
 // Backends, memory and ordering:
 // - Backend::kCpu: every pointer is host memory. The call runs in the calling thread (AdamStep
-//   also on oneTBB's workers, as optim::AdamStep does) and has finished when it returns. The
-//   `stream` argument is ignored.
+//   and AccumulateGradStats also on oneTBB's workers, in the caller's current arena) and has
+//   finished when it returns. The `stream` argument is ignored.
 // - Backend::kCuda: every data pointer is memory the current CUDA device of the calling thread
 //   can access (cudaMalloc, managed or mapped pinned memory). `stream` is a cudaStream_t passed
 //   as void* (nullptr: the legacy default stream). Calls are ASYNCHRONOUS: they validate their

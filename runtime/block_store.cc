@@ -1,13 +1,11 @@
 #include "runtime/block_store.h"
 
 #include <chrono>
-#include <cstdlib>
-#include <cstring>
 #include <map>
 #include <mutex>
 
 #include "runtime/device.h"
-#include "tiers/tier.h"
+#include "tiers/nvme/nvme_tier.h"
 
 namespace strata {
 
@@ -26,150 +24,116 @@ std::string BlockName(const BlockKey& key) {
 
 namespace {
 
-constexpr uint64_t kAlign = 4096;
-
-void* AlignedHost(uint64_t bytes) {
-  return std::aligned_alloc(kAlign, (std::max<uint64_t>(bytes, 1) + kAlign - 1) / kAlign * kAlign);
-}
-
-class DirectBlockStore final : public BlockStore {
+class TieredBlockStore final : public BlockStore {
  public:
-  DirectBlockStore(Device* device, Tier* nvme) : device_(device), nvme_(nvme) {}
-  ~DirectBlockStore() override {
-    for (auto& [key, b] : blocks_) {
-      if (b.placement == Placement::kDevice) device_->Free(b.memory).IgnoreError();
-      if (b.placement == Placement::kNvme && b.memory) std::free(b.memory);
-      if (b.placement == Placement::kHost) std::free(b.memory);
-      if (b.placement == Placement::kNvme) nvme_->Free(b.region).IgnoreError();
-    }
+  TieredBlockStore(Device* device, nvme::NvmeTier* nvme, std::unique_ptr<TierManager> manager)
+      : device_(device), nvme_(nvme), manager_(std::move(manager)) {}
+  ~TieredBlockStore() override {
+    for (auto& [key, b] : device_blocks_) device_->Free(b.memory).IgnoreError();
   }
 
   Status Register(const BlockKey& key, uint64_t bytes, Placement placement) override {
-    std::lock_guard<std::mutex> l(mu_);
-    if (blocks_.count(key)) return InvalidArgument(StrCat(BlockName(key), " registered twice"));
-    Block b;
-    b.bytes = bytes;
-    b.placement = placement;
-    switch (placement) {
-      case Placement::kDevice: {
-        STRATA_ASSIGN_OR_RETURN(b.memory, device_->Allocate(bytes));
-        stats_.bytes_device += bytes;
-        break;
-      }
-      case Placement::kHost:
-        b.memory = AlignedHost(bytes);
-        if (!b.memory) return ResourceExhausted(StrCat("host allocation for ", BlockName(key), " failed"));
-        std::memset(b.memory, 0, bytes);
-        AddHost(bytes);
-        break;
-      case Placement::kNvme: {
-        if (!nvme_)
-          return FailedPrecondition(StrCat(BlockName(key), " is placed on NVMe but no nvme_path is set"));
-        STRATA_ASSIGN_OR_RETURN(b.region, nvme_->Allocate(bytes));
-        stats_.bytes_nvme += bytes;
-        break;
-      }
+    if (placement == Placement::kDevice) {
+      std::lock_guard<std::mutex> l(mu_);
+      if (device_blocks_.count(key)) return InvalidArgument(StrCat(BlockName(key), " registered twice"));
+      STRATA_ASSIGN_OR_RETURN(void* p, device_->Allocate(bytes));
+      device_blocks_[key] = {p, bytes};
+      bytes_device_ += bytes;
+      return Status::Ok();
     }
-    blocks_.emplace(key, b);
-    return Status::Ok();
+    if (!manager_)
+      return FailedPrecondition(StrCat(BlockName(key), " is placed in ", PlacementName(placement),
+                                       " but the store was built without a host tier"));
+    if (placement == Placement::kNvme && !nvme_)
+      return FailedPrecondition(StrCat(BlockName(key), " is placed on NVMe but no nvme_path is set"));
+    return manager_->Register(Id(key), bytes,
+                              placement == Placement::kNvme ? BlockHome::kNvme : BlockHome::kHostOnly);
   }
 
   StatusOr<void*> Acquire(const BlockKey& key, Access access) override {
-    Block* b;
     {
       std::lock_guard<std::mutex> l(mu_);
-      auto it = blocks_.find(key);
-      if (it == blocks_.end()) return NotFound(StrCat(BlockName(key), " was never registered"));
-      b = &it->second;
-      if (b->held) return FailedPrecondition(StrCat(BlockName(key), " acquired twice"));
-      b->held = true;
-      if (b->placement != Placement::kNvme) return b->memory;
-      b->memory = AlignedHost(b->bytes);
-      if (!b->memory) {
-        b->held = false;
-        return ResourceExhausted(StrCat("host staging for ", BlockName(key), " failed"));
-      }
-      AddHost(b->bytes);
+      auto it = device_blocks_.find(key);
+      if (it != device_blocks_.end()) return it->second.memory;
     }
-    if (access == Access::kWrite) return b->memory;
-    auto t0 = std::chrono::steady_clock::now();
-    Status s = nvme_->Read(b->region, b->memory);
-    double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    std::lock_guard<std::mutex> l(mu_);
-    stats_.stall_s += dt;
-    if (!s.ok()) {
-      std::free(b->memory);
-      b->memory = nullptr;
-      stats_.bytes_host -= b->bytes;
-      b->held = false;
-      return s.WithContext(StrCat("reading ", BlockName(key)));
-    }
-    stats_.bytes_nvme_to_host += b->bytes;
-    return b->memory;
+    if (!manager_) return NotFound(StrCat(BlockName(key), " was never registered"));
+    return manager_->Acquire(Id(key), access);
   }
 
   Status Release(const BlockKey& key, bool dirty) override {
-    Block* b;
     {
       std::lock_guard<std::mutex> l(mu_);
-      auto it = blocks_.find(key);
-      if (it == blocks_.end() || !it->second.held)
-        return FailedPrecondition(StrCat(BlockName(key), " released without being acquired"));
-      b = &it->second;
-      if (b->placement != Placement::kNvme) {
-        b->held = false;
-        return Status::Ok();
-      }
+      if (device_blocks_.count(key)) return Status::Ok();
     }
-    if (dirty) {
-      Status s = nvme_->Write(b->region, b->memory);
-      if (!s.ok()) {
-        // Keep the staged bytes: the block stays held so nothing is lost, and the error says why.
-        return s.WithContext(StrCat("writing back ", BlockName(key)));
-      }
-    }
-    std::lock_guard<std::mutex> l(mu_);
-    if (dirty) stats_.bytes_host_to_nvme += b->bytes;
-    std::free(b->memory);
-    b->memory = nullptr;
-    stats_.bytes_host -= b->bytes;
-    b->held = false;
-    return Status::Ok();
+    if (!manager_) return NotFound(StrCat(BlockName(key), " was never registered"));
+    return manager_->Release(Id(key), dirty);
   }
 
-  Status Flush() override { return Status::Ok(); }  // nothing dirty outlives a Release here
+  void Prefetch(const BlockKey& key) override {
+    if (manager_ && !IsDevice(key)) manager_->Prefetch(Id(key));
+  }
+  void BeginIteration() override {
+    if (manager_) manager_->BeginIteration().IgnoreError();
+  }
+  void EndIteration() override {
+    if (manager_) manager_->EndIteration().IgnoreError();
+  }
+  Status Flush() override { return manager_ ? manager_->Flush() : Status::Ok(); }
 
   BlockStoreStats stats() const override {
-    std::lock_guard<std::mutex> l(mu_);
-    BlockStoreStats s = stats_;
+    BlockStoreStats s;
+    {
+      std::lock_guard<std::mutex> l(mu_);
+      s.bytes_device = bytes_device_;
+    }
+    if (manager_) {
+      TierManagerStats t = manager_->stats();
+      s.bytes_host = t.host_bytes_resident;
+      s.peak_bytes_host = t.peak_host_bytes_resident;
+      s.bytes_nvme = t.nvme_bytes_reserved;
+      s.bytes_nvme_to_host = t.bytes_nvme_to_host;
+      s.bytes_host_to_nvme = t.bytes_host_to_nvme;
+      s.stall_s = t.stall_seconds;
+      s.host_hits = t.host_hits + t.host_inflight_hits;
+      s.host_misses = t.host_misses;
+    }
     if (nvme_) s.nvme_busy_s = nvme_->stats().busy_seconds;
     return s;
   }
 
+  nlohmann::json StatsJson() const override {
+    return manager_ ? manager_->StatsJson() : nlohmann::json::object();
+  }
+
  private:
-  struct Block {
+  struct DeviceBlock {
+    void* memory = nullptr;
     uint64_t bytes = 0;
-    Placement placement = Placement::kHost;
-    void* memory = nullptr;  // device/host storage, or the NVMe block's staging while held
-    TierRegion region;       // kNvme
-    bool held = false;
   };
-  void AddHost(uint64_t bytes) {
-    stats_.bytes_host += bytes;
-    stats_.peak_bytes_host = std::max(stats_.peak_bytes_host, stats_.bytes_host);
+  static BlockId Id(const BlockKey& k) { return BlockId{static_cast<uint32_t>(k.chunk), k.kind}; }
+  bool IsDevice(const BlockKey& key) const {
+    std::lock_guard<std::mutex> l(mu_);
+    return device_blocks_.count(key) > 0;
   }
 
   Device* device_;
-  Tier* nvme_;
+  nvme::NvmeTier* nvme_;
+  std::unique_ptr<TierManager> manager_;
   mutable std::mutex mu_;
-  std::map<BlockKey, Block> blocks_;  // GUARDED_BY(mu_); nodes are stable
-  BlockStoreStats stats_;             // GUARDED_BY(mu_)
+  std::map<BlockKey, DeviceBlock> device_blocks_;  // GUARDED_BY(mu_)
+  uint64_t bytes_device_ = 0;                      // GUARDED_BY(mu_)
 };
 
 }  // namespace
 
-std::unique_ptr<BlockStore> MakeDirectBlockStore(Device* device, Tier* nvme) {
-  return std::make_unique<DirectBlockStore>(device, nvme);
+StatusOr<std::unique_ptr<BlockStore>> MakeTieredBlockStore(Device* device, nvme::NvmeTier* nvme,
+                                                           const TierManagerOptions& manager) {
+  std::unique_ptr<TierManager> tm;
+  if (manager.host_budget > 0) {
+    STRATA_ASSIGN_OR_RETURN(tm, TierManager::Create(manager, nvme));
+    if (nvme) STRATA_RETURN_IF_ERROR(tm->RegisterHostPoolWith(*nvme));
+  }
+  return std::unique_ptr<BlockStore>(std::make_unique<TieredBlockStore>(device, nvme, std::move(tm)));
 }
 
 }  // namespace strata

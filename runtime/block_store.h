@@ -22,18 +22,20 @@
 #include <memory>
 #include <string>
 
-#include <nlohmann/json_fwd.hpp>
+#include <nlohmann/json.hpp>
 
 #include "runtime/partitioner.h"
+#include "runtime/tier_manager.h"
 #include "runtime/status.h"
 
 namespace strata {
 
 class Device;
-class Tier;
+namespace nvme {
+class NvmeTier;
+}
 
 enum class Placement { kDevice, kHost, kNvme };
-enum class Access { kRead, kWrite, kReadWrite };
 
 const char* PlacementName(Placement p);
 
@@ -57,6 +59,8 @@ struct BlockStoreStats {
   uint64_t bytes_host_to_nvme = 0; // SUM
   double nvme_busy_s = 0;          // SUM: from the NVMe tier's stats
   double stall_s = 0;              // SUM: time Acquire waited for a read
+  uint64_t host_hits = 0;          // COUNT: acquires served from host memory
+  uint64_t host_misses = 0;        // COUNT: acquires that had to read NVMe
 };
 
 class BlockStore {
@@ -70,11 +74,15 @@ class BlockStore {
   virtual void EndIteration() {}
   virtual Status Flush() = 0;
   virtual BlockStoreStats stats() const = 0;
+  virtual nlohmann::json StatsJson() const = 0;  // the tier manager's full statistics
 };
 
-// The store without a cache: device and host blocks stay where they were registered; an NVMe
-// block is read into a fresh host buffer at Acquire and written back at Release when dirty.
-// `nvme` may be null when nothing is placed on NVMe. Both must outlive the store.
-std::unique_ptr<BlockStore> MakeDirectBlockStore(Device* device, Tier* nvme);
+// The engine's store: device blocks live in Device memory; host and NVMe blocks are placed by a
+// TierManager (pinned pool under `manager` options' budget, next-use eviction and trace-driven
+// prefetch over `nvme`). `nvme` may be null when nothing is placed on NVMe; with no host or NVMe
+// placement at all, pass manager.host_budget = 0 and no TierManager is created. `device` and
+// `nvme` must outlive the store.
+StatusOr<std::unique_ptr<BlockStore>> MakeTieredBlockStore(Device* device, nvme::NvmeTier* nvme,
+                                                           const TierManagerOptions& manager);
 
 }  // namespace strata

@@ -175,11 +175,12 @@ class Engine::Impl {
   Communicator* comm_;
   Device* device_;
   std::unique_ptr<Stream> copy_stream_;
-  std::unique_ptr<Tier> nvme_;
+  std::unique_ptr<nvme::NvmeTier> nvme_;
   std::unique_ptr<BlockStore> store_;
   std::optional<Partitioner> partitioner_;
   std::optional<optim::DynamicLossScaler> scaler_;
   std::unique_ptr<tbb::task_arena> arena_;
+  uint64_t host_budget_ = 0;
   optim::DType compute_dtype_ = optim::DType::kFloat32;
   optim::DType state_dtype_ = optim::DType::kFloat32;
   Placement param_placement_ = Placement::kDevice;
@@ -334,7 +335,44 @@ Status Engine::Impl::Init(const EngineOptions& options) {
     STRATA_ASSIGN_OR_RETURN(auto tier, nvme::NvmeTier::Create(o));
     nvme_ = std::move(tier);
   }
-  store_ = MakeDirectBlockStore(device_, nvme_.get());
+  {
+    // Host budget: the pinned pool the tier manager places host and NVMe blocks in. Unset, it is
+    // sized to hold every host-placed block plus a working set of NVMe blocks; the pool rounds
+    // blocks to power-of-two classes, so the sizes here do too.
+    auto cls = [](uint64_t b) {
+      uint64_t c = 4096;
+      while (c < b) c <<= 1;
+      return c;
+    };
+    uint64_t host_only = 0, nvme_total = 0, largest = 0;
+    const uint64_t ssize = optim::DTypeSize(state_dtype_);
+    for (const ChunkInfo& ci : partitioner_->chunks()) {
+      const uint64_t n = static_cast<uint64_t>(ci.shard_numel);
+      std::vector<std::pair<uint64_t, Placement>> blocks = {
+          {n * 4, optim_placement_}, {n * ssize, optim_placement_}, {n * ssize, optim_placement_},
+          {n * 4, optim_placement_}};
+      if (z.stage == 3) blocks.push_back({n * optim::DTypeSize(compute_dtype_), param_placement_});
+      for (auto [bytes, where] : blocks) {
+        if (where == Placement::kHost) host_only += cls(bytes);
+        if (where == Placement::kNvme) nvme_total += cls(bytes), largest = std::max(largest, cls(bytes));
+      }
+    }
+    // The optimizer lane pins five blocks of a chunk while the compute lane pins two more.
+    const uint64_t working = std::min(nvme_total, std::max<uint64_t>(16 * largest, 512ull << 20));
+    uint64_t budget = config_.strata.host_memory_budget;
+    if (budget == 0 && host_only + nvme_total > 0) budget = host_only + working;
+    if (budget > 0 && budget < host_only + std::min(nvme_total, 8 * largest))
+      return InvalidArgument(StrCat(
+          "strata.host_memory_budget=", FormatBytes(budget), " cannot hold the ",
+          FormatBytes(host_only), " of host-offloaded state plus a working set of ",
+          FormatBytes(std::min(nvme_total, 8 * largest)),
+          " of NVMe blocks; raise it, offload more to NVMe, or lower strata.chunk_size"));
+    if (host_only + nvme_total == 0) budget = 0;
+    TierManagerOptions tmo = TierManagerOptions::FromConfig(config_.strata, budget);
+    tmo.host_budget = budget;
+    STRATA_ASSIGN_OR_RETURN(store_, MakeTieredBlockStore(device_, nvme_.get(), tmo));
+    host_budget_ = budget;
+  }
 
   // Every rank starts from rank 0's initial values.
   if (comm_->world_size() > 1) {
@@ -476,7 +514,9 @@ void Engine::Impl::ReleaseBlock(int64_t b) {
 }
 
 torch::Tensor Engine::Impl::Forward(const torch::Tensor& input) {
-  if (!step_open_) {
+  // Under torch::NoGradGuard (evaluation) nothing is recorded for backward and no step opens.
+  const bool training = torch::GradMode::is_enabled();
+  if (!step_open_ && training) {
     step_open_ = true;
     step_start_ = Clock::now();
     compute_s_ = copy_s_ = comm_s_ = stall_s_ = 0;
@@ -487,8 +527,10 @@ torch::Tensor Engine::Impl::Forward(const torch::Tensor& input) {
       std::lock_guard<std::mutex> l(opt_mu_);
       opt_s_ = 0;
     }
+    store_->BeginIteration();
   }
-  for (auto& cs : chunks_) cs.pending = static_cast<int>(cs.blocks.size());
+  if (training)
+    for (auto& cs : chunks_) cs.pending = static_cast<int>(cs.blocks.size());
   torch::Tensor x = input;
   const int64_t nb = static_cast<int64_t>(blocks_.size());
   for (int64_t b = 0; b < nb; ++b) {
@@ -855,6 +897,7 @@ StatusOr<StepReport> Engine::Impl::Step() {
     }
   }
   std::fill(chunk_ready_.begin(), chunk_ready_.end(), false);
+  store_->EndIteration();
 
   rep.step = global_step_;
   rep.skipped = overflow;
@@ -868,7 +911,7 @@ StatusOr<StepReport> Engine::Impl::Step() {
   }
   BlockStoreStats now = store_->stats();
   rep.nvme_s = now.nvme_busy_s - store_at_step_start_.nvme_busy_s;
-  rep.stall_s = stall_s_ + (now.stall_s - store_at_step_start_.stall_s);
+  rep.stall_s = stall_s_;  // the compute lane's waits; the optimizer lane's are in optimizer_s
   rep.bytes_host_to_device = bytes_h2d_;
   rep.bytes_device_to_host = bytes_d2h_;
   rep.bytes_nvme_to_host = now.bytes_nvme_to_host - store_at_step_start_.bytes_nvme_to_host;
@@ -924,6 +967,8 @@ nlohmann::json Engine::Impl::Describe() const {
           {"optimizer_placement", PlacementName(optim_placement_)},
           {"optimizer_overlap", immediate_optimizer() ? "backward" : "deferred"},
           {"model_state_bytes", model_state_bytes()},
+          {"host_budget", host_budget_},
+          {"tier_manager", store_->StatsJson()},
           {"device", device_->name()}};
 }
 

@@ -47,17 +47,6 @@ using Clock = std::chrono::steady_clock;
 
 }  // namespace
 
-std::string_view StateKindName(StateKind kind) {
-  switch (kind) {
-    case StateKind::kParam16: return "param16";
-    case StateKind::kGrad: return "grad";
-    case StateKind::kMaster32: return "master32";
-    case StateKind::kExpAvg: return "exp_avg";
-    case StateKind::kExpAvgSq: return "exp_avg_sq";
-  }
-  return "?";
-}
-
 std::string ToString(BlockId id) { return StrCat("chunk ", id.chunk, " ", StateKindName(id.kind)); }
 
 std::string_view HostResidencyName(HostResidency r) {

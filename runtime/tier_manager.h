@@ -71,6 +71,7 @@
 #include <nlohmann/json_fwd.hpp>
 
 #include "runtime/config.h"
+#include "runtime/partitioner.h"
 #include "runtime/status.h"
 #include "tiers/host/pinned_pool.h"
 #include "tiers/tier.h"
@@ -81,9 +82,7 @@ namespace nvme {
 class NvmeTier;
 }
 
-enum class StateKind : uint8_t { kParam16 = 0, kGrad, kMaster32, kExpAvg, kExpAvgSq };
-constexpr int kNumStateKinds = 5;
-std::string_view StateKindName(StateKind kind);  // "param16", "grad", ...
+// StateKind and StateKindName come from runtime/partitioner.h: one vocabulary for every layer.
 
 struct BlockId {
   uint32_t chunk = 0;

@@ -24,6 +24,7 @@ struct Case {
   OffloadDevice optim;
   int accumulation;
   double clipping;
+  uint64_t host_budget = 0;  // 0: sized by the engine
 };
 
 class Equivalence : public ::testing::TestWithParam<Case> {};
@@ -36,6 +37,7 @@ TEST_P(Equivalence, MatchesPlainLibTorchInFp32) {
   c.zero_optimization.offload_optimizer.device = k.optim;
   c.gradient_accumulation_steps = k.accumulation;
   c.gradient_clipping = k.clipping;
+  c.strata.host_memory_budget = k.host_budget;
   testing::TempDir dir;
   EngineOptions opts;
   if (k.param == OffloadDevice::kNvme || k.optim == OffloadDevice::kNvme) opts.nvme_path = {dir.path()};
@@ -58,7 +60,10 @@ INSTANTIATE_TEST_SUITE_P(
         Case{"cpu_offload", 2, OffloadDevice::kNone, OffloadDevice::kCpu, 1, 1.0},
         Case{"cpu_offload_stage3", 3, OffloadDevice::kCpu, OffloadDevice::kCpu, 2, 0.0},
         Case{"nvme_offload", 3, OffloadDevice::kNvme, OffloadDevice::kNvme, 1, 0.0},
-        Case{"nvme_offload_clip_accum", 3, OffloadDevice::kNvme, OffloadDevice::kNvme, 2, 0.5}),
+        Case{"nvme_offload_clip_accum", 3, OffloadDevice::kNvme, OffloadDevice::kNvme, 2, 0.5},
+        // A host budget of a few blocks: every step evicts to NVMe and reads back.
+        Case{"nvme_offload_evicting", 3, OffloadDevice::kNvme, OffloadDevice::kNvme, 1, 1.0,
+             256 << 10}),
     [](const auto& info) { return std::string(info.param.name); });
 
 TEST(EquivalenceLowPrecision, Bf16TracksTheFp32LossCurve) {

@@ -1,0 +1,371 @@
+// strata-train: trains a decoder-only GPT on real text across device memory, host DRAM and NVMe.
+#include <signal.h>
+#include <sys/resource.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <iostream>
+#include <memory>
+#include <string>
+
+#include <CLI/CLI.hpp>
+#include <nlohmann/json.hpp>
+#include <torch/torch.h>
+
+#include "runtime/comm/backends.h"
+#include "runtime/config.h"
+#include "runtime/device.h"
+#include "runtime/engine.h"
+#include "runtime/logging.h"
+#include "runtime/units.h"
+#include "tools/train/embedded_config.h"
+#include "tools/train/gpt.h"
+#include "tools/train/plot.h"
+#include "tools/train/text_data.h"
+
+namespace strata::train {
+namespace {
+
+std::atomic<bool> g_stop{false};
+void OnSignal(int) { g_stop.store(true); }
+
+constexpr int kExitUsage = 2;
+
+struct Flags {
+  std::string config;
+  int64_t steps = 0;
+  std::string data = kDefaultData;
+  std::string nvme_path;
+  std::string save;
+  int64_t save_every = 0;
+  std::string resume;
+  bool json = false;
+  int64_t eval_every = 50;
+  int64_t eval_batches = 8;
+  int64_t log_every = 0;
+  std::string plot = "strata-train.svg";
+  bool print_config = false;
+  std::string device;
+  int threads = 0;
+};
+
+uint64_t PeakRssBytes() {
+  rusage ru{};
+  getrusage(RUSAGE_SELF, &ru);
+  return static_cast<uint64_t>(ru.ru_maxrss) * 1024;
+}
+
+std::string Duration(double s) {
+  char b[32];
+  if (s < 60) std::snprintf(b, sizeof b, "%.0fs", s);
+  else if (s < 3600) std::snprintf(b, sizeof b, "%dm%02ds", int(s) / 60, int(s) % 60);
+  else std::snprintf(b, sizeof b, "%dh%02dm", int(s) / 3600, (int(s) % 3600) / 60);
+  return b;
+}
+
+torch::Tensor ToTensor(const std::vector<int64_t>& tokens, int64_t batch, int64_t window) {
+  return torch::from_blob(const_cast<int64_t*>(tokens.data()), {batch, window}, torch::kLong).clone();
+}
+
+class Trainer {
+ public:
+  Trainer(Flags flags, Config config) : f_(std::move(flags)), c_(std::move(config)) {}
+
+  int Run() {
+    Status s = Setup();
+    if (!s.ok()) return Fail(s);
+    s = Loop();
+    if (!s.ok()) return Fail(s);
+    return g_stop.load() ? 130 : 0;
+  }
+
+ private:
+  int Fail(const Status& s) {
+    std::fprintf(stderr, "strata-train: %s\n", s.ToString().c_str());
+    return s.code() == StatusCode::kInvalidArgument || s.code() == StatusCode::kNotFound ? kExitUsage : 1;
+  }
+  bool leader() const { return comm_->rank() == 0; }
+
+  Status Setup() {
+    if (c_.model.vocab_size < 256)
+      return InvalidArgument(StrCat("model.vocab_size=", c_.model.vocab_size,
+                                    ": strata-train uses byte tokens, so it must be at least 256"));
+    if (!f_.device.empty()) c_.strata.device = f_.device;
+    if (f_.threads > 0) torch::set_num_threads(f_.threads);
+    CommOptions co;
+    co.backend = c_.strata.comm_backend;
+    co.device = c_.strata.device == "cuda" || (c_.strata.device == "auto" && CudaDeviceCount() > 0)
+                    ? "cuda" : "cpu";
+    co.timeout_s = c_.strata.comm_timeout_s;
+    co.buckets = {c_.zero_optimization.allgather_bucket_size, c_.zero_optimization.reduce_bucket_size};
+    STRATA_ASSIGN_OR_RETURN(comm_, CreateCommunicator(co));
+    STRATA_ASSIGN_OR_RETURN(device_, CreateDevice(c_.strata.device, c_.strata.device_memory_budget));
+    STRATA_ASSIGN_OR_RETURN(data_, LoadText(f_.data, c_.model.seq_len));
+    EngineOptions eo;
+    if (!f_.nvme_path.empty()) eo.nvme_path = {f_.nvme_path};
+    const int64_t params = models::GptParameterCount(c_.model);
+    if (leader() && !f_.json)
+      std::fprintf(stderr,
+                   "strata-train: GPT %lld layers, d_model %lld, %lld heads, seq %lld: %.3g M params "
+                   "on %s, %zu rank(s); data %s (%s train, %s held out)\n",
+                   (long long)c_.model.n_layers, (long long)c_.model.d_model,
+                   (long long)c_.model.n_heads, (long long)c_.model.seq_len, params / 1e6,
+                   device_->name().c_str(), (size_t)comm_->world_size(), f_.data.c_str(),
+                   FormatBytes(data_.train.size()).c_str(),
+                   FormatBytes(data_.validation.size()).c_str());
+    STRATA_ASSIGN_OR_RETURN(engine_, Engine::Create(models::BuildGpt(c_.model), c_, comm_.get(),
+                                                    device_.get(), eo));
+    if (!f_.resume.empty()) {
+      STRATA_ASSIGN_OR_RETURN(nlohmann::json extra, engine_->LoadCheckpoint(f_.resume));
+      if (extra.contains("seed") && extra["seed"] != c_.model.seed)
+        return InvalidArgument(StrCat("--resume ", f_.resume, " was trained with model.seed=",
+                                      extra["seed"].dump(), "; this config has ", c_.model.seed,
+                                      ": the data order would differ"));
+      if (leader() && !f_.json)
+        std::fprintf(stderr, "strata-train: resumed from %s at step %lld\n", f_.resume.c_str(),
+                     (long long)engine_->global_step());
+    }
+    return Status::Ok();
+  }
+
+  StatusOr<double> Validate() {
+    torch::NoGradGuard ng;
+    const int64_t B = c_.train_micro_batch_size_per_gpu, T = c_.model.seq_len;
+    double sum = 0;
+    std::vector<int64_t> tokens;
+    for (int64_t i = 0; i < f_.eval_batches; ++i) {
+      SampleBatch(data_.validation, B, T, c_.model.seed ^ 0x5eed, i, 0, comm_->rank(), &tokens);
+      torch::Tensor b = ToTensor(tokens, B, T + 1);
+      torch::Tensor logits;
+      try {
+        logits = engine_->Forward(b.narrow(1, 0, T));
+      } catch (const std::exception& e) {
+        return Internal(StrCat("validation forward failed: ", e.what()));
+      }
+      sum += models::LanguageModelLoss(logits, b.narrow(1, 1, T)).item<double>();
+    }
+    double loss = sum / f_.eval_batches;
+    if (comm_->world_size() > 1)
+      STRATA_RETURN_IF_ERROR(comm_->AllReduce(&loss, 1, strata::DType::kF64, ReduceOp::kAvg));
+    return loss;
+  }
+
+  Status Save() {
+    if (f_.save.empty()) return Status::Ok();
+    auto t0 = std::chrono::steady_clock::now();
+    STRATA_RETURN_IF_ERROR(engine_->SaveCheckpoint(f_.save, {{"seed", c_.model.seed}}));
+    if (leader() && !f_.json)
+      std::fprintf(stderr, "strata-train: checkpoint step %lld saved to %s in %.1f s\n",
+                   (long long)engine_->global_step(), f_.save.c_str(),
+                   std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+    return Status::Ok();
+  }
+
+  void Progress(int64_t done, int64_t total, double elapsed, double loss) {
+    if (!leader() || f_.json || !isatty(STDERR_FILENO)) return;
+    const int width = 30;
+    int filled = total > 0 ? static_cast<int>(width * done / total) : width;
+    double eta = done > 0 ? elapsed / done * (total - done) : 0;
+    std::string bar(filled, '#');
+    bar.resize(width, '.');
+    std::fprintf(stderr, "\r[%s] %lld/%lld loss %.4f ETA %s   ", bar.c_str(), (long long)done,
+                 (long long)total, loss, Duration(eta).c_str());
+    if (done == total) std::fputc('\n', stderr);
+    std::fflush(stderr);
+  }
+
+  Status Loop() {
+    const int64_t B = c_.train_micro_batch_size_per_gpu, T = c_.model.seq_len;
+    const int64_t accum = c_.gradient_accumulation_steps;
+    const int64_t first = engine_->global_step();
+    const int64_t last = f_.steps;
+    if (last <= first && leader())
+      std::fprintf(stderr, "strata-train: already at step %lld of --steps %lld; nothing to do\n",
+                   (long long)first, (long long)last);
+    const int64_t log_every = f_.log_every > 0 ? f_.log_every : c_.steps_per_print;
+    std::vector<int64_t> tokens;
+    Series loss_s{"train loss", "#1f77b4", {}, {}}, val_s{"validation loss", "#d62728", {}, {}},
+        tps_s{"tokens/s", "#2ca02c", {}, {}};
+    double first_loss = NAN, last_loss = NAN, last_val = NAN, time_sum = 0, overlap_sum = 0;
+    int64_t measured = 0;
+    uint64_t tokens_total = 0;
+    const auto t_start = std::chrono::steady_clock::now();
+    for (int64_t step = first; step < last && !g_stop.load(); ++step) {
+      double loss_sum = 0;
+      for (int64_t m = 0; m < accum; ++m) {
+        SampleBatch(data_.train, B, T, c_.model.seed, step, m, comm_->rank(), &tokens);
+        torch::Tensor b = ToTensor(tokens, B, T + 1);
+        torch::Tensor loss;
+        try {
+          loss = models::LanguageModelLoss(engine_->Forward(b.narrow(1, 0, T)), b.narrow(1, 1, T));
+        } catch (const std::exception& e) {
+          return Internal(StrCat("forward of step ", step + 1, " failed: ", e.what()));
+        }
+        STRATA_RETURN_IF_ERROR(engine_->Backward(loss));
+        loss_sum += loss.item<double>() / accum;
+      }
+      STRATA_ASSIGN_OR_RETURN(StepReport rep, engine_->Step());
+      double loss = loss_sum;
+      if (comm_->world_size() > 1)
+        STRATA_RETURN_IF_ERROR(comm_->AllReduce(&loss, 1, strata::DType::kF64, ReduceOp::kAvg));
+      if (!std::isfinite(loss))
+        return Internal(StrCat("the loss is ", loss, " at step ", step + 1,
+                               "; lower optimizer.params.lr or enable gradient_clipping"));
+      const uint64_t step_tokens = static_cast<uint64_t>(B * T * accum * comm_->world_size());
+      const double tps = step_tokens / std::max(rep.step_time_s, 1e-9);
+      tokens_total += step_tokens;
+      if (std::isnan(first_loss)) first_loss = loss;
+      last_loss = loss;
+      if (step > first) {  // the first step includes warm-up work
+        time_sum += rep.step_time_s;
+        overlap_sum += rep.overlap_efficiency;
+        ++measured;
+      }
+      loss_s.x.push_back(step + 1);
+      loss_s.y.push_back(loss);
+      tps_s.x.push_back(step + 1);
+      tps_s.y.push_back(tps);
+      bool eval = f_.eval_every > 0 && ((step + 1) % f_.eval_every == 0 || step + 1 == last);
+      double val = NAN;
+      if (eval) {
+        STRATA_ASSIGN_OR_RETURN(val, Validate());
+        last_val = val;
+        val_s.x.push_back(step + 1);
+        val_s.y.push_back(val);
+      }
+      if (leader()) {
+        if (f_.json) {
+          nlohmann::json j = rep.ToJson();
+          j["step"] = step + 1;
+          j["loss"] = loss;
+          j["tokens_per_s"] = tps;
+          if (eval) j["val_loss"] = val;
+          std::cout << j.dump() << std::endl;
+        } else if ((step + 1) % log_every == 0 || step == first || step + 1 == last || eval) {
+          if (isatty(STDERR_FILENO)) std::fputc('\r', stderr);
+          std::fprintf(stderr,
+                       "step %5lld/%lld | loss %.4f%s | %8.0f tok/s | step %.3f s | compute %.3f "
+                       "copy %.3f comm %.3f nvme %.3f optim %.3f s | overlap %.2f | nvme->host %s "
+                       "host->nvme %s\n",
+                       (long long)(step + 1), (long long)last, loss,
+                       eval ? StrCat(" (val ", std::to_string(val).substr(0, 6), ")").c_str() : "",
+                       tps, rep.step_time_s, rep.compute_s, rep.copy_s, rep.comm_s, rep.nvme_s,
+                       rep.optimizer_s, rep.overlap_efficiency,
+                       FormatBytes(rep.bytes_nvme_to_host).c_str(),
+                       FormatBytes(rep.bytes_host_to_nvme).c_str());
+        }
+      }
+      Progress(step + 1 - first, last - first,
+               std::chrono::duration<double>(std::chrono::steady_clock::now() - t_start).count(),
+               loss);
+      if (f_.save_every > 0 && (step + 1) % f_.save_every == 0 && step + 1 != last)
+        STRATA_RETURN_IF_ERROR(Save());
+    }
+    STRATA_RETURN_IF_ERROR(Save());
+    const double wall = std::chrono::duration<double>(std::chrono::steady_clock::now() - t_start).count();
+    if (!leader()) return Status::Ok();
+    nlohmann::json summary = {
+        {"summary", true},
+        {"steps", engine_->global_step()},
+        {"steps_run", static_cast<int64_t>(loss_s.x.size())},
+        {"first_loss", first_loss},
+        {"final_loss", last_loss},
+        {"val_loss", last_val},
+        {"parameters", engine_->num_parameters()},
+        {"model_state_bytes", engine_->model_state_bytes()},
+        {"mean_step_time_s", measured ? time_sum / measured : NAN},
+        {"mean_overlap_efficiency", measured ? overlap_sum / measured : NAN},
+        {"tokens_per_s", wall > 0 ? tokens_total / wall : 0},
+        {"wall_s", wall},
+        {"peak_rss_bytes", PeakRssBytes()},
+        {"interrupted", g_stop.load()},
+        {"engine", engine_->Describe()}};
+    if (!f_.plot.empty() && !loss_s.x.empty()) {
+      Status ps = WriteTrainingSvg(f_.plot, "strata-train", {loss_s, val_s}, "loss", {tps_s},
+                                   "tokens/s");
+      if (!ps.ok()) STRATA_LOG(WARN) << ps.ToString();
+      else summary["plot"] = f_.plot;
+    }
+    if (f_.json) {
+      std::cout << summary.dump() << std::endl;
+    } else {
+      std::fprintf(stderr,
+                   "\nsummary: %lld steps, loss %.4f -> %.4f (validation %.4f), %.3g M params, "
+                   "model state %s, mean step %.3f s, %.0f tokens/s, overlap %.2f, peak RSS %s%s%s\n",
+                   (long long)engine_->global_step(), first_loss, last_loss, last_val,
+                   engine_->num_parameters() / 1e6, FormatBytes(engine_->model_state_bytes()).c_str(),
+                   measured ? time_sum / measured : NAN, wall > 0 ? tokens_total / wall : 0.0,
+                   measured ? overlap_sum / measured : NAN, FormatBytes(PeakRssBytes()).c_str(),
+                   summary.contains("plot") ? ", plot " : "",
+                   summary.contains("plot") ? f_.plot.c_str() : "");
+    }
+    return Status::Ok();
+  }
+
+  Flags f_;
+  Config c_;
+  std::unique_ptr<Communicator> comm_;
+  std::unique_ptr<Device> device_;
+  std::unique_ptr<Engine> engine_;
+  TextData data_;
+};
+
+}  // namespace
+}  // namespace strata::train
+
+int main(int argc, char** argv) {
+  using strata::train::Flags;
+  Flags f;
+  CLI::App app{
+      "strata-train: trains a decoder-only GPT (byte-level tokens) on real text with Strata's ZeRO "
+      "engine, placing parameters, gradients and optimizer states on the device, in host memory "
+      "or on NVMe as the config says. Without --config it trains the built-in 'tiny' config "
+      "(configs/tiny.json) on the fortunes corpus.\n\n"
+      "Several ranks: strata-launch --nproc N -- strata-train --config FILE"};
+  app.add_option("--config", f.config, "DeepSpeed-style JSON config (see configs/ and the README)")
+      ->check(CLI::ExistingFile);
+  app.add_option("--steps", f.steps, "optimizer steps to reach (counted from 0, so a resumed run "
+                                     "continues to this step); default: 200")
+      ->check(CLI::PositiveNumber);
+  app.add_option("--data", f.data, "a text file or a directory of text files")
+      ->capture_default_str();
+  app.add_option("--nvme-path", f.nvme_path,
+                 "directory for NVMe swap files (overrides offload_*.nvme_path)");
+  app.add_option("--save", f.save, "checkpoint root: saved at the end (and every --save-every steps)");
+  app.add_option("--save-every", f.save_every, "also save every N steps")->check(CLI::NonNegativeNumber);
+  app.add_option("--resume", f.resume, "resume from a checkpoint root (its 'latest') or a step-* directory");
+  app.add_flag("--json", f.json, "print one JSON object per step and a final summary object on stdout");
+  app.add_option("--eval-every", f.eval_every, "validation loss every N steps (0: only at the end)")
+      ->capture_default_str()->check(CLI::NonNegativeNumber);
+  app.add_option("--log-every", f.log_every, "print a step line every N steps (default: steps_per_print)")
+      ->check(CLI::NonNegativeNumber);
+  app.add_option("--plot", f.plot, "SVG plot of loss and throughput written at the end ('' disables)")
+      ->capture_default_str();
+  app.add_option("--device", f.device, "auto, cpu, cuda or cuda:N (overrides strata.device)");
+  app.add_option("--threads", f.threads, "LibTorch compute threads (default: all cores)")
+      ->check(CLI::NonNegativeNumber);
+  app.add_flag("--print-config", f.print_config, "print the effective config (defaults filled in) and exit");
+  CLI11_PARSE(app, argc, argv);
+
+  auto config = f.config.empty()
+                    ? strata::Config::FromJsonText(strata::train::kEmbeddedTinyConfig, "<built-in tiny>")
+                    : strata::Config::FromFile(f.config);
+  if (!config.ok()) {
+    std::fprintf(stderr, "strata-train: %s\n", config.status().ToString().c_str());
+    return 2;
+  }
+  if (f.print_config) {
+    std::cout << config->ToJsonString() << std::endl;
+    return 0;
+  }
+  if (f.steps == 0) f.steps = 200;
+  if (f.eval_every == 0) f.eval_every = f.steps;
+  signal(SIGINT, strata::train::OnSignal);
+  signal(SIGTERM, strata::train::OnSignal);
+  strata::train::Trainer trainer(f, std::move(config).value());
+  return trainer.Run();
+}

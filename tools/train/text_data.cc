@@ -1,0 +1,64 @@
+#include "tools/train/text_data.h"
+
+#include <algorithm>
+#include <filesystem>
+#include <fstream>
+#include <iterator>
+#include <random>
+
+namespace strata::train {
+
+namespace fs = std::filesystem;
+
+StatusOr<TextData> LoadText(const std::string& path, int64_t seq_len, double holdout) {
+  std::error_code ec;
+  fs::file_status st = fs::status(path, ec);
+  if (ec || !fs::exists(st))
+    return NotFound(StrCat("--data ", path, " does not exist; pass a text file or a directory of "
+                           "text files (the default corpus comes with Debian's fortunes package)"));
+  std::vector<fs::path> files;
+  if (fs::is_directory(st)) {
+    for (const auto& e : fs::directory_iterator(path, ec)) {
+      if (e.is_symlink() || !e.is_regular_file()) continue;
+      if (e.path().extension() == ".dat") continue;
+      files.push_back(e.path());
+    }
+    std::sort(files.begin(), files.end());
+  } else {
+    files.push_back(path);
+  }
+  TextData data;
+  std::vector<uint8_t> all;
+  for (const auto& f : files) {
+    std::ifstream in(f, std::ios::binary);
+    if (!in) return ErrnoToStatus(errno, StrCat("cannot read --data file ", f.string()));
+    all.insert(all.end(), std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+    data.files.push_back(f.string());
+  }
+  const int64_t window = seq_len + 1;
+  if (static_cast<int64_t>(all.size()) < 4 * window)
+    return InvalidArgument(StrCat("--data ", path, " holds ", all.size(), " bytes, fewer than the ",
+                                  4 * window, " needed for seq_len=", seq_len,
+                                  " with a held-out split; give more text or a shorter seq_len"));
+  int64_t held = std::max<int64_t>(window, static_cast<int64_t>(all.size() * holdout));
+  data.train.assign(all.begin(), all.end() - held);
+  data.validation.assign(all.end() - held, all.end());
+  return data;
+}
+
+void SampleBatch(const std::vector<uint8_t>& data, int64_t batch, int64_t seq_len, uint64_t seed,
+                 int64_t step, int64_t micro, int rank, std::vector<int64_t>* tokens) {
+  std::seed_seq seq{static_cast<uint32_t>(seed), static_cast<uint32_t>(seed >> 32),
+                    static_cast<uint32_t>(step), static_cast<uint32_t>(step >> 32),
+                    static_cast<uint32_t>(micro), static_cast<uint32_t>(rank)};
+  std::mt19937_64 rng(seq);
+  const int64_t window = seq_len + 1;
+  std::uniform_int_distribution<int64_t> start(0, static_cast<int64_t>(data.size()) - window);
+  tokens->resize(batch * window);
+  for (int64_t b = 0; b < batch; ++b) {
+    int64_t s = start(rng);
+    for (int64_t t = 0; t < window; ++t) (*tokens)[b * window + t] = data[s + t];
+  }
+}
+
+}  // namespace strata::train

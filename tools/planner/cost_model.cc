@@ -3,6 +3,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cmath>
 #include <set>
 #include <tuple>
 
@@ -31,9 +32,11 @@ nlohmann::json StepPrediction::ToJson() const {
 }
 
 StatusOr<Rates> RatesFromProfile(const HardwareProfile& p, const std::string& device,
-                                 double gflops_override) {
+                                 double gflops_override, bool fp32) {
   Rates r;
-  r.gflops = gflops_override > 0 ? gflops_override : p.compute_gflops;
+  r.gflops = gflops_override > 0                       ? gflops_override
+             : fp32 && p.compute_fp32_gflops > 0 ? p.compute_fp32_gflops
+                                                 : p.compute_gflops;
   if (r.gflops <= 0)
     return InvalidArgument("the profile has no compute figure (compute.gflops) and --gflops was not given; "
                            "rerun `strata-swapbench profile` or pass --gflops");
@@ -167,7 +170,8 @@ StatusOr<TuneResult> Tune(const Config& config, const ModelSpec& model, const Ha
                           const TuneOptions& o) {
   if (!model.gpt)
     return InvalidArgument("strata-tune needs the model's shapes: pass a config with a \"model\" section");
-  STRATA_ASSIGN_OR_RETURN(Rates base, RatesFromProfile(profile, o.device, o.gflops_override));
+  STRATA_ASSIGN_OR_RETURN(Rates base, RatesFromProfile(profile, o.device, o.gflops_override,
+                                                          !config.bf16.enabled && !config.fp16.enabled));
   TuneResult res;
   res.assumptions = base.assumptions;
   const bool cpu = o.device == "cpu";

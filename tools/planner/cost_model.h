@@ -57,10 +57,11 @@ struct Rates {
   std::vector<std::string> assumptions;
 };
 
-// Fills Rates from a profile for `device` ("cpu"/"cuda"); a figure the profile lacks is taken
-// from `fallback_gflops` (compute) or fails naming the missing section (copies, Adam, DRAM).
+// Fills Rates from a profile for `device` ("cpu"/"cuda"). The compute rate is
+// `gflops_override` when > 0, else the profile's figure for the working dtype (`fp32`: the fp32
+// figure when measured); a figure the profile lacks fails naming the section.
 StatusOr<Rates> RatesFromProfile(const HardwareProfile& profile, const std::string& device,
-                                 double gflops_override);
+                                 double gflops_override, bool fp32 = false);
 
 // Predicts one step of a GPT model (the model must carry its ModelConfig: FLOPs need shapes).
 StatusOr<StepPrediction> PredictStep(const Config& config, const ModelSpec& model,

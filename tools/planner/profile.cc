@@ -75,7 +75,10 @@ nlohmann::json HardwareProfile::ToJson() const {
   }
   if (adam_gelems_per_s > 0)
     j["adam"] = {{"elements", adam_elements}, {"gelems_per_s", adam_gelems_per_s}, {"isa", adam_isa}};
-  if (compute_gflops > 0) j["compute"] = {{"dtype", compute_dtype}, {"gflops", compute_gflops}};
+  if (compute_gflops > 0) {
+    j["compute"] = {{"dtype", compute_dtype}, {"gflops", compute_gflops}};
+    if (compute_fp32_gflops > 0) j["compute"]["fp32_gflops"] = compute_fp32_gflops;
+  }
   return j;
 }
 
@@ -159,6 +162,8 @@ StatusOr<HardwareProfile> HardwareProfile::FromJson(const nlohmann::json& j) {
   }
   if (j.contains("compute")) {
     STRATA_RETURN_IF_ERROR(Num(j["compute"], "compute", "gflops", &h.compute_gflops));
+    if (j["compute"].contains("fp32_gflops"))
+      STRATA_RETURN_IF_ERROR(Num(j["compute"], "compute", "fp32_gflops", &h.compute_fp32_gflops));
     if (j["compute"].contains("dtype"))
       STRATA_RETURN_IF_ERROR(Str(j["compute"], "compute", "dtype", &h.compute_dtype));
   }

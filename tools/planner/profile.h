@@ -11,7 +11,7 @@
 //    "copies": [{"device": "cpu"|"cuda", "memory": "pinned"|"pageable",
 //                "direction": "h2d"|"d2h", "gbps": x}, ...],
 //    "adam": {"elements": N, "gelems_per_s": x, "isa": "avx512"},
-//    "compute": {"dtype": "bf16"|"fp32", "gflops": x},
+//    "compute": {"dtype": "bf16"|"fp32", "gflops": x, "fp32_gflops": y (optional)},
 //    "recommended_aio": {"block_size": B, "queue_depth": Q, "intra_op_parallelism": P}}
 // Sections may be missing (a profile without --path has no "nvme"); readers say what is missing
 // when they need it.
@@ -55,8 +55,9 @@ struct HardwareProfile {
   int64_t adam_elements = 0;
   double adam_gelems_per_s = 0;
   std::string adam_isa;
-  std::string compute_dtype;
+  std::string compute_dtype;      // dtype of compute_gflops ("bf16" when measured by profile)
   double compute_gflops = 0;
+  double compute_fp32_gflops = 0;  // optional: fp32 matmul rate (for configs without bf16/fp16)
 
   // The fastest read point, with the write figure at the same setting breaking ties; aio.
   // block_size / queue_depth / intra_op_parallelism to recommend. NOT_FOUND without NVMe points.

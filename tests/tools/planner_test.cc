@@ -1,0 +1,262 @@
+// strata_planner without LibTorch: GPT parameter list, memory model arithmetic, profile schema,
+// and the tuner's choices on synthetic profiles.
+#include <fstream>
+
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+
+#include "runtime/config.h"
+#include "tests/test_util.h"
+#include "tools/planner/cli_util.h"
+#include "tools/planner/cost_model.h"
+#include "tools/planner/memory_model.h"
+#include "tools/planner/model_spec.h"
+#include "tools/planner/profile.h"
+
+namespace strata::planner {
+namespace {
+
+ModelConfig SmallGpt() {
+  ModelConfig m;
+  m.n_layers = 2;
+  m.d_model = 64;
+  m.n_heads = 4;
+  m.seq_len = 32;
+  m.vocab_size = 128;
+  return m;
+}
+
+TEST(ModelSpecTest, GptParameterListMatchesTheArchitecture) {
+  ModelConfig m = SmallGpt();
+  ASSERT_OK_AND_ASSIGN(ModelSpec spec, GptModelSpec(m));
+  const int64_t d = 64, V = 128, T = 32;
+  EXPECT_EQ(spec.param_count(), V * d + T * d + 2 * (12 * d * d + 13 * d) + 2 * d + V * d + V);
+  EXPECT_EQ(spec.num_blocks, 4);
+  EXPECT_EQ(spec.params.front().name, "embedding.pos");
+  EXPECT_EQ(spec.params.back().numel, V);
+  EXPECT_EQ(spec.params.back().block, 3);
+  m.n_heads = 5;
+  EXPECT_FALSE(GptModelSpec(m).ok());
+}
+
+TEST(ModelSpecTest, SyntheticSplitsIntoLayers) {
+  ASSERT_OK_AND_ASSIGN(ModelSpec spec, SyntheticModelSpec(1000, 300));
+  ASSERT_EQ(spec.params.size(), 4u);
+  EXPECT_EQ(spec.params[3].numel, 100);
+  EXPECT_EQ(spec.largest_block_numel(), 300);
+  EXPECT_FALSE(SyntheticModelSpec(100, 200).ok());
+  EXPECT_FALSE(SyntheticModelSpec(0, 1).ok());
+}
+
+TEST(MemoryModelTest, Stage2CpuOffloadPutsEveryOptimizerStateOnTheHost) {
+  Config c;
+  c.zero_optimization.stage = 2;
+  c.zero_optimization.offload_optimizer.device = OffloadDevice::kCpu;
+  c.bf16.enabled = true;
+  c.strata.chunk_size = 64 << 10;
+  ASSERT_OK_AND_ASSIGN(ModelSpec spec, GptModelSpec(SmallGpt()));
+  EstimateOptions eo;
+  eo.world_size = 2;
+  ASSERT_OK_AND_ASSIGN(MemoryEstimate e, EstimateMemory(c, spec, eo));
+  // master32 + grad (fp32) + two fp32 moments per element of this rank's shards.
+  EXPECT_EQ(e.engine_host_peak_bytes, static_cast<uint64_t>(e.shard_numel) * 16);
+  EXPECT_EQ(e.nvme_bytes, 0u);
+  EXPECT_GE(e.padded_numel, e.param_numel);
+  EXPECT_EQ(e.shard_numel * 2, e.padded_numel);
+  // The device keeps the whole bf16 working copy plus gradient buffers.
+  EXPECT_GE(e.engine_device_peak_bytes, static_cast<uint64_t>(e.padded_numel) * 2);
+  EXPECT_GT(e.activation_bytes, 0u);
+  EXPECT_EQ(e.hbm_bytes > e.engine_device_peak_bytes, true);
+  nlohmann::json j = e.ToJson();
+  for (const char* k : {"hbm_bytes", "host_pinned_bytes", "host_pageable_bytes", "nvme_bytes", "per_state"})
+    EXPECT_TRUE(j.contains(k)) << k;
+  EXPECT_EQ(j["per_state"]["master32"]["tier"], "host_pageable");
+}
+
+TEST(MemoryModelTest, NvmeOffloadMovesBytesFromHostToNvmeAndAddsStaging) {
+  Config c;
+  c.zero_optimization.stage = 3;
+  c.bf16.enabled = true;
+  c.strata.chunk_size = 64 << 10;
+  ASSERT_OK_AND_ASSIGN(ModelSpec spec, GptModelSpec(SmallGpt()));
+  c.zero_optimization.offload_optimizer.device = OffloadDevice::kCpu;
+  c.zero_optimization.offload_param.device = OffloadDevice::kCpu;
+  ASSERT_OK_AND_ASSIGN(MemoryEstimate cpu, EstimateMemory(c, spec));
+  c.zero_optimization.offload_optimizer.device = OffloadDevice::kNvme;
+  c.zero_optimization.offload_param.device = OffloadDevice::kNvme;
+  ASSERT_OK_AND_ASSIGN(MemoryEstimate nvme, EstimateMemory(c, spec));
+  EXPECT_EQ(cpu.nvme_bytes, 0u);
+  EXPECT_GE(nvme.nvme_bytes, static_cast<uint64_t>(nvme.shard_numel) * 18);
+  EXPECT_LT(nvme.host_pageable_bytes, cpu.host_pageable_bytes);
+  EXPECT_GT(nvme.host_pageable_bytes, 0u);  // staging
+  // Stage 3 with everything offloaded: the device holds only the transient gather and gradient
+  // buffers, the same whether the states sit on the host or on NVMe.
+  EXPECT_EQ(nvme.engine_device_peak_bytes, cpu.engine_device_peak_bytes);
+  c.zero_optimization.offload_optimizer.device = OffloadDevice::kNone;
+  c.zero_optimization.offload_param.device = OffloadDevice::kNone;
+  ASSERT_OK_AND_ASSIGN(MemoryEstimate dev, EstimateMemory(c, spec));
+  uint64_t resident = 0;  // every state on the device (each allocation rounded to 64 B)
+  for (const auto& it : dev.items)
+    if (!it.transient) resident += it.bytes;
+  EXPECT_EQ(dev.engine_device_peak_bytes - nvme.engine_device_peak_bytes, resident);
+  EXPECT_GE(resident, static_cast<uint64_t>(dev.shard_numel) * 18);
+}
+
+HardwareProfile SyntheticProfile(double nvme_gbps) {
+  HardwareProfile h;
+  h.nvme_path = "/tmp";
+  for (int64_t bs : {1 << 20, 8 << 20}) {
+    h.nvme.push_back({false, bs, 32, 1, bs == (8 << 20) ? nvme_gbps : nvme_gbps / 2});
+    h.nvme.push_back({true, bs, 32, 1, nvme_gbps / 2});
+  }
+  h.dram_gbps = 10;
+  h.copies = {{"cpu", "pinned", "h2d", 8}, {"cpu", "pinned", "d2h", 8}};
+  h.adam_gelems_per_s = 1.0;
+  h.compute_gflops = 100;
+  h.compute_dtype = "bf16";
+  return h;
+}
+
+Config TuneConfig() {
+  Config c;
+  c.zero_optimization.stage = 3;
+  c.bf16.enabled = true;
+  c.strata.chunk_size = 64 << 10;
+  c.model = SmallGpt();
+  return c;
+}
+
+TEST(TunerTest, SlowNvmeChoosesHostWhenItFits) {
+  Config c = TuneConfig();
+  ASSERT_OK_AND_ASSIGN(ModelSpec spec, GptModelSpec(c.model));
+  Config all_host = c;
+  all_host.zero_optimization.offload_param.device = OffloadDevice::kCpu;
+  all_host.zero_optimization.offload_optimizer.device = OffloadDevice::kCpu;
+  ASSERT_OK_AND_ASSIGN(MemoryEstimate floor, EstimateMemory(all_host, spec));
+  TuneOptions o;
+  o.device_budget = floor.hbm_bytes + 1024;  // too small for states on the device
+  o.host_budget = 1ull << 30;
+  ASSERT_OK_AND_ASSIGN(TuneResult r, Tune(c, spec, SyntheticProfile(0.001), o));
+  ASSERT_FALSE(r.candidates.empty());
+  const Candidate& best = r.candidates.front();
+  ASSERT_TRUE(best.feasible);
+  EXPECT_EQ(best.optimizer, OffloadDevice::kCpu) << best.Describe();
+  EXPECT_NE(best.param, OffloadDevice::kNvme) << best.Describe();
+  EXPECT_FALSE(best.uses_nvme);
+  // A device-resident placement exists but breaks the device budget.
+  bool saw_device_over = false;
+  for (const auto& cand : r.candidates)
+    if (cand.optimizer == OffloadDevice::kNone && !cand.feasible) saw_device_over = true;
+  EXPECT_TRUE(saw_device_over);
+}
+
+TEST(TunerTest, TinyHostBudgetChoosesNvme) {
+  Config c = TuneConfig();
+  ASSERT_OK_AND_ASSIGN(ModelSpec spec, GptModelSpec(c.model));
+  // Budgets from the estimates: the device fits the all-offloaded placement only; the host fits
+  // one chunk's NVMe staging, not every optimizer state.
+  Config all_nvme = c;
+  all_nvme.zero_optimization.offload_param.device = OffloadDevice::kNvme;
+  all_nvme.zero_optimization.offload_optimizer.device = OffloadDevice::kNvme;
+  ASSERT_OK_AND_ASSIGN(MemoryEstimate floor, EstimateMemory(all_nvme, spec));
+  TuneOptions o;
+  o.device_budget = floor.hbm_bytes + 1024;
+  o.host_budget = floor.host_pageable_bytes + 1024;
+  ASSERT_LT(o.host_budget, static_cast<uint64_t>(floor.shard_numel) * 16);
+  ASSERT_OK_AND_ASSIGN(TuneResult r, Tune(c, spec, SyntheticProfile(0.001), o));
+  const Candidate& best = r.candidates.front();
+  ASSERT_TRUE(best.feasible) << best.Describe() << ": " << best.why_not;
+  EXPECT_EQ(best.optimizer, OffloadDevice::kNvme) << best.Describe();
+  // Among NVMe settings it picks the faster measured aio point.
+  EXPECT_EQ(best.aio.block_size, 8 << 20);
+  o.nvme_allowed = false;
+  ASSERT_OK_AND_ASSIGN(TuneResult none, Tune(c, spec, SyntheticProfile(0.001), o));
+  EXPECT_FALSE(none.candidates.front().feasible);
+}
+
+TEST(TunerTest, FasterLaneWinsWhenBothFit) {
+  Config c = TuneConfig();
+  ASSERT_OK_AND_ASSIGN(ModelSpec spec, GptModelSpec(c.model));
+  TuneOptions o;
+  o.device_budget = 1ull << 30;
+  o.host_budget = 1ull << 30;
+  ASSERT_OK_AND_ASSIGN(TuneResult r, Tune(c, spec, SyntheticProfile(2.0), o));
+  const Candidate& best = r.candidates.front();
+  // Everything on the (cpu) device moves no bytes: nothing can be faster.
+  EXPECT_EQ(best.optimizer, OffloadDevice::kNone) << best.Describe();
+  EXPECT_EQ(best.param, OffloadDevice::kNone) << best.Describe();
+  for (size_t i = 1; i < r.candidates.size(); ++i) {
+    if (r.candidates[i].feasible) {
+      EXPECT_LE(r.candidates[i - 1].prediction.step_s, r.candidates[i].prediction.step_s * 1.01 + 1e-12);
+    }
+  }
+}
+
+TEST(TunerTest, AppliedConfigKeepsOtherKeysAndParses) {
+  strata::testing::TempDir dir;
+  const std::string in = dir.path() + "/in.json";
+  nlohmann::json raw = {{"train_micro_batch_size_per_gpu", 2},
+                        {"bf16", {{"enabled", true}}},
+                        {"gradient_clipping", 1.0},
+                        {"zero_optimization", {{"stage", 3}, {"reduce_bucket_size", 5e7}}},
+                        {"aio", {{"thread_count", 2}}},
+                        {"model", {{"n_layers", 2}, {"d_model", 64}, {"n_heads", 4}, {"seq_len", 32},
+                                   {"vocab_size", 128}}}};
+  Candidate cand;
+  cand.param = OffloadDevice::kCpu;
+  cand.optimizer = OffloadDevice::kNvme;
+  cand.uses_nvme = true;
+  cand.aio = {false, 8 << 20, 32, 2, 1.0};
+  ApplyCandidate(cand, dir.path(), &raw);
+  const std::string out = dir.path() + "/out.json";
+  ASSERT_OK(WriteJsonFileAtomic(out, raw));
+  ASSERT_OK_AND_ASSIGN(Config parsed, Config::FromFile(out));
+  EXPECT_EQ(parsed.zero_optimization.offload_optimizer.device, OffloadDevice::kNvme);
+  EXPECT_EQ(parsed.zero_optimization.offload_param.device, OffloadDevice::kCpu);
+  ASSERT_EQ(parsed.zero_optimization.offload_optimizer.nvme_path.size(), 1u);
+  EXPECT_EQ(parsed.aio.block_size, 8 << 20);
+  EXPECT_EQ(parsed.aio.intra_op_parallelism, 2);
+  EXPECT_EQ(parsed.gradient_clipping, 1.0);
+  EXPECT_EQ(parsed.zero_optimization.reduce_bucket_size, 50000000);
+  EXPECT_EQ(parsed.train_micro_batch_size_per_gpu, 2);
+  EXPECT_TRUE(parsed.warnings.empty());
+}
+
+TEST(ProfileTest, RoundTripsAndNamesBadKeys) {
+  HardwareProfile h = SyntheticProfile(1.5);
+  h.has_fio = true;
+  h.fio = {false, 8 << 20, 32, 1, 2.0};
+  ASSERT_OK_AND_ASSIGN(HardwareProfile back, HardwareProfile::FromJson(h.ToJson()));
+  EXPECT_EQ(back.nvme.size(), h.nvme.size());
+  EXPECT_DOUBLE_EQ(back.fio.gbps, 2.0);
+  ASSERT_OK_AND_ASSIGN(NvmePoint best, back.BestAio());
+  EXPECT_EQ(best.block_size, 8 << 20);
+  EXPECT_DOUBLE_EQ(back.CopyGbps("cpu", "h2d"), 8);
+  nlohmann::json bad = h.ToJson();
+  bad["nvme"]["points"][1]["gbps"] = "fast";
+  auto r = HardwareProfile::FromJson(bad);
+  ASSERT_FALSE(r.ok());
+  EXPECT_NE(r.status().message().find("nvme.points[1].gbps"), std::string::npos) << r.status().message();
+  HardwareProfile empty;
+  EXPECT_FALSE(RatesFromProfile(empty, "cpu", 0).ok());
+}
+
+TEST(CostModelTest, NvmeBandwidthDrivesTheNvmePlacement) {
+  Config c = TuneConfig();
+  c.zero_optimization.offload_optimizer.device = OffloadDevice::kNvme;
+  ASSERT_OK_AND_ASSIGN(ModelSpec spec, GptModelSpec(c.model));
+  ASSERT_OK_AND_ASSIGN(MemoryEstimate mem, EstimateMemory(c, spec));
+  ASSERT_OK_AND_ASSIGN(Rates r, RatesFromProfile(SyntheticProfile(1.0), "cpu", 0));
+  r.nvme_read_gbps = r.nvme_write_gbps = 1.0;
+  ASSERT_OK_AND_ASSIGN(StepPrediction fast, PredictStep(c, spec, mem, r, "cpu"));
+  r.nvme_read_gbps = r.nvme_write_gbps = 0.01;
+  ASSERT_OK_AND_ASSIGN(StepPrediction slow, PredictStep(c, spec, mem, r, "cpu"));
+  EXPECT_GT(slow.step_s, fast.step_s * 10);
+  // Per step: master/m/v/grad read, master/m/v written, and each micro-step's grad shard.
+  EXPECT_EQ(fast.bytes_nvme_read, static_cast<uint64_t>(mem.shard_numel) * 16);
+  EXPECT_EQ(fast.bytes_nvme_write, static_cast<uint64_t>(mem.shard_numel) * 16);
+  EXPECT_GE(slow.step_s, slow.nvme_s);
+}
+
+}  // namespace
+}  // namespace strata::planner

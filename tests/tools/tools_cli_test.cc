@@ -1,0 +1,142 @@
+// The planner CLIs end to end: exit codes and messages for bad arguments, strata-estimate's JSON
+// keys, strata-tune writing a config that parses, from a synthetic profile.
+#include <sys/wait.h>
+
+#include <cstdio>
+#include <fstream>
+#include <string>
+
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+
+#include "runtime/config.h"
+#include "tests/test_util.h"
+
+namespace strata {
+namespace {
+
+struct Result {
+  int rc = -1;
+  std::string out;  // stdout and stderr
+};
+
+Result Run(const std::string& cmd) {
+  Result r;
+  FILE* p = popen((cmd + " 2>&1").c_str(), "r");
+  if (!p) return r;
+  char buf[4096];
+  size_t n;
+  while ((n = fread(buf, 1, sizeof buf, p)) > 0) r.out.append(buf, n);
+  int st = pclose(p);
+  r.rc = WIFEXITED(st) ? WEXITSTATUS(st) : -1;
+  return r;
+}
+
+void Write(const std::string& path, const std::string& text) {
+  std::ofstream o(path);
+  o << text;
+}
+
+const char* kConfig = R"({
+  "train_micro_batch_size_per_gpu": 2,
+  "bf16": {"enabled": true},
+  "zero_optimization": {"stage": 3, "reduce_bucket_size": 5e7},
+  "strata": {"chunk_size": "64KiB", "device": "cpu"},
+  "model": {"n_layers": 2, "d_model": 64, "n_heads": 4, "seq_len": 32, "vocab_size": 128}
+})";
+
+std::string Profile(double nvme_gbps) {
+  nlohmann::json j = {
+      {"version", 1},
+      {"device", "cpu"},
+      {"nvme", {{"path", "/tmp"}, {"engine", "io_uring"}, {"points", nlohmann::json::array({
+          {{"op", "read"}, {"block_size", 1 << 20}, {"queue_depth", 32}, {"intra_op_parallelism", 1}, {"gbps", nvme_gbps}},
+          {{"op", "write"}, {"block_size", 1 << 20}, {"queue_depth", 32}, {"intra_op_parallelism", 1}, {"gbps", nvme_gbps}}})}}},
+      {"dram", {{"copy_gbps", 10.0}}},
+      {"copies", nlohmann::json::array({{{"device", "cpu"}, {"memory", "pinned"}, {"direction", "h2d"}, {"gbps", 8.0}},
+                                        {{"device", "cpu"}, {"memory", "pinned"}, {"direction", "d2h"}, {"gbps", 8.0}}})},
+      {"adam", {{"elements", 16777216}, {"gelems_per_s", 1.0}}},
+      {"compute", {{"dtype", "bf16"}, {"gflops", 50.0}}}};
+  return j.dump();
+}
+
+TEST(EstimateCliTest, BadArgumentsExitTwoWithAMessage) {
+  Result r = Run(std::string(STRATA_ESTIMATE_BIN) + " --no-such-flag");
+  EXPECT_EQ(r.rc, 2) << r.out;
+  r = Run(std::string(STRATA_ESTIMATE_BIN) + " --params 1e9");
+  EXPECT_EQ(r.rc, 2);
+  EXPECT_NE(r.out.find("--largest-layer"), std::string::npos) << r.out;
+  r = Run(std::string(STRATA_ESTIMATE_BIN) + " --params 1e9 --largest-layer 1e7 --world-size 0");
+  EXPECT_EQ(r.rc, 2);
+  EXPECT_NE(r.out.find("--world-size=0"), std::string::npos) << r.out;
+  r = Run(std::string(STRATA_ESTIMATE_BIN) + " --params 1e9 --largest-layer 1e7 --offload-optimizer disk");
+  EXPECT_EQ(r.rc, 2);
+  EXPECT_NE(r.out.find("none, cpu or nvme"), std::string::npos) << r.out;
+  r = Run(std::string(STRATA_ESTIMATE_BIN) + " --help");
+  EXPECT_EQ(r.rc, 0);
+  EXPECT_NE(r.out.find("--world-size"), std::string::npos);
+}
+
+TEST(EstimateCliTest, JsonHasEveryTier) {
+  testing::TempDir dir;
+  Write(dir.path() + "/c.json", kConfig);
+  Result r = Run(std::string(STRATA_ESTIMATE_BIN) + " --json --world-size 2 --config " + dir.path() + "/c.json");
+  ASSERT_EQ(r.rc, 0) << r.out;
+  auto j = nlohmann::json::parse(r.out, nullptr, false);
+  ASSERT_FALSE(j.is_discarded()) << r.out;
+  for (const char* k : {"hbm_bytes", "host_pinned_bytes", "host_pageable_bytes", "nvme_bytes", "per_state",
+                        "breakdown", "activation_bytes"})
+    EXPECT_TRUE(j.contains(k)) << k;
+  EXPECT_GT(j["hbm_bytes"].get<uint64_t>(), 0u);
+  EXPECT_EQ(j["world_size"], 2);
+}
+
+TEST(TuneCliTest, BadArgumentsExitTwo) {
+  testing::TempDir dir;
+  Write(dir.path() + "/c.json", kConfig);
+  Write(dir.path() + "/p.json", Profile(1.0));
+  const std::string base = std::string(STRATA_TUNE_BIN) + " --config " + dir.path() + "/c.json";
+  Result r = Run(std::string(STRATA_TUNE_BIN) + " --profile " + dir.path() + "/p.json");
+  EXPECT_EQ(r.rc, 2) << r.out;
+  EXPECT_NE(r.out.find("--config"), std::string::npos) << r.out;
+  r = Run(base + " --profile " + dir.path() + "/missing.json");
+  EXPECT_EQ(r.rc, 2);
+  EXPECT_NE(r.out.find("missing.json"), std::string::npos) << r.out;
+  r = Run(base + " --profile " + dir.path() + "/p.json --host-budget lots");
+  EXPECT_EQ(r.rc, 2);
+  EXPECT_NE(r.out.find("--host-budget=lots"), std::string::npos) << r.out;
+  Write(dir.path() + "/bad.json", R"({"nvme": {"points": [{"op": "sideways"}]}})");
+  r = Run(base + " --profile " + dir.path() + "/bad.json");
+  EXPECT_EQ(r.rc, 2);
+  EXPECT_NE(r.out.find("nvme.points[0].op"), std::string::npos) << r.out;
+}
+
+TEST(TuneCliTest, WritesAConfigThatParsesAndKeepsOtherKeys) {
+  testing::TempDir dir;
+  Write(dir.path() + "/c.json", kConfig);
+  Write(dir.path() + "/p.json", Profile(0.001));
+  const std::string out = dir.path() + "/tuned.json";
+  Result r = Run(std::string(STRATA_TUNE_BIN) + " --config " + dir.path() + "/c.json --profile " + dir.path() +
+                 "/p.json --device-budget 1MiB --host-budget 1GiB --nvme-path " + dir.path() + " --out " + out);
+  ASSERT_EQ(r.rc, 0) << r.out;
+  EXPECT_NE(r.out.find("step_s"), std::string::npos) << r.out;
+  ASSERT_OK_AND_ASSIGN(Config c, Config::FromFile(out));
+  // Very slow NVMe and room on the host: the optimizer goes to the host.
+  EXPECT_EQ(c.zero_optimization.offload_optimizer.device, OffloadDevice::kCpu) << r.out;
+  EXPECT_EQ(c.zero_optimization.reduce_bucket_size, 50000000);
+  EXPECT_EQ(c.model.d_model, 64);
+  EXPECT_EQ(c.strata.chunk_size, 64u << 10);
+}
+
+TEST(ProfileCliTest, BadArgumentsExitTwo) {
+  Result r = Run(std::string(STRATA_SWAPBENCH_BIN) + " profile --quick --full");
+  EXPECT_EQ(r.rc, 2) << r.out;
+  r = Run(std::string(STRATA_SWAPBENCH_BIN) + " profile --path /no/such/dir");
+  EXPECT_EQ(r.rc, 2) << r.out;
+  EXPECT_NE(r.out.find("--path=/no/such/dir"), std::string::npos) << r.out;
+  r = Run(std::string(STRATA_SWAPBENCH_BIN) + " profile --apply /tmp/x.json");
+  EXPECT_EQ(r.rc, 2) << r.out;
+}
+
+}  // namespace
+}  // namespace strata

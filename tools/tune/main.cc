@@ -1,0 +1,204 @@
+// strata-tune: picks where each training state lives (device, host, NVMe) and the aio settings,
+// from measured bandwidths (a `strata-swapbench profile --json` report) and a cost model of the
+// engine's lanes (tools/planner/cost_model.h), under the device/host/NVMe budgets. Writes the
+// chosen config (every other key of the input kept) and prints the top candidates with their
+// predicted step times; --verify runs the chosen config for a few steps and compares.
+#include <cstdio>
+#include <cstdlib>
+#include <tuple>
+#include <iostream>
+#include <string>
+
+#include <nlohmann/json.hpp>
+
+#include "runtime/config.h"
+#include "runtime/units.h"
+#include "tools/planner/cli_util.h"
+#include "tools/planner/cost_model.h"
+#include "tools/tune/verify.h"
+
+namespace {
+
+using namespace strata;
+using namespace strata::planner;
+
+StatusOr<uint64_t> Budget(const std::string& flag, const std::string& v) {
+  if (v.empty()) return uint64_t{0};
+  auto b = ParseBytes(v);
+  if (!b.ok()) return InvalidArgument(StrCat(flag, "=", v, ": ", b.status().message(), " (e.g. 24GiB)"));
+  return *b;
+}
+
+std::string DefaultOut(const std::string& in) {
+  const auto dot = in.rfind(".json");
+  return (dot != std::string::npos && dot + 5 == in.size() ? in.substr(0, dot) : in) + ".tuned.json";
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{
+      "strata-tune: searches the placement of parameters and optimizer states over device memory, "
+      "host memory and NVMe (zero_optimization.offload_param / offload_optimizer devices, aio "
+      "block_size / queue_depth / intra_op_parallelism) with a cost model of the step's lanes "
+      "(compute from FLOPs and the measured FLOP rate, NVMe bytes / NVMe bandwidth at each measured "
+      "aio setting, host<->device bytes / copy bandwidth, Adam elements / Adam throughput), keeps the "
+      "placements that fit the budgets, and writes the fastest as a config.\n\n"
+      "Example:\n"
+      "  strata-swapbench profile --quick --path /mnt/nvme --json > profile.json\n"
+      "  strata-tune --config configs/gpt_small.json --profile profile.json --host-budget 8GiB "
+      "--out tuned.json --verify",
+      "strata-tune"};
+  std::string config_path, profile_path, out_path, device = "", world_s = "1", top_s = "5";
+  std::string dev_budget, host_budget, nvme_budget, nvme_path, gflops_s, steps_s = "4";
+  bool json = false, verify = false, dry_run = false;
+  app.add_option("--config", config_path, "input config with a \"model\" section (required)")->required();
+  app.add_option("--profile", profile_path, "`strata-swapbench profile --json` report (required)")->required();
+  app.add_option("--out", out_path, "where to write the tuned config (default: <config>.tuned.json)");
+  app.add_option("--world-size", world_s, "ranks (default 1)");
+  app.add_option("--device", device, "cpu or cuda (default: the config's strata.device; auto reads as cpu)");
+  app.add_option("--device-budget", dev_budget, "device memory per rank, e.g. 40GiB (default: strata.device_memory_budget; cpu: 4GiB)");
+  app.add_option("--host-budget", host_budget, "host memory per rank (default: strata.host_memory_budget, else half of RAM)");
+  app.add_option("--nvme-budget", nvme_budget, "NVMe bytes per rank (default: strata.nvme_capacity, else unlimited)");
+  app.add_option("--nvme-path", nvme_path, "NVMe directory for candidates that use NVMe (default: the config's, "
+                                           "else the profile's)");
+  app.add_option("--gflops", gflops_s, "compute rate to assume instead of the profile's compute.gflops");
+  app.add_option("--top", top_s, "candidates to print (default 5)");
+  app.add_flag("--json", json, "print the ranking as JSON");
+  app.add_flag("--dry-run", dry_run, "print the ranking, write nothing");
+  app.add_flag("--verify", verify, "run the chosen config through the engine (small models; one rank) and "
+                                   "report predicted vs measured step time");
+  app.add_option("--verify-steps", steps_s, "optimizer steps for --verify, the first being warm-up (default 4)");
+  if (int rc = ParseArgs(app, argc, argv); rc >= 0) return rc;
+
+  auto fail = [](const Status& s, int code) {
+    std::cerr << "strata-tune: " << s.message() << (code == 2 ? "\nRun `strata-tune --help` for the options." : "")
+              << "\n";
+    return code;
+  };
+  auto config = Config::FromFile(config_path);
+  if (!config.ok()) return fail(config.status(), 2);
+  auto raw = ReadJsonFile(config_path);
+  if (!raw.ok()) return fail(raw.status(), 2);
+  auto profile = HardwareProfile::FromFile(profile_path);
+  if (!profile.ok()) return fail(profile.status(), 2);
+  auto world = ParseCount("--world-size", world_s, 1, 1 << 20);
+  if (!world.ok()) return fail(world.status(), 2);
+  auto top = ParseCount("--top", top_s, 1, 1000);
+  if (!top.ok()) return fail(top.status(), 2);
+  auto steps = ParseCount("--verify-steps", steps_s, 2, 1000);
+  if (!steps.ok()) return fail(steps.status(), 2);
+  TuneOptions to;
+  to.world_size = static_cast<int>(*world);
+  to.device = device.empty() ? (config->strata.device == "cuda" ? "cuda" : "cpu") : device;
+  if (to.device != "cpu" && to.device != "cuda")
+    return fail(InvalidArgument(StrCat("--device=", device, ": must be cpu or cuda")), 2);
+  for (auto [flag, text, dst] : {std::tuple{"--device-budget", &dev_budget, &to.device_budget},
+                                 std::tuple{"--host-budget", &host_budget, &to.host_budget},
+                                 std::tuple{"--nvme-budget", &nvme_budget, &to.nvme_budget}}) {
+    auto b = Budget(flag, *text);
+    if (!b.ok()) return fail(b.status(), 2);
+    *dst = *b;
+  }
+  if (!gflops_s.empty()) {
+    char* end = nullptr;
+    to.gflops_override = std::strtod(gflops_s.c_str(), &end);
+    if (*end != '\0' || !(to.gflops_override > 0))
+      return fail(InvalidArgument(StrCat("--gflops=", gflops_s, ": must be a positive number")), 2);
+  }
+  if (nvme_path.empty()) {
+    const auto& z = config->zero_optimization;
+    if (!z.offload_optimizer.nvme_path.empty()) nvme_path = z.offload_optimizer.nvme_path[0];
+    else if (!z.offload_param.nvme_path.empty()) nvme_path = z.offload_param.nvme_path[0];
+    else nvme_path = profile->nvme_path;
+  }
+  to.nvme_allowed = !nvme_path.empty();
+  auto model = ModelFromArgs(&*raw, *config, "", "");
+  if (!model.ok()) return fail(model.status(), 2);
+  if (verify && to.world_size != 1)
+    return fail(InvalidArgument("--verify runs one rank: use --world-size 1"), 2);
+
+  auto res = Tune(*config, *model, *profile, to);
+  if (!res.ok()) return fail(res.status(), 2);
+  if (res->candidates.empty() || !res->candidates.front().feasible) {
+    std::cerr << "strata-tune: no placement fits the budgets (device "
+              << (res->device_budget ? FormatBytes(res->device_budget) : "unlimited") << ", host "
+              << FormatBytes(res->host_budget) << ", nvme "
+              << (res->nvme_budget ? FormatBytes(res->nvme_budget) : "unlimited") << "):\n";
+    for (const auto& c : res->candidates) std::cerr << "  " << c.Describe() << ": " << c.why_not << "\n";
+    std::cerr << "Raise a budget, use more ranks (--world-size), or allow NVMe (--nvme-path).\n";
+    return 1;
+  }
+  const Candidate& best = res->candidates.front();
+  nlohmann::json tuned = *raw;
+  ApplyCandidate(best, nvme_path, &tuned);
+  if (out_path.empty()) out_path = DefaultOut(config_path);
+
+  nlohmann::json report = {{"device_budget", res->device_budget},
+                           {"host_budget", res->host_budget},
+                           {"nvme_budget", res->nvme_budget},
+                           {"assumptions", res->assumptions},
+                           {"out", dry_run ? "" : out_path}};
+  nlohmann::json cands = nlohmann::json::array();
+  for (size_t i = 0; i < res->candidates.size() && i < static_cast<size_t>(*top); ++i) {
+    const Candidate& c = res->candidates[i];
+    cands.push_back({{"placement", c.Describe()},
+                     {"feasible", c.feasible},
+                     {"why_not", c.why_not},
+                     {"predicted", c.prediction.ToJson()},
+                     {"hbm_bytes", c.memory.hbm_bytes},
+                     {"host_bytes", c.memory.host_pageable_bytes + c.memory.host_pinned_bytes},
+                     {"nvme_bytes", c.memory.nvme_bytes}});
+  }
+  report["candidates"] = cands;
+  if (!json) {
+    std::printf("%-3s %-44s %10s %9s %9s %9s %9s %10s %10s %10s\n", "#", "placement", "step_s",
+                "compute", "copy", "nvme", "adam", "hbm", "host", "nvme_B");
+    for (size_t i = 0; i < res->candidates.size() && i < static_cast<size_t>(*top); ++i) {
+      const Candidate& c = res->candidates[i];
+      std::printf("%-3zu %-44s %10.4f %9.4f %9.4f %9.4f %9.4f %10s %10s %10s %s\n", i + 1,
+                  c.Describe().c_str(), c.prediction.step_s, c.prediction.compute_s, c.prediction.copy_s,
+                  c.prediction.nvme_s, c.prediction.optimizer_s, FormatBytes(c.memory.hbm_bytes).c_str(),
+                  FormatBytes(c.memory.host_pageable_bytes + c.memory.host_pinned_bytes).c_str(),
+                  FormatBytes(c.memory.nvme_bytes).c_str(), c.feasible ? "" : ("(" + c.why_not + ")").c_str());
+    }
+    for (const auto& a : res->assumptions) std::printf("assumed: %s\n", a.c_str());
+  }
+  if (!dry_run) {
+    Status w = WriteJsonFileAtomic(out_path, tuned);
+    if (!w.ok()) return fail(w, 1);
+    auto check = Config::FromFile(out_path);
+    if (!check.ok()) return fail(check.status().WithContext("the tuned config does not parse (a bug)"), 1);
+    if (!json) std::printf("chose %s; wrote %s\n", best.Describe().c_str(), out_path.c_str());
+  }
+  int rc = 0;
+  if (verify) {
+    Config chosen = *config;
+    chosen.zero_optimization.offload_param.device = best.param;
+    chosen.zero_optimization.offload_optimizer.device = best.optimizer;
+    if (best.uses_nvme) {
+      chosen.aio.block_size = best.aio.block_size;
+      chosen.aio.queue_depth = best.aio.queue_depth;
+      chosen.aio.intra_op_parallelism = best.aio.parallelism;
+    }
+    auto v = tune::VerifyConfig(chosen, to.device, best.uses_nvme ? nvme_path : "", static_cast<int>(*steps));
+    if (!v.ok()) {
+      std::cerr << "strata-tune: --verify: " << v.status().message() << "\n";
+      rc = 1;
+    } else {
+      const double pred = best.prediction.step_s;
+      report["verify"] = {{"predicted_step_s", pred},
+                          {"measured_step_s", v->step_time_s},
+                          {"ratio", v->step_time_s > 0 ? pred / v->step_time_s : 0},
+                          {"last_step", v->last_report}};
+      if (!json)
+        std::printf("verify: predicted %.4f s/step, measured %.4f s/step (median of %lld), predicted/measured "
+                    "= %.2f; measured lanes: compute %.4f copy %.4f nvme %.4f adam %.4f\n",
+                    pred, v->step_time_s, static_cast<long long>(*steps - 1), pred / v->step_time_s,
+                    v->last_report["compute_s"].get<double>(), v->last_report["copy_s"].get<double>(),
+                    v->last_report["nvme_s"].get<double>(), v->last_report["optimizer_s"].get<double>());
+    }
+  }
+  if (json) std::cout << report.dump(2) << "\n";
+  return rc;
+}

@@ -593,7 +593,7 @@ StatusOr<Config> Config::FromJsonText(const std::string& text, const std::string
   json root;
   try {
     root = json::parse(text, nullptr, /*allow_exceptions=*/true, /*ignore_comments=*/true);
-  } catch (const json::parse_error& e) {
+  } catch (const json::exception& e) {  // parse_error, and out_of_range for numbers like 1e400
     return InvalidArgument(StrCat(source, ": not valid JSON: ", e.what()));
   }
   Config c;

@@ -1,0 +1,94 @@
+// The three untrusted-input readers as fuzz entry points, shared by the libFuzzer targets
+// (built with -DSTRATA_FUZZ=ON and clang) and by fuzz_corpus_replay_test (always built, g++ too).
+//
+// Each entry parses `bytes` and checks what must hold for any input:
+// - a rejection is a non-OK Status with a non-empty message (never an exception, never a crash);
+// - an accepted input serializes back to bytes that parse again to the same value (round trip).
+// The parse Status is returned; a broken property is described in *bug (left empty otherwise).
+// The libFuzzer wrappers abort on a bug so the fuzzer saves the input.
+#pragma once
+
+#include <exception>
+#include <string>
+#include <string_view>
+
+#include "runtime/checkpoint.h"
+#include "runtime/config.h"
+#include "runtime/status.h"
+#include "tiers/nvme/swap_index.h"
+
+namespace strata::fuzz {
+
+namespace internal {
+inline void CheckRejection(const Status& s, std::string* bug) {
+  if (!s.ok() && s.message().empty()) *bug = "rejected with an empty message: " + s.ToString();
+}
+}  // namespace internal
+
+inline Status FuzzConfig(std::string_view bytes, std::string* bug) {
+  bug->clear();
+  try {
+    auto c = Config::FromJsonText(std::string(bytes), "<fuzz>");
+    if (!c.ok()) {
+      internal::CheckRejection(c.status(), bug);
+      return c.status();
+    }
+    // The effective config (every default filled in) must be accepted and mean the same.
+    auto again = Config::FromJsonText(c->ToJsonString(), "<fuzz:round-trip>");
+    if (!again.ok()) {
+      *bug = "the effective config of an accepted input is rejected: " + again.status().ToString();
+    } else if (!(*again == *c)) {
+      *bug = "the effective config of an accepted input parses to a different config";
+    }
+    return Status();
+  } catch (const std::exception& e) {
+    *bug = std::string("exception escaped Config::FromJsonText: ") + e.what();
+    return Internal(*bug);
+  }
+}
+
+inline Status FuzzSwapIndex(std::string_view bytes, std::string* bug) {
+  bug->clear();
+  try {
+    auto idx = nvme::ParseSwapIndex(bytes, "<fuzz>");
+    if (!idx.ok()) {
+      internal::CheckRejection(idx.status(), bug);
+      return idx.status();
+    }
+    auto again = nvme::ParseSwapIndex(nvme::SerializeSwapIndex(*idx), "<fuzz:round-trip>");
+    if (!again.ok()) {
+      *bug = "a parsed index serializes to bytes that do not parse: " + again.status().ToString();
+    } else if (again->blocks.size() != idx->blocks.size() || again->files != idx->files ||
+               again->capacity != idx->capacity) {
+      *bug = "a parsed index does not survive a serialize/parse round trip";
+    }
+    return Status();
+  } catch (const std::exception& e) {
+    *bug = std::string("exception escaped ParseSwapIndex: ") + e.what();
+    return Internal(*bug);
+  }
+}
+
+inline Status FuzzManifest(std::string_view bytes, std::string* bug) {
+  bug->clear();
+  try {
+    auto m = checkpoint::ParseManifest(bytes, "<fuzz>");
+    if (!m.ok()) {
+      internal::CheckRejection(m.status(), bug);
+      return m.status();
+    }
+    auto again = checkpoint::ParseManifest(checkpoint::SerializeManifest(*m), "<fuzz:round-trip>");
+    if (!again.ok()) {
+      *bug = "a parsed manifest serializes to bytes that do not parse: " + again.status().ToString();
+    } else if (again->blocks.size() != m->blocks.size() || again->shard_numel != m->shard_numel ||
+               again->global_step != m->global_step) {
+      *bug = "a parsed manifest does not survive a serialize/parse round trip";
+    }
+    return Status();
+  } catch (const std::exception& e) {
+    *bug = std::string("exception escaped ParseManifest: ") + e.what();
+    return Internal(*bug);
+  }
+}
+
+}  // namespace strata::fuzz

@@ -62,7 +62,7 @@ struct Measured {
   uint64_t device = 0, host = 0;
 };
 
-Measured Run(const Config& c, const std::string& nvme_dir = "") {
+Measured TrainAndMeasure(const Config& c, const std::string& nvme_dir = "") {
   auto dev = CreateDevice("cpu", 1ull << 30);
   EXPECT_TRUE(dev.ok());
   auto comm = CreateSingleCommunicator();
@@ -102,7 +102,7 @@ TEST(EstimateVsEngineTest, Stage3NoOffload) {
   c.zero_optimization.stage = 3;
   ASSERT_OK_AND_ASSIGN(ModelSpec spec, GptModelSpec(c.model));
   ASSERT_OK_AND_ASSIGN(MemoryEstimate e, EstimateMemory(c, spec));
-  Measured m = Run(c);
+  Measured m = TrainAndMeasure(c);
   ExpectWithin(e.engine_device_peak_bytes, m.device, "peak_device_bytes");
   ExpectWithin(e.engine_host_peak_bytes, m.host, "peak_host_bytes");
 }
@@ -113,7 +113,7 @@ TEST(EstimateVsEngineTest, Stage2CpuOffload) {
   c.zero_optimization.offload_optimizer.device = OffloadDevice::kCpu;
   ASSERT_OK_AND_ASSIGN(ModelSpec spec, GptModelSpec(c.model));
   ASSERT_OK_AND_ASSIGN(MemoryEstimate e, EstimateMemory(c, spec));
-  Measured m = Run(c);
+  Measured m = TrainAndMeasure(c);
   ExpectWithin(e.engine_device_peak_bytes, m.device, "peak_device_bytes");
   ExpectWithin(e.engine_host_peak_bytes, m.host, "peak_host_bytes");
   EXPECT_GT(m.host, 0u);
@@ -130,7 +130,7 @@ TEST(EstimateVsEngineTest, Stage3NvmeOffloadDeferredOptimizer) {
   ASSERT_OK_AND_ASSIGN(ModelSpec spec, GptModelSpec(c.model));
   ASSERT_OK_AND_ASSIGN(MemoryEstimate e, EstimateMemory(c, spec));
   strata::testing::TempDir dir;
-  Measured m = Run(c, dir.path());
+  Measured m = TrainAndMeasure(c, dir.path());
   ExpectWithin(e.engine_device_peak_bytes, m.device, "peak_device_bytes");
   ExpectWithin(e.engine_host_peak_bytes, m.host, "peak_host_bytes");
 }

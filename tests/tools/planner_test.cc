@@ -58,8 +58,12 @@ TEST(MemoryModelTest, Stage2CpuOffloadPutsEveryOptimizerStateOnTheHost) {
   EstimateOptions eo;
   eo.world_size = 2;
   ASSERT_OK_AND_ASSIGN(MemoryEstimate e, EstimateMemory(c, spec, eo));
-  // master32 + grad (fp32) + two fp32 moments per element of this rank's shards.
-  EXPECT_EQ(e.engine_host_peak_bytes, static_cast<uint64_t>(e.shard_numel) * 16);
+  // master32 + grad (fp32) + two fp32 moments per element of this rank's shards, each block in a
+  // power-of-two class of the pinned pool, which is reserved at exactly that size.
+  EXPECT_GE(e.engine_host_peak_bytes, static_cast<uint64_t>(e.shard_numel) * 16);
+  EXPECT_LT(e.engine_host_peak_bytes, static_cast<uint64_t>(e.shard_numel) * 32);
+  EXPECT_EQ(e.host_pinned_bytes, e.engine_host_peak_bytes);
+  EXPECT_EQ(e.host_min_bytes, e.engine_host_peak_bytes);
   EXPECT_EQ(e.nvme_bytes, 0u);
   EXPECT_GE(e.padded_numel, e.param_numel);
   EXPECT_EQ(e.shard_numel * 2, e.padded_numel);
@@ -70,14 +74,14 @@ TEST(MemoryModelTest, Stage2CpuOffloadPutsEveryOptimizerStateOnTheHost) {
   nlohmann::json j = e.ToJson();
   for (const char* k : {"hbm_bytes", "host_pinned_bytes", "host_pageable_bytes", "nvme_bytes", "per_state"})
     EXPECT_TRUE(j.contains(k)) << k;
-  EXPECT_EQ(j["per_state"]["master32"]["tier"], "host_pageable");
+  EXPECT_EQ(j["per_state"]["master32"]["tier"], "host_pinned");
 }
 
 TEST(MemoryModelTest, NvmeOffloadMovesBytesFromHostToNvmeAndAddsStaging) {
   Config c;
   c.zero_optimization.stage = 3;
   c.bf16.enabled = true;
-  c.strata.chunk_size = 64 << 10;
+  c.strata.chunk_size = 16 << 10;  // many chunks: NVMe's working set is a fraction of them
   ASSERT_OK_AND_ASSIGN(ModelSpec spec, GptModelSpec(SmallGpt()));
   c.zero_optimization.offload_optimizer.device = OffloadDevice::kCpu;
   c.zero_optimization.offload_param.device = OffloadDevice::kCpu;
@@ -87,8 +91,12 @@ TEST(MemoryModelTest, NvmeOffloadMovesBytesFromHostToNvmeAndAddsStaging) {
   ASSERT_OK_AND_ASSIGN(MemoryEstimate nvme, EstimateMemory(c, spec));
   EXPECT_EQ(cpu.nvme_bytes, 0u);
   EXPECT_GE(nvme.nvme_bytes, static_cast<uint64_t>(nvme.shard_numel) * 18);
-  EXPECT_LT(nvme.host_pageable_bytes, cpu.host_pageable_bytes);
-  EXPECT_GT(nvme.host_pageable_bytes, 0u);  // staging
+  EXPECT_LT(nvme.host_min_bytes, cpu.host_min_bytes);
+  // With the budget at that minimum, the pool caches only 8 blocks' worth of NVMe state.
+  c.strata.host_memory_budget = nvme.host_min_bytes;
+  ASSERT_OK_AND_ASSIGN(MemoryEstimate tight, EstimateMemory(c, spec));
+  EXPECT_EQ(tight.host_pinned_bytes, nvme.host_min_bytes);
+  EXPECT_LT(tight.engine_host_peak_bytes, cpu.engine_host_peak_bytes);
   // Stage 3 with everything offloaded: the device holds only the transient gather and gradient
   // buffers, the same whether the states sit on the host or on NVMe.
   EXPECT_EQ(nvme.engine_device_peak_bytes, cpu.engine_device_peak_bytes);
@@ -121,7 +129,7 @@ Config TuneConfig() {
   Config c;
   c.zero_optimization.stage = 3;
   c.bf16.enabled = true;
-  c.strata.chunk_size = 64 << 10;
+  c.strata.chunk_size = 16 << 10;
   c.model = SmallGpt();
   return c;
 }
@@ -161,7 +169,7 @@ TEST(TunerTest, TinyHostBudgetChoosesNvme) {
   ASSERT_OK_AND_ASSIGN(MemoryEstimate floor, EstimateMemory(all_nvme, spec));
   TuneOptions o;
   o.device_budget = floor.hbm_bytes + 1024;
-  o.host_budget = floor.host_pageable_bytes + 1024;
+  o.host_budget = floor.host_min_bytes + 1024;
   ASSERT_LT(o.host_budget, static_cast<uint64_t>(floor.shard_numel) * 16);
   ASSERT_OK_AND_ASSIGN(TuneResult r, Tune(c, spec, SyntheticProfile(0.001), o));
   const Candidate& best = r.candidates.front();

@@ -20,7 +20,7 @@ struct Result {
   std::string out;  // stdout and stderr
 };
 
-Result Run(const std::string& cmd) {
+Result Exec(const std::string& cmd) {
   Result r;
   FILE* p = popen((cmd + " 2>&1").c_str(), "r");
   if (!p) return r;
@@ -61,18 +61,18 @@ std::string Profile(double nvme_gbps) {
 }
 
 TEST(EstimateCliTest, BadArgumentsExitTwoWithAMessage) {
-  Result r = Run(std::string(STRATA_ESTIMATE_BIN) + " --no-such-flag");
+  Result r = Exec(std::string(STRATA_ESTIMATE_BIN) + " --no-such-flag");
   EXPECT_EQ(r.rc, 2) << r.out;
-  r = Run(std::string(STRATA_ESTIMATE_BIN) + " --params 1e9");
+  r = Exec(std::string(STRATA_ESTIMATE_BIN) + " --params 1e9");
   EXPECT_EQ(r.rc, 2);
   EXPECT_NE(r.out.find("--largest-layer"), std::string::npos) << r.out;
-  r = Run(std::string(STRATA_ESTIMATE_BIN) + " --params 1e9 --largest-layer 1e7 --world-size 0");
+  r = Exec(std::string(STRATA_ESTIMATE_BIN) + " --params 1e9 --largest-layer 1e7 --world-size 0");
   EXPECT_EQ(r.rc, 2);
   EXPECT_NE(r.out.find("--world-size=0"), std::string::npos) << r.out;
-  r = Run(std::string(STRATA_ESTIMATE_BIN) + " --params 1e9 --largest-layer 1e7 --offload-optimizer disk");
+  r = Exec(std::string(STRATA_ESTIMATE_BIN) + " --params 1e9 --largest-layer 1e7 --offload-optimizer disk");
   EXPECT_EQ(r.rc, 2);
   EXPECT_NE(r.out.find("none, cpu or nvme"), std::string::npos) << r.out;
-  r = Run(std::string(STRATA_ESTIMATE_BIN) + " --help");
+  r = Exec(std::string(STRATA_ESTIMATE_BIN) + " --help");
   EXPECT_EQ(r.rc, 0);
   EXPECT_NE(r.out.find("--world-size"), std::string::npos);
 }
@@ -80,7 +80,7 @@ TEST(EstimateCliTest, BadArgumentsExitTwoWithAMessage) {
 TEST(EstimateCliTest, JsonHasEveryTier) {
   testing::TempDir dir;
   Write(dir.path() + "/c.json", kConfig);
-  Result r = Run(std::string(STRATA_ESTIMATE_BIN) + " --json --world-size 2 --config " + dir.path() + "/c.json");
+  Result r = Exec(std::string(STRATA_ESTIMATE_BIN) + " --json --world-size 2 --config " + dir.path() + "/c.json");
   ASSERT_EQ(r.rc, 0) << r.out;
   auto j = nlohmann::json::parse(r.out, nullptr, false);
   ASSERT_FALSE(j.is_discarded()) << r.out;
@@ -96,17 +96,17 @@ TEST(TuneCliTest, BadArgumentsExitTwo) {
   Write(dir.path() + "/c.json", kConfig);
   Write(dir.path() + "/p.json", Profile(1.0));
   const std::string base = std::string(STRATA_TUNE_BIN) + " --config " + dir.path() + "/c.json";
-  Result r = Run(std::string(STRATA_TUNE_BIN) + " --profile " + dir.path() + "/p.json");
+  Result r = Exec(std::string(STRATA_TUNE_BIN) + " --profile " + dir.path() + "/p.json");
   EXPECT_EQ(r.rc, 2) << r.out;
   EXPECT_NE(r.out.find("--config"), std::string::npos) << r.out;
-  r = Run(base + " --profile " + dir.path() + "/missing.json");
+  r = Exec(base + " --profile " + dir.path() + "/missing.json");
   EXPECT_EQ(r.rc, 2);
   EXPECT_NE(r.out.find("missing.json"), std::string::npos) << r.out;
-  r = Run(base + " --profile " + dir.path() + "/p.json --host-budget lots");
+  r = Exec(base + " --profile " + dir.path() + "/p.json --host-budget lots");
   EXPECT_EQ(r.rc, 2);
   EXPECT_NE(r.out.find("--host-budget=lots"), std::string::npos) << r.out;
   Write(dir.path() + "/bad.json", R"({"nvme": {"points": [{"op": "sideways"}]}})");
-  r = Run(base + " --profile " + dir.path() + "/bad.json");
+  r = Exec(base + " --profile " + dir.path() + "/bad.json");
   EXPECT_EQ(r.rc, 2);
   EXPECT_NE(r.out.find("nvme.points[0].op"), std::string::npos) << r.out;
 }
@@ -116,7 +116,7 @@ TEST(TuneCliTest, WritesAConfigThatParsesAndKeepsOtherKeys) {
   Write(dir.path() + "/c.json", kConfig);
   Write(dir.path() + "/p.json", Profile(0.001));
   const std::string out = dir.path() + "/tuned.json";
-  Result r = Run(std::string(STRATA_TUNE_BIN) + " --config " + dir.path() + "/c.json --profile " + dir.path() +
+  Result r = Exec(std::string(STRATA_TUNE_BIN) + " --config " + dir.path() + "/c.json --profile " + dir.path() +
                  "/p.json --device-budget 1MiB --host-budget 1GiB --nvme-path " + dir.path() + " --out " + out);
   ASSERT_EQ(r.rc, 0) << r.out;
   EXPECT_NE(r.out.find("step_s"), std::string::npos) << r.out;
@@ -129,12 +129,12 @@ TEST(TuneCliTest, WritesAConfigThatParsesAndKeepsOtherKeys) {
 }
 
 TEST(ProfileCliTest, BadArgumentsExitTwo) {
-  Result r = Run(std::string(STRATA_SWAPBENCH_BIN) + " profile --quick --full");
+  Result r = Exec(std::string(STRATA_SWAPBENCH_BIN) + " profile --quick --full");
   EXPECT_EQ(r.rc, 2) << r.out;
-  r = Run(std::string(STRATA_SWAPBENCH_BIN) + " profile --path /no/such/dir");
+  r = Exec(std::string(STRATA_SWAPBENCH_BIN) + " profile --path /no/such/dir");
   EXPECT_EQ(r.rc, 2) << r.out;
   EXPECT_NE(r.out.find("--path=/no/such/dir"), std::string::npos) << r.out;
-  r = Run(std::string(STRATA_SWAPBENCH_BIN) + " profile --apply /tmp/x.json");
+  r = Exec(std::string(STRATA_SWAPBENCH_BIN) + " profile --apply /tmp/x.json");
   EXPECT_EQ(r.rc, 2) << r.out;
 }
 

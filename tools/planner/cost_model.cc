@@ -240,9 +240,9 @@ StatusOr<TuneResult> Tune(const Config& config, const ModelSpec& model, const Ha
         if (res.device_budget && mem.hbm_bytes > res.device_budget) {
           cand.feasible = false;
           cand.why_not = StrCat("device ", FormatBytes(mem.hbm_bytes), " > budget ", FormatBytes(res.device_budget));
-        } else if (mem.host_pageable_bytes + mem.host_pinned_bytes > res.host_budget) {
+        } else if (mem.host_min_bytes + mem.host_pageable_bytes > res.host_budget) {
           cand.feasible = false;
-          cand.why_not = StrCat("host ", FormatBytes(mem.host_pageable_bytes + mem.host_pinned_bytes),
+          cand.why_not = StrCat("host ", FormatBytes(mem.host_min_bytes + mem.host_pageable_bytes),
                                 " > budget ", FormatBytes(res.host_budget));
         } else if (res.nvme_budget && mem.nvme_bytes > res.nvme_budget) {
           cand.feasible = false;

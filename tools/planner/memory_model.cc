@@ -26,14 +26,29 @@ namespace {
 
 MemTier TierOf(OffloadDevice d) {
   return d == OffloadDevice::kNone  ? MemTier::kHbm
-         : d == OffloadDevice::kCpu ? MemTier::kHostPageable
+         : d == OffloadDevice::kCpu ? MemTier::kHostPinned
                                     : MemTier::kNvme;
+}
+
+// The pinned pool's size class of a block (runtime/engine.cc sizes the pool with the same rule).
+uint64_t PoolClass(uint64_t bytes) {
+  uint64_t c = 4096;
+  while (c < bytes) c <<= 1;
+  return c;
 }
 
 uint64_t Round(uint64_t bytes, uint64_t to) { return (std::max<uint64_t>(bytes, 1) + to - 1) / to * to; }
 
 }  // namespace
 
+// Note [host pool]
+// Host- and NVMe-placed blocks live in one pinned pool owned by the tier manager
+// (tiers/host/pinned_pool.h): each block takes a power-of-two class of at least 4 KiB; the pool is
+// reserved and locked whole at start, sized strata.host_memory_budget or, when that is 0, every
+// host-placed block plus a working set of NVMe blocks (all of them up to max(16 largest, 512 MiB));
+// NVMe blocks stay cached in it after use until evicted, so the resident peak is the host blocks
+// plus as many NVMe blocks as fit.
+//
 // Note [device replay]
 // The device peak is not a sum: stage-3 chunk buffers and fp32 gradient buffers come and go as
 // blocks run. Replaying the engine's order exactly gives the peak it will see:
@@ -67,8 +82,6 @@ StatusOr<MemoryEstimate> EstimateMemory(const Config& config, const ModelSpec& m
   const int shard_world = z.stage == 0 ? 1 : options.world_size;
   const MemTier optim_tier = TierOf(z.offload_optimizer.device);
   const MemTier param_tier = z.stage == 3 ? TierOf(z.offload_param.device) : MemTier::kHbm;
-  const bool immediate = config.strata.overlap_optimizer && config.gradient_clipping == 0 &&
-                         !config.fp16.enabled;
 
   PartitionerOptions po;
   po.chunk_size = config.strata.chunk_size;
@@ -101,9 +114,14 @@ StatusOr<MemoryEstimate> EstimateMemory(const Config& config, const ModelSpec& m
     uint64_t bytes = 0;
   };
   std::map<std::string, StateSum> states;
+  uint64_t nvme_classes = 0, largest_class = 0;
   auto add_state = [&](const std::string& name, MemTier tier, uint64_t raw) {
     auto& s = states.try_emplace(name, StateSum{tier, 0}).first->second;
-    s.bytes += tier == MemTier::kHbm ? Round(raw, dev_round) : raw;
+    s.bytes += tier == MemTier::kHbm ? Round(raw, dev_round) : tier == MemTier::kHostPinned ? PoolClass(raw) : raw;
+    if (tier == MemTier::kNvme) {
+      nvme_classes += PoolClass(raw);
+      largest_class = std::max(largest_class, PoolClass(raw));
+    }
   };
   uint64_t nvme_need = 0, max_shard = 0;
   for (const ChunkInfo& ci : chunks) {
@@ -140,11 +158,12 @@ StatusOr<MemoryEstimate> EstimateMemory(const Config& config, const ModelSpec& m
     if (s.tier == MemTier::kHbm) {
       it.measured_by = "peak_device_bytes";
       device_resident += s.bytes;
-    } else if (s.tier == MemTier::kHostPageable) {
+    } else if (s.tier == MemTier::kHostPinned) {
       it.measured_by = "peak_host_bytes";
+      it.note += " (pinned pool, power-of-two classes)";
       host_resident += s.bytes;
     } else {
-      it.note += "; staged in host memory while in use";
+      it.note += "; cached in the pinned pool while in use";
     }
     est.items.push_back(it);
   }
@@ -222,26 +241,27 @@ StatusOr<MemoryEstimate> EstimateMemory(const Config& config, const ModelSpec& m
                        true, "full-chunk fp32 gradients of the block in backward, until reduced"});
   est.engine_device_peak_bytes = peak;
 
-  // Host staging of NVMe blocks (counted by the block store).
-  // The lane holds one chunk's NVMe-placed states; with the optimizer overlapping backward the
-  // main thread may hold one more shard (a grad in ReduceChunk, a param16 in GatherChunk) at the
-  // same time. Deferred updates run while the main thread waits, so nothing overlaps them.
-  uint64_t lane = 0, main = 0;
-  if (optim_tier == MemTier::kNvme) {
-    lane += max_shard * (4 + 2 * ssize + 4);
-    if (immediate) main = std::max(main, max_shard * 4);
-  }
-  if (param_tier == MemTier::kNvme) {
-    lane += max_shard * esize;
-    if (immediate) main = std::max(main, max_shard * esize);
-  }
-  const uint64_t staging = lane + main;
-  if (staging > 0)
-    est.items.push_back({"NVMe staging buffers", MemTier::kHostPageable, staging, "peak_host_bytes", true,
-                         StrCat("optimizer lane holds one chunk's NVMe-placed states (",
-                                FormatBytes(lane), "); the main thread one more shard (",
-                                FormatBytes(main), ") when they overlap — an upper bound")});
-  est.engine_host_peak_bytes = host_resident + staging;
+  // Host memory of the block store: one pinned pool (Note [host pool] above EstimateMemory).
+  const uint64_t working = std::min(nvme_classes, std::max<uint64_t>(16 * largest_class, 512ull << 20));
+  uint64_t pool = config.strata.host_memory_budget;
+  if (pool == 0 && host_resident + nvme_classes > 0) pool = host_resident + working;
+  if (host_resident + nvme_classes == 0) pool = 0;
+  pool = pool / 4096 * 4096;
+  est.host_min_bytes = host_resident + std::min(nvme_classes, 8 * largest_class);
+  if (pool > 0 && pool < est.host_min_bytes)
+    est.notes.push_back(StrCat("strata.host_memory_budget=", FormatBytes(pool), " is below the ",
+                               FormatBytes(est.host_min_bytes), " the engine requires (host-offloaded "
+                               "states plus 8 NVMe blocks): Engine::Create will refuse it"));
+  const uint64_t cached = pool > host_resident ? std::min(nvme_classes, pool - host_resident) : 0;
+  if (nvme_classes > 0)
+    est.items.push_back({"NVMe blocks cached on the host", MemTier::kHostPinned, cached, "peak_host_bytes", true,
+                         StrCat("the tier manager keeps NVMe-placed blocks in the pool up to its budget (",
+                                FormatBytes(nvme_classes), " would cache all; an upper bound)")});
+  if (pool > host_resident + cached)
+    est.items.push_back({"pinned pool headroom", MemTier::kHostPinned, pool - host_resident - cached, "", false,
+                         "reserved and locked at start, unused by blocks"});
+  est.engine_host_peak_bytes = host_resident + cached;
+  est.host_pool_bytes = pool;
 
   // Host memory outside the block store.
   uint64_t host_other = 0;
@@ -276,8 +296,8 @@ StatusOr<MemoryEstimate> EstimateMemory(const Config& config, const ModelSpec& m
   }
 
   est.hbm_bytes = est.engine_device_peak_bytes + torch_dev;
-  est.host_pageable_bytes = est.engine_host_peak_bytes + host_other;
-  est.host_pinned_bytes = 0;
+  est.host_pageable_bytes = host_other;
+  est.host_pinned_bytes = pool;
   est.nvme_bytes = nvme_need;
   if (nvme_need > 0 && config.strata.nvme_capacity > 0 && config.strata.nvme_capacity < nvme_need)
     est.notes.push_back(StrCat("strata.nvme_capacity=", config.strata.nvme_capacity, " is below the ",
@@ -285,8 +305,12 @@ StatusOr<MemoryEstimate> EstimateMemory(const Config& config, const ModelSpec& m
   est.notes.push_back(StrCat("engine init (Engine::Create) also holds the model's fp32 parameters plus one "
                              "chunk's fp32 and working copies: about ", FormatBytes(init_bytes),
                              " of pageable host memory, freed before training"));
-  est.notes.push_back("host_pinned is 0: the engine's block store allocates host states and NVMe staging "
-                      "with aligned_alloc (pageable) whatever pin_memory says");
+  if (pool > 0)
+    est.notes.push_back(StrCat("host_pinned is the tier manager's pool, reserved and locked whole at start: ",
+                               FormatBytes(pool), config.strata.host_memory_budget
+                                                      ? " (strata.host_memory_budget)"
+                                                      : " (host-offloaded states + an NVMe working set)",
+                               "; where mlock is refused it stays pageable (logged once)"));
   if (cpu_device)
     est.notes.push_back("device=cpu: 'hbm' is host DRAM bounded by strata.device_memory_budget");
   if (z.offload_optimizer.ratio != 1.0)
@@ -320,6 +344,8 @@ nlohmann::json MemoryEstimate::ToJson() const {
           {"engine_device_peak_bytes", engine_device_peak_bytes},
           {"engine_host_peak_bytes", engine_host_peak_bytes},
           {"activation_bytes", activation_bytes},
+          {"host_pool_bytes", host_pool_bytes},
+          {"host_min_bytes", host_min_bytes},
           {"stage", stage},
           {"world_size", world_size},
           {"device", device},

@@ -12,10 +12,9 @@
 //   live; every stage accumulates a block's gradients into an fp32 full-chunk buffer until the
 //   chunk's last block finished backward. The peak is found by replaying the engine's
 //   forward/backward order (Note [device replay] in memory_model.cc).
-// - NVMe-placed blocks are staged in host memory while acquired: the optimizer lane holds one
-//   chunk's master/m/v/grad (+param16 for stage 3), the main thread at the same time one grad
-//   shard (ReduceChunk) or param16 shard (GatherChunk) when the optimizer overlaps backward.
-// - Host blocks and staging come from aligned_alloc: pageable, whatever pin_memory says.
+// - Host-placed blocks and the host copies of NVMe-placed blocks live in the tier manager's
+//   pinned pool (power-of-two classes), reserved whole at start (Note [host pool] in
+//   memory_model.cc).
 // Activations (LibTorch's own allocations, outside the engine's device accounting) are added to
 // the HBM total when the model is a GPT, and listed apart.
 // Thread-safety: plain functions on values.
@@ -66,6 +65,9 @@ struct MemoryEstimate {
   uint64_t engine_device_peak_bytes = 0;
   uint64_t engine_host_peak_bytes = 0;
   uint64_t activation_bytes = 0;  // 0 when the model is not a GPT
+  uint64_t host_pool_bytes = 0;   // the pinned pool the engine reserves (== host_pinned_bytes)
+  // The least strata.host_memory_budget the engine accepts: host-placed blocks plus 8 NVMe blocks.
+  uint64_t host_min_bytes = 0;
   // Packing.
   int64_t chunks = 0;
   int64_t param_numel = 0;

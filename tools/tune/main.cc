@@ -132,6 +132,9 @@ int main(int argc, char** argv) {
   const Candidate& best = res->candidates.front();
   nlohmann::json tuned = *raw;
   ApplyCandidate(best, nvme_path, &tuned);
+  // Budgets given here bind the engine too: its pinned pool and device allocator read them.
+  if (to.host_budget) tuned["strata"]["host_memory_budget"] = to.host_budget;
+  if (to.device_budget) tuned["strata"]["device_memory_budget"] = to.device_budget;
   if (out_path.empty()) out_path = DefaultOut(config_path);
 
   nlohmann::json report = {{"device_budget", res->device_budget},
@@ -174,6 +177,8 @@ int main(int argc, char** argv) {
   int rc = 0;
   if (verify) {
     Config chosen = *config;
+    if (to.host_budget) chosen.strata.host_memory_budget = to.host_budget;
+    if (to.device_budget) chosen.strata.device_memory_budget = to.device_budget;
     chosen.zero_optimization.offload_param.device = best.param;
     chosen.zero_optimization.offload_optimizer.device = best.optimizer;
     if (best.uses_nvme) {

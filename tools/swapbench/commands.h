@@ -9,5 +9,6 @@ namespace strata::swapbench {
 void RegisterNvmeCommand(CLI::App& app, int* exit_code);
 void RegisterAdamCommand(CLI::App& app, int* exit_code);
 void RegisterTiersCommand(CLI::App& app, int* exit_code);
+void RegisterProfileCommand(CLI::App& app, int* exit_code);
 
 }  // namespace strata::swapbench

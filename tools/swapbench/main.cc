@@ -15,6 +15,7 @@ int main(int argc, char** argv) {
   strata::swapbench::RegisterNvmeCommand(app, &exit_code);
   strata::swapbench::RegisterAdamCommand(app, &exit_code);
   strata::swapbench::RegisterTiersCommand(app, &exit_code);
+  strata::swapbench::RegisterProfileCommand(app, &exit_code);
   CLI11_PARSE(app, argc, argv);
   return exit_code;
 }

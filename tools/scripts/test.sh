@@ -12,7 +12,7 @@ root=$(pwd)
 
 bash tools/scripts/setup.sh
 
-export CCACHE_DIR="${CCACHE_DIR:-$HOME/.cache/strata-ccache}"
+
 export CCACHE_BASEDIR="$root"
 export CCACHE_NOHASHDIR=1
 export CCACHE_MAXSIZE="${CCACHE_MAXSIZE:-5G}"

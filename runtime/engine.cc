@@ -332,6 +332,7 @@ Status Engine::Impl::Init(const EngineOptions& options) {
     o.aio = config_.aio;
     o.checksums = config_.strata.checksums;
     o.force_fallback = options.force_fallback_io;
+    o.fault_hook = options.nvme_fault_hook;
     STRATA_ASSIGN_OR_RETURN(auto tier, nvme::NvmeTier::Create(o));
     nvme_ = std::move(tier);
   }

@@ -38,6 +38,7 @@
 
 #include "runtime/config.h"
 #include "runtime/status.h"
+#include "tiers/nvme/io_engine.h"
 
 namespace strata {
 
@@ -47,6 +48,7 @@ class Device;
 struct EngineOptions {
   std::vector<std::string> nvme_path;  // overrides both offload nvme_path settings when set
   bool force_fallback_io = false;      // use the pread/pwrite engine (tests)
+  nvme::IoFaultHook nvme_fault_hook;   // test-only: forwarded to NvmeTierOptions::fault_hook
 };
 
 // One optimizer step, as seen by every lane.

@@ -23,15 +23,23 @@ uint16_t FloatToBf16(float value) {
   return static_cast<uint16_t>((u + rounding) >> 16);
 }
 
-// GCC 12 and later implement _Float16 on x86-64 with correct IEEE conversions.
+// GCC 12 and later implement _Float16 on x86-64 with correct IEEE conversions. Clang before 15
+// has no x86 _Float16 but supports the storage-only __fp16 on every target, with the same
+// round-to-nearest-even conversions (the libFuzzer build, tools/scripts/fuzz.sh, uses clang 14).
+#if defined(__clang__) && !defined(__FLT16_MANT_DIG__)
+using Half = __fp16;
+#else
+using Half = _Float16;
+#endif
+
 float Fp16ToFloat(uint16_t bits) {
-  _Float16 h;
+  Half h;
   std::memcpy(&h, &bits, sizeof(h));
   return static_cast<float>(h);
 }
 
 uint16_t FloatToFp16(float value) {
-  const _Float16 h = static_cast<_Float16>(value);
+  const Half h = static_cast<Half>(value);
   uint16_t bits;
   std::memcpy(&bits, &h, sizeof(bits));
   return bits;

@@ -1,0 +1,78 @@
+#!/usr/bin/env bash
+# Bad input at strata-train's command line: each case must exit non-zero with a message that names
+# what is wrong (the offending key, value or path), and must leave an existing checkpoint
+# directory exactly as it was. Usage: cli_errors_test.sh STRATA_TRAIN SOURCE_DIR
+set -uo pipefail
+train="$1"
+src="$2"
+work=$(mktemp -d "${TMPDIR:-/tmp}/strata-cli-errors.XXXXXX")
+trap 'rm -rf "$work"' EXIT
+failures=0
+
+# A small real run to resume from: the tiny config, a few steps, a saved checkpoint.
+for i in $(seq 1 400); do echo "line $i: the quick brown fox jumps over the lazy dog $((i * 7919 % 1000))"; done >"$work/data.txt"
+sed 's/"n_layers": 2/"n_layers": 1/; s/"seq_len": 64/"seq_len": 16/' "$src/configs/tiny.json" >"$work/good.json"
+if ! "$train" --config "$work/good.json" --data "$work/data.txt" --steps 2 --save "$work/ckpt" \
+     --plot '' >"$work/setup.log" 2>&1; then
+  echo "FAIL: the setup run (a valid config) failed:"; cat "$work/setup.log"; exit 1
+fi
+snapshot() { (cd "$work/ckpt" && find . -type f -print0 | sort -z | xargs -0 sha256sum); }
+before=$(snapshot)
+
+# expect NAME EXPECTED_SUBSTRING -- ARGS...: non-zero exit, the substring in stderr+stdout.
+expect() {
+  local name="$1" want="$2"; shift 3
+  local out rc
+  out=$("$train" "$@" 2>&1); rc=$?
+  if [ $rc -eq 0 ]; then
+    echo "FAIL [$name]: exit 0 (expected an error)"; failures=$((failures + 1))
+  elif ! grep -qiF -- "$want" <<<"$out"; then
+    echo "FAIL [$name]: exit $rc but the message does not name '$want':"; echo "$out" | tail -5
+    failures=$((failures + 1))
+  else
+    echo "ok   [$name] exit $rc: $(echo "$out" | grep -iF -- "$want" | head -1 | cut -c1-220)"
+  fi
+  if [ "$(snapshot)" != "$before" ]; then
+    echo "FAIL [$name]: the checkpoint directory changed"; failures=$((failures + 1))
+    before=$(snapshot)
+  fi
+}
+
+common=(--data "$work/data.txt" --steps 3 --plot '')
+expect "missing config" "$work/nope.json" -- --config "$work/nope.json" "${common[@]}"
+
+sed 's/"gradient_clipping"/"gradient_cliping"/' "$work/good.json" >"$work/typo.json"
+expect "typo'd key" "gradient_cliping" -- --config "$work/typo.json" "${common[@]}"
+
+expect "bad flag value" "--steps" -- --config "$work/good.json" --data "$work/data.txt" --steps banana
+expect "negative flag value" "--steps" -- --config "$work/good.json" --data "$work/data.txt" --steps -4
+
+expect "missing --data" "$work/no-such-data" -- --config "$work/good.json" --data "$work/no-such-data" --steps 3 --plot ''
+
+sed 's/"zero_optimization": {"stage": 1}/"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": "\/nonexistent\/strata"}}/' \
+  "$work/good.json" >"$work/nvme.json"
+expect "missing --nvme-path" "/nonexistent/strata" -- --config "$work/nvme.json" "${common[@]}" --nvme-path /nonexistent/strata
+mkdir -p "$work/ro" && chmod 0555 "$work/ro"
+if [ "$(id -u)" != 0 ]; then  # root writes anywhere: the permission case needs a normal user
+  expect "unwritable --nvme-path" "$work/ro" -- --config "$work/nvme.json" "${common[@]}" --nvme-path "$work/ro"
+fi
+touch "$work/a-file"
+expect "--nvme-path is a file" "$work/a-file" -- --config "$work/nvme.json" "${common[@]}" --nvme-path "$work/a-file"
+
+expect "missing --resume" "$work/no-ckpt" -- --config "$work/good.json" "${common[@]}" --resume "$work/no-ckpt"
+
+sed 's/"d_model": 128/"d_model": 64/' "$work/good.json" >"$work/other-model.json"
+expect "--resume from another model" "$work/ckpt" -- --config "$work/other-model.json" "${common[@]}" --resume "$work/ckpt"
+
+# A corrupted manifest in a copy (the original must stay intact for the cases above).
+cp -r "$work/ckpt" "$work/bad-ckpt"
+step=$(cat "$work/bad-ckpt/latest")
+printf '{"format": "strata-checkpoint", "version": 1, "rank": ' >"$work/bad-ckpt/$step/rank-00000.json"
+bad_before=$(cd "$work/bad-ckpt" && find . -type f -print0 | sort -z | xargs -0 sha256sum)
+expect "--resume with a corrupted manifest" "rank-00000.json" -- --config "$work/good.json" "${common[@]}" --resume "$work/bad-ckpt" --save "$work/bad-ckpt"
+if [ "$(cd "$work/bad-ckpt" && find . -type f -print0 | sort -z | xargs -0 sha256sum)" != "$bad_before" ]; then
+  echo "FAIL [corrupted manifest]: the run wrote into the checkpoint it could not load"; failures=$((failures + 1))
+fi
+
+if [ $failures -ne 0 ]; then echo "$failures failure(s)"; exit 1; fi
+echo "all CLI error cases passed"

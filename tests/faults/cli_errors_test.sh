@@ -11,7 +11,16 @@ failures=0
 
 # A small real run to resume from: the tiny config, a few steps, a saved checkpoint.
 for i in $(seq 1 400); do echo "line $i: the quick brown fox jumps over the lazy dog $((i * 7919 % 1000))"; done >"$work/data.txt"
-sed 's/"n_layers": 2/"n_layers": 1/; s/"seq_len": 64/"seq_len": 16/' "$src/configs/tiny.json" >"$work/good.json"
+# Written here, not derived from configs/: the cases below edit known text.
+cat >"$work/good.json" <<'JSON'
+{
+  "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1, "gradient_clipping": 1.0,
+  "optimizer": {"type": "AdamW", "params": {"lr": 3e-3}},
+  "zero_optimization": {"stage": 1},
+  "strata": {"chunk_size": "1MiB"},
+  "model": {"n_layers": 1, "d_model": 64, "n_heads": 4, "seq_len": 16, "vocab_size": 256, "seed": 1}
+}
+JSON
 if ! "$train" --config "$work/good.json" --data "$work/data.txt" --steps 2 --save "$work/ckpt" \
      --plot '' >"$work/setup.log" 2>&1; then
   echo "FAIL: the setup run (a valid config) failed:"; cat "$work/setup.log"; exit 1
@@ -61,7 +70,7 @@ expect "--nvme-path is a file" "$work/a-file" -- --config "$work/nvme.json" "${c
 
 expect "missing --resume" "$work/no-ckpt" -- --config "$work/good.json" "${common[@]}" --resume "$work/no-ckpt"
 
-sed 's/"d_model": 128/"d_model": 64/' "$work/good.json" >"$work/other-model.json"
+sed 's/"d_model": 64/"d_model": 32/' "$work/good.json" >"$work/other-model.json"
 expect "--resume from another model" "$work/ckpt" -- --config "$work/other-model.json" "${common[@]}" --resume "$work/ckpt"
 
 # A corrupted manifest in a copy (the original must stay intact for the cases above).

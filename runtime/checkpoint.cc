@@ -8,6 +8,8 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <limits>
+#include <stdexcept>
 #include <sstream>
 
 namespace strata::checkpoint {
@@ -59,23 +61,36 @@ StatusOr<Manifest> ParseManifest(std::string_view bytes, const std::string& sour
   auto bad = [&](const std::string& what) {
     return DataLoss(StrCat(source, ": ", what, "; the checkpoint is damaged or not a Strata checkpoint"));
   };
+  // Integers are read through Int: nlohmann's get<int>() on 1e300 converts a double that does
+  // not fit, which is undefined behaviour, so every integer field must be an integer first.
+  auto Int = [&](const nlohmann::json& v, const char* name, int64_t lo, int64_t hi) -> int64_t {
+    if (!v.is_number_integer()) throw std::out_of_range(StrCat(name, " is not an integer"));
+    if (v.is_number_unsigned() && v.get<uint64_t>() > static_cast<uint64_t>(hi))
+      throw std::out_of_range(StrCat(name, " is out of range"));
+    int64_t x = v.get<int64_t>();
+    if (x < lo || x > hi) throw std::out_of_range(StrCat(name, " is out of range"));
+    return x;
+  };
+  constexpr int64_t kMax = std::numeric_limits<int64_t>::max();
   try {
     if (!j.is_object() || j.value("format", "") != "strata-checkpoint")
       return bad("no \"format\": \"strata-checkpoint\"");
     Manifest m;
-    m.version = j.at("version").get<int>();
+    m.version = static_cast<int>(Int(j.at("version"), "version", 0, 1 << 20));
     if (m.version != kFormatVersion)
       return InvalidArgument(StrCat(source, ": checkpoint format version ", m.version,
                                     " is not supported (this build reads ", kFormatVersion, ")"));
-    m.rank = j.at("rank").get<int>();
-    m.world_size = j.at("world_size").get<int>();
-    m.stage = j.at("stage").get<int>();
+    m.rank = static_cast<int>(Int(j.at("rank"), "rank", 0, 1 << 24));
+    m.world_size = static_cast<int>(Int(j.at("world_size"), "world_size", 1, 1 << 24));
+    m.stage = static_cast<int>(Int(j.at("stage"), "stage", 0, 3));
     m.dtype = j.at("dtype").get<std::string>();
     m.state_dtype = j.at("state_dtype").get<std::string>();
-    m.parameters = j.at("parameters").get<int64_t>();
-    m.shard_numel = j.at("shard_numel").get<std::vector<int64_t>>();
-    m.global_step = j.at("global_step").get<int64_t>();
-    m.micro_step = j.at("micro_step").get<int64_t>();
+    m.parameters = Int(j.at("parameters"), "parameters", 0, kMax);
+    if (!j.at("shard_numel").is_array() || !j.at("blocks").is_array())
+      return bad("shard_numel and blocks must be lists");
+    for (const auto& v : j.at("shard_numel")) m.shard_numel.push_back(Int(v, "shard_numel", 0, kMax));
+    m.global_step = Int(j.at("global_step"), "global_step", 0, kMax);
+    m.micro_step = Int(j.at("micro_step"), "micro_step", 0, kMax);
     m.scaler = j.at("scaler");
     m.extra = j.at("extra");
     if (m.rank < 0 || m.world_size < 1 || m.rank >= m.world_size || m.stage < 0 || m.stage > 3 ||
@@ -83,11 +98,11 @@ StatusOr<Manifest> ParseManifest(std::string_view bytes, const std::string& sour
       return bad("a counter is out of range");
     for (const auto& b : j.at("blocks")) {
       BlockEntry e;
-      e.chunk = b.at("chunk").get<int64_t>();
+      e.chunk = Int(b.at("chunk"), "chunk", 0, kMax);
       e.state = b.at("state").get<std::string>();
-      e.offset = b.at("offset").get<uint64_t>();
-      e.bytes = b.at("bytes").get<uint64_t>();
-      e.crc32c = b.at("crc32c").get<uint32_t>();
+      e.offset = static_cast<uint64_t>(Int(b.at("offset"), "offset", 0, kMax));
+      e.bytes = static_cast<uint64_t>(Int(b.at("bytes"), "bytes", 0, kMax));
+      e.crc32c = static_cast<uint32_t>(Int(b.at("crc32c"), "crc32c", 0, 0xffffffffll));
       if (e.chunk < 0 || e.chunk >= static_cast<int64_t>(m.shard_numel.size()))
         return bad(StrCat("block names chunk ", e.chunk, " of ", m.shard_numel.size()));
       m.blocks.push_back(std::move(e));

@@ -229,7 +229,8 @@ class Trainer {
       loss_s.y.push_back(loss);
       tps_s.x.push_back(step + 1);
       tps_s.y.push_back(tps);
-      bool eval = f_.eval_every > 0 && ((step + 1) % f_.eval_every == 0 || step + 1 == last);
+      bool eval = f_.eval_batches > 0 && f_.eval_every > 0 &&
+                  ((step + 1) % f_.eval_every == 0 || step + 1 == last);
       double val = NAN;
       if (eval) {
         STRATA_ASSIGN_OR_RETURN(val, Validate());
@@ -340,6 +341,8 @@ int main(int argc, char** argv) {
   app.add_option("--resume", f.resume, "resume from a checkpoint root (its 'latest') or a step-* directory");
   app.add_flag("--json", f.json, "print one JSON object per step and a final summary object on stdout");
   app.add_option("--eval-every", f.eval_every, "validation loss every N steps (0: only at the end)")
+      ->capture_default_str()->check(CLI::NonNegativeNumber);
+  app.add_option("--eval-batches", f.eval_batches, "held-out batches per validation (0: no validation)")
       ->capture_default_str()->check(CLI::NonNegativeNumber);
   app.add_option("--log-every", f.log_every, "print a step line every N steps (default: steps_per_print)")
       ->check(CLI::NonNegativeNumber);

@@ -11,6 +11,12 @@
 
 namespace strata::nvme {
 
+namespace {
+constexpr uint64_t kDirectAlignment = 4096;  // O_DIRECT offset and length granularity
+constexpr int kMaxShortRetries = 1000;       // retries of a piece that moves less than a block
+}  // namespace
+
+
 // How often one piece may be retried after -EAGAIN / -EINTR before the request fails: a device
 // that keeps refusing is reported rather than spun on forever.
 constexpr int kMaxEagainRetries = 1000;
@@ -163,6 +169,18 @@ bool IoEngine::OnResult(Piece* p, int64_t result) {
     FinishPiece(p, Internal(StrCat(verb, " in ", path_of(p->file), " reported ", done,
                                    " bytes for a request of ", p->remaining)));
     return true;
+  }
+  // O_DIRECT needs the retry of the rest to start on a 4 KiB boundary: a device that stopped
+  // mid-block makes us transfer that block again from its start (rereading or rewriting bytes
+  // that are already right) instead of issuing an unaligned request the kernel would refuse.
+  if (done < p->remaining && done % kDirectAlignment != 0) {
+    done -= done % kDirectAlignment;
+    if (done == 0 && ++p->attempt > kMaxShortRetries) {
+      FinishPiece(p, IoError(StrCat(verb, " at offset ", p->offset, " in ", path_of(p->file),
+                                    " keeps transferring less than one ", kDirectAlignment,
+                                    "-byte block; the device is failing")));
+      return true;
+    }
   }
   (p->op == IoOp::kRead ? bytes_read_ : bytes_written_).fetch_add(done, std::memory_order_relaxed);
   p->buf += done;

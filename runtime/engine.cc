@@ -12,6 +12,7 @@
 #include <deque>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <map>
 #include <mutex>
 #include <stdexcept>
@@ -143,9 +144,14 @@ class Engine::Impl {
   torch::TensorOptions DeviceOptions(torch::Dtype dtype) const;
 
   Status GatherChunk(int64_t c);
-  void ReleaseChunk(int64_t c);
+  // Drops a holder; the chunk stays gathered when it is persistent or will be reused within
+  // stage3_max_reuse_distance elements (Note [stage-3 live set]).
+  void ReleaseChunk(int64_t c, int64_t reuse_distance);
+  void DropChunk(int64_t c);
+  void DropUnheldChunks();
   Status GatherBlock(int64_t b);
-  void ReleaseBlock(int64_t b);
+  void ReleaseBlock(int64_t b, bool forward);
+  void PrefetchParams(int64_t from_block, int direction);
   void OnBackwardReach(int64_t b);
   Status FinishBlockBackward(int64_t b);
   Status ReduceChunk(int64_t c);
@@ -190,6 +196,9 @@ class Engine::Impl {
   std::vector<BlockInfo> blocks_;
   std::vector<ChunkState> chunks_;
   std::vector<bool> chunk_ready_;  // grads complete for this step
+  std::vector<bool> persistent_;   // chunks below stage3_param_persistence_threshold
+  std::vector<int64_t> block_elems_;  // full elements a block gathers
+  int64_t live_elems_ = 0;         // elements of gathered chunks (stage 3)
 
   // Per-step lanes (main thread), reset when a step begins.
   bool step_open_ = false;
@@ -375,6 +384,13 @@ Status Engine::Impl::Init(const EngineOptions& options) {
     host_budget_ = budget;
   }
 
+  persistent_.assign(chunk_infos.size(), false);
+  for (size_t c = 0; c < chunk_infos.size(); ++c)
+    persistent_[c] = chunk_infos[c].used_numel < z.stage3_param_persistence_threshold;
+  block_elems_.assign(blocks_.size(), 0);
+  for (size_t bi = 0; bi < blocks_.size(); ++bi)
+    for (int64_t c : blocks_[bi].chunks) block_elems_[bi] += chunk_infos[c].numel;
+
   // Every rank starts from rank 0's initial values.
   if (comm_->world_size() > 1) {
     for (auto& p : params_) {
@@ -454,10 +470,21 @@ Status Engine::Impl::Init(const EngineOptions& options) {
 // ---------------------------------------------------------------------------------------------
 // Materialization (stage 3).
 
+// Note [stage-3 live set]
+// A gathered chunk stays on the device after its block is done when it is small enough to
+// persist (all of it below stage3_param_persistence_threshold elements) or when it will be used
+// again before stage3_max_reuse_distance more elements are gathered (the last blocks of forward
+// are needed again at once by backward), as long as the gathered total stays within
+// stage3_max_live_parameters; gathering a chunk that would exceed that cap first drops chunks
+// nobody holds. After an optimizer step every kept chunk is dropped: its values changed.
 Status Engine::Impl::GatherChunk(int64_t c) {
   ChunkState& cs = chunks_[c];
-  if (cs.live++ > 0) return Status::Ok();
+  ++cs.live;
+  if (cs.full.defined()) return Status::Ok();
   const ChunkInfo& ci = partitioner_->chunks()[c];
+  const int64_t max_live = config_.zero_optimization.stage3_max_live_parameters;
+  for (size_t k = 0; k < chunks_.size() && live_elems_ + ci.numel > max_live; ++k)
+    if (chunks_[k].live == 0 && chunks_[k].full.defined()) DropChunk(static_cast<int64_t>(k));
   const torch::Dtype tdtype = TorchDtype(compute_dtype_);
   const size_t esize = optim::DTypeSize(compute_dtype_);
   STRATA_ASSIGN_OR_RETURN(torch::Tensor full, DeviceTensor(ci.numel, tdtype));
@@ -484,6 +511,7 @@ Status Engine::Impl::GatherChunk(int64_t c) {
         comm_->AllGather(dst, full.data_ptr(), ci.shard_numel, CommDtype(compute_dtype_)));
   }
   cs.full = full;
+  live_elems_ += ci.numel;
   torch::NoGradGuard ng;
   for (int64_t pid : ci.params) {
     const ParamLocation& loc = partitioner_->location(pid);
@@ -492,26 +520,65 @@ Status Engine::Impl::GatherChunk(int64_t c) {
   return Status::Ok();
 }
 
-void Engine::Impl::ReleaseChunk(int64_t c) {
+void Engine::Impl::ReleaseChunk(int64_t c, int64_t reuse_distance) {
   ChunkState& cs = chunks_[c];
   STRATA_DCHECK(cs.live > 0, "chunk ", c, " released more often than gathered");
   if (--cs.live > 0) return;
+  const auto& z = config_.zero_optimization;
+  if (persistent_[c]) return;
+  if (reuse_distance <= z.stage3_max_reuse_distance && live_elems_ <= z.stage3_max_live_parameters)
+    return;
+  DropChunk(c);
+}
+
+void Engine::Impl::DropChunk(int64_t c) {
+  ChunkState& cs = chunks_[c];
+  if (!cs.full.defined()) return;
   torch::NoGradGuard ng;
   torch::Tensor empty = torch::empty({0}, DeviceOptions(TorchDtype(compute_dtype_)));
   for (int64_t pid : partitioner_->chunks()[c].params) params_[pid].tensor.set_data(empty);
   cs.full = torch::Tensor();
+  live_elems_ -= partitioner_->chunks()[c].numel;
+}
+
+void Engine::Impl::DropUnheldChunks() {
+  if (config_.zero_optimization.stage != 3) return;
+  for (size_t c = 0; c < chunks_.size(); ++c)
+    if (chunks_[c].live == 0) DropChunk(static_cast<int64_t>(c));
 }
 
 Status Engine::Impl::GatherBlock(int64_t b) {
   if (config_.zero_optimization.stage != 3) return Status::Ok();
   for (int64_t c : blocks_[b].chunks) STRATA_RETURN_IF_ERROR(GatherChunk(c));
-  // Hint the next block's shards while this one computes.
   return Status::Ok();
 }
 
-void Engine::Impl::ReleaseBlock(int64_t b) {
+void Engine::Impl::ReleaseBlock(int64_t b, bool forward) {
   if (config_.zero_optimization.stage != 3) return;
-  for (int64_t c : blocks_[b].chunks) ReleaseChunk(c);
+  // In forward the block is needed again in backward, after every later block has been gathered
+  // twice (its forward and its backward). In backward the next use is after the optimizer step,
+  // which changes the values: only persistent chunks survive until then.
+  int64_t distance = std::numeric_limits<int64_t>::max();
+  if (forward) {
+    distance = 0;
+    for (size_t k = static_cast<size_t>(b) + 1; k < blocks_.size(); ++k) distance += 2 * block_elems_[k];
+  }
+  for (int64_t c : blocks_[b].chunks) ReleaseChunk(c, distance);
+}
+
+// Hints the shards of the blocks after `from_block` (direction +1, forward) or before it (-1,
+// backward) until stage3_prefetch_bucket_size elements are on their way.
+void Engine::Impl::PrefetchParams(int64_t from_block, int direction) {
+  if (config_.zero_optimization.stage != 3 || param_placement_ == Placement::kDevice) return;
+  int64_t budget = config_.zero_optimization.stage3_prefetch_bucket_size;
+  const int64_t nb = static_cast<int64_t>(blocks_.size());
+  for (int64_t b = from_block + direction; b >= 0 && b < nb && budget > 0; b += direction) {
+    for (int64_t c : blocks_[b].chunks) {
+      if (chunks_[c].full.defined()) continue;
+      store_->Prefetch({c, StateKind::kParam16});
+      budget -= partitioner_->chunks()[c].shard_numel;
+    }
+  }
 }
 
 torch::Tensor Engine::Impl::Forward(const torch::Tensor& input) {
@@ -537,8 +604,7 @@ torch::Tensor Engine::Impl::Forward(const torch::Tensor& input) {
   for (int64_t b = 0; b < nb; ++b) {
     Status s = GatherBlock(b);
     if (!s.ok()) Throw(s.WithContext(StrCat("gathering block ", b, " for forward")));
-    if (config_.zero_optimization.stage == 3 && b + 1 < nb && param_placement_ != Placement::kDevice)
-      for (int64_t c : blocks_[b + 1].chunks) store_->Prefetch({c, StateKind::kParam16});
+    PrefetchParams(b, +1);
     {
       LaneTimer t(&compute_s_);
       x = blocks_[b].module.forward(x);
@@ -546,7 +612,7 @@ torch::Tensor Engine::Impl::Forward(const torch::Tensor& input) {
     if (x.requires_grad()) {
       x.register_hook([this, b](const torch::Tensor&) { OnBackwardReach(b); });
     }
-    ReleaseBlock(b);
+    ReleaseBlock(b, /*forward=*/training);
   }
   return x;
 }
@@ -565,6 +631,7 @@ void Engine::Impl::OnBackwardReach(int64_t b) {
   Status s;
   if (b + 1 < nb) s = FinishBlockBackward(b + 1);
   if (s.ok()) s = GatherBlock(b);
+  if (s.ok()) PrefetchParams(b, -1);
   if (!s.ok()) {
     backward_error_ = s;
     // Autograd cannot be cancelled from a hook without unwinding through it: throw, and
@@ -591,7 +658,7 @@ Status Engine::Impl::FinishBlockBackward(int64_t b) {
       p.tensor.mutable_grad() = torch::Tensor();
     }
   }
-  ReleaseBlock(b);
+  ReleaseBlock(b, /*forward=*/false);
   for (int64_t c : blocks_[b].chunks)
     if (--chunks_[c].pending == 0) STRATA_RETURN_IF_ERROR(ReduceChunk(c));
   return Status::Ok();
@@ -898,6 +965,7 @@ StatusOr<StepReport> Engine::Impl::Step() {
     }
   }
   std::fill(chunk_ready_.begin(), chunk_ready_.end(), false);
+  if (!overflow) DropUnheldChunks();  // the working copy changed
   store_->EndIteration();
 
   rep.step = global_step_;
@@ -1199,6 +1267,7 @@ StatusOr<nlohmann::json> Engine::Impl::Load(const std::string& path) {
   ::close(fd);
   STRATA_RETURN_IF_ERROR(s);
 
+  DropUnheldChunks();
   // The working copy is the master rounded to the working precision, exactly what Adam writes.
   const size_t esize = optim::DTypeSize(compute_dtype_);
   for (size_t c = 0; c < chunks_.size(); ++c) {

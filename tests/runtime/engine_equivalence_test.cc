@@ -25,6 +25,10 @@ struct Case {
   int accumulation;
   double clipping;
   uint64_t host_budget = 0;  // 0: sized by the engine
+  // Stage 3 keeps gathered chunks by DeepSpeed's defaults; 'release' drops every chunk as soon
+  // as its block is done (threshold and reuse distance 0), exercising gather/release fully.
+  bool release = true;
+  int64_t max_live = 1000000000;
 };
 
 class Equivalence : public ::testing::TestWithParam<Case> {};
@@ -38,6 +42,11 @@ TEST_P(Equivalence, MatchesPlainLibTorchInFp32) {
   c.gradient_accumulation_steps = k.accumulation;
   c.gradient_clipping = k.clipping;
   c.strata.host_memory_budget = k.host_budget;
+  if (k.release) {
+    c.zero_optimization.stage3_param_persistence_threshold = 0;
+    c.zero_optimization.stage3_max_reuse_distance = 0;
+  }
+  c.zero_optimization.stage3_max_live_parameters = k.max_live;
   testing::TempDir dir;
   EngineOptions opts;
   if (k.param == OffloadDevice::kNvme || k.optim == OffloadDevice::kNvme) opts.nvme_path = {dir.path()};
@@ -56,7 +65,10 @@ INSTANTIATE_TEST_SUITE_P(
         Case{"stage1", 1, OffloadDevice::kNone, OffloadDevice::kNone, 1, 0.0},
         Case{"stage2_accum", 2, OffloadDevice::kNone, OffloadDevice::kNone, 2, 0.0},
         Case{"stage3", 3, OffloadDevice::kNone, OffloadDevice::kNone, 1, 0.0},
-        Case{"stage3_clip", 3, OffloadDevice::kNone, OffloadDevice::kNone, 1, 0.5},
+        Case{"stage3_clip_keep_live", 3, OffloadDevice::kNone, OffloadDevice::kNone, 1, 0.5, 0,
+             false},
+        Case{"stage3_max_live", 3, OffloadDevice::kCpu, OffloadDevice::kCpu, 1, 0.0, 0, false,
+             12000},
         Case{"cpu_offload", 2, OffloadDevice::kNone, OffloadDevice::kCpu, 1, 1.0},
         Case{"cpu_offload_stage3", 3, OffloadDevice::kCpu, OffloadDevice::kCpu, 2, 0.0},
         Case{"nvme_offload", 3, OffloadDevice::kNvme, OffloadDevice::kNvme, 1, 0.0},

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <limits>
 #include <map>
 #include <sstream>
 
@@ -181,25 +182,55 @@ StatusOr<MemoryEstimate> EstimateMemory(const Config& config, const ModelSpec& m
     }
     gather_peak = std::max(gather_peak, gather_cur);
   };
+  // The engine's stage-3 live set (Note [stage-3 live set] in runtime/engine.cc): a chunk stays
+  // gathered after its block when persistent or reused within stage3_max_reuse_distance, within
+  // stage3_max_live_parameters; gathering past that cap drops chunks nobody holds.
+  std::vector<bool> gathered(chunks.size(), false);
+  int64_t live_elems = 0;
+  std::vector<int64_t> block_elems(block_chunks.size(), 0);
+  for (size_t b = 0; b < block_chunks.size(); ++b)
+    for (int64_t c : block_chunks[b]) block_elems[b] += chunks[static_cast<size_t>(c)].numel;
+  auto chunk_bytes = [&](size_t c) {
+    return Round(static_cast<uint64_t>(chunks[c].numel) * esize, dev_round);
+  };
+  auto drop = [&](size_t c) {
+    if (!gathered[c]) return;
+    gathered[c] = false;
+    live_elems -= chunks[c].numel;
+    cur -= chunk_bytes(c);
+    gather_cur -= chunk_bytes(c);
+  };
   auto gather = [&](int64_t b) {
     if (z.stage != 3) return;
-    for (int64_t c : block_chunks[static_cast<size_t>(b)]) {
-      if (live[static_cast<size_t>(c)]++ > 0) continue;
-      const uint64_t bytes = Round(static_cast<uint64_t>(chunks[static_cast<size_t>(c)].numel) * esize, dev_round);
-      cur += bytes;
-      gather_cur += bytes;
+    for (int64_t c64 : block_chunks[static_cast<size_t>(b)]) {
+      const size_t c = static_cast<size_t>(c64);
+      ++live[c];
+      if (gathered[c]) continue;
+      for (size_t k = 0; k < chunks.size() && live_elems + chunks[c].numel > z.stage3_max_live_parameters; ++k)
+        if (live[k] == 0) drop(k);
+      gathered[c] = true;
+      live_elems += chunks[c].numel;
+      cur += chunk_bytes(c);
+      gather_cur += chunk_bytes(c);
       note_peak();
     }
   };
-  auto release = [&](int64_t b) {
+  auto release_dist = [&](int64_t b, bool forward) {
     if (z.stage != 3) return;
-    for (int64_t c : block_chunks[static_cast<size_t>(b)]) {
-      if (--live[static_cast<size_t>(c)] > 0) continue;
-      const uint64_t bytes = Round(static_cast<uint64_t>(chunks[static_cast<size_t>(c)].numel) * esize, dev_round);
-      cur -= bytes;
-      gather_cur -= bytes;
+    int64_t distance = std::numeric_limits<int64_t>::max();
+    if (forward) {
+      distance = 0;
+      for (size_t k = static_cast<size_t>(b) + 1; k < block_elems.size(); ++k) distance += 2 * block_elems[k];
+    }
+    for (int64_t c64 : block_chunks[static_cast<size_t>(b)]) {
+      const size_t c = static_cast<size_t>(c64);
+      if (--live[c] > 0) continue;
+      if (chunks[c].used_numel < z.stage3_param_persistence_threshold) continue;
+      if (distance <= z.stage3_max_reuse_distance && live_elems <= z.stage3_max_live_parameters) continue;
+      drop(c);
     }
   };
+  auto release = [&](int64_t b) { release_dist(b, false); };
   auto finish = [&](int64_t b) {
     const auto& bc = block_chunks[static_cast<size_t>(b)];
     for (int64_t c : bc) {
@@ -223,7 +254,7 @@ StatusOr<MemoryEstimate> EstimateMemory(const Config& config, const ModelSpec& m
   for (size_t c = 0; c < chunks.size(); ++c) pending[c] = chunk_blocks[c];
   for (int64_t b = 0; b < nb; ++b) {
     gather(b);
-    release(b);
+    release_dist(b, true);
   }
   if (nb > 0) gather(nb - 1);
   for (int64_t b = nb - 2; b >= 0; --b) {

@@ -295,9 +295,11 @@ class Trainer {
       std::cout << summary.dump() << std::endl;
     } else {
       std::fprintf(stderr,
-                   "\nsummary: %lld steps, loss %.4f -> %.4f (validation %.4f), %.3g M params, "
+                   "\nsummary: %lld steps, loss %.4f -> %.4f (%s), %.3g M params, "
                    "model state %s, mean step %.3f s, %.0f tokens/s, overlap %.2f, peak RSS %s%s%s\n",
-                   (long long)engine_->global_step(), first_loss, last_loss, last_val,
+                   (long long)engine_->global_step(), first_loss, last_loss,
+                   std::isnan(last_val) ? "no validation"
+                                        : StrCat("validation ", std::to_string(last_val).substr(0, 6)).c_str(),
                    engine_->num_parameters() / 1e6, FormatBytes(engine_->model_state_bytes()).c_str(),
                    measured ? time_sum / measured : NAN, wall > 0 ? tokens_total / wall : 0.0,
                    measured ? overlap_sum / measured : NAN, FormatBytes(PeakRssBytes()).c_str(),

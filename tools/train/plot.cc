@@ -48,6 +48,7 @@ void Panel(std::ostringstream& o, double y0, const std::vector<Series>& series,
       << "' stroke='#eee'/>\n<text x='" << kLeft - 6 << "' y='" << Y(yv) + 4
       << "' text-anchor='end' font-size='11'>" << Num(yv) << "</text>\n";
     double xv = xmin + (xmax - xmin) * i / 4.0;
+    if (xmax - xmin >= 4) xv = std::round(xv);  // steps are whole numbers
     o << "<text x='" << X(xv) << "' y='" << y0 + kPanelH + 15 << "' text-anchor='middle' font-size='11'>"
       << Num(xv) << "</text>\n";
   }

@@ -21,6 +21,7 @@
 #include <cstdint>
 
 #include "kernels/grad_stats.h"
+#include "optim/adam_kernels.h"
 #include "optim/dtype.h"
 #include "runtime/status.h"
 
@@ -52,21 +53,9 @@ inline int StatsBlocks(size_t n) {
 }
 
 // ---- Adam ----
-// The scalar constants of one step, rounded to float once. They must equal optim's
-// (optim/cpu_adam.cc, MakeConsts) bit for bit; kernels.cc computes them the same way and the
-// GPU-vs-CPU test would catch any drift.
-struct AdamConsts {
-  float grad_scale;
-  float beta1, one_minus_beta1;
-  float beta2, one_minus_beta2;
-  float eps;
-  float neg_step_size;  // -lr / bc1
-  float inv_sqrt_bc2;   // 1 / sqrt(bc2)
-  float l2;             // Adam: weight_decay; AdamW: 0
-  float decay;          // AdamW: 1 - lr * weight_decay; Adam: 1
-  bool has_l2;
-  bool has_decay;
-};
+// The scalar constants of one step: optim's, so the GPU kernel starts from exactly the values
+// the CPU Adam uses (optim::internal::MakeAdamConsts).
+using AdamConsts = optim::internal::AdamConsts;
 
 struct AdamLaunch {
   AdamConsts c;

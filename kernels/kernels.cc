@@ -71,30 +71,6 @@ Status ValidateAdam(const optim::AdamParams& p, const optim::AdamBuffers& b, flo
   return Status::Ok();
 }
 
-// Mirrors optim's MakeConsts (optim/cpu_adam.cc) operation for operation: the constants are
-// computed in double and rounded to float once. Bit equality with optim depends on it.
-internal::AdamConsts MakeAdamConsts(const optim::AdamParams& p, float grad_scale) {
-  internal::AdamConsts c{};
-  double bc1 = 1.0, bc2 = 1.0;
-  if (p.bias_correction) {
-    bc1 = 1.0 - std::pow(p.beta1, static_cast<double>(p.step));
-    bc2 = 1.0 - std::pow(p.beta2, static_cast<double>(p.step));
-  }
-  c.grad_scale = grad_scale;
-  c.beta1 = static_cast<float>(p.beta1);
-  c.one_minus_beta1 = static_cast<float>(1.0 - p.beta1);
-  c.beta2 = static_cast<float>(p.beta2);
-  c.one_minus_beta2 = static_cast<float>(1.0 - p.beta2);
-  c.eps = static_cast<float>(p.eps);
-  c.neg_step_size = static_cast<float>(-p.lr / bc1);
-  c.inv_sqrt_bc2 = static_cast<float>(1.0 / std::sqrt(bc2));
-  c.has_l2 = !p.adamw && p.weight_decay != 0;
-  c.l2 = c.has_l2 ? static_cast<float>(p.weight_decay) : 0.0f;
-  c.has_decay = p.adamw && p.weight_decay != 0;
-  c.decay = c.has_decay ? static_cast<float>(1.0 - p.lr * p.weight_decay) : 1.0f;
-  return c;
-}
-
 // Turns a slot list into byte copies (and, for a pack, zero fills of the gaps), after checking
 // that every slot lies inside the chunk and no two overlap.
 StatusOr<std::vector<internal::CopySegment>> PlanChunk(const std::vector<ChunkSlot>& slots,
@@ -267,7 +243,7 @@ Status AdamStep(Backend backend, const optim::AdamParams& params, const optim::A
     return internal::CpuAdamStep(params, bufs, grad_scale, skip_if_nonfinite);
   }
   internal::AdamLaunch launch{};
-  launch.c = MakeAdamConsts(params, grad_scale);
+  launch.c = optim::internal::MakeAdamConsts(params, grad_scale);
   launch.master = bufs.master;
   launch.grad = bufs.grad;
   launch.grad_dtype = bufs.grad_dtype;

@@ -11,6 +11,10 @@
 
 #include "optim/dtype.h"
 
+namespace strata::optim {
+struct AdamParams;
+}  // namespace strata::optim
+
 namespace strata::optim::internal {
 
 // Scalar constants of one step, rounded to float once (see cpu_adam.h).
@@ -26,6 +30,10 @@ struct AdamConsts {
   bool has_l2;
   bool has_decay;
 };
+
+// The constants of one step for `p`, computed in double and rounded to float once (the CUDA
+// kernels in kernels/ use the same function, so CPU and GPU start from identical constants).
+AdamConsts MakeAdamConsts(const strata::optim::AdamParams& p, float grad_scale);
 
 struct AdamKernelArgs {
   AdamConsts c;

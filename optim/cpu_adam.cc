@@ -233,7 +233,9 @@ Status ValidateBuffers(const AdamBuffers& b) {
   return Status::Ok();
 }
 
-internal::AdamConsts MakeConsts(const AdamParams& p, float grad_scale) {
+}  // namespace
+
+internal::AdamConsts internal::MakeAdamConsts(const AdamParams& p, float grad_scale) {
   internal::AdamConsts c{};
   double bc1 = 1.0, bc2 = 1.0;
   if (p.bias_correction) {
@@ -254,8 +256,6 @@ internal::AdamConsts MakeConsts(const AdamParams& p, float grad_scale) {
   c.decay = c.has_decay ? static_cast<float>(1.0 - p.lr * p.weight_decay) : 1.0f;
   return c;
 }
-
-}  // namespace
 
 StatusOr<GradStats> UnscaleCheckNorm(const void* grad, DType grad_dtype, size_t n, float scale,
                                      const AdamOptions& options) {
@@ -312,7 +312,7 @@ StatusOr<AdamResult> AdamStep(const AdamParams& params, const AdamBuffers& bufs,
                 " state=", DTypeName(bufs.state_dtype));
 
   internal::AdamKernelArgs args{};
-  args.c = MakeConsts(params, grad_scale);
+  args.c = internal::MakeAdamConsts(params, grad_scale);
   args.master = bufs.master;
   args.grad = bufs.grad;
   args.exp_avg = bufs.exp_avg;

@@ -9,7 +9,7 @@
 #   tools/scripts/fuzz.sh 600         # 10 min per target
 #   STRATA_FUZZ_TARGETS="config" tools/scripts/fuzz.sh 30
 #
-# Needs clang and libclang-rt-14-dev (tools/scripts/setup.sh installs both).
+# Needs clang and libclang-rt-14-dev; `tools/scripts/setup.sh --fuzz` installs them (run first).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 root=$(pwd)
@@ -19,8 +19,9 @@ nice_level="${STRATA_NICE:-0}"
 dir="${STRATA_FUZZ_BUILD:-build-fuzz}"
 read -r -a targets <<<"${STRATA_FUZZ_TARGETS:-config swap_index manifest}"
 
+bash tools/scripts/setup.sh --fuzz
 if ! command -v clang++ >/dev/null 2>&1; then
-  echo "fuzz.sh: clang++ not found: install clang and libclang-rt-14-dev (tools/scripts/setup.sh)" >&2
+  echo "fuzz.sh: clang++ not found after setup: install clang and libclang-rt-14-dev" >&2
   exit 1
 fi
 

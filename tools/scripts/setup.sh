@@ -11,6 +11,10 @@ PACKAGES=(
   nlohmann-json3-dev libcli11-dev
   fio fortunes fortunes-min
 )
+# Extras for the by-hand jobs: `setup.sh --fuzz` adds clang and its libFuzzer runtime.
+if [ "${1:-}" = "--fuzz" ]; then
+  PACKAGES+=(clang libclang-rt-14-dev)
+fi
 
 SUDO=""
 if [ "$(id -u)" -ne 0 ]; then

@@ -16,6 +16,13 @@ int main(int argc, char** argv) {
   strata::swapbench::RegisterAdamCommand(app, &exit_code);
   strata::swapbench::RegisterTiersCommand(app, &exit_code);
   strata::swapbench::RegisterProfileCommand(app, &exit_code);
-  CLI11_PARSE(app, argc, argv);
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::Success& e) {  // --help
+    return app.exit(e);
+  } catch (const CLI::ParseError& e) {
+    std::fprintf(stderr, "strata-swapbench: %s\nRun with --help for the options.\n", e.what());
+    return 2;
+  }
   return exit_code;
 }

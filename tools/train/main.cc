@@ -4,6 +4,8 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <cerrno>
+#include <cstdlib>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -28,12 +30,29 @@
 #include "tools/train/text_data.h"
 
 namespace strata::train {
+
+// "--steps -3: must be a whole number >= 1" instead of CLI11's range text.
+CLI::Validator WholeAtLeast(int64_t lo) {
+  return CLI::Validator(
+      [lo](std::string& text) -> std::string {
+        char* end = nullptr;
+        errno = 0;
+        long long v = std::strtoll(text.c_str(), &end, 10);
+        if (text.empty() || *end != '\0' || errno == ERANGE || v < lo)
+          return StrCat("'", text, "' must be a whole number >= ", lo);
+        return "";
+      },
+      StrCat("INT>=", lo));
+}
+
 namespace {
 
 std::atomic<bool> g_stop{false};
 void OnSignal(int) { g_stop.store(true); }
 
 constexpr int kExitUsage = 2;
+
+
 
 struct Flags {
   std::string config;
@@ -333,28 +352,35 @@ int main(int argc, char** argv) {
       ->check(CLI::ExistingFile);
   app.add_option("--steps", f.steps, "optimizer steps to reach (counted from 0, so a resumed run "
                                      "continues to this step); default: 200")
-      ->check(CLI::PositiveNumber);
+      ->check(strata::train::WholeAtLeast(1));
   app.add_option("--data", f.data, "a text file or a directory of text files")
       ->capture_default_str();
   app.add_option("--nvme-path", f.nvme_path,
                  "directory for NVMe swap files (overrides offload_*.nvme_path)");
   app.add_option("--save", f.save, "checkpoint root: saved at the end (and every --save-every steps)");
-  app.add_option("--save-every", f.save_every, "also save every N steps")->check(CLI::NonNegativeNumber);
+  app.add_option("--save-every", f.save_every, "also save every N steps")->check(strata::train::WholeAtLeast(0));
   app.add_option("--resume", f.resume, "resume from a checkpoint root (its 'latest') or a step-* directory");
   app.add_flag("--json", f.json, "print one JSON object per step and a final summary object on stdout");
   app.add_option("--eval-every", f.eval_every, "validation loss every N steps (0: only at the end)")
-      ->capture_default_str()->check(CLI::NonNegativeNumber);
+      ->capture_default_str()->check(strata::train::WholeAtLeast(0));
   app.add_option("--eval-batches", f.eval_batches, "held-out batches per validation (0: no validation)")
-      ->capture_default_str()->check(CLI::NonNegativeNumber);
+      ->capture_default_str()->check(strata::train::WholeAtLeast(0));
   app.add_option("--log-every", f.log_every, "print a step line every N steps (default: steps_per_print)")
-      ->check(CLI::NonNegativeNumber);
+      ->check(strata::train::WholeAtLeast(0));
   app.add_option("--plot", f.plot, "SVG plot of loss and throughput written at the end ('' disables)")
       ->capture_default_str();
   app.add_option("--device", f.device, "auto, cpu, cuda or cuda:N (overrides strata.device)");
   app.add_option("--threads", f.threads, "LibTorch compute threads (default: all cores)")
-      ->check(CLI::NonNegativeNumber);
+      ->check(strata::train::WholeAtLeast(0));
   app.add_flag("--print-config", f.print_config, "print the effective config (defaults filled in) and exit");
-  CLI11_PARSE(app, argc, argv);
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::Success& e) {  // --help
+    return app.exit(e);
+  } catch (const CLI::ParseError& e) {
+    std::fprintf(stderr, "strata-train: %s\nRun with --help for the options.\n", e.what());
+    return 2;
+  }
 
   auto config = f.config.empty()
                     ? strata::Config::FromJsonText(strata::train::kEmbeddedTinyConfig, "<built-in tiny>")

@@ -10,7 +10,7 @@
 #
 # Covered: status, config, device conformance, partitioner, tier manager, tier conformance, the
 # pinned pool, the io_uring / fallback I/O engines, the swap store, the NVMe tier, CPU Adam, the
-# loss scaler, the CPU kernels and the fuzz-corpus replay. Exit status: non-zero when a build
+# loss scaler, the CPU kernels (ASan only: see Note [TSan and oneTBB]) and the fuzz-corpus replay. Exit status: non-zero when a build
 # fails, a test fails or a sanitizer reports anything (every report aborts the test).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -48,6 +48,15 @@ run_one() {
   # Only the tests' own targets: the LibTorch parts of the tree are not built at all.
   local targets=()
   for t in "${TESTS[@]}"; do
+    # Note [TSan and oneTBB]: TBB hands tasks between workers inside libtbb.so, which is not
+    # built with TSan, so every parallel body's reads of what its spawner wrote are reported as
+    # races. Suppressing TBB's frames would hide races in the bodies too, so the TBB-parallel
+    # suites (CPU Adam, CPU kernels) are left to ASan; they are deterministic and compared bit
+    # for bit against the scalar path, which a race would break.
+    if [ "$name" = thread ] && { [ "$t" = cpu_adam_test ] || [ "$t" = kernels_cpu_test ]; }; then
+      echo "== $name: $t skipped (oneTBB is not TSan-instrumented; see the note in this script)"
+      continue
+    fi
     if grep -q "build $t:\|build bin/$t:" "$dir/build.ninja" 2>/dev/null ||
        ninja -C "$dir" -t targets all 2>/dev/null | grep -q "^bin/$t:\|^$t:"; then
       targets+=("$t")
@@ -56,13 +65,16 @@ run_one() {
     fi
   done
   echo "== $name: build ${#targets[@]} tests"
-  nice -n "$nice_level" cmake --build "$dir" -j "$jobs" --target "${targets[@]}"
+  nice -n "$nice_level" cmake --build "$dir" -j "$jobs" --target "${targets[@]}" || return 1
   local t1=$(date +%s)
   local regex="^($(IFS='|'; echo "${targets[*]}"))\$"
   echo "== $name: test"
-  (cd "$dir" && nice -n "$nice_level" ctest --output-on-failure -j "$jobs" -R "$regex")
+  # Called as `run_one ... || status=1`, where set -e is off: keep ctest's status by hand.
+  local rc=0
+  (cd "$dir" && nice -n "$nice_level" ctest --output-on-failure -j "$jobs" -R "$regex") || rc=$?
   local t2=$(date +%s)
-  echo "== $name: build $((t1 - t0)) s, tests $((t2 - t1)) s"
+  echo "== $name: build $((t1 - t0)) s, tests $((t2 - t1)) s, ctest status $rc"
+  return $rc
 }
 
 status=0

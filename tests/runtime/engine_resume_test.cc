@@ -203,34 +203,60 @@ TEST(ResumeCrash, DeathBeforePublishKeepsThePreviousCheckpoint) {
   EXPECT_EQ((*extra)["next_step"], 1);
 }
 
-TEST(ResumeCrash, SigkillAtRandomMomentsLeavesALoadableCheckpoint) {
+// A job that is SIGKILLed at random moments (mid-step, mid-save) and restarted from its last
+// checkpoint each time ends exactly where an uninterrupted run ends.
+TEST(ResumeCrash, SigkillAtRandomMomentsThenResumeMatchesAnUninterruptedRun) {
   testing::TempDir dir;
   Config c = ResumeConfig(3, OffloadDevice::kNvme);
   c.model.d_model = 64;
-  const std::string ckpt = dir.path() + "/ckpt", swap = dir.path() + "/swap";
+  constexpr int kTarget = 60;
+  const std::string ckpt = dir.path() + "/ckpt", swap = dir.path() + "/swap",
+                    ref_swap = dir.path() + "/ref-swap";
   fs::create_directories(swap);
+  fs::create_directories(ref_swap);
+  std::vector<torch::Tensor> reference;
+  {
+    Trainer r(c, ref_swap);
+    r.Train(0, kTarget);
+    reference = r.engine->GatherMasterParams().value();
+  }
   std::mt19937 rng(7);
   for (int round = 0; round < 3; ++round) {
     pid_t pid = fork();
-    if (pid == 0) {
+    if (pid == 0) {  // the job: resume if it can, train, save after every step
       Trainer t(c, swap);
-      for (int s = 0;; ++s) {
+      int start = 0;
+      if (checkpoint::ResolveCheckpointDir(ckpt).ok()) {
+        if (!t.engine->LoadCheckpoint(ckpt).ok()) _exit(4);
+        start = static_cast<int>(t.engine->global_step());
+      }
+      for (int s = start; s < kTarget; ++s) {
         t.Train(s, s + 1);
         if (!t.engine->SaveCheckpoint(ckpt, {{"next_step", s + 1}}).ok()) _exit(3);
       }
+      for (;;) pause();  // done: wait for the kill like an idle job
     }
-    std::this_thread::sleep_for(std::chrono::milliseconds(400 + rng() % 800));
+    std::this_thread::sleep_for(std::chrono::milliseconds(40 + rng() % 160));
     kill(pid, SIGKILL);
     int status = 0;
     waitpid(pid, &status, 0);
-    ASSERT_TRUE(WIFSIGNALED(status)) << "the child stopped on its own: " << status;
-    auto resolved = checkpoint::ResolveCheckpointDir(ckpt);
-    if (!resolved.ok()) continue;  // killed before the first save finished
-    Trainer t(c, swap);
-    auto extra = t.engine->LoadCheckpoint(ckpt);
-    ASSERT_TRUE(extra.ok()) << "round " << round << ": " << extra.status();
-    EXPECT_EQ((*extra)["next_step"].get<int64_t>(), t.engine->global_step());
+    ASSERT_TRUE(WIFSIGNALED(status)) << "the job failed on its own: status " << status;
+    auto latest = checkpoint::ResolveCheckpointDir(ckpt);
+    std::printf("round %d: killed; latest checkpoint %s\n", round,
+                latest.ok() ? fs::path(*latest).filename().c_str() : "none yet");
   }
+  Trainer t(c, swap);
+  int64_t resumed_at = 0;
+  if (checkpoint::ResolveCheckpointDir(ckpt).ok()) {
+    auto extra = t.engine->LoadCheckpoint(ckpt);
+    ASSERT_TRUE(extra.ok()) << extra.status();
+    resumed_at = t.engine->global_step();
+    EXPECT_EQ((*extra)["next_step"].get<int64_t>(), resumed_at);
+  }
+  t.Train(static_cast<int>(resumed_at), kTarget);
+  ExpectBitwiseEqual(t.engine->GatherMasterParams().value(), reference);
+  std::printf("killed 3 times; the last checkpoint was step %lld of %d\n",
+              static_cast<long long>(resumed_at), kTarget);
 }
 
 }  // namespace

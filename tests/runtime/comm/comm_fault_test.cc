@@ -71,8 +71,13 @@ TEST(CommFaultTest, StalledRankMakesPeerTimeOut) {
 TEST(CommFaultTest, CrashedRankTearsDownPeersAndLauncherFails) {
   const auto r = RunShell(
       StrCat(STRATA_LAUNCH_BIN, " --nproc 2 --grace 2 -- ", FAULT_RANK_BIN, " crash 30"));
-  EXPECT_EQ(r.exit_code, 7) << r.output;  // the failed rank's code
-  EXPECT_NE(r.output.find("rank 1 exited with code 7"), std::string::npos) << r.output;
+  // Rank 1 crashes with 7; rank 0's Gloo sees the reset connection within milliseconds and exits
+  // with 3. Whichever the launcher reaps first is the failure it reports: both are right, and
+  // either way the job must end non-zero, promptly, with the other rank torn down.
+  const bool crash_first = r.output.find("rank 1 exited with code 7") != std::string::npos;
+  const bool peer_first = r.output.find("rank 0 exited with code 3") != std::string::npos;
+  EXPECT_TRUE(crash_first || peer_first) << r.output;
+  EXPECT_EQ(r.exit_code, crash_first ? 7 : 3) << r.output;
   EXPECT_LT(r.seconds, 15.0) << "teardown must not wait for the 30 s comm timeout";
 }
 

@@ -44,7 +44,9 @@ using optim::DType;
 using optim::Isa;
 
 struct AdamArgs {
-  bool hugepages = false;
+  // On by default: Strata's optimizer states live in the host tier's pinned pool, which asks for
+  // transparent huge pages, so this is the configuration the engine actually runs.
+  bool hugepages = true;
   std::string n = "67108864";
   std::string threads = "0";
   std::string reps = "5";
@@ -332,9 +334,10 @@ void RegisterAdamCommand(CLI::App& app, int* exit_code) {
       ->type_name("R");
   cmd->add_option("--isa", args->isa, "Kernel: auto, scalar, avx2, avx512, avx512_bf16 (default auto: the best this CPU has)")
       ->type_name("ISA");
-  cmd->add_flag("--hugepages", args->hugepages,
-                 "Back Strata's and the roofline's buffers with transparent huge pages "
-                 "(madvise), as the host tier's pinned pool does; LibTorch keeps its own allocator");
+  cmd->add_flag("--hugepages,!--no-hugepages", args->hugepages,
+                "Back Strata's and the roofline's buffers with transparent huge pages (madvise), as "
+                "the host tier's pinned pool does (default on; --no-hugepages for 4 KiB pages). "
+                "LibTorch keeps its own allocator either way");
   cmd->add_flag("--json", args->json,
                 "Print one JSON object: <variant>_gparams_s / _gbps for strata, strata_scan_first, "
                 "strata_bf16_param, strata_bf16_states, grad_scan, libtorch_adamw, roofline; isa; ratios");

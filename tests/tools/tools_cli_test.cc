@@ -128,6 +128,59 @@ TEST(TuneCliTest, WritesAConfigThatParsesAndKeepsOtherKeys) {
   EXPECT_EQ(c.strata.chunk_size, 64u << 10);
 }
 
+// The compute rate: calibrated on the CPU by default (and reported), the profile's matmul figure
+// with --no-calibrate, the user's with --gflops; the cuda device says why it is not calibrated.
+TEST(TuneCliTest, CalibratesComputeOnTheCpuUnlessTold) {
+  testing::TempDir dir;
+  Write(dir.path() + "/c.json", kConfig);
+  Write(dir.path() + "/p.json", Profile(1.0));
+  const std::string base = std::string(STRATA_TUNE_BIN) + " --config " + dir.path() + "/c.json --profile " +
+                           dir.path() + "/p.json --dry-run --json";
+  auto report = [](const Result& r) {
+    const size_t brace = r.out.find('{');  // log lines may precede the JSON
+    return nlohmann::json::parse(r.out.substr(brace == std::string::npos ? 0 : brace));
+  };
+  Result r = Exec(base);
+  ASSERT_EQ(r.rc, 0) << r.out;
+  nlohmann::json j = report(r);
+  ASSERT_TRUE(j["calibration"].contains("gflops")) << r.out;
+  EXPECT_EQ(j["calibration"]["method"], "whole_model");
+  const double gflops = j["calibration"]["gflops"].get<double>();
+  EXPECT_GT(gflops, 0.0);
+  ASSERT_FALSE(j["assumptions"].empty());
+  EXPECT_NE(j["assumptions"].dump().find("calibrated"), std::string::npos) << j.dump(2);
+  // The predicted compute lane is the model's FLOPs at the calibrated rate (one micro-batch).
+  const double flops = j["candidates"][0]["predicted"]["flops"].get<double>();
+  const double compute_s = j["candidates"][0]["predicted"]["compute_s"].get<double>();
+  EXPECT_NEAR(compute_s, flops / (gflops * 1e9), 1e-6 * compute_s);
+
+  r = Exec(base + " --no-calibrate");
+  ASSERT_EQ(r.rc, 0) << r.out;
+  j = report(r);
+  EXPECT_TRUE(j["calibration"].is_null()) << j.dump(2);
+  // The synthetic profile's 50 GFLOP/s.
+  EXPECT_NEAR(j["candidates"][0]["predicted"]["compute_s"].get<double>(),
+              j["candidates"][0]["predicted"]["flops"].get<double>() / 50e9, 1e-12);
+
+  r = Exec(base + " --gflops 7");
+  ASSERT_EQ(r.rc, 0) << r.out;
+  j = report(r);
+  EXPECT_TRUE(j["calibration"].is_null());
+  EXPECT_NE(j["assumptions"].dump().find("(--gflops)"), std::string::npos) << j.dump(2);
+
+  nlohmann::json cuda_profile = nlohmann::json::parse(Profile(1.0));
+  for (const char* dir_name : {"h2d", "d2h"})
+    cuda_profile["copies"].push_back(
+        {{"device", "cuda"}, {"memory", "pinned"}, {"direction", dir_name}, {"gbps", 20.0}});
+  Write(dir.path() + "/cuda.json", cuda_profile.dump());
+  r = Exec(std::string(STRATA_TUNE_BIN) + " --config " + dir.path() + "/c.json --profile " + dir.path() +
+           "/cuda.json --dry-run --json --device cuda --device-budget 1GiB");
+  ASSERT_EQ(r.rc, 0) << r.out;
+  j = report(r);
+  ASSERT_TRUE(j["calibration"].contains("skipped")) << r.out;
+  EXPECT_NE(j["calibration"]["skipped"].get<std::string>().find("CPU only"), std::string::npos);
+}
+
 TEST(ProfileCliTest, BadArgumentsExitTwo) {
   Result r = Exec(std::string(STRATA_SWAPBENCH_BIN) + " profile --quick --full");
   EXPECT_EQ(r.rc, 2) << r.out;

@@ -32,7 +32,8 @@ nlohmann::json StepPrediction::ToJson() const {
 }
 
 StatusOr<Rates> RatesFromProfile(const HardwareProfile& p, const std::string& device,
-                                 double gflops_override, bool fp32) {
+                                 double gflops_override, bool fp32,
+                                 const std::string& override_source) {
   Rates r;
   r.gflops = gflops_override > 0                       ? gflops_override
              : fp32 && p.compute_fp32_gflops > 0 ? p.compute_fp32_gflops
@@ -40,7 +41,8 @@ StatusOr<Rates> RatesFromProfile(const HardwareProfile& p, const std::string& de
   if (r.gflops <= 0)
     return InvalidArgument("the profile has no compute figure (compute.gflops) and --gflops was not given; "
                            "rerun `strata-swapbench profile` or pass --gflops");
-  if (gflops_override > 0) r.assumptions.push_back(StrCat("compute rate ", gflops_override, " GFLOP/s (--gflops)"));
+  if (gflops_override > 0)
+    r.assumptions.push_back(StrCat("compute rate ", gflops_override, " GFLOP/s (", override_source, ")"));
   if (p.dram_gbps <= 0)
     return InvalidArgument("the profile has no dram.copy_gbps; rerun `strata-swapbench profile`");
   r.dram_gbps = p.dram_gbps;
@@ -171,7 +173,8 @@ StatusOr<TuneResult> Tune(const Config& config, const ModelSpec& model, const Ha
   if (!model.gpt)
     return InvalidArgument("strata-tune needs the model's shapes: pass a config with a \"model\" section");
   STRATA_ASSIGN_OR_RETURN(Rates base, RatesFromProfile(profile, o.device, o.gflops_override,
-                                                          !config.bf16.enabled && !config.fp16.enabled));
+                                                          !config.bf16.enabled && !config.fp16.enabled,
+                                                          o.gflops_source));
   TuneResult res;
   res.assumptions = base.assumptions;
   const bool cpu = o.device == "cpu";

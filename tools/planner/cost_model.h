@@ -60,8 +60,10 @@ struct Rates {
 // Fills Rates from a profile for `device` ("cpu"/"cuda"). The compute rate is
 // `gflops_override` when > 0, else the profile's figure for the working dtype (`fp32`: the fp32
 // figure when measured); a figure the profile lacks fails naming the section.
+// `override_source` names where an override came from in the assumption line.
 StatusOr<Rates> RatesFromProfile(const HardwareProfile& profile, const std::string& device,
-                                 double gflops_override, bool fp32 = false);
+                                 double gflops_override, bool fp32 = false,
+                                 const std::string& override_source = "--gflops");
 
 // Predicts one step of a GPT model (the model must carry its ModelConfig: FLOPs need shapes).
 StatusOr<StepPrediction> PredictStep(const Config& config, const ModelSpec& model,
@@ -76,6 +78,7 @@ struct TuneOptions {
   uint64_t nvme_budget = 0;    // bytes; 0: config's strata.nvme_capacity, then unlimited
   bool nvme_allowed = true;    // false when no nvme_path is known
   double gflops_override = 0;
+  std::string gflops_source = "--gflops";  // what set gflops_override, for the assumption line
 };
 
 struct Candidate {

@@ -2,7 +2,12 @@
 // from measured bandwidths (a `strata-swapbench profile --json` report) and a cost model of the
 // engine's lanes (tools/planner/cost_model.h), under the device/host/NVMe budgets. Writes the
 // chosen config (every other key of the input kept) and prints the top candidates with their
-// predicted step times; --verify runs the chosen config for a few steps and compares.
+// predicted step times. On the cpu device the compute rate comes from timing the model's own
+// layers (calibrate.h) rather than the profile's large matmul; --verify runs the chosen config
+// for a few steps and compares.
+#include <unistd.h>
+
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <tuple>
@@ -15,6 +20,7 @@
 #include "runtime/units.h"
 #include "tools/planner/cli_util.h"
 #include "tools/planner/cost_model.h"
+#include "tools/tune/calibrate.h"
 #include "tools/tune/verify.h"
 
 namespace {
@@ -51,7 +57,7 @@ int main(int argc, char** argv) {
       "strata-tune"};
   std::string config_path, profile_path, out_path, device = "", world_s = "1", top_s = "5";
   std::string dev_budget, host_budget, nvme_budget, nvme_path, gflops_s, steps_s = "4";
-  bool json = false, verify = false, dry_run = false;
+  bool json = false, verify = false, dry_run = false, calibrate = true;
   app.add_option("--config", config_path, "input config with a \"model\" section (required)")->required();
   app.add_option("--profile", profile_path, "`strata-swapbench profile --json` report (required)")->required();
   app.add_option("--out", out_path, "where to write the tuned config (default: <config>.tuned.json)");
@@ -62,7 +68,13 @@ int main(int argc, char** argv) {
   app.add_option("--nvme-budget", nvme_budget, "NVMe bytes per rank (default: strata.nvme_capacity, else unlimited)");
   app.add_option("--nvme-path", nvme_path, "NVMe directory for candidates that use NVMe (default: the config's, "
                                            "else the profile's)");
-  app.add_option("--gflops", gflops_s, "compute rate to assume instead of the profile's compute.gflops");
+  app.add_option("--gflops", gflops_s, "compute rate to assume instead of the profile's compute.gflops "
+                                       "(turns calibration off)");
+  app.add_flag("--calibrate,!--no-calibrate", calibrate,
+               "cpu device: time 1- and 2-block copies of the model (forward, loss, backward at the "
+               "config's micro-batch and dtype) and use the rate they reach instead of the profile's "
+               "large-matmul figure, which overstates small models (default on; takes a few passes "
+               "of two layers)");
   app.add_option("--top", top_s, "candidates to print (default 5)");
   app.add_flag("--json", json, "print the ranking as JSON");
   app.add_flag("--dry-run", dry_run, "print the ranking, write nothing");
@@ -118,6 +130,55 @@ int main(int argc, char** argv) {
   if (verify && to.world_size != 1)
     return fail(InvalidArgument("--verify runs one rank: use --world-size 1"), 2);
 
+  nlohmann::json calibration;
+  if (calibrate && to.gflops_override == 0) {
+    if (to.device != "cpu") {
+      calibration = {{"skipped", "calibration times the model on the CPU only; the cuda compute rate "
+                                 "comes from the profile's matmul figure"}};
+    } else {
+      const uint64_t need = tune::CalibrationBytes(*config, 2);
+      const uint64_t avail = static_cast<uint64_t>(sysconf(_SC_AVPHYS_PAGES)) *
+                             static_cast<uint64_t>(sysconf(_SC_PAGESIZE));
+      // The whole model is timed when it is small (exact shapes, a few seconds at most);
+      // larger ones are extrapolated from one and two blocks.
+      const uint64_t whole_limit = std::min<uint64_t>(avail / 4, 1ull << 30);
+      if (need > avail / 2) {
+        calibration = {{"skipped", StrCat("two layers of this model need about ", FormatBytes(need), " and ",
+                                          FormatBytes(avail), " is free; using the profile's figure")}};
+      } else {
+        if (!json)
+          std::fprintf(stderr, "strata-tune: calibrating compute on this CPU (micro-batch %lld x %lld tokens)...\n",
+                       static_cast<long long>(config->train_micro_batch_size_per_gpu),
+                       static_cast<long long>(config->model.seq_len));
+        auto cal = tune::CalibrateCompute(*config, 3, whole_limit);
+        if (!cal.ok()) {
+          calibration = {{"skipped", std::string(cal.status().message())}};
+        } else {
+          to.gflops_override = cal->gflops;
+          to.gflops_source =
+              cal->whole_model
+                  ? StrCat("calibrated: the whole model, ", cal->micro_batch_s * 1e3,
+                           " ms per micro-batch; --no-calibrate for the profile's matmul figure")
+                  : StrCat("calibrated: ", cal->block_s * 1e3, " ms per block, ", cal->rest_s * 1e3,
+                           " ms embedding+head+loss per micro-batch; --no-calibrate for the profile's "
+                           "matmul figure");
+          calibration = {{"method", cal->whole_model ? "whole_model" : "two_blocks"},
+                         {"micro_batch_s", cal->micro_batch_s},
+                         {"gflops", cal->gflops}};
+          if (!cal->whole_model) {
+            calibration["one_layer_s"] = cal->one_layer_s;
+            calibration["two_layer_s"] = cal->two_layer_s;
+            calibration["block_s"] = cal->block_s;
+            calibration["rest_s"] = cal->rest_s;
+          }
+        }
+      }
+    }
+  }
+  if (calibration.contains("skipped") && !json)
+    std::fprintf(stderr, "strata-tune: compute calibration skipped: %s\n",
+                 calibration["skipped"].get<std::string>().c_str());
+
   auto res = Tune(*config, *model, *profile, to);
   if (!res.ok()) return fail(res.status(), 2);
   if (res->candidates.empty() || !res->candidates.front().feasible) {
@@ -141,6 +202,7 @@ int main(int argc, char** argv) {
                            {"host_budget", res->host_budget},
                            {"nvme_budget", res->nvme_budget},
                            {"assumptions", res->assumptions},
+                           {"calibration", calibration},
                            {"out", dry_run ? "" : out_path}};
   nlohmann::json cands = nlohmann::json::array();
   for (size_t i = 0; i < res->candidates.size() && i < static_cast<size_t>(*top); ++i) {

@@ -1,5 +1,5 @@
 // --verify for strata-tune: runs a few steps of a config through strata::Engine on one rank and
-// reports the measured step time and lanes. The only part of the tuner that needs LibTorch.
+// reports the measured step time and lanes.
 #pragma once
 
 #include <cstdint>

@@ -71,10 +71,10 @@ int main(int argc, char** argv) {
   app.add_option("--gflops", gflops_s, "compute rate to assume instead of the profile's compute.gflops "
                                        "(turns calibration off)");
   app.add_flag("--calibrate,!--no-calibrate", calibrate,
-               "cpu device: time 1- and 2-block copies of the model (forward, loss, backward at the "
-               "config's micro-batch and dtype) and use the rate they reach instead of the profile's "
-               "large-matmul figure, which overstates small models (default on; takes a few passes "
-               "of two layers)");
+               "cpu device: time the model on this CPU (forward, loss, backward at the config's "
+               "micro-batch and dtype; a model over 1 GiB is extrapolated from copies with one and "
+               "two blocks) and use that rate instead of the profile's large-matmul figure, which "
+               "overstates small models (default on; --no-calibrate to skip)");
   app.add_option("--top", top_s, "candidates to print (default 5)");
   app.add_flag("--json", json, "print the ranking as JSON");
   app.add_flag("--dry-run", dry_run, "print the ranking, write nothing");

@@ -334,10 +334,14 @@ void RegisterAdamCommand(CLI::App& app, int* exit_code) {
       ->type_name("R");
   cmd->add_option("--isa", args->isa, "Kernel: auto, scalar, avx2, avx512, avx512_bf16 (default auto: the best this CPU has)")
       ->type_name("ISA");
-  cmd->add_flag("--hugepages,!--no-hugepages", args->hugepages,
-                "Back Strata's and the roofline's buffers with transparent huge pages (madvise), as "
-                "the host tier's pinned pool does (default on; --no-hugepages for 4 KiB pages). "
-                "LibTorch keeps its own allocator either way");
+  cmd->add_flag_callback(
+      "--no-hugepages", [args] { args->hugepages = false; },
+      "Back Strata's and the roofline's buffers with 4 KiB pages. By default they use transparent "
+      "huge pages (madvise), as the host tier's pinned pool does; LibTorch keeps its own "
+      "allocator either way");
+  cmd->add_flag_callback(
+      "--hugepages", [args] { args->hugepages = true; },
+      "The default; kept so older command lines still parse");
   cmd->add_flag("--json", args->json,
                 "Print one JSON object: <variant>_gparams_s / _gbps for strata, strata_scan_first, "
                 "strata_bf16_param, strata_bf16_states, grad_scan, libtorch_adamw, roofline; isa; ratios");

@@ -57,7 +57,7 @@ int main(int argc, char** argv) {
       "strata-tune"};
   std::string config_path, profile_path, out_path, device = "", world_s = "1", top_s = "5";
   std::string dev_budget, host_budget, nvme_budget, nvme_path, gflops_s, steps_s = "4";
-  bool json = false, verify = false, dry_run = false, calibrate = true;
+  bool json = false, verify = false, dry_run = false, no_calibrate = false;
   app.add_option("--config", config_path, "input config with a \"model\" section (required)")->required();
   app.add_option("--profile", profile_path, "`strata-swapbench profile --json` report (required)")->required();
   app.add_option("--out", out_path, "where to write the tuned config (default: <config>.tuned.json)");
@@ -70,11 +70,12 @@ int main(int argc, char** argv) {
                                            "else the profile's)");
   app.add_option("--gflops", gflops_s, "compute rate to assume instead of the profile's compute.gflops "
                                        "(turns calibration off)");
-  app.add_flag("--calibrate,!--no-calibrate", calibrate,
-               "cpu device: time the model on this CPU (forward, loss, backward at the config's "
+  app.add_flag("--no-calibrate", no_calibrate,
+               "use the profile's matmul figure as is. By default, on the cpu device, strata-tune "
+               "times the model on this CPU (forward, loss, backward at the config's "
                "micro-batch and dtype; a model over 1 GiB is extrapolated from copies with one and "
-               "two blocks) and use that rate instead of the profile's large-matmul figure, which "
-               "overstates small models (default on; --no-calibrate to skip)");
+               "two blocks) and uses that rate instead of the profile's large-matmul figure, which "
+               "overstates small models");
   app.add_option("--top", top_s, "candidates to print (default 5)");
   app.add_flag("--json", json, "print the ranking as JSON");
   app.add_flag("--dry-run", dry_run, "print the ranking, write nothing");
@@ -131,7 +132,7 @@ int main(int argc, char** argv) {
     return fail(InvalidArgument("--verify runs one rank: use --world-size 1"), 2);
 
   nlohmann::json calibration;
-  if (calibrate && to.gflops_override == 0) {
+  if (!no_calibrate && to.gflops_override == 0) {
     if (to.device != "cpu") {
       calibration = {{"skipped", "calibration times the model on the CPU only; the cuda compute rate "
                                  "comes from the profile's matmul figure"}};

@@ -40,6 +40,47 @@ std::string DefaultOut(const std::string& in) {
   return (dot != std::string::npos && dot + 5 == in.size() ? in.substr(0, dot) : in) + ".tuned.json";
 }
 
+// Times the model on this CPU (calibrate.h) and, when that works, sets the cost model's compute
+// rate in `to`. Returns what goes under "calibration" in the report: the figures, or "skipped"
+// with the reason when the profile's matmul figure stays in use.
+nlohmann::json CalibrateForTune(const Config& config, bool quiet, TuneOptions* to) {
+  if (to->device != "cpu")
+    return {{"skipped", "calibration times the model on the CPU only; the cuda compute rate comes "
+                        "from the profile's matmul figure"}};
+  const uint64_t need = tune::CalibrationBytes(config, 2);
+  const uint64_t avail = static_cast<uint64_t>(sysconf(_SC_AVPHYS_PAGES)) *
+                         static_cast<uint64_t>(sysconf(_SC_PAGESIZE));
+  if (need > avail / 2)
+    return {{"skipped", StrCat("two layers of this model need about ", FormatBytes(need), " and ",
+                               FormatBytes(avail), " is free; using the profile's figure")}};
+  if (!quiet)
+    std::fprintf(stderr, "strata-tune: calibrating compute on this CPU (micro-batch %lld x %lld tokens)...\n",
+                 static_cast<long long>(config.train_micro_batch_size_per_gpu),
+                 static_cast<long long>(config.model.seq_len));
+  // The whole model is timed when it is small (exact shapes, a few seconds at most); larger ones
+  // are extrapolated from one and two blocks.
+  const uint64_t whole_limit = std::min<uint64_t>(avail / 4, 1ull << 30);
+  auto cal = tune::CalibrateCompute(config, 3, whole_limit);
+  if (!cal.ok()) return {{"skipped", std::string(cal.status().message())}};
+  to->gflops_override = cal->gflops;
+  const char* opt_out = "; --no-calibrate for the profile's matmul figure";
+  to->gflops_source = cal->whole_model
+                          ? StrCat("calibrated: the whole model, ", cal->micro_batch_s * 1e3,
+                                   " ms per micro-batch", opt_out)
+                          : StrCat("calibrated: ", cal->block_s * 1e3, " ms per block, ",
+                                   cal->rest_s * 1e3, " ms embedding+head+loss per micro-batch", opt_out);
+  nlohmann::json j = {{"method", cal->whole_model ? "whole_model" : "two_blocks"},
+                      {"micro_batch_s", cal->micro_batch_s},
+                      {"gflops", cal->gflops}};
+  if (!cal->whole_model) {
+    j["one_layer_s"] = cal->one_layer_s;
+    j["two_layer_s"] = cal->two_layer_s;
+    j["block_s"] = cal->block_s;
+    j["rest_s"] = cal->rest_s;
+  }
+  return j;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -132,50 +173,7 @@ int main(int argc, char** argv) {
     return fail(InvalidArgument("--verify runs one rank: use --world-size 1"), 2);
 
   nlohmann::json calibration;
-  if (!no_calibrate && to.gflops_override == 0) {
-    if (to.device != "cpu") {
-      calibration = {{"skipped", "calibration times the model on the CPU only; the cuda compute rate "
-                                 "comes from the profile's matmul figure"}};
-    } else {
-      const uint64_t need = tune::CalibrationBytes(*config, 2);
-      const uint64_t avail = static_cast<uint64_t>(sysconf(_SC_AVPHYS_PAGES)) *
-                             static_cast<uint64_t>(sysconf(_SC_PAGESIZE));
-      // The whole model is timed when it is small (exact shapes, a few seconds at most);
-      // larger ones are extrapolated from one and two blocks.
-      const uint64_t whole_limit = std::min<uint64_t>(avail / 4, 1ull << 30);
-      if (need > avail / 2) {
-        calibration = {{"skipped", StrCat("two layers of this model need about ", FormatBytes(need), " and ",
-                                          FormatBytes(avail), " is free; using the profile's figure")}};
-      } else {
-        if (!json)
-          std::fprintf(stderr, "strata-tune: calibrating compute on this CPU (micro-batch %lld x %lld tokens)...\n",
-                       static_cast<long long>(config->train_micro_batch_size_per_gpu),
-                       static_cast<long long>(config->model.seq_len));
-        auto cal = tune::CalibrateCompute(*config, 3, whole_limit);
-        if (!cal.ok()) {
-          calibration = {{"skipped", std::string(cal.status().message())}};
-        } else {
-          to.gflops_override = cal->gflops;
-          to.gflops_source =
-              cal->whole_model
-                  ? StrCat("calibrated: the whole model, ", cal->micro_batch_s * 1e3,
-                           " ms per micro-batch; --no-calibrate for the profile's matmul figure")
-                  : StrCat("calibrated: ", cal->block_s * 1e3, " ms per block, ", cal->rest_s * 1e3,
-                           " ms embedding+head+loss per micro-batch; --no-calibrate for the profile's "
-                           "matmul figure");
-          calibration = {{"method", cal->whole_model ? "whole_model" : "two_blocks"},
-                         {"micro_batch_s", cal->micro_batch_s},
-                         {"gflops", cal->gflops}};
-          if (!cal->whole_model) {
-            calibration["one_layer_s"] = cal->one_layer_s;
-            calibration["two_layer_s"] = cal->two_layer_s;
-            calibration["block_s"] = cal->block_s;
-            calibration["rest_s"] = cal->rest_s;
-          }
-        }
-      }
-    }
-  }
+  if (!no_calibrate && to.gflops_override == 0) calibration = CalibrateForTune(*config, json, &to);
   if (calibration.contains("skipped") && !json)
     std::fprintf(stderr, "strata-tune: compute calibration skipped: %s\n",
                  calibration["skipped"].get<std::string>().c_str());

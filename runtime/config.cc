@@ -45,8 +45,9 @@ std::string Describe(const json& v) {
 // "stage3_prefech_bucket_size" runs with the default and nobody notices. Strata refuses them.
 class Section {
  public:
-  Section(const json* obj, std::string path, std::vector<std::string>* warnings)
-      : obj_(obj), path_(std::move(path)), warnings_(warnings) {}
+  Section(const json* obj, std::string path, std::vector<std::string>* warnings,
+          std::vector<std::string>* autos)
+      : obj_(obj), path_(std::move(path)), warnings_(warnings), autos_(autos) {}
 
   bool has(const std::string& key) const { return obj_ && obj_->contains(key); }
 
@@ -67,6 +68,16 @@ class Section {
     if (Get(key)) Warn(StrCat(Key(key), " is accepted for DeepSpeed compatibility but ", why));
   }
 
+  // Note [auto values]: Hugging Face's DeepSpeed integration writes "auto" for values it fills
+  // in from the trainer's arguments. Strata records the key (Config::auto_keys), leaves the
+  // default in place, and Config::ResolveAuto fills it from the run. Accessors call this first.
+  bool IsAuto(const std::string& key) {
+    const json* v = Get(key);
+    if (!v || !v->is_string() || v->get<std::string>() != "auto") return false;
+    autos_->push_back(Key(key));
+    return true;
+  }
+
   // An old spelling: read as `now` (which must not also be present).
   Status Alias(const std::string& old_key, const std::string& now_key) {
     known_.insert(old_key);
@@ -81,6 +92,7 @@ class Section {
   }
 
   Status Bool(const std::string& key, bool* out) {
+    if (IsAuto(key)) return Status::Ok();
     const json* v = Lookup(key);
     if (!v) return Status::Ok();
     if (v->is_boolean()) {
@@ -101,6 +113,7 @@ class Section {
   }
 
   Status Int(const std::string& key, int64_t* out, int64_t lo, int64_t hi) {
+    if (IsAuto(key)) return Status::Ok();
     const json* v = Lookup(key);
     if (!v) return Status::Ok();
     double d;
@@ -124,6 +137,7 @@ class Section {
 
   Status Double(const std::string& key, double* out, double lo, double hi, bool hi_open = false,
                 bool lo_open = false) {
+    if (IsAuto(key)) return Status::Ok();
     const json* v = Lookup(key);
     if (!v) return Status::Ok();
     if (!v->is_number())
@@ -140,6 +154,7 @@ class Section {
 
   // A byte count: a whole number, 5e8, or a string such as "24GiB".
   Status Bytes(const std::string& key, uint64_t* out, uint64_t lo, uint64_t hi) {
+    if (IsAuto(key)) return Status::Ok();
     const json* v = Lookup(key);
     if (!v) return Status::Ok();
     uint64_t b = 0;
@@ -222,11 +237,12 @@ class Section {
     const json* v = Get(key);
     if (v && !v->is_object())
       return InvalidArgument(StrCat(Key(key), "=", Describe(*v), ": must be a JSON object"));
-    return Section(v, Key(key), warnings_);
+    return Section(v, Key(key), warnings_, autos_);
   }
 
-  // Errors on the first key nobody consumed, suggesting the closest known spelling.
-  Status Finish() const {
+  // Errors on the first key nobody consumed, suggesting the closest known spelling. With
+  // warn_only (the top level, where DeepSpeed ignores unknown keys) each such key is a warning.
+  Status Finish(bool warn_only = false) {
     if (!obj_) return Status::Ok();
     for (auto it = obj_->begin(); it != obj_->end(); ++it) {
       if (known_.count(it.key())) continue;
@@ -242,7 +258,13 @@ class Section {
         if (d < best_d) best_d = d, best = k;
       }
       std::string msg = StrCat("unknown key ", Key(it.key()));
-      if (!best.empty() && best_d <= std::max<size_t>(3, it.key().size() / 3))
+      const bool close = !best.empty() && best_d <= std::max<size_t>(3, it.key().size() / 3);
+      if (warn_only) {
+        Warn(StrCat(msg, " is ignored (DeepSpeed ignores it too)",
+                    close ? StrCat("; did you mean ", Key(best), "?") : std::string()));
+        continue;
+      }
+      if (close)
         msg += StrCat("; did you mean ", Key(best), "?");
       else if (!known_.empty()) {
         std::string all;
@@ -275,6 +297,7 @@ class Section {
   const json* obj_;
   std::string path_;
   std::vector<std::string>* warnings_;
+  std::vector<std::string>* autos_;
   std::set<std::string> known_;
   std::map<std::string, std::string> aliases_;
 };
@@ -285,6 +308,13 @@ constexpr uint64_t kMaxBytes = uint64_t{1} << 56;
 const std::vector<std::pair<std::string, OffloadDevice>> kOffloadDevices = {
     {"none", OffloadDevice::kNone}, {"cpu", OffloadDevice::kCpu}, {"nvme", OffloadDevice::kNvme}};
 
+template <typename E>
+std::string EnumName(E v, const std::vector<std::pair<std::string, E>>& choices) {
+  for (const auto& c : choices)
+    if (c.second == v) return c.first;
+  return "?";
+}
+
 Status ParseOffloadParam(Section s, OffloadParamConfig* c) {
   STRATA_RETURN_IF_ERROR(s.Enum("device", &c->device, kOffloadDevices));
   STRATA_RETURN_IF_ERROR(s.StringList("nvme_path", &c->nvme_path));
@@ -292,6 +322,14 @@ Status ParseOffloadParam(Section s, OffloadParamConfig* c) {
   STRATA_RETURN_IF_ERROR(s.Int("buffer_size", &c->buffer_size, 1, kMaxElems));
   STRATA_RETURN_IF_ERROR(s.Int("max_in_cpu", &c->max_in_cpu, 0, kMaxElems));
   STRATA_RETURN_IF_ERROR(s.Bool("pin_memory", &c->pin_memory));
+  // Note [no silent key]: a key Strata parses but does not act on says so once.
+  s.Ignored("buffer_count",
+            "has no effect: parameters are staged through the host pool, sized by "
+            "strata.host_memory_budget, not through a fixed number of buffers");
+  s.Ignored("buffer_size", "has no effect: staging buffers are the host pool's chunk-sized blocks");
+  s.Ignored("max_in_cpu",
+            "has no effect: NVMe-homed parameters are cached in the host pool up to "
+            "strata.host_memory_budget");
   return s.Finish();
 }
 
@@ -312,6 +350,17 @@ Status ParseOffloadOptimizer(Section s, OffloadOptimizerConfig* c) {
   }
   s.Ignored("fast_init", "has no effect in Strata");
   STRATA_RETURN_IF_ERROR(s.Double("ratio", &c->ratio, 0.0, 1.0));
+  s.Ignored("buffer_count",
+            "has no effect: optimizer states are staged through the host pool, sized by "
+            "strata.host_memory_budget");
+  if (s.has("pipeline_read") || s.has("pipeline_write") || s.has("pipeline"))
+    s.Warn(StrCat(s.Key("pipeline_read"), "/pipeline_write have no effect: Strata always prefetches "
+                  "optimizer states ahead of use from the recorded trace and writes them behind "
+                  "(strata.prefetch_lookahead sets how far)"));
+  if (c->ratio < 1.0)
+    s.Warn(StrCat(s.Key("ratio"), "=", c->ratio,
+                  " has no effect: partial optimizer offload is not implemented, every optimizer "
+                  "state is offloaded (as with ratio 1.0)"));
   return s.Finish();
 }
 
@@ -332,6 +381,27 @@ Status ParseZero(Section s, ZeroConfig* c) {
       s.Int("stage3_max_live_parameters", &c->stage3_max_live_parameters, 0, kMaxElems));
   STRATA_RETURN_IF_ERROR(
       s.Int("stage3_max_reuse_distance", &c->stage3_max_reuse_distance, 0, kMaxElems));
+  // DeepSpeed reads these without the stage3_ prefix as well (its pydantic aliases).
+  for (const char* k : {"prefetch_bucket_size", "param_persistence_threshold", "max_live_parameters",
+                        "max_reuse_distance", "gather_16bit_weights_on_model_save"}) {
+    const std::string full = StrCat("stage3_", k);
+    if (s.has(k) && s.has(full))
+      return InvalidArgument(StrCat(s.Key(k), " and ", s.Key(full), " are both set; keep one"));
+  }
+  STRATA_RETURN_IF_ERROR(s.Int("prefetch_bucket_size", &c->stage3_prefetch_bucket_size, 0, kMaxElems));
+  STRATA_RETURN_IF_ERROR(
+      s.Int("param_persistence_threshold", &c->stage3_param_persistence_threshold, 0, kMaxElems));
+  STRATA_RETURN_IF_ERROR(s.Int("max_live_parameters", &c->stage3_max_live_parameters, 0, kMaxElems));
+  STRATA_RETURN_IF_ERROR(s.Int("max_reuse_distance", &c->stage3_max_reuse_distance, 0, kMaxElems));
+  if (!c->contiguous_gradients)
+    s.Warn(StrCat(s.Key("contiguous_gradients"),
+                  "=false has no effect: gradients always live in contiguous chunk buffers"));
+  if (s.has("overlap_comm") && c->overlap_comm)
+    s.Warn(StrCat(s.Key("overlap_comm"),
+                  "=true has no effect yet: all-gathers and reduce-scatters run on the compute "
+                  "thread; NVMe reads and the CPU optimizer do overlap compute"));
+  s.Ignored("sub_group_size",
+            "has no effect: the optimizer works one chunk at a time (strata.chunk_size)");
 
   // DeepSpeed's pre-0.3.16 spellings of the offload switches.
   if (s.has("cpu_offload")) {
@@ -375,7 +445,13 @@ Status ParseZero(Section s, ZeroConfig* c) {
   STRATA_RETURN_IF_ERROR(ParseOffloadOptimizer(oo, &c->offload_optimizer));
 
   for (const char* k : {"allgather_partitions", "reduce_scatter", "round_robin_gradients",
-                        "stage3_gather_16bit_weights_on_model_save",
+                        "stage3_gather_16bit_weights_on_model_save", "gather_16bit_weights_on_model_save",
+                        "stage3_model_persistence_threshold", "model_persistence_threshold",
+                        "offload_param_nvme_path", "offload_optimizer_nvme_path",
+                        "zeropp_loco_param", "log_trace_cache_warnings", "pipeline_loading_checkpoint",
+                        "override_module_apply", "module_granularity_threshold",
+                        "use_all_reduce_for_fetch_params", "stage3_use_all_reduce_for_fetch_params",
+                        "legacy_stage1", "reduce_scatter_bucket_size",
                         "stage3_gather_fp16_weights_on_model_save", "load_from_fp32_weights",
                         "elastic_checkpoint", "ignore_unused_parameters", "memory_efficient_linear",
                         "use_multi_rank_bucket_allreduce", "zero_hpz_partition_size",
@@ -404,11 +480,32 @@ Status ParseAio(Section s, AioConfig* c) {
 }
 
 Status ParseOptimizer(Section s, OptimizerConfig* c) {
-  STRATA_RETURN_IF_ERROR(s.Enum("type", &c->type,
-                                {{"Adam", OptimizerType::kAdam}, {"AdamW", OptimizerType::kAdamW}}));
+  // DeepSpeed's type names are case-insensitive; "DeepSpeed_Adam" is an old name of its CPU Adam.
+  // Note [Adam means AdamW]: DeepSpeed builds "Adam" with adam_w_mode=true unless the params say
+  // otherwise, i.e. decoupled weight decay; Strata follows it so a config trains the same here.
+  if (const json* t = s.Get("type"); t && t->is_string()) {
+    std::string lower = t->get<std::string>();
+    std::transform(lower.begin(), lower.end(), lower.begin(), ::tolower);
+    if (lower == "adam" || lower == "deepspeed_adam" || lower == "fusedadam" || lower == "cpuadam") {
+      if (lower != "adam")
+        s.Warn(StrCat(s.Key("type"), "=\"", t->get<std::string>(), "\" runs Strata's CPU Adam"));
+      c->type = OptimizerType::kAdamW;  // adam_w_mode below may turn it back into Adam
+    } else if (lower == "adamw") {
+      c->type = OptimizerType::kAdamW;
+    } else {
+      return InvalidArgument(StrCat(
+          s.Key("type"), "=\"", t->get<std::string>(),
+          "\": Strata implements Adam and AdamW only (DeepSpeed's Lamb, OneBitAdam, Adagrad and "
+          "Lion are not available); use \"AdamW\""));
+    }
+  } else if (t) {
+    return InvalidArgument(StrCat(s.Key("type"), "=", Describe(*t), ": must be \"Adam\" or \"AdamW\""));
+  }
   STRATA_ASSIGN_OR_RETURN(Section p, s.Child("params"));
   STRATA_RETURN_IF_ERROR(p.Double("lr", &c->lr, 0.0, 10.0));
-  if (const json* b = p.Get("betas")) {
+  if (p.IsAuto("betas")) {
+    // resolved to the defaults (0.9, 0.999) by Config::ResolveAuto
+  } else if (const json* b = p.Get("betas")) {
     if (!b->is_array() || b->size() != 2 || !(*b)[0].is_number() || !(*b)[1].is_number())
       return InvalidArgument(StrCat(p.Key("betas"), "=", Describe(*b),
                                     ": must be a list of two numbers in [0, 1), e.g. [0.9, 0.999]"));
@@ -421,15 +518,22 @@ Status ParseOptimizer(Section s, OptimizerConfig* c) {
   STRATA_RETURN_IF_ERROR(p.Double("eps", &c->eps, 0.0, 1.0, false, true));
   STRATA_RETURN_IF_ERROR(p.Double("weight_decay", &c->weight_decay, 0.0, 1e3));
   STRATA_RETURN_IF_ERROR(p.Bool("bias_correction", &c->bias_correction));
-  // DeepSpeed's Adam takes adam_w_mode to pick decoupled decay; map it onto the type.
+  // DeepSpeed's Adam takes adam_w_mode to pick decoupled decay; AdamW is always decoupled.
   if (p.has("adam_w_mode")) {
-    bool w = false;
+    bool w = true;
     STRATA_RETURN_IF_ERROR(p.Bool("adam_w_mode", &w));
-    c->type = w ? OptimizerType::kAdamW : OptimizerType::kAdam;
+    if (!w && c->type == OptimizerType::kAdamW) {
+      const std::string name = s.Get("type") ? s.Get("type")->get<std::string>() : "";
+      std::string lower = name;
+      std::transform(lower.begin(), lower.end(), lower.begin(), ::tolower);
+      if (lower != "adamw") c->type = OptimizerType::kAdam;
+    }
   } else {
     p.Get("adam_w_mode");
   }
   p.Ignored("torch_adam", "Strata always uses its own CPU Adam");
+  p.Ignored("max_grad_norm", "set gradient_clipping at the top level instead (DeepSpeed does the same)");
+  p.Ignored("fused", "Strata's CPU Adam is always fused");
   p.Ignored("amsgrad", "is not supported (amsgrad=true is rejected)");
   if (const json* a = p.Get("amsgrad"); a && a->is_boolean() && a->get<bool>())
     return InvalidArgument(StrCat(p.Key("amsgrad"), "=true: AMSGrad is not supported; remove it"));
@@ -438,6 +542,11 @@ Status ParseOptimizer(Section s, OptimizerConfig* c) {
 }
 
 Status ParseScheduler(Section s, SchedulerConfig* c) {
+  if (const json* t = s.Get("type"); t && t->is_string() &&
+                                      (t->get<std::string>() == "OneCycle" || t->get<std::string>() == "LRRangeTest"))
+    return InvalidArgument(StrCat(s.Key("type"), "=\"", t->get<std::string>(),
+                                  "\": not implemented in Strata; use WarmupLR, WarmupDecayLR or "
+                                  "WarmupCosineLR"));
   STRATA_RETURN_IF_ERROR(s.Enum("type", &c->type,
                                 {{"WarmupLR", SchedulerType::kWarmupLR},
                                  {"WarmupDecayLR", SchedulerType::kWarmupDecayLR},
@@ -447,7 +556,8 @@ Status ParseScheduler(Section s, SchedulerConfig* c) {
   STRATA_RETURN_IF_ERROR(p.Double("warmup_max_lr", &c->warmup_max_lr, 0.0, 10.0));
   STRATA_RETURN_IF_ERROR(p.Int("warmup_num_steps", &c->warmup_num_steps, 0, kMaxElems));
   STRATA_RETURN_IF_ERROR(p.Int("total_num_steps", &c->total_num_steps, 1, kMaxElems));
-  p.Ignored("warmup_type", "warmup is linear in Strata");
+  STRATA_RETURN_IF_ERROR(p.Enum("warmup_type", &c->warmup_type,
+                                {{"log", WarmupType::kLog}, {"linear", WarmupType::kLinear}}));
   p.Ignored("last_batch_iteration", "has no effect in Strata");
   STRATA_RETURN_IF_ERROR(p.Finish());
   if (c->type != SchedulerType::kNone && c->type != SchedulerType::kWarmupLR &&
@@ -467,6 +577,20 @@ Status ParseFp16(Section s, Fp16Config* c) {
   s.Ignored("consecutive_hysteresis", "has no effect in Strata");
   s.Ignored("auto_cast", "has no effect in Strata (the model's parameters are cast)");
   s.Ignored("fp16_master_weights_and_grads", "master weights are always fp32 in Strata");
+  return s.Finish();
+}
+
+Status ParseActivationCheckpointing(Section s, ActivationCheckpointingConfig* c) {
+  STRATA_RETURN_IF_ERROR(s.Bool("partition_activations", &c->partition_activations));
+  STRATA_RETURN_IF_ERROR(s.Bool("cpu_checkpointing", &c->cpu_checkpointing));
+  STRATA_RETURN_IF_ERROR(s.Bool("contiguous_memory_optimization", &c->contiguous_memory_optimization));
+  STRATA_RETURN_IF_ERROR(s.Int("number_checkpoints", &c->number_checkpoints, 0, 1 << 20));
+  STRATA_RETURN_IF_ERROR(s.Bool("synchronize_checkpoint_boundary", &c->synchronize_checkpoint_boundary));
+  STRATA_RETURN_IF_ERROR(s.Bool("profile", &c->profile));
+  if (c->partition_activations || c->cpu_checkpointing || c->contiguous_memory_optimization ||
+      c->synchronize_checkpoint_boundary || c->profile || c->number_checkpoints > 0)
+    s.Warn("activation_checkpointing: the keys are valid but the engine does not checkpoint "
+           "activations yet, so this section has no effect; activations stay in device memory");
   return s.Finish();
 }
 
@@ -523,19 +647,50 @@ Status ParseModel(Section s, ModelConfig* c) {
 Status ParseRoot(const json& root, Config* c) {
   if (!root.is_object())
     return InvalidArgument(StrCat("the config must be a JSON object, got ", Describe(root)));
-  Section s(&root, "", &c->warnings);
+  Section s(&root, "", &c->warnings, &c->auto_keys);
   STRATA_RETURN_IF_ERROR(s.Int("train_batch_size", &c->train_batch_size, 0, kMaxElems));
   STRATA_RETURN_IF_ERROR(
       s.Int("train_micro_batch_size_per_gpu", &c->train_micro_batch_size_per_gpu, 1, 1 << 24));
   STRATA_RETURN_IF_ERROR(
       s.Int("gradient_accumulation_steps", &c->gradient_accumulation_steps, 1, 1 << 24));
   STRATA_RETURN_IF_ERROR(s.Double("gradient_clipping", &c->gradient_clipping, 0.0, 1e12));
-  STRATA_RETURN_IF_ERROR(s.Int("steps_per_print", &c->steps_per_print, 1, kMaxElems));
+  STRATA_RETURN_IF_ERROR(
+      s.Int("steps_per_print", &c->steps_per_print, 1, std::numeric_limits<int64_t>::max()));
   STRATA_RETURN_IF_ERROR(s.Bool("wall_clock_breakdown", &c->wall_clock_breakdown));
-  for (const char* k : {"zero_allow_untested_optimizer", "prescale_gradients",
-                        "gradient_predivide_factor", "communication_data_type",
-                        "zero_force_ds_cpu_optimizer", "dump_state", "memory_breakdown"})
+  if (c->wall_clock_breakdown)
+    s.Warn("wall_clock_breakdown=true has no effect: Strata always reports per-lane busy time "
+           "(compute, NVMe, optimizer, comm) in strata-train's step lines and --json");
+  // Note [DeepSpeed sections]: sections DeepSpeed knows and Strata does not act on are accepted
+  // with one line each saying so, and what Strata offers instead.
+  for (const char* k : {"zero_allow_untested_optimizer", "zero_force_ds_cpu_optimizer",
+                        "dump_state", "memory_breakdown", "gradient_predivide_factor",
+                        "seq_parallel_communication_data_type", "sparse_gradients",
+                        "amp", "elasticity", "autotuning", "quantize_training",
+                        "compression_training", "sparse_attention", "data_types",
+                        "eigenvalue", "progressive_layer_drop", "pld", "graph_harvesting",
+                        "use_data_before_expert_parallelism", "use_node_local_storage", "fp8",
+                        "torch_autocast", "timers", "hybrid_engine", "pipeline", "nebula",
+                        "checkpoint", "dataloader_drop_last", "data_efficiency",
+                        "curriculum_learning", "tensor_parallel", "compile", "weight_quantization",
+                        "steps_per_print_ranks", "disable_allgather", "cuda_visible_devices",
+                        "_comment", "comment", "train_batch_size_per_gpu_eval"})
     s.Ignored(k, "has no effect in Strata");
+  for (const char* k : {"prescale_gradients", "communication_data_type"}) {
+    if (const json* v = s.Get(k); v && !(v->is_boolean() && !v->get<bool>()) && !v->is_null())
+      s.Warn(StrCat(k, "=", Describe(*v), " has no effect: gradients are reduced in fp32 and "
+                                            "averaged after the reduction"));
+  }
+  for (const char* k : {"wandb", "tensorboard", "csv_monitor", "monitor_config", "comet"})
+    s.Ignored(k, "is not a Strata monitor: strata-train prints per-step loss, lr, tokens/s and "
+                 "per-lane times, --json writes them as JSON lines and --plot draws an SVG");
+  s.Ignored("flops_profiler",
+            "has no effect: strata-train reports tokens/s and per-lane busy time each step; "
+            "strata-swapbench profile measures the machine's compute and copy rates");
+  for (const char* k : {"comms_logger", "comms_config"})
+    s.Ignored(k, "has no effect: strata-train's --json reports the comm lane's busy seconds "
+                 "per step, and strata-launch commbench measures collective bandwidth");
+  STRATA_ASSIGN_OR_RETURN(Section ac, s.Child("activation_checkpointing"));
+  STRATA_RETURN_IF_ERROR(ParseActivationCheckpointing(ac, &c->activation_checkpointing));
 
   STRATA_ASSIGN_OR_RETURN(Section opt, s.Child("optimizer"));
   STRATA_RETURN_IF_ERROR(ParseOptimizer(opt, &c->optimizer));
@@ -559,18 +714,27 @@ Status ParseRoot(const json& root, Config* c) {
   STRATA_RETURN_IF_ERROR(ParseStrata(st, &c->strata));
   STRATA_ASSIGN_OR_RETURN(Section model, s.Child("model"));
   STRATA_RETURN_IF_ERROR(ParseModel(model, &c->model));
-  STRATA_RETURN_IF_ERROR(s.Finish());
+  STRATA_RETURN_IF_ERROR(s.Finish(/*warn_only=*/true));
 
   if (c->fp16.enabled && c->bf16.enabled)
     return InvalidArgument("fp16.enabled and bf16.enabled are both true; enable at most one");
-  const auto& z = c->zero_optimization;
-  if (z.offload_param.device != OffloadDevice::kNone && z.stage != 3)
-    return InvalidArgument(StrCat("zero_optimization.offload_param.device requires stage 3 (stage=",
-                                  z.stage, "); set zero_optimization.stage to 3"));
-  if (z.offload_optimizer.device != OffloadDevice::kNone && z.stage == 0)
-    return InvalidArgument(
-        "zero_optimization.offload_optimizer needs ZeRO stage 1, 2 or 3 (stage=0); set "
-        "zero_optimization.stage");
+  auto& z = c->zero_optimization;
+  // DeepSpeed only offloads parameters at stage 3 and the optimizer at stages 1-3; elsewhere it
+  // ignores the section, and so does Strata, saying so.
+  if (z.offload_param.device != OffloadDevice::kNone && z.stage != 3) {
+    s.Warn(StrCat("zero_optimization.offload_param.device=", EnumName(z.offload_param.device, kOffloadDevices),
+                  " is ignored at stage ", z.stage,
+                  ": parameters are offloaded only under stage 3 (as in DeepSpeed); set "
+                  "zero_optimization.stage to 3 to offload them"));
+    z.offload_param.device = OffloadDevice::kNone;
+  }
+  if (z.offload_optimizer.device != OffloadDevice::kNone && z.stage == 0) {
+    s.Warn(StrCat("zero_optimization.offload_optimizer.device=",
+                  EnumName(z.offload_optimizer.device, kOffloadDevices),
+                  " is ignored at stage 0 (as in DeepSpeed); set zero_optimization.stage to 1, 2 "
+                  "or 3 to offload the optimizer"));
+    z.offload_optimizer.device = OffloadDevice::kNone;
+  }
   if (c->train_batch_size != 0 &&
       c->train_batch_size % (c->train_micro_batch_size_per_gpu * c->gradient_accumulation_steps) != 0)
     return InvalidArgument(StrCat(
@@ -580,12 +744,6 @@ Status ParseRoot(const json& root, Config* c) {
   return Status::Ok();
 }
 
-template <typename E>
-std::string EnumName(E v, const std::vector<std::pair<std::string, E>>& choices) {
-  for (const auto& c : choices)
-    if (c.second == v) return c.first;
-  return "?";
-}
 
 }  // namespace
 
@@ -632,11 +790,14 @@ json Config::ToJson() const {
         {"eps", optimizer.eps},
         {"weight_decay", optimizer.weight_decay},
         {"bias_correction", optimizer.bias_correction}}}};
+  // Note [Adam means AdamW]: "Adam" alone reads back as AdamW, so plain Adam says so.
+  if (optimizer.type == OptimizerType::kAdam) j["optimizer"]["params"]["adam_w_mode"] = false;
   if (scheduler.type != SchedulerType::kNone) {
     const char* names[] = {"none", "WarmupLR", "WarmupDecayLR", "WarmupCosineLR"};
     j["scheduler"] = {{"type", names[static_cast<int>(scheduler.type)]},
                       {"params",
-                       {{"warmup_min_lr", scheduler.warmup_min_lr},
+                       {{"warmup_type", scheduler.warmup_type == WarmupType::kLog ? "log" : "linear"},
+                        {"warmup_min_lr", scheduler.warmup_min_lr},
                         {"warmup_max_lr", scheduler.warmup_max_lr},
                         {"warmup_num_steps", scheduler.warmup_num_steps},
                         {"total_num_steps", scheduler.total_num_steps}}}};
@@ -648,6 +809,13 @@ json Config::ToJson() const {
                {"hysteresis", fp16.hysteresis},
                {"min_loss_scale", fp16.min_loss_scale}};
   j["bf16"] = {{"enabled", bf16.enabled}};
+  const auto& ac = activation_checkpointing;
+  j["activation_checkpointing"] = {{"partition_activations", ac.partition_activations},
+                                   {"cpu_checkpointing", ac.cpu_checkpointing},
+                                   {"contiguous_memory_optimization", ac.contiguous_memory_optimization},
+                                   {"number_checkpoints", ac.number_checkpoints},
+                                   {"synchronize_checkpoint_boundary", ac.synchronize_checkpoint_boundary},
+                                   {"profile", ac.profile}};
   j["zero_optimization"] = {
       {"stage", z.stage},
       {"contiguous_gradients", z.contiguous_gradients},
@@ -699,6 +867,128 @@ json Config::ToJson() const {
                 {"vocab_size", model.vocab_size}, {"dropout", model.dropout},
                 {"seed", model.seed}};
   return j;
+}
+
+Status Config::CheckBatchSizes(int world_size) const {
+  const int64_t product = train_micro_batch_size_per_gpu * gradient_accumulation_steps * world_size;
+  if (train_batch_size != 0 && train_batch_size != product)
+    return InvalidArgument(StrCat(
+        "train_batch_size=", train_batch_size, " does not equal train_micro_batch_size_per_gpu=",
+        train_micro_batch_size_per_gpu, " x gradient_accumulation_steps=", gradient_accumulation_steps,
+        " x world size ", world_size, " = ", product,
+        "; fix one of them, or write \"auto\" for the one that should follow"));
+  return Status::Ok();
+}
+
+Status Config::ResolveAuto(const AutoContext& ctx) {
+  auto_resolved.clear();
+  const std::set<std::string> autos(auto_keys.begin(), auto_keys.end());
+  auto is = [&](const char* k) { return autos.count(k) > 0; };
+  auto note = [&](const std::string& key, const std::string& value, const std::string& from) {
+    auto_resolved.push_back(StrCat(key, " = ", value, " (auto: ", from, ")"));
+  };
+  auto num = [](double v) {
+    std::ostringstream o;
+    o << v;
+    return o.str();
+  };
+  if (is("train_micro_batch_size_per_gpu")) {
+    if (ctx.micro_batch > 0) train_micro_batch_size_per_gpu = ctx.micro_batch;
+    else if (train_batch_size > 0 && !is("train_batch_size")) {
+      const int64_t per = gradient_accumulation_steps * ctx.world_size;
+      if (train_batch_size % per == 0) train_micro_batch_size_per_gpu = train_batch_size / per;
+    }
+    note("train_micro_batch_size_per_gpu", std::to_string(train_micro_batch_size_per_gpu),
+         ctx.micro_batch > 0 ? "the command line" : "Strata's default or train_batch_size");
+  }
+  if (is("gradient_accumulation_steps")) {
+    if (ctx.accumulation > 0) gradient_accumulation_steps = ctx.accumulation;
+    note("gradient_accumulation_steps", std::to_string(gradient_accumulation_steps),
+         ctx.accumulation > 0 ? "the command line" : "Strata's default");
+  }
+  if (is("train_batch_size") || train_batch_size == 0) {
+    train_batch_size = train_micro_batch_size_per_gpu * gradient_accumulation_steps * ctx.world_size;
+    if (is("train_batch_size"))
+      note("train_batch_size", std::to_string(train_batch_size),
+           StrCat("micro batch x accumulation x world size ", ctx.world_size));
+  }
+  if (is("gradient_clipping")) {
+    gradient_clipping = ctx.clipping >= 0 ? ctx.clipping : 1.0;
+    note("gradient_clipping", num(gradient_clipping),
+         ctx.clipping >= 0 ? "the command line" : "Hugging Face's default max_grad_norm");
+  }
+  if (is("optimizer.params.lr")) {
+    optimizer.lr = ctx.lr > 0 ? ctx.lr : 1e-3;
+    note("optimizer.params.lr", num(optimizer.lr), ctx.lr > 0 ? "the command line" : "Strata's default");
+  }
+  if (is("optimizer.params.weight_decay")) {
+    optimizer.weight_decay = ctx.weight_decay >= 0 ? ctx.weight_decay : 0.0;
+    note("optimizer.params.weight_decay", num(optimizer.weight_decay),
+         ctx.weight_decay >= 0 ? "the command line" : "Strata's default");
+  }
+  if (is("optimizer.params.betas"))
+    note("optimizer.params.betas", StrCat("[", num(optimizer.beta1), ", ", num(optimizer.beta2), "]"),
+         "Strata's default");
+  if (is("optimizer.params.eps")) note("optimizer.params.eps", num(optimizer.eps), "Strata's default");
+  if (is("scheduler.params.warmup_min_lr"))
+    note("scheduler.params.warmup_min_lr", num(scheduler.warmup_min_lr), "Strata's default");
+  if (is("scheduler.params.warmup_max_lr")) {
+    scheduler.warmup_max_lr = optimizer.lr;
+    note("scheduler.params.warmup_max_lr", num(scheduler.warmup_max_lr), "optimizer.params.lr");
+  }
+  if (is("scheduler.params.warmup_num_steps")) {
+    scheduler.warmup_num_steps = ctx.warmup_steps >= 0 ? ctx.warmup_steps : 0;
+    note("scheduler.params.warmup_num_steps", std::to_string(scheduler.warmup_num_steps),
+         ctx.warmup_steps >= 0 ? "the command line" : "no warmup");
+  }
+  if (is("scheduler.params.total_num_steps")) {
+    if (ctx.total_steps > 0) scheduler.total_num_steps = ctx.total_steps;
+    scheduler.total_num_steps = std::max(scheduler.total_num_steps, scheduler.warmup_num_steps);
+    note("scheduler.params.total_num_steps", std::to_string(scheduler.total_num_steps),
+         ctx.total_steps > 0 ? "the run's steps" : "Strata's default");
+  }
+  if (is("fp16.enabled")) {
+    fp16.enabled = ctx.fp16;
+    note("fp16.enabled", fp16.enabled ? "true" : "false", "the command line (off unless asked)");
+  }
+  if (is("bf16.enabled") || is("bfloat16.enabled")) {
+    bf16.enabled = ctx.native_bf16 && !fp16.enabled;
+    note("bf16.enabled", bf16.enabled ? "true" : "false",
+         ctx.native_bf16 ? "the device computes bf16 natively" : "the device has no native bf16");
+  }
+  // Hugging Face's formulas from the model's hidden size h.
+  const int64_t h = ctx.hidden_size;
+  auto& z = zero_optimization;
+  auto bucket = [&](const char* key, const char* alt, int64_t* field, int64_t value, const char* formula) {
+    if (!is(key) && !(alt && is(alt))) return;
+    if (h > 0) *field = value;
+    note(key, std::to_string(*field), h > 0 ? formula : "Strata's default (hidden size unknown)");
+  };
+  bucket("zero_optimization.reduce_bucket_size", nullptr, &z.reduce_bucket_size, h * h, "hidden^2");
+  bucket("zero_optimization.allgather_bucket_size", nullptr, &z.allgather_bucket_size, h * h, "hidden^2");
+  bucket("zero_optimization.stage3_prefetch_bucket_size", "zero_optimization.prefetch_bucket_size",
+         &z.stage3_prefetch_bucket_size, static_cast<int64_t>(0.9 * static_cast<double>(h * h)),
+         "0.9 x hidden^2");
+  bucket("zero_optimization.stage3_param_persistence_threshold",
+         "zero_optimization.param_persistence_threshold", &z.stage3_param_persistence_threshold,
+         10 * h, "10 x hidden");
+  // Anything else given as "auto" keeps Strata's default, and says so.
+  static const std::set<std::string> handled = {
+      "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "train_batch_size",
+      "gradient_clipping", "optimizer.params.lr", "optimizer.params.weight_decay",
+      "optimizer.params.betas", "optimizer.params.eps", "scheduler.params.warmup_min_lr",
+      "scheduler.params.warmup_max_lr", "scheduler.params.warmup_num_steps",
+      "scheduler.params.total_num_steps", "fp16.enabled", "bf16.enabled", "bfloat16.enabled",
+      "zero_optimization.reduce_bucket_size", "zero_optimization.allgather_bucket_size",
+      "zero_optimization.stage3_prefetch_bucket_size", "zero_optimization.prefetch_bucket_size",
+      "zero_optimization.stage3_param_persistence_threshold",
+      "zero_optimization.param_persistence_threshold"};
+  for (const std::string& k : auto_keys)
+    if (!handled.count(k)) auto_resolved.push_back(StrCat(k, " = Strata's default (auto)"));
+  if (fp16.enabled && bf16.enabled)
+    return InvalidArgument("fp16.enabled and bf16.enabled are both true after resolving \"auto\"; "
+                           "enable at most one");
+  return CheckBatchSizes(ctx.world_size);
 }
 
 std::string Config::ToJsonString(int indent) const { return ToJson().dump(indent); }

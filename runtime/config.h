@@ -3,11 +3,17 @@
 // A user's ds_config.json for supported features works unchanged: every DeepSpeed key Strata
 // reads has DeepSpeed's default. Strata's own settings live under "strata"; the model trained by
 // strata-train under "model". Parsing is strict:
-// - an unknown or misspelled key is an error naming the key and its closest valid spelling;
+// - an unknown or misspelled key inside a section is an error naming the closest valid spelling;
 // - a wrong type or an out-of-range value is an error naming the key, the value and the range;
 // - deprecated spellings (aio.thread_count, num_threads, "true"/"false" strings) are accepted
 //   with a warning (collected in Config::warnings and logged), never silently ignored;
-// - numbers may be written as 5e8; byte sizes in "strata" may also be strings like "24GiB".
+// - numbers may be written as 5e8; byte sizes in "strata" may also be strings like "24GiB";
+// - "auto" (Hugging Face's placeholder) is accepted where DeepSpeed's integration accepts it
+//   and resolved by ResolveAuto;
+// - the rule for compatibility: a file DeepSpeed accepts loads here. An unknown key at the top
+//   level is a warning naming the closest known key (DeepSpeed ignores it); an unknown key inside
+//   a known section is an error (DeepSpeed errors too). Every key that is accepted but has no
+//   effect in Strata says so in one warning.
 // ToJson() prints the effective config with every default filled in; parsing that JSON again
 // gives an equal Config.
 #pragma once
@@ -84,9 +90,11 @@ struct OptimizerConfig {
 };
 
 enum class SchedulerType { kNone, kWarmupLR, kWarmupDecayLR, kWarmupCosineLR };
+enum class WarmupType { kLog, kLinear };
 
 struct SchedulerConfig {
   SchedulerType type = SchedulerType::kNone;
+  WarmupType warmup_type = WarmupType::kLog;  // DeepSpeed's default: lr rises with log(step)
   double warmup_min_lr = 0.0;
   double warmup_max_lr = 1e-3;
   int64_t warmup_num_steps = 1000;
@@ -104,6 +112,33 @@ struct Fp16Config {
 
 struct Bf16Config {
   bool enabled = false;
+};
+
+// DeepSpeed's activation_checkpointing section, with its keys and defaults. Parsed and validated;
+// the engine does not checkpoint activations yet, so a section that enables anything warns once.
+struct ActivationCheckpointingConfig {
+  bool partition_activations = false;
+  bool cpu_checkpointing = false;
+  bool contiguous_memory_optimization = false;
+  int64_t number_checkpoints = 0;  // 0: not set (DeepSpeed's null)
+  bool synchronize_checkpoint_boundary = false;
+  bool profile = false;
+};
+
+// What "auto" values are resolved from (Config::ResolveAuto). Zero / false means "not given":
+// the value then comes from Strata's default, as listed beside each field.
+struct AutoContext {
+  int world_size = 1;
+  int64_t micro_batch = 0;   // train_micro_batch_size_per_gpu (default 1)
+  int64_t accumulation = 0;  // gradient_accumulation_steps (default 1)
+  double lr = 0;             // optimizer.params.lr and scheduler warmup_max_lr (default 1e-3)
+  double weight_decay = -1;  // optimizer.params.weight_decay (default 0); < 0: not given
+  double clipping = -1;      // gradient_clipping (default 1.0, Hugging Face's max_grad_norm); < 0: not given
+  int64_t total_steps = 0;   // scheduler total_num_steps (default 10000)
+  int64_t warmup_steps = -1; // scheduler warmup_num_steps (default 0); < 0: not given
+  int64_t hidden_size = 0;   // the model's hidden size, for bucket sizes; 0: keep Strata's defaults
+  bool native_bf16 = false;  // the device computes bf16 at full speed (bf16.enabled "auto" -> true)
+  bool fp16 = false;         // fp16.enabled "auto" -> this (default off)
 };
 
 // Strata's own settings.
@@ -145,16 +180,30 @@ struct Config {
   SchedulerConfig scheduler;
   Fp16Config fp16;
   Bf16Config bf16;
+  ActivationCheckpointingConfig activation_checkpointing;
   ZeroConfig zero_optimization;
   AioConfig aio;
   StrataConfig strata;
   ModelConfig model;
 
   std::vector<std::string> warnings;  // deprecations met while parsing, in order
+  // Keys given as "auto" (dotted paths, e.g. "optimizer.params.lr"), in file order. Their fields
+  // hold Strata's defaults until ResolveAuto fills them from the run.
+  std::vector<std::string> auto_keys;
+  // After ResolveAuto: one "key = value (from ...)" line per auto key, for --print-config.
+  std::vector<std::string> auto_resolved;
 
   // Parses and validates. `source` names the input in messages (a path or "<string>").
   static StatusOr<Config> FromJsonText(const std::string& text, const std::string& source = "<string>");
   static StatusOr<Config> FromFile(const std::string& path);
+
+  // Fills every "auto" key from `ctx` (Hugging Face's rules: batch sizes from the run, the
+  // optimizer's and scheduler's values from the command line, bucket sizes from the hidden size,
+  // bf16 from the device's capability), then checks the batch sizes against the world size.
+  // Idempotent; a config without "auto" keys only gets the batch check.
+  Status ResolveAuto(const AutoContext& ctx);
+  // train_batch_size must equal micro × accumulation × world (0 means "compute it").
+  Status CheckBatchSizes(int world_size) const;
 
   // The effective config, every default filled in.
   nlohmann::json ToJson() const;

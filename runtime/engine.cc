@@ -26,7 +26,9 @@
 #include "runtime/checkpoint.h"
 #include "runtime/check.h"
 #include "runtime/comm/communicator.h"
+#include "runtime/compute_dtype.h"
 #include "runtime/device.h"
+#include "runtime/host_info.h"
 #include "runtime/logging.h"
 #include "runtime/lr_schedule.h"
 #include "runtime/partitioner.h"
@@ -240,8 +242,16 @@ StatusOr<torch::Tensor> Engine::Impl::DeviceTensor(int64_t numel, torch::Dtype d
 
 Status Engine::Impl::Init(const EngineOptions& options) {
   const auto& z = config_.zero_optimization;
-  if (config_.bf16.enabled) compute_dtype_ = optim::DType::kBFloat16;
-  if (config_.fp16.enabled) compute_dtype_ = optim::DType::kFloat16;
+  const ComputeDtypeChoice dtype_choice =
+      ChooseComputeDtype(config_, device_->kind(), DeviceHasNativeBf16(device_->kind()));
+  compute_dtype_ = dtype_choice.dtype;
+  if (dtype_choice.slow_bf16) {
+    static std::once_flag warned;  // once per process, however many engines it builds
+    std::call_once(warned, [] {
+      STRATA_LOG(WARN) << SlowBf16Warning(MeasureCpuMatmulGflops(torch::kBFloat16),
+                                          MeasureCpuMatmulGflops(torch::kFloat32));
+    });
+  }
   state_dtype_ = config_.strata.optimizer_state_dtype == StateDtype::kBf16 ? optim::DType::kBFloat16
                                                                             : optim::DType::kFloat32;
   auto placement = [](OffloadDevice d) {
@@ -271,9 +281,17 @@ Status Engine::Impl::Init(const EngineOptions& options) {
   }
 
   STRATA_ASSIGN_OR_RETURN(copy_stream_, device_->CreateStream(StreamPriority::kHigh));
-  int threads = static_cast<int>(config_.strata.optimizer_threads);
-  const int arena_threads = threads > 0 ? threads : static_cast<int>(tbb::task_arena::automatic);
+  // The optimizer's arena: one thread per physical core (hwloc), unless
+  // strata.optimizer_threads says otherwise.
+  const int configured = static_cast<int>(config_.strata.optimizer_threads);
+  const int cores = PhysicalCoreCount();
+  const int arena_threads = configured > 0 ? configured : std::max(1, cores);
   arena_ = std::make_unique<tbb::task_arena>(arena_threads);
+  if (comm_->rank() == 0)
+    STRATA_LOG(INFO) << "optimizer lane: " << arena_threads << " thread(s) ("
+                     << (configured > 0 ? "strata.optimizer_threads" : "one per physical core")
+                     << "; hwloc sees " << cores << " core(s)); LibTorch compute: "
+                     << torch::get_num_threads() << " thread(s)";
 
   // Partition in registration order, block by block.
   PartitionerOptions po;
@@ -380,6 +398,14 @@ Status Engine::Impl::Init(const EngineOptions& options) {
     if (host_only + nvme_total == 0) budget = 0;
     TierManagerOptions tmo = TierManagerOptions::FromConfig(config_.strata, budget);
     tmo.host_budget = budget;
+    // DeepSpeed's offload pin_memory: false in a section that offloads keeps the host pool
+    // pageable (slower transfers, no locked memory).
+    const bool unpinned = (z.offload_param.device != OffloadDevice::kNone && !z.offload_param.pin_memory) ||
+                          (z.offload_optimizer.device != OffloadDevice::kNone && !z.offload_optimizer.pin_memory);
+    if (unpinned) {
+      tmo.pool.force_pageable = true;
+      STRATA_LOG(INFO) << "host pool: pin_memory=false in the offload config; the pool stays pageable";
+    }
     STRATA_ASSIGN_OR_RETURN(store_, MakeTieredBlockStore(device_, nvme_.get(), tmo));
     host_budget_ = budget;
   }
@@ -1051,7 +1077,17 @@ StatusOr<std::unique_ptr<Engine>> Engine::Create(torch::nn::Sequential model, co
                                                  const EngineOptions& options) {
   if (!model) return InvalidArgument("Engine::Create: the model is null");
   if (!comm || !device) return InvalidArgument("Engine::Create: communicator and device are required");
-  auto impl = std::make_unique<Impl>(std::move(model), config, comm, device);
+  // "auto" values not resolved by the caller (strata-train resolves them from its flags) are
+  // resolved here from what the engine knows: the world size and the device.
+  Config resolved = config;
+  if (resolved.auto_resolved.empty()) {
+    AutoContext ctx;
+    ctx.world_size = comm->world_size();
+    ctx.native_bf16 = DeviceHasNativeBf16(device->kind());
+    STRATA_RETURN_IF_ERROR(resolved.ResolveAuto(ctx));
+    for (const std::string& line : resolved.auto_resolved) STRATA_LOG(INFO) << "config: " << line;
+  }
+  auto impl = std::make_unique<Impl>(std::move(model), resolved, comm, device);
   STRATA_RETURN_IF_ERROR(impl->Init(options));
   return std::unique_ptr<Engine>(new Engine(std::move(impl)));
 }

@@ -11,7 +11,14 @@ double LearningRate(const Config& config, int64_t step) {
   // DeepSpeed counts scheduler iterations from 0 at the first step.
   const double it = static_cast<double>(std::max<int64_t>(step - 1, 0));
   const double warm = static_cast<double>(s.warmup_num_steps);
-  if (it < warm) return s.warmup_min_lr + (s.warmup_max_lr - s.warmup_min_lr) * (it / warm);
+  if (it < warm) {
+    // DeepSpeed's WarmupLR: gamma = it / warm (linear) or log(it + 1) / log(warm) (log, with
+    // warm at least 2 so the log is defined).
+    const double gamma = s.warmup_type == WarmupType::kLinear
+                             ? it / warm
+                             : std::log(it + 1.0) / std::log(std::max(2.0, warm));
+    return s.warmup_min_lr + (s.warmup_max_lr - s.warmup_min_lr) * gamma;
+  }
   if (s.type == SchedulerType::kWarmupLR) return s.warmup_max_lr;
   const double total = static_cast<double>(s.total_num_steps);
   const double span = std::max(1.0, total - warm);

@@ -50,8 +50,18 @@ expect() {
 common=(--data "$work/data.txt" --steps 3 --plot '')
 expect "missing config" "$work/nope.json" -- --config "$work/nope.json" "${common[@]}"
 
-sed 's/"gradient_clipping"/"gradient_cliping"/' "$work/good.json" >"$work/typo.json"
-expect "typo'd key" "gradient_cliping" -- --config "$work/typo.json" "${common[@]}"
+# A typo inside a section is an error naming the closest key (DeepSpeed errors there too); at the
+# top level DeepSpeed ignores unknown keys, so Strata runs and warns with the likely spelling.
+sed 's/"chunk_size"/"chunk_sise"/' "$work/good.json" >"$work/typo.json"
+expect "typo'd key" "did you mean strata.chunk_size" -- --config "$work/typo.json" "${common[@]}"
+sed 's/"gradient_clipping"/"gradient_cliping"/' "$work/good.json" >"$work/typo-top.json"
+out=$("$train" --config "$work/typo-top.json" --print-config 2>&1); rc=$?
+if [ $rc -ne 0 ] || ! grep -qF "did you mean gradient_clipping?" <<<"$out"; then
+  echo "FAIL [top-level typo]: exit $rc, expected a warning naming gradient_clipping:"; echo "$out" | tail -3
+  failures=$((failures + 1))
+else
+  echo "ok   [top-level typo] exit 0: $(grep -F "did you mean" <<<"$out" | head -1 | cut -c1-200)"
+fi
 
 expect "bad flag value" "--steps" -- --config "$work/good.json" --data "$work/data.txt" --steps banana
 expect "negative flag value" "--steps" -- --config "$work/good.json" --data "$work/data.txt" --steps -4

@@ -1,11 +1,13 @@
 #include "runtime/config.h"
 
+#include <cmath>
 #include <filesystem>
 #include <fstream>
 
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
+#include "runtime/lr_schedule.h"
 #include "tests/test_util.h"
 
 namespace strata {
@@ -22,8 +24,8 @@ const char* kFullConfig = R"({
   "steps_per_print": 5,
   "wall_clock_breakdown": true,
   "optimizer": {"type": "Adam", "params": {"lr": 3e-4, "betas": [0.8, 0.95], "eps": 1e-6,
-                "weight_decay": 0.01, "bias_correction": false}},
-  "scheduler": {"type": "WarmupDecayLR", "params": {"warmup_min_lr": 1e-5, "warmup_max_lr": 3e-4,
+                "weight_decay": 0.01, "bias_correction": false, "adam_w_mode": false}},
+  "scheduler": {"type": "WarmupDecayLR", "params": {"warmup_type": "linear", "warmup_min_lr": 1e-5, "warmup_max_lr": 3e-4,
                 "warmup_num_steps": 10, "total_num_steps": 100}},
   "fp16": {"enabled": true, "loss_scale": 0, "initial_scale_power": 12, "loss_scale_window": 500,
            "hysteresis": 3, "min_loss_scale": 0.5},
@@ -86,9 +88,25 @@ TEST(Config, DefaultsMatchDeepSpeed) {
   EXPECT_TRUE(c.warnings.empty());
 }
 
+// Note [no silent key]: every key of kFullConfig that Strata parses but does not act on is named
+// by exactly one warning; the keys that do act (everything else) raise none.
+TEST(Config, KeysWithoutEffectSaySoOnce) {
+  ASSERT_OK_AND_ASSIGN(Config c, Config::FromJsonText(kFullConfig));
+  const std::vector<std::string> silent = {
+      "wall_clock_breakdown", "contiguous_gradients", "sub_group_size",
+      "offload_param.buffer_count", "offload_param.buffer_size", "offload_param.max_in_cpu",
+      "offload_optimizer.buffer_count", "pipeline_read", "ratio"};
+  for (const std::string& key : silent) {
+    int hits = 0;
+    for (const std::string& w : c.warnings) hits += w.find(key) != std::string::npos;
+    EXPECT_EQ(hits, 1) << key;
+  }
+  EXPECT_EQ(c.warnings.size(), silent.size());
+  for (const std::string& w : c.warnings) EXPECT_NE(w.find("no effect"), std::string::npos) << w;
+}
+
 TEST(Config, EveryKeyIsRead) {
   ASSERT_OK_AND_ASSIGN(Config c, Config::FromJsonText(kFullConfig));
-  EXPECT_TRUE(c.warnings.empty()) << c.warnings[0];
   EXPECT_EQ(c.train_batch_size, 32);
   EXPECT_EQ(c.train_micro_batch_size_per_gpu, 4);
   EXPECT_EQ(c.gradient_accumulation_steps, 2);
@@ -189,9 +207,20 @@ TEST(Config, UnknownKeysSuggestTheClosestSpelling) {
               {"unknown key zero_optimization.stage3_prefech_bucket_size",
                "did you mean zero_optimization.stage3_prefetch_bucket_size?"});
   ExpectError(R"({"aio": {"queue_dept": 5}})", {"did you mean aio.queue_depth?"});
-  ExpectError(R"({"train_micro_batch_size": 5})", {"did you mean train_micro_batch_size_per_gpu?"});
   ExpectError(R"({"strata": {"chunksize": 4096}})", {"did you mean strata.chunk_size?"});
-  ExpectError(R"({"zzzzzzzzzzzz": 1})", {"unknown key zzzzzzzzzzzz", "valid keys here:"});
+  ExpectError(R"({"optimizer": {"params": {"zzzzzzzzzzzz": 1}}})",
+              {"unknown key optimizer.params.zzzzzzzzzzzz", "valid keys here:"});
+}
+
+// DeepSpeed ignores unknown top-level keys, so a file with one must load; the key is named in a
+// warning with its likely intended spelling.
+TEST(Config, UnknownTopLevelKeysWarnWithTheClosestSpelling) {
+  ASSERT_OK_AND_ASSIGN(Config c, Config::FromJsonText(R"({"train_micro_batch_size": 5, "zzzzzzzzzzzz": 1})"));
+  ASSERT_EQ(c.warnings.size(), 2u);
+  EXPECT_NE(c.warnings[0].find("unknown key train_micro_batch_size is ignored"), std::string::npos) << c.warnings[0];
+  EXPECT_NE(c.warnings[0].find("did you mean train_micro_batch_size_per_gpu?"), std::string::npos) << c.warnings[0];
+  EXPECT_NE(c.warnings[1].find("unknown key zzzzzzzzzzzz is ignored"), std::string::npos) << c.warnings[1];
+  EXPECT_EQ(c.train_micro_batch_size_per_gpu, 1) << "the misspelled key must not be read";
 }
 
 TEST(Config, WrongTypes) {
@@ -225,14 +254,24 @@ TEST(Config, OutOfRange) {
 
 TEST(Config, CrossKeyChecks) {
   ExpectError(R"({"fp16": {"enabled": true}, "bf16": {"enabled": true}})", {"enable at most one"});
-  ExpectError(R"({"zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"}}})",
-              {"requires stage 3"});
-  ExpectError(R"({"zero_optimization": {"offload_optimizer": {"device": "cpu"}}})",
-              {"stage 1, 2 or 3"});
+
   ExpectError(R"({"train_batch_size": 7, "train_micro_batch_size_per_gpu": 2})",
               {"train_batch_size=7"});
   ExpectError(R"({"scheduler": {"type": "WarmupDecayLR", "params": {"warmup_num_steps": 10,
               "total_num_steps": 5}}})", {"total_num_steps=5"});
+}
+
+// DeepSpeed ignores an offload section its stage does not use; so does Strata, with a warning.
+TEST(Config, OffloadBelowItsStageIsIgnoredWithAWarning) {
+  ASSERT_OK_AND_ASSIGN(Config c, Config::FromJsonText(
+                                     R"({"zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"}}})"));
+  EXPECT_EQ(c.zero_optimization.offload_param.device, OffloadDevice::kNone);
+  ASSERT_EQ(c.warnings.size(), 1u);
+  EXPECT_NE(c.warnings[0].find("ignored at stage 2"), std::string::npos) << c.warnings[0];
+  ASSERT_OK_AND_ASSIGN(c, Config::FromJsonText(R"({"zero_optimization": {"offload_optimizer": {"device": "cpu"}}})"));
+  EXPECT_EQ(c.zero_optimization.offload_optimizer.device, OffloadDevice::kNone);
+  ASSERT_EQ(c.warnings.size(), 1u);
+  EXPECT_NE(c.warnings[0].find("ignored at stage 0"), std::string::npos) << c.warnings[0];
 }
 
 TEST(Config, DeprecatedSpellingsWarnAndApply) {
@@ -314,6 +353,114 @@ TEST(Config, ShippedConfigsParseWithoutWarnings) {
     EXPECT_TRUE(c->warnings.empty()) << entry.path() << ": " << c->warnings[0];
   }
   EXPECT_GE(seen, 4);
+}
+
+
+// Note [auto values]: a Hugging Face-style config with "auto" everywhere it puts them.
+const char* kAutoConfig = R"({
+  "train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto",
+  "gradient_accumulation_steps": "auto", "gradient_clipping": "auto",
+  "fp16": {"enabled": "auto", "loss_scale": 0}, "bf16": {"enabled": "auto"},
+  "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto",
+                "weight_decay": "auto"}},
+  "scheduler": {"type": "WarmupDecayLR", "params": {"warmup_min_lr": "auto", "warmup_max_lr": "auto",
+                "warmup_num_steps": "auto", "total_num_steps": "auto"}},
+  "zero_optimization": {"stage": 3, "reduce_bucket_size": "auto", "stage3_prefetch_bucket_size": "auto",
+                        "stage3_param_persistence_threshold": "auto",
+                        "stage3_gather_16bit_weights_on_model_save": "auto"}
+})";
+
+TEST(ConfigAuto, AutoKeysAreRecordedAndResolvedFromTheRun) {
+  ASSERT_OK_AND_ASSIGN(Config c, Config::FromJsonText(kAutoConfig));
+  EXPECT_EQ(c.auto_keys.size(), 17u);
+  AutoContext ctx;
+  ctx.world_size = 2;
+  ctx.micro_batch = 4;
+  ctx.lr = 3e-4;
+  ctx.total_steps = 100;
+  ctx.hidden_size = 256;
+  ctx.native_bf16 = false;
+  ASSERT_OK(c.ResolveAuto(ctx));
+  EXPECT_EQ(c.train_micro_batch_size_per_gpu, 4);
+  EXPECT_EQ(c.gradient_accumulation_steps, 1);
+  EXPECT_EQ(c.train_batch_size, 8) << "micro x accumulation x world";
+  EXPECT_DOUBLE_EQ(c.gradient_clipping, 1.0);
+  EXPECT_DOUBLE_EQ(c.optimizer.lr, 3e-4);
+  EXPECT_DOUBLE_EQ(c.optimizer.beta1, 0.9);
+  EXPECT_DOUBLE_EQ(c.optimizer.weight_decay, 0.0);
+  EXPECT_DOUBLE_EQ(c.scheduler.warmup_max_lr, 3e-4);
+  EXPECT_EQ(c.scheduler.warmup_num_steps, 0);
+  EXPECT_EQ(c.scheduler.total_num_steps, 100);
+  EXPECT_FALSE(c.fp16.enabled);
+  EXPECT_FALSE(c.bf16.enabled) << "no native bf16: auto picks fp32";
+  EXPECT_EQ(c.zero_optimization.reduce_bucket_size, 256 * 256);
+  EXPECT_EQ(c.zero_optimization.stage3_prefetch_bucket_size, static_cast<int64_t>(0.9 * 256 * 256));
+  EXPECT_EQ(c.zero_optimization.stage3_param_persistence_threshold, 2560);
+  EXPECT_EQ(c.auto_resolved.size(), c.auto_keys.size()) << "one line per auto key for --print-config";
+  // The same file on a device with native bf16 picks bf16.
+  ASSERT_OK_AND_ASSIGN(Config d, Config::FromJsonText(kAutoConfig));
+  ctx.native_bf16 = true;
+  ASSERT_OK(d.ResolveAuto(ctx));
+  EXPECT_TRUE(d.bf16.enabled);
+}
+
+TEST(ConfigAuto, TrainBatchSizeMustEqualTheProduct) {
+  ASSERT_OK_AND_ASSIGN(Config c, Config::FromJsonText(
+                                     R"({"train_batch_size": 16, "train_micro_batch_size_per_gpu": 4})"));
+  AutoContext two;
+  two.world_size = 2;
+  Status s = c.ResolveAuto(two);
+  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message().find("train_batch_size=16 does not equal"), std::string::npos) << s;
+  EXPECT_NE(s.message().find("world size 2 = 8"), std::string::npos) << s;
+  AutoContext four;
+  four.world_size = 4;
+  EXPECT_OK(c.ResolveAuto(four));
+  // An "auto" micro batch follows an explicit train_batch_size.
+  ASSERT_OK_AND_ASSIGN(Config d, Config::FromJsonText(
+                                     R"({"train_batch_size": 16, "train_micro_batch_size_per_gpu": "auto"})"));
+  ASSERT_OK(d.ResolveAuto(two));
+  EXPECT_EQ(d.train_micro_batch_size_per_gpu, 8);
+}
+
+// Note [Adam means AdamW]: DeepSpeed's "Adam" is decoupled unless adam_w_mode is false.
+TEST(ConfigDeepSpeed, OptimizerTypesFollowDeepSpeed) {
+  auto type_of = [](const std::string& text) {
+    auto c = Config::FromJsonText(text);
+    EXPECT_TRUE(c.ok()) << c.status();
+    return c.ok() ? c->optimizer.type : OptimizerType::kAdam;
+  };
+  EXPECT_EQ(type_of(R"({"optimizer": {"type": "Adam"}})"), OptimizerType::kAdamW);
+  EXPECT_EQ(type_of(R"({"optimizer": {"type": "adam", "params": {"adam_w_mode": false}}})"), OptimizerType::kAdam);
+  EXPECT_EQ(type_of(R"({"optimizer": {"type": "AdamW", "params": {"adam_w_mode": false}}})"), OptimizerType::kAdamW);
+  EXPECT_EQ(type_of(R"({"optimizer": {"type": "DeepSpeed_Adam"}})"), OptimizerType::kAdamW);
+  ExpectError(R"({"optimizer": {"type": "Lamb"}})", {"optimizer.type=\"Lamb\"", "Adam and AdamW only"});
+  ExpectError(R"({"scheduler": {"type": "OneCycle"}})", {"scheduler.type=\"OneCycle\"", "not implemented"});
+}
+
+TEST(ConfigDeepSpeed, SpellingsWithoutTheStage3Prefix) {
+  ASSERT_OK_AND_ASSIGN(Config c, Config::FromJsonText(R"({"zero_optimization": {"stage": 3,
+      "max_live_parameters": 7e8, "max_reuse_distance": 6e8, "prefetch_bucket_size": 5e6,
+      "param_persistence_threshold": 1e3, "gather_16bit_weights_on_model_save": true}})"));
+  EXPECT_EQ(c.zero_optimization.stage3_max_live_parameters, 700000000);
+  EXPECT_EQ(c.zero_optimization.stage3_max_reuse_distance, 600000000);
+  EXPECT_EQ(c.zero_optimization.stage3_prefetch_bucket_size, 5000000);
+  EXPECT_EQ(c.zero_optimization.stage3_param_persistence_threshold, 1000);
+  ExpectError(R"({"zero_optimization": {"max_live_parameters": 1, "stage3_max_live_parameters": 2}})",
+              {"both set"});
+}
+
+// DeepSpeed's WarmupLR defaults to a logarithmic warmup: gamma = log(it + 1) / log(warmup).
+TEST(ConfigDeepSpeed, WarmupTypeLogIsDeepSpeedsDefault) {
+  ASSERT_OK_AND_ASSIGN(Config log_cfg, Config::FromJsonText(R"({"scheduler": {"type": "WarmupLR",
+      "params": {"warmup_min_lr": 0, "warmup_max_lr": 1.0, "warmup_num_steps": 10}}})"));
+  EXPECT_EQ(log_cfg.scheduler.warmup_type, WarmupType::kLog);
+  EXPECT_NEAR(LearningRate(log_cfg, 6), std::log(6.0) / std::log(10.0), 1e-12);  // iteration 5
+  EXPECT_NEAR(LearningRate(log_cfg, 1), 0.0, 1e-12);
+  EXPECT_NEAR(LearningRate(log_cfg, 11), 1.0, 1e-12);
+  ASSERT_OK_AND_ASSIGN(Config lin, Config::FromJsonText(R"({"scheduler": {"type": "WarmupLR",
+      "params": {"warmup_type": "linear", "warmup_min_lr": 0, "warmup_max_lr": 1.0, "warmup_num_steps": 10}}})"));
+  EXPECT_NEAR(LearningRate(lin, 6), 0.5, 1e-12);
 }
 
 }  // namespace

@@ -29,6 +29,19 @@ namespace strata {
 // The arena is reserved whole at Create rather than grown on demand: io_uring can only register
 // buffers while no I/O is in flight, and a pool that grew later could not be registered.
 
+// Note [block colouring]
+// A buddy allocator puts every block of a class at an offset that is a multiple of the class, so
+// the four to five equal-sized blocks one Adam call streams over (master, exp_avg, exp_avg_sq,
+// grad, param16 of one chunk) all start at the same address modulo a large power of two. Streams
+// placed that way collide in the memory system: measured with an Adam-shaped loop over four
+// 256 MiB fp32 arrays on an AMD EPYC (Zen 3 and Zen 4), 0.26-0.53 G elements/s with the arrays
+// exactly 256 MiB apart against 1.8-2.1 with any page-multiple stagger between them. The pool
+// therefore shifts each colour_granule (1 MiB) of buddy space by one more colour_step (4 KiB):
+// the address of buddy offset `off` is off + (off / granule) * step. Because the shift grows with
+// the offset, a block never reaches into the next one and buddy merging is unchanged; blocks of
+// one class S >= granule then differ modulo S by multiples of (S / granule) * step. The cost is
+// 1/256 of the arena in extra mapping, pinned like the rest.
+
 namespace {
 
 constexpr uint64_t kHugePage = 2_MiB;
@@ -103,6 +116,11 @@ std::string_view PinnedBackingName(PinnedBacking b) {
 StatusOr<std::unique_ptr<PinnedPool>> PinnedPool::Create(const PinnedPoolOptions& options) {
   STRATA_CHECK(IsPowerOfTwo(options.min_block) && options.min_block >= 4096,
                "host pool min_block=", options.min_block, ": must be a power of two >= 4096");
+  STRATA_CHECK(options.colour_step % 4096 == 0, "host pool colour_step=", options.colour_step,
+               ": must be a multiple of 4096 (O_DIRECT needs page-aligned blocks); 0 turns it off");
+  STRATA_CHECK(IsPowerOfTwo(options.colour_granule) && options.colour_granule >= options.min_block,
+               "host pool colour_granule=", options.colour_granule,
+               ": must be a power of two >= min_block (", options.min_block, ")");
   STRATA_CHECK(options.budget >= options.min_block, "host pool budget=", options.budget,
                " bytes: must be at least min_block (", options.min_block,
                "); set strata.host_memory_budget to a size such as \"8GiB\"");
@@ -114,12 +132,14 @@ StatusOr<std::unique_ptr<PinnedPool>> PinnedPool::Create(const PinnedPoolOptions
 
 Status PinnedPool::Reserve() {
   arena_bytes_ = options_.budget / options_.min_block * options_.min_block;
+  colour_bytes_ = ColourOf(arena_bytes_);
+  extent_bytes_ = arena_bytes_ + colour_bytes_;
   if (!options_.force_pageable && options_.allow_cuda && host_internal::CudaHostAllocAvailable()) {
-    StatusOr<void*> p = host_internal::CudaHostAlloc(arena_bytes_);
+    StatusOr<void*> p = host_internal::CudaHostAlloc(extent_bytes_);
     if (p.ok()) {
       base_ = static_cast<char*>(*p);
       backing_ = PinnedBacking::kCudaHost;
-      pinned_bytes_ = arena_bytes_;
+      pinned_bytes_ = extent_bytes_;
       return Status::Ok();
     }
     STRATA_LOG(WARN) << "host pool: " << p.status().ToString()
@@ -131,21 +151,21 @@ Status PinnedPool::Reserve() {
 Status PinnedPool::ReserveMmap() {
   // Over-map by one huge page and trim so the arena starts 2 MiB-aligned: THP can then back it
   // from the first byte.
-  const uint64_t span = arena_bytes_ + kHugePage;
+  const uint64_t span = extent_bytes_ + kHugePage;
   void* raw = mmap(nullptr, span, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
   if (raw == MAP_FAILED)
-    return ErrnoToStatus(errno, StrCat("host pool: mapping ", FormatBytes(arena_bytes_),
+    return ErrnoToStatus(errno, StrCat("host pool: mapping ", FormatBytes(extent_bytes_),
                                        "; lower strata.host_memory_budget"));
   auto addr = reinterpret_cast<uintptr_t>(raw);
   const uintptr_t aligned = (addr + kHugePage - 1) & ~(kHugePage - 1);
   if (aligned > addr) munmap(raw, aligned - addr);
-  const uintptr_t end = aligned + arena_bytes_;
+  const uintptr_t end = aligned + extent_bytes_;
   if (addr + span > end) munmap(reinterpret_cast<void*>(end), addr + span - end);
   base_ = reinterpret_cast<char*>(aligned);
-  map_bytes_ = arena_bytes_;
+  map_bytes_ = extent_bytes_;
 
-  if (options_.huge_pages) huge_pages_ = madvise(base_, arena_bytes_, MADV_HUGEPAGE) == 0;
-  STRATA_ASSIGN_OR_RETURN(numa_node_, BindToNode(base_, arena_bytes_, options_.numa_node));
+  if (options_.huge_pages) huge_pages_ = madvise(base_, extent_bytes_, MADV_HUGEPAGE) == 0;
+  STRATA_ASSIGN_OR_RETURN(numa_node_, BindToNode(base_, extent_bytes_, options_.numa_node));
 
   backing_ = PinnedBacking::kPageable;
   if (options_.force_pageable) {
@@ -157,8 +177,8 @@ Status PinnedPool::ReserveMmap() {
   // as much as it allows (down to one huge page of granularity).
   int err = 0;
   uint64_t segment = kLockSegment;
-  for (uint64_t off = 0; off < arena_bytes_;) {
-    const uint64_t len = std::min(segment, arena_bytes_ - off);
+  for (uint64_t off = 0; off < extent_bytes_;) {
+    const uint64_t len = std::min(segment, extent_bytes_ - off);
     if (mlock(base_ + off, len) == 0) {
       pinned_bytes_ += len;
       off += len;
@@ -169,12 +189,12 @@ Status PinnedPool::ReserveMmap() {
     segment /= 2;
   }
   if (pinned_bytes_ > 0) backing_ = PinnedBacking::kMlock;
-  if (pinned_bytes_ < arena_bytes_) {
+  if (pinned_bytes_ < extent_bytes_) {
     struct rlimit rl {};
     getrlimit(RLIMIT_MEMLOCK, &rl);
     const bool unlimited = rl.rlim_cur == RLIM_INFINITY;
     STRATA_LOG(WARN) << "host pool: mlock failed after " << FormatBytes(pinned_bytes_) << " of "
-                     << FormatBytes(arena_bytes_) << " (" << std::strerror(err) << ", RLIMIT_MEMLOCK="
+                     << FormatBytes(extent_bytes_) << " (" << std::strerror(err) << ", RLIMIT_MEMLOCK="
                      << (unlimited ? std::string("unlimited") : FormatBytes(rl.rlim_cur))
                      << "); the rest is pageable and transfers into it are slower. Raise the limit "
                         "(ulimit -l, or LimitMEMLOCK= in a systemd unit) or lower "
@@ -199,8 +219,9 @@ void PinnedPool::InitFreeLists() {
   stats_.backing = std::string(PinnedBackingName(backing_));
   stats_.budget = options_.budget;
   stats_.arena_bytes = arena_bytes_;
+  stats_.colour_bytes = colour_bytes_;
   stats_.pinned_bytes = pinned_bytes_;
-  stats_.pageable_bytes = arena_bytes_ - pinned_bytes_;
+  stats_.pageable_bytes = extent_bytes_ - pinned_bytes_;
   stats_.huge_pages = huge_pages_;
   stats_.numa_node = numa_node_;
 }
@@ -251,25 +272,27 @@ StatusOr<PinnedBlock> PinnedPool::Allocate(uint64_t bytes) {
     --k;
     free_[static_cast<size_t>(k)].insert(off + (options_.min_block << k));
   }
-  live_[off] = want;
-  requested_[off] = bytes;
+  const uint64_t addr = off + ColourOf(off);
+  live_[addr] = {off, want};
+  requested_[addr] = bytes;
   stats_.bytes_in_use += cls;
   stats_.bytes_requested += bytes;
   stats_.peak_bytes_in_use = std::max(stats_.peak_bytes_in_use, stats_.bytes_in_use);
   ++stats_.live_allocations;
   ++stats_.allocations;
-  return PinnedBlock{base_ + off, bytes, cls};
+  return PinnedBlock{base_ + addr, bytes, cls};
 }
 
 void PinnedPool::Free(const PinnedBlock& block) {
   STRATA_DCHECK(Contains(block.ptr, block.class_bytes), "freeing memory that is not the pool's");
-  uint64_t off = static_cast<uint64_t>(static_cast<char*>(block.ptr) - base_);
+  const uint64_t addr = static_cast<uint64_t>(static_cast<char*>(block.ptr) - base_);
   std::lock_guard<std::mutex> lock(mu_);
-  auto it = live_.find(off);
-  STRATA_DCHECK(it != live_.end(), "host pool: double free or foreign block at offset ", off);
-  int k = it->second;
+  auto it = live_.find(addr);
+  STRATA_DCHECK(it != live_.end(), "host pool: double free or foreign block at offset ", addr);
+  uint64_t off = it->second.first;
+  int k = it->second.second;
   live_.erase(it);
-  auto rq = requested_.find(off);
+  auto rq = requested_.find(addr);
   stats_.bytes_requested -= rq->second;
   requested_.erase(rq);
   stats_.bytes_in_use -= options_.min_block << k;
@@ -290,15 +313,15 @@ void PinnedPool::Free(const PinnedBlock& block) {
 
 std::vector<iovec> PinnedPool::IoRanges() const {
   std::vector<iovec> out;
-  for (uint64_t off = 0; off < arena_bytes_; off += kMaxIoRange)
-    out.push_back(iovec{base_ + off, static_cast<size_t>(std::min(kMaxIoRange, arena_bytes_ - off))});
+  for (uint64_t off = 0; off < extent_bytes_; off += kMaxIoRange)
+    out.push_back(iovec{base_ + off, static_cast<size_t>(std::min(kMaxIoRange, extent_bytes_ - off))});
   return out;
 }
 
 bool PinnedPool::Contains(const void* p, uint64_t len) const {
   auto a = reinterpret_cast<uintptr_t>(p);
   auto b = reinterpret_cast<uintptr_t>(base_);
-  return a >= b && a + len <= b + arena_bytes_;
+  return a >= b && a + len <= b + extent_bytes_;
 }
 
 PinnedPoolStats PinnedPool::stats() const {

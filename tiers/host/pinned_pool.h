@@ -15,9 +15,18 @@
 // fail for lack of pinnable memory. Allocations never exceed the arena.
 //
 // Size classes. A request takes the smallest power of two >= max(bytes, min_block) (a buddy
-// system over the arena); a block's offset in the arena is a multiple of its class, and the
-// arena starts 2 MiB-aligned (mmap) or page-aligned (cudaHostAlloc), so every block is at least
-// 4 KiB-aligned, as O_DIRECT needs. Freed blocks merge with their free buddy at once,
+// system over the arena); a block's offset in the buddy space is a multiple of its class.
+//
+// Colouring (see Note [block colouring] in pinned_pool.cc). A block at buddy offset `off` lives at
+// address base + off + (off / colour_granule) * colour_step: every colour_granule of buddy space
+// is shifted by one more colour_step. The shift never decreases with the offset, so blocks never
+// overlap and buddies still merge; blocks of one class placed side by side (a chunk's master,
+// exp_avg, exp_avg_sq and grad) land at different addresses modulo their class instead of all at
+// offset 0, which is what made streaming kernels over them run 3-4x slower. colour_step is a
+// multiple of 4 KiB and the base is 2 MiB-aligned (mmap) or page-aligned (cudaHostAlloc), so every
+// block stays 4 KiB-aligned, as O_DIRECT needs. The shifts add colour_bytes() =
+// (arena / colour_granule) * colour_step to the mapping (1/256 of the arena by default), reserved
+// and pinned like the rest; colour_step = 0 turns colouring off. Freed blocks merge with their free buddy at once,
 // so fragmentation cannot accumulate: a run of frees always restores the largest blocks the
 // live allocations allow. The price is internal waste for sizes that are not powers of two (at
 // most half a block; stats().bytes_in_use counts class bytes, bytes_requested what was asked).
@@ -47,6 +56,8 @@ struct PinnedPoolOptions {
   bool force_pageable = false;   // do not pin at all (the pageable fallback, on purpose)
   bool huge_pages = true;        // madvise(MADV_HUGEPAGE) on the mmap path
   int numa_node = -1;            // -1: the node of the calling thread's CPU when there are several
+  uint64_t colour_step = 4096;   // address shift added per colour_granule; multiple of 4096, 0 = off
+  uint64_t colour_granule = 1 << 20;  // buddy bytes per colour step; a power of two >= min_block
 };
 
 // How the arena's memory is held.
@@ -56,9 +67,10 @@ std::string_view PinnedBackingName(PinnedBacking b);
 struct PinnedPoolStats {
   std::string backing;               // "cuda_host", "mlock" or "pageable"
   uint64_t budget = 0;               // bytes, as configured
-  uint64_t arena_bytes = 0;          // GAUGE: bytes reserved (budget rounded down to min_block)
-  uint64_t pinned_bytes = 0;         // GAUGE: bytes of the arena that are page-locked
-  uint64_t pageable_bytes = 0;       // GAUGE: arena_bytes - pinned_bytes
+  uint64_t arena_bytes = 0;          // GAUGE: buddy bytes (budget rounded down to min_block)
+  uint64_t colour_bytes = 0;         // GAUGE: bytes of colour shifts mapped beside the arena
+  uint64_t pinned_bytes = 0;         // GAUGE: bytes of the mapping that are page-locked
+  uint64_t pageable_bytes = 0;       // GAUGE: arena_bytes + colour_bytes - pinned_bytes
   bool huge_pages = false;           // MADV_HUGEPAGE accepted for the arena
   int numa_node = -1;                // node the arena is bound to, -1 when not bound
   uint64_t bytes_in_use = 0;         // GAUGE: class bytes of live allocations
@@ -101,12 +113,18 @@ class PinnedPool {
   // The largest class the arena can ever hold (with nothing else allocated).
   uint64_t max_allocation() const { return max_class_; }
   uint64_t arena_bytes() const { return arena_bytes_; }
+  // Bytes the colour shifts add to the mapping (see Colouring above).
+  uint64_t colour_bytes() const { return colour_bytes_; }
+  // The address shift of the block at buddy offset `off`.
+  uint64_t ColourOf(uint64_t off) const {
+    return options_.colour_step == 0 ? 0 : off / options_.colour_granule * options_.colour_step;
+  }
   PinnedBacking backing() const { return backing_; }
 
-  // The arena as ranges of at most 1 GiB (io_uring's limit per registered buffer), for
+  // The mapping (arena and colour shifts) as ranges of at most 1 GiB (io_uring's limit per registered buffer), for
   // IoEngine::RegisterBuffers / SwapStore::RegisterBuffers.
   std::vector<iovec> IoRanges() const;
-  // True when [p, p+len) lies inside the arena.
+  // True when [p, p+len) lies inside the mapping.
   bool Contains(const void* p, uint64_t len) const;
 
   PinnedPoolStats stats() const;
@@ -120,8 +138,10 @@ class PinnedPool {
 
   const PinnedPoolOptions options_;
   char* base_ = nullptr;
-  uint64_t arena_bytes_ = 0;
-  uint64_t map_bytes_ = 0;      // bytes mmap'd (== arena_bytes_ on the mmap path)
+  uint64_t arena_bytes_ = 0;    // buddy space
+  uint64_t colour_bytes_ = 0;   // extra bytes the colour shifts need after the buddy space
+  uint64_t extent_bytes_ = 0;   // arena_bytes_ + colour_bytes_: what is reserved
+  uint64_t map_bytes_ = 0;      // bytes mmap'd (== extent_bytes_ on the mmap path)
   uint64_t pinned_bytes_ = 0;
   uint64_t max_class_ = 0;
   PinnedBacking backing_ = PinnedBacking::kPageable;
@@ -132,8 +152,8 @@ class PinnedPool {
   // free_[k]: offsets of free blocks of min_block << k, ordered so the lowest address is reused
   // first (keeps live blocks packed at the start of the arena).
   std::vector<std::set<uint64_t>> free_;                // GUARDED_BY(mu_)
-  std::unordered_map<uint64_t, int> live_;             // GUARDED_BY(mu_): offset -> order
-  std::unordered_map<uint64_t, uint64_t> requested_;   // GUARDED_BY(mu_): offset -> bytes
+  std::unordered_map<uint64_t, std::pair<uint64_t, int>> live_;  // GUARDED_BY(mu_): address offset -> (buddy offset, order)
+  std::unordered_map<uint64_t, uint64_t> requested_;   // GUARDED_BY(mu_): address offset -> bytes
   PinnedPoolStats stats_;                               // GUARDED_BY(mu_)
 };
 

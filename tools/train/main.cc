@@ -20,6 +20,7 @@
 
 #include "runtime/comm/backends.h"
 #include "runtime/config.h"
+#include "runtime/compute_dtype.h"
 #include "runtime/device.h"
 #include "runtime/engine.h"
 #include "runtime/logging.h"
@@ -70,7 +71,24 @@ struct Flags {
   bool print_config = false;
   std::string device;
   int threads = 0;
+  int64_t micro_batch = 0;  // fills train_micro_batch_size_per_gpu = "auto"
+  double lr = 0;            // fills optimizer.params.lr = "auto"
 };
+
+// What the config's "auto" values are resolved from (Note [auto values] in runtime/config.cc):
+// this run's flags, its world size (torchrun's WORLD_SIZE), the model and the device.
+AutoContext MakeAutoContext(const Flags& f, const Config& c, int world_size) {
+  AutoContext ctx;
+  ctx.world_size = world_size;
+  ctx.micro_batch = f.micro_batch;
+  ctx.lr = f.lr;
+  ctx.total_steps = f.steps;
+  ctx.hidden_size = c.model.d_model;
+  const std::string dev = f.device.empty() ? c.strata.device : f.device;
+  const bool cuda = dev.rfind("cuda", 0) == 0 || (dev == "auto" && CudaDeviceCount() > 0);
+  ctx.native_bf16 = DeviceHasNativeBf16(cuda ? DeviceKind::kCuda : DeviceKind::kCpu);
+  return ctx;
+}
 
 uint64_t PeakRssBytes() {
   rusage ru{};
@@ -122,6 +140,9 @@ class Trainer {
     co.timeout_s = c_.strata.comm_timeout_s;
     co.buckets = {c_.zero_optimization.allgather_bucket_size, c_.zero_optimization.reduce_bucket_size};
     STRATA_ASSIGN_OR_RETURN(comm_, CreateCommunicator(co));
+    STRATA_RETURN_IF_ERROR(c_.ResolveAuto(MakeAutoContext(f_, c_, comm_->world_size())));
+    if (leader() && !f_.json)
+      for (const std::string& line : c_.auto_resolved) std::fprintf(stderr, "config: %s\n", line.c_str());
     STRATA_ASSIGN_OR_RETURN(device_, CreateDevice(c_.strata.device, c_.strata.device_memory_budget));
     STRATA_ASSIGN_OR_RETURN(data_, LoadText(f_.data, c_.model.seq_len));
     EngineOptions eo;
@@ -372,7 +393,17 @@ int main(int argc, char** argv) {
   app.add_option("--device", f.device, "auto, cpu, cuda or cuda:N (overrides strata.device)");
   app.add_option("--threads", f.threads, "LibTorch compute threads (default: all cores)")
       ->check(strata::train::WholeAtLeast(0));
-  app.add_flag("--print-config", f.print_config, "print the effective config (defaults filled in) and exit");
+  app.add_option("--micro-batch", f.micro_batch,
+                 "micro-batch size per rank, used where the config says "
+                 "train_micro_batch_size_per_gpu: \"auto\" (default 1)")
+      ->check(strata::train::WholeAtLeast(1));
+  app.add_option("--lr", f.lr, "learning rate, used where the config says optimizer.params.lr: \"auto\" "
+                               "(default 1e-3)")
+      ->check(CLI::PositiveNumber);
+  app.add_flag("--print-config", f.print_config,
+               "print the effective config (defaults filled in, \"auto\" values resolved for this "
+               "machine and WORLD_SIZE) and exit; stderr lists the keys that were \"auto\" and "
+               "where each value came from");
   try {
     app.parse(argc, argv);
   } catch (const CLI::Success& e) {  // --help
@@ -390,7 +421,15 @@ int main(int argc, char** argv) {
     return 2;
   }
   if (f.print_config) {
+    const char* ws = std::getenv("WORLD_SIZE");
+    const int world = ws && std::atoi(ws) > 0 ? std::atoi(ws) : 1;
+    strata::Status s = config->ResolveAuto(strata::train::MakeAutoContext(f, *config, world));
+    if (!s.ok()) {
+      std::fprintf(stderr, "strata-train: %s\n", s.ToString().c_str());
+      return 2;
+    }
     std::cout << config->ToJsonString() << std::endl;
+    for (const std::string& line : config->auto_resolved) std::fprintf(stderr, "auto: %s\n", line.c_str());
     return 0;
   }
   if (f.steps == 0) f.steps = 200;

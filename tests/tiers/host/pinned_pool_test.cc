@@ -79,7 +79,9 @@ TEST(PinnedPoolTest, BudgetIsNeverExceeded) {
 }
 
 TEST(PinnedPoolTest, SizeClassesAreAlignedPowersOfTwo) {
-  ASSERT_OK_AND_ASSIGN(auto pool, PinnedPool::Create(Pageable(4_MiB)));
+  PinnedPoolOptions o = Pageable(4_MiB);
+  o.colour_step = 0;  // the buddy arithmetic itself: offsets are multiples of the class
+  ASSERT_OK_AND_ASSIGN(auto pool, PinnedPool::Create(o));
   EXPECT_EQ(pool->ClassBytes(1), 4096u);
   EXPECT_EQ(pool->ClassBytes(4096), 4096u);
   EXPECT_EQ(pool->ClassBytes(4097), 8192u);
@@ -99,6 +101,69 @@ TEST(PinnedPoolTest, SizeClassesAreAlignedPowersOfTwo) {
   for (auto& b : live) req += b.size;
   EXPECT_EQ(pool->stats().bytes_requested, req);
   for (auto& b : live) pool->Free(b);
+}
+
+// Note [block colouring]: the equal-sized blocks one Adam call streams over must not all sit at
+// the same address modulo their class, and colouring must not cost O_DIRECT alignment or
+// let blocks overlap.
+std::vector<uint64_t> ResiduesOfChunkStates(const PinnedPoolOptions& o, uint64_t state_bytes, int states) {
+  auto pool = PinnedPool::Create(o);
+  EXPECT_TRUE(pool.ok()) << pool.status();
+  std::vector<PinnedBlock> blocks;
+  std::vector<uint64_t> residues;
+  for (int i = 0; i < states; ++i) {
+    auto b = (*pool)->Allocate(state_bytes);
+    EXPECT_TRUE(b.ok()) << b.status();
+    EXPECT_EQ(reinterpret_cast<uintptr_t>(b->ptr) % 4096, 0u) << "O_DIRECT needs 4 KiB alignment";
+    EXPECT_TRUE((*pool)->Contains(b->ptr, b->class_bytes));
+    for (const PinnedBlock& prev : blocks) {
+      const auto x = reinterpret_cast<uintptr_t>(b->ptr), y = reinterpret_cast<uintptr_t>(prev.ptr);
+      EXPECT_TRUE(x >= y + prev.class_bytes || y >= x + b->class_bytes) << "blocks overlap";
+    }
+    residues.push_back(reinterpret_cast<uintptr_t>(b->ptr) % b->class_bytes);
+    blocks.push_back(*b);
+  }
+  for (const PinnedBlock& b : blocks) (*pool)->Free(b);
+  EXPECT_EQ((*pool)->stats().largest_free_block, (*pool)->max_allocation()) << "buddies merge again";
+  return residues;
+}
+
+TEST(PinnedPoolTest, BlocksOfOneClassAreColouredApart) {
+  // A chunk's five states (master, exp_avg, exp_avg_sq, grad, param16) of 32 MiB each.
+  PinnedPoolOptions o = Pageable(1_GiB);
+  std::vector<uint64_t> r = ResiduesOfChunkStates(o, 32_MiB, 5);
+  std::sort(r.begin(), r.end());
+  EXPECT_EQ(std::unique(r.begin(), r.end()), r.end()) << "two states share an address modulo 32 MiB";
+  for (uint64_t x : r) EXPECT_EQ(x % o.colour_step, 0u);
+  // Neighbours differ by (32 MiB / granule) * step = 128 KiB modulo the class.
+  EXPECT_EQ(r[1] - r[0], 32 * o.colour_step);
+  // Colouring off, the buddy system stacks every state at the same residue: the layout that
+  // streamed 3-4x slower. This is what the check above would catch.
+  o.colour_step = 0;
+  std::vector<uint64_t> flat = ResiduesOfChunkStates(o, 32_MiB, 5);
+  EXPECT_EQ(std::count(flat.begin(), flat.end(), flat[0]), 5);
+}
+
+TEST(PinnedPoolTest, ColourShiftsAreAccountedAndBounded) {
+  ASSERT_OK_AND_ASSIGN(auto pool, PinnedPool::Create(Pageable(256_MiB)));
+  EXPECT_EQ(pool->arena_bytes(), 256_MiB);
+  EXPECT_EQ(pool->colour_bytes(), 256 * 4_KiB) << "one 4 KiB step per MiB of arena";
+  EXPECT_EQ(pool->stats().colour_bytes, pool->colour_bytes());
+  uint64_t covered = 0;
+  for (const iovec& r : pool->IoRanges()) covered += r.iov_len;
+  EXPECT_EQ(covered, pool->arena_bytes() + pool->colour_bytes()) << "registered ranges cover the shifts";
+  // The last block of the arena ends inside the mapping.
+  ASSERT_OK_AND_ASSIGN(PinnedBlock a, pool->Allocate(128_MiB));
+  ASSERT_OK_AND_ASSIGN(PinnedBlock b, pool->Allocate(128_MiB));
+  EXPECT_TRUE(pool->Contains(b.ptr, b.class_bytes));
+  std::memset(b.ptr, 1, b.class_bytes);  // every byte of the shifted block is mapped
+  pool->Free(a);
+  pool->Free(b);
+  PinnedPoolOptions bad = Pageable(8_MiB);
+  bad.colour_step = 1000;
+  auto s = PinnedPool::Create(bad);
+  ASSERT_FALSE(s.ok());
+  EXPECT_NE(s.status().message().find("colour_step=1000"), std::string::npos) << s.status();
 }
 
 TEST(PinnedPoolTest, FreedSlotsOfAClassAreReused) {
@@ -210,7 +275,7 @@ TEST(PinnedPoolTest, ForcedPageableFallback) {
   EXPECT_EQ(s.backing, "pageable");
   EXPECT_EQ(pool->backing(), PinnedBacking::kPageable);
   EXPECT_EQ(s.pinned_bytes, 0u);
-  EXPECT_EQ(s.pageable_bytes, 4_MiB);
+  EXPECT_EQ(s.pageable_bytes, 4_MiB + s.colour_bytes);
   EXPECT_EQ(s.budget, 4_MiB);
 }
 
@@ -219,12 +284,12 @@ TEST(PinnedPoolTest, PinsWhatTheLimitAllows) {
   o.budget = 4_MiB;
   ASSERT_OK_AND_ASSIGN(auto pool, PinnedPool::Create(o));
   PinnedPoolStats s = pool->stats();
-  EXPECT_EQ(s.pinned_bytes + s.pageable_bytes, s.arena_bytes);
+  EXPECT_EQ(s.pinned_bytes + s.pageable_bytes, s.arena_bytes + s.colour_bytes);
   struct rlimit rl {};
   ASSERT_EQ(getrlimit(RLIMIT_MEMLOCK, &rl), 0);
   if (geteuid() == 0 || rl.rlim_cur == RLIM_INFINITY || rl.rlim_cur >= 8_MiB) {
     EXPECT_EQ(s.backing, "mlock");
-    EXPECT_EQ(s.pinned_bytes, 4_MiB);
+    EXPECT_EQ(s.pinned_bytes, 4_MiB + s.colour_bytes);
   }
   std::ifstream thp("/sys/kernel/mm/transparent_hugepage/enabled");
   std::string modes((std::istreambuf_iterator<char>(thp)), std::istreambuf_iterator<char>());
@@ -248,7 +313,7 @@ TEST(PinnedPoolTest, PinsWhatTheLimitAllows) {
   if (!pool.ok()) std::_Exit(12);
   PinnedPoolStats s = (*pool)->stats();
   if (s.backing != "mlock") std::_Exit(13);
-  if (s.pinned_bytes != 4_MiB || s.pageable_bytes != 2_MiB) {
+  if (s.pinned_bytes != 4_MiB || s.pageable_bytes != 2_MiB + s.colour_bytes) {
     std::fprintf(stderr, "pinned=%llu pageable=%llu\n", (unsigned long long)s.pinned_bytes,
                  (unsigned long long)s.pageable_bytes);
     std::_Exit(14);
@@ -289,10 +354,10 @@ TEST(PinnedPoolTest, IoRangesCoverTheArena) {
   ASSERT_OK_AND_ASSIGN(auto pool, PinnedPool::Create(Pageable(3_MiB)));
   auto r = pool->IoRanges();
   ASSERT_EQ(r.size(), 1u);
-  EXPECT_EQ(r[0].iov_len, 3_MiB);
+  EXPECT_EQ(r[0].iov_len, 3_MiB + pool->colour_bytes());
   ASSERT_OK_AND_ASSIGN(PinnedBlock b, pool->Allocate(1_MiB));
   EXPECT_TRUE(pool->Contains(b.ptr, b.size));
-  EXPECT_FALSE(pool->Contains(static_cast<char*>(r[0].iov_base) + 3_MiB, 1));
+  EXPECT_FALSE(pool->Contains(static_cast<char*>(r[0].iov_base) + 3_MiB + pool->colour_bytes(), 1));
   pool->Free(b);
 }
 

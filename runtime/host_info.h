@@ -1,0 +1,34 @@
+// HostInfo: what machine a figure was measured on. Every benchmark prints it beside its numbers,
+// because machines differ from one session to the next (an AVX2-only Zen 3 one week, an
+// AVX-512 BF16 Zen 4 the next) and a figure without its machine cannot be compared.
+#pragma once
+
+#include <string>
+
+namespace strata {
+
+struct HostInfo {
+  std::string cpu_model;   // /proc/cpuinfo "model name", e.g. "AMD EPYC 9354P 32-Core Processor"
+  std::string isa;         // the widest vector ISA the CPU and OS offer: "avx512_bf16", "avx512",
+                           // "avx2" or "sse"
+  bool native_bf16 = false;  // bf16 dot-product instructions (AVX512_BF16 or AMX-BF16)
+  int cores = 0;           // online logical CPUs
+};
+
+// Reads the running machine (cpuid and /proc; never fails: unknown fields stay empty).
+// STRATA_CPU_BF16=0 (or 1) overrides native_bf16, to try the other kind of CPU's choices.
+HostInfo ReadHostInfo();
+
+// Physical cores (hwloc's HWLOC_OBJ_CORE; the online CPU count when hwloc cannot tell). The
+// optimizer's thread arena is this wide: SMT siblings share the core's load ports, which a
+// streaming kernel already saturates.
+int PhysicalCoreCount();
+
+// ReadHostInfo().native_bf16: whether bf16 matmuls run at full speed on this CPU.
+bool CpuHasNativeBf16();
+
+// "AMD EPYC 9354P (avx512_bf16), 2 cores". With a path, also the block device holding it and
+// its model when the kernel names one: "...; disk vda (Virtio) for /tmp/x".
+std::string HostDescription(const std::string& path = "");
+
+}  // namespace strata

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 
 #include "runtime/check.h"
 
@@ -27,7 +28,9 @@ StatusOr<DynamicLossScaler> DynamicLossScaler::FromConfig(const Fp16Config& fp16
   o.initial_scale_power = fp16.initial_scale_power;
   o.loss_scale_window = fp16.loss_scale_window;
   o.hysteresis = fp16.hysteresis;
-  o.min_loss_scale = fp16.min_loss_scale;
+  // DeepSpeed reads min_loss_scale 0 as "no floor"; the smallest normal double is the same in
+  // practice and keeps the scaler's own check (> 0) meaningful.
+  o.min_loss_scale = fp16.min_loss_scale > 0 ? fp16.min_loss_scale : std::numeric_limits<double>::min();
   return Create(o);
 }
 

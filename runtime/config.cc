@@ -370,9 +370,10 @@ Status ParseZero(Section s, ZeroConfig* c) {
   c->stage = static_cast<int>(stage);
   STRATA_RETURN_IF_ERROR(s.Bool("contiguous_gradients", &c->contiguous_gradients));
   STRATA_RETURN_IF_ERROR(s.Bool("overlap_comm", &c->overlap_comm));
-  STRATA_RETURN_IF_ERROR(s.Int("reduce_bucket_size", &c->reduce_bucket_size, 1, kMaxElems));
-  STRATA_RETURN_IF_ERROR(s.Int("allgather_bucket_size", &c->allgather_bucket_size, 1, kMaxElems));
-  STRATA_RETURN_IF_ERROR(s.Int("sub_group_size", &c->sub_group_size, 1, kMaxElems));
+  // 0 is accepted as DeepSpeed does (Hugging Face's tests use it): no bucketing / no grouping.
+  STRATA_RETURN_IF_ERROR(s.Int("reduce_bucket_size", &c->reduce_bucket_size, 0, kMaxElems));
+  STRATA_RETURN_IF_ERROR(s.Int("allgather_bucket_size", &c->allgather_bucket_size, 0, kMaxElems));
+  STRATA_RETURN_IF_ERROR(s.Int("sub_group_size", &c->sub_group_size, 0, kMaxElems));
   STRATA_RETURN_IF_ERROR(
       s.Int("stage3_prefetch_bucket_size", &c->stage3_prefetch_bucket_size, 0, kMaxElems));
   STRATA_RETURN_IF_ERROR(s.Int("stage3_param_persistence_threshold",
@@ -452,6 +453,7 @@ Status ParseZero(Section s, ZeroConfig* c) {
                         "override_module_apply", "module_granularity_threshold",
                         "use_all_reduce_for_fetch_params", "stage3_use_all_reduce_for_fetch_params",
                         "legacy_stage1", "reduce_scatter_bucket_size",
+                        "stage3_module_granularity_threshold", "zeropp_loco_param",
                         "stage3_gather_fp16_weights_on_model_save", "load_from_fp32_weights",
                         "elastic_checkpoint", "ignore_unused_parameters", "memory_efficient_linear",
                         "use_multi_rank_bucket_allreduce", "zero_hpz_partition_size",
@@ -573,7 +575,7 @@ Status ParseFp16(Section s, Fp16Config* c) {
   STRATA_RETURN_IF_ERROR(s.Int("initial_scale_power", &c->initial_scale_power, 0, 64));
   STRATA_RETURN_IF_ERROR(s.Int("loss_scale_window", &c->loss_scale_window, 1, kMaxElems));
   STRATA_RETURN_IF_ERROR(s.Int("hysteresis", &c->hysteresis, 1, 1000000));
-  STRATA_RETURN_IF_ERROR(s.Double("min_loss_scale", &c->min_loss_scale, 0.0, 1e30, false, true));
+  STRATA_RETURN_IF_ERROR(s.Double("min_loss_scale", &c->min_loss_scale, 0.0, 1e30));
   s.Ignored("consecutive_hysteresis", "has no effect in Strata");
   s.Ignored("auto_cast", "has no effect in Strata (the model's parameters are cast)");
   s.Ignored("fp16_master_weights_and_grads", "master weights are always fp32 in Strata");
@@ -649,6 +651,13 @@ Status ParseRoot(const json& root, Config* c) {
     return InvalidArgument(StrCat("the config must be a JSON object, got ", Describe(root)));
   Section s(&root, "", &c->warnings, &c->auto_keys);
   STRATA_RETURN_IF_ERROR(s.Int("train_batch_size", &c->train_batch_size, 0, kMaxElems));
+  auto given = [&](const char* k) {
+    const json* v = root.contains(k) ? &root.at(k) : nullptr;
+    return v && v->is_number();
+  };
+  c->train_batch_size_given = given("train_batch_size");
+  c->micro_batch_given = given("train_micro_batch_size_per_gpu");
+  c->accumulation_given = given("gradient_accumulation_steps");
   STRATA_RETURN_IF_ERROR(
       s.Int("train_micro_batch_size_per_gpu", &c->train_micro_batch_size_per_gpu, 1, 1 << 24));
   STRATA_RETURN_IF_ERROR(
@@ -704,6 +713,11 @@ Status ParseRoot(const json& root, Config* c) {
   STRATA_ASSIGN_OR_RETURN(Section bf16, s.Child(bf16_key));
   STRATA_RETURN_IF_ERROR(bf16.Bool("enabled", &c->bf16.enabled));
   bf16.Ignored("immediate_grad_update", "has no effect in Strata");
+  // Megatron-DeepSpeed's bf16 configs copy fp16's loss-scaling keys; DeepSpeed reads only
+  // "enabled" there.
+  for (const char* k : {"loss_scale", "loss_scale_window", "hysteresis", "min_loss_scale",
+                        "initial_scale_power", "consecutive_hysteresis", "auto_cast"})
+    bf16.Ignored(k, "has no effect: bf16 needs no loss scaling");
   STRATA_RETURN_IF_ERROR(bf16.Finish());
 
   STRATA_ASSIGN_OR_RETURN(Section zero, s.Child("zero_optimization"));
@@ -892,26 +906,42 @@ Status Config::ResolveAuto(const AutoContext& ctx) {
     o << v;
     return o.str();
   };
-  if (is("train_micro_batch_size_per_gpu")) {
-    if (ctx.micro_batch > 0) train_micro_batch_size_per_gpu = ctx.micro_batch;
-    else if (train_batch_size > 0 && !is("train_batch_size")) {
-      const int64_t per = gradient_accumulation_steps * ctx.world_size;
-      if (train_batch_size % per == 0) train_micro_batch_size_per_gpu = train_batch_size / per;
+  // Batch sizes, DeepSpeed's rules (its _set_batch_related_parameters): of train_batch_size,
+  // the micro batch and the accumulation steps, the ones the file (or the command line) gives
+  // fix the rest through train = micro x accumulation x world.
+  const int64_t world = ctx.world_size;
+  bool micro_known = micro_batch_given, accum_known = accumulation_given;
+  if (!micro_known && ctx.micro_batch > 0) train_micro_batch_size_per_gpu = ctx.micro_batch, micro_known = true;
+  if (!accum_known && ctx.accumulation > 0) gradient_accumulation_steps = ctx.accumulation, accum_known = true;
+  if (train_batch_size_given && !(micro_known && accum_known)) {
+    const int64_t known = (micro_known ? train_micro_batch_size_per_gpu : gradient_accumulation_steps) * world;
+    if (!micro_known && !accum_known) {
+      gradient_accumulation_steps = 1;
+      if (train_batch_size % world != 0)
+        return InvalidArgument(StrCat("train_batch_size=", train_batch_size,
+                                      " is not divisible by the world size ", world));
+      train_micro_batch_size_per_gpu = train_batch_size / world;
+    } else if (train_batch_size % known != 0) {
+      return InvalidArgument(StrCat("train_batch_size=", train_batch_size, " is not divisible by ",
+                                    micro_known ? "train_micro_batch_size_per_gpu=" : "gradient_accumulation_steps=",
+                                    known / world, " x world size ", world));
+    } else if (micro_known) {
+      gradient_accumulation_steps = train_batch_size / known;
+    } else {
+      train_micro_batch_size_per_gpu = train_batch_size / known;
     }
+  } else if (!train_batch_size_given) {
+    train_batch_size = train_micro_batch_size_per_gpu * gradient_accumulation_steps * world;
+  }
+  if (is("train_micro_batch_size_per_gpu"))
     note("train_micro_batch_size_per_gpu", std::to_string(train_micro_batch_size_per_gpu),
-         ctx.micro_batch > 0 ? "the command line" : "Strata's default or train_batch_size");
-  }
-  if (is("gradient_accumulation_steps")) {
-    if (ctx.accumulation > 0) gradient_accumulation_steps = ctx.accumulation;
+         ctx.micro_batch > 0 ? "the command line" : train_batch_size_given ? "train_batch_size" : "Strata's default");
+  if (is("gradient_accumulation_steps"))
     note("gradient_accumulation_steps", std::to_string(gradient_accumulation_steps),
-         ctx.accumulation > 0 ? "the command line" : "Strata's default");
-  }
-  if (is("train_batch_size") || train_batch_size == 0) {
-    train_batch_size = train_micro_batch_size_per_gpu * gradient_accumulation_steps * ctx.world_size;
-    if (is("train_batch_size"))
-      note("train_batch_size", std::to_string(train_batch_size),
-           StrCat("micro batch x accumulation x world size ", ctx.world_size));
-  }
+         ctx.accumulation > 0 ? "the command line" : train_batch_size_given ? "train_batch_size" : "Strata's default");
+  if (is("train_batch_size"))
+    note("train_batch_size", std::to_string(train_batch_size),
+         StrCat("micro batch x accumulation x world size ", world));
   if (is("gradient_clipping")) {
     gradient_clipping = ctx.clipping >= 0 ? ctx.clipping : 1.0;
     note("gradient_clipping", num(gradient_clipping),

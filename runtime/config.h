@@ -107,7 +107,7 @@ struct Fp16Config {
   int64_t initial_scale_power = 16;
   int64_t loss_scale_window = 1000;
   int64_t hysteresis = 2;
-  double min_loss_scale = 1.0;
+  double min_loss_scale = 1.0;  // 0: no floor (DeepSpeed's reading)
 };
 
 struct Bf16Config {
@@ -185,6 +185,12 @@ struct Config {
   AioConfig aio;
   StrataConfig strata;
   ModelConfig model;
+
+  // Which of the three batch keys the file set to a number ("auto" and absent are not set);
+  // ResolveAuto derives the others as DeepSpeed does.
+  bool train_batch_size_given = false;
+  bool micro_batch_given = false;
+  bool accumulation_given = false;
 
   std::vector<std::string> warnings;  // deprecations met while parsing, in order
   // Keys given as "auto" (dotted paths, e.g. "optimizer.params.lr"), in file order. Their fields

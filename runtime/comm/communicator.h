@@ -50,6 +50,14 @@ const char* ReduceOpName(ReduceOp op);  // "sum", "avg", ...
 struct BucketSizes {
   int64_t allgather = 500000000;  // elements of the full (gathered) buffer per backend call
   int64_t reduce = 500000000;     // elements of the full (reduced) buffer per backend call
+
+  // From the config's zero_optimization sizes; 0 there (accepted, as DeepSpeed does) means one
+  // call per buffer, whatever its size.
+  static BucketSizes FromConfig(int64_t allgather_bucket_size, int64_t reduce_bucket_size) {
+    constexpr int64_t kUnbounded = int64_t{1} << 60;
+    return {allgather_bucket_size > 0 ? allgather_bucket_size : kUnbounded,
+            reduce_bucket_size > 0 ? reduce_bucket_size : kUnbounded};
+  }
 };
 
 class Communicator {

@@ -404,23 +404,44 @@ TEST(ConfigAuto, AutoKeysAreRecordedAndResolvedFromTheRun) {
   EXPECT_TRUE(d.bf16.enabled);
 }
 
-TEST(ConfigAuto, TrainBatchSizeMustEqualTheProduct) {
-  ASSERT_OK_AND_ASSIGN(Config c, Config::FromJsonText(
-                                     R"({"train_batch_size": 16, "train_micro_batch_size_per_gpu": 4})"));
+// DeepSpeed's batch rules: all three given must agree; two given fix the third.
+TEST(ConfigAuto, BatchSizesFollowDeepSpeedsRules) {
   AutoContext two;
   two.world_size = 2;
-  Status s = c.ResolveAuto(two);
+  ASSERT_OK_AND_ASSIGN(Config all, Config::FromJsonText(
+      R"({"train_batch_size": 16, "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1})"));
+  Status s = all.ResolveAuto(two);
   EXPECT_EQ(s.code(), StatusCode::kInvalidArgument);
   EXPECT_NE(s.message().find("train_batch_size=16 does not equal"), std::string::npos) << s;
   EXPECT_NE(s.message().find("world size 2 = 8"), std::string::npos) << s;
   AutoContext four;
   four.world_size = 4;
-  EXPECT_OK(c.ResolveAuto(four));
-  // An "auto" micro batch follows an explicit train_batch_size.
-  ASSERT_OK_AND_ASSIGN(Config d, Config::FromJsonText(
-                                     R"({"train_batch_size": 16, "train_micro_batch_size_per_gpu": "auto"})"));
-  ASSERT_OK(d.ResolveAuto(two));
-  EXPECT_EQ(d.train_micro_batch_size_per_gpu, 8);
+  EXPECT_OK(all.ResolveAuto(four));
+  // Train and micro given: the accumulation follows.
+  ASSERT_OK_AND_ASSIGN(Config tm, Config::FromJsonText(
+      R"({"train_batch_size": 16, "train_micro_batch_size_per_gpu": 4})"));
+  ASSERT_OK(tm.ResolveAuto(two));
+  EXPECT_EQ(tm.gradient_accumulation_steps, 2);
+  // Train given, micro "auto": the micro batch follows.
+  ASSERT_OK_AND_ASSIGN(Config ta, Config::FromJsonText(
+      R"({"train_batch_size": 16, "train_micro_batch_size_per_gpu": "auto"})"));
+  ASSERT_OK(ta.ResolveAuto(two));
+  EXPECT_EQ(ta.train_micro_batch_size_per_gpu, 8);
+  EXPECT_EQ(ta.gradient_accumulation_steps, 1);
+  ASSERT_OK(ta.ResolveAuto(two));  // idempotent
+  EXPECT_EQ(ta.train_micro_batch_size_per_gpu, 8);
+  // Micro and accumulation given: the train batch follows.
+  ASSERT_OK_AND_ASSIGN(Config ma, Config::FromJsonText(
+      R"({"train_micro_batch_size_per_gpu": 3, "gradient_accumulation_steps": 2})"));
+  ASSERT_OK(ma.ResolveAuto(two));
+  EXPECT_EQ(ma.train_batch_size, 12);
+  // Indivisible: an error naming the values.
+  ASSERT_OK_AND_ASSIGN(Config bad, Config::FromJsonText(
+      R"({"train_batch_size": 10, "train_micro_batch_size_per_gpu": "auto"})"));
+  AutoContext three;
+  three.world_size = 3;
+  s = bad.ResolveAuto(three);
+  EXPECT_NE(s.message().find("train_batch_size=10 is not divisible by the world size 3"), std::string::npos) << s;
 }
 
 // Note [Adam means AdamW]: DeepSpeed's "Adam" is decoupled unless adam_w_mode is false.

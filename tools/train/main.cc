@@ -138,7 +138,8 @@ class Trainer {
     co.device = c_.strata.device == "cuda" || (c_.strata.device == "auto" && CudaDeviceCount() > 0)
                     ? "cuda" : "cpu";
     co.timeout_s = c_.strata.comm_timeout_s;
-    co.buckets = {c_.zero_optimization.allgather_bucket_size, c_.zero_optimization.reduce_bucket_size};
+    co.buckets = BucketSizes::FromConfig(c_.zero_optimization.allgather_bucket_size,
+                                         c_.zero_optimization.reduce_bucket_size);
     STRATA_ASSIGN_OR_RETURN(comm_, CreateCommunicator(co));
     STRATA_RETURN_IF_ERROR(c_.ResolveAuto(MakeAutoContext(f_, c_, comm_->world_size())));
     if (leader() && !f_.json)

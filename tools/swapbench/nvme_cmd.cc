@@ -28,6 +28,7 @@
 
 #include "runtime/check.h"
 #include "runtime/logging.h"
+#include "runtime/host_info.h"
 #include "runtime/status.h"
 #include "runtime/units.h"
 #include "tiers/nvme/io_engine.h"
@@ -420,6 +421,7 @@ int RunNvme(const NvmeArgs& args) {
   if (args.json) {
     nlohmann::json j;
     j["command"] = "nvme";
+    j["host"] = HostDescription(s.dir);
     j["file"] = run.file;
     j["path"] = args.store ? "swap_store" : "engine";
     j["rw"] = s.op == IoOp::kRead ? "read" : "write";
@@ -446,6 +448,7 @@ int RunNvme(const NvmeArgs& args) {
     }
     std::cout << j.dump() << "\n";
   } else {
+    std::cout << "on " << HostDescription(s.dir) << "\n";
     std::cout << "nvme " << (s.op == IoOp::kRead ? "read" : "write") << " file=" << run.file
               << " size=" << FormatBytes(s.size) << " bs=" << FormatBytes(s.block_size)
               << " qd=" << s.queue_depth << " threads=" << s.threads << " engine=" << engine_name

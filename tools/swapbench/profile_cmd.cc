@@ -36,6 +36,7 @@
 #include "optim/cpu_adam.h"
 #include "runtime/config.h"
 #include "runtime/device.h"
+#include "runtime/host_info.h"
 #include "runtime/units.h"
 #include "tiers/host/cuda_host_alloc.h"
 #include "tiers/nvme/io_engine.h"
@@ -550,12 +551,14 @@ int RunProfile(const ProfileArgs& a) {
 
   nlohmann::json j = h.ToJson();
   j["mode"] = full ? "full" : "quick";
+  j["host"] = HostDescription(a.path);
   j["notes"] = notes;
   auto best = h.BestAio();
   if (a.json) {
     std::cout << j.dump(2) << "\n";
   } else {
-    std::printf("\n%-44s %10s %12s %8s\n", "measurement", "GB/s", "ceiling", "ratio");
+    std::printf("\non %s\n", HostDescription(a.path).c_str());
+    std::printf("%-44s %10s %12s %8s\n", "measurement", "GB/s", "ceiling", "ratio");
     auto row = [](const std::string& what, double v, double ceil) {
       if (ceil > 0) std::printf("%-44s %10.3f %12.3f %7.0f%%\n", what.c_str(), v, ceil, 100 * v / ceil);
       else std::printf("%-44s %10.3f %12s %8s\n", what.c_str(), v, "-", "");

@@ -33,6 +33,7 @@
 #include <nlohmann/json.hpp>
 
 #include "runtime/logging.h"
+#include "runtime/host_info.h"
 #include "runtime/status.h"
 #include "runtime/tier_manager.h"
 #include "runtime/units.h"
@@ -424,6 +425,7 @@ int RunTiers(const TiersArgs& args) {
   if (args.json) {
     nlohmann::json j;
     j["command"] = "tiers";
+    j["host"] = HostDescription(s.dir);
     j["path"] = s.dir;
     j["engine"] = main.engine;
     j["fixed_buffers"] = main.fixed_buffers;
@@ -458,6 +460,7 @@ int RunTiers(const TiersArgs& args) {
     j["tier_manager"] = main.manager_stats;
     std::cout << j.dump(2) << "\n";
   } else {
+    std::cout << "on " << HostDescription(s.dir) << "\n";
     std::cout << "nvme raw: read " << main.raw.read_gbps << " GB/s, write " << main.raw.write_gbps
               << " GB/s, both at once " << main.raw.concurrent_gbps << " GB/s; reference " << raw_mixed
               << " GB/s\n"

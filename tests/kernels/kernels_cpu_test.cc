@@ -301,6 +301,80 @@ TEST(KernelsCpuAdam, EqualsOptimAdamStepBitForBit) {
   }
 }
 
+// The independent twin: Adam/AdamW written from the formula (optim/cpu_adam.h's header, which is
+// torch.optim's) in double precision, element by element, without any of optim's code. The
+// bit-for-bit test above shows the kernel path equals optim::AdamStep; this one shows both
+// compute Adam. fp32 states only: bf16 states round on every store by design.
+float FromBf16(const uint8_t* p) {
+  uint32_t bits = static_cast<uint32_t>(p[0] | (p[1] << 8)) << 16;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+TEST(KernelsCpuAdam, MatchesADoublePrecisionReferenceFromTheFormula) {
+  for (DType g : {DType::kFloat32, DType::kBFloat16}) {
+    for (bool adamw : {true, false}) {
+      const AdamCase c{g, DType::kFloat32, true, DType::kBFloat16, adamw};
+      SCOPED_TRACE(::testing::Message() << "grad=" << optim::DTypeName(g) << " adamw=" << adamw);
+      const size_t n = 4099;
+      AdamState s = MakeAdamState(c, n, 21);
+      // mag_m bounds |m|'s terms, so a cancellation near zero is judged against what was summed.
+      std::vector<double> p(n), m(n), v(n), grad(n), mag_m(n);
+      for (size_t i = 0; i < n; ++i) {
+        p[i] = s.master[i];
+        float mf, vf;
+        std::memcpy(&mf, &s.m[4 * i], 4);
+        std::memcpy(&vf, &s.v[4 * i], 4);
+        m[i] = mf;
+        mag_m[i] = std::fabs(mf);
+        v[i] = vf;
+        if (g == DType::kFloat32) {
+          float gf;
+          std::memcpy(&gf, &s.grad[4 * i], 4);
+          grad[i] = gf;
+        } else {
+          grad[i] = FromBf16(&s.grad[2 * i]);
+        }
+      }
+      const double scale = 0.5, lr = 1e-3, wd = 0.01, b1 = 0.9, b2 = 0.999, eps = 1e-8;
+      for (int64_t t = 1; t <= 3; ++t) {
+        ASSERT_OK(AdamStep(kCpu, TestParams(c, t), s.Buffers(c), static_cast<float>(scale)));
+        const double bc1 = 1 - std::pow(b1, t), bc2 = 1 - std::pow(b2, t);
+        for (size_t i = 0; i < n; ++i) {
+          double gi = grad[i] * scale;
+          if (adamw) p[i] *= 1 - lr * wd;
+          else gi += wd * p[i];
+          m[i] = b1 * m[i] + (1 - b1) * gi;
+          mag_m[i] = b1 * mag_m[i] + (1 - b1) * std::fabs(gi);
+          v[i] = b2 * v[i] + (1 - b2) * gi * gi;
+          p[i] -= lr * (m[i] / bc1) / (std::sqrt(v[i] / bc2) + eps);
+        }
+      }
+      double worst_p = 0, worst_m = 0, worst_v = 0;
+      for (size_t i = 0; i < n; ++i) {
+        float mf, vf;
+        std::memcpy(&mf, &s.m[4 * i], 4);
+        std::memcpy(&vf, &s.v[4 * i], 4);
+        worst_p = std::max(worst_p, std::fabs(s.master[i] - p[i]) / std::max(1e-3, std::fabs(p[i])));
+        worst_m = std::max(worst_m, std::fabs(mf - m[i]) / mag_m[i]);
+        worst_v = std::max(worst_v, std::fabs(vf - v[i]) / std::max(1e-20, std::fabs(v[i])));
+        // The bf16 working copy is the master rounded to nearest.
+        EXPECT_LE(std::fabs(FromBf16(&s.p16[2 * i]) - s.master[i]), std::fabs(s.master[i]) * 0x1p-8) << i;
+      }
+      // fp32 arithmetic (fused multiply-adds, a float sqrt and divide) against double over three
+      // steps: measured up to ~1e-5 of the summed magnitudes. A wrong formula is far outside:
+      // dropping bias correction moves p by ~1e-1 relative, swapping Adam and AdamW moves m by
+      // ~1e-1 of its magnitude.
+      EXPECT_LT(worst_p, 2e-5);
+      EXPECT_LT(worst_m, 5e-5);
+      EXPECT_LT(worst_v, 2e-5);
+      std::printf("reference twin (grad %s, adamw %d): worst relative error p %.2e m %.2e v %.2e\n",
+                  optim::DTypeName(g), adamw, worst_p, worst_m, worst_v);
+    }
+  }
+}
+
 TEST(KernelsCpuAdam, SkipFlagLeavesEverythingUntouched) {
   const AdamCase c{DType::kFloat32, DType::kFloat32, true, DType::kBFloat16, true};
   AdamState s = MakeAdamState(c, 1000, 3);

@@ -15,6 +15,7 @@
 #include <chrono>
 #include <condition_variable>
 #include <cstdio>
+#include <fstream>
 #include <cstdlib>
 #include <cstring>
 #include <functional>
@@ -215,13 +216,67 @@ StatusOr<RunResult> RunOnce(const MoveFn& move, const std::function<void()>& dra
   return RunResult{secs, static_cast<double>(s.size) / secs / 1e9};
 }
 
-// fio with the io_uring engine on the same file; returns decimal GB/s.
-StatusOr<double> RunFio(const Settings& s) {
+// How fio's buffers are set up to match Strata's (like for like): registered buffers and files
+// when Strata registers its buffers, and huge-page memory when Strata's buffers use huge pages.
+struct FioBuffers {
+  bool fixed = true;  // --fixedbufs --registerfiles
+  bool huge = true;   // --iomem=shmhuge (needs reserved huge pages, see ReserveHugePages)
+};
+
+// Reserves enough 2 MiB huge pages for fio's --iomem=shmhuge and restores the old count on
+// destruction. ok() is false when the kernel would not give them (not root, no memory).
+class HugePageReservation {
+ public:
+  explicit HugePageReservation(uint64_t bytes) {
+    const uint64_t need = (bytes + (2u << 20) - 1) / (2u << 20) + 2;
+    old_ = Read("/proc/sys/vm/nr_hugepages");
+    const uint64_t have_free = ReadMeminfo("HugePages_Free:");
+    if (have_free >= need) {
+      ok_ = true;
+      return;
+    }
+    if (!Write(old_ + need - have_free)) return;
+    changed_ = true;
+    ok_ = ReadMeminfo("HugePages_Free:") >= need;
+  }
+  ~HugePageReservation() {
+    if (changed_) Write(old_);
+  }
+  bool ok() const { return ok_; }
+
+ private:
+  static uint64_t Read(const char* path) {
+    std::ifstream f(path);
+    uint64_t v = 0;
+    f >> v;
+    return v;
+  }
+  static uint64_t ReadMeminfo(const std::string& key) {
+    std::ifstream f("/proc/meminfo");
+    for (std::string line; std::getline(f, line);)
+      if (line.rfind(key, 0) == 0) return std::strtoull(line.c_str() + key.size(), nullptr, 10);
+    return 0;
+  }
+  static bool Write(uint64_t n) {
+    std::ofstream f("/proc/sys/vm/nr_hugepages");
+    f << n;
+    f.flush();
+    return static_cast<bool>(f);
+  }
+  uint64_t old_ = 0;
+  bool changed_ = false;
+  bool ok_ = false;
+};
+
+// fio with the io_uring engine on the same file, its buffers set up as `fb`; returns decimal GB/s.
+StatusOr<double> RunFio(const Settings& s, const FioBuffers& fb) {
   const char* rw = s.op == IoOp::kRead ? "read" : "write";
   std::string cmd = StrCat("fio --name=strata-swapbench --filename=", s.file, " --rw=", rw,
                            " --bs=", s.block_size, " --iodepth=", s.queue_depth,
                            " --ioengine=io_uring --direct=1 --numjobs=", s.threads,
                            " --group_reporting --output-format=json");
+  if (fb.fixed) cmd += " --fixedbufs --registerfiles";
+  if (fb.huge) cmd += " --iomem=shmhuge";
   if (s.threads > 1) {
     cmd += StrCat(" --size=", s.size / s.threads, " --offset_increment=", s.size / s.threads);
   } else {
@@ -262,11 +317,27 @@ int RunNvme(const NvmeArgs& args) {
               << "\nRun `strata-swapbench nvme --help` for the options.\n";
     return 2;
   }
-  const Settings& s = *settings;
+  Settings s = *settings;
+  // With --fio, at least 3 interleaved rounds: one pair of runs says little on a disk whose speed
+  // swings between minutes; the medians and their ratio are reported.
+  if (args.fio && s.repeat < 3) s.repeat = 3;
+  bool huge = !args.no_huge_pages;
+  FioBuffers fio_buffers;
+  fio_buffers.fixed = !args.no_fixed_buffers;
+  std::unique_ptr<HugePageReservation> reservation;
+  if (args.fio && huge) {
+    reservation = std::make_unique<HugePageReservation>(s.queue_depth * s.threads * s.block_size);
+    if (!reservation->ok()) {
+      // fio cannot use huge pages without a reservation; compare both on 4 KiB pages instead.
+      std::cerr << "strata-swapbench nvme: could not reserve huge pages for fio's --iomem=shmhuge "
+                   "(needs root and free memory); both sides use 4 KiB pages instead\n";
+      huge = false;
+    }
+  }
+  fio_buffers.huge = huge;
 
   Buffers buffers;
-  Status mem = buffers.Allocate(static_cast<size_t>(s.queue_depth * s.threads), s.block_size,
-                                !args.no_huge_pages);
+  Status mem = buffers.Allocate(static_cast<size_t>(s.queue_depth * s.threads), s.block_size, huge);
   if (!mem.ok()) {
     std::cerr << "strata-swapbench nvme: " << mem << "\n";
     return 1;
@@ -375,7 +446,7 @@ int RunNvme(const NvmeArgs& args) {
   for (int64_t r = 0; r < s.repeat; ++r) {
     const bool fio_first = args.fio && r % 2 == 1;
     auto run_fio = [&]() -> Status {
-      auto f = RunFio(run);
+      auto f = RunFio(run, fio_buffers);
       if (!f.ok()) return f.status();
       fio.push_back(*f);
       return Status::Ok();
@@ -435,7 +506,10 @@ int RunNvme(const NvmeArgs& args) {
     j["direct_io"] = direct;
     j["fixed_buffers"] = io.fixed_buffers;
     j["fixed_files"] = io.fixed_files;
-    j["huge_pages"] = !args.no_huge_pages;
+    j["huge_pages"] = huge;
+    if (args.fio)
+      j["fio_options"] = StrCat(fio_buffers.fixed ? "--fixedbufs --registerfiles " : "",
+                                fio_buffers.huge ? "--iomem=shmhuge" : "--iomem=malloc (4 KiB pages)");
     j["gbps"] = gbps;
     j["runs_gbps"] = ours;
     j["seconds"] = Median(secs);
@@ -478,9 +552,14 @@ void RegisterNvmeCommand(CLI::App& app, int* exit_code) {
   cmd->add_option("--queue-depth", args->queue_depth, "Requests in flight per ring, 1..4096 (default 32)");
   cmd->add_option("--threads", args->threads, "Rings per direction (aio.intra_op_parallelism), 1..64 (default 1)");
   cmd->add_option("--rw", args->rw, "read or write (required)");
-  cmd->add_option("--repeat", args->repeat, "Runs (alternating with fio when --fio); medians are reported (default 1)");
+  cmd->add_option("--repeat", args->repeat,
+                  "Runs (alternating with fio when --fio, then at least 3); medians are reported (default 1)");
   cmd->add_flag("--json", args->json, "Print one JSON object (gbps, engine, settings, fio figures)");
-  cmd->add_flag("--fio", args->fio, "Also run fio (io_uring, O_DIRECT) on the same file and print the ratio");
+  cmd->add_flag("--fio", args->fio,
+                "Also run fio (io_uring, O_DIRECT) on the same file, with the same kind of buffers as "
+                "Strata (--fixedbufs --registerfiles unless --no-fixed-buffers; --iomem=shmhuge on "
+                "reserved huge pages unless --no-huge-pages), at least 3 interleaved rounds, and print "
+                "the ratio of the medians");
   cmd->add_flag("--fallback", args->fallback, "Use the pread/pwrite fallback engine instead of io_uring");
   cmd->add_flag("--cleanup", args->cleanup, "Delete the test file afterwards");
   cmd->add_flag("--store", args->store,

@@ -22,6 +22,7 @@
 #include "runtime/config.h"
 #include "runtime/compute_dtype.h"
 #include "runtime/device.h"
+#include "runtime/host_info.h"
 #include "runtime/engine.h"
 #include "runtime/logging.h"
 #include "runtime/units.h"
@@ -158,6 +159,9 @@ class Trainer {
                    device_->name().c_str(), (size_t)comm_->world_size(), f_.data.c_str(),
                    FormatBytes(data_.train.size()).c_str(),
                    FormatBytes(data_.validation.size()).c_str());
+    // A step time means little without its machine (figures are compared across sessions).
+    host_ = HostDescription(NvmeDirForHost());
+    if (leader() && !f_.json) std::fprintf(stderr, "strata-train: on %s\n", host_.c_str());
     STRATA_ASSIGN_OR_RETURN(engine_, Engine::Create(models::BuildGpt(c_.model), c_, comm_.get(),
                                                     device_.get(), eo));
     if (!f_.resume.empty()) {
@@ -323,6 +327,7 @@ class Trainer {
         {"mean_overlap_efficiency", measured ? overlap_sum / measured : NAN},
         {"tokens_per_s", wall > 0 ? tokens_total / wall : 0},
         {"wall_s", wall},
+        {"host", host_},
         {"peak_rss_bytes", PeakRssBytes()},
         {"interrupted", g_stop.load()},
         {"engine", engine_->Describe()}};
@@ -350,8 +355,20 @@ class Trainer {
     return Status::Ok();
   }
 
+  // The directory NVMe swap goes to, if any (for the disk in the host line).
+  std::string NvmeDirForHost() const {
+    if (!f_.nvme_path.empty()) return f_.nvme_path;
+    const auto& z = c_.zero_optimization;
+    if (z.offload_param.device == OffloadDevice::kNvme && !z.offload_param.nvme_path.empty())
+      return z.offload_param.nvme_path[0];
+    if (z.offload_optimizer.device == OffloadDevice::kNvme && !z.offload_optimizer.nvme_path.empty())
+      return z.offload_optimizer.nvme_path[0];
+    return "";
+  }
+
   Flags f_;
   Config c_;
+  std::string host_;
   std::unique_ptr<Communicator> comm_;
   std::unique_ptr<Device> device_;
   std::unique_ptr<Engine> engine_;

@@ -485,9 +485,11 @@ Status ParseOptimizer(Section s, OptimizerConfig* c) {
   // DeepSpeed's type names are case-insensitive; "DeepSpeed_Adam" is an old name of its CPU Adam.
   // Note [Adam means AdamW]: DeepSpeed builds "Adam" with adam_w_mode=true unless the params say
   // otherwise, i.e. decoupled weight decay; Strata follows it so a config trains the same here.
+  bool named_adamw = false;  // "AdamW" itself: decoupled whatever adam_w_mode says
   if (const json* t = s.Get("type"); t && t->is_string()) {
     std::string lower = t->get<std::string>();
     std::transform(lower.begin(), lower.end(), lower.begin(), ::tolower);
+    named_adamw = lower == "adamw";
     if (lower == "adam" || lower == "deepspeed_adam" || lower == "fusedadam" || lower == "cpuadam") {
       if (lower != "adam")
         s.Warn(StrCat(s.Key("type"), "=\"", t->get<std::string>(), "\" runs Strata's CPU Adam"));
@@ -524,12 +526,7 @@ Status ParseOptimizer(Section s, OptimizerConfig* c) {
   if (p.has("adam_w_mode")) {
     bool w = true;
     STRATA_RETURN_IF_ERROR(p.Bool("adam_w_mode", &w));
-    if (!w && c->type == OptimizerType::kAdamW) {
-      const std::string name = s.Get("type") ? s.Get("type")->get<std::string>() : "";
-      std::string lower = name;
-      std::transform(lower.begin(), lower.end(), lower.begin(), ::tolower);
-      if (lower != "adamw") c->type = OptimizerType::kAdam;
-    }
+    if (!w && !named_adamw) c->type = OptimizerType::kAdam;
   } else {
     p.Get("adam_w_mode");
   }

@@ -8,7 +8,6 @@
 #include <nlohmann/json.hpp>
 
 #include "runtime/config.h"
-#include "runtime/host_info.h"
 #include "tools/planner/cli_util.h"
 #include "tools/planner/memory_model.h"
 
@@ -70,16 +69,11 @@ int main(int argc, char** argv) {
   }
   auto world = ParseCount("--world-size", world_s, 1, 1 << 20);
   if (!world.ok()) return fail(world.status(), 2);
-  {
-    // "auto" values (bf16 included) resolve as the run would resolve them on this machine.
-    const std::string dev = device.empty() ? config.strata.device : device;
-    AutoContext ctx;
-    ctx.world_size = static_cast<int>(*world);
-    ctx.hidden_size = config.model.d_model;
-    ctx.native_bf16 = dev.rfind("cuda", 0) == 0 || CpuHasNativeBf16();
-    Status rs = config.ResolveAuto(ctx);
-    if (!rs.ok()) return fail(rs, 2);
-  }
+  // "auto" values (bf16 included) resolve as the run would resolve them on this machine.
+  if (Status rs = ResolveAutoForPlanning(&config, device.empty() ? config.strata.device : device,
+                                         static_cast<int>(*world));
+      !rs.ok())
+    return fail(rs, 2);
   if (!stage_s.empty()) {
     auto st = ParseCount("--stage", stage_s, 0, 3);
     if (!st.ok()) return fail(st.status(), 2);

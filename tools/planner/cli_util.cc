@@ -13,6 +13,8 @@
 
 #include <nlohmann/json.hpp>
 
+#include "runtime/host_info.h"
+
 namespace strata::planner {
 
 int ParseArgs(CLI::App& app, int argc, char** argv) {
@@ -39,6 +41,14 @@ StatusOr<int64_t> ParseCount(const std::string& flag, const std::string& text, i
     return InvalidArgument(StrCat(flag, "=", text, ": must be a whole number in ", lo, "..", hi,
                                   " (e.g. 1.5e9)"));
   return static_cast<int64_t>(v);
+}
+
+Status ResolveAutoForPlanning(Config* config, const std::string& device, int world_size) {
+  AutoContext ctx;
+  ctx.world_size = world_size;
+  ctx.hidden_size = config->model.d_model;
+  ctx.native_bf16 = device.rfind("cuda", 0) == 0 || CpuHasNativeBf16();
+  return config->ResolveAuto(ctx);
 }
 
 StatusOr<nlohmann::json> ReadJsonFile(const std::string& path) {

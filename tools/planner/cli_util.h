@@ -20,6 +20,10 @@ int ParseArgs(CLI::App& app, int argc, char** argv);
 // A count written as an integer or in scientific notation ("1.5e9"), in [lo, hi].
 StatusOr<int64_t> ParseCount(const std::string& flag, const std::string& text, int64_t lo, int64_t hi);
 
+// Resolves the config's "auto" values as a run on `device` ("cuda..." or anything else for the
+// cpu device) with `world_size` ranks would (Config::ResolveAuto; bf16 where it is native).
+Status ResolveAutoForPlanning(Config* config, const std::string& device, int world_size);
+
 // Reads a JSON file (the raw document, for editing while keeping every key).
 StatusOr<nlohmann::json> ReadJsonFile(const std::string& path);
 // Writes `j` to `path` atomically: a temporary file in the same directory, fsync, rename.

@@ -17,7 +17,6 @@
 #include <nlohmann/json.hpp>
 
 #include "runtime/config.h"
-#include "runtime/host_info.h"
 #include "runtime/units.h"
 #include "tools/planner/cli_util.h"
 #include "tools/planner/cost_model.h"
@@ -139,17 +138,12 @@ int main(int argc, char** argv) {
   if (!profile.ok()) return fail(profile.status(), 2);
   auto world = ParseCount("--world-size", world_s, 1, 1 << 20);
   if (!world.ok()) return fail(world.status(), 2);
-  {
-    // "auto" values resolve as the run would: in particular bf16 only where it is native, so the
-    // compute rate calibrated below is that of the dtype that will run.
-    const std::string dev = device.empty() ? config->strata.device : device;
-    AutoContext ctx;
-    ctx.world_size = static_cast<int>(*world);
-    ctx.hidden_size = config->model.d_model;
-    ctx.native_bf16 = dev.rfind("cuda", 0) == 0 || CpuHasNativeBf16();
-    Status rs = config->ResolveAuto(ctx);
-    if (!rs.ok()) return fail(rs, 2);
-  }
+  // "auto" values resolve as the run would: in particular bf16 only where it is native, so the
+  // compute rate calibrated below is that of the dtype that will run.
+  if (Status rs = ResolveAutoForPlanning(&*config, device.empty() ? config->strata.device : device,
+                                         static_cast<int>(*world));
+      !rs.ok())
+    return fail(rs, 2);
   auto top = ParseCount("--top", top_s, 1, 1000);
   if (!top.ok()) return fail(top.status(), 2);
   auto steps = ParseCount("--verify-steps", steps_s, 2, 1000);

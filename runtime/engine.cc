@@ -15,10 +15,14 @@
 #include <limits>
 #include <map>
 #include <mutex>
+#include <set>
 #include <stdexcept>
 #include <thread>
 
 #include <tbb/task_arena.h>
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/function_hook.h>
+#include <torch/csrc/autograd/variable.h>
 
 #include "optim/cpu_adam.h"
 #include "optim/loss_scaler.h"
@@ -32,6 +36,7 @@
 #include "runtime/logging.h"
 #include "runtime/lr_schedule.h"
 #include "runtime/partitioner.h"
+#include "runtime/run_unit.h"
 #include "runtime/units.h"
 #include "tiers/nvme/crc32c.h"
 #include "tiers/nvme/nvme_tier.h"
@@ -103,12 +108,15 @@ nlohmann::json StepReport::ToJson() const {
 
 class Engine::Impl {
  public:
-  Impl(torch::nn::Sequential model, const Config& config, Communicator* comm, Device* device)
+  Impl(std::shared_ptr<torch::nn::Module> model, const Config& config, Communicator* comm,
+       Device* device)
       : model_(std::move(model)), config_(config), comm_(comm), device_(device) {}
-  ~Impl() { StopOptimizerLane(); }
+  ~Impl();
 
-  Status Init(const EngineOptions& options);
+  Status Init(Engine* owner, const EngineOptions& options);
   torch::Tensor Forward(const torch::Tensor& input);
+  void BeginUnit(int64_t u);
+  void EndUnit(int64_t u, const std::vector<torch::Tensor>& outputs);
   Status Backward(const torch::Tensor& loss);
   StatusOr<StepReport> Step();
   StatusOr<std::vector<torch::Tensor>> GatherMasterParams();
@@ -120,24 +128,42 @@ class Engine::Impl {
   nlohmann::json Describe() const;
   int64_t num_params() const { return partitioner_ ? partitioner_->param_numel() : 0; }
   uint64_t model_state_bytes() const;
+  int64_t num_units() const { return static_cast<int64_t>(units_.size()); }
+  std::string unit_name(int64_t u) const {
+    return u >= 0 && u < num_units() ? units_[u].name : std::string();
+  }
+  uint64_t device_bytes() const { return device_->allocated(); }
 
  private:
   struct ParamInfo {
     torch::Tensor tensor;
     std::vector<int64_t> shape;
-    int64_t block = 0;
+    std::vector<int64_t> units;                 // every unit that holds it (tied: several)
+    std::shared_ptr<torch::autograd::Node> acc;  // its AccumulateGrad node, kept alive for the hook
+    bool grad_in = false;                        // this micro-step's gradient has arrived
   };
-  struct BlockInfo {
-    torch::nn::AnyModule module;
-    std::vector<int64_t> params;
-    std::vector<int64_t> chunks;
+  struct UnitInfo {
+    std::string name;
+    std::shared_ptr<torch::nn::Module> module;
+    std::vector<int64_t> params;  // parameters it holds, tied ones included
+    std::vector<int64_t> chunks;  // chunks those parameters live in
+    int64_t elems = 0;            // full elements a gather of the unit brings in
+    bool always_live = false;     // the root's own parameters: gathered for the engine's life
+    int grads_pending = 0;        // parameters whose gradient has not arrived this micro-step
+    bool backward_held = false;   // gathered for its backward
+    int forward_depth = 0;        // open BeginUnit calls
   };
   struct ChunkState {
-    std::vector<int64_t> blocks;
-    torch::Tensor full;       // gathered working copy on the device (stage 3: while live)
-    int live = 0;             // blocks holding `full` (stage 3)
+    std::vector<int64_t> units;
+    // Stages 0-2: the working copy, owned. Stage 3: a view of `storage`, whose memory the engine
+    // installs when gathering and removes when dropping (`gathered` says which).
+    torch::Tensor full;
+    c10::Storage storage;
+    void* buffer = nullptr;
+    bool gathered = false;
+    int live = 0;             // holders of the gathered chunk (stage 3)
     torch::Tensor grad_full;  // fp32 gradient of the whole chunk for this micro-step
-    int pending = 0;          // blocks whose backward has not finished this micro-step
+    int pending = 0;          // parameters whose gradient has not arrived this micro-step
   };
 
   // Device memory counted against the device budget, owned by the returned tensor: the memory
@@ -145,17 +171,27 @@ class Engine::Impl {
   StatusOr<torch::Tensor> DeviceTensor(int64_t numel, torch::Dtype dtype);
   torch::TensorOptions DeviceOptions(torch::Dtype dtype) const;
 
+  Status DiscoverUnits(const EngineOptions& options);
+  Status HookGradients();
+  // Stage 3: installs memory in a chunk's storage and fills it (shard from its tier, all-gather).
+  Status InstallChunk(int64_t c);
+  Status FillChunk(int64_t c);
+  void FreeChunkMemory(int64_t c);
   Status GatherChunk(int64_t c);
   // Drops a holder; the chunk stays gathered when it is persistent or will be reused within
   // stage3_max_reuse_distance elements (Note [stage-3 live set]).
   void ReleaseChunk(int64_t c, int64_t reuse_distance);
   void DropChunk(int64_t c);
-  void DropUnheldChunks();
-  Status GatherBlock(int64_t b);
-  void ReleaseBlock(int64_t b, bool forward);
-  void PrefetchParams(int64_t from_block, int direction);
-  void OnBackwardReach(int64_t b);
-  Status FinishBlockBackward(int64_t b);
+  // After an optimizer step: persistent chunks are refilled with the new values, others dropped.
+  Status RefreshChunksAfterStep();
+  Status GatherUnit(int64_t u);
+  void ReleaseUnit(int64_t u, int64_t reuse_distance);
+  int64_t ForwardReuseDistance(size_t trace_pos) const;
+  void PrefetchUnits(size_t trace_pos, int direction);
+  void OpenMicroStep();
+  void OnUnitBackwardReach(int64_t u);
+  void OnParamGrad(int64_t pid);
+  Status TakeParamGrad(int64_t pid);
   Status ReduceChunk(int64_t c);
   Status AdamChunk(int64_t c, float grad_scale, double lr, int64_t step);
   Status PublishParams(int64_t c, const void* shard_values, optim::DType dtype);
@@ -170,6 +206,7 @@ class Engine::Impl {
   int shard_world() const {
     return config_.zero_optimization.stage == 0 ? 1 : comm_->world_size();
   }
+  bool stage3() const { return config_.zero_optimization.stage == 3; }
   bool immediate_optimizer() const {
     return config_.strata.overlap_optimizer && config_.gradient_clipping == 0 &&
            !config_.fp16.enabled;
@@ -178,7 +215,11 @@ class Engine::Impl {
     return (micro_step_ + 1) % config_.gradient_accumulation_steps == 0;
   }
 
-  torch::nn::Sequential model_;
+  std::shared_ptr<torch::nn::Module> model_;
+ public:
+  std::optional<torch::nn::AnyModule> any_;  // set when the model came with a forward
+ private:
+  Engine* owner_ = nullptr;
   Config config_;
   Communicator* comm_;
   Device* device_;
@@ -195,12 +236,19 @@ class Engine::Impl {
   Placement optim_placement_ = Placement::kDevice;
 
   std::vector<ParamInfo> params_;
-  std::vector<BlockInfo> blocks_;
+  std::vector<UnitInfo> units_;
+  std::vector<std::pair<std::string, torch::Tensor>> buffers_;  // unique, in registration order
   std::vector<ChunkState> chunks_;
   std::vector<bool> chunk_ready_;  // grads complete for this step
   std::vector<bool> persistent_;   // chunks below stage3_param_persistence_threshold
-  std::vector<int64_t> block_elems_;  // full elements a block gathers
   int64_t live_elems_ = 0;         // elements of gathered chunks (stage 3)
+
+  // The order units ran in this micro-step's forward and in the previous one; prefetching and
+  // the reuse distance follow the previous one (Note [stage-3 live set]).
+  std::vector<int64_t> trace_, last_trace_;
+  size_t backward_cursor_ = 0;  // position in trace_ backward has reached
+  bool micro_open_ = false;     // a training forward has begun and its Backward not yet run
+  bool in_backward_ = false;
 
   // Per-step lanes (main thread), reset when a step begins.
   bool step_open_ = false;
@@ -225,6 +273,14 @@ class Engine::Impl {
   int64_t opt_step_ = 0;
 };
 
+Engine::Impl::~Impl() {
+  StopOptimizerLane();
+  if (owner_) unit_detail::UnregisterEngine(owner_);
+  for (auto& p : params_)
+    if (p.acc) p.acc->post_hooks().clear();
+  for (size_t c = 0; c < chunks_.size(); ++c) FreeChunkMemory(static_cast<int64_t>(c));
+}
+
 torch::TensorOptions Engine::Impl::DeviceOptions(torch::Dtype dtype) const {
   torch::Device dev = device_->kind() == DeviceKind::kCuda
                           ? torch::Device(torch::kCUDA, static_cast<int16_t>(device_->index()))
@@ -240,7 +296,168 @@ StatusOr<torch::Tensor> Engine::Impl::DeviceTensor(int64_t numel, torch::Dtype d
       p, {numel}, [dev](void* ptr) { dev->Free(ptr).IgnoreError(); }, DeviceOptions(dtype));
 }
 
-Status Engine::Impl::Init(const EngineOptions& options) {
+namespace {
+
+bool IsContainer(const torch::nn::Module& m) {
+  return dynamic_cast<const torch::nn::SequentialImpl*>(&m) ||
+         dynamic_cast<const torch::nn::ModuleListImpl*>(&m) ||
+         dynamic_cast<const torch::nn::ModuleDictImpl*>(&m);
+}
+
+bool HoldsTrainable(const torch::nn::Module& m) {
+  for (const auto& p : m.parameters(/*recurse=*/true))
+    if (p.requires_grad()) return true;
+  return false;
+}
+
+// Children of `m` that hold trainable parameters, looking through containers.
+void DefaultUnits(const std::string& prefix, const torch::nn::Module& m,
+                  std::vector<std::pair<std::string, std::shared_ptr<torch::nn::Module>>>* out) {
+  for (const auto& child : m.named_children()) {
+    const std::string name = prefix.empty() ? child.key() : prefix + "." + child.key();
+    if (!HoldsTrainable(*child.value())) continue;
+    if (IsContainer(*child.value())) DefaultUnits(name, *child.value(), out);
+    else out->push_back({name, child.value()});
+  }
+}
+
+}  // namespace
+
+Status Engine::Impl::DiscoverUnits(const EngineOptions& options) {
+  std::vector<std::pair<std::string, std::shared_ptr<torch::nn::Module>>> found;
+  if (options.units.empty()) {
+    DefaultUnits("", *model_, &found);
+  } else {
+    // Names for the units the caller chose: their path under the root.
+    std::map<const torch::nn::Module*, std::string> names;
+    for (const auto& item : model_->named_modules("", /*include_self=*/false))
+      names.emplace(item.value().get(), item.key());
+    for (const auto& u : options.units) {
+      if (!u) return InvalidArgument("EngineOptions::units holds a null module");
+      auto it = names.find(u.get());
+      if (it == names.end())
+        return InvalidArgument(StrCat("EngineOptions::units names a module (", u->name(),
+                                      ") that is not part of the model"));
+      found.push_back({it->second, u});
+    }
+  }
+  // Parameters are registered unit by unit, each once (a tied parameter belongs to the first
+  // unit holding it and is shared by the others).
+  PartitionerOptions po;
+  po.chunk_size = config_.strata.chunk_size;
+  po.world_size = shard_world();
+  po.element_size = static_cast<int>(optim::DTypeSize(compute_dtype_));
+  STRATA_ASSIGN_OR_RETURN(Partitioner part, Partitioner::Create(po));
+  std::map<const c10::TensorImpl*, int64_t> seen;
+  auto add_unit = [&](const std::string& name, std::shared_ptr<torch::nn::Module> module,
+                      const std::vector<std::pair<std::string, torch::Tensor>>& named,
+                      bool always_live) -> Status {
+    UnitInfo info;
+    info.name = name;
+    info.module = std::move(module);
+    info.always_live = always_live;
+    const int64_t u = static_cast<int64_t>(units_.size());
+    for (const auto& [pname, p] : named) {
+      if (!p.requires_grad()) continue;
+      auto it = seen.find(p.unsafeGetTensorImpl());
+      int64_t id;
+      if (it != seen.end()) {
+        id = it->second;
+        if (std::find(info.params.begin(), info.params.end(), id) != info.params.end()) continue;
+      } else {
+        STRATA_ASSIGN_OR_RETURN(id, part.AddParam(name.empty() ? pname : name + "." + pname, p.numel()));
+        STRATA_DCHECK(id == static_cast<int64_t>(params_.size()));
+        params_.push_back({p, p.sizes().vec(), {}, nullptr, false});
+        seen.emplace(p.unsafeGetTensorImpl(), id);
+      }
+      params_[id].units.push_back(u);
+      info.params.push_back(id);
+    }
+    units_.push_back(std::move(info));
+    return Status::Ok();
+  };
+  {
+    std::vector<std::pair<std::string, torch::Tensor>> own;
+    for (const auto& item : model_->named_parameters(/*recurse=*/false)) own.push_back({item.key(), item.value()});
+    if (!own.empty()) STRATA_RETURN_IF_ERROR(add_unit("", model_, own, /*always_live=*/true));
+  }
+  std::set<const torch::nn::Module*> unit_modules;
+  for (auto& [name, module] : found) {
+    if (!unit_modules.insert(module.get()).second)
+      return InvalidArgument(StrCat("unit '", name, "' is listed twice"));
+    std::vector<std::pair<std::string, torch::Tensor>> named;
+    for (const auto& item : module->named_parameters(/*recurse=*/true)) named.push_back({item.key(), item.value()});
+    STRATA_RETURN_IF_ERROR(add_unit(name, module, named, false));
+  }
+  // Trainable parameters outside every unit would never be gathered.
+  for (const auto& item : model_->named_parameters(/*recurse=*/true)) {
+    if (item.value().requires_grad() && !seen.count(item.value().unsafeGetTensorImpl()))
+      return InvalidArgument(StrCat("parameter '", item.key(),
+                                    "' is in no unit; add the module holding it to "
+                                    "EngineOptions::units (or leave units empty for the default)"));
+  }
+  if (params_.empty()) return InvalidArgument("the model has no trainable parameters");
+  STRATA_RETURN_IF_ERROR(part.Finalize());
+  partitioner_.emplace(std::move(part));
+  const auto& chunk_infos = partitioner_->chunks();
+  chunks_.resize(chunk_infos.size());
+  chunk_ready_.assign(chunk_infos.size(), false);
+  for (size_t u = 0; u < units_.size(); ++u) {
+    UnitInfo& info = units_[u];
+    for (int64_t pid : info.params) {
+      const int64_t c = partitioner_->location(pid).chunk;
+      if (std::find(info.chunks.begin(), info.chunks.end(), c) == info.chunks.end()) {
+        info.chunks.push_back(c);
+        chunks_[c].units.push_back(static_cast<int64_t>(u));
+      }
+    }
+    for (int64_t c : info.chunks) info.elems += chunk_infos[c].numel;
+  }
+  // Buffers, each once.
+  std::set<const c10::TensorImpl*> seen_buffers;
+  for (const auto& item : model_->named_buffers(/*recurse=*/true))
+    if (seen_buffers.insert(item.value().unsafeGetTensorImpl()).second)
+      buffers_.push_back({item.key(), item.value()});
+  return Status::Ok();
+}
+
+// Note [backward by gradients]
+// A unit's backward is over when every parameter of it has its gradient: autograd runs a leaf's
+// AccumulateGrad node once per backward, after every use of the leaf has contributed (its input
+// buffer sums them), so a post hook on that node sees the whole gradient of a parameter used
+// several times or shared between units. The hook moves .grad into the chunk's gradient buffer;
+// the last parameter of a unit releases the unit, the last of a chunk reduces the chunk. Nothing
+// depends on the order units run in, so residuals across units, units with several outputs and
+// tied weights need no special case. Parameters that took no part in this backward are settled
+// when Backward returns.
+namespace {
+class GradArrived : public torch::autograd::FunctionPostHook {
+ public:
+  explicit GradArrived(std::function<void()> fn) : fn_(std::move(fn)) {}
+  torch::autograd::variable_list operator()(const torch::autograd::variable_list& outputs,
+                                            const torch::autograd::variable_list&) override {
+    fn_();
+    return outputs;
+  }
+
+ private:
+  std::function<void()> fn_;
+};
+}  // namespace
+
+Status Engine::Impl::HookGradients() {
+  for (size_t pid = 0; pid < params_.size(); ++pid) {
+    auto& p = params_[pid];
+    p.acc = torch::autograd::impl::grad_accumulator(p.tensor);
+    if (!p.acc) return Internal(StrCat("parameter ", pid, " has no gradient accumulator"));
+    const int64_t id = static_cast<int64_t>(pid);
+    p.acc->add_post_hook(std::make_unique<GradArrived>([this, id] { OnParamGrad(id); }));
+  }
+  return Status::Ok();
+}
+
+Status Engine::Impl::Init(Engine* owner, const EngineOptions& options) {
+  owner_ = owner;
   const auto& z = config_.zero_optimization;
   const ComputeDtypeChoice dtype_choice =
       ChooseComputeDtype(config_, device_->kind(), DeviceHasNativeBf16(device_->kind()));
@@ -293,44 +510,8 @@ Status Engine::Impl::Init(const EngineOptions& options) {
                      << "; hwloc sees " << cores << " core(s)); LibTorch compute: "
                      << torch::get_num_threads() << " thread(s)";
 
-  // Partition in registration order, block by block.
-  PartitionerOptions po;
-  po.chunk_size = config_.strata.chunk_size;
-  po.world_size = shard_world();
-  po.element_size = static_cast<int>(optim::DTypeSize(compute_dtype_));
-  STRATA_ASSIGN_OR_RETURN(Partitioner part, Partitioner::Create(po));
-  int64_t b = 0;
-  for (const auto& child : *model_) {
-    BlockInfo info;
-    info.module = child;
-    for (auto& named : child.ptr()->named_parameters(/*recurse=*/true)) {
-      torch::Tensor p = named.value();
-      if (!p.requires_grad()) continue;
-      STRATA_ASSIGN_OR_RETURN(int64_t id,
-                              part.AddParam(StrCat("block", b, ".", named.key()), p.numel()));
-      STRATA_DCHECK(id == static_cast<int64_t>(params_.size()));
-      params_.push_back({p, p.sizes().vec(), b});
-      info.params.push_back(id);
-    }
-    blocks_.push_back(std::move(info));
-    ++b;
-  }
-  if (params_.empty()) return InvalidArgument("the model has no trainable parameters");
-  STRATA_RETURN_IF_ERROR(part.Finalize());
-  partitioner_.emplace(std::move(part));
+  STRATA_RETURN_IF_ERROR(DiscoverUnits(options));
   const auto& chunk_infos = partitioner_->chunks();
-  chunks_.resize(chunk_infos.size());
-  chunk_ready_.assign(chunk_infos.size(), false);
-  for (size_t bi = 0; bi < blocks_.size(); ++bi) {
-    for (int64_t pid : blocks_[bi].params) {
-      int64_t c = partitioner_->location(pid).chunk;
-      if (blocks_[bi].chunks.empty() || blocks_[bi].chunks.back() != c) {
-        blocks_[bi].chunks.push_back(c);
-        chunks_[c].blocks.push_back(static_cast<int64_t>(bi));
-      }
-    }
-  }
-
   // NVMe tier for whatever is placed there.
   if (param_placement_ == Placement::kNvme || optim_placement_ == Placement::kNvme) {
     std::vector<std::string> paths = options.nvme_path;
@@ -413,9 +594,6 @@ Status Engine::Impl::Init(const EngineOptions& options) {
   persistent_.assign(chunk_infos.size(), false);
   for (size_t c = 0; c < chunk_infos.size(); ++c)
     persistent_[c] = chunk_infos[c].used_numel < z.stage3_param_persistence_threshold;
-  block_elems_.assign(blocks_.size(), 0);
-  for (size_t bi = 0; bi < blocks_.size(); ++bi)
-    for (int64_t c : blocks_[bi].chunks) block_elems_[bi] += chunk_infos[c].numel;
 
   // Every rank starts from rank 0's initial values.
   if (comm_->world_size() > 1) {
@@ -424,6 +602,19 @@ Status Engine::Impl::Init(const EngineOptions& options) {
       STRATA_RETURN_IF_ERROR(comm_->Broadcast(t.data_ptr(), t.numel(), strata::DType::kF32, 0));
       torch::NoGradGuard ng;
       p.tensor.copy_(t);
+    }
+  }
+  // Buffers live on the engine's device and start from rank 0's values too.
+  for (auto& [name, b] : buffers_) {
+    torch::NoGradGuard ng;
+    const torch::Device dev = DeviceOptions(b.scalar_type()).device();
+    if (b.device() != dev) b.set_data(b.to(dev));
+    if (comm_->world_size() > 1 && b.numel() > 0) {
+      torch::Tensor t = b.contiguous();
+      STRATA_RETURN_IF_ERROR(comm_->Broadcast(t.data_ptr(), static_cast<int64_t>(t.nbytes()),
+                                              strata::DType::kU8, 0)
+                                 .WithContext(StrCat("broadcasting buffer ", name)));
+      if (!t.is_same(b)) b.copy_(t);
     }
   }
 
@@ -458,33 +649,45 @@ Status Engine::Impl::Init(const EngineOptions& options) {
     STRATA_RETURN_IF_ERROR(put(StateKind::kExpAvgSq, n * ssize, optim_placement_, nullptr));
     STRATA_RETURN_IF_ERROR(put(StateKind::kGrad, n * 4, optim_placement_, nullptr));
     torch::Tensor work = full32.to(tdtype);
+    torch::NoGradGuard ng;
     if (stage == 3) {
       torch::Tensor shard16 =
           work.narrow(0, partitioner_->ShardOffset(c64, shard_rank()), n).contiguous();
       STRATA_RETURN_IF_ERROR(put(StateKind::kParam16, n * esize, param_placement_, shard16.data_ptr()));
+      // The parameters become views of the chunk's storage for good; its memory comes and goes.
+      ChunkState& cs = chunks_[c];
+      const torch::Device dev = DeviceOptions(tdtype).device();
+      cs.storage = c10::Storage(c10::Storage::use_byte_size_t(), 0, c10::DataPtr(nullptr, dev),
+                                /*allocator=*/nullptr, /*resizable=*/false);
+      STRATA_RETURN_IF_ERROR(InstallChunk(c64));
+      cs.full = torch::empty({0}, DeviceOptions(tdtype)).set_(cs.storage, 0, {ci.numel}, {1});
+      for (int64_t pid : ci.params) {
+        const ParamLocation& loc = partitioner_->location(pid);
+        params_[pid].tensor.set_data(cs.full.narrow(0, loc.offset, loc.numel).view(params_[pid].shape));
+      }
+      DropChunk(c64);
     } else {
       // Stages 0-2 keep the whole working copy on the device for the whole run.
       STRATA_ASSIGN_OR_RETURN(chunks_[c].full, DeviceTensor(ci.numel, tdtype));
       chunks_[c].full.copy_(work);
-    }
-  }
-  // Point every parameter at its home: its slice of the chunk (stages 0-2) or nothing (stage 3).
-  {
-    torch::NoGradGuard ng;
-    for (size_t pid = 0; pid < params_.size(); ++pid) {
-      auto& p = params_[pid];
-      if (p.tensor.scalar_type() != tdtype) p.tensor.set_data(p.tensor.to(tdtype));
-      if (stage == 3) {
-        p.tensor.set_data(torch::empty({0}, DeviceOptions(tdtype)));
-      } else {
-        const ParamLocation& loc = partitioner_->location(static_cast<int64_t>(pid));
-        p.tensor.set_data(chunks_[loc.chunk].full.narrow(0, loc.offset, loc.numel).view(p.shape));
+      for (int64_t pid : ci.params) {
+        const ParamLocation& loc = partitioner_->location(pid);
+        params_[pid].tensor.set_data(
+            chunks_[c].full.narrow(0, loc.offset, loc.numel).view(params_[pid].shape));
       }
     }
   }
+  // The root's own parameters stay gathered; gradients are taken as they arrive; the model's
+  // forward finds its units through RunUnit.
+  for (size_t u = 0; u < units_.size(); ++u)
+    if (units_[u].always_live) STRATA_RETURN_IF_ERROR(GatherUnit(static_cast<int64_t>(u)));
+  STRATA_RETURN_IF_ERROR(HookGradients());
+  for (size_t u = 0; u < units_.size(); ++u)
+    if (!units_[u].always_live)
+      STRATA_RETURN_IF_ERROR(unit_detail::Register(units_[u].module.get(), owner_, static_cast<int64_t>(u)));
   StartOptimizerLane();
   STRATA_LOG(INFO) << "engine stage=" << stage << " world=" << comm_->world_size()
-                   << " params=" << partitioner_->param_numel()
+                   << " params=" << partitioner_->param_numel() << " units=" << units_.size()
                    << " chunks=" << chunk_infos.size()
                    << " param_placement=" << PlacementName(param_placement_)
                    << " optimizer_placement=" << PlacementName(optim_placement_)
@@ -497,24 +700,45 @@ Status Engine::Impl::Init(const EngineOptions& options) {
 // Materialization (stage 3).
 
 // Note [stage-3 live set]
-// A gathered chunk stays on the device after its block is done when it is small enough to
-// persist (all of it below stage3_param_persistence_threshold elements) or when it will be used
-// again before stage3_max_reuse_distance more elements are gathered (the last blocks of forward
-// are needed again at once by backward), as long as the gathered total stays within
+// A gathered chunk stays on the device after its unit is done when it is small enough to
+// persist (all of it below stage3_param_persistence_threshold elements: it then stays gathered
+// across steps and is refilled after each update) or when it will be used again before
+// stage3_max_reuse_distance more elements are gathered (the last units of forward are needed
+// again at once by backward), as long as the gathered total stays within
 // stage3_max_live_parameters; gathering a chunk that would exceed that cap first drops chunks
-// nobody holds. After an optimizer step every kept chunk is dropped: its values changed.
-Status Engine::Impl::GatherChunk(int64_t c) {
+// nobody holds. The reuse distance and prefetching follow the order units ran in the previous
+// forward (the trace); the first forward has none and keeps nothing it does not have to.
+Status Engine::Impl::InstallChunk(int64_t c) {
   ChunkState& cs = chunks_[c];
-  ++cs.live;
-  if (cs.full.defined()) return Status::Ok();
   const ChunkInfo& ci = partitioner_->chunks()[c];
-  const int64_t max_live = config_.zero_optimization.stage3_max_live_parameters;
-  for (size_t k = 0; k < chunks_.size() && live_elems_ + ci.numel > max_live; ++k)
-    if (chunks_[k].live == 0 && chunks_[k].full.defined()) DropChunk(static_cast<int64_t>(k));
-  const torch::Dtype tdtype = TorchDtype(compute_dtype_);
+  const size_t bytes = static_cast<size_t>(ci.numel) * optim::DTypeSize(compute_dtype_);
+  STRATA_ASSIGN_OR_RETURN(void* p, device_->Allocate(bytes));
+  c10::StorageImpl* impl = cs.storage.unsafeGetStorageImpl();
+  impl->set_data_ptr_noswap(c10::DataPtr(p, DeviceOptions(torch::kFloat32).device()));
+  impl->set_nbytes(bytes);
+  cs.buffer = p;
+  cs.gathered = true;
+  live_elems_ += ci.numel;
+  return Status::Ok();
+}
+
+void Engine::Impl::FreeChunkMemory(int64_t c) {
+  ChunkState& cs = chunks_[c];
+  if (!cs.buffer) return;
+  // Leave the storage empty first: every view (the parameters, what autograd saved) now reads
+  // as unallocated instead of pointing at freed memory.
+  c10::StorageImpl* impl = cs.storage.unsafeGetStorageImpl();
+  impl->set_data_ptr_noswap(c10::DataPtr(nullptr, DeviceOptions(torch::kFloat32).device()));
+  impl->set_nbytes(0);
+  device_->Free(cs.buffer).IgnoreError();
+  cs.buffer = nullptr;
+}
+
+Status Engine::Impl::FillChunk(int64_t c) {
+  const ChunkInfo& ci = partitioner_->chunks()[c];
   const size_t esize = optim::DTypeSize(compute_dtype_);
-  STRATA_ASSIGN_OR_RETURN(torch::Tensor full, DeviceTensor(ci.numel, tdtype));
-  char* dst = static_cast<char*>(full.data_ptr()) + partitioner_->ShardOffset(c, shard_rank()) * esize;
+  char* base = static_cast<char*>(chunks_[c].buffer);
+  char* dst = base + partitioner_->ShardOffset(c, shard_rank()) * esize;
   const size_t bytes = ci.shard_numel * esize;
   BlockKey key{c, StateKind::kParam16};
   auto t0 = Clock::now();
@@ -533,17 +757,26 @@ Status Engine::Impl::GatherChunk(int64_t c) {
   }
   if (comm_->world_size() > 1) {
     LaneTimer t(&comm_s_);
-    STRATA_RETURN_IF_ERROR(
-        comm_->AllGather(dst, full.data_ptr(), ci.shard_numel, CommDtype(compute_dtype_)));
-  }
-  cs.full = full;
-  live_elems_ += ci.numel;
-  torch::NoGradGuard ng;
-  for (int64_t pid : ci.params) {
-    const ParamLocation& loc = partitioner_->location(pid);
-    params_[pid].tensor.set_data(full.narrow(0, loc.offset, loc.numel).view(params_[pid].shape));
+    STRATA_RETURN_IF_ERROR(comm_->AllGather(dst, base, ci.shard_numel, CommDtype(compute_dtype_)));
   }
   return Status::Ok();
+}
+
+Status Engine::Impl::GatherChunk(int64_t c) {
+  ChunkState& cs = chunks_[c];
+  ++cs.live;
+  if (cs.gathered) return Status::Ok();
+  const ChunkInfo& ci = partitioner_->chunks()[c];
+  const int64_t max_live = config_.zero_optimization.stage3_max_live_parameters;
+  for (size_t k = 0; k < chunks_.size() && live_elems_ + ci.numel > max_live; ++k)
+    if (chunks_[k].live == 0 && chunks_[k].gathered) DropChunk(static_cast<int64_t>(k));
+  Status s = InstallChunk(c);
+  if (s.ok()) s = FillChunk(c);
+  if (!s.ok()) {
+    --cs.live;
+    DropChunk(c);
+  }
+  return s;
 }
 
 void Engine::Impl::ReleaseChunk(int64_t c, int64_t reuse_distance) {
@@ -559,58 +792,73 @@ void Engine::Impl::ReleaseChunk(int64_t c, int64_t reuse_distance) {
 
 void Engine::Impl::DropChunk(int64_t c) {
   ChunkState& cs = chunks_[c];
-  if (!cs.full.defined()) return;
-  torch::NoGradGuard ng;
-  torch::Tensor empty = torch::empty({0}, DeviceOptions(TorchDtype(compute_dtype_)));
-  for (int64_t pid : partitioner_->chunks()[c].params) params_[pid].tensor.set_data(empty);
-  cs.full = torch::Tensor();
+  if (!cs.gathered) return;
+  FreeChunkMemory(c);
+  cs.gathered = false;
   live_elems_ -= partitioner_->chunks()[c].numel;
 }
 
-void Engine::Impl::DropUnheldChunks() {
-  if (config_.zero_optimization.stage != 3) return;
-  for (size_t c = 0; c < chunks_.size(); ++c)
-    if (chunks_[c].live == 0) DropChunk(static_cast<int64_t>(c));
-}
-
-Status Engine::Impl::GatherBlock(int64_t b) {
-  if (config_.zero_optimization.stage != 3) return Status::Ok();
-  for (int64_t c : blocks_[b].chunks) STRATA_RETURN_IF_ERROR(GatherChunk(c));
+Status Engine::Impl::RefreshChunksAfterStep() {
+  if (!stage3()) return Status::Ok();
+  for (size_t c = 0; c < chunks_.size(); ++c) {
+    ChunkState& cs = chunks_[c];
+    if (!cs.gathered) continue;
+    if (cs.live > 0 || persistent_[c]) {
+      // Still held (the root's own parameters) or persistent: same memory, new values.
+      STRATA_RETURN_IF_ERROR(FillChunk(static_cast<int64_t>(c)));
+    } else {
+      DropChunk(static_cast<int64_t>(c));
+    }
+  }
   return Status::Ok();
 }
 
-void Engine::Impl::ReleaseBlock(int64_t b, bool forward) {
-  if (config_.zero_optimization.stage != 3) return;
-  // In forward the block is needed again in backward, after every later block has been gathered
-  // twice (its forward and its backward). In backward the next use is after the optimizer step,
-  // which changes the values: only persistent chunks survive until then.
-  int64_t distance = std::numeric_limits<int64_t>::max();
-  if (forward) {
-    distance = 0;
-    for (size_t k = static_cast<size_t>(b) + 1; k < blocks_.size(); ++k) distance += 2 * block_elems_[k];
+Status Engine::Impl::GatherUnit(int64_t u) {
+  if (!stage3()) return Status::Ok();
+  const auto& chunks = units_[u].chunks;
+  for (size_t k = 0; k < chunks.size(); ++k) {
+    Status s = GatherChunk(chunks[k]);
+    if (!s.ok()) {
+      for (size_t j = 0; j < k; ++j) ReleaseChunk(chunks[j], std::numeric_limits<int64_t>::max());
+      return s;
+    }
   }
-  for (int64_t c : blocks_[b].chunks) ReleaseChunk(c, distance);
+  return Status::Ok();
 }
 
-// Hints the shards of the blocks after `from_block` (direction +1, forward) or before it (-1,
-// backward) until stage3_prefetch_bucket_size elements are on their way.
-void Engine::Impl::PrefetchParams(int64_t from_block, int direction) {
-  if (config_.zero_optimization.stage != 3 || param_placement_ == Placement::kDevice) return;
+void Engine::Impl::ReleaseUnit(int64_t u, int64_t reuse_distance) {
+  if (!stage3()) return;
+  for (int64_t c : units_[u].chunks) ReleaseChunk(c, reuse_distance);
+}
+
+// In forward, a unit at trace position i is next needed by its backward, after every later unit
+// of the trace has been gathered twice (its forward and its backward).
+int64_t Engine::Impl::ForwardReuseDistance(size_t pos) const {
+  if (pos >= last_trace_.size() || pos >= trace_.size() || last_trace_[pos] != trace_[pos])
+    return std::numeric_limits<int64_t>::max();
+  int64_t d = 0;
+  for (size_t k = pos + 1; k < last_trace_.size(); ++k) d += 2 * units_[last_trace_[k]].elems;
+  return d;
+}
+
+// Hints the shards of the units after trace position `pos` (direction +1, forward) or before it
+// (-1, backward) until stage3_prefetch_bucket_size elements are on their way.
+void Engine::Impl::PrefetchUnits(size_t pos, int direction) {
+  if (!stage3() || param_placement_ == Placement::kDevice) return;
+  const std::vector<int64_t>& trace = direction > 0 ? last_trace_ : trace_;
   int64_t budget = config_.zero_optimization.stage3_prefetch_bucket_size;
-  const int64_t nb = static_cast<int64_t>(blocks_.size());
-  for (int64_t b = from_block + direction; b >= 0 && b < nb && budget > 0; b += direction) {
-    for (int64_t c : blocks_[b].chunks) {
-      if (chunks_[c].full.defined()) continue;
+  for (int64_t k = static_cast<int64_t>(pos) + direction;
+       k >= 0 && k < static_cast<int64_t>(trace.size()) && budget > 0; k += direction) {
+    for (int64_t c : units_[trace[k]].chunks) {
+      if (chunks_[c].gathered) continue;
       store_->Prefetch({c, StateKind::kParam16});
       budget -= partitioner_->chunks()[c].shard_numel;
     }
   }
 }
 
-torch::Tensor Engine::Impl::Forward(const torch::Tensor& input) {
-  // Under torch::NoGradGuard (evaluation) nothing is recorded for backward and no step opens.
-  const bool training = torch::GradMode::is_enabled();
-  if (!step_open_ && training) {
+void Engine::Impl::OpenMicroStep() {
+  if (!step_open_) {
     step_open_ = true;
     step_start_ = Clock::now();
     compute_s_ = copy_s_ = comm_s_ = stall_s_ = 0;
@@ -623,58 +871,118 @@ torch::Tensor Engine::Impl::Forward(const torch::Tensor& input) {
     }
     store_->BeginIteration();
   }
-  if (training)
-    for (auto& cs : chunks_) cs.pending = static_cast<int>(cs.blocks.size());
+  micro_open_ = true;
+  trace_.clear();
+  for (auto& p : params_) p.grad_in = false;
+  for (auto& u : units_) {
+    u.grads_pending = static_cast<int>(u.params.size());
+    u.backward_held = false;
+  }
+  for (size_t c = 0; c < chunks_.size(); ++c)
+    chunks_[c].pending = static_cast<int>(partitioner_->chunks()[c].params.size());
+}
+
+void Engine::Impl::BeginUnit(int64_t u) {
+  if (u < 0 || u >= num_units()) Throw(InvalidArgument(StrCat("no unit ", u)));
+  // Under torch::NoGradGuard (evaluation) nothing is recorded for backward and no step opens.
+  const bool training = torch::GradMode::is_enabled();
+  if (training && !micro_open_) OpenMicroStep();
+  UnitInfo& unit = units_[u];
+  if (unit.forward_depth > 0)
+    Throw(FailedPrecondition(StrCat("unit '", unit.name, "' runs inside itself; units may nest only "
+                                    "when they are different modules")));
+  Status s = GatherUnit(u);
+  if (!s.ok()) Throw(s.WithContext(StrCat("gathering unit '", unit.name, "' for forward")));
+  ++unit.forward_depth;
+  if (training) {
+    trace_.push_back(u);
+    PrefetchUnits(trace_.size() - 1, +1);
+  }
+}
+
+void Engine::Impl::EndUnit(int64_t u, const std::vector<torch::Tensor>& outputs) {
+  if (u < 0 || u >= num_units() || units_[u].forward_depth == 0)
+    Throw(FailedPrecondition(StrCat("EndUnit(", u, ") without its BeginUnit")));
+  --units_[u].forward_depth;
+  const bool training = torch::GradMode::is_enabled();
+  if (training && stage3()) {
+    for (const torch::Tensor& out : outputs) {
+      if (!out.defined() || !out.requires_grad()) continue;
+      torch::Tensor t = out;  // register_hook is not const; the hook lands on the shared node
+      t.register_hook([this, u](const torch::Tensor&) { OnUnitBackwardReach(u); });
+    }
+  }
+  ReleaseUnit(u, training ? ForwardReuseDistance(trace_.size() - 1)
+                          : std::numeric_limits<int64_t>::max());
+}
+
+torch::Tensor Engine::Impl::Forward(const torch::Tensor& input) {
+  auto* seq = dynamic_cast<torch::nn::SequentialImpl*>(model_.get());
+  if (!seq && !any_)
+    Throw(FailedPrecondition(
+        "Engine::Forward needs a Sequential or a model given with its forward (AnyModule); call "
+        "the model's own forward instead, which runs its units through strata::RunUnit"));
+  LaneTimer t(&compute_s_);  // gathers inside are subtracted as copy, comm and stall time
+  if (!seq) return any_->forward(input);
   torch::Tensor x = input;
-  const int64_t nb = static_cast<int64_t>(blocks_.size());
-  for (int64_t b = 0; b < nb; ++b) {
-    Status s = GatherBlock(b);
-    if (!s.ok()) Throw(s.WithContext(StrCat("gathering block ", b, " for forward")));
-    PrefetchParams(b, +1);
-    {
-      LaneTimer t(&compute_s_);
-      x = blocks_[b].module.forward(x);
+  for (size_t k = 0; k < seq->size(); ++k) {
+    const unit_detail::UnitRef ref = unit_detail::FindUnit(*seq->ptr(k));
+    const bool unit = ref.engine == owner_;  // false: the child holds no trainable parameter
+    if (unit) BeginUnit(ref.unit);
+    try {
+      x = (seq->begin() + static_cast<std::ptrdiff_t>(k))->forward(x);
+    } catch (...) {
+      if (unit) EndUnit(ref.unit, {});
+      throw;
     }
-    if (x.requires_grad()) {
-      x.register_hook([this, b](const torch::Tensor&) { OnBackwardReach(b); });
-    }
-    ReleaseBlock(b, /*forward=*/training);
+    if (unit) EndUnit(ref.unit, {x});
   }
   return x;
 }
 
-// Note [backward order]
-// A hook on block b's output runs as a pre-hook of the node that produced it, i.e. just before
-// backward enters block b. By then block b+1's backward is complete: that node becomes ready only
-// after every consumer of block b's output (all of block b+1's nodes on the path) has run, and
-// the AccumulateGrad nodes of block b+1's parameters, which autograd schedules ahead of any other
-// ready node, have run too. So the hook both finishes block b+1 (reduce its gradients, release its
-// parameters) and materializes block b for its backward. Block 0 is finished after backward
-// returns. The equivalence tests check this ordering end to end against plain LibTorch.
-void Engine::Impl::OnBackwardReach(int64_t b) {
+void Engine::Impl::OnUnitBackwardReach(int64_t u) {
+  if (!in_backward_)
+    Throw(FailedPrecondition("backward reached a unit outside Engine::Backward: call "
+                             "engine->Backward(loss) instead of loss.backward()"));
   if (!backward_error_.ok()) return;
-  const int64_t nb = static_cast<int64_t>(blocks_.size());
-  Status s;
-  if (b + 1 < nb) s = FinishBlockBackward(b + 1);
-  if (s.ok()) s = GatherBlock(b);
-  if (s.ok()) PrefetchParams(b, -1);
+  UnitInfo& unit = units_[u];
+  if (unit.backward_held || unit.grads_pending == 0) return;
+  Status s = GatherUnit(u);
   if (!s.ok()) {
-    backward_error_ = s;
+    backward_error_ = s.WithContext(StrCat("gathering unit '", unit.name, "' for backward"));
     // Autograd cannot be cancelled from a hook without unwinding through it: throw, and
     // Backward turns the exception back into this Status.
+    Throw(backward_error_);
+  }
+  unit.backward_held = true;
+  // Prefetch the units that ran before this one.
+  size_t pos = std::min(backward_cursor_, trace_.size());
+  while (pos > 0 && trace_[pos - 1] != u) --pos;
+  if (pos > 0) {
+    backward_cursor_ = pos - 1;
+    PrefetchUnits(pos - 1, -1);
+  }
+}
+
+void Engine::Impl::OnParamGrad(int64_t pid) {
+  if (!in_backward_ || !backward_error_.ok()) return;
+  Status s = TakeParamGrad(pid);
+  if (!s.ok()) {
+    backward_error_ = s;
     Throw(s);
   }
 }
 
-Status Engine::Impl::FinishBlockBackward(int64_t b) {
+Status Engine::Impl::TakeParamGrad(int64_t pid) {
+  ParamInfo& p = params_[pid];
+  if (p.grad_in) return Status::Ok();
+  p.grad_in = true;
+  const ParamLocation& loc = partitioner_->location(pid);
+  ChunkState& cs = chunks_[loc.chunk];
   {
     torch::NoGradGuard ng;
-    for (int64_t pid : blocks_[b].params) {
-      auto& p = params_[pid];
-      torch::Tensor g = p.tensor.grad();
-      if (!g.defined()) continue;  // unused in this forward
-      const ParamLocation& loc = partitioner_->location(pid);
-      ChunkState& cs = chunks_[loc.chunk];
+    torch::Tensor g = p.tensor.grad();
+    if (g.defined()) {
       if (!cs.grad_full.defined()) {
         STRATA_ASSIGN_OR_RETURN(cs.grad_full,
                                 DeviceTensor(partitioner_->chunks()[loc.chunk].numel, torch::kFloat32));
@@ -684,9 +992,16 @@ Status Engine::Impl::FinishBlockBackward(int64_t b) {
       p.tensor.mutable_grad() = torch::Tensor();
     }
   }
-  ReleaseBlock(b, /*forward=*/false);
-  for (int64_t c : blocks_[b].chunks)
-    if (--chunks_[c].pending == 0) STRATA_RETURN_IF_ERROR(ReduceChunk(c));
+  for (int64_t u : p.units) {
+    UnitInfo& unit = units_[u];
+    if (--unit.grads_pending == 0 && unit.backward_held) {
+      unit.backward_held = false;
+      // The next use is after the optimizer step, which changes the values: only persistent
+      // chunks survive until then.
+      ReleaseUnit(u, std::numeric_limits<int64_t>::max());
+    }
+  }
+  if (--cs.pending == 0) STRATA_RETURN_IF_ERROR(ReduceChunk(loc.chunk));
   return Status::Ok();
 }
 
@@ -736,8 +1051,8 @@ Status Engine::Impl::ReduceChunk(int64_t c) {
 }
 
 Status Engine::Impl::Backward(const torch::Tensor& loss) {
-  if (!step_open_)
-    return FailedPrecondition("Backward called without a Forward in this step");
+  if (!step_open_ || !micro_open_)
+    return FailedPrecondition("Backward called without a training forward in this micro-step");
   backward_error_ = Status::Ok();
   if (last_micro_step() && immediate_optimizer()) {
     // Updates start during this backward: fix their step-wide inputs now.
@@ -747,18 +1062,32 @@ Status Engine::Impl::Backward(const torch::Tensor& loss) {
   }
   double scale = scaler_ ? scaler_->scale() : 1.0;
   torch::Tensor scaled = loss * (scale / static_cast<double>(config_.gradient_accumulation_steps));
+  backward_cursor_ = trace_.size();
+  in_backward_ = true;
+  Status result;
   try {
     LaneTimer t(&compute_s_);
     scaled.backward();
   } catch (const std::exception& e) {
-    if (!backward_error_.ok()) return backward_error_;
-    return Internal(StrCat("backward failed: ", e.what()));
+    result = backward_error_.ok() ? Internal(StrCat("backward failed: ", e.what())) : backward_error_;
   }
-  STRATA_RETURN_IF_ERROR(FinishBlockBackward(0));
+  in_backward_ = false;
+  // Parameters that took no part in this backward: a zero gradient, their units released.
+  for (size_t pid = 0; pid < params_.size() && result.ok(); ++pid)
+    result = TakeParamGrad(static_cast<int64_t>(pid));
+  for (size_t u = 0; u < units_.size(); ++u) {
+    if (units_[u].backward_held) {
+      units_[u].backward_held = false;
+      ReleaseUnit(static_cast<int64_t>(u), std::numeric_limits<int64_t>::max());
+    }
+  }
+  last_trace_ = trace_;
+  micro_open_ = false;
+  STRATA_RETURN_IF_ERROR(result);
   for (size_t c = 0; c < chunks_.size(); ++c)
     if (chunks_[c].pending != 0)
       return Internal(StrCat("chunk ", c, " still waits for ", chunks_[c].pending,
-                             " block(s) after backward"));
+                             " parameter(s) after backward"));
   ++micro_step_;
   return Status::Ok();
 }
@@ -823,10 +1152,23 @@ Status Engine::Impl::AdamChunk(int64_t c, float grad_scale, double lr, int64_t s
   const auto& oc = config_.optimizer;
   BlockKey km{c, StateKind::kMaster32}, ka{c, StateKind::kExpAvg}, kv{c, StateKind::kExpAvgSq},
       kg{c, StateKind::kGrad};
-  STRATA_ASSIGN_OR_RETURN(void* master, store_->Acquire(km, Access::kReadWrite));
-  STRATA_ASSIGN_OR_RETURN(void* m, store_->Acquire(ka, Access::kReadWrite));
-  STRATA_ASSIGN_OR_RETURN(void* v, store_->Acquire(kv, Access::kReadWrite));
-  STRATA_ASSIGN_OR_RETURN(void* g, store_->Acquire(kg, Access::kRead));
+  // A failed acquire (an I/O error reading a state back) releases what was already pinned: the
+  // error must leave the tier manager consistent for the caller to report it and shut down.
+  void* ptrs[4] = {};
+  const std::pair<BlockKey, Access> wants[4] = {
+      {km, Access::kReadWrite}, {ka, Access::kReadWrite}, {kv, Access::kReadWrite}, {kg, Access::kRead}};
+  for (int i = 0; i < 4; ++i) {
+    auto got = store_->Acquire(wants[i].first, wants[i].second);
+    if (!got.ok()) {
+      for (int j = 0; j < i; ++j) store_->Release(wants[j].first, false).IgnoreError();
+      return got.status().WithContext(StrCat("optimizer step of chunk ", c));
+    }
+    ptrs[i] = *got;
+  }
+  void* master = ptrs[0];
+  void* m = ptrs[1];
+  void* v = ptrs[2];
+  void* g = ptrs[3];
   // The new working copy goes straight into its home when the CPU can address it.
   const int stage = config_.zero_optimization.stage;
   const size_t esize = optim::DTypeSize(compute_dtype_);
@@ -836,7 +1178,12 @@ Status Engine::Impl::AdamChunk(int64_t c, float grad_scale, double lr, int64_t s
   bool param_block_held = false;
   if (stage == 3) {
     if (param_placement_ != Placement::kDevice || device_->kind() == DeviceKind::kCpu) {
-      STRATA_ASSIGN_OR_RETURN(out, store_->Acquire(kp, Access::kWrite));
+      auto got = store_->Acquire(kp, Access::kWrite);
+      if (!got.ok()) {
+        for (const auto& w : wants) store_->Release(w.first, false).IgnoreError();
+        return got.status().WithContext(StrCat("optimizer step of chunk ", c));
+      }
+      out = *got;
       param_block_held = true;
     }
   } else if (device_->kind() == DeviceKind::kCpu) {
@@ -991,7 +1338,7 @@ StatusOr<StepReport> Engine::Impl::Step() {
     }
   }
   std::fill(chunk_ready_.begin(), chunk_ready_.end(), false);
-  if (!overflow) DropUnheldChunks();  // the working copy changed
+  if (!overflow) STRATA_RETURN_IF_ERROR(RefreshChunksAfterStep());  // the working copy changed
   store_->EndIteration();
 
   rep.step = global_step_;
@@ -1072,9 +1419,18 @@ nlohmann::json Engine::Impl::Describe() const {
 Engine::Engine(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 Engine::~Engine() = default;
 
-StatusOr<std::unique_ptr<Engine>> Engine::Create(torch::nn::Sequential model, const Config& config,
+StatusOr<std::unique_ptr<Engine>> Engine::Create(torch::nn::AnyModule model, const Config& config,
                                                  Communicator* comm, Device* device,
                                                  const EngineOptions& options) {
+  if (model.is_empty()) return InvalidArgument("Engine::Create: the model is null");
+  STRATA_ASSIGN_OR_RETURN(auto engine, Create(model.ptr(), config, comm, device, options));
+  engine->impl_->any_ = std::move(model);
+  return engine;
+}
+
+StatusOr<std::unique_ptr<Engine>> Engine::Create(std::shared_ptr<torch::nn::Module> model,
+                                                 const Config& config, Communicator* comm,
+                                                 Device* device, const EngineOptions& options) {
   if (!model) return InvalidArgument("Engine::Create: the model is null");
   if (!comm || !device) return InvalidArgument("Engine::Create: communicator and device are required");
   // "auto" values not resolved by the caller (strata-train resolves them from its flags) are
@@ -1088,11 +1444,20 @@ StatusOr<std::unique_ptr<Engine>> Engine::Create(torch::nn::Sequential model, co
     for (const std::string& line : resolved.auto_resolved) STRATA_LOG(INFO) << "config: " << line;
   }
   auto impl = std::make_unique<Impl>(std::move(model), resolved, comm, device);
-  STRATA_RETURN_IF_ERROR(impl->Init(options));
-  return std::unique_ptr<Engine>(new Engine(std::move(impl)));
+  Impl* raw = impl.get();
+  std::unique_ptr<Engine> engine(new Engine(std::move(impl)));
+  STRATA_RETURN_IF_ERROR(raw->Init(engine.get(), options));
+  return engine;
 }
 
 torch::Tensor Engine::Forward(const torch::Tensor& input) { return impl_->Forward(input); }
+void Engine::BeginUnit(int64_t unit) { impl_->BeginUnit(unit); }
+void Engine::EndUnit(int64_t unit, const std::vector<torch::Tensor>& outputs) {
+  impl_->EndUnit(unit, outputs);
+}
+int64_t Engine::num_units() const { return impl_->num_units(); }
+std::string Engine::unit_name(int64_t unit) const { return impl_->unit_name(unit); }
+uint64_t Engine::device_bytes_in_use() const { return impl_->device_bytes(); }
 Status Engine::Backward(const torch::Tensor& loss) { return impl_->Backward(loss); }
 StatusOr<StepReport> Engine::Step() { return impl_->Step(); }
 StatusOr<std::vector<torch::Tensor>> Engine::GatherMasterParams() {
@@ -1303,7 +1668,6 @@ StatusOr<nlohmann::json> Engine::Impl::Load(const std::string& path) {
   ::close(fd);
   STRATA_RETURN_IF_ERROR(s);
 
-  DropUnheldChunks();
   // The working copy is the master rounded to the working precision, exactly what Adam writes.
   const size_t esize = optim::DTypeSize(compute_dtype_);
   for (size_t c = 0; c < chunks_.size(); ++c) {
@@ -1332,6 +1696,7 @@ StatusOr<nlohmann::json> Engine::Impl::Load(const std::string& path) {
           ci.shard_numel, CommDtype(compute_dtype_)));
     }
   }
+  STRATA_RETURN_IF_ERROR(RefreshChunksAfterStep());
   global_step_ = m.global_step;
   micro_step_ = m.micro_step;
   STRATA_LOG(INFO) << "checkpoint loaded dir=" << dir << " step=" << global_step_;

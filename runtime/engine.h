@@ -1,21 +1,37 @@
 // Engine: ZeRO training of a LibTorch model across device memory, host DRAM and NVMe.
 //
-// What a model must do to be trained: be a torch::nn::Sequential of blocks, each a module whose
-// forward maps one Tensor to one Tensor (embedding, transformer blocks, head), built from standard
-// LibTorch layers. LibTorch C++ modules have no forward hooks, so the engine runs the blocks one
-// by one itself: before a block's forward it materializes the block's parameters, after it
-// releases them. The loss is computed by the caller from Forward's output.
+// The model contract (README "Bring your own model"):
+// - Any torch::nn::Module built from stock LibTorch layers. Its trainable parameters are split
+//   into units: by default each child of the root that holds parameters, looking through
+//   containers (Sequential, ModuleList, ModuleDict) to their children; EngineOptions::units names
+//   them instead. Parameters directly on the root form one more unit that stays gathered.
+// - The model's own forward runs each unit through strata::RunUnit (runtime/run_unit.h):
+//       x = strata::RunUnit(*block, [&] { return block->forward(x, mask); });
+//   with any signature and any number of tensor outputs. Without an engine RunUnit just calls
+//   the function, so the same model trains with plain LibTorch. A Sequential needs nothing of
+//   this: Engine::Forward runs its children as units.
+// - A unit's parameters are valid only inside its RunUnit (stage 3): outside it their storage is
+//   released, and touching it is LibTorch's "data is not allocated" error.
+// - Shared (tied) parameters are stored, reduced and updated once. Module buffers stay where the
+//   model keeps them on the engine's device, start from rank 0's values, and are saved in
+//   checkpoints.
 //
-// Materialization (stage 3): the block's chunks are brought to the device (NVMe -> host ->
-// device, then all-gather across ranks) into one buffer per chunk, and each parameter's data is
-// pointed at its slice (Tensor::set_data). After the block's forward the parameters are pointed
-// at empty tensors; a hook on the block's output gathers them again when backward reaches the
-// block (Note [backward order] in engine.cc). Stages 0-2 keep full parameters on the device.
+// Materialization (stage 3): before a unit runs, its chunks are brought to the device (NVMe ->
+// host -> device, then all-gather across ranks) into one buffer per chunk. Each parameter is a
+// view of its chunk's storage for the engine's whole life; releasing a chunk frees the storage's
+// memory and leaves the storage empty, gathering it again refills the same storage (the way FSDP
+// resizes a flat parameter's storage). So tensors autograd saved from a parameter (a stock
+// Linear saves the transposed weight, a view) stay valid across the release, and the memory is
+// really returned between a unit's forward and its backward. A hook on each of a unit's outputs
+// gathers the unit again when backward reaches it; the unit is released as soon as every
+// parameter of it has its gradient (Note [backward by gradients] in engine.cc). Stages 0-2 keep
+// full parameters on the device.
 //
-// Gradients: when backward has left a block, its parameters' .grad are copied into per-chunk fp32
-// buffers, reduce-scattered (averaged over ranks) into each rank's shard and accumulated into the
-// shard's grad block; .grad is then cleared. The optimizer (CPU Adam/AdamW on the shards of
-// master32 / exp_avg / exp_avg_sq, writing the new working copy) runs per chunk:
+// Gradients: a hook after each parameter's gradient accumulation copies .grad into its chunk's
+// fp32 gradient buffer and clears .grad; when every parameter of a chunk is in, the chunk is
+// reduce-scattered (averaged over ranks) into each rank's shard and accumulated into the shard's
+// grad block. The optimizer (CPU Adam/AdamW on the shards of master32 / exp_avg / exp_avg_sq,
+// writing the new working copy) runs per chunk:
 // - during backward, as soon as a chunk's gradients are complete, when the step's result cannot
 //   depend on global conditions (no gradient clipping and no fp16 loss scaling);
 // - otherwise after backward (deferred): the global gradient norm and the fp16 overflow flag are
@@ -23,9 +39,9 @@
 //   prefetched. Deferring, not rolling back, keeps the result identical to a non-overlapped step.
 // Either way the update equals torch.optim's step after a plain backward.
 //
-// Thread-safety: one thread drives Forward / Backward / Step. Errors inside Forward and Backward
-// (I/O, collectives) surface as exceptions from Forward (the LibTorch boundary) and as Status
-// from Backward / Step.
+// Thread-safety: one thread drives the model's forward, Backward and Step. Errors inside forward
+// and backward (I/O, collectives) surface as exceptions from the forward (the LibTorch boundary)
+// and as Status from Backward / Step.
 #pragma once
 
 #include <cstdint>
@@ -46,6 +62,9 @@ class Communicator;
 class Device;
 
 struct EngineOptions {
+  // The modules the engine manages as units, in the order they run; empty: the default split
+  // (each child of the root holding parameters, looking through containers).
+  std::vector<std::shared_ptr<torch::nn::Module>> units;
   std::vector<std::string> nvme_path;  // overrides both offload nvme_path settings when set
   bool force_fallback_io = false;      // use the pread/pwrite engine (tests)
   nvme::IoFaultHook nvme_fault_hook;   // test-only: forwarded to NvmeTierOptions::fault_hook
@@ -79,14 +98,45 @@ struct StepReport {
 class Engine {
  public:
   // Takes over `model`'s parameters: they are partitioned, their full storage is freed, and from
-  // now on only the engine materializes them. `comm` and `device` must outlive the engine.
-  static StatusOr<std::unique_ptr<Engine>> Create(torch::nn::Sequential model, const Config& config,
+  // now on only the engine materializes them. `comm` and `device` must outlive the engine, and the
+  // model must outlive it too (the engine keeps a reference).
+  static StatusOr<std::unique_ptr<Engine>> Create(std::shared_ptr<torch::nn::Module> model,
+                                                  const Config& config, Communicator* comm,
+                                                  Device* device, const EngineOptions& options = {});
+  // A module with a forward: Engine::Forward(input) calls the model's own forward(input).
+  static StatusOr<std::unique_ptr<Engine>> Create(torch::nn::AnyModule model, const Config& config,
                                                   Communicator* comm, Device* device,
                                                   const EngineOptions& options = {});
+  template <class M>
+  static StatusOr<std::unique_ptr<Engine>> Create(torch::nn::ModuleHolder<M> model, const Config& config,
+                                                  Communicator* comm, Device* device,
+                                                  const EngineOptions& options = {}) {
+    return Create(torch::nn::AnyModule(model), config, comm, device, options);
+  }
+  static StatusOr<std::unique_ptr<Engine>> Create(torch::nn::Sequential model, const Config& config,
+                                                  Communicator* comm, Device* device,
+                                                  const EngineOptions& options = {}) {
+    return Create(std::static_pointer_cast<torch::nn::Module>(model.ptr()), config, comm, device,
+                  options);
+  }
   ~Engine();
 
-  // Runs the blocks in order. Throws std::runtime_error with the Status text on failure.
+  // For a Sequential root: runs its children in order, each as a unit. For a model given as an
+  // AnyModule: its own forward(input), which runs its units through strata::RunUnit. (A model
+  // given as a plain Module pointer is called by the caller directly.) Throws std::runtime_error
+  // with the Status text on failure.
   torch::Tensor Forward(const torch::Tensor& input);
+
+  // The unit protocol RunUnit and the Python front end drive. BeginUnit materializes the unit's
+  // parameters (throws on failure); EndUnit releases them and, when autograd records, hooks the
+  // outputs that require grad so that backward gathers the unit again before entering it. Calls
+  // nest only for different units.
+  void BeginUnit(int64_t unit);
+  void EndUnit(int64_t unit, const std::vector<torch::Tensor>& outputs);
+  int64_t num_units() const;
+  std::string unit_name(int64_t unit) const;
+  // Bytes of the device allocator in use now (the engine's device, all of its allocations).
+  uint64_t device_bytes_in_use() const;
   // Backward of `loss` (divided by gradient_accumulation_steps and multiplied by the fp16 loss
   // scale here, as DeepSpeed does) and the gradient reduction.
   Status Backward(const torch::Tensor& loss);

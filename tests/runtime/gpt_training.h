@@ -58,7 +58,7 @@ struct TrainRun {
 // Plain LibTorch training: the reference.
 inline TrainRun Reference(const Config& c) {
   auto model = models::BuildGpt(c.model);
-  std::vector<torch::Tensor> params = model->parameters();
+  std::vector<torch::Tensor> params = models::UniqueParameters(*model);
   torch::optim::AdamW adamw(params, torch::optim::AdamWOptions(c.optimizer.lr)
                                         .betas({c.optimizer.beta1, c.optimizer.beta2})
                                         .eps(c.optimizer.eps)

@@ -1,3 +1,4 @@
+#include <algorithm>
 // strata_planner without LibTorch: GPT parameter list, memory model arithmetic, profile schema,
 // and the tuner's choices on synthetic profiles.
 #include <fstream>
@@ -30,11 +31,19 @@ TEST(ModelSpecTest, GptParameterListMatchesTheArchitecture) {
   ModelConfig m = SmallGpt();
   ASSERT_OK_AND_ASSIGN(ModelSpec spec, GptModelSpec(m));
   const int64_t d = 64, V = 128, T = 32;
-  EXPECT_EQ(spec.param_count(), V * d + T * d + 2 * (12 * d * d + 13 * d) + 2 * d + V * d + V);
+  // The head's projection is the token embedding (tied): counted once, shared by block 3.
+  EXPECT_EQ(spec.param_count(), V * d + T * d + 2 * (12 * d * d + 13 * d) + 2 * d);
   EXPECT_EQ(spec.num_blocks, 4);
-  EXPECT_EQ(spec.params.front().name, "embedding.pos");
-  EXPECT_EQ(spec.params.back().numel, V);
+  EXPECT_EQ(spec.params.front().name, "embed.pos");
+  EXPECT_EQ(spec.params[1].name, "embed.tok.weight");
+  EXPECT_EQ(spec.params[1].also_in, std::vector<int64_t>{3});
+  EXPECT_EQ(spec.params.back().name, "head.ln.bias");
   EXPECT_EQ(spec.params.back().block, 3);
+  // Every parameter's gradient arrives once.
+  std::vector<int64_t> order = spec.gradient_order;
+  std::sort(order.begin(), order.end());
+  ASSERT_EQ(order.size(), spec.params.size());
+  for (size_t i = 0; i < order.size(); ++i) EXPECT_EQ(order[i], static_cast<int64_t>(i));
   m.n_heads = 5;
   EXPECT_FALSE(GptModelSpec(m).ok());
 }

@@ -52,13 +52,12 @@ uint64_t Round(uint64_t bytes, uint64_t to) { return (std::max<uint64_t>(bytes, 
 //
 // Note [device replay]
 // The device peak is not a sum: stage-3 chunk buffers and fp32 gradient buffers come and go as
-// blocks run. Replaying the engine's order exactly gives the peak it will see:
-//   forward, for each block b:  gather(b); release(b)
-//   backward: the hook on block nb-1's output gathers nb-1; the hook on block b's output runs
-//     finish(b+1) then gather(b); after backward returns, finish(0)
-//   finish(b): allocate the fp32 full-chunk gradient buffer of every chunk of b that has none,
-//     release(b), then free the buffer of each chunk whose last block this was.
-// gather/release keep a live count per chunk (a chunk shared by two blocks is freed when both
+// units run. Replaying the engine's order gives the peak it will see:
+//   forward, for each unit b:  gather(b); release(b) (kept by the reuse distance, Note
+//     [stage-3 live set] in runtime/engine.cc)
+//   backward, for each unit b from the last: gather(b), then its parameters' gradients arrive
+//     (see the replay below); gradient buffers and units are freed as they complete.
+// gather/release keep a live count per chunk (a chunk shared by two units is freed when both
 // released it). Allocations are rounded the way the device allocator rounds them.
 StatusOr<MemoryEstimate> EstimateMemory(const Config& config, const ModelSpec& model,
                                         const EstimateOptions& options) {
@@ -97,15 +96,20 @@ StatusOr<MemoryEstimate> EstimateMemory(const Config& config, const ModelSpec& m
   est.padded_numel = part.total_numel();
   est.shard_numel = part.shard_numel_per_rank();
 
-  // Block <-> chunk maps, as Engine::Impl::Init builds them.
+  // Unit <-> chunk maps, as Engine::Impl::DiscoverUnits builds them (a tied parameter's chunk
+  // belongs to every unit sharing it).
   std::vector<std::vector<int64_t>> block_chunks(static_cast<size_t>(model.num_blocks));
-  std::vector<int> chunk_blocks(chunks.size(), 0);
+  std::vector<int> block_params(static_cast<size_t>(model.num_blocks), 0);
+  std::vector<int> chunk_params(chunks.size(), 0);
   for (size_t pid = 0; pid < model.params.size(); ++pid) {
     const int64_t c = part.location(static_cast<int64_t>(pid)).chunk;
-    auto& bc = block_chunks[static_cast<size_t>(model.params[pid].block)];
-    if (bc.empty() || bc.back() != c) {
-      bc.push_back(c);
-      ++chunk_blocks[static_cast<size_t>(c)];
+    ++chunk_params[static_cast<size_t>(c)];
+    std::vector<int64_t> holders = {model.params[pid].block};
+    holders.insert(holders.end(), model.params[pid].also_in.begin(), model.params[pid].also_in.end());
+    for (int64_t b : holders) {
+      auto& bc = block_chunks[static_cast<size_t>(b)];
+      if (std::find(bc.begin(), bc.end(), c) == bc.end()) bc.push_back(c);
+      ++block_params[static_cast<size_t>(b)];
     }
   }
 
@@ -231,37 +235,52 @@ StatusOr<MemoryEstimate> EstimateMemory(const Config& config, const ModelSpec& m
     }
   };
   auto release = [&](int64_t b) { release_dist(b, false); };
-  auto finish = [&](int64_t b) {
-    const auto& bc = block_chunks[static_cast<size_t>(b)];
-    for (int64_t c : bc) {
-      if (grad_buf[static_cast<size_t>(c)]) continue;
-      grad_buf[static_cast<size_t>(c)] = true;
-      const uint64_t bytes = Round(static_cast<uint64_t>(chunks[static_cast<size_t>(c)].numel) * 4, dev_round);
+  // Backward (Note [backward by gradients] in runtime/engine.cc): a unit is gathered when
+  // backward reaches it; each parameter's gradient, as it arrives (a unit's in reverse order, a
+  // tied one with its owner), lands in its chunk's fp32 buffer, which is reduced and freed when
+  // the chunk's last parameter is in; a unit is released when its last parameter is in.
+  std::vector<int> unit_pending(block_params.begin(), block_params.end());
+  std::vector<bool> held(block_chunks.size(), false);
+  auto arrive = [&](size_t pid) {
+    const size_t c = static_cast<size_t>(part.location(static_cast<int64_t>(pid)).chunk);
+    const uint64_t bytes = Round(static_cast<uint64_t>(chunks[c].numel) * 4, dev_round);
+    if (!grad_buf[c]) {
+      grad_buf[c] = true;
       cur += bytes;
       gradbuf_cur += bytes;
       note_peak();
     }
-    release(b);
-    for (int64_t c : bc) {
-      if (--pending[static_cast<size_t>(c)] != 0) continue;
-      const uint64_t bytes = Round(static_cast<uint64_t>(chunks[static_cast<size_t>(c)].numel) * 4, dev_round);
-      grad_buf[static_cast<size_t>(c)] = false;
+    std::vector<int64_t> holders = {model.params[pid].block};
+    holders.insert(holders.end(), model.params[pid].also_in.begin(), model.params[pid].also_in.end());
+    for (int64_t b : holders) {
+      if (--unit_pending[static_cast<size_t>(b)] == 0 && held[static_cast<size_t>(b)]) {
+        held[static_cast<size_t>(b)] = false;
+        release(b);
+      }
+    }
+    if (--pending[c] == 0) {
+      grad_buf[c] = false;
       cur -= bytes;
       gradbuf_cur -= bytes;
     }
   };
   const int64_t nb = model.num_blocks;
-  for (size_t c = 0; c < chunks.size(); ++c) pending[c] = chunk_blocks[c];
+  for (size_t c = 0; c < chunks.size(); ++c) pending[c] = chunk_params[c];
   for (int64_t b = 0; b < nb; ++b) {
     gather(b);
     release_dist(b, true);
   }
-  if (nb > 0) gather(nb - 1);
-  for (int64_t b = nb - 2; b >= 0; --b) {
-    finish(b + 1);
-    gather(b);
+  std::vector<int64_t> order = model.gradient_order;
+  if (order.empty())
+    for (size_t pid = model.params.size(); pid-- > 0;) order.push_back(static_cast<int64_t>(pid));
+  for (int64_t b = nb - 1; b >= 0; --b) {
+    if (unit_pending[static_cast<size_t>(b)] > 0) {
+      gather(b);
+      held[static_cast<size_t>(b)] = true;
+    }
+    for (int64_t pid : order)
+      if (model.params[static_cast<size_t>(pid)].block == b) arrive(static_cast<size_t>(pid));
   }
-  if (nb > 0) finish(0);
   if (z.stage == 3) {
     MemoryItem it{"param16 gather buffers", MemTier::kHbm, gather_at_peak, "peak_device_bytes", true,
                   StrCat("full chunks of the live block(s) at the device peak (largest during the "

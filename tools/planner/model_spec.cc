@@ -29,11 +29,15 @@ StatusOr<ModelSpec> GptModelSpec(const ModelConfig& c) {
   m.gpt = c;
   int64_t block = 0;
   auto add = [&](std::string name, int64_t numel) { m.params.push_back({std::move(name), numel, block}); };
-  add("embedding.pos", T * d);
-  add("embedding.tok.weight", V * d);
+  add("embed.pos", T * d);
+  add("embed.tok.weight", V * d);
+  const size_t tok = m.params.size() - 1;
+  std::vector<std::vector<int64_t>> backward_by_block;
+  backward_by_block.push_back({});  // the embedding's parameters arrive last, with the tied head
   for (int64_t l = 0; l < c.n_layers; ++l) {
     ++block;
-    const std::string p = StrCat("block", l, ".");
+    const std::string p = StrCat("blocks.", l, ".");
+    const int64_t first = static_cast<int64_t>(m.params.size());
     add(p + "ln1.weight", d);
     add(p + "ln1.bias", d);
     add(p + "ln2.weight", d);
@@ -46,12 +50,20 @@ StatusOr<ModelSpec> GptModelSpec(const ModelConfig& c) {
     add(p + "fc.bias", 4 * d);
     add(p + "out.weight", 4 * d * d);
     add(p + "out.bias", d);
+    // Forward uses ln1, qkv, proj, ln2, fc, out; backward delivers them in reverse, bias first.
+    std::vector<int64_t> order;
+    for (int64_t k : {11, 10, 9, 8, 3, 2, 7, 6, 5, 4, 1, 0}) order.push_back(first + k);
+    backward_by_block.push_back(order);
   }
   ++block;
   add("head.ln.weight", d);
   add("head.ln.bias", d);
-  add("head.lm.weight", V * d);
-  add("head.lm.bias", V);
+  m.params[tok].also_in.push_back(block);  // the head's projection is the token embedding
+  backward_by_block.push_back({static_cast<int64_t>(m.params.size()) - 1,
+                               static_cast<int64_t>(m.params.size()) - 2});
+  backward_by_block[0] = {static_cast<int64_t>(tok), static_cast<int64_t>(tok) - 1};
+  for (auto it = backward_by_block.rbegin(); it != backward_by_block.rend(); ++it)
+    m.gradient_order.insert(m.gradient_order.end(), it->begin(), it->end());
   m.num_blocks = block + 1;
   return m;
 }
@@ -76,7 +88,9 @@ StatusOr<ModelSpec> SyntheticModelSpec(int64_t params, int64_t largest_layer) {
 // Note [activation count]
 // What autograd saves in GptBlockImpl::forward (tools/train/gpt.cc), per sequence of T tokens
 // with d = d_model, h = n_heads, e = activation bytes:
-//   ln1: input x (T·d·e) + mean, rstd (2·T·4)        qkv (StrataLinear): input (T·d·e)
+//   ln1: input x (T·d·e) + mean, rstd (2·T·4)        qkv (Linear): input (T·d·e); the
+//                                                    weight it saves is a view of the parameter
+//                                                    (no new memory)
 //   q/k/v: views of the qkv output, saved by the two matmuls: 3·T·d·e
 //   softmax: its output (h·T·T·e), also saved by att·v   proj: input y (T·d·e)
 //   ln2: input h (T·d·e) + stats (2·T·4)              fc: input (T·d·e)

@@ -21,12 +21,16 @@ namespace strata::planner {
 struct ParamSpec {
   std::string name;
   int64_t numel = 0;
-  int64_t block = 0;  // engine block (an entry of the Sequential) the parameter belongs to
+  int64_t block = 0;  // engine unit the parameter belongs to (the first one holding it)
+  std::vector<int64_t> also_in;  // later units sharing it (tied weights)
 };
 
 struct ModelSpec {
   std::vector<ParamSpec> params;  // registration order
   int64_t num_blocks = 0;
+  // Parameter ids in the order backward delivers their gradients (reverse order of use in
+  // forward); empty: reverse registration order.
+  std::vector<int64_t> gradient_order;
   // Set for the GPT of tools/train/gpt.h; absent for a model given only by its sizes.
   std::optional<ModelConfig> gpt;
 
@@ -38,7 +42,7 @@ struct ModelSpec {
 // The GPT of tools/train/gpt.h, parameter by parameter in LibTorch's named_parameters order:
 // embedding (pos [T,d] — the module's own parameter comes before its children's — then tok
 // [V,d]); per block ln1 w/b, ln2 w/b, qkv [3d,d]+[3d], proj [d,d]+[d], fc [4d,d]+[4d],
-// out [d,4d]+[d] (children in registration order); head ln w/b, lm [V,d]+[V].
+// out [d,4d]+[d] (children in registration order); head ln w/b, and the head shares tok.
 // Fails on sizes < 1 or d_model not divisible by n_heads.
 StatusOr<ModelSpec> GptModelSpec(const ModelConfig& c);
 

@@ -1,11 +1,11 @@
-// A decoder-only GPT built from standard LibTorch layers, as a Sequential of blocks the engine can
-// materialize one at a time: Embedding -> Block x n_layers -> Head.
-//
-// Its linear layers use StrataLinear: the same math as torch::nn::Linear, but its autograd node
-// saves the weight parameter itself rather than a transposed view of the weight's storage. A
-// view would keep the gathered chunk alive from forward to backward and defeat ZeRO-3's release
-// of parameters between them (Note [saved views] in gpt.cc).
+// A decoder-only GPT built only from stock LibTorch layers (Embedding, LayerNorm, Linear,
+// Dropout), GPT-2 style: the head shares the token embedding's weight, and the causal mask is a
+// buffer of the model passed to every block. It is not a Sequential: its forward runs its units
+// (the embedding, each block, the head) through strata::RunUnit, so the same model trains with
+// plain LibTorch (the equivalence tests' reference) and through the engine.
 #pragma once
+
+#include <vector>
 
 #include <torch/torch.h>
 
@@ -13,21 +13,12 @@
 
 namespace strata::models {
 
-// y = x W^T + b with a memory-friendly backward.
-class StrataLinearImpl : public torch::nn::Module {
- public:
-  StrataLinearImpl(int64_t in, int64_t out);
-  torch::Tensor forward(const torch::Tensor& x);
-  torch::Tensor weight, bias;
-};
-TORCH_MODULE(StrataLinear);
-
 class GptEmbeddingImpl : public torch::nn::Module {
  public:
   explicit GptEmbeddingImpl(const ModelConfig& c);
   torch::Tensor forward(const torch::Tensor& tokens);  // [B, T] int64 -> [B, T, d]
-  torch::nn::Embedding tok{nullptr};
   torch::Tensor pos;
+  torch::nn::Embedding tok{nullptr};
   torch::nn::Dropout drop{nullptr};
 };
 TORCH_MODULE(GptEmbedding);
@@ -35,32 +26,49 @@ TORCH_MODULE(GptEmbedding);
 class GptBlockImpl : public torch::nn::Module {
  public:
   explicit GptBlockImpl(const ModelConfig& c);
-  torch::Tensor forward(const torch::Tensor& x);
+  // x [B, T, d]; mask [T, T] bool, true where a position may attend.
+  torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& mask);
   int64_t n_heads;
   torch::nn::LayerNorm ln1{nullptr}, ln2{nullptr};
-  StrataLinear qkv{nullptr}, proj{nullptr}, fc{nullptr}, out{nullptr};
+  torch::nn::Linear qkv{nullptr}, proj{nullptr}, fc{nullptr}, out{nullptr};
   torch::nn::Dropout drop{nullptr};
-  torch::Tensor mask;  // buffer: causal, [T, T]
 };
 TORCH_MODULE(GptBlock);
 
+// Final LayerNorm and the language-model projection, whose weight is the token embedding's
+// (the Embedding module is registered here a second time: a tied parameter).
 class GptHeadImpl : public torch::nn::Module {
  public:
-  explicit GptHeadImpl(const ModelConfig& c);
+  GptHeadImpl(const ModelConfig& c, torch::nn::Embedding tied);
   torch::Tensor forward(const torch::Tensor& x);  // [B, T, d] -> [B, T, vocab]
   torch::nn::LayerNorm ln{nullptr};
-  StrataLinear lm{nullptr};
+  torch::nn::Embedding tok{nullptr};
 };
 TORCH_MODULE(GptHead);
 
+class GptImpl : public torch::nn::Module {
+ public:
+  explicit GptImpl(const ModelConfig& c);
+  torch::Tensor forward(const torch::Tensor& tokens);  // [B, T] int64 -> logits [B, T, vocab]
+  GptEmbedding embed{nullptr};
+  torch::nn::ModuleList blocks{nullptr};
+  GptHead head{nullptr};
+  torch::Tensor mask;  // buffer: causal, [seq_len, seq_len]
+};
+TORCH_MODULE(Gpt);
+
 // Builds the model with deterministic initialization from c.seed (GPT-2 style: normal(0, 0.02)
-// weights, zero biases).
-torch::nn::Sequential BuildGpt(const ModelConfig& c);
+// weights, zero biases, unit LayerNorm).
+Gpt BuildGpt(const ModelConfig& c);
+
+// A module's trainable parameters, each once (LibTorch lists a tied parameter under every module
+// holding it; an optimizer given both would update it twice).
+std::vector<torch::Tensor> UniqueParameters(const torch::nn::Module& m);
 
 // Mean next-token cross entropy, computed in fp32. logits [B, T, V], targets [B, T].
 torch::Tensor LanguageModelLoss(const torch::Tensor& logits, const torch::Tensor& targets);
 
-// Trainable parameters of a model built from `c` (no model is built).
+// Trainable parameters of a model built from `c` (no model is built); the tied head counts once.
 int64_t GptParameterCount(const ModelConfig& c);
 
 }  // namespace strata::models

@@ -21,7 +21,7 @@ torch::Dtype ComputeDtype(const Config& c) {
 }
 
 // One forward + loss + backward of `model` on `tokens`, in seconds.
-double Pass(torch::nn::Sequential& model, const torch::Tensor& tokens, int64_t T) {
+double Pass(models::Gpt& model, const torch::Tensor& tokens, int64_t T) {
   const auto t0 = std::chrono::steady_clock::now();
   torch::Tensor logits = model->forward(tokens.narrow(1, 0, T));
   torch::Tensor loss = models::LanguageModelLoss(logits, tokens.narrow(1, 1, T));
@@ -87,7 +87,7 @@ StatusOr<ComputeCalibration> CalibrateCompute(const Config& config, int reps,
     auto timed = [&](int64_t n_layers) {
       ModelConfig m = mc;
       m.n_layers = n_layers;
-      torch::nn::Sequential model = models::BuildGpt(m);
+      models::Gpt model = models::BuildGpt(m);
       model->to(dt);
       model->train();
       Pass(model, tokens, T);

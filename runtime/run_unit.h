@@ -1,0 +1,87 @@
+// RunUnit: how a model's own forward hands a unit (a submodule the engine manages) to the engine.
+//
+//   torch::Tensor GptImpl::forward(const torch::Tensor& tokens) {
+//     torch::Tensor x = strata::RunUnit(*embed, [&] { return embed->forward(tokens); });
+//     for (auto& b : blocks) x = strata::RunUnit(*b, [&] { return b->forward(x, mask); });
+//     return strata::RunUnit(*head, [&] { return head->forward(x); });
+//   }
+//
+// When an engine manages `unit` (Engine::Create registered it), RunUnit materializes the unit's
+// parameters, runs `fn`, and releases them again, hooking every returned tensor that requires
+// grad so that backward gathers the unit before it enters it. `fn` may return a Tensor, a
+// std::vector<Tensor> or a std::tuple of Tensors (other members of a tuple are passed through).
+// When no engine manages the module, RunUnit is exactly `fn()`: the same model trains with plain
+// LibTorch, which is how the equivalence tests build their reference.
+//
+// Thread-safety: the registry is safe to read from any thread; a given engine is driven by one.
+#pragma once
+
+#include <cstdint>
+#include <exception>
+#include <tuple>
+#include <type_traits>
+#include <vector>
+
+#include <torch/torch.h>
+
+#include "runtime/status.h"
+
+namespace strata {
+
+class Engine;
+
+namespace unit_detail {
+
+struct UnitRef {
+  Engine* engine = nullptr;
+  int64_t unit = -1;
+};
+// The engine managing `module` as a unit, if any.
+UnitRef FindUnit(const torch::nn::Module& module);
+// Fails when another engine already manages the module.
+Status Register(const torch::nn::Module* module, Engine* engine, int64_t unit);
+void UnregisterEngine(const Engine* engine);
+void Begin(const UnitRef& ref);
+void End(const UnitRef& ref, const std::vector<torch::Tensor>& outputs);
+
+inline void Collect(const torch::Tensor& t, std::vector<torch::Tensor>* out) { out->push_back(t); }
+inline void Collect(const std::vector<torch::Tensor>& v, std::vector<torch::Tensor>* out) {
+  out->insert(out->end(), v.begin(), v.end());
+}
+template <class T>
+void Collect(const T&, std::vector<torch::Tensor>*) {}  // not a tensor: nothing to hook
+template <class... Ts>
+void Collect(const std::tuple<Ts...>& t, std::vector<torch::Tensor>* out) {
+  std::apply([&](const auto&... e) { (Collect(e, out), ...); }, t);
+}
+
+}  // namespace unit_detail
+
+template <class Fn>
+auto RunUnit(const torch::nn::Module& unit, Fn&& fn) -> decltype(fn()) {
+  const unit_detail::UnitRef ref = unit_detail::FindUnit(unit);
+  if (!ref.engine) return fn();
+  unit_detail::Begin(ref);
+  std::vector<torch::Tensor> outputs;
+  try {
+    auto out = fn();
+    unit_detail::Collect(out, &outputs);
+    unit_detail::End(ref, outputs);
+    return out;
+  } catch (...) {
+    // Release what Begin gathered; the exception (shape error, I/O) carries on to the caller.
+    try {
+      unit_detail::End(ref, {});
+    } catch (...) {
+    }
+    throw;
+  }
+}
+
+template <class Holder, class Fn,
+          class = std::enable_if_t<!std::is_base_of_v<torch::nn::Module, std::decay_t<Holder>>>>
+auto RunUnit(const Holder& holder, Fn&& fn) -> decltype(fn()) {
+  return RunUnit(*holder, std::forward<Fn>(fn));
+}
+
+}  // namespace strata

@@ -279,6 +279,13 @@ Engine::Impl::~Impl() {
   for (auto& p : params_)
     if (p.acc) p.acc->post_hooks().clear();
   for (size_t c = 0; c < chunks_.size(); ++c) FreeChunkMemory(static_cast<int64_t>(c));
+  // Stages 0-2: the parameters are views of chunks the device allocated, and the model outlives
+  // the engine (and maybe the device): give them their own copy of the working values.
+  if (!stage3()) {
+    torch::NoGradGuard ng;
+    for (auto& p : params_)
+      if (p.tensor.defined() && p.tensor.numel() > 0) p.tensor.set_data(p.tensor.detach().clone());
+  }
 }
 
 torch::TensorOptions Engine::Impl::DeviceOptions(torch::Dtype dtype) const {

@@ -11,7 +11,8 @@
 //   the function, so the same model trains with plain LibTorch. A Sequential needs nothing of
 //   this: Engine::Forward runs its children as units.
 // - A unit's parameters are valid only inside its RunUnit (stage 3): outside it their storage is
-//   released, and touching it is LibTorch's "data is not allocated" error.
+//   empty (nbytes 0, a null data pointer), so reading one crashes on the CPU device as it would
+//   on a GPU instead of returning stale values.
 // - Shared (tied) parameters are stored, reduced and updated once. Module buffers stay where the
 //   model keeps them on the engine's device, start from rank 0's values, and are saved in
 //   checkpoints.

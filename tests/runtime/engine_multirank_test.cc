@@ -5,6 +5,7 @@
 
 #include "runtime/comm/backends.h"
 #include "tests/runtime/gpt_training.h"
+#include "tests/runtime/model_zoo.h"
 
 namespace strata {
 namespace {
@@ -61,6 +62,39 @@ INSTANTIATE_TEST_SUITE_P(
                       RankCase{"stage3", 3, OffloadDevice::kNone, OffloadDevice::kNone, 0.0},
                       RankCase{"stage3_nvme_clip", 3, OffloadDevice::kNvme, OffloadDevice::kNvme, 0.5}),
     [](const auto& info) { return std::string(info.param.name); });
+
+// Models of the zoo (stock layers, residual across units, two-in/two-out units) on 2 ranks: each
+// rank takes half of every global batch. (The BatchNorm net is single-process only: its batch
+// statistics depend on the rows a rank sees.)
+class ZooMultiRank : public ::testing::TestWithParam<std::tuple<int, int>> {};
+
+TEST_P(ZooMultiRank, MatchesSingleProcessLibTorch) {
+  const zoo::Model model = zoo::Models()[std::get<0>(GetParam())];
+  ASSERT_FALSE(model.batch_statistics);
+  Communicator* comm = SharedComm();
+  ASSERT_NE(comm, nullptr);
+  ASSERT_GE(comm->world_size(), 2);
+  Config c = zoo::ZooConfig();
+  const int stage = std::get<1>(GetParam());
+  c.zero_optimization.stage = stage;
+  c.zero_optimization.stage3_param_persistence_threshold = 0;
+  c.zero_optimization.stage3_max_reuse_distance = 0;
+  if (stage == 3) {
+    c.zero_optimization.offload_param.device = OffloadDevice::kCpu;
+    c.zero_optimization.offload_optimizer.device = OffloadDevice::kCpu;
+    c.gradient_clipping = 0.5;
+  }
+  zoo::Run ref = zoo::Reference(model, c);
+  zoo::Run got = zoo::ThroughEngine(model, c, comm);
+  zoo::ExpectMatch(ref, got, 1e-5, 2e-5);
+}
+
+INSTANTIATE_TEST_SUITE_P(StockLayers, ZooMultiRank,
+                         ::testing::Combine(::testing::Values(0, 2), ::testing::Values(1, 3)),
+                         [](const auto& info) {
+                           return zoo::Models()[std::get<0>(info.param)].name + "_stage" +
+                                  std::to_string(std::get<1>(info.param));
+                         });
 
 }  // namespace
 }  // namespace strata

@@ -47,6 +47,13 @@ std::string SerializeManifest(const Manifest& m) {
                       {"scaler", m.scaler},
                       {"extra", m.extra},
                       {"blocks", blocks}};
+  if (!m.buffers.empty()) {
+    nlohmann::json buffers = nlohmann::json::array();
+    for (const auto& b : m.buffers)
+      buffers.push_back({{"name", b.name}, {"dtype", b.dtype}, {"offset", b.offset},
+                         {"bytes", b.bytes}, {"crc32c", b.crc32c}});
+    j["buffers"] = buffers;
+  }
   return j.dump(1);
 }
 
@@ -106,6 +113,18 @@ StatusOr<Manifest> ParseManifest(std::string_view bytes, const std::string& sour
       if (e.chunk < 0 || e.chunk >= static_cast<int64_t>(m.shard_numel.size()))
         return bad(StrCat("block names chunk ", e.chunk, " of ", m.shard_numel.size()));
       m.blocks.push_back(std::move(e));
+    }
+    if (j.contains("buffers")) {
+      if (!j.at("buffers").is_array()) return bad("buffers must be a list");
+      for (const auto& b : j.at("buffers")) {
+        BufferEntry e;
+        e.name = b.at("name").get<std::string>();
+        e.dtype = b.at("dtype").get<std::string>();
+        e.offset = static_cast<uint64_t>(Int(b.at("offset"), "offset", 0, kMax));
+        e.bytes = static_cast<uint64_t>(Int(b.at("bytes"), "bytes", 0, kMax));
+        e.crc32c = static_cast<uint32_t>(Int(b.at("crc32c"), "crc32c", 0, 0xffffffffll));
+        m.buffers.push_back(std::move(e));
+      }
     }
     return m;
   } catch (const std::exception& e) {

@@ -34,6 +34,15 @@ struct BlockEntry {
   uint32_t crc32c = 0;
 };
 
+// A module buffer (BatchNorm running statistics, ...), saved by name after the blocks.
+struct BufferEntry {
+  std::string name;
+  std::string dtype;  // torch scalar type name, e.g. "Float"
+  uint64_t offset = 0;
+  uint64_t bytes = 0;
+  uint32_t crc32c = 0;
+};
+
 struct Manifest {
   int version = kFormatVersion;
   int rank = 0;
@@ -48,6 +57,7 @@ struct Manifest {
   nlohmann::json scaler;  // loss-scaler state (empty without fp16)
   nlohmann::json extra;   // the caller's state (data position, ...)
   std::vector<BlockEntry> blocks;
+  std::vector<BufferEntry> buffers;  // absent in checkpoints of models without buffers
 };
 
 std::string StepDirName(int64_t step);          // "step-00000010"

@@ -1570,6 +1570,16 @@ Status Engine::Impl::Save(const std::string& root, const nlohmann::json& extra) 
       offset += bytes;
     }
   }
+  // Buffers after the blocks, each from a host copy.
+  for (size_t i = 0; i < buffers_.size() && s.ok(); ++i) {
+    const auto& [name, b] = buffers_[i];
+    torch::Tensor host = b.detach().to(torch::kCPU).contiguous();
+    const uint64_t bytes = host.nbytes();
+    s = WriteAll(fd, host.data_ptr(), bytes, bin);
+    m.buffers.push_back({name, std::string(c10::toString(host.scalar_type())), offset, bytes,
+                         nvme::Crc32c(host.data_ptr(), bytes)});
+    offset += bytes;
+  }
   if (s.ok() && ::fsync(fd) != 0) s = ErrnoToStatus(errno, StrCat("fsync ", bin));
   ::close(fd);
   if (s.ok())
@@ -1635,6 +1645,33 @@ StatusOr<nlohmann::json> Engine::Impl::Load(const std::string& path) {
   int fd = ::open(bin.c_str(), O_RDONLY | O_CLOEXEC);
   if (fd < 0) return ErrnoToStatus(errno, StrCat("open ", bin));
   Status s;
+  // Buffers first, all read and checked before any state is overwritten: every one the model has
+  // must be in the checkpoint, by name, with its size and type.
+  std::vector<torch::Tensor> buffer_values;
+  for (size_t i = 0; i < buffers_.size() && s.ok(); ++i) {
+    const auto& [name, b] = buffers_[i];
+    const checkpoint::BufferEntry* e = nullptr;
+    for (const auto& be : m.buffers)
+      if (be.name == name) e = &be;
+    const std::string type(c10::toString(b.scalar_type()));
+    if (!e || e->bytes != b.nbytes() || e->dtype != type) {
+      s = DataLoss(StrCat(mpath, ": buffer '", name, "' (", type, ", ", b.nbytes(),
+                          " bytes) is missing or differs; the checkpoint belongs to another model"));
+      break;
+    }
+    torch::Tensor host = torch::empty(b.sizes(), torch::TensorOptions().dtype(b.scalar_type()));
+    ssize_t got = ::pread(fd, host.data_ptr(), e->bytes, static_cast<off_t>(e->offset));
+    if (got < 0 || static_cast<uint64_t>(got) != e->bytes) {
+      s = DataLoss(StrCat(bin, " is truncated: buffer '", name, "' needs ", e->bytes, " bytes"));
+      break;
+    }
+    if (nvme::Crc32c(host.data_ptr(), e->bytes) != e->crc32c) {
+      s = DataLoss(StrCat(bin, ": buffer '", name, "' fails its crc32c check; the checkpoint is "
+                          "corrupted: resume from an earlier one"));
+      break;
+    }
+    buffer_values.push_back(host);
+  }
   for (size_t c = 0; c < chunks_.size() && s.ok(); ++c) {
     for (StateKind kind : kSavedKinds) {
       const int64_t c64 = static_cast<int64_t>(c);
@@ -1674,6 +1711,10 @@ StatusOr<nlohmann::json> Engine::Impl::Load(const std::string& path) {
   }
   ::close(fd);
   STRATA_RETURN_IF_ERROR(s);
+  {
+    torch::NoGradGuard ng;
+    for (size_t i = 0; i < buffer_values.size(); ++i) buffers_[i].second.copy_(buffer_values[i]);
+  }
 
   // The working copy is the master rounded to the working precision, exactly what Adam writes.
   const size_t esize = optim::DTypeSize(compute_dtype_);

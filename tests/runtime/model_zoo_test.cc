@@ -4,6 +4,8 @@
 // AdamW, under every stage and placement. And stage 3 really frees a unit's gathered parameters
 // after its forward, with stock Linear layers, measured by the device allocator.
 #include <cmath>
+#include <cstdio>
+#include <map>
 
 #include <gtest/gtest.h>
 
@@ -147,6 +149,104 @@ TEST(ZooMemory, PlainBackwardIsRefusedWithTheFix) {
   } catch (const std::exception& e) {
     EXPECT_NE(std::string(e.what()).find("engine->Backward(loss)"), std::string::npos) << e.what();
   }
+}
+
+// Chunks under stage3_param_persistence_threshold stay gathered across steps: after each update
+// they are refilled in place once, instead of being gathered again for forward and for backward.
+// With every chunk persistent a step copies the model host -> device once; with the threshold at
+// 0 (and no reuse) at least twice. Both train to the reference.
+TEST(ZooPersistence, SmallChunksStayGatheredAcrossSteps) {
+  const zoo::Model model = zoo::Models()[0];
+  std::map<int64_t, std::vector<uint64_t>> h2d;
+  for (int64_t threshold : {int64_t{0}, int64_t{1} << 30}) {
+    Config c = zoo::ZooConfig();
+    c.zero_optimization.stage = 3;
+    c.zero_optimization.offload_param.device = OffloadDevice::kCpu;
+    c.zero_optimization.offload_optimizer.device = OffloadDevice::kCpu;
+    c.zero_optimization.stage3_param_persistence_threshold = threshold;
+    c.zero_optimization.stage3_max_reuse_distance = 0;
+    auto comm = CreateSingleCommunicator();
+    auto device = CreateDevice("cpu", 64 << 20).value();
+    auto m = model.build();
+    ASSERT_OK_AND_ASSIGN(auto e, Engine::Create(m, c, comm.get(), device.get()));
+    for (int s = 0; s < zoo::kZooSteps; ++s) {
+      ASSERT_OK(e->Backward(model.loss(*m, s, 0, 0, zoo::kGlobalBatch)));
+      auto rep = e->Step();
+      ASSERT_TRUE(rep.ok()) << rep.status();
+      h2d[threshold].push_back(rep->bytes_host_to_device);
+    }
+    auto params = e->GatherMasterParams();
+    ASSERT_TRUE(params.ok());
+    zoo::Run ref = zoo::Reference(model, c);
+    zoo::Run got{ref.losses, *params, zoo::Buffers(*m)};
+    zoo::ExpectMatch(ref, got, 0, 2e-5);
+  }
+  const auto& none = h2d[0];
+  const auto& all = h2d[int64_t{1} << 30];
+  for (int s = 1; s < zoo::kZooSteps; ++s) {
+    EXPECT_GT(all[s], 0u) << "step " << s << ": the updated values never reached the device";
+    EXPECT_GE(none[s], 2 * all[s]) << "step " << s << ": persistent " << all[s]
+                                   << " B vs gathered every time " << none[s] << " B";
+  }
+}
+
+// BatchNorm's running statistics are part of a checkpoint: a new model resumed from it has the
+// saved statistics (not its fresh ones), trains on to the same parameters and statistics as the
+// run that continued, and a damaged buffer is refused before anything is overwritten.
+TEST(ZooCheckpoint, BuffersAreSavedRestoredAndChecked) {
+  const zoo::Model model = zoo::Models()[1];
+  ASSERT_TRUE(model.batch_statistics);
+  Config c = zoo::ZooConfig();
+  c.zero_optimization.stage = 3;
+  c.zero_optimization.offload_optimizer.device = OffloadDevice::kCpu;
+  testing::TempDir dir;
+  auto comm = CreateSingleCommunicator();
+  auto device = CreateDevice("cpu", 64 << 20).value();
+  auto train = [&](Engine& e, torch::nn::Module& m, int from, int to) {
+    for (int s = from; s < to; ++s) {
+      ASSERT_OK(e.Backward(model.loss(m, s, 0, 0, zoo::kGlobalBatch)));
+      ASSERT_TRUE(e.Step().ok());
+    }
+  };
+  auto a = model.build();
+  ASSERT_OK_AND_ASSIGN(auto ea, Engine::Create(a, c, comm.get(), device.get()));
+  train(*ea, *a, 0, 2);
+  ASSERT_OK(ea->SaveCheckpoint(dir.path(), {}));
+  const std::vector<torch::Tensor> saved = zoo::Buffers(*a);
+  train(*ea, *a, 2, 4);
+  auto a_params = ea->GatherMasterParams();
+  ASSERT_TRUE(a_params.ok());
+
+  auto b = model.build();
+  ASSERT_OK_AND_ASSIGN(auto eb, Engine::Create(b, c, comm.get(), device.get()));
+  ASSERT_FALSE(torch::equal(zoo::Buffers(*b)[0], saved[0])) << "fresh statistics equal the saved ones";
+  ASSERT_TRUE(eb->LoadCheckpoint(dir.path()).ok());
+  const std::vector<torch::Tensor> loaded = zoo::Buffers(*b);
+  ASSERT_EQ(loaded.size(), saved.size());
+  for (size_t i = 0; i < saved.size(); ++i) EXPECT_TRUE(torch::equal(loaded[i], saved[i])) << "buffer " << i;
+  train(*eb, *b, 2, 4);
+  auto b_params = eb->GatherMasterParams();
+  ASSERT_TRUE(b_params.ok());
+  zoo::Run ra{{}, *a_params, zoo::Buffers(*a)}, rb{{}, *b_params, zoo::Buffers(*b)};
+  zoo::ExpectMatch(ra, rb, 0, 1e-7);
+
+  // Flip a byte of the last buffer in the file: Load refuses, and the live buffers are untouched.
+  const std::string bin = dir.path() + "/step-00000002/rank-00000.bin";
+  {
+    std::FILE* f = std::fopen(bin.c_str(), "r+b");
+    ASSERT_NE(f, nullptr);
+    std::fseek(f, -1, SEEK_END);
+    int ch = std::fgetc(f);
+    std::fseek(f, -1, SEEK_END);
+    std::fputc(ch ^ 0x5a, f);
+    std::fclose(f);
+  }
+  const std::vector<torch::Tensor> before = zoo::Buffers(*b);
+  auto bad = eb->LoadCheckpoint(dir.path());
+  ASSERT_FALSE(bad.ok());
+  EXPECT_NE(bad.status().ToString().find("buffer"), std::string::npos) << bad.status();
+  const std::vector<torch::Tensor> after = zoo::Buffers(*b);
+  for (size_t i = 0; i < before.size(); ++i) EXPECT_TRUE(torch::equal(before[i], after[i])) << "buffer " << i;
 }
 
 }  // namespace

@@ -586,10 +586,17 @@ Status ParseActivationCheckpointing(Section s, ActivationCheckpointingConfig* c)
   STRATA_RETURN_IF_ERROR(s.Int("number_checkpoints", &c->number_checkpoints, 0, 1 << 20));
   STRATA_RETURN_IF_ERROR(s.Bool("synchronize_checkpoint_boundary", &c->synchronize_checkpoint_boundary));
   STRATA_RETURN_IF_ERROR(s.Bool("profile", &c->profile));
-  if (c->partition_activations || c->cpu_checkpointing || c->contiguous_memory_optimization ||
-      c->synchronize_checkpoint_boundary || c->profile || c->number_checkpoints > 0)
-    s.Warn("activation_checkpointing: the keys are valid but the engine does not checkpoint "
-           "activations yet, so this section has no effect; activations stay in device memory");
+  // cpu_checkpointing acts (strata::CheckpointUnit keeps saved inputs in host memory). The rest
+  // tune DeepSpeed's Megatron-style implementation and have no counterpart here.
+  if (c->partition_activations)
+    s.Warn("activation_checkpointing.partition_activations has no effect: it splits checkpoints "
+           "across model-parallel ranks, and Strata has no model parallelism");
+  if (c->contiguous_memory_optimization || c->number_checkpoints > 0)
+    s.Warn("activation_checkpointing.contiguous_memory_optimization / number_checkpoints have no "
+           "effect: checkpointed inputs are ordinary allocations, as many as units checkpointed");
+  if (c->synchronize_checkpoint_boundary || c->profile)
+    s.Warn("activation_checkpointing.synchronize_checkpoint_boundary / profile have no effect: "
+           "the step report times recomputation as compute");
   return s.Finish();
 }
 
@@ -633,6 +640,7 @@ Status ParseModel(Section s, ModelConfig* c) {
   STRATA_RETURN_IF_ERROR(s.Int("seq_len", &c->seq_len, 2, 1 << 20));
   STRATA_RETURN_IF_ERROR(s.Int("vocab_size", &c->vocab_size, 2, 1 << 24));
   STRATA_RETURN_IF_ERROR(s.Double("dropout", &c->dropout, 0.0, 1.0, true));
+  STRATA_RETURN_IF_ERROR(s.Bool("checkpoint_activations", &c->checkpoint_activations));
   int64_t seed = static_cast<int64_t>(c->seed);
   STRATA_RETURN_IF_ERROR(s.Int("seed", &seed, 0, std::numeric_limits<int64_t>::max()));
   c->seed = static_cast<uint64_t>(seed);
@@ -876,7 +884,7 @@ json Config::ToJson() const {
   j["model"] = {{"n_layers", model.n_layers}, {"d_model", model.d_model},
                 {"n_heads", model.n_heads},   {"seq_len", model.seq_len},
                 {"vocab_size", model.vocab_size}, {"dropout", model.dropout},
-                {"seed", model.seed}};
+                {"checkpoint_activations", model.checkpoint_activations}, {"seed", model.seed}};
   return j;
 }
 

@@ -166,6 +166,9 @@ struct ModelConfig {
   int64_t seq_len = 128;
   int64_t vocab_size = 256;
   double dropout = 0.0;
+  // Activation checkpointing of every transformer block (strata::CheckpointUnit): only each
+  // block's input is kept from forward to backward, which recomputes the block.
+  bool checkpoint_activations = false;
   uint64_t seed = 1234;
 };
 

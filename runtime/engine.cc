@@ -115,7 +115,7 @@ class Engine::Impl {
 
   Status Init(Engine* owner, const EngineOptions& options);
   torch::Tensor Forward(const torch::Tensor& input);
-  void BeginUnit(int64_t u);
+  void BeginUnit(int64_t u, bool checkpointed);
   void EndUnit(int64_t u, const std::vector<torch::Tensor>& outputs);
   Status Backward(const torch::Tensor& loss);
   StatusOr<StepReport> Step();
@@ -133,6 +133,7 @@ class Engine::Impl {
     return u >= 0 && u < num_units() ? units_[u].name : std::string();
   }
   uint64_t device_bytes() const { return device_->allocated(); }
+  bool cpu_checkpointing() const { return config_.activation_checkpointing.cpu_checkpointing; }
 
  private:
   struct ParamInfo {
@@ -140,7 +141,13 @@ class Engine::Impl {
     std::vector<int64_t> shape;
     std::vector<int64_t> units;                 // every unit that holds it (tied: several)
     std::shared_ptr<torch::autograd::Node> acc;  // its AccumulateGrad node, kept alive for the hook
-    bool grad_in = false;                        // this micro-step's gradient has arrived
+    // This micro-step (Note [backward by gradients]): whether a plain (not checkpointed) unit run
+    // used it, how many checkpointed runs did, how many gradient deliveries came, and whether
+    // its gradient is complete.
+    bool plain_use = false;
+    int checkpointed_uses = 0;
+    int arrivals = 0;
+    bool grad_in = false;
   };
   struct UnitInfo {
     std::string name;
@@ -152,6 +159,7 @@ class Engine::Impl {
     int grads_pending = 0;        // parameters whose gradient has not arrived this micro-step
     bool backward_held = false;   // gathered for its backward
     int forward_depth = 0;        // open BeginUnit calls
+    bool open_checkpointed = false;  // the open run is a checkpointed forward
   };
   struct ChunkState {
     std::vector<int64_t> units;
@@ -191,7 +199,8 @@ class Engine::Impl {
   void OpenMicroStep();
   void OnUnitBackwardReach(int64_t u);
   void OnParamGrad(int64_t pid);
-  Status TakeParamGrad(int64_t pid);
+  // Takes a delivery of a parameter's gradient; `settle` completes it whatever came.
+  Status TakeParamGrad(int64_t pid, bool settle);
   Status ReduceChunk(int64_t c);
   Status AdamChunk(int64_t c, float grad_scale, double lr, int64_t step);
   Status PublishParams(int64_t c, const void* shard_values, optim::DType dtype);
@@ -374,7 +383,7 @@ Status Engine::Impl::DiscoverUnits(const EngineOptions& options) {
       } else {
         STRATA_ASSIGN_OR_RETURN(id, part.AddParam(name.empty() ? pname : name + "." + pname, p.numel()));
         STRATA_DCHECK(id == static_cast<int64_t>(params_.size()));
-        params_.push_back({p, p.sizes().vec(), {}, nullptr, false});
+        params_.push_back({p, p.sizes().vec(), {}, nullptr});
         seen.emplace(p.unsafeGetTensorImpl(), id);
       }
       params_[id].units.push_back(u);
@@ -880,7 +889,12 @@ void Engine::Impl::OpenMicroStep() {
   }
   micro_open_ = true;
   trace_.clear();
-  for (auto& p : params_) p.grad_in = false;
+  for (auto& p : params_) {
+    p.plain_use = false;
+    p.checkpointed_uses = 0;
+    p.arrivals = 0;
+    p.grad_in = false;
+  }
   for (auto& u : units_) {
     u.grads_pending = static_cast<int>(u.params.size());
     u.backward_held = false;
@@ -889,30 +903,51 @@ void Engine::Impl::OpenMicroStep() {
     chunks_[c].pending = static_cast<int>(partitioner_->chunks()[c].params.size());
 }
 
-void Engine::Impl::BeginUnit(int64_t u) {
+void Engine::Impl::BeginUnit(int64_t u, bool checkpointed) {
   if (u < 0 || u >= num_units()) Throw(InvalidArgument(StrCat("no unit ", u)));
-  // Under torch::NoGradGuard (evaluation) nothing is recorded for backward and no step opens.
-  const bool training = torch::GradMode::is_enabled();
-  if (training && !micro_open_) OpenMicroStep();
   UnitInfo& unit = units_[u];
   if (unit.forward_depth > 0)
     Throw(FailedPrecondition(StrCat("unit '", unit.name, "' runs inside itself; units may nest only "
                                     "when they are different modules")));
+  if (in_backward_) {
+    // Backward recomputes a checkpointed unit: gather it and hold it until its gradients are in.
+    if (!unit.backward_held && unit.grads_pending > 0) {
+      Status s = GatherUnit(u);
+      if (!s.ok()) Throw(s.WithContext(StrCat("gathering unit '", unit.name, "' to recompute it")));
+      unit.backward_held = true;
+    }
+    ++unit.forward_depth;
+    unit.open_checkpointed = false;
+    return;
+  }
+  // Under torch::NoGradGuard (evaluation) nothing is recorded for backward and no step opens; a
+  // checkpointed forward runs without grad but is training.
+  const bool training = torch::GradMode::is_enabled() || checkpointed;
+  if (training && !micro_open_) OpenMicroStep();
   Status s = GatherUnit(u);
   if (!s.ok()) Throw(s.WithContext(StrCat("gathering unit '", unit.name, "' for forward")));
   ++unit.forward_depth;
+  unit.open_checkpointed = checkpointed;
   if (training) {
     trace_.push_back(u);
     PrefetchUnits(trace_.size() - 1, +1);
+    for (int64_t pid : unit.params) {
+      if (checkpointed) ++params_[pid].checkpointed_uses;
+      else params_[pid].plain_use = true;
+    }
   }
 }
 
 void Engine::Impl::EndUnit(int64_t u, const std::vector<torch::Tensor>& outputs) {
   if (u < 0 || u >= num_units() || units_[u].forward_depth == 0)
     Throw(FailedPrecondition(StrCat("EndUnit(", u, ") without its BeginUnit")));
-  --units_[u].forward_depth;
-  const bool training = torch::GradMode::is_enabled();
-  if (training && stage3()) {
+  UnitInfo& unit = units_[u];
+  --unit.forward_depth;
+  if (in_backward_) return;  // a recomputation: released when its gradients are in
+  const bool checkpointed = unit.open_checkpointed;
+  unit.open_checkpointed = false;
+  const bool training = torch::GradMode::is_enabled() || checkpointed;
+  if (training && !checkpointed && stage3()) {
     for (const torch::Tensor& out : outputs) {
       if (!out.defined() || !out.requires_grad()) continue;
       torch::Tensor t = out;  // register_hook is not const; the hook lands on the shared node
@@ -935,7 +970,7 @@ torch::Tensor Engine::Impl::Forward(const torch::Tensor& input) {
   for (size_t k = 0; k < seq->size(); ++k) {
     const unit_detail::UnitRef ref = unit_detail::FindUnit(*seq->ptr(k));
     const bool unit = ref.engine == owner_;  // false: the child holds no trainable parameter
-    if (unit) BeginUnit(ref.unit);
+    if (unit) BeginUnit(ref.unit, false);
     try {
       x = (seq->begin() + static_cast<std::ptrdiff_t>(k))->forward(x);
     } catch (...) {
@@ -973,17 +1008,16 @@ void Engine::Impl::OnUnitBackwardReach(int64_t u) {
 
 void Engine::Impl::OnParamGrad(int64_t pid) {
   if (!in_backward_ || !backward_error_.ok()) return;
-  Status s = TakeParamGrad(pid);
+  Status s = TakeParamGrad(pid, false);
   if (!s.ok()) {
     backward_error_ = s;
     Throw(s);
   }
 }
 
-Status Engine::Impl::TakeParamGrad(int64_t pid) {
+Status Engine::Impl::TakeParamGrad(int64_t pid, bool settle) {
   ParamInfo& p = params_[pid];
   if (p.grad_in) return Status::Ok();
-  p.grad_in = true;
   const ParamLocation& loc = partitioner_->location(pid);
   ChunkState& cs = chunks_[loc.chunk];
   {
@@ -999,6 +1033,11 @@ Status Engine::Impl::TakeParamGrad(int64_t pid) {
       p.tensor.mutable_grad() = torch::Tensor();
     }
   }
+  // Plain uses deliver once (the main backward's AccumulateGrad sums them); each checkpointed run
+  // delivers from its own recomputation's backward.
+  ++p.arrivals;
+  if (!settle && p.arrivals < p.checkpointed_uses + (p.plain_use ? 1 : 0)) return Status::Ok();
+  p.grad_in = true;
   for (int64_t u : p.units) {
     UnitInfo& unit = units_[u];
     if (--unit.grads_pending == 0 && unit.backward_held) {
@@ -1081,7 +1120,7 @@ Status Engine::Impl::Backward(const torch::Tensor& loss) {
   in_backward_ = false;
   // Parameters that took no part in this backward: a zero gradient, their units released.
   for (size_t pid = 0; pid < params_.size() && result.ok(); ++pid)
-    result = TakeParamGrad(static_cast<int64_t>(pid));
+    result = TakeParamGrad(static_cast<int64_t>(pid), /*settle=*/true);
   for (size_t u = 0; u < units_.size(); ++u) {
     if (units_[u].backward_held) {
       units_[u].backward_held = false;
@@ -1458,11 +1497,12 @@ StatusOr<std::unique_ptr<Engine>> Engine::Create(std::shared_ptr<torch::nn::Modu
 }
 
 torch::Tensor Engine::Forward(const torch::Tensor& input) { return impl_->Forward(input); }
-void Engine::BeginUnit(int64_t unit) { impl_->BeginUnit(unit); }
+void Engine::BeginUnit(int64_t unit, bool checkpointed) { impl_->BeginUnit(unit, checkpointed); }
 void Engine::EndUnit(int64_t unit, const std::vector<torch::Tensor>& outputs) {
   impl_->EndUnit(unit, outputs);
 }
 int64_t Engine::num_units() const { return impl_->num_units(); }
+bool Engine::cpu_checkpointing() const { return impl_->cpu_checkpointing(); }
 std::string Engine::unit_name(int64_t unit) const { return impl_->unit_name(unit); }
 uint64_t Engine::device_bytes_in_use() const { return impl_->device_bytes(); }
 Status Engine::Backward(const torch::Tensor& loss) { return impl_->Backward(loss); }

@@ -128,13 +128,17 @@ class Engine {
   // with the Status text on failure.
   torch::Tensor Forward(const torch::Tensor& input);
 
-  // The unit protocol RunUnit and the Python front end drive. BeginUnit materializes the unit's
-  // parameters (throws on failure); EndUnit releases them and, when autograd records, hooks the
-  // outputs that require grad so that backward gathers the unit again before entering it. Calls
-  // nest only for different units.
-  void BeginUnit(int64_t unit);
+  // The unit protocol RunUnit, CheckpointUnit and the Python front end drive. BeginUnit
+  // materializes the unit's parameters (throws on failure); EndUnit releases them and, when
+  // autograd records, hooks the outputs that require grad so that backward gathers the unit
+  // again before entering it. `checkpointed`: the run records nothing for autograd (activation
+  // checkpointing) but is part of training; backward recomputes it, and a BeginUnit during
+  // Backward gathers the unit for that recomputation. Calls nest only for different units.
+  void BeginUnit(int64_t unit, bool checkpointed = false);
   void EndUnit(int64_t unit, const std::vector<torch::Tensor>& outputs);
   int64_t num_units() const;
+  // activation_checkpointing.cpu_checkpointing: CheckpointUnit keeps saved inputs in host memory.
+  bool cpu_checkpointing() const;
   std::string unit_name(int64_t unit) const;
   // Bytes of the device allocator in use now (the engine's device, all of its allocations).
   uint64_t device_bytes_in_use() const;

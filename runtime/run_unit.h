@@ -18,6 +18,7 @@
 
 #include <cstdint>
 #include <exception>
+#include <functional>
 #include <tuple>
 #include <type_traits>
 #include <vector>
@@ -41,7 +42,7 @@ UnitRef FindUnit(const torch::nn::Module& module);
 // Fails when another engine already manages the module.
 Status Register(const torch::nn::Module* module, Engine* engine, int64_t unit);
 void UnregisterEngine(const Engine* engine);
-void Begin(const UnitRef& ref);
+void Begin(const UnitRef& ref, bool checkpointed = false);
 void End(const UnitRef& ref, const std::vector<torch::Tensor>& outputs);
 
 inline void Collect(const torch::Tensor& t, std::vector<torch::Tensor>* out) { out->push_back(t); }
@@ -77,6 +78,19 @@ auto RunUnit(const torch::nn::Module& unit, Fn&& fn) -> decltype(fn()) {
     throw;
   }
 }
+
+// Activation checkpointing of a unit: runs `fn(inputs)` without keeping its activations and,
+// when backward reaches its outputs, runs it again (stage 3: gathering the unit's parameters
+// again) and differentiates that. `inputs` are the tensors fn reads that may carry gradient;
+// anything else fn captures must not change before backward. The CPU random-number state is
+// replayed, so dropout draws the same mask twice. With the engine's
+// activation_checkpointing.cpu_checkpointing the saved inputs wait in host memory. Without an
+// engine it checkpoints all the same (the tests' reference); under torch::NoGradGuard it is a
+// plain call. Returns fn's outputs.
+std::vector<torch::Tensor> CheckpointUnit(
+    const torch::nn::Module& unit,
+    std::function<std::vector<torch::Tensor>(const std::vector<torch::Tensor>&)> fn,
+    const std::vector<torch::Tensor>& inputs);
 
 template <class Holder, class Fn,
           class = std::enable_if_t<!std::is_base_of_v<torch::nn::Module, std::decay_t<Holder>>>>

@@ -67,7 +67,7 @@ torch::Tensor GptHeadImpl::forward(const torch::Tensor& x) {
   return torch::nn::functional::linear(ln(x), tok->weight);
 }
 
-GptImpl::GptImpl(const ModelConfig& c) {
+GptImpl::GptImpl(const ModelConfig& c) : checkpoint_activations(c.checkpoint_activations) {
   embed = register_module("embed", GptEmbedding(c));
   blocks = register_module("blocks", torch::nn::ModuleList());
   for (int64_t i = 0; i < c.n_layers; ++i) blocks->push_back(GptBlock(c));
@@ -81,7 +81,13 @@ torch::Tensor GptImpl::forward(const torch::Tensor& tokens) {
   const torch::Tensor m = mask.narrow(0, 0, T).narrow(1, 0, T);
   for (const auto& b : *blocks) {
     auto* block = b->as<GptBlockImpl>();
-    x = RunUnit(*block, [&] { return block->forward(x, m); });
+    if (checkpoint_activations) {
+      x = CheckpointUnit(*block, [block, m](const std::vector<torch::Tensor>& in) {
+            return std::vector<torch::Tensor>{block->forward(in[0], m)};
+          }, {x})[0];
+    } else {
+      x = RunUnit(*block, [&] { return block->forward(x, m); });
+    }
   }
   return RunUnit(*head, [&] { return head->forward(x); });
 }

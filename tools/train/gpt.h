@@ -54,6 +54,7 @@ class GptImpl : public torch::nn::Module {
   torch::nn::ModuleList blocks{nullptr};
   GptHead head{nullptr};
   torch::Tensor mask;  // buffer: causal, [seq_len, seq_len]
+  bool checkpoint_activations = false;  // model.checkpoint_activations: recompute blocks in backward
 };
 TORCH_MODULE(Gpt);
 

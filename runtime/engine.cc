@@ -38,6 +38,7 @@
 #include "runtime/partitioner.h"
 #include "runtime/run_unit.h"
 #include "runtime/units.h"
+#include "runtime/zero_init.h"
 #include "tiers/nvme/crc32c.h"
 #include "tiers/nvme/nvme_tier.h"
 
@@ -611,15 +612,6 @@ Status Engine::Impl::Init(Engine* owner, const EngineOptions& options) {
   for (size_t c = 0; c < chunk_infos.size(); ++c)
     persistent_[c] = chunk_infos[c].used_numel < z.stage3_param_persistence_threshold;
 
-  // Every rank starts from rank 0's initial values.
-  if (comm_->world_size() > 1) {
-    for (auto& p : params_) {
-      torch::Tensor t = p.tensor.detach().to(torch::kFloat32).contiguous();
-      STRATA_RETURN_IF_ERROR(comm_->Broadcast(t.data_ptr(), t.numel(), strata::DType::kF32, 0));
-      torch::NoGradGuard ng;
-      p.tensor.copy_(t);
-    }
-  }
   // Buffers live on the engine's device and start from rank 0's values too.
   for (auto& [name, b] : buffers_) {
     torch::NoGradGuard ng;
@@ -644,12 +636,19 @@ Status Engine::Impl::Init(Engine* owner, const EngineOptions& options) {
     const ChunkInfo& ci = chunk_infos[c];
     const int64_t n = ci.shard_numel;
     const int64_t c64 = static_cast<int64_t>(c);
+    // The chunk's initial fp32 values: from the parameters, or from zero::Init's staging file
+    // for a model built there (it has shapes but no memory).
     torch::Tensor full32 = torch::zeros({ci.numel}, torch::kFloat32);
     for (int64_t pid : ci.params) {
       const ParamLocation& loc = partitioner_->location(pid);
-      full32.narrow(0, loc.offset, loc.numel)
-          .copy_(params_[pid].tensor.detach().reshape({-1}).to(torch::kFloat32));
+      torch::Tensor dst = full32.narrow(0, loc.offset, loc.numel);
+      STRATA_ASSIGN_OR_RETURN(bool staged, zero::ReadStaged(params_[pid].tensor, dst.data_ptr<float>()));
+      if (!staged) dst.copy_(params_[pid].tensor.detach().reshape({-1}).to(torch::kFloat32));
     }
+    // Every rank starts from rank 0's initial values.
+    if (comm_->world_size() > 1)
+      STRATA_RETURN_IF_ERROR(comm_->Broadcast(full32.data_ptr(), ci.numel, strata::DType::kF32, 0)
+                                 .WithContext(StrCat("broadcasting chunk ", c, "'s initial values")));
     torch::Tensor shard32 =
         full32.narrow(0, partitioner_->ShardOffset(c64, shard_rank()), n).contiguous();
     auto put = [&](StateKind kind, uint64_t bytes, Placement where, const void* src) -> Status {

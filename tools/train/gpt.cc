@@ -5,6 +5,7 @@
 #include <set>
 
 #include "runtime/run_unit.h"
+#include "runtime/zero_init.h"
 
 namespace strata::models {
 namespace {
@@ -68,10 +69,18 @@ torch::Tensor GptHeadImpl::forward(const torch::Tensor& x) {
 }
 
 GptImpl::GptImpl(const ModelConfig& c) : checkpoint_activations(c.checkpoint_activations) {
+  // Each unit is handed to zero::Partition as soon as it is built: under a zero::Init its
+  // parameters go to the staging file at once, so at most one unit is ever in DRAM.
   embed = register_module("embed", GptEmbedding(c));
+  zero::Partition(*embed);
   blocks = register_module("blocks", torch::nn::ModuleList());
-  for (int64_t i = 0; i < c.n_layers; ++i) blocks->push_back(GptBlock(c));
+  for (int64_t i = 0; i < c.n_layers; ++i) {
+    GptBlock block(c);
+    zero::Partition(*block);
+    blocks->push_back(block);
+  }
   head = register_module("head", GptHead(c, embed->tok));
+  zero::Partition(*head);
   mask = register_buffer("mask", torch::ones({c.seq_len, c.seq_len}).tril().to(torch::kBool));
 }
 

@@ -24,6 +24,7 @@
 #include "runtime/device.h"
 #include "runtime/host_info.h"
 #include "runtime/engine.h"
+#include "runtime/zero_init.h"
 #include "runtime/logging.h"
 #include "runtime/units.h"
 #include "tools/train/embedded_config.h"
@@ -162,8 +163,27 @@ class Trainer {
     // A step time means little without its machine (figures are compared across sessions).
     host_ = HostDescription(NvmeDirForHost());
     if (leader() && !f_.json) std::fprintf(stderr, "strata-train: on %s\n", host_.c_str());
-    STRATA_ASSIGN_OR_RETURN(engine_, Engine::Create(models::BuildGpt(c_.model), c_, comm_.get(),
-                                                    device_.get(), eo));
+    {
+      // Stage 3 with NVMe offload: build the model under zero::Init, unit by unit into a staging
+      // file on the NVMe directory, so the whole fp32 model never sits in DRAM.
+      std::unique_ptr<zero::Init> init;
+      const std::string nvme_dir = NvmeDirForHost();
+      if (c_.zero_optimization.stage == 3 && !nvme_dir.empty() &&
+          c_.zero_optimization.offload_param.device == OffloadDevice::kNvme) {
+        STRATA_ASSIGN_OR_RETURN(init, zero::Init::Create(nvme_dir));
+      }
+      models::Gpt model{nullptr};
+      try {
+        model = models::BuildGpt(c_.model);
+      } catch (const std::exception& e) {
+        return Internal(StrCat("building the model: ", e.what()));
+      }
+      if (init && leader() && !f_.json)
+        std::fprintf(stderr, "strata-train: zero::Init staged %lld parameters (%s) in %s\n",
+                     (long long)init->staged_params(), FormatBytes(init->staged_bytes()).c_str(),
+                     nvme_dir.c_str());
+      STRATA_ASSIGN_OR_RETURN(engine_, Engine::Create(model, c_, comm_.get(), device_.get(), eo));
+    }
     if (!f_.resume.empty()) {
       STRATA_ASSIGN_OR_RETURN(nlohmann::json extra, engine_->LoadCheckpoint(f_.resume));
       if (extra.contains("seed") && extra["seed"] != c_.model.seed)

@@ -1,0 +1,165 @@
+#include "runtime/zero_init.h"
+
+#include <fcntl.h>
+#include <malloc.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstdlib>
+#include <filesystem>
+#include <mutex>
+#include <stdexcept>
+#include <unordered_map>
+#include <vector>
+
+namespace strata::zero {
+
+class Init::Impl {
+ public:
+  int fd = -1;
+  std::string path;
+  uint64_t end = 0;  // bytes written so far
+  int64_t params = 0;
+};
+
+namespace {
+
+struct Staged {
+  Init::Impl* owner;
+  uint64_t offset;
+  int64_t numel;
+  torch::Dtype dtype;
+};
+
+std::mutex& Mu() {
+  static std::mutex mu;
+  return mu;
+}
+std::unordered_map<const c10::TensorImpl*, Staged>& Registry() {
+  static std::unordered_map<const c10::TensorImpl*, Staged> r;
+  return r;
+}
+thread_local Init::Impl* current = nullptr;
+
+Status PwriteAll(int fd, const void* data, size_t n, uint64_t off, const std::string& path) {
+  const char* p = static_cast<const char*>(data);
+  while (n > 0) {
+    ssize_t w = ::pwrite(fd, p, n, static_cast<off_t>(off));
+    if (w < 0) {
+      if (errno == EINTR) continue;
+      return ErrnoToStatus(errno, StrCat("write zero::Init staging file ", path));
+    }
+    p += w;
+    n -= static_cast<size_t>(w);
+    off += static_cast<uint64_t>(w);
+  }
+  return Status::Ok();
+}
+
+}  // namespace
+
+StatusOr<std::unique_ptr<Init>> Init::Create(const std::string& dir) {
+  if (current)
+    return FailedPrecondition("a zero::Init is already current on this thread; destroy it first");
+  std::error_code ec;
+  std::filesystem::create_directories(dir, ec);
+  if (ec) return ErrnoToStatus(ec.value(), StrCat("create zero::Init directory ", dir));
+  // glibc raises its mmap threshold each time a large mmapped block is freed, after which
+  // same-sized tensors come from the heap and their pages stay in the process when freed: a
+  // model built unit by unit would still climb to several units' worth of RSS. A fixed threshold
+  // sends every tensor of 1 MiB or more back to the OS when it is freed. Process-wide, and set
+  // only by code that asked to build larger than DRAM.
+  static std::once_flag malloc_once;
+  std::call_once(malloc_once, [] { ::mallopt(M_MMAP_THRESHOLD, 1 << 20); });
+  auto impl = std::make_unique<Impl>();
+  std::string tmpl = (std::filesystem::path(dir) / "strata-zero-init.XXXXXX").string();
+  std::vector<char> name(tmpl.begin(), tmpl.end());
+  name.push_back('\0');
+  impl->fd = ::mkostemp(name.data(), O_CLOEXEC);
+  if (impl->fd < 0) return ErrnoToStatus(errno, StrCat("create a staging file in ", dir));
+  impl->path = name.data();
+  ::unlink(impl->path.c_str());  // the open descriptor keeps it; nothing survives a crash
+  current = impl.get();
+  return std::unique_ptr<Init>(new Init(std::move(impl)));
+}
+
+Init::Init(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+
+Init::~Init() {
+  {
+    std::lock_guard<std::mutex> l(Mu());
+    for (auto it = Registry().begin(); it != Registry().end();) {
+      if (it->second.owner == impl_.get()) it = Registry().erase(it);
+      else ++it;
+    }
+  }
+  if (current == impl_.get()) current = nullptr;
+  if (impl_->fd >= 0) ::close(impl_->fd);
+}
+
+uint64_t Init::staged_bytes() const { return impl_->end; }
+int64_t Init::staged_params() const { return impl_->params; }
+
+void Partition(torch::nn::Module& unit) {
+  Init::Impl* init = current;
+  if (!init) return;
+  torch::NoGradGuard ng;
+  for (auto& p : unit.parameters(/*recurse=*/true)) {
+    if (!p.requires_grad() || p.numel() == 0) continue;
+    {
+      std::lock_guard<std::mutex> l(Mu());
+      if (Registry().count(p.unsafeGetTensorImpl())) continue;  // tied: staged with its first unit
+    }
+    torch::Tensor host = p.detach().to(torch::kCPU).contiguous();
+    const uint64_t bytes = host.nbytes();
+    Status s = PwriteAll(init->fd, host.data_ptr(), bytes, init->end, init->path);
+    if (!s.ok()) throw std::runtime_error(s.ToString());
+    {
+      std::lock_guard<std::mutex> l(Mu());
+      Registry()[p.unsafeGetTensorImpl()] = {init, init->end, p.numel(), p.scalar_type()};
+    }
+    init->end += bytes;
+    ++init->params;
+    // Keep the shape and dtype, drop the memory: an empty storage with the parameter's sizes.
+    const std::vector<int64_t> shape = p.sizes().vec();
+    torch::Tensor empty = torch::empty({0}, p.options());
+    empty.unsafeGetTensorImpl()->set_sizes_contiguous(shape);
+    p.set_data(empty);
+  }
+}
+
+bool IsStaged(const torch::Tensor& param) {
+  std::lock_guard<std::mutex> l(Mu());
+  return Registry().count(param.unsafeGetTensorImpl()) > 0;
+}
+
+StatusOr<bool> ReadStaged(const torch::Tensor& param, float* dst) {
+  Staged st;
+  {
+    std::lock_guard<std::mutex> l(Mu());
+    auto it = Registry().find(param.unsafeGetTensorImpl());
+    if (it == Registry().end()) return false;
+    st = it->second;
+  }
+  torch::Tensor host = torch::empty({st.numel}, torch::TensorOptions().dtype(st.dtype));
+  char* p = static_cast<char*>(host.data_ptr());
+  size_t left = host.nbytes();
+  uint64_t off = st.offset;
+  while (left > 0) {
+    ssize_t r = ::pread(st.owner->fd, p, left, static_cast<off_t>(off));
+    if (r < 0 && errno == EINTR) continue;
+    if (r <= 0)
+      return r < 0 ? ErrnoToStatus(errno, StrCat("read zero::Init staging file ", st.owner->path))
+                   : DataLoss(StrCat("zero::Init staging file ", st.owner->path, " is truncated"));
+    p += r;
+    left -= static_cast<size_t>(r);
+    off += static_cast<uint64_t>(r);
+  }
+  // The pages were read once; let the kernel drop them rather than keep the model in cache.
+  ::posix_fadvise(st.owner->fd, static_cast<off_t>(st.offset), static_cast<off_t>(host.nbytes()),
+                  POSIX_FADV_DONTNEED);
+  torch::from_blob(dst, {st.numel}, torch::kFloat32).copy_(host);
+  return true;
+}
+
+}  // namespace strata::zero

@@ -1,0 +1,63 @@
+// zero::Init: building a model larger than DRAM, unit by unit, straight into the tiers.
+//
+//   auto init = strata::zero::Init::Create("/nvme/strata").value();  // current on this thread
+//   Gpt model(c);          // each unit's constructor ends with strata::zero::Partition(*unit)
+//   auto engine = strata::Engine::Create(model, config, comm, device).value();
+//   init.reset();          // the staging file goes
+//
+// While an Init is current on the thread, Partition(unit) writes the unit's freshly initialized
+// trainable parameters to a staging file in the Init's directory and leaves each of them with its
+// shape and dtype but no memory, so the full model never exists in DRAM: at most one unit does.
+// Engine::Create reads the staged values chunk by chunk as it writes the shards to their tiers.
+// Without a current Init, Partition does nothing (the same model code builds normally). A
+// parameter shared by several units (tied) is staged once.
+//
+// The first Create fixes glibc's mmap threshold at 1 MiB for the process, so that a freed unit's
+// tensors go back to the OS instead of staying in the heap (zero_init.cc says why).
+//
+// Thread-safety: Partition and the engine's reads may run on any thread; an Init is current only
+// on the thread that created it.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include <torch/torch.h>
+
+#include "runtime/status.h"
+
+namespace strata::zero {
+
+class Init {
+ public:
+  // Creates the staging file (removed by the destructor, and unlinked at once so that a crash
+  // leaves nothing behind) and makes this Init current on the calling thread.
+  static StatusOr<std::unique_ptr<Init>> Create(const std::string& dir);
+  ~Init();
+  Init(const Init&) = delete;
+  Init& operator=(const Init&) = delete;
+
+  uint64_t staged_bytes() const;
+  int64_t staged_params() const;
+
+  class Impl;
+
+ private:
+  explicit Init(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+// Stages `unit`'s trainable parameters under the current Init (see above). Throws
+// std::runtime_error on an I/O error, naming the file.
+void Partition(torch::nn::Module& unit);
+
+// For the engine: when `param` was staged by a live Init, reads its values converted to fp32
+// into `dst` (param.numel() floats) and returns true; returns false for a parameter never
+// staged. An I/O error is returned as a Status.
+StatusOr<bool> ReadStaged(const torch::Tensor& param, float* dst);
+
+// True when `param` has been staged (it has a shape but no memory).
+bool IsStaged(const torch::Tensor& param);
+
+}  // namespace strata::zero

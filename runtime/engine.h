@@ -25,7 +25,7 @@
 // Linear saves the transposed weight, a view) stay valid across the release, and the memory is
 // really returned between a unit's forward and its backward. A hook on each of a unit's outputs
 // gathers the unit again when backward reaches it; the unit is released as soon as every
-// parameter of it has its gradient (Note [backward by gradients] in engine.cc). Stages 0-2 keep
+// parameter of it has its gradient (Note [backward by gradients] in gradient_reducer.cc). Stages 0-2 keep
 // full parameters on the device.
 //
 // Gradients: a hook after each parameter's gradient accumulation copies .grad into its chunk's

@@ -136,10 +136,13 @@ bool IsStaged(const torch::Tensor& param) {
 StatusOr<bool> ReadStaged(const torch::Tensor& param, float* dst) {
   Staged st;
   {
+    // Reading consumes the entry: the engine reads each parameter once, and from then on the
+    // parameter is the engine's.
     std::lock_guard<std::mutex> l(Mu());
     auto it = Registry().find(param.unsafeGetTensorImpl());
     if (it == Registry().end()) return false;
     st = it->second;
+    Registry().erase(it);
   }
   torch::Tensor host = torch::empty({st.numel}, torch::TensorOptions().dtype(st.dtype));
   char* p = static_cast<char*>(host.data_ptr());
@@ -155,7 +158,10 @@ StatusOr<bool> ReadStaged(const torch::Tensor& param, float* dst) {
     left -= static_cast<size_t>(r);
     off += static_cast<uint64_t>(r);
   }
-  // The pages were read once; let the kernel drop them rather than keep the model in cache.
+  // Read once: give the disk space back (the staging file shrinks as the tiers fill, so the
+  // disk holds the model about once) and drop the pages from the cache. Both are best effort.
+  ::fallocate(st.owner->fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE,
+              static_cast<off_t>(st.offset), static_cast<off_t>(host.nbytes()));
   ::posix_fadvise(st.owner->fd, static_cast<off_t>(st.offset), static_cast<off_t>(host.nbytes()),
                   POSIX_FADV_DONTNEED);
   torch::from_blob(dst, {st.numel}, torch::kFloat32).copy_(host);

@@ -53,11 +53,12 @@ class Init {
 void Partition(torch::nn::Module& unit);
 
 // For the engine: when `param` was staged by a live Init, reads its values converted to fp32
-// into `dst` (param.numel() floats) and returns true; returns false for a parameter never
+// into `dst` (param.numel() floats), frees their space in the staging file and returns true;
+// a parameter is read once (then it is no longer staged). Returns false for a parameter not
 // staged. An I/O error is returned as a Status.
 StatusOr<bool> ReadStaged(const torch::Tensor& param, float* dst);
 
-// True when `param` has been staged (it has a shape but no memory).
+// True when `param` has been staged and not yet read (it has a shape but no memory).
 bool IsStaged(const torch::Tensor& param);
 
 }  // namespace strata::zero

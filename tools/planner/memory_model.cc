@@ -54,7 +54,7 @@ uint64_t Round(uint64_t bytes, uint64_t to) { return (std::max<uint64_t>(bytes, 
 // The device peak is not a sum: stage-3 chunk buffers and fp32 gradient buffers come and go as
 // units run. Replaying the engine's order gives the peak it will see:
 //   forward, for each unit b:  gather(b); release(b) (kept by the reuse distance, Note
-//     [stage-3 live set] in runtime/engine.cc)
+//     [stage-3 live set] in runtime/unit_coordinator.cc)
 //   backward, for each unit b from the last: gather(b), then its parameters' gradients arrive
 //     (see the replay below); gradient buffers and units are freed as they complete.
 // gather/release keep a live count per chunk (a chunk shared by two units is freed when both
@@ -186,7 +186,7 @@ StatusOr<MemoryEstimate> EstimateMemory(const Config& config, const ModelSpec& m
     }
     gather_peak = std::max(gather_peak, gather_cur);
   };
-  // The engine's stage-3 live set (Note [stage-3 live set] in runtime/engine.cc): a chunk stays
+  // The engine's stage-3 live set (Note [stage-3 live set] in runtime/unit_coordinator.cc): a chunk stays
   // gathered after its block when persistent or reused within stage3_max_reuse_distance, within
   // stage3_max_live_parameters; gathering past that cap drops chunks nobody holds.
   std::vector<bool> gathered(chunks.size(), false);
@@ -235,7 +235,7 @@ StatusOr<MemoryEstimate> EstimateMemory(const Config& config, const ModelSpec& m
     }
   };
   auto release = [&](int64_t b) { release_dist(b, false); };
-  // Backward (Note [backward by gradients] in runtime/engine.cc): a unit is gathered when
+  // Backward (Note [backward by gradients] in runtime/gradient_reducer.cc): a unit is gathered when
   // backward reaches it; each parameter's gradient, as it arrives (a unit's in reverse order, a
   // tied one with its owner), lands in its chunk's fp32 buffer, which is reduced and freed when
   // the chunk's last parameter is in; a unit is released when its last parameter is in.

@@ -1,0 +1,271 @@
+// Engine::Impl: the engine's state and the rooms that share it. One header, one .cc per room:
+//   engine.cc            the facade (Engine), construction (units, partitioning, tiers), reports
+//   unit_coordinator.cc  gathering and releasing units' parameters (stage 3), forward and the
+//                        unit protocol, prefetching from the trace
+//   gradient_reducer.cc  gradient hooks, per-chunk reduction, Backward
+//   optimizer_lane.cc    the optimizer thread, Adam per chunk, publishing new values, Step
+//   engine_checkpoint.cc saving and loading checkpoints
+// Private to runtime/: nothing outside the engine includes it.
+#pragma once
+#include "runtime/engine.h"
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cmath>
+#include <condition_variable>
+#include <cstring>
+#include <deque>
+#include <filesystem>
+#include <fstream>
+#include <limits>
+#include <map>
+#include <mutex>
+#include <set>
+#include <stdexcept>
+#include <thread>
+
+#include <tbb/task_arena.h>
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/function_hook.h>
+#include <torch/csrc/autograd/variable.h>
+
+#include "optim/cpu_adam.h"
+#include "optim/loss_scaler.h"
+#include "runtime/block_store.h"
+#include "runtime/checkpoint.h"
+#include "runtime/check.h"
+#include "runtime/comm/communicator.h"
+#include "runtime/compute_dtype.h"
+#include "runtime/device.h"
+#include "runtime/host_info.h"
+#include "runtime/logging.h"
+#include "runtime/lr_schedule.h"
+#include "runtime/partitioner.h"
+#include "runtime/run_unit.h"
+#include "runtime/units.h"
+#include "runtime/zero_init.h"
+#include "tiers/nvme/crc32c.h"
+#include "tiers/nvme/nvme_tier.h"
+
+namespace strata {
+namespace engine_detail {
+
+using Clock = std::chrono::steady_clock;
+
+inline double Since(Clock::time_point t0) {
+  return std::chrono::duration<double>(Clock::now() - t0).count();
+}
+
+[[noreturn]] inline void Throw(const Status& s) { throw std::runtime_error(s.ToString()); }
+
+inline torch::Dtype TorchDtype(optim::DType d) {
+  switch (d) {
+    case optim::DType::kFloat32: return torch::kFloat32;
+    case optim::DType::kBFloat16: return torch::kBFloat16;
+    case optim::DType::kFloat16: return torch::kFloat16;
+  }
+  return torch::kFloat32;
+}
+
+inline strata::DType CommDtype(optim::DType d) {
+  switch (d) {
+    case optim::DType::kFloat32: return strata::DType::kF32;
+    case optim::DType::kBFloat16: return strata::DType::kBF16;
+    case optim::DType::kFloat16: return strata::DType::kF16;
+  }
+  return strata::DType::kF32;
+}
+
+// Adds a lane's busy time from the scope's start to its end.
+class LaneTimer {
+ public:
+  explicit LaneTimer(double* sum) : sum_(sum), t0_(Clock::now()) {}
+  ~LaneTimer() { *sum_ += Since(t0_); }
+
+ private:
+  double* sum_;
+  Clock::time_point t0_;
+};
+
+}  // namespace engine_detail
+
+class Engine::Impl {
+ public:
+  Impl(std::shared_ptr<torch::nn::Module> model, const Config& config, Communicator* comm,
+       Device* device)
+      : model_(std::move(model)), config_(config), comm_(comm), device_(device) {}
+  ~Impl();
+
+  Status Init(Engine* owner, const EngineOptions& options);
+  torch::Tensor Forward(const torch::Tensor& input);
+  void BeginUnit(int64_t u, bool checkpointed);
+  void EndUnit(int64_t u, const std::vector<torch::Tensor>& outputs);
+  Status Backward(const torch::Tensor& loss);
+  StatusOr<StepReport> Step();
+  StatusOr<std::vector<torch::Tensor>> GatherMasterParams();
+  Status Save(const std::string& dir, const nlohmann::json& extra);
+  StatusOr<nlohmann::json> Load(const std::string& dir);
+
+  int64_t global_step_ = 0;
+  int64_t micro_step_ = 0;
+  nlohmann::json Describe() const;
+  int64_t num_params() const { return partitioner_ ? partitioner_->param_numel() : 0; }
+  uint64_t model_state_bytes() const;
+  int64_t num_units() const { return static_cast<int64_t>(units_.size()); }
+  std::string unit_name(int64_t u) const {
+    return u >= 0 && u < num_units() ? units_[u].name : std::string();
+  }
+  uint64_t device_bytes() const { return device_->allocated(); }
+  bool cpu_checkpointing() const { return config_.activation_checkpointing.cpu_checkpointing; }
+
+ private:
+  struct ParamInfo {
+    torch::Tensor tensor;
+    std::vector<int64_t> shape;
+    std::vector<int64_t> units;                 // every unit that holds it (tied: several)
+    std::shared_ptr<torch::autograd::Node> acc;  // its AccumulateGrad node, kept alive for the hook
+    // This micro-step (Note [backward by gradients]): whether a plain (not checkpointed) unit run
+    // used it, how many checkpointed runs did, how many gradient deliveries came, and whether
+    // its gradient is complete.
+    bool plain_use = false;
+    int checkpointed_uses = 0;
+    int arrivals = 0;
+    bool grad_in = false;
+  };
+  struct UnitInfo {
+    std::string name;
+    std::shared_ptr<torch::nn::Module> module;
+    std::vector<int64_t> params;  // parameters it holds, tied ones included
+    std::vector<int64_t> chunks;  // chunks those parameters live in
+    int64_t elems = 0;            // full elements a gather of the unit brings in
+    bool always_live = false;     // the root's own parameters: gathered for the engine's life
+    int grads_pending = 0;        // parameters whose gradient has not arrived this micro-step
+    bool backward_held = false;   // gathered for its backward
+    int forward_depth = 0;        // open BeginUnit calls
+    bool open_checkpointed = false;  // the open run is a checkpointed forward
+  };
+  struct ChunkState {
+    std::vector<int64_t> units;
+    // Stages 0-2: the working copy, owned. Stage 3: a view of `storage`, whose memory the engine
+    // installs when gathering and removes when dropping (`gathered` says which).
+    torch::Tensor full;
+    c10::Storage storage;
+    void* buffer = nullptr;
+    bool gathered = false;
+    int live = 0;             // holders of the gathered chunk (stage 3)
+    torch::Tensor grad_full;  // fp32 gradient of the whole chunk for this micro-step
+    int pending = 0;          // parameters whose gradient has not arrived this micro-step
+  };
+
+  // Device memory counted against the device budget, owned by the returned tensor: the memory
+  // returns to the allocator when the last view of it dies.
+  StatusOr<torch::Tensor> DeviceTensor(int64_t numel, torch::Dtype dtype);
+  torch::TensorOptions DeviceOptions(torch::Dtype dtype) const;
+
+  Status DiscoverUnits(const EngineOptions& options);
+  Status HookGradients();
+  // Stage 3: installs memory in a chunk's storage and fills it (shard from its tier, all-gather).
+  Status InstallChunk(int64_t c);
+  Status FillChunk(int64_t c);
+  void FreeChunkMemory(int64_t c);
+  Status GatherChunk(int64_t c);
+  // Drops a holder; the chunk stays gathered when it is persistent or will be reused within
+  // stage3_max_reuse_distance elements (Note [stage-3 live set]).
+  void ReleaseChunk(int64_t c, int64_t reuse_distance);
+  void DropChunk(int64_t c);
+  // After an optimizer step: persistent chunks are refilled with the new values, others dropped.
+  Status RefreshChunksAfterStep();
+  Status GatherUnit(int64_t u);
+  void ReleaseUnit(int64_t u, int64_t reuse_distance);
+  int64_t ForwardReuseDistance(size_t trace_pos) const;
+  void PrefetchUnits(size_t trace_pos, int direction);
+  void OpenMicroStep();
+  void OnUnitBackwardReach(int64_t u);
+  void OnParamGrad(int64_t pid);
+  // Takes a delivery of a parameter's gradient; `settle` completes it whatever came.
+  Status TakeParamGrad(int64_t pid, bool settle);
+  Status ReduceChunk(int64_t c);
+  Status AdamChunk(int64_t c, float grad_scale, double lr, int64_t step);
+  Status PublishParams(int64_t c, const void* shard_values, optim::DType dtype);
+
+  // Optimizer lane: a thread that runs chunk updates in the order queued.
+  void StartOptimizerLane();
+  void StopOptimizerLane();
+  void EnqueueOptimizer(int64_t c);
+  Status DrainOptimizer();
+
+  int shard_rank() const { return config_.zero_optimization.stage == 0 ? 0 : comm_->rank(); }
+  int shard_world() const {
+    return config_.zero_optimization.stage == 0 ? 1 : comm_->world_size();
+  }
+  bool stage3() const { return config_.zero_optimization.stage == 3; }
+  bool immediate_optimizer() const {
+    return config_.strata.overlap_optimizer && config_.gradient_clipping == 0 &&
+           !config_.fp16.enabled;
+  }
+  bool last_micro_step() const {
+    return (micro_step_ + 1) % config_.gradient_accumulation_steps == 0;
+  }
+
+  std::shared_ptr<torch::nn::Module> model_;
+ public:
+  std::optional<torch::nn::AnyModule> any_;  // set when the model came with a forward
+ private:
+  Engine* owner_ = nullptr;
+  Config config_;
+  Communicator* comm_;
+  Device* device_;
+  std::unique_ptr<Stream> copy_stream_;
+  std::unique_ptr<nvme::NvmeTier> nvme_;
+  std::unique_ptr<BlockStore> store_;
+  std::optional<Partitioner> partitioner_;
+  std::optional<optim::DynamicLossScaler> scaler_;
+  std::unique_ptr<tbb::task_arena> arena_;
+  uint64_t host_budget_ = 0;
+  optim::DType compute_dtype_ = optim::DType::kFloat32;
+  optim::DType state_dtype_ = optim::DType::kFloat32;
+  Placement param_placement_ = Placement::kDevice;
+  Placement optim_placement_ = Placement::kDevice;
+
+  std::vector<ParamInfo> params_;
+  std::vector<UnitInfo> units_;
+  std::vector<std::pair<std::string, torch::Tensor>> buffers_;  // unique, in registration order
+  std::vector<ChunkState> chunks_;
+  std::vector<bool> chunk_ready_;  // grads complete for this step
+  std::vector<bool> persistent_;   // chunks below stage3_param_persistence_threshold
+  int64_t live_elems_ = 0;         // elements of gathered chunks (stage 3)
+
+  // The order units ran in this micro-step's forward and in the previous one; prefetching and
+  // the reuse distance follow the previous one (Note [stage-3 live set]).
+  std::vector<int64_t> trace_, last_trace_;
+  size_t backward_cursor_ = 0;  // position in trace_ backward has reached
+  bool micro_open_ = false;     // a training forward has begun and its Backward not yet run
+  bool in_backward_ = false;
+
+  // Per-step lanes (main thread), reset when a step begins.
+  bool step_open_ = false;
+  engine_detail::Clock::time_point step_start_;
+  double compute_s_ = 0, copy_s_ = 0, comm_s_ = 0, stall_s_ = 0;
+  uint64_t bytes_h2d_ = 0, bytes_d2h_ = 0;
+  BlockStoreStats store_at_step_start_;
+  std::vector<int64_t> ready_order_;  // chunks in the order their grads completed
+  Status backward_error_;
+
+  // Optimizer lane state.
+  std::thread opt_thread_;
+  std::mutex opt_mu_;
+  std::condition_variable opt_cv_;
+  std::deque<int64_t> opt_queue_;  // GUARDED_BY(opt_mu_)
+  int opt_busy_ = 0;               // GUARDED_BY(opt_mu_)
+  bool opt_stop_ = false;          // GUARDED_BY(opt_mu_)
+  Status opt_error_;               // GUARDED_BY(opt_mu_)
+  double opt_s_ = 0;               // GUARDED_BY(opt_mu_)
+  float opt_grad_scale_ = 1;       // set before enqueueing
+  double opt_lr_ = 0;
+  int64_t opt_step_ = 0;
+};
+
+}  // namespace strata

@@ -69,6 +69,21 @@ class TieredBlockStore final : public BlockStore {
     return manager_->Release(Id(key), dirty);
   }
 
+  Status Unregister(const BlockKey& key) override {
+    {
+      std::lock_guard<std::mutex> l(mu_);
+      auto it = device_blocks_.find(key);
+      if (it != device_blocks_.end()) {
+        STRATA_RETURN_IF_ERROR(device_->Free(it->second.memory));
+        bytes_device_ -= it->second.bytes;
+        device_blocks_.erase(it);
+        return Status::Ok();
+      }
+    }
+    if (!manager_) return NotFound(StrCat(BlockName(key), " was never registered"));
+    return manager_->Unregister(Id(key));
+  }
+
   void Prefetch(const BlockKey& key) override {
     if (manager_ && !IsDevice(key)) manager_->Prefetch(Id(key));
   }

@@ -69,6 +69,8 @@ class BlockStore {
   virtual Status Register(const BlockKey& key, uint64_t bytes, Placement placement) = 0;
   virtual StatusOr<void*> Acquire(const BlockKey& key, Access access) = 0;
   virtual Status Release(const BlockKey& key, bool dirty) = 0;
+  // Forgets a block (not pinned). The tier manager then records a new trace.
+  virtual Status Unregister(const BlockKey& key) = 0;
   virtual void Prefetch(const BlockKey&) {}
   virtual void BeginIteration() {}
   virtual void EndIteration() {}

@@ -25,7 +25,8 @@ nlohmann::json StepReport::ToJson() const {
           {"bytes_nvme_to_host", bytes_nvme_to_host},
           {"bytes_host_to_nvme", bytes_host_to_nvme},
           {"peak_device_bytes", peak_device_bytes},
-          {"peak_host_bytes", peak_host_bytes}};
+          {"peak_host_bytes", peak_host_bytes},
+          {"bytes_activations_stashed", bytes_activations_stashed}};
 }
 
 
@@ -264,6 +265,9 @@ Status Engine::Impl::Init(Engine* owner, const EngineOptions& options) {
       if (param_placement_ == Placement::kNvme && z.stage == 3)
         need += round(n * optim::DTypeSize(compute_dtype_));
     }
+    // cpu_checkpointing puts saved inputs in NVMe-backed slots too: leave them an eighth more
+    // (a block's input is B·T·d elements against its 12·d² weights).
+    if (config_.activation_checkpointing.cpu_checkpointing) need += std::max<uint64_t>(need / 8, 64ull << 20);
     o.capacity = config_.strata.nvme_capacity ? config_.strata.nvme_capacity : need;
     o.aio = config_.aio;
     o.checksums = config_.strata.checksums;
@@ -513,6 +517,12 @@ void Engine::EndUnit(int64_t unit, const std::vector<torch::Tensor>& outputs) {
 }
 int64_t Engine::num_units() const { return impl_->num_units(); }
 bool Engine::cpu_checkpointing() const { return impl_->cpu_checkpointing(); }
+StatusOr<int64_t> Engine::StashActivations(const std::vector<torch::Tensor>& tensors) {
+  return impl_->StashActivations(tensors);
+}
+StatusOr<std::vector<torch::Tensor>> Engine::RestoreActivations(int64_t handle) {
+  return impl_->RestoreActivations(handle);
+}
 std::string Engine::unit_name(int64_t unit) const { return impl_->unit_name(unit); }
 uint64_t Engine::device_bytes_in_use() const { return impl_->device_bytes(); }
 Status Engine::Backward(const torch::Tensor& loss) { return impl_->Backward(loss); }

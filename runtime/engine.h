@@ -93,6 +93,7 @@ struct StepReport {
   uint64_t bytes_host_to_nvme = 0;
   uint64_t peak_device_bytes = 0;
   uint64_t peak_host_bytes = 0;  // engine-managed host memory (states and staging)
+  uint64_t bytes_activations_stashed = 0;  // cpu_checkpointing: saved inputs sent to the host tier
   nlohmann::json ToJson() const;
 };
 
@@ -137,8 +138,16 @@ class Engine {
   void BeginUnit(int64_t unit, bool checkpointed = false);
   void EndUnit(int64_t unit, const std::vector<torch::Tensor>& outputs);
   int64_t num_units() const;
-  // activation_checkpointing.cpu_checkpointing: CheckpointUnit keeps saved inputs in host memory.
+  // activation_checkpointing.cpu_checkpointing: CheckpointUnit hands its saved inputs to
+  // StashActivations in forward and takes them back with RestoreActivations in backward. The
+  // stash is the tier manager: one block per checkpoint slot of the step, in the host pool and,
+  // when NVMe is configured, backed by NVMe so that a full host budget evicts it there; slots are
+  // reused step after step, so the tier manager's trace prefetches them back in reverse order.
+  // Without a host tier (nothing offloaded) the inputs wait as plain host tensors. Restore
+  // consumes the handle.
   bool cpu_checkpointing() const;
+  StatusOr<int64_t> StashActivations(const std::vector<torch::Tensor>& tensors);
+  StatusOr<std::vector<torch::Tensor>> RestoreActivations(int64_t handle);
   std::string unit_name(int64_t unit) const;
   // Bytes of the device allocator in use now (the engine's device, all of its allocations).
   uint64_t device_bytes_in_use() const;

@@ -5,6 +5,7 @@
 //   gradient_reducer.cc  gradient hooks, per-chunk reduction, Backward
 //   optimizer_lane.cc    the optimizer thread, Adam per chunk, publishing new values, Step
 //   engine_checkpoint.cc saving and loading checkpoints
+//   activation_stash.cc  checkpointed units' saved inputs in the tier manager (cpu_checkpointing)
 // Private to runtime/: nothing outside the engine includes it.
 #pragma once
 #include "runtime/engine.h"
@@ -120,6 +121,9 @@ class Engine::Impl {
   }
   uint64_t device_bytes() const { return device_->allocated(); }
   bool cpu_checkpointing() const { return config_.activation_checkpointing.cpu_checkpointing; }
+  // Activation stash (activation_stash.cc).
+  StatusOr<int64_t> StashActivations(const std::vector<torch::Tensor>& tensors);
+  StatusOr<std::vector<torch::Tensor>> RestoreActivations(int64_t handle);
 
  private:
   struct ParamInfo {
@@ -244,6 +248,23 @@ class Engine::Impl {
   size_t backward_cursor_ = 0;  // position in trace_ backward has reached
   bool micro_open_ = false;     // a training forward has begun and its Backward not yet run
   bool in_backward_ = false;
+
+  // Activation stash: per handle, the tensors' layout in their slot's block (or, without a host
+  // tier, the host copies themselves); per slot, the bytes registered.
+  struct Stashed {
+    int64_t slot = -1;  // -1: kept in `host` instead
+    std::vector<std::vector<int64_t>> sizes;
+    std::vector<torch::ScalarType> dtypes;
+    std::vector<torch::Device> devices;
+    std::vector<uint64_t> offsets;
+    std::vector<torch::Tensor> host;
+  };
+  std::map<int64_t, Stashed> stashed_;
+  std::vector<uint64_t> slot_bytes_;
+  int64_t next_slot_ = 0;    // reset each micro-step: slot k is the k-th checkpoint of the step
+  int64_t next_handle_ = 1;
+  bool stash_fallback_logged_ = false;
+  uint64_t bytes_stashed_ = 0;
 
   // Per-step lanes (main thread), reset when a step begins.
   bool step_open_ = false;

@@ -273,6 +273,7 @@ StatusOr<StepReport> Engine::Impl::Step() {
   rep.bytes_host_to_nvme = now.bytes_host_to_nvme - store_at_step_start_.bytes_host_to_nvme;
   rep.peak_device_bytes = device_->peak_allocated();
   rep.peak_host_bytes = now.peak_bytes_host;
+  rep.bytes_activations_stashed = bytes_stashed_;
   double longest = std::max({rep.compute_s, rep.copy_s, rep.comm_s, rep.nvme_s, rep.optimizer_s});
   rep.overlap_efficiency = rep.step_time_s > 0 ? std::min(1.0, longest / rep.step_time_s) : 0;
   step_open_ = false;

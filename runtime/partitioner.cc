@@ -30,6 +30,7 @@ const char* StateKindName(StateKind kind) {
     case StateKind::kMaster32: return "master32";
     case StateKind::kExpAvg: return "exp_avg";
     case StateKind::kExpAvgSq: return "exp_avg_sq";
+    case StateKind::kActivation: return "activation";
   }
   return "unknown";
 }

@@ -51,7 +51,10 @@ struct ChunkInfo {
 };
 
 // The five per-chunk states of mixed-precision Adam. Index with static_cast<int>.
-enum class StateKind : int { kParam16 = 0, kGrad, kMaster32, kExpAvg, kExpAvgSq };
+// kActivation is not model state: the engine's stash of checkpointed units' saved inputs
+// (activation_checkpointing.cpu_checkpointing), one block per checkpoint slot. Stage plans count
+// the first kNumStateKinds kinds only.
+enum class StateKind : int { kParam16 = 0, kGrad, kMaster32, kExpAvg, kExpAvgSq, kActivation };
 inline constexpr int kNumStateKinds = 5;
 const char* StateKindName(StateKind kind);  // "param16", "grad", "master32", ...
 

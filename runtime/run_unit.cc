@@ -70,8 +70,7 @@ struct CheckpointState {
   unit_detail::UnitRef ref;
   bool to_host = false;
   torch::Tensor rng_state;
-  std::vector<torch::Tensor> host_inputs;  // cpu_checkpointing: the inputs, in host memory
-  std::vector<torch::Device> devices;
+  int64_t handle = 0;  // cpu_checkpointing: the inputs, in the engine's activation stash
   std::vector<bool> requires_grad;
 };
 
@@ -125,10 +124,11 @@ class CheckpointFunction : public torch::autograd::Function<CheckpointFunction> 
       out = RunIn(*st, in, /*checkpointed=*/true);
     }
     if (st->to_host) {
-      for (const auto& t : in) {
-        st->devices.push_back(t.device());
-        st->host_inputs.push_back(t.device().is_cpu() ? t.detach().clone() : t.detach().to(torch::kCPU));
-      }
+      std::vector<torch::Tensor> detached;
+      for (const auto& t : in) detached.push_back(t.detach());
+      auto handle = st->ref.engine->StashActivations(detached);
+      if (!handle.ok()) throw std::runtime_error(handle.status().ToString());
+      st->handle = *handle;
     } else {
       ctx->save_for_backward(in);
     }
@@ -142,8 +142,9 @@ class CheckpointFunction : public torch::autograd::Function<CheckpointFunction> 
                 "with CheckpointUnit)");
     std::vector<torch::Tensor> saved;
     if (st->to_host) {
-      for (size_t i = 0; i < st->host_inputs.size(); ++i)
-        saved.push_back(st->host_inputs[i].to(st->devices[i]));
+      auto back = st->ref.engine->RestoreActivations(st->handle);
+      if (!back.ok()) throw std::runtime_error(back.status().ToString());
+      saved = std::move(*back);
     } else {
       saved = ctx->get_saved_variables();
     }

@@ -84,7 +84,8 @@ auto RunUnit(const torch::nn::Module& unit, Fn&& fn) -> decltype(fn()) {
 // again) and differentiates that. `inputs` are the tensors fn reads that may carry gradient;
 // anything else fn captures must not change before backward. The CPU random-number state is
 // replayed, so dropout draws the same mask twice. With the engine's
-// activation_checkpointing.cpu_checkpointing the saved inputs wait in host memory. Without an
+// activation_checkpointing.cpu_checkpointing the saved inputs wait in the engine's activation
+// stash (host pool, NVMe behind it; Engine::StashActivations). Without an
 // engine it checkpoints all the same (the tests' reference); under torch::NoGradGuard it is a
 // plain call. Returns fn's outputs.
 std::vector<torch::Tensor> CheckpointUnit(

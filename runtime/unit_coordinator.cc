@@ -172,6 +172,7 @@ void Engine::Impl::OpenMicroStep() {
     step_start_ = Clock::now();
     compute_s_ = copy_s_ = comm_s_ = stall_s_ = 0;
     bytes_h2d_ = bytes_d2h_ = 0;
+    bytes_stashed_ = 0;
     store_at_step_start_ = store_->stats();
     ready_order_.clear();
     {
@@ -182,6 +183,7 @@ void Engine::Impl::OpenMicroStep() {
   }
   micro_open_ = true;
   trace_.clear();
+  next_slot_ = 0;
   for (auto& p : params_) {
     p.plain_use = false;
     p.checkpointed_uses = 0;

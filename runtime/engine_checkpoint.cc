@@ -264,15 +264,7 @@ StatusOr<nlohmann::json> Engine::Impl::Load(const std::string& path) {
     STRATA_RETURN_IF_ERROR(store_->Release({c64, StateKind::kMaster32}, false));
     STRATA_RETURN_IF_ERROR(PublishParams(c64, work.data(), compute_dtype_));
   }
-  if (config_.zero_optimization.stage < 3 && shard_world() > 1) {
-    for (size_t c = 0; c < chunks_.size(); ++c) {
-      const ChunkInfo& ci = partitioner_->chunks()[c];
-      char* full = static_cast<char*>(chunks_[c].full.data_ptr());
-      STRATA_RETURN_IF_ERROR(comm_->AllGather(
-          full + partitioner_->ShardOffset(static_cast<int64_t>(c), shard_rank()) * esize, full,
-          ci.shard_numel, CommDtype(compute_dtype_)));
-    }
-  }
+  STRATA_RETURN_IF_ERROR(ShareUpdatedShards());
   STRATA_RETURN_IF_ERROR(RefreshChunksAfterStep());
   global_step_ = m.global_step;
   micro_step_ = m.micro_step;

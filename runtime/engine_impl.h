@@ -194,6 +194,7 @@ class Engine::Impl {
   Status ReduceChunk(int64_t c);
   Status AdamChunk(int64_t c, float grad_scale, double lr, int64_t step);
   Status PublishParams(int64_t c, const void* shard_values, optim::DType dtype);
+  Status ShareUpdatedShards();
 
   // Optimizer lane: a thread that runs chunk updates in the order queued.
   void StartOptimizerLane();

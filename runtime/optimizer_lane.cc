@@ -179,6 +179,20 @@ Status Engine::Impl::PublishParams(int64_t c, const void* shard_values, optim::D
   return s;
 }
 
+// Stages 1-2: every rank updated its shard of the replicated working copy; share them.
+Status Engine::Impl::ShareUpdatedShards() {
+  if (stage3() || shard_world() < 2) return Status::Ok();
+  const size_t esize = optim::DTypeSize(compute_dtype_);
+  for (size_t c = 0; c < chunks_.size(); ++c) {
+    const ChunkInfo& ci = partitioner_->chunks()[c];
+    char* full = static_cast<char*>(chunks_[c].full.data_ptr());
+    STRATA_RETURN_IF_ERROR(comm_->AllGather(
+        full + partitioner_->ShardOffset(static_cast<int64_t>(c), shard_rank()) * esize, full,
+        ci.shard_numel, CommDtype(compute_dtype_)));
+  }
+  return Status::Ok();
+}
+
 StatusOr<StepReport> Engine::Impl::Step() {
   if (micro_step_ == 0 || micro_step_ % config_.gradient_accumulation_steps != 0)
     return FailedPrecondition(StrCat("Step after ", micro_step_ % config_.gradient_accumulation_steps,
@@ -236,19 +250,8 @@ StatusOr<StepReport> Engine::Impl::Step() {
   if (scaler_) STRATA_RETURN_IF_ERROR(scaler_->Update(overflow));
   if (!overflow) {
     ++global_step_;
-    // Stages 1-2: every rank updated its shard of the replicated working copy; share them.
-    if (config_.zero_optimization.stage > 0 && config_.zero_optimization.stage < 3 &&
-        comm_->world_size() > 1) {
-      LaneTimer t(&comm_s_);
-      const size_t esize = optim::DTypeSize(compute_dtype_);
-      for (size_t c = 0; c < chunks_.size(); ++c) {
-        const ChunkInfo& ci = partitioner_->chunks()[c];
-        char* full = static_cast<char*>(chunks_[c].full.data_ptr());
-        STRATA_RETURN_IF_ERROR(comm_->AllGather(
-            full + partitioner_->ShardOffset(static_cast<int64_t>(c), shard_rank()) * esize, full,
-            ci.shard_numel, CommDtype(compute_dtype_)));
-      }
-    }
+    LaneTimer t(&comm_s_);
+    STRATA_RETURN_IF_ERROR(ShareUpdatedShards());
   }
   std::fill(chunk_ready_.begin(), chunk_ready_.end(), false);
   if (!overflow) STRATA_RETURN_IF_ERROR(RefreshChunksAfterStep());  // the working copy changed

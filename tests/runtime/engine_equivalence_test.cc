@@ -98,49 +98,49 @@ TEST(EquivalenceLowPrecision, Bf16TracksTheFp32LossCurve) {
 // with dropout on (the recomputation replays the forward's random numbers).
 class Checkpointing : public ::testing::TestWithParam<std::tuple<bool, double>> {};
 
-TEST_P(Checkpointing, EqualsNoCheckpointing) {
-  const auto [to_host, dropout] = GetParam();
+Config NvmeStage3() {
   Config c = BaseConfig();
-  c.model.dropout = dropout;
   c.zero_optimization.stage = 3;
   c.zero_optimization.offload_param.device = OffloadDevice::kNvme;
   c.zero_optimization.offload_optimizer.device = OffloadDevice::kNvme;
-  c.zero_optimization.stage3_param_persistence_threshold = 0;
-  c.zero_optimization.stage3_max_reuse_distance = 0;
-  c.gradient_clipping = 1.0;
-  c.activation_checkpointing.cpu_checkpointing = to_host;
+  return c;
+}
+
+// Trains `c` without and then with model.checkpoint_activations, each on its own NVMe directory.
+std::pair<TrainRun, TrainRun> PlainAndCheckpointed(Config c) {
   testing::TempDir d1, d2;
   EngineOptions o1, o2;
   o1.nvme_path = {d1.path()};
   o2.nvme_path = {d2.path()};
+  c.model.checkpoint_activations = false;
   TrainRun plain = ThroughEngine(c, o1);
   c.model.checkpoint_activations = true;
-  TrainRun ckpt = ThroughEngine(c, o2);
+  return {plain, ThroughEngine(c, o2)};
+}
+
+TEST_P(Checkpointing, EqualsNoCheckpointing) {
+  const auto [to_host, dropout] = GetParam();
+  Config c = NvmeStage3();
+  c.model.dropout = dropout;
+  c.zero_optimization.stage3_param_persistence_threshold = 0;
+  c.zero_optimization.stage3_max_reuse_distance = 0;
+  c.gradient_clipping = 1.0;
+  c.activation_checkpointing.cpu_checkpointing = to_host;
+  const auto [plain, ckpt] = PlainAndCheckpointed(c);
   ExpectMatch(plain, ckpt, 1e-6, 1e-6);
-  if (dropout == 0) {
-    c.model.checkpoint_activations = false;
-    ExpectMatch(Reference(c), ckpt, 1e-5, 2e-5);
-  }
+  if (dropout == 0) ExpectMatch(Reference(c), ckpt, 1e-5, 2e-5);
 }
 
 // cpu_checkpointing sends the saved inputs through the tier manager: every step stashes them
 // (counted in the report), and with a host budget of a few blocks, where every step evicts to
 // NVMe, training still equals the run without checkpointing.
 TEST(Checkpointing, CpuCheckpointingGoesThroughTheTiersAndSurvivesEviction) {
-  Config c = BaseConfig();
-  c.zero_optimization.stage = 3;
-  c.zero_optimization.offload_param.device = OffloadDevice::kNvme;
-  c.zero_optimization.offload_optimizer.device = OffloadDevice::kNvme;
+  Config c = NvmeStage3();
   c.strata.host_memory_budget = 256 << 10;
   c.activation_checkpointing.cpu_checkpointing = true;
-  testing::TempDir d1, d2;
-  EngineOptions o1, o2;
-  o1.nvme_path = {d1.path()};
-  o2.nvme_path = {d2.path()};
-  TrainRun plain = ThroughEngine(c, o1);
-  c.model.checkpoint_activations = true;
-  TrainRun ckpt = ThroughEngine(c, o2);
+  const auto [plain, ckpt] = PlainAndCheckpointed(c);
   ExpectMatch(plain, ckpt, 1e-6, 1e-6);
+  c.model.checkpoint_activations = true;
 
   testing::TempDir d3;
   EngineOptions o3;

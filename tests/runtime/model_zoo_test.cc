@@ -36,6 +36,19 @@ const Placement3 kPlacements[] = {
 
 class Zoo : public ::testing::TestWithParam<std::tuple<int, int>> {};
 
+// Stage 3 that drops every chunk as soon as its unit is done, optionally with offload to cpu.
+Config ReleasingStage3(bool offload) {
+  Config c = zoo::ZooConfig();
+  c.zero_optimization.stage = 3;
+  if (offload) {
+    c.zero_optimization.offload_param.device = OffloadDevice::kCpu;
+    c.zero_optimization.offload_optimizer.device = OffloadDevice::kCpu;
+  }
+  c.zero_optimization.stage3_param_persistence_threshold = 0;
+  c.zero_optimization.stage3_max_reuse_distance = 0;
+  return c;
+}
+
 TEST_P(Zoo, MatchesPlainLibTorchAdamW) {
   const zoo::Model model = zoo::Models()[std::get<0>(GetParam())];
   const Placement3& k = kPlacements[std::get<1>(GetParam())];
@@ -72,12 +85,7 @@ INSTANTIATE_TEST_SUITE_P(
 // autograd saved the Linear weights' transposed views for backward (their storage is empty until
 // backward gathers the unit again). The training result is the reference's.
 TEST(ZooMemory, Stage3ReleasesEachUnitAfterItsForward) {
-  Config c = zoo::ZooConfig();
-  c.zero_optimization.stage = 3;
-  c.zero_optimization.offload_param.device = OffloadDevice::kCpu;
-  c.zero_optimization.offload_optimizer.device = OffloadDevice::kCpu;
-  c.zero_optimization.stage3_param_persistence_threshold = 0;
-  c.zero_optimization.stage3_max_reuse_distance = 0;
+  Config c = ReleasingStage3(/*offload=*/true);
   torch::manual_seed(7);
   zoo::ResMlp net;
   auto comm = CreateSingleCommunicator();
@@ -116,10 +124,7 @@ TEST(ZooMemory, Stage3ReleasesEachUnitAfterItsForward) {
 // Outside its RunUnit a stage-3 parameter has an empty storage (no stale copy to read by
 // mistake); inside it the storage holds the gathered values.
 TEST(ZooMemory, ParameterStorageIsEmptyOutsideItsUnit) {
-  Config c = zoo::ZooConfig();
-  c.zero_optimization.stage = 3;
-  c.zero_optimization.stage3_param_persistence_threshold = 0;
-  c.zero_optimization.stage3_max_reuse_distance = 0;
+  Config c = ReleasingStage3(/*offload=*/false);
   torch::manual_seed(7);
   zoo::ResMlp net;
   auto comm = CreateSingleCommunicator();

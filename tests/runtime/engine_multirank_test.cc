@@ -89,6 +89,31 @@ TEST_P(ZooMultiRank, MatchesSingleProcessLibTorch) {
   zoo::ExpectMatch(ref, got, 1e-5, 2e-5);
 }
 
+// Buffers start from rank 0's values: rank 1 disturbs its BatchNorm statistics before the engine
+// takes the model, and afterwards every rank holds rank 0's.
+TEST(ZooMultiRankBuffers, BroadcastFromRankZeroAtStart) {
+  Communicator* comm = SharedComm();
+  ASSERT_NE(comm, nullptr);
+  ASSERT_GE(comm->world_size(), 2);
+  const zoo::Model model = zoo::Models()[1];
+  ASSERT_TRUE(model.batch_statistics);
+  auto m = model.build();
+  if (comm->rank() == 1) {
+    torch::NoGradGuard ng;
+    for (auto& b : m->buffers(true)) b.add_(7);
+  }
+  Config c = zoo::ZooConfig();
+  c.zero_optimization.stage = 3;
+  auto device = CreateDevice("cpu", 64 << 20).value();
+  ASSERT_OK_AND_ASSIGN(auto engine, Engine::Create(m, c, comm, device.get()));
+  // Rank 0's values are those of a freshly built model (same seed).
+  const std::vector<torch::Tensor> fresh = zoo::Buffers(*model.build());
+  const std::vector<torch::Tensor> now = zoo::Buffers(*m);
+  ASSERT_EQ(now.size(), fresh.size());
+  for (size_t i = 0; i < now.size(); ++i)
+    EXPECT_TRUE(torch::equal(now[i], fresh[i])) << "rank " << comm->rank() << " buffer " << i;
+}
+
 INSTANTIATE_TEST_SUITE_P(StockLayers, ZooMultiRank,
                          ::testing::Combine(::testing::Values(0, 2), ::testing::Values(1, 3)),
                          [](const auto& info) {

@@ -55,6 +55,10 @@ TEST(ComputeDtype, CapabilityOverrideAndWarningText) {
   EXPECT_NE(w.find("5.0 GFLOP/s in bf16 against 50.0 GFLOP/s in fp32 (10.0x slower)"), std::string::npos) << w;
   EXPECT_NE(w.find("Set bf16.enabled to false, or to \"auto\""), std::string::npos) << w;
   EXPECT_NE(w.find(ReadHostInfo().isa), std::string::npos) << w;
+  // When the emulation measures faster, the warning does not claim fp32 would be faster.
+  const std::string f = SlowBf16Warning(60.0, 50.0);
+  EXPECT_NE(f.find("(1.2x faster)"), std::string::npos) << f;
+  EXPECT_EQ(f.find("for full speed"), std::string::npos) << f;
   // The measurement itself is real: both dtypes report a positive rate.
   EXPECT_GT(MeasureCpuMatmulGflops(torch::kFloat32, 128), 0.0);
   EXPECT_GT(MeasureCpuMatmulGflops(torch::kBFloat16, 128), 0.0);

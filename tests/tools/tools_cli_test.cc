@@ -10,6 +10,7 @@
 #include <nlohmann/json.hpp>
 
 #include "runtime/config.h"
+#include "runtime/host_info.h"
 #include "tests/test_util.h"
 
 namespace strata {
@@ -120,6 +121,8 @@ TEST(TuneCliTest, WritesAConfigThatParsesAndKeepsOtherKeys) {
                  "/p.json --device-budget 1MiB --host-budget 1GiB --nvme-path " + dir.path() + " --out " + out);
   ASSERT_EQ(r.rc, 0) << r.out;
   EXPECT_NE(r.out.find("step_s"), std::string::npos) << r.out;
+  // Its figures are measured here: it names the machine (CPU model, ISA, cores).
+  EXPECT_NE(r.out.find("strata-tune: on " + ReadHostInfo().cpu_model), std::string::npos) << r.out;
   ASSERT_OK_AND_ASSIGN(Config c, Config::FromFile(out));
   // Very slow NVMe and room on the host: the optimizer goes to the host.
   EXPECT_EQ(c.zero_optimization.offload_optimizer.device, OffloadDevice::kCpu) << r.out;

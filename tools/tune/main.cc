@@ -17,6 +17,7 @@
 #include <nlohmann/json.hpp>
 
 #include "runtime/config.h"
+#include "runtime/host_info.h"
 #include "runtime/units.h"
 #include "tools/planner/cli_util.h"
 #include "tools/planner/cost_model.h"
@@ -178,6 +179,9 @@ int main(int argc, char** argv) {
   if (verify && to.world_size != 1)
     return fail(InvalidArgument("--verify runs one rank: use --world-size 1"), 2);
 
+  // Calibration and --verify measure this machine: name it beside the figures.
+  const std::string host = HostDescription(nvme_path);
+  if (!json) std::fprintf(stderr, "strata-tune: on %s\n", host.c_str());
   nlohmann::json calibration;
   if (!no_calibrate && to.gflops_override == 0) calibration = CalibrateForTune(*config, json, &to);
   if (calibration.contains("skipped") && !json)
@@ -203,7 +207,8 @@ int main(int argc, char** argv) {
   if (to.device_budget) tuned["strata"]["device_memory_budget"] = to.device_budget;
   if (out_path.empty()) out_path = DefaultOut(config_path);
 
-  nlohmann::json report = {{"device_budget", res->device_budget},
+  nlohmann::json report = {{"host", host},
+                           {"device_budget", res->device_budget},
                            {"host_budget", res->host_budget},
                            {"nvme_budget", res->nvme_budget},
                            {"assumptions", res->assumptions},

@@ -246,6 +246,8 @@ class Engine::Impl {
   // The order units ran in this micro-step's forward and in the previous one; prefetching and
   // the reuse distance follow the previous one (Note [stage-3 live set]).
   std::vector<int64_t> trace_, last_trace_;
+  // Per position of last_trace_: elements the units after it gather in forward and backward.
+  std::vector<int64_t> last_trace_after_;
   size_t backward_cursor_ = 0;  // position in trace_ backward has reached
   bool micro_open_ = false;     // a training forward has begun and its Backward not yet run
   bool in_backward_ = false;

@@ -162,6 +162,9 @@ Status Engine::Impl::Backward(const torch::Tensor& loss) {
     }
   }
   last_trace_ = trace_;
+  last_trace_after_.assign(last_trace_.size(), 0);
+  for (size_t k = last_trace_.size(); k-- > 1;)
+    last_trace_after_[k - 1] = last_trace_after_[k] + 2 * units_[last_trace_[k]].elems;
   micro_open_ = false;
   STRATA_RETURN_IF_ERROR(result);
   for (size_t c = 0; c < chunks_.size(); ++c)

@@ -94,19 +94,9 @@ std::shared_ptr<CheckpointState> TakeState(int64_t id, bool erase) {
 
 std::vector<torch::Tensor> RunIn(CheckpointState& st, const std::vector<torch::Tensor>& inputs,
                                  bool checkpointed) {
-  if (!st.ref.engine) return st.fn(inputs);
-  unit_detail::Begin(st.ref, checkpointed);
-  std::vector<torch::Tensor> out;
-  try {
-    out = st.fn(inputs);
-  } catch (...) {
-    try {
-      unit_detail::End(st.ref, {});
-    } catch (...) {
-    }
-    throw;
-  }
-  unit_detail::End(st.ref, {});
+  unit_detail::UnitScope scope(st.ref, checkpointed);
+  std::vector<torch::Tensor> out = st.fn(inputs);
+  scope.Done({});  // no output hooks: backward recomputes this run instead
   return out;
 }
 
@@ -192,10 +182,7 @@ std::vector<torch::Tensor> CheckpointUnit(
   auto st = std::make_shared<CheckpointState>();
   st->fn = std::move(fn);
   st->ref = unit_detail::FindUnit(unit);
-  if (!torch::GradMode::is_enabled()) {
-    if (!st->ref.engine) return st->fn(inputs);
-    return RunIn(*st, inputs, false);
-  }
+  if (!torch::GradMode::is_enabled()) return RunIn(*st, inputs, false);
   st->to_host = st->ref.engine && st->ref.engine->cpu_checkpointing();
   const int64_t id = next_checkpoint_id.fetch_add(1);
   {

@@ -17,7 +17,6 @@
 #pragma once
 
 #include <cstdint>
-#include <exception>
 #include <functional>
 #include <tuple>
 #include <type_traits>
@@ -45,6 +44,33 @@ void UnregisterEngine(const Engine* engine);
 void Begin(const UnitRef& ref, bool checkpointed = false);
 void End(const UnitRef& ref, const std::vector<torch::Tensor>& outputs);
 
+// Begins a unit on construction; Done(outputs) ends it, and leaving the scope without Done
+// (an exception from the unit's forward) ends it with no outputs, so the gathered parameters are
+// released whatever happens. A null ref does nothing.
+class UnitScope {
+ public:
+  UnitScope(const UnitRef& ref, bool checkpointed) : ref_(ref) {
+    if (ref_.engine) Begin(ref_, checkpointed);
+  }
+  void Done(const std::vector<torch::Tensor>& outputs) {
+    UnitRef ref = ref_;
+    ref_ = {};
+    if (ref.engine) End(ref, outputs);
+  }
+  ~UnitScope() {
+    if (!ref_.engine) return;
+    try {
+      End(ref_, {});
+    } catch (...) {  // already unwinding the unit's own error
+    }
+  }
+  UnitScope(const UnitScope&) = delete;
+  UnitScope& operator=(const UnitScope&) = delete;
+
+ private:
+  UnitRef ref_;
+};
+
 inline void Collect(const torch::Tensor& t, std::vector<torch::Tensor>* out) { out->push_back(t); }
 inline void Collect(const std::vector<torch::Tensor>& v, std::vector<torch::Tensor>* out) {
   out->insert(out->end(), v.begin(), v.end());
@@ -62,21 +88,12 @@ template <class Fn>
 auto RunUnit(const torch::nn::Module& unit, Fn&& fn) -> decltype(fn()) {
   const unit_detail::UnitRef ref = unit_detail::FindUnit(unit);
   if (!ref.engine) return fn();
-  unit_detail::Begin(ref);
+  unit_detail::UnitScope scope(ref, /*checkpointed=*/false);
+  auto out = fn();
   std::vector<torch::Tensor> outputs;
-  try {
-    auto out = fn();
-    unit_detail::Collect(out, &outputs);
-    unit_detail::End(ref, outputs);
-    return out;
-  } catch (...) {
-    // Release what Begin gathered; the exception (shape error, I/O) carries on to the caller.
-    try {
-      unit_detail::End(ref, {});
-    } catch (...) {
-    }
-    throw;
-  }
+  unit_detail::Collect(out, &outputs);
+  scope.Done(outputs);
+  return out;
 }
 
 // Activation checkpointing of a unit: runs `fn(inputs)` without keeping its activations and,

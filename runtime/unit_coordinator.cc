@@ -145,9 +145,7 @@ void Engine::Impl::ReleaseUnit(int64_t u, int64_t reuse_distance) {
 int64_t Engine::Impl::ForwardReuseDistance(size_t pos) const {
   if (pos >= last_trace_.size() || pos >= trace_.size() || last_trace_[pos] != trace_[pos])
     return std::numeric_limits<int64_t>::max();
-  int64_t d = 0;
-  for (size_t k = pos + 1; k < last_trace_.size(); ++k) d += 2 * units_[last_trace_[k]].elems;
-  return d;
+  return last_trace_after_[pos];
 }
 
 // Hints the shards of the units after trace position `pos` (direction +1, forward) or before it
@@ -263,16 +261,10 @@ torch::Tensor Engine::Impl::Forward(const torch::Tensor& input) {
   if (!seq) return any_->forward(input);
   torch::Tensor x = input;
   for (size_t k = 0; k < seq->size(); ++k) {
-    const unit_detail::UnitRef ref = unit_detail::FindUnit(*seq->ptr(k));
-    const bool unit = ref.engine == owner_;  // false: the child holds no trainable parameter
-    if (unit) BeginUnit(ref.unit, false);
-    try {
-      x = (seq->begin() + static_cast<std::ptrdiff_t>(k))->forward(x);
-    } catch (...) {
-      if (unit) EndUnit(ref.unit, {});
-      throw;
-    }
-    if (unit) EndUnit(ref.unit, {x});
+    // A child holding no trainable parameter is no unit: its scope does nothing.
+    unit_detail::UnitScope scope(unit_detail::FindUnit(*seq->ptr(k)), /*checkpointed=*/false);
+    x = (seq->begin() + static_cast<std::ptrdiff_t>(k))->forward(x);
+    scope.Done({x});
   }
   return x;
 }

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cmath>
+#include <functional>
 #include <memory>
 #include <vector>
 
@@ -55,31 +56,68 @@ struct TrainRun {
   std::vector<torch::Tensor> params;
 };
 
-// Plain LibTorch training: the reference.
-inline TrainRun Reference(const Config& c) {
-  auto model = models::BuildGpt(c.model);
-  std::vector<torch::Tensor> params = models::UniqueParameters(*model);
+// Plain LibTorch AdamW over `params` with the config's hyper-parameters, accumulation and
+// clipping: `steps` steps of gradient_accumulation_steps micro-steps, `loss(step, micro)` giving
+// each micro-step's loss. Returns the steps' mean losses. The reference every equivalence test
+// compares the engine with.
+inline std::vector<double> TrainWithAdamW(const std::vector<torch::Tensor>& params, const Config& c,
+                                          int steps,
+                                          const std::function<torch::Tensor(int, int)>& loss) {
   torch::optim::AdamW adamw(params, torch::optim::AdamWOptions(c.optimizer.lr)
                                         .betas({c.optimizer.beta1, c.optimizer.beta2})
                                         .eps(c.optimizer.eps)
                                         .weight_decay(c.optimizer.weight_decay));
-  TrainRun run;
-  for (int s = 0; s < kSteps; ++s) {
+  std::vector<double> losses;
+  for (int s = 0; s < steps; ++s) {
     double step_loss = 0;
     for (int m = 0; m < c.gradient_accumulation_steps; ++m) {
-      torch::Tensor b = Batch(c, s, m);
-      torch::Tensor loss = models::LanguageModelLoss(model->forward(b.narrow(1, 0, c.model.seq_len)),
-                                                     b.narrow(1, 1, c.model.seq_len));
-      (loss / c.gradient_accumulation_steps).backward();
-      step_loss += loss.item<double>() / c.gradient_accumulation_steps;
+      torch::Tensor l = loss(s, m);
+      (l / c.gradient_accumulation_steps).backward();
+      step_loss += l.item<double>() / c.gradient_accumulation_steps;
     }
     if (c.gradient_clipping > 0) torch::nn::utils::clip_grad_norm_(params, c.gradient_clipping);
     adamw.step();
     adamw.zero_grad();
-    run.losses.push_back(step_loss);
+    losses.push_back(step_loss);
   }
+  return losses;
+}
+
+// Plain LibTorch training of the GPT: the reference.
+inline TrainRun Reference(const Config& c) {
+  auto model = models::BuildGpt(c.model);
+  std::vector<torch::Tensor> params = models::UniqueParameters(*model);
+  TrainRun run;
+  run.losses = TrainWithAdamW(params, c, kSteps, [&](int s, int m) {
+    torch::Tensor b = Batch(c, s, m);
+    return models::LanguageModelLoss(model->forward(b.narrow(1, 0, c.model.seq_len)),
+                                     b.narrow(1, 1, c.model.seq_len));
+  });
   for (auto& p : params) run.params.push_back(p.detach().clone());
   return run;
+}
+
+// The engine's side of TrainWithAdamW: Backward of each micro-step's loss (this rank's slice),
+// Step after each accumulation. Returns the steps' losses averaged over ranks.
+inline std::vector<double> TrainWithEngine(Engine& engine, const Config& c, Communicator* comm,
+                                           int steps,
+                                           const std::function<torch::Tensor(int, int)>& loss) {
+  std::vector<double> losses;
+  for (int s = 0; s < steps; ++s) {
+    double step_loss = 0;
+    for (int m = 0; m < c.gradient_accumulation_steps; ++m) {
+      torch::Tensor l = loss(s, m);
+      Status st = engine.Backward(l);
+      EXPECT_TRUE(st.ok()) << st;
+      double v = l.item<double>() / c.gradient_accumulation_steps;
+      if (comm->world_size() > 1) EXPECT_OK(comm->AllReduce(&v, 1, strata::DType::kF64, ReduceOp::kAvg));
+      step_loss += v;
+    }
+    auto rep = engine.Step();
+    EXPECT_TRUE(rep.ok()) << rep.status();
+    losses.push_back(step_loss);
+  }
+  return losses;
 }
 
 // Trains through the engine on `comm` (a single-rank one when null). With several ranks, rank r
@@ -98,24 +136,11 @@ inline TrainRun ThroughEngine(const Config& c, const EngineOptions& opts = {},
   if (!engine_or.ok()) return {};
   auto engine = std::move(engine_or).value();
   TrainRun run;
-  for (int s = 0; s < kSteps; ++s) {
-    double step_loss = 0;
-    for (int m = 0; m < c.gradient_accumulation_steps; ++m) {
-      torch::Tensor b = Batch(c, s, m).chunk(comm->world_size(), 0)[comm->rank()].contiguous();
-      torch::Tensor loss = models::LanguageModelLoss(engine->Forward(b.narrow(1, 0, c.model.seq_len)),
-                                                     b.narrow(1, 1, c.model.seq_len));
-      Status st = engine->Backward(loss);
-      EXPECT_TRUE(st.ok()) << st;
-      double l = loss.item<double>() / c.gradient_accumulation_steps;
-      if (comm->world_size() > 1) {
-        EXPECT_OK(comm->AllReduce(&l, 1, strata::DType::kF64, ReduceOp::kAvg));
-      }
-      step_loss += l;
-    }
-    auto rep = engine->Step();
-    EXPECT_TRUE(rep.ok()) << rep.status();
-    run.losses.push_back(step_loss);
-  }
+  run.losses = TrainWithEngine(*engine, c, comm, kSteps, [&](int s, int m) {
+    torch::Tensor b = Batch(c, s, m).chunk(comm->world_size(), 0)[comm->rank()].contiguous();
+    return models::LanguageModelLoss(engine->Forward(b.narrow(1, 0, c.model.seq_len)),
+                                     b.narrow(1, 1, c.model.seq_len));
+  });
   auto params = engine->GatherMasterParams();
   EXPECT_TRUE(params.ok()) << params.status();
   if (params.ok()) run.params = *params;

@@ -18,6 +18,7 @@
 #include "runtime/device.h"
 #include "runtime/engine.h"
 #include "runtime/run_unit.h"
+#include "tests/runtime/gpt_training.h"
 #include "tests/test_util.h"
 #include "tools/train/gpt.h"
 
@@ -204,23 +205,9 @@ inline Run Reference(const Model& z, const Config& c) {
   auto model = z.build();
   model->train();
   std::vector<torch::Tensor> params = models::UniqueParameters(*model);
-  torch::optim::AdamW adamw(params, torch::optim::AdamWOptions(c.optimizer.lr)
-                                        .betas({c.optimizer.beta1, c.optimizer.beta2})
-                                        .eps(c.optimizer.eps)
-                                        .weight_decay(c.optimizer.weight_decay));
   Run run;
-  for (int s = 0; s < kZooSteps; ++s) {
-    double step_loss = 0;
-    for (int k = 0; k < c.gradient_accumulation_steps; ++k) {
-      torch::Tensor loss = z.loss(*model, s, k, 0, kGlobalBatch);
-      (loss / c.gradient_accumulation_steps).backward();
-      step_loss += loss.item<double>() / c.gradient_accumulation_steps;
-    }
-    if (c.gradient_clipping > 0) torch::nn::utils::clip_grad_norm_(params, c.gradient_clipping);
-    adamw.step();
-    adamw.zero_grad();
-    run.losses.push_back(step_loss);
-  }
+  run.losses = TrainWithAdamW(params, c, kZooSteps,
+                              [&](int s, int k) { return z.loss(*model, s, k, 0, kGlobalBatch); });
   for (auto& p : params) run.params.push_back(p.detach().clone());
   run.buffers = Buffers(*model);
   return run;
@@ -238,20 +225,9 @@ inline Run ThroughEngine(const Model& z, const Config& c, Communicator* comm,
   auto engine = std::move(engine_or).value();
   const int64_t rows = kGlobalBatch / comm->world_size();
   Run run;
-  for (int s = 0; s < kZooSteps; ++s) {
-    double step_loss = 0;
-    for (int k = 0; k < c.gradient_accumulation_steps; ++k) {
-      torch::Tensor loss = z.loss(*model, s, k, comm->rank() * rows, rows);
-      Status st = engine->Backward(loss);
-      EXPECT_TRUE(st.ok()) << st;
-      double l = loss.item<double>() / c.gradient_accumulation_steps;
-      if (comm->world_size() > 1) EXPECT_OK(comm->AllReduce(&l, 1, strata::DType::kF64, ReduceOp::kAvg));
-      step_loss += l;
-    }
-    auto rep = engine->Step();
-    EXPECT_TRUE(rep.ok()) << rep.status();
-    run.losses.push_back(step_loss);
-  }
+  run.losses = TrainWithEngine(*engine, c, comm, kZooSteps, [&](int s, int k) {
+    return z.loss(*model, s, k, comm->rank() * rows, rows);
+  });
   auto params = engine->GatherMasterParams();
   EXPECT_TRUE(params.ok()) << params.status();
   if (params.ok()) run.params = *params;

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The README's test command: installs what is missing, builds Strata with CUDA on when nvcc is
-# present (every .cu file compiles even without a GPU), runs the CPU test suite, then builds and
-# tests again with -DSTRATA_CUDA=OFF. GPU-only tests (label gpu) run only where a GPU exists.
+# present (every .cu file compiles even without a GPU), runs the CPU test suite (the C++ suites and
+# the Python ones under tests/python, through ctest), then builds and tests again with
+# -DSTRATA_CUDA=OFF. GPU-only tests (label gpu) run only where a GPU exists.
 #
 #   tools/scripts/test.sh                  # everything
 #   STRATA_TEST_CUDA_OFF=0 tools/scripts/test.sh   # skip the CUDA=OFF pass
@@ -27,7 +28,9 @@ run_pass() {
   local dir="$1"; shift
   local t0=$(date +%s)
   echo "== configure $dir ($*)"
-  cmake -S . -B "$dir" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo "$@" >"$dir.configure.log" 2>&1 ||
+  # STRATA_PYTHON=ON: the Python module and its pytest suite are part of every test run.
+  cmake -S . -B "$dir" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DSTRATA_PYTHON=ON "$@" \
+    >"$dir.configure.log" 2>&1 ||
     { cat "$dir.configure.log"; exit 1; }
   echo "== build $dir"
   cmake --build "$dir" -j "$jobs"

@@ -1,0 +1,158 @@
+#include "python/bindings/py_engine.h"
+
+#include <mutex>
+
+#include <nlohmann/json.hpp>
+
+#include "runtime/comm/backends.h"
+#include "runtime/compute_dtype.h"
+#include "runtime/device.h"
+#include "runtime/lr_schedule.h"
+
+namespace strata::python {
+namespace py = pybind11;
+
+void ThrowIfError(const Status& s) {
+  if (!s.ok()) throw StatusError(s);
+}
+
+namespace {
+template <class T>
+T ValueOrThrow(StatusOr<T> v) {
+  ThrowIfError(v.status());
+  return std::move(*v);
+}
+
+// The process's ranks are joined once, by the first engine, and every later engine of the process
+// reuses that communicator (as torch.distributed's default group): a second rendezvous on the same
+// MASTER_PORT would race with the first store's teardown. It lives until the process exits and is
+// never destroyed, so no engine outlives it and interpreter shutdown does not wait on Gloo.
+Communicator* ProcessCommunicator(const CommOptions& co) {
+  static std::mutex mu;
+  static Communicator* comm = nullptr;
+  std::lock_guard<std::mutex> l(mu);
+  if (!comm) comm = ValueOrThrow(CreateCommunicator(co)).release();
+  ThrowIfError(comm->SetBucketSizes(co.buckets));
+  return comm;
+}
+}  // namespace
+
+PyEngine::PyEngine(py::handle model, const std::vector<py::handle>& units,
+                   const std::string& config_json, const std::string& source,
+                   const AutoHints& hints) {
+  config_ = ValueOrThrow(Config::FromJsonText(config_json, source));
+  CommOptions co;
+  co.backend = config_.strata.comm_backend;
+  co.device = config_.strata.device == "cuda" ||
+                      (config_.strata.device == "auto" && CudaDeviceCount() > 0)
+                  ? "cuda" : "cpu";
+  co.timeout_s = config_.strata.comm_timeout_s;
+  co.buckets = BucketSizes::FromConfig(config_.zero_optimization.allgather_bucket_size,
+                                       config_.zero_optimization.reduce_bucket_size);
+  {
+    py::gil_scoped_release nogil;  // the first rendezvous waits for the other ranks
+    comm_ = ProcessCommunicator(co);
+  }
+  AutoContext ctx;
+  ctx.world_size = comm_->world_size();
+  ctx.lr = hints.lr;
+  ctx.weight_decay = hints.weight_decay;
+  ctx.micro_batch = hints.micro_batch;
+  ctx.native_bf16 = DeviceHasNativeBf16(co.device == "cuda" ? DeviceKind::kCuda : DeviceKind::kCpu);
+  ThrowIfError(config_.ResolveAuto(ctx));
+  device_ = ValueOrThrow(CreateDevice(config_.strata.device, config_.strata.device_memory_budget));
+  mirror_ = MirrorModule(model);
+  EngineOptions eo;
+  for (py::handle u : units) {
+    auto it = mirror_.by_python.find(u.ptr());
+    if (it == mirror_.by_python.end())
+      ThrowIfError(InvalidArgument("a unit is not a submodule of the model"));
+    eo.units.push_back(it->second);
+  }
+  py::gil_scoped_release nogil;  // partitioning writes the shards to their tiers (and rank 0's broadcast)
+  engine_ = ValueOrThrow(Engine::Create(mirror_.root, config_, comm_, device_.get(), eo));
+}
+
+PyEngine::~PyEngine() { Close(); }
+
+void PyEngine::Close() { engine_.reset(); }
+
+Engine& PyEngine::engine() {
+  if (!engine_) ThrowIfError(FailedPrecondition("the engine was closed"));
+  return *engine_;
+}
+
+void PyEngine::BeginUnit(int64_t unit, bool checkpointed) {
+  Engine& e = engine();
+  py::gil_scoped_release nogil;
+  e.BeginUnit(unit, checkpointed);
+}
+
+void PyEngine::EndUnit(int64_t unit, const std::vector<torch::Tensor>& outputs) {
+  Engine& e = engine();
+  py::gil_scoped_release nogil;
+  e.EndUnit(unit, outputs);
+}
+
+void PyEngine::Backward(const torch::Tensor& loss) {
+  Engine& e = engine();
+  Status s;
+  {
+    // Autograd calls back into Python (a checkpointed function's recomputation, Python hooks):
+    // those take the GIL themselves.
+    py::gil_scoped_release nogil;
+    s = e.Backward(loss);
+  }
+  ThrowIfError(s);
+}
+
+std::string PyEngine::Step() {
+  Engine& e = engine();
+  StatusOr<StepReport> r = FailedPrecondition("");
+  {
+    py::gil_scoped_release nogil;
+    r = e.Step();
+  }
+  return ValueOrThrow(std::move(r)).ToJson().dump();
+}
+
+void PyEngine::SaveCheckpoint(const std::string& dir, const std::string& extra_json) {
+  Engine& e = engine();
+  nlohmann::json extra = nlohmann::json::parse(extra_json);
+  py::gil_scoped_release nogil;
+  ThrowIfError(e.SaveCheckpoint(dir, extra));
+}
+
+std::string PyEngine::LoadCheckpoint(const std::string& dir) {
+  Engine& e = engine();
+  StatusOr<nlohmann::json> extra = FailedPrecondition("");
+  {
+    py::gil_scoped_release nogil;
+    extra = e.LoadCheckpoint(dir);
+  }
+  return ValueOrThrow(std::move(extra)).dump();
+}
+
+int64_t PyEngine::StashActivations(const std::vector<torch::Tensor>& tensors) {
+  Engine& e = engine();
+  py::gil_scoped_release nogil;
+  return ValueOrThrow(e.StashActivations(tensors));
+}
+
+std::vector<torch::Tensor> PyEngine::RestoreActivations(int64_t handle) {
+  Engine& e = engine();
+  py::gil_scoped_release nogil;
+  return ValueOrThrow(e.RestoreActivations(handle));
+}
+
+std::vector<torch::Tensor> PyEngine::MasterParams() {
+  Engine& e = engine();
+  py::gil_scoped_release nogil;
+  return ValueOrThrow(e.GatherMasterParams());
+}
+
+int PyEngine::rank() const { return comm_->rank(); }
+int PyEngine::world_size() const { return comm_->world_size(); }
+double PyEngine::LearningRateAt(int64_t step) const { return LearningRate(config_, step); }
+
+}  // namespace strata::python

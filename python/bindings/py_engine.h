@@ -1,0 +1,91 @@
+// PyEngine: the object behind strata._strata.Engine - one C++ Engine over a Python model, with
+// everything the engine needs kept alive beside it (config, device, the model's mirror). The
+// communicator is the process's: the first engine joins the ranks (torchrun-style environment:
+// RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT) and later engines reuse it with their own bucket
+// sizes, so a script may build several engines one after another.
+//
+// The Python front end (python/strata/engine.py) drives it: module hooks call BeginUnit/EndUnit
+// around each unit's forward, backward() runs the C++ Engine::Backward, step() Engine::Step. The
+// GIL is released while the engine works (gathers, backward, the optimizer), so Python code that
+// autograd calls back into (a checkpointed function's recomputation) can take it.
+//
+// Errors: a failed Status is thrown as StatusError and becomes strata.InvalidArgumentError (a
+// ValueError) for INVALID_ARGUMENT - a bad config key or value - and strata.StrataError for the
+// rest; the message is Strata's, naming the key and the fix.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include <torch/extension.h>
+
+#include "python/bindings/module_mirror.h"
+#include "runtime/config.h"
+#include "runtime/engine.h"
+#include "runtime/status.h"
+
+namespace strata {
+class Communicator;
+class Device;
+}  // namespace strata
+
+namespace strata::python {
+
+class StatusError : public std::runtime_error {
+ public:
+  explicit StatusError(const Status& s) : std::runtime_error(s.ToString()), code_(s.code()) {}
+  StatusCode code() const { return code_; }
+
+ private:
+  StatusCode code_;
+};
+
+// Throws StatusError when `s` failed.
+void ThrowIfError(const Status& s);
+
+// What the Python side knows that a config's "auto" values are resolved from.
+struct AutoHints {
+  double lr = 0;
+  double weight_decay = -1;
+  int64_t micro_batch = 0;
+};
+
+class PyEngine {
+ public:
+  // `units`: the Python modules to manage as units, in forward order (the front end picks them
+  // with the same rule as the C++ default). `config_json`: the DeepSpeed-style config as JSON
+  // text; `source` names it in messages.
+  PyEngine(pybind11::handle model, const std::vector<pybind11::handle>& units,
+           const std::string& config_json, const std::string& source, const AutoHints& hints);
+  ~PyEngine();
+
+  void BeginUnit(int64_t unit, bool checkpointed);
+  void EndUnit(int64_t unit, const std::vector<torch::Tensor>& outputs);
+  void Backward(const torch::Tensor& loss);
+  std::string Step();  // the StepReport as JSON text
+  void SaveCheckpoint(const std::string& dir, const std::string& extra_json);
+  std::string LoadCheckpoint(const std::string& dir);  // the extra JSON given to Save
+  int64_t StashActivations(const std::vector<torch::Tensor>& tensors);
+  std::vector<torch::Tensor> RestoreActivations(int64_t handle);
+  std::vector<torch::Tensor> MasterParams();
+  // Frees the engine (its tiers, NVMe files and threads) before Python collects the object.
+  void Close();
+
+  Engine& engine();
+  const Config& config() const { return config_; }
+  int rank() const;
+  int world_size() const;
+  double LearningRateAt(int64_t step) const;
+
+ private:
+  Config config_;
+  Communicator* comm_ = nullptr;  // the process's (ProcessCommunicator in py_engine.cc)
+  std::unique_ptr<Device> device_;
+  Mirror mirror_;
+  std::unique_ptr<Engine> engine_;
+};
+
+}  // namespace strata::python

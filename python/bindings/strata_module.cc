@@ -1,0 +1,83 @@
+// strata._strata: the C++ side of `import strata`. Only what the Python front end
+// (python/strata/) needs; users call the DeepSpeed-style API there.
+#include <torch/extension.h>
+
+#include <pybind11/stl.h>
+
+#include "python/bindings/py_engine.h"
+#include "runtime/host_info.h"
+
+namespace py = pybind11;
+using strata::python::AutoHints;
+using strata::python::PyEngine;
+using strata::python::StatusError;
+
+PYBIND11_MODULE(_strata, m) {
+  m.doc() = "Strata's C++ engine, tiers and CPU Adam; use the functions of the strata package";
+
+  // StrataError for every failure; InvalidArgumentError is also a ValueError, so a script that
+  // catches ValueError for a bad config (as with DeepSpeed) keeps working.
+  static py::handle strata_error =
+      PyErr_NewExceptionWithDoc("strata.StrataError", "A Strata failure, with Strata's message",
+                                PyExc_RuntimeError, nullptr);
+  py::handle bases = PyTuple_Pack(2, strata_error.ptr(), PyExc_ValueError);
+  static py::handle invalid_argument = PyErr_NewExceptionWithDoc(
+      "strata.InvalidArgumentError", "A bad config key or value, flag or argument; the message names it",
+      bases.ptr(), nullptr);
+  bases.dec_ref();
+  m.attr("StrataError") = strata_error;
+  m.attr("InvalidArgumentError") = invalid_argument;
+  py::register_local_exception_translator([](std::exception_ptr p) {
+    try {
+      if (p) std::rethrow_exception(p);
+    } catch (const StatusError& e) {
+      const bool bad_input = e.code() == strata::StatusCode::kInvalidArgument;
+      PyErr_SetString((bad_input ? invalid_argument : strata_error).ptr(), e.what());
+    } catch (const std::invalid_argument& e) {
+      PyErr_SetString(invalid_argument.ptr(), e.what());
+    } catch (const c10::Error&) {
+      throw;  // torch's own errors keep torch's translation
+    } catch (const std::runtime_error& e) {
+      PyErr_SetString(strata_error.ptr(), e.what());
+    }
+  });
+
+  py::class_<AutoHints>(m, "AutoHints")
+      .def(py::init<>())
+      .def_readwrite("lr", &AutoHints::lr)
+      .def_readwrite("weight_decay", &AutoHints::weight_decay)
+      .def_readwrite("micro_batch", &AutoHints::micro_batch);
+
+  py::class_<PyEngine>(m, "Engine")
+      .def(py::init<py::handle, const std::vector<py::handle>&, const std::string&,
+                    const std::string&, const AutoHints&>(),
+           py::arg("model"), py::arg("units"), py::arg("config_json"), py::arg("source"),
+           py::arg("hints"))
+      .def("begin_unit", &PyEngine::BeginUnit, py::arg("unit"), py::arg("checkpointed") = false)
+      .def("end_unit", &PyEngine::EndUnit)
+      .def("backward", &PyEngine::Backward)
+      .def("step", &PyEngine::Step)
+      .def("save_checkpoint", &PyEngine::SaveCheckpoint)
+      .def("load_checkpoint", &PyEngine::LoadCheckpoint)
+      .def("stash_activations", &PyEngine::StashActivations)
+      .def("restore_activations", &PyEngine::RestoreActivations)
+      .def("master_params", &PyEngine::MasterParams)
+      .def("close", &PyEngine::Close)
+      .def("lr_at", &PyEngine::LearningRateAt)
+      .def_property_readonly("rank", &PyEngine::rank)
+      .def_property_readonly("world_size", &PyEngine::world_size)
+      .def_property_readonly("num_units", [](PyEngine& e) { return e.engine().num_units(); })
+      .def("unit_name", [](PyEngine& e, int64_t u) { return e.engine().unit_name(u); })
+      .def_property_readonly("global_step", [](PyEngine& e) { return e.engine().global_step(); })
+      .def_property_readonly("micro_step", [](PyEngine& e) { return e.engine().micro_step(); })
+      .def_property_readonly("num_parameters", [](PyEngine& e) { return e.engine().num_parameters(); })
+      .def_property_readonly("cpu_checkpointing",
+                             [](PyEngine& e) { return e.engine().cpu_checkpointing(); })
+      .def_property_readonly("device_bytes_in_use",
+                             [](PyEngine& e) { return e.engine().device_bytes_in_use(); })
+      .def_property_readonly("config_json", [](PyEngine& e) { return e.config().ToJsonString(); })
+      .def("describe", [](PyEngine& e) { return e.engine().Describe().dump(); });
+
+  m.def("host_description", [](const std::string& dir) { return strata::HostDescription(dir); },
+        py::arg("dir") = "", "The machine: CPU model, ISA, cores (and the disk holding `dir`)");
+}

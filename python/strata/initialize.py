@@ -1,0 +1,133 @@
+"""strata.initialize: DeepSpeed's entry point, over Strata's engine."""
+
+import warnings
+
+import torch
+
+from . import _strata
+from . import config as _config
+from . import units as _units
+from ._strata import InvalidArgumentError
+from .engine import StrataEngine
+
+
+class StrataOptimizer:
+    """What initialize returns as the optimizer: the engine's own Adam/AdamW, seen the way a
+    training loop uses a torch optimizer (param_groups[0]["lr"], step, zero_grad)."""
+
+    def __init__(self, engine, params):
+        self._engine = engine
+        self._params = params
+
+    @property
+    def param_groups(self):
+        return [{"params": self._params, "lr": self._engine.get_lr()[0]}]
+
+    def step(self, closure=None):
+        if closure is not None:
+            raise InvalidArgumentError("optimizer.step(closure): closures are not supported")
+        self._engine.step()
+
+    def zero_grad(self, set_to_none=True):
+        """Nothing to clear (the engine keeps gradients in its own buffers)."""
+
+    def state_dict(self):
+        raise NotImplementedError("the optimizer states are partitioned across tiers and ranks; "
+                                  "use engine.save_checkpoint / load_checkpoint")
+
+
+class ConfigSchedule:
+    """The config's "scheduler" (WarmupLR, WarmupDecayLR, WarmupCosineLR), which the engine
+    applies at every step itself; this object reports it."""
+
+    def __init__(self, engine):
+        self._engine = engine
+
+    def step(self, *args, **kwargs):
+        """Nothing to do: the engine advances the schedule with each optimizer step."""
+
+    def get_last_lr(self):
+        return self._engine.get_lr()
+
+    def get_lr(self):
+        return self._engine.get_lr()
+
+    def state_dict(self):
+        return {"global_steps": self._engine.global_steps}
+
+
+def _check_model_parameters(model, model_parameters):
+    if model_parameters is None:
+        return
+    given = []
+    for p in model_parameters:
+        if isinstance(p, dict):
+            given.extend(p["params"])
+        else:
+            given.append(p)
+    trainable = {id(p) for p in model.parameters() if p.requires_grad}
+    ids = {id(p) for p in given}
+    if ids != trainable:
+        raise InvalidArgumentError(
+            "model_parameters must be the model's trainable parameters (those with "
+            f"requires_grad): got {len(ids)} of {len(trainable)}; to freeze some, set "
+            "requires_grad=False on them before initialize")
+
+
+def initialize(args=None, model=None, optimizer=None, model_parameters=None, training_data=None,
+               lr_scheduler=None, mpu=None, dist_init_required=None, collate_fn=None,
+               config=None, config_params=None):
+    """Returns (engine, optimizer, training_dataloader, lr_scheduler) as DeepSpeed does.
+
+    config: a dict or the path of a DeepSpeed JSON file (or args.deepspeed_config).
+    optimizer: None (the config's "optimizer" section) or a torch.optim.Adam/AdamW whose
+    hyperparameters become that section.
+    training_data: a torch Dataset; the returned DataLoader yields this rank's micro-batches.
+    """
+    if model is None:
+        raise InvalidArgumentError("initialize: model is required")
+    if not isinstance(model, torch.nn.Module):
+        raise InvalidArgumentError(f"initialize: model must be a torch.nn.Module, not "
+                                   f"{type(model).__name__}")
+    if mpu is not None:
+        raise InvalidArgumentError("initialize: mpu (model parallelism) is not supported")
+    if config is None:
+        config = config_params
+    if config is None and args is not None:
+        config = getattr(args, "deepspeed_config", None)
+    cfg, source = _config.load(config)
+    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+        raise InvalidArgumentError("initialize: optimizer must be a torch.optim.Adam/AdamW "
+                                   "(a callable returning one is not supported)")
+    hints = _strata.AutoHints()
+    if optimizer is not None:
+        if "optimizer" in cfg:
+            warnings.warn(f"{source}: both the config's \"optimizer\" and optimizer= were given; "
+                          "the optimizer object wins, as with DeepSpeed")
+        cfg["optimizer"] = _config.optimizer_section(optimizer)
+        hints.lr = cfg["optimizer"]["params"]["lr"]
+    if lr_scheduler is not None:
+        raise InvalidArgumentError(
+            "initialize: lr_scheduler objects are not supported; set the config's \"scheduler\" "
+            "(WarmupLR, WarmupDecayLR or WarmupCosineLR), which the engine applies every step")
+    _check_model_parameters(model, model_parameters)
+    if model.training is False:
+        model.train()
+
+    units = _units.default_units(model)
+    cpp = _strata.Engine(model, [m for _, m in units], _config.to_json(cfg), source, hints)
+    engine = StrataEngine(cpp, model, units, cfg)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    opt = StrataOptimizer(engine, trainable)
+    schedule = ConfigSchedule(engine) if cfg.get("scheduler") else None
+
+    loader = None
+    if training_data is not None:
+        sampler = None
+        if engine.world_size > 1:
+            sampler = torch.utils.data.distributed.DistributedSampler(
+                training_data, num_replicas=engine.world_size, rank=engine.global_rank)
+        loader = torch.utils.data.DataLoader(
+            training_data, batch_size=engine.train_micro_batch_size_per_gpu(), sampler=sampler,
+            shuffle=False, collate_fn=collate_fn, drop_last=True)
+    return engine, opt, loader, schedule

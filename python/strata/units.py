@@ -1,0 +1,112 @@
+"""Which submodules of a model the engine manages as units, and the hooks that drive them.
+
+A unit is the granularity of materialization: under ZeRO stage 3 a unit's parameters exist in
+device memory only while its forward (and, again, its backward) runs. The default split is the
+C++ engine's: each child of the root holding trainable parameters, looking through containers
+(Sequential, ModuleList, ModuleDict) to their children. Parameters directly on the root stay
+gathered.
+
+Each unit gets a forward pre-hook (the engine gathers it) and a forward hook (the engine releases
+it and hooks the outputs, so that backward gathers the unit again before entering it). The hooks
+are removed when the engine closes.
+"""
+
+import threading
+
+import torch
+
+_CONTAINERS = (torch.nn.Sequential, torch.nn.ModuleList, torch.nn.ModuleDict)
+
+
+def _holds_trainable(module):
+    return any(p.requires_grad for p in module.parameters())
+
+
+def default_units(model):
+    """The units of `model` in registration order, as (name, module) pairs."""
+    out = []
+
+    def walk(prefix, module):
+        for name, child in module.named_children():
+            if child is None or not _holds_trainable(child):
+                continue
+            path = f"{prefix}.{name}" if prefix else name
+            if isinstance(child, _CONTAINERS):
+                walk(path, child)
+            else:
+                out.append((path, child))
+
+    walk("", model)
+    # A module reached twice (shared by two parents) is one unit.
+    seen, units = set(), []
+    for name, m in out:
+        if id(m) not in seen:
+            seen.add(id(m))
+            units.append((name, m))
+    return units
+
+
+def flatten_tensors(value, out=None):
+    """Every tensor inside a unit's output: a Tensor, or tuples, lists, dicts of them."""
+    if out is None:
+        out = []
+    if isinstance(value, torch.Tensor):
+        out.append(value)
+    elif isinstance(value, (tuple, list)):
+        for v in value:
+            flatten_tensors(v, out)
+    elif isinstance(value, dict):
+        for v in value.values():
+            flatten_tensors(v, out)
+    return out
+
+
+class _ThreadState(threading.local):
+    def __init__(self):
+        super().__init__()
+        self.checkpoint_depth = 0  # inside strata.checkpointing.checkpoint's first forward
+        self.engine = None  # the StrataEngine whose forward is running
+
+
+thread_state = _ThreadState()
+
+
+class UnitHooks:
+    """Installs the begin/end hooks on every unit and keeps the stack of units whose forward is
+    open, so that a forward that raises can end them (module hooks have no 'finally')."""
+
+    def __init__(self, cpp, units):
+        self._cpp = cpp
+        self.open = []
+        self._handles = []
+        for index, (_, module) in enumerate(units):
+            self._handles.append(module.register_forward_pre_hook(self._pre(index)))
+            self._handles.append(module.register_forward_hook(self._post(index)))
+
+    def _pre(self, index):
+        def hook(module, args):
+            self._cpp.begin_unit(index, thread_state.checkpoint_depth > 0)
+            self.open.append(index)
+
+        return hook
+
+    def _post(self, index):
+        def hook(module, args, output):
+            self.open.pop()
+            self._cpp.end_unit(index, flatten_tensors(output))
+
+        return hook
+
+    def end_open_units(self):
+        """After an exception inside forward: releases what the failed forward gathered."""
+        while self.open:
+            index = self.open.pop()
+            try:
+                self._cpp.end_unit(index, [])
+            except Exception:  # noqa: BLE001 - the forward's own error is the one to report
+                pass
+
+    def remove(self):
+        for h in self._handles:
+            h.remove()
+        self._handles = []

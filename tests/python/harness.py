@@ -1,0 +1,183 @@
+"""Shared pieces of the Python suite: the model zoo, the config grid, the batches, and the two
+training loops compared everywhere - plain PyTorch with torch.optim.AdamW (the reference) and the
+same model under strata.initialize."""
+
+import copy
+import os
+import sys
+
+import torch
+import torchvision
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.join(ROOT, "examples"))
+
+from gpt2_model import GPT2  # noqa: E402
+
+import strata  # noqa: E402
+
+LR = 1e-3
+WEIGHT_DECAY = 0.01
+
+
+class KwargsNet(torch.nn.Module):
+    """A model whose forward and whose units take keyword arguments and return dicts."""
+
+    class Stage(torch.nn.Module):
+        def __init__(self, d):
+            super().__init__()
+            self.lin = torch.nn.Linear(d, d)
+            self.norm = torch.nn.LayerNorm(d)
+
+        def forward(self, x, *, scale=1.0, residual=None):
+            y = self.norm(torch.tanh(self.lin(x)) * scale)
+            return {"y": y if residual is None else y + residual, "aux": y.mean()}
+
+    def __init__(self, d=24, classes=5):
+        super().__init__()
+        self.stages = torch.nn.ModuleDict({"a": self.Stage(d), "b": self.Stage(d)})
+        self.out = torch.nn.Linear(d, classes)
+
+    def forward(self, x, targets=None, *, scale=0.5):
+        a = self.stages["a"](x, scale=scale)
+        b = self.stages["b"](a["y"], scale=scale, residual=x)
+        logits = self.out(b["y"])
+        loss = torch.nn.functional.cross_entropy(logits, targets) + 0.1 * (a["aux"] + b["aux"])
+        return {"loss": loss, "logits": logits}
+
+
+def gpt2():
+    return GPT2(vocab_size=256, seq_len=16, d_model=32, n_layers=2, n_heads=4)
+
+
+def resnet18():
+    # zero_init_residual: each residual block starts as the identity. Without it a freshly
+    # initialized resnet18 on micro-batches of 2 is chaotic enough that fp32 rounding differences
+    # of one ulp in an update grow to 1e-4 of the loss within 5 steps, in any two Adam
+    # implementations; with it both trajectories agree to 1e-7.
+    return torchvision.models.resnet18(num_classes=10, zero_init_residual=True)
+
+
+def vit():
+    # vit_b_16's architecture, built small: 32x32 images in 8x8 patches, 2 layers of width 32.
+    return torchvision.models.VisionTransformer(image_size=32, patch_size=8, num_layers=2,
+                                                num_heads=2, hidden_dim=32, mlp_dim=64,
+                                                num_classes=10)
+
+
+def kwargs_net():
+    return KwargsNet()
+
+
+MODELS = {"gpt2": gpt2, "resnet18": resnet18, "vit": vit, "kwargs": kwargs_net}
+
+
+def batch(model_name, step, rank=0, world=1, micro=2):
+    """This rank's micro-batch of global batch `step` (world x micro samples)."""
+    g = torch.Generator().manual_seed(1000 + step)
+    n = micro * world
+    if model_name == "gpt2":
+        t = torch.randint(0, 256, (n, 17), generator=g)
+        x, y = t[:, :-1], t[:, 1:]
+    elif model_name == "kwargs":
+        x, y = torch.randn(n, 24, generator=g), torch.randint(0, 5, (n,), generator=g)
+    else:
+        side = 64 if model_name == "resnet18" else 32  # resnet: BatchNorm over more than 2 values in layer4
+        x, y = torch.randn(n, 3, side, side, generator=g), torch.randint(0, 10, (n,), generator=g)
+    return x[rank * micro:(rank + 1) * micro], y[rank * micro:(rank + 1) * micro]
+
+
+def loss_of(model_name, model, x, y):
+    if model_name == "gpt2":
+        return model(x, targets=y)
+    if model_name == "kwargs":
+        return model(x, y, scale=0.5)["loss"]
+    return torch.nn.functional.cross_entropy(model(x), y)
+
+
+# Stages 0-3 x offload none/cpu/nvme, with clipping and accumulation in some (the C++ zoo's grid):
+# (name, stage, offload_param, offload_optimizer, accumulation, clipping, keep_live)
+GRID = [
+    ("stage0", 0, "none", "none", 1, 0.0, True),
+    ("stage1", 1, "none", "none", 1, 0.0, True),
+    ("stage1_cpu", 1, "none", "cpu", 2, 0.0, True),
+    ("stage1_nvme_clip", 1, "none", "nvme", 1, 1.0, True),
+    ("stage2", 2, "none", "none", 2, 0.0, True),
+    ("stage2_cpu_clip", 2, "none", "cpu", 1, 1.0, True),
+    ("stage2_nvme", 2, "none", "nvme", 1, 0.0, True),
+    ("stage3", 3, "none", "none", 1, 0.0, True),
+    ("stage3_cpu_release", 3, "cpu", "cpu", 1, 0.0, False),
+    ("stage3_nvme_clip_accum", 3, "nvme", "nvme", 2, 0.5, True),
+]
+
+
+def config_for(case, nvme_dir, micro=2, **extra):
+    name, stage, param, optim, accum, clip, keep_live = case
+    z = {"stage": stage,
+         "offload_optimizer": {"device": optim},
+         "offload_param": {"device": param}}
+    if "nvme" in (param, optim):
+        os.makedirs(nvme_dir, exist_ok=True)
+        z["offload_optimizer"]["nvme_path"] = str(nvme_dir)
+        z["offload_param"]["nvme_path"] = str(nvme_dir)
+    if not keep_live:
+        z["stage3_param_persistence_threshold"] = 0
+        z["stage3_max_reuse_distance"] = 0
+    cfg = {"train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": accum,
+           "gradient_clipping": clip, "zero_optimization": z,
+           "optimizer": {"type": "AdamW",
+                         "params": {"lr": LR, "weight_decay": WEIGHT_DECAY}}}
+    cfg.update(extra)
+    return cfg
+
+
+def train_reference(model_name, steps, accum=1, clip=0.0, world=1, micro=2):
+    """Plain PyTorch: the loss of each global batch (mean over its micro-batches and ranks)."""
+    torch.manual_seed(0)
+    model = MODELS[model_name]()
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
+    losses = []
+    for step in range(steps):
+        total = 0.0
+        for m in range(accum):
+            x, y = batch(model_name, step * accum + m, 0, 1, micro * world)
+            loss = loss_of(model_name, model, x, y)
+            (loss / accum).backward()
+            total += loss.item() / accum
+        if clip > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+        opt.zero_grad()
+        losses.append(total)
+    return losses, model
+
+
+def train_strata(model_name, cfg, steps, rank=0, world=1, engine_out=None):
+    """The same loop under strata.initialize; returns this rank's loss per global batch."""
+    torch.manual_seed(0)
+    model = MODELS[model_name]()
+    engine, _, _, _ = strata.initialize(model=model, model_parameters=model.parameters(),
+                                        config=copy.deepcopy(cfg))
+    accum = cfg.get("gradient_accumulation_steps", 1)
+    micro = cfg["train_micro_batch_size_per_gpu"]
+    losses = []
+    for step in range(steps):
+        total = 0.0
+        for m in range(accum):
+            x, y = batch(model_name, step * accum + m, rank, world, micro)
+            loss = loss_of(model_name, engine, x, y)
+            engine.backward(loss)
+            engine.step()
+            total += loss.item() / accum
+        losses.append(total)
+    if engine_out is not None:
+        engine_out.append(engine)
+    else:
+        engine.close()
+    return losses
+
+
+def assert_close(got, want, rel=1e-5, what="loss"):
+    assert len(got) == len(want)
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert abs(g - w) <= rel * abs(w), f"{what} {i}: strata {g!r} vs reference {w!r}"

@@ -2,6 +2,7 @@
 
 #include <fcntl.h>
 #include <malloc.h>
+#include <sys/mman.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -126,6 +127,29 @@ void Partition(torch::nn::Module& unit) {
     empty.unsafeGetTensorImpl()->set_sizes_contiguous(shape);
     p.set_data(empty);
   }
+}
+
+void StageMapped(const torch::Tensor& param) {
+  Init::Impl* init = current;
+  if (!init || param.numel() == 0) return;
+  torch::NoGradGuard ng;
+  torch::Tensor host = param.detach().to(torch::kCPU).contiguous();
+  const uint64_t bytes = host.nbytes();
+  static const uint64_t page = static_cast<uint64_t>(::sysconf(_SC_PAGESIZE));
+  const uint64_t off = (init->end + page - 1) / page * page;  // mmap offsets are page-aligned
+  Status s = PwriteAll(init->fd, host.data_ptr(), bytes, off, init->path);
+  if (!s.ok()) throw std::runtime_error(s.ToString());
+  void* m = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, init->fd, static_cast<off_t>(off));
+  if (m == MAP_FAILED)
+    throw std::runtime_error(ErrnoToStatus(errno, StrCat("map zero::Init staging file ", init->path)).ToString());
+  init->end = off + bytes;
+  ++init->params;
+  // The mapping keeps the (unlinked) file alive after the Init closes it; the last tensor using
+  // the memory unmaps it.
+  torch::Tensor mapped = torch::from_blob(
+      m, param.sizes(), [bytes](void* p) { ::munmap(p, bytes); }, host.options());
+  torch::Tensor p = param;  // set_data is not const; the change lands on the shared TensorImpl
+  p.set_data(mapped);
 }
 
 bool IsStaged(const torch::Tensor& param) {

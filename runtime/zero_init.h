@@ -52,6 +52,17 @@ class Init {
 // std::runtime_error on an I/O error, naming the file.
 void Partition(torch::nn::Module& unit);
 
+// For front ends whose models write parameters after constructing their modules (PyTorch models
+// initialize weights in a pass at the end of the root's constructor): stages `param` under the
+// current Init but keeps it readable and writable. Its values go to the staging file and its
+// memory becomes a shared mapping of that place in the file, so its pages are file-backed: the
+// kernel writes them back and drops them under memory pressure instead of holding them in
+// anonymous memory, and a model larger than DRAM can be built and then initialized in place.
+// The engine reads such a parameter like any other (through the mapping); the mapping goes when
+// the engine points the parameter at its own memory. Does nothing without a current Init.
+// Throws std::runtime_error on an I/O or mapping error, naming the file.
+void StageMapped(const torch::Tensor& param);
+
 // For the engine: when `param` was staged by a live Init, reads its values converted to fp32
 // into `dst` (param.numel() floats), frees their space in the staging file and returns true;
 // a parameter is read once (then it is no longer staged). Returns false for a parameter not

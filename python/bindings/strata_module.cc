@@ -6,6 +6,7 @@
 
 #include "python/bindings/py_engine.h"
 #include "runtime/host_info.h"
+#include "runtime/zero_init.h"
 
 namespace py = pybind11;
 using strata::python::AutoHints;
@@ -77,6 +78,18 @@ PYBIND11_MODULE(_strata, m) {
                              [](PyEngine& e) { return e.engine().device_bytes_in_use(); })
       .def_property_readonly("config_json", [](PyEngine& e) { return e.config().ToJsonString(); })
       .def("describe", [](PyEngine& e) { return e.engine().Describe().dump(); });
+
+  // zero::Init for strata.zero.Init: current on the creating thread until close().
+  py::class_<strata::zero::Init>(m, "ZeroInit")
+      .def(py::init([](const std::string& dir) {
+             auto init = strata::zero::Init::Create(dir);
+             strata::python::ThrowIfError(init.status());
+             return std::move(*init);
+           }),
+           py::arg("dir"))
+      .def("stage", [](strata::zero::Init&, const torch::Tensor& t) { strata::zero::StageMapped(t); })
+      .def_property_readonly("staged_bytes", &strata::zero::Init::staged_bytes)
+      .def_property_readonly("staged_params", &strata::zero::Init::staged_params);
 
   m.def("host_description", [](const std::string& dir) { return strata::HostDescription(dir); },
         py::arg("dir") = "", "The machine: CPU model, ISA, cores (and the disk holding `dir`)");

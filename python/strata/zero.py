@@ -1,9 +1,13 @@
 """strata.zero: DeepSpeed's zero.Init and zero.GatheredParameters."""
 
+import functools
+import os
+
 import torch
 
 from . import engine as _engine
 from ._strata import InvalidArgumentError
+from ._strata import ZeroInit as _ZeroInit
 
 
 class GatheredParameters:
@@ -56,3 +60,139 @@ class GatheredParameters:
             while self._open:
                 self._engine._cpp.end_unit(self._open.pop(), [])
         return False
+
+
+class Init:
+    """Builds a model larger than DRAM straight into a staging file:
+
+        with strata.zero.Init(config_dict_or_path=ds_config):
+            model = MyModel()
+        engine, *_ = strata.initialize(model=model, config=ds_config)
+
+    As each module finishes its constructor, its trainable parameters are written to a staging
+    file and become shared mappings of it (runtime/zero_init.h, StageMapped): their pages are
+    file-backed, so the kernel can write them back and reclaim them, and the process's anonymous
+    memory holds about one module at a time. Parameters stay readable and writable, so the
+    initialization passes models run at the end of their constructor (torchvision's kaiming init,
+    Hugging Face's post_init) work unchanged. strata.initialize then reads them into the tiers.
+
+    The staging directory is `nvme_path`, else the config's offload_param (then
+    offload_optimizer) nvme_path, else the system's temporary directory. The file is unlinked at
+    once, so nothing is left behind by a crash."""
+
+    def __init__(self, module=None, data_parallel_group=None, mem_efficient_linear=True,
+                 remote_device=None, pin_memory=False, config_dict_or_path=None, config=None,
+                 enabled=True, dtype=None, mpu=None, nvme_path=None):
+        from . import config as _config
+
+        if module is not None:
+            raise InvalidArgumentError("zero.Init(module=...): converting an existing model is "
+                                       "not supported; build the model inside the with block")
+        if dtype is not None and dtype != torch.float32:
+            raise InvalidArgumentError(f"zero.Init(dtype={dtype}): parameters are built in fp32; "
+                                       "set bf16.enabled in the config for bf16 compute")
+        self._enabled = enabled
+        self._dir = nvme_path
+        if self._dir is None:
+            cfg, _ = _config.load(config_dict_or_path if config_dict_or_path is not None else config)
+            z = cfg.get("zero_optimization", {})
+            for key in ("offload_param", "offload_optimizer"):
+                path = z.get(key, {}).get("nvme_path")
+                if path:
+                    self._dir = path[0] if isinstance(path, list) else path
+                    break
+        if self._dir is None:
+            import tempfile
+
+            self._dir = tempfile.gettempdir()
+        self._cpp = None
+        self._patched = []
+        self._staged = set()
+        self.staged_bytes = 0
+        self.staged_params = 0
+
+    def __enter__(self):
+        global _active_init
+        if not self._enabled:
+            return self
+        if _active_init is not None:
+            raise InvalidArgumentError("zero.Init blocks do not nest")
+        self._cpp = _ZeroInit(os.fspath(self._dir))
+        _active_init = self
+        for cls in _module_classes():
+            self._wrap(cls)
+        # Classes defined inside the block get wrapped as they are created.
+        self._orig_init_subclass = torch.nn.Module.__dict__.get("__init_subclass__")
+        init = self
+
+        def init_subclass(cls, **kwargs):
+            if init._orig_init_subclass is not None:
+                init._orig_init_subclass.__func__(cls, **kwargs)
+            else:
+                super(torch.nn.Module, cls).__init_subclass__(**kwargs)
+            init._wrap(cls)
+
+        torch.nn.Module.__init_subclass__ = classmethod(init_subclass)
+        return self
+
+    def __exit__(self, *exc):
+        global _active_init
+        if not self._enabled or self._cpp is None:
+            return False
+        if self._orig_init_subclass is not None:
+            torch.nn.Module.__init_subclass__ = self._orig_init_subclass
+        else:
+            del torch.nn.Module.__init_subclass__
+        for cls, original in reversed(self._patched):
+            cls.__init__ = original
+        self._patched = []
+        self.staged_bytes = self._cpp.staged_bytes
+        self.staged_params = self._cpp.staged_params
+        # Closing the file leaves the mappings (and so the parameters) valid.
+        self._cpp = None
+        _active_init = None
+        return False
+
+    def _wrap(self, cls):
+        original = cls.__dict__.get("__init__")
+        if original is None or getattr(original, "_strata_original", None) is not None:
+            return
+        init = self
+
+        @functools.wraps(original)
+        def wrapped(module, *args, **kwargs):
+            # Stage once, when the object's outermost constructor (its most derived class's)
+            # returns: a subclass may still write parameters after super().__init__().
+            depth = module.__dict__.get("_strata_init_depth", 0)
+            module.__dict__["_strata_init_depth"] = depth + 1
+            try:
+                original(module, *args, **kwargs)
+            finally:
+                module.__dict__["_strata_init_depth"] = depth
+            if depth == 0:
+                del module.__dict__["_strata_init_depth"]
+                init._stage(module)
+
+        wrapped._strata_original = original
+        cls.__init__ = wrapped
+        self._patched.append((cls, original))
+
+    def _stage(self, module):
+        if self._cpp is None:
+            return
+        for p in module.parameters(recurse=False):
+            if p.requires_grad and id(p) not in self._staged:
+                self._cpp.stage(p)
+                self._staged.add(id(p))
+
+
+_active_init = None
+
+
+def _module_classes():
+    seen, stack = [], [torch.nn.Module]
+    while stack:
+        cls = stack.pop()
+        seen.append(cls)
+        stack.extend(c for c in cls.__subclasses__() if c not in seen)
+    return seen

@@ -201,3 +201,23 @@ def test_training_data_loader_and_boundaries(tmp_path):
     assert engine.global_steps == 2
     assert json.dumps(engine.describe())  # placement report is JSON
     engine.close()
+
+
+def test_eval_after_training_matches_pytorch(tmp_path):
+    # resnet18: eval() switches BatchNorm to its running statistics, which the engine must have
+    # kept up to date in the model's own buffers.
+    _, reference = harness.train_reference("resnet18", 2)
+    engine = _engine("resnet18", harness.config_for(STAGE3_RELEASE, tmp_path))
+    _run(engine, "resnet18", 0, 2)
+    x, _ = harness.batch("resnet18", 99)
+    reference.eval()
+    engine.eval()
+    assert not engine.module.training
+    with torch.no_grad():
+        want = reference(x)
+        got = engine(x)
+    assert engine.global_steps == 2  # evaluation opened no micro-step
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    engine.train()
+    assert engine.module.training
+    engine.close()

@@ -12,8 +12,10 @@
 // Without a current Init, Partition does nothing (the same model code builds normally). A
 // parameter shared by several units (tied) is staged once.
 //
-// The first Create fixes glibc's mmap threshold at 1 MiB for the process, so that a freed unit's
-// tensors go back to the OS instead of staying in the heap (zero_init.cc says why).
+// While an Init is alive glibc's mmap threshold is fixed at 1 MiB for the process, so that a freed
+// unit's tensors go back to the OS instead of staying in the heap; when the last Init goes it is
+// set to 32 MiB, the ceiling of glibc's adaptive threshold, because a 1 MiB threshold makes every
+// activation a fresh mapping during training (zero_init.cc says why).
 //
 // Thread-safety: Partition and the engine's reads may run on any thread; an Init is current only
 // on the thread that created it.

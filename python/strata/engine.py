@@ -176,7 +176,8 @@ class StrataEngine(torch.nn.Module):
         state = extra.get("client_state")
         client_state = None
         if state is not None:
-            client_state = torch.load(io.BytesIO(base64.b64decode(state)))
+            # The checkpoint's own pickle, written by save_checkpoint: any object torch.save takes.
+            client_state = torch.load(io.BytesIO(base64.b64decode(state)), weights_only=False)
         self._stepped_at = self._cpp.micro_step
         return root, client_state
 

@@ -21,7 +21,7 @@ class StrataOptimizer:
 
     @property
     def param_groups(self):
-        return [{"params": self._params, "lr": self._engine.get_lr()[0]}]
+        return [_ParamGroup(params=self._params, lr=self._engine.get_lr()[0])]
 
     def step(self, closure=None):
         if closure is not None:
@@ -34,6 +34,16 @@ class StrataOptimizer:
     def state_dict(self):
         raise NotImplementedError("the optimizer states are partitioned across tiers and ranks; "
                                   "use engine.save_checkpoint / load_checkpoint")
+
+
+class _ParamGroup(dict):
+    """A read-only view of the one parameter group: a loop that sets the lr by hand would change
+    nothing, so it is told where the schedule lives instead."""
+
+    def __setitem__(self, key, value):
+        raise InvalidArgumentError(
+            f"optimizer.param_groups[0][{key!r}] cannot be set: the engine's optimizer takes its "
+            "lr from the config's \"optimizer\" and \"scheduler\" sections")
 
 
 class ConfigSchedule:
@@ -111,8 +121,6 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
             "initialize: lr_scheduler objects are not supported; set the config's \"scheduler\" "
             "(WarmupLR, WarmupDecayLR or WarmupCosineLR), which the engine applies every step")
     _check_model_parameters(model, model_parameters)
-    if model.training is False:
-        model.train()
 
     units = _units.default_units(model)
     cpp = _strata.Engine(model, [m for _, m in units], _config.to_json(cfg), source, hints)

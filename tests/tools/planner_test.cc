@@ -275,5 +275,64 @@ TEST(CostModelTest, NvmeBandwidthDrivesTheNvmePlacement) {
   EXPECT_GE(slow.step_s, slow.nvme_s);
 }
 
+// With W ranks, ring collectives move (W-1) shards per rank: per micro-step a reduce-scatter of
+// fp32 gradients and, under stage 3, a parameter all-gather in forward and in backward; below
+// stage 3 one all-gather of the updated parameters per step. Expected values are written here
+// from that description, not taken from the model.
+TEST(CostModelTest, CommTermFollowsRingCollectives) {
+  for (int stage : {2, 3}) {
+    for (int world : {2, 4}) {
+      Config c = TuneConfig();  // bf16: 2-byte working parameters
+      c.zero_optimization.stage = stage;
+      c.gradient_accumulation_steps = 2;
+      c.zero_optimization.offload_optimizer.device = OffloadDevice::kCpu;
+      ASSERT_OK_AND_ASSIGN(ModelSpec spec, GptModelSpec(c.model));
+      EstimateOptions eo;
+      eo.world_size = world;
+      ASSERT_OK_AND_ASSIGN(MemoryEstimate mem, EstimateMemory(c, spec, eo));
+      ASSERT_OK_AND_ASSIGN(Rates r, RatesFromProfile(SyntheticProfile(1.0), "cpu", 0));
+      EXPECT_FALSE(PredictStep(c, spec, mem, r, "cpu", world).ok()) << "no bandwidth: must fail";
+      r.comm_busbw_gbps = 2.0;
+      ASSERT_OK_AND_ASSIGN(StepPrediction p, PredictStep(c, spec, mem, r, "cpu", world));
+      const double S = static_cast<double>(mem.shard_numel), W = world;
+      const double per_micro = (W - 1) * S * 4 + (stage == 3 ? 2 * (W - 1) * S * 2 : 0);
+      const double bytes = 2 * per_micro + (stage == 3 ? 0 : (W - 1) * S * 2);
+      EXPECT_EQ(p.bytes_comm, static_cast<uint64_t>(bytes)) << "stage " << stage << " world " << world;
+      EXPECT_NEAR(p.comm_s, bytes / 2e9, 1e-12);
+      r.comm_busbw_gbps = 0.002;  // a thousand times slower: the step grows by the comm time
+      ASSERT_OK_AND_ASSIGN(StepPrediction slow, PredictStep(c, spec, mem, r, "cpu", world));
+      EXPECT_NEAR(slow.comm_s, p.comm_s * 1000, p.comm_s * 1e-6);
+      EXPECT_GE(slow.step_s, p.step_s + 0.9 * (slow.comm_s - p.comm_s));
+      ASSERT_OK_AND_ASSIGN(StepPrediction alone, PredictStep(c, spec, mem, r, "cpu", 1));
+      EXPECT_EQ(alone.comm_s, 0.0);
+    }
+  }
+}
+
+TEST(TunerTest, MoreThanOneRankNeedsACommFigure) {
+  Config c = TuneConfig();
+  ASSERT_OK_AND_ASSIGN(ModelSpec spec, GptModelSpec(c.model));
+  TuneOptions o;
+  o.world_size = 2;
+  HardwareProfile prof = SyntheticProfile(1.0);
+  auto none = Tune(c, spec, prof, o);
+  ASSERT_FALSE(none.ok());
+  EXPECT_NE(none.status().message().find("strata-commbench --profile"), std::string::npos);
+  EXPECT_NE(none.status().message().find("--comm-gbps"), std::string::npos);
+  prof.comm_busbw_gbps = 3.5;
+  prof.comm_backend = "gloo";
+  prof.comm_world_size = 2;
+  // The section survives the profile's JSON round trip.
+  ASSERT_OK_AND_ASSIGN(HardwareProfile back, HardwareProfile::FromJson(prof.ToJson()));
+  EXPECT_EQ(back.comm_busbw_gbps, 3.5);
+  EXPECT_EQ(back.comm_world_size, 2);
+  ASSERT_OK_AND_ASSIGN(TuneResult from_profile, Tune(c, spec, back, o));
+  EXPECT_GT(from_profile.candidates.front().prediction.comm_s, 0);
+  o.comm_gbps_override = 35;
+  ASSERT_OK_AND_ASSIGN(TuneResult overridden, Tune(c, spec, back, o));
+  EXPECT_NEAR(overridden.candidates.front().prediction.comm_s * 10,
+              from_profile.candidates.front().prediction.comm_s, 1e-9);
+}
+
 }  // namespace
 }  // namespace strata::planner

@@ -131,6 +131,49 @@ TEST(TuneCliTest, WritesAConfigThatParsesAndKeepsOtherKeys) {
   EXPECT_EQ(c.strata.chunk_size, 64u << 10);
 }
 
+// --verify reports predicted against measured for every lane, not only the step.
+TEST(TuneCliTest, VerifyReportsEveryLane) {
+  testing::TempDir dir;
+  Write(dir.path() + "/c.json", kConfig);
+  Write(dir.path() + "/p.json", Profile(1.0));
+  Result r = Exec(std::string(STRATA_TUNE_BIN) + " --config " + dir.path() + "/c.json --profile " + dir.path() +
+                  "/p.json --host-budget 1GiB --gflops 5 --dry-run --json --verify --verify-steps 3");
+  ASSERT_EQ(r.rc, 0) << r.out;
+  const size_t start = r.out.find("{\n");  // engine logs on stderr come first
+  ASSERT_NE(start, std::string::npos) << r.out;
+  auto j = nlohmann::json::parse(r.out.substr(start), nullptr, false);
+  ASSERT_FALSE(j.is_discarded()) << r.out;
+  const auto& lanes = j["verify"]["lanes"];
+  for (const char* lane : {"step", "compute", "copy", "nvme", "optimizer", "comm"}) {
+    ASSERT_TRUE(lanes.contains(lane)) << lane << ": " << j["verify"].dump();
+    EXPECT_GE(lanes[lane]["predicted_s"].get<double>(), 0) << lane;
+    EXPECT_GE(lanes[lane]["measured_s"].get<double>(), 0) << lane;
+  }
+  EXPECT_GT(lanes["step"]["measured_s"].get<double>(), 0);
+  EXPECT_GT(lanes["compute"]["measured_s"].get<double>(), 0);
+  EXPECT_GT(lanes["step"]["ratio"].get<double>(), 0);
+  EXPECT_EQ(lanes["comm"]["predicted_s"].get<double>(), 0);  // one rank
+}
+
+// Several ranks: the collectives' bandwidth comes from --comm-gbps or the profile's comm section.
+TEST(TuneCliTest, WorldSizeTwoNeedsACommFigure) {
+  testing::TempDir dir;
+  Write(dir.path() + "/c.json", kConfig);
+  Write(dir.path() + "/p.json", Profile(1.0));
+  const std::string base = std::string(STRATA_TUNE_BIN) + " --config " + dir.path() + "/c.json --profile " +
+                           dir.path() + "/p.json --gflops 5 --dry-run --world-size 2";
+  Result r = Exec(base);
+  EXPECT_EQ(r.rc, 2) << r.out;
+  EXPECT_NE(r.out.find("--comm-gbps"), std::string::npos) << r.out;
+  r = Exec(base + " --comm-gbps fast");
+  EXPECT_EQ(r.rc, 2) << r.out;
+  EXPECT_NE(r.out.find("--comm-gbps=fast"), std::string::npos) << r.out;
+  r = Exec(base + " --comm-gbps 1.5");
+  ASSERT_EQ(r.rc, 0) << r.out;
+  EXPECT_NE(r.out.find("comm"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("collectives at 1.5 GB/s"), std::string::npos) << r.out;
+}
+
 // The compute rate: calibrated on the CPU by default (and reported), the profile's matmul figure
 // with --no-calibrate, the user's with --gflops; the cuda device says why it is not calibrated.
 TEST(TuneCliTest, CalibratesComputeOnTheCpuUnlessTold) {

@@ -6,9 +6,13 @@
 #include <chrono>
 #include <cstdio>
 #include <cstring>
+#include <fstream>
+#include <sstream>
+#include <string>
 #include <vector>
 
 #include <CLI/CLI.hpp>
+#include <nlohmann/json.hpp>
 
 #include "runtime/check.h"
 #include "runtime/comm/backends.h"
@@ -44,8 +48,34 @@ strata::StatusOr<Result> Time(strata::Communicator& comm, int warmup, int iters,
   return res;
 }
 
+// Adds {"comm": {...}} to the profile strata-tune reads (tools/planner/profile.h), creating the
+// file when it does not exist; other sections are kept. Written atomically (temporary + rename).
+Status WriteToProfile(const std::string& path, const std::string& backend, int world, double busbw) {
+  nlohmann::json j = nlohmann::json::object();
+  if (std::ifstream in(path); in) {
+    std::stringstream ss;
+    ss << in.rdbuf();
+    j = nlohmann::json::parse(ss.str(), nullptr, /*allow_exceptions=*/false);
+    if (j.is_discarded() || !j.is_object())
+      return strata::InvalidArgument(strata::StrCat("--profile ", path, ": not a JSON object; ",
+                                                    "pass a strata-swapbench profile or a new path"));
+  }
+  if (!j.contains("version")) j["version"] = 1;
+  j["comm"] = {{"backend", backend}, {"world_size", world}, {"busbw_gbps", busbw}};
+  const std::string tmp = path + ".tmp";
+  {
+    std::ofstream out(tmp, std::ios::trunc);
+    out << j.dump(2) << "\n";
+    if (!out.flush())
+      return strata::ErrnoToStatus(errno, strata::StrCat("write --profile ", tmp));
+  }
+  if (std::rename(tmp.c_str(), path.c_str()) != 0)
+    return strata::ErrnoToStatus(errno, strata::StrCat("rename ", tmp, " to ", path));
+  return Status::Ok();
+}
+
 Status Run(const std::string& bytes_text, int iters, int warmup, const std::string& backend,
-           double timeout_s, int64_t bucket) {
+           double timeout_s, int64_t bucket, const std::string& profile) {
   STRATA_ASSIGN_OR_RETURN(uint64_t bytes, strata::ParseBytes(bytes_text));
   strata::CommOptions opts;
   opts.backend = backend;
@@ -56,6 +86,9 @@ Status Run(const std::string& bytes_text, int iters, int warmup, const std::stri
   STRATA_CHECK(comm->memory_kind() == strata::MemoryKind::kHost, "strata-commbench measures host ",
                "backends (gloo, single); backend=", comm->backend(), " uses device memory");
   const int n = comm->world_size();
+  if (n == 1 && !profile.empty())
+    return strata::InvalidArgument("--profile needs a bandwidth between ranks: run under "
+                                   "`strata-launch --nproc N -- strata-commbench --profile ...`");
   const int64_t shard = std::max<int64_t>(1, static_cast<int64_t>(bytes / 4) / n);
   std::vector<float> full(static_cast<size_t>(shard) * n, 1.0f);
   std::vector<float> part(static_cast<size_t>(shard), 1.0f);
@@ -90,6 +123,13 @@ Status Run(const std::string& bytes_text, int iters, int warmup, const std::stri
           name, std::string(comm->backend()).c_str(), n, full_bytes, iters, r.seconds,
           r.mean_seconds, algbw, algbw * factor, memcpy_gbps, algbw / memcpy_gbps);
     }
+    if (!profile.empty()) {
+      // The engine runs both collectives every micro-step: the slower one is the figure to plan with.
+      const double busbw = full_bytes / std::max(ag.seconds, rs.seconds) / 1e9 * factor;
+      STRATA_RETURN_IF_ERROR(WriteToProfile(profile, std::string(comm->backend()), n, busbw));
+      std::fprintf(stderr, "strata-commbench: wrote comm.busbw_gbps=%.3f (%d ranks) to %s\n", busbw, n,
+                   profile.c_str());
+    }
   }
   return comm->Barrier();
 }
@@ -103,14 +143,18 @@ int main(int argc, char** argv) {
   std::string backend = "auto";
   double timeout_s = 120;
   int64_t bucket = 0;
+  std::string profile;
   app.add_option("--bytes", bytes, "size of the full (gathered) fp32 buffer, e.g. 64MiB");
   app.add_option("--iters", iters, "timed iterations")->check(CLI::Range(1, 100000));
   app.add_option("--warmup", warmup, "untimed iterations first")->check(CLI::Range(0, 1000));
   app.add_option("--backend", backend, "auto | single | gloo");
   app.add_option("--timeout", timeout_s, "strata.comm_timeout_s");
   app.add_option("--bucket", bucket, "bucket size in elements (0: DeepSpeed's 5e8 default)");
+  app.add_option("--profile", profile,
+                 "add the measured bus bandwidth as \"comm\" to this profile JSON (strata-tune reads it "
+                 "for --world-size > 1); created when missing");
   CLI11_PARSE(app, argc, argv);
-  const Status s = Run(bytes, iters, warmup, backend, timeout_s, bucket);
+  const Status s = Run(bytes, iters, warmup, backend, timeout_s, bucket, profile);
   if (!s.ok()) {
     std::fprintf(stderr, "strata-commbench: %s\n", s.ToString().c_str());
     return 1;

@@ -25,10 +25,10 @@ const char* OffloadName(OffloadDevice d) {
 nlohmann::json StepPrediction::ToJson() const {
   return {{"step_s", step_s},       {"compute_s", compute_s},
           {"copy_s", copy_s},       {"nvme_s", nvme_s},
-          {"optimizer_s", optimizer_s}, {"main_s", main_s},
+          {"optimizer_s", optimizer_s}, {"comm_s", comm_s}, {"main_s", main_s},
           {"lane_s", lane_s},       {"bytes_nvme_read", bytes_nvme_read},
           {"bytes_nvme_write", bytes_nvme_write}, {"bytes_copy", bytes_copy},
-          {"flops", flops}};
+          {"bytes_comm", bytes_comm}, {"flops", flops}};
 }
 
 StatusOr<Rates> RatesFromProfile(const HardwareProfile& p, const std::string& device,
@@ -64,7 +64,7 @@ StatusOr<Rates> RatesFromProfile(const HardwareProfile& p, const std::string& de
 
 StatusOr<StepPrediction> PredictStep(const Config& config, const ModelSpec& model,
                                      const MemoryEstimate& mem, const Rates& r,
-                                     const std::string& device) {
+                                     const std::string& device, int world_size) {
   if (!model.gpt)
     return InvalidArgument("step-time prediction needs the model's shapes: pass a config with a \"model\" "
                            "section");
@@ -113,6 +113,21 @@ StatusOr<StepPrediction> PredictStep(const Config& config, const ModelSpec& mode
       nvme_r += (acc - 1) * S * 4;
     }
   }
+  // Collectives: ring all-gather / reduce-scatter move (W-1) shards per rank.
+  const double W = static_cast<double>(std::max(1, world_size));
+  if (W > 1 && r.comm_busbw_gbps <= 0)
+    return InvalidArgument(StrCat("a step on ", world_size, " ranks needs the collectives' bus bandwidth (Rates::comm_busbw_gbps)"));
+  auto comm_t = [&](double bytes) { return W > 1 ? bytes / (r.comm_busbw_gbps * 1e9) : 0.0; };
+  const double rs_bytes = W > 1 ? (W - 1) * S * 4 : 0;                     // gradients, fp32
+  const double ag_bytes = W > 1 ? (W - 1) * S * e : 0;                     // working parameters
+  const double comm_micro = rs_bytes + (z.stage == 3 ? 2 * ag_bytes : 0);  // forward + backward gathers
+  const double comm_tail = z.stage == 3 ? 0 : ag_bytes;                    // updated parameters
+  param_io += comm_t(z.stage == 3 ? 2 * ag_bytes : 0);
+  grad_io += comm_t(rs_bytes);
+  grad_io_first += comm_t(rs_bytes);
+  p.comm_s = comm_t(acc * comm_micro + comm_tail);
+  p.bytes_comm = static_cast<uint64_t>(acc * comm_micro + comm_tail);
+
   const double main_first = compute_micro + param_io + grad_io_first;
   const double main_next = compute_micro + param_io + grad_io;
   p.main_s = main_first + (acc - 1) * main_next;
@@ -156,6 +171,7 @@ StatusOr<StepPrediction> PredictStep(const Config& config, const ModelSpec& mode
     }
     p.step_s = p.main_s + scan + p.lane_s;
   }
+  p.step_s += comm_t(comm_tail);  // Step shares the updated shards after the optimizer
   p.step_s = std::max({p.step_s, p.nvme_s, p.copy_s});
   return p;
 }
@@ -177,6 +193,21 @@ StatusOr<TuneResult> Tune(const Config& config, const ModelSpec& model, const Ha
                                                           o.gflops_source));
   TuneResult res;
   res.assumptions = base.assumptions;
+  if (o.world_size > 1) {
+    if (o.comm_gbps_override > 0) {
+      base.comm_busbw_gbps = o.comm_gbps_override;
+      res.assumptions.push_back(StrCat("collectives at ", o.comm_gbps_override, " GB/s bus bandwidth (--comm-gbps)"));
+    } else if (profile.comm_busbw_gbps > 0) {
+      base.comm_busbw_gbps = profile.comm_busbw_gbps;
+      res.assumptions.push_back(StrCat("collectives at ", profile.comm_busbw_gbps, " GB/s bus bandwidth (profile: ",
+                                       profile.comm_backend, ", ", profile.comm_world_size, " ranks)"));
+    } else {
+      return InvalidArgument(StrCat(
+          "--world-size ", o.world_size, " needs the collectives' bandwidth: run `strata-launch --nproc ",
+          o.world_size, " -- strata-commbench --profile <profile.json>` to add it to the profile, or pass "
+          "--comm-gbps <bus GB/s>"));
+    }
+  }
   const bool cpu = o.device == "cpu";
   res.device_budget = o.device_budget ? o.device_budget
                       : config.strata.device_memory_budget ? config.strata.device_memory_budget
@@ -238,7 +269,7 @@ StatusOr<TuneResult> Tune(const Config& config, const ModelSpec& model, const Ha
           r.nvme_write_gbps = w.ok() ? *w : best_write;
           if (r.nvme_write_gbps <= 0) r.nvme_write_gbps = a.gbps;
         }
-        STRATA_ASSIGN_OR_RETURN(cand.prediction, PredictStep(c, model, mem, r, o.device));
+        STRATA_ASSIGN_OR_RETURN(cand.prediction, PredictStep(c, model, mem, r, o.device, o.world_size));
         cand.feasible = true;
         if (res.device_budget && mem.hbm_bytes > res.device_budget) {
           cand.feasible = false;

@@ -8,7 +8,11 @@
 // - optimizer lane: Adam elements / measured Adam throughput, plus its NVMe state traffic (read
 //   master/m/v/grad, write master/m/v, and param16 for stage 3 NVMe params) and the copy of new
 //   working values to the device;
-// - the NVMe and copy lanes are shared: the step can be no shorter than their total busy time.
+// - the NVMe and copy lanes are shared: the step can be no shorter than their total busy time;
+// - with more than one rank, collectives (ring algorithms, at the measured bus bandwidth) block
+//   the main thread too: per micro-step a reduce-scatter of the fp32 gradients and, under stage
+//   3, an all-gather of the parameters in forward and again in backward; below stage 3 one
+//   all-gather of the updated parameters ends the step.
 // Step time = max(main, start of the lane + lane, NVMe busy, copy busy) when the optimizer
 // overlaps backward (the lane starts once backward of the last micro-step begins), and
 // main + gradient-norm scan + lane when it is deferred (clipping or fp16).
@@ -36,12 +40,14 @@ struct StepPrediction {
   double copy_s = 0;
   double nvme_s = 0;
   double optimizer_s = 0;  // Adam arithmetic only
+  double comm_s = 0;       // collectives (0 with one rank)
   double main_s = 0;       // main thread: compute + its serial I/O
   double lane_s = 0;       // optimizer lane: Adam + its serial I/O
   // SUM: bytes per step.
   uint64_t bytes_nvme_read = 0;
   uint64_t bytes_nvme_write = 0;
   uint64_t bytes_copy = 0;
+  uint64_t bytes_comm = 0;  // bytes each rank sends (ring: (W-1)/W of each full buffer)
   double flops = 0;
   nlohmann::json ToJson() const;
 };
@@ -54,6 +60,7 @@ struct Rates {
   double adam_gelems = 0;     // CPU Adam elements per second / 1e9
   double nvme_read_gbps = 0;  // at the chosen aio setting
   double nvme_write_gbps = 0;
+  double comm_busbw_gbps = 0; // collectives' bus bandwidth (bytes each rank moves / time); world > 1
   std::vector<std::string> assumptions;
 };
 
@@ -65,10 +72,12 @@ StatusOr<Rates> RatesFromProfile(const HardwareProfile& profile, const std::stri
                                  double gflops_override, bool fp32 = false,
                                  const std::string& override_source = "--gflops");
 
-// Predicts one step of a GPT model (the model must carry its ModelConfig: FLOPs need shapes).
+// Predicts one step of a GPT model on each of `world_size` ranks (the model must carry its
+// ModelConfig: FLOPs need shapes; `memory` must be estimated for the same world size). With more
+// than one rank rates.comm_busbw_gbps must be set.
 StatusOr<StepPrediction> PredictStep(const Config& config, const ModelSpec& model,
                                      const MemoryEstimate& memory, const Rates& rates,
-                                     const std::string& device);
+                                     const std::string& device, int world_size = 1);
 
 struct TuneOptions {
   int world_size = 1;
@@ -79,6 +88,7 @@ struct TuneOptions {
   bool nvme_allowed = true;    // false when no nvme_path is known
   double gflops_override = 0;
   std::string gflops_source = "--gflops";  // what set gflops_override, for the assumption line
+  double comm_gbps_override = 0;  // bus bandwidth for world_size > 1; 0: the profile's "comm"
 };
 
 struct Candidate {

@@ -75,6 +75,8 @@ nlohmann::json HardwareProfile::ToJson() const {
   }
   if (adam_gelems_per_s > 0)
     j["adam"] = {{"elements", adam_elements}, {"gelems_per_s", adam_gelems_per_s}, {"isa", adam_isa}};
+  if (comm_busbw_gbps > 0)
+    j["comm"] = {{"backend", comm_backend}, {"world_size", comm_world_size}, {"busbw_gbps", comm_busbw_gbps}};
   if (compute_gflops > 0) {
     j["compute"] = {{"dtype", compute_dtype}, {"gflops", compute_gflops}};
     if (compute_fp32_gflops > 0) j["compute"]["fp32_gflops"] = compute_fp32_gflops;
@@ -166,6 +168,13 @@ StatusOr<HardwareProfile> HardwareProfile::FromJson(const nlohmann::json& j) {
       STRATA_RETURN_IF_ERROR(Num(j["compute"], "compute", "fp32_gflops", &h.compute_fp32_gflops));
     if (j["compute"].contains("dtype"))
       STRATA_RETURN_IF_ERROR(Str(j["compute"], "compute", "dtype", &h.compute_dtype));
+  }
+  if (j.contains("comm")) {
+    double w = 0;
+    STRATA_RETURN_IF_ERROR(Num(j["comm"], "comm", "busbw_gbps", &h.comm_busbw_gbps));
+    if (j["comm"].contains("world_size")) STRATA_RETURN_IF_ERROR(Num(j["comm"], "comm", "world_size", &w));
+    if (j["comm"].contains("backend")) STRATA_RETURN_IF_ERROR(Str(j["comm"], "comm", "backend", &h.comm_backend));
+    h.comm_world_size = static_cast<int>(w);
   }
   return h;
 }

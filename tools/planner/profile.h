@@ -12,6 +12,7 @@
 //                "direction": "h2d"|"d2h", "gbps": x}, ...],
 //    "adam": {"elements": N, "gelems_per_s": x, "isa": "avx512"},
 //    "compute": {"dtype": "bf16"|"fp32", "gflops": x, "fp32_gflops": y (optional)},
+//    "comm": {"backend": "gloo", "world_size": N, "busbw_gbps": x} (strata-commbench --profile),
 //    "recommended_aio": {"block_size": B, "queue_depth": Q, "intra_op_parallelism": P}}
 // Sections may be missing (a profile without --path has no "nvme"); readers say what is missing
 // when they need it.
@@ -58,6 +59,11 @@ struct HardwareProfile {
   std::string compute_dtype;      // dtype of compute_gflops ("bf16" when measured by profile)
   double compute_gflops = 0;
   double compute_fp32_gflops = 0;  // optional: fp32 matmul rate (for configs without bf16/fp16)
+  // Optional: collectives' bus bandwidth (the slower of all-gather and reduce-scatter), measured
+  // by strata-commbench on comm_world_size ranks; strata-tune needs it for --world-size > 1.
+  std::string comm_backend;
+  int comm_world_size = 0;
+  double comm_busbw_gbps = 0;
 
   // The fastest read point, with the write figure at the same setting breaking ties; aio.
   // block_size / queue_depth / intra_op_parallelism to recommend. NOT_FOUND without NVMe points.

@@ -98,7 +98,7 @@ int main(int argc, char** argv) {
       "--out tuned.json --verify",
       "strata-tune"};
   std::string config_path, profile_path, out_path, device = "", world_s = "1", top_s = "5";
-  std::string dev_budget, host_budget, nvme_budget, nvme_path, gflops_s, steps_s = "4";
+  std::string dev_budget, host_budget, nvme_budget, nvme_path, gflops_s, comm_s, steps_s = "4";
   bool json = false, verify = false, dry_run = false, no_calibrate = false;
   app.add_option("--config", config_path, "input config with a \"model\" section (required)")->required();
   app.add_option("--profile", profile_path, "`strata-swapbench profile --json` report (required)")->required();
@@ -112,6 +112,9 @@ int main(int argc, char** argv) {
                                            "else the profile's)");
   app.add_option("--gflops", gflops_s, "compute rate to assume instead of the profile's compute.gflops "
                                        "(turns calibration off)");
+  app.add_option("--comm-gbps", comm_s, "collectives' bus bandwidth (GB/s) for --world-size > 1, instead "
+                                       "of the profile's comm section (`strata-launch --nproc N -- "
+                                       "strata-commbench --profile <profile.json>` measures it)");
   app.add_flag("--no-calibrate", no_calibrate,
                "use the profile's matmul figure as is. By default, on the cpu device, strata-tune "
                "times the model on this CPU (forward, loss, backward at the config's "
@@ -122,7 +125,7 @@ int main(int argc, char** argv) {
   app.add_flag("--json", json, "print the ranking as JSON");
   app.add_flag("--dry-run", dry_run, "print the ranking, write nothing");
   app.add_flag("--verify", verify, "run the chosen config through the engine (small models; one rank) and "
-                                   "report predicted vs measured step time");
+                                   "report predicted vs measured time per lane and per step");
   app.add_option("--verify-steps", steps_s, "optimizer steps for --verify, the first being warm-up (default 4)");
   if (int rc = ParseArgs(app, argc, argv); rc >= 0) return rc;
 
@@ -166,6 +169,12 @@ int main(int argc, char** argv) {
     to.gflops_override = std::strtod(gflops_s.c_str(), &end);
     if (*end != '\0' || !(to.gflops_override > 0))
       return fail(InvalidArgument(StrCat("--gflops=", gflops_s, ": must be a positive number")), 2);
+  }
+  if (!comm_s.empty()) {
+    char* end = nullptr;
+    to.comm_gbps_override = std::strtod(comm_s.c_str(), &end);
+    if (*end != '\0' || !(to.comm_gbps_override > 0))
+      return fail(InvalidArgument(StrCat("--comm-gbps=", comm_s, ": must be a positive number")), 2);
   }
   if (nvme_path.empty()) {
     const auto& z = config->zero_optimization;
@@ -227,13 +236,14 @@ int main(int argc, char** argv) {
   }
   report["candidates"] = cands;
   if (!json) {
-    std::printf("%-3s %-44s %10s %9s %9s %9s %9s %10s %10s %10s\n", "#", "placement", "step_s",
-                "compute", "copy", "nvme", "adam", "hbm", "host", "nvme_B");
+    std::printf("%-3s %-44s %10s %9s %9s %9s %9s %9s %10s %10s %10s\n", "#", "placement", "step_s",
+                "compute", "copy", "nvme", "adam", "comm", "hbm", "host", "nvme_B");
     for (size_t i = 0; i < res->candidates.size() && i < static_cast<size_t>(*top); ++i) {
       const Candidate& c = res->candidates[i];
-      std::printf("%-3zu %-44s %10.4f %9.4f %9.4f %9.4f %9.4f %10s %10s %10s %s\n", i + 1,
+      std::printf("%-3zu %-44s %10.4f %9.4f %9.4f %9.4f %9.4f %9.4f %10s %10s %10s %s\n", i + 1,
                   c.Describe().c_str(), c.prediction.step_s, c.prediction.compute_s, c.prediction.copy_s,
-                  c.prediction.nvme_s, c.prediction.optimizer_s, FormatBytes(c.memory.hbm_bytes).c_str(),
+                  c.prediction.nvme_s, c.prediction.optimizer_s, c.prediction.comm_s,
+                  FormatBytes(c.memory.hbm_bytes).c_str(),
                   FormatBytes(c.memory.host_pageable_bytes + c.memory.host_pinned_bytes).c_str(),
                   FormatBytes(c.memory.nvme_bytes).c_str(), c.feasible ? "" : ("(" + c.why_not + ")").c_str());
     }
@@ -263,17 +273,31 @@ int main(int argc, char** argv) {
       std::cerr << "strata-tune: --verify: " << v.status().message() << "\n";
       rc = 1;
     } else {
-      const double pred = best.prediction.step_s;
-      report["verify"] = {{"predicted_step_s", pred},
-                          {"measured_step_s", v->step_time_s},
-                          {"ratio", v->step_time_s > 0 ? pred / v->step_time_s : 0},
-                          {"last_step", v->last_report}};
+      // Predicted against measured, lane by lane: a good step figure can hide two lanes that are
+      // wrong in opposite directions.
+      const StepPrediction& pr = best.prediction;
+      const std::vector<std::pair<std::string, double>> predicted = {
+          {"step", pr.step_s},  {"compute", pr.compute_s}, {"copy", pr.copy_s},
+          {"nvme", pr.nvme_s},  {"optimizer", pr.optimizer_s}, {"comm", pr.comm_s}};
+      nlohmann::json lanes = nlohmann::json::object();
       if (!json)
-        std::printf("verify: predicted %.4f s/step, measured %.4f s/step (median of %lld), predicted/measured "
-                    "= %.2f; measured lanes: compute %.4f copy %.4f nvme %.4f adam %.4f\n",
-                    pred, v->step_time_s, static_cast<long long>(*steps - 1), pred / v->step_time_s,
-                    v->last_report["compute_s"].get<double>(), v->last_report["copy_s"].get<double>(),
-                    v->last_report["nvme_s"].get<double>(), v->last_report["optimizer_s"].get<double>());
+        std::printf("verify (median of %lld steps after a warm-up):\n  %-10s %12s %12s %10s\n",
+                    static_cast<long long>(*steps - 1), "lane", "predicted_s", "measured_s",
+                    "pred/meas");
+      for (const auto& [lane, pred] : predicted) {
+        const double meas = v->lanes.at(lane);
+        // A lane that neither predicts nor measures a millisecond has no meaningful ratio.
+        const bool both = pred > 1e-3 || meas > 1e-3;
+        lanes[lane] = {{"predicted_s", pred}, {"measured_s", meas},
+                       {"ratio", both && meas > 0 ? nlohmann::json(pred / meas) : nlohmann::json(nullptr)}};
+        if (!json) {
+          if (both && meas > 0)
+            std::printf("  %-10s %12.4f %12.4f %10.2f\n", lane.c_str(), pred, meas, pred / meas);
+          else
+            std::printf("  %-10s %12.4f %12.4f %10s\n", lane.c_str(), pred, meas, "-");
+        }
+      }
+      report["verify"] = {{"steps", *steps - 1}, {"lanes", lanes}, {"last_step", v->last_report}};
     }
   }
   if (json) std::cout << report.dump(2) << "\n";

@@ -1,6 +1,8 @@
 #include "tools/tune/verify.h"
 
 #include <algorithm>
+#include <map>
+#include <utility>
 #include <vector>
 
 #include <nlohmann/json.hpp>
@@ -24,7 +26,7 @@ StatusOr<VerifyResult> VerifyConfig(const Config& config, const std::string& dev
                           Engine::Create(models::BuildGpt(config.model), config, comm.get(), dev.get(), eo));
   torch::manual_seed(7);
   const int64_t B = config.train_micro_batch_size_per_gpu, T = config.model.seq_len;
-  std::vector<double> times;
+  std::map<std::string, std::vector<double>> lanes;
   VerifyResult out;
   for (int s = 0; s < steps; ++s) {
     for (int64_t m = 0; m < config.gradient_accumulation_steps; ++m) {
@@ -39,11 +41,19 @@ StatusOr<VerifyResult> VerifyConfig(const Config& config, const std::string& dev
       STRATA_RETURN_IF_ERROR(engine->Backward(loss));
     }
     STRATA_ASSIGN_OR_RETURN(StepReport rep, engine->Step());
-    if (s > 0) times.push_back(rep.step_time_s);
+    if (s > 0) {
+      const std::pair<const char*, double> measured[] = {
+          {"step", rep.step_time_s}, {"compute", rep.compute_s}, {"copy", rep.copy_s},
+          {"nvme", rep.nvme_s},      {"optimizer", rep.optimizer_s}, {"comm", rep.comm_s}};
+      for (const auto& [lane, t] : measured) lanes[lane].push_back(t);
+    }
     out.last_report = rep.ToJson();
   }
-  std::sort(times.begin(), times.end());
-  out.step_time_s = times[times.size() / 2];
+  for (auto& [lane, ts] : lanes) {
+    std::sort(ts.begin(), ts.end());
+    out.lanes[lane] = ts[ts.size() / 2];
+  }
+  out.step_time_s = out.lanes["step"];
   return out;
 }
 

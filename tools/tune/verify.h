@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <map>
 #include <string>
 
 #include <nlohmann/json.hpp>
@@ -14,6 +15,9 @@ namespace strata::tune {
 
 struct VerifyResult {
   double step_time_s = 0;  // median over the steps after the first (warm-up)
+  // Median busy seconds per lane over the same steps, named as strata-tune's prediction names
+  // them: step, compute, copy, nvme, optimizer, comm.
+  std::map<std::string, double> lanes;
   nlohmann::json last_report;  // StepReport::ToJson of the last step
 };
 

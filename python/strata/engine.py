@@ -24,13 +24,14 @@ from ._strata import InvalidArgumentError, StrataError
 
 
 class StrataEngine(torch.nn.Module):
-    def __init__(self, cpp, model, units, config_dict):
+    def __init__(self, cpp, model, units):
         super().__init__()
         self.module = model
         self._cpp = cpp
         self._units = units
         self._hooks = _units.UnitHooks(cpp, units)
         self._config = json.loads(cpp.config_json)
+        self._device = torch.device(json.loads(cpp.describe()).get("device", "cpu"))
         self._stepped_at = 0  # micro-step count at the last optimizer step
         # id(parameter) -> the units holding it (root parameters: none, they stay gathered).
         self._param_units = {}
@@ -103,7 +104,8 @@ class StrataEngine(torch.nn.Module):
 
     @property
     def device(self):
-        return torch.device("cpu")
+        """The engine's device: where inputs and the gathered parameters live."""
+        return self._device
 
     def train_micro_batch_size_per_gpu(self):
         return self._config["train_micro_batch_size_per_gpu"]

@@ -124,7 +124,7 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
 
     units = _units.default_units(model)
     cpp = _strata.Engine(model, [m for _, m in units], _config.to_json(cfg), source, hints)
-    engine = StrataEngine(cpp, model, units, cfg)
+    engine = StrataEngine(cpp, model, units)
     trainable = [p for p in model.parameters() if p.requires_grad]
     opt = StrataOptimizer(engine, trainable)
     schedule = ConfigSchedule(engine) if cfg.get("scheduler") else None

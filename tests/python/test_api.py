@@ -202,6 +202,7 @@ def test_training_data_loader_and_boundaries(tmp_path):
     assert boundaries == [False, True, False, True, False]
     assert engine.global_steps == 2
     assert json.dumps(engine.describe())  # placement report is JSON
+    assert engine.device == torch.device(engine.describe()["device"])
     engine.close()
 
 

@@ -240,6 +240,8 @@ Status Engine::Impl::Init(Engine* owner, const EngineOptions& options) {
                      << torch::get_num_threads() << " thread(s)";
 
   STRATA_RETURN_IF_ERROR(DiscoverUnits(options));
+  STRATA_ASSIGN_OR_RETURN(plan_, partitioner_->PlanFor(z.stage, shard_rank(),
+                                                       static_cast<int>(optim::DTypeSize(state_dtype_))));
   const auto& chunk_infos = partitioner_->chunks();
   // NVMe tier for whatever is placed there.
   if (param_placement_ == Placement::kNvme || optim_placement_ == Placement::kNvme) {
@@ -457,6 +459,13 @@ uint64_t Engine::Impl::model_state_bytes() const {
   return n * (work + 4 + 4 + 2 * state);
 }
 
+nlohmann::json Engine::Impl::PlanJson() const {
+  nlohmann::json j = nlohmann::json::object();
+  for (int k = 0; k < kNumStateKinds; ++k)
+    j[StateKindName(static_cast<StateKind>(k))] = {{"sharded", plan_.sharded[k]}, {"bytes", plan_.bytes[k]}};
+  return j;
+}
+
 nlohmann::json Engine::Impl::Describe() const {
   return {{"stage", config_.zero_optimization.stage},
           {"world_size", comm_->world_size()},
@@ -471,6 +480,7 @@ nlohmann::json Engine::Impl::Describe() const {
           {"model_state_bytes", model_state_bytes()},
           {"host_budget", host_budget_},
           {"tier_manager", store_->StatsJson()},
+          {"plan", PlanJson()},
           {"device", device_->name()}};
 }
 

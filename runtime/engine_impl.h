@@ -113,6 +113,7 @@ class Engine::Impl {
   int64_t global_step_ = 0;
   int64_t micro_step_ = 0;
   nlohmann::json Describe() const;
+  nlohmann::json PlanJson() const;  // per state: sharded, bytes this rank keeps
   int64_t num_params() const { return partitioner_ ? partitioner_->param_numel() : 0; }
   uint64_t model_state_bytes() const;
   int64_t num_units() const { return static_cast<int64_t>(units_.size()); }
@@ -227,6 +228,12 @@ class Engine::Impl {
   std::unique_ptr<nvme::NvmeTier> nvme_;
   std::unique_ptr<BlockStore> store_;
   std::optional<Partitioner> partitioner_;
+  // What this rank keeps of each state under the configured stage (Partitioner::PlanFor): which
+  // states are sharded decides how gradients are reduced (gradient_reducer.cc).
+  StagePlan plan_;
+  // Stages 0 and 1: every rank keeps the whole gradient until the step (the plan does not shard
+  // it), accumulated locally over micro-steps and all-reduced once at the boundary.
+  bool full_gradients() const { return !plan_.sharded[static_cast<int>(StateKind::kGrad)]; }
   std::optional<optim::DynamicLossScaler> scaler_;
   std::unique_ptr<tbb::task_arena> arena_;
   uint64_t host_budget_ = 0;

@@ -92,19 +92,25 @@ Status Engine::Impl::ReduceChunk(int64_t c) {
     STRATA_ASSIGN_OR_RETURN(cs.grad_full, DeviceTensor(ci.numel, torch::kFloat32));
     cs.grad_full.zero_();
   }
-  float* full = cs.grad_full.data_ptr<float>();
+  // Stages 0 and 1 keep the chunk's whole gradient on every rank: the next micro-steps add into
+  // it, and it is reduced once, at the accumulation boundary (all-reduce). Stages 2 and 3 shard
+  // it: each micro-step reduce-scatters and accumulates only this rank's shard.
+  const bool full = full_gradients();
+  if (full && !last_micro_step()) return Status::Ok();
+  float* data = cs.grad_full.data_ptr<float>();
   const int64_t off = partitioner_->ShardOffset(c, shard_rank());
   if (comm_->world_size() > 1) {
     LaneTimer t(&comm_s_);
-    if (config_.zero_optimization.stage == 0) {
-      STRATA_RETURN_IF_ERROR(comm_->AllReduce(full, ci.numel, strata::DType::kF32, ReduceOp::kAvg));
+    if (full) {
+      STRATA_RETURN_IF_ERROR(comm_->AllReduce(data, ci.numel, strata::DType::kF32, ReduceOp::kAvg));
     } else {
-      STRATA_RETURN_IF_ERROR(comm_->ReduceScatter(full, full + off, ci.shard_numel,
+      STRATA_RETURN_IF_ERROR(comm_->ReduceScatter(data, data + off, ci.shard_numel,
                                                   strata::DType::kF32, ReduceOp::kAvg));
     }
   }
   torch::Tensor shard = cs.grad_full.narrow(0, off, ci.shard_numel);
-  const bool first_micro = micro_step_ % config_.gradient_accumulation_steps == 0;
+  // The whole gradient already holds every micro-step: it replaces the shard's contents.
+  const bool first_micro = full || micro_step_ % config_.gradient_accumulation_steps == 0;
   BlockKey key{c, StateKind::kGrad};
   auto t0 = Clock::now();
   STRATA_ASSIGN_OR_RETURN(void* dst, store_->Acquire(key, first_micro ? Access::kWrite : Access::kReadWrite));

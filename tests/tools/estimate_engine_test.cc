@@ -14,6 +14,7 @@
 #include "runtime/config.h"
 #include "runtime/device.h"
 #include "runtime/engine.h"
+#include "runtime/partitioner.h"
 #include "tests/test_util.h"
 #include "tools/planner/memory_model.h"
 #include "tools/planner/model_spec.h"
@@ -88,10 +89,12 @@ Measured TrainAndMeasure(const Config& c, const std::string& nvme_dir = "") {
   Measured m;
   torch::manual_seed(3);
   for (int s = 0; s < 2; ++s) {
-    torch::Tensor t = torch::randint(0, c.model.vocab_size, {c.train_micro_batch_size_per_gpu, c.model.seq_len + 1},
-                                     torch::kLong);
-    torch::Tensor logits = (*engine)->Forward(t.narrow(1, 0, c.model.seq_len));
-    EXPECT_OK((*engine)->Backward(models::LanguageModelLoss(logits, t.narrow(1, 1, c.model.seq_len))));
+    for (int64_t micro = 0; micro < c.gradient_accumulation_steps; ++micro) {
+      torch::Tensor t = torch::randint(0, c.model.vocab_size,
+                                       {c.train_micro_batch_size_per_gpu, c.model.seq_len + 1}, torch::kLong);
+      torch::Tensor logits = (*engine)->Forward(t.narrow(1, 0, c.model.seq_len));
+      EXPECT_OK((*engine)->Backward(models::LanguageModelLoss(logits, t.narrow(1, 1, c.model.seq_len))));
+    }
     auto rep = (*engine)->Step();
     EXPECT_TRUE(rep.ok()) << rep.status();
     m.device = std::max(m.device, rep->peak_device_bytes);
@@ -107,6 +110,43 @@ void ExpectWithin(uint64_t estimate, uint64_t measured, const char* what) {
   }
   const double ratio = static_cast<double>(estimate) / static_cast<double>(measured);
   EXPECT_NEAR(ratio, 1.0, 0.10) << what << ": estimate " << estimate << " B, measured " << measured << " B";
+}
+
+// Stage 1 keeps the whole fp32 gradient from the first micro-step to the step; stage 2 keeps
+// only this rank's shard. With accumulation the difference is every chunk's full gradient, in
+// the engine's measured device allocations and in the estimate.
+TEST(EstimateVsEngineTest, Stage1KeepsFullGradientsStage2Shards) {
+  Measured measured[3];
+  uint64_t estimated[3] = {};
+  for (int stage : {1, 2}) {
+    Config c = SmallConfig();
+    c.zero_optimization.stage = stage;
+    c.gradient_accumulation_steps = 2;
+    ASSERT_OK_AND_ASSIGN(ModelSpec spec, GptModelSpec(c.model));
+    ASSERT_OK_AND_ASSIGN(MemoryEstimate e, EstimateMemory(c, spec));
+    measured[stage] = TrainAndMeasure(c);
+    estimated[stage] = e.engine_device_peak_bytes;
+    ExpectWithin(e.engine_device_peak_bytes, measured[stage].device, "peak_device_bytes");
+  }
+  // Every chunk's fp32 gradient (the partitioner pads chunks; one rank: no sharding of the rest).
+  Config c = SmallConfig();
+  ASSERT_OK_AND_ASSIGN(ModelSpec spec, GptModelSpec(c.model));
+  PartitionerOptions po;
+  po.chunk_size = c.strata.chunk_size;
+  po.element_size = 2;  // bf16 working copy
+  ASSERT_OK_AND_ASSIGN(Partitioner part, Partitioner::Create(po));
+  for (const auto& p : spec.params) ASSERT_OK(part.AddParam(p.name, p.numel).status());
+  ASSERT_OK(part.Finalize());
+  const uint64_t full_grads = static_cast<uint64_t>(part.total_numel()) * 4;
+  uint64_t largest_chunk = 0;
+  for (const auto& ch : part.chunks()) largest_chunk = std::max<uint64_t>(largest_chunk, ch.numel * 4);
+  ASSERT_GT(measured[1].device, measured[2].device);
+  const uint64_t diff = measured[1].device - measured[2].device;
+  // Stage 2's own peak holds the full-chunk buffer(s) being reduced: up to two chunks less.
+  EXPECT_LE(diff, full_grads);
+  EXPECT_GE(diff, full_grads - 2 * largest_chunk) << "full gradients " << full_grads << " B, chunk "
+                                                  << largest_chunk << " B";
+  ExpectWithin(estimated[1] - estimated[2], diff, "estimated stage 1 - stage 2");
 }
 
 TEST(EstimateVsEngineTest, Stage3NoOffload) {

@@ -178,6 +178,20 @@ StatusOr<MemoryEstimate> EstimateMemory(const Config& config, const ModelSpec& m
   std::vector<int> live(chunks.size(), 0), pending(chunks.size(), 0);
   std::vector<bool> grad_buf(chunks.size(), false);
   uint64_t gather_peak = 0, gather_cur = 0, gradbuf_cur = 0, gradbuf_at_peak = 0, gather_at_peak = 0;
+  // Stages 0 and 1 keep every chunk's whole fp32 gradient from the first micro-step to the
+  // accumulation boundary (runtime/gradient_reducer.cc): with accumulation, a micro-step before
+  // the last starts with all of them allocated and frees none. That micro-step is the one
+  // replayed: it is the peak.
+  const bool keep_grads = z.stage <= 1 && config.gradient_accumulation_steps > 1;
+  if (keep_grads) {
+    for (size_t c = 0; c < chunks.size(); ++c) {
+      const uint64_t bytes = Round(static_cast<uint64_t>(chunks[c].numel) * 4, dev_round);
+      grad_buf[c] = true;
+      cur += bytes;
+      gradbuf_cur += bytes;
+    }
+    peak = std::max(peak, cur);
+  }
   auto note_peak = [&] {
     if (cur > peak) {
       peak = cur;
@@ -258,7 +272,7 @@ StatusOr<MemoryEstimate> EstimateMemory(const Config& config, const ModelSpec& m
         release(b);
       }
     }
-    if (--pending[c] == 0) {
+    if (--pending[c] == 0 && !keep_grads) {
       grad_buf[c] = false;
       cur -= bytes;
       gradbuf_cur -= bytes;
@@ -288,7 +302,9 @@ StatusOr<MemoryEstimate> EstimateMemory(const Config& config, const ModelSpec& m
     est.items.push_back(it);
   }
   est.items.push_back({"grad fp32 chunk buffers", MemTier::kHbm, gradbuf_at_peak, "peak_device_bytes",
-                       true, "full-chunk fp32 gradients of the block in backward, until reduced"});
+                       true, keep_grads ? "every chunk's whole fp32 gradient, accumulated until the step "
+                                          "(stages 0-1 keep full gradients)"
+                                        : "full-chunk fp32 gradients of the block in backward, until reduced"});
   est.engine_device_peak_bytes = peak;
 
   // Host memory of the block store: one pinned pool (Note [host pool] above EstimateMemory).

@@ -16,6 +16,7 @@
 
 #include "runtime/check.h"
 #include "runtime/comm/backends.h"
+#include "runtime/host_info.h"
 #include "runtime/units.h"
 
 namespace {
@@ -112,6 +113,10 @@ Status Run(const std::string& bytes_text, int iters, int warmup, const std::stri
     if (i > 0) memcpy_s = std::min(memcpy_s, s);
   }
   if (comm->rank() == 0) {
+    // A bandwidth means little without its machine: name it (CPU model, ISA, cores).
+    const std::string host = strata::HostDescription();
+    std::fprintf(stderr, "strata-commbench: %d ranks of %s on %s\n", n, std::string(comm->backend()).c_str(),
+                 host.c_str());
     const double memcpy_gbps = full_bytes / memcpy_s / 1e9;
     const double factor = n > 1 ? static_cast<double>(n - 1) / n : 1.0;
     for (auto [name, r] : {std::pair{"all_gather", ag}, std::pair{"reduce_scatter", rs}}) {
@@ -119,9 +124,10 @@ Status Run(const std::string& bytes_text, int iters, int warmup, const std::stri
       std::printf(
           "{\"op\":\"%s\",\"backend\":\"%s\",\"world_size\":%d,\"bytes\":%.0f,\"iters\":%d,"
           "\"best_s\":%.6f,\"mean_s\":%.6f,\"algbw_gbps\":%.3f,\"busbw_gbps\":%.3f,"
-          "\"memcpy_gbps\":%.3f,\"algbw_over_memcpy\":%.3f}\n",
+          "\"memcpy_gbps\":%.3f,\"algbw_over_memcpy\":%.3f,\"host\":%s}\n",
           name, std::string(comm->backend()).c_str(), n, full_bytes, iters, r.seconds,
-          r.mean_seconds, algbw, algbw * factor, memcpy_gbps, algbw / memcpy_gbps);
+          r.mean_seconds, algbw, algbw * factor, memcpy_gbps, algbw / memcpy_gbps,
+          nlohmann::json(host).dump().c_str());
     }
     if (!profile.empty()) {
       // The engine runs both collectives every micro-step: the slower one is the figure to plan with.

@@ -29,13 +29,20 @@ class StrataEngine(torch.nn.Module):
         self.module = model
         self._cpp = cpp
         self._units = units
-        self._hooks = _units.UnitHooks(cpp, units)
+        # The C++ engine numbers its units itself (a root holding parameters of its own is unit 0,
+        # always gathered): the hooks and GatheredParameters use its numbers, found by name.
+        by_name = {cpp.unit_name(i): i for i in range(cpp.num_units)}
+        missing = [name for name, _ in units if name not in by_name]
+        if missing:
+            raise StrataError(f"the engine has no unit named {missing[0]!r} (a bug)")
+        self._unit_index = [by_name[name] for name, _ in units]
+        self._hooks = _units.UnitHooks(cpp, [(self._unit_index[i], m) for i, (_, m) in enumerate(units)])
         self._config = json.loads(cpp.config_json)
         self._device = torch.device(json.loads(cpp.describe()).get("device", "cpu"))
         self._stepped_at = 0  # micro-step count at the last optimizer step
         # id(parameter) -> the units holding it (root parameters: none, they stay gathered).
         self._param_units = {}
-        for index, (_, module) in enumerate(units):
+        for index, (_, module) in zip(self._unit_index, units):
             for p in module.parameters():
                 self._param_units.setdefault(id(p), set()).add(index)
         self._model_params = {id(p) for p in model.parameters()}

@@ -76,10 +76,11 @@ class UnitHooks:
     open, so that a forward that raises can end them (module hooks have no 'finally')."""
 
     def __init__(self, cpp, units):
+        """units: (the C++ engine's index of the unit, module) pairs."""
         self._cpp = cpp
         self.open = []
         self._handles = []
-        for index, (_, module) in enumerate(units):
+        for index, module in units:
             self._handles.append(module.register_forward_pre_hook(self._pre(index)))
             self._handles.append(module.register_forward_hook(self._post(index)))
 

@@ -125,6 +125,9 @@ def config_for(case, nvme_dir, micro=2, **extra):
         z["stage3_max_reuse_distance"] = 0
     cfg = {"train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": accum,
            "gradient_clipping": clip, "zero_optimization": z,
+           # Small chunks: each unit's parameters lie in chunks of their own (and some chunks span
+           # two units), so stage 3 really gathers and releases unit by unit.
+           "strata": {"chunk_size": "16KiB"},
            "optimizer": {"type": "AdamW",
                          "params": {"lr": LR, "weight_decay": WEIGHT_DECAY}}}
     cfg.update(extra)

@@ -279,6 +279,10 @@ class Engine::Impl {
   // Per-step lanes (main thread), reset when a step begins.
   bool step_open_ = false;
   engine_detail::Clock::time_point step_start_;
+  // The micro-step's first training gather: Backward adds the span from here as forward compute,
+  // whoever drives the forward (Engine::Forward, RunUnit from the model's own forward, the Python
+  // front end's hooks). Gathers inside it are subtracted again as copy, comm and stall time.
+  engine_detail::Clock::time_point forward_start_;
   double compute_s_ = 0, copy_s_ = 0, comm_s_ = 0, stall_s_ = 0;
   uint64_t bytes_h2d_ = 0, bytes_d2h_ = 0;
   BlockStoreStats store_at_step_start_;

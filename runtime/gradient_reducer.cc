@@ -140,6 +140,7 @@ Status Engine::Impl::Backward(const torch::Tensor& loss) {
   if (!step_open_ || !micro_open_)
     return FailedPrecondition("Backward called without a training forward in this micro-step");
   backward_error_ = Status::Ok();
+  compute_s_ += Since(forward_start_);  // the forward (and the loss), however it was driven
   if (last_micro_step() && immediate_optimizer()) {
     // Updates start during this backward: fix their step-wide inputs now.
     opt_step_ = global_step_ + 1;

@@ -180,6 +180,7 @@ void Engine::Impl::OpenMicroStep() {
     store_->BeginIteration();
   }
   micro_open_ = true;
+  forward_start_ = Clock::now();
   trace_.clear();
   next_slot_ = 0;
   for (auto& p : params_) {
@@ -257,7 +258,8 @@ torch::Tensor Engine::Impl::Forward(const torch::Tensor& input) {
     Throw(FailedPrecondition(
         "Engine::Forward needs a Sequential or a model given with its forward (AnyModule); call "
         "the model's own forward instead, which runs its units through strata::RunUnit"));
-  LaneTimer t(&compute_s_);  // gathers inside are subtracted as copy, comm and stall time
+  // A training forward's compute is the micro-step's span up to Backward (forward_start_), not
+  // timed here twice.
   if (!seq) return any_->forward(input);
   torch::Tensor x = input;
   for (size_t k = 0; k < seq->size(); ++k) {

@@ -283,7 +283,13 @@ class Engine::Impl {
   // whoever drives the forward (Engine::Forward, RunUnit from the model's own forward, the Python
   // front end's hooks). Gathers inside it are subtracted again as copy, comm and stall time.
   engine_detail::Clock::time_point forward_start_;
+  double waits_at_forward_start_ = 0;
   double compute_s_ = 0, copy_s_ = 0, comm_s_ = 0, stall_s_ = 0;
+  // Of the copy, comm and stall time, the part spent inside the compute spans (forward, Backward):
+  // compute is those spans less this. Waits in Step (the deferred norm scan, refreshing persistent
+  // chunks, sharing updated shards) happen outside them and must not shrink compute.
+  double waits_in_compute_s_ = 0;
+  double WaitsSoFar() const { return copy_s_ + comm_s_ + stall_s_; }
   uint64_t bytes_h2d_ = 0, bytes_d2h_ = 0;
   BlockStoreStats store_at_step_start_;
   std::vector<int64_t> ready_order_;  // chunks in the order their grads completed

@@ -141,6 +141,8 @@ Status Engine::Impl::Backward(const torch::Tensor& loss) {
     return FailedPrecondition("Backward called without a training forward in this micro-step");
   backward_error_ = Status::Ok();
   compute_s_ += Since(forward_start_);  // the forward (and the loss), however it was driven
+  waits_in_compute_s_ += WaitsSoFar() - waits_at_forward_start_;
+  const double waits_at_backward = WaitsSoFar();
   if (last_micro_step() && immediate_optimizer()) {
     // Updates start during this backward: fix their step-wide inputs now.
     opt_step_ = global_step_ + 1;
@@ -159,6 +161,7 @@ Status Engine::Impl::Backward(const torch::Tensor& loss) {
     result = backward_error_.ok() ? Internal(StrCat("backward failed: ", e.what())) : backward_error_;
   }
   in_backward_ = false;
+  waits_in_compute_s_ += WaitsSoFar() - waits_at_backward;
   // Parameters that took no part in this backward: a zero gradient, their units released.
   for (size_t pid = 0; pid < params_.size() && result.ok(); ++pid)
     result = TakeParamGrad(static_cast<int64_t>(pid), /*settle=*/true);

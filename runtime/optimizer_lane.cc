@@ -260,7 +260,7 @@ StatusOr<StepReport> Engine::Impl::Step() {
   rep.step = global_step_;
   rep.skipped = overflow;
   rep.step_time_s = Since(step_start_);
-  rep.compute_s = std::max(0.0, compute_s_ - stall_s_ - copy_s_ - comm_s_);
+  rep.compute_s = std::max(0.0, compute_s_ - waits_in_compute_s_);
   rep.copy_s = copy_s_;
   rep.comm_s = comm_s_;
   {

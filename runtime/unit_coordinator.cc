@@ -168,7 +168,7 @@ void Engine::Impl::OpenMicroStep() {
   if (!step_open_) {
     step_open_ = true;
     step_start_ = Clock::now();
-    compute_s_ = copy_s_ = comm_s_ = stall_s_ = 0;
+    compute_s_ = copy_s_ = comm_s_ = stall_s_ = waits_in_compute_s_ = 0;
     bytes_h2d_ = bytes_d2h_ = 0;
     bytes_stashed_ = 0;
     store_at_step_start_ = store_->stats();
@@ -181,6 +181,7 @@ void Engine::Impl::OpenMicroStep() {
   }
   micro_open_ = true;
   forward_start_ = Clock::now();
+  waits_at_forward_start_ = WaitsSoFar();
   trace_.clear();
   next_slot_ = 0;
   for (auto& p : params_) {

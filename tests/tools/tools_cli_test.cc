@@ -152,9 +152,9 @@ TEST(TuneCliTest, VerifyReportsEveryLane) {
   EXPECT_GT(lanes["step"]["measured_s"].get<double>(), 0);
   EXPECT_GT(lanes["step"]["ratio"].get<double>(), 0);
   EXPECT_GT(lanes["compute"]["predicted_s"].get<double>(), 0);
-  // Not asserted: measured compute > 0. The engine reports compute minus the stall and copy time
-  // of the step, some of which is spent outside forward and backward (the deferred norm scan's
-  // waits), so on a loaded machine this small model's compute lane can read 0.
+  // Compute less only the waits inside forward and backward: Step's own copies (refreshing
+  // persistent chunks) once made this small model's compute read 0 on a loaded machine.
+  EXPECT_GT(lanes["compute"]["measured_s"].get<double>(), 0);
   EXPECT_EQ(lanes["comm"]["predicted_s"].get<double>(), 0);  // one rank
 }
 

@@ -1,5 +1,9 @@
 #include "tests/test_util.h"
 
+#include <sys/wait.h>
+
+#include <cstdio>
+
 #include <cstdlib>
 #include <filesystem>
 #include <string>
@@ -17,6 +21,18 @@ TempDir::TempDir() {
 TempDir::~TempDir() {
   std::error_code ec;
   std::filesystem::remove_all(path_, ec);
+}
+
+CommandResult RunCommand(const std::string& cmd, bool with_stderr) {
+  CommandResult r;
+  FILE* p = popen((cmd + (with_stderr ? " 2>&1" : " 2>/dev/null")).c_str(), "r");
+  if (!p) return r;
+  char buf[4096];
+  size_t n;
+  while ((n = fread(buf, 1, sizeof buf, p)) > 0) r.out.append(buf, n);
+  const int st = pclose(p);
+  r.rc = WIFEXITED(st) ? WEXITSTATUS(st) : -1;
+  return r;
 }
 
 }  // namespace strata::testing

@@ -38,4 +38,12 @@ class TempDir {
   std::string path_;
 };
 
+// Runs `cmd` through the shell and returns its exit status (-1 when it did not exit normally) and
+// its stdout, with stderr too when `with_stderr`.
+struct CommandResult {
+  int rc = -1;
+  std::string out;
+};
+CommandResult RunCommand(const std::string& cmd, bool with_stderr = true);
+
 }  // namespace strata::testing

@@ -66,7 +66,3 @@ def optimizer_section(optimizer):
     lr, betas, eps, weight_decay = first
     return {"type": kind,
             "params": {"lr": lr, "betas": list(betas), "eps": eps, "weight_decay": weight_decay}}
-
-
-def to_json(config_dict):
-    return json.dumps(config_dict)

@@ -1,5 +1,6 @@
 """strata.initialize: DeepSpeed's entry point, over Strata's engine."""
 
+import json
 import warnings
 
 import torch
@@ -123,7 +124,7 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     _check_model_parameters(model, model_parameters)
 
     units = _units.default_units(model)
-    cpp = _strata.Engine(model, [m for _, m in units], _config.to_json(cfg), source, hints)
+    cpp = _strata.Engine(model, [m for _, m in units], json.dumps(cfg), source, hints)
     engine = StrataEngine(cpp, model, units)
     trainable = [p for p in model.parameters() if p.requires_grad]
     opt = StrataOptimizer(engine, trainable)

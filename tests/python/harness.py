@@ -155,16 +155,11 @@ def train_reference(model_name, steps, accum=1, clip=0.0, world=1, micro=2):
     return losses, model
 
 
-def train_strata(model_name, cfg, steps, rank=0, world=1, engine_out=None):
-    """The same loop under strata.initialize; returns this rank's loss per global batch."""
-    torch.manual_seed(0)
-    model = MODELS[model_name]()
-    engine, _, _, _ = strata.initialize(model=model, model_parameters=model.parameters(),
-                                        config=copy.deepcopy(cfg))
-    accum = cfg.get("gradient_accumulation_steps", 1)
-    micro = cfg["train_micro_batch_size_per_gpu"]
+def run_steps(engine, model_name, first, count, accum=1, rank=0, world=1, micro=2):
+    """Global steps first..first+count-1 through a Strata engine, `accum` micro-batches each;
+    returns this rank's mean loss per step."""
     losses = []
-    for step in range(steps):
+    for step in range(first, first + count):
         total = 0.0
         for m in range(accum):
             x, y = batch(model_name, step * accum + m, rank, world, micro)
@@ -173,6 +168,17 @@ def train_strata(model_name, cfg, steps, rank=0, world=1, engine_out=None):
             engine.step()
             total += loss.item() / accum
         losses.append(total)
+    return losses
+
+
+def train_strata(model_name, cfg, steps, rank=0, world=1, engine_out=None):
+    """The same loop under strata.initialize; returns this rank's loss per global batch."""
+    torch.manual_seed(0)
+    model = MODELS[model_name]()
+    engine, _, _, _ = strata.initialize(model=model, model_parameters=model.parameters(),
+                                        config=copy.deepcopy(cfg))
+    losses = run_steps(engine, model_name, 0, steps, cfg.get("gradient_accumulation_steps", 1),
+                       rank, world, cfg["train_micro_batch_size_per_gpu"])
     if engine_out is not None:
         engine_out.append(engine)
     else:

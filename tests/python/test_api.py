@@ -22,17 +22,7 @@ def _storage_bytes(t):
 
 
 def _run(engine, model_name, first, count, accum=1):
-    losses = []
-    for step in range(first, first + count):
-        total = 0.0
-        for m in range(accum):
-            x, y = harness.batch(model_name, step * accum + m)
-            loss = harness.loss_of(model_name, engine, x, y)
-            engine.backward(loss)
-            engine.step()
-            total += loss.item() / accum
-        losses.append(total)
-    return losses
+    return harness.run_steps(engine, model_name, first, count, accum)
 
 
 def _engine(model_name, cfg, model=None):

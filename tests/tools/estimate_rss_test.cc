@@ -6,8 +6,6 @@
 // RSS growth from the small model to the large one must match the estimate's growth within 10 %,
 // and the baseline each run implies (RSS - estimate) must agree across placements. Then a whole
 // NVMe run must stay within its host budget plus that stated overhead.
-#include <sys/wait.h>
-
 #include <cstdio>
 #include <fstream>
 #include <string>
@@ -19,18 +17,6 @@
 
 namespace strata {
 namespace {
-
-std::string Run(const std::string& cmd, int* rc) {
-  std::string out;
-  FILE* p = popen((cmd + " 2>/dev/null").c_str(), "r");
-  if (!p) return out;
-  char buf[4096];
-  size_t n;
-  while ((n = fread(buf, 1, sizeof buf, p)) > 0) out.append(buf, n);
-  const int st = pclose(p);
-  *rc = WIFEXITED(st) ? WEXITSTATUS(st) : -1;
-  return out;
-}
 
 // The JSON line of `out` holding `key` (strata-train --json prints one per step, then a summary).
 nlohmann::json LineWith(const std::string& out, const std::string& key) {
@@ -65,10 +51,10 @@ Sizes Measure(const std::string& dir, const std::string& name, const std::string
                       << ", \"strata\": {\"chunk_size\": \"1MiB\", \"device\": \"cpu\"" << strata_extra << "}, "
                       << model << "}";
   Sizes s;
-  int rc = -1;
-  const std::string train = Run(std::string(STRATA_TRAIN_BIN) + " --json --steps 2 --eval-every 0 --plot " +
-                                    dir + "/plot.svg --config " + path,
-                                &rc);
+  const auto [rc, train] = testing::RunCommand(std::string(STRATA_TRAIN_BIN) +
+                                                   " --json --steps 2 --eval-every 0 --plot " + dir +
+                                                   "/plot.svg --config " + path,
+                                               /*with_stderr=*/false);
   EXPECT_EQ(rc, 0) << name << ": " << train.substr(0, 2000);
   const nlohmann::json summary = LineWith(train, "peak_rss_bytes");
   EXPECT_FALSE(summary.is_null()) << name << ": no summary in " << train.substr(0, 2000);
@@ -77,8 +63,9 @@ Sizes Measure(const std::string& dir, const std::string& name, const std::string
     s.model_state = summary["model_state_bytes"].get<double>();
     s.host_budget = summary["engine"]["host_budget"].get<double>();
   }
-  const std::string est = Run(std::string(STRATA_ESTIMATE_BIN) + " --json --config " + path, &rc);
-  EXPECT_EQ(rc, 0) << name << ": " << est.substr(0, 2000);
+  const auto [est_rc, est] =
+      testing::RunCommand(std::string(STRATA_ESTIMATE_BIN) + " --json --config " + path, /*with_stderr=*/false);
+  EXPECT_EQ(est_rc, 0) << name << ": " << est.substr(0, 2000);
   auto e = nlohmann::json::parse(est, nullptr, false);
   EXPECT_FALSE(e.is_discarded()) << est.substr(0, 2000);
   if (!e.is_discarded()) {

@@ -1,6 +1,5 @@
 // The planner CLIs end to end: exit codes and messages for bad arguments, strata-estimate's JSON
 // keys, strata-tune writing a config that parses, from a synthetic profile.
-#include <sys/wait.h>
 
 #include <cstdio>
 #include <fstream>
@@ -16,22 +15,9 @@
 namespace strata {
 namespace {
 
-struct Result {
-  int rc = -1;
-  std::string out;  // stdout and stderr
-};
+using Result = strata::testing::CommandResult;
 
-Result Exec(const std::string& cmd) {
-  Result r;
-  FILE* p = popen((cmd + " 2>&1").c_str(), "r");
-  if (!p) return r;
-  char buf[4096];
-  size_t n;
-  while ((n = fread(buf, 1, sizeof buf, p)) > 0) r.out.append(buf, n);
-  int st = pclose(p);
-  r.rc = WIFEXITED(st) ? WEXITSTATUS(st) : -1;
-  return r;
-}
+Result Exec(const std::string& cmd) { return strata::testing::RunCommand(cmd); }
 
 void Write(const std::string& path, const std::string& text) {
   std::ofstream o(path);

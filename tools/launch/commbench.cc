@@ -6,8 +6,6 @@
 #include <chrono>
 #include <cstdio>
 #include <cstring>
-#include <fstream>
-#include <sstream>
 #include <string>
 #include <vector>
 
@@ -15,6 +13,7 @@
 #include <nlohmann/json.hpp>
 
 #include "runtime/check.h"
+#include "runtime/checkpoint.h"
 #include "runtime/comm/backends.h"
 #include "runtime/host_info.h"
 #include "runtime/units.h"
@@ -53,26 +52,17 @@ strata::StatusOr<Result> Time(strata::Communicator& comm, int warmup, int iters,
 // file when it does not exist; other sections are kept. Written atomically (temporary + rename).
 Status WriteToProfile(const std::string& path, const std::string& backend, int world, double busbw) {
   nlohmann::json j = nlohmann::json::object();
-  if (std::ifstream in(path); in) {
-    std::stringstream ss;
-    ss << in.rdbuf();
-    j = nlohmann::json::parse(ss.str(), nullptr, /*allow_exceptions=*/false);
+  if (auto text = strata::checkpoint::ReadFile(path); text.ok()) {
+    j = nlohmann::json::parse(*text, nullptr, /*allow_exceptions=*/false);
     if (j.is_discarded() || !j.is_object())
       return strata::InvalidArgument(strata::StrCat("--profile ", path, ": not a JSON object; ",
                                                     "pass a strata-swapbench profile or a new path"));
+  } else if (text.status().code() != strata::StatusCode::kNotFound) {
+    return text.status();
   }
   if (!j.contains("version")) j["version"] = 1;
   j["comm"] = {{"backend", backend}, {"world_size", world}, {"busbw_gbps", busbw}};
-  const std::string tmp = path + ".tmp";
-  {
-    std::ofstream out(tmp, std::ios::trunc);
-    out << j.dump(2) << "\n";
-    if (!out.flush())
-      return strata::ErrnoToStatus(errno, strata::StrCat("write --profile ", tmp));
-  }
-  if (std::rename(tmp.c_str(), path.c_str()) != 0)
-    return strata::ErrnoToStatus(errno, strata::StrCat("rename ", tmp, " to ", path));
-  return Status::Ok();
+  return strata::checkpoint::WriteFileAtomic(path, j.dump(2) + "\n");
 }
 
 Status Run(const std::string& bytes_text, int iters, int warmup, const std::string& backend,

@@ -19,7 +19,11 @@ nlohmann::json StepReport::ToJson() const {
           {"nvme_s", nvme_s},
           {"optimizer_s", optimizer_s},
           {"stall_s", stall_s},
-          {"overlap_efficiency", overlap_efficiency},
+          {"update_wait_s", update_wait_s},
+          {"lane_sum_s", lane_sum_s},
+          {"longest_lane_s", longest_lane_s},
+          {"overlap", std::isnan(overlap) ? nlohmann::json(nullptr) : nlohmann::json(overlap)},
+          {"compute_idle_share", compute_idle_share},
           {"bytes_host_to_device", bytes_host_to_device},
           {"bytes_device_to_host", bytes_device_to_host},
           {"bytes_nvme_to_host", bytes_nvme_to_host},
@@ -29,9 +33,25 @@ nlohmann::json StepReport::ToJson() const {
           {"bytes_activations_stashed", bytes_activations_stashed}};
 }
 
+void StepReport::FillOverlap() {
+  const double lanes[] = {compute_s, copy_s, comm_s, nvme_s, optimizer_s};
+  lane_sum_s = 0;
+  longest_lane_s = 0;
+  for (double t : lanes) {
+    lane_sum_s += t;
+    longest_lane_s = std::max(longest_lane_s, t);
+  }
+  const double hideable = lane_sum_s - longest_lane_s;
+  // Below a millisecond of work off the longest lane there is nothing to overlap.
+  overlap = hideable > 1e-3 ? std::clamp((lane_sum_s - step_time_s) / hideable, 0.0, 1.0)
+                            : std::numeric_limits<double>::quiet_NaN();
+  compute_idle_share = step_time_s > 0 ? std::clamp(1.0 - compute_s / step_time_s, 0.0, 1.0) : 0;
+}
 
 Engine::Impl::~Impl() {
   StopOptimizerLane();
+  StopGatherLane();
+  if (nvme_) nvme_->SetBusyObserver(nullptr);  // the trace dies before the tier
   if (owner_) unit_detail::UnregisterEngine(owner_);
   for (auto& p : params_)
     if (p.acc) p.acc->post_hooks().clear();
@@ -166,6 +186,11 @@ Status Engine::Impl::DiscoverUnits(const EngineOptions& options) {
   const auto& chunk_infos = partitioner_->chunks();
   chunks_.resize(chunk_infos.size());
   chunk_ready_.assign(chunk_infos.size(), false);
+  chunk_sum_sq_.assign(chunk_infos.size(), 0.0);
+  chunk_nonfinite_.assign(chunk_infos.size(), 0);
+  update_pending_.assign(chunk_infos.size(), 0);
+  fill_landed_.assign(chunk_infos.size(), 1);
+  fill_status_.assign(chunk_infos.size(), Status::Ok());
   for (size_t u = 0; u < units_.size(); ++u) {
     UnitInfo& info = units_[u];
     for (int64_t pid : info.params) {
@@ -187,6 +212,7 @@ Status Engine::Impl::DiscoverUnits(const EngineOptions& options) {
 
 Status Engine::Impl::Init(Engine* owner, const EngineOptions& options) {
   owner_ = owner;
+  optimizer_delay_hook_ = options.optimizer_delay_hook;
   const auto& z = config_.zero_optimization;
   const ComputeDtypeChoice dtype_choice =
       ChooseComputeDtype(config_, device_->kind(), DeviceHasNativeBf16(device_->kind()));
@@ -277,6 +303,9 @@ Status Engine::Impl::Init(Engine* owner, const EngineOptions& options) {
     o.fault_hook = options.nvme_fault_hook;
     STRATA_ASSIGN_OR_RETURN(auto tier, nvme::NvmeTier::Create(o));
     nvme_ = std::move(tier);
+    nvme_->SetBusyObserver([this](Clock::time_point b, Clock::time_point e) {
+      lane_trace_.Add(Lane::kNvme, "nvme busy", b, e, /*step=*/-1);
+    });
   }
   {
     // Host budget: the pinned pool the tier manager places host and NVMe blocks in. Unset, it is
@@ -418,17 +447,25 @@ Status Engine::Impl::Init(Engine* owner, const EngineOptions& options) {
     if (!units_[u].always_live)
       STRATA_RETURN_IF_ERROR(unit_detail::Register(units_[u].module.get(), owner_, static_cast<int64_t>(u)));
   StartOptimizerLane();
+  if (stage3()) {
+    STRATA_ASSIGN_OR_RETURN(gather_stream_, device_->CreateStream(StreamPriority::kHigh));
+    StartGatherLane();
+  }
   STRATA_LOG(INFO) << "engine stage=" << stage << " world=" << comm_->world_size()
                    << " params=" << partitioner_->param_numel() << " units=" << units_.size()
                    << " chunks=" << chunk_infos.size()
                    << " param_placement=" << PlacementName(param_placement_)
                    << " optimizer_placement=" << PlacementName(optim_placement_)
                    << " dtype=" << optim::DTypeName(compute_dtype_)
-                   << " optimizer_overlap=" << (immediate_optimizer() ? "backward" : "deferred");
+                   << " optimizer_overlap="
+                   << (immediate_optimizer() ? "backward"
+                       : defer_updates()     ? "next-forward"
+                                             : "in-step");
   return Status::Ok();
 }
 
 StatusOr<std::vector<torch::Tensor>> Engine::Impl::GatherMasterParams() {
+  QuietLanes();
   std::vector<torch::Tensor> out;
   out.reserve(params_.size());
   for (auto& p : params_) out.push_back(torch::zeros(p.shape, torch::kFloat32));
@@ -550,6 +587,8 @@ int64_t Engine::global_step() const { return impl_->global_step_; }
 int64_t Engine::micro_step() const { return impl_->micro_step_; }
 int64_t Engine::num_parameters() const { return impl_->num_params(); }
 uint64_t Engine::model_state_bytes() const { return impl_->model_state_bytes(); }
+void Engine::SetTracing(bool on) { impl_->SetTracing(on); }
+nlohmann::json Engine::TraceJson() const { return impl_->TraceJson(); }
 nlohmann::json Engine::Describe() const { return impl_->Describe(); }
 
 }  // namespace strata

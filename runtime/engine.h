@@ -46,6 +46,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -69,6 +70,9 @@ struct EngineOptions {
   std::vector<std::string> nvme_path;  // overrides both offload nvme_path settings when set
   bool force_fallback_io = false;      // use the pread/pwrite engine (tests)
   nvme::IoFaultHook nvme_fault_hook;   // test-only: forwarded to NvmeTierOptions::fault_hook
+  // Test-only delay injection: runs on the optimizer lane before each chunk's update, so a test
+  // can stretch the lane and show that nothing reads a chunk before its update is in.
+  std::function<void(int64_t chunk)> optimizer_delay_hook;
 };
 
 // One optimizer step, as seen by every lane.
@@ -78,15 +82,27 @@ struct StepReport {
   double lr = 0;
   double loss_scale = 1;
   double grad_norm = 0;         // global L2 norm of the unscaled gradients (0 when not computed)
-  double step_time_s = 0;       // wall: first Forward of the step to the end of Step
-  // Busy time per lane (seconds). compute excludes time it stalled on data.
+  // Wall time of the step's window: from the end of the previous Step (for the first step, its
+  // first training forward) to the end of this one. It includes whatever the caller did between
+  // steps, and deferred optimizer work runs inside it (Note [deferred optimizer]).
+  double step_time_s = 0;
+  // Busy time per lane (seconds) within the window. compute is the forward and backward spans
+  // less the time they waited (stall_s).
   double compute_s = 0;
   double copy_s = 0;            // host<->device copies
   double comm_s = 0;            // collectives
-  double nvme_s = 0;            // NVMe tier busy time
-  double optimizer_s = 0;       // CPU Adam
-  double stall_s = 0;           // compute waiting for parameters or states
-  double overlap_efficiency = 0;  // longest lane / step time (1.0: perfectly overlapped)
+  double nvme_s = 0;            // NVMe tier busy time (any I/O in flight)
+  double optimizer_s = 0;       // CPU Adam, its state reads and write-backs included
+  double stall_s = 0;           // compute waiting for parameters, states or updates
+  double update_wait_s = 0;     // of stall_s: waiting for a deferred optimizer update
+  // Derived by FillOverlap from the lanes above (compute, copy, comm, nvme, optimizer):
+  double lane_sum_s = 0;        // sum of the lanes' busy time
+  double longest_lane_s = 0;    // the busiest lane's
+  // (lane_sum - step) / (lane_sum - longest): 0 when the lanes ran one after another, 1 when
+  // everything ran under the longest lane; NaN (JSON null) when only one lane was busy.
+  double overlap = 0;
+  double compute_idle_share = 0;  // 1 - compute / step: the share of the step compute was idle
+  void FillOverlap();
   uint64_t bytes_host_to_device = 0;
   uint64_t bytes_device_to_host = 0;
   uint64_t bytes_nvme_to_host = 0;
@@ -173,6 +189,12 @@ class Engine {
   // Bytes of model state (params + grads + optimizer states) over all ranks, padding excluded.
   uint64_t model_state_bytes() const;
   nlohmann::json Describe() const;  // placement, chunking and sizes, for logs
+
+  // Lane tracing: while on, every lane's spans (forward, backward, waits, copies, collectives,
+  // NVMe busy intervals, each chunk's Adam) are recorded; TraceJson returns them all as a
+  // Chrome/Perfetto trace-event document. Meant for a few steps: spans stay in memory.
+  void SetTracing(bool on);
+  nlohmann::json TraceJson() const;
 
   class Impl;
 

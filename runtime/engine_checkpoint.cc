@@ -38,6 +38,7 @@ Status Engine::Impl::Save(const std::string& root, const nlohmann::json& extra) 
   namespace fs = std::filesystem;
   if (step_open_)
     return FailedPrecondition("SaveCheckpoint during a step: save after Step() returns");
+  STRATA_RETURN_IF_ERROR(FinishUpdates());
   std::error_code ec;
   fs::create_directories(root, ec);
   if (ec) return ErrnoToStatus(ec.value(), StrCat("create checkpoint directory ", root));
@@ -134,6 +135,7 @@ Status Engine::Impl::Save(const std::string& root, const nlohmann::json& extra) 
 StatusOr<nlohmann::json> Engine::Impl::Load(const std::string& path) {
   namespace fs = std::filesystem;
   if (step_open_) return FailedPrecondition("LoadCheckpoint during a step");
+  STRATA_RETURN_IF_ERROR(FinishUpdates());
   STRATA_ASSIGN_OR_RETURN(std::string dir, checkpoint::ResolveCheckpointDir(path));
   const std::string stem = checkpoint::RankFileStem(comm_->rank());
   const std::string mpath = (fs::path(dir) / (stem + ".json")).string();

@@ -2,6 +2,7 @@
 //   engine.cc            the facade (Engine), construction (units, partitioning, tiers), reports
 //   unit_coordinator.cc  gathering and releasing units' parameters (stage 3), forward and the
 //                        unit protocol, prefetching from the trace
+//   gather_lane.cc       stage 3's shards read and copied into their chunks ahead of use
 //   gradient_reducer.cc  gradient hooks, per-chunk reduction, Backward
 //   optimizer_lane.cc    the optimizer thread, Adam per chunk, publishing new values, Step
 //   engine_checkpoint.cc saving and loading checkpoints
@@ -42,6 +43,7 @@
 #include "runtime/compute_dtype.h"
 #include "runtime/device.h"
 #include "runtime/host_info.h"
+#include "runtime/lane_trace.h"
 #include "runtime/logging.h"
 #include "runtime/lr_schedule.h"
 #include "runtime/partitioner.h"
@@ -80,15 +82,28 @@ inline strata::DType CommDtype(optim::DType d) {
   return strata::DType::kF32;
 }
 
-// Adds a lane's busy time from the scope's start to its end.
+// Adds a lane's busy time from the scope's start to its end, and records the span in `trace`
+// when one is given and armed.
 class LaneTimer {
  public:
   explicit LaneTimer(double* sum) : sum_(sum), t0_(Clock::now()) {}
-  ~LaneTimer() { *sum_ += Since(t0_); }
+  LaneTimer(double* sum, LaneTrace* trace, Lane lane, const char* name, int64_t step,
+            int64_t chunk = -1)
+      : sum_(sum), t0_(Clock::now()), trace_(trace), lane_(lane), name_(name), step_(step),
+        chunk_(chunk) {}
+  ~LaneTimer() {
+    const Clock::time_point t1 = Clock::now();
+    *sum_ += std::chrono::duration<double>(t1 - t0_).count();
+    if (trace_) trace_->Add(lane_, name_, t0_, t1, step_, chunk_);
+  }
 
  private:
   double* sum_;
   Clock::time_point t0_;
+  LaneTrace* trace_ = nullptr;
+  Lane lane_ = Lane::kCompute;
+  const char* name_ = "";
+  int64_t step_ = 0, chunk_ = -1;
 };
 
 }  // namespace engine_detail
@@ -122,6 +137,9 @@ class Engine::Impl {
   }
   uint64_t device_bytes() const { return device_->allocated(); }
   bool cpu_checkpointing() const { return config_.activation_checkpointing.cpu_checkpointing; }
+  // Lane trace (lane_trace.h): spans are recorded while armed.
+  void SetTracing(bool on) { lane_trace_.Arm(on); }
+  nlohmann::json TraceJson() const { return lane_trace_.ToJson(); }
   // Activation stash (activation_stash.cc).
   StatusOr<int64_t> StashActivations(const std::vector<torch::Tensor>& tensors);
   StatusOr<std::vector<torch::Tensor>> RestoreActivations(int64_t handle);
@@ -160,6 +178,9 @@ class Engine::Impl {
     c10::Storage storage;
     void* buffer = nullptr;
     bool gathered = false;
+    // Gathered ahead by the gather lane (Note [prefetched gathers]): memory installed, the
+    // shard's copy handed to the lane and not yet waited for.
+    bool filling = false;
     int live = 0;             // holders of the gathered chunk (stage 3)
     torch::Tensor grad_full;  // fp32 gradient of the whole chunk for this micro-step
     int pending = 0;          // parameters whose gradient has not arrived this micro-step
@@ -175,6 +196,20 @@ class Engine::Impl {
   // Stage 3: installs memory in a chunk's storage and fills it (shard from its tier, all-gather).
   Status InstallChunk(int64_t c);
   Status FillChunk(int64_t c);
+  // FillChunk's two halves: this rank's shard into the chunk, then the all-gather.
+  Status CopyShardIn(int64_t c);
+  Status AllGatherChunk(int64_t c);
+  // Gather lane (Note [prefetched gathers]).
+  void StartGatherLane();
+  void StopGatherLane();
+  // Installs chunk c and hands its shard's copy to the gather lane, when it is not gathered, no
+  // update of it is pending and the live-parameter cap leaves room; otherwise does nothing.
+  void PrefetchGather(int64_t c);
+  // Waits for a prefetched shard copy to land, then all-gathers (compute thread, in the order
+  // chunks are used, so every rank issues its collectives in the same order).
+  Status FinishFill(int64_t c);
+  // Waits for every prefetched copy in flight (before anything else may touch their blocks).
+  void FinishAllFills();
   void FreeChunkMemory(int64_t c);
   Status GatherChunk(int64_t c);
   // Drops a holder; the chunk stays gathered when it is persistent or will be reused within
@@ -202,6 +237,30 @@ class Engine::Impl {
   void StopOptimizerLane();
   void EnqueueOptimizer(int64_t c);
   Status DrainOptimizer();
+  // Note [deferred optimizer]: blocks until chunk c's queued update (if any) has finished,
+  // moving it to the head of the queue first; returns the lane's error if an update failed.
+  Status WaitChunkUpdated(int64_t c);
+  // Every queued update finished (checkpoints, master values, a new step's global scan).
+  Status FinishUpdates() {
+    FinishAllFills();
+    return DrainOptimizer();
+  }
+  // The same wait, leaving a failed update's error for the Step (or checkpoint) that reports it:
+  // for readers that only need the lanes quiet (GatherMasterParams).
+  void QuietLanes() {
+    FinishAllFills();
+    std::unique_lock<std::mutex> l(opt_mu_);
+    opt_cv_.wait(l, [&] { return opt_queue_.empty() && opt_busy_ == 0; });
+  }
+  // The order the next forward needs chunks in: those that stay gathered across steps (the
+  // root's own, persistent ones; Step refills them) first, then `trace`'s units', then any others.
+  std::vector<int64_t> UpdateOrder(const std::vector<int64_t>& trace) const;
+  // Deferred updates: while the last micro-step's backward runs (the NVMe lane has room then),
+  // starts reading the optimizer states of the first updates, one chunk per reduced chunk, up
+  // to half the host budget.
+  void PrefetchStatesForUpdates();
+  // Starts a new reporting window: the lanes' counters restart from zero.
+  void ResetLanes();
 
   int shard_rank() const { return config_.zero_optimization.stage == 0 ? 0 : comm_->rank(); }
   int shard_world() const {
@@ -212,6 +271,14 @@ class Engine::Impl {
     return config_.strata.overlap_optimizer && config_.gradient_clipping == 0 &&
            !config_.fp16.enabled;
   }
+  // Note [deferred optimizer]: updates that wait for a global condition run after Step returns.
+  // Only under stage 3, where a unit's parameters are readable only while the engine has gathered
+  // them; below it the parameters are plain views of the working copy, which a caller may read
+  // right after Step.
+  bool defer_updates() const {
+    return config_.strata.overlap_optimizer && !immediate_optimizer() && stage3();
+  }
+  int64_t trace_step() const { return global_step_ + 1; }
   bool last_micro_step() const {
     return (micro_step_ + 1) % config_.gradient_accumulation_steps == 0;
   }
@@ -221,6 +288,7 @@ class Engine::Impl {
   std::optional<torch::nn::AnyModule> any_;  // set when the model came with a forward
  private:
   Engine* owner_ = nullptr;
+  std::function<void(int64_t)> optimizer_delay_hook_;  // EngineOptions::optimizer_delay_hook
   Config config_;
   Communicator* comm_;
   Device* device_;
@@ -248,6 +316,10 @@ class Engine::Impl {
   std::vector<ChunkState> chunks_;
   std::vector<bool> chunk_ready_;  // grads complete for this step
   std::vector<bool> persistent_;   // chunks below stage3_param_persistence_threshold
+  // Per chunk, from its reduction at the accumulation boundary: the squared norm of its unscaled
+  // gradient shard and whether it holds a non-finite value. Step sums them in chunk order.
+  std::vector<double> chunk_sum_sq_;
+  std::vector<uint8_t> chunk_nonfinite_;
   int64_t live_elems_ = 0;         // elements of gathered chunks (stage 3)
 
   // The order units ran in this micro-step's forward and in the previous one; prefetching and
@@ -276,7 +348,15 @@ class Engine::Impl {
   bool stash_fallback_logged_ = false;
   uint64_t bytes_stashed_ = 0;
 
-  // Per-step lanes (main thread), reset when a step begins.
+  LaneTrace lane_trace_;
+  // Per-step lanes (main thread), reset when a reporting window begins: at the end of each Step
+  // (or, before the first, at the first training forward), so that work a deferred update does
+  // between steps counts in the window it ran in.
+  bool window_open_ = false;
+  // A tier-manager iteration (BeginIteration) is open. It brackets what repeats each step: with
+  // deferred updates that is from one Step's end to the next, so the trace the tier manager
+  // records (the second step's) holds the updates interleaved with the forward.
+  bool iteration_open_ = false;
   bool step_open_ = false;
   engine_detail::Clock::time_point step_start_;
   // The micro-step's first training gather: Backward adds the span from here as forward compute,
@@ -285,6 +365,7 @@ class Engine::Impl {
   engine_detail::Clock::time_point forward_start_;
   double waits_at_forward_start_ = 0;
   double compute_s_ = 0, copy_s_ = 0, comm_s_ = 0, stall_s_ = 0;
+  double update_wait_s_ = 0;  // of stall_s_: compute waiting for a deferred update
   // Of the copy, comm and stall time, the part spent inside the compute spans (forward, Backward):
   // compute is those spans less this. Waits in Step (the deferred norm scan, refreshing persistent
   // chunks, sharing updated shards) happen outside them and must not shrink compute.
@@ -293,13 +374,30 @@ class Engine::Impl {
   uint64_t bytes_h2d_ = 0, bytes_d2h_ = 0;
   BlockStoreStats store_at_step_start_;
   std::vector<int64_t> ready_order_;  // chunks in the order their grads completed
+  std::vector<int64_t> state_prefetch_order_;  // PrefetchStatesForUpdates: the update order
+  size_t state_prefetch_next_ = 0;
+  uint64_t state_prefetch_bytes_ = 0;
   Status backward_error_;
+
+  // Gather lane state: a thread that reads prefetched shards from their tier and copies them on
+  // its own stream.
+  std::unique_ptr<Stream> gather_stream_;
+  std::thread gather_thread_;
+  std::mutex gather_mu_;
+  std::condition_variable gather_cv_;
+  std::deque<int64_t> gather_queue_;                 // GUARDED_BY(gather_mu_)
+  std::vector<uint8_t> fill_landed_;                 // GUARDED_BY(gather_mu_)
+  std::vector<Status> fill_status_;                  // GUARDED_BY(gather_mu_)
+  bool gather_stop_ = false;                         // GUARDED_BY(gather_mu_)
+  double gather_copy_s_ = 0, gather_read_s_ = 0;     // GUARDED_BY(gather_mu_)
+  uint64_t gather_h2d_ = 0;                          // GUARDED_BY(gather_mu_)
 
   // Optimizer lane state.
   std::thread opt_thread_;
   std::mutex opt_mu_;
   std::condition_variable opt_cv_;
   std::deque<int64_t> opt_queue_;  // GUARDED_BY(opt_mu_)
+  std::vector<uint8_t> update_pending_;  // GUARDED_BY(opt_mu_): per chunk, queued or running
   int opt_busy_ = 0;               // GUARDED_BY(opt_mu_)
   bool opt_stop_ = false;          // GUARDED_BY(opt_mu_)
   Status opt_error_;               // GUARDED_BY(opt_mu_)

@@ -100,7 +100,8 @@ Status Engine::Impl::ReduceChunk(int64_t c) {
   float* data = cs.grad_full.data_ptr<float>();
   const int64_t off = partitioner_->ShardOffset(c, shard_rank());
   if (comm_->world_size() > 1) {
-    LaneTimer t(&comm_s_);
+    LaneTimer t(&comm_s_, &lane_trace_, Lane::kComm, full ? "all-reduce" : "reduce-scatter",
+                trace_step(), c);
     if (full) {
       STRATA_RETURN_IF_ERROR(comm_->AllReduce(data, ci.numel, strata::DType::kF32, ReduceOp::kAvg));
     } else {
@@ -112,11 +113,15 @@ Status Engine::Impl::ReduceChunk(int64_t c) {
   // The whole gradient already holds every micro-step: it replaces the shard's contents.
   const bool first_micro = full || micro_step_ % config_.gradient_accumulation_steps == 0;
   BlockKey key{c, StateKind::kGrad};
-  auto t0 = Clock::now();
-  STRATA_ASSIGN_OR_RETURN(void* dst, store_->Acquire(key, first_micro ? Access::kWrite : Access::kReadWrite));
-  stall_s_ += Since(t0);
+  // The previous step's deferred update of this chunk reads the block this overwrites.
+  STRATA_RETURN_IF_ERROR(WaitChunkUpdated(c));
+  void* dst = nullptr;
   {
-    LaneTimer t(&copy_s_);
+    LaneTimer t(&stall_s_, &lane_trace_, Lane::kWait, "gradient block", trace_step(), c);
+    STRATA_ASSIGN_OR_RETURN(dst, store_->Acquire(key, first_micro ? Access::kWrite : Access::kReadWrite));
+  }
+  {
+    LaneTimer t(&copy_s_, &lane_trace_, Lane::kCopy, "gradient to host", trace_step(), c);
     torch::NoGradGuard ng;
     torch::Tensor host = torch::from_blob(
         dst, {ci.shard_numel},
@@ -127,6 +132,20 @@ Status Engine::Impl::ReduceChunk(int64_t c) {
     if (device_->kind() != DeviceKind::kCpu) bytes_d2h_ += ci.shard_numel * 4;
   }
   cs.grad_full = torch::Tensor();
+  if (last_micro_step() && !immediate_optimizer()) {
+    // This chunk's part of the step's global norm and overflow check, while the shard is hot
+    // (Note [deferred optimizer]).
+    const double inv = scaler_ ? scaler_->inv_scale() : 1.0;
+    auto st = optim::UnscaleCheckNorm(dst, optim::DType::kFloat32, ci.shard_numel,
+                                      static_cast<float>(inv));
+    if (!st.ok()) {
+      store_->Release(key, true).IgnoreError();
+      return st.status().WithContext(StrCat("norm of chunk ", c, "'s gradient"));
+    }
+    chunk_sum_sq_[c] = st->sum_sq;
+    chunk_nonfinite_[c] = st->found_nonfinite ? 1 : 0;
+    if (defer_updates()) PrefetchStatesForUpdates();
+  }
   STRATA_RETURN_IF_ERROR(store_->Release(key, true));
   if (last_micro_step()) {
     chunk_ready_[c] = true;
@@ -140,7 +159,9 @@ Status Engine::Impl::Backward(const torch::Tensor& loss) {
   if (!step_open_ || !micro_open_)
     return FailedPrecondition("Backward called without a training forward in this micro-step");
   backward_error_ = Status::Ok();
-  compute_s_ += Since(forward_start_);  // the forward (and the loss), however it was driven
+  // The forward (and the loss), however it was driven.
+  lane_trace_.Add(Lane::kCompute, "forward", forward_start_, Clock::now(), trace_step());
+  compute_s_ += Since(forward_start_);
   waits_in_compute_s_ += WaitsSoFar() - waits_at_forward_start_;
   const double waits_at_backward = WaitsSoFar();
   if (last_micro_step() && immediate_optimizer()) {
@@ -149,13 +170,18 @@ Status Engine::Impl::Backward(const torch::Tensor& loss) {
     opt_lr_ = LearningRate(config_, opt_step_);
     opt_grad_scale_ = 1.0f;
   }
+  if (last_micro_step() && defer_updates()) {
+    state_prefetch_order_ = UpdateOrder(trace_);
+    state_prefetch_next_ = 0;
+    state_prefetch_bytes_ = 0;
+  }
   double scale = scaler_ ? scaler_->scale() : 1.0;
   torch::Tensor scaled = loss * (scale / static_cast<double>(config_.gradient_accumulation_steps));
   backward_cursor_ = trace_.size();
   in_backward_ = true;
   Status result;
   try {
-    LaneTimer t(&compute_s_);
+    LaneTimer t(&compute_s_, &lane_trace_, Lane::kCompute, "backward", trace_step());
     scaled.backward();
   } catch (const std::exception& e) {
     result = backward_error_.ok() ? Internal(StrCat("backward failed: ", e.what())) : backward_error_;

@@ -8,6 +8,21 @@ using namespace engine_detail;
 // ---------------------------------------------------------------------------------------------
 // Optimizer.
 
+// Note [deferred optimizer]
+// Without a global condition (gradient clipping, fp16 overflow) a chunk's update starts as soon
+// as its gradient is reduced, during backward. With one, no update may start before every
+// gradient is in: the reductions compute each chunk's share of the norm and its overflow flag as
+// they land, and Step combines them. Under stage 3 Step then queues every update in the order the
+// next forward gathers the chunks (UpdateOrder), refills the chunks that stay gathered between
+// steps (the root's own, persistent ones: queued first, so that wait is short) and returns. The
+// next forward waits only for the chunk it is about to gather (WaitChunkUpdated, which also
+// moves that chunk to the head of the queue), so the updates, their NVMe reads and write-backs
+// run beside it. Nothing else can see the values in between: a stage-3 parameter outside its
+// unit has no storage. The updates take the same inputs (gradient, clip factor, lr, step) as a
+// step that waited, so the values are bit-identical. Everything else that reads the states
+// finishes the updates first: checkpoints, GatherMasterParams, the next Step, and the reduction
+// of a chunk's next gradient. Below stage 3 the parameters are plain views of the working copy
+// that a caller may read right after Step, so Step waits for the updates there.
 void Engine::Impl::StartOptimizerLane() {
   opt_thread_ = std::thread([this] {
     std::unique_lock<std::mutex> l(opt_mu_);
@@ -19,12 +34,17 @@ void Engine::Impl::StartOptimizerLane() {
       ++opt_busy_;
       bool failed = !opt_error_.ok();
       l.unlock();
-      auto t0 = Clock::now();
-      Status s = failed ? Status::Ok() : AdamChunk(c, opt_grad_scale_, opt_lr_, opt_step_);
-      double dt = Since(t0);
+      double dt = 0;
+      Status s;
+      if (!failed) {
+        if (optimizer_delay_hook_) optimizer_delay_hook_(c);
+        LaneTimer t(&dt, &lane_trace_, Lane::kOptimizer, "adam", opt_step_, c);
+        s = AdamChunk(c, opt_grad_scale_, opt_lr_, opt_step_);
+      }
       l.lock();
       opt_s_ += dt;
       if (!s.ok() && opt_error_.ok()) opt_error_ = s;
+      update_pending_[c] = 0;
       --opt_busy_;
       opt_cv_.notify_all();
     }
@@ -41,11 +61,16 @@ void Engine::Impl::StopOptimizerLane() {
 }
 
 void Engine::Impl::EnqueueOptimizer(int64_t c) {
+  if (chunks_[c].filling) {  // a copy gathered ahead still reads the block the update writes
+    std::unique_lock<std::mutex> l(gather_mu_);
+    gather_cv_.wait(l, [&] { return fill_landed_[c] != 0; });
+  }
   // Start reading the chunk's states now; the lane picks it up in order.
   for (StateKind k : {StateKind::kMaster32, StateKind::kExpAvg, StateKind::kExpAvgSq})
     store_->Prefetch({c, k});
   {
     std::lock_guard<std::mutex> l(opt_mu_);
+    update_pending_[c] = 1;
     opt_queue_.push_back(c);
   }
   opt_cv_.notify_all();
@@ -57,6 +82,64 @@ Status Engine::Impl::DrainOptimizer() {
   Status s = opt_error_;
   opt_error_ = Status::Ok();
   return s;
+}
+
+Status Engine::Impl::WaitChunkUpdated(int64_t c) {
+  std::unique_lock<std::mutex> l(opt_mu_);
+  if (!update_pending_[c]) return opt_error_;
+  auto it = std::find(opt_queue_.begin(), opt_queue_.end(), c);
+  if (it != opt_queue_.end() && it != opt_queue_.begin()) {
+    opt_queue_.erase(it);
+    opt_queue_.push_front(c);
+  }
+  const Clock::time_point t0 = Clock::now();
+  opt_cv_.wait(l, [&] { return !update_pending_[c]; });
+  const Clock::time_point t1 = Clock::now();
+  const double dt = std::chrono::duration<double>(t1 - t0).count();
+  stall_s_ += dt;
+  update_wait_s_ += dt;
+  lane_trace_.Add(Lane::kWait, "wait for update", t0, t1, trace_step(), c);
+  return opt_error_;
+}
+
+std::vector<int64_t> Engine::Impl::UpdateOrder(const std::vector<int64_t>& trace) const {
+  std::vector<int64_t> order;
+  std::vector<bool> seen(chunks_.size(), false);
+  auto add = [&](int64_t u) {
+    for (int64_t c : units_[u].chunks)
+      if (!seen[c]) {
+        seen[c] = true;
+        order.push_back(c);
+      }
+  };
+  for (size_t u = 0; u < units_.size(); ++u)
+    if (units_[u].always_live) add(static_cast<int64_t>(u));
+  for (size_t c = 0; c < chunks_.size(); ++c)
+    if (stage3() && persistent_[c] && !seen[c]) {
+      seen[c] = true;
+      order.push_back(static_cast<int64_t>(c));
+    }
+  for (int64_t u : trace) add(u);
+  for (size_t c = 0; c < chunks_.size(); ++c)
+    if (!seen[c]) order.push_back(static_cast<int64_t>(c));
+  return order;
+}
+
+void Engine::Impl::PrefetchStatesForUpdates() {
+  if (optim_placement_ != Placement::kNvme) return;
+  if (state_prefetch_next_ < state_prefetch_order_.size()) {
+    const int64_t c = state_prefetch_order_[state_prefetch_next_];
+    const uint64_t bytes = 3ull * partitioner_->chunks()[c].shard_numel * 4;
+    if (state_prefetch_bytes_ + bytes <= host_budget_ / 2) {
+      ++state_prefetch_next_;
+      state_prefetch_bytes_ += bytes;
+    }
+  }
+  // A prefetch that found no room without waiting only started a write-back: ask again for the
+  // earlier chunks too (a no-op for blocks already read or on their way).
+  for (size_t i = 0; i < state_prefetch_next_; ++i)
+    for (StateKind k : {StateKind::kMaster32, StateKind::kExpAvg, StateKind::kExpAvgSq})
+      store_->Prefetch({state_prefetch_order_[i], k});
 }
 
 Status Engine::Impl::AdamChunk(int64_t c, float grad_scale, double lr, int64_t step) {
@@ -193,6 +276,22 @@ Status Engine::Impl::ShareUpdatedShards() {
   return Status::Ok();
 }
 
+void Engine::Impl::ResetLanes() {
+  window_open_ = true;
+  step_start_ = Clock::now();
+  compute_s_ = copy_s_ = comm_s_ = stall_s_ = waits_in_compute_s_ = update_wait_s_ = 0;
+  bytes_h2d_ = bytes_d2h_ = 0;
+  bytes_stashed_ = 0;
+  store_at_step_start_ = store_->stats();
+  {
+    std::lock_guard<std::mutex> l(gather_mu_);
+    gather_copy_s_ = gather_read_s_ = 0;
+    gather_h2d_ = 0;
+  }
+  std::lock_guard<std::mutex> l(opt_mu_);
+  opt_s_ = 0;
+}
+
 StatusOr<StepReport> Engine::Impl::Step() {
   if (micro_step_ == 0 || micro_step_ % config_.gradient_accumulation_steps != 0)
     return FailedPrecondition(StrCat("Step after ", micro_step_ % config_.gradient_accumulation_steps,
@@ -203,28 +302,24 @@ StatusOr<StepReport> Engine::Impl::Step() {
   rep.loss_scale = scaler_ ? scaler_->scale() : 1.0;
   bool overflow = false;
   if (immediate_optimizer()) {
+    FinishAllFills();
     STRATA_RETURN_IF_ERROR(DrainOptimizer());
     rep.lr = opt_lr_;
   } else {
-    // Global conditions first: the squared norm and the overflow flag over every shard.
+    // The previous step's deferred updates have all been waited for by now (this step's forward
+    // and reductions needed them); a failure among them surfaces here. Copies gathered ahead
+    // land before any update may write their blocks.
+    STRATA_RETURN_IF_ERROR(FinishUpdates());
+    // Global conditions first: the squared norm and the overflow flag over every shard, from the
+    // per-chunk parts the reductions computed, summed in chunk order.
     double sum_sq = 0;
     bool nonfinite = false;
-    const double inv = scaler_ ? scaler_->inv_scale() : 1.0;
     for (size_t c = 0; c < chunks_.size(); ++c) {
-      const int64_t c64 = static_cast<int64_t>(c);
-      auto t0 = Clock::now();
-      STRATA_ASSIGN_OR_RETURN(void* g, store_->Acquire({c64, StateKind::kGrad}, Access::kRead));
-      stall_s_ += Since(t0);
-      auto st = optim::UnscaleCheckNorm(g, optim::DType::kFloat32,
-                                        partitioner_->chunks()[c].shard_numel,
-                                        static_cast<float>(inv));
-      STRATA_RETURN_IF_ERROR(store_->Release({c64, StateKind::kGrad}, false));
-      STRATA_RETURN_IF_ERROR(st.status());
-      nonfinite |= st->found_nonfinite;
-      sum_sq += st->sum_sq;
+      nonfinite |= chunk_nonfinite_[c] != 0;
+      sum_sq += chunk_sum_sq_[c];
     }
     if (comm_->world_size() > 1 && config_.zero_optimization.stage > 0) {
-      LaneTimer t(&comm_s_);
+      LaneTimer t(&comm_s_, &lane_trace_, Lane::kComm, "norm all-reduce", trace_step());
       double flags[2] = {sum_sq, nonfinite ? 1.0 : 0.0};
       STRATA_RETURN_IF_ERROR(comm_->AllReduce(&flags[0], 1, strata::DType::kF64, ReduceOp::kSum));
       STRATA_RETURN_IF_ERROR(comm_->AllReduce(&flags[1], 1, strata::DType::kF64, ReduceOp::kMax));
@@ -238,24 +333,35 @@ StatusOr<StepReport> Engine::Impl::Step() {
       double clip = 1.0;
       if (config_.gradient_clipping > 0)
         clip = std::min(1.0, config_.gradient_clipping / (norm + 1e-6));
+      const double inv = scaler_ ? scaler_->inv_scale() : 1.0;
       opt_grad_scale_ = static_cast<float>(clip * inv);
       opt_step_ = global_step_ + 1;
       opt_lr_ = LearningRate(config_, opt_step_);
       rep.lr = opt_lr_;
-      // Backward order is the order the states were last touched; update in it.
-      for (int64_t c : ready_order_) EnqueueOptimizer(c);
-      STRATA_RETURN_IF_ERROR(DrainOptimizer());
+      if (defer_updates()) {
+        // The next iteration starts with these updates (see iteration_open_).
+        if (iteration_open_) store_->EndIteration();
+        store_->BeginIteration();
+        iteration_open_ = true;
+      }
+      for (int64_t c : UpdateOrder(last_trace_)) EnqueueOptimizer(c);
+      if (!defer_updates()) STRATA_RETURN_IF_ERROR(DrainOptimizer());
     }
   }
   if (scaler_) STRATA_RETURN_IF_ERROR(scaler_->Update(overflow));
   if (!overflow) {
     ++global_step_;
-    LaneTimer t(&comm_s_);
-    STRATA_RETURN_IF_ERROR(ShareUpdatedShards());
+    if (!stage3() && shard_world() > 1) {
+      LaneTimer t(&comm_s_, &lane_trace_, Lane::kComm, "share updated shards", global_step_);
+      STRATA_RETURN_IF_ERROR(ShareUpdatedShards());
+    }
   }
   std::fill(chunk_ready_.begin(), chunk_ready_.end(), false);
   if (!overflow) STRATA_RETURN_IF_ERROR(RefreshChunksAfterStep());  // the working copy changed
-  store_->EndIteration();
+  if (iteration_open_ && !(defer_updates() && !overflow)) {
+    store_->EndIteration();
+    iteration_open_ = false;
+  }
 
   rep.step = global_step_;
   rep.skipped = overflow;
@@ -264,12 +370,18 @@ StatusOr<StepReport> Engine::Impl::Step() {
   rep.copy_s = copy_s_;
   rep.comm_s = comm_s_;
   {
+    std::lock_guard<std::mutex> l(gather_mu_);
+    rep.copy_s += gather_copy_s_;
+    bytes_h2d_ += gather_h2d_;
+  }
+  {
     std::lock_guard<std::mutex> l(opt_mu_);
     rep.optimizer_s = opt_s_;
   }
   BlockStoreStats now = store_->stats();
   rep.nvme_s = now.nvme_busy_s - store_at_step_start_.nvme_busy_s;
   rep.stall_s = stall_s_;  // the compute lane's waits; the optimizer lane's are in optimizer_s
+  rep.update_wait_s = update_wait_s_;
   rep.bytes_host_to_device = bytes_h2d_;
   rep.bytes_device_to_host = bytes_d2h_;
   rep.bytes_nvme_to_host = now.bytes_nvme_to_host - store_at_step_start_.bytes_nvme_to_host;
@@ -277,9 +389,9 @@ StatusOr<StepReport> Engine::Impl::Step() {
   rep.peak_device_bytes = device_->peak_allocated();
   rep.peak_host_bytes = now.peak_bytes_host;
   rep.bytes_activations_stashed = bytes_stashed_;
-  double longest = std::max({rep.compute_s, rep.copy_s, rep.comm_s, rep.nvme_s, rep.optimizer_s});
-  rep.overlap_efficiency = rep.step_time_s > 0 ? std::min(1.0, longest / rep.step_time_s) : 0;
+  rep.FillOverlap();
   step_open_ = false;
+  ResetLanes();  // the next window starts now: deferred updates run in it
   return rep;
 }
 

@@ -44,38 +44,61 @@ void Engine::Impl::FreeChunkMemory(int64_t c) {
 }
 
 Status Engine::Impl::FillChunk(int64_t c) {
+  STRATA_RETURN_IF_ERROR(CopyShardIn(c));
+  return AllGatherChunk(c);
+}
+
+Status Engine::Impl::CopyShardIn(int64_t c) {
+  const ChunkInfo& ci = partitioner_->chunks()[c];
+  const size_t esize = optim::DTypeSize(compute_dtype_);
+  char* dst = static_cast<char*>(chunks_[c].buffer) + partitioner_->ShardOffset(c, shard_rank()) * esize;
+  const size_t bytes = ci.shard_numel * esize;
+  BlockKey key{c, StateKind::kParam16};
+  void* src = nullptr;
+  {
+    LaneTimer t(&stall_s_, &lane_trace_, Lane::kWait, "shard read", trace_step(), c);
+    STRATA_ASSIGN_OR_RETURN(src, store_->Acquire(key, Access::kRead));
+  }
+  LaneTimer t(&copy_s_, &lane_trace_, Lane::kCopy, "shard to device", trace_step(), c);
+  CopyKind kind = param_placement_ == Placement::kDevice ? CopyKind::kDeviceToDevice
+                                                         : CopyKind::kHostToDevice;
+  Status s = copy_stream_->MemcpyAsync(dst, src, bytes, kind);
+  if (s.ok()) s = copy_stream_->Synchronize();
+  Status r = store_->Release(key, false);
+  STRATA_RETURN_IF_ERROR(s);
+  STRATA_RETURN_IF_ERROR(r);
+  if (kind == CopyKind::kHostToDevice) bytes_h2d_ += bytes;
+  return Status::Ok();
+}
+
+Status Engine::Impl::AllGatherChunk(int64_t c) {
+  if (comm_->world_size() < 2) return Status::Ok();
   const ChunkInfo& ci = partitioner_->chunks()[c];
   const size_t esize = optim::DTypeSize(compute_dtype_);
   char* base = static_cast<char*>(chunks_[c].buffer);
-  char* dst = base + partitioner_->ShardOffset(c, shard_rank()) * esize;
-  const size_t bytes = ci.shard_numel * esize;
-  BlockKey key{c, StateKind::kParam16};
-  auto t0 = Clock::now();
-  STRATA_ASSIGN_OR_RETURN(void* src, store_->Acquire(key, Access::kRead));
-  stall_s_ += Since(t0);
-  {
-    LaneTimer t(&copy_s_);
-    CopyKind kind = param_placement_ == Placement::kDevice ? CopyKind::kDeviceToDevice
-                                                           : CopyKind::kHostToDevice;
-    Status s = copy_stream_->MemcpyAsync(dst, src, bytes, kind);
-    if (s.ok()) s = copy_stream_->Synchronize();
-    Status r = store_->Release(key, false);
-    STRATA_RETURN_IF_ERROR(s);
-    STRATA_RETURN_IF_ERROR(r);
-    if (kind == CopyKind::kHostToDevice) bytes_h2d_ += bytes;
-  }
-  if (comm_->world_size() > 1) {
-    LaneTimer t(&comm_s_);
-    STRATA_RETURN_IF_ERROR(comm_->AllGather(dst, base, ci.shard_numel, CommDtype(compute_dtype_)));
-  }
-  return Status::Ok();
+  char* mine = base + partitioner_->ShardOffset(c, shard_rank()) * esize;
+  LaneTimer t(&comm_s_, &lane_trace_, Lane::kComm, "all-gather", trace_step(), c);
+  return comm_->AllGather(mine, base, ci.shard_numel, CommDtype(compute_dtype_));
 }
 
 Status Engine::Impl::GatherChunk(int64_t c) {
   ChunkState& cs = chunks_[c];
   ++cs.live;
-  if (cs.gathered) return Status::Ok();
+  if (cs.gathered) {
+    if (!cs.filling) return Status::Ok();
+    Status s = FinishFill(c);
+    if (!s.ok()) {
+      --cs.live;
+      DropChunk(c);
+    }
+    return s;
+  }
   const ChunkInfo& ci = partitioner_->chunks()[c];
+  // Its shard may still be being updated (Note [deferred optimizer]).
+  if (Status w = WaitChunkUpdated(c); !w.ok()) {
+    --cs.live;
+    return w;
+  }
   const int64_t max_live = config_.zero_optimization.stage3_max_live_parameters;
   for (size_t k = 0; k < chunks_.size() && live_elems_ + ci.numel > max_live; ++k)
     if (chunks_[k].live == 0 && chunks_[k].gathered) DropChunk(static_cast<int64_t>(k));
@@ -102,6 +125,13 @@ void Engine::Impl::ReleaseChunk(int64_t c, int64_t reuse_distance) {
 void Engine::Impl::DropChunk(int64_t c) {
   ChunkState& cs = chunks_[c];
   if (!cs.gathered) return;
+  if (cs.filling) {
+    // Gathered ahead but not used (the trace changed, the cap needs room): the lane's copy
+    // must land before the memory goes back.
+    std::unique_lock<std::mutex> l(gather_mu_);
+    gather_cv_.wait(l, [&] { return fill_landed_[c] != 0; });
+    cs.filling = false;
+  }
   FreeChunkMemory(c);
   cs.gathered = false;
   live_elems_ -= partitioner_->chunks()[c].numel;
@@ -110,13 +140,16 @@ void Engine::Impl::DropChunk(int64_t c) {
 Status Engine::Impl::RefreshChunksAfterStep() {
   if (!stage3()) return Status::Ok();
   for (size_t c = 0; c < chunks_.size(); ++c) {
+    const int64_t c64 = static_cast<int64_t>(c);
     ChunkState& cs = chunks_[c];
     if (!cs.gathered) continue;
     if (cs.live > 0 || persistent_[c]) {
-      // Still held (the root's own parameters) or persistent: same memory, new values.
-      STRATA_RETURN_IF_ERROR(FillChunk(static_cast<int64_t>(c)));
+      // Still held (the root's own parameters) or persistent: readable between steps, so same
+      // memory, new values, before Step returns. Their updates are queued first.
+      STRATA_RETURN_IF_ERROR(WaitChunkUpdated(c64));
+      STRATA_RETURN_IF_ERROR(FillChunk(c64));
     } else {
-      DropChunk(static_cast<int64_t>(c));
+      DropChunk(c64);
     }
   }
   return Status::Ok();
@@ -151,14 +184,16 @@ int64_t Engine::Impl::ForwardReuseDistance(size_t pos) const {
 // Hints the shards of the units after trace position `pos` (direction +1, forward) or before it
 // (-1, backward) until stage3_prefetch_bucket_size elements are on their way.
 void Engine::Impl::PrefetchUnits(size_t pos, int direction) {
-  if (!stage3() || param_placement_ == Placement::kDevice) return;
+  if (!stage3()) return;
   const std::vector<int64_t>& trace = direction > 0 ? last_trace_ : trace_;
   int64_t budget = config_.zero_optimization.stage3_prefetch_bucket_size;
   for (int64_t k = static_cast<int64_t>(pos) + direction;
        k >= 0 && k < static_cast<int64_t>(trace.size()) && budget > 0; k += direction) {
     for (int64_t c : units_[trace[k]].chunks) {
       if (chunks_[c].gathered) continue;
-      store_->Prefetch({c, StateKind::kParam16});
+      if (param_placement_ != Placement::kDevice) store_->Prefetch({c, StateKind::kParam16});
+      // The next unit's chunks are gathered ahead, not only read ahead.
+      if (std::abs(k - static_cast<int64_t>(pos)) == 1) PrefetchGather(c);
       budget -= partitioner_->chunks()[c].shard_numel;
     }
   }
@@ -167,17 +202,13 @@ void Engine::Impl::PrefetchUnits(size_t pos, int direction) {
 void Engine::Impl::OpenMicroStep() {
   if (!step_open_) {
     step_open_ = true;
-    step_start_ = Clock::now();
-    compute_s_ = copy_s_ = comm_s_ = stall_s_ = waits_in_compute_s_ = 0;
-    bytes_h2d_ = bytes_d2h_ = 0;
-    bytes_stashed_ = 0;
-    store_at_step_start_ = store_->stats();
+    // The first step's window opens here; later ones opened when the previous Step returned.
+    if (!window_open_) ResetLanes();
     ready_order_.clear();
-    {
-      std::lock_guard<std::mutex> l(opt_mu_);
-      opt_s_ = 0;
+    if (!iteration_open_ && !defer_updates()) {
+      store_->BeginIteration();
+      iteration_open_ = true;
     }
-    store_->BeginIteration();
   }
   micro_open_ = true;
   forward_start_ = Clock::now();

@@ -1,7 +1,11 @@
 // The most important test: training through the engine gives the same results as plain LibTorch
 // training with the same seed, under every placement and stage.
 #include <cmath>
+#include <chrono>
 #include <cstdlib>
+#include <mutex>
+#include <random>
+#include <thread>
 #include <set>
 
 #include <gtest/gtest.h>
@@ -77,6 +81,117 @@ INSTANTIATE_TEST_SUITE_P(
         // A host budget of a few blocks: every step evicts to NVMe and reads back.
         Case{"nvme_offload_evicting", 3, OffloadDevice::kNvme, OffloadDevice::kNvme, 1, 1.0,
              256 << 10}),
+    [](const auto& info) { return std::string(info.param.name); });
+
+// Note [deferred optimizer]: under stage 3 with clipping, updates run after Step returns, beside
+// the next forward. Against the same engine waiting for them in Step (strata.overlap_optimizer=false), the
+// losses, an evaluation forward between steps and the final values must be bit-identical, with
+// the optimizer lane slowed by random delays so that the forward really finds updates pending.
+struct DeferredCase {
+  const char* name;
+  int stage;
+  OffloadDevice param;
+  OffloadDevice optim;
+  int accumulation;
+  bool persistent;  // small chunks stay gathered across steps (Step refills them)
+};
+
+class DeferredUpdates : public ::testing::TestWithParam<DeferredCase> {};
+
+struct DeferredRun {
+  std::vector<double> losses;
+  std::vector<torch::Tensor> evals;   // an evaluation forward's logits after each step
+  std::vector<torch::Tensor> params;  // the master values at the end
+  double update_wait_s = 0;           // summed over the steps after the first
+};
+
+DeferredRun TrainDeferred(const Config& c, EngineOptions opts) {
+  auto comm = CreateSingleCommunicator();
+  auto device = CreateDevice("cpu", 256 << 20).value();
+  auto engine_or = Engine::Create(models::BuildGpt(c.model), c, comm.get(), device.get(), opts);
+  EXPECT_TRUE(engine_or.ok()) << engine_or.status();
+  DeferredRun run;
+  if (!engine_or.ok()) return run;
+  auto engine = std::move(engine_or).value();
+  const torch::Tensor probe = Batch(c, 100, 0).narrow(1, 0, c.model.seq_len);
+  for (int s = 0; s < kSteps; ++s) {
+    double step_loss = 0;
+    for (int m = 0; m < c.gradient_accumulation_steps; ++m) {
+      torch::Tensor b = Batch(c, s, m);
+      torch::Tensor l = models::LanguageModelLoss(engine->Forward(b.narrow(1, 0, c.model.seq_len)),
+                                                  b.narrow(1, 1, c.model.seq_len));
+      EXPECT_OK(engine->Backward(l));
+      step_loss += l.item<double>() / c.gradient_accumulation_steps;
+    }
+    auto rep = engine->Step();
+    EXPECT_TRUE(rep.ok()) << rep.status();
+    if (!rep.ok()) return run;
+    if (s > 0) run.update_wait_s += rep->update_wait_s;
+    run.losses.push_back(step_loss);
+    torch::NoGradGuard ng;
+    run.evals.push_back(engine->Forward(probe).clone());
+  }
+  auto params = engine->GatherMasterParams();
+  EXPECT_TRUE(params.ok()) << params.status();
+  if (params.ok()) run.params = *params;
+  return run;
+}
+
+TEST_P(DeferredUpdates, BitIdenticalToWaitingInStep) {
+  const DeferredCase& k = GetParam();
+  Config c = BaseConfig();
+  c.zero_optimization.stage = k.stage;
+  c.zero_optimization.offload_param.device = k.param;
+  c.zero_optimization.offload_optimizer.device = k.optim;
+  c.gradient_accumulation_steps = k.accumulation;
+  c.gradient_clipping = 0.5;  // a global condition: updates cannot start during backward
+  c.zero_optimization.stage3_param_persistence_threshold = k.persistent ? 1 << 20 : 0;
+  c.zero_optimization.stage3_max_reuse_distance = 0;
+  testing::TempDir dir_wait, dir_defer;
+  const bool nvme = k.param == OffloadDevice::kNvme || k.optim == OffloadDevice::kNvme;
+
+  Config waiting = c;
+  waiting.strata.overlap_optimizer = false;
+  EngineOptions wopts;
+  if (nvme) wopts.nvme_path = {dir_wait.path()};
+  DeferredRun want = TrainDeferred(waiting, wopts);
+
+  // Delay injection: every update first sleeps a random 1-5 ms, so the evaluation forward that
+  // follows each Step finds its first chunk's update still pending.
+  std::mt19937 rng(7);
+  std::mutex rng_mu;
+  EngineOptions dopts;
+  if (nvme) dopts.nvme_path = {dir_defer.path()};
+  dopts.optimizer_delay_hook = [&](int64_t) {
+    int us;
+    {
+      std::lock_guard<std::mutex> l(rng_mu);
+      us = std::uniform_int_distribution<int>(1000, 5000)(rng);
+    }
+    std::this_thread::sleep_for(std::chrono::microseconds(us));
+  };
+  DeferredRun got = TrainDeferred(c, dopts);
+
+  ASSERT_EQ(want.losses.size(), static_cast<size_t>(kSteps));
+  ASSERT_EQ(got.losses.size(), want.losses.size());
+  for (size_t i = 0; i < want.losses.size(); ++i) {
+    EXPECT_EQ(got.losses[i], want.losses[i]) << "step " << i;
+    EXPECT_TRUE(torch::equal(got.evals[i], want.evals[i])) << "evaluation after step " << i;
+  }
+  ASSERT_EQ(got.params.size(), want.params.size());
+  for (size_t i = 0; i < want.params.size(); ++i)
+    EXPECT_TRUE(torch::equal(got.params[i], want.params[i])) << "parameter " << i;
+  // The forward did find updates pending and waited for them; waiting in Step never does.
+  EXPECT_GT(got.update_wait_s, 0.0);
+  EXPECT_EQ(want.update_wait_s, 0.0);
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Clipping, DeferredUpdates,
+    ::testing::Values(
+        DeferredCase{"stage3", 3, OffloadDevice::kNone, OffloadDevice::kNone, 1, false},
+        DeferredCase{"stage3_cpu_accum", 3, OffloadDevice::kCpu, OffloadDevice::kCpu, 2, false},
+        DeferredCase{"stage3_nvme_accum", 3, OffloadDevice::kNvme, OffloadDevice::kNvme, 2, false}),
     [](const auto& info) { return std::string(info.param.name); });
 
 TEST(EquivalenceLowPrecision, Bf16TracksTheFp32LossCurve) {

@@ -77,11 +77,16 @@ IoDone NvmeTier::Track(bool read, uint64_t bytes, IoCallback done) {
     if (inflight_++ == 0) busy_since_ = std::chrono::steady_clock::now();
   }
   return [this, read, bytes, done = std::move(done)](Status s) {
+    std::shared_ptr<const BusyObserver> observer;
+    std::chrono::steady_clock::time_point begin, end;
     {
       std::lock_guard<std::mutex> lock(mu_);
-      if (--inflight_ == 0)
-        stats_.busy_seconds +=
-            std::chrono::duration<double>(std::chrono::steady_clock::now() - busy_since_).count();
+      if (--inflight_ == 0) {
+        end = std::chrono::steady_clock::now();
+        begin = busy_since_;
+        stats_.busy_seconds += std::chrono::duration<double>(end - begin).count();
+        observer = observer_;
+      }
       if (!s.ok()) {
         ++stats_.errors;
       } else if (read) {
@@ -92,6 +97,7 @@ IoDone NvmeTier::Track(bool read, uint64_t bytes, IoCallback done) {
         stats_.bytes_written += bytes;
       }
     }
+    if (observer) (*observer)(begin, end);
     done(std::move(s));
   };
 }
@@ -102,6 +108,11 @@ void NvmeTier::WriteAsync(const TierRegion& region, const void* src, IoCallback 
 
 void NvmeTier::ReadAsync(const TierRegion& region, void* dst, IoCallback done) {
   store_->ReadAsync(region.id, dst, Track(true, region.size, std::move(done)));
+}
+
+void NvmeTier::SetBusyObserver(BusyObserver observer) {
+  std::lock_guard<std::mutex> lock(mu_);
+  observer_ = observer ? std::make_shared<const BusyObserver>(std::move(observer)) : nullptr;
 }
 
 TierStats NvmeTier::stats() const {

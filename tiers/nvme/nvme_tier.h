@@ -9,6 +9,7 @@
 #pragma once
 
 #include <chrono>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -53,6 +54,13 @@ class NvmeTier final : public Tier {
 
   SwapStore& store() { return *store_; }
 
+  // Called with each busy interval (from the first I/O in flight to the moment none is), on the
+  // thread that completed the last I/O; it must be quick and must not call back into the tier.
+  // Null stops the calls.
+  using BusyObserver = std::function<void(std::chrono::steady_clock::time_point begin,
+                                          std::chrono::steady_clock::time_point end)>;
+  void SetBusyObserver(BusyObserver observer);
+
  private:
   NvmeTier() = default;
   IoDone Track(bool read, uint64_t bytes, IoCallback done);
@@ -65,6 +73,7 @@ class NvmeTier final : public Tier {
   TierStats stats_;                  // GUARDED_BY(mu_)
   uint64_t inflight_ = 0;            // GUARDED_BY(mu_)
   std::chrono::steady_clock::time_point busy_since_;  // GUARDED_BY(mu_)
+  std::shared_ptr<const BusyObserver> observer_;      // GUARDED_BY(mu_)
 };
 
 }  // namespace strata::nvme

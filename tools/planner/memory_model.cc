@@ -233,6 +233,22 @@ StatusOr<MemoryEstimate> EstimateMemory(const Config& config, const ModelSpec& m
       note_peak();
     }
   };
+  // Gathering ahead (Note [prefetched gathers] in runtime/gather_lane.cc): while a unit runs, the
+  // chunks of the unit after it in forward (before it in backward) are gathered too, when the cap
+  // leaves room, without a holder. The replay is of a step after the first (the engine follows
+  // the previous step's trace) with no update pending, so this is an upper bound.
+  auto gather_ahead = [&](int64_t b) {
+    if (z.stage != 3 || z.stage3_prefetch_bucket_size <= 0 || b < 0 || b >= model.num_blocks) return;
+    for (int64_t c64 : block_chunks[static_cast<size_t>(b)]) {
+      const size_t c = static_cast<size_t>(c64);
+      if (gathered[c] || live_elems + chunks[c].numel > z.stage3_max_live_parameters) continue;
+      gathered[c] = true;
+      live_elems += chunks[c].numel;
+      cur += chunk_bytes(c);
+      gather_cur += chunk_bytes(c);
+      note_peak();
+    }
+  };
   auto release_dist = [&](int64_t b, bool forward) {
     if (z.stage != 3) return;
     int64_t distance = std::numeric_limits<int64_t>::max();
@@ -282,6 +298,7 @@ StatusOr<MemoryEstimate> EstimateMemory(const Config& config, const ModelSpec& m
   for (size_t c = 0; c < chunks.size(); ++c) pending[c] = chunk_params[c];
   for (int64_t b = 0; b < nb; ++b) {
     gather(b);
+    gather_ahead(b + 1);
     release_dist(b, true);
   }
   std::vector<int64_t> order = model.gradient_order;
@@ -291,6 +308,7 @@ StatusOr<MemoryEstimate> EstimateMemory(const Config& config, const ModelSpec& m
     if (unit_pending[static_cast<size_t>(b)] > 0) {
       gather(b);
       held[static_cast<size_t>(b)] = true;
+      gather_ahead(b - 1);
     }
     for (int64_t pid : order)
       if (model.params[static_cast<size_t>(pid)].block == b) arrive(static_cast<size_t>(pid));

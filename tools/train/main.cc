@@ -18,6 +18,7 @@
 #include <nlohmann/json.hpp>
 #include <torch/torch.h>
 
+#include "runtime/checkpoint.h"
 #include "runtime/comm/backends.h"
 #include "runtime/config.h"
 #include "runtime/compute_dtype.h"
@@ -73,6 +74,8 @@ struct Flags {
   bool print_config = false;
   std::string device;
   int threads = 0;
+  std::string trace;        // Chrome trace-event JSON of the lanes
+  int64_t trace_steps = 3;
   int64_t micro_batch = 0;  // fills train_micro_batch_size_per_gpu = "auto"
   double lr = 0;            // fills optimizer.params.lr = "auto"
 };
@@ -256,10 +259,13 @@ class Trainer {
     Series loss_s{"train loss", "#1f77b4", {}, {}}, val_s{"validation loss", "#d62728", {}, {}},
         tps_s{"tokens/s", "#2ca02c", {}, {}};
     double first_loss = NAN, last_loss = NAN, last_val = NAN, time_sum = 0, overlap_sum = 0;
-    int64_t measured = 0;
+    int64_t measured = 0, overlap_measured = 0;
     uint64_t tokens_total = 0;
     const auto t_start = std::chrono::steady_clock::now();
+    // Traced: the steps after the first, which includes warm-up work.
+    const int64_t trace_from = first + 1, trace_to = first + 1 + f_.trace_steps;
     for (int64_t step = first; step < last && !g_stop.load(); ++step) {
+      if (!f_.trace.empty() && step == trace_from) engine_->SetTracing(true);
       double loss_sum = 0;
       for (int64_t m = 0; m < accum; ++m) {
         SampleBatch(data_.train, B, T, c_.model.seed, step, m, comm_->rank(), &tokens);
@@ -274,6 +280,8 @@ class Trainer {
         loss_sum += loss.item<double>() / accum;
       }
       STRATA_ASSIGN_OR_RETURN(StepReport rep, engine_->Step());
+      if (!f_.trace.empty() && (step + 1 == trace_to || (step + 1 == last && step >= trace_from)))
+        STRATA_RETURN_IF_ERROR(WriteTrace());
       double loss = loss_sum;
       if (comm_->world_size() > 1)
         STRATA_RETURN_IF_ERROR(comm_->AllReduce(&loss, 1, strata::DType::kF64, ReduceOp::kAvg));
@@ -287,7 +295,10 @@ class Trainer {
       last_loss = loss;
       if (step > first) {  // the first step includes warm-up work
         time_sum += rep.step_time_s;
-        overlap_sum += rep.overlap_efficiency;
+        if (!std::isnan(rep.overlap)) {
+          overlap_sum += rep.overlap;
+          ++overlap_measured;
+        }
         ++measured;
       }
       loss_s.x.push_back(step + 1);
@@ -315,12 +326,13 @@ class Trainer {
           if (isatty(STDERR_FILENO)) std::fputc('\r', stderr);
           std::fprintf(stderr,
                        "step %5lld/%lld | loss %.4f%s | %8.0f tok/s | step %.3f s | compute %.3f "
-                       "copy %.3f comm %.3f nvme %.3f optim %.3f s | overlap %.2f | nvme->host %s "
-                       "host->nvme %s\n",
+                       "copy %.3f comm %.3f nvme %.3f optim %.3f s | lanes %.3f s, overlap %.2f, "
+                       "compute idle %.0f%% | nvme->host %s host->nvme %s\n",
                        (long long)(step + 1), (long long)last, loss,
                        eval ? StrCat(" (val ", std::to_string(val).substr(0, 6), ")").c_str() : "",
                        tps, rep.step_time_s, rep.compute_s, rep.copy_s, rep.comm_s, rep.nvme_s,
-                       rep.optimizer_s, rep.overlap_efficiency,
+                       rep.optimizer_s, rep.lane_sum_s, rep.overlap,
+                       100 * rep.compute_idle_share,
                        FormatBytes(rep.bytes_nvme_to_host).c_str(),
                        FormatBytes(rep.bytes_host_to_nvme).c_str());
         }
@@ -344,7 +356,7 @@ class Trainer {
         {"parameters", engine_->num_parameters()},
         {"model_state_bytes", engine_->model_state_bytes()},
         {"mean_step_time_s", measured ? time_sum / measured : NAN},
-        {"mean_overlap_efficiency", measured ? overlap_sum / measured : NAN},
+        {"mean_overlap", overlap_measured ? overlap_sum / overlap_measured : NAN},
         {"tokens_per_s", wall > 0 ? tokens_total / wall : 0},
         {"wall_s", wall},
         {"host", host_},
@@ -368,10 +380,21 @@ class Trainer {
                                         : StrCat("validation ", std::to_string(last_val).substr(0, 6)).c_str(),
                    engine_->num_parameters() / 1e6, FormatBytes(engine_->model_state_bytes()).c_str(),
                    measured ? time_sum / measured : NAN, wall > 0 ? tokens_total / wall : 0.0,
-                   measured ? overlap_sum / measured : NAN, FormatBytes(PeakRssBytes()).c_str(),
+                   overlap_measured ? overlap_sum / overlap_measured : NAN,
+                   FormatBytes(PeakRssBytes()).c_str(),
                    summary.contains("plot") ? ", plot " : "",
                    summary.contains("plot") ? f_.plot.c_str() : "");
     }
+    return Status::Ok();
+  }
+
+  // Ends the lane trace and writes it (rank r > 0 appends ".rank<r>" to the name).
+  Status WriteTrace() {
+    engine_->SetTracing(false);
+    std::string path = f_.trace;
+    if (comm_->rank() > 0) path += StrCat(".rank", comm_->rank());
+    STRATA_RETURN_IF_ERROR(checkpoint::WriteFileAtomic(path, engine_->TraceJson().dump()));
+    if (leader()) std::fprintf(stderr, "strata-train: lane trace written to %s\n", path.c_str());
     return Status::Ok();
   }
 
@@ -431,6 +454,12 @@ int main(int argc, char** argv) {
   app.add_option("--device", f.device, "auto, cpu, cuda or cuda:N (overrides strata.device)");
   app.add_option("--threads", f.threads, "LibTorch compute threads (default: all cores)")
       ->check(strata::train::WholeAtLeast(0));
+  app.add_option("--trace", f.trace,
+                 "write the engine's lanes (compute, waits, copies, collectives, NVMe, each chunk's "
+                 "Adam) for --trace-steps steps after the first as Chrome trace-event JSON: open it "
+                 "in ui.perfetto.dev or chrome://tracing");
+  app.add_option("--trace-steps", f.trace_steps, "steps --trace records")
+      ->capture_default_str()->check(strata::train::WholeAtLeast(1));
   app.add_option("--micro-batch", f.micro_batch,
                  "micro-batch size per rank, used where the config says "
                  "train_micro_batch_size_per_gpu: \"auto\" (default 1)")

@@ -1,5 +1,7 @@
 #include "runtime/host_info.h"
 
+#include <algorithm>
+
 #include <hwloc.h>
 #include <sys/stat.h>
 #include <sys/sysmacros.h>
@@ -88,6 +90,26 @@ int PhysicalCoreCount() {
   if (hwloc_topology_load(topo) == 0) cores = hwloc_get_nbobjs_by_type(topo, HWLOC_OBJ_CORE);
   hwloc_topology_destroy(topo);
   return cores > 0 ? cores : online;
+}
+
+int ChooseOptimizerThreads(int cores, int compute_threads, int configured, bool beside_compute,
+                           std::string* why) {
+  std::string reason;
+  int n;
+  if (configured > 0) {
+    n = configured;
+    reason = "strata.optimizer_threads";
+  } else if (beside_compute) {
+    n = std::max(1, cores - compute_threads);
+    reason = "the " + std::to_string(cores) + " physical core(s) hwloc sees less LibTorch's " +
+             std::to_string(compute_threads) + " compute thread(s), at least 1: updates overlap compute";
+  } else {
+    n = std::max(1, cores);
+    reason = "one per physical core (hwloc sees " + std::to_string(cores) +
+             "): updates run alone in Step";
+  }
+  if (why) *why = reason;
+  return n;
 }
 
 bool CpuHasNativeBf16() { return ReadHostInfo().native_bf16; }

@@ -20,9 +20,15 @@ struct HostInfo {
 HostInfo ReadHostInfo();
 
 // Physical cores (hwloc's HWLOC_OBJ_CORE; the online CPU count when hwloc cannot tell). The
-// optimizer's thread arena is this wide: SMT siblings share the core's load ports, which a
-// streaming kernel already saturates.
+// optimizer's thread arena is at most this wide: SMT siblings share the core's load ports, which
+// a streaming kernel already saturates.
 int PhysicalCoreCount();
+
+// The optimizer arena's width: `configured` when > 0 (strata.optimizer_threads); when the
+// updates run beside compute, the physical cores LibTorch's `compute_threads` leave, at least 1;
+// otherwise every physical core. `why` (optional) gets the reason, for the log.
+int ChooseOptimizerThreads(int physical_cores, int compute_threads, int configured,
+                           bool beside_compute, std::string* why = nullptr);
 
 // ReadHostInfo().native_bf16: whether bf16 matmuls run at full speed on this CPU.
 bool CpuHasNativeBf16();

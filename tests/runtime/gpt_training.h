@@ -14,6 +14,7 @@
 #include "runtime/config.h"
 #include "runtime/device.h"
 #include "runtime/engine.h"
+#include "tests/runtime/delaying_device.h"
 #include "tests/test_util.h"
 #include "tools/train/gpt.h"
 
@@ -122,15 +123,18 @@ inline std::vector<double> TrainWithEngine(Engine& engine, const Config& c, Comm
 
 // Trains through the engine on `comm` (a single-rank one when null). With several ranks, rank r
 // takes micro-batch r of each step's global batch and the reported loss is the mean over ranks.
+// `delay_us` > 0 runs it on a DelayingDevice (tests/runtime/delaying_device.h) over the CPU
+// device: every stream's work completes up to that many microseconds late.
 inline TrainRun ThroughEngine(const Config& c, const EngineOptions& opts = {},
-                              Communicator* comm_in = nullptr) {
+                              Communicator* comm_in = nullptr, int delay_us = 0) {
   std::unique_ptr<Communicator> own;
   Communicator* comm = comm_in;
   if (!comm) {
     own = CreateSingleCommunicator();
     comm = own.get();
   }
-  auto device = CreateDevice("cpu", 256 << 20).value();
+  std::unique_ptr<Device> device = CreateDevice("cpu", 256 << 20).value();
+  if (delay_us > 0) device = std::make_unique<testing::DelayingDevice>(std::move(device), delay_us);
   auto engine_or = Engine::Create(models::BuildGpt(c.model), c, comm, device.get(), opts);
   EXPECT_TRUE(engine_or.ok()) << engine_or.status();
   if (!engine_or.ok()) return {};

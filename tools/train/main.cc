@@ -452,7 +452,9 @@ int main(int argc, char** argv) {
   app.add_option("--plot", f.plot, "SVG plot of loss and throughput written at the end ('' disables)")
       ->capture_default_str();
   app.add_option("--device", f.device, "auto, cpu, cuda or cuda:N (overrides strata.device)");
-  app.add_option("--threads", f.threads, "LibTorch compute threads (default: all cores)")
+  app.add_option("--threads", f.threads,
+                 "LibTorch compute threads (default: LibTorch's own choice, which the log prints "
+                 "beside the optimizer's; updates that overlap compute take the cores it leaves)")
       ->check(strata::train::WholeAtLeast(0));
   app.add_option("--trace", f.trace,
                  "write the engine's lanes (compute, waits, copies, collectives, NVMe, each chunk's "

@@ -291,8 +291,8 @@ Status Engine::Impl::Init(Engine* owner, const EngineOptions& options) {
     for (const ChunkInfo& ci : partitioner_->chunks()) {
       auto round = [](uint64_t b) { return (b + 4095) / 4096 * 4096; };
       const uint64_t n = static_cast<uint64_t>(ci.shard_numel);
-      if (optim_placement_ == Placement::kNvme)
-        need += round(n * 4) * 2 + round(n * ssize) * 2;
+      if (optim_placement_ == Placement::kNvme)  // grad, master (unless shared), two moments
+        need += round(n * 4) * (master_is_param() ? 1 : 2) + round(n * ssize) * 2;
       if (param_placement_ == Placement::kNvme && z.stage == 3)
         need += round(n * optim::DTypeSize(compute_dtype_));
     }
@@ -408,7 +408,8 @@ Status Engine::Impl::Init(Engine* owner, const EngineOptions& options) {
       else std::memset(dst, 0, bytes);
       return store_->Release(key, /*dirty=*/true);
     };
-    STRATA_RETURN_IF_ERROR(put(StateKind::kMaster32, n * 4, optim_placement_, shard32.data_ptr()));
+    if (!master_is_param())
+      STRATA_RETURN_IF_ERROR(put(StateKind::kMaster32, n * 4, optim_placement_, shard32.data_ptr()));
     STRATA_RETURN_IF_ERROR(put(StateKind::kExpAvg, n * ssize, optim_placement_, nullptr));
     STRATA_RETURN_IF_ERROR(put(StateKind::kExpAvgSq, n * ssize, optim_placement_, nullptr));
     STRATA_RETURN_IF_ERROR(put(StateKind::kGrad, n * 4, optim_placement_, nullptr));
@@ -460,10 +461,8 @@ Status Engine::Impl::Init(Engine* owner, const EngineOptions& options) {
                    << " param_placement=" << PlacementName(param_placement_)
                    << " optimizer_placement=" << PlacementName(optim_placement_)
                    << " dtype=" << optim::DTypeName(compute_dtype_)
-                   << " optimizer_overlap="
-                   << (immediate_optimizer() ? "backward"
-                       : defer_updates()     ? "next-forward"
-                                             : "in-step");
+                   << " optimizer_overlap=" << OptimizerOverlapName()
+                   << " master=" << (master_is_param() ? "param16" : "master32");
   return Status::Ok();
 }
 
@@ -477,9 +476,9 @@ StatusOr<std::vector<torch::Tensor>> Engine::Impl::GatherMasterParams() {
     const int64_t c64 = static_cast<int64_t>(c);
     torch::Tensor full = torch::zeros({ci.numel}, torch::kFloat32);
     float* shard = full.data_ptr<float>() + partitioner_->ShardOffset(c64, shard_rank());
-    STRATA_ASSIGN_OR_RETURN(void* m, store_->Acquire({c64, StateKind::kMaster32}, Access::kRead));
+    STRATA_ASSIGN_OR_RETURN(void* m, store_->Acquire(MasterKey(c64), Access::kRead));
     std::memcpy(shard, m, ci.shard_numel * 4);
-    STRATA_RETURN_IF_ERROR(store_->Release({c64, StateKind::kMaster32}, false));
+    STRATA_RETURN_IF_ERROR(store_->Release(MasterKey(c64), false));
     if (shard_world() > 1)
       STRATA_RETURN_IF_ERROR(
           comm_->AllGather(shard, full.data_ptr(), ci.shard_numel, strata::DType::kF32));
@@ -516,7 +515,8 @@ nlohmann::json Engine::Impl::Describe() const {
           {"optimizer_state_dtype", optim::DTypeName(state_dtype_)},
           {"param_placement", PlacementName(param_placement_)},
           {"optimizer_placement", PlacementName(optim_placement_)},
-          {"optimizer_overlap", immediate_optimizer() ? "backward" : "deferred"},
+          {"optimizer_overlap", OptimizerOverlapName()},
+          {"master_storage", master_is_param() ? "param16 (shared)" : "master32"},
           {"model_state_bytes", model_state_bytes()},
           {"host_budget", host_budget_},
           {"tier_manager", store_->StatsJson()},

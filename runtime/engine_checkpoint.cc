@@ -86,14 +86,15 @@ Status Engine::Impl::Save(const std::string& root, const nlohmann::json& extra) 
       const int64_t c64 = static_cast<int64_t>(c);
       const uint64_t bytes = partitioner_->chunks()[c].shard_numel *
                              (kind == StateKind::kMaster32 ? 4 : optim::DTypeSize(state_dtype_));
-      auto data = store_->Acquire({c64, kind}, Access::kRead);
+      const BlockKey key = kind == StateKind::kMaster32 ? MasterKey(c64) : BlockKey{c64, kind};
+      auto data = store_->Acquire(key, Access::kRead);
       if (!data.ok()) {
         s = data.status();
         break;
       }
       s = WriteAll(fd, *data, bytes, bin);
       uint32_t crc = nvme::Crc32c(*data, bytes);
-      Status r = store_->Release({c64, kind}, false);
+      Status r = store_->Release(key, false);
       if (s.ok()) s = r;
       if (!s.ok()) break;
       m.blocks.push_back({c64, StateKindName(kind), offset, bytes, crc});
@@ -231,13 +232,14 @@ StatusOr<nlohmann::json> Engine::Impl::Load(const std::string& path) {
                             "earlier one"));
         break;
       }
-      auto dst = store_->Acquire({c64, kind}, Access::kWrite);
+      const BlockKey key = kind == StateKind::kMaster32 ? MasterKey(c64) : BlockKey{c64, kind};
+      auto dst = store_->Acquire(key, Access::kWrite);
       if (!dst.ok()) {
         s = dst.status();
         break;
       }
       std::memcpy(*dst, buf.data(), bytes);
-      s = store_->Release({c64, kind}, true);
+      s = store_->Release(key, true);
     }
   }
   ::close(fd);
@@ -249,7 +251,7 @@ StatusOr<nlohmann::json> Engine::Impl::Load(const std::string& path) {
 
   // The working copy is the master rounded to the working precision, exactly what Adam writes.
   const size_t esize = optim::DTypeSize(compute_dtype_);
-  for (size_t c = 0; c < chunks_.size(); ++c) {
+  for (size_t c = 0; c < chunks_.size() && !master_is_param(); ++c) {  // shared: already there
     const int64_t c64 = static_cast<int64_t>(c);
     const int64_t n = partitioner_->chunks()[c].shard_numel;
     STRATA_ASSIGN_OR_RETURN(void* master, store_->Acquire({c64, StateKind::kMaster32}, Access::kRead));

@@ -262,6 +262,22 @@ class Engine::Impl {
   // Starts a new reporting window: the lanes' counters restart from zero.
   void ResetLanes();
 
+  // Note [shared master]: under stage 3 with fp32 compute the working shard (param16) holds the
+  // same bits as the fp32 master, so when both live in the same host or NVMe tier the master is
+  // not stored twice: the param16 block is the master, which saves a chunk's worth of write-back
+  // and read per update. The checkpoint format is unchanged (its "master32" entries are read from
+  // and written to this block).
+  bool master_is_param() const {
+    return stage3() && compute_dtype_ == optim::DType::kFloat32 &&
+           param_placement_ == optim_placement_ && param_placement_ != Placement::kDevice;
+  }
+  // "backward", "next-forward" or "in-step": where updates run (the log and Describe say it).
+  const char* OptimizerOverlapName() const {
+    return immediate_optimizer() ? "backward" : defer_updates() ? "next-forward" : "in-step";
+  }
+  BlockKey MasterKey(int64_t c) const {
+    return {c, master_is_param() ? StateKind::kParam16 : StateKind::kMaster32};
+  }
   int shard_rank() const { return config_.zero_optimization.stage == 0 ? 0 : comm_->rank(); }
   int shard_world() const {
     return config_.zero_optimization.stage == 0 ? 1 : comm_->world_size();

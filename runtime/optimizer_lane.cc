@@ -66,8 +66,8 @@ void Engine::Impl::EnqueueOptimizer(int64_t c) {
     gather_cv_.wait(l, [&] { return fill_landed_[c] != 0; });
   }
   // Start reading the chunk's states now; the lane picks it up in order.
-  for (StateKind k : {StateKind::kMaster32, StateKind::kExpAvg, StateKind::kExpAvgSq})
-    store_->Prefetch({c, k});
+  store_->Prefetch(MasterKey(c));
+  for (StateKind k : {StateKind::kExpAvg, StateKind::kExpAvgSq}) store_->Prefetch({c, k});
   {
     std::lock_guard<std::mutex> l(opt_mu_);
     update_pending_[c] = 1;
@@ -137,16 +137,18 @@ void Engine::Impl::PrefetchStatesForUpdates() {
   }
   // A prefetch that found no room without waiting only started a write-back: ask again for the
   // earlier chunks too (a no-op for blocks already read or on their way).
-  for (size_t i = 0; i < state_prefetch_next_; ++i)
-    for (StateKind k : {StateKind::kMaster32, StateKind::kExpAvg, StateKind::kExpAvgSq})
-      store_->Prefetch({state_prefetch_order_[i], k});
+  for (size_t i = 0; i < state_prefetch_next_; ++i) {
+    const int64_t c = state_prefetch_order_[i];
+    store_->Prefetch(MasterKey(c));
+    for (StateKind k : {StateKind::kExpAvg, StateKind::kExpAvgSq}) store_->Prefetch({c, k});
+  }
 }
 
 Status Engine::Impl::AdamChunk(int64_t c, float grad_scale, double lr, int64_t step) {
   const ChunkInfo& ci = partitioner_->chunks()[c];
   const int64_t n = ci.shard_numel;
   const auto& oc = config_.optimizer;
-  BlockKey km{c, StateKind::kMaster32}, ka{c, StateKind::kExpAvg}, kv{c, StateKind::kExpAvgSq},
+  BlockKey km = MasterKey(c), ka{c, StateKind::kExpAvg}, kv{c, StateKind::kExpAvgSq},
       kg{c, StateKind::kGrad};
   // A failed acquire (an I/O error reading a state back) releases what was already pinned: the
   // error must leave the tier manager consistent for the caller to report it and shut down.
@@ -172,7 +174,9 @@ Status Engine::Impl::AdamChunk(int64_t c, float grad_scale, double lr, int64_t s
   BlockKey kp{c, StateKind::kParam16};
   std::vector<char> staging;
   bool param_block_held = false;
-  if (stage == 3) {
+  if (master_is_param()) {
+    out = master;  // Note [shared master]: the update writes the working shard in place
+  } else if (stage == 3) {
     if (param_placement_ != Placement::kDevice || device_->kind() == DeviceKind::kCpu) {
       auto got = store_->Acquire(kp, Access::kWrite);
       if (!got.ok()) {
@@ -216,7 +220,8 @@ Status Engine::Impl::AdamChunk(int64_t c, float grad_scale, double lr, int64_t s
   ao.arena = arena_.get();
   ao.grad_check = optim::GradCheck::kCallerChecked;
   auto r = optim::AdamStep(ap, bufs, grad_scale, ao);
-  if (r.ok() && compute_dtype_ == optim::DType::kFloat32) std::memcpy(out, master, n * 4);
+  if (r.ok() && compute_dtype_ == optim::DType::kFloat32 && out != master)
+    std::memcpy(out, master, n * 4);
 
   Status s = r.status();
   for (const BlockKey& k : {km, ka, kv}) {

@@ -204,6 +204,33 @@ INSTANTIATE_TEST_SUITE_P(
 INSTANTIATE_TEST_SUITE_P(Placements, EquivalenceUnderDelays, ::testing::ValuesIn(kCases),
                          [](const auto& info) { return std::string(info.param.name); });
 
+// Note [shared master]: fp32 stage 3 with params and optimizer states in one tier keeps the
+// master in the param16 block (the equivalence cases nvme_offload* and cpu_offload_stage3 train
+// through it); other placements and dtypes keep their own master32 block.
+TEST(SharedMaster, OnlyWhereTheWorkingShardHoldsTheSameBits) {
+  auto where = [](int stage, OffloadDevice param, OffloadDevice optim, bool bf16) {
+    Config c = BaseConfig();
+    c.zero_optimization.stage = stage;
+    c.zero_optimization.offload_param.device = param;
+    c.zero_optimization.offload_optimizer.device = optim;
+    c.bf16.enabled = bf16;
+    testing::TempDir dir;
+    EngineOptions opts;
+    opts.nvme_path = {dir.path()};
+    auto comm = CreateSingleCommunicator();
+    auto device = CreateDevice("cpu", 256 << 20).value();
+    auto engine = Engine::Create(models::BuildGpt(c.model), c, comm.get(), device.get(), opts);
+    EXPECT_TRUE(engine.ok()) << engine.status();
+    return engine.ok() ? (*engine)->Describe()["master_storage"].get<std::string>() : "";
+  };
+  EXPECT_EQ(where(3, OffloadDevice::kNvme, OffloadDevice::kNvme, false), "param16 (shared)");
+  EXPECT_EQ(where(3, OffloadDevice::kCpu, OffloadDevice::kCpu, false), "param16 (shared)");
+  EXPECT_EQ(where(3, OffloadDevice::kNvme, OffloadDevice::kNvme, true), "master32");
+  EXPECT_EQ(where(3, OffloadDevice::kCpu, OffloadDevice::kNvme, false), "master32");
+  EXPECT_EQ(where(3, OffloadDevice::kNone, OffloadDevice::kNone, false), "master32");
+  EXPECT_EQ(where(2, OffloadDevice::kNone, OffloadDevice::kCpu, false), "master32");
+}
+
 TEST(EquivalenceLowPrecision, Bf16TracksTheFp32LossCurve) {
   Config c = BaseConfig();
   c.zero_optimization.stage = 3;

@@ -208,7 +208,9 @@ class Engine::Impl {
   // Waits for a prefetched shard copy to land, then all-gathers (compute thread, in the order
   // chunks are used, so every rank issues its collectives in the same order).
   Status FinishFill(int64_t c);
-  // Waits for every prefetched copy in flight (before anything else may touch their blocks).
+  // Waits for chunk c's copy gathered ahead to land (the lane still writes its memory and reads
+  // its param16 block until then); every prefetched copy in flight, for FinishAllFills.
+  void WaitFillLanded(int64_t c);
   void FinishAllFills();
   void FreeChunkMemory(int64_t c);
   Status GatherChunk(int64_t c);
@@ -250,7 +252,10 @@ class Engine::Impl {
   void QuietLanes() {
     FinishAllFills();
     std::unique_lock<std::mutex> l(opt_mu_);
-    opt_cv_.wait(l, [&] { return opt_queue_.empty() && opt_busy_ == 0; });
+    WaitOptimizerIdle(l);
+  }
+  void WaitOptimizerIdle(std::unique_lock<std::mutex>& held_opt_mu) {
+    opt_cv_.wait(held_opt_mu, [&] { return opt_queue_.empty() && opt_busy_ == 0; });
   }
   // The order the next forward needs chunks in: those that stay gathered across steps (the
   // root's own, persistent ones; Step refills them) first, then `trace`'s units', then any others.

@@ -109,10 +109,14 @@ Status Engine::Impl::FinishFill(int64_t c) {
   return AllGatherChunk(c);
 }
 
-void Engine::Impl::FinishAllFills() {
+void Engine::Impl::WaitFillLanded(int64_t c) {
+  if (!chunks_[c].filling) return;
   std::unique_lock<std::mutex> l(gather_mu_);
-  for (size_t c = 0; c < chunks_.size(); ++c)
-    if (chunks_[c].filling) gather_cv_.wait(l, [&] { return fill_landed_[c] != 0; });
+  gather_cv_.wait(l, [&] { return fill_landed_[c] != 0; });
+}
+
+void Engine::Impl::FinishAllFills() {
+  for (size_t c = 0; c < chunks_.size(); ++c) WaitFillLanded(static_cast<int64_t>(c));
 }
 
 }  // namespace strata

@@ -61,10 +61,7 @@ void Engine::Impl::StopOptimizerLane() {
 }
 
 void Engine::Impl::EnqueueOptimizer(int64_t c) {
-  if (chunks_[c].filling) {  // a copy gathered ahead still reads the block the update writes
-    std::unique_lock<std::mutex> l(gather_mu_);
-    gather_cv_.wait(l, [&] { return fill_landed_[c] != 0; });
-  }
+  WaitFillLanded(c);  // a copy gathered ahead still reads the block the update writes
   // Start reading the chunk's states now; the lane picks it up in order.
   store_->Prefetch(MasterKey(c));
   for (StateKind k : {StateKind::kExpAvg, StateKind::kExpAvgSq}) store_->Prefetch({c, k});
@@ -78,7 +75,7 @@ void Engine::Impl::EnqueueOptimizer(int64_t c) {
 
 Status Engine::Impl::DrainOptimizer() {
   std::unique_lock<std::mutex> l(opt_mu_);
-  opt_cv_.wait(l, [&] { return opt_queue_.empty() && opt_busy_ == 0; });
+  WaitOptimizerIdle(l);
   Status s = opt_error_;
   opt_error_ = Status::Ok();
   return s;

@@ -128,8 +128,7 @@ void Engine::Impl::DropChunk(int64_t c) {
   if (cs.filling) {
     // Gathered ahead but not used (the trace changed, the cap needs room): the lane's copy
     // must land before the memory goes back.
-    std::unique_lock<std::mutex> l(gather_mu_);
-    gather_cv_.wait(l, [&] { return fill_landed_[c] != 0; });
+    WaitFillLanded(c);
     cs.filling = false;
   }
   FreeChunkMemory(c);

@@ -82,6 +82,12 @@ class Device {
   // Frees a pointer from Allocate; INVALID_ARGUMENT for anything else. The caller guarantees no
   // enqueued work still uses it.
   virtual Status Free(void* ptr) = 0;
+  // The address at which compute on this device (LibTorch tensor views, kernels) reaches the
+  // device memory at `ptr`, a pointer into one of its allocations. On a GPU that is `ptr`
+  // itself. The strict CPU device hands out addresses the host cannot dereference and returns
+  // here the readable alias of the same bytes; any other pointer comes back unchanged. Host code
+  // never dereferences device memory through anything else.
+  virtual void* ComputeAddress(void* ptr) const { return ptr; }
 
   virtual StatusOr<std::unique_ptr<Stream>> CreateStream(
       StreamPriority priority = StreamPriority::kNormal) = 0;

@@ -76,8 +76,37 @@ StatusOr<torch::Tensor> Engine::Impl::DeviceTensor(int64_t numel, torch::Dtype d
   const size_t bytes = static_cast<size_t>(numel) * torch::elementSize(dtype);
   STRATA_ASSIGN_OR_RETURN(void* p, device_->Allocate(bytes));
   Device* dev = device_;
+  // The view is at the compute address; the deleter frees what Allocate returned.
   return torch::from_blob(
-      p, {numel}, [dev](void* ptr) { dev->Free(ptr).IgnoreError(); }, DeviceOptions(dtype));
+      device_->ComputeAddress(p), {numel}, [dev, p](void*) { dev->Free(p).IgnoreError(); },
+      DeviceOptions(dtype));
+}
+
+// Note [device blocks]
+// A block placed on the device is device memory: on a GPU the host cannot touch it, and the
+// strict CPU device (tests) makes a host access crash the same way. Host code therefore reads
+// and writes such a block only through the copy stream (ReadBlockBytes / WriteBlockBytes), and
+// compute on it (LibTorch views, the CPU Adam on the CPU device) goes through
+// Device::ComputeAddress.
+Status Engine::Impl::ReadBlockBytes(void* dst, const void* block, size_t bytes, Placement where) {
+  if (where != Placement::kDevice) {
+    std::memcpy(dst, block, bytes);
+    return Status::Ok();
+  }
+  STRATA_RETURN_IF_ERROR(copy_stream_->MemcpyAsync(dst, block, bytes, CopyKind::kDeviceToHost));
+  return copy_stream_->Synchronize();
+}
+
+Status Engine::Impl::WriteBlockBytes(void* block, const void* src, size_t bytes, Placement where) {
+  if (where != Placement::kDevice) {
+    if (src != nullptr) std::memcpy(block, src, bytes);
+    else std::memset(block, 0, bytes);
+    return Status::Ok();
+  }
+  STRATA_RETURN_IF_ERROR(src != nullptr
+                             ? copy_stream_->MemcpyAsync(block, src, bytes, CopyKind::kHostToDevice)
+                             : copy_stream_->MemsetAsync(block, 0, bytes));
+  return copy_stream_->Synchronize();
 }
 
 namespace {
@@ -404,9 +433,9 @@ Status Engine::Impl::Init(Engine* owner, const EngineOptions& options) {
       BlockKey key{c64, kind};
       STRATA_RETURN_IF_ERROR(store_->Register(key, bytes, where));
       STRATA_ASSIGN_OR_RETURN(void* dst, store_->Acquire(key, Access::kWrite));
-      if (src) std::memcpy(dst, src, bytes);
-      else std::memset(dst, 0, bytes);
-      return store_->Release(key, /*dirty=*/true);
+      Status written = WriteBlockBytes(dst, src, bytes, where);
+      Status released = store_->Release(key, /*dirty=*/true);
+      return written.ok() ? released : written;
     };
     if (!master_is_param())
       STRATA_RETURN_IF_ERROR(put(StateKind::kMaster32, n * 4, optim_placement_, shard32.data_ptr()));
@@ -477,8 +506,9 @@ StatusOr<std::vector<torch::Tensor>> Engine::Impl::GatherMasterParams() {
     torch::Tensor full = torch::zeros({ci.numel}, torch::kFloat32);
     float* shard = full.data_ptr<float>() + partitioner_->ShardOffset(c64, shard_rank());
     STRATA_ASSIGN_OR_RETURN(void* m, store_->Acquire(MasterKey(c64), Access::kRead));
-    std::memcpy(shard, m, ci.shard_numel * 4);
+    Status read = ReadBlockBytes(shard, m, ci.shard_numel * 4, optim_placement_);
     STRATA_RETURN_IF_ERROR(store_->Release(MasterKey(c64), false));
+    STRATA_RETURN_IF_ERROR(read);
     if (shard_world() > 1)
       STRATA_RETURN_IF_ERROR(
           comm_->AllGather(shard, full.data_ptr(), ci.shard_numel, strata::DType::kF32));

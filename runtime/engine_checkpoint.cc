@@ -81,6 +81,7 @@ Status Engine::Impl::Save(const std::string& root, const nlohmann::json& extra) 
   if (fd < 0) return ErrnoToStatus(errno, StrCat("create ", bin));
   Status s;
   uint64_t offset = 0;
+  std::vector<char> staging;
   for (size_t c = 0; c < chunks_.size() && s.ok(); ++c) {
     for (StateKind kind : kSavedKinds) {
       const int64_t c64 = static_cast<int64_t>(c);
@@ -92,8 +93,15 @@ Status Engine::Impl::Save(const std::string& root, const nlohmann::json& extra) 
         s = data.status();
         break;
       }
-      s = WriteAll(fd, *data, bytes, bin);
-      uint32_t crc = nvme::Crc32c(*data, bytes);
+      // A device block reaches the file through a host copy (Note [device blocks]).
+      const void* bytes_at = *data;
+      if (PlacementOf(key.kind) == Placement::kDevice) {
+        staging.resize(bytes);
+        s = ReadBlockBytes(staging.data(), *data, bytes, Placement::kDevice);
+        bytes_at = staging.data();
+      }
+      if (s.ok()) s = WriteAll(fd, bytes_at, bytes, bin);
+      uint32_t crc = nvme::Crc32c(bytes_at, bytes);
       Status r = store_->Release(key, false);
       if (s.ok()) s = r;
       if (!s.ok()) break;
@@ -238,8 +246,9 @@ StatusOr<nlohmann::json> Engine::Impl::Load(const std::string& path) {
         s = dst.status();
         break;
       }
-      std::memcpy(*dst, buf.data(), bytes);
-      s = store_->Release(key, true);
+      s = WriteBlockBytes(*dst, buf.data(), bytes, PlacementOf(key.kind));
+      Status r = store_->Release(key, true);
+      if (s.ok()) s = r;
     }
   }
   ::close(fd);
@@ -255,8 +264,14 @@ StatusOr<nlohmann::json> Engine::Impl::Load(const std::string& path) {
     const int64_t c64 = static_cast<int64_t>(c);
     const int64_t n = partitioner_->chunks()[c].shard_numel;
     STRATA_ASSIGN_OR_RETURN(void* master, store_->Acquire({c64, StateKind::kMaster32}, Access::kRead));
+    std::vector<float> master_host(n);
+    Status read = ReadBlockBytes(master_host.data(), master, n * 4, optim_placement_);
+    if (!read.ok()) {
+      store_->Release({c64, StateKind::kMaster32}, false).IgnoreError();
+      return read;
+    }
     std::vector<char> work(n * esize);
-    const float* mf = static_cast<const float*>(master);
+    const float* mf = master_host.data();
     if (compute_dtype_ == optim::DType::kFloat32) {
       std::memcpy(work.data(), mf, n * 4);
     } else {

@@ -190,6 +190,16 @@ class Engine::Impl {
   // returns to the allocator when the last view of it dies.
   StatusOr<torch::Tensor> DeviceTensor(int64_t numel, torch::Dtype dtype);
   torch::TensorOptions DeviceOptions(torch::Dtype dtype) const;
+  // Where a state's blocks live: the param16 shard with the parameters, every other state with
+  // the optimizer.
+  Placement PlacementOf(StateKind kind) const {
+    return kind == StateKind::kParam16 ? param_placement_ : optim_placement_;
+  }
+  // Host code's only way into a block's bytes (Note [device blocks]): a device-placed block is
+  // device memory, moved by the copy stream; a host or NVMe-staged block is host memory.
+  // WriteBlockBytes with a null `src` zero-fills. Both return once the bytes have landed.
+  Status ReadBlockBytes(void* dst, const void* block, size_t bytes, Placement where);
+  Status WriteBlockBytes(void* block, const void* src, size_t bytes, Placement where);
 
   Status DiscoverUnits(const EngineOptions& options);
   Status HookGradients();

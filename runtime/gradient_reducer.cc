@@ -120,6 +120,9 @@ Status Engine::Impl::ReduceChunk(int64_t c) {
     LaneTimer t(&stall_s_, &lane_trace_, Lane::kWait, "gradient block", trace_step(), c);
     STRATA_ASSIGN_OR_RETURN(dst, store_->Acquire(key, first_micro ? Access::kWrite : Access::kReadWrite));
   }
+  // A device-placed gradient block is reached at the device's compute address (Note [device
+  // blocks]); a host block comes back unchanged.
+  dst = device_->ComputeAddress(dst);
   {
     LaneTimer t(&copy_s_, &lane_trace_, Lane::kCopy, "gradient to host", trace_step(), c);
     torch::NoGradGuard ng;

@@ -158,7 +158,9 @@ Status Engine::Impl::AdamChunk(int64_t c, float grad_scale, double lr, int64_t s
       for (int j = 0; j < i; ++j) store_->Release(wants[j].first, false).IgnoreError();
       return got.status().WithContext(StrCat("optimizer step of chunk ", c));
     }
-    ptrs[i] = *got;
+    // On the CPU device this CPU Adam is the device's compute: a device-placed state is reached
+    // at its compute address (Note [device blocks]). Other devices never get here with one.
+    ptrs[i] = device_->ComputeAddress(*got);
   }
   void* master = ptrs[0];
   void* m = ptrs[1];
@@ -180,7 +182,7 @@ Status Engine::Impl::AdamChunk(int64_t c, float grad_scale, double lr, int64_t s
         for (const auto& w : wants) store_->Release(w.first, false).IgnoreError();
         return got.status().WithContext(StrCat("optimizer step of chunk ", c));
       }
-      out = *got;
+      out = device_->ComputeAddress(*got);
       param_block_held = true;
     }
   } else if (device_->kind() == DeviceKind::kCpu) {

@@ -23,7 +23,9 @@ Status Engine::Impl::InstallChunk(int64_t c) {
   const size_t bytes = static_cast<size_t>(ci.numel) * optim::DTypeSize(compute_dtype_);
   STRATA_ASSIGN_OR_RETURN(void* p, device_->Allocate(bytes));
   c10::StorageImpl* impl = cs.storage.unsafeGetStorageImpl();
-  impl->set_data_ptr_noswap(c10::DataPtr(p, DeviceOptions(torch::kFloat32).device()));
+  // The views compute reads are at the device's compute address (Note [device blocks]).
+  impl->set_data_ptr_noswap(
+      c10::DataPtr(device_->ComputeAddress(p), DeviceOptions(torch::kFloat32).device()));
   impl->set_nbytes(bytes);
   cs.buffer = p;
   cs.gathered = true;
@@ -75,7 +77,8 @@ Status Engine::Impl::AllGatherChunk(int64_t c) {
   if (comm_->world_size() < 2) return Status::Ok();
   const ChunkInfo& ci = partitioner_->chunks()[c];
   const size_t esize = optim::DTypeSize(compute_dtype_);
-  char* base = static_cast<char*>(chunks_[c].buffer);
+  // Collectives take the address compute uses, as NCCL takes a tensor's data pointer.
+  char* base = static_cast<char*>(device_->ComputeAddress(chunks_[c].buffer));
   char* mine = base + partitioner_->ShardOffset(c, shard_rank()) * esize;
   LaneTimer t(&comm_s_, &lane_trace_, Lane::kComm, "all-gather", trace_step(), c);
   return comm_->AllGather(mine, base, ci.shard_numel, CommDtype(compute_dtype_));

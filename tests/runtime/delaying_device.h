@@ -34,10 +34,11 @@ class DelayingDevice final : public Device {
   uint64_t peak_allocated() const override { return inner_->peak_allocated(); }
   StatusOr<void*> Allocate(size_t bytes) override {
     STRATA_ASSIGN_OR_RETURN(void* p, inner_->Allocate(bytes));
-    if (inner_->kind() == DeviceKind::kCpu) std::memset(p, 0xFF, bytes);
+    if (inner_->kind() == DeviceKind::kCpu) std::memset(inner_->ComputeAddress(p), 0xFF, bytes);
     return p;
   }
   Status Free(void* ptr) override { return inner_->Free(ptr); }
+  void* ComputeAddress(void* ptr) const override { return inner_->ComputeAddress(ptr); }
   StatusOr<std::unique_ptr<Event>> CreateEvent() override { return inner_->CreateEvent(); }
   Status Synchronize() override { return inner_->Synchronize(); }
 

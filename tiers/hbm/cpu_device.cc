@@ -3,12 +3,17 @@
 #include <atomic>
 #include <condition_variable>
 #include <cstdlib>
+#include <cerrno>
 #include <cstring>
+#include <string_view>
 #include <deque>
 #include <map>
 #include <mutex>
 #include <set>
 #include <thread>
+
+#include <sys/mman.h>
+#include <unistd.h>
 
 #include "runtime/units.h"
 
@@ -72,11 +77,21 @@ class CpuStream final : public Stream {
   std::thread worker_;
 };
 
+// One live allocation. `address` is what Allocate handed out; `alias` is where the bytes are
+// reachable from the host: the same address for plain memory, a second mapping of the same memfd
+// for strict memory (Note [strict device memory]).
+struct CpuAllocation {
+  size_t rounded = 0;    // counted against capacity
+  size_t requested = 0;  // the range copies may touch
+  char* alias = nullptr;
+  size_t mapped = 0;     // strict memory: bytes of each of the two mappings
+};
+
 class CpuDevice final : public Device {
  public:
-  explicit CpuDevice(uint64_t capacity) : capacity_(capacity) {}
+  CpuDevice(uint64_t capacity, CpuDeviceMemory memory) : capacity_(capacity), memory_(memory) {}
   ~CpuDevice() override {
-    for (auto& [addr, size] : allocs_) std::free(reinterpret_cast<void*>(addr));
+    for (auto& [addr, a] : allocs_) Release(addr, a);
   }
 
   DeviceKind kind() const override { return DeviceKind::kCpu; }
@@ -104,29 +119,49 @@ class CpuDevice final : public Device {
       allocated_ += rounded;
       peak_ = std::max(peak_, allocated_);
     }
-    void* p = std::aligned_alloc(256, (rounded + 255) & ~size_t{255});
+    CpuAllocation a;
+    a.rounded = rounded;
+    a.requested = bytes;
+    void* address = nullptr;
+    const Status mapped = memory_ == CpuDeviceMemory::kStrict ? MapStrict(&a, &address)
+                                                                : MapPlain(&a, &address);
     std::lock_guard<std::mutex> l(mu_);
-    if (p == nullptr) {
+    if (!mapped.ok()) {
       allocated_ -= rounded;
-      return ResourceExhausted(
-          StrCat("cpu device: host allocation of ", FormatBytes(bytes), " failed"));
+      return mapped;
     }
-    allocs_[reinterpret_cast<uintptr_t>(p)] = rounded;
-    sizes_[reinterpret_cast<uintptr_t>(p)] = bytes;
-    return p;
+    allocs_[reinterpret_cast<uintptr_t>(address)] = a;
+    if (a.alias != address) aliases_[reinterpret_cast<uintptr_t>(a.alias)] = a.requested;
+    return address;
   }
 
   Status Free(void* ptr) override {
     if (ptr == nullptr) return Status::Ok();
-    std::lock_guard<std::mutex> l(mu_);
-    auto it = allocs_.find(reinterpret_cast<uintptr_t>(ptr));
-    if (it == allocs_.end())
-      return InvalidArgument(StrCat("cpu device: Free of ", ptr, " which this device did not allocate"));
-    allocated_ -= it->second;
-    allocs_.erase(it);
-    sizes_.erase(reinterpret_cast<uintptr_t>(ptr));
-    std::free(ptr);
+    CpuAllocation a;
+    {
+      std::lock_guard<std::mutex> l(mu_);
+      auto it = allocs_.find(reinterpret_cast<uintptr_t>(ptr));
+      if (it == allocs_.end())
+        return InvalidArgument(
+            StrCat("cpu device: Free of ", ptr, " which this device did not allocate"));
+      a = it->second;
+      allocated_ -= a.rounded;
+      allocs_.erase(it);
+      aliases_.erase(reinterpret_cast<uintptr_t>(a.alias));
+    }
+    Release(reinterpret_cast<uintptr_t>(ptr), a);
     return Status::Ok();
+  }
+
+  void* ComputeAddress(void* ptr) const override {
+    if (memory_ != CpuDeviceMemory::kStrict || ptr == nullptr) return ptr;
+    std::lock_guard<std::mutex> l(mu_);
+    const uintptr_t p = reinterpret_cast<uintptr_t>(ptr);
+    auto it = allocs_.upper_bound(p);
+    if (it == allocs_.begin()) return ptr;
+    --it;
+    if (p >= it->first + std::max<size_t>(it->second.requested, 1)) return ptr;
+    return it->second.alias + (p - it->first);
   }
 
   StatusOr<std::unique_ptr<Stream>> CreateStream(StreamPriority) override {
@@ -153,26 +188,90 @@ class CpuDevice final : public Device {
     streams_.erase(s);
   }
 
-  // OK when [p, p+bytes) lies inside one live allocation.
-  Status CheckRange(const void* p, size_t bytes, const char* what) const {
+  // When [p, p+bytes) lies inside one live allocation, its host-reachable address. A device
+  // range may be named by the address Allocate returned or by its compute alias (a tensor
+  // view's data_ptr), as a CUDA copy accepts any pointer into device memory.
+  StatusOr<void*> Resolve(const void* p, size_t bytes, const char* what) const {
     std::lock_guard<std::mutex> l(mu_);
-    uintptr_t a = reinterpret_cast<uintptr_t>(p);
-    auto it = sizes_.upper_bound(a);
-    if (it != sizes_.begin()) {
+    const uintptr_t a = reinterpret_cast<uintptr_t>(p);
+    auto it = allocs_.upper_bound(a);
+    if (it != allocs_.begin()) {
       --it;
-      if (a >= it->first && a + bytes <= it->first + it->second) return Status::Ok();
+      if (a >= it->first && a + bytes <= it->first + it->second.requested)
+        return static_cast<void*>(it->second.alias + (a - it->first));
+    }
+    auto al = aliases_.upper_bound(a);
+    if (al != aliases_.begin()) {
+      --al;
+      if (a >= al->first && a + bytes <= al->first + al->second) return const_cast<void*>(p);
     }
     return InvalidArgument(StrCat("cpu device: ", what, " range [", p, ", +", bytes,
                                   ") is not inside a live allocation of this device"));
   }
 
  private:
+  static Status MapPlain(CpuAllocation* a, void** address) {
+    void* p = std::aligned_alloc(256, (a->rounded + 255) & ~size_t{255});
+    if (p == nullptr)
+      return ResourceExhausted(
+          StrCat("cpu device: host allocation of ", FormatBytes(a->requested), " failed"));
+    a->alias = static_cast<char*>(p);
+    *address = p;
+    return Status::Ok();
+  }
+
+  // Note [strict device memory]
+  // A GPU's memory is not the host's: a host load or store through a device pointer faults. To
+  // make the CPU device fail the same way, strict memory maps each allocation twice from one
+  // memfd. The address handed out is the PROT_NONE mapping, so a host dereference of it dies
+  // with SIGSEGV exactly where a GPU run would; the device's copies, fills and compute
+  // (ComputeAddress: tensor views, kernels) use the readable mapping of the same bytes. Pages
+  // are the memfd's, so they exist once, and both mappings go away at Free.
+  static Status MapStrict(CpuAllocation* a, void** address) {
+    const size_t page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
+    a->mapped = (a->rounded + page - 1) / page * page;
+    const int fd = memfd_create("strata-cpu-device", MFD_CLOEXEC);
+    if (fd < 0) return Internal(StrCat("cpu device: memfd_create failed: ", std::strerror(errno)));
+    Status st = Status::Ok();
+    void* hidden = MAP_FAILED;
+    void* open = MAP_FAILED;
+    if (ftruncate(fd, static_cast<off_t>(a->mapped)) != 0) {
+      st = ResourceExhausted(StrCat("cpu device: cannot size a ", FormatBytes(a->mapped),
+                                    " strict allocation: ", std::strerror(errno)));
+    } else {
+      hidden = mmap(nullptr, a->mapped, PROT_NONE, MAP_SHARED, fd, 0);
+      open = mmap(nullptr, a->mapped, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+      if (hidden == MAP_FAILED || open == MAP_FAILED)
+        st = ResourceExhausted(StrCat("cpu device: cannot map a ", FormatBytes(a->mapped),
+                                      " strict allocation: ", std::strerror(errno)));
+    }
+    close(fd);
+    if (!st.ok()) {
+      if (hidden != MAP_FAILED) munmap(hidden, a->mapped);
+      if (open != MAP_FAILED) munmap(open, a->mapped);
+      return st;
+    }
+    a->alias = static_cast<char*>(open);
+    *address = hidden;
+    return Status::Ok();
+  }
+
+  static void Release(uintptr_t address, const CpuAllocation& a) {
+    if (a.mapped == 0) {
+      std::free(reinterpret_cast<void*>(address));
+      return;
+    }
+    munmap(reinterpret_cast<void*>(address), a.mapped);
+    munmap(a.alias, a.mapped);
+  }
+
   const uint64_t capacity_;
+  const CpuDeviceMemory memory_;
   mutable std::mutex mu_;
   uint64_t allocated_ = 0;                    // GUARDED_BY(mu_)
   uint64_t peak_ = 0;                         // GUARDED_BY(mu_)
-  std::map<uintptr_t, size_t> allocs_;        // GUARDED_BY(mu_): address → rounded bytes
-  std::map<uintptr_t, size_t> sizes_;         // GUARDED_BY(mu_): address → requested bytes
+  std::map<uintptr_t, CpuAllocation> allocs_; // GUARDED_BY(mu_): handed-out address → allocation
+  std::map<uintptr_t, size_t> aliases_;       // GUARDED_BY(mu_): strict alias → requested bytes
   std::set<CpuStream*> streams_;              // GUARDED_BY(mu_)
 };
 
@@ -216,17 +315,19 @@ Status CpuStream::MemcpyAsync(void* dst, const void* src, size_t bytes, CopyKind
   if (bytes == 0) return Status::Ok();
   if (dst == nullptr || src == nullptr)
     return InvalidArgument("cpu stream: MemcpyAsync with a null pointer");
-  if (kind == CopyKind::kHostToDevice || kind == CopyKind::kDeviceToDevice)
-    STRATA_RETURN_IF_ERROR(device_->CheckRange(dst, bytes, "copy destination"));
-  if (kind == CopyKind::kDeviceToHost || kind == CopyKind::kDeviceToDevice)
-    STRATA_RETURN_IF_ERROR(device_->CheckRange(src, bytes, "copy source"));
+  if (kind == CopyKind::kHostToDevice || kind == CopyKind::kDeviceToDevice) {
+    STRATA_ASSIGN_OR_RETURN(dst, device_->Resolve(dst, bytes, "copy destination"));
+  }
+  if (kind == CopyKind::kDeviceToHost || kind == CopyKind::kDeviceToDevice) {
+    STRATA_ASSIGN_OR_RETURN(src, device_->Resolve(src, bytes, "copy source"));
+  }
   Enqueue([dst, src, bytes] { std::memmove(dst, src, bytes); });
   return Status::Ok();
 }
 
 Status CpuStream::MemsetAsync(void* dst, int value, size_t bytes) {
   if (bytes == 0) return Status::Ok();
-  STRATA_RETURN_IF_ERROR(device_->CheckRange(dst, bytes, "memset destination"));
+  STRATA_ASSIGN_OR_RETURN(dst, device_->Resolve(dst, bytes, "memset destination"));
   Enqueue([dst, value, bytes] { std::memset(dst, value, bytes); });
   return Status::Ok();
 }
@@ -287,8 +388,14 @@ bool CpuStream::Query() {
 
 }  // namespace
 
-std::unique_ptr<Device> MakeCpuDevice(uint64_t capacity) {
-  return std::make_unique<CpuDevice>(capacity);
+CpuDeviceMemory DefaultCpuDeviceMemory() {
+  const char* v = std::getenv("STRATA_CPU_DEVICE");
+  return v != nullptr && std::string_view(v) == "strict" ? CpuDeviceMemory::kStrict
+                                                        : CpuDeviceMemory::kPlain;
+}
+
+std::unique_ptr<Device> MakeCpuDevice(uint64_t capacity, CpuDeviceMemory memory) {
+  return std::make_unique<CpuDevice>(capacity, memory);
 }
 
 }  // namespace strata

@@ -101,8 +101,9 @@ class Device {
 int CudaDeviceCount();
 
 // Creates a device from a spec: "cpu", "cuda", "cuda:N" or "auto" (CUDA when a GPU is present,
-// else the CPU device). `capacity` bounds allocations in bytes; 0 means the CPU device's default
-// (4 GiB) or the whole GPU.
+// else the CPU device). "cuda" and "auto" take GPU LOCAL_RANK when the launcher set it, else GPU
+// 0. `capacity` bounds allocations in bytes; 0 means the CPU device's default (4 GiB) or the
+// whole GPU.
 StatusOr<std::unique_ptr<Device>> CreateDevice(const std::string& spec, uint64_t capacity = 0);
 
 // The specs CreateDevice accepts on this machine, e.g. {"cpu"} or {"cpu", "cuda:0"}.

@@ -56,6 +56,7 @@ Engine::Impl::~Impl() {
   for (auto& p : params_)
     if (p.acc) p.acc->post_hooks().clear();
   for (size_t c = 0; c < chunks_.size(); ++c) FreeChunkMemory(static_cast<int64_t>(c));
+  ReapFrees(/*wait=*/true);
   // Stages 0-2: the parameters are views of chunks the device allocated, and the model outlives
   // the engine (and maybe the device): give them their own copy of the working values.
   if (!stage3()) {
@@ -65,11 +66,14 @@ Engine::Impl::~Impl() {
   }
 }
 
+torch::Device TorchDevice(const Device& device) {
+  return device.kind() == DeviceKind::kCuda
+             ? torch::Device(torch::kCUDA, static_cast<c10::DeviceIndex>(device.index()))
+             : torch::Device(torch::kCPU);
+}
+
 torch::TensorOptions Engine::Impl::DeviceOptions(torch::Dtype dtype) const {
-  torch::Device dev = device_->kind() == DeviceKind::kCuda
-                          ? torch::Device(torch::kCUDA, static_cast<int16_t>(device_->index()))
-                          : torch::Device(torch::kCPU);
-  return torch::TensorOptions().dtype(dtype).device(dev);
+  return torch::TensorOptions().dtype(dtype).device(TorchDevice(*device_));
 }
 
 StatusOr<torch::Tensor> Engine::Impl::DeviceTensor(int64_t numel, torch::Dtype dtype) {
@@ -78,7 +82,11 @@ StatusOr<torch::Tensor> Engine::Impl::DeviceTensor(int64_t numel, torch::Dtype d
   Device* dev = device_;
   // The view is at the compute address; the deleter frees what Allocate returned.
   return torch::from_blob(
-      device_->ComputeAddress(p), {numel}, [dev, p](void*) { dev->Free(p).IgnoreError(); },
+      device_->ComputeAddress(p), {numel},
+      [dev, p](void*) {
+        ComputeFence::Mark(*dev).Wait();  // Note [ordered frees]
+        dev->Free(p).IgnoreError();
+      },
       DeviceOptions(dtype));
 }
 
@@ -262,10 +270,15 @@ Status Engine::Impl::Init(Engine* owner, const EngineOptions& options) {
   };
   param_placement_ = placement(z.offload_param.device);
   optim_placement_ = placement(z.offload_optimizer.device);
-  if (optim_placement_ == Placement::kDevice && device_->kind() != DeviceKind::kCpu)
-    return Unimplemented(
-        "offload_optimizer.device=none on a CUDA device needs the GPU Adam, which this build does "
-        "not run yet; set zero_optimization.offload_optimizer.device to cpu or nvme");
+  if (gpu_optimizer() && param_placement_ != Placement::kDevice)
+    return InvalidArgument(
+        "offload_param.device offloads the parameters but offload_optimizer.device=none keeps the "
+        "optimizer on the GPU; offload the optimizer too (offload_optimizer.device: cpu or nvme), "
+        "as DeepSpeed requires");
+  if (device_->kind() == DeviceKind::kCuda && !torch::cuda::is_available())
+    return FailedPrecondition(StrCat(
+        "the device is ", device_->name(), " but this LibTorch has no CUDA (or sees no GPU); "
+        "build Strata against a CUDA LibTorch (pip torch: see the README) or use --device cpu"));
   if (comm_->world_size() > 1 && comm_->memory_kind() == MemoryKind::kHost &&
       device_->kind() != DeviceKind::kCpu)
     return FailedPrecondition(StrCat("communicator ", comm_->backend(),
@@ -282,6 +295,8 @@ Status Engine::Impl::Init(Engine* owner, const EngineOptions& options) {
   }
 
   STRATA_ASSIGN_OR_RETURN(copy_stream_, device_->CreateStream(StreamPriority::kHigh));
+  STRATA_ASSIGN_OR_RETURN(publish_stream_, device_->CreateStream());
+  side_stream_ = std::make_unique<SideStream>(*device_);
   // The optimizer's arena. When updates overlap compute (during backward, or beside the next
   // forward) it gets the physical cores (hwloc) that LibTorch's intra-op threads leave, at least
   // one: more would oversubscribe the cores and slow compute by more than the updates gain

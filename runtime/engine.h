@@ -203,4 +203,9 @@ class Engine {
   std::unique_ptr<Impl> impl_;
 };
 
+// The LibTorch device that compute on `device` runs on: cuda:N for a CUDA device, cpu for the
+// CPU device. The engine keeps the model's parameters and buffers there; inputs and targets must
+// be there too (`batch.to(TorchDevice(*device))`).
+torch::Device TorchDevice(const Device& device);
+
 }  // namespace strata

@@ -41,6 +41,7 @@
 #include "runtime/check.h"
 #include "runtime/comm/communicator.h"
 #include "runtime/compute_dtype.h"
+#include "runtime/compute_fence.h"
 #include "runtime/device.h"
 #include "runtime/host_info.h"
 #include "runtime/lane_trace.h"
@@ -223,6 +224,12 @@ class Engine::Impl {
   void WaitFillLanded(int64_t c);
   void FinishAllFills();
   void FreeChunkMemory(int64_t c);
+  // Frees the pending chunk memory whose compute has finished; all of it when `wait`.
+  void ReapFrees(bool wait);
+  // True when the optimizer runs on a CUDA device's own memory (the GPU Adam).
+  bool gpu_optimizer() const {
+    return optim_placement_ == Placement::kDevice && device_->kind() == DeviceKind::kCuda;
+  }
   Status GatherChunk(int64_t c);
   // Drops a holder; the chunk stays gathered when it is persistent or will be reused within
   // stage3_max_reuse_distance elements (Note [stage-3 live set]).
@@ -324,6 +331,14 @@ class Engine::Impl {
   Communicator* comm_;
   Device* device_;
   std::unique_ptr<Stream> copy_stream_;
+  // The optimizer lane's copies of new values to the device (PublishParams, the GPU Adam's fp32
+  // working copy): one stream, made once, used by that lane alone.
+  std::unique_ptr<Stream> publish_stream_;
+  // CUDA: the GPU Adam's and gradient statistics' stream (compute_fence.h).
+  std::unique_ptr<SideStream> side_stream_;
+  // Chunk memory handed back while compute may still read it (Note [ordered frees]).
+  std::mutex frees_mu_;
+  std::vector<std::pair<void*, ComputeFence>> pending_frees_;  // GUARDED_BY(frees_mu_)
   std::unique_ptr<nvme::NvmeTier> nvme_;
   std::unique_ptr<BlockStore> store_;
   std::optional<Partitioner> partitioner_;

@@ -1,4 +1,5 @@
 // Gradient reducer: hooks on gradient accumulation, per-chunk reduction, Backward.
+#include "kernels/kernels.h"
 #include "runtime/engine_impl.h"
 
 namespace strata {
@@ -99,6 +100,9 @@ Status Engine::Impl::ReduceChunk(int64_t c) {
   if (full && !last_micro_step()) return Status::Ok();
   float* data = cs.grad_full.data_ptr<float>();
   const int64_t off = partitioner_->ShardOffset(c, shard_rank());
+  // The gradient was accumulated by compute, which may still be queued on a GPU; the collective
+  // runs on its own stream (Note [ordered frees] explains the fences).
+  if (comm_->world_size() > 1) ComputeFence::Mark(*device_).Wait();
   if (comm_->world_size() > 1) {
     LaneTimer t(&comm_s_, &lane_trace_, Lane::kComm, full ? "all-reduce" : "reduce-scatter",
                 trace_step(), c);
@@ -132,15 +136,23 @@ Status Engine::Impl::ReduceChunk(int64_t c) {
                                                : torch::TensorOptions().dtype(torch::kFloat32));
     if (first_micro) host.copy_(shard);
     else host.add_(shard.to(host.device()));
-    if (device_->kind() != DeviceKind::kCpu) bytes_d2h_ += ci.shard_numel * 4;
+    if (device_->kind() != DeviceKind::kCpu && optim_placement_ != Placement::kDevice)
+      bytes_d2h_ += ci.shard_numel * 4;
+    // Into device memory the copy is queued compute: the optimizer lane reads the block only
+    // after it has run. (A copy to host memory has finished when copy_ returns.)
+    if (gpu_optimizer()) ComputeFence::Mark(*device_).Wait();
   }
   cs.grad_full = torch::Tensor();
   if (last_micro_step() && !immediate_optimizer()) {
     // This chunk's part of the step's global norm and overflow check, while the shard is hot
     // (Note [deferred optimizer]).
     const double inv = scaler_ ? scaler_->inv_scale() : 1.0;
-    auto st = optim::UnscaleCheckNorm(dst, optim::DType::kFloat32, ci.shard_numel,
-                                      static_cast<float>(inv));
+    auto st = gpu_optimizer()
+                  ? kernels::UnscaleCheckNorm(kernels::Backend::kCuda, dst, optim::DType::kFloat32,
+                                              ci.shard_numel, static_cast<float>(inv),
+                                              side_stream_->handle())
+                  : optim::UnscaleCheckNorm(dst, optim::DType::kFloat32, ci.shard_numel,
+                                            static_cast<float>(inv));
     if (!st.ok()) {
       store_->Release(key, true).IgnoreError();
       return st.status().WithContext(StrCat("norm of chunk ", c, "'s gradient"));

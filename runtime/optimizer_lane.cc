@@ -1,4 +1,5 @@
 // Optimizer lane: the optimizer thread, Adam per chunk, publishing new values, Step.
+#include "kernels/kernels.h"
 #include "runtime/engine_impl.h"
 
 namespace strata {
@@ -176,7 +177,8 @@ Status Engine::Impl::AdamChunk(int64_t c, float grad_scale, double lr, int64_t s
   if (master_is_param()) {
     out = master;  // Note [shared master]: the update writes the working shard in place
   } else if (stage == 3) {
-    if (param_placement_ != Placement::kDevice || device_->kind() == DeviceKind::kCpu) {
+    if (param_placement_ != Placement::kDevice || device_->kind() == DeviceKind::kCpu ||
+        gpu_optimizer()) {
       auto got = store_->Acquire(kp, Access::kWrite);
       if (!got.ok()) {
         for (const auto& w : wants) store_->Release(w.first, false).IgnoreError();
@@ -185,7 +187,7 @@ Status Engine::Impl::AdamChunk(int64_t c, float grad_scale, double lr, int64_t s
       out = device_->ComputeAddress(*got);
       param_block_held = true;
     }
-  } else if (device_->kind() == DeviceKind::kCpu) {
+  } else if (device_->kind() == DeviceKind::kCpu || gpu_optimizer()) {
     out = static_cast<char*>(chunks_[c].full.data_ptr()) +
           partitioner_->ShardOffset(c, shard_rank()) * esize;
   }
@@ -215,22 +217,36 @@ Status Engine::Impl::AdamChunk(int64_t c, float grad_scale, double lr, int64_t s
     bufs.param16 = out;
     bufs.param16_dtype = compute_dtype_;
   }
-  optim::AdamOptions ao;
-  ao.arena = arena_.get();
-  ao.grad_check = optim::GradCheck::kCallerChecked;
-  auto r = optim::AdamStep(ap, bufs, grad_scale, ao);
-  if (r.ok() && compute_dtype_ == optim::DType::kFloat32 && out != master)
-    std::memcpy(out, master, n * 4);
-
-  Status s = r.status();
+  Status s;
+  if (gpu_optimizer()) {
+    // The GPU Adam on device-resident states (kernels/kernels.h: the same IEEE operations as
+    // the CPU Adam). Its stream runs beside compute; the gradient's hand-off already waited for
+    // the compute that wrote it.
+    s = kernels::AdamStep(kernels::Backend::kCuda, ap, bufs, grad_scale, nullptr,
+                          side_stream_->handle());
+    if (s.ok()) side_stream_->Synchronize();
+    if (s.ok() && compute_dtype_ == optim::DType::kFloat32 && out != master) {
+      s = publish_stream_->MemcpyAsync(out, master, n * 4, CopyKind::kDeviceToDevice);
+      if (s.ok()) s = publish_stream_->Synchronize();
+    }
+  } else {
+    optim::AdamOptions ao;
+    ao.arena = arena_.get();
+    ao.grad_check = optim::GradCheck::kCallerChecked;
+    auto r = optim::AdamStep(ap, bufs, grad_scale, ao);
+    if (r.ok() && compute_dtype_ == optim::DType::kFloat32 && out != master)
+      std::memcpy(out, master, n * 4);
+    s = r.status();
+  }
+  const bool updated = s.ok();
   for (const BlockKey& k : {km, ka, kv}) {
-    Status rs = store_->Release(k, r.ok());
+    Status rs = store_->Release(k, updated);
     if (s.ok()) s = rs;
   }
   Status gs = store_->Release(kg, false);
   if (s.ok()) s = gs;
   if (param_block_held) {
-    Status ps = store_->Release(kp, r.ok());
+    Status ps = store_->Release(kp, updated);
     if (s.ok()) s = ps;
   }
   if (!s.ok()) return s.WithContext(StrCat("optimizer step of chunk ", c));
@@ -255,10 +271,9 @@ Status Engine::Impl::PublishParams(int64_t c, const void* shard_values, optim::D
     std::memcpy(dst, shard_values, bytes);
     return store_->Release({c, StateKind::kParam16}, true);
   }
-  // A dedicated stream: this runs on the optimizer lane, concurrently with compute.
-  STRATA_ASSIGN_OR_RETURN(auto stream, device_->CreateStream());
-  Status s = stream->MemcpyAsync(dst, shard_values, bytes, CopyKind::kHostToDevice);
-  if (s.ok()) s = stream->Synchronize();
+  // The lane's own stream: this runs concurrently with compute.
+  Status s = publish_stream_->MemcpyAsync(dst, shard_values, bytes, CopyKind::kHostToDevice);
+  if (s.ok()) s = publish_stream_->Synchronize();
   if (held) {
     Status r = store_->Release({c, StateKind::kParam16}, true);
     if (s.ok()) s = r;

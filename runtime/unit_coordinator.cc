@@ -21,7 +21,13 @@ Status Engine::Impl::InstallChunk(int64_t c) {
   ChunkState& cs = chunks_[c];
   const ChunkInfo& ci = partitioner_->chunks()[c];
   const size_t bytes = static_cast<size_t>(ci.numel) * optim::DTypeSize(compute_dtype_);
-  STRATA_ASSIGN_OR_RETURN(void* p, device_->Allocate(bytes));
+  ReapFrees(/*wait=*/false);
+  StatusOr<void*> got = device_->Allocate(bytes);
+  if (!got.ok() && got.status().code() == StatusCode::kResourceExhausted) {
+    ReapFrees(/*wait=*/true);  // memory still read by queued compute comes back first
+    got = device_->Allocate(bytes);
+  }
+  STRATA_ASSIGN_OR_RETURN(void* p, std::move(got));
   c10::StorageImpl* impl = cs.storage.unsafeGetStorageImpl();
   // The views compute reads are at the device's compute address (Note [device blocks]).
   impl->set_data_ptr_noswap(
@@ -41,8 +47,33 @@ void Engine::Impl::FreeChunkMemory(int64_t c) {
   c10::StorageImpl* impl = cs.storage.unsafeGetStorageImpl();
   impl->set_data_ptr_noswap(c10::DataPtr(nullptr, DeviceOptions(torch::kFloat32).device()));
   impl->set_nbytes(0);
-  device_->Free(cs.buffer).IgnoreError();
+  {
+    std::lock_guard<std::mutex> l(frees_mu_);
+    pending_frees_.push_back({cs.buffer, ComputeFence::Mark(*device_)});
+  }
   cs.buffer = nullptr;
+  ReapFrees(/*wait=*/false);
+}
+
+// Note [ordered frees]
+// On a GPU, compute that reads a chunk may still be queued when its unit is done and the chunk
+// is dropped; memory freed then could be reallocated and overwritten by the next gather's copy
+// under those kernels. A dropped chunk's memory therefore waits with a fence on the compute
+// enqueued so far and goes back to the device once that has run (as record_stream does for
+// LibTorch's allocator). On the CPU device the fence is done at once and nothing waits.
+void Engine::Impl::ReapFrees(bool wait) {
+  std::vector<void*> ready;
+  {
+    std::lock_guard<std::mutex> l(frees_mu_);
+    auto keep = pending_frees_.begin();
+    for (auto& pf : pending_frees_) {
+      if (wait) pf.second.Wait();
+      if (pf.second.Done()) ready.push_back(pf.first);
+      else *keep++ = std::move(pf);
+    }
+    pending_frees_.erase(keep, pending_frees_.end());
+  }
+  for (void* p : ready) device_->Free(p).IgnoreError();
 }
 
 Status Engine::Impl::FillChunk(int64_t c) {
@@ -149,6 +180,7 @@ Status Engine::Impl::RefreshChunksAfterStep() {
       // Still held (the root's own parameters) or persistent: readable between steps, so same
       // memory, new values, before Step returns. Their updates are queued first.
       STRATA_RETURN_IF_ERROR(WaitChunkUpdated(c64));
+      ComputeFence::Mark(*device_).Wait();  // queued compute may still read the old values
       STRATA_RETURN_IF_ERROR(FillChunk(c64));
     } else {
       DropChunk(c64);

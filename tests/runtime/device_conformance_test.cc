@@ -5,6 +5,8 @@
 #include <atomic>
 #include <chrono>
 #include <cstring>
+#include <fstream>
+#include <string>
 #include <numeric>
 #include <random>
 #include <thread>
@@ -13,6 +15,7 @@
 #include <gtest/gtest.h>
 
 #include "tests/test_util.h"
+#include "tiers/hbm/cpu_device.h"
 
 namespace strata {
 namespace {
@@ -151,6 +154,88 @@ INSTANTIATE_TEST_SUITE_P(AllDevices, DeviceConformance, ::testing::ValuesIn(Avai
                              if (c == ':') c = '_';
                            return n;
                          });
+
+// Strict CPU memory (tiers/hbm/cpu_device.h): the handed-out address faults on a host access, as
+// a GPU pointer does, while copies, fills and the compute address reach the same bytes.
+TEST(StrictCpuDevice, HostDereferenceOfDeviceMemoryCrashes) {
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  auto dev = MakeCpuDevice(64 << 20, CpuDeviceMemory::kStrict);
+  ASSERT_OK_AND_ASSIGN(void* p, dev->Allocate(1000));
+  EXPECT_DEATH(static_cast<volatile char*>(p)[0] = 1, "");
+  EXPECT_DEATH((void)static_cast<volatile char*>(p)[999], "");
+  // The same store through the compute address is fine: it is how tensor views reach memory.
+  static_cast<volatile char*>(dev->ComputeAddress(p))[0] = 1;
+  ASSERT_OK(dev->Free(p));
+  // Plain memory is host memory, as before.
+  auto plain = MakeCpuDevice(64 << 20, CpuDeviceMemory::kPlain);
+  ASSERT_OK_AND_ASSIGN(void* q, plain->Allocate(1000));
+  EXPECT_EQ(plain->ComputeAddress(q), q);
+  static_cast<volatile char*>(q)[0] = 1;
+  ASSERT_OK(plain->Free(q));
+}
+
+TEST(StrictCpuDevice, CopiesFillsAndComputeSeeTheSameBytes) {
+  auto dev = MakeCpuDevice(64 << 20, CpuDeviceMemory::kStrict);
+  ASSERT_OK_AND_ASSIGN(auto stream, dev->CreateStream());
+  const size_t n = 3 * 4096 + 123;
+  ASSERT_OK_AND_ASSIGN(void* a, dev->Allocate(n));
+  ASSERT_OK_AND_ASSIGN(void* b, dev->Allocate(n));
+  EXPECT_NE(dev->ComputeAddress(a), a);
+  std::vector<uint8_t> src(n), back(n, 0);
+  std::iota(src.begin(), src.end(), 7);
+  // Host -> device at the handed-out address, device -> device from the compute alias (a
+  // tensor view's data pointer) into the other allocation, fill a tail, device -> host.
+  ASSERT_OK(stream->MemcpyAsync(a, src.data(), n, CopyKind::kHostToDevice));
+  ASSERT_OK(stream->MemcpyAsync(b, dev->ComputeAddress(a), n, CopyKind::kDeviceToDevice));
+  ASSERT_OK(stream->MemsetAsync(static_cast<char*>(b) + n - 5, 0xAB, 5));
+  ASSERT_OK(stream->MemcpyAsync(back.data(), b, n, CopyKind::kDeviceToHost));
+  ASSERT_OK(stream->Synchronize());
+  for (size_t i = 0; i < n - 5; ++i) ASSERT_EQ(back[i], src[i]) << i;
+  for (size_t i = n - 5; i < n; ++i) ASSERT_EQ(back[i], 0xAB) << i;
+  // What compute sees at the alias is what the copy wrote.
+  EXPECT_EQ(std::memcmp(dev->ComputeAddress(a), src.data(), n), 0);
+  // Interior pointers translate by their offset; a host pointer comes back unchanged.
+  EXPECT_EQ(dev->ComputeAddress(static_cast<char*>(a) + 100),
+            static_cast<char*>(dev->ComputeAddress(a)) + 100);
+  EXPECT_EQ(dev->ComputeAddress(src.data()), src.data());
+  // Past the end of an allocation is still an error, by either address.
+  EXPECT_EQ(stream->MemcpyAsync(dev->ComputeAddress(a), src.data(), n + 1, CopyKind::kHostToDevice)
+                .code(),
+            StatusCode::kInvalidArgument);
+  // Accounting is by the requested size (64-byte rounded), as in plain mode.
+  EXPECT_EQ(dev->allocated(), 2 * ((n + 63) / 64 * 64));
+  ASSERT_OK(dev->Free(a));
+  ASSERT_OK(dev->Free(b));
+  EXPECT_EQ(dev->allocated(), 0u);
+  EXPECT_EQ(dev->Free(a).code(), StatusCode::kInvalidArgument);
+}
+
+// VmRSS of this process (memfd pages count there, as RssShmem).
+uint64_t ResidentBytes() {
+  std::ifstream f("/proc/self/status");
+  std::string line;
+  while (std::getline(f, line))
+    if (line.rfind("VmRSS:", 0) == 0) return std::stoull(line.substr(6)) * 1024;
+  return 0;
+}
+
+// Freed strict memory goes back to the OS: the process's resident memory does not grow when
+// the same large allocation is made, touched and freed many times.
+TEST(StrictCpuDevice, FreeReturnsTheMemory) {
+  auto dev = MakeCpuDevice(uint64_t{1} << 30, CpuDeviceMemory::kStrict);
+  ASSERT_OK_AND_ASSIGN(auto stream, dev->CreateStream());
+  const size_t n = 64 << 20;
+  const uint64_t before = ResidentBytes();
+  for (int i = 0; i < 8; ++i) {
+    ASSERT_OK_AND_ASSIGN(void* p, dev->Allocate(n));
+    ASSERT_OK(stream->MemsetAsync(p, i, n));
+    ASSERT_OK(stream->Synchronize());
+    ASSERT_OK(dev->Free(p));
+  }
+  const uint64_t after = ResidentBytes();
+  EXPECT_LT(after, before + 2 * n) << "8 x 64 MiB touched and freed; RSS grew by "
+                                   << (after - before);
+}
 
 TEST(DeviceRegistry, CpuAlwaysAvailableAndBadSpecsAreClear) {
   auto devices = AvailableDevices();

@@ -3,6 +3,8 @@
 #pragma once
 
 #include <cmath>
+#include <cstdlib>
+#include <string>
 #include <functional>
 #include <memory>
 #include <vector>
@@ -21,6 +23,15 @@
 namespace strata {
 
 inline constexpr int kSteps = 4;
+
+// The device the engine trains on in these suites: STRATA_TEST_DEVICE ("cuda" in the gpu-labelled
+// runs), the CPU device otherwise. The reference always trains on the CPU.
+inline std::string TestDeviceSpec() {
+  const char* v = std::getenv("STRATA_TEST_DEVICE");
+  return v != nullptr && *v != '\0' ? std::string(v) : std::string("cpu");
+}
+// How much looser a GPU run's comparison with the CPU reference is (summation order only).
+inline constexpr double kGpuToleranceFactor = 5.0;
 
 inline Config BaseConfig() {
   Config c;
@@ -133,15 +144,16 @@ inline TrainRun ThroughEngine(const Config& c, const EngineOptions& opts = {},
     own = CreateSingleCommunicator();
     comm = own.get();
   }
-  std::unique_ptr<Device> device = CreateDevice("cpu", 256 << 20).value();
+  std::unique_ptr<Device> device = CreateDevice(TestDeviceSpec(), 256 << 20).value();
   if (delay_us > 0) device = std::make_unique<testing::DelayingDevice>(std::move(device), delay_us);
+  const torch::Device on = TorchDevice(*device);
   auto engine_or = Engine::Create(models::BuildGpt(c.model), c, comm, device.get(), opts);
   EXPECT_TRUE(engine_or.ok()) << engine_or.status();
   if (!engine_or.ok()) return {};
   auto engine = std::move(engine_or).value();
   TrainRun run;
   run.losses = TrainWithEngine(*engine, c, comm, kSteps, [&](int s, int m) {
-    torch::Tensor b = Batch(c, s, m).chunk(comm->world_size(), 0)[comm->rank()].contiguous();
+    torch::Tensor b = Batch(c, s, m).chunk(comm->world_size(), 0)[comm->rank()].contiguous().to(on);
     return models::LanguageModelLoss(engine->Forward(b.narrow(1, 0, c.model.seq_len)),
                                      b.narrow(1, 1, c.model.seq_len));
   });
@@ -152,6 +164,11 @@ inline TrainRun ThroughEngine(const Config& c, const EngineOptions& opts = {},
 }
 
 inline void ExpectMatch(const TrainRun& ref, const TrainRun& got, double loss_tol, double param_tol) {
+  // On a GPU the engine's matmuls and reductions sum in another order than the CPU reference.
+  if (TestDeviceSpec() != "cpu") {
+    loss_tol *= kGpuToleranceFactor;
+    param_tol *= kGpuToleranceFactor;
+  }
   ASSERT_EQ(ref.losses.size(), got.losses.size());
   for (size_t i = 0; i < ref.losses.size(); ++i)
     EXPECT_NEAR(got.losses[i], ref.losses[i], loss_tol * std::abs(ref.losses[i])) << "step " << i;

@@ -207,7 +207,7 @@ class Trainer {
     std::vector<int64_t> tokens;
     for (int64_t i = 0; i < f_.eval_batches; ++i) {
       SampleBatch(data_.validation, B, T, c_.model.seed ^ 0x5eed, i, 0, comm_->rank(), &tokens);
-      torch::Tensor b = ToTensor(tokens, B, T + 1);
+      torch::Tensor b = ToTensor(tokens, B, T + 1).to(TorchDevice(*device_));
       torch::Tensor logits;
       try {
         logits = engine_->Forward(b.narrow(1, 0, T));
@@ -269,7 +269,7 @@ class Trainer {
       double loss_sum = 0;
       for (int64_t m = 0; m < accum; ++m) {
         SampleBatch(data_.train, B, T, c_.model.seed, step, m, comm_->rank(), &tokens);
-        torch::Tensor b = ToTensor(tokens, B, T + 1);
+        torch::Tensor b = ToTensor(tokens, B, T + 1).to(TorchDevice(*device_));
         torch::Tensor loss;
         try {
           loss = models::LanguageModelLoss(engine_->Forward(b.narrow(1, 0, T)), b.narrow(1, 1, T));

@@ -282,6 +282,7 @@ TEST(PinnedPoolTest, ForcedPageableFallback) {
 TEST(PinnedPoolTest, PinsWhatTheLimitAllows) {
   PinnedPoolOptions o;
   o.budget = 4_MiB;
+  o.allow_cuda = false;  // the mmap + mlock path, also on a machine with a GPU
   ASSERT_OK_AND_ASSIGN(auto pool, PinnedPool::Create(o));
   PinnedPoolStats s = pool->stats();
   EXPECT_EQ(s.pinned_bytes + s.pageable_bytes, s.arena_bytes + s.colour_bytes);
@@ -309,6 +310,7 @@ TEST(PinnedPoolTest, PinsWhatTheLimitAllows) {
   if (geteuid() == 0 && setuid(65534) != 0) std::_Exit(11);  // drop CAP_IPC_LOCK
   PinnedPoolOptions o;
   o.budget = 6_MiB;
+  o.allow_cuda = false;  // cudaHostAlloc ignores RLIMIT_MEMLOCK: this is the mlock path's test
   auto pool = PinnedPool::Create(o);
   if (!pool.ok()) std::_Exit(12);
   PinnedPoolStats s = (*pool)->stats();

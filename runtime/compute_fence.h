@@ -1,0 +1,53 @@
+// ComputeFence and SideStream: how the engine orders its own work against the stream LibTorch's
+// compute runs on.
+//
+// LibTorch enqueues a CUDA op on the device's current stream and returns before it runs. Memory
+// the engine hands back, a buffer a collective or a copy reads, or a parameter the optimizer
+// rewrites may therefore still be in use by queued kernels. A ComputeFence marks "everything
+// compute enqueued so far"; the engine frees, reads or overwrites such memory only once the fence
+// is done. On the CPU device LibTorch's ops have finished when they return, so every fence is
+// done at once and costs nothing.
+//
+// The types speak LibTorch's device-generic c10 API (no CUDA headers), so this file builds
+// against any LibTorch, with or without CUDA.
+#pragma once
+
+#include <optional>
+
+#include <c10/core/Event.h>
+#include <c10/core/Stream.h>
+
+#include "runtime/device.h"
+#include "runtime/status.h"
+
+namespace strata {
+
+class ComputeFence {
+ public:
+  ComputeFence() = default;  // done
+  // Marks the work enqueued so far on `device`'s current LibTorch stream.
+  static ComputeFence Mark(const Device& device);
+  // Never blocks.
+  bool Done() const;
+  // Blocks the calling thread until the marked work has finished.
+  void Wait() const;
+
+ private:
+  std::optional<c10::Event> event_;
+};
+
+// A LibTorch pool stream of a CUDA device for the engine's own kernels (the GPU Adam, gradient
+// statistics), so they run beside compute instead of behind it. On the CPU device there is none:
+// handle() is null and Synchronize returns at once.
+class SideStream {
+ public:
+  explicit SideStream(const Device& device);
+  // The cudaStream_t, as kernels::StreamHandle.
+  void* handle() const;
+  void Synchronize() const;
+
+ private:
+  std::optional<c10::Stream> stream_;
+};
+
+}  // namespace strata

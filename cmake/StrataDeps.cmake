@@ -21,11 +21,6 @@ add_library(strata::torch ALIAS strata_torch_deps)
 if(Torch_FOUND)
   set(STRATA_TORCH_LAYOUT "TorchConfig")
   target_link_libraries(strata_torch_deps INTERFACE ${TORCH_LIBRARIES})
-  # pip LibTorch 2.x exports the std::filesystem it links statically (pytorch/pytorch#133437). A
-  # binary whose needed-list names libtorch before libstdc++ binds its own std::filesystem calls
-  # to those copies and crashes inside them (seen: remove_all, on torch 2.11). Naming libstdc++
-  # first, before any object, keeps every such call in the system's library.
-  add_link_options("LINKER:--push-state,--no-as-needed" "-lstdc++" "LINKER:--pop-state")
   target_include_directories(strata_torch_deps INTERFACE ${TORCH_INCLUDE_DIRS})
 else()
   find_path(STRATA_TORCH_API_INCLUDE torch/torch.h

@@ -302,7 +302,10 @@ Status Engine::Impl::Init(Engine* owner, const EngineOptions& options) {
   // one: more would oversubscribe the cores and slow compute by more than the updates gain
   // (measured on 2 cores: compute 9.5 s with one update thread, 10.9-12.1 s with two). When Step
   // waits for the updates they run alone and get every core. strata.optimizer_threads overrides.
-  const int compute_threads = torch::get_num_threads();
+  // On a GPU, compute needs one host thread (the one launching kernels); LibTorch's intra-op pool
+  // sits idle, so the CPU Adam may take the other cores.
+  const int compute_threads =
+      device_->kind() == DeviceKind::kCuda ? 1 : torch::get_num_threads();
   std::string why;
   const int arena_threads = ChooseOptimizerThreads(
       PhysicalCoreCount(), compute_threads, static_cast<int>(config_.strata.optimizer_threads),

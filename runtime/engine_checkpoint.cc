@@ -1,5 +1,6 @@
 // Checkpoints of the engine (layout and publication rules: runtime/checkpoint.h).
 #include "runtime/engine_impl.h"
+#include "runtime/remove_tree.h"
 
 namespace strata {
 
@@ -56,7 +57,7 @@ Status Engine::Impl::Save(const std::string& root, const nlohmann::json& extra) 
     for (const auto& e : fs::directory_iterator(root, ec)) {
       const std::string n = e.path().filename().string();
       if (n.size() > 5 && n[0] == '.' && n.rfind(".tmp") == n.size() - 4 && e.path() != tmp_dir)
-        fs::remove_all(e.path(), ec);
+        RemoveTree(e.path().string()).IgnoreError();  // best effort: a leftover is harmless
     }
   }
   fs::create_directories(tmp_dir, ec);

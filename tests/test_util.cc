@@ -8,6 +8,8 @@
 #include <filesystem>
 #include <string>
 
+#include "runtime/remove_tree.h"
+
 namespace strata::testing {
 
 TempDir::TempDir() {
@@ -18,10 +20,7 @@ TempDir::TempDir() {
   path_ = made;
 }
 
-TempDir::~TempDir() {
-  std::error_code ec;
-  std::filesystem::remove_all(path_, ec);
-}
+TempDir::~TempDir() { RemoveTree(path_).IgnoreError(); }  // runtime/remove_tree.h says why
 
 CommandResult RunCommand(const std::string& cmd, bool with_stderr) {
   CommandResult r;

@@ -32,6 +32,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "runtime/remove_tree.h"
 #include "runtime/logging.h"
 #include "runtime/host_info.h"
 #include "runtime/status.h"
@@ -382,7 +383,7 @@ int RunTiers(const TiersArgs& args) {
   auto cleanup = [&] {
     std::error_code ec;
     if (s.own_dir && !args.keep) {
-      std::filesystem::remove_all(s.dir, ec);
+      RemoveTree(s.dir).IgnoreError();
     } else if (!args.keep) {
       std::filesystem::remove(s.dir + "/strata-rank0.swap", ec);
       std::filesystem::remove(s.dir + "/strata-rank0.index", ec);

@@ -10,7 +10,7 @@ PACKAGES=(
   libgtest-dev libgmock-dev libbenchmark-dev
   nlohmann-json3-dev libcli11-dev
   fio fortunes fortunes-min
-  python3-dev python3-torch python3-torchvision python3-pybind11 python3-pytest
+  python3-dev python3-setuptools python3-torch python3-torchvision python3-pybind11 python3-pytest
 )
 # Extras for the by-hand jobs: `setup.sh --fuzz` adds clang and its libFuzzer runtime.
 if [ "${1:-}" = "--fuzz" ]; then

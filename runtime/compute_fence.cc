@@ -1,9 +1,10 @@
 #include "runtime/compute_fence.h"
 
 #include <thread>
+#include <type_traits>
+#include <utility>
 
 #include <c10/core/impl/DeviceGuardImplInterface.h>
-#include <torch/version.h>
 
 namespace strata {
 
@@ -33,19 +34,34 @@ void ComputeFence::Wait() const {
   while (!Done()) std::this_thread::yield();
 }
 
+namespace {
+
+// c10::Stream::native_handle exists in recent LibTorch 2.x only (2.11 has it, 2.6 does not).
+template <typename S, typename = void>
+struct HasNativeHandle : std::false_type {};
+template <typename S>
+struct HasNativeHandle<S, std::void_t<decltype(std::declval<const S&>().native_handle())>>
+    : std::true_type {};
+
+template <typename S>
+void* NativeHandle(const S& s) {
+  if constexpr (HasNativeHandle<S>::value) return s.native_handle();
+  else return nullptr;
+}
+
+}  // namespace
+
 SideStream::SideStream(const Device& device) {
   if (device.kind() != DeviceKind::kCuda) return;
   const c10::Device d = TorchDevice(device);
-  stream_.emplace(c10::impl::getDeviceGuardImpl(d.type())->getStreamFromGlobalPool(d));
+  const auto* impl = c10::impl::getDeviceGuardImpl(d.type());
+  // A pool stream when its cudaStream_t can be named; otherwise the default stream, whose handle
+  // is null (what the kernels take for it), so Synchronize waits for the work they enqueued.
+  stream_.emplace(HasNativeHandle<c10::Stream>::value ? impl->getStreamFromGlobalPool(d)
+                                                      : impl->getDefaultStream(d));
 }
 
-void* SideStream::handle() const {
-#if TORCH_VERSION_MAJOR >= 2
-  return stream_ ? stream_->native_handle() : nullptr;
-#else
-  return nullptr;  // LibTorch 1.x: the legacy default stream, ordered with every other
-#endif
-}
+void* SideStream::handle() const { return stream_ ? NativeHandle(*stream_) : nullptr; }
 
 void SideStream::Synchronize() const {
   if (stream_) stream_->synchronize();

@@ -37,8 +37,10 @@ class ComputeFence {
 };
 
 // A LibTorch pool stream of a CUDA device for the engine's own kernels (the GPU Adam, gradient
-// statistics), so they run beside compute instead of behind it. On the CPU device there is none:
-// handle() is null and Synchronize returns at once.
+// statistics), so they run beside compute instead of behind it. A LibTorch whose c10::Stream
+// cannot name its cudaStream_t (2.6 and older) gets the default stream instead: correct, but
+// serialized with compute. On the CPU device there is none: handle() is null and Synchronize
+// returns at once.
 class SideStream {
  public:
   explicit SideStream(const Device& device);

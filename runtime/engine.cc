@@ -117,6 +117,16 @@ Status Engine::Impl::WriteBlockBytes(void* block, const void* src, size_t bytes,
   return copy_stream_->Synchronize();
 }
 
+Status Engine::Impl::OnCommMemory(torch::Tensor& host,
+                                  const std::function<Status(void*)>& collective) {
+  if (comm_->memory_kind() == MemoryKind::kHost) return collective(host.data_ptr());
+  torch::Tensor staged = host.to(TorchDevice(*device_));
+  ComputeFence::Mark(*device_).Wait();  // the collective's stream does not wait for the copy
+  STRATA_RETURN_IF_ERROR(collective(staged.data_ptr()));
+  host.copy_(staged);
+  return Status::Ok();
+}
+
 namespace {
 
 bool IsContainer(const torch::nn::Module& m) {
@@ -415,6 +425,7 @@ Status Engine::Impl::Init(Engine* owner, const EngineOptions& options) {
     if (b.device() != dev) b.set_data(b.to(dev));
     if (comm_->world_size() > 1 && b.numel() > 0) {
       torch::Tensor t = b.contiguous();
+      ComputeFence::Mark(*device_).Wait();  // the move above and contiguous() are queued compute
       STRATA_RETURN_IF_ERROR(comm_->Broadcast(t.data_ptr(), static_cast<int64_t>(t.nbytes()),
                                               strata::DType::kU8, 0)
                                  .WithContext(StrCat("broadcasting buffer ", name)));
@@ -443,8 +454,10 @@ Status Engine::Impl::Init(Engine* owner, const EngineOptions& options) {
     }
     // Every rank starts from rank 0's initial values.
     if (comm_->world_size() > 1)
-      STRATA_RETURN_IF_ERROR(comm_->Broadcast(full32.data_ptr(), ci.numel, strata::DType::kF32, 0)
-                                 .WithContext(StrCat("broadcasting chunk ", c, "'s initial values")));
+      STRATA_RETURN_IF_ERROR(
+          OnCommMemory(full32, [&](void* p) {
+            return comm_->Broadcast(p, ci.numel, strata::DType::kF32, 0);
+          }).WithContext(StrCat("broadcasting chunk ", c, "'s initial values")));
     torch::Tensor shard32 =
         full32.narrow(0, partitioner_->ShardOffset(c64, shard_rank()), n).contiguous();
     auto put = [&](StateKind kind, uint64_t bytes, Placement where, const void* src) -> Status {
@@ -527,9 +540,13 @@ StatusOr<std::vector<torch::Tensor>> Engine::Impl::GatherMasterParams() {
     Status read = ReadBlockBytes(shard, m, ci.shard_numel * 4, optim_placement_);
     STRATA_RETURN_IF_ERROR(store_->Release(MasterKey(c64), false));
     STRATA_RETURN_IF_ERROR(read);
-    if (shard_world() > 1)
-      STRATA_RETURN_IF_ERROR(
-          comm_->AllGather(shard, full.data_ptr(), ci.shard_numel, strata::DType::kF32));
+    if (shard_world() > 1) {
+      const int64_t off = partitioner_->ShardOffset(c64, shard_rank());
+      STRATA_RETURN_IF_ERROR(OnCommMemory(full, [&](void* p) {
+        return comm_->AllGather(static_cast<float*>(p) + off, p, ci.shard_numel,
+                                strata::DType::kF32);
+      }));
+    }
     for (int64_t pid : ci.params) {
       const ParamLocation& loc = partitioner_->location(pid);
       out[pid].copy_(full.narrow(0, loc.offset, loc.numel).view(params_[pid].shape));

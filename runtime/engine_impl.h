@@ -200,6 +200,10 @@ class Engine::Impl {
   // device memory, moved by the copy stream; a host or NVMe-staged block is host memory.
   // WriteBlockBytes with a null `src` zero-fills. Both return once the bytes have landed.
   Status ReadBlockBytes(void* dst, const void* block, size_t bytes, Placement where);
+  // Runs `collective` (given the address to pass the communicator) on a host tensor's bytes
+  // where the communicator reaches them: in place for a host-memory one (Gloo, single), through
+  // a device copy for NCCL, which takes device buffers only. Writes the result back into `host`.
+  Status OnCommMemory(torch::Tensor& host, const std::function<Status(void*)>& collective);
   Status WriteBlockBytes(void* block, const void* src, size_t bytes, Placement where);
 
   Status DiscoverUnits(const EngineOptions& options);

@@ -339,11 +339,14 @@ StatusOr<StepReport> Engine::Impl::Step() {
     }
     if (comm_->world_size() > 1 && config_.zero_optimization.stage > 0) {
       LaneTimer t(&comm_s_, &lane_trace_, Lane::kComm, "norm all-reduce", trace_step());
-      double flags[2] = {sum_sq, nonfinite ? 1.0 : 0.0};
-      STRATA_RETURN_IF_ERROR(comm_->AllReduce(&flags[0], 1, strata::DType::kF64, ReduceOp::kSum));
-      STRATA_RETURN_IF_ERROR(comm_->AllReduce(&flags[1], 1, strata::DType::kF64, ReduceOp::kMax));
-      sum_sq = flags[0];
-      nonfinite = flags[1] > 0;
+      torch::Tensor flags = torch::tensor({sum_sq, nonfinite ? 1.0 : 0.0}, torch::kFloat64);
+      STRATA_RETURN_IF_ERROR(OnCommMemory(flags, [&](void* p) {
+        auto* f = static_cast<double*>(p);
+        Status s = comm_->AllReduce(f, 1, strata::DType::kF64, ReduceOp::kSum);
+        return s.ok() ? comm_->AllReduce(f + 1, 1, strata::DType::kF64, ReduceOp::kMax) : s;
+      }));
+      sum_sq = flags[0].item<double>();
+      nonfinite = flags[1].item<double>() > 0;
     }
     overflow = nonfinite;
     double norm = std::sqrt(sum_sq);

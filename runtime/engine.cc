@@ -586,7 +586,8 @@ nlohmann::json Engine::Impl::Describe() const {
           {"host_budget", host_budget_},
           {"tier_manager", store_->StatsJson()},
           {"plan", PlanJson()},
-          {"device", device_->name()}};
+          {"device", device_->name()},
+          {"torch_device", TorchDevice(*device_).str()}};
 }
 
 // ---------------------------------------------------------------------------------------------

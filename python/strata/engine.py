@@ -38,7 +38,8 @@ class StrataEngine(torch.nn.Module):
         self._unit_index = [by_name[name] for name, _ in units]
         self._hooks = _units.UnitHooks(cpp, [(self._unit_index[i], m) for i, (_, m) in enumerate(units)])
         self._config = json.loads(cpp.config_json)
-        self._device = torch.device(json.loads(cpp.describe()).get("device", "cpu"))
+        # "cuda:0", not the device's display name ("cuda:0 (NVIDIA H100 ...)").
+        self._device = torch.device(json.loads(cpp.describe())["torch_device"])
         self._stepped_at = 0  # micro-step count at the last optimizer step
         # id(parameter) -> the units holding it (root parameters: none, they stay gathered).
         self._param_units = {}

@@ -192,7 +192,9 @@ def test_training_data_loader_and_boundaries(tmp_path):
     assert boundaries == [False, True, False, True, False]
     assert engine.global_steps == 2
     assert json.dumps(engine.describe())  # placement report is JSON
-    assert engine.device == torch.device(engine.describe()["device"])
+    assert engine.device == torch.device(engine.describe()["torch_device"])
+    # The display name starts with it ("cpu", or "cuda:0 (NVIDIA ...)").
+    assert engine.describe()["device"].startswith(str(engine.device))
     engine.close()
 
 

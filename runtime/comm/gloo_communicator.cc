@@ -30,9 +30,10 @@ std::chrono::milliseconds ToMillis(double seconds) {
 Status FromException(const std::exception& e, std::string_view what) {
   // c10::Error::what() appends a C++ backtrace of our own frames: noise in a user's log.
   const auto* c10_error = dynamic_cast<const c10::Error*>(&e);
-  const std::string msg =
-      StrCat(what, ": ", c10_error != nullptr ? c10_error->what_without_backtrace() : e.what());
-  if (msg.find("imeout") != std::string::npos || msg.find("imed out") != std::string::npos) {
+  const std::string cause = c10_error != nullptr ? c10_error->what_without_backtrace() : e.what();
+  const std::string msg = StrCat(what, ": ", cause);
+  // Only c10d's words decide: the context names strata.comm_timeout_s and would always match.
+  if (cause.find("imeout") != std::string::npos || cause.find("imed out") != std::string::npos) {
     return DeadlineExceeded(msg);
   }
   return Unavailable(StrCat(msg, " (a peer rank may have exited; check the other ranks' logs)"));
@@ -63,8 +64,18 @@ class TcpRendezvousStore final : public RendezvousStore {
   c10::intrusive_ptr<c10d::Store> store_;
 };
 
+// LibTorch 2.4+ defaults TCPStore to its libuv backend and throws when it was built without
+// libuv (Debian's 2.6 is); the classic backend exists in every version. 1.x has no such option.
+template <typename Options>
+auto UseClassicTcpStore(Options& o, int) -> decltype(o.useLibUV = false, void()) {
+  o.useLibUV = false;
+}
+template <typename Options>
+void UseClassicTcpStore(Options&, long) {}
+
 StatusOr<c10::intrusive_ptr<c10d::Store>> ConnectC10dStore(const DistEnv& env, double timeout_s) {
   c10d::TCPStoreOptions opts;
+  UseClassicTcpStore(opts, 0);
   opts.port = static_cast<uint16_t>(env.master_port);
   opts.isServer = env.rank == 0;
   opts.numWorkers = static_cast<size_t>(env.world_size);

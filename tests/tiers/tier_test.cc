@@ -1,4 +1,5 @@
 // MemoryTier behaviour and FaultyTier's injected faults.
+#include <algorithm>
 #include <atomic>
 #include <cstring>
 #include <future>

@@ -100,10 +100,10 @@ Status Engine::Impl::ReduceChunk(int64_t c) {
   if (full && !last_micro_step()) return Status::Ok();
   float* data = cs.grad_full.data_ptr<float>();
   const int64_t off = partitioner_->ShardOffset(c, shard_rank());
-  // The gradient was accumulated by compute, which may still be queued on a GPU; the collective
-  // runs on its own stream (Note [ordered frees] explains the fences).
-  if (comm_->world_size() > 1) ComputeFence::Mark(*device_).Wait();
   if (comm_->world_size() > 1) {
+    // The gradient was accumulated by compute, which may still be queued on a GPU; the
+    // collective runs on its own stream (Note [ordered frees] explains the fences).
+    ComputeFence::Mark(*device_).Wait();
     LaneTimer t(&comm_s_, &lane_trace_, Lane::kComm, full ? "all-reduce" : "reduce-scatter",
                 trace_step(), c);
     if (full) {

@@ -156,12 +156,8 @@ class CpuDevice final : public Device {
   void* ComputeAddress(void* ptr) const override {
     if (memory_ != CpuDeviceMemory::kStrict || ptr == nullptr) return ptr;
     std::lock_guard<std::mutex> l(mu_);
-    const uintptr_t p = reinterpret_cast<uintptr_t>(ptr);
-    auto it = allocs_.upper_bound(p);
-    if (it == allocs_.begin()) return ptr;
-    --it;
-    if (p >= it->first + std::max<size_t>(it->second.requested, 1)) return ptr;
-    return it->second.alias + (p - it->first);
+    char* alias = AliasOf(reinterpret_cast<uintptr_t>(ptr), 0);
+    return alias != nullptr ? alias : ptr;
   }
 
   StatusOr<std::unique_ptr<Stream>> CreateStream(StreamPriority) override {
@@ -194,12 +190,7 @@ class CpuDevice final : public Device {
   StatusOr<void*> Resolve(const void* p, size_t bytes, const char* what) const {
     std::lock_guard<std::mutex> l(mu_);
     const uintptr_t a = reinterpret_cast<uintptr_t>(p);
-    auto it = allocs_.upper_bound(a);
-    if (it != allocs_.begin()) {
-      --it;
-      if (a >= it->first && a + bytes <= it->first + it->second.requested)
-        return static_cast<void*>(it->second.alias + (a - it->first));
-    }
+    if (char* alias = AliasOf(a, bytes)) return static_cast<void*>(alias);
     auto al = aliases_.upper_bound(a);
     if (al != aliases_.begin()) {
       --al;
@@ -210,6 +201,19 @@ class CpuDevice final : public Device {
   }
 
  private:
+  // The host-reachable address of [a, a+bytes) when that range lies in one allocation named by
+  // its handed-out address; bytes 0 asks only that `a` point into one (an empty allocation's
+  // own address counts). Null otherwise.
+  char* AliasOf(uintptr_t a, size_t bytes) const {  // REQUIRES(mu_)
+    auto it = allocs_.upper_bound(a);
+    if (it == allocs_.begin()) return nullptr;
+    --it;
+    const uintptr_t base = it->first;
+    const size_t n = it->second.requested;
+    const bool inside = bytes == 0 ? a < base + std::max<size_t>(n, 1) : a + bytes <= base + n;
+    return a >= base && inside ? it->second.alias + (a - base) : nullptr;
+  }
+
   static Status MapPlain(CpuAllocation* a, void** address) {
     void* p = std::aligned_alloc(256, (a->rounded + 255) & ~size_t{255});
     if (p == nullptr)

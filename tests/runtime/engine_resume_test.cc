@@ -2,14 +2,18 @@
 // bit; a crash in the middle of a save leaves the previous checkpoint loadable; damaged or
 // mismatched checkpoints are clear errors that overwrite nothing.
 #include <signal.h>
+#include <spawn.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <chrono>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <random>
+#include <string_view>
 #include <thread>
+#include <vector>
 
 #include <gtest/gtest.h>
 
@@ -166,34 +170,90 @@ TEST(ResumeErrors, MismatchesAndDamageAreClearAndOverwriteNothing) {
   EXPECT_EQ(r5.status().code(), StatusCode::kDataLoss);
 }
 
-// Runs `body` in a child process and returns its wait status.
-template <typename F>
-int InChild(F body) {
-  pid_t pid = fork();
-  if (pid == 0) {
-    body();
-    _exit(0);
+// The crash tests run their victim job in a fresh process: this test binary started again with
+// only one of the ResumeCrashChild tests selected. Not fork(): LibTorch 2.x refuses autograd in a
+// forked child of a process that has already run a backward pass, and the parent here has.
+constexpr char kChildDirEnv[] = "STRATA_RESUME_CHILD_DIR";
+
+pid_t SpawnChild(const std::string& test, const std::string& dir) {
+  const std::string exe = fs::read_symlink("/proc/self/exe").string();
+  const std::string filter = "--gtest_filter=ResumeCrashChild." + test;
+  std::vector<std::string> env;
+  for (char** e = environ; *e != nullptr; ++e) {
+    if (std::string_view(*e).rfind("GTEST_", 0) != 0) env.emplace_back(*e);  // no sharding, no output file
   }
+  env.push_back(std::string(kChildDirEnv) + "=" + dir);
+  std::vector<char*> envp, argv = {const_cast<char*>(exe.c_str()), const_cast<char*>(filter.c_str()),
+                                   nullptr};
+  for (std::string& e : env) envp.push_back(e.data());
+  envp.push_back(nullptr);
+  pid_t pid = -1;
+  const int rc = posix_spawn(&pid, exe.c_str(), nullptr, nullptr, argv.data(), envp.data());
+  if (rc != 0) {
+    ADD_FAILURE() << "posix_spawn " << exe << ": " << std::strerror(rc);
+    return -1;
+  }
+  return pid;
+}
+
+int WaitFor(pid_t pid) {
   int status = 0;
-  waitpid(pid, &status, 0);
+  if (pid > 0) waitpid(pid, &status, 0);
   return status;
+}
+
+// The directory a ResumeCrashChild test works in, or null when it was not started by a parent.
+const char* ChildDir() { return std::getenv(kChildDirEnv); }
+
+Config PublishCrashConfig() { return ResumeConfig(3, OffloadDevice::kNvme); }
+
+Config SigkillConfig() {
+  Config c = ResumeConfig(3, OffloadDevice::kNvme);
+  c.model.d_model = 64;
+  return c;
+}
+constexpr int kSigkillTarget = 60;
+
+// Child of DeathBeforePublishKeepsThePreviousCheckpoint: saves step 1, then dies inside the save
+// of step 2 just before it would be published.
+TEST(ResumeCrashChild, SaveThenDieBeforePublish) {
+  if (ChildDir() == nullptr) GTEST_SKIP() << "runs only as the child of a ResumeCrash test";
+  const std::string dir = ChildDir();
+  Trainer t(PublishCrashConfig(), dir + "/swap");
+  t.Train(0, 1);
+  if (!t.engine->SaveCheckpoint(dir + "/ckpt", {{"next_step", 1}}).ok()) _exit(3);
+  t.Train(1, 2);
+  setenv("STRATA_TEST_CRASH_BEFORE_PUBLISH", "1", 1);
+  (void)t.engine->SaveCheckpoint(dir + "/ckpt", {{"next_step", 2}});
+  _exit(4);  // not reached: the hook exits with 137
+}
+
+// Child of SigkillAtRandomMoments...: resumes if it can, trains, saves after every step, then
+// waits for the kill like an idle job.
+TEST(ResumeCrashChild, TrainAndSaveEveryStep) {
+  if (ChildDir() == nullptr) GTEST_SKIP() << "runs only as the child of a ResumeCrash test";
+  const std::string dir = ChildDir(), ckpt = dir + "/ckpt";
+  Trainer t(SigkillConfig(), dir + "/swap");
+  std::ofstream(dir + "/ready").put('1');  // the parent's clock for the random moment starts here
+  int start = 0;
+  if (checkpoint::ResolveCheckpointDir(ckpt).ok()) {
+    if (!t.engine->LoadCheckpoint(ckpt).ok()) _exit(4);
+    start = static_cast<int>(t.engine->global_step());
+  }
+  for (int s = start; s < kSigkillTarget; ++s) {
+    t.Train(s, s + 1);
+    if (!t.engine->SaveCheckpoint(ckpt, {{"next_step", s + 1}}).ok()) _exit(3);
+  }
+  for (;;) pause();
 }
 
 TEST(ResumeCrash, DeathBeforePublishKeepsThePreviousCheckpoint) {
   testing::TempDir dir;
-  Config c = ResumeConfig(3, OffloadDevice::kNvme);
+  Config c = PublishCrashConfig();
   const std::string ckpt = dir.path() + "/ckpt", swap = dir.path() + "/swap";
   fs::create_directories(swap);
-  int status = InChild([&] {
-    Trainer t(c, swap);
-    t.Train(0, 1);
-    if (!t.engine->SaveCheckpoint(ckpt, {{"next_step", 1}}).ok()) _exit(3);
-    t.Train(1, 2);
-    setenv("STRATA_TEST_CRASH_BEFORE_PUBLISH", "1", 1);
-    (void)t.engine->SaveCheckpoint(ckpt, {{"next_step", 2}});
-    _exit(4);  // not reached: the hook exits with 137
-  });
-  ASSERT_TRUE(WIFEXITED(status));
+  const int status = WaitFor(SpawnChild("SaveThenDieBeforePublish", dir.path()));
+  ASSERT_TRUE(WIFEXITED(status)) << "status " << status;
   ASSERT_EQ(WEXITSTATUS(status), 137);
   ASSERT_OK_AND_ASSIGN(std::string step_dir, checkpoint::ResolveCheckpointDir(ckpt));
   EXPECT_EQ(fs::path(step_dir).filename(), "step-00000001");
@@ -207,9 +267,7 @@ TEST(ResumeCrash, DeathBeforePublishKeepsThePreviousCheckpoint) {
 // checkpoint each time ends exactly where an uninterrupted run ends.
 TEST(ResumeCrash, SigkillAtRandomMomentsThenResumeMatchesAnUninterruptedRun) {
   testing::TempDir dir;
-  Config c = ResumeConfig(3, OffloadDevice::kNvme);
-  c.model.d_model = 64;
-  constexpr int kTarget = 60;
+  Config c = SigkillConfig();
   const std::string ckpt = dir.path() + "/ckpt", swap = dir.path() + "/swap",
                     ref_swap = dir.path() + "/ref-swap";
   fs::create_directories(swap);
@@ -217,29 +275,27 @@ TEST(ResumeCrash, SigkillAtRandomMomentsThenResumeMatchesAnUninterruptedRun) {
   std::vector<torch::Tensor> reference;
   {
     Trainer r(c, ref_swap);
-    r.Train(0, kTarget);
+    r.Train(0, kSigkillTarget);
     reference = r.engine->GatherMasterParams().value();
   }
   std::mt19937 rng(7);
   for (int round = 0; round < 3; ++round) {
-    pid_t pid = fork();
-    if (pid == 0) {  // the job: resume if it can, train, save after every step
-      Trainer t(c, swap);
-      int start = 0;
-      if (checkpoint::ResolveCheckpointDir(ckpt).ok()) {
-        if (!t.engine->LoadCheckpoint(ckpt).ok()) _exit(4);
-        start = static_cast<int>(t.engine->global_step());
-      }
-      for (int s = start; s < kTarget; ++s) {
-        t.Train(s, s + 1);
-        if (!t.engine->SaveCheckpoint(ckpt, {{"next_step", s + 1}}).ok()) _exit(3);
-      }
-      for (;;) pause();  // done: wait for the kill like an idle job
-    }
-    std::this_thread::sleep_for(std::chrono::milliseconds(40 + rng() % 160));
-    kill(pid, SIGKILL);
+    fs::remove(dir.path() + "/ready");
+    const pid_t pid = SpawnChild("TrainAndSaveEveryStep", dir.path());
+    ASSERT_GT(pid, 0);
+    // A fresh process spends a while loading LibTorch; the random moment counts from its engine.
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
     int status = 0;
-    waitpid(pid, &status, 0);
+    pid_t done = 0;
+    while (!fs::exists(dir.path() + "/ready") && std::chrono::steady_clock::now() < deadline &&
+           (done = waitpid(pid, &status, WNOHANG)) == 0) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    }
+    if (done == 0) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(40 + rng() % 160));
+      kill(pid, SIGKILL);
+      status = WaitFor(pid);
+    }
     ASSERT_TRUE(WIFSIGNALED(status)) << "the job failed on its own: status " << status;
     auto latest = checkpoint::ResolveCheckpointDir(ckpt);
     std::printf("round %d: killed; latest checkpoint %s\n", round,
@@ -253,10 +309,10 @@ TEST(ResumeCrash, SigkillAtRandomMomentsThenResumeMatchesAnUninterruptedRun) {
     resumed_at = t.engine->global_step();
     EXPECT_EQ((*extra)["next_step"].get<int64_t>(), resumed_at);
   }
-  t.Train(static_cast<int>(resumed_at), kTarget);
+  t.Train(static_cast<int>(resumed_at), kSigkillTarget);
   ExpectBitwiseEqual(t.engine->GatherMasterParams().value(), reference);
   std::printf("killed 3 times; the last checkpoint was step %lld of %d\n",
-              static_cast<long long>(resumed_at), kTarget);
+              static_cast<long long>(resumed_at), kSigkillTarget);
 }
 
 }  // namespace

@@ -617,6 +617,11 @@ Status ParseStrata(Section s, StrataConfig* c) {
   STRATA_RETURN_IF_ERROR(s.Enum("optimizer_state_dtype", &c->optimizer_state_dtype,
                                 {{"fp32", StateDtype::kFp32}, {"bf16", StateDtype::kBf16}}));
   STRATA_RETURN_IF_ERROR(s.Int("optimizer_threads", &c->optimizer_threads, 0, 4096));
+  STRATA_RETURN_IF_ERROR(s.Bytes("host_pool_colour_step", &c->host_pool_colour_step, 0, 1 << 20));
+  if (c->host_pool_colour_step % 4096 != 0)
+    return InvalidArgument(StrCat(s.Key("host_pool_colour_step"), "=", c->host_pool_colour_step,
+                                  ": must be a multiple of 4096 bytes (pages stay aligned for "
+                                  "O_DIRECT); 0 turns colouring off"));
   std::string backend = c->comm_backend;
   STRATA_RETURN_IF_ERROR(s.String("comm_backend", &backend));
   if (backend != "auto" && backend != "single" && backend != "gloo" && backend != "nccl")
@@ -878,6 +883,7 @@ json Config::ToJson() const {
       {"prefetch_lookahead", strata.prefetch_lookahead},
       {"optimizer_state_dtype", strata.optimizer_state_dtype == StateDtype::kFp32 ? "fp32" : "bf16"},
       {"optimizer_threads", strata.optimizer_threads},
+      {"host_pool_colour_step", strata.host_pool_colour_step},
       {"comm_backend", strata.comm_backend},
       {"comm_timeout_s", strata.comm_timeout_s},
       {"device", strata.device}};

@@ -153,6 +153,10 @@ struct StrataConfig {
   int64_t prefetch_lookahead = 4;     // blocks issued ahead of use from the trace
   StateDtype optimizer_state_dtype = StateDtype::kFp32;  // exp_avg / exp_avg_sq
   int64_t optimizer_threads = 0;      // 0: all cores
+  // Host pool address colouring (PinnedPoolOptions::colour_step): each MiB of the pool is shifted
+  // by one more step, so an optimizer call's buffers never share a large power-of-two alignment.
+  // 0 turns it off (only to measure what it buys).
+  uint64_t host_pool_colour_step = 4096;
   std::string comm_backend = "auto";  // auto | single | gloo | nccl
   double comm_timeout_s = 300;
   std::string device = "auto";        // auto | cpu | cuda

@@ -79,6 +79,7 @@ TierManagerOptions TierManagerOptions::FromConfig(const StrataConfig& config, ui
   o.host_budget = config.host_memory_budget != 0 ? config.host_memory_budget : resolved_host_budget;
   o.eviction = config.eviction;
   o.prefetch_lookahead = config.prefetch_lookahead;
+  o.pool.colour_step = config.host_pool_colour_step;
   return o;
 }
 

@@ -8,6 +8,7 @@
 #include <nlohmann/json.hpp>
 
 #include "runtime/lr_schedule.h"
+#include "runtime/tier_manager.h"
 #include "tests/test_util.h"
 
 namespace strata {
@@ -47,7 +48,7 @@ const char* kFullConfig = R"({
              "nvme_capacity": "100GiB", "chunk_size": "32MiB", "eviction": "lru",
              "overlap_optimizer": false, "checksums": "none", "prefetch_lookahead": 8,
              "optimizer_state_dtype": "bf16", "optimizer_threads": 2, "comm_backend": "gloo",
-             "comm_timeout_s": 30, "device": "cpu"},
+             "comm_timeout_s": 30, "device": "cpu", "host_pool_colour_step": "8KiB"},
   "model": {"n_layers": 6, "d_model": 256, "n_heads": 8, "seq_len": 64, "vocab_size": 256,
             "dropout": 0.1, "seed": 7}
 })";
@@ -170,6 +171,8 @@ TEST(Config, EveryKeyIsRead) {
   EXPECT_EQ(c.strata.prefetch_lookahead, 8);
   EXPECT_EQ(c.strata.optimizer_state_dtype, StateDtype::kBf16);
   EXPECT_EQ(c.strata.optimizer_threads, 2);
+  EXPECT_EQ(c.strata.host_pool_colour_step, 8192u);
+  EXPECT_EQ(TierManagerOptions::FromConfig(c.strata, 0).pool.colour_step, 8192u);
   EXPECT_EQ(c.strata.comm_backend, "gloo");
   EXPECT_DOUBLE_EQ(c.strata.comm_timeout_s, 30);
   EXPECT_EQ(c.strata.device, "cpu");
@@ -249,6 +252,8 @@ TEST(Config, OutOfRange) {
               {"device=\"disk\"", "none, cpu, nvme"});
   ExpectError(R"({"strata": {"eviction": "fifo"}})", {"next_use, lru"});
   ExpectError(R"({"strata": {"chunk_size": 5000}})", {"multiple of 4096"});
+  ExpectError(R"({"strata": {"host_pool_colour_step": 1000}})",
+              {"strata.host_pool_colour_step=1000", "multiple of 4096", "0 turns colouring off"});
   ExpectError(R"({"model": {"d_model": 100, "n_heads": 3}})", {"not divisible"});
 }
 

@@ -21,13 +21,18 @@ namespace {
 constexpr size_t kW = 16;
 
 // Note [prefetch]
-// Software prefetch of the four read streams 512 elements ahead (2 KB for fp32): measured on
-// the 2-core AVX-512 machine, the fp32 step went from 0.89-0.94 of the streaming roofline to
-// 0.99-1.08 (1 and 2 threads, three alternating runs each on a shared, noisy machine; distances
-// 256, 1024 and 2048 were no better). The hardware prefetchers
-// stop at 4 KB page boundaries and the divide/sqrt chain keeps fewer loads in flight than the
-// roofline loop; the explicit hints cover both. Prefetching past the end of a buffer is
-// harmless (prefetches never fault); the address is formed as an integer for that reason.
+// Software prefetch of the four read streams 512 elements ahead (2 KB for fp32). It depends on
+// the core, so the caller picks it (UseAvx512Prefetch in cpu_adam.cc):
+//   - AMD Zen 5 (2 cores, AVX-512): the fp32 step went from 0.89-0.94 of the streaming roofline
+//     to 0.99-1.08 with it (1 and 2 threads, three alternating runs each; distances 256, 1024 and
+//     2048 were no better). The divide/sqrt chain keeps fewer loads in flight than the roofline
+//     loop, and the hardware prefetchers stop at 4 KB page boundaries; the hints cover both.
+//   - AMD Zen 4 (2 cores): it costs. Four interleaved rounds, n = 64M, 2 threads: 0.97-0.99 of
+//     the roofline with it against 0.99-1.01 without while memory streamed ~2.1 G params/s, and
+//     0.85 against 0.99 in the minutes it streamed ~3.6. The AVX2 kernel, which never
+//     prefetched, read 0.98-1.00 in the same runs.
+// Prefetching past the end of a buffer is harmless (prefetches never fault); the address is
+// formed as an integer for that reason.
 constexpr size_t kPrefetchElems = 512;
 
 template <DType T>
@@ -149,15 +154,17 @@ inline void AdamVector(const AdamKernelArgs& a, const VecConsts& c, size_t i, __
 // read before they are written, so their lines are already owned: streaming them saves no
 // traffic, and measured it cost a lot (0.6-0.8 of the roofline instead of ~1.0, four
 // alternating runs).
-template <DType G, DType S, P16 P, bool kInsn, bool kL2, bool kDecay, bool kStream>
+template <DType G, DType S, P16 P, bool kInsn, bool kPrefetch, bool kL2, bool kDecay, bool kStream>
 void AdamLoop(const AdamKernelArgs& a, size_t begin, size_t end) {
   const VecConsts c(a.c);
   size_t i = begin;
   for (; i + kW <= end; i += kW) {
-    Prefetch<DType::kFloat32>(a.master, i);  // Note [prefetch]
-    Prefetch<G>(a.grad, i);
-    Prefetch<S>(a.exp_avg, i);
-    Prefetch<S>(a.exp_avg_sq, i);
+    if constexpr (kPrefetch) {  // Note [prefetch]
+      Prefetch<DType::kFloat32>(a.master, i);
+      Prefetch<G>(a.grad, i);
+      Prefetch<S>(a.exp_avg, i);
+      Prefetch<S>(a.exp_avg_sq, i);
+    }
     AdamVector<G, S, P, kInsn, false, kL2, kDecay, kStream>(a, c, i, 0);
   }
   if (i < end) {
@@ -167,29 +174,29 @@ void AdamLoop(const AdamKernelArgs& a, size_t begin, size_t end) {
   if constexpr (kStream) _mm_sfence();
 }
 
-template <DType G, DType S, P16 P, bool kInsn, bool kStream>
+template <DType G, DType S, P16 P, bool kInsn, bool kPrefetch, bool kStream>
 void AdamDecay(const AdamKernelArgs& a, size_t begin, size_t end) {
   if (a.c.has_l2) {
-    AdamLoop<G, S, P, kInsn, true, false, kStream>(a, begin, end);
+    AdamLoop<G, S, P, kInsn, kPrefetch, true, false, kStream>(a, begin, end);
   } else if (a.c.has_decay) {
-    AdamLoop<G, S, P, kInsn, false, true, kStream>(a, begin, end);
+    AdamLoop<G, S, P, kInsn, kPrefetch, false, true, kStream>(a, begin, end);
   } else {
-    AdamLoop<G, S, P, kInsn, false, false, kStream>(a, begin, end);
+    AdamLoop<G, S, P, kInsn, kPrefetch, false, false, kStream>(a, begin, end);
   }
 }
 
 // The weight-decay flavour and the store kind are decided once per call, so the loop carries
 // no branch for them.
-template <DType G, DType S, P16 P, bool kInsn>
+template <DType G, DType S, P16 P, bool kInsn, bool kPrefetch>
 void Adam512(const AdamKernelArgs& a, size_t begin, size_t end) {
   if constexpr (P != P16::kNone) {
     const auto addr = reinterpret_cast<uintptr_t>(static_cast<uint16_t*>(a.param16) + begin);
     if (addr % 32 == 0) {  // Note [streaming param16 stores]
-      AdamDecay<G, S, P, kInsn, true>(a, begin, end);
+      AdamDecay<G, S, P, kInsn, kPrefetch, true>(a, begin, end);
       return;
     }
   }
-  AdamDecay<G, S, P, kInsn, false>(a, begin, end);
+  AdamDecay<G, S, P, kInsn, kPrefetch, false>(a, begin, end);
 }
 
 template <DType G, bool kMask>
@@ -248,37 +255,40 @@ GradPartial Stats512(const void* grad, float scale, size_t begin, size_t end) {
   return r;
 }
 
-template <DType G, DType S, bool kInsn>
+template <DType G, DType S, bool kInsn, bool kPrefetch>
 AdamKernelFn PickP16(P16 p16) {
   switch (p16) {
-    case P16::kNone: return &Adam512<G, S, P16::kNone, kInsn>;
-    case P16::kBf16: return &Adam512<G, S, P16::kBf16, kInsn>;
-    case P16::kFp16: return &Adam512<G, S, P16::kFp16, kInsn>;
+    case P16::kNone: return &Adam512<G, S, P16::kNone, kInsn, kPrefetch>;
+    case P16::kBf16: return &Adam512<G, S, P16::kBf16, kInsn, kPrefetch>;
+    case P16::kFp16: return &Adam512<G, S, P16::kFp16, kInsn, kPrefetch>;
   }
   return nullptr;
 }
 
-template <DType G, bool kInsn>
+template <DType G, bool kInsn, bool kPrefetch>
 AdamKernelFn PickState(DType state, P16 p16) {
-  if (state == DType::kFloat32) return PickP16<G, DType::kFloat32, kInsn>(p16);
-  if (state == DType::kBFloat16) return PickP16<G, DType::kBFloat16, kInsn>(p16);
+  if (state == DType::kFloat32) return PickP16<G, DType::kFloat32, kInsn, kPrefetch>(p16);
+  if (state == DType::kBFloat16) return PickP16<G, DType::kBFloat16, kInsn, kPrefetch>(p16);
   return nullptr;
 }
 
-template <bool kInsn>
+template <bool kInsn, bool kPrefetch>
 AdamKernelFn PickGrad(DType grad, DType state, P16 p16) {
   switch (grad) {
-    case DType::kFloat32: return PickState<DType::kFloat32, kInsn>(state, p16);
-    case DType::kBFloat16: return PickState<DType::kBFloat16, kInsn>(state, p16);
-    case DType::kFloat16: return PickState<DType::kFloat16, kInsn>(state, p16);
+    case DType::kFloat32: return PickState<DType::kFloat32, kInsn, kPrefetch>(state, p16);
+    case DType::kBFloat16: return PickState<DType::kBFloat16, kInsn, kPrefetch>(state, p16);
+    case DType::kFloat16: return PickState<DType::kFloat16, kInsn, kPrefetch>(state, p16);
   }
   return nullptr;
 }
 
 }  // namespace
 
-AdamKernelFn GetAdamKernelAvx512(DType grad, DType state, P16 p16, bool bf16_insn) {
-  return bf16_insn ? PickGrad<true>(grad, state, p16) : PickGrad<false>(grad, state, p16);
+AdamKernelFn GetAdamKernelAvx512(DType grad, DType state, P16 p16, bool bf16_insn, bool prefetch) {
+  if (bf16_insn) {
+    return prefetch ? PickGrad<true, true>(grad, state, p16) : PickGrad<true, false>(grad, state, p16);
+  }
+  return prefetch ? PickGrad<false, true>(grad, state, p16) : PickGrad<false, false>(grad, state, p16);
 }
 
 GradStatsFn GetGradStatsAvx512(DType grad) {

@@ -71,7 +71,8 @@ inline void AdamElement(const AdamConsts& c, float& p, float graw, float& m, flo
 // dtypes first, so null there is a bug). state_dtype is fp32 or bf16.
 AdamKernelFn GetAdamKernelScalar(DType grad, DType state, P16 p16);
 AdamKernelFn GetAdamKernelAvx2(DType grad, DType state, P16 p16);
-AdamKernelFn GetAdamKernelAvx512(DType grad, DType state, P16 p16, bool bf16_insn);
+// prefetch: software prefetch of the read streams (Note [prefetch] in adam_kernel_avx512.cc).
+AdamKernelFn GetAdamKernelAvx512(DType grad, DType state, P16 p16, bool bf16_insn, bool prefetch);
 
 GradStatsFn GetGradStatsScalar(DType grad);
 GradStatsFn GetGradStatsAvx2(DType grad);

@@ -7,6 +7,8 @@
 #include <tbb/parallel_reduce.h>
 #include <tbb/partitioner.h>
 
+#include <cpuid.h>
+
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -20,6 +22,8 @@ namespace strata::optim {
 
 // STRATA_ADAM_ISA: force a kernel ("scalar", "avx2", "avx512", "avx512_bf16") for kAuto.
 constexpr const char* kIsaEnv = "STRATA_ADAM_ISA";
+// STRATA_ADAM_PREFETCH: "0" or "1" overrides DefaultAvx512Prefetch.
+constexpr const char* kPrefetchEnv = "STRATA_ADAM_PREFETCH";
 
 // Note [grain]
 // 64 Ki elements per task: with fp32 everything a task streams ~1.8 MB, so TBB's per-task cost
@@ -81,6 +85,27 @@ Isa DetectIsa() {
     if (IsaSupported(isa)) return isa;
   }
   return Isa::kScalar;
+}
+
+bool DefaultAvx512Prefetch() {
+  static const bool use = [] {
+    if (const char* e = std::getenv(kPrefetchEnv); e != nullptr && *e != '\0') {
+      if ((e[0] == '0' || e[0] == '1') && e[1] == '\0') return e[0] == '1';
+      STRATA_LOG(WARN) << kPrefetchEnv << "=" << e << ": expected 0 or 1; ignoring it";
+    }
+    unsigned a = 0, b = 0, c = 0, d = 0;
+    if (__get_cpuid(0, &a, &b, &c, &d) == 0) return true;
+    char vendor[13] = {};
+    std::memcpy(vendor, &b, 4);
+    std::memcpy(vendor + 4, &d, 4);
+    std::memcpy(vendor + 8, &c, 4);
+    if (__get_cpuid(1, &a, &b, &c, &d) == 0) return true;
+    unsigned family = (a >> 8) & 0xf;
+    if (family == 0xf) family += (a >> 20) & 0xff;
+    // Family 19h is Zen 3 and Zen 4; only Zen 4 has AVX-512, so only it reaches this kernel.
+    return !(std::strcmp(vendor, "AuthenticAMD") == 0 && family == 0x19);
+  }();
+  return use;
 }
 
 Isa ResolveAutoIsa() {
@@ -298,8 +323,11 @@ StatusOr<AdamResult> AdamStep(const AdamParams& params, const AdamBuffers& bufs,
   switch (result.isa) {
     case Isa::kAvx512Bf16:
     case Isa::kAvx512:
+      result.prefetch = options.prefetch == SoftwarePrefetch::kAuto
+                            ? DefaultAvx512Prefetch()
+                            : options.prefetch == SoftwarePrefetch::kOn;
       kernel = internal::GetAdamKernelAvx512(bufs.grad_dtype, bufs.state_dtype, p16,
-                                             result.isa == Isa::kAvx512Bf16);
+                                             result.isa == Isa::kAvx512Bf16, result.prefetch);
       break;
     case Isa::kAvx2:
       kernel = internal::GetAdamKernelAvx2(bufs.grad_dtype, bufs.state_dtype, p16);

@@ -107,8 +107,17 @@ enum class GradCheck : uint8_t {
   kCallerChecked,  // the caller ran UnscaleCheckNorm on these grads and scale; no scan here
 };
 
+// Software prefetch in the AVX-512 kernel (Note [prefetch], adam_kernel_avx512.cc): it helps on
+// some cores and costs on others, so kAuto asks DefaultAvx512Prefetch. Other ISAs ignore it.
+enum class SoftwarePrefetch : uint8_t { kAuto, kOn, kOff };
+
+// kAuto's choice for this CPU: off on AMD family 19h (Zen 4, where it was measured to cost), on
+// elsewhere (measured to help on Zen 5). STRATA_ADAM_PREFETCH=0 or 1 overrides it.
+bool DefaultAvx512Prefetch();
+
 struct AdamOptions {
   Isa isa = Isa::kAuto;
+  SoftwarePrefetch prefetch = SoftwarePrefetch::kAuto;
   // Threads: the step runs inside this arena (so it can share the machine with compute at a
   // chosen width); null runs in the calling thread's current arena.
   tbb::task_arena* arena = nullptr;
@@ -121,6 +130,7 @@ struct AdamOptions {
 struct AdamResult {
   bool skipped = false;  // scaled grads held an inf or NaN: nothing was written
   Isa isa = Isa::kScalar;  // the kernel that ran (or would have run)
+  bool prefetch = false;   // it used software prefetch (AVX-512 only)
 };
 
 // Performs one Adam/AdamW update of `bufs` (formula above), multiplying every gradient by

@@ -157,21 +157,29 @@ TEST(CpuAdamTest, EveryIsaMatchesScalarBitForBit) {
             EXPECT_EQ(r.isa, Isa::kScalar);
           }
           for (Isa isa : isas) {
-            Shard got = start;
-            AdamOptions opt;
-            opt.isa = isa;
-            opt.arena = &arena;
-            opt.grain = 64;  // many tasks even for small n: exercises the partitioning too
-            for (int step = 0; step < 2; ++step) {
-              ASSERT_OK_AND_ASSIGN(AdamResult r, AdamStep(params, got.Buffers(), scale, opt));
-              ASSERT_FALSE(r.skipped);
-              EXPECT_EQ(r.isa, isa);
+            // The AVX-512 kernels run with and without software prefetch (Note [prefetch]).
+            for (SoftwarePrefetch pf : {SoftwarePrefetch::kOn, SoftwarePrefetch::kOff}) {
+              const bool avx512 = isa == Isa::kAvx512 || isa == Isa::kAvx512Bf16;
+              if (!avx512 && pf == SoftwarePrefetch::kOff) continue;
+              Shard got = start;
+              AdamOptions opt;
+              opt.isa = isa;
+              opt.prefetch = pf;
+              opt.arena = &arena;
+              opt.grain = 64;  // many tasks even for small n: exercises the partitioning too
+              for (int step = 0; step < 2; ++step) {
+                ASSERT_OK_AND_ASSIGN(AdamResult r, AdamStep(params, got.Buffers(), scale, opt));
+                ASSERT_FALSE(r.skipped);
+                EXPECT_EQ(r.isa, isa);
+                EXPECT_EQ(r.prefetch, avx512 && pf == SoftwarePrefetch::kOn);
+              }
+              ASSERT_TRUE(SameBytes(ref, got))
+                  << IsaName(isa) << " prefetch=" << (pf == SoftwarePrefetch::kOn)
+                  << " grad=" << DTypeName(g) << " state=" << DTypeName(s) << " p16=" << p16
+                  << " n=" << n << " adamw=" << params.adamw << " wd=" << params.weight_decay
+                  << " step=" << params.step;
+              ++cases;
             }
-            ASSERT_TRUE(SameBytes(ref, got))
-                << IsaName(isa) << " grad=" << DTypeName(g) << " state=" << DTypeName(s)
-                << " p16=" << p16 << " n=" << n << " adamw=" << params.adamw
-                << " wd=" << params.weight_decay << " step=" << params.step;
-            ++cases;
           }
         }
       }

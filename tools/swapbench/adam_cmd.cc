@@ -387,6 +387,7 @@ int RunAdam(const AdamArgs& args) {
     j["threads"] = s.threads;
     j["reps"] = s.reps;
     j["isa"] = optim::IsaName(isa_used);
+    j["avx512_prefetch"] = optim::DefaultAvx512Prefetch();
     j["hugepages"] = s.hugepages;
     nlohmann::json places = nlohmann::json::array();
     for (size_t i = 0; i < first_strata; ++i)
@@ -409,8 +410,9 @@ int RunAdam(const AdamArgs& args) {
     return 0;
   }
   std::printf("strata-swapbench adam on %s\n", HostDescription().c_str());
-  std::printf("n=%zu threads=%d isa=%s hugepages=%s, best of %d\n", n, s.threads,
-              optim::IsaName(isa_used), s.hugepages ? "on" : "off", s.reps);
+  std::printf("n=%zu threads=%d isa=%s avx512_prefetch=%s hugepages=%s, best of %d\n", n, s.threads,
+              optim::IsaName(isa_used), optim::DefaultAvx512Prefetch() ? "on" : "off",
+              s.hugepages ? "on" : "off", s.reps);
   std::printf("%-42s %10s %8s %8s %12s %12s\n", "variant", "G param/s", "B/param", "GB/s",
               "vs roofline", "vs LibTorch");
   for (size_t i = 0; i < variants.size(); ++i) {

@@ -7,8 +7,6 @@
 #include <tbb/parallel_reduce.h>
 #include <tbb/partitioner.h>
 
-#include <cpuid.h>
-
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -93,17 +91,9 @@ bool DefaultAvx512Prefetch() {
       if ((e[0] == '0' || e[0] == '1') && e[1] == '\0') return e[0] == '1';
       STRATA_LOG(WARN) << kPrefetchEnv << "=" << e << ": expected 0 or 1; ignoring it";
     }
-    unsigned a = 0, b = 0, c = 0, d = 0;
-    if (__get_cpuid(0, &a, &b, &c, &d) == 0) return true;
-    char vendor[13] = {};
-    std::memcpy(vendor, &b, 4);
-    std::memcpy(vendor + 4, &d, 4);
-    std::memcpy(vendor + 8, &c, 4);
-    if (__get_cpuid(1, &a, &b, &c, &d) == 0) return true;
-    unsigned family = (a >> 8) & 0xf;
-    if (family == 0xf) family += (a >> 20) & 0xff;
+    __builtin_cpu_init();
     // Family 19h is Zen 3 and Zen 4; only Zen 4 has AVX-512, so only it reaches this kernel.
-    return !(std::strcmp(vendor, "AuthenticAMD") == 0 && family == 0x19);
+    return !__builtin_cpu_is("amdfam19h");
   }();
   return use;
 }

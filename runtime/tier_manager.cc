@@ -38,9 +38,25 @@ namespace strata {
 // While an Acquire waits for room, automatic prefetch stands aside so it cannot take the room
 // the waiting caller is making.
 
+// Note [lanes in the trace]
+// The engine acquires blocks from several threads at once: compute, the gather lane and the
+// optimizer lane. Their interleaving differs from step to step (an optimizer lane that ran
+// ahead of the forward in the recorded step may trail it in the next), so one shared position
+// in the trace goes wrong: it jumps to whichever thread spoke last, next-use distances of the
+// other threads' blocks come out wrong, and Belady evicts a block a moment before it is used
+// (a freshly updated shard just before the forward gathers it). So each thread that recorded
+// entries is a lane with its own position, advanced only by its own matches, and a block's
+// next use is the nearest of its uses, each counted in trace entries from the position of the
+// lane that recorded it. An access is matched first at the head of the caller's lane, then at
+// the head of another lane (a shard the compute thread gathers itself, which the gather lane
+// gathered in the recorded step), then a short way ahead in its own lane and the others.
+// Prefetch fills, per lane, the entries within `prefetch_lookahead` of its position. Threads
+// that recorded nothing still match other lanes' entries.
+
 namespace {
 
 constexpr uint64_t kMaxTraceLength = 1ull << 24;
+constexpr size_t kMaxTraceLanes = 64;  // threads beyond this share the last lane
 constexpr uint64_t kNever = std::numeric_limits<uint64_t>::max();
 
 using Clock = std::chrono::steady_clock;
@@ -243,10 +259,12 @@ Status TierManager::Unregister(BlockId id) {
     // records a new one.
     if (!trace_.empty()) {
       trace_.clear();
+      trace_lane_.clear();
+      lanes_.clear();
+      thread_lane_.clear();
       for (auto& [k, x] : blocks_) x->uses.clear();
       trace_ready_ = false;
       recording_ = false;
-      cursor_ = 0;
     }
     blocks_.erase(id.key());
   }
@@ -280,6 +298,17 @@ std::string TierManager::PinnedSummary() const {
                 " write-backs in flight");
 }
 
+int TierManager::LaneOfThisThread() {
+  const std::thread::id me = std::this_thread::get_id();
+  auto it = thread_lane_.find(me);
+  if (it != thread_lane_.end()) return it->second;
+  if (!recording_) return -1;
+  if (lanes_.size() < kMaxTraceLanes) lanes_.emplace_back();
+  const auto lane = static_cast<uint16_t>(lanes_.size() - 1);
+  thread_lane_.emplace(me, lane);
+  return lane;
+}
+
 void TierManager::RecordUse(Block* b) {
   if (recording_) {
     if (trace_.size() >= kMaxTraceLength) {
@@ -287,40 +316,69 @@ void TierManager::RecordUse(Block* b) {
                             << " accesses; the trace keeps the first ones only";
       return;
     }
+    const int lane = LaneOfThisThread();
     b->uses.push_back(trace_.size());
+    lanes_[lane].positions.push_back(trace_.size());
+    trace_lane_.push_back(static_cast<uint16_t>(lane));
     trace_.push_back(b);
     return;
   }
   if (!trace_ready_) return;
-  const uint64_t n = trace_.size();
-  const uint64_t at = cursor_ % n;
-  if (trace_[at] == b) {
-    cursor_ = at + 1;
-    return;
-  }
-  // Resynchronize on a nearby match (threads may reorder a few accesses); otherwise leave the
-  // position where it is.
+  // Note [lanes in the trace]: the caller's lane, then the others; heads first, then a short way
+  // ahead (threads may reorder a few accesses). No match leaves every position where it is.
+  const int own = LaneOfThisThread();
+  if (own >= 0 && MatchInLane(own, b, 1)) return;
+  for (size_t l = 0; l < lanes_.size(); ++l)
+    if (static_cast<int>(l) != own && MatchInLane(l, b, 1)) return;
   ++stats_.trace_deviations;
-  const uint64_t horizon = std::min<uint64_t>(n, at + 2 * static_cast<uint64_t>(options_.prefetch_lookahead) + 16);
-  for (uint64_t j = at + 1; j < horizon; ++j) {
-    if (trace_[j] == b) {
-      cursor_ = j + 1;
-      return;
+  const uint64_t horizon = 2 * static_cast<uint64_t>(options_.prefetch_lookahead) + 16;
+  if (own >= 0 && MatchInLane(own, b, horizon)) return;
+  for (size_t l = 0; l < lanes_.size(); ++l)
+    if (static_cast<int>(l) != own && MatchInLane(l, b, horizon)) return;
+}
+
+bool TierManager::MatchInLane(size_t lane, const Block* b, uint64_t horizon) {
+  TraceLane& ln = lanes_[lane];
+  const uint64_t m = ln.positions.size();
+  if (m == 0) return false;
+  // A lane past its last entry is in the next iteration: it continues from its first.
+  const uint64_t k = ln.next % m;
+  const uint64_t end = std::min(m, k + horizon);
+  for (uint64_t j = k; j < end; ++j) {
+    if (trace_[ln.positions[j]] == b) {
+      ln.next = j + 1;
+      return true;
     }
   }
+  return false;
+}
+
+uint64_t TierManager::LanePosition(size_t lane) const {
+  const TraceLane& ln = lanes_[lane];
+  // Past its last entry a lane is at its first one of the next iteration.
+  return ln.next < ln.positions.size() ? ln.positions[ln.next] : trace_.size() + ln.positions.front();
+}
+
+uint64_t TierManager::LaneDistance(size_t lane, uint64_t pos) const {
+  const uint64_t n = trace_.size();
+  const uint64_t at = LanePosition(lane);
+  return pos >= at ? pos - at : pos + n - at;
+}
+
+void TierManager::ResetLanes(bool to_next_iteration) {
+  for (TraceLane& ln : lanes_) ln.next = to_next_iteration ? ln.positions.size() : 0;
 }
 
 uint64_t TierManager::NextUse(const Block* b) const {
   if (!trace_ready_ || b->uses.empty()) return kNever;
-  auto it = std::lower_bound(b->uses.begin(), b->uses.end(), cursor_);
-  if (it != b->uses.end()) return *it;
-  return b->uses.front() + trace_.size();  // first use in the next iteration
+  uint64_t best = kNever;
+  for (uint64_t p : b->uses) best = std::min(best, LaneDistance(trace_lane_[p], p));
+  return best;
 }
 
 bool TierManager::InWindow(const Block* b) const {
   if (!trace_ready_ || options_.prefetch_lookahead == 0) return false;
-  const uint64_t nu = NextUse(b);
-  return nu != kNever && nu < cursor_ + static_cast<uint64_t>(options_.prefetch_lookahead);
+  return NextUse(b) < static_cast<uint64_t>(options_.prefetch_lookahead);
 }
 
 TierManager::Block* TierManager::PickVictim(const uint64_t* before) const {
@@ -557,11 +615,10 @@ void TierManager::Pump(std::vector<IoAction>* io) {
   const uint64_t window = std::min<uint64_t>(static_cast<uint64_t>(options_.prefetch_lookahead), n);
   // Bytes that write-backs in flight will free, not yet promised to a window entry.
   uint64_t pending = reclaiming_bytes_;
-  for (uint64_t i = 0; i < window; ++i) {
-    const uint64_t pos = cursor_ + i;
-    Block* b = trace_[pos % n];
-    if (b->home != BlockHome::kNvme || b->host != HostResidency::kAbsent) continue;
-    if (b->nvme != NvmeResidency::kResident) continue;  // never written: Acquire zero-fills it
+  // Starts the read of `b`, needed `dist` entries from now; false when nothing more can be done.
+  auto serve = [&](Block* b, uint64_t dist) {
+    if (b->home != BlockHome::kNvme || b->host != HostResidency::kAbsent) return true;
+    if (b->nvme != NvmeResidency::kResident) return true;  // never written: Acquire zero-fills it
     const uint64_t need = pool_->ClassBytes(b->bytes);
     for (;;) {
       StatusOr<PinnedBlock> m = pool_->Allocate(b->bytes);
@@ -569,15 +626,15 @@ void TierManager::Pump(std::vector<IoAction>* io) {
         stats_.host_bytes_resident += m->class_bytes;
         NoteHostBytes();
         StartRead(b, *m, /*prefetch=*/true, io);
-        break;
+        return true;
       }
-      if (m.status().code() != StatusCode::kResourceExhausted) return;
+      if (m.status().code() != StatusCode::kResourceExhausted) return false;
       if (pending >= need) {  // covered by write-backs in flight; look further ahead
         pending -= need;
-        break;
+        return true;
       }
-      Block* v = PickVictim(&pos);
-      if (v == nullptr) return;
+      Block* v = PickVictim(&dist);
+      if (v == nullptr) return false;
       if (v->host == HostResidency::kClean) {
         Drop(v);
         ++stats_.evictions_clean;
@@ -586,14 +643,22 @@ void TierManager::Pump(std::vector<IoAction>* io) {
       pending += v->mem.class_bytes;
       StartWriteBack(v, /*evict=*/true, io);
     }
+  };
+  // Nearest first: distance i from every lane's position (Note [lanes in the trace]).
+  for (uint64_t i = 0; i < window; ++i) {
+    for (size_t l = 0; l < lanes_.size(); ++l) {
+      if (lanes_[l].positions.empty()) continue;
+      const uint64_t pos = (LanePosition(l) + i) % n;
+      if (trace_lane_[pos] != l) continue;
+      if (!serve(trace_[pos], i)) return;
+    }
   }
   // Write-behind: when the window is served and no write-back is running, clean the block that
   // will be evicted next (if it is dirty) so that its eviction becomes a drop and the write
   // overlaps the reads instead of standing in front of them. Only under pressure: with room
   // to spare, nothing needs evicting soon. See Note [prefetch and eviction].
   if (writes_inflight_ == 0 && pool_->arena_bytes() - stats_.host_bytes_resident < pool_->max_allocation()) {
-    const uint64_t horizon = cursor_ + window;
-    Block* v = PickVictim(&horizon);
+    Block* v = PickVictim(&window);
     if (v != nullptr && v->host == HostResidency::kDirty) StartWriteBack(v, /*evict=*/false, io);
   }
 }
@@ -761,7 +826,7 @@ void TierManager::Prefetch(BlockId id) {
         b->nvme != NvmeResidency::kResident || space_waiters_ > 0)
       return;
     const uint64_t pos = trace_ready_ ? NextUse(b) : kNever;
-    if (TryPrefetch(b, pos == kNever ? cursor_ : pos, &io)) b->last_use = ++tick_;
+    if (TryPrefetch(b, pos == kNever ? 0 : pos, &io)) b->last_use = ++tick_;
   }
   Issue(io);
 }
@@ -776,9 +841,12 @@ Status TierManager::BeginIteration() {
     if (!trace_ready_) {
       recording_ = true;
       trace_.clear();
+      trace_lane_.clear();
+      lanes_.clear();
+      thread_lane_.clear();
       for (auto& [k, b] : blocks_) b->uses.clear();
     }
-    cursor_ = 0;
+    ResetLanes(/*to_next_iteration=*/false);
     Pump(&io);
   }
   Issue(io);
@@ -795,7 +863,7 @@ Status TierManager::EndIteration() {
       recording_ = false;
       trace_ready_ = !trace_.empty();
       stats_.trace_length = trace_.size();
-      cursor_ = trace_.size();  // next uses now point into the next iteration
+      ResetLanes(/*to_next_iteration=*/true);  // next uses now point into the next iteration
     }
     Pump(&io);
   }

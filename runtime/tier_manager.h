@@ -46,6 +46,10 @@
 //   `prefetch_lookahead` trace entries, evicting only blocks whose next use is later than the
 //   prefetched block's (LRU mode: the least recently used block outside the window). Accesses
 //   that leave the trace are tolerated (the position resynchronizes; stats count deviations).
+//   Each calling thread is a lane with its own position in the trace (see Note [lanes in the
+//   trace]): threads that run at different speeds from one step to the next (compute, a gather
+//   lane, an optimizer lane) do not drag one another's position, and "next use" is counted from
+//   the position of the lane that will make that use.
 // - Flush() writes back every dirty NVMe-backed block and waits for those writes (and for ones
 //   already in flight); blocks stay resident-clean. It returns the first failure (others are
 //   counted in stats), FAILED_PRECONDITION while a dirty block is pinned for writing. Use it
@@ -65,6 +69,7 @@
 #include <mutex>
 #include <string>
 #include <string_view>
+#include <thread>
 #include <unordered_map>
 #include <vector>
 
@@ -212,13 +217,32 @@ class TierManager {
 
   TierManager(const TierManagerOptions& options, Tier* nvme);
 
+  // One thread's replay position in the trace (Note [lanes in the trace]).
+  struct TraceLane {
+    std::vector<uint64_t> positions;  // trace positions this lane recorded, ascending
+    uint64_t next = 0;                // index into positions of the lane's next expected access
+  };
+
   Block* Find(BlockId id) const;  // REQUIRES(mu_)
   void RecordUse(Block* b);       // REQUIRES(mu_)
+  // The calling thread's lane; while recording, a thread new to the trace gets one. -1 when the
+  // thread recorded nothing.
+  int LaneOfThisThread();  // REQUIRES(mu_)
+  // Matches `b` against lane `lane`'s next `horizon` entries; advances the lane on a match.
+  bool MatchInLane(size_t lane, const Block* b, uint64_t horizon);  // REQUIRES(mu_)
+  // The lane's next expected access as a trace position, >= the trace's length once the lane is
+  // past its last entry (its first entry in the next iteration). The lane has entries.
+  uint64_t LanePosition(size_t lane) const;  // REQUIRES(mu_)
+  // Trace entries between the lane's position and trace position `pos` (which the lane reaches
+  // in this iteration or the next).
+  uint64_t LaneDistance(size_t lane, uint64_t pos) const;  // REQUIRES(mu_)
+  void ResetLanes(bool to_next_iteration);  // REQUIRES(mu_)
+  // Trace entries until `b` is next used (by whichever lane uses it first), or kNever.
   uint64_t NextUse(const Block* b) const;  // REQUIRES(mu_)
   bool InWindow(const Block* b) const;     // REQUIRES(mu_)
   // The unpinned resident NVMe-backed block to evict next, or null. With `before` set, only
-  // blocks whose next use is after `before` (a trace position) qualify, and never one inside the
-  // prefetch window.
+  // blocks whose next use is further away than `before` (a NextUse distance) qualify, and never
+  // one inside the prefetch window.
   Block* PickVictim(const uint64_t* before) const;  // REQUIRES(mu_)
   void Drop(Block* b);                               // REQUIRES(mu_)
   void StartWriteBack(Block* b, bool evict, std::vector<IoAction>* io);  // REQUIRES(mu_)
@@ -226,7 +250,7 @@ class TierManager {
   // Gets pool memory for `bytes`, evicting and waiting as needed. Unlocks `lk` while it waits.
   StatusOr<PinnedBlock> MakeRoom(uint64_t bytes, const std::string& for_what, Lock& lk,
                                  std::chrono::steady_clock::time_point deadline);
-  // Tries to make room without waiting for a prefetch of `b` needed at trace position `pos`.
+  // Tries to make room without waiting for a prefetch of `b` needed `pos` entries from now.
   bool TryPrefetch(Block* b, uint64_t pos, std::vector<IoAction>* io);  // REQUIRES(mu_)
   // Advances automatic prefetch from the trace.
   void Pump(std::vector<IoAction>* io);  // REQUIRES(mu_)
@@ -258,7 +282,9 @@ class TierManager {
   bool recording_ = false;               // GUARDED_BY(mu_)
   bool trace_ready_ = false;             // GUARDED_BY(mu_)
   std::vector<Block*> trace_;            // GUARDED_BY(mu_)
-  uint64_t cursor_ = 0;                  // GUARDED_BY(mu_): next expected trace position
+  std::vector<uint16_t> trace_lane_;     // GUARDED_BY(mu_): the lane of each trace entry
+  std::vector<TraceLane> lanes_;         // GUARDED_BY(mu_)
+  std::unordered_map<std::thread::id, uint16_t> thread_lane_;  // GUARDED_BY(mu_)
   TierManagerStats stats_;               // GUARDED_BY(mu_)
 };
 

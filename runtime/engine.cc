@@ -49,6 +49,7 @@ void StepReport::FillOverlap() {
 }
 
 Engine::Impl::~Impl() {
+  StopReduceLane();  // first: its jobs may queue updates
   StopOptimizerLane();
   StopGatherLane();
   if (nvme_) nvme_->SetBusyObserver(nullptr);  // the trace dies before the tier
@@ -260,6 +261,7 @@ Status Engine::Impl::DiscoverUnits(const EngineOptions& options) {
 Status Engine::Impl::Init(Engine* owner, const EngineOptions& options) {
   owner_ = owner;
   optimizer_delay_hook_ = options.optimizer_delay_hook;
+  reduce_delay_hook_ = options.reduce_delay_hook;
   const auto& z = config_.zero_optimization;
   const ComputeDtypeChoice dtype_choice =
       ChooseComputeDtype(config_, device_->kind(), DeviceHasNativeBf16(device_->kind()));
@@ -511,6 +513,7 @@ Status Engine::Impl::Init(Engine* owner, const EngineOptions& options) {
     if (!units_[u].always_live)
       STRATA_RETURN_IF_ERROR(unit_detail::Register(units_[u].module.get(), owner_, static_cast<int64_t>(u)));
   StartOptimizerLane();
+  StartReduceLane();
   if (stage3()) {
     STRATA_ASSIGN_OR_RETURN(gather_stream_, device_->CreateStream(StreamPriority::kHigh));
     StartGatherLane();

@@ -73,6 +73,9 @@ struct EngineOptions {
   // Test-only delay injection: runs on the optimizer lane before each chunk's update, so a test
   // can stretch the lane and show that nothing reads a chunk before its update is in.
   std::function<void(int64_t chunk)> optimizer_delay_hook;
+  // Test-only delay injection: runs on the reduce lane before each chunk's reduction, so a test
+  // can make the lane lag compute and show that every reader of its results waits for them.
+  std::function<void(int64_t chunk)> reduce_delay_hook;
 };
 
 // One optimizer step, as seen by every lane.

@@ -250,6 +250,7 @@ class Engine::Impl {
   void OnParamGrad(int64_t pid);
   // Takes a delivery of a parameter's gradient; `settle` completes it whatever came.
   Status TakeParamGrad(int64_t pid, bool settle);
+  // Hands chunk c's complete gradient to the reduce lane (Note [reduce lane]).
   Status ReduceChunk(int64_t c);
   Status AdamChunk(int64_t c, float grad_scale, double lr, int64_t step);
   Status PublishParams(int64_t c, const void* shard_values, optim::DType dtype);
@@ -262,7 +263,27 @@ class Engine::Impl {
   Status DrainOptimizer();
   // Note [deferred optimizer]: blocks until chunk c's queued update (if any) has finished,
   // moving it to the head of the queue first; returns the lane's error if an update failed.
-  Status WaitChunkUpdated(int64_t c);
+  // The wait counts as the compute lane's stall unless `waited` (another lane's) is given.
+  Status WaitChunkUpdated(int64_t c, double* waited = nullptr);
+
+  // Reduce lane (Note [reduce lane]): a thread that reduces each complete chunk gradient across
+  // ranks, hands this rank's shard to its gradient block and takes its share of the norm.
+  struct ReduceJob {
+    int64_t c = 0;
+    torch::Tensor grad_full;  // the chunk's whole gradient; the lane owns it from here
+    ComputeFence fence;       // the compute that wrote grad_full
+    bool first_micro = false;  // the shard replaces the block's contents (else adds to them)
+    bool last_micro = false;
+    int64_t step = 0;          // for the lane trace
+  };
+  void StartReduceLane();
+  void StopReduceLane();
+  Status ReduceShard(ReduceJob& job);  // on the lane
+  // Compute thread: waits until the lane is idle, counting the wait as a compute stall.
+  void WaitReduceLaneIdle(std::unique_lock<std::mutex>& held_reduce_mu);
+  // Compute thread: waits until every queued reduction has finished (before a collective of its
+  // own, and at the end of Backward); returns and clears the lane's first failure.
+  Status DrainReductions();
   // Every queued update finished (checkpoints, master values, a new step's global scan).
   Status FinishUpdates() {
     FinishAllFills();
@@ -331,6 +352,7 @@ class Engine::Impl {
  private:
   Engine* owner_ = nullptr;
   std::function<void(int64_t)> optimizer_delay_hook_;  // EngineOptions::optimizer_delay_hook
+  std::function<void(int64_t)> reduce_delay_hook_;     // EngineOptions::reduce_delay_hook
   Config config_;
   Communicator* comm_;
   Device* device_;
@@ -441,6 +463,19 @@ class Engine::Impl {
   bool gather_stop_ = false;                         // GUARDED_BY(gather_mu_)
   double gather_copy_s_ = 0, gather_read_s_ = 0;     // GUARDED_BY(gather_mu_)
   uint64_t gather_h2d_ = 0;                          // GUARDED_BY(gather_mu_)
+
+  // Reduce lane state.
+  std::thread reduce_thread_;
+  std::mutex reduce_mu_;
+  std::condition_variable reduce_cv_;
+  std::deque<ReduceJob> reduce_queue_;  // GUARDED_BY(reduce_mu_)
+  bool reduce_busy_ = false;            // GUARDED_BY(reduce_mu_)
+  bool reduce_stop_ = false;            // GUARDED_BY(reduce_mu_)
+  Status reduce_error_;                 // GUARDED_BY(reduce_mu_)
+  // The lane's busy seconds in this reporting window (collectives; hand-off copies and the
+  // waits for their blocks), and bytes it moved from device to host. GUARDED_BY(reduce_mu_)
+  double reduce_comm_s_ = 0, reduce_copy_s_ = 0;
+  uint64_t reduce_d2h_ = 0;
 
   // Optimizer lane state.
   std::thread opt_thread_;

@@ -86,6 +86,19 @@ Status Engine::Impl::TakeParamGrad(int64_t pid, bool settle) {
   return Status::Ok();
 }
 
+// Note [reduce lane]
+// A chunk's gradient is complete mid-backward, when its last parameter's gradient arrives. What
+// follows (the reduce-scatter or all-reduce across ranks, the shard's hand-off into its gradient
+// block, which may wait for tier room or for the previous step's update of the chunk, and the
+// shard's norm and overflow scan) needs nothing from the compute that continues, so it runs on
+// the reduce lane, a thread of its own, while backward goes on with the next units. The compute
+// thread gives the lane the chunk's gradient buffer and a fence on the compute that wrote it;
+// the lane waits for the fence, so a GPU's queued kernels finish before a collective or a copy
+// reads the buffer. Collectives must come in the same order on every rank: the lane runs jobs in
+// the order compute completes chunks, and the compute thread drains the lane before it issues a
+// collective of its own (a stage-3 all-gather in backward) and when Backward ends, so the
+// collectives of a step keep one order. Nothing reads what the lane writes (gradient blocks,
+// per-chunk norms, the chunks ready for the optimizer) before the drain at Backward's end.
 Status Engine::Impl::ReduceChunk(int64_t c) {
   ChunkState& cs = chunks_[c];
   const ChunkInfo& ci = partitioner_->chunks()[c];
@@ -98,14 +111,99 @@ Status Engine::Impl::ReduceChunk(int64_t c) {
   // it: each micro-step reduce-scatters and accumulates only this rank's shard.
   const bool full = full_gradients();
   if (full && !last_micro_step()) return Status::Ok();
-  float* data = cs.grad_full.data_ptr<float>();
+  ReduceJob job;
+  job.c = c;
+  job.grad_full = std::move(cs.grad_full);
+  cs.grad_full = torch::Tensor();
+  job.fence = ComputeFence::Mark(*device_);
+  // The whole gradient already holds every micro-step: it replaces the shard's contents.
+  job.first_micro = full || micro_step_ % config_.gradient_accumulation_steps == 0;
+  job.last_micro = last_micro_step();
+  job.step = trace_step();
+  {
+    // One job at a time: the lane holds at most one chunk's gradient buffer beyond what compute
+    // accumulates, a bound the memory model counts on (tools/planner/memory_model.cc).
+    std::unique_lock<std::mutex> l(reduce_mu_);
+    WaitReduceLaneIdle(l);
+    reduce_queue_.push_back(std::move(job));
+  }
+  reduce_cv_.notify_all();
+  return Status::Ok();
+}
+
+void Engine::Impl::WaitReduceLaneIdle(std::unique_lock<std::mutex>& held_reduce_mu) {
+  if (reduce_queue_.empty() && !reduce_busy_) return;
+  const Clock::time_point t0 = Clock::now();
+  reduce_cv_.wait(held_reduce_mu, [&] { return reduce_queue_.empty() && !reduce_busy_; });
+  const Clock::time_point t1 = Clock::now();
+  stall_s_ += std::chrono::duration<double>(t1 - t0).count();
+  lane_trace_.Add(Lane::kWait, "wait for reductions", t0, t1, trace_step());
+}
+
+void Engine::Impl::StartReduceLane() {
+  reduce_thread_ = std::thread([this] {
+    std::unique_lock<std::mutex> l(reduce_mu_);
+    for (;;) {
+      reduce_cv_.wait(l, [&] { return reduce_stop_ || !reduce_queue_.empty(); });
+      if (reduce_queue_.empty()) return;
+      ReduceJob job = std::move(reduce_queue_.front());
+      reduce_queue_.pop_front();
+      reduce_busy_ = true;
+      const bool failed = !reduce_error_.ok();  // later jobs of a failed step are dropped
+      l.unlock();
+      if (!failed && reduce_delay_hook_) reduce_delay_hook_(job.c);
+      Status s = failed ? Status::Ok() : ReduceShard(job);
+      job.grad_full = torch::Tensor();  // the chunk's gradient buffer returns to the allocator
+      l.lock();
+      if (!s.ok() && reduce_error_.ok()) reduce_error_ = s;
+      reduce_busy_ = false;
+      reduce_cv_.notify_all();
+    }
+  });
+}
+
+void Engine::Impl::StopReduceLane() {
+  {
+    std::lock_guard<std::mutex> l(reduce_mu_);
+    reduce_stop_ = true;
+  }
+  reduce_cv_.notify_all();
+  if (reduce_thread_.joinable()) reduce_thread_.join();
+}
+
+Status Engine::Impl::DrainReductions() {
+  std::unique_lock<std::mutex> l(reduce_mu_);
+  WaitReduceLaneIdle(l);
+  Status s = reduce_error_;
+  reduce_error_ = Status::Ok();
+  return s;
+}
+
+Status Engine::Impl::ReduceShard(ReduceJob& job) {
+  torch::NoGradGuard ng;  // thread-local: this lane's own
+  const int64_t c = job.c;
+  const ChunkInfo& ci = partitioner_->chunks()[c];
+  const bool full = full_gradients();
+  // This job's lane time, added to the window's once the job ends, however it ends.
+  double comm_s = 0, copy_s = 0;
+  uint64_t d2h = 0;
+  struct Account {
+    Engine::Impl* impl;
+    double *comm, *copy;
+    uint64_t* d2h;
+    ~Account() {
+      std::lock_guard<std::mutex> l(impl->reduce_mu_);
+      impl->reduce_comm_s_ += *comm;
+      impl->reduce_copy_s_ += *copy;
+      impl->reduce_d2h_ += *d2h;
+    }
+  } account{this, &comm_s, &copy_s, &d2h};
+  job.fence.Wait();
+  float* data = job.grad_full.data_ptr<float>();
   const int64_t off = partitioner_->ShardOffset(c, shard_rank());
   if (comm_->world_size() > 1) {
-    // The gradient was accumulated by compute, which may still be queued on a GPU; the
-    // collective runs on its own stream (Note [ordered frees] explains the fences).
-    ComputeFence::Mark(*device_).Wait();
-    LaneTimer t(&comm_s_, &lane_trace_, Lane::kComm, full ? "all-reduce" : "reduce-scatter",
-                trace_step(), c);
+    LaneTimer t(&comm_s, &lane_trace_, Lane::kComm, full ? "all-reduce" : "reduce-scatter",
+                job.step, c);
     if (full) {
       STRATA_RETURN_IF_ERROR(comm_->AllReduce(data, ci.numel, strata::DType::kF32, ReduceOp::kAvg));
     } else {
@@ -113,37 +211,34 @@ Status Engine::Impl::ReduceChunk(int64_t c) {
                                                   strata::DType::kF32, ReduceOp::kAvg));
     }
   }
-  torch::Tensor shard = cs.grad_full.narrow(0, off, ci.shard_numel);
-  // The whole gradient already holds every micro-step: it replaces the shard's contents.
-  const bool first_micro = full || micro_step_ % config_.gradient_accumulation_steps == 0;
+  torch::Tensor shard = job.grad_full.narrow(0, off, ci.shard_numel);
   BlockKey key{c, StateKind::kGrad};
-  // The previous step's deferred update of this chunk reads the block this overwrites.
-  STRATA_RETURN_IF_ERROR(WaitChunkUpdated(c));
   void* dst = nullptr;
   {
-    LaneTimer t(&stall_s_, &lane_trace_, Lane::kWait, "gradient block", trace_step(), c);
-    STRATA_ASSIGN_OR_RETURN(dst, store_->Acquire(key, first_micro ? Access::kWrite : Access::kReadWrite));
+    LaneTimer t(&copy_s, &lane_trace_, Lane::kCopy, "gradient block", job.step, c);
+    // The previous step's deferred update of this chunk reads the block this overwrites.
+    double update_wait_s = 0;  // inside this span already
+    STRATA_RETURN_IF_ERROR(WaitChunkUpdated(c, &update_wait_s));
+    STRATA_ASSIGN_OR_RETURN(dst, store_->Acquire(key, job.first_micro ? Access::kWrite : Access::kReadWrite));
   }
   // A device-placed gradient block is reached at the device's compute address (Note [device
   // blocks]); a host block comes back unchanged.
   dst = device_->ComputeAddress(dst);
   {
-    LaneTimer t(&copy_s_, &lane_trace_, Lane::kCopy, "gradient to host", trace_step(), c);
-    torch::NoGradGuard ng;
+    LaneTimer t(&copy_s, &lane_trace_, Lane::kCopy, "gradient to host", job.step, c);
     torch::Tensor host = torch::from_blob(
         dst, {ci.shard_numel},
         optim_placement_ == Placement::kDevice ? DeviceOptions(torch::kFloat32)
                                                : torch::TensorOptions().dtype(torch::kFloat32));
-    if (first_micro) host.copy_(shard);
+    if (job.first_micro) host.copy_(shard);
     else host.add_(shard.to(host.device()));
     if (device_->kind() != DeviceKind::kCpu && optim_placement_ != Placement::kDevice)
-      bytes_d2h_ += ci.shard_numel * 4;
-    // Into device memory the copy is queued compute: the optimizer lane reads the block only
-    // after it has run. (A copy to host memory has finished when copy_ returns.)
+      d2h += ci.shard_numel * 4;
+    // Into device memory the copy is queued work: the optimizer lane reads the block only after
+    // it has run. (A copy to host memory has finished when copy_ returns.)
     if (gpu_optimizer()) ComputeFence::Mark(*device_).Wait();
   }
-  cs.grad_full = torch::Tensor();
-  if (last_micro_step() && !immediate_optimizer()) {
+  if (job.last_micro && !immediate_optimizer()) {
     // This chunk's part of the step's global norm and overflow check, while the shard is hot
     // (Note [deferred optimizer]).
     const double inv = scaler_ ? scaler_->inv_scale() : 1.0;
@@ -162,9 +257,12 @@ Status Engine::Impl::ReduceChunk(int64_t c) {
     if (defer_updates()) PrefetchStatesForUpdates();
   }
   STRATA_RETURN_IF_ERROR(store_->Release(key, true));
-  if (last_micro_step()) {
-    chunk_ready_[c] = true;
-    ready_order_.push_back(c);
+  if (job.last_micro) {
+    {
+      std::lock_guard<std::mutex> l(reduce_mu_);
+      chunk_ready_[c] = true;
+      ready_order_.push_back(c);
+    }
     if (immediate_optimizer()) EnqueueOptimizer(c);
   }
   return Status::Ok();
@@ -211,6 +309,12 @@ Status Engine::Impl::Backward(const torch::Tensor& loss) {
       units_[u].backward_held = false;
       ReleaseUnit(static_cast<int64_t>(u), std::numeric_limits<int64_t>::max());
     }
+  }
+  // Every reduction of this micro-step has finished before Backward returns, failed or not: the
+  // lane must not outlive the state it writes (Note [reduce lane]).
+  {
+    Status r = DrainReductions();
+    if (result.ok()) result = r;
   }
   last_trace_ = trace_;
   last_trace_after_.assign(last_trace_.size(), 0);

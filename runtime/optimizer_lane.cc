@@ -82,7 +82,7 @@ Status Engine::Impl::DrainOptimizer() {
   return s;
 }
 
-Status Engine::Impl::WaitChunkUpdated(int64_t c) {
+Status Engine::Impl::WaitChunkUpdated(int64_t c, double* waited) {
   std::unique_lock<std::mutex> l(opt_mu_);
   if (!update_pending_[c]) return opt_error_;
   auto it = std::find(opt_queue_.begin(), opt_queue_.end(), c);
@@ -94,8 +94,12 @@ Status Engine::Impl::WaitChunkUpdated(int64_t c) {
   opt_cv_.wait(l, [&] { return !update_pending_[c]; });
   const Clock::time_point t1 = Clock::now();
   const double dt = std::chrono::duration<double>(t1 - t0).count();
-  stall_s_ += dt;
-  update_wait_s_ += dt;
+  if (waited != nullptr) {
+    *waited += dt;
+  } else {
+    stall_s_ += dt;
+    update_wait_s_ += dt;
+  }
   lane_trace_.Add(Lane::kWait, "wait for update", t0, t1, trace_step(), c);
   return opt_error_;
 }
@@ -307,6 +311,11 @@ void Engine::Impl::ResetLanes() {
     gather_copy_s_ = gather_read_s_ = 0;
     gather_h2d_ = 0;
   }
+  {
+    std::lock_guard<std::mutex> l(reduce_mu_);
+    reduce_comm_s_ = reduce_copy_s_ = 0;
+    reduce_d2h_ = 0;
+  }
   std::lock_guard<std::mutex> l(opt_mu_);
   opt_s_ = 0;
 }
@@ -395,6 +404,12 @@ StatusOr<StepReport> Engine::Impl::Step() {
     std::lock_guard<std::mutex> l(gather_mu_);
     rep.copy_s += gather_copy_s_;
     bytes_h2d_ += gather_h2d_;
+  }
+  {
+    std::lock_guard<std::mutex> l(reduce_mu_);  // the reduce lane is idle: Backward drained it
+    rep.comm_s += reduce_comm_s_;
+    rep.copy_s += reduce_copy_s_;
+    bytes_d2h_ += reduce_d2h_;
   }
   {
     std::lock_guard<std::mutex> l(opt_mu_);

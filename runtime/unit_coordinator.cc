@@ -106,6 +106,8 @@ Status Engine::Impl::CopyShardIn(int64_t c) {
 
 Status Engine::Impl::AllGatherChunk(int64_t c) {
   if (comm_->world_size() < 2) return Status::Ok();
+  // Reductions queued before this all-gather run before it on every rank (Note [reduce lane]).
+  STRATA_RETURN_IF_ERROR(DrainReductions());
   const ChunkInfo& ci = partitioner_->chunks()[c];
   const size_t esize = optim::DTypeSize(compute_dtype_);
   // Collectives take the address compute uses, as NCCL takes a tensor's data pointer.

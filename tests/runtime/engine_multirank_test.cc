@@ -117,13 +117,17 @@ TEST(MultiRankMemory, PerRankDeviceBytesFollowTheStage) {
     planner::EstimateOptions eo;
     eo.world_size = comm->world_size();
     ASSERT_OK_AND_ASSIGN(planner::MemoryEstimate e, planner::EstimateMemory(c, spec, eo));
-    const double ratio = static_cast<double>(e.engine_device_peak_bytes) / static_cast<double>(peak[stage]);
+    // The estimate bounds the peak from both sides: the reduce lane keeping up with compute or
+    // lagging one chunk (Note [device replay] in tools/planner/memory_model.cc).
     if (comm->rank() == 0)
-      std::printf("stage %d, 2 ranks: device peak per rank %llu B measured, %llu B estimated (%.3f)\n", stage,
+      std::printf("stage %d, 2 ranks: device peak per rank %llu B measured, %llu-%llu B estimated\n", stage,
                   static_cast<unsigned long long>(peak[stage]),
-                  static_cast<unsigned long long>(e.engine_device_peak_bytes), ratio);
-    EXPECT_NEAR(ratio, 1.0, 0.10) << "stage " << stage << ": estimate " << e.engine_device_peak_bytes
-                                  << " B, measured " << peak[stage] << " B on rank " << comm->rank();
+                  static_cast<unsigned long long>(e.engine_device_peak_min_bytes),
+                  static_cast<unsigned long long>(e.engine_device_peak_bytes));
+    EXPECT_GE(static_cast<double>(peak[stage]), 0.9 * static_cast<double>(e.engine_device_peak_min_bytes))
+        << "stage " << stage << " on rank " << comm->rank();
+    EXPECT_LE(static_cast<double>(peak[stage]), 1.1 * static_cast<double>(e.engine_device_peak_bytes))
+        << "stage " << stage << " on rank " << comm->rank();
   }
   EXPECT_GT(peak[0], peak[1]) << "stage 1 shards the optimizer states";
   EXPECT_GT(peak[1], peak[2]) << "stage 2 shards the accumulated gradients";

@@ -2,11 +2,15 @@
 // training as the reference, and the same training through the engine.
 #pragma once
 
+#include <chrono>
 #include <cmath>
 #include <cstdlib>
 #include <string>
 #include <functional>
 #include <memory>
+#include <mutex>
+#include <random>
+#include <thread>
 #include <vector>
 
 #include <gtest/gtest.h>
@@ -135,9 +139,23 @@ inline std::vector<double> TrainWithEngine(Engine& engine, const Config& c, Comm
 // Trains through the engine on `comm` (a single-rank one when null). With several ranks, rank r
 // takes micro-batch r of each step's global batch and the reported loss is the mean over ranks.
 // `delay_us` > 0 runs it on a DelayingDevice (tests/runtime/delaying_device.h) over the CPU
-// device: every stream's work completes up to that many microseconds late.
-inline TrainRun ThroughEngine(const Config& c, const EngineOptions& opts = {},
+// device: every stream's work completes up to that many microseconds late, and each chunk's
+// reduction on the reduce lane starts up to that late.
+inline TrainRun ThroughEngine(const Config& c, const EngineOptions& opts_in = {},
                               Communicator* comm_in = nullptr, int delay_us = 0) {
+  EngineOptions opts = opts_in;
+  std::mt19937 rng(11);
+  std::mutex rng_mu;
+  if (delay_us > 0 && !opts.reduce_delay_hook) {
+    opts.reduce_delay_hook = [&rng, &rng_mu, delay_us](int64_t) {
+      int us;
+      {
+        std::lock_guard<std::mutex> l(rng_mu);
+        us = std::uniform_int_distribution<int>(0, delay_us)(rng);
+      }
+      std::this_thread::sleep_for(std::chrono::microseconds(us));
+    };
+  }
   std::unique_ptr<Communicator> own;
   Communicator* comm = comm_in;
   if (!comm) {

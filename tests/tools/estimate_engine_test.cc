@@ -112,12 +112,27 @@ void ExpectWithin(uint64_t estimate, uint64_t measured, const char* what) {
   EXPECT_NEAR(ratio, 1.0, 0.10) << what << ": estimate " << estimate << " B, measured " << measured << " B";
 }
 
+// Estimates bounding a figure that depends on timing: `measured` within 10 % of [low, high].
+void ExpectBetween(uint64_t low, uint64_t high, uint64_t measured, const char* what) {
+  EXPECT_GE(static_cast<double>(measured), 0.9 * static_cast<double>(low))
+      << what << ": measured " << measured << " B, estimated " << low << "-" << high << " B";
+  EXPECT_LE(static_cast<double>(measured), 1.1 * static_cast<double>(high))
+      << what << ": measured " << measured << " B, estimated " << low << "-" << high << " B";
+}
+
+// The device peak depends on whether the reduce lane kept up with compute (the estimate gives
+// both ends, Note [device replay] in tools/planner/memory_model.cc).
+void ExpectDevicePeak(const MemoryEstimate& e, uint64_t measured) {
+  EXPECT_LE(e.engine_device_peak_min_bytes, e.engine_device_peak_bytes);
+  ExpectBetween(e.engine_device_peak_min_bytes, e.engine_device_peak_bytes, measured, "peak_device_bytes");
+}
+
 // Stage 1 keeps the whole fp32 gradient from the first micro-step to the step; stage 2 keeps
 // only this rank's shard. With accumulation the difference is every chunk's full gradient, in
 // the engine's measured device allocations and in the estimate.
 TEST(EstimateVsEngineTest, Stage1KeepsFullGradientsStage2Shards) {
   Measured measured[3];
-  uint64_t estimated[3] = {};
+  MemoryEstimate estimated[3];
   for (int stage : {1, 2}) {
     Config c = SmallConfig();
     c.zero_optimization.stage = stage;
@@ -125,8 +140,8 @@ TEST(EstimateVsEngineTest, Stage1KeepsFullGradientsStage2Shards) {
     ASSERT_OK_AND_ASSIGN(ModelSpec spec, GptModelSpec(c.model));
     ASSERT_OK_AND_ASSIGN(MemoryEstimate e, EstimateMemory(c, spec));
     measured[stage] = TrainAndMeasure(c);
-    estimated[stage] = e.engine_device_peak_bytes;
-    ExpectWithin(e.engine_device_peak_bytes, measured[stage].device, "peak_device_bytes");
+    estimated[stage] = e;
+    ExpectDevicePeak(e, measured[stage].device);
   }
   // Every chunk's fp32 gradient (the partitioner pads chunks; one rank: no sharding of the rest).
   Config c = SmallConfig();
@@ -142,11 +157,16 @@ TEST(EstimateVsEngineTest, Stage1KeepsFullGradientsStage2Shards) {
   for (const auto& ch : part.chunks()) largest_chunk = std::max<uint64_t>(largest_chunk, ch.numel * 4);
   ASSERT_GT(measured[1].device, measured[2].device);
   const uint64_t diff = measured[1].device - measured[2].device;
-  // Stage 2's own peak holds the full-chunk buffer(s) being reduced: up to two chunks less.
+  // Stage 2's own peak holds the full-chunk buffers being accumulated (up to two where a
+  // parameter straddles chunks) and the one the reduce lane is reducing: up to three chunks less.
   EXPECT_LE(diff, full_grads);
-  EXPECT_GE(diff, full_grads - 2 * largest_chunk) << "full gradients " << full_grads << " B, chunk "
+  EXPECT_GE(diff, full_grads - 3 * largest_chunk) << "full gradients " << full_grads << " B, chunk "
                                                   << largest_chunk << " B";
-  ExpectWithin(estimated[1] - estimated[2], diff, "estimated stage 1 - stage 2");
+  // Stage 1 keeps every gradient buffer to the step, so its peak has no lane slack.
+  EXPECT_EQ(estimated[1].engine_device_peak_min_bytes, estimated[1].engine_device_peak_bytes);
+  ExpectBetween(estimated[1].engine_device_peak_bytes - estimated[2].engine_device_peak_bytes,
+                estimated[1].engine_device_peak_bytes - estimated[2].engine_device_peak_min_bytes, diff,
+                "estimated stage 1 - stage 2");
 }
 
 TEST(EstimateVsEngineTest, Stage3NoOffload) {
@@ -155,7 +175,7 @@ TEST(EstimateVsEngineTest, Stage3NoOffload) {
   ASSERT_OK_AND_ASSIGN(ModelSpec spec, GptModelSpec(c.model));
   ASSERT_OK_AND_ASSIGN(MemoryEstimate e, EstimateMemory(c, spec));
   Measured m = TrainAndMeasure(c);
-  ExpectWithin(e.engine_device_peak_bytes, m.device, "peak_device_bytes");
+  ExpectDevicePeak(e, m.device);
   ExpectWithin(e.engine_host_peak_bytes, m.host, "peak_host_bytes");
 }
 
@@ -166,7 +186,7 @@ TEST(EstimateVsEngineTest, Stage2CpuOffload) {
   ASSERT_OK_AND_ASSIGN(ModelSpec spec, GptModelSpec(c.model));
   ASSERT_OK_AND_ASSIGN(MemoryEstimate e, EstimateMemory(c, spec));
   Measured m = TrainAndMeasure(c);
-  ExpectWithin(e.engine_device_peak_bytes, m.device, "peak_device_bytes");
+  ExpectDevicePeak(e, m.device);
   ExpectWithin(e.engine_host_peak_bytes, m.host, "peak_host_bytes");
   EXPECT_GT(m.host, 0u);
 }
@@ -183,7 +203,7 @@ TEST(EstimateVsEngineTest, Stage3NvmeOffloadDeferredOptimizer) {
   ASSERT_OK_AND_ASSIGN(MemoryEstimate e, EstimateMemory(c, spec));
   strata::testing::TempDir dir;
   Measured m = TrainAndMeasure(c, dir.path());
-  ExpectWithin(e.engine_device_peak_bytes, m.device, "peak_device_bytes");
+  ExpectDevicePeak(e, m.device);
   ExpectWithin(e.engine_host_peak_bytes, m.host, "peak_host_bytes");
 }
 

@@ -56,7 +56,10 @@ uint64_t Round(uint64_t bytes, uint64_t to) { return (std::max<uint64_t>(bytes, 
 //   forward, for each unit b:  gather(b); release(b) (kept by the reuse distance, Note
 //     [stage-3 live set] in runtime/unit_coordinator.cc)
 //   backward, for each unit b from the last: gather(b), then its parameters' gradients arrive
-//     (see the replay below); gradient buffers and units are freed as they complete.
+//     (see the replay below); units are freed as they complete, and a chunk's complete
+//     gradient buffer goes to the reduce lane, which frees it once reduced: at the latest when
+//     the next chunk completes, since the lane takes one at a time. The replay frees it there,
+//     an upper bound that a lane keeping up with compute undercuts by one chunk's gradient.
 // gather/release keep a live count per chunk (a chunk shared by two units is freed when both
 // released it). Allocations are rounded the way the device allocator rounds them.
 StatusOr<MemoryEstimate> EstimateMemory(const Config& config, const ModelSpec& model,
@@ -178,6 +181,9 @@ StatusOr<MemoryEstimate> EstimateMemory(const Config& config, const ModelSpec& m
   std::vector<int> live(chunks.size(), 0), pending(chunks.size(), 0);
   std::vector<bool> grad_buf(chunks.size(), false);
   uint64_t gather_peak = 0, gather_cur = 0, gradbuf_cur = 0, gradbuf_at_peak = 0, gather_at_peak = 0;
+  int64_t in_lane = -1;       // the chunk whose gradient buffer the reduce lane holds
+  uint64_t in_lane_bytes = 0;
+  uint64_t peak_min = device_resident;  // the peak of cur - in_lane_bytes
   // Stages 0 and 1 keep every chunk's whole fp32 gradient from the first micro-step to the
   // accumulation boundary (runtime/gradient_reducer.cc): with accumulation, a micro-step before
   // the last starts with all of them allocated and frees none. That micro-step is the one
@@ -191,8 +197,10 @@ StatusOr<MemoryEstimate> EstimateMemory(const Config& config, const ModelSpec& m
       gradbuf_cur += bytes;
     }
     peak = std::max(peak, cur);
+    peak_min = std::max(peak_min, cur);
   }
   auto note_peak = [&] {
+    peak_min = std::max(peak_min, cur - in_lane_bytes);
     if (cur > peak) {
       peak = cur;
       gather_at_peak = gather_cur;
@@ -271,6 +279,14 @@ StatusOr<MemoryEstimate> EstimateMemory(const Config& config, const ModelSpec& m
   // the chunk's last parameter is in; a unit is released when its last parameter is in.
   std::vector<int> unit_pending(block_params.begin(), block_params.end());
   std::vector<bool> held(block_chunks.size(), false);
+  auto free_in_lane = [&] {
+    if (in_lane < 0) return;
+    grad_buf[static_cast<size_t>(in_lane)] = false;
+    cur -= in_lane_bytes;
+    gradbuf_cur -= in_lane_bytes;
+    in_lane = -1;
+    in_lane_bytes = 0;
+  };
   auto arrive = [&](size_t pid) {
     const size_t c = static_cast<size_t>(part.location(static_cast<int64_t>(pid)).chunk);
     const uint64_t bytes = Round(static_cast<uint64_t>(chunks[c].numel) * 4, dev_round);
@@ -289,9 +305,11 @@ StatusOr<MemoryEstimate> EstimateMemory(const Config& config, const ModelSpec& m
       }
     }
     if (--pending[c] == 0 && !keep_grads) {
-      grad_buf[c] = false;
-      cur -= bytes;
-      gradbuf_cur -= bytes;
+      // The complete buffer goes to the reduce lane, which holds one at a time: the previous
+      // one is freed by now at the latest (Note [reduce lane] in runtime/gradient_reducer.cc).
+      free_in_lane();
+      in_lane = static_cast<int64_t>(c);
+      in_lane_bytes = bytes;
     }
   };
   const int64_t nb = model.num_blocks;
@@ -322,8 +340,10 @@ StatusOr<MemoryEstimate> EstimateMemory(const Config& config, const ModelSpec& m
   est.items.push_back({"grad fp32 chunk buffers", MemTier::kHbm, gradbuf_at_peak, "peak_device_bytes",
                        true, keep_grads ? "every chunk's whole fp32 gradient, accumulated until the step "
                                           "(stages 0-1 keep full gradients)"
-                                        : "full-chunk fp32 gradients of the block in backward, until reduced"});
+                                        : "full-chunk fp32 gradients of the block in backward, and the one the reduce "
+                                          "lane is reducing"});
   est.engine_device_peak_bytes = peak;
+  est.engine_device_peak_min_bytes = peak_min;
 
   // Host memory of the block store: one pinned pool (Note [host pool] above EstimateMemory).
   const uint64_t working = std::min(nvme_classes, std::max<uint64_t>(16 * largest_class, 512ull << 20));
@@ -426,6 +446,7 @@ nlohmann::json MemoryEstimate::ToJson() const {
           {"host_pageable_bytes", host_pageable_bytes},
           {"nvme_bytes", nvme_bytes},
           {"engine_device_peak_bytes", engine_device_peak_bytes},
+          {"engine_device_peak_min_bytes", engine_device_peak_min_bytes},
           {"engine_host_peak_bytes", engine_host_peak_bytes},
           {"activation_bytes", activation_bytes},
           {"host_pool_bytes", host_pool_bytes},

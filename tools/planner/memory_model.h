@@ -63,6 +63,10 @@ struct MemoryEstimate {
   // What the engine's own counters should read after a step: StepReport.peak_device_bytes and
   // StepReport.peak_host_bytes.
   uint64_t engine_device_peak_bytes = 0;
+  // The device peak when the reduce lane keeps up with compute (it frees each chunk's gradient
+  // buffer before the next allocation); engine_device_peak_bytes assumes it lags by one chunk.
+  // The engine's measured peak lies between the two.
+  uint64_t engine_device_peak_min_bytes = 0;
   uint64_t engine_host_peak_bytes = 0;
   uint64_t activation_bytes = 0;  // 0 when the model is not a GPT
   uint64_t host_pool_bytes = 0;   // the pinned pool the engine reserves (== host_pinned_bytes)

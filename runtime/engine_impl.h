@@ -29,6 +29,7 @@
 #include <stdexcept>
 #include <thread>
 
+#include <c10/core/DeviceGuard.h>
 #include <tbb/task_arena.h>
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/function_hook.h>
@@ -276,9 +277,11 @@ class Engine::Impl {
     bool last_micro = false;
     int64_t step = 0;          // for the lane trace
   };
+  bool UseReduceLane() const;  // Note [reduce lane]: when the lane runs the jobs
   void StartReduceLane();
   void StopReduceLane();
-  Status ReduceShard(ReduceJob& job);  // on the lane
+  // The job's work: on the lane, or on the compute thread when the lane is not used.
+  Status ReduceShard(ReduceJob& job, bool on_lane);
   // Compute thread: waits until the lane is idle, counting the wait as a compute stall.
   void WaitReduceLaneIdle(std::unique_lock<std::mutex>& held_reduce_mu);
   // Compute thread: waits until every queued reduction has finished (before a collective of its

@@ -99,6 +99,14 @@ Status Engine::Impl::TakeParamGrad(int64_t pid, bool settle) {
 // collective of its own (a stage-3 all-gather in backward) and when Backward ends, so the
 // collectives of a step keep one order. Nothing reads what the lane writes (gradient blocks,
 // per-chunk norms, the chunks ready for the optimizer) before the drain at Backward's end.
+// On the CPU device with one rank there is nothing to hide: no collective, and the hand-off
+// and the scan are CPU work on the cores compute uses (on bench-nvme, 2 cores, the lane made
+// the step 3 % slower). There the compute thread runs each job itself, unless a test's
+// reduce_delay_hook asks for the lane.
+bool Engine::Impl::UseReduceLane() const {
+  return comm_->world_size() > 1 || device_->kind() != DeviceKind::kCpu || reduce_delay_hook_;
+}
+
 Status Engine::Impl::ReduceChunk(int64_t c) {
   ChunkState& cs = chunks_[c];
   const ChunkInfo& ci = partitioner_->chunks()[c];
@@ -120,6 +128,7 @@ Status Engine::Impl::ReduceChunk(int64_t c) {
   job.first_micro = full || micro_step_ % config_.gradient_accumulation_steps == 0;
   job.last_micro = last_micro_step();
   job.step = trace_step();
+  if (!UseReduceLane()) return ReduceShard(job, /*on_lane=*/false);
   {
     // One job at a time: the lane holds at most one chunk's gradient buffer beyond what compute
     // accumulates, a bound the memory model counts on (tools/planner/memory_model.cc).
@@ -152,7 +161,7 @@ void Engine::Impl::StartReduceLane() {
       const bool failed = !reduce_error_.ok();  // later jobs of a failed step are dropped
       l.unlock();
       if (!failed && reduce_delay_hook_) reduce_delay_hook_(job.c);
-      Status s = failed ? Status::Ok() : ReduceShard(job);
+      Status s = failed ? Status::Ok() : ReduceShard(job, /*on_lane=*/true);
       job.grad_full = torch::Tensor();  // the chunk's gradient buffer returns to the allocator
       l.lock();
       if (!s.ok() && reduce_error_.ok()) reduce_error_ = s;
@@ -179,25 +188,36 @@ Status Engine::Impl::DrainReductions() {
   return s;
 }
 
-Status Engine::Impl::ReduceShard(ReduceJob& job) {
+Status Engine::Impl::ReduceShard(ReduceJob& job, bool on_lane) {
   torch::NoGradGuard ng;  // thread-local: this lane's own
+  // So is the current device: on a rank's GPU other than the first, kernels this lane launches
+  // and LibTorch's ops must go to the engine's device.
+  c10::DeviceGuard on_device(TorchDevice(*device_));
   const int64_t c = job.c;
   const ChunkInfo& ci = partitioner_->chunks()[c];
   const bool full = full_gradients();
-  // This job's lane time, added to the window's once the job ends, however it ends.
+  // This job's time, added to the window's once the job ends, however it ends: the lane's own
+  // counters, or, run on the compute thread, its copy and comm time (which compute excludes).
   double comm_s = 0, copy_s = 0;
   uint64_t d2h = 0;
   struct Account {
     Engine::Impl* impl;
+    bool on_lane;
     double *comm, *copy;
     uint64_t* d2h;
     ~Account() {
+      if (!on_lane) {
+        impl->comm_s_ += *comm;
+        impl->copy_s_ += *copy;
+        impl->bytes_d2h_ += *d2h;
+        return;
+      }
       std::lock_guard<std::mutex> l(impl->reduce_mu_);
       impl->reduce_comm_s_ += *comm;
       impl->reduce_copy_s_ += *copy;
       impl->reduce_d2h_ += *d2h;
     }
-  } account{this, &comm_s, &copy_s, &d2h};
+  } account{this, on_lane, &comm_s, &copy_s, &d2h};
   job.fence.Wait();
   float* data = job.grad_full.data_ptr<float>();
   const int64_t off = partitioner_->ShardOffset(c, shard_rank());

@@ -26,6 +26,8 @@ using namespace engine_detail;
 // that a caller may read right after Step, so Step waits for the updates there.
 void Engine::Impl::StartOptimizerLane() {
   opt_thread_ = std::thread([this] {
+    // The current device is per thread: the GPU Adam's kernels go to the engine's device.
+    c10::DeviceGuard on_device(TorchDevice(*device_));
     std::unique_lock<std::mutex> l(opt_mu_);
     for (;;) {
       opt_cv_.wait(l, [&] { return opt_stop_ || !opt_queue_.empty(); });

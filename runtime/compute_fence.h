@@ -46,6 +46,8 @@ class SideStream {
   explicit SideStream(const Device& device);
   // The cudaStream_t, as kernels::StreamHandle.
   void* handle() const;
+  // The stream, for a c10::StreamGuard that sends a thread's LibTorch ops to it; none on CPU.
+  const std::optional<c10::Stream>& stream() const { return stream_; }
   void Synchronize() const;
 
  private:

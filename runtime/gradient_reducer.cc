@@ -193,6 +193,10 @@ Status Engine::Impl::ReduceShard(ReduceJob& job, bool on_lane) {
   // So is the current device: on a rank's GPU other than the first, kernels this lane launches
   // and LibTorch's ops must go to the engine's device.
   c10::DeviceGuard on_device(TorchDevice(*device_));
+  // On a GPU the lane's LibTorch ops (the hand-off copy) go to the side stream, where the norm
+  // scan follows them, not to the default stream, which would serialize with compute.
+  std::optional<c10::StreamGuard> on_stream;
+  if (on_lane && side_stream_ && side_stream_->stream()) on_stream.emplace(*side_stream_->stream());
   const int64_t c = job.c;
   const ChunkInfo& ci = partitioner_->chunks()[c];
   const bool full = full_gradients();

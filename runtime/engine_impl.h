@@ -279,6 +279,8 @@ class Engine::Impl {
     int64_t step = 0;          // for the lane trace
   };
   bool UseReduceLane() const;  // Note [reduce lane]: when the lane runs the jobs
+  // Compute thread: queues the updates of chunks the lane finished reducing (immediate optimizer).
+  void EnqueueReducedUpdates();
   void StartReduceLane();
   void StopReduceLane();
   // The job's work: on the lane, or on the compute thread when the lane is not used.
@@ -480,6 +482,7 @@ class Engine::Impl {
   // waits for their blocks), and bytes it moved from device to host. GUARDED_BY(reduce_mu_)
   double reduce_comm_s_ = 0, reduce_copy_s_ = 0;
   uint64_t reduce_d2h_ = 0;
+  std::vector<int64_t> reduced_for_update_;  // GUARDED_BY(reduce_mu_): for EnqueueReducedUpdates
 
   // Optimizer lane state.
   std::thread opt_thread_;

@@ -137,7 +137,17 @@ Status Engine::Impl::ReduceChunk(int64_t c) {
     reduce_queue_.push_back(std::move(job));
   }
   reduce_cv_.notify_all();
+  EnqueueReducedUpdates();
   return Status::Ok();
+}
+
+void Engine::Impl::EnqueueReducedUpdates() {
+  std::vector<int64_t> ready;
+  {
+    std::lock_guard<std::mutex> l(reduce_mu_);
+    ready.swap(reduced_for_update_);
+  }
+  for (int64_t c : ready) EnqueueOptimizer(c);
 }
 
 void Engine::Impl::WaitReduceLaneIdle(std::unique_lock<std::mutex>& held_reduce_mu) {
@@ -160,9 +170,15 @@ void Engine::Impl::StartReduceLane() {
       reduce_busy_ = true;
       const bool failed = !reduce_error_.ok();  // later jobs of a failed step are dropped
       l.unlock();
-      if (!failed && reduce_delay_hook_) reduce_delay_hook_(job.c);
-      Status s = failed ? Status::Ok() : ReduceShard(job, /*on_lane=*/true);
-      job.grad_full = torch::Tensor();  // the chunk's gradient buffer returns to the allocator
+      Status s;
+      // LibTorch throws; an exception must become the step's error, not end the process.
+      try {
+        if (!failed && reduce_delay_hook_) reduce_delay_hook_(job.c);
+        if (!failed) s = ReduceShard(job, /*on_lane=*/true);
+        job.grad_full = torch::Tensor();  // the chunk's gradient buffer returns to the allocator
+      } catch (const std::exception& e) {
+        s = Internal(StrCat("reducing chunk ", job.c, "'s gradient: ", e.what()));
+      }
       l.lock();
       if (!s.ok() && reduce_error_.ok()) reduce_error_ = s;
       reduce_busy_ = false;
@@ -181,10 +197,14 @@ void Engine::Impl::StopReduceLane() {
 }
 
 Status Engine::Impl::DrainReductions() {
-  std::unique_lock<std::mutex> l(reduce_mu_);
-  WaitReduceLaneIdle(l);
-  Status s = reduce_error_;
-  reduce_error_ = Status::Ok();
+  Status s;
+  {
+    std::unique_lock<std::mutex> l(reduce_mu_);
+    WaitReduceLaneIdle(l);
+    s = reduce_error_;
+    reduce_error_ = Status::Ok();
+  }
+  EnqueueReducedUpdates();
   return s;
 }
 
@@ -241,8 +261,9 @@ Status Engine::Impl::ReduceShard(ReduceJob& job, bool on_lane) {
   {
     LaneTimer t(&copy_s, &lane_trace_, Lane::kCopy, "gradient block", job.step, c);
     // The previous step's deferred update of this chunk reads the block this overwrites.
-    double update_wait_s = 0;  // inside this span already
-    STRATA_RETURN_IF_ERROR(WaitChunkUpdated(c, &update_wait_s));
+    // On the lane the wait is part of this span; on the compute thread it is compute's stall.
+    double update_wait_s = 0;
+    STRATA_RETURN_IF_ERROR(WaitChunkUpdated(c, on_lane ? &update_wait_s : nullptr));
     STRATA_ASSIGN_OR_RETURN(dst, store_->Acquire(key, job.first_micro ? Access::kWrite : Access::kReadWrite));
   }
   // A device-placed gradient block is reached at the device's compute address (Note [device
@@ -287,7 +308,16 @@ Status Engine::Impl::ReduceShard(ReduceJob& job, bool on_lane) {
       chunk_ready_[c] = true;
       ready_order_.push_back(c);
     }
-    if (immediate_optimizer()) EnqueueOptimizer(c);
+    // The update is queued by the compute thread (EnqueueReducedUpdates), which owns the gather
+    // lane's chunk state that EnqueueOptimizer checks.
+    if (immediate_optimizer()) {
+      if (!on_lane) {
+        EnqueueOptimizer(c);
+      } else {
+        std::lock_guard<std::mutex> l(reduce_mu_);
+        reduced_for_update_.push_back(c);
+      }
+    }
   }
   return Status::Ok();
 }
@@ -324,6 +354,14 @@ Status Engine::Impl::Backward(const torch::Tensor& loss) {
     result = backward_error_.ok() ? Internal(StrCat("backward failed: ", e.what())) : backward_error_;
   }
   in_backward_ = false;
+  // Whatever leaves this function, the reduce lane is idle first (a throw below included).
+  struct DrainOnExit {
+    Engine::Impl* impl;
+    bool done = false;
+    ~DrainOnExit() {
+      if (!done) impl->DrainReductions().IgnoreError();
+    }
+  } drain_on_exit{this};
   waits_in_compute_s_ += WaitsSoFar() - waits_at_backward;
   // Parameters that took no part in this backward: a zero gradient, their units released.
   for (size_t pid = 0; pid < params_.size() && result.ok(); ++pid)
@@ -338,6 +376,7 @@ Status Engine::Impl::Backward(const torch::Tensor& loss) {
   // lane must not outlive the state it writes (Note [reduce lane]).
   {
     Status r = DrainReductions();
+    drain_on_exit.done = true;
     if (result.ok()) result = r;
   }
   last_trace_ = trace_;

@@ -49,9 +49,9 @@ namespace strata {
 // next use is the nearest of its uses, each counted in trace entries from the position of the
 // lane that recorded it. An access is matched first at the head of the caller's lane, then at
 // the head of another lane (a shard the compute thread gathers itself, which the gather lane
-// gathered in the recorded step), then a short way ahead in its own lane and the others.
-// Prefetch fills, per lane, the entries within `prefetch_lookahead` of its position. Threads
-// that recorded nothing still match other lanes' entries.
+// gathered in the recorded step), then a short way ahead in its own lane only: a guess must not
+// move another lane's position. Threads that recorded nothing match a short way ahead in any
+// lane. Prefetch fills, per lane, the entries within `prefetch_lookahead` of its position.
 
 namespace {
 
@@ -324,7 +324,7 @@ void TierManager::RecordUse(Block* b) {
     return;
   }
   if (!trace_ready_) return;
-  // Note [lanes in the trace]: the caller's lane, then the others; heads first, then a short way
+  // Note [lanes in the trace]: heads first (the caller's lane, then the others), then a short way
   // ahead (threads may reorder a few accesses). No match leaves every position where it is.
   const int own = LaneOfThisThread();
   if (own >= 0 && MatchInLane(own, b, 1)) return;
@@ -332,9 +332,13 @@ void TierManager::RecordUse(Block* b) {
     if (static_cast<int>(l) != own && MatchInLane(l, b, 1)) return;
   ++stats_.trace_deviations;
   const uint64_t horizon = 2 * static_cast<uint64_t>(options_.prefetch_lookahead) + 16;
-  if (own >= 0 && MatchInLane(own, b, horizon)) return;
+  if (own >= 0) {
+    // Never ahead in another lane: that would move its position on a guess.
+    MatchInLane(own, b, horizon);
+    return;
+  }
   for (size_t l = 0; l < lanes_.size(); ++l)
-    if (static_cast<int>(l) != own && MatchInLane(l, b, horizon)) return;
+    if (MatchInLane(l, b, horizon)) return;
 }
 
 bool TierManager::MatchInLane(size_t lane, const Block* b, uint64_t horizon) {

@@ -262,6 +262,7 @@ Status Engine::Impl::Init(Engine* owner, const EngineOptions& options) {
   owner_ = owner;
   optimizer_delay_hook_ = options.optimizer_delay_hook;
   reduce_delay_hook_ = options.reduce_delay_hook;
+  loss_scaling_ = config_.fp16.enabled || options.loss_scaling;
   const auto& z = config_.zero_optimization;
   const ComputeDtypeChoice dtype_choice =
       ChooseComputeDtype(config_, device_->kind(), DeviceHasNativeBf16(device_->kind()));
@@ -301,7 +302,7 @@ Status Engine::Impl::Init(Engine* owner, const EngineOptions& options) {
         "fp16.enabled=true on the cpu device: LibTorch has no fp16 CPU kernels for LayerNorm and "
         "matmul; use bf16.enabled=true instead (same memory, no loss scaling needed), or run on a "
         "GPU");
-  if (config_.fp16.enabled) {
+  if (loss_scaling_) {
     STRATA_ASSIGN_OR_RETURN(auto s, optim::DynamicLossScaler::FromConfig(config_.fp16));
     scaler_.emplace(std::move(s));
   }

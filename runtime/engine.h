@@ -76,6 +76,11 @@ struct EngineOptions {
   // Test-only delay injection: runs on the reduce lane before each chunk's reduction, so a test
   // can make the lane lag compute and show that every reader of its results waits for them.
   std::function<void(int64_t chunk)> reduce_delay_hook;
+  // Test-only: the "fp16" block's loss scaling without fp16 compute, so the overflow path (a
+  // skipped step, the scale's schedule, deferred updates around a skipped step) runs on the CPU
+  // device, where fp16 is refused. Power-of-two scales multiply fp32 gradients exactly, so a run
+  // equals one without scaling on every step that is not skipped.
+  bool loss_scaling = false;
 };
 
 // One optimizer step, as seen by every lane.

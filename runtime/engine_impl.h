@@ -337,8 +337,7 @@ class Engine::Impl {
   }
   bool stage3() const { return config_.zero_optimization.stage == 3; }
   bool immediate_optimizer() const {
-    return config_.strata.overlap_optimizer && config_.gradient_clipping == 0 &&
-           !config_.fp16.enabled;
+    return config_.strata.overlap_optimizer && config_.gradient_clipping == 0 && !loss_scaling_;
   }
   // Note [deferred optimizer]: updates that wait for a global condition run after Step returns.
   // Only under stage 3, where a unit's parameters are readable only while the engine has gathered
@@ -359,6 +358,9 @@ class Engine::Impl {
   Engine* owner_ = nullptr;
   std::function<void(int64_t)> optimizer_delay_hook_;  // EngineOptions::optimizer_delay_hook
   std::function<void(int64_t)> reduce_delay_hook_;     // EngineOptions::reduce_delay_hook
+  // fp16, or EngineOptions::loss_scaling: the loss is scaled and a step with a non-finite
+  // gradient is skipped, so no update may start before the step's overflow flag is known.
+  bool loss_scaling_ = false;
   Config config_;
   Communicator* comm_;
   Device* device_;

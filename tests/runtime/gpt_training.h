@@ -2,6 +2,7 @@
 // training as the reference, and the same training through the engine.
 #pragma once
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdlib>
@@ -70,7 +71,15 @@ inline torch::Tensor Batch(const Config& c, int step, int micro) {
 struct TrainRun {
   std::vector<double> losses;
   std::vector<torch::Tensor> params;
+  // With loss scaling (TrainWithScaledAdamW, ThroughEngine with EngineOptions::loss_scaling or
+  // fp16): per step, whether it was skipped for a non-finite gradient and the scale its
+  // backward ran with.
+  std::vector<bool> skipped;
+  std::vector<double> scales;
 };
+
+// Rewrites a micro-step's loss before it goes backward (the overflow tests poison some steps).
+using LossShaper = std::function<torch::Tensor(torch::Tensor loss, int step, int micro)>;
 
 // Plain LibTorch AdamW over `params` with the config's hyper-parameters, accumulation and
 // clipping: `steps` steps of gradient_accumulation_steps micro-steps, `loss(step, micro)` giving
@@ -99,6 +108,70 @@ inline std::vector<double> TrainWithAdamW(const std::vector<torch::Tensor>& para
   return losses;
 }
 
+// fp16's dynamic loss scaling by the rule DeepSpeed documents, written out here apart from
+// optim::DynamicLossScaler, so that the tests check the engine's scaler as well: an overflow
+// spends one unit of hysteresis, or halves the scale (not below min_loss_scale) once one unit is
+// left; loss_scale_window good steps after the last overflow (or the start) double the scale and
+// restore the hysteresis. A static loss_scale never changes.
+struct ReferenceLossScaler {
+  explicit ReferenceLossScaler(const Fp16Config& f)
+      : fp16(f), scale(f.loss_scale > 0 ? f.loss_scale : std::ldexp(1.0, static_cast<int>(f.initial_scale_power))),
+        hysteresis_left(f.hysteresis) {}
+  void Update(bool overflow) {
+    if (fp16.loss_scale <= 0) {
+      if (overflow) {
+        if (hysteresis_left <= 1) scale = std::max(scale / 2, fp16.min_loss_scale);
+        else --hysteresis_left;
+        last_overflow = iteration;
+      } else if ((iteration - last_overflow) % fp16.loss_scale_window == 0) {
+        scale *= 2;
+        hysteresis_left = fp16.hysteresis;
+      }
+    }
+    ++iteration;
+  }
+  Fp16Config fp16;
+  double scale;
+  int64_t hysteresis_left;
+  int64_t iteration = 0;
+  int64_t last_overflow = -1;
+};
+
+// TrainWithAdamW under loss scaling (the config's "fp16" block, whatever fp16.enabled says):
+// each micro-step's loss times the scale goes backward; a step whose summed gradients hold an
+// inf or NaN is skipped (no update, AdamW's step count unchanged), the others are unscaled,
+// clipped and applied. `run` gets the losses, skips and scales.
+inline void TrainWithScaledAdamW(const std::vector<torch::Tensor>& params, const Config& c, int steps,
+                                 const std::function<torch::Tensor(int, int)>& loss, TrainRun* run) {
+  torch::optim::AdamW adamw(params, torch::optim::AdamWOptions(c.optimizer.lr)
+                                        .betas({c.optimizer.beta1, c.optimizer.beta2})
+                                        .eps(c.optimizer.eps)
+                                        .weight_decay(c.optimizer.weight_decay));
+  ReferenceLossScaler scaler(c.fp16);
+  for (int s = 0; s < steps; ++s) {
+    double step_loss = 0;
+    for (int m = 0; m < c.gradient_accumulation_steps; ++m) {
+      torch::Tensor l = loss(s, m);
+      (l * (scaler.scale / c.gradient_accumulation_steps)).backward();
+      step_loss += l.item<double>() / c.gradient_accumulation_steps;
+    }
+    bool finite = true;
+    for (const auto& p : params)
+      if (p.grad().defined()) finite = finite && torch::isfinite(p.grad()).all().item<bool>();
+    run->scales.push_back(scaler.scale);
+    run->skipped.push_back(!finite);
+    run->losses.push_back(step_loss);
+    if (finite) {
+      for (const auto& p : params)
+        if (p.grad().defined()) p.grad().mul_(1.0 / scaler.scale);
+      if (c.gradient_clipping > 0) torch::nn::utils::clip_grad_norm_(params, c.gradient_clipping);
+      adamw.step();
+    }
+    adamw.zero_grad();
+    scaler.Update(!finite);
+  }
+}
+
 // Plain LibTorch training of the GPT: the reference.
 inline TrainRun Reference(const Config& c) {
   auto model = models::BuildGpt(c.model);
@@ -113,11 +186,26 @@ inline TrainRun Reference(const Config& c) {
   return run;
 }
 
+// The reference under loss scaling (TrainWithScaledAdamW), each micro-step's loss through `shape`.
+inline TrainRun ScaledReference(const Config& c, int steps, const LossShaper& shape) {
+  auto model = models::BuildGpt(c.model);
+  std::vector<torch::Tensor> params = models::UniqueParameters(*model);
+  TrainRun run;
+  TrainWithScaledAdamW(params, c, steps, [&](int s, int m) {
+    torch::Tensor b = Batch(c, s, m);
+    return shape(models::LanguageModelLoss(model->forward(b.narrow(1, 0, c.model.seq_len)),
+                                           b.narrow(1, 1, c.model.seq_len)), s, m);
+  }, &run);
+  for (auto& p : params) run.params.push_back(p.detach().clone());
+  return run;
+}
+
 // The engine's side of TrainWithAdamW: Backward of each micro-step's loss (this rank's slice),
 // Step after each accumulation. Returns the steps' losses averaged over ranks.
 inline std::vector<double> TrainWithEngine(Engine& engine, const Config& c, Communicator* comm,
                                            int steps,
-                                           const std::function<torch::Tensor(int, int)>& loss) {
+                                           const std::function<torch::Tensor(int, int)>& loss,
+                                           std::vector<StepReport>* reports = nullptr) {
   std::vector<double> losses;
   for (int s = 0; s < steps; ++s) {
     double step_loss = 0;
@@ -131,6 +219,7 @@ inline std::vector<double> TrainWithEngine(Engine& engine, const Config& c, Comm
     }
     auto rep = engine.Step();
     EXPECT_TRUE(rep.ok()) << rep.status();
+    if (reports != nullptr && rep.ok()) reports->push_back(*rep);
     losses.push_back(step_loss);
   }
   return losses;
@@ -140,9 +229,11 @@ inline std::vector<double> TrainWithEngine(Engine& engine, const Config& c, Comm
 // takes micro-batch r of each step's global batch and the reported loss is the mean over ranks.
 // `delay_us` > 0 runs it on a DelayingDevice (tests/runtime/delaying_device.h) over the CPU
 // device: every stream's work completes up to that many microseconds late, and each chunk's
-// reduction on the reduce lane starts up to that late.
+// reduction on the reduce lane starts up to that late. `shape`, when set, rewrites each
+// micro-step's loss before Backward; `steps` steps are taken.
 inline TrainRun ThroughEngine(const Config& c, const EngineOptions& opts_in = {},
-                              Communicator* comm_in = nullptr, int delay_us = 0) {
+                              Communicator* comm_in = nullptr, int delay_us = 0, int steps = kSteps,
+                              const LossShaper& shape = nullptr) {
   EngineOptions opts = opts_in;
   std::mt19937 rng(11);
   std::mutex rng_mu;
@@ -170,11 +261,17 @@ inline TrainRun ThroughEngine(const Config& c, const EngineOptions& opts_in = {}
   if (!engine_or.ok()) return {};
   auto engine = std::move(engine_or).value();
   TrainRun run;
-  run.losses = TrainWithEngine(*engine, c, comm, kSteps, [&](int s, int m) {
+  std::vector<StepReport> reports;
+  run.losses = TrainWithEngine(*engine, c, comm, steps, [&](int s, int m) {
     torch::Tensor b = Batch(c, s, m).chunk(comm->world_size(), 0)[comm->rank()].contiguous().to(on);
-    return models::LanguageModelLoss(engine->Forward(b.narrow(1, 0, c.model.seq_len)),
-                                     b.narrow(1, 1, c.model.seq_len));
-  });
+    torch::Tensor l = models::LanguageModelLoss(engine->Forward(b.narrow(1, 0, c.model.seq_len)),
+                                                b.narrow(1, 1, c.model.seq_len));
+    return shape ? shape(l, s, m) : l;
+  }, &reports);
+  for (const StepReport& r : reports) {
+    run.skipped.push_back(r.skipped);
+    run.scales.push_back(r.loss_scale);
+  }
   auto params = engine->GatherMasterParams();
   EXPECT_TRUE(params.ok()) << params.status();
   if (params.ok()) run.params = *params;

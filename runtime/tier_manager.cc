@@ -52,6 +52,15 @@ namespace strata {
 // gathered in the recorded step), then a short way ahead in its own lane only: a guess must not
 // move another lane's position. Threads that recorded nothing match a short way ahead in any
 // lane. Prefetch fills, per lane, the entries within `prefetch_lookahead` of its position.
+//
+// A lane's own position says when its next entry is due only while the lane is busy. A lane
+// that has not started yet (the gradient path, while the forward runs) or has finished its part
+// of the iteration (the optimizer's updates, done early in the forward) would measure from its
+// next entry and find it due "now": the optimizer's states for the next step would be read back
+// and shielded from eviction through the whole forward and backward. So the iteration also has
+// a frontier, one past the furthest entry any lane has matched, and a lane's position is the
+// earlier of its own and the frontier: a lane behind the frontier is late and its entries are
+// due now; a lane ahead of it waits for the others to reach its entries.
 
 namespace {
 
@@ -346,11 +355,17 @@ bool TierManager::MatchInLane(size_t lane, const Block* b, uint64_t horizon) {
   const uint64_t m = ln.positions.size();
   if (m == 0) return false;
   // A lane past its last entry is in the next iteration: it continues from its first.
+  const bool wrapped = ln.next >= m;
   const uint64_t k = ln.next % m;
   const uint64_t end = std::min(m, k + horizon);
   for (uint64_t j = k; j < end; ++j) {
     if (trace_[ln.positions[j]] == b) {
       ln.next = j + 1;
+      // Without a BeginIteration the first lane into the next iteration takes the frontier
+      // with it (a frontier at or past the end is already there).
+      const uint64_t n = trace_.size();
+      if (wrapped && frontier_ >= n) frontier_ -= n;
+      frontier_ = std::max(frontier_, ln.positions[j] + 1);
       return true;
     }
   }
@@ -360,17 +375,19 @@ bool TierManager::MatchInLane(size_t lane, const Block* b, uint64_t horizon) {
 uint64_t TierManager::LanePosition(size_t lane) const {
   const TraceLane& ln = lanes_[lane];
   // Past its last entry a lane is at its first one of the next iteration.
-  return ln.next < ln.positions.size() ? ln.positions[ln.next] : trace_.size() + ln.positions.front();
+  const uint64_t own =
+      ln.next < ln.positions.size() ? ln.positions[ln.next] : trace_.size() + ln.positions.front();
+  return std::min(own, frontier_);
 }
 
 uint64_t TierManager::LaneDistance(size_t lane, uint64_t pos) const {
   const uint64_t n = trace_.size();
-  const uint64_t at = LanePosition(lane);
-  return pos >= at ? pos - at : pos + n - at;
+  return (pos + n - LanePosition(lane) % n) % n;
 }
 
 void TierManager::ResetLanes(bool to_next_iteration) {
   for (TraceLane& ln : lanes_) ln.next = to_next_iteration ? ln.positions.size() : 0;
+  frontier_ = to_next_iteration ? trace_.size() : 0;
 }
 
 uint64_t TierManager::NextUse(const Block* b) const {

@@ -230,8 +230,9 @@ class TierManager {
   int LaneOfThisThread();  // REQUIRES(mu_)
   // Matches `b` against lane `lane`'s next `horizon` entries; advances the lane on a match.
   bool MatchInLane(size_t lane, const Block* b, uint64_t horizon);  // REQUIRES(mu_)
-  // The lane's next expected access as a trace position, >= the trace's length once the lane is
-  // past its last entry (its first entry in the next iteration). The lane has entries.
+  // Where the lane stands in the trace: the earlier of its next expected access and frontier_
+  // (Note [lanes in the trace]); >= the trace's length once the lane and the frontier are in
+  // the next iteration. The lane has entries.
   uint64_t LanePosition(size_t lane) const;  // REQUIRES(mu_)
   // Trace entries between the lane's position and trace position `pos` (which the lane reaches
   // in this iteration or the next).
@@ -285,6 +286,9 @@ class TierManager {
   std::vector<uint16_t> trace_lane_;     // GUARDED_BY(mu_): the lane of each trace entry
   std::vector<TraceLane> lanes_;         // GUARDED_BY(mu_)
   std::unordered_map<std::thread::id, uint16_t> thread_lane_;  // GUARDED_BY(mu_)
+  // One past the furthest trace position any lane matched this iteration; the trace's length
+  // once the iteration has ended. GUARDED_BY(mu_)
+  uint64_t frontier_ = 0;
   TierManagerStats stats_;               // GUARDED_BY(mu_)
 };
 

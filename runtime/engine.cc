@@ -239,6 +239,8 @@ Status Engine::Impl::DiscoverUnits(const EngineOptions& options) {
   update_pending_.assign(chunk_infos.size(), 0);
   fill_landed_.assign(chunk_infos.size(), 1);
   fill_status_.assign(chunk_infos.size(), Status::Ok());
+  ahead_done_.assign(chunk_infos.size(), 1);
+  ahead_status_.assign(chunk_infos.size(), Status::Ok());
   for (size_t u = 0; u < units_.size(); ++u) {
     UnitInfo& info = units_[u];
     for (int64_t pid : info.params) {

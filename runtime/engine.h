@@ -73,8 +73,9 @@ struct EngineOptions {
   // Test-only delay injection: runs on the optimizer lane before each chunk's update, so a test
   // can stretch the lane and show that nothing reads a chunk before its update is in.
   std::function<void(int64_t chunk)> optimizer_delay_hook;
-  // Test-only delay injection: runs on the reduce lane before each chunk's reduction, so a test
-  // can make the lane lag compute and show that every reader of its results waits for them.
+  // Test-only delay injection: runs on the reduce lane before each chunk's reduction and, with
+  // several ranks, before each all-gather issued ahead (once the chunk's copy has landed), so a
+  // test can make the lane lag compute and show that every reader of its results waits for them.
   std::function<void(int64_t chunk)> reduce_delay_hook;
   // Test-only: the "fp16" block's loss scaling without fp16 compute, so the overflow path (a
   // skipped step, the scale's schedule, deferred updates around a skipped step) runs on the CPU

@@ -184,6 +184,8 @@ class Engine::Impl {
     // Gathered ahead by the gather lane (Note [prefetched gathers]): memory installed, the
     // shard's copy handed to the lane and not yet waited for.
     bool filling = false;
+    // With several ranks, also its all-gather, queued on the reduce lane behind the copy.
+    bool ahead_all_gather = false;
     int live = 0;             // holders of the gathered chunk (stage 3)
     torch::Tensor grad_full;  // fp32 gradient of the whole chunk for this micro-step
     int pending = 0;          // parameters whose gradient has not arrived this micro-step
@@ -219,12 +221,19 @@ class Engine::Impl {
   // Gather lane (Note [prefetched gathers]).
   void StartGatherLane();
   void StopGatherLane();
-  // Installs chunk c and hands its shard's copy to the gather lane, when it is not gathered, no
-  // update of it is pending and the live-parameter cap leaves room; otherwise does nothing.
-  void PrefetchGather(int64_t c);
-  // Waits for a prefetched shard copy to land, then all-gathers (compute thread, in the order
-  // chunks are used, so every rank issues its collectives in the same order).
+  // Installs each chunk of `next` and hands its shard's copy to the gather lane, when it is not
+  // gathered and the live-parameter cap leaves room, and with one rank when no update of it is
+  // pending; otherwise leaves it. With several ranks every rank makes the same choice (one
+  // small all-reduce agrees on it) and the chosen chunks' all-gathers go to the reduce lane.
+  void PrefetchGathers(const std::vector<int64_t>& next);
+  // Waits for a chunk gathered ahead: its copy landed, then its all-gather (on the reduce lane
+  // when it was queued there, else here, in the order chunks are used).
   Status FinishFill(int64_t c);
+  // Reduce lane: chunk c's all-gather once its copy gathered ahead has landed (`step` for the
+  // lane trace).
+  Status AllGatherAhead(int64_t c, int64_t step);
+  // Compute thread: waits for AllGatherAhead(c) and returns its status.
+  Status WaitAllGatherAhead(int64_t c);
   // Waits for chunk c's copy gathered ahead to land (the lane still writes its memory and reads
   // its param16 block until then); every prefetched copy in flight, for FinishAllFills.
   void WaitFillLanded(int64_t c);
@@ -246,6 +255,9 @@ class Engine::Impl {
   Status GatherUnit(int64_t u);
   void ReleaseUnit(int64_t u, int64_t reuse_distance);
   int64_t ForwardReuseDistance(size_t trace_pos) const;
+  // In backward, the elements gathered before chunk c is needed again in this backward (by a
+  // unit whose gradients are not all in yet), or "never" (the next use follows the step).
+  int64_t BackwardReuseDistance(int64_t c) const;
   void PrefetchUnits(size_t trace_pos, int direction);
   void OpenMicroStep();
   void OnUnitBackwardReach(int64_t u);
@@ -277,6 +289,9 @@ class Engine::Impl {
     bool first_micro = false;  // the shard replaces the block's contents (else adds to them)
     bool last_micro = false;
     int64_t step = 0;          // for the lane trace
+    // Not a reduction: the chunk's all-gather after its copy gathered ahead lands (Note
+    // [prefetched gathers]); grad_full and fence are unused.
+    bool all_gather = false;
   };
   bool UseReduceLane() const;  // Note [reduce lane]: when the lane runs the jobs
   // Compute thread: queues the updates of chunks the lane finished reducing (immediate optimizer).
@@ -485,6 +500,9 @@ class Engine::Impl {
   double reduce_comm_s_ = 0, reduce_copy_s_ = 0;
   uint64_t reduce_d2h_ = 0;
   std::vector<int64_t> reduced_for_update_;  // GUARDED_BY(reduce_mu_): for EnqueueReducedUpdates
+  // Per chunk, its all-gather ahead finished, and how. GUARDED_BY(reduce_mu_)
+  std::vector<uint8_t> ahead_done_;
+  std::vector<Status> ahead_status_;
 
   // Optimizer lane state.
   std::thread opt_thread_;

@@ -12,10 +12,24 @@ using namespace engine_detail;
 // to the gather lane. The lane acquires the shard from its tier (waiting for NVMe there, not on
 // the compute thread), copies it into the chunk on its own stream, records the copy's completion
 // and releases the block once it has landed. The compute thread, when it reaches the chunk,
-// waits only for what has not landed yet and then runs the all-gather itself: collectives stay on
-// one thread in the order chunks are used, which every rank shares. A chunk is never gathered
-// ahead while its optimizer update is pending, and nothing frees, drops or updates a chunk whose
-// copy is still in flight (DropChunk and Step wait for it first).
+// waits only for what has not landed yet. Nothing frees, drops or updates a chunk whose copy is
+// still in flight (DropChunk and Step wait for it first).
+//
+// With one rank there is no all-gather, and a chunk whose optimizer update is pending is not
+// gathered ahead (compute waits for the update when it reaches the chunk).
+//
+// With several ranks the all-gather is issued ahead too, on the reduce lane, which then runs
+// every collective of the backward in one queue. The ranks must issue the same collectives in
+// the same order, so the choice of what to gather ahead may depend only on what every rank
+// shares (the trace, the chunks gathered, the live-parameter cap), not on timing or on a
+// rank's own memory: a pending update makes the gather lane wait for it instead of skipping
+// the chunk, and whether each rank could install the chunks is agreed by one small all-reduce
+// before anything is queued (a rank that could not install one makes every rank leave it).
+// That all-reduce is a collective on the compute thread, so it first waits for the reduce lane
+// to go idle, as the compute thread's own all-gathers do. The lane queues each chosen chunk's
+// all-gather behind the reductions already queued; it waits for the copy to land, then
+// all-gathers (even when this rank's copy failed: the other ranks are in the collective, and
+// the error is reported when compute reaches the chunk).
 
 void Engine::Impl::StartGatherLane() {
   gather_thread_ = std::thread([this] {
@@ -37,6 +51,13 @@ void Engine::Impl::StartGatherLane() {
       double read_s = 0, copy_s = 0;
       Status s;
       void* src = nullptr;
+      if (comm_->world_size() > 1) {
+        // Chosen whatever the update's state (see above): its values come after the update.
+        double wait_s = 0;  // waiting, not busy: traced, not counted
+        LaneTimer t(&wait_s, &lane_trace_, Lane::kCopy, "wait for update (ahead)", -1, c);
+        std::unique_lock<std::mutex> o(opt_mu_);
+        opt_cv_.wait(o, [&] { return update_pending_[c] == 0; });
+      }
       {
         LaneTimer t(&read_s, &lane_trace_, Lane::kCopy, "shard read (ahead)", -1, c);
         auto got = store_->Acquire(key, Access::kRead);
@@ -70,24 +91,109 @@ void Engine::Impl::StopGatherLane() {
   if (gather_thread_.joinable()) gather_thread_.join();
 }
 
-void Engine::Impl::PrefetchGather(int64_t c) {
-  ChunkState& cs = chunks_[c];
-  if (cs.gathered || !gather_stream_) return;
+void Engine::Impl::PrefetchGathers(const std::vector<int64_t>& next) {
+  if (!gather_stream_) return;
+  const bool ranks = comm_->world_size() > 1;
+  const int64_t max_live = config_.zero_optimization.stage3_max_live_parameters;
+  std::vector<int64_t> chosen;
+  for (int64_t c : next) {
+    if (chunks_[c].gathered) continue;
+    if (live_elems_ + partitioner_->chunks()[c].numel > max_live) continue;
+    if (!ranks) {
+      std::lock_guard<std::mutex> l(opt_mu_);
+      if (update_pending_[c]) continue;
+    }
+    chosen.push_back(c);
+  }
+  if (chosen.empty()) return;
+  // Install what fits; with several ranks, keep only what every rank installed.
+  std::vector<double> failed(chosen.size(), 0.0);
+  for (size_t i = 0; i < chosen.size(); ++i)
+    if (!InstallChunk(chosen[i]).ok()) failed[i] = 1;
+  if (ranks) {
+    {
+      std::unique_lock<std::mutex> l(reduce_mu_);
+      WaitReduceLaneIdle(l);
+    }
+    torch::Tensor flags = torch::tensor(failed, torch::kFloat64);
+    Status s;
+    {
+      LaneTimer t(&comm_s_, &lane_trace_, Lane::kComm, "agree on gathers ahead", trace_step());
+      s = OnCommMemory(flags, [&](void* p) {
+        return comm_->AllReduce(p, static_cast<size_t>(flags.numel()), strata::DType::kF64,
+                                ReduceOp::kMax);
+      });
+    }
+    // Without an agreement nothing is gathered ahead; the failure shows at the next collective.
+    const double* f = flags.data_ptr<double>();
+    for (size_t i = 0; i < chosen.size(); ++i) {
+      const bool installed = failed[i] == 0;
+      failed[i] = s.ok() ? f[i] : 1;
+      if (installed && failed[i] != 0) DropChunk(chosen[i]);
+    }
+  }
+  for (size_t i = 0; i < chosen.size(); ++i) {
+    if (failed[i] != 0) continue;  // no device room now: gathered when used
+    const int64_t c = chosen[i];
+    chunks_[c].filling = true;
+    {
+      std::lock_guard<std::mutex> l(gather_mu_);
+      fill_landed_[c] = 0;
+      fill_status_[c] = Status::Ok();
+      gather_queue_.push_back(c);
+    }
+    gather_cv_.notify_all();
+    if (!ranks) continue;
+    chunks_[c].ahead_all_gather = true;
+    ReduceJob job;
+    job.c = c;
+    job.all_gather = true;
+    job.step = trace_step();
+    {
+      std::lock_guard<std::mutex> l(reduce_mu_);
+      ahead_done_[c] = 0;
+      ahead_status_[c] = Status::Ok();
+      reduce_queue_.push_back(std::move(job));
+    }
+    reduce_cv_.notify_all();
+  }
+}
+
+Status Engine::Impl::AllGatherAhead(int64_t c, int64_t step) {
+  c10::DeviceGuard on_device(TorchDevice(*device_));
+  Status s;
+  {
+    std::unique_lock<std::mutex> l(gather_mu_);
+    gather_cv_.wait(l, [&] { return fill_landed_[c] != 0; });
+    s = fill_status_[c];
+  }
+  // Delay injection here, after the copy landed, when compute may already be waiting to read.
+  if (reduce_delay_hook_) reduce_delay_hook_(c);
   const ChunkInfo& ci = partitioner_->chunks()[c];
-  if (live_elems_ + ci.numel > config_.zero_optimization.stage3_max_live_parameters) return;
+  const size_t esize = optim::DTypeSize(compute_dtype_);
+  char* base = static_cast<char*>(device_->ComputeAddress(chunks_[c].buffer));
+  char* mine = base + partitioner_->ShardOffset(c, shard_rank()) * esize;
+  double comm_s = 0;
+  Status g;
   {
-    std::lock_guard<std::mutex> l(opt_mu_);
-    if (update_pending_[c]) return;
+    LaneTimer t(&comm_s, &lane_trace_, Lane::kComm, "all-gather (ahead)", step, c);
+    g = comm_->AllGather(mine, base, ci.shard_numel, CommDtype(compute_dtype_));
   }
-  if (!InstallChunk(c).ok()) return;  // no device room now: it is gathered when used
-  cs.filling = true;
-  {
-    std::lock_guard<std::mutex> l(gather_mu_);
-    fill_landed_[c] = 0;
-    fill_status_[c] = Status::Ok();
-    gather_queue_.push_back(c);
+  std::lock_guard<std::mutex> l(reduce_mu_);
+  reduce_comm_s_ += comm_s;
+  return s.ok() ? g : s;
+}
+
+Status Engine::Impl::WaitAllGatherAhead(int64_t c) {
+  std::unique_lock<std::mutex> l(reduce_mu_);
+  if (!ahead_done_[c]) {
+    const Clock::time_point t0 = Clock::now();
+    reduce_cv_.wait(l, [&] { return ahead_done_[c] != 0; });
+    const Clock::time_point t1 = Clock::now();
+    stall_s_ += std::chrono::duration<double>(t1 - t0).count();
+    lane_trace_.Add(Lane::kWait, "all-gather ahead", t0, t1, trace_step(), c);
   }
-  gather_cv_.notify_all();
+  return ahead_status_[c];
 }
 
 Status Engine::Impl::FinishFill(int64_t c) {
@@ -105,6 +211,11 @@ Status Engine::Impl::FinishFill(int64_t c) {
     s = fill_status_[c];
   }
   cs.filling = false;
+  if (cs.ahead_all_gather) {
+    cs.ahead_all_gather = false;
+    Status g = WaitAllGatherAhead(c);
+    return s.ok() ? g : s.WithContext(StrCat("gathering chunk ", c, " ahead"));
+  }
   STRATA_RETURN_IF_ERROR(s);
   return AllGatherChunk(c);
 }

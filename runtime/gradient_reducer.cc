@@ -77,9 +77,10 @@ Status Engine::Impl::TakeParamGrad(int64_t pid, bool settle) {
     UnitInfo& unit = units_[u];
     if (--unit.grads_pending == 0 && unit.backward_held) {
       unit.backward_held = false;
-      // The next use is after the optimizer step, which changes the values: only persistent
-      // chunks survive until then.
-      ReleaseUnit(u, std::numeric_limits<int64_t>::max());
+      // A chunk an earlier unit still needs in this backward may stay; otherwise the next use
+      // is after the optimizer step, which changes the values: only persistent chunks survive.
+      if (stage3())
+        for (int64_t c : unit.chunks) ReleaseChunk(c, BackwardReuseDistance(c));
     }
   }
   if (--cs.pending == 0) STRATA_RETURN_IF_ERROR(ReduceChunk(loc.chunk));
@@ -173,13 +174,25 @@ void Engine::Impl::StartReduceLane() {
       Status s;
       // LibTorch throws; an exception must become the step's error, not end the process.
       try {
-        if (!failed && reduce_delay_hook_) reduce_delay_hook_(job.c);
-        if (!failed) s = ReduceShard(job, /*on_lane=*/true);
-        job.grad_full = torch::Tensor();  // the chunk's gradient buffer returns to the allocator
+        if (job.all_gather) {
+          // Always run: the other ranks are in this collective whatever failed here before.
+          s = AllGatherAhead(job.c, job.step);
+        } else {
+          if (!failed && reduce_delay_hook_) reduce_delay_hook_(job.c);
+          if (!failed) s = ReduceShard(job, /*on_lane=*/true);
+          job.grad_full = torch::Tensor();  // the chunk's gradient buffer returns to the allocator
+        }
       } catch (const std::exception& e) {
-        s = Internal(StrCat("reducing chunk ", job.c, "'s gradient: ", e.what()));
+        s = Internal(StrCat(job.all_gather ? "all-gathering chunk " : "reducing chunk ", job.c,
+                            job.all_gather ? " ahead: " : "'s gradient: ", e.what()));
       }
       l.lock();
+      if (job.all_gather) {
+        // Its own result, reported when compute reaches the chunk (FinishFill).
+        ahead_status_[job.c] = s;
+        ahead_done_[job.c] = 1;
+        s = Status::Ok();
+      }
       if (!s.ok() && reduce_error_.ok()) reduce_error_ = s;
       reduce_busy_ = false;
       reduce_cv_.notify_all();

@@ -16,7 +16,9 @@ using namespace engine_detail;
 // again at once by backward), as long as the gathered total stays within
 // stage3_max_live_parameters; gathering a chunk that would exceed that cap first drops chunks
 // nobody holds. The reuse distance and prefetching follow the order units ran in the previous
-// forward (the trace); the first forward has none and keeps nothing it does not have to.
+// forward (the trace); the first forward has none and keeps nothing it does not have to. In
+// backward a chunk is next needed after the step (whose update changes it) unless an earlier
+// unit still to run its backward holds it too (BackwardReuseDistance).
 Status Engine::Impl::InstallChunk(int64_t c) {
   ChunkState& cs = chunks_[c];
   const ChunkInfo& ci = partitioner_->chunks()[c];
@@ -166,6 +168,10 @@ void Engine::Impl::DropChunk(int64_t c) {
     // must land before the memory goes back.
     WaitFillLanded(c);
     cs.filling = false;
+    if (cs.ahead_all_gather) {  // and so must its all-gather on the reduce lane
+      cs.ahead_all_gather = false;
+      WaitAllGatherAhead(c).IgnoreError();
+    }
   }
   FreeChunkMemory(c);
   cs.gathered = false;
@@ -217,22 +223,37 @@ int64_t Engine::Impl::ForwardReuseDistance(size_t pos) const {
   return last_trace_after_[pos];
 }
 
+// A chunk spanning two units (their parameters meet inside it) or holding a tied weight is
+// used again in the same backward by an earlier unit of the trace; releasing it as if its next
+// use were after the step would drop it and gather it again at once.
+int64_t Engine::Impl::BackwardReuseDistance(int64_t c) const {
+  int64_t distance = 0;
+  for (size_t k = trace_.size(); k-- > 0;) {
+    const UnitInfo& unit = units_[trace_[k]];
+    if (unit.grads_pending == 0) continue;  // its backward is done
+    if (std::find(unit.chunks.begin(), unit.chunks.end(), c) != unit.chunks.end()) return distance;
+    distance += unit.elems;
+  }
+  return std::numeric_limits<int64_t>::max();
+}
+
 // Hints the shards of the units after trace position `pos` (direction +1, forward) or before it
 // (-1, backward) until stage3_prefetch_bucket_size elements are on their way.
 void Engine::Impl::PrefetchUnits(size_t pos, int direction) {
   if (!stage3()) return;
   const std::vector<int64_t>& trace = direction > 0 ? last_trace_ : trace_;
   int64_t budget = config_.zero_optimization.stage3_prefetch_bucket_size;
+  std::vector<int64_t> next;  // the next unit's chunks are gathered ahead, not only read ahead
   for (int64_t k = static_cast<int64_t>(pos) + direction;
        k >= 0 && k < static_cast<int64_t>(trace.size()) && budget > 0; k += direction) {
     for (int64_t c : units_[trace[k]].chunks) {
       if (chunks_[c].gathered) continue;
       if (param_placement_ != Placement::kDevice) store_->Prefetch({c, StateKind::kParam16});
-      // The next unit's chunks are gathered ahead, not only read ahead.
-      if (std::abs(k - static_cast<int64_t>(pos)) == 1) PrefetchGather(c);
+      if (std::abs(k - static_cast<int64_t>(pos)) == 1) next.push_back(c);
       budget -= partitioner_->chunks()[c].shard_numel;
     }
   }
+  PrefetchGathers(next);
 }
 
 void Engine::Impl::OpenMicroStep() {

@@ -18,6 +18,13 @@ struct RankCase {
   OffloadDevice param;
   OffloadDevice optim;
   double clipping;
+  int accumulation = 1;
+  // > 0: every stream's work and every reduce-lane job (reductions, all-gathers issued ahead)
+  // up to this many microseconds late, at random on each rank (tests/runtime/gpt_training.h).
+  int delay_us = 0;
+  // Stage 3 drops every chunk once its unit is done (persistence threshold and reuse distance
+  // 0), so each unit is gathered, and the next one gathered ahead, every time it runs.
+  bool release = false;
 };
 
 // One process group for the whole binary: the rendezvous store lives on a fixed port, and ranks
@@ -60,12 +67,17 @@ TEST_P(MultiRank, MatchesSingleProcessLibTorch) {
   c.zero_optimization.offload_param.device = k.param;
   c.zero_optimization.offload_optimizer.device = k.optim;
   c.gradient_clipping = k.clipping;
+  c.gradient_accumulation_steps = k.accumulation;
+  if (k.release) {
+    c.zero_optimization.stage3_param_persistence_threshold = 0;
+    c.zero_optimization.stage3_max_reuse_distance = 0;
+  }
   testing::TempDir dir;
   EngineOptions opts;
   if (k.param == OffloadDevice::kNvme || k.optim == OffloadDevice::kNvme) opts.nvme_path = {dir.path()};
   TrainRun ref = Reference(c);
   Config per_rank = c;
-  TrainRun got = ThroughEngine(per_rank, opts, comm);
+  TrainRun got = ThroughEngine(per_rank, opts, comm, k.delay_us);
   const double f = TestDeviceSpec() == "cpu" ? 1.0 : kGpuToleranceFactor;
   ExpectMatch(ref, got, 1e-5 * f, 2e-5 * f);
 }
@@ -76,7 +88,13 @@ INSTANTIATE_TEST_SUITE_P(
                       RankCase{"stage1", 1, OffloadDevice::kNone, OffloadDevice::kNone, 0.0},
                       RankCase{"stage2_cpu", 2, OffloadDevice::kNone, OffloadDevice::kCpu, 1.0},
                       RankCase{"stage3", 3, OffloadDevice::kNone, OffloadDevice::kNone, 0.0},
-                      RankCase{"stage3_nvme_clip", 3, OffloadDevice::kNvme, OffloadDevice::kNvme, 0.5}),
+                      RankCase{"stage3_nvme_clip", 3, OffloadDevice::kNvme, OffloadDevice::kNvme, 0.5},
+                      // The reduce lane's collectives (reduce-scatters, all-gathers issued
+                      // ahead) late by different amounts on each rank: they must still pair up.
+                      RankCase{"stage3_accum_delays", 3, OffloadDevice::kNone, OffloadDevice::kNone,
+                               0.0, 2, 2000, true},
+                      RankCase{"stage3_cpu_clip_delays", 3, OffloadDevice::kCpu, OffloadDevice::kCpu,
+                               1.0, 1, 2000, true}),
     [](const auto& info) { return std::string(info.param.name); });
 
 // Per-rank memory of each stage on 2 ranks, from the engine's measured device allocations

@@ -253,8 +253,10 @@ inline TrainRun ThroughEngine(const Config& c, const EngineOptions& opts_in = {}
     own = CreateSingleCommunicator();
     comm = own.get();
   }
+  rng.seed(11 + comm->rank());  // each rank's lane late by its own amounts
   std::unique_ptr<Device> device = CreateDevice(TestDeviceSpec(), 256 << 20).value();
-  if (delay_us > 0) device = std::make_unique<testing::DelayingDevice>(std::move(device), delay_us);
+  if (delay_us > 0)
+    device = std::make_unique<testing::DelayingDevice>(std::move(device), delay_us, 1 + comm->rank());
   const torch::Device on = TorchDevice(*device);
   auto engine_or = Engine::Create(models::BuildGpt(c.model), c, comm, device.get(), opts);
   EXPECT_TRUE(engine_or.ok()) << engine_or.status();

@@ -237,6 +237,10 @@ class Engine::Impl {
   // Waits for chunk c's copy gathered ahead to land (the lane still writes its memory and reads
   // its param16 block until then); every prefetched copy in flight, for FinishAllFills.
   void WaitFillLanded(int64_t c);
+  // For a caller about to drop or refill chunk c: waits for everything a gather ahead still has
+  // in flight on it (the copy; with several ranks, the all-gather), clears the chunk's marks and
+  // returns their status.
+  Status SettleFill(int64_t c);
   void FinishAllFills();
   void FreeChunkMemory(int64_t c);
   // Frees the pending chunk memory whose compute has finished; all of it when `wait`.
@@ -302,17 +306,26 @@ class Engine::Impl {
   Status ReduceShard(ReduceJob& job, bool on_lane);
   // Compute thread: waits until the lane is idle, counting the wait as a compute stall.
   void WaitReduceLaneIdle(std::unique_lock<std::mutex>& held_reduce_mu);
+  // The same wait outside a micro-step (Step, checkpoints, master values), before a collective
+  // of the compute thread's own: a training forward may have left all-gathers issued ahead on
+  // the lane. Leaves the lane's errors for DrainReductions.
+  void WaitReduceLaneQuiet() {
+    std::unique_lock<std::mutex> l(reduce_mu_);
+    reduce_cv_.wait(l, [&] { return reduce_queue_.empty() && !reduce_busy_; });
+  }
   // Compute thread: waits until every queued reduction has finished (before a collective of its
   // own, and at the end of Backward); returns and clears the lane's first failure.
   Status DrainReductions();
   // Every queued update finished (checkpoints, master values, a new step's global scan).
   Status FinishUpdates() {
+    WaitReduceLaneQuiet();
     FinishAllFills();
     return DrainOptimizer();
   }
   // The same wait, leaving a failed update's error for the Step (or checkpoint) that reports it:
   // for readers that only need the lanes quiet (GatherMasterParams).
   void QuietLanes() {
+    WaitReduceLaneQuiet();
     FinishAllFills();
     std::unique_lock<std::mutex> l(opt_mu_);
     WaitOptimizerIdle(l);

@@ -96,14 +96,17 @@ void Engine::Impl::PrefetchGathers(const std::vector<int64_t>& next) {
   const bool ranks = comm_->world_size() > 1;
   const int64_t max_live = config_.zero_optimization.stage3_max_live_parameters;
   std::vector<int64_t> chosen;
+  int64_t live = live_elems_;  // with the chunks chosen so far
   for (int64_t c : next) {
     if (chunks_[c].gathered) continue;
-    if (live_elems_ + partitioner_->chunks()[c].numel > max_live) continue;
+    const int64_t numel = partitioner_->chunks()[c].numel;
+    if (live + numel > max_live) continue;
     if (!ranks) {
       std::lock_guard<std::mutex> l(opt_mu_);
       if (update_pending_[c]) continue;
     }
     chosen.push_back(c);
+    live += numel;
   }
   if (chosen.empty()) return;
   // Install what fits; with several ranks, keep only what every rank installed.
@@ -224,6 +227,24 @@ void Engine::Impl::WaitFillLanded(int64_t c) {
   if (!chunks_[c].filling) return;
   std::unique_lock<std::mutex> l(gather_mu_);
   gather_cv_.wait(l, [&] { return fill_landed_[c] != 0; });
+}
+
+Status Engine::Impl::SettleFill(int64_t c) {
+  ChunkState& cs = chunks_[c];
+  if (!cs.filling) return Status::Ok();
+  WaitFillLanded(c);
+  Status s;
+  {
+    std::lock_guard<std::mutex> l(gather_mu_);
+    s = fill_status_[c];
+  }
+  cs.filling = false;
+  if (cs.ahead_all_gather) {
+    cs.ahead_all_gather = false;
+    Status g = WaitAllGatherAhead(c);
+    if (s.ok()) s = g;
+  }
+  return s;
 }
 
 void Engine::Impl::FinishAllFills() {

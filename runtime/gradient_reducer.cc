@@ -175,7 +175,9 @@ void Engine::Impl::StartReduceLane() {
       // LibTorch throws; an exception must become the step's error, not end the process.
       try {
         if (job.all_gather) {
-          // Always run: the other ranks are in this collective whatever failed here before.
+          // Run even when this rank's copy failed: the other ranks are in this collective. (After
+          // a failed reduction, skipped below, the ranks' collectives no longer pair up and the
+          // step fails on the communicator's timeout, as it did before all-gathers came here.)
           s = AllGatherAhead(job.c, job.step);
         } else {
           if (!failed && reduce_delay_hook_) reduce_delay_hook_(job.c);

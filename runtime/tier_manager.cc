@@ -885,6 +885,10 @@ Status TierManager::EndIteration() {
       trace_ready_ = !trace_.empty();
       stats_.trace_length = trace_.size();
       ResetLanes(/*to_next_iteration=*/true);  // next uses now point into the next iteration
+    } else if (trace_ready_) {
+      // Entries left unmatched are not still to come: the frontier is at the next iteration,
+      // which a lane wrapping before the next BeginIteration then takes it into.
+      frontier_ = trace_.size();
     }
     Pump(&io);
   }

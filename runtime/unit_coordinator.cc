@@ -163,16 +163,9 @@ void Engine::Impl::ReleaseChunk(int64_t c, int64_t reuse_distance) {
 void Engine::Impl::DropChunk(int64_t c) {
   ChunkState& cs = chunks_[c];
   if (!cs.gathered) return;
-  if (cs.filling) {
-    // Gathered ahead but not used (the trace changed, the cap needs room): the lane's copy
-    // must land before the memory goes back.
-    WaitFillLanded(c);
-    cs.filling = false;
-    if (cs.ahead_all_gather) {  // and so must its all-gather on the reduce lane
-      cs.ahead_all_gather = false;
-      WaitAllGatherAhead(c).IgnoreError();
-    }
-  }
+  // Gathered ahead but not used (the trace changed, the cap needs room): the lane's copy, and
+  // its all-gather, must be done before the memory goes back.
+  SettleFill(c).IgnoreError();
   FreeChunkMemory(c);
   cs.gathered = false;
   live_elems_ -= partitioner_->chunks()[c].numel;
@@ -188,6 +181,7 @@ Status Engine::Impl::RefreshChunksAfterStep() {
       // Still held (the root's own parameters) or persistent: readable between steps, so same
       // memory, new values, before Step returns. Their updates are queued first.
       STRATA_RETURN_IF_ERROR(WaitChunkUpdated(c64));
+      SettleFill(c64).IgnoreError();  // a gather ahead still in flight is superseded
       ComputeFence::Mark(*device_).Wait();  // queued compute may still read the old values
       STRATA_RETURN_IF_ERROR(FillChunk(c64));
     } else {

@@ -97,6 +97,50 @@ INSTANTIATE_TEST_SUITE_P(
                                1.0, 1, 2000, true}),
     [](const auto& info) { return std::string(info.param.name); });
 
+// fp16's overflow with one rank's gradients only: the step is skipped on every rank, and the
+// scale follows the same schedule everywhere. Rank 0's first micro-batch of steps 1 and 3 is
+// poisoned (its loss times 1e38); the reference poisons the whole batch of those steps. The loss
+// scaling runs in fp32 on the CPU (EngineOptions::loss_scaling), real fp16 on CUDA.
+TEST(MultiRankOverflow, OneRankOverflowingSkipsTheStepEverywhere) {
+  if (!EnoughGpus()) GTEST_SKIP();
+  Communicator* comm = SharedComm();
+  ASSERT_NE(comm, nullptr);
+  ASSERT_GE(comm->world_size(), 2);
+  Config c = BaseConfig();
+  c.train_micro_batch_size_per_gpu = 8;
+  c.zero_optimization.stage = 3;
+  c.zero_optimization.offload_param.device = OffloadDevice::kCpu;
+  c.zero_optimization.offload_optimizer.device = OffloadDevice::kCpu;
+  c.gradient_clipping = 1.0;
+  c.fp16.initial_scale_power = 8;
+  c.fp16.hysteresis = 1;
+  c.fp16.loss_scale_window = 100;
+  constexpr int kOverflowSteps = 5;
+  auto poisoned = [](int s, int m) { return m == 0 && (s == 1 || s == 3); };
+  TrainRun ref = ScaledReference(c, kOverflowSteps, [&](torch::Tensor l, int s, int m) {
+    return poisoned(s, m) ? l * 1e38 : l;
+  });
+  ASSERT_EQ(ref.skipped, (std::vector<bool>{false, true, false, true, false}));
+  EngineOptions opts;
+  const bool fp16 = TestDeviceSpec() != "cpu";
+  if (fp16) c.fp16.enabled = true;
+  else opts.loss_scaling = true;
+  const int rank = comm->rank();
+  TrainRun got = ThroughEngine(c, opts, comm, 0, kOverflowSteps, [&](torch::Tensor l, int s, int m) {
+    return rank == 0 && poisoned(s, m) ? l * 1e38 : l;
+  });
+  EXPECT_EQ(got.skipped, ref.skipped);
+  EXPECT_EQ(got.scales, ref.scales);
+  ASSERT_EQ(got.losses.size(), ref.losses.size());
+  for (size_t i = 0; i < ref.losses.size(); ++i)
+    if (!ref.skipped[i])
+      EXPECT_NEAR(got.losses[i], ref.losses[i], (fp16 ? 0.02 : 1e-5) * ref.losses[i]) << "step " << i;
+  if (fp16) return;
+  ASSERT_EQ(got.params.size(), ref.params.size());
+  for (size_t i = 0; i < ref.params.size(); ++i)
+    EXPECT_LT((ref.params[i] - got.params[i]).abs().max().item<double>(), 2e-5) << "parameter " << i;
+}
+
 // Per-rank memory of each stage on 2 ranks, from the engine's measured device allocations
 // (StepReport.peak_device_bytes: every allocation of the rank's device): each stage must save
 // what ZeRO says it saves - stage 1 the optimizer states, stage 2 the accumulated gradients,

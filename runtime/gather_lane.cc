@@ -5,6 +5,23 @@ namespace strata {
 
 using namespace engine_detail;
 
+namespace {
+
+// Compute thread: waits on `cv` (with `l` held) until `done`, counting the wait as a compute
+// stall and tracing it as `what`.
+template <typename Done>
+void StallUntil(std::unique_lock<std::mutex>& l, std::condition_variable& cv, Done done,
+                double* stall_s, LaneTrace* trace, const char* what, int64_t step, int64_t c) {
+  if (done()) return;
+  const Clock::time_point t0 = Clock::now();
+  cv.wait(l, done);
+  const Clock::time_point t1 = Clock::now();
+  *stall_s += std::chrono::duration<double>(t1 - t0).count();
+  trace->Add(Lane::kWait, what, t0, t1, step, c);
+}
+
+}  // namespace
+
 // Note [prefetched gathers]
 // When a unit begins (forward) or backward reaches it, the chunks of the unit after it in the
 // trace are gathered ahead: the compute thread installs their memory (so the device budget and
@@ -189,13 +206,8 @@ Status Engine::Impl::AllGatherAhead(int64_t c, int64_t step) {
 
 Status Engine::Impl::WaitAllGatherAhead(int64_t c) {
   std::unique_lock<std::mutex> l(reduce_mu_);
-  if (!ahead_done_[c]) {
-    const Clock::time_point t0 = Clock::now();
-    reduce_cv_.wait(l, [&] { return ahead_done_[c] != 0; });
-    const Clock::time_point t1 = Clock::now();
-    stall_s_ += std::chrono::duration<double>(t1 - t0).count();
-    lane_trace_.Add(Lane::kWait, "all-gather ahead", t0, t1, trace_step(), c);
-  }
+  StallUntil(l, reduce_cv_, [&] { return ahead_done_[c] != 0; }, &stall_s_, &lane_trace_,
+             "all-gather ahead", trace_step(), c);
   return ahead_status_[c];
 }
 
@@ -204,13 +216,8 @@ Status Engine::Impl::FinishFill(int64_t c) {
   Status s;
   {
     std::unique_lock<std::mutex> l(gather_mu_);
-    if (!fill_landed_[c]) {
-      const Clock::time_point t0 = Clock::now();
-      gather_cv_.wait(l, [&] { return fill_landed_[c] != 0; });
-      const Clock::time_point t1 = Clock::now();
-      stall_s_ += std::chrono::duration<double>(t1 - t0).count();
-      lane_trace_.Add(Lane::kWait, "shard ahead", t0, t1, trace_step(), c);
-    }
+    StallUntil(l, gather_cv_, [&] { return fill_landed_[c] != 0; }, &stall_s_, &lane_trace_,
+               "shard ahead", trace_step(), c);
     s = fill_status_[c];
   }
   cs.filling = false;

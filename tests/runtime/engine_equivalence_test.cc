@@ -213,19 +213,15 @@ INSTANTIATE_TEST_SUITE_P(Placements, EquivalenceUnderDelays, ::testing::ValuesIn
 // are not skipped match the reference as closely as unscaled training does; on a GPU
 // (STRATA_TEST_DEVICE=cuda) it runs real fp16.
 struct OverflowCase {
-  const char* name;
-  int stage;
-  OffloadDevice param;
-  OffloadDevice optim;
-  int accumulation;
-  double clipping;
+  Case placement;  // its name, stage, placements, accumulation and clipping; every chunk released
   int delay_us;
 };
 
 class OverflowSkips : public ::testing::TestWithParam<OverflowCase> {};
 
 TEST_P(OverflowSkips, LikePlainLibTorchWithTheSameScaler) {
-  const OverflowCase& k = GetParam();
+  const Case& k = GetParam().placement;
+  const int delay_us = GetParam().delay_us;
   Config c = BaseConfig();
   c.zero_optimization.stage = k.stage;
   c.zero_optimization.offload_param.device = k.param;
@@ -255,7 +251,7 @@ TEST_P(OverflowSkips, LikePlainLibTorchWithTheSameScaler) {
   const bool fp16 = TestDeviceSpec() != "cpu";
   if (fp16) c.fp16.enabled = true;
   else opts.loss_scaling = true;
-  TrainRun got = ThroughEngine(c, opts, nullptr, k.delay_us, kOverflowSteps, poison);
+  TrainRun got = ThroughEngine(c, opts, nullptr, delay_us, kOverflowSteps, poison);
   EXPECT_EQ(got.skipped, ref.skipped);
   EXPECT_EQ(got.scales, ref.scales);
   ASSERT_EQ(got.losses.size(), ref.losses.size());
@@ -274,13 +270,14 @@ TEST_P(OverflowSkips, LikePlainLibTorchWithTheSameScaler) {
 INSTANTIATE_TEST_SUITE_P(
     Placements, OverflowSkips,
     ::testing::Values(
-        OverflowCase{"stage0_delays", 0, OffloadDevice::kNone, OffloadDevice::kNone, 1, 0.0, 2000},
-        OverflowCase{"stage1_accum", 1, OffloadDevice::kNone, OffloadDevice::kNone, 2, 0.0, 0},
-        OverflowCase{"stage2_cpu_offload", 2, OffloadDevice::kNone, OffloadDevice::kCpu, 1, 0.0, 0},
-        OverflowCase{"stage3_deferred_clip", 3, OffloadDevice::kNone, OffloadDevice::kNone, 1, 0.5, 0},
-        OverflowCase{"stage3_nvme_accum_clip_delays", 3, OffloadDevice::kNvme, OffloadDevice::kNvme,
-                     2, 1.0, 2000}),
-    [](const auto& info) { return std::string(info.param.name); });
+        OverflowCase{{"stage0_delays", 0, OffloadDevice::kNone, OffloadDevice::kNone, 1, 0.0}, 2000},
+        OverflowCase{{"stage1_accum", 1, OffloadDevice::kNone, OffloadDevice::kNone, 2, 0.0}, 0},
+        OverflowCase{{"stage2_cpu_offload", 2, OffloadDevice::kNone, OffloadDevice::kCpu, 1, 0.0}, 0},
+        OverflowCase{{"stage3_deferred_clip", 3, OffloadDevice::kNone, OffloadDevice::kNone, 1, 0.5}, 0},
+        OverflowCase{{"stage3_nvme_accum_clip_delays", 3, OffloadDevice::kNvme, OffloadDevice::kNvme,
+                      2, 1.0},
+                     2000}),
+    [](const auto& info) { return std::string(info.param.placement.name); });
 
 // Note [shared master]: fp32 stage 3 with params and optimizer states in one tier keeps the
 // master in the param16 block (the equivalence cases nvme_offload* and cpu_offload_stage3 train

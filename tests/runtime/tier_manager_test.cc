@@ -57,6 +57,16 @@ TierManagerOptions Opts(uint64_t host_budget, EvictionPolicy p = EvictionPolicy:
   return o;
 }
 
+// Every read from `nvme` takes `latency` longer.
+void SlowReads(FaultyTier& nvme, std::chrono::microseconds latency) {
+  FaultRule slow;
+  slow.op = FaultOp::kRead;
+  slow.kind = FaultKind::kLatency;
+  slow.count = FaultRule::kForever;
+  slow.latency = latency;
+  nvme.AddRule(slow);
+}
+
 // Acquire for writing, fill with version v, release dirty.
 Status WriteVersion(TierManager& m, BlockId id, uint64_t bytes, uint64_t v) {
   STRATA_ASSIGN_OR_RETURN(void* p, m.Acquire(id, Access::kWrite));
@@ -331,12 +341,7 @@ TEST(TierManagerTest, AFinishedLaneWaitsForTheFrontier) {
   constexpr uint64_t kBytes = 64_KiB;
   MemoryTier mem("nvme", 4_MiB);
   FaultyTier nvme(&mem, 1);
-  FaultRule slow;
-  slow.op = FaultOp::kRead;
-  slow.kind = FaultKind::kLatency;
-  slow.count = FaultRule::kForever;
-  slow.latency = std::chrono::microseconds(1000);
-  nvme.AddRule(slow);
+  SlowReads(nvme, std::chrono::microseconds(1000));
   ASSERT_OK_AND_ASSIGN(auto m, TierManager::Create(Opts(4 * kBytes, EvictionPolicy::kNextUse, 2), &nvme));
   auto P = [](uint32_t c) { return B(c, StateKind::kParam16); };
   auto S = [](uint32_t c) { return B(c, StateKind::kExpAvg); };
@@ -394,12 +399,7 @@ TEST(TierManagerTest, AFinishedLaneWaitsForTheFrontier) {
 TEST(TierManagerTest, TracePrefetchHidesReads) {
   MemoryTier mem("nvme", 4_MiB);
   FaultyTier nvme(&mem, 1);
-  FaultRule slow;
-  slow.op = FaultOp::kRead;
-  slow.kind = FaultKind::kLatency;
-  slow.count = FaultRule::kForever;
-  slow.latency = std::chrono::microseconds(2000);
-  nvme.AddRule(slow);
+  SlowReads(nvme, std::chrono::microseconds(2000));
   ASSERT_OK_AND_ASSIGN(auto m, TierManager::Create(Opts(256_KiB, EvictionPolicy::kNextUse, 3), &nvme));
   constexpr uint32_t kN = 12;
   for (uint32_t c = 0; c < kN; ++c) ASSERT_OK(m->Register(B(c), 32_KiB, BlockHome::kNvme));

@@ -283,6 +283,9 @@ class Engine::Impl {
   // moving it to the head of the queue first; returns the lane's error if an update failed.
   // The wait counts as the compute lane's stall unless `waited` (another lane's) is given.
   Status WaitChunkUpdated(int64_t c, double* waited = nullptr);
+  // Moves chunk c's queued update to the head of the optimizer lane's queue: someone waits for
+  // it. The order of updates changes no value (each chunk's update reads only its own state).
+  void PromoteUpdate(int64_t c);  // REQUIRES(opt_mu_)
 
   // Reduce lane (Note [reduce lane]): a thread that reduces each complete chunk gradient across
   // ranks, hands this rank's shard to its gradient block and takes its share of the norm.

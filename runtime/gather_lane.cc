@@ -73,6 +73,7 @@ void Engine::Impl::StartGatherLane() {
         double wait_s = 0;  // waiting, not busy: traced, not counted
         LaneTimer t(&wait_s, &lane_trace_, Lane::kCopy, "wait for update (ahead)", -1, c);
         std::unique_lock<std::mutex> o(opt_mu_);
+        if (update_pending_[c]) PromoteUpdate(c);
         opt_cv_.wait(o, [&] { return update_pending_[c] == 0; });
       }
       {

@@ -87,11 +87,7 @@ Status Engine::Impl::DrainOptimizer() {
 Status Engine::Impl::WaitChunkUpdated(int64_t c, double* waited) {
   std::unique_lock<std::mutex> l(opt_mu_);
   if (!update_pending_[c]) return opt_error_;
-  auto it = std::find(opt_queue_.begin(), opt_queue_.end(), c);
-  if (it != opt_queue_.end() && it != opt_queue_.begin()) {
-    opt_queue_.erase(it);
-    opt_queue_.push_front(c);
-  }
+  PromoteUpdate(c);
   const Clock::time_point t0 = Clock::now();
   opt_cv_.wait(l, [&] { return !update_pending_[c]; });
   const Clock::time_point t1 = Clock::now();
@@ -104,6 +100,14 @@ Status Engine::Impl::WaitChunkUpdated(int64_t c, double* waited) {
   }
   lane_trace_.Add(Lane::kWait, "wait for update", t0, t1, trace_step(), c);
   return opt_error_;
+}
+
+void Engine::Impl::PromoteUpdate(int64_t c) {
+  auto it = std::find(opt_queue_.begin(), opt_queue_.end(), c);
+  if (it != opt_queue_.end() && it != opt_queue_.begin()) {
+    opt_queue_.erase(it);
+    opt_queue_.push_front(c);
+  }
 }
 
 std::vector<int64_t> Engine::Impl::UpdateOrder(const std::vector<int64_t>& trace) const {

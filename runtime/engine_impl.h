@@ -218,6 +218,9 @@ class Engine::Impl {
   // FillChunk's two halves: this rank's shard into the chunk, then the all-gather.
   Status CopyShardIn(int64_t c);
   Status AllGatherChunk(int64_t c);
+  // The all-gather itself: every rank's shard into the whole chunk (any thread; the caller
+  // orders it among the rank's collectives).
+  Status AllGatherShards(int64_t c);
   // Gather lane (Note [prefetched gathers]).
   void StartGatherLane();
   void StopGatherLane();

@@ -190,15 +190,11 @@ Status Engine::Impl::AllGatherAhead(int64_t c, int64_t step) {
   }
   // Delay injection here, after the copy landed, when compute may already be waiting to read.
   if (reduce_delay_hook_) reduce_delay_hook_(c);
-  const ChunkInfo& ci = partitioner_->chunks()[c];
-  const size_t esize = optim::DTypeSize(compute_dtype_);
-  char* base = static_cast<char*>(device_->ComputeAddress(chunks_[c].buffer));
-  char* mine = base + partitioner_->ShardOffset(c, shard_rank()) * esize;
   double comm_s = 0;
   Status g;
   {
     LaneTimer t(&comm_s, &lane_trace_, Lane::kComm, "all-gather (ahead)", step, c);
-    g = comm_->AllGather(mine, base, ci.shard_numel, CommDtype(compute_dtype_));
+    g = AllGatherShards(c);
   }
   std::lock_guard<std::mutex> l(reduce_mu_);
   reduce_comm_s_ += comm_s;
@@ -213,22 +209,15 @@ Status Engine::Impl::WaitAllGatherAhead(int64_t c) {
 }
 
 Status Engine::Impl::FinishFill(int64_t c) {
-  ChunkState& cs = chunks_[c];
-  Status s;
   {
     std::unique_lock<std::mutex> l(gather_mu_);
     StallUntil(l, gather_cv_, [&] { return fill_landed_[c] != 0; }, &stall_s_, &lane_trace_,
                "shard ahead", trace_step(), c);
-    s = fill_status_[c];
   }
-  cs.filling = false;
-  if (cs.ahead_all_gather) {
-    cs.ahead_all_gather = false;
-    Status g = WaitAllGatherAhead(c);
-    return s.ok() ? g : s.WithContext(StrCat("gathering chunk ", c, " ahead"));
-  }
-  STRATA_RETURN_IF_ERROR(s);
-  return AllGatherChunk(c);
+  const bool all_gathered = chunks_[c].ahead_all_gather;
+  // The copy's status carries its context ("gathering chunk c ahead") from the gather lane.
+  STRATA_RETURN_IF_ERROR(SettleFill(c));
+  return all_gathered ? Status::Ok() : AllGatherChunk(c);
 }
 
 void Engine::Impl::WaitFillLanded(int64_t c) {

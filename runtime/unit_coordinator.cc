@@ -110,12 +110,16 @@ Status Engine::Impl::AllGatherChunk(int64_t c) {
   if (comm_->world_size() < 2) return Status::Ok();
   // Reductions queued before this all-gather run before it on every rank (Note [reduce lane]).
   STRATA_RETURN_IF_ERROR(DrainReductions());
+  LaneTimer t(&comm_s_, &lane_trace_, Lane::kComm, "all-gather", trace_step(), c);
+  return AllGatherShards(c);
+}
+
+Status Engine::Impl::AllGatherShards(int64_t c) {
   const ChunkInfo& ci = partitioner_->chunks()[c];
   const size_t esize = optim::DTypeSize(compute_dtype_);
   // Collectives take the address compute uses, as NCCL takes a tensor's data pointer.
   char* base = static_cast<char*>(device_->ComputeAddress(chunks_[c].buffer));
   char* mine = base + partitioner_->ShardOffset(c, shard_rank()) * esize;
-  LaneTimer t(&comm_s_, &lane_trace_, Lane::kComm, "all-gather", trace_step(), c);
   return comm_->AllGather(mine, base, ci.shard_numel, CommDtype(compute_dtype_));
 }
 

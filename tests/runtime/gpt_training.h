@@ -81,6 +81,14 @@ struct TrainRun {
 // Rewrites a micro-step's loss before it goes backward (the overflow tests poison some steps).
 using LossShaper = std::function<torch::Tensor(torch::Tensor loss, int step, int micro)>;
 
+// The config's optimizer hyper-parameters for LibTorch's AdamW.
+inline torch::optim::AdamWOptions ReferenceAdamWOptions(const Config& c) {
+  return torch::optim::AdamWOptions(c.optimizer.lr)
+      .betas({c.optimizer.beta1, c.optimizer.beta2})
+      .eps(c.optimizer.eps)
+      .weight_decay(c.optimizer.weight_decay);
+}
+
 // Plain LibTorch AdamW over `params` with the config's hyper-parameters, accumulation and
 // clipping: `steps` steps of gradient_accumulation_steps micro-steps, `loss(step, micro)` giving
 // each micro-step's loss. Returns the steps' mean losses. The reference every equivalence test
@@ -88,10 +96,7 @@ using LossShaper = std::function<torch::Tensor(torch::Tensor loss, int step, int
 inline std::vector<double> TrainWithAdamW(const std::vector<torch::Tensor>& params, const Config& c,
                                           int steps,
                                           const std::function<torch::Tensor(int, int)>& loss) {
-  torch::optim::AdamW adamw(params, torch::optim::AdamWOptions(c.optimizer.lr)
-                                        .betas({c.optimizer.beta1, c.optimizer.beta2})
-                                        .eps(c.optimizer.eps)
-                                        .weight_decay(c.optimizer.weight_decay));
+  torch::optim::AdamW adamw(params, ReferenceAdamWOptions(c));
   std::vector<double> losses;
   for (int s = 0; s < steps; ++s) {
     double step_loss = 0;
@@ -143,10 +148,7 @@ struct ReferenceLossScaler {
 // clipped and applied. `run` gets the losses, skips and scales.
 inline void TrainWithScaledAdamW(const std::vector<torch::Tensor>& params, const Config& c, int steps,
                                  const std::function<torch::Tensor(int, int)>& loss, TrainRun* run) {
-  torch::optim::AdamW adamw(params, torch::optim::AdamWOptions(c.optimizer.lr)
-                                        .betas({c.optimizer.beta1, c.optimizer.beta2})
-                                        .eps(c.optimizer.eps)
-                                        .weight_decay(c.optimizer.weight_decay));
+  torch::optim::AdamW adamw(params, ReferenceAdamWOptions(c));
   ReferenceLossScaler scaler(c.fp16);
   for (int s = 0; s < steps; ++s) {
     double step_loss = 0;
@@ -172,16 +174,21 @@ inline void TrainWithScaledAdamW(const std::vector<torch::Tensor>& params, const
   }
 }
 
+// The GPT's language-model loss on micro-step `m` of step `s` (plain LibTorch).
+template <typename Model>
+torch::Tensor ReferenceLoss(Model& model, const Config& c, int s, int m) {
+  torch::Tensor b = Batch(c, s, m);
+  return models::LanguageModelLoss(model->forward(b.narrow(1, 0, c.model.seq_len)),
+                                   b.narrow(1, 1, c.model.seq_len));
+}
+
 // Plain LibTorch training of the GPT: the reference.
 inline TrainRun Reference(const Config& c) {
   auto model = models::BuildGpt(c.model);
   std::vector<torch::Tensor> params = models::UniqueParameters(*model);
   TrainRun run;
-  run.losses = TrainWithAdamW(params, c, kSteps, [&](int s, int m) {
-    torch::Tensor b = Batch(c, s, m);
-    return models::LanguageModelLoss(model->forward(b.narrow(1, 0, c.model.seq_len)),
-                                     b.narrow(1, 1, c.model.seq_len));
-  });
+  run.losses = TrainWithAdamW(params, c, kSteps,
+                              [&](int s, int m) { return ReferenceLoss(model, c, s, m); });
   for (auto& p : params) run.params.push_back(p.detach().clone());
   return run;
 }
@@ -191,11 +198,9 @@ inline TrainRun ScaledReference(const Config& c, int steps, const LossShaper& sh
   auto model = models::BuildGpt(c.model);
   std::vector<torch::Tensor> params = models::UniqueParameters(*model);
   TrainRun run;
-  TrainWithScaledAdamW(params, c, steps, [&](int s, int m) {
-    torch::Tensor b = Batch(c, s, m);
-    return shape(models::LanguageModelLoss(model->forward(b.narrow(1, 0, c.model.seq_len)),
-                                           b.narrow(1, 1, c.model.seq_len)), s, m);
-  }, &run);
+  TrainWithScaledAdamW(
+      params, c, steps, [&](int s, int m) { return shape(ReferenceLoss(model, c, s, m), s, m); },
+      &run);
   for (auto& p : params) run.params.push_back(p.detach().clone());
   return run;
 }

@@ -51,6 +51,20 @@ void* NativeHandle(const S& s) {
 
 }  // namespace
 
+Status ComputeWaitFor(Device& device, Event& event) {
+  if (device.kind() != DeviceKind::kCuda) return device.OrderForeignStream(nullptr, event);
+  const c10::Device d = TorchDevice(device);
+  const c10::Stream current = c10::impl::getDeviceGuardImpl(d.type())->getStream(d);
+  if constexpr (HasNativeHandle<c10::Stream>::value) {
+    return device.OrderForeignStream(NativeHandle(current), event);
+  } else {
+    // Without native_handle only the default stream (id 0: the legacy stream, handle null) can
+    // be named.
+    if (current.id() == 0) return device.OrderForeignStream(nullptr, event);
+    return event.Synchronize();
+  }
+}
+
 SideStream::SideStream(const Device& device) {
   if (device.kind() != DeviceKind::kCuda) return;
   const c10::Device d = TorchDevice(device);

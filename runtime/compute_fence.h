@@ -36,6 +36,13 @@ class ComputeFence {
   std::optional<c10::Event> event_;
 };
 
+// Makes the compute LibTorch enqueues on `device`'s current stream from now on wait for `event`
+// (work Strata enqueued on one of its own streams). On a GPU the wait is on the device and the
+// caller goes on at once, unless this LibTorch cannot name its current stream's cudaStream_t
+// (a pool stream on 2.6 and older), where it blocks instead. On the CPU device, where LibTorch's
+// ops run on the calling thread, it blocks until `event` has completed.
+Status ComputeWaitFor(Device& device, Event& event);
+
 // A LibTorch pool stream of a CUDA device for the engine's own kernels (the GPU Adam, gradient
 // statistics), so they run beside compute instead of behind it. A LibTorch whose c10::Stream
 // cannot name its cudaStream_t (2.6 and older) gets the default stream instead: correct, but

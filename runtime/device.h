@@ -12,6 +12,7 @@
 // - Stream::Wait(e) makes work enqueued later on that stream wait for e's captured work. It never
 //   blocks the calling thread.
 // - An event that was never recorded is complete.
+// - Compute that LibTorch enqueues is ordered after an event by Device::OrderForeignStream.
 // Thread-safety: Device, Stream and Event methods may be called from any thread. A Stream or Event
 // must outlive the work that refers to it; destroying a stream drains it first.
 #pragma once
@@ -94,6 +95,12 @@ class Device {
   virtual StatusOr<std::unique_ptr<Event>> CreateEvent() = 0;
   // Blocks until all work on all of this device's streams has finished.
   virtual Status Synchronize() = 0;
+  // Makes the work enqueued later on `native_stream` wait for `event`, where `native_stream` is
+  // a stream of this device that Strata did not create: LibTorch's current stream, on CUDA its
+  // cudaStream_t (nullptr: the legacy default stream). On a GPU this never blocks the caller.
+  // The CPU device has no such streams (LibTorch's CPU ops run on the thread that calls them),
+  // so there it blocks the caller until `event` has completed, and ignores `native_stream`.
+  virtual Status OrderForeignStream(void* native_stream, Event& event) = 0;
 };
 
 // Number of usable CUDA devices. Never throws and never fails: any driver or runtime error (no

@@ -237,6 +237,7 @@ Status Engine::Impl::DiscoverUnits(const EngineOptions& options) {
   chunk_sum_sq_.assign(chunk_infos.size(), 0.0);
   chunk_nonfinite_.assign(chunk_infos.size(), 0);
   update_pending_.assign(chunk_infos.size(), 0);
+  fill_enqueued_.assign(chunk_infos.size(), 1);
   fill_landed_.assign(chunk_infos.size(), 1);
   fill_status_.assign(chunk_infos.size(), Status::Ok());
   ahead_done_.assign(chunk_infos.size(), 1);
@@ -519,6 +520,10 @@ Status Engine::Impl::Init(Engine* owner, const EngineOptions& options) {
   StartReduceLane();
   if (stage3()) {
     STRATA_ASSIGN_OR_RETURN(gather_stream_, device_->CreateStream(StreamPriority::kHigh));
+    fill_events_.resize(chunk_infos.size());
+    for (auto& event : fill_events_) {
+      STRATA_ASSIGN_OR_RETURN(event, device_->CreateEvent());
+    }
     StartGatherLane();
   }
   STRATA_LOG(INFO) << "engine stage=" << stage << " world=" << comm_->world_size()

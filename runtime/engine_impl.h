@@ -182,7 +182,7 @@ class Engine::Impl {
     void* buffer = nullptr;
     bool gathered = false;
     // Gathered ahead by the gather lane (Note [prefetched gathers]): memory installed, the
-    // shard's copy handed to the lane and not yet waited for.
+    // shard's copy handed to the lane and compute not yet ordered after it.
     bool filling = false;
     // With several ranks, also its all-gather, queued on the reduce lane behind the copy.
     bool ahead_all_gather = false;
@@ -229,22 +229,27 @@ class Engine::Impl {
   // pending; otherwise leaves it. With several ranks every rank makes the same choice (one
   // small all-reduce agrees on it) and the chosen chunks' all-gathers go to the reduce lane.
   void PrefetchGathers(const std::vector<int64_t>& next);
-  // Waits for a chunk gathered ahead: its copy landed, then its all-gather (on the reduce lane
-  // when it was queued there, else here, in the order chunks are used).
+  // Orders compute after a chunk gathered ahead: waits until the lane has enqueued its copy,
+  // then makes compute wait for the copy's event (on a GPU, on the device), and with several
+  // ranks waits for its all-gather (on the reduce lane when it was queued there, else here, in
+  // the order chunks are used).
   Status FinishFill(int64_t c);
   // Reduce lane: chunk c's all-gather once its copy gathered ahead has landed (`step` for the
   // lane trace).
   Status AllGatherAhead(int64_t c, int64_t step);
   // Compute thread: waits for AllGatherAhead(c) and returns its status.
   Status WaitAllGatherAhead(int64_t c);
-  // Waits for chunk c's copy gathered ahead to land (the lane still writes its memory and reads
-  // its param16 block until then); every prefetched copy in flight, for FinishAllFills.
+  // Waits until the gather lane is done with chunk c: its copy has landed and the lane has
+  // released its param16 block (the lane still writes the chunk's memory and reads the block
+  // until then). Returns at once when no gather ahead of c is in flight.
   void WaitFillLanded(int64_t c);
   // For a caller about to drop or refill chunk c: waits for everything a gather ahead still has
   // in flight on it (the copy; with several ranks, the all-gather), clears the chunk's marks and
   // returns their status.
   Status SettleFill(int64_t c);
-  void FinishAllFills();
+  // Every prefetched copy landed; returns and clears a block release the lane could not make
+  // after compute had already taken the copy.
+  Status FinishAllFills();
   void FreeChunkMemory(int64_t c);
   // Frees the pending chunk memory whose compute has finished; all of it when `wait`.
   void ReapFrees(bool wait);
@@ -325,14 +330,15 @@ class Engine::Impl {
   // Every queued update finished (checkpoints, master values, a new step's global scan).
   Status FinishUpdates() {
     WaitReduceLaneQuiet();
-    FinishAllFills();
-    return DrainOptimizer();
+    Status f = FinishAllFills();
+    Status d = DrainOptimizer();
+    return f.ok() ? d : f;
   }
   // The same wait, leaving a failed update's error for the Step (or checkpoint) that reports it:
   // for readers that only need the lanes quiet (GatherMasterParams).
   void QuietLanes() {
     WaitReduceLaneQuiet();
-    FinishAllFills();
+    for (size_t c = 0; c < chunks_.size(); ++c) WaitFillLanded(static_cast<int64_t>(c));
     std::unique_lock<std::mutex> l(opt_mu_);
     WaitOptimizerIdle(l);
   }
@@ -494,14 +500,20 @@ class Engine::Impl {
   Status backward_error_;
 
   // Gather lane state: a thread that reads prefetched shards from their tier and copies them on
-  // its own stream.
+  // its own stream, recording each copy's completion in its chunk's event.
   std::unique_ptr<Stream> gather_stream_;
+  std::vector<std::unique_ptr<Event>> fill_events_;  // per chunk; recorded by the lane
   std::thread gather_thread_;
   std::mutex gather_mu_;
   std::condition_variable gather_cv_;
   std::deque<int64_t> gather_queue_;                 // GUARDED_BY(gather_mu_)
+  // A queued copy is first enqueued (its event recorded, or it failed: fill_status_), then landed
+  // (done, and its block released). Compute waits for the first, anything that frees, refills
+  // or updates the chunk for the second.
+  std::vector<uint8_t> fill_enqueued_;               // GUARDED_BY(gather_mu_)
   std::vector<uint8_t> fill_landed_;                 // GUARDED_BY(gather_mu_)
   std::vector<Status> fill_status_;                  // GUARDED_BY(gather_mu_)
+  Status gather_error_;  // a release that failed after compute took the copy; GUARDED_BY(gather_mu_)
   bool gather_stop_ = false;                         // GUARDED_BY(gather_mu_)
   double gather_copy_s_ = 0, gather_read_s_ = 0;     // GUARDED_BY(gather_mu_)
   uint64_t gather_h2d_ = 0;                          // GUARDED_BY(gather_mu_)

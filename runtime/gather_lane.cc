@@ -27,10 +27,14 @@ void StallUntil(std::unique_lock<std::mutex>& l, std::condition_variable& cv, Do
 // trace are gathered ahead: the compute thread installs their memory (so the device budget and
 // stage3_max_live_parameters are charged at once, and never exceeded) and hands each shard's copy
 // to the gather lane. The lane acquires the shard from its tier (waiting for NVMe there, not on
-// the compute thread), copies it into the chunk on its own stream, records the copy's completion
-// and releases the block once it has landed. The compute thread, when it reaches the chunk,
-// waits only for what has not landed yet. Nothing frees, drops or updates a chunk whose copy is
-// still in flight (DropChunk and Step wait for it first).
+// the compute thread), enqueues the copy into the chunk on its own stream, records the chunk's
+// event after it, and releases the block once the event has completed. The compute thread,
+// when it reaches the chunk, waits only until the copy is enqueued and then orders LibTorch's
+// compute after the event (ComputeWaitFor): on a GPU the wait is on the device and the thread
+// goes on queuing kernels; on the CPU device it blocks until the copy has run, so delay
+// injection on the stream catches a missing wait. Anything that frees, drops or updates a chunk
+// waits for the lane to be done with it first (WaitFillLanded), as does anything that hands the
+// chunk to a collective, which runs from the host.
 //
 // With one rank there is no all-gather, and a chunk whose optimizer update is pending is not
 // gathered ahead (compute waits for the update when it reaches the chunk).
@@ -82,18 +86,36 @@ void Engine::Impl::StartGatherLane() {
         if (got.ok()) src = *got;
         else s = got.status();
       }
-      if (s.ok()) {
+      Status r;  // the block's release, once the copy has read it
+      {
         LaneTimer t(&copy_s, &lane_trace_, Lane::kCopy, "shard to device (ahead)", -1, c);
-        s = gather_stream_->MemcpyAsync(dst, src, bytes, kind);
-        if (s.ok()) s = gather_stream_->Synchronize();
-        Status r = store_->Release(key, false);
-        if (s.ok()) s = r;
+        bool recorded = false;
+        if (s.ok()) {
+          s = gather_stream_->MemcpyAsync(dst, src, bytes, kind);
+          if (s.ok()) s = gather_stream_->Record(*fill_events_[c]);
+          recorded = s.ok();
+        }
+        // Compute may go on now: it orders itself after the event (FinishFill).
+        l.lock();
+        fill_status_[c] = s.ok() ? s : s.WithContext(StrCat("gathering chunk ", c, " ahead"));
+        fill_enqueued_[c] = 1;
+        gather_cv_.notify_all();
+        l.unlock();
+        if (src != nullptr) {
+          Status w = recorded ? fill_events_[c]->Synchronize() : gather_stream_->Synchronize();
+          r = store_->Release(key, false);
+          if (!w.ok()) r = w;
+        }
       }
       l.lock();
       gather_read_s_ += read_s;
       gather_copy_s_ += copy_s;
-      if (s.ok() && kind == CopyKind::kHostToDevice) gather_h2d_ += bytes;
-      fill_status_[c] = s.ok() ? s : s.WithContext(StrCat("gathering chunk ", c, " ahead"));
+      if (s.ok() && r.ok() && kind == CopyKind::kHostToDevice) gather_h2d_ += bytes;
+      if (!r.ok()) {
+        r = r.WithContext(StrCat("gathering chunk ", c, " ahead"));
+        if (fill_status_[c].ok()) fill_status_[c] = r;  // for SettleFill, if compute never took it
+        if (gather_error_.ok()) gather_error_ = r;    // for FinishAllFills, if it did
+      }
       fill_landed_[c] = 1;
       gather_cv_.notify_all();
     }
@@ -159,6 +181,7 @@ void Engine::Impl::PrefetchGathers(const std::vector<int64_t>& next) {
     chunks_[c].filling = true;
     {
       std::lock_guard<std::mutex> l(gather_mu_);
+      fill_enqueued_[c] = 0;
       fill_landed_[c] = 0;
       fill_status_[c] = Status::Ok();
       gather_queue_.push_back(c);
@@ -209,27 +232,39 @@ Status Engine::Impl::WaitAllGatherAhead(int64_t c) {
 }
 
 Status Engine::Impl::FinishFill(int64_t c) {
+  ChunkState& cs = chunks_[c];
+  Status s;
   {
     std::unique_lock<std::mutex> l(gather_mu_);
-    StallUntil(l, gather_cv_, [&] { return fill_landed_[c] != 0; }, &stall_s_, &lane_trace_,
+    StallUntil(l, gather_cv_, [&] { return fill_enqueued_[c] != 0; }, &stall_s_, &lane_trace_,
                "shard ahead", trace_step(), c);
+    s = fill_status_[c];
   }
-  const bool all_gathered = chunks_[c].ahead_all_gather;
-  // The copy's status carries its context ("gathering chunk c ahead") from the gather lane.
-  STRATA_RETURN_IF_ERROR(SettleFill(c));
-  return all_gathered ? Status::Ok() : AllGatherChunk(c);
+  // A failed copy: settled like a drop (its status carries "gathering chunk c ahead").
+  if (!s.ok() || cs.ahead_all_gather) return SettleFill(c);  // the lane's all-gather waited
+  cs.filling = false;
+  if (comm_->world_size() > 1) {
+    // The collective runs from this thread: the shard must be in place, not just ordered.
+    WaitFillLanded(c);
+    return AllGatherChunk(c);
+  }
+  // Only compute reads the chunk now; on a GPU this thread goes on while the copy runs.
+  Event& copied = *fill_events_[c];
+  if (copied.Query()) return Status::Ok();
+  LaneTimer t(&stall_s_, &lane_trace_, Lane::kWait, "shard ahead (copy)", trace_step(), c);
+  return ComputeWaitFor(*device_, copied);
 }
 
 void Engine::Impl::WaitFillLanded(int64_t c) {
-  if (!chunks_[c].filling) return;
   std::unique_lock<std::mutex> l(gather_mu_);
   gather_cv_.wait(l, [&] { return fill_landed_[c] != 0; });
 }
 
 Status Engine::Impl::SettleFill(int64_t c) {
   ChunkState& cs = chunks_[c];
-  if (!cs.filling) return Status::Ok();
+  // After FinishFill the lane may still hold the block (a GPU's copy in flight): wait anyway.
   WaitFillLanded(c);
+  if (!cs.filling) return Status::Ok();
   Status s;
   {
     std::lock_guard<std::mutex> l(gather_mu_);
@@ -244,8 +279,10 @@ Status Engine::Impl::SettleFill(int64_t c) {
   return s;
 }
 
-void Engine::Impl::FinishAllFills() {
+Status Engine::Impl::FinishAllFills() {
   for (size_t c = 0; c < chunks_.size(); ++c) WaitFillLanded(static_cast<int64_t>(c));
+  std::lock_guard<std::mutex> l(gather_mu_);
+  return std::exchange(gather_error_, Status::Ok());
 }
 
 }  // namespace strata

@@ -336,8 +336,7 @@ StatusOr<StepReport> Engine::Impl::Step() {
   rep.loss_scale = scaler_ ? scaler_->scale() : 1.0;
   bool overflow = false;
   if (immediate_optimizer()) {
-    FinishAllFills();
-    STRATA_RETURN_IF_ERROR(DrainOptimizer());
+    STRATA_RETURN_IF_ERROR(FinishUpdates());
     rep.lr = opt_lr_;
   } else {
     // The previous step's deferred updates have all been waited for by now (this step's forward

@@ -41,6 +41,9 @@ class DelayingDevice final : public Device {
   void* ComputeAddress(void* ptr) const override { return inner_->ComputeAddress(ptr); }
   StatusOr<std::unique_ptr<Event>> CreateEvent() override { return inner_->CreateEvent(); }
   Status Synchronize() override { return inner_->Synchronize(); }
+  Status OrderForeignStream(void* native_stream, Event& event) override {
+    return inner_->OrderForeignStream(native_stream, event);
+  }
 
   StatusOr<std::unique_ptr<Stream>> CreateStream(StreamPriority priority) override {
     STRATA_ASSIGN_OR_RETURN(auto s, inner_->CreateStream(priority));

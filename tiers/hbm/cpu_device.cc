@@ -169,6 +169,7 @@ class CpuDevice final : public Device {
   StatusOr<std::unique_ptr<Event>> CreateEvent() override {
     return std::unique_ptr<Event>(std::make_unique<CpuEvent>());
   }
+  Status OrderForeignStream(void*, Event& event) override { return event.Synchronize(); }
   Status Synchronize() override {
     std::vector<Stream*> streams;
     {

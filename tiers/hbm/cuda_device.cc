@@ -202,6 +202,15 @@ class CudaDevice final : public Device {
     return Status::Ok();
   }
 
+  Status OrderForeignStream(void* native_stream, Event& event) override {
+    auto* e = dynamic_cast<CudaEvent*>(&event);
+    if (e == nullptr) return InvalidArgument("cuda device: an event from another device");
+    STRATA_CUDA_RETURN_IF_ERROR(cudaSetDevice(index_));
+    STRATA_CUDA_RETURN_IF_ERROR(
+        cudaStreamWaitEvent(static_cast<cudaStream_t>(native_stream), e->get(), 0));
+    return Status::Ok();
+  }
+
   void Unregister(CudaStream* s) {
     std::lock_guard<std::mutex> l(mu_);
     streams_.erase(s);

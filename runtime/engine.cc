@@ -417,6 +417,7 @@ Status Engine::Impl::Init(Engine* owner, const EngineOptions& options) {
       STRATA_LOG(INFO) << "host pool: pin_memory=false in the offload config; the pool stays pageable";
     }
     STRATA_ASSIGN_OR_RETURN(store_, MakeTieredBlockStore(device_, nvme_.get(), tmo));
+    if (options.wrap_store) store_ = options.wrap_store(std::move(store_));
     host_budget_ = budget;
   }
 

@@ -60,6 +60,7 @@
 
 namespace strata {
 
+class BlockStore;
 class Communicator;
 class Device;
 
@@ -82,6 +83,10 @@ struct EngineOptions {
   // device, where fp16 is refused. Power-of-two scales multiply fp32 gradients exactly, so a run
   // equals one without scaling on every step that is not skipped.
   bool loss_scaling = false;
+  // Test-only: wraps the engine's block store once it is made (a store that poisons released
+  // blocks, tests/runtime/poisoning_store.h), so a test can show that nothing uses a block
+  // outside its Acquire..Release window.
+  std::function<std::unique_ptr<BlockStore>(std::unique_ptr<BlockStore>)> wrap_store;
 };
 
 // One optimizer step, as seen by every lane.

@@ -22,6 +22,7 @@
 #include "runtime/device.h"
 #include "runtime/engine.h"
 #include "tests/runtime/delaying_device.h"
+#include "tests/runtime/poisoning_store.h"
 #include "tests/test_util.h"
 #include "tools/train/gpt.h"
 
@@ -234,7 +235,9 @@ inline std::vector<double> TrainWithEngine(Engine& engine, const Config& c, Comm
 // takes micro-batch r of each step's global batch and the reported loss is the mean over ranks.
 // `delay_us` > 0 runs it on a DelayingDevice (tests/runtime/delaying_device.h) over the CPU
 // device: every stream's work completes up to that many microseconds late, and each chunk's
-// reduction on the reduce lane starts up to that late. `shape`, when set, rewrites each
+// reduction on the reduce lane starts up to that late; the block store is then wrapped in a
+// PoisoningStore (tests/runtime/poisoning_store.h), so a block used after its release, or a
+// copy still reading it then, shows as NaN. `shape`, when set, rewrites each
 // micro-step's loss before Backward; `steps` steps are taken.
 inline TrainRun ThroughEngine(const Config& c, const EngineOptions& opts_in = {},
                               Communicator* comm_in = nullptr, int delay_us = 0, int steps = kSteps,
@@ -250,6 +253,11 @@ inline TrainRun ThroughEngine(const Config& c, const EngineOptions& opts_in = {}
         us = std::uniform_int_distribution<int>(0, delay_us)(rng);
       }
       std::this_thread::sleep_for(std::chrono::microseconds(us));
+    };
+  }
+  if (delay_us > 0 && !opts.wrap_store) {
+    opts.wrap_store = [](std::unique_ptr<BlockStore> inner) -> std::unique_ptr<BlockStore> {
+      return std::make_unique<testing::PoisoningStore>(std::move(inner));
     };
   }
   std::unique_ptr<Communicator> own;

@@ -37,10 +37,12 @@ class ComputeFence {
 };
 
 // Makes the compute LibTorch enqueues on `device`'s current stream from now on wait for `event`
-// (work Strata enqueued on one of its own streams). On a GPU the wait is on the device and the
-// caller goes on at once, unless this LibTorch cannot name its current stream's cudaStream_t
-// (a pool stream on 2.6 and older), where it blocks instead. On the CPU device, where LibTorch's
-// ops run on the calling thread, it blocks until `event` has completed.
+// (work Strata enqueued on one of its own streams). Only the calling thread's current stream is
+// ordered: compute that reads the result from another stream or thread needs its own wait. On a
+// GPU the wait is on the device and the caller goes on at once, unless this LibTorch cannot name
+// its current stream's cudaStream_t (a pool stream on 2.6 and older), where it blocks instead.
+// On the CPU device, where LibTorch's ops run on the calling thread, it blocks until `event` has
+// completed.
 Status ComputeWaitFor(Device& device, Event& event);
 
 // A LibTorch pool stream of a CUDA device for the engine's own kernels (the GPU Adam, gradient

@@ -238,6 +238,7 @@ Status Engine::Impl::DiscoverUnits(const EngineOptions& options) {
   chunk_nonfinite_.assign(chunk_infos.size(), 0);
   update_pending_.assign(chunk_infos.size(), 0);
   fill_enqueued_.assign(chunk_infos.size(), 1);
+  fill_taken_.assign(chunk_infos.size(), 0);
   fill_landed_.assign(chunk_infos.size(), 1);
   fill_status_.assign(chunk_infos.size(), Status::Ok());
   ahead_done_.assign(chunk_infos.size(), 1);

@@ -332,7 +332,9 @@ class Engine::Impl {
     WaitReduceLaneQuiet();
     Status f = FinishAllFills();
     Status d = DrainOptimizer();
-    return f.ok() ? d : f;
+    if (d.ok()) return f;
+    if (!f.ok()) STRATA_LOG(ERROR) << f;  // the failed update is the error reported
+    return d;
   }
   // The same wait, leaving a failed update's error for the Step (or checkpoint) that reports it:
   // for readers that only need the lanes quiet (GatherMasterParams).
@@ -511,6 +513,8 @@ class Engine::Impl {
   // (done, and its block released). Compute waits for the first, anything that frees, refills
   // or updates the chunk for the second.
   std::vector<uint8_t> fill_enqueued_;               // GUARDED_BY(gather_mu_)
+  // Compute went on after the copy was enqueued, without waiting for it to land.
+  std::vector<uint8_t> fill_taken_;                  // GUARDED_BY(gather_mu_)
   std::vector<uint8_t> fill_landed_;                 // GUARDED_BY(gather_mu_)
   std::vector<Status> fill_status_;                  // GUARDED_BY(gather_mu_)
   Status gather_error_;  // a release that failed after compute took the copy; GUARDED_BY(gather_mu_)

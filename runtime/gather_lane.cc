@@ -28,13 +28,13 @@ void StallUntil(std::unique_lock<std::mutex>& l, std::condition_variable& cv, Do
 // stage3_max_live_parameters are charged at once, and never exceeded) and hands each shard's copy
 // to the gather lane. The lane acquires the shard from its tier (waiting for NVMe there, not on
 // the compute thread), enqueues the copy into the chunk on its own stream, records the chunk's
-// event after it, and releases the block once the event has completed. The compute thread,
-// when it reaches the chunk, waits only until the copy is enqueued and then orders LibTorch's
-// compute after the event (ComputeWaitFor): on a GPU the wait is on the device and the thread
-// goes on queuing kernels; on the CPU device it blocks until the copy has run, so delay
-// injection on the stream catches a missing wait. Anything that frees, drops or updates a chunk
-// waits for the lane to be done with it first (WaitFillLanded), as does anything that hands the
-// chunk to a collective, which runs from the host.
+// event after it, and releases the block once the event has completed. With one rank the
+// compute thread, when it reaches the chunk, waits only until the copy is enqueued and then
+// orders LibTorch's compute after the event (ComputeWaitFor): on a GPU the wait is on the device
+// and the thread goes on queuing kernels; on the CPU device it blocks until the copy has run, so
+// delay injection on the stream catches a missing wait. Anything that frees, drops or updates a
+// chunk waits for the lane to be done with it first (WaitFillLanded), as does anything that
+// hands the chunk to a collective, which runs from the host (with several ranks, its all-gather).
 //
 // With one rank there is no all-gather, and a chunk whose optimizer update is pending is not
 // gathered ahead (compute waits for the update when it reaches the chunk).
@@ -113,8 +113,13 @@ void Engine::Impl::StartGatherLane() {
       if (s.ok() && r.ok() && kind == CopyKind::kHostToDevice) gather_h2d_ += bytes;
       if (!r.ok()) {
         r = r.WithContext(StrCat("gathering chunk ", c, " ahead"));
-        if (fill_status_[c].ok()) fill_status_[c] = r;  // for SettleFill, if compute never took it
-        if (gather_error_.ok()) gather_error_ = r;    // for FinishAllFills, if it did
+        if (fill_taken_[c]) {
+          if (gather_error_.ok()) gather_error_ = r;  // FinishAllFills reports it
+        } else if (fill_status_[c].ok()) {
+          fill_status_[c] = r;  // SettleFill reports it
+        } else {
+          STRATA_LOG(WARN) << r;  // second to the copy's own error, which is reported
+        }
       }
       fill_landed_[c] = 1;
       gather_cv_.notify_all();
@@ -183,6 +188,7 @@ void Engine::Impl::PrefetchGathers(const std::vector<int64_t>& next) {
       std::lock_guard<std::mutex> l(gather_mu_);
       fill_enqueued_[c] = 0;
       fill_landed_[c] = 0;
+      fill_taken_[c] = 0;
       fill_status_[c] = Status::Ok();
       gather_queue_.push_back(c);
     }
@@ -233,26 +239,35 @@ Status Engine::Impl::WaitAllGatherAhead(int64_t c) {
 
 Status Engine::Impl::FinishFill(int64_t c) {
   ChunkState& cs = chunks_[c];
+  // With several ranks an all-gather follows, and collectives run from the host: the shard must
+  // be in place, not just ordered. With one rank only compute reads the chunk.
+  const bool ordered_only = comm_->world_size() == 1;
   Status s;
   {
     std::unique_lock<std::mutex> l(gather_mu_);
     StallUntil(l, gather_cv_, [&] { return fill_enqueued_[c] != 0; }, &stall_s_, &lane_trace_,
                "shard ahead", trace_step(), c);
     s = fill_status_[c];
+    if (s.ok() && ordered_only) fill_taken_[c] = 1;
   }
-  // A failed copy: settled like a drop (its status carries "gathering chunk c ahead").
-  if (!s.ok() || cs.ahead_all_gather) return SettleFill(c);  // the lane's all-gather waited
+  if (!ordered_only || !s.ok()) {
+    // Waits for the copy (and the all-gather issued ahead); a failed copy's status carries
+    // "gathering chunk c ahead".
+    const bool all_gathered = cs.ahead_all_gather;
+    STRATA_RETURN_IF_ERROR(SettleFill(c));
+    // Several ranks always all-gather ahead today (PrefetchGathers); kept for a chunk queued
+    // without it.
+    return all_gathered || comm_->world_size() == 1 ? Status::Ok() : AllGatherChunk(c);
+  }
   cs.filling = false;
-  if (comm_->world_size() > 1) {
-    // The collective runs from this thread: the shard must be in place, not just ordered.
-    WaitFillLanded(c);
-    return AllGatherChunk(c);
-  }
-  // Only compute reads the chunk now; on a GPU this thread goes on while the copy runs.
-  Event& copied = *fill_events_[c];
-  if (copied.Query()) return Status::Ok();
-  LaneTimer t(&stall_s_, &lane_trace_, Lane::kWait, "shard ahead (copy)", trace_step(), c);
-  return ComputeWaitFor(*device_, copied);
+  // On a GPU this thread goes on while the copy runs. Waits that cost nothing are not traced.
+  const Clock::time_point t0 = Clock::now();
+  Status w = ComputeWaitFor(*device_, *fill_events_[c]);
+  const Clock::time_point t1 = Clock::now();
+  stall_s_ += std::chrono::duration<double>(t1 - t0).count();
+  if (t1 - t0 > std::chrono::microseconds(20))
+    lane_trace_.Add(Lane::kWait, "shard ahead (copy)", t0, t1, trace_step(), c);
+  return w;
 }
 
 void Engine::Impl::WaitFillLanded(int64_t c) {

@@ -323,8 +323,8 @@ Status Engine::Impl::ReduceShard(ReduceJob& job, bool on_lane) {
       chunk_ready_[c] = true;
       ready_order_.push_back(c);
     }
-    // The update is queued by the compute thread (EnqueueReducedUpdates), which owns the gather
-    // lane's chunk state that EnqueueOptimizer checks.
+    // The update is queued by the compute thread (EnqueueReducedUpdates): EnqueueOptimizer waits
+    // for a copy gathered ahead, which the compute thread's FinishFill may have left in flight.
     if (immediate_optimizer()) {
       if (!on_lane) {
         EnqueueOptimizer(c);

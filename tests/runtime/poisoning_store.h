@@ -1,15 +1,20 @@
-// PoisoningStore: a test-only BlockStore wrapper that makes a block's bytes unusable outside
-// its Acquire..Release window, as the strict CPU device does for device memory.
+// PoisoningStore: a test-only BlockStore wrapper that makes a host or NVMe block's bytes
+// unusable outside its Acquire..Release window.
 //
 // A real store hands out its own buffer, and the bytes usually stay there after Release until
 // the block is evicted, so code that keeps reading (or lets a queued copy read) a block after
 // releasing it passes every test and corrupts training only under memory pressure. Here each
 // host or NVMe block is handed out as a private copy: the first pin copies the inner store's
 // bytes in (kWrite: fills it with 0xFF instead, since the caller promised to overwrite every
-// byte), a release that wrote copies them back, and the last release fills the copy with 0xFF,
-// NaN as floats. A read after release, or of bytes a kWrite holder left unwritten, then turns
-// the run's numbers into NaN. Device blocks pass through (the strict device already guards
-// them). Pins count as in the tier manager: nested pins share one copy.
+// byte), a release after a write pin copies them back, and the last release fills the copy with
+// 0xFF, NaN as floats. A read after release, or of bytes a kWrite holder left unwritten, then
+// turns the run's numbers into NaN; a write after release is lost at the next pin.
+//
+// What it does not check: device-placed blocks pass through unchanged (they stay allocated after
+// Release, so a late read of one goes unseen), and on a GPU a copy from this pageable memory is
+// staged before cudaMemcpyAsync returns, so a late release cannot show there. It is meant for
+// the CPU device. Pins count as in the tier manager: nested pins share one copy. The copies live
+// outside the host budget for the whole run.
 #pragma once
 
 #include <cstdlib>
@@ -25,64 +30,51 @@ namespace strata::testing {
 class PoisoningStore final : public BlockStore {
  public:
   explicit PoisoningStore(std::unique_ptr<BlockStore> inner) : inner_(std::move(inner)) {}
-  ~PoisoningStore() override {
-    for (auto& [key, b] : blocks_) std::free(b.copy);
-  }
 
   Status Register(const BlockKey& key, uint64_t bytes, Placement placement) override {
     STRATA_RETURN_IF_ERROR(inner_->Register(key, bytes, placement));
     if (placement == Placement::kDevice) return Status::Ok();
-    void* copy = std::aligned_alloc(4096, (bytes + 4095) / 4096 * 4096 + 4096);
-    if (copy == nullptr) return ResourceExhausted("poisoning store: no memory for a copy");
-    std::memset(copy, 0xFF, bytes);
+    auto b = std::make_shared<Block>(bytes);
+    if (b->copy == nullptr) return ResourceExhausted("poisoning store: no memory for a copy");
     std::lock_guard<std::mutex> l(mu_);
-    Block& b = blocks_[key];
-    std::free(b.copy);
-    b = Block{copy, bytes};
+    blocks_[key] = std::move(b);
     return Status::Ok();
   }
 
   StatusOr<void*> Acquire(const BlockKey& key, Access access) override {
+    std::shared_ptr<Block> b = Find(key);
+    if (!b) return inner_->Acquire(key, access);  // a device block
+    // The block's own lock spans the inner pin too, so a nested pin never sees a copy that is
+    // not filled yet.
+    std::lock_guard<std::mutex> l(b->mu);
     STRATA_ASSIGN_OR_RETURN(void* real, inner_->Acquire(key, access));
-    std::lock_guard<std::mutex> l(mu_);
-    auto it = blocks_.find(key);
-    if (it == blocks_.end()) return real;  // a device block
-    Block& b = it->second;
-    if (b.pins++ == 0) {
-      b.real = real;
-      b.wrote = false;
-      if (access == Access::kWrite) std::memset(b.copy, 0xFF, b.bytes);
-      else std::memcpy(b.copy, real, b.bytes);
+    if (b->pins++ == 0) {
+      b->real = real;
+      b->wrote = false;
+      if (access == Access::kWrite) std::memset(b->copy, 0xFF, b->bytes);
+      else std::memcpy(b->copy, real, b->bytes);
     }
-    if (access != Access::kRead) b.wrote = true;
-    return b.copy;
+    if (access != Access::kRead) b->wrote = true;
+    return b->copy;
   }
 
   Status Release(const BlockKey& key, bool dirty) override {
-    {
-      std::lock_guard<std::mutex> l(mu_);
-      auto it = blocks_.find(key);
-      if (it != blocks_.end() && it->second.pins > 0) {
-        Block& b = it->second;
-        // The inner store's buffer is still pinned: the bytes written go back before it may be
-        // written out or evicted.
-        if (b.wrote) std::memcpy(b.real, b.copy, b.bytes);
-        if (--b.pins == 0) std::memset(b.copy, 0xFF, b.bytes);
-      }
-    }
-    return inner_->Release(key, dirty);
+    std::shared_ptr<Block> b = Find(key);
+    if (!b) return inner_->Release(key, dirty);
+    std::lock_guard<std::mutex> l(b->mu);
+    // The inner buffer is still pinned here: what was written goes back before the inner store
+    // may write it out or evict it.
+    if (b->pins > 0 && b->wrote) std::memcpy(b->real, b->copy, b->bytes);
+    STRATA_RETURN_IF_ERROR(inner_->Release(key, dirty));
+    if (b->pins > 0 && --b->pins == 0) std::memset(b->copy, 0xFF, b->bytes);
+    return Status::Ok();
   }
 
   Status Unregister(const BlockKey& key) override {
-    {
-      std::lock_guard<std::mutex> l(mu_);
-      auto it = blocks_.find(key);
-      if (it != blocks_.end() && it->second.pins == 0) {
-        std::free(it->second.copy);
-        blocks_.erase(it);
-      }
-    }
-    return inner_->Unregister(key);
+    STRATA_RETURN_IF_ERROR(inner_->Unregister(key));
+    std::lock_guard<std::mutex> l(mu_);
+    blocks_.erase(key);
+    return Status::Ok();
   }
 
   void Prefetch(const BlockKey& key) override { inner_->Prefetch(key); }
@@ -94,15 +86,28 @@ class PoisoningStore final : public BlockStore {
 
  private:
   struct Block {
-    void* copy = nullptr;
-    uint64_t bytes = 0;
-    void* real = nullptr;  // the inner store's buffer while pinned
-    int pins = 0;
-    bool wrote = false;    // a write pin was taken since the first pin
+    explicit Block(uint64_t n)
+        : copy(std::aligned_alloc(4096, (n + 4095) / 4096 * 4096 + 4096)), bytes(n) {
+      if (copy != nullptr) std::memset(copy, 0xFF, bytes);
+    }
+    ~Block() { std::free(copy); }
+    std::mutex mu;
+    void* copy;
+    const uint64_t bytes;
+    void* real = nullptr;  // GUARDED_BY(mu): the inner store's buffer while pinned
+    int pins = 0;          // GUARDED_BY(mu)
+    bool wrote = false;    // GUARDED_BY(mu): a write pin was taken since the first pin
   };
+
+  std::shared_ptr<Block> Find(const BlockKey& key) {
+    std::lock_guard<std::mutex> l(mu_);
+    auto it = blocks_.find(key);
+    return it == blocks_.end() ? nullptr : it->second;
+  }
+
   std::unique_ptr<BlockStore> inner_;
   std::mutex mu_;
-  std::map<BlockKey, Block> blocks_;  // GUARDED_BY(mu_)
+  std::map<BlockKey, std::shared_ptr<Block>> blocks_;  // GUARDED_BY(mu_)
 };
 
 }  // namespace strata::testing

@@ -206,8 +206,9 @@ class CudaDevice final : public Device {
     auto* e = dynamic_cast<CudaEvent*>(&event);
     if (e == nullptr) return InvalidArgument("cuda device: an event from another device");
     STRATA_CUDA_RETURN_IF_ERROR(cudaSetDevice(index_));
-    STRATA_CUDA_RETURN_IF_ERROR(
-        cudaStreamWaitEvent(static_cast<cudaStream_t>(native_stream), e->get(), 0));
+    // Null names the legacy default stream explicitly, whatever the per-thread default is.
+    cudaStream_t s = native_stream ? static_cast<cudaStream_t>(native_stream) : cudaStreamLegacy;
+    STRATA_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(s, e->get(), 0));
     return Status::Ok();
   }
 

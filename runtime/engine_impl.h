@@ -247,9 +247,11 @@ class Engine::Impl {
   // in flight on it (the copy; with several ranks, the all-gather), clears the chunk's marks and
   // returns their status.
   Status SettleFill(int64_t c);
-  // Every prefetched copy landed; returns and clears a block release the lane could not make
-  // after compute had already taken the copy.
-  Status FinishAllFills();
+  // Every prefetched copy landed.
+  void FinishAllFills();
+  // Returns and clears a block release the gather lane could not make after compute had already
+  // taken the copy.
+  Status TakeGatherError();
   void FreeChunkMemory(int64_t c);
   // Frees the pending chunk memory whose compute has finished; all of it when `wait`.
   void ReapFrees(bool wait);
@@ -330,7 +332,8 @@ class Engine::Impl {
   // Every queued update finished (checkpoints, master values, a new step's global scan).
   Status FinishUpdates() {
     WaitReduceLaneQuiet();
-    Status f = FinishAllFills();
+    FinishAllFills();
+    Status f = TakeGatherError();
     Status d = DrainOptimizer();
     if (d.ok()) return f;
     if (!f.ok()) STRATA_LOG(ERROR) << f;  // the failed update is the error reported
@@ -340,7 +343,7 @@ class Engine::Impl {
   // for readers that only need the lanes quiet (GatherMasterParams).
   void QuietLanes() {
     WaitReduceLaneQuiet();
-    for (size_t c = 0; c < chunks_.size(); ++c) WaitFillLanded(static_cast<int64_t>(c));
+    FinishAllFills();
     std::unique_lock<std::mutex> l(opt_mu_);
     WaitOptimizerIdle(l);
   }

@@ -114,7 +114,7 @@ void Engine::Impl::StartGatherLane() {
       if (!r.ok()) {
         r = r.WithContext(StrCat("gathering chunk ", c, " ahead"));
         if (fill_taken_[c]) {
-          if (gather_error_.ok()) gather_error_ = r;  // FinishAllFills reports it
+          if (gather_error_.ok()) gather_error_ = r;  // FinishUpdates reports it
         } else if (fill_status_[c].ok()) {
           fill_status_[c] = r;  // SettleFill reports it
         } else {
@@ -256,8 +256,8 @@ Status Engine::Impl::FinishFill(int64_t c) {
     const bool all_gathered = cs.ahead_all_gather;
     STRATA_RETURN_IF_ERROR(SettleFill(c));
     // Several ranks always all-gather ahead today (PrefetchGathers); kept for a chunk queued
-    // without it.
-    return all_gathered || comm_->world_size() == 1 ? Status::Ok() : AllGatherChunk(c);
+    // without it. (With one rank AllGatherChunk does nothing.)
+    return all_gathered ? Status::Ok() : AllGatherChunk(c);
   }
   cs.filling = false;
   // On a GPU this thread goes on while the copy runs. Waits that cost nothing are not traced.
@@ -294,8 +294,11 @@ Status Engine::Impl::SettleFill(int64_t c) {
   return s;
 }
 
-Status Engine::Impl::FinishAllFills() {
+void Engine::Impl::FinishAllFills() {
   for (size_t c = 0; c < chunks_.size(); ++c) WaitFillLanded(static_cast<int64_t>(c));
+}
+
+Status Engine::Impl::TakeGatherError() {
   std::lock_guard<std::mutex> l(gather_mu_);
   return std::exchange(gather_error_, Status::Ok());
 }

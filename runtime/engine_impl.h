@@ -53,6 +53,7 @@
 #include "runtime/run_unit.h"
 #include "runtime/units.h"
 #include "runtime/zero_init.h"
+#include "tiers/host/staging_buffer.h"
 #include "tiers/nvme/crc32c.h"
 #include "tiers/nvme/nvme_tier.h"
 
@@ -255,9 +256,12 @@ class Engine::Impl {
   void FreeChunkMemory(int64_t c);
   // Frees the pending chunk memory whose compute has finished; all of it when `wait`.
   void ReapFrees(bool wait);
+  // True when the optimizer is the device's own compute, on states in device memory
+  // (offload_optimizer.device: none): the GPU Adam on CUDA, the CPU Adam on the CPU device.
+  bool device_optimizer() const { return optim_placement_ == Placement::kDevice; }
   // True when the optimizer runs on a CUDA device's own memory (the GPU Adam).
   bool gpu_optimizer() const {
-    return optim_placement_ == Placement::kDevice && device_->kind() == DeviceKind::kCuda;
+    return device_optimizer() && device_->kind() == DeviceKind::kCuda;
   }
   Status GatherChunk(int64_t c);
   // Drops a holder; the chunk stays gathered when it is persistent or will be reused within
@@ -413,6 +417,9 @@ class Engine::Impl {
   // The optimizer lane's copies of new values to the device (PublishParams, the GPU Adam's fp32
   // working copy): one stream, made once, used by that lane alone.
   std::unique_ptr<Stream> publish_stream_;
+  // Where a host optimizer writes new working values that live in device memory, for
+  // PublishParams to copy over: pinned, reused, used by the optimizer lane alone.
+  StagingBuffer publish_staging_;
   // CUDA: the GPU Adam's and gradient statistics' stream (compute_fence.h).
   std::unique_ptr<SideStream> side_stream_;
   // Chunk memory handed back while compute may still read it (Note [ordered frees]).

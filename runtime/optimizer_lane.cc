@@ -177,18 +177,20 @@ Status Engine::Impl::AdamChunk(int64_t c, float grad_scale, double lr, int64_t s
   void* m = ptrs[1];
   void* v = ptrs[2];
   void* g = ptrs[3];
-  // The new working copy goes straight into its home when the CPU can address it.
+  // The new working copy goes straight into its home when the optimizer can address it: host
+  // memory, or device memory when the optimizer is the device's own compute. A host optimizer
+  // never writes device memory, on the CPU device either (Note [strict device memory]): its
+  // values go to the staging buffer and PublishParams copies them over, the path a GPU takes.
   const int stage = config_.zero_optimization.stage;
   const size_t esize = optim::DTypeSize(compute_dtype_);
   void* out = nullptr;
   BlockKey kp{c, StateKind::kParam16};
-  std::vector<char> staging;
+  bool staged = false;
   bool param_block_held = false;
   if (master_is_param()) {
     out = master;  // Note [shared master]: the update writes the working shard in place
   } else if (stage == 3) {
-    if (param_placement_ != Placement::kDevice || device_->kind() == DeviceKind::kCpu ||
-        gpu_optimizer()) {
+    if (param_placement_ != Placement::kDevice || device_optimizer()) {
       auto got = store_->Acquire(kp, Access::kWrite);
       if (!got.ok()) {
         for (const auto& w : wants) store_->Release(w.first, false).IgnoreError();
@@ -197,13 +199,18 @@ Status Engine::Impl::AdamChunk(int64_t c, float grad_scale, double lr, int64_t s
       out = device_->ComputeAddress(*got);
       param_block_held = true;
     }
-  } else if (device_->kind() == DeviceKind::kCpu || gpu_optimizer()) {
+  } else if (device_optimizer()) {
     out = static_cast<char*>(chunks_[c].full.data_ptr()) +
           partitioner_->ShardOffset(c, shard_rank()) * esize;
   }
   if (!out) {
-    staging.resize(n * esize);
-    out = staging.data();
+    Status r = publish_staging_.Reserve(n * esize);
+    if (!r.ok()) {
+      for (const auto& w : wants) store_->Release(w.first, false).IgnoreError();
+      return r.WithContext(StrCat("optimizer step of chunk ", c));
+    }
+    out = publish_staging_.data();
+    staged = true;
   }
 
   optim::AdamParams ap;
@@ -260,7 +267,7 @@ Status Engine::Impl::AdamChunk(int64_t c, float grad_scale, double lr, int64_t s
     if (s.ok()) s = ps;
   }
   if (!s.ok()) return s.WithContext(StrCat("optimizer step of chunk ", c));
-  if (!staging.empty()) return PublishParams(c, staging.data(), compute_dtype_);
+  if (staged) return PublishParams(c, publish_staging_.data(), compute_dtype_);
   return Status::Ok();
 }
 

@@ -80,6 +80,9 @@ const Case kCases[] = {
              12000},
         Case{"cpu_offload", 2, OffloadDevice::kNone, OffloadDevice::kCpu, 1, 1.0},
         Case{"cpu_offload_stage3", 3, OffloadDevice::kCpu, OffloadDevice::kCpu, 2, 0.0},
+        // configs/tiny.json's placement: parameters on the device, the optimizer on the host, so
+        // new values reach the device through the staging buffer and the publish stream.
+        Case{"cpu_optimizer_stage3", 3, OffloadDevice::kNone, OffloadDevice::kCpu, 1, 1.0},
         Case{"nvme_offload", 3, OffloadDevice::kNvme, OffloadDevice::kNvme, 1, 0.0},
         Case{"nvme_offload_clip_accum", 3, OffloadDevice::kNvme, OffloadDevice::kNvme, 2, 0.5},
         // A host budget of a few blocks: every step evicts to NVMe and reads back.

@@ -1,0 +1,49 @@
+// StagingBuffer: one reusable host buffer that host-side work fills and a device copy reads,
+// page-locked where that is possible, so a copy to a GPU is a DMA from it with no bounce through
+// the driver's own buffers.
+//
+// Backing, chosen at each growth (the buffer only grows, to the largest size asked of it):
+// - cudaHostAlloc when the build has CUDA and a GPU is present;
+// - otherwise anonymous mmap, mlock'd as far as RLIMIT_MEMLOCK allows; what cannot be locked
+//   stays pageable, which only slows a GPU copy down and changes nothing on the CPU device.
+// data() is 64-byte aligned (whole SIMD stores) and deliberately not page-aligned: Note [staging
+// offset] in staging_buffer.cc.
+//
+// Thread safety: none; one owner uses it at a time. The owner must not Reserve again while a copy
+// still reads the buffer.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "runtime/status.h"
+
+namespace strata {
+
+class StagingBuffer {
+ public:
+  StagingBuffer() = default;
+  ~StagingBuffer();
+  StagingBuffer(const StagingBuffer&) = delete;
+  StagingBuffer& operator=(const StagingBuffer&) = delete;
+
+  // Makes data() hold at least `bytes` bytes; the previous contents are not kept when it grows.
+  // An error naming the size when the memory cannot be mapped (ENOMEM: RESOURCE_EXHAUSTED).
+  Status Reserve(size_t bytes);
+  void* data() const { return data_; }
+  size_t capacity() const { return capacity_; }
+  // True when the bytes are page-locked (cudaHostAlloc, or mlock covered all of them).
+  bool pinned() const { return pinned_; }
+
+ private:
+  void Free();
+
+  void* base_ = nullptr;   // what was allocated
+  size_t mapped_ = 0;      // bytes of the mapping (mmap backing only)
+  bool cuda_ = false;      // base_ came from cudaHostAlloc
+  void* data_ = nullptr;   // base_ + the staging offset
+  size_t capacity_ = 0;
+  bool pinned_ = false;
+};
+
+}  // namespace strata

@@ -56,10 +56,22 @@ class Stream {
   // Enqueues a host callback that runs in stream order. It must not enqueue work on, or wait for,
   // this same stream.
   virtual Status LaunchHostFunc(std::function<void()> fn) = 0;
+  // Enqueues device compute in stream order: `kernel` is called with the stream's native handle
+  // (kernels::StreamHandle) and runs kernels/kernels.h calls for this device's backend on it.
+  // - CUDA: called at once on the calling thread with the cudaStream_t; it launches
+  //   asynchronous kernels, and its status (a launch error) is returned here.
+  // - CPU device: its kernels run in the thread that calls them, so the stream's worker calls
+  //   `kernel` (handle null) in order with the stream's copies. The caller goes on at once, as on
+  //   a GPU, so a missing wait for the result fails on CPU too; a failed status is returned by the
+  //   stream's next Synchronize, as a GPU reports a fault during execution.
+  // `kernel` must own what it captures (it may run after the caller's frame is gone) and must
+  // not enqueue work on, or wait for, this same stream.
+  virtual Status LaunchKernel(std::function<Status(void* native_stream)> kernel) = 0;
 
   virtual Status Record(Event& event) = 0;
   virtual Status Wait(Event& event) = 0;
-  // Blocks until all work enqueued so far has finished.
+  // Blocks until all work enqueued so far has finished. Returns (once) the first failure of a
+  // kernel launched since the last Synchronize.
   virtual Status Synchronize() = 0;
   // True when no enqueued work is pending. Never blocks.
   virtual bool Query() = 0;

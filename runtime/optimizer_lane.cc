@@ -169,8 +169,8 @@ Status Engine::Impl::AdamChunk(int64_t c, float grad_scale, double lr, int64_t s
       for (int j = 0; j < i; ++j) store_->Release(wants[j].first, false).IgnoreError();
       return got.status().WithContext(StrCat("optimizer step of chunk ", c));
     }
-    // On the CPU device this CPU Adam is the device's compute: a device-placed state is reached
-    // at its compute address (Note [device blocks]). Other devices never get here with one.
+    // A device-placed state is reached at its compute address (Note [device blocks]): only the
+    // device's own compute touches it (device_optimizer() below).
     ptrs[i] = device_->ComputeAddress(*got);
   }
   void* master = ptrs[0];
@@ -235,17 +235,24 @@ Status Engine::Impl::AdamChunk(int64_t c, float grad_scale, double lr, int64_t s
     bufs.param16_dtype = compute_dtype_;
   }
   Status s;
-  if (gpu_optimizer()) {
-    // The GPU Adam on device-resident states (kernels/kernels.h: the same IEEE operations as
-    // the CPU Adam). Its stream runs beside compute; the gradient's hand-off already waited for
-    // the compute that wrote it.
-    s = kernels::AdamStep(kernels::Backend::kCuda, ap, bufs, grad_scale, nullptr,
-                          side_stream_->handle());
-    if (s.ok()) side_stream_->Synchronize();
-    if (s.ok() && compute_dtype_ == optim::DType::kFloat32 && out != master) {
+  if (device_optimizer()) {
+    // Device compute on the lane's stream (Stream::LaunchKernel): the GPU Adam (the same IEEE
+    // operations as the CPU Adam), or on the CPU device the CPU Adam run by the stream's worker
+    // in the optimizer's arena. Either way this thread goes on at once and the one wait below
+    // covers the update and the copy into the working shard queued behind it; the blocks stay
+    // pinned until then. The gradient's hand-off already waited for the compute that wrote it.
+    const bool cuda = device_->kind() == DeviceKind::kCuda;
+    tbb::task_arena* arena = arena_.get();
+    s = publish_stream_->LaunchKernel([cuda, arena, ap, bufs, grad_scale](void* native) {
+      if (cuda) return kernels::AdamStep(kernels::Backend::kCuda, ap, bufs, grad_scale, nullptr, native);
+      Status r;
+      arena->execute([&] { r = kernels::AdamStep(kernels::Backend::kCpu, ap, bufs, grad_scale); });
+      return r;
+    });
+    if (s.ok() && compute_dtype_ == optim::DType::kFloat32 && out != master)
       s = publish_stream_->MemcpyAsync(out, master, n * 4, CopyKind::kDeviceToDevice);
-      if (s.ok()) s = publish_stream_->Synchronize();
-    }
+    Status w = publish_stream_->Synchronize();
+    if (s.ok()) s = w;
   } else {
     optim::AdamOptions ao;
     ao.arena = arena_.get();

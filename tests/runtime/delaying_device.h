@@ -72,6 +72,10 @@ class DelayingDevice final : public Device {
       STRATA_RETURN_IF_ERROR(Delay());
       return inner_->LaunchHostFunc(std::move(fn));
     }
+    Status LaunchKernel(std::function<Status(void*)> kernel) override {
+      STRATA_RETURN_IF_ERROR(Delay());
+      return inner_->LaunchKernel(std::move(kernel));
+    }
     Status Record(Event& e) override { return inner_->Record(e); }
     Status Wait(Event& e) override { return inner_->Wait(e); }
     Status Synchronize() override { return inner_->Synchronize(); }

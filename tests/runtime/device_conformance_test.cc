@@ -14,6 +14,8 @@
 
 #include <gtest/gtest.h>
 
+#include "kernels/kernels.h"
+#include "optim/dtype.h"
 #include "tests/test_util.h"
 #include "tiers/hbm/cpu_device.h"
 
@@ -132,6 +134,66 @@ TEST_P(DeviceConformance, EventsOrderWorkAcrossStreams) {
   ASSERT_OK(ready->Synchronize());
   EXPECT_TRUE(second.load());
   ASSERT_OK(device_->Synchronize());
+}
+
+// Stream::LaunchKernel: device compute queued between copies runs in their order, on every
+// device, and the caller does not wait for it: the kernel (a bf16 cast of what the first copy
+// brought in) must see the copy before it and be seen by the copy after it.
+TEST_P(DeviceConformance, KernelsRunInStreamOrderWithCopiesAndDoNotBlockTheCaller) {
+  constexpr size_t n = 100000;
+  const kernels::Backend backend =
+      device_->kind() == DeviceKind::kCuda ? kernels::Backend::kCuda : kernels::Backend::kCpu;
+  ASSERT_OK_AND_ASSIGN(void* f32, device_->Allocate(n * 4));
+  ASSERT_OK_AND_ASSIGN(void* b16, device_->Allocate(n * 2));
+  ASSERT_OK_AND_ASSIGN(auto stream, device_->CreateStream());
+  std::vector<float> in(n);
+  std::mt19937 rng(7);
+  std::normal_distribution<float> normal(0.0f, 3.0f);
+  for (float& x : in) x = normal(rng);
+  std::vector<uint16_t> out(n, 0xFFFF);
+
+  std::atomic<bool> release{false};
+  ASSERT_OK(stream->LaunchHostFunc([&] {
+    while (!release.load()) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }));
+  ASSERT_OK(stream->MemcpyAsync(f32, in.data(), n * 4, CopyKind::kHostToDevice));
+  // Kernels take compute addresses (on the strict CPU device, the readable alias).
+  const float* src = static_cast<const float*>(device_->ComputeAddress(f32));
+  void* dst = device_->ComputeAddress(b16);
+  ASSERT_OK(stream->LaunchKernel([backend, src, dst](void* native) {
+    return kernels::CastFp32To16(backend, src, dst, kernels::DType::kBFloat16, n, native);
+  }));
+  ASSERT_OK(stream->MemcpyAsync(out.data(), b16, n * 2, CopyKind::kDeviceToHost));
+  std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  EXPECT_FALSE(stream->Query()) << "everything queues behind the held host function";
+  EXPECT_EQ(out[0], 0xFFFF);
+  release.store(true);
+  ASSERT_OK(stream->Synchronize());
+  for (size_t i = 0; i < n; ++i) ASSERT_EQ(out[i], optim::FloatToBf16(in[i])) << "element " << i;
+  ASSERT_OK(device_->Free(f32));
+  ASSERT_OK(device_->Free(b16));
+}
+
+// A kernel's failure is reported once: by the launch where the device knows it then (CUDA's
+// launch errors), or by the next Synchronize where the kernel runs later (the CPU device).
+TEST_P(DeviceConformance, AKernelFailureIsReportedOnce) {
+  ASSERT_OK_AND_ASSIGN(auto stream, device_->CreateStream());
+  const Status launched =
+      stream->LaunchKernel([](void*) { return InvalidArgument("kernel refused its arguments"); });
+  const Status synced = stream->Synchronize();
+  EXPECT_NE(launched.ok(), synced.ok()) << "launch: " << launched << "; sync: " << synced;
+  const Status& failure = launched.ok() ? synced : launched;
+  EXPECT_EQ(failure.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(failure.message().find("kernel refused its arguments"), std::string::npos);
+  EXPECT_OK(stream->Synchronize());
+  // Work after a failed kernel still runs.
+  int ran = 0;
+  ASSERT_OK(stream->LaunchKernel([&ran](void*) {
+    ++ran;
+    return Status::Ok();
+  }));
+  ASSERT_OK(stream->Synchronize());
+  EXPECT_EQ(ran, 1);
 }
 
 TEST_P(DeviceConformance, CopyOutsideAnAllocationIsAnErrorOnTheCpuDevice) {

@@ -11,6 +11,7 @@
 #include <mutex>
 #include <set>
 #include <thread>
+#include <utility>
 
 #include <sys/mman.h>
 #include <unistd.h>
@@ -58,6 +59,7 @@ class CpuStream final : public Stream {
   Status MemcpyAsync(void* dst, const void* src, size_t bytes, CopyKind kind) override;
   Status MemsetAsync(void* dst, int value, size_t bytes) override;
   Status LaunchHostFunc(std::function<void()> fn) override;
+  Status LaunchKernel(std::function<Status(void*)> kernel) override;
   Status Record(Event& event) override;
   Status Wait(Event& event) override;
   Status Synchronize() override;
@@ -74,6 +76,7 @@ class CpuStream final : public Stream {
   uint64_t enqueued_ = 0;                    // GUARDED_BY(mu_)
   uint64_t done_ = 0;                        // GUARDED_BY(mu_)
   bool stop_ = false;                        // GUARDED_BY(mu_)
+  Status kernel_error_;                      // GUARDED_BY(mu_): for the next Synchronize
   std::thread worker_;
 };
 
@@ -343,6 +346,17 @@ Status CpuStream::LaunchHostFunc(std::function<void()> fn) {
   return Status::Ok();
 }
 
+Status CpuStream::LaunchKernel(std::function<Status(void*)> kernel) {
+  if (!kernel) return InvalidArgument("cpu stream: LaunchKernel with an empty function");
+  Enqueue([this, kernel = std::move(kernel)] {
+    Status s = kernel(nullptr);
+    if (s.ok()) return;
+    std::lock_guard<std::mutex> l(mu_);
+    if (kernel_error_.ok()) kernel_error_ = std::move(s);
+  });
+  return Status::Ok();
+}
+
 Status CpuStream::Record(Event& event) {
   auto* e = dynamic_cast<CpuEvent*>(&event);
   if (e == nullptr) return InvalidArgument("cpu stream: Record of an event from another device");
@@ -383,7 +397,7 @@ Status CpuStream::Synchronize() {
   std::unique_lock<std::mutex> l(mu_);
   uint64_t target = enqueued_;
   cv_.wait(l, [&] { return done_ >= target; });
-  return Status::Ok();
+  return std::exchange(kernel_error_, Status::Ok());
 }
 
 bool CpuStream::Query() {

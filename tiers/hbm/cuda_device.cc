@@ -78,6 +78,11 @@ class CudaStream final : public Stream {
     STRATA_CUDA_RETURN_IF_ERROR(err);
     return Status::Ok();
   }
+  Status LaunchKernel(std::function<Status(void*)> kernel) override {
+    if (!kernel) return InvalidArgument("cuda stream: LaunchKernel with an empty function");
+    STRATA_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
+    return kernel(stream_);
+  }
   Status Record(Event& event) override {
     auto* e = dynamic_cast<CudaEvent*>(&event);
     if (e == nullptr) return InvalidArgument("cuda stream: Record of an event from another device");

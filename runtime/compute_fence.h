@@ -45,8 +45,9 @@ class ComputeFence {
 // completed.
 Status ComputeWaitFor(Device& device, Event& event);
 
-// A LibTorch pool stream of a CUDA device for the engine's own kernels (the GPU Adam, gradient
-// statistics), so they run beside compute instead of behind it. A LibTorch whose c10::Stream
+// A LibTorch pool stream of a CUDA device for the engine's own kernels and LibTorch ops beside
+// compute (gradient statistics, the reduce lane's hand-off), so they run beside it instead of
+// behind it. A LibTorch whose c10::Stream
 // cannot name its cudaStream_t (2.6 and older) gets the default stream instead: correct, but
 // serialized with compute. On the CPU device there is none: handle() is null and Synchronize
 // returns at once.

@@ -105,7 +105,8 @@ class Device {
   virtual StatusOr<std::unique_ptr<Stream>> CreateStream(
       StreamPriority priority = StreamPriority::kNormal) = 0;
   virtual StatusOr<std::unique_ptr<Event>> CreateEvent() = 0;
-  // Blocks until all work on all of this device's streams has finished.
+  // Blocks until all work on all of this device's streams has finished. A kernel failure stays
+  // with its stream, for that stream's Synchronize.
   virtual Status Synchronize() = 0;
   // Makes the work enqueued later on `native_stream` wait for `event`, where `native_stream` is
   // a stream of this device that Strata did not create: LibTorch's current stream, on CUDA its

@@ -287,11 +287,11 @@ Status Engine::Impl::Init(Engine* owner, const EngineOptions& options) {
   };
   param_placement_ = placement(z.offload_param.device);
   optim_placement_ = placement(z.offload_optimizer.device);
-  if (gpu_optimizer() && param_placement_ != Placement::kDevice)
-    return InvalidArgument(
+  if (device_optimizer() && param_placement_ != Placement::kDevice)
+    return InvalidArgument(StrCat(
         "offload_param.device offloads the parameters but offload_optimizer.device=none keeps the "
-        "optimizer on the GPU; offload the optimizer too (offload_optimizer.device: cpu or nvme), "
-        "as DeepSpeed requires");
+        "optimizer on the device (", device_->name(), "); offload the optimizer too "
+        "(offload_optimizer.device: cpu or nvme), as DeepSpeed requires"));
   if (device_->kind() == DeviceKind::kCuda && !torch::cuda::is_available())
     return FailedPrecondition(StrCat(
         "the device is ", device_->name(), " but this LibTorch has no CUDA (or sees no GPU); "
@@ -518,6 +518,15 @@ Status Engine::Impl::Init(Engine* owner, const EngineOptions& options) {
   for (size_t u = 0; u < units_.size(); ++u)
     if (!units_[u].always_live)
       STRATA_RETURN_IF_ERROR(unit_detail::Register(units_[u].module.get(), owner_, static_cast<int64_t>(u)));
+  // A host optimizer's new values for device-resident parameters go through the staging buffer
+  // (AdamChunk). Sized once, here: growing it later would free and allocate page-locked memory,
+  // which on a GPU waits for the device.
+  if (!device_optimizer() && param_placement_ == Placement::kDevice) {
+    int64_t most = 0;
+    for (const ChunkInfo& ci : chunk_infos) most = std::max(most, ci.shard_numel);
+    STRATA_RETURN_IF_ERROR(publish_staging_.Reserve(most * optim::DTypeSize(compute_dtype_))
+                               .WithContext("the optimizer's staging buffer"));
+  }
   StartOptimizerLane();
   StartReduceLane();
   if (stage3()) {

@@ -413,14 +413,19 @@ class Engine::Impl {
   Config config_;
   Communicator* comm_;
   Device* device_;
+  // Declared before the streams, so it outlives any update still queued on one (AdamChunk waits
+  // for its own, but a stream drains only when it is destroyed).
+  std::unique_ptr<tbb::task_arena> arena_;
   std::unique_ptr<Stream> copy_stream_;
-  // The optimizer lane's copies of new values to the device (PublishParams, the GPU Adam's fp32
-  // working copy): one stream, made once, used by that lane alone.
+  // The optimizer's device work: the device-resident update (Stream::LaunchKernel) with its
+  // fp32 working copy, and PublishParams' copies of new values to the device. Made once; used by
+  // the optimizer lane, and by a checkpoint load while the lane is idle.
   std::unique_ptr<Stream> publish_stream_;
   // Where a host optimizer writes new working values that live in device memory, for
-  // PublishParams to copy over: pinned, reused, used by the optimizer lane alone.
+  // PublishParams to copy over: pinned, sized at Init to the largest shard, used by the
+  // optimizer lane alone.
   StagingBuffer publish_staging_;
-  // CUDA: the GPU Adam's and gradient statistics' stream (compute_fence.h).
+  // CUDA: the gradient statistics' stream, and the reduce lane's LibTorch ops (compute_fence.h).
   std::unique_ptr<SideStream> side_stream_;
   // Chunk memory handed back while compute may still read it (Note [ordered frees]).
   std::mutex frees_mu_;
@@ -435,7 +440,6 @@ class Engine::Impl {
   // it), accumulated locally over micro-steps and all-reduced once at the boundary.
   bool full_gradients() const { return !plan_.sharded[static_cast<int>(StateKind::kGrad)]; }
   std::optional<optim::DynamicLossScaler> scaler_;
-  std::unique_ptr<tbb::task_arena> arena_;
   uint64_t host_budget_ = 0;
   optim::DType compute_dtype_ = optim::DType::kFloat32;
   optim::DType state_dtype_ = optim::DType::kFloat32;

@@ -1,5 +1,5 @@
 // DelayingDevice: a test-only wrapper that makes every stream's work late. Before each copy,
-// fill or host callback enqueued on one of its streams it enqueues a sleep of a random 0 to
+// fill, host callback or kernel enqueued on one of its streams it enqueues a sleep of a random 0 to
 // `max_delay_us` microseconds on the same stream, so work completes in the same order but much
 // later than the caller enqueued it. Code that reads a stream's results without waiting for the
 // stream (or an event recorded after the work) then reads them too early, and the results

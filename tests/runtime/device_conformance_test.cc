@@ -2,6 +2,7 @@
 // A new device adds nothing here; it is picked up from AvailableDevices().
 #include "runtime/device.h"
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstring>
@@ -18,6 +19,7 @@
 #include "optim/dtype.h"
 #include "tests/test_util.h"
 #include "tiers/hbm/cpu_device.h"
+#include "tiers/host/staging_buffer.h"
 
 namespace strata {
 namespace {
@@ -146,24 +148,30 @@ TEST_P(DeviceConformance, KernelsRunInStreamOrderWithCopiesAndDoNotBlockTheCalle
   ASSERT_OK_AND_ASSIGN(void* f32, device_->Allocate(n * 4));
   ASSERT_OK_AND_ASSIGN(void* b16, device_->Allocate(n * 2));
   ASSERT_OK_AND_ASSIGN(auto stream, device_->CreateStream());
-  std::vector<float> in(n);
+  // Host ends in page-locked memory: from pageable memory a CUDA copy returns only once it has
+  // run, which the held stream below would never let happen.
+  StagingBuffer in_buf, out_buf;
+  ASSERT_OK(in_buf.Reserve(n * 4));
+  ASSERT_OK(out_buf.Reserve(n * 2));
+  auto* in = static_cast<float*>(in_buf.data());
+  auto* out = static_cast<uint16_t*>(out_buf.data());
   std::mt19937 rng(7);
   std::normal_distribution<float> normal(0.0f, 3.0f);
-  for (float& x : in) x = normal(rng);
-  std::vector<uint16_t> out(n, 0xFFFF);
+  for (size_t i = 0; i < n; ++i) in[i] = normal(rng);
+  std::fill(out, out + n, uint16_t{0xFFFF});
 
   std::atomic<bool> release{false};
   ASSERT_OK(stream->LaunchHostFunc([&] {
     while (!release.load()) std::this_thread::sleep_for(std::chrono::milliseconds(1));
   }));
-  ASSERT_OK(stream->MemcpyAsync(f32, in.data(), n * 4, CopyKind::kHostToDevice));
+  ASSERT_OK(stream->MemcpyAsync(f32, in, n * 4, CopyKind::kHostToDevice));
   // Kernels take compute addresses (on the strict CPU device, the readable alias).
   const float* src = static_cast<const float*>(device_->ComputeAddress(f32));
   void* dst = device_->ComputeAddress(b16);
   ASSERT_OK(stream->LaunchKernel([backend, src, dst](void* native) {
     return kernels::CastFp32To16(backend, src, dst, kernels::DType::kBFloat16, n, native);
   }));
-  ASSERT_OK(stream->MemcpyAsync(out.data(), b16, n * 2, CopyKind::kDeviceToHost));
+  ASSERT_OK(stream->MemcpyAsync(out, b16, n * 2, CopyKind::kDeviceToHost));
   std::this_thread::sleep_for(std::chrono::milliseconds(20));
   EXPECT_FALSE(stream->Query()) << "everything queues behind the held host function";
   EXPECT_EQ(out[0], 0xFFFF);

@@ -443,5 +443,26 @@ TEST(EquivalenceLowPrecision, Fp16OnTheCpuDeviceIsAClearError) {
   EXPECT_NE(engine.status().message().find("use bf16.enabled=true"), std::string::npos);
 }
 
+// Offloaded parameters with the optimizer left on the device: refused on every device, as on a
+// GPU (the CPU device used to accept it, on a path no GPU could take).
+TEST(PlacementErrors, OffloadedParamsNeedAnOffloadedOptimizer) {
+  for (OffloadDevice param : {OffloadDevice::kCpu, OffloadDevice::kNvme}) {
+    Config c = BaseConfig();
+    c.zero_optimization.stage = 3;
+    c.zero_optimization.offload_param.device = param;
+    c.zero_optimization.offload_optimizer.device = OffloadDevice::kNone;
+    testing::TempDir dir;
+    EngineOptions opts;
+    opts.nvme_path = {dir.path()};
+    auto comm = CreateSingleCommunicator();
+    auto device = CreateDevice("cpu", 256 << 20).value();
+    auto engine = Engine::Create(models::BuildGpt(c.model), c, comm.get(), device.get(), opts);
+    ASSERT_FALSE(engine.ok()) << static_cast<int>(param);
+    EXPECT_EQ(engine.status().code(), StatusCode::kInvalidArgument);
+    EXPECT_NE(engine.status().message().find("offload the optimizer too"), std::string::npos)
+        << engine.status();
+  }
+}
+
 }  // namespace
 }  // namespace strata

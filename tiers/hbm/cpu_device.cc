@@ -64,6 +64,8 @@ class CpuStream final : public Stream {
   Status Wait(Event& event) override;
   Status Synchronize() override;
   bool Query() override;
+  // Waits for the work enqueued so far, leaving a kernel failure for Synchronize to report.
+  void Drain();
 
  private:
   void Enqueue(std::function<void()> task);
@@ -174,12 +176,13 @@ class CpuDevice final : public Device {
   }
   Status OrderForeignStream(void*, Event& event) override { return event.Synchronize(); }
   Status Synchronize() override {
-    std::vector<Stream*> streams;
+    std::vector<CpuStream*> streams;
     {
       std::lock_guard<std::mutex> l(mu_);
       streams.assign(streams_.begin(), streams_.end());
     }
-    for (Stream* s : streams) STRATA_RETURN_IF_ERROR(s->Synchronize());
+    // Every stream, and a kernel's failure stays with its stream's owner (Stream::Synchronize).
+    for (CpuStream* s : streams) s->Drain();
     return Status::Ok();
   }
 
@@ -393,10 +396,15 @@ Status CpuStream::Wait(Event& event) {
   return Status::Ok();
 }
 
-Status CpuStream::Synchronize() {
+void CpuStream::Drain() {
   std::unique_lock<std::mutex> l(mu_);
   uint64_t target = enqueued_;
   cv_.wait(l, [&] { return done_ >= target; });
+}
+
+Status CpuStream::Synchronize() {
+  Drain();
+  std::lock_guard<std::mutex> l(mu_);
   return std::exchange(kernel_error_, Status::Ok());
 }
 

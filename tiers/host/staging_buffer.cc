@@ -22,12 +22,12 @@ StagingBuffer::~StagingBuffer() { Free(); }
 
 void StagingBuffer::Free() {
   if (base_ != nullptr) {
-    if (cuda_) host_internal::CudaHostFree(base_);
+    if (backing_ == Backing::kCudaHost) host_internal::CudaHostFree(base_);
     else munmap(base_, mapped_);
   }
   base_ = data_ = nullptr;
   mapped_ = capacity_ = 0;
-  cuda_ = pinned_ = false;
+  backing_ = Backing::kNone;
 }
 
 Status StagingBuffer::Reserve(size_t bytes) {
@@ -38,7 +38,7 @@ Status StagingBuffer::Reserve(size_t bytes) {
     auto got = host_internal::CudaHostAlloc(total);
     if (got.ok()) {
       base_ = *got;
-      cuda_ = pinned_ = true;
+      backing_ = Backing::kCudaHost;
     }
   }
   if (base_ == nullptr) {
@@ -51,7 +51,8 @@ Status StagingBuffer::Reserve(size_t bytes) {
                                          " of host memory"));
     }
     base_ = p;
-    pinned_ = mlock(base_, mapped_) == 0;  // pageable is slower on a GPU, never wrong
+    // Pageable is slower on a GPU, never wrong.
+    backing_ = mlock(base_, mapped_) == 0 ? Backing::kLocked : Backing::kPageable;
   }
   data_ = static_cast<char*>(base_) + kStagingOffset;
   capacity_ = bytes;

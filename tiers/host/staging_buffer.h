@@ -1,11 +1,13 @@
-// StagingBuffer: one reusable host buffer that host-side work fills and a device copy reads,
-// page-locked where that is possible, so a copy to a GPU is a DMA from it with no bounce through
-// the driver's own buffers.
+// StagingBuffer: one reusable host buffer that host-side work fills and a device copy reads.
+// With a GPU it is cudaHostAlloc memory, so a copy to the device is a DMA from it with no bounce
+// through the driver's own buffers and cudaMemcpyAsync returns at once.
 //
-// Backing, chosen at each growth (the buffer only grows, to the largest size asked of it):
-// - cudaHostAlloc when the build has CUDA and a GPU is present;
-// - otherwise anonymous mmap, mlock'd as far as RLIMIT_MEMLOCK allows; what cannot be locked
-//   stays pageable, which only slows a GPU copy down and changes nothing on the CPU device.
+// Backing, chosen at each growth (the buffer only grows, to the largest size asked of it; size it
+// once up front, since growing frees and allocates page-locked memory):
+// - kCudaHost: cudaHostAlloc when the build has CUDA and a GPU is present;
+// - kLocked: otherwise anonymous mmap, mlock'd (resident, never swapped out);
+// - kPageable: the same mapping when mlock is refused (RLIMIT_MEMLOCK), which only slows a GPU
+//   copy down and changes nothing on the CPU device.
 // data() is 64-byte aligned (whole SIMD stores) and deliberately not page-aligned: Note [staging
 // offset] in staging_buffer.cc.
 //
@@ -32,18 +34,19 @@ class StagingBuffer {
   Status Reserve(size_t bytes);
   void* data() const { return data_; }
   size_t capacity() const { return capacity_; }
-  // True when the bytes are page-locked (cudaHostAlloc, or mlock covered all of them).
-  bool pinned() const { return pinned_; }
+  enum class Backing { kNone, kCudaHost, kLocked, kPageable };
+  Backing backing() const { return backing_; }
+  // True when the bytes are page-locked (kCudaHost or kLocked).
+  bool pinned() const { return backing_ == Backing::kCudaHost || backing_ == Backing::kLocked; }
 
  private:
   void Free();
 
   void* base_ = nullptr;   // what was allocated
   size_t mapped_ = 0;      // bytes of the mapping (mmap backing only)
-  bool cuda_ = false;      // base_ came from cudaHostAlloc
   void* data_ = nullptr;   // base_ + the staging offset
   size_t capacity_ = 0;
-  bool pinned_ = false;
+  Backing backing_ = Backing::kNone;
 };
 
 }  // namespace strata

@@ -146,9 +146,15 @@ StatusOr<StepPrediction> PredictStep(const Config& config, const ModelSpec& mode
     lane_io += wr_t(S * e);
     nvme_w += S * e;
   }
-  if (cuda && (z.stage < 3 || pdev == OffloadDevice::kNone)) {
-    lane_io += copy_t(S * e);
-    copy_bytes += S * e;
+  // A host optimizer publishes new values to device-resident parameters: one copy from its
+  // staging buffer per shard, over PCIe on a GPU and a memcpy on the CPU device.
+  if (odev != OffloadDevice::kNone && (z.stage < 3 || pdev == OffloadDevice::kNone)) {
+    if (cuda) {
+      lane_io += copy_t(S * e);
+      copy_bytes += S * e;
+    } else {
+      lane_io += d2d_t(S * e);
+    }
   }
   p.lane_s = p.optimizer_s + lane_io;
 
@@ -237,11 +243,14 @@ StatusOr<TuneResult> Tune(const Config& config, const ModelSpec& model, const Ha
   std::vector<OffloadDevice> params = {OffloadDevice::kNone};
   if (config.zero_optimization.stage == 3) params = {OffloadDevice::kNone, OffloadDevice::kCpu, OffloadDevice::kNvme};
   std::vector<OffloadDevice> optims = {OffloadDevice::kCpu, OffloadDevice::kNvme};
-  // The engine runs Adam on device-placed states only on the CPU device (no GPU Adam yet).
+  // Device-resident optimizer states only on the CPU device: the cost model has no rate for the
+  // GPU Adam (adam_gelems is the CPU Adam's).
   if (cpu) optims.insert(optims.begin(), OffloadDevice::kNone);
 
   for (OffloadDevice pd : params) {
     for (OffloadDevice od : optims) {
+      // The engine refuses offloaded parameters with the optimizer on the device.
+      if (od == OffloadDevice::kNone && pd != OffloadDevice::kNone) continue;
       const bool nv = pd == OffloadDevice::kNvme || od == OffloadDevice::kNvme;
       if (nv && !nvme_ok) continue;
       Config c = config;

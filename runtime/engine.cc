@@ -51,6 +51,7 @@ void StepReport::FillOverlap() {
 Engine::Impl::~Impl() {
   StopReduceLane();  // first: its jobs may queue updates
   StopOptimizerLane();
+  StopPublishLane();  // after: the optimizer lane's last update may start a publish
   StopGatherLane();
   if (nvme_) nvme_->SetBusyObserver(nullptr);  // the trace dies before the tier
   if (owner_) unit_detail::UnregisterEngine(owner_);
@@ -521,11 +522,16 @@ Status Engine::Impl::Init(Engine* owner, const EngineOptions& options) {
   // A host optimizer's new values for device-resident parameters go through the staging buffer
   // (AdamChunk). Sized once, here: growing it later would free and allocate page-locked memory,
   // which on a GPU waits for the device.
-  if (!device_optimizer() && param_placement_ == Placement::kDevice) {
+  staged_publish_ = !device_optimizer() && param_placement_ == Placement::kDevice;
+  if (staged_publish_) {
     int64_t most = 0;
     for (const ChunkInfo& ci : chunk_infos) most = std::max(most, ci.shard_numel);
-    STRATA_RETURN_IF_ERROR(publish_staging_.Reserve(most * optim::DTypeSize(compute_dtype_))
-                               .WithContext("the optimizer's staging buffer"));
+    for (int slot = 0; slot < 2; ++slot) {
+      STRATA_RETURN_IF_ERROR(publish_staging_[slot].Reserve(most * optim::DTypeSize(compute_dtype_))
+                                 .WithContext("the optimizer's staging buffer"));
+      STRATA_ASSIGN_OR_RETURN(publish_events_[slot], device_->CreateEvent());
+    }
+    StartPublishLane();
   }
   StartOptimizerLane();
   StartReduceLane();

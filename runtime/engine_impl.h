@@ -284,7 +284,16 @@ class Engine::Impl {
   Status TakeParamGrad(int64_t pid, bool settle);
   // Hands chunk c's complete gradient to the reduce lane (Note [reduce lane]).
   Status ReduceChunk(int64_t c);
-  Status AdamChunk(int64_t c, float grad_scale, double lr, int64_t step);
+  // One chunk's update. Sets *publishing when it left the copy of new values to the device in
+  // flight (Note [pipelined publish]): the publish lane then finishes the chunk.
+  Status AdamChunk(int64_t c, float grad_scale, double lr, int64_t step, bool* publishing);
+  // Note [pipelined publish]: a free staging slot, waited for.
+  int TakePublishSlot();
+  void FreePublishSlot(int slot);
+  Status StartPublish(int64_t c, int slot);
+  void StartPublishLane();
+  void StopPublishLane();
+  // Copies a shard of new values to the device and waits (a checkpoint load).
   Status PublishParams(int64_t c, const void* shard_values, optim::DType dtype);
   Status ShareUpdatedShards();
 
@@ -421,10 +430,12 @@ class Engine::Impl {
   // fp32 working copy, and PublishParams' copies of new values to the device. Made once; used by
   // the optimizer lane, and by a checkpoint load while the lane is idle.
   std::unique_ptr<Stream> publish_stream_;
-  // Where a host optimizer writes new working values that live in device memory, for
-  // PublishParams to copy over: pinned, sized at Init to the largest shard, used by the
-  // optimizer lane alone.
-  StagingBuffer publish_staging_;
+  // Where a host optimizer writes new working values that live in device memory, for the
+  // publish copy to take over (Note [pipelined publish]): two slots, pinned, sized at Init to the
+  // largest shard; each with the event of its copy in flight.
+  bool staged_publish_ = false;
+  StagingBuffer publish_staging_[2];
+  std::unique_ptr<Event> publish_events_[2];
   // CUDA: the gradient statistics' stream, and the reduce lane's LibTorch ops (compute_fence.h).
   std::unique_ptr<SideStream> side_stream_;
   // Chunk memory handed back while compute may still read it (Note [ordered frees]).
@@ -563,6 +574,21 @@ class Engine::Impl {
   bool opt_stop_ = false;          // GUARDED_BY(opt_mu_)
   Status opt_error_;               // GUARDED_BY(opt_mu_)
   double opt_s_ = 0;               // GUARDED_BY(opt_mu_)
+  // Note [pipelined publish]: copies of new values in flight, oldest first; a chunk stays
+  // update_pending_ (and counts in opt_busy_) until its copy has landed.
+  struct PendingPublish {
+    int64_t c;
+    int slot;
+    bool held;  // the chunk's param16 block is pinned until the copy lands
+    uint64_t step;
+  };
+  std::thread publish_thread_;
+  std::deque<PendingPublish> publish_queue_;  // GUARDED_BY(opt_mu_)
+  bool publish_slot_busy_[2] = {false, false};  // GUARDED_BY(opt_mu_)
+  int publish_next_slot_ = 0;                 // the optimizer lane's own
+  bool publish_stop_ = false;                 // GUARDED_BY(opt_mu_)
+  double publish_s_ = 0;                      // GUARDED_BY(opt_mu_): copy-lane seconds
+  uint64_t publish_h2d_ = 0;                  // GUARDED_BY(opt_mu_)
   float opt_grad_scale_ = 1;       // set before enqueueing
   double opt_lr_ = 0;
   int64_t opt_step_ = 0;

@@ -39,16 +39,19 @@ void Engine::Impl::StartOptimizerLane() {
       l.unlock();
       double dt = 0;
       Status s;
+      bool publishing = false;
       if (!failed) {
         if (optimizer_delay_hook_) optimizer_delay_hook_(c);
         LaneTimer t(&dt, &lane_trace_, Lane::kOptimizer, "adam", opt_step_, c);
-        s = AdamChunk(c, opt_grad_scale_, opt_lr_, opt_step_);
+        s = AdamChunk(c, opt_grad_scale_, opt_lr_, opt_step_, &publishing);
       }
       l.lock();
       opt_s_ += dt;
       if (!s.ok() && opt_error_.ok()) opt_error_ = s;
-      update_pending_[c] = 0;
-      --opt_busy_;
+      if (!publishing) {  // else the publish lane finishes the chunk
+        update_pending_[c] = 0;
+        --opt_busy_;
+      }
       opt_cv_.notify_all();
     }
   });
@@ -61,6 +64,111 @@ void Engine::Impl::StopOptimizerLane() {
   }
   opt_cv_.notify_all();
   if (opt_thread_.joinable()) opt_thread_.join();
+}
+
+// Note [pipelined publish]
+// A host optimizer (offload_optimizer cpu or nvme) whose parameters live in device memory writes
+// each chunk's new values to a pinned staging slot; a copy on the publish stream takes them to
+// the device. Waiting for that copy before the next chunk's update would add it to the
+// optimizer lane: on a GPU a shard's copy over PCIe is a fifth to a quarter of its CPU Adam. So
+// the lane starts the copy, records the slot's event and goes on with the next chunk in the
+// other slot, and the publish lane (a thread of its own) waits for the event, releases the
+// param16 block, and only then marks the chunk updated: nothing can read the chunk's new values
+// before they have landed, and no slot is written while its copy still reads it. Two slots are
+// enough: the copy is shorter than the next update, so the lane rarely waits for a slot.
+
+void Engine::Impl::StartPublishLane() {
+  publish_thread_ = std::thread([this] {
+    std::unique_lock<std::mutex> l(opt_mu_);
+    for (;;) {
+      opt_cv_.wait(l, [&] { return publish_stop_ || !publish_queue_.empty(); });
+      if (publish_queue_.empty()) return;
+      const PendingPublish p = publish_queue_.front();
+      publish_queue_.pop_front();
+      l.unlock();
+      double dt = 0;
+      Status s;
+      {
+        LaneTimer t(&dt, &lane_trace_, Lane::kCopy, "publish", p.step, p.c);
+        s = publish_events_[p.slot]->Synchronize();
+      }
+      if (p.held) {
+        Status r = store_->Release({p.c, StateKind::kParam16}, s.ok());
+        if (s.ok()) s = r;
+      }
+      l.lock();
+      publish_s_ += dt;
+      if (!s.ok() && opt_error_.ok())
+        opt_error_ = s.WithContext(StrCat("publishing chunk ", p.c, "'s new values"));
+      publish_slot_busy_[p.slot] = false;
+      update_pending_[p.c] = 0;
+      --opt_busy_;
+      opt_cv_.notify_all();
+    }
+  });
+}
+
+void Engine::Impl::StopPublishLane() {
+  {
+    std::lock_guard<std::mutex> l(opt_mu_);
+    publish_stop_ = true;
+  }
+  opt_cv_.notify_all();
+  if (publish_thread_.joinable()) publish_thread_.join();
+}
+
+int Engine::Impl::TakePublishSlot() {
+  const int slot = publish_next_slot_;
+  publish_next_slot_ ^= 1;
+  std::unique_lock<std::mutex> l(opt_mu_);
+  opt_cv_.wait(l, [&] { return !publish_slot_busy_[slot]; });
+  publish_slot_busy_[slot] = true;
+  return slot;
+}
+
+void Engine::Impl::FreePublishSlot(int slot) {
+  {
+    std::lock_guard<std::mutex> l(opt_mu_);
+    publish_slot_busy_[slot] = false;
+  }
+  opt_cv_.notify_all();
+}
+
+// Starts the copy of chunk c's new values from staging slot `slot` to the device and hands it
+// to the publish lane. On failure nothing is in flight and the slot is free again.
+Status Engine::Impl::StartPublish(int64_t c, int slot) {
+  const ChunkInfo& ci = partitioner_->chunks()[c];
+  const size_t bytes = ci.shard_numel * optim::DTypeSize(compute_dtype_);
+  void* dst;
+  const bool held = stage3();
+  if (held) {
+    auto got = store_->Acquire({c, StateKind::kParam16}, Access::kWrite);
+    if (!got.ok()) {
+      FreePublishSlot(slot);
+      return got.status();
+    }
+    dst = *got;
+  } else {
+    dst = static_cast<char*>(chunks_[c].full.data_ptr()) +
+          partitioner_->ShardOffset(c, shard_rank()) * optim::DTypeSize(compute_dtype_);
+  }
+  Status s =
+      publish_stream_->MemcpyAsync(dst, publish_staging_[slot].data(), bytes, CopyKind::kHostToDevice);
+  if (s.ok()) s = publish_stream_->Record(*publish_events_[slot]);
+  if (!s.ok()) {
+    // Whatever was queued reads the slot and writes the block: let it finish first.
+    publish_stream_->Synchronize().IgnoreError();
+    if (held) store_->Release({c, StateKind::kParam16}, false).IgnoreError();
+    FreePublishSlot(slot);
+    return s;
+  }
+  {
+    std::lock_guard<std::mutex> l(opt_mu_);
+    publish_queue_.push_back({c, slot, held, static_cast<uint64_t>(opt_step_)});
+    if (device_->kind() != DeviceKind::kCpu) publish_h2d_ += bytes;
+  }
+  opt_cv_.notify_all();
+  return Status::Ok();
 }
 
 void Engine::Impl::EnqueueOptimizer(int64_t c) {
@@ -152,7 +260,9 @@ void Engine::Impl::PrefetchStatesForUpdates() {
   }
 }
 
-Status Engine::Impl::AdamChunk(int64_t c, float grad_scale, double lr, int64_t step) {
+Status Engine::Impl::AdamChunk(int64_t c, float grad_scale, double lr, int64_t step,
+                               bool* publishing) {
+  *publishing = false;
   const ChunkInfo& ci = partitioner_->chunks()[c];
   const int64_t n = ci.shard_numel;
   const auto& oc = config_.optimizer;
@@ -180,12 +290,13 @@ Status Engine::Impl::AdamChunk(int64_t c, float grad_scale, double lr, int64_t s
   // The new working copy goes straight into its home when the optimizer can address it: host
   // memory, or device memory when the optimizer is the device's own compute. A host optimizer
   // never writes device memory, on the CPU device either (Note [strict device memory]): its
-  // values go to the staging buffer and PublishParams copies them over, the path a GPU takes.
+  // values go to a staging slot and a copy takes them over (Note [pipelined publish]), the path a
+  // GPU takes.
   const int stage = config_.zero_optimization.stage;
   const size_t esize = optim::DTypeSize(compute_dtype_);
   void* out = nullptr;
   BlockKey kp{c, StateKind::kParam16};
-  bool staged = false;
+  int slot = -1;  // the staging slot taken
   bool param_block_held = false;
   if (master_is_param()) {
     out = master;  // Note [shared master]: the update writes the working shard in place
@@ -204,13 +315,9 @@ Status Engine::Impl::AdamChunk(int64_t c, float grad_scale, double lr, int64_t s
           partitioner_->ShardOffset(c, shard_rank()) * esize;
   }
   if (!out) {
-    Status r = publish_staging_.Reserve(n * esize);
-    if (!r.ok()) {
-      for (const auto& w : wants) store_->Release(w.first, false).IgnoreError();
-      return r.WithContext(StrCat("optimizer step of chunk ", c));
-    }
-    out = publish_staging_.data();
-    staged = true;
+    STRATA_DCHECK(staged_publish_, "chunk ", c, ": new values need the staging slots");
+    slot = TakePublishSlot();
+    out = publish_staging_[slot].data();
   }
 
   optim::AdamParams ap;
@@ -273,12 +380,21 @@ Status Engine::Impl::AdamChunk(int64_t c, float grad_scale, double lr, int64_t s
     Status ps = store_->Release(kp, updated);
     if (s.ok()) s = ps;
   }
-  if (!s.ok()) return s.WithContext(StrCat("optimizer step of chunk ", c));
-  if (staged) return PublishParams(c, publish_staging_.data(), compute_dtype_);
+  if (!s.ok()) {
+    if (slot >= 0) FreePublishSlot(slot);
+    return s.WithContext(StrCat("optimizer step of chunk ", c));
+  }
+  if (slot >= 0) {
+    STRATA_RETURN_IF_ERROR(
+        StartPublish(c, slot).WithContext(StrCat("publishing chunk ", c, "'s new values")));
+    *publishing = true;
+  }
   return Status::Ok();
 }
 
-// Copies a shard of new working values from host memory to where the device reads it.
+// Copies a shard of new working values from host memory to where the device reads it, and
+// waits: a checkpoint load, while the optimizer lane is idle (updates publish through
+// StartPublish).
 Status Engine::Impl::PublishParams(int64_t c, const void* shard_values, optim::DType dtype) {
   const ChunkInfo& ci = partitioner_->chunks()[c];
   const size_t bytes = ci.shard_numel * optim::DTypeSize(dtype);
@@ -295,7 +411,6 @@ Status Engine::Impl::PublishParams(int64_t c, const void* shard_values, optim::D
     std::memcpy(dst, shard_values, bytes);
     return store_->Release({c, StateKind::kParam16}, true);
   }
-  // The lane's own stream: this runs concurrently with compute.
   Status s = publish_stream_->MemcpyAsync(dst, shard_values, bytes, CopyKind::kHostToDevice);
   if (s.ok()) s = publish_stream_->Synchronize();
   if (held) {
@@ -337,7 +452,8 @@ void Engine::Impl::ResetLanes() {
     reduce_d2h_ = 0;
   }
   std::lock_guard<std::mutex> l(opt_mu_);
-  opt_s_ = 0;
+  opt_s_ = publish_s_ = 0;
+  publish_h2d_ = 0;
 }
 
 StatusOr<StepReport> Engine::Impl::Step() {
@@ -433,6 +549,8 @@ StatusOr<StepReport> Engine::Impl::Step() {
   {
     std::lock_guard<std::mutex> l(opt_mu_);
     rep.optimizer_s = opt_s_;
+    rep.copy_s += publish_s_;
+    bytes_h2d_ += publish_h2d_;
   }
   BlockStoreStats now = store_->stats();
   rep.nvme_s = now.nvme_busy_s - store_at_step_start_.nvme_busy_s;

@@ -284,13 +284,23 @@ class Engine::Impl {
   Status TakeParamGrad(int64_t pid, bool settle);
   // Hands chunk c's complete gradient to the reduce lane (Note [reduce lane]).
   Status ReduceChunk(int64_t c);
-  // One chunk's update. Sets *publishing when it left the copy of new values to the device in
+  // Note [pipelined publish]: a copy of new values in flight, for the publish lane to finish.
+  struct PendingPublish {
+    int64_t c = -1;
+    int slot = 0;
+    bool held = false;  // the chunk's param16 block is pinned until the copy lands
+    uint64_t step = 0;
+    size_t bytes = 0;
+  };
+  // One chunk's update. Sets *publish when it left the copy of new values to the device in
   // flight (Note [pipelined publish]): the publish lane then finishes the chunk.
-  Status AdamChunk(int64_t c, float grad_scale, double lr, int64_t step, bool* publishing);
-  // Note [pipelined publish]: a free staging slot, waited for.
+  Status AdamChunk(int64_t c, float grad_scale, double lr, int64_t step,
+                   std::optional<PendingPublish>* publish);
+  // Note [pipelined publish]: a free staging slot, waited for (the wait adds to
+  // opt_slot_wait_s_).
   int TakePublishSlot();
   void FreePublishSlot(int slot);
-  Status StartPublish(int64_t c, int slot);
+  Status StartPublish(int64_t c, int slot, PendingPublish* publish);
   void StartPublishLane();
   void StopPublishLane();
   // Copies a shard of new values to the device and waits (a checkpoint load).
@@ -427,8 +437,8 @@ class Engine::Impl {
   std::unique_ptr<tbb::task_arena> arena_;
   std::unique_ptr<Stream> copy_stream_;
   // The optimizer's device work: the device-resident update (Stream::LaunchKernel) with its
-  // fp32 working copy, and PublishParams' copies of new values to the device. Made once; used by
-  // the optimizer lane, and by a checkpoint load while the lane is idle.
+  // fp32 working copy, and the copies of a host optimizer's new values to the device
+  // (StartPublish; PublishParams for a checkpoint load, while the lane is idle). Made once.
   std::unique_ptr<Stream> publish_stream_;
   // Where a host optimizer writes new working values that live in device memory, for the
   // publish copy to take over (Note [pipelined publish]): two slots, pinned, sized at Init to the
@@ -569,23 +579,19 @@ class Engine::Impl {
   std::mutex opt_mu_;
   std::condition_variable opt_cv_;
   std::deque<int64_t> opt_queue_;  // GUARDED_BY(opt_mu_)
-  std::vector<uint8_t> update_pending_;  // GUARDED_BY(opt_mu_): per chunk, queued or running
+  // GUARDED_BY(opt_mu_): per chunk, queued, running or publishing (Note [pipelined publish])
+  std::vector<uint8_t> update_pending_;
   int opt_busy_ = 0;               // GUARDED_BY(opt_mu_)
   bool opt_stop_ = false;          // GUARDED_BY(opt_mu_)
   Status opt_error_;               // GUARDED_BY(opt_mu_)
   double opt_s_ = 0;               // GUARDED_BY(opt_mu_)
   // Note [pipelined publish]: copies of new values in flight, oldest first; a chunk stays
   // update_pending_ (and counts in opt_busy_) until its copy has landed.
-  struct PendingPublish {
-    int64_t c;
-    int slot;
-    bool held;  // the chunk's param16 block is pinned until the copy lands
-    uint64_t step;
-  };
   std::thread publish_thread_;
   std::deque<PendingPublish> publish_queue_;  // GUARDED_BY(opt_mu_)
   bool publish_slot_busy_[2] = {false, false};  // GUARDED_BY(opt_mu_)
   int publish_next_slot_ = 0;                 // the optimizer lane's own
+  double opt_slot_wait_s_ = 0;                // the optimizer lane's own: this update's slot wait
   bool publish_stop_ = false;                 // GUARDED_BY(opt_mu_)
   double publish_s_ = 0;                      // GUARDED_BY(opt_mu_): copy-lane seconds
   uint64_t publish_h2d_ = 0;                  // GUARDED_BY(opt_mu_)

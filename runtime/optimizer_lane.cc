@@ -39,16 +39,22 @@ void Engine::Impl::StartOptimizerLane() {
       l.unlock();
       double dt = 0;
       Status s;
-      bool publishing = false;
+      std::optional<PendingPublish> publish;
+      opt_slot_wait_s_ = 0;
       if (!failed) {
         if (optimizer_delay_hook_) optimizer_delay_hook_(c);
         LaneTimer t(&dt, &lane_trace_, Lane::kOptimizer, "adam", opt_step_, c);
-        s = AdamChunk(c, opt_grad_scale_, opt_lr_, opt_step_, &publishing);
+        s = AdamChunk(c, opt_grad_scale_, opt_lr_, opt_step_, &publish);
       }
       l.lock();
-      opt_s_ += dt;
+      // A wait for a staging slot is a wait for the copy lane, not optimizer work.
+      opt_s_ += std::max(0.0, dt - opt_slot_wait_s_);
       if (!s.ok() && opt_error_.ok()) opt_error_ = s;
-      if (!publishing) {  // else the publish lane finishes the chunk
+      if (publish) {
+        // The publish lane finishes the chunk; queued here, with this update's time already
+        // counted, so that an idle lane means its step's figures are complete.
+        publish_queue_.push_back(*publish);
+      } else {
         update_pending_[c] = 0;
         --opt_busy_;
       }
@@ -79,6 +85,9 @@ void Engine::Impl::StopOptimizerLane() {
 
 void Engine::Impl::StartPublishLane() {
   publish_thread_ = std::thread([this] {
+    // The current device is per thread: the event waits go to the engine's device (a rank's
+    // GPU other than the first would otherwise get a context on GPU 0).
+    c10::DeviceGuard on_device(TorchDevice(*device_));
     std::unique_lock<std::mutex> l(opt_mu_);
     for (;;) {
       opt_cv_.wait(l, [&] { return publish_stop_ || !publish_queue_.empty(); });
@@ -98,6 +107,7 @@ void Engine::Impl::StartPublishLane() {
       }
       l.lock();
       publish_s_ += dt;
+      if (s.ok() && device_->kind() != DeviceKind::kCpu) publish_h2d_ += p.bytes;
       if (!s.ok() && opt_error_.ok())
         opt_error_ = s.WithContext(StrCat("publishing chunk ", p.c, "'s new values"));
       publish_slot_busy_[p.slot] = false;
@@ -121,7 +131,14 @@ int Engine::Impl::TakePublishSlot() {
   const int slot = publish_next_slot_;
   publish_next_slot_ ^= 1;
   std::unique_lock<std::mutex> l(opt_mu_);
-  opt_cv_.wait(l, [&] { return !publish_slot_busy_[slot]; });
+  if (publish_slot_busy_[slot]) {
+    const Clock::time_point t0 = Clock::now();
+    opt_cv_.wait(l, [&] { return !publish_slot_busy_[slot]; });
+    const Clock::time_point t1 = Clock::now();
+    opt_slot_wait_s_ += std::chrono::duration<double>(t1 - t0).count();
+    // Inside the update's own span on the optimizer track, so the trace shows what it waited for.
+    lane_trace_.Add(Lane::kOptimizer, "wait for staging slot", t0, t1, opt_step_, -1);
+  }
   publish_slot_busy_[slot] = true;
   return slot;
 }
@@ -134,9 +151,10 @@ void Engine::Impl::FreePublishSlot(int slot) {
   opt_cv_.notify_all();
 }
 
-// Starts the copy of chunk c's new values from staging slot `slot` to the device and hands it
-// to the publish lane. On failure nothing is in flight and the slot is free again.
-Status Engine::Impl::StartPublish(int64_t c, int slot) {
+// Starts the copy of chunk c's new values from staging slot `slot` to the device and describes
+// it in *publish, for the optimizer lane to hand to the publish lane. On failure nothing is in
+// flight and the slot is free again.
+Status Engine::Impl::StartPublish(int64_t c, int slot, PendingPublish* publish) {
   const ChunkInfo& ci = partitioner_->chunks()[c];
   const size_t bytes = ci.shard_numel * optim::DTypeSize(compute_dtype_);
   void* dst;
@@ -162,12 +180,7 @@ Status Engine::Impl::StartPublish(int64_t c, int slot) {
     FreePublishSlot(slot);
     return s;
   }
-  {
-    std::lock_guard<std::mutex> l(opt_mu_);
-    publish_queue_.push_back({c, slot, held, static_cast<uint64_t>(opt_step_)});
-    if (device_->kind() != DeviceKind::kCpu) publish_h2d_ += bytes;
-  }
-  opt_cv_.notify_all();
+  *publish = {c, slot, held, static_cast<uint64_t>(opt_step_), bytes};
   return Status::Ok();
 }
 
@@ -261,8 +274,8 @@ void Engine::Impl::PrefetchStatesForUpdates() {
 }
 
 Status Engine::Impl::AdamChunk(int64_t c, float grad_scale, double lr, int64_t step,
-                               bool* publishing) {
-  *publishing = false;
+                               std::optional<PendingPublish>* publish) {
+  publish->reset();
   const ChunkInfo& ci = partitioner_->chunks()[c];
   const int64_t n = ci.shard_numel;
   const auto& oc = config_.optimizer;
@@ -385,9 +398,10 @@ Status Engine::Impl::AdamChunk(int64_t c, float grad_scale, double lr, int64_t s
     return s.WithContext(StrCat("optimizer step of chunk ", c));
   }
   if (slot >= 0) {
+    PendingPublish p;
     STRATA_RETURN_IF_ERROR(
-        StartPublish(c, slot).WithContext(StrCat("publishing chunk ", c, "'s new values")));
-    *publishing = true;
+        StartPublish(c, slot, &p).WithContext(StrCat("publishing chunk ", c, "'s new values")));
+    *publish = p;
   }
   return Status::Ok();
 }

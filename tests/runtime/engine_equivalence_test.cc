@@ -285,6 +285,19 @@ INSTANTIATE_TEST_SUITE_P(
 // Note [shared master]: fp32 stage 3 with params and optimizer states in one tier keeps the
 // master in the param16 block (the equivalence cases nvme_offload* and cpu_offload_stage3 train
 // through it); other placements and dtypes keep their own master32 block.
+// Creates an engine for `c` on the CPU device (NVMe files in a temporary directory) and returns
+// its Describe(), or the error Engine::Create gave.
+StatusOr<nlohmann::json> DescribeOnCpu(const Config& c) {
+  testing::TempDir dir;
+  EngineOptions opts;
+  opts.nvme_path = {dir.path()};
+  auto comm = CreateSingleCommunicator();
+  auto device = CreateDevice("cpu", 256 << 20).value();
+  STRATA_ASSIGN_OR_RETURN(
+      auto engine, Engine::Create(models::BuildGpt(c.model), c, comm.get(), device.get(), opts));
+  return engine->Describe();
+}
+
 TEST(SharedMaster, OnlyWhereTheWorkingShardHoldsTheSameBits) {
   auto where = [](int stage, OffloadDevice param, OffloadDevice optim, bool bf16) {
     Config c = BaseConfig();
@@ -292,14 +305,9 @@ TEST(SharedMaster, OnlyWhereTheWorkingShardHoldsTheSameBits) {
     c.zero_optimization.offload_param.device = param;
     c.zero_optimization.offload_optimizer.device = optim;
     c.bf16.enabled = bf16;
-    testing::TempDir dir;
-    EngineOptions opts;
-    opts.nvme_path = {dir.path()};
-    auto comm = CreateSingleCommunicator();
-    auto device = CreateDevice("cpu", 256 << 20).value();
-    auto engine = Engine::Create(models::BuildGpt(c.model), c, comm.get(), device.get(), opts);
-    EXPECT_TRUE(engine.ok()) << engine.status();
-    return engine.ok() ? (*engine)->Describe()["master_storage"].get<std::string>() : "";
+    auto described = DescribeOnCpu(c);
+    EXPECT_TRUE(described.ok()) << described.status();
+    return described.ok() ? (*described)["master_storage"].get<std::string>() : "";
   };
   EXPECT_EQ(where(3, OffloadDevice::kNvme, OffloadDevice::kNvme, false), "param16 (shared)");
   EXPECT_EQ(where(3, OffloadDevice::kCpu, OffloadDevice::kCpu, false), "param16 (shared)");
@@ -451,16 +459,11 @@ TEST(PlacementErrors, OffloadedParamsNeedAnOffloadedOptimizer) {
     c.zero_optimization.stage = 3;
     c.zero_optimization.offload_param.device = param;
     c.zero_optimization.offload_optimizer.device = OffloadDevice::kNone;
-    testing::TempDir dir;
-    EngineOptions opts;
-    opts.nvme_path = {dir.path()};
-    auto comm = CreateSingleCommunicator();
-    auto device = CreateDevice("cpu", 256 << 20).value();
-    auto engine = Engine::Create(models::BuildGpt(c.model), c, comm.get(), device.get(), opts);
-    ASSERT_FALSE(engine.ok()) << static_cast<int>(param);
-    EXPECT_EQ(engine.status().code(), StatusCode::kInvalidArgument);
-    EXPECT_NE(engine.status().message().find("offload the optimizer too"), std::string::npos)
-        << engine.status();
+    auto described = DescribeOnCpu(c);
+    ASSERT_FALSE(described.ok()) << static_cast<int>(param);
+    EXPECT_EQ(described.status().code(), StatusCode::kInvalidArgument);
+    EXPECT_NE(described.status().message().find("offload the optimizer too"), std::string::npos)
+        << described.status();
   }
 }
 

@@ -79,6 +79,8 @@ const Case kCases[] = {
         Case{"stage3_max_live", 3, OffloadDevice::kCpu, OffloadDevice::kCpu, 1, 0.0, 0, false,
              12000},
         Case{"cpu_offload", 2, OffloadDevice::kNone, OffloadDevice::kCpu, 1, 1.0},
+        // No clipping: each update, and its publish to the device, runs during backward.
+        Case{"cpu_offload_during_backward", 2, OffloadDevice::kNone, OffloadDevice::kCpu, 1, 0.0},
         Case{"cpu_offload_stage3", 3, OffloadDevice::kCpu, OffloadDevice::kCpu, 2, 0.0},
         // configs/tiny.json's placement: parameters on the device, the optimizer on the host, so
         // new values reach the device through the staging buffer and the publish stream.

@@ -522,7 +522,7 @@ Status Engine::Impl::Init(Engine* owner, const EngineOptions& options) {
   // A host optimizer's new values for device-resident parameters go through the staging buffer
   // (AdamChunk). Sized once, here: growing it later would free and allocate page-locked memory,
   // which on a GPU waits for the device.
-  if (!device_optimizer() && param_placement_ == Placement::kDevice) {
+  if (staged_publish()) {
     int64_t most = 0;
     for (const ChunkInfo& ci : chunk_infos) most = std::max(most, ci.shard_numel);
     for (int slot = 0; slot < 2; ++slot) {
@@ -531,7 +531,6 @@ Status Engine::Impl::Init(Engine* owner, const EngineOptions& options) {
       STRATA_ASSIGN_OR_RETURN(publish_events_[slot], device_->CreateEvent());
     }
     StartPublishLane();
-    staged_publish_ = true;
   }
   StartOptimizerLane();
   StartReduceLane();

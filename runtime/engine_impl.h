@@ -259,6 +259,17 @@ class Engine::Impl {
   // True when the optimizer is the device's own compute, on states in device memory
   // (offload_optimizer.device: none): the GPU Adam on CUDA, the CPU Adam on the CPU device.
   bool device_optimizer() const { return optim_placement_ == Placement::kDevice; }
+  // True when a host optimizer's new values for device-resident parameters go through the
+  // staging slots and the publish lane (Note [pipelined publish]).
+  bool staged_publish() const {
+    return !device_optimizer() && param_placement_ == Placement::kDevice;
+  }
+  // Stages 0-2: this rank's shard of chunk c in the replicated working copy (device memory, at
+  // its compute address), in the compute dtype.
+  void* WorkingShard(int64_t c) const {
+    return static_cast<char*>(chunks_[c].full.data_ptr()) +
+           partitioner_->ShardOffset(c, shard_rank()) * optim::DTypeSize(compute_dtype_);
+  }
   // True when the optimizer runs on a CUDA device's own memory (the GPU Adam).
   bool gpu_optimizer() const {
     return device_optimizer() && device_->kind() == DeviceKind::kCuda;
@@ -443,7 +454,6 @@ class Engine::Impl {
   // Where a host optimizer writes new working values that live in device memory, for the
   // publish copy to take over (Note [pipelined publish]): two slots, pinned, sized at Init to the
   // largest shard; each with the event of its copy in flight.
-  bool staged_publish_ = false;
   StagingBuffer publish_staging_[2];
   std::unique_ptr<Event> publish_events_[2];
   // CUDA: the gradient statistics' stream, and the reduce lane's LibTorch ops (compute_fence.h).

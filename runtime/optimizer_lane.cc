@@ -167,8 +167,7 @@ Status Engine::Impl::StartPublish(int64_t c, int slot, PendingPublish* publish) 
     }
     dst = *got;
   } else {
-    dst = static_cast<char*>(chunks_[c].full.data_ptr()) +
-          partitioner_->ShardOffset(c, shard_rank()) * optim::DTypeSize(compute_dtype_);
+    dst = WorkingShard(c);
   }
   Status s =
       publish_stream_->MemcpyAsync(dst, publish_staging_[slot].data(), bytes, CopyKind::kHostToDevice);
@@ -306,7 +305,6 @@ Status Engine::Impl::AdamChunk(int64_t c, float grad_scale, double lr, int64_t s
   // values go to a staging slot and a copy takes them over (Note [pipelined publish]), the path a
   // GPU takes.
   const int stage = config_.zero_optimization.stage;
-  const size_t esize = optim::DTypeSize(compute_dtype_);
   void* out = nullptr;
   BlockKey kp{c, StateKind::kParam16};
   int slot = -1;  // the staging slot taken
@@ -324,11 +322,10 @@ Status Engine::Impl::AdamChunk(int64_t c, float grad_scale, double lr, int64_t s
       param_block_held = true;
     }
   } else if (device_optimizer()) {
-    out = static_cast<char*>(chunks_[c].full.data_ptr()) +
-          partitioner_->ShardOffset(c, shard_rank()) * esize;
+    out = WorkingShard(c);
   }
   if (!out) {
-    STRATA_DCHECK(staged_publish_, "chunk ", c, ": new values need the staging slots");
+    STRATA_DCHECK(staged_publish(), "chunk ", c, ": new values need the staging slots");
     slot = TakePublishSlot();
     out = publish_staging_[slot].data();
   }
@@ -418,8 +415,7 @@ Status Engine::Impl::PublishParams(int64_t c, const void* shard_values, optim::D
     STRATA_ASSIGN_OR_RETURN(dst, store_->Acquire({c, StateKind::kParam16}, Access::kWrite));
     held = true;
   } else {
-    dst = static_cast<char*>(chunks_[c].full.data_ptr()) +
-          partitioner_->ShardOffset(c, shard_rank()) * optim::DTypeSize(dtype);
+    dst = WorkingShard(c);
   }
   if (held && param_placement_ != Placement::kDevice) {  // a host buffer: no device copy
     std::memcpy(dst, shard_values, bytes);

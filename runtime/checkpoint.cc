@@ -47,6 +47,7 @@ std::string SerializeManifest(const Manifest& m) {
                       {"scaler", m.scaler},
                       {"extra", m.extra},
                       {"blocks", blocks}};
+  if (!m.layout.is_null()) j["layout"] = m.layout;
   if (!m.buffers.empty()) {
     nlohmann::json buffers = nlohmann::json::array();
     for (const auto& b : m.buffers)
@@ -100,6 +101,7 @@ StatusOr<Manifest> ParseManifest(std::string_view bytes, const std::string& sour
     m.micro_step = Int(j.at("micro_step"), "micro_step", 0, kMax);
     m.scaler = j.at("scaler");
     m.extra = j.at("extra");
+    if (j.contains("layout")) m.layout = j.at("layout");
     if (m.rank < 0 || m.world_size < 1 || m.rank >= m.world_size || m.stage < 0 || m.stage > 3 ||
         m.parameters < 0 || m.global_step < 0 || m.micro_step < 0)
       return bad("a counter is out of range");

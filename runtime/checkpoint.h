@@ -56,6 +56,13 @@ struct Manifest {
   int64_t micro_step = 0;
   nlohmann::json scaler;  // loss-scaler state (empty without fp16)
   nlohmann::json extra;   // the caller's state (data position, ...)
+  // Where each parameter lives, for readers without the engine (strata.zero_to_fp32):
+  //   {"shard_offset": [per chunk, the first element of this rank's shard],
+  //    "chunk_numel": [per chunk, padded elements],
+  //    "params": [{"name", "shape", "chunk", "offset"} in registration order],
+  //    "buffers": [{"name", "shape"}]}
+  // Null in checkpoints written before it existed.
+  nlohmann::json layout;
   std::vector<BlockEntry> blocks;
   std::vector<BufferEntry> buffers;  // absent in checkpoints of models without buffers
 };

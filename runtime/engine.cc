@@ -198,7 +198,15 @@ Status Engine::Impl::DiscoverUnits(const EngineOptions& options) {
         id = it->second;
         if (std::find(info.params.begin(), info.params.end(), id) != info.params.end()) continue;
       } else {
-        STRATA_ASSIGN_OR_RETURN(id, part.AddParam(name.empty() ? pname : name + "." + pname, p.numel()));
+        const std::string full_name = name.empty() ? pname : name + "." + pname;
+        // A stage-3 engine leaves its parameters as views of storage it frees; reading one would
+        // touch freed memory, so a model whose engine was closed is refused here.
+        if (p.numel() > 0 && (!p.has_storage() || p.data_ptr() == nullptr))
+          return FailedPrecondition(StrCat(
+              "parameter '", full_name, "' has no memory: the model belongs to a ZeRO-3 engine "
+              "that was closed; call engine.destroy() (it gives the model its weights back) "
+              "instead of close(), or load a checkpoint into a new model"));
+        STRATA_ASSIGN_OR_RETURN(id, part.AddParam(full_name, p.numel()));
         STRATA_DCHECK(id == static_cast<int64_t>(params_.size()));
         params_.push_back({p, p.sizes().vec(), {}, nullptr});
         seen.emplace(p.unsafeGetTensorImpl(), id);
@@ -676,7 +684,9 @@ StatusOr<std::vector<torch::Tensor>> Engine::GatherMasterParams() {
 Status Engine::SaveCheckpoint(const std::string& dir, const nlohmann::json& extra) {
   return impl_->Save(dir, extra);
 }
-StatusOr<nlohmann::json> Engine::LoadCheckpoint(const std::string& dir) { return impl_->Load(dir); }
+StatusOr<nlohmann::json> Engine::LoadCheckpoint(const std::string& dir, bool weights_only) {
+  return impl_->Load(dir, weights_only);
+}
 
 
 int64_t Engine::global_step() const { return impl_->global_step_; }

@@ -195,7 +195,9 @@ class Engine {
   // Saves this rank's partitions and the training state into `dir` atomically; loads them back.
   // `extra` is stored in the manifest and returned by Load (data position, RNG, ...).
   Status SaveCheckpoint(const std::string& dir, const nlohmann::json& extra);
-  StatusOr<nlohmann::json> LoadCheckpoint(const std::string& dir);
+  // weights_only: restores the fp32 masters (and the working copy from them) and the module
+  // buffers; the optimizer states, step counters and loss scale keep their current values.
+  StatusOr<nlohmann::json> LoadCheckpoint(const std::string& dir, bool weights_only = false);
 
   int64_t global_step() const;
   int64_t micro_step() const;

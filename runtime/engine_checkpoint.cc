@@ -75,6 +75,7 @@ Status Engine::Impl::Save(const std::string& root, const nlohmann::json& extra) 
   m.micro_step = micro_step_;
   if (scaler_) m.scaler = {{"scale", scaler_->scale()}};
   m.extra = extra;
+  m.layout = LayoutJson();
 
   // Stream every block from wherever it lives straight into the file: no state is staged whole.
   const std::string bin = (tmp_dir / (stem + ".bin")).string();
@@ -142,7 +143,27 @@ Status Engine::Impl::Save(const std::string& root, const nlohmann::json& extra) 
   return Status::Ok();
 }
 
-StatusOr<nlohmann::json> Engine::Impl::Load(const std::string& path) {
+nlohmann::json Engine::Impl::LayoutJson() const {
+  nlohmann::json shard_offset = nlohmann::json::array(), chunk_numel = nlohmann::json::array();
+  for (size_t c = 0; c < chunks_.size(); ++c) {
+    shard_offset.push_back(partitioner_->ShardOffset(static_cast<int64_t>(c), shard_rank()));
+    chunk_numel.push_back(partitioner_->chunks()[c].numel);
+  }
+  nlohmann::json params = nlohmann::json::array();
+  for (size_t pid = 0; pid < params_.size(); ++pid) {
+    const ParamLocation& loc = partitioner_->location(static_cast<int64_t>(pid));
+    params.push_back({{"name", partitioner_->param_name(static_cast<int64_t>(pid))},
+                      {"shape", params_[pid].shape},
+                      {"chunk", loc.chunk},
+                      {"offset", loc.offset}});
+  }
+  nlohmann::json buffers = nlohmann::json::array();
+  for (const auto& [name, b] : buffers_) buffers.push_back({{"name", name}, {"shape", b.sizes().vec()}});
+  return {{"shard_offset", shard_offset}, {"chunk_numel", chunk_numel}, {"params", params},
+          {"buffers", buffers}};
+}
+
+StatusOr<nlohmann::json> Engine::Impl::Load(const std::string& path, bool weights_only) {
   namespace fs = std::filesystem;
   if (step_open_) return FailedPrecondition("LoadCheckpoint during a step");
   STRATA_RETURN_IF_ERROR(FinishUpdates());
@@ -215,6 +236,7 @@ StatusOr<nlohmann::json> Engine::Impl::Load(const std::string& path) {
   }
   for (size_t c = 0; c < chunks_.size() && s.ok(); ++c) {
     for (StateKind kind : kSavedKinds) {
+      if (weights_only && kind != StateKind::kMaster32) continue;  // the optimizer keeps its own
       const int64_t c64 = static_cast<int64_t>(c);
       auto it = entries.find({c64, kind});
       const uint64_t bytes = partitioner_->chunks()[c].shard_numel *
@@ -286,9 +308,12 @@ StatusOr<nlohmann::json> Engine::Impl::Load(const std::string& path) {
   }
   STRATA_RETURN_IF_ERROR(ShareUpdatedShards());
   STRATA_RETURN_IF_ERROR(RefreshChunksAfterStep());
-  global_step_ = m.global_step;
-  micro_step_ = m.micro_step;
-  STRATA_LOG(INFO) << "checkpoint loaded dir=" << dir << " step=" << global_step_;
+  if (!weights_only) {
+    global_step_ = m.global_step;
+    micro_step_ = m.micro_step;
+  }
+  STRATA_LOG(INFO) << "checkpoint loaded dir=" << dir << " step=" << m.global_step
+                   << (weights_only ? " (weights only)" : "");
   return m.extra;
 }
 

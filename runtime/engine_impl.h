@@ -127,7 +127,8 @@ class Engine::Impl {
   StatusOr<StepReport> Step();
   StatusOr<std::vector<torch::Tensor>> GatherMasterParams();
   Status Save(const std::string& dir, const nlohmann::json& extra);
-  StatusOr<nlohmann::json> Load(const std::string& dir);
+  StatusOr<nlohmann::json> Load(const std::string& dir, bool weights_only);
+  nlohmann::json LayoutJson() const;  // Manifest::layout of this rank
 
   int64_t global_step_ = 0;
   int64_t micro_step_ = 0;

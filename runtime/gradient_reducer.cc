@@ -298,9 +298,10 @@ Status Engine::Impl::ReduceShard(ReduceJob& job, bool on_lane) {
     // it has run. (A copy to host memory has finished when copy_ returns.)
     if (gpu_optimizer()) ComputeFence::Mark(*device_).Wait();
   }
-  if (job.last_micro && !immediate_optimizer()) {
+  if (job.last_micro) {
     // This chunk's part of the step's global norm and overflow check, while the shard is hot
-    // (Note [deferred optimizer]).
+    // (Note [deferred optimizer]). Updates that start in backward need neither, but the norm is
+    // reported (engine.get_global_grad_norm) whatever the mode.
     const double inv = scaler_ ? scaler_->inv_scale() : 1.0;
     auto st = gpu_optimizer()
                   ? kernels::UnscaleCheckNorm(kernels::Backend::kCuda, dst, optim::DType::kFloat32,

@@ -475,35 +475,35 @@ StatusOr<StepReport> Engine::Impl::Step() {
   StepReport rep;
   rep.loss_scale = scaler_ ? scaler_->scale() : 1.0;
   bool overflow = false;
+  // The previous step's updates (deferred ones, or those that started in backward) have all
+  // been waited for by now (this step's forward and reductions needed them); a failure among
+  // them surfaces here. Copies gathered ahead land before any update may write their blocks.
+  STRATA_RETURN_IF_ERROR(FinishUpdates());
+  // Global conditions first: the squared norm and the overflow flag over every shard, from the
+  // per-chunk parts the reductions computed, summed in chunk order.
+  double sum_sq = 0;
+  bool nonfinite = false;
+  for (size_t c = 0; c < chunks_.size(); ++c) {
+    nonfinite |= chunk_nonfinite_[c] != 0;
+    sum_sq += chunk_sum_sq_[c];
+  }
+  if (comm_->world_size() > 1 && config_.zero_optimization.stage > 0) {
+    LaneTimer t(&comm_s_, &lane_trace_, Lane::kComm, "norm all-reduce", trace_step());
+    torch::Tensor flags = torch::tensor({sum_sq, nonfinite ? 1.0 : 0.0}, torch::kFloat64);
+    STRATA_RETURN_IF_ERROR(OnCommMemory(flags, [&](void* p) {
+      auto* f = static_cast<double*>(p);
+      Status s = comm_->AllReduce(f, 1, strata::DType::kF64, ReduceOp::kSum);
+      return s.ok() ? comm_->AllReduce(f + 1, 1, strata::DType::kF64, ReduceOp::kMax) : s;
+    }));
+    sum_sq = flags[0].item<double>();
+    nonfinite = flags[1].item<double>() > 0;
+  }
+  const double norm = std::sqrt(sum_sq);
   if (immediate_optimizer()) {
-    STRATA_RETURN_IF_ERROR(FinishUpdates());
     rep.lr = opt_lr_;
+    rep.grad_norm = norm;  // reported only: nothing waits on it
   } else {
-    // The previous step's deferred updates have all been waited for by now (this step's forward
-    // and reductions needed them); a failure among them surfaces here. Copies gathered ahead
-    // land before any update may write their blocks.
-    STRATA_RETURN_IF_ERROR(FinishUpdates());
-    // Global conditions first: the squared norm and the overflow flag over every shard, from the
-    // per-chunk parts the reductions computed, summed in chunk order.
-    double sum_sq = 0;
-    bool nonfinite = false;
-    for (size_t c = 0; c < chunks_.size(); ++c) {
-      nonfinite |= chunk_nonfinite_[c] != 0;
-      sum_sq += chunk_sum_sq_[c];
-    }
-    if (comm_->world_size() > 1 && config_.zero_optimization.stage > 0) {
-      LaneTimer t(&comm_s_, &lane_trace_, Lane::kComm, "norm all-reduce", trace_step());
-      torch::Tensor flags = torch::tensor({sum_sq, nonfinite ? 1.0 : 0.0}, torch::kFloat64);
-      STRATA_RETURN_IF_ERROR(OnCommMemory(flags, [&](void* p) {
-        auto* f = static_cast<double*>(p);
-        Status s = comm_->AllReduce(f, 1, strata::DType::kF64, ReduceOp::kSum);
-        return s.ok() ? comm_->AllReduce(f + 1, 1, strata::DType::kF64, ReduceOp::kMax) : s;
-      }));
-      sum_sq = flags[0].item<double>();
-      nonfinite = flags[1].item<double>() > 0;
-    }
     overflow = nonfinite;
-    double norm = std::sqrt(sum_sq);
     rep.grad_norm = overflow ? 0.0 : norm;
     if (!overflow) {
       double clip = 1.0;

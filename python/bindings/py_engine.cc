@@ -123,12 +123,12 @@ void PyEngine::SaveCheckpoint(const std::string& dir, const std::string& extra_j
   ThrowIfError(e.SaveCheckpoint(dir, extra));
 }
 
-std::string PyEngine::LoadCheckpoint(const std::string& dir) {
+std::string PyEngine::LoadCheckpoint(const std::string& dir, bool weights_only) {
   Engine& e = engine();
   StatusOr<nlohmann::json> extra = FailedPrecondition("");
   {
     py::gil_scoped_release nogil;
-    extra = e.LoadCheckpoint(dir);
+    extra = e.LoadCheckpoint(dir, weights_only);
   }
   return ValueOrThrow(std::move(extra)).dump();
 }

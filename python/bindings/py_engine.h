@@ -67,7 +67,8 @@ class PyEngine {
   void Backward(const torch::Tensor& loss);
   std::string Step();  // the StepReport as JSON text
   void SaveCheckpoint(const std::string& dir, const std::string& extra_json);
-  std::string LoadCheckpoint(const std::string& dir);  // the extra JSON given to Save
+  // The extra JSON given to Save. weights_only: Engine::LoadCheckpoint's.
+  std::string LoadCheckpoint(const std::string& dir, bool weights_only);
   int64_t StashActivations(const std::vector<torch::Tensor>& tensors);
   std::vector<torch::Tensor> RestoreActivations(int64_t handle);
   std::vector<torch::Tensor> MasterParams();

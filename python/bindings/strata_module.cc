@@ -59,7 +59,8 @@ PYBIND11_MODULE(_strata, m) {
       .def("backward", &PyEngine::Backward)
       .def("step", &PyEngine::Step)
       .def("save_checkpoint", &PyEngine::SaveCheckpoint)
-      .def("load_checkpoint", &PyEngine::LoadCheckpoint)
+      .def("load_checkpoint", &PyEngine::LoadCheckpoint, py::arg("dir"),
+           py::arg("weights_only") = false)
       .def("stash_activations", &PyEngine::StashActivations)
       .def("restore_activations", &PyEngine::RestoreActivations)
       .def("master_params", &PyEngine::MasterParams)

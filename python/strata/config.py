@@ -3,6 +3,10 @@
 The C++ parser validates it (runtime/config.h: unknown keys name the closest valid one, bad
 values name the range). This file only gathers the inputs: the file or dict, and an optimizer
 passed as an object, which becomes the config's "optimizer" section.
+
+Files are read as DeepSpeed reads them (it uses hjson): comments (`//`, `#`, `/* */`) and
+trailing commas are accepted. Hjson's other forms (unquoted strings, keys without quotes,
+multi-line strings) are not: such a file gets an error naming the line, with the fix.
 """
 
 import json
@@ -28,11 +32,66 @@ def load(config):
             raise InvalidArgumentError(f"config {path}: {e.strerror}; pass a path to a DeepSpeed "
                                        "JSON file or a dict") from None
         try:
-            return json.loads(text), path
+            return json.loads(relaxed_json(text), object_pairs_hook=_no_duplicate_keys), path
         except json.JSONDecodeError as e:
-            raise InvalidArgumentError(f"config {path}: not JSON ({e})") from None
+            raise InvalidArgumentError(
+                f"config {path}: not JSON ({e}); write it as JSON (comments and trailing commas "
+                "are accepted)") from None
+        except ValueError as e:
+            raise InvalidArgumentError(f"config {path}: {e}") from None
     raise InvalidArgumentError(f"config must be a dict or a path to a JSON file, not "
                                f"{type(config).__name__}")
+
+
+def _no_duplicate_keys(pairs):
+    out = {}
+    for k, v in pairs:
+        if k in out:
+            raise ValueError(f"key {k!r} appears twice in one object; keep one")
+        out[k] = v
+    return out
+
+
+def relaxed_json(text):
+    """`text` with comments and trailing commas removed, everything inside strings kept, so that
+    json.loads reads what hjson reads for a JSON-shaped file. Line breaks stay, so error
+    positions still name the right line."""
+    out = []
+    i, n = 0, len(text)
+    pending_comma = None  # index in `out` of a comma that may turn out to be trailing
+    while i < n:
+        c = text[i]
+        if c == '"':
+            j = i + 1
+            while j < n and text[j] != '"':
+                j += 2 if text[j] == "\\" else 1
+            out.append(text[i:j + 1])
+            pending_comma = None
+            i = j + 1
+        elif c == "#" or text.startswith("//", i):
+            j = text.find("\n", i)
+            i = n if j < 0 else j
+        elif text.startswith("/*", i):
+            j = text.find("*/", i + 2)
+            skipped = text[i:n if j < 0 else j + 2]
+            out.append("\n" * skipped.count("\n"))
+            i = n if j < 0 else j + 2
+        elif c == ",":
+            pending_comma = len(out)
+            out.append(c)
+            i += 1
+        elif c in "}]":
+            if pending_comma is not None:
+                out[pending_comma] = ""
+            pending_comma = None
+            out.append(c)
+            i += 1
+        else:
+            if not c.isspace():
+                pending_comma = None
+            out.append(c)
+            i += 1
+    return "".join(out)
 
 
 def _group_hyperparameters(group):
@@ -44,14 +103,16 @@ def optimizer_section(optimizer):
     """The config "optimizer" section equal to a torch.optim.Adam / AdamW the script built, or
     an error naming what cannot be carried over."""
     if isinstance(optimizer, torch.optim.AdamW):
-        kind = "AdamW"
+        # DeepSpeedCPUAdam / FusedAdam (strata.ops) are AdamW with an adam_w_mode switch.
+        kind = "AdamW" if getattr(optimizer, "adam_w_mode", True) else "Adam"
     elif isinstance(optimizer, torch.optim.Adam):
         kind = "Adam"
     else:
         raise InvalidArgumentError(
             f"optimizer={type(optimizer).__name__}: Strata runs its own Adam/AdamW on the "
-            "partitioned states; pass torch.optim.Adam or AdamW, or leave optimizer=None and set "
-            "the config's \"optimizer\" section")
+            "partitioned states; pass torch.optim.Adam or AdamW (or deepspeed.ops.adam's "
+            "DeepSpeedCPUAdam / FusedAdam), or leave optimizer=None and set the config's "
+            "\"optimizer\" section")
     groups = optimizer.param_groups
     first = _group_hyperparameters(groups[0])
     for g in groups[1:]:
@@ -64,5 +125,9 @@ def optimizer_section(optimizer):
             raise InvalidArgumentError("optimizer uses amsgrad or maximize, which Strata's Adam "
                                        "does not implement; turn them off")
     lr, betas, eps, weight_decay = first
-    return {"type": kind,
-            "params": {"lr": lr, "betas": list(betas), "eps": eps, "weight_decay": weight_decay}}
+    params = {"lr": lr, "betas": list(betas), "eps": eps, "weight_decay": weight_decay}
+    if kind == "Adam":
+        # A config's "Adam" means decoupled decay, as in DeepSpeed (Note [Adam means AdamW] in
+        # runtime/config.cc); torch's Adam adds the decay to the gradient.
+        params["adam_w_mode"] = False
+    return {"type": kind, "params": params}

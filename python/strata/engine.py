@@ -41,6 +41,10 @@ class StrataEngine(torch.nn.Module):
         # "cuda:0", not the device's display name ("cuda:0 (NVIDIA H100 ...)").
         self._device = torch.device(json.loads(cpp.describe())["torch_device"])
         self._stepped_at = 0  # micro-step count at the last optimizer step
+        self._boundary_override = None  # set_gradient_accumulation_boundary's value
+        self._replaced_by = None  # why this engine no longer trains (destroy, a later initialize)
+        self.optimizer = None  # set by initialize: the optimizer and scheduler it returned
+        self.lr_scheduler = None
         # id(parameter) -> the units holding it (root parameters: none, they stay gathered).
         self._param_units = {}
         for index, (_, module) in zip(self._unit_index, units):
@@ -63,31 +67,74 @@ class StrataEngine(torch.nn.Module):
             _units.thread_state.engine = outer
 
     # --- backward and step --------------------------------------------------------------------
-    def backward(self, loss, retain_graph=False):
+    def backward(self, loss, allreduce_gradients=True, release_loss=False, retain_graph=False,
+                 scale_wrt_gas=True):
         """Backward of `loss` (divided by gradient_accumulation_steps, scaled for fp16) and the
-        reduction of its gradients into each rank's shard."""
+        reduction of its gradients into each rank's shard. scale_wrt_gas=False: the caller has
+        divided the loss already (Hugging Face's Trainer does), so the engine does not."""
+        self._check_live()
+        if not allreduce_gradients:
+            raise InvalidArgumentError("engine.backward(allreduce_gradients=False): Strata "
+                                       "reduces every gradient into its shard during backward")
         if retain_graph:
             raise InvalidArgumentError("engine.backward(retain_graph=True): Strata releases each "
                                        "unit after its backward; run forward again instead")
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise InvalidArgumentError("engine.backward(loss) needs a scalar loss tensor")
-        self._cpp.backward(loss)
+        if not scale_wrt_gas:
+            # The engine divides by the accumulation steps; undo it for a pre-divided loss.
+            gas = self.gradient_accumulation_steps()
+            self._cpp.backward(loss * gas if gas != 1 else loss)
+        else:
+            self._cpp.backward(loss)
         return loss
 
     def is_gradient_accumulation_boundary(self):
+        if self._boundary_override is not None:
+            return self._boundary_override
         return self._cpp.micro_step % self.gradient_accumulation_steps() == 0
+
+    def set_gradient_accumulation_boundary(self, is_boundary):
+        """Overrides the boundary test, as accelerate does before each backward. The engine
+        steps only where the micro-step count is a multiple of gradient_accumulation_steps, so a
+        boundary declared elsewhere is refused at step() with the counts."""
+        self._boundary_override = bool(is_boundary)
 
     def step(self, lr_kwargs=None):
         """Applies the optimizer once gradient_accumulation_steps micro-batches have run through
-        backward; before that it does nothing (as DeepSpeed's engine.step)."""
+        backward; before that it does nothing (as DeepSpeed's engine.step). A client LR scheduler
+        given to initialize steps after each optimizer step."""
+        self._check_live()
         micro = self._cpp.micro_step
         if micro == self._stepped_at or not self.is_gradient_accumulation_boundary():
             return
+        gas = self.gradient_accumulation_steps()
+        if micro % gas != 0:
+            raise InvalidArgumentError(
+                f"engine.step(): the accumulation boundary was set after {micro % gas} of "
+                f"{gas} micro-batches; Strata steps every gradient_accumulation_steps ({gas}) "
+                "micro-batches: make the loop's accumulation match the config's")
         self.last_report = json.loads(self._cpp.step())
         self._stepped_at = micro
 
     def zero_grad(self, set_to_none=True):
         """Nothing to clear: the engine moves gradients out of .grad as they are computed."""
+
+    def get_global_grad_norm(self):
+        """The global L2 norm of the gradients of the last optimizer step, before clipping (what
+        torch.nn.utils.clip_grad_norm_ returns); None before the first step or after an fp16
+        overflow."""
+        if self.last_report is None or self.last_report.get("skipped"):
+            return None
+        return self.last_report["grad_norm"]
+
+    def was_step_applied(self):
+        """False when the last step was skipped (fp16 overflow) or none ran yet."""
+        return self.last_report is not None and not self.last_report.get("skipped", False)
+
+    @property
+    def skipped_steps(self):
+        return self._cpp.micro_step // self.gradient_accumulation_steps() - self.global_steps
 
     # --- what DeepSpeed scripts read ----------------------------------------------------------
     @property
@@ -128,6 +175,27 @@ class StrataEngine(torch.nn.Module):
     def zero_optimization_stage(self):
         return self._config["zero_optimization"]["stage"]
 
+    def fp16_enabled(self):
+        return bool(self._config.get("fp16", {}).get("enabled", False))
+
+    def bfloat16_enabled(self):
+        return bool(self._config.get("bf16", {}).get("enabled", False))
+
+    def gradient_clipping(self):
+        return self._config.get("gradient_clipping", 0.0)
+
+    def zero_offload_optimizer(self):
+        return self._config["zero_optimization"].get("offload_optimizer", {}).get("device", "none") != "none"
+
+    def zero_offload_param(self):
+        return self._config["zero_optimization"].get("offload_param", {}).get("device", "none") != "none"
+
+    def zero_gather_16bit_weights_on_model_save(self):
+        # The effective config drops keys without effect on training: read the user's.
+        z = getattr(self, "_user_config", {}).get("zero_optimization", {})
+        return bool(z.get("stage3_gather_16bit_weights_on_model_save",
+                          z.get("stage3_gather_fp16_weights_on_model_save", False)))
+
     def get_lr(self):
         """The learning rate the next optimizer step uses, as a one-element list."""
         return [self._cpp.lr_at(self.global_steps + 1)]
@@ -145,59 +213,158 @@ class StrataEngine(torch.nn.Module):
         return [name for name, _ in self._units]
 
     # --- checkpoints --------------------------------------------------------------------------
-    def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest=True):
+    def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest=True,
+                        exclude_frozen_parameters=False):
         """Saves every rank's partitions, the optimizer and schedule state, module buffers and
         `client_state` (anything torch.save can write) atomically: a crash while saving leaves the
-        previous checkpoint loadable. Collective: every rank calls it. Without a tag the
-        checkpoint is save_dir/step-<N>; with one, save_dir/<tag>."""
+        previous checkpoint loadable. Collective: every rank calls it. The checkpoint goes to
+        save_dir/<tag>, the tag defaulting to DeepSpeed's global_step<N>, and save_dir/latest
+        names it (save_latest=False leaves `latest` as it was)."""
+        self._check_live()
         save_dir = os.fspath(save_dir)
-        root = os.path.join(save_dir, str(tag)) if tag is not None else save_dir
+        if tag is None:
+            tag = f"global_step{self.global_steps}"
+        root = os.path.join(save_dir, str(tag))
+        state = dict(client_state) if client_state is not None else {}
+        if self.lr_scheduler is not None and hasattr(self.lr_scheduler, "state_dict"):
+            state[_SCHEDULER_KEY] = self.lr_scheduler.state_dict()
         buf = io.BytesIO()
-        torch.save(client_state if client_state is not None else {}, buf)
+        torch.save(state, buf)
         extra = {"client_state": base64.b64encode(buf.getvalue()).decode("ascii"),
-                 "tag": None if tag is None else str(tag)}
+                 "tag": str(tag), "module_keys": self._module_keys()}
         self._cpp.save_checkpoint(root, json.dumps(extra))
-        if tag is not None and save_latest and self.global_rank == 0:
+        if save_latest and self.global_rank == 0:
             _write_atomic(os.path.join(save_dir, "latest"), str(tag))
         return True
 
     def load_checkpoint(self, load_dir, tag=None, load_module_strict=True,
                         load_optimizer_states=True, load_lr_scheduler_states=True,
-                        load_module_only=False):
-        """Loads what save_checkpoint wrote (the latest one, or `tag`'s) and returns
-        (path, client_state), or (None, None) when load_dir holds no checkpoint."""
-        if not load_optimizer_states or load_module_only or not load_lr_scheduler_states:
-            raise InvalidArgumentError(
-                "load_checkpoint: Strata restores the whole training state (parameters, optimizer "
-                "states, schedule); partial loads are not supported")
-        load_dir = os.fspath(load_dir)
-        root = os.path.join(load_dir, str(tag)) if tag is not None else load_dir
-        if tag is None:
-            latest = os.path.join(load_dir, "latest")
-            if not os.path.exists(latest):
-                return None, None
-            with open(latest, encoding="utf-8") as f:
-                name = f.read().strip()
-            if os.path.exists(os.path.join(load_dir, name, "latest")):
-                root = os.path.join(load_dir, name)  # a tagged save
-        elif not os.path.isdir(root):
-            raise InvalidArgumentError(f"load_checkpoint: no checkpoint tagged '{tag}' in {load_dir}")
+                        load_module_only=False, custom_load_fn=None):
+        """Loads what save_checkpoint wrote (save_dir/latest's tag, or `tag`) and returns
+        (path, client_state), or (None, None) when load_dir holds no checkpoint.
+
+        load_module_only=True or load_optimizer_states=False: only the weights are restored
+        (every rank's fp32 master and working copy); the optimizer states, step counters and
+        schedule keep their current values, as in DeepSpeed.
+
+        client_state is unpickled: a checkpoint is trusted input (README, "Checkpoints"). It is
+        read with torch's weights-only unpickler when its content allows, so a checkpoint of
+        tensors, numbers, strings and containers runs no code."""
+        self._check_live()
+        if custom_load_fn is not None:
+            raise InvalidArgumentError("load_checkpoint(custom_load_fn=...): not supported; "
+                                       "load the weights with load_module_only=True")
+        root = _resolve_checkpoint(os.fspath(load_dir), tag)
+        if root is None:
+            return None, None
+        if load_module_only or not load_optimizer_states:
+            self._cpp.load_checkpoint(root, weights_only=True)
+            return root, None
         extra = json.loads(self._cpp.load_checkpoint(root))
-        state = extra.get("client_state")
-        client_state = None
-        if state is not None:
-            # The checkpoint's own pickle, written by save_checkpoint: any object torch.save takes.
-            client_state = torch.load(io.BytesIO(base64.b64decode(state)), weights_only=False)
         self._stepped_at = self._cpp.micro_step
+        state = extra.get("client_state")
+        client_state = _unpickle_trusted(base64.b64decode(state)) if state is not None else None
+        if isinstance(client_state, dict) and _SCHEDULER_KEY in client_state:
+            sched = client_state.pop(_SCHEDULER_KEY)
+            if load_lr_scheduler_states and self.lr_scheduler is not None and \
+                    hasattr(self.lr_scheduler, "load_state_dict"):
+                self.lr_scheduler.load_state_dict(sched)
         return root, client_state
+
+    # --- 16-bit weights -----------------------------------------------------------------------
+    def _zero3_consolidated_16bit_state_dict(self, exclude_frozen_parameters=False):
+        """The whole model's state_dict in the working precision (bf16/fp16, else fp32), on the
+        CPU, on rank 0; other ranks get an empty dict. Collective under stage 3: each unit is
+        gathered in turn, so the device holds one unit at a time."""
+        self._check_live()
+        values = {}
+        with torch.no_grad():
+            for index, (_, module) in zip(self._unit_index, self._units):
+                if self.zero_optimization_stage() >= 3:
+                    self._cpp.begin_unit(index, False)
+                try:
+                    for p in module.parameters():
+                        if id(p) not in values:
+                            values[id(p)] = p.detach().to("cpu", copy=True)
+                finally:
+                    if self.zero_optimization_stage() >= 3:
+                        self._cpp.end_unit(index, [])
+            out = {}
+            for name, t in self.module.state_dict(keep_vars=True).items():
+                if exclude_frozen_parameters and isinstance(t, torch.nn.Parameter) and \
+                        not t.requires_grad:
+                    continue
+                out[name] = values[id(t)] if id(t) in values else t.detach().to("cpu", copy=True)
+        return out if self.global_rank == 0 else {}
+
+    def save_16bit_model(self, save_dir, save_filename="pytorch_model.bin",
+                         exclude_frozen_parameters=False):
+        """Writes the consolidated 16-bit state_dict (torch.save) to save_dir/save_filename on
+        rank 0 and returns True. Under stage 3 this needs
+        zero_optimization.stage3_gather_16bit_weights_on_model_save, as in DeepSpeed; without it
+        nothing is written and False is returned."""
+        if self.zero_optimization_stage() >= 3 and \
+                not self.zero_gather_16bit_weights_on_model_save():
+            _logger().warning(
+                "save_16bit_model: not saved; under ZeRO-3 set zero_optimization."
+                "stage3_gather_16bit_weights_on_model_save=true, or use engine.save_checkpoint "
+                "and strata's zero_to_fp32")
+            return False
+        state = self._zero3_consolidated_16bit_state_dict(exclude_frozen_parameters)
+        if self.global_rank == 0:
+            os.makedirs(save_dir, exist_ok=True)
+            path = os.path.join(save_dir, save_filename)
+            tmp = path + ".tmp"
+            torch.save(state, tmp)
+            os.replace(tmp, path)
+        return True
+
+    save_fp16_model = save_16bit_model
 
     # --- teardown -----------------------------------------------------------------------------
     def close(self):
         """Frees the engine's memory, NVMe files and threads now and removes its hooks. The model
-        keeps no trained values afterwards: save a checkpoint first."""
+        keeps no trained values afterwards (under stage 3 its parameters are empty): save a
+        checkpoint first, or call destroy(), which gives the model its weights back."""
         self._hooks.remove()
         self._cpp.close()
         _live_engines.pop(id(self), None)
+        if self._replaced_by is None:
+            self._replaced_by = "it was closed"
+
+    def destroy(self):
+        """Ends the engine and gives the model its trained fp32 weights back as ordinary
+        tensors on the engine's device, so the model can be used in plain PyTorch or handed to
+        initialize again. Collective under stage 3 (every rank calls it)."""
+        if self._replaced_by is not None:
+            return
+        values = self.master_parameters()
+        params = [p for _, p in self.module.named_parameters() if p.requires_grad]
+        self.close()
+        with torch.no_grad():
+            for p, v in zip(params, values):
+                p.data = v.to(self._device).view(p.shape)
+
+    def _module_keys(self):
+        """How the module's state_dict names map onto the checkpoint's entries, for
+        strata.zero_to_fp32: a parameter shared by several modules is saved once, under its
+        first name (the others are aliases), and only persistent buffers belong in a
+        state_dict."""
+        first = {}
+        for name, p in self.module.named_parameters():
+            first.setdefault(id(p), name)
+        aliases, buffers = {}, []
+        for name, t in self.module.state_dict(keep_vars=True).items():
+            if isinstance(t, torch.nn.Parameter):
+                if first.get(id(t), name) != name:
+                    aliases[name] = first[id(t)]
+            else:
+                buffers.append(name)
+        return {"aliases": aliases, "buffers": buffers}
+
+    def _check_live(self):
+        if self._replaced_by is not None:
+            raise InvalidArgumentError(f"this engine no longer trains: {self._replaced_by}")
 
     def _units_of_param(self, param):
         """The units holding `param` (empty for a root parameter), or None when the model has no
@@ -215,6 +382,44 @@ class StrataEngine(torch.nn.Module):
 # Engines alive in this process, for strata.zero.GatheredParameters; an engine nobody holds any
 # more leaves by itself.
 _live_engines = weakref.WeakValueDictionary()
+
+
+# client_state's key for the client LR scheduler's state_dict.
+_SCHEDULER_KEY = "__strata_lr_scheduler__"
+
+
+def _logger():
+    import logging
+
+    return logging.getLogger("strata")
+
+
+def _resolve_checkpoint(load_dir, tag):
+    """The directory to load: load_dir/<tag>, or the tag `latest` names; None without one."""
+    if tag is None:
+        latest = os.path.join(load_dir, "latest")
+        if not os.path.exists(latest):
+            return None
+        with open(latest, encoding="utf-8") as f:
+            name = f.read().strip()
+        tagged = os.path.join(load_dir, name)
+        # A tagged save keeps its own `latest`; an older untagged one is load_dir itself.
+        return tagged if os.path.exists(os.path.join(tagged, "latest")) else load_dir
+    root = os.path.join(load_dir, str(tag))
+    if not os.path.isdir(root):
+        raise InvalidArgumentError(f"load_checkpoint: no checkpoint tagged '{tag}' in {load_dir}")
+    return root
+
+
+def _unpickle_trusted(data):
+    """client_state: weights-only unpickling when the content allows, else the full unpickler
+    (the checkpoint is trusted input, see load_checkpoint)."""
+    import pickle
+
+    try:
+        return torch.load(io.BytesIO(data), weights_only=True)
+    except pickle.UnpicklingError:
+        return torch.load(io.BytesIO(data), weights_only=False)
 
 
 def _write_atomic(path, text):

@@ -1,12 +1,16 @@
 """strata.initialize: DeepSpeed's entry point, over Strata's engine."""
 
 import json
+import os
 import warnings
 
 import torch
 
 from . import _strata
+from . import arguments as _arguments
+from . import comm as _comm
 from . import config as _config
+from . import engine as _engine_mod
 from . import units as _units
 from ._strata import InvalidArgumentError
 from .engine import StrataEngine
@@ -85,15 +89,51 @@ def _check_model_parameters(model, model_parameters):
             "requires_grad=False on them before initialize")
 
 
+def _owner_of(model):
+    """The live engine that already trains `model`, if any."""
+    for engine in list(_engine_mod._live_engines.values()):
+        if engine.module is model:
+            return engine
+    return None
+
+
+def _check_parameters_have_memory(model):
+    for name, p in model.named_parameters():
+        if p.numel() > 0 and p.data_ptr() == 0:
+            raise InvalidArgumentError(
+                f"initialize: parameter {name!r} has no memory: the model belonged to a ZeRO-3 "
+                "engine that was closed; call engine.destroy() instead of close() to give the "
+                "model its weights back, or build a new model and load a checkpoint")
+
+
+def _make_loader(engine, training_data, collate_fn):
+    if training_data is None:
+        return None
+    sampler = None
+    if engine.world_size > 1:
+        sampler = torch.utils.data.distributed.DistributedSampler(
+            training_data, num_replicas=engine.world_size, rank=engine.global_rank)
+    return torch.utils.data.DataLoader(
+        training_data, batch_size=engine.train_micro_batch_size_per_gpu(), sampler=sampler,
+        shuffle=False, collate_fn=collate_fn, drop_last=True)
+
+
 def initialize(args=None, model=None, optimizer=None, model_parameters=None, training_data=None,
-               lr_scheduler=None, mpu=None, dist_init_required=None, collate_fn=None,
-               config=None, config_params=None):
+               lr_scheduler=None, distributed_port=None, mpu=None, dist_init_required=None,
+               collate_fn=None, config=None, mesh_param=None, config_params=None):
     """Returns (engine, optimizer, training_dataloader, lr_scheduler) as DeepSpeed does.
 
     config: a dict or the path of a DeepSpeed JSON file (or args.deepspeed_config).
-    optimizer: None (the config's "optimizer" section) or a torch.optim.Adam/AdamW whose
-    hyperparameters become that section.
+    optimizer: None (the config's "optimizer" section) or a torch.optim.Adam/AdamW (or
+    DeepSpeedCPUAdam/FusedAdam) whose hyperparameters become that section.
     training_data: a torch Dataset; the returned DataLoader yields this rank's micro-batches.
+
+    With several ranks, torch's default process group is created first (init_distributed), as
+    DeepSpeed does, so the script's own torch.distributed calls work.
+
+    A second initialize on a model that a live engine already trains returns that engine (with
+    a loader for the new training_data) when the config is the same; with another config the
+    first engine hands the model its weights (destroy) and a new engine takes over.
     """
     if model is None:
         raise InvalidArgumentError("initialize: model is required")
@@ -101,12 +141,14 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
         raise InvalidArgumentError(f"initialize: model must be a torch.nn.Module, not "
                                    f"{type(model).__name__}")
     if mpu is not None:
-        raise InvalidArgumentError("initialize: mpu (model parallelism) is not supported")
+        raise InvalidArgumentError("initialize: mpu (model parallelism) is not supported; "
+                                   "Strata partitions data-parallel ranks only (ZeRO 0-3)")
     if config is None:
         config = config_params
-    if config is None and args is not None:
-        config = getattr(args, "deepspeed_config", None)
+    if config is None:
+        config = _arguments.config_from_args(args)
     cfg, source = _config.load(config)
+    user_cfg = json.loads(json.dumps(cfg))
     if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
         raise InvalidArgumentError("initialize: optimizer must be a torch.optim.Adam/AdamW "
                                    "(a callable returning one is not supported)")
@@ -123,20 +165,33 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
             "(WarmupLR, WarmupDecayLR or WarmupCosineLR), which the engine applies every step")
     _check_model_parameters(model, model_parameters)
 
-    units = _units.default_units(model)
-    cpp = _strata.Engine(model, [m for _, m in units], json.dumps(cfg), source, hints)
-    engine = StrataEngine(cpp, model, units)
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    opt = StrataOptimizer(engine, trainable)
-    schedule = ConfigSchedule(engine) if cfg.get("scheduler") else None
+    owner = _owner_of(model)
+    if owner is not None:
+        if owner._user_config == user_cfg and optimizer is None:
+            return owner, owner.optimizer, _make_loader(owner, training_data, collate_fn), \
+                owner.lr_scheduler
+        warnings.warn("initialize: this model already has an engine with another config; that "
+                      "engine ends (its weights go back to the model) and a new one takes over")
+        owner.destroy()
+        owner._replaced_by = "initialize was called again on its model with another config"
+    _check_parameters_have_memory(model)
 
-    loader = None
-    if training_data is not None:
-        sampler = None
-        if engine.world_size > 1:
-            sampler = torch.utils.data.distributed.DistributedSampler(
-                training_data, num_replicas=engine.world_size, rank=engine.global_rank)
-        loader = torch.utils.data.DataLoader(
-            training_data, batch_size=engine.train_micro_batch_size_per_gpu(), sampler=sampler,
-            shuffle=False, collate_fn=collate_fn, drop_last=True)
-    return engine, opt, loader, schedule
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and dist_init_required is not False:
+        _comm.init_distributed(distributed_port=distributed_port)
+    port = _comm.engine_rendezvous_port()
+    units = _units.default_units(model)
+    saved_port = os.environ.get("MASTER_PORT")
+    if port is not None:
+        os.environ["MASTER_PORT"] = str(port)  # Note [two rendezvous] in strata/comm.py
+    try:
+        cpp = _strata.Engine(model, [m for _, m in units], json.dumps(cfg), source, hints)
+    finally:
+        if port is not None:
+            os.environ["MASTER_PORT"] = saved_port
+    engine = StrataEngine(cpp, model, units)
+    engine._user_config = user_cfg
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    engine.optimizer = StrataOptimizer(engine, trainable)
+    engine.lr_scheduler = ConfigSchedule(engine) if cfg.get("scheduler") else None
+    loader = _make_loader(engine, training_data, collate_fn)
+    return engine, engine.optimizer, loader, engine.lr_scheduler

@@ -196,3 +196,29 @@ def _module_classes():
         seen.append(cls)
         stack.extend(c for c in cls.__subclasses__() if c not in seen)
     return seen
+
+
+class MiCS_Init(Init):  # noqa: N801 - DeepSpeed's name
+    """DeepSpeed's MiCS_Init: ZeRO-3 sharding within groups of mics_shard_size ranks, replicated
+    across groups. With one group (mics_shard_size equal to the world size, or -1) that is
+    ZeRO-3 itself, which is what Strata runs; smaller groups are refused, since Strata shards
+    every parameter across all ranks."""
+
+    def __init__(self, module=None, data_parallel_group=None, sequence_data_parallel_group=None,
+                 mem_efficient_linear=True, remote_device=None, pin_memory=False,
+                 config_dict_or_path=None, config=None, enabled=True, dtype=None, mpu=None,
+                 **kwargs):
+        from . import config as _config
+        from .unsupported import NotSupportedError, message
+
+        cfg, _ = _config.load(config_dict_or_path if config_dict_or_path is not None else config)
+        shard = cfg.get("zero_optimization", {}).get("mics_shard_size", -1)
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        if shard not in (-1, world):
+            raise NotSupportedError(
+                f"MiCS_Init with mics_shard_size={shard} on {world} rank(s): {message('mics')} "
+                f"(mics_shard_size={world}, one group, is ZeRO-3 and runs)")
+        super().__init__(module=module, data_parallel_group=data_parallel_group,
+                         mem_efficient_linear=mem_efficient_linear, remote_device=remote_device,
+                         pin_memory=pin_memory, config_dict_or_path=config_dict_or_path,
+                         config=config, enabled=enabled, dtype=dtype, mpu=mpu)

@@ -1,0 +1,2 @@
+"""deepspeed.checkpoint: checkpoint helpers."""
+from . import utils  # noqa: F401

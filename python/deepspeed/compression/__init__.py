@@ -1,0 +1,4 @@
+"""deepspeed.compression: model compression, which Strata does not implement."""
+from strata import unsupported as _unsupported
+
+__getattr__ = _unsupported.module_getattr("deepspeed.compression", "compression")

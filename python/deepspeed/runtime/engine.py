@@ -1,0 +1,2 @@
+"""deepspeed.runtime.engine: the engine class."""
+from strata import DeepSpeedEngine  # noqa: F401

@@ -1,0 +1,3 @@
+"""deepspeed.runtime.zero: zero.Init and GatheredParameters (strata.zero)."""
+from strata.zero import *  # noqa: F401,F403
+from strata.zero import GatheredParameters, Init  # noqa: F401

@@ -1,0 +1,190 @@
+"""strata.zero_to_fp32: a Strata checkpoint as one plain fp32 state_dict, without the ranks that
+wrote it (DeepSpeed's `deepspeed.utils.zero_to_fp32`).
+
+    python3 -m strata.zero_to_fp32 CHECKPOINT_DIR OUTPUT   # OUTPUT: a directory or a .bin/.pt
+
+A checkpoint's rank files hold each rank's shard of every chunk's fp32 master, wherever the run
+kept it (device, host or NVMe: save_checkpoint streams every tier into the files), and each
+manifest says where every parameter lives (runtime/checkpoint.h, Manifest::layout). This module
+puts the shards of every rank side by side and cuts the parameters out, in pure Python, reading
+one chunk at a time.
+
+What the state_dict holds: every trainable parameter under its module path (a parameter shared
+by several modules under each of its names, as the module's own state_dict has it) and the
+persistent module buffers. Frozen parameters
+(requires_grad=False) are not in Strata checkpoints; load_state_dict(..., strict=False) keeps
+the model's own values for them.
+"""
+
+import argparse
+import collections
+import glob
+import json
+import os
+import sys
+
+import torch
+
+_DTYPES = {"Float": torch.float32, "Double": torch.float64, "Half": torch.float16,
+           "BFloat16": torch.bfloat16, "Long": torch.int64, "Int": torch.int32,
+           "Short": torch.int16, "Char": torch.int8, "Byte": torch.uint8, "Bool": torch.bool}
+
+
+class CheckpointError(ValueError):
+    pass
+
+
+def resolve_step_dir(checkpoint_dir, tag=None):
+    """The directory holding rank-*.json: checkpoint_dir itself, or the one its `latest` files
+    lead to (save_dir/latest names the tag, save_dir/<tag>/latest the step directory)."""
+    d = os.fspath(checkpoint_dir)
+    if tag is not None:
+        d = os.path.join(d, str(tag))
+    for _ in range(3):
+        if glob.glob(os.path.join(d, "rank-*.json")):
+            return d
+        latest = os.path.join(d, "latest")
+        if not os.path.isfile(latest):
+            break
+        with open(latest, encoding="utf-8") as f:
+            d = os.path.join(d, f.read().strip())
+    raise CheckpointError(f"{checkpoint_dir}: no Strata checkpoint there (no rank-*.json and no "
+                          "`latest` file leading to one); pass the directory save_checkpoint "
+                          "wrote")
+
+
+class Fp32Checkpoint:
+    """The manifests of one saved step, read once."""
+
+    def __init__(self, step_dir):
+        self.dir = step_dir
+        paths = sorted(glob.glob(os.path.join(step_dir, "rank-*.json")))
+        self.manifests = []
+        for path in paths:
+            with open(path, encoding="utf-8") as f:
+                m = json.load(f)
+            if m.get("format") != "strata-checkpoint":
+                raise CheckpointError(f"{path}: not a Strata checkpoint manifest")
+            self.manifests.append(m)
+        world = self.manifests[0]["world_size"]
+        ranks = sorted(m["rank"] for m in self.manifests)
+        if ranks != list(range(world)):
+            raise CheckpointError(f"{step_dir}: has the manifests of ranks {ranks} of a world of "
+                                  f"{world}; every rank's file is needed")
+        self.layout = self.manifests[0].get("layout")
+        if not self.layout:
+            raise CheckpointError(f"{step_dir}: written before checkpoints recorded their layout; "
+                                  "load it with engine.load_checkpoint and save it again")
+
+    def _chunk_master(self, chunk):
+        """The full fp32 master of `chunk`, every rank's shard in its place."""
+        full = torch.zeros(self.layout["chunk_numel"][chunk], dtype=torch.float32)
+        for m in self.manifests:
+            block = next((b for b in m["blocks"]
+                          if b["chunk"] == chunk and b["state"] == "master32"), None)
+            if block is None:
+                raise CheckpointError(f"{self.dir}: rank {m['rank']} has no master of chunk "
+                                      f"{chunk}")
+            values = _read(self.dir, m["rank"], block["offset"], block["bytes"], torch.float32)
+            start = m["layout"]["shard_offset"][chunk]
+            full[start:start + values.numel()] = values
+        return full
+
+    def state_dict(self):
+        out = collections.OrderedDict()
+        by_chunk = collections.defaultdict(list)
+        for p in self.layout["params"]:
+            by_chunk[p["chunk"]].append(p)
+        for chunk in sorted(by_chunk):
+            full = self._chunk_master(chunk)
+            for p in by_chunk[chunk]:
+                numel = 1
+                for d in p["shape"]:
+                    numel *= d
+                out[p["name"]] = full[p["offset"]:p["offset"] + numel].clone().view(p["shape"])
+        m0 = self.manifests[0]
+        keys = m0.get("extra", {}).get("module_keys")
+        if keys:  # the module's own state_dict names (Python engines record them)
+            for alias, name in keys["aliases"].items():
+                if name in out:
+                    out[alias] = out[name]
+        shapes = {b["name"]: b["shape"] for b in self.layout.get("buffers", [])}
+        for b in m0.get("buffers", []):
+            if keys and b["name"] not in keys["buffers"]:
+                continue  # not persistent: not part of the module's state_dict
+            values = _read(self.dir, 0, b["offset"], b["bytes"], _DTYPES[b["dtype"]])
+            out[b["name"]] = values.view(shapes.get(b["name"], [values.numel()]))
+        return out
+
+
+def _read(step_dir, rank, offset, nbytes, dtype):
+    path = os.path.join(step_dir, f"rank-{rank:05d}.bin")
+    with open(path, "rb") as f:
+        f.seek(offset)
+        data = bytearray(f.read(nbytes))
+    if len(data) != nbytes:
+        raise CheckpointError(f"{path} is truncated: {nbytes} bytes needed at offset {offset}")
+    if nbytes == 0:
+        return torch.empty(0, dtype=dtype)
+    return torch.frombuffer(data, dtype=dtype)
+
+
+def get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir, tag=None,
+                                             exclude_frozen_parameters=False, lazy_mode=False):
+    """The checkpoint's fp32 weights as an OrderedDict name -> tensor, on the CPU."""
+    return Fp32Checkpoint(resolve_step_dir(checkpoint_dir, tag)).state_dict()
+
+
+def convert_zero_checkpoint_to_fp32_state_dict(checkpoint_dir, output_dir_or_file, tag=None,
+                                               exclude_frozen_parameters=False,
+                                               safe_serialization=False, max_shard_size=None):
+    """Writes the fp32 state_dict with torch.save: to OUTPUT/pytorch_model.bin when OUTPUT is a
+    directory (or has no extension), else to OUTPUT itself. Returns the path written."""
+    if safe_serialization:
+        raise CheckpointError("safe_serialization=True: safetensors is not available with "
+                              "Strata; the output is a torch.save file")
+    state = get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir, tag)
+    out = os.fspath(output_dir_or_file)
+    if os.path.isdir(out) or not os.path.splitext(out)[1]:
+        os.makedirs(out, exist_ok=True)
+        out = os.path.join(out, "pytorch_model.bin")
+    tmp = out + ".tmp"
+    torch.save(state, tmp)
+    os.replace(tmp, out)
+    return out
+
+
+def load_state_dict_from_zero_checkpoint(model, checkpoint_dir, tag=None):
+    """Loads the checkpoint's fp32 weights into `model` (a plain module, on the CPU) and returns
+    it. Parameters the checkpoint lacks (frozen ones) keep their values."""
+    state = get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir, tag)
+    model = model.cpu()
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    if unexpected:
+        raise CheckpointError(f"the checkpoint has weights the model lacks: {unexpected[:5]}")
+    return model
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(
+        prog="zero_to_fp32",
+        description="Writes a Strata (ZeRO) checkpoint's weights as one fp32 torch state_dict, "
+                    "without the ranks that saved it.")
+    parser.add_argument("checkpoint_dir", help="the directory save_checkpoint wrote (its "
+                        "`latest` file picks the step), or a tag or step directory inside it")
+    parser.add_argument("output", help="a directory (pytorch_model.bin is written in it) or a "
+                        "file name")
+    parser.add_argument("-t", "--tag", default=None, help="the checkpoint tag (default: latest)")
+    args = parser.parse_args(argv)
+    try:
+        path = convert_zero_checkpoint_to_fp32_state_dict(args.checkpoint_dir, args.output,
+                                                          tag=args.tag)
+    except (CheckpointError, OSError) as e:
+        print(f"zero_to_fp32: {e}", file=sys.stderr)
+        return 2
+    print(f"zero_to_fp32: wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

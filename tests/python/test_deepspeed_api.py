@@ -1,0 +1,466 @@
+"""The `deepspeed` compatibility surface, item by item, against DeepSpeed's contract: each test
+compares with an independent reference (plain PyTorch, the values GatheredParameters shows, a
+file on disk) rather than with Strata itself."""
+
+import argparse
+import copy
+import importlib.metadata
+import json
+import os
+import sys
+
+import pytest
+import torch
+
+import harness
+import strata
+
+COMPAT = os.environ.get("STRATA_DS_COMPAT")
+if not COMPAT:
+    pytest.skip("STRATA_DS_COMPAT (the build's deepspeed-compat folder) is not set",
+                allow_module_level=True)
+sys.path.insert(0, COMPAT)
+import deepspeed  # noqa: E402
+
+STAGE0 = next(c for c in harness.GRID if c[0] == "stage0")
+STAGE2_CPU = next(c for c in harness.GRID if c[0] == "stage2_cpu_clip")
+STAGE3 = next(c for c in harness.GRID if c[0] == "stage3")
+STAGE3_NVME = next(c for c in harness.GRID if c[0] == "stage3_nvme_clip_accum")
+
+
+def _engine(model_name, cfg, **kw):
+    torch.manual_seed(0)
+    model = harness.MODELS[model_name]()
+    engine, opt, loader, sched = deepspeed.initialize(model=model, config=copy.deepcopy(cfg), **kw)
+    return engine
+
+
+# --- the package -------------------------------------------------------------------------------
+def test_package_is_strata_with_deepspeed_metadata():
+    assert deepspeed.__strata__ is True
+    version = importlib.metadata.version("deepspeed")
+    assert version.startswith("0.16.0+strata"), version
+    assert deepspeed.DeepSpeedEngine is strata.StrataEngine
+    # The names Hugging Face reads right after `import deepspeed`.
+    assert "WarmupLR" in deepspeed.runtime.lr_schedules.VALID_LR_SCHEDULES
+    import logging
+
+    from deepspeed.utils import logger
+    assert isinstance(logger, logging.Logger)
+
+
+def test_submodules_resolve():
+    import deepspeed.comm as dist
+    from deepspeed.accelerator import get_accelerator
+    from deepspeed.checkpoint.utils import clone_tensors_for_torch_save
+    from deepspeed.ops.adam import DeepSpeedCPUAdam, FusedAdam
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    assert dist.get_rank() == 0 and callable(get_accelerator)
+    assert callable(clone_tensors_for_torch_save) and callable(get_fp32_state_dict_from_zero_checkpoint)
+    assert issubclass(DeepSpeedCPUAdam, torch.optim.Optimizer)
+    assert issubclass(FusedAdam, torch.optim.Optimizer)
+
+
+@pytest.mark.parametrize("call, words", [
+    (lambda: __import__("deepspeed.pipe", fromlist=["x"]).PipelineModule(layers=[]),
+     "pipeline parallelism"),
+    (lambda: __import__("deepspeed.moe.layer", fromlist=["x"]).MoE(hidden_size=4),
+     "mixture of experts"),
+    (lambda: __import__("deepspeed.compression.compress", fromlist=["x"]).init_compression(None, ""),
+     "compression"),
+    (lambda: deepspeed.init_inference(torch.nn.Linear(2, 2)), "inference engine"),
+    (lambda: deepspeed.zero.MiCS_Init(
+        config_dict_or_path={"zero_optimization": {"stage": 3, "mics_shard_size": 2}}),
+     "MiCS"),
+])
+def test_unimplemented_features_are_refused_by_name(call, words):
+    with pytest.raises(NotImplementedError, match=words) as info:
+        call()
+    assert "Strata" in str(info.value)
+
+
+def test_unknown_name_in_refused_module_says_why():
+    import deepspeed.moe
+    with pytest.raises(AttributeError, match="mixture of experts"):
+        deepspeed.moe.sharded_moe  # noqa: B018
+
+
+# --- module-level API --------------------------------------------------------------------------
+def test_add_config_arguments_flags_and_existing_local_rank():
+    p = argparse.ArgumentParser()
+    p.add_argument("--local_rank", type=int, default=7)  # the script's own, as most have
+    deepspeed.add_config_arguments(p)
+    a = p.parse_args(["--deepspeed", "--deepspeed_config", "ds.json", "--local_rank=1"])
+    assert a.deepspeed and a.deepspeed_config == "ds.json" and a.local_rank == 1
+    q = deepspeed.add_config_arguments(argparse.ArgumentParser())
+    b = q.parse_args(["--deepscale", "--deepscale_config", "x.json", "--local_rank", "3"])
+    assert b.deepscale and b.deepscale_config == "x.json" and b.local_rank == 3
+    assert not q.parse_args([]).deepspeed
+
+
+def test_initialize_reads_config_from_args(tmp_path):
+    cfg = harness.config_for(STAGE0, tmp_path)
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(cfg))
+    args = deepspeed.add_config_arguments(argparse.ArgumentParser()).parse_args(
+        ["--deepspeed", "--deepspeed_config", str(path)])
+    torch.manual_seed(0)
+    model = harness.kwargs_net()
+    engine, *_ = deepspeed.initialize(args=args, model=model, model_parameters=model.parameters())
+    assert engine.train_micro_batch_size_per_gpu() == cfg["train_micro_batch_size_per_gpu"]
+    engine.close()
+
+
+def test_config_with_comments_and_trailing_commas(tmp_path):
+    path = tmp_path / "ds.json"
+    path.write_text("""{
+      // DeepSpeed reads configs with hjson
+      "train_micro_batch_size_per_gpu": 2,   # a hash comment
+      /* a block
+         comment */
+      "optimizer": {"type": "AdamW", "params": {"lr": 0.001, "betas": [0.9, 0.999,],},},
+      "zero_optimization": {"stage": 2,},
+    }""")
+    engine = _engine("kwargs", str(path))
+    assert engine.zero_optimization_stage() == 2
+    assert engine.get_lr() == [pytest.approx(0.001)]
+    engine.close()
+    path.write_text('{"train_micro_batch_size_per_gpu": 2, "train_micro_batch_size_per_gpu": 4}')
+    with pytest.raises(ValueError, match="appears twice"):
+        _engine("kwargs", str(path))
+
+
+def test_comm_world_of_one_and_collectives(monkeypatch):
+    for v in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"):
+        monkeypatch.delenv(v, raising=False)
+    import deepspeed.comm as dist
+    if not dist.is_initialized():
+        dist.init_distributed()
+    assert dist.is_initialized() and torch.distributed.is_initialized()
+    assert (dist.get_rank(), dist.get_world_size(), dist.get_local_rank()) == (0, 1, 0)
+    t = torch.tensor([3.0])
+    dist.all_reduce(t)
+    dist.broadcast(t, 0)
+    dist.barrier()
+    out = [torch.zeros(1)]
+    dist.all_gather(out, t)
+    assert t.item() == 3.0 and out[0].item() == 3.0
+    assert dist.ReduceOp.SUM == torch.distributed.ReduceOp.SUM
+
+
+def test_accelerator_on_the_cpu_device():
+    from deepspeed.accelerator import get_accelerator
+    acc = get_accelerator()
+    assert acc.device_name() == "cpu" and acc.current_device_name() == "cpu"
+    assert acc.is_available() and acc.device_count() >= 1
+    assert acc.is_bf16_supported() and not acc.is_fp16_supported()
+    assert acc.communication_backend_name() == "gloo"
+    t = torch.ones(4)
+    assert acc.pin_memory(t) is t and acc.on_accelerator(t)
+    # The process's resident memory, as the kernel counts it.
+    with open("/proc/self/status") as f:
+        rss = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+    assert abs(acc.memory_allocated() - rss) < 64 << 20
+    assert acc.max_memory_allocated() >= acc.memory_allocated() * 0.9
+    acc.manual_seed(5)
+    a = torch.rand(3)
+    acc.manual_seed_all(5)
+    assert torch.equal(a, torch.rand(3))
+    acc.synchronize()
+    acc.empty_cache()
+    with pytest.raises(AttributeError, match="not part of Strata's accelerator"):
+        acc.no_such_method()
+
+
+def test_clone_tensors_for_torch_save_breaks_shared_storage():
+    from deepspeed.checkpoint.utils import clone_tensors_for_torch_save
+    flat = torch.arange(10.0)
+    state = {"a": flat[:2], "b": [flat[2:4], (flat[4:5], 3)]}
+    out = clone_tensors_for_torch_save(state)
+    assert torch.equal(out["a"], flat[:2]) and out["b"][1][1] == 3
+    assert out["a"].storage().size() == 2  # its own storage, not the flat buffer's
+
+
+# --- the engine surface ------------------------------------------------------------------------
+@pytest.mark.parametrize("case", [STAGE0, STAGE2_CPU, STAGE3], ids=lambda c: c[0])
+def test_global_grad_norm_equals_torch_clip_norm(case, tmp_path):
+    cfg = harness.config_for(case, tmp_path)
+    engine = _engine("gpt2", cfg)
+    assert engine.get_global_grad_norm() is None and not engine.was_step_applied()
+    torch.manual_seed(0)
+    ref = harness.gpt2()
+    opt = torch.optim.AdamW(ref.parameters(), lr=harness.LR, weight_decay=harness.WEIGHT_DECAY)
+    for step in range(3):
+        x, y = harness.batch("gpt2", step)
+        engine.backward(harness.loss_of("gpt2", engine, x, y))
+        engine.step()
+        harness.loss_of("gpt2", ref, x, y).backward()
+        norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), case[5] or float("inf")).item()
+        opt.step()
+        opt.zero_grad()
+        assert engine.get_global_grad_norm() == pytest.approx(norm, rel=1e-4)
+        assert engine.was_step_applied()
+    engine.close()
+
+
+def test_engine_reports_precision_clipping_and_batch(tmp_path):
+    cfg = harness.config_for(STAGE2_CPU, tmp_path)
+    engine = _engine("kwargs", cfg)
+    assert engine.fp16_enabled() is False and engine.bfloat16_enabled() is False
+    assert engine.gradient_clipping() == cfg["gradient_clipping"]
+    assert engine.train_batch_size() == cfg["train_micro_batch_size_per_gpu"] * cfg[
+        "gradient_accumulation_steps"]
+    assert engine.optimizer is not None and engine.local_rank == 0
+    assert engine.device == torch.device("cpu")
+    engine.close()
+    bf16 = _engine("kwargs", dict(cfg, bf16={"enabled": True}))
+    assert bf16.bfloat16_enabled() and not bf16.fp16_enabled()
+    bf16.close()
+
+
+def test_fp16_on_the_cpu_device_is_refused_by_name(tmp_path):
+    cfg = dict(harness.config_for(STAGE0, tmp_path), fp16={"enabled": True})
+    with pytest.raises(ValueError, match="fp16"):
+        _engine("kwargs", cfg)
+
+
+def test_backward_scale_wrt_gas_false_matches_the_engine_dividing(tmp_path):
+    cfg = harness.config_for(STAGE0, tmp_path, gradient_accumulation_steps=2)
+    by_engine = _engine("gpt2", cfg)
+    by_caller = _engine("gpt2", cfg)
+    for step in range(2):
+        for m in range(2):
+            x, y = harness.batch("gpt2", step * 2 + m)
+            by_engine.backward(harness.loss_of("gpt2", by_engine, x, y))
+            by_engine.step()
+            by_caller.set_gradient_accumulation_boundary(m == 1)
+            by_caller.backward(harness.loss_of("gpt2", by_caller, x, y) / 2, scale_wrt_gas=False)
+            if m == 1:
+                by_caller.step()
+    for a, b in zip(by_engine.master_parameters(), by_caller.master_parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+    by_engine.close()
+    by_caller.close()
+
+
+def test_boundary_that_does_not_match_the_config_is_refused(tmp_path):
+    engine = _engine("gpt2", harness.config_for(STAGE0, tmp_path, gradient_accumulation_steps=2))
+    x, y = harness.batch("gpt2", 0)
+    engine.set_gradient_accumulation_boundary(True)
+    engine.backward(harness.loss_of("gpt2", engine, x, y))
+    with pytest.raises(ValueError, match="gradient_accumulation_steps"):
+        engine.step()
+    engine.close()
+
+
+def _gathered_values(engine):
+    out = {}
+    for name, p in engine.module.named_parameters():
+        with deepspeed.zero.GatheredParameters(p):
+            out[name] = p.detach().clone()
+    return out
+
+
+@pytest.mark.parametrize("case", [STAGE2_CPU, STAGE3], ids=lambda c: c[0])
+def test_save_16bit_model_loads_strict_into_the_plain_model(case, tmp_path):
+    z = dict(harness.config_for(case, tmp_path)["zero_optimization"],
+             stage3_gather_16bit_weights_on_model_save=True)
+    cfg = dict(harness.config_for(case, tmp_path), zero_optimization=z)
+    engine = _engine("gpt2", cfg)
+    harness.run_steps(engine, "gpt2", 0, 2)
+    assert engine.zero_gather_16bit_weights_on_model_save()
+    assert engine.save_16bit_model(str(tmp_path / "out"), "model.bin")
+    state = torch.load(tmp_path / "out" / "model.bin")
+    plain = harness.gpt2()
+    plain.load_state_dict(state, strict=True)
+    shown = _gathered_values(engine)
+    for name, p in plain.named_parameters():
+        assert torch.equal(p, shown[name]), name
+    engine.close()
+
+
+def test_save_16bit_model_under_stage3_needs_the_gather_flag(tmp_path):
+    engine = _engine("gpt2", harness.config_for(STAGE3, tmp_path))
+    assert engine.save_16bit_model(str(tmp_path / "out")) is False
+    assert not (tmp_path / "out").exists()
+    engine.close()
+
+
+def test_checkpoint_names_follow_deepspeed(tmp_path):
+    engine = _engine("kwargs", harness.config_for(STAGE0, tmp_path))
+    harness.run_steps(engine, "kwargs", 0, 2)
+    engine.save_checkpoint(tmp_path / "ck")
+    assert (tmp_path / "ck" / "latest").read_text() == "global_step2"
+    assert (tmp_path / "ck" / "global_step2").is_dir()
+    engine.close()
+
+
+def test_zero_to_fp32_of_a_stage3_nvme_checkpoint_equals_the_masters(tmp_path):
+    from deepspeed.utils.zero_to_fp32 import (convert_zero_checkpoint_to_fp32_state_dict,
+                                              get_fp32_state_dict_from_zero_checkpoint)
+    cfg = harness.config_for(STAGE3_NVME, tmp_path / "nvme")
+    engine = _engine("gpt2", cfg)
+    harness.run_steps(engine, "gpt2", 0, 2, cfg["gradient_accumulation_steps"])
+    engine.save_checkpoint(tmp_path / "ck")
+    masters = engine.master_parameters()
+    names = [n for n, p in engine.module.named_parameters() if p.requires_grad]
+    engine.close()
+    state = get_fp32_state_dict_from_zero_checkpoint(tmp_path / "ck")
+    assert [n for n in state if n in names] == names
+    for name, want in zip(names, masters):
+        assert torch.equal(state[name], want), name
+    # The plain module's own keys: tied weights under each name, persistent buffers.
+    assert set(state) == set(harness.gpt2().state_dict())
+    path = convert_zero_checkpoint_to_fp32_state_dict(tmp_path / "ck", tmp_path / "fp32")
+    plain = harness.gpt2()
+    plain.load_state_dict(torch.load(path), strict=True)
+    # The command line does the same.
+    import subprocess
+    out = subprocess.run([sys.executable, "-m", "deepspeed.utils.zero_to_fp32", str(tmp_path / "ck"),
+                          str(tmp_path / "cli.bin")], capture_output=True, text=True,
+                         env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)))
+    assert out.returncode == 0, out.stderr
+    cli = torch.load(tmp_path / "cli.bin")
+    assert all(torch.equal(cli[n], state[n]) for n in names)
+    bad = subprocess.run([sys.executable, "-m", "deepspeed.utils.zero_to_fp32",
+                          str(tmp_path / "nothing"), str(tmp_path / "x.bin")],
+                         capture_output=True, text=True,
+                         env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)))
+    assert bad.returncode == 2 and "no Strata checkpoint" in bad.stderr
+
+
+@pytest.mark.parametrize("flag", ["load_module_only", "no_optimizer_states"])
+def test_load_weights_only_keeps_optimizer_and_counters(flag, tmp_path):
+    cfg = harness.config_for(STAGE2_CPU, tmp_path)
+    saved = _engine("gpt2", cfg)
+    harness.run_steps(saved, "gpt2", 0, 3)
+    saved.save_checkpoint(tmp_path / "ck")
+    want = saved.master_parameters()
+    saved.close()
+    other = _engine("gpt2", cfg)
+    harness.run_steps(other, "gpt2", 0, 1)
+    kw = {"load_module_only": True} if flag == "load_module_only" else {
+        "load_optimizer_states": False}
+    path, client = other.load_checkpoint(tmp_path / "ck", **kw)
+    assert path is not None and client is None
+    assert other.global_steps == 1  # the counters stay
+    for a, b in zip(other.master_parameters(), want):
+        assert torch.equal(a, b)
+    harness.run_steps(other, "gpt2", 1, 1)  # and it trains on
+    other.close()
+
+
+def test_client_state_with_plain_content_loads_weights_only(tmp_path):
+    engine = _engine("kwargs", harness.config_for(STAGE0, tmp_path))
+    engine.save_checkpoint(tmp_path / "ck", client_state={"step": 3, "t": torch.ones(2)})
+    engine.save_checkpoint(tmp_path / "ck2", client_state={"args": argparse.Namespace(a=1)})
+    _, client = engine.load_checkpoint(tmp_path / "ck")
+    assert client["step"] == 3 and torch.equal(client["t"], torch.ones(2))
+    _, client = engine.load_checkpoint(tmp_path / "ck2")  # trusted: full unpickling
+    assert client["args"].a == 1
+    engine.close()
+
+
+# --- initialize twice, destroy -----------------------------------------------------------------
+@pytest.mark.parametrize("case", [STAGE0, STAGE3], ids=lambda c: c[0])
+def test_second_initialize_with_the_same_config_returns_the_engine(case, tmp_path):
+    cfg = harness.config_for(case, tmp_path)
+    torch.manual_seed(0)
+    model = harness.gpt2()
+    first, opt, _, _ = deepspeed.initialize(model=model, config=copy.deepcopy(cfg))
+    harness.run_steps(first, "gpt2", 0, 1)
+    data = torch.utils.data.TensorDataset(torch.arange(8.0))
+    second, opt2, loader, _ = deepspeed.initialize(model=model, config=copy.deepcopy(cfg),
+                                                   training_data=data)
+    assert second is first and opt2 is opt and len(loader) == 4
+    want = harness.train_strata("gpt2", cfg, 3)
+    got = harness.run_steps(first, "gpt2", 1, 2)
+    assert got == want[1:]
+    first.close()
+
+
+def test_second_initialize_with_another_config_hands_over(tmp_path):
+    cfg = harness.config_for(STAGE3, tmp_path)
+    torch.manual_seed(0)
+    model = harness.gpt2()
+    first, *_ = deepspeed.initialize(model=model, config=copy.deepcopy(cfg))
+    harness.run_steps(first, "gpt2", 0, 2)
+    trained = first.master_parameters()
+    other = dict(cfg, gradient_clipping=0.25)
+    with pytest.warns(UserWarning, match="takes over"):
+        second, *_ = deepspeed.initialize(model=model, config=copy.deepcopy(other))
+    assert second is not first
+    for a, b in zip(second.master_parameters(), trained):
+        assert torch.equal(a, b)
+    with pytest.raises(ValueError, match="no longer trains"):
+        first.step()
+    harness.run_steps(second, "gpt2", 2, 1)
+    second.close()
+
+
+def test_destroy_gives_the_model_its_weights_back(tmp_path):
+    cfg = harness.config_for(STAGE3, tmp_path)
+    engine = _engine("gpt2", cfg)
+    harness.run_steps(engine, "gpt2", 0, 2)
+    masters = engine.master_parameters()
+    model = engine.module
+    engine.destroy()
+    for p, want in zip(model.parameters(), masters):
+        assert torch.equal(p.detach(), want)
+    # A plain forward works, and so does a new engine on the same model.
+    x, y = harness.batch("gpt2", 5)
+    assert torch.isfinite(harness.loss_of("gpt2", model, x, y))
+    again, *_ = deepspeed.initialize(model=model, config=copy.deepcopy(cfg))
+    harness.run_steps(again, "gpt2", 0, 1)
+    again.close()
+
+
+def test_initialize_on_a_model_whose_stage3_engine_was_closed_is_an_error(tmp_path):
+    cfg = harness.config_for(STAGE3, tmp_path)
+    engine = _engine("gpt2", cfg)
+    model = engine.module
+    engine.close()
+    with pytest.raises(ValueError, match="has no memory"):
+        deepspeed.initialize(model=model, config=copy.deepcopy(cfg))
+
+
+# --- optimizer objects -------------------------------------------------------------------------
+@pytest.mark.parametrize("adamw_mode", [True, False])
+def test_deepspeed_cpu_adam_trains_as_torch_adam(adamw_mode, tmp_path):
+    from deepspeed.ops.adam import DeepSpeedCPUAdam
+    cfg = harness.config_for(STAGE0, tmp_path)
+    del cfg["optimizer"]
+    torch.manual_seed(0)
+    model = harness.kwargs_net()
+    ds_opt = DeepSpeedCPUAdam(model.parameters(), lr=1e-3, weight_decay=0.1, adamw_mode=adamw_mode)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=ds_opt, config=cfg)
+    got = harness.run_steps(engine, "kwargs", 0, 4)
+    engine.close()
+    torch.manual_seed(0)
+    ref = harness.kwargs_net()
+    cls = torch.optim.AdamW if adamw_mode else torch.optim.Adam
+    opt = cls(ref.parameters(), lr=1e-3, weight_decay=0.1)
+    want = []
+    for step in range(4):
+        x, y = harness.batch("kwargs", step)
+        loss = harness.loss_of("kwargs", ref, x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        want.append(loss.item())
+    harness.assert_close(got, want, rel=1e-5)
+    # Outside an engine the object steps as torch's optimizer does.
+    torch.manual_seed(0)
+    a, b = harness.kwargs_net(), harness.kwargs_net()
+    b.load_state_dict(a.state_dict())
+    oa = DeepSpeedCPUAdam(a.parameters(), lr=1e-2, weight_decay=0.1, adamw_mode=adamw_mode)
+    ob = cls(b.parameters(), lr=1e-2, weight_decay=0.1)
+    for step in range(2):
+        x, y = harness.batch("kwargs", step)
+        for m, o in ((a, oa), (b, ob)):
+            harness.loss_of("kwargs", m, x, y).backward()
+            o.step()
+            o.zero_grad()
+    for p, q in zip(a.parameters(), b.parameters()):
+        torch.testing.assert_close(p, q)

@@ -457,7 +457,8 @@ Status ParseZero(Section s, ZeroConfig* c) {
                         "stage3_gather_fp16_weights_on_model_save", "load_from_fp32_weights",
                         "elastic_checkpoint", "ignore_unused_parameters", "memory_efficient_linear",
                         "use_multi_rank_bucket_allreduce", "zero_hpz_partition_size",
-                        "zero_quantized_weights", "zero_quantized_gradients", "mics_shard_size"})
+                        "zero_quantized_weights", "zero_quantized_gradients", "mics_shard_size",
+                        "mics_hierarchical_params_gather"})
     s.Ignored(k, "has no effect in Strata");
   return s.Finish();
 }
@@ -656,10 +657,23 @@ Status ParseModel(Section s, ModelConfig* c) {
   return s.Finish();
 }
 
-Status ParseRoot(const json& root, Config* c) {
-  if (!root.is_object())
-    return InvalidArgument(StrCat("the config must be a JSON object, got ", Describe(root)));
+Status ParseRoot(const json& given_root, Config* c) {
+  if (!given_root.is_object())
+    return InvalidArgument(StrCat("the config must be a JSON object, got ", Describe(given_root)));
+  // DeepSpeed still reads its oldest form, "zero_optimization": true/false, as stage 1/0.
+  json rewritten;
+  const bool bool_zero = given_root.contains("zero_optimization") &&
+                         given_root.at("zero_optimization").is_boolean();
+  if (bool_zero) {
+    rewritten = given_root;
+    rewritten["zero_optimization"] = {{"stage", given_root.at("zero_optimization").get<bool>() ? 1 : 0}};
+  }
+  const json& root = bool_zero ? rewritten : given_root;
   Section s(&root, "", &c->warnings, &c->auto_keys);
+  if (bool_zero)
+    s.Warn(StrCat("zero_optimization=", given_root.at("zero_optimization").dump(),
+                  " is DeepSpeed's deprecated form; read as {\"stage\": ",
+                  root.at("zero_optimization").at("stage").get<int>(), "}"));
   STRATA_RETURN_IF_ERROR(s.Int("train_batch_size", &c->train_batch_size, 0, kMaxElems));
   auto given = [&](const char* k) {
     const json* v = root.contains(k) ? &root.at(k) : nullptr;

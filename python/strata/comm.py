@@ -77,6 +77,10 @@ def init_distributed(dist_backend=None, auto_mpi_discovery=True, distributed_por
                 "`deepspeed --num_gpus N script.py`, `strata-launch --nproc N -- python3 "
                 "script.py` or torchrun, which set RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT")
     backend = dist_backend or default_backend()
+    if ":" in backend:
+        # torch 2's per-device form, "cpu:gloo,cuda:nccl": the entry for the engine's device.
+        per_device = dict(part.split(":", 1) for part in backend.split(",") if ":" in part)
+        backend = per_device.get("cuda" if default_backend() == "nccl" else "cpu", backend)
     if backend not in ("gloo", "nccl"):
         raise InvalidArgumentError(
             f"init_distributed(dist_backend={backend!r}): Strata runs gloo (CPU device) or nccl "

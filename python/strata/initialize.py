@@ -176,8 +176,10 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
         owner._replaced_by = "initialize was called again on its model with another config"
     _check_parameters_have_memory(model)
 
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and dist_init_required is not False:
-        _comm.init_distributed(distributed_port=distributed_port)
+    if dist_init_required is not False:
+        # As DeepSpeed: torch's default group exists from here on (a world of one without a
+        # launcher), so the script's own torch.distributed calls and samplers work.
+        _comm.init_distributed()
     port = _comm.engine_rendezvous_port()
     units = _units.default_units(model)
     saved_port = os.environ.get("MASTER_PORT")

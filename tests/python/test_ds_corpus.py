@@ -1,0 +1,148 @@
+"""Public DeepSpeed training scripts (tests/data/ds-scripts, sources in its SOURCES.md), run
+unmodified through the `deepspeed` compatibility package and the `deepspeed` launcher, on the
+CPU device, for a few steps. Downloads are replaced on this side only: tests/python/ds_corpus
+(a sitecustomize) swaps torchvision's datasets for small fakes of the same shapes.
+
+Each entry states what must happen:
+  loss     exit 0 and at least one loss line of the script's own format, every value finite;
+  runs     exit 0 and the script's own closing line (scripts that print no loss);
+  fp16     the script's config asks for fp16, which the CPU device refuses: the run must end
+           with that refusal, named (the issue's rule: such a script counts);
+  gpu      the script calls CUDA directly (torch.cuda.set_device, .to(local_rank) with an
+           integer): it cannot run on any CPU box, so it is skipped here and run where a GPU
+           is lent (tools/scripts/gpu-check.sh test);
+  fails    Strata lacks what it needs; the test asserts the first failure is the one recorded
+           (so a fix shows up as a failing test to update, and a regression too).
+"""
+
+import math
+import os
+import re
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+CORPUS = os.path.join(ROOT, "tests", "data", "ds-scripts")
+FAKE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "ds_corpus")
+COMPAT = os.environ.get("STRATA_DS_COMPAT")
+FP16_REFUSAL = r"fp16\.enabled=true on the cpu device"
+LOSS_CIFAR = r"\[\s*\d+,\s*\d+\] loss:\s*(\S+)"
+
+# (folder, ranks, fake samples, expectation, pattern, script and arguments)
+SCRIPTS = [
+    ("dse-cifar10", 2, 64, "loss", LOSS_CIFAR,
+     "cifar10_deepspeed.py --epochs 1 --log-interval 1 --dtype fp32"),
+    ("dse-cifar10", 1, 64, "loss", LOSS_CIFAR,
+     "cifar10_deepspeed.py --epochs 1 --log-interval 1 --dtype bf16 --stage 3"),
+    ("ds-sdma-zero3", 2, 0, "loss", r"step\s+\d+ \| loss (\S+) \|",
+     "train_zero3.py --deepspeed --deepspeed_config ds_config_zero3.json --vocab_size 256 "
+     "--hidden_size 64 --num_layers 2 --num_heads 4 --max_seq_len 32 --num_samples 16 "
+     "--train_steps 3"),
+    ("ds-mics", 1, 0, "loss", r"LOSS: (\S+)", "test_mics_config.py --mics_shard_size 1"),
+    ("ds-stage3-zero-init", 1, 0, "runs", r"BEGINNING FORWARD", "stage3_test.py"),
+    ("ds-test-model", 1, 0, "fp16", FP16_REFUSAL, "test_model.py --zero 2"),
+    ("ds-test-model-2021", 1, 0, "fp16", FP16_REFUSAL, "test_model.py --zero 3"),
+    ("ds-partial-offload", 1, 0, "fp16", FP16_REFUSAL, "partial_offload_test.py --zero 3"),
+    ("ds-qlinear-quant-grad", 1, 0, "fp16", FP16_REFUSAL, "qlinear_test_model.py --zero 0"),
+    ("metaflow-hello", 1, 0, "fp16", FP16_REFUSAL, "hi-deepspeed.py"),
+    ("tartrl-mnist", 1, 64, "fp16", FP16_REFUSAL,
+     "train.py --deepspeed --deepspeed_config ds_config.json --epochs 1 --dry-run"),
+    ("azureml-nebula-cifar", 1, 64, "fp16", FP16_REFUSAL,
+     "cifar10_deepspeed.py --deepspeed --deepspeed_config ds_config.json"),
+    ("azureml-autotuning-cifar", 1, 64, "fp16", FP16_REFUSAL,
+     "train.py --deepspeed --deepspeed_config ds_config.json --epochs 1 --with_aml_log ''"),
+    ("alcf-mnist", 1, 64, "fp16", FP16_REFUSAL,
+     "mnist_ds.py --deepspeed --deepspeed_config ds_config.json --epochs 1 --log-interval 1"),
+    ("dse-pipeline", 1, 64, "gpu", "torch.cuda.set_device",
+     "train.py -p 0 -s 2 --backend gloo --deepspeed --deepspeed_config ds_config.json"),
+    ("dse-mnist-2020", 1, 64, "gpu", ".to(model.local_rank)",
+     "mnist.py --deepspeed --deepspeed_config ds_config.json --epochs 1"),
+    ("dse-bf16-master-weight", 1, 0, "gpu", "torch.cuda.set_device",
+     "train.py --deepspeed_config configs/baseline.json --hidden_dim 64 --num_layers 2 "
+     "--num_heads 4 --vocab_size 1000 --seq_length 32 --num_steps 3 --warmup_steps 1 "
+     "--log_interval 1"),
+    ("alcf-resnet50", 1, 8, "fails", r'optimizer\.type="SGD": Strata implements Adam and AdamW',
+     "resnet_ds.py data --deepspeed --deepspeed_config resnet_ds_config.json --steps 1 "
+     "--log-interval 1"),
+    ("dse-offload-states", 1, 0, "fails", r"No module named 'deepspeed\.runtime\.zero\.offload_config'",
+     "offload_states.py --dtype torch.float32 --hidden_dim 64 --iteration 6 --warmup 1"),
+    ("dse-zenflow-bench", 1, 0, "fails", r"unknown key zero_optimization\.zenflow",
+     "zf_benchmark.py --pin_memory_opts 0 --topk_ratios 0.1 --update_intervals 2 "
+     "--overlap_steps 0 --iteration 2 --hidden_dim 64 --dtype torch.float32"),
+    ("dse-variable-batch-lr", 1, 0, "fails",
+     r"deepspeed\.runtime\.data_pipeline|No module named 'deepspeed\.runtime\.data",
+     "variable_batch_size_and_lr_example.py"),
+]
+
+
+def _id(entry):
+    return f"{entry[0]}-{entry[1]}rank" + ("-" + entry[5].split()[-1] if entry[0] == "dse-cifar10"
+                                           else "")
+
+
+def _run(folder, ranks, fake, script_args, tmp_path):
+    work = tmp_path / folder
+    shutil.copytree(os.path.join(CORPUS, folder), work)
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([FAKE, COMPAT, env.get("PYTHONPATH", "")])
+    env["STRATA_FAKE_DATA"] = str(fake) if fake else ""
+    env["PYTHONUNBUFFERED"] = "1"
+    launcher = os.path.join(COMPAT, "bin", "deepspeed")
+    cmd = f"{launcher} --num_gpus {ranks} {script_args}"
+    # Each script runs in its own copy: several write files next to themselves or in ./data.
+    proc = subprocess.run(["bash", "-c", cmd], cwd=work, env=env, capture_output=True, text=True,
+                          timeout=600)
+    return proc.returncode, proc.stdout + proc.stderr
+
+
+@pytest.mark.skipif(not COMPAT, reason="STRATA_DS_COMPAT (the deepspeed-compat folder) not set")
+@pytest.mark.parametrize("entry", SCRIPTS, ids=_id)
+def test_public_deepspeed_script(entry, tmp_path):
+    folder, ranks, fake, expect, pattern, script_args = entry
+    if expect == "gpu":
+        source = open(os.path.join(CORPUS, folder, script_args.split()[0]), encoding="utf-8").read()
+        assert pattern in source  # the CUDA call that keeps it off CPU boxes is really there
+        pytest.skip(f"{folder} calls {pattern}: GPU only")
+    code, out = _run(folder, ranks, fake, script_args, tmp_path)
+    tail = out[-4000:]
+    if expect == "loss":
+        assert code == 0, tail
+        values = [m.group(1) for m in re.finditer(pattern, out, re.MULTILINE)]
+        assert values, f"no loss line matching {pattern!r}:\n{tail}"
+        losses = [float(v.strip(",")) for v in values]
+        assert all(math.isfinite(v) for v in losses), losses
+        if ranks > 1:
+            assert "[rank 1]" in out, tail  # the launcher really started both ranks
+    elif expect == "runs":
+        assert code == 0, tail
+        assert re.search(pattern, out, re.MULTILINE), tail
+    elif expect == "fp16":
+        assert code != 0
+        assert re.search(pattern, out), tail
+        assert "Segmentation fault" not in out and "core dumped" not in out
+    elif expect == "fails":
+        assert code != 0, tail
+        assert re.search(pattern, out), tail
+
+
+def test_corpus_counts():
+    """Every folder of the corpus has an entry, and the share that runs is reported: a script
+    passes when all its entries run (loss, runs) or end in the refusal the issue counts (fp16);
+    scripts that call CUDA directly are left out of the CPU share."""
+    folders = {d for d in os.listdir(CORPUS) if os.path.isdir(os.path.join(CORPUS, d))}
+    assert folders == {e[0] for e in SCRIPTS}, folders ^ {e[0] for e in SCRIPTS}
+    kinds = {}
+    for e in SCRIPTS:
+        kinds.setdefault(e[0], set()).add(e[3])
+    gpu = [f for f, k in kinds.items() if k == {"gpu"}]
+    cpu = [f for f in kinds if f not in gpu]
+    ok = [f for f in cpu if kinds[f] <= {"loss", "runs", "fp16"}]
+    trained = [f for f in cpu if kinds[f] & {"loss", "runs"}]
+    print(f"corpus: {len(folders)} scripts; {len(gpu)} GPU-only; of the {len(cpu)} a CPU box can "
+          f"run, {len(ok)} pass ({100 * len(ok) / len(cpu):.0f}%): {len(trained)} train, "
+          f"{len(ok) - len(trained)} end in the fp16 refusal; failing: "
+          f"{sorted(set(cpu) - set(ok))}", file=sys.stderr)
+    assert len(cpu) + len(gpu) == len(folders)

@@ -9,8 +9,9 @@ DistributedSampler) need torch's default process group, which this module create
 
 Both communicators live side by side in one process (Note [two rendezvous]).
 
-Without the rank variables (a plain `python train.py`), init_distributed makes a world of one on
-a free loopback port, so that scripts that call torch.distributed unconditionally still run.
+Without the rank variables (a plain `python train.py`), init_distributed makes a world of one
+with an in-process store (no port), so that scripts that call torch.distributed
+unconditionally still run.
 Before any group exists, get_rank() is 0 and get_world_size() is 1 (DeepSpeed asserts instead;
 answering for the one process there is lets single-process scripts and tests run).
 """
@@ -69,8 +70,6 @@ def init_distributed(dist_backend=None, auto_mpi_discovery=True, distributed_por
             env.setdefault("RANK", "0")
             env.setdefault("WORLD_SIZE", "1")
             env.setdefault("LOCAL_RANK", "0")
-            env.setdefault("MASTER_ADDR", "127.0.0.1")
-            env.setdefault("MASTER_PORT", str(_free_port()))
         else:
             raise InvalidArgumentError(
                 f"init_distributed: {', '.join(missing)} not set; start the script with "
@@ -87,6 +86,12 @@ def init_distributed(dist_backend=None, auto_mpi_discovery=True, distributed_por
             "(GPUs); pass one of those or None")
     if backend == "nccl" and torch.cuda.is_available():
         torch.cuda.set_device(int(env.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
+    if init_method is None and env.get("WORLD_SIZE") == "1":
+        # A world of one needs no rendezvous: an in-process store, so that no port (the
+        # environment's may be taken, or meant for someone else) is bound.
+        _dist.init_process_group(backend=backend, store=_dist.HashStore(), rank=0, world_size=1,
+                                 timeout=timeout)
+        return
     _dist.init_process_group(backend=backend, init_method=init_method or "env://",
                              timeout=timeout)
 

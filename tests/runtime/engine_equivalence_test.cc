@@ -22,6 +22,18 @@
 namespace strata {
 namespace {
 
+// The gpu-labelled run (STRATA_TEST_DEVICE=cuda) on a machine without a GPU: every test reports
+// skipped, with the reason, instead of the engine aborting on a device that does not exist.
+class NeedsTestDevice : public ::testing::Environment {
+ public:
+  void SetUp() override {
+    if (TestDeviceSpec().rfind("cuda", 0) == 0 && CudaDeviceCount() == 0)
+      GTEST_SKIP() << "STRATA_TEST_DEVICE=" << TestDeviceSpec() << " but no CUDA device on this machine";
+  }
+};
+::testing::Environment* const kNeedsTestDevice =
+    ::testing::AddGlobalTestEnvironment(new NeedsTestDevice);
+
 struct Case {
   const char* name;
   int stage;

@@ -200,8 +200,9 @@ Status Engine::Impl::DiscoverUnits(const EngineOptions& options) {
       } else {
         const std::string full_name = name.empty() ? pname : name + "." + pname;
         // A stage-3 engine leaves its parameters as views of storage it frees; reading one would
-        // touch freed memory, so a model whose engine was closed is refused here.
-        if (p.numel() > 0 && (!p.has_storage() || p.data_ptr() == nullptr))
+        // touch freed memory, so a model whose engine was closed is refused here. (A parameter
+        // staged by zero::Init has no memory either, by design: its values are in the file.)
+        if (p.numel() > 0 && (!p.has_storage() || p.data_ptr() == nullptr) && !zero::IsStaged(p))
           return FailedPrecondition(StrCat(
               "parameter '", full_name, "' has no memory: the model belongs to a ZeRO-3 engine "
               "that was closed; call engine.destroy() (it gives the model its weights back) "

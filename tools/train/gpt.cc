@@ -4,6 +4,8 @@
 #include <limits>
 #include <set>
 
+#include <torch/version.h>
+
 #include "runtime/run_unit.h"
 #include "runtime/zero_init.h"
 
@@ -46,15 +48,35 @@ GptBlockImpl::GptBlockImpl(const ModelConfig& c) : n_heads(c.n_heads) {
   drop = register_module("drop", torch::nn::Dropout(c.dropout));
 }
 
+bool FusedAttentionAvailable() { return TORCH_VERSION_MAJOR >= 2; }
+
+torch::Tensor CausalAttention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                              const torch::Tensor& mask, double dropout_p, AttentionPath path) {
+  if (path == AttentionPath::kAuto)
+    path = FusedAttentionAvailable() ? AttentionPath::kFused : AttentionPath::kExplicit;
+  if (path == AttentionPath::kFused) {
+#if TORCH_VERSION_MAJOR >= 2
+    return at::scaled_dot_product_attention(q, k, v, /*attn_mask=*/{}, dropout_p, /*is_causal=*/true);
+#else
+    TORCH_CHECK(false, "fused attention needs LibTorch 2.x; this build links LibTorch ",
+                TORCH_VERSION, " (use the explicit path)");
+#endif
+  }
+  const double scale = 1.0 / std::sqrt(static_cast<double>(q.size(-1)));
+  torch::Tensor att = q.matmul(k.transpose(-2, -1)) * scale;
+  att = att.masked_fill(mask.logical_not(), -std::numeric_limits<float>::infinity());
+  att = torch::softmax(att, -1);
+  if (dropout_p > 0) att = torch::dropout(att, dropout_p, /*train=*/true);
+  return att.matmul(v);
+}
+
 torch::Tensor GptBlockImpl::forward(const torch::Tensor& x, const torch::Tensor& mask) {
   const int64_t B = x.size(0), T = x.size(1), D = x.size(2), hd = D / n_heads;
   auto parts = qkv(ln1(x)).split(D, -1);
   auto heads = [&](const torch::Tensor& t) { return t.view({B, T, n_heads, hd}).transpose(1, 2); };
   torch::Tensor q = heads(parts[0]), k = heads(parts[1]), v = heads(parts[2]);
-  torch::Tensor att = q.matmul(k.transpose(-2, -1)) * (1.0 / std::sqrt(static_cast<double>(hd)));
-  att = att.masked_fill(mask.logical_not(), -std::numeric_limits<float>::infinity());
-  att = drop(torch::softmax(att, -1));
-  torch::Tensor y = att.matmul(v).transpose(1, 2).contiguous().view({B, T, D});
+  const double p = is_training() ? drop->options.p() : 0.0;
+  torch::Tensor y = CausalAttention(q, k, v, mask, p, attention).transpose(1, 2).contiguous().view({B, T, D});
   torch::Tensor h = x + drop(proj(y));
   return h + drop(out(torch::gelu(fc(ln2(h)))));
 }

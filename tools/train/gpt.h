@@ -23,11 +23,25 @@ class GptEmbeddingImpl : public torch::nn::Module {
 };
 TORCH_MODULE(GptEmbedding);
 
+// Which attention a GptBlock computes with. kAuto: LibTorch's fused
+// scaled_dot_product_attention where the linked LibTorch has it (2.x: flash or memory-efficient
+// kernels on a GPU, no [T, T] score matrix kept for backward), else the explicit
+// matmul-mask-softmax path (LibTorch 1.13). kFused where it is missing is an error.
+enum class AttentionPath { kAuto, kExplicit, kFused };
+bool FusedAttentionAvailable();
+
+// Causal self-attention: q, k, v [B, H, T, hd] -> [B, H, T, hd]; mask [T, T] bool, the causal
+// (lower-triangular) mask, which the fused path applies as is_causal. Dropout on the attention
+// weights with probability dropout_p (0 in eval).
+torch::Tensor CausalAttention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                              const torch::Tensor& mask, double dropout_p, AttentionPath path);
+
 class GptBlockImpl : public torch::nn::Module {
  public:
   explicit GptBlockImpl(const ModelConfig& c);
-  // x [B, T, d]; mask [T, T] bool, true where a position may attend.
+  // x [B, T, d]; mask [T, T] bool, the causal mask (true where a position may attend).
   torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& mask);
+  AttentionPath attention = AttentionPath::kAuto;
   int64_t n_heads;
   torch::nn::LayerNorm ln1{nullptr}, ln2{nullptr};
   torch::nn::Linear qkv{nullptr}, proj{nullptr}, fc{nullptr}, out{nullptr};

@@ -175,6 +175,16 @@ def new_group(ranks=None, **kwargs):
     return _dist.new_group(ranks=ranks, **kwargs)
 
 
+def destroy_process_group(group=None):
+    """Ends torch's group (the engine's communicator is separate and lives until exit)."""
+    if _dist.is_initialized():
+        _dist.destroy_process_group(group)
+
+
+def get_global_rank(group=None, group_rank=0):
+    return _dist.distributed_c10d._get_global_rank(group, group_rank) if group else group_rank
+
+
 def engine_rendezvous_port():
     """The MASTER_PORT the engine's communicator should use (Note [two rendezvous]): the
     environment's when torch's group does not exist or has one rank, else a port rank 0 picks."""
@@ -188,4 +198,4 @@ def engine_rendezvous_port():
 __all__ = ["ReduceOp", "init_distributed", "is_initialized", "is_available", "get_rank",
            "get_world_size", "get_local_rank", "get_world_group", "get_backend", "barrier",
            "all_reduce", "reduce", "broadcast", "all_gather", "all_gather_object",
-           "broadcast_object_list", "new_group"]
+           "broadcast_object_list", "new_group", "destroy_process_group", "get_global_rank"]

@@ -53,10 +53,12 @@ def _parser():
                    help="pin each rank to its share of the cores (and set OMP_NUM_THREADS)")
     p.add_argument("--bind_core_list", default=None,
                    help="the cores to share out, as 0-7,16-23 (default: all)")
-    for flag in ("--force_multi", "--elastic_training", "--autotuning", "--save_pid",
-                 "--enable_each_rank_log", "--min_elastic_nodes", "--max_elastic_nodes",
-                 "--ssh_port", "--comment", "--venv_script"):
-        p.add_argument(flag, nargs="?", const=True, default=None, help=argparse.SUPPRESS)
+    # Accepted so that they can be refused by name (or ignored, where harmless on one machine).
+    for flag in ("--force_multi", "--elastic_training", "--save_pid"):
+        p.add_argument(flag, action="store_const", const=True, default=None, help=argparse.SUPPRESS)
+    for flag in ("--autotuning", "--enable_each_rank_log", "--min_elastic_nodes",
+                 "--max_elastic_nodes", "--ssh_port", "--comment", "--venv_script"):
+        p.add_argument(flag, default=None, help=argparse.SUPPRESS)
     p.add_argument("user_script", help="the training script")
     p.add_argument("user_args", nargs=argparse.REMAINDER, help="its arguments")
     return p
@@ -139,21 +141,24 @@ def plan(args):
         raise LaunchError("--module and --no_python exclude each other")
     env = {}
     gpus = _gpu_count()
-    available = list(range(gpus if gpus > 0 else max(args.num_gpus, 1)))
     from_hostfile = _hostfile_slots(args.hostfile)
-    if from_hostfile and gpus == 0 and args.num_gpus < 0:
-        available = list(range(from_hostfile))
+    if gpus > 0:
+        if args.num_gpus > gpus:
+            raise LaunchError(f"--num_gpus {args.num_gpus}: this machine has {gpus} GPUs")
+        available = list(range(gpus))
+    else:  # CPU ranks: as many as asked for (or the hostfile's slots), else one
+        available = list(range(args.num_gpus if args.num_gpus > 0 else from_hostfile or 1))
     if args.include:
         if args.exclude:
             raise LaunchError("--include and --exclude exclude each other")
         chosen = _parse_slots(args.include, "--include") or available
+        if gpus > 0 and any(s >= gpus for s in chosen):
+            raise LaunchError(f"--include {args.include}: this machine has {gpus} GPUs")
     else:
         dropped = set(_parse_slots(args.exclude, "--exclude")) if args.exclude else set()
         chosen = [s for s in available if s not in dropped]
-    if args.num_gpus > 0 and not args.include:
-        if gpus > 0 and args.num_gpus > gpus:
-            raise LaunchError(f"--num_gpus {args.num_gpus}: this machine has {gpus} GPUs")
-        chosen = chosen[:args.num_gpus] if gpus > 0 else list(range(args.num_gpus))
+        if gpus > 0 and args.num_gpus > 0:
+            chosen = chosen[:args.num_gpus]
     if not chosen:
         raise LaunchError("no ranks left to start (check --include/--exclude)")
     if gpus > 0:

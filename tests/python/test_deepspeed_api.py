@@ -464,3 +464,56 @@ def test_deepspeed_cpu_adam_trains_as_torch_adam(adamw_mode, tmp_path):
             o.zero_grad()
     for p, q in zip(a.parameters(), b.parameters()):
         torch.testing.assert_close(p, q)
+
+
+# --- the launcher ------------------------------------------------------------------------------
+def _plan(*argv):
+    from strata import launcher
+    return launcher.plan(launcher._parser().parse_args(list(argv) + ["train.py", "--x", "1"]))
+
+
+def test_launcher_maps_deepspeed_flags():
+    from strata import launcher
+    args = launcher._parser().parse_args(["--num_gpus", "2", "train.py", "--deepspeed", "--lr=1"])
+    assert args.user_script == "train.py" and args.user_args == ["--deepspeed", "--lr=1"]
+    assert _plan("--num_gpus", "3")[0] == 3
+    assert _plan()[0] == 1  # no GPU: one CPU rank
+    assert _plan("--include", "localhost:0,2")[0] == 2
+    assert _plan("--num_gpus", "4", "--exclude", "localhost:1")[0] == 3
+    assert _plan("--num_nodes", "1", "--master_addr", "127.0.0.1", "--master_port", "1234")[0] == 1
+    nproc, env = _plan("--num_gpus", "2", "--bind_cores_to_rank", "--bind_core_list", "0-3")
+    assert env["STRATA_RANK_CORES"] == "0,1;2,3" and env["OMP_NUM_THREADS"] == "2"
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--num_nodes", "2"], "--num_nodes 2"),
+    (["--master_addr", "10.1.2.3"], "--master_addr 10.1.2.3"),
+    (["--include", "worker-1:0"], "worker-1"),
+    (["--force_multi"], "--force_multi"),
+    (["--autotuning", "run"], "--autotuning"),
+    (["--include", "localhost:0", "--exclude", "localhost:1"], "exclude each other"),
+])
+def test_launcher_refuses_what_needs_other_machines(argv, words):
+    from strata import launcher
+    with pytest.raises(launcher.LaunchError, match=words):
+        _plan(*argv)
+
+
+def test_launcher_refuses_a_hostfile_naming_other_hosts(tmp_path):
+    from strata import launcher
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("localhost slots=2\nworker-7 slots=8\n")
+    with pytest.raises(launcher.LaunchError, match="worker-7"):
+        _plan("--hostfile", str(hostfile))
+    hostfile.write_text("localhost slots=3  # this machine\n")
+    assert _plan("--hostfile", str(hostfile))[0] == 3
+
+
+def test_deepspeed_command_names_a_bad_flag():
+    import subprocess
+    out = subprocess.run([os.path.join(COMPAT, "bin", "deepspeed"), "--num_nodes", "2", "x.py"],
+                         capture_output=True, text=True)
+    assert out.returncode == 2 and "--num_nodes 2" in out.stderr
+    helped = subprocess.run([os.path.join(COMPAT, "bin", "deepspeed"), "--help"],
+                            capture_output=True, text=True)
+    assert helped.returncode == 0 and "--num_gpus" in helped.stdout

@@ -517,3 +517,70 @@ def test_deepspeed_command_names_a_bad_flag():
     helped = subprocess.run([os.path.join(COMPAT, "bin", "deepspeed"), "--help"],
                             capture_output=True, text=True)
     assert helped.returncode == 0 and "--num_gpus" in helped.stdout
+
+
+# --- Hugging Face's Trainer path, by its calls -------------------------------------------------
+def test_the_calls_the_trainer_makes_through_accelerate(tmp_path):
+    """The calls transformers' Trainer makes through accelerate's DeepSpeed path (both the
+    optimizer and the scheduler from the config), in its order: detection by distribution
+    metadata, initialize with config_params and model_parameters, then per micro-batch
+    set_gradient_accumulation_boundary + backward(loss / GAS, scale_wrt_gas=False) and step at
+    the boundary, the grad norm, zero_grad, a checkpoint save and resume, the 16-bit state dict,
+    destroy and a second train(). Compared with plain PyTorch doing the same arithmetic."""
+    import importlib.util
+    assert importlib.util.find_spec("deepspeed") is not None
+    assert importlib.metadata.metadata("deepspeed")["Name"] == "deepspeed"
+    gas, steps = 2, 3
+    cfg = harness.config_for(STAGE3, tmp_path, gradient_accumulation_steps=gas)
+    cfg["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] = True
+    torch.manual_seed(0)
+    model = harness.gpt2()
+    engine, optimizer, _, scheduler = deepspeed.initialize(
+        model=model, config_params=copy.deepcopy(cfg),
+        model_parameters=[p for p in model.parameters() if p.requires_grad])
+    assert isinstance(engine, deepspeed.DeepSpeedEngine) and engine.module is model
+    assert engine.config.get("zero_optimization", {}).get("stage") == 3
+    torch.manual_seed(0)
+    ref = harness.gpt2()
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=harness.LR, weight_decay=harness.WEIGHT_DECAY)
+    norms = []
+    for step in range(steps):
+        for m in range(gas):
+            x, y = harness.batch("gpt2", step * gas + m)
+            boundary = m == gas - 1
+            engine.set_gradient_accumulation_boundary(boundary)
+            loss = harness.loss_of("gpt2", engine, x, y) / gas   # the Trainer divides itself
+            engine.backward(loss, scale_wrt_gas=False)
+            if boundary:
+                engine.step()
+            (harness.loss_of("gpt2", ref, x, y) / gas).backward()
+        norms.append(engine.get_global_grad_norm())
+        want = torch.nn.utils.clip_grad_norm_(ref.parameters(), float("inf")).item()
+        assert norms[-1] == pytest.approx(want, rel=1e-4)
+        ref_opt.step()
+        ref_opt.zero_grad()
+        engine.zero_grad()
+    for (name, p), got in zip(ref.named_parameters(), engine.master_parameters()):
+        torch.testing.assert_close(got, p.detach(), rtol=1e-5, atol=1e-6, msg=name)
+    # _save_checkpoint: the 16-bit weights for save_pretrained, then the engine checkpoint.
+    state = engine._zero3_consolidated_16bit_state_dict()
+    plain = harness.gpt2()
+    plain.load_state_dict(state, strict=True)
+    engine.save_checkpoint(str(tmp_path / "checkpoint-3"))
+    # Resume in a new engine (deepspeed_load_checkpoint), then destroy and a second train().
+    torch.manual_seed(1)
+    other = harness.gpt2()
+    resumed, *_ = deepspeed.initialize(model=other, config_params=copy.deepcopy(cfg),
+                                       model_parameters=list(other.parameters()))
+    path, _ = resumed.load_checkpoint(str(tmp_path / "checkpoint-3"), load_module_strict=True,
+                                      load_optimizer_states=True, load_lr_scheduler_states=True)
+    assert path is not None and resumed.global_steps == steps
+    for a, b in zip(resumed.master_parameters(), engine.master_parameters()):
+        assert torch.equal(a, b)
+    engine.destroy()
+    resumed.destroy()
+    again, *_ = deepspeed.initialize(model=model, config_params=copy.deepcopy(cfg),
+                                     model_parameters=list(model.parameters()))
+    x, y = harness.batch("gpt2", 99)
+    again.backward(harness.loss_of("gpt2", again, x, y))
+    again.close()

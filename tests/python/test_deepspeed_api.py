@@ -584,3 +584,15 @@ def test_the_calls_the_trainer_makes_through_accelerate(tmp_path):
     x, y = harness.batch("gpt2", 99)
     again.backward(harness.loss_of("gpt2", again, x, y))
     again.close()
+
+
+def test_nvme_dir_removed_before_close_is_a_normal_exit(tmp_path, capfd):
+    import shutil
+    nvme = tmp_path / "nvme"
+    engine = _engine("gpt2", harness.config_for(STAGE3_NVME, nvme))
+    harness.run_steps(engine, "gpt2", 0, 1, 2)
+    shutil.rmtree(nvme)  # a temporary nvme_path cleaned up before the engine goes
+    engine.close()
+    err = capfd.readouterr().err
+    assert "[strata E" not in err, err
+    assert "was removed; no index written" in err

@@ -10,6 +10,7 @@
 #include <cerrno>
 #include <cstdlib>
 #include <cstring>
+#include <filesystem>
 #include <cstdint>
 #include <future>
 #include <set>
@@ -309,8 +310,16 @@ Status SwapStore::Close() {
   if (engine_) engine_->Drain();  // outside mu_: completions take it
   std::lock_guard<std::mutex> lock(mu_);
   Status result;
-  // A store whose Open failed half-way must not overwrite the index it could not load.
-  if (opened_) result = SaveIndexLocked();
+  // A store whose Open failed half-way must not overwrite the index it could not load. A
+  // directory removed while the store was open (a temporary nvme_path cleaned up before the
+  // engine) took the swap files with it: there is no index left to keep, which is no error.
+  std::error_code gone;
+  const auto dir = std::filesystem::path(index_path_).parent_path();
+  if (opened_ && !dir.empty() && !std::filesystem::exists(dir, gone)) {
+    STRATA_LOG(INFO) << "nvme swap store: " << dir.string() << " was removed; no index written";
+  } else if (opened_) {
+    result = SaveIndexLocked();
+  }
   closed_ = true;
   if (engine_) {
     engine_name_ = std::string(engine_->name());

@@ -374,6 +374,9 @@ Status Engine::Impl::Init(Engine* owner, const EngineOptions& options) {
     // (a block's input is B·T·d elements against its 12·d² weights).
     if (config_.activation_checkpointing.cpu_checkpointing) need += std::max<uint64_t>(need / 8, 64ull << 20);
     o.capacity = config_.strata.nvme_capacity ? config_.strata.nvme_capacity : need;
+    // A disk too small for the state is refused now, naming the path and the bytes, not at the
+    // first Allocate that meets ENOSPC (Note [preallocation] grows the files on demand).
+    o.needed_bytes = std::min(need, o.capacity);
     o.aio = config_.aio;
     o.checksums = config_.strata.checksums;
     o.force_fallback = options.force_fallback_io;
@@ -417,6 +420,14 @@ Status Engine::Impl::Init(Engine* owner, const EngineOptions& options) {
           FormatBytes(std::min(nvme_total, 8 * largest)),
           " of NVMe blocks; raise it, offload more to NVMe, or lower strata.chunk_size"));
     if (host_only + nvme_total == 0) budget = 0;
+    // State that must live in host memory and cannot fit there is named here, in the config's
+    // terms, before the pool tries to lock it (Note [locking past the host's memory]).
+    if (const HostMemory mem = ReadHostMemory(); mem.available_bytes > 0 && host_only > mem.available_bytes)
+      return ResourceExhausted(StrCat(
+          "the host-offloaded state of this rank is ", FormatBytes(host_only), " but this host has ",
+          FormatBytes(mem.available_bytes), " available (of ", FormatBytes(mem.total_bytes),
+          "); set offload_optimizer.device (and offload_param.device) to nvme, use more ranks, or "
+          "set strata.optimizer_state_dtype to bf16"));
     TierManagerOptions tmo = TierManagerOptions::FromConfig(config_.strata, budget);
     tmo.host_budget = budget;
     // DeepSpeed's offload pin_memory: false in a section that offloads keeps the host pool

@@ -112,6 +112,21 @@ int ChooseOptimizerThreads(int cores, int compute_threads, int configured, bool 
   return n;
 }
 
+HostMemory ReadHostMemory() {
+  HostMemory m;
+  std::ifstream f("/proc/meminfo");
+  for (std::string line; std::getline(f, line);) {
+    // "MemAvailable:   12345678 kB"
+    auto field = [&](const char* key, uint64_t* out) {
+      const size_t n = std::char_traits<char>::length(key);
+      if (line.compare(0, n, key) == 0) *out = std::strtoull(line.c_str() + n, nullptr, 10) * 1024;
+    };
+    field("MemTotal:", &m.total_bytes);
+    field("MemAvailable:", &m.available_bytes);
+  }
+  return m;
+}
+
 bool CpuHasNativeBf16() { return ReadHostInfo().native_bf16; }
 
 std::string HostDescription(const std::string& path) {

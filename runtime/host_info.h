@@ -3,6 +3,7 @@
 // AVX-512 BF16 Zen 4 the next) and a figure without its machine cannot be compared.
 #pragma once
 
+#include <cstdint>
 #include <string>
 
 namespace strata {
@@ -29,6 +30,14 @@ int PhysicalCoreCount();
 // otherwise every physical core. `why` (optional) gets the reason, for the log.
 int ChooseOptimizerThreads(int physical_cores, int compute_threads, int configured,
                            bool beside_compute, std::string* why = nullptr);
+
+// The host's memory from /proc/meminfo: MemTotal and MemAvailable (what the kernel can hand out
+// without swapping), in bytes; 0 where the file or the field is missing.
+struct HostMemory {
+  uint64_t total_bytes = 0;
+  uint64_t available_bytes = 0;
+};
+HostMemory ReadHostMemory();
 
 // ReadHostInfo().native_bf16: whether bf16 matmuls run at full speed on this CPU.
 bool CpuHasNativeBf16();

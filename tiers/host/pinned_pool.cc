@@ -9,6 +9,7 @@
 #include <cstring>
 
 #include "runtime/check.h"
+#include "runtime/host_info.h"
 #include "runtime/logging.h"
 #include "runtime/units.h"
 #include "tiers/host/cuda_host_alloc.h"
@@ -134,6 +135,20 @@ Status PinnedPool::Reserve() {
   arena_bytes_ = options_.budget / options_.min_block * options_.min_block;
   colour_bytes_ = ColourOf(arena_bytes_);
   extent_bytes_ = arena_bytes_ + colour_bytes_;
+  // Note [locking past the host's memory]: locked pages cannot be swapped or reclaimed. An arena
+  // larger than what the kernel has available is not a slow path but a kill: cudaHostAlloc or
+  // mlock (as root, uncapped) takes the pages and the OOM killer ends the process, or another.
+  // So a budget past MemAvailable is refused here, before a byte is locked.
+  if (!options_.force_pageable) {
+    const HostMemory mem = ReadHostMemory();
+    if (mem.available_bytes > 0 && extent_bytes_ > mem.available_bytes)
+      return ResourceExhausted(StrCat(
+          "host pool: strata.host_memory_budget=", FormatBytes(options_.budget), " would lock ",
+          FormatBytes(extent_bytes_), " but this host has ", FormatBytes(mem.available_bytes),
+          " available (of ", FormatBytes(mem.total_bytes),
+          "); locked memory cannot be swapped. Lower strata.host_memory_budget, offload more to "
+          "nvme, or set pin_memory: false in the offload section"));
+  }
   if (!options_.force_pageable && options_.allow_cuda && host_internal::CudaHostAllocAvailable()) {
     StatusOr<void*> p = host_internal::CudaHostAlloc(extent_bytes_);
     if (p.ok()) {

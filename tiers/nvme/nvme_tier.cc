@@ -26,6 +26,7 @@ StatusOr<std::unique_ptr<NvmeTier>> NvmeTier::Create(const NvmeTierOptions& opti
   so.paths = options.paths;
   so.rank = options.rank;
   so.capacity = options.capacity;
+  so.needed_bytes = options.needed_bytes;
   so.aio = options.aio;
   so.checksums = options.checksums;
   so.mode = SwapOpenMode::kCreate;

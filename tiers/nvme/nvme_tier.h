@@ -25,6 +25,7 @@ struct NvmeTierOptions {
   std::vector<std::string> paths;
   uint32_t rank = 0;
   uint64_t capacity = 0;  // bytes; 0: what the file systems have free at creation
+  uint64_t needed_bytes = 0;  // SwapStoreOptions::needed_bytes: checked against free space at Create
   AioConfig aio;
   ChecksumKind checksums = ChecksumKind::kCrc32c;
   bool force_fallback = false;

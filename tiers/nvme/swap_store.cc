@@ -124,6 +124,27 @@ StatusOr<std::unique_ptr<SwapStore>> SwapStore::Open(const SwapStoreOptions& opt
     return ErrnoToStatus(errno, StrCat("removing the old swap index ", s->index_path_));
   }
 
+  if (!index && options.needed_bytes > 0) {
+    // Every path holds the same share of the striped space.
+    const uint64_t stripes = (options.needed_bytes + s->stripe_unit_ - 1) / s->stripe_unit_;
+    const uint64_t share = (stripes + n - 1) / n * s->stripe_unit_;
+    for (const auto& p : options.paths) {
+      struct statvfs vfs;
+      if (statvfs(p.c_str(), &vfs) != 0) return ErrnoToStatus(errno, StrCat("statvfs ", p));
+      uint64_t free_bytes = uint64_t{vfs.f_bavail} * vfs.f_frsize;
+      struct stat old_file;
+      if (stat(SwapFileName(p, options.rank).c_str(), &old_file) == 0)
+        free_bytes += static_cast<uint64_t>(old_file.st_blocks) * 512;  // truncated below
+      if (free_bytes < share)
+        return ResourceExhausted(StrCat(
+            "nvme path ", p, " has ", FormatBytes(free_bytes), " free but rank ", options.rank,
+            "'s NVMe-placed state needs ", FormatBytes(share), " there (", FormatBytes(options.needed_bytes),
+            " in whole aio.block_size stripes of ", FormatBytes(s->stripe_unit_), " over ", n, " path",
+            n > 1 ? "s" : "", "); free space there, add another nvme_path, set "
+            "strata.optimizer_state_dtype to bf16, or offload less to nvme"));
+    }
+  }
+
   if (index) {
     std::vector<std::string> expected;
     for (const auto& p : options.paths) expected.push_back(SwapFileName(p, options.rank));

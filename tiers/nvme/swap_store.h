@@ -56,6 +56,12 @@ struct SwapStoreOptions {
   // Bytes across all paths, rounded up to block_size × paths; 0 takes what the file systems
   // have free at open (strata.nvme_capacity=0). Ignored on reopen: the index's capacity wins.
   uint64_t capacity = 0;
+  // Bytes the caller will certainly write (the engine's NVMe-placed state for this rank); 0: not
+  // known. A store that starts empty is refused up front (RESOURCE_EXHAUSTED, naming the path,
+  // its free space and the need) when a path cannot hold its stripe share of these bytes, rather
+  // than failing an Allocate hours into a run. A swap file the store will truncate counts as
+  // free. Ranks that share a file system each check only their own share.
+  uint64_t needed_bytes = 0;
   AioConfig aio;
   ChecksumKind checksums = ChecksumKind::kCrc32c;  // ignored on reopen: the index's kind wins
   SwapOpenMode mode = SwapOpenMode::kCreate;

@@ -13,6 +13,7 @@
 #include <thread>
 #include <vector>
 
+#include "runtime/host_info.h"
 #include "runtime/units.h"
 #include "tests/test_util.h"
 #include "tiers/nvme/nvme_tier.h"
@@ -277,6 +278,24 @@ TEST(PinnedPoolTest, ForcedPageableFallback) {
   EXPECT_EQ(s.pinned_bytes, 0u);
   EXPECT_EQ(s.pageable_bytes, 4_MiB + s.colour_bytes);
   EXPECT_EQ(s.budget, 4_MiB);
+}
+
+// Locking more than the host has available would end in the OOM killer, not an error: such a
+// budget is refused before anything is locked, naming the budget and the host's memory. The same
+// budget kept pageable is only address space (MAP_NORESERVE) and stays allowed.
+TEST(PinnedPoolTest, RefusesToLockPastTheHostsAvailableMemory) {
+  const HostMemory mem = ReadHostMemory();
+  ASSERT_GT(mem.available_bytes, 0u) << "no MemAvailable in /proc/meminfo";
+  PinnedPoolOptions o;
+  o.budget = (mem.available_bytes + 8_GiB) / 1_MiB * 1_MiB;
+  auto s = PinnedPool::Create(o);
+  ASSERT_FALSE(s.ok());
+  EXPECT_EQ(s.status().code(), StatusCode::kResourceExhausted);
+  EXPECT_NE(s.status().message().find("strata.host_memory_budget="), std::string::npos) << s.status();
+  EXPECT_NE(s.status().message().find("available"), std::string::npos) << s.status();
+  o.force_pageable = true;
+  ASSERT_OK_AND_ASSIGN(auto pool, PinnedPool::Create(o));
+  EXPECT_EQ(pool->stats().pinned_bytes, 0u);
 }
 
 TEST(PinnedPoolTest, PinsWhatTheLimitAllows) {

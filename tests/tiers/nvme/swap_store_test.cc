@@ -452,6 +452,32 @@ TEST(SwapStoreEnvTest, ReallyFullFileSystemIsResourceExhausted) {
   }
 }
 
+// A state known to be larger than the disk is refused at Open, naming the path, its free space and
+// the need, instead of an Allocate failing once training is under way. The same need that fits
+// opens, and an old swap file of this rank (about to be truncated) counts as free space.
+TEST(SwapStoreEnvTest, NeededBytesPastTheFreeSpaceAreRefusedAtOpen) {
+  TempDir t;
+  if (!MountTmpfs(t.path(), "size=8M")) GTEST_SKIP() << "cannot mount tmpfs: " << std::strerror(errno);
+  Unmount unmount{t.path()};
+  SwapStoreOptions o = Opts({t.path()}, false, 64 << 20);
+  o.needed_bytes = 32 << 20;
+  auto s = SwapStore::Open(o);
+  ASSERT_FALSE(s.ok());
+  EXPECT_EQ(s.status().code(), StatusCode::kResourceExhausted) << s.status();
+  EXPECT_NE(s.status().message().find("nvme path " + t.path()), std::string::npos) << s.status();
+  EXPECT_NE(s.status().message().find("needs 32"), std::string::npos) << s.status();
+  o.capacity = 6 << 20;
+  o.needed_bytes = 6 << 20;
+  {
+    ASSERT_OK_AND_ASSIGN(auto store, SwapStore::Open(o));
+    ASSERT_OK(store->Allocate(1, 4 << 20));
+    auto d = Pattern(4 << 20, 3);
+    ASSERT_OK(store->Write(1, d.data()));
+  }
+  // Whatever the old file still holds is reusable: reopening for the same need works.
+  ASSERT_OK_AND_ASSIGN(auto again, SwapStore::Open(o));
+}
+
 TEST(SwapStoreEnvTest, ReadOnlyFileSystemIsPermissionDenied) {
   TempDir t;
   if (!MountTmpfs(t.path(), "size=1M")) GTEST_SKIP() << "cannot mount tmpfs: " << std::strerror(errno);

@@ -1,0 +1,412 @@
+#!/usr/bin/env bash
+# Proves Strata on a lent GPU machine, one phase per call, each under 9 minutes:
+#
+#   build    unpack .gpu-pack (tools/scripts/gpu-pack.sh, run before the lease) where the machine
+#            lacks a library, configure against the machine's pip torch (its LibTorch) and its
+#            NCCL, for the GPU's architecture, and build everything
+#   test     ctest -L gpu, the Python suite (on CUDA wherever a GPU is), the Trainer test
+#   bench    the 404M bench config (configs/bench-nvme.json) under none/cpu/nvme x fp32/bf16,
+#            every lane reported; PyTorch FSDP2 with CPUOffloadPolicy on the same model beside it;
+#            the ceilings (NVMe through io_uring and fio, host<->device copies, DRAM, CPU Adam)
+#   scale    the largest GPT this machine trains: 1.3B, 2.7B, 6.7B, 13B; bf16, activation
+#            checkpointing, cpu then nvme offload, 3 steps each; TFLOPS (6·params·tokens/step),
+#            the lane that bounds the step, peak device, host and disk bytes
+#   report   one markdown table from the phases' JSON
+#
+#   tools/scripts/gpu-check.sh PHASE [--device cuda|cpu] [--quick] [--sizes 1.3b,2.7b] [--steps N]
+#
+# Each phase writes PHASE.json and PHASE.log under $OUT (the device tool's return folder; without
+# it, build-gpu/out) and keeps a copy of the JSON in build-gpu/results for `report`. The phases
+# share build-gpu/ on a warm machine: run them in order, `build` first.
+#   --device cpu   the dry run on a machine without a GPU: the same steps on the CPU device
+#   --quick        the dry run's shapes: small models, fewer steps (the pipeline, not the figures)
+#   --sizes LIST   scale: the sizes to try, in order (default 1.3b,2.7b,6.7b,13b)
+#   --steps N      bench: steps per run (default 6; quick 3)
+# Environment: PYTHON (a python3 with torch; default: the first of python3, /usr/bin/python3 that
+# imports torch), PEER_PYTHON (the FSDP2 peer's python, torch >= 2.6; default PYTHON),
+# STRATA_NVME_DIR (swap directory; default /var/tmp/strata-gpu-nvme), STRATA_GPU_BUILD.
+set -euo pipefail
+ROOT=$(cd "$(dirname "$0")/../.." && pwd)
+cd "$ROOT"
+UTIL="$ROOT/tools/scripts/gpu_check_util.py"
+
+usage() { sed -n '2,30p' "$0" | sed 's/^# \{0,1\}//'; }
+phase=${1:-}
+case "$phase" in
+  build|test|bench|scale|report) shift ;;
+  -h|--help) usage; exit 0 ;;
+  "") usage >&2; echo "gpu-check: name a phase: build, test, bench, scale or report" >&2; exit 2 ;;
+  *) echo "gpu-check: unknown phase '$phase': build, test, bench, scale or report" >&2; exit 2 ;;
+esac
+device=""; quick=0; sizes="1.3b,2.7b,6.7b,13b"; steps=""
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --device) device=${2:-}; shift 2 ;;
+    --device=*) device=${1#*=}; shift ;;
+    --quick) quick=1; shift ;;
+    --sizes) sizes=${2:-}; shift 2 ;;
+    --steps) steps=${2:-}; shift 2 ;;
+    *) echo "gpu-check: unknown flag '$1' (see --help)" >&2; exit 2 ;;
+  esac
+done
+if [ -z "$device" ]; then
+  if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then device=cuda; else device=cpu; fi
+fi
+case "$device" in cuda|cpu) ;; *) echo "gpu-check: --device=$device: cuda or cpu" >&2; exit 2 ;; esac
+if [ "$device" = cuda ] && ! nvidia-smi -L >/dev/null 2>&1; then
+  echo "gpu-check: --device cuda but nvidia-smi sees no GPU; on a machine without one use --device cpu" >&2
+  exit 2
+fi
+if [ -n "$steps" ] && ! [[ "$steps" =~ ^[1-9][0-9]*$ ]]; then
+  echo "gpu-check: --steps=$steps: a whole number >= 1" >&2; exit 2
+fi
+
+BUILD=${STRATA_GPU_BUILD:-$ROOT/build-gpu}
+CM="$BUILD/cmake"
+RESULTS="$BUILD/results"
+WORK="$BUILD/work/$phase"
+OUT=${OUT:-$BUILD/out}
+NVME=${STRATA_NVME_DIR:-/var/tmp/strata-gpu-nvme}
+PACK="$ROOT/.gpu-pack"
+mkdir -p "$OUT" "$RESULTS" "$WORK"
+LOG="$OUT/$phase.log"
+JSON="$OUT/$phase.json"
+: >"$LOG"
+exec > >(tee -a "$LOG") 2>&1
+T0=$(date +%s)
+PHASE_LIMIT=${STRATA_PHASE_SECONDS:-530}  # each phase ends inside a 10-minute device command
+elapsed() { echo $(( $(date +%s) - T0 )); }
+left() { echo $(( PHASE_LIMIT - $(elapsed) )); }
+say() { echo "[gpu-check $phase $(elapsed)s] $*"; }
+
+pick_python() {
+  local c
+  for c in ${PYTHON:-} python3 /usr/bin/python3; do
+    if command -v "$c" >/dev/null 2>&1 && "$c" -c 'import torch' >/dev/null 2>&1; then
+      command -v "$c"; return 0
+    fi
+  done
+  return 1
+}
+PY=$(pick_python) || PY=""
+UPY=${PY:-python3}  # the util needs only the standard library
+machine_desc() {
+  local cpu gpu mem
+  cpu=$(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | sed 's/^ *//')
+  mem=$(awk '/MemTotal/{printf "%.0f GiB", $2/1048576}' /proc/meminfo)
+  gpu="no GPU"
+  if [ "$device" = cuda ]; then gpu=$(nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | head -1); fi
+  echo "$cpu ($(nproc) CPUs, $mem), $gpu"
+}
+MACHINE=$(machine_desc)
+finish() {  # finish OK NOTES [key=value ...]
+  local ok=$1 notes=$2; shift 2
+  "$UPY" "$UTIL" phase-json --out "$JSON" --out "$RESULTS/$phase.json" ${MERGE:+--merge "$MERGE"} \
+    phase="$phase" ok="$ok" seconds="$(elapsed)" device="$device" quick="$quick" \
+    machine="$MACHINE" notes="$notes" "$@"
+  say "done: ok=$ok ($notes); $JSON"
+  [ "$ok" = true ]
+}
+
+# --- dependencies: the machine's own, else the packed .debs -----------------------------------
+have_system_deps() {
+  pkg-config --exists liburing hwloc 2>/dev/null &&
+    for h in nlohmann/json.hpp CLI/CLI.hpp gtest/gtest.h tbb/tbb.h; do
+      [ -e "/usr/include/$h" ] || [ -e "/usr/local/include/$h" ] || return 1
+    done
+}
+DEPS="$BUILD/deps"
+deps_env() {  # exports what finds the unpacked packages; a no-op on a machine that has its own
+  [ -f "$BUILD/deps.env" ] && . "$BUILD/deps.env"
+  return 0
+}
+unpack_deps() {
+  if have_system_deps; then
+    echo "# the machine's own libraries" >"$BUILD/deps.env"; echo system; return 0
+  fi
+  if ! compgen -G "$PACK/debs/*.deb" >/dev/null; then
+    echo "gpu-check: this machine lacks liburing/hwloc/oneTBB/nlohmann-json/CLI11/GoogleTest and no" \
+         ".gpu-pack came with the tree: run tools/scripts/gpu-pack.sh before the lease and carry .gpu-pack" >&2
+    return 1
+  fi
+  rm -rf "$DEPS"; mkdir -p "$DEPS"
+  local deb
+  for deb in "$PACK"/debs/*.deb; do
+    if command -v dpkg-deb >/dev/null; then dpkg-deb -x "$deb" "$DEPS"
+    else (cd "$DEPS" && ar p "$deb" "$(ar t "$deb" | grep '^data.tar')" | tar -x --auto-compress -f - 2>/dev/null ||
+          ar p "$deb" "$(ar t "$deb" | grep '^data.tar')" | tar -xJ); fi
+  done
+  # The .pc files name /usr; point them at the unpacked tree.
+  find "$DEPS" -name '*.pc' -exec sed -i -e "s|^prefix=/usr|prefix=$DEPS/usr|" \
+    -e "s|^\([a-z_]*dir\)=/usr/|\1=$DEPS/usr/|" {} +
+  local lib="$DEPS/usr/lib/x86_64-linux-gnu"
+  # Debian's merged /usr keeps some libraries in /lib too.
+  cat >"$BUILD/deps.env" <<EOF
+export PKG_CONFIG_PATH="$lib/pkgconfig:$DEPS/usr/share/pkgconfig\${PKG_CONFIG_PATH:+:\$PKG_CONFIG_PATH}"
+export LD_LIBRARY_PATH="$lib:$DEPS/lib/x86_64-linux-gnu\${LD_LIBRARY_PATH:+:\$LD_LIBRARY_PATH}"
+export STRATA_DEPS_PREFIX="$DEPS/usr"
+# The compiler searches /usr/include/<multiarch> by itself, never the unpacked tree's (hwloc keeps
+# its generated config.h there).
+export CPATH="$DEPS/usr/include/x86_64-linux-gnu\${CPATH:+:\$CPATH}"
+export LIBRARY_PATH="$lib\${LIBRARY_PATH:+:\$LIBRARY_PATH}"
+EOF
+  echo pack
+}
+fio_cmd() {  # fio from the machine, else the packed one (its own libraries on its path alone)
+  if command -v fio >/dev/null; then command -v fio; return 0; fi
+  local f="$DEPS/usr/bin/fio"
+  [ -x "$f" ] || return 1
+  local wrapper="$BUILD/fio"
+  printf '#!/bin/sh\nLD_LIBRARY_PATH="%s:%s${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" exec "%s" "$@"\n' \
+    "$DEPS/usr/lib/x86_64-linux-gnu" "$DEPS/lib/x86_64-linux-gnu" "$f" >"$wrapper"
+  chmod +x "$wrapper"
+  "$wrapper" --version >/dev/null 2>&1 || return 1
+  echo "$wrapper"
+}
+
+# --- build ------------------------------------------------------------------------------------
+phase_build() {
+  [ -n "$PY" ] || { finish false "no python3 with torch (set PYTHON)"; return 1; }
+  local from torch_prefix torch_ver args=() arch="" nccl=""
+  from=$(unpack_deps) || { finish false "libraries missing and no .gpu-pack"; return 1; }
+  deps_env
+  say "libraries: $from; python: $PY"
+  torch_prefix=$("$PY" -c 'import torch.utils; print(torch.utils.cmake_prefix_path)')
+  torch_ver=$("$PY" -c 'import torch; print(torch.__version__)')
+  local prefix="$torch_prefix"
+  if [ "$from" = pack ]; then
+    prefix="$DEPS/usr;$torch_prefix"
+    local l="$DEPS/usr/lib/x86_64-linux-gnu/cmake"
+    args+=(-DTBB_DIR="$l/TBB" -Dnlohmann_json_DIR="$DEPS/usr/share/cmake/nlohmann_json"
+           -DGTest_DIR="$l/GTest" -Dbenchmark_DIR="$l/benchmark"
+           -DCMAKE_INCLUDE_PATH="$DEPS/usr/include" -DCMAKE_LIBRARY_PATH="$DEPS/usr/lib/x86_64-linux-gnu")
+    [ -d "$DEPS/usr/share/cmake/CLI11" ] && args+=(-DCLI11_DIR="$DEPS/usr/share/cmake/CLI11")
+    [ -d "$DEPS/usr/lib/cmake/CLI11" ] && args+=(-DCLI11_DIR="$DEPS/usr/lib/cmake/CLI11")
+  fi
+  if [ "$device" = cuda ]; then
+    arch=$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader | head -1 | tr -d '. ')
+    nccl=$("$PY" -c 'import nvidia.nccl as n, os; print(list(n.__path__)[0])' 2>/dev/null || true)
+    args+=(-DSTRATA_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES="$arch")
+    if [ -n "$nccl" ] && [ -f "$nccl/include/nccl.h" ]; then
+      args+=(-DSTRATA_NCCL_INCLUDE="$nccl/include" -DSTRATA_NCCL_LIB="$(ls "$nccl"/lib/libnccl.so* | head -1)")
+    fi
+  else
+    args+=(-DSTRATA_CUDA=AUTO)
+  fi
+  say "configure: torch $torch_ver, device $device${arch:+, sm_$arch}${nccl:+, NCCL from $nccl}"
+  mkdir -p "$CM"
+  if ! cmake -S "$ROOT" -B "$CM" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DSTRATA_PYTHON=AUTO \
+       -DSTRATA_PYTHON_EXECUTABLE="$PY" -DCMAKE_PREFIX_PATH="$prefix" "${args[@]}" >"$WORK/configure.log" 2>&1; then
+    tail -30 "$WORK/configure.log"
+    finish false "configure failed: $(grep -m1 -i 'error' "$WORK/configure.log" | head -c 200)"; return 1
+  fi
+  grep -E '^-- strata' "$WORK/configure.log" || true
+  local pymod
+  pymod=$(grep -q 'Python module off' "$WORK/configure.log" && grep -m1 'Python module off' "$WORK/configure.log" | sed 's/.*off: //' || echo on)
+  say "build: -j $(nproc)"
+  local jobs=$(nproc)
+  if ! timeout "$(left)" cmake --build "$CM" -j "$jobs" >"$WORK/build.log" 2>&1; then
+    tail -40 "$WORK/build.log"
+    finish false "build failed or ran out of the phase's time: $(grep -m1 -E 'error|FAILED' "$WORK/build.log" | head -c 200)"
+    return 1
+  fi
+  tail -2 "$WORK/build.log"
+  finish true "built with torch $torch_ver (${from} libraries)" torch="$torch_ver" python="$PY" \
+    libraries="$from" cuda_arch="${arch:-none}" nccl="${nccl:-none}" python_module="$pymod"
+}
+
+need_build() {
+  [ -x "$CM/bin/strata-train" ] || { finish false "no build in $CM: run the build phase first"; exit 1; }
+  deps_env
+}
+
+# --- test -------------------------------------------------------------------------------------
+ctest_line() { grep -E 'tests passed|No tests were found' "$1" | tail -1; }
+phase_test() {
+  need_build
+  local ok=true suites=() line
+  say "ctest -L gpu"
+  (cd "$CM" && timeout "$(( $(left) / 3 ))" ctest -L gpu --output-on-failure -j 2) >"$WORK/ctest-gpu.log" 2>&1 || ok=false
+  line=$(ctest_line "$WORK/ctest-gpu.log"); echo "  $line"
+  local skipped
+  skipped=$(grep -c -E 'SKIPPED|Skipped' "$WORK/ctest-gpu.log" || true)
+  suites+=("ctest_gpu=${line:-no summary} (skip lines: $skipped)")
+  if [ -d "$CM/python/strata" ] || compgen -G "$CM/python/*strata*" >/dev/null; then
+    say "the Python suite (ctest -L python; strata.device auto takes CUDA where a GPU is)"
+    (cd "$CM" && timeout "$(( $(left) * 2 / 3 ))" ctest -L python --output-on-failure -j 4) >"$WORK/ctest-python.log" 2>&1 || ok=false
+    line=$(ctest_line "$WORK/ctest-python.log"); echo "  $line"
+    suites+=("python=${line:-no summary}")
+    local trainer="$ROOT/tests/python/test_hf_trainer.py"
+    if [ -f "$trainer" ]; then
+      say "the Trainer test"
+      if PYTHONPATH="$CM/python:$CM/deepspeed-compat" STRATA_BIN="$CM/bin" timeout "$(left)" \
+           "$PY" -m pytest -q -rs -p no:cacheprovider "$trainer" >"$WORK/trainer.log" 2>&1; then :; else ok=false; fi
+      line=$(tail -1 "$WORK/trainer.log"); echo "  $line"
+      suites+=("trainer=$line")
+    else
+      suites+=("trainer=not present (tests/python/test_hf_trainer.py)")
+    fi
+  else
+    suites+=("python=module not built (see build.json's python_module)")
+  fi
+  grep -E 'Failed|\*\*\*|FAILED' "$WORK"/ctest-*.log | head -20 || true
+  local kv=() s
+  for s in "${suites[@]}"; do kv+=("${s%%=*}=${s#*=}"); done
+  local suites_json
+  suites_json=$("$UPY" -c 'import json,sys; print(json.dumps(dict(a.split("=",1) for a in sys.argv[1:])))' "${kv[@]}")
+  finish "$ok" "$(IFS=';'; echo "${suites[*]}")" suites="$suites_json"
+}
+
+# --- bench ------------------------------------------------------------------------------------
+mem_gib() { awk '/MemTotal/{printf "%d", $2/1048576}' /proc/meminfo; }
+train_run() {  # train_run NAME CONFIG STEPS: strata-train --json into WORK/train-NAME.jsonl
+  local name=$1 cfg=$2 n=$3 t
+  t=$(left); [ "$t" -gt 30 ] || { echo "no time left" >"$WORK/train-$name.err"; : >"$WORK/train-$name.jsonl"; return 1; }
+  say "strata-train $name ($n steps)"
+  rm -rf "$NVME"; mkdir -p "$NVME"
+  if timeout "$((t - 20))" "$CM/bin/strata-train" --config "$cfg" --steps "$n" --json --device "$device" \
+       --eval-every 0 >"$WORK/train-$name.jsonl" 2>"$WORK/train-$name.err"; then
+    "$UPY" "$UTIL" train-summary "$WORK/train-$name.jsonl" | cut -c1-300
+  else
+    echo "  failed: $(grep -v '^\s*$' "$WORK/train-$name.err" | tail -1)"
+  fi
+  rm -rf "$NVME"
+}
+phase_bench() {
+  need_build
+  local n=${steps:-6} base="$ROOT/configs/bench-nvme.json" model_args=() host_cpu
+  [ "$quick" = 1 ] && { n=${steps:-3}; model_args=(--model 2,256,4,128); }
+  rm -f "$WORK"/*.jsonl "$WORK"/*.err "$WORK/profile.json"
+  mkdir -p "$NVME"
+  say "ceilings: strata-swapbench profile --quick (NVMe and fio, copies, DRAM, CPU Adam, matmul)"
+  local fio; fio=$(fio_cmd) && export PATH="$(dirname "$fio"):$PATH" || say "fio: not available on this machine"
+  timeout 150 "$CM/bin/strata-swapbench" profile --quick --json --path "$NVME" >"$WORK/profile.json" \
+    2>"$WORK/profile.err" || say "profile failed: $(tail -1 "$WORK/profile.err")"
+  # The cpu rows get the host budget a user of this machine would give them (half its memory);
+  # the nvme rows keep the shipped 2 GiB, so that states really stream from the disk.
+  host_cpu="$(( $(mem_gib) / 2 ))GiB"
+  local dtype place cfg
+  for dtype in fp32 bf16; do
+    for place in none cpu nvme; do
+      cfg="$WORK/cfg-$place-$dtype.json"
+      local budget=()
+      [ "$place" = cpu ] && budget=(--host-budget "$host_cpu")
+      "$UPY" "$UTIL" config "$base" "$cfg" --placement "$place" --dtype "$dtype" --device "$device" \
+        --nvme-path "$NVME" "${budget[@]}" "${model_args[@]}"
+      train_run "$place-$dtype" "$cfg" "$n" || true
+    done
+  done
+  local ppy=${PEER_PYTHON:-$PY}
+  for dtype in fp32 bf16; do
+    say "FSDP2 CPUOffloadPolicy peer ($dtype, $ppy)"
+    if [ "$(left)" -lt 40 ]; then echo "no time left" >"$WORK/peer-fsdp2-cpu-$dtype.err"; continue; fi
+    timeout "$(( $(left) - 20 ))" $ppy "$ROOT/tools/scripts/fsdp2_peer.py" --config "$WORK/cfg-cpu-$dtype.json" \
+      --steps "$n" --device "$device" --offload cpu >"$WORK/peer-fsdp2-cpu-$dtype.jsonl" \
+      2>"$WORK/peer-fsdp2-cpu-$dtype.err" || say "peer failed: $(tail -1 "$WORK/peer-fsdp2-cpu-$dtype.err")"
+  done
+  "$UPY" "$UTIL" bench-json "$WORK" >"$WORK/bench.json"
+  local ok; ok=$("$UPY" -c 'import json,sys; print("true" if json.load(open(sys.argv[1]))["ok"] else "false")' "$WORK/bench.json")
+  MERGE="$WORK/bench.json" finish "$ok" "$n steps per run, means over steps 2..$n; cpu host budget $host_cpu, nvme 2 GiB"
+}
+
+# --- scale ------------------------------------------------------------------------------------
+phase_scale() {
+  need_build
+  local base="$ROOT/configs/bench-nvme.json" seq=2048 micro=8 n=3
+  [ "$quick" = 1 ] && { seq=128; micro=2; [ "$sizes" = "1.3b,2.7b,6.7b,13b" ] && sizes="tiny,small"; }
+  local host="$(( $(mem_gib) * 3 / 4 ))GiB"
+  local runs="$WORK/runs.jsonl"; : >"$runs"
+  local size place largest="" shape cfg
+  for size in ${sizes//,/ }; do
+    shape=$("$UPY" "$UTIL" size "$size") || { say "unknown size $size"; continue; }
+    local trained=""
+    for place in cpu nvme; do
+      cfg="$WORK/cfg-$size-$place.json"
+      "$UPY" "$UTIL" config "$base" "$cfg" --placement "$place" --dtype bf16 --device "$device" \
+        --nvme-path "$NVME" --host-budget "$host" --model "$shape,$seq" --micro-batch "$micro" \
+        --checkpoint-activations --chunk-size 64MiB
+      # Preflight: the estimator's bytes per tier against this machine's memory and disk.
+      local est fits
+      est=$("$CM/bin/strata-estimate" --config "$cfg" --device "$device" --json 2>"$WORK/est.err" || true)
+      mkdir -p "$NVME"
+      fits=$("$UPY" - "$est" "$NVME" <<'EOF'
+import json, os, sys
+try:
+    e = json.loads(sys.argv[1])
+except json.JSONDecodeError:
+    print("ok"); sys.exit()
+mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+st = os.statvfs(sys.argv[2]); disk = st.f_bavail * st.f_frsize
+host = e.get("host_pinned_bytes", 0) + e.get("host_pageable_bytes", 0)
+if host > 0.9 * mem:
+    print(f"host needs {host/2**30:.0f} GiB of {mem/2**30:.0f} GiB"); sys.exit()
+if e.get("nvme_bytes", 0) > disk:
+    print(f"disk needs {e['nvme_bytes']/2**30:.0f} GiB, {disk/2**30:.0f} GiB free"); sys.exit()
+print("ok")
+EOF
+)
+      if [ "$fits" != ok ]; then
+        say "$size $place: does not fit ($fits)"
+        echo "{\"size\":\"$size\",\"placement\":\"$place\",\"result\":\"does not fit: $fits\"}" >>"$runs"
+        continue
+      fi
+      # Peak disk use, sampled while the run goes.
+      ( peak=0; while sleep 2; do u=$(du -sb "$NVME" 2>/dev/null | cut -f1); [ "${u:-0}" -gt "$peak" ] && peak=$u && echo "$peak" >"$WORK/disk-peak"; done ) &
+      local sampler=$!
+      echo 0 >"$WORK/disk-peak"
+      local name="$size-$place"
+      train_run "$name" "$cfg" "$n" || true
+      kill "$sampler" 2>/dev/null || true
+      local disk; disk=$(cat "$WORK/disk-peak" 2>/dev/null || echo 0)
+      "$UPY" - "$WORK/train-$name.jsonl" "$WORK/train-$name.err" "$size" "$place" "$micro" "$seq" "$disk" "$UTIL" >>"$runs" <<'EOF'
+import importlib.util, json, sys
+spec = importlib.util.spec_from_file_location("u", sys.argv[8]); u = importlib.util.module_from_spec(spec); spec.loader.exec_module(u)
+jsonl, err, size, place, micro, seq, disk = sys.argv[1:8]
+r = u.summarize_train(jsonl)
+r.update(size=size, placement=place, disk_bytes=int(disk))
+if r.get("ok") and r.get("step_s") and r.get("params"):
+    r["tflops"] = 6 * r["params"] * int(micro) * int(seq) / r["step_s"] / 1e12
+    r["result"] = "trained"
+else:
+    lines = [l.strip() for l in open(err, errors="replace") if l.strip()]
+    r["result"] = "failed: " + (lines[-1][:300] if lines else "no output")
+print(json.dumps(r))
+EOF
+      if tail -1 "$runs" | grep -q '"result": "trained"'; then trained=$place; largest=$size; break; fi
+    done
+    [ -n "$trained" ] || say "$size: not trained; larger sizes are not tried"
+    [ -n "$trained" ] || break
+  done
+  local runs_json
+  runs_json=$("$UPY" -c 'import json,sys; print(json.dumps([json.loads(l) for l in open(sys.argv[1]) if l.strip()]))' "$runs")
+  # Earlier calls' sizes (scale --sizes split over several calls) stay in the results.
+  if [ -f "$RESULTS/scale.json" ]; then
+    runs_json=$("$UPY" - "$RESULTS/scale.json" "$runs_json" <<'EOF'
+import json, sys
+old = json.load(open(sys.argv[1])).get("runs", [])
+new = json.loads(sys.argv[2])
+keys = {(r.get("size"), r.get("placement")) for r in new}
+print(json.dumps([r for r in old if (r.get("size"), r.get("placement")) not in keys] + new))
+EOF
+)
+  fi
+  local best
+  best=$("$UPY" -c '
+import json,sys
+rs=[r for r in json.loads(sys.argv[1]) if r.get("result")=="trained"]
+b=max(rs, key=lambda r: r.get("params") or 0, default=None)
+print(f"{b[\"size\"]} ({b[\"params\"]/1e9:.2f}B params, {b[\"placement\"]} offload, {b[\"tflops\"]:.1f} TFLOPS)" if b else "")' "$runs_json")
+  local ok=false; [ -n "$best" ] && ok=true
+  finish "$ok" "sizes ${sizes}; bf16, activation checkpointing, micro-batch $micro x seq $seq, host budget $host" \
+    runs="$runs_json" largest="$best"
+}
+
+# --- report -----------------------------------------------------------------------------------
+phase_report() {
+  "$UPY" "$UTIL" report "$RESULTS" >"$OUT/report.md"
+  cat "$OUT/report.md"
+  finish true "report.md from $(ls "$RESULTS" | grep -v '^report' | tr '\n' ' ')"
+}
+
+say "device $device; $MACHINE"
+"phase_$phase"

@@ -560,8 +560,22 @@ def test_the_calls_the_trainer_makes_through_accelerate(tmp_path):
         ref_opt.step()
         ref_opt.zero_grad()
         engine.zero_grad()
+    d = ref.blocks[0].qkv.bias.numel() // 3
     for (name, p), got in zip(ref.named_parameters(), engine.master_parameters()):
-        torch.testing.assert_close(got, p.detach(), rtol=1e-5, atol=1e-6, msg=name)
+        want = p.detach()
+        if name.endswith("qkv.bias"):
+            # The key bias adds the same q·b to every score of a query, which softmax cancels:
+            # its gradient is 0 in exact arithmetic and rounding noise in fp32, and Adam's
+            # m/sqrt(v) turns that noise into ±lr steps whose signs depend on summation order
+            # (machine- and BLAS-dependent). It cannot change the model's outputs; the loss
+            # check below covers it. The query and value biases are compared as the rest.
+            got = torch.cat([got[:d], got[2 * d:]])
+            want = torch.cat([want[:d], want[2 * d:]])
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6, msg=name)
+    x, y = harness.batch("gpt2", 50)
+    with torch.no_grad():
+        held_out = harness.loss_of("gpt2", engine, x, y).item()
+        assert held_out == pytest.approx(harness.loss_of("gpt2", ref, x, y).item(), rel=1e-5)
     # _save_checkpoint: the 16-bit weights for save_pretrained, then the engine checkpoint.
     state = engine._zero3_consolidated_16bit_state_dict()
     plain = harness.gpt2()

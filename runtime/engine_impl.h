@@ -212,7 +212,17 @@ class Engine::Impl {
   Status OnCommMemory(torch::Tensor& host, const std::function<Status(void*)>& collective);
   Status WriteBlockBytes(void* block, const void* src, size_t bytes, Placement where);
 
+  // Init's steps, in the order Init runs them (engine_init.cc; DiscoverUnits in engine.cc).
+  Status ChoosePrecisionAndPlacement(const EngineOptions& options);
+  Status StartStreamsAndArena();
   Status DiscoverUnits(const EngineOptions& options);
+  Status Partition();
+  Status OpenNvmeTier(const EngineOptions& options);
+  Status OpenBlockStore(const EngineOptions& options);
+  Status PlaceBuffers();
+  Status WriteInitialBlocks();
+  Status HookModel();
+  Status StartLanes();
   Status HookGradients();
   // Stage 3: installs memory in a chunk's storage and fills it (shard from its tier, all-gather).
   Status InstallChunk(int64_t c);

@@ -92,8 +92,17 @@ def init_distributed(dist_backend=None, auto_mpi_discovery=True, distributed_por
         _dist.init_process_group(backend=backend, store=_dist.HashStore(), rank=0, world_size=1,
                                  timeout=timeout)
         return
-    _dist.init_process_group(backend=backend, init_method=init_method or "env://",
-                             timeout=timeout)
+    try:
+        _dist.init_process_group(backend=backend, init_method=init_method or "env://",
+                                 timeout=timeout)
+    except RuntimeError as e:
+        # torch 2.x serves env://'s TCPStore through libuv by default; a torch built without it
+        # (Debian's 2.6) refuses, on every rank alike, before anything is bound. Its other store
+        # backend is there: every rank retries with it.
+        if "libuv" not in str(e) or (init_method or "env://") != "env://":
+            raise
+        env["USE_LIBUV"] = "0"
+        _dist.init_process_group(backend=backend, init_method="env://", timeout=timeout)
 
 
 def is_initialized():

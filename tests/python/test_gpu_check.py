@@ -155,3 +155,14 @@ def test_phases_after_build_say_build_first(tmp_path):
     assert "run the build phase first" in p.stdout + p.stderr
     j = json.loads((tmp_path / "out" / "bench.json").read_text())
     assert j["ok"] is False and j["phase"] == "bench"
+
+
+def test_largest_is_the_trained_run_with_most_parameters(capsys):
+    runs = [{"size": "1.3b", "params": 1.2e9, "placement": "cpu", "tflops": 180.0, "result": "trained"},
+            {"size": "13b", "placement": "cpu", "result": "does not fit: host needs 293 GiB of 128 GiB"},
+            {"size": "6.7b", "params": 6.4e9, "placement": "nvme", "tflops": 90.5, "result": "trained"},
+            {"size": "13b", "params": 12.6e9, "placement": "nvme", "result": "failed: out of memory"}]
+    util.main(["largest", json.dumps(runs)])
+    assert capsys.readouterr().out.strip() == "6.7b (6.40B params, nvme offload, 90.5 TFLOPS)"
+    util.main(["largest", json.dumps(runs[1:2])])
+    assert capsys.readouterr().out == ""

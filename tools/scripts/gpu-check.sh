@@ -120,22 +120,25 @@ deps_env() {  # exports what finds the unpacked packages; a no-op on a machine t
   [ -f "$BUILD/deps.env" ] && . "$BUILD/deps.env"
   return 0
 }
-unpack_deps() {
-  if have_system_deps; then
-    echo "# the machine's own libraries" >"$BUILD/deps.env"; echo system; return 0
-  fi
-  if ! compgen -G "$PACK/debs/*.deb" >/dev/null; then
+unpack_deps() {  # prints "system" or "pack": where the build's libraries come from
+  local have=pack
+  have_system_deps && have=system
+  if compgen -G "$PACK/debs/*.deb" >/dev/null; then
+    # Unpacked in any case: fio and the fortunes text may be missing where the libraries are not.
+    rm -rf "$DEPS"; mkdir -p "$DEPS"
+    local deb
+    for deb in "$PACK"/debs/*.deb; do
+      if command -v dpkg-deb >/dev/null; then dpkg-deb -x "$deb" "$DEPS"
+      else (cd "$DEPS" && ar p "$deb" "$(ar t "$deb" | grep '^data.tar')" | tar -x --auto-compress -f -); fi
+    done
+  elif [ "$have" = pack ]; then
     echo "gpu-check: this machine lacks liburing/hwloc/oneTBB/nlohmann-json/CLI11/GoogleTest and no" \
          ".gpu-pack came with the tree: run tools/scripts/gpu-pack.sh before the lease and carry .gpu-pack" >&2
     return 1
   fi
-  rm -rf "$DEPS"; mkdir -p "$DEPS"
-  local deb
-  for deb in "$PACK"/debs/*.deb; do
-    if command -v dpkg-deb >/dev/null; then dpkg-deb -x "$deb" "$DEPS"
-    else (cd "$DEPS" && ar p "$deb" "$(ar t "$deb" | grep '^data.tar')" | tar -x --auto-compress -f - 2>/dev/null ||
-          ar p "$deb" "$(ar t "$deb" | grep '^data.tar')" | tar -xJ); fi
-  done
+  if [ "$have" = system ]; then
+    echo "# the machine's own libraries" >"$BUILD/deps.env"; echo system; return 0
+  fi
   # The .pc files name /usr; point them at the unpacked tree.
   find "$DEPS" -name '*.pc' -exec sed -i -e "s|^prefix=/usr|prefix=$DEPS/usr|" \
     -e "s|^\([a-z_]*dir\)=/usr/|\1=$DEPS/usr/|" {} +
@@ -171,6 +174,12 @@ phase_build() {
   from=$(unpack_deps) || { finish false "libraries missing and no .gpu-pack"; return 1; }
   deps_env
   say "libraries: $from; python: $PY"
+  # The default training text (strata-train, the example, the tests) is read from Debian's path.
+  local fortunes=/usr/share/games/fortunes
+  if [ ! -e "$fortunes" ] && [ -d "$DEPS/usr/share/games/fortunes" ]; then
+    mkdir -p /usr/share/games 2>/dev/null && ln -s "$DEPS/usr/share/games/fortunes" "$fortunes" 2>/dev/null &&
+      say "linked $fortunes to the packed fortunes text" || say "cannot link $fortunes (not root?): pass --data"
+  fi
   torch_prefix=$("$PY" -c 'import torch.utils; print(torch.utils.cmake_prefix_path)')
   torch_ver=$("$PY" -c 'import torch; print(torch.__version__)')
   local prefix="$torch_prefix"
@@ -184,11 +193,20 @@ phase_build() {
     [ -d "$DEPS/usr/lib/cmake/CLI11" ] && args+=(-DCLI11_DIR="$DEPS/usr/lib/cmake/CLI11")
   fi
   if [ "$device" = cuda ]; then
+    command -v nvcc >/dev/null || export PATH="/usr/local/cuda/bin:$PATH"
+    command -v nvcc >/dev/null || { finish false "no nvcc on PATH or in /usr/local/cuda/bin"; return 1; }
     arch=$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader | head -1 | tr -d '. ')
-    nccl=$("$PY" -c 'import nvidia.nccl as n, os; print(list(n.__path__)[0])' 2>/dev/null || true)
+    # The NCCL that torch loads: its pip wheel's (nvidia/nccl/ or, in CUDA 13 wheels, nvidia/cu13/).
+    local header
+    header=$("$PY" -c 'import nvidia, os
+for d in nvidia.__path__:
+    for root, _, files in os.walk(d):
+        if "nccl.h" in files: print(os.path.join(root, "nccl.h")); raise SystemExit' 2>/dev/null || true)
     args+=(-DSTRATA_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES="$arch")
-    if [ -n "$nccl" ] && [ -f "$nccl/include/nccl.h" ]; then
-      args+=(-DSTRATA_NCCL_INCLUDE="$nccl/include" -DSTRATA_NCCL_LIB="$(ls "$nccl"/lib/libnccl.so* | head -1)")
+    if [ -n "$header" ]; then
+      nccl=$(dirname "$(dirname "$header")")
+      local lib; lib=$(ls "$nccl"/lib/libnccl.so* 2>/dev/null | head -1)
+      [ -n "$lib" ] && args+=(-DSTRATA_NCCL_INCLUDE="$nccl/include" -DSTRATA_NCCL_LIB="$lib")
     fi
   else
     args+=(-DSTRATA_CUDA=AUTO)
@@ -320,11 +338,14 @@ phase_scale() {
   for size in ${sizes//,/ }; do
     shape=$("$UPY" "$UTIL" size "$size") || { say "unknown size $size"; continue; }
     local trained=""
-    for place in cpu nvme; do
+    # cpu, then nvme, then nvme with bf16 Adam moments (2 bytes less per parameter each).
+    for place in cpu nvme nvme-bf16states; do
       cfg="$WORK/cfg-$size-$place.json"
-      "$UPY" "$UTIL" config "$base" "$cfg" --placement "$place" --dtype bf16 --device "$device" \
+      local states=()
+      [ "$place" = nvme-bf16states ] && states=(--state-dtype bf16)
+      "$UPY" "$UTIL" config "$base" "$cfg" --placement "${place%%-*}" --dtype bf16 --device "$device" \
         --nvme-path "$NVME" --host-budget "$host" --model "$shape,$seq" --micro-batch "$micro" \
-        --checkpoint-activations --chunk-size 64MiB
+        --checkpoint-activations --chunk-size 64MiB "${states[@]}"
       # Preflight: the estimator's bytes per tier against this machine's memory and disk.
       local est fits
       est=$("$CM/bin/strata-estimate" --config "$cfg" --device "$device" --json 2>"$WORK/est.err" || true)
@@ -337,7 +358,8 @@ except json.JSONDecodeError:
     print("ok"); sys.exit()
 mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 st = os.statvfs(sys.argv[2]); disk = st.f_bavail * st.f_frsize
-host = e.get("host_pinned_bytes", 0) + e.get("host_pageable_bytes", 0)
+# host_min_bytes: what the placement needs in host memory whatever the budget says.
+host = max(e.get("host_min_bytes", 0), e.get("host_pinned_bytes", 0) + e.get("host_pageable_bytes", 0))
 if host > 0.9 * mem:
     print(f"host needs {host/2**30:.0f} GiB of {mem/2**30:.0f} GiB"); sys.exit()
 if e.get("nvme_bytes", 0) > disk:
@@ -391,11 +413,7 @@ EOF
 )
   fi
   local best
-  best=$("$UPY" -c '
-import json,sys
-rs=[r for r in json.loads(sys.argv[1]) if r.get("result")=="trained"]
-b=max(rs, key=lambda r: r.get("params") or 0, default=None)
-print(f"{b[\"size\"]} ({b[\"params\"]/1e9:.2f}B params, {b[\"placement\"]} offload, {b[\"tflops\"]:.1f} TFLOPS)" if b else "")' "$runs_json")
+  best=$("$UPY" "$UTIL" largest "$runs_json")
   local ok=false; [ -n "$best" ] && ok=true
   finish "$ok" "sizes ${sizes}; bf16, activation checkpointing, micro-batch $micro x seq $seq, host budget $host" \
     runs="$runs_json" largest="$best"

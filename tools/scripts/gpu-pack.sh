@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Packs what a lent GPU machine lacks to build Strata, run here before a GPU lease: the Debian
 # packages of the build's libraries and headers (liburing, oneTBB, hwloc, nlohmann-json, CLI11,
-# GoogleTest, Google Benchmark) and fio with the shared libraries it loads, downloaded into
+# GoogleTest, Google Benchmark), the fortunes text the tools train on by default, and fio with
+# the shared libraries it loads, downloaded into
 # .gpu-pack/ (git-ignored). The GPU machine reaches no package registry; its image brings CUDA,
 # a pip torch (with its LibTorch and NCCL), CMake, ninja and pybind11. Then
 #
@@ -25,6 +26,8 @@ BUILD_PKGS=(
   nlohmann-json3-dev libcli11-dev
   libgtest-dev libgmock-dev libbenchmark1debian libbenchmark-dev
 )
+# The text strata-train, the example and the tests train on by default (/usr/share/games/fortunes).
+DATA_PKGS=(fortunes-min fortunes)
 # Libraries any glibc >= 2.36 machine has already; fio's own are packed, these are not.
 BASE_RE='^(libc6|libgcc-s1|libstdc\+\+6|zlib1g|libzstd1|liblzma5|libbz2-1\.0|libcrypt1|libselinux1|libpcre2-8-0|libuuid1|libblkid1|libudev1|libssl3|libffi8|libgmp10)$'
 
@@ -60,7 +63,7 @@ if ! git check-ignore -q "$PACK/debs" 2>/dev/null; then
   echo "gpu-pack: $PACK is not ignored by git; add it to .gitignore" >&2
   exit 1
 fi
-want=("${BUILD_PKGS[@]}" "${fio_pkgs[@]}")
+want=("${BUILD_PKGS[@]}" "${DATA_PKGS[@]}" "${fio_pkgs[@]}")
 missing=()
 for p in "${want[@]}"; do
   compgen -G "$PACK/debs/${p}_*.deb" >/dev/null || missing+=("$p")

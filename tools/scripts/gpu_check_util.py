@@ -288,6 +288,16 @@ def report(a):
     return 0
 
 
+def largest(a):
+    """The largest size the scale phase trained, in words; nothing when none trained."""
+    trained = [r for r in json.loads(a.runs) if r.get("result") == "trained"]
+    if trained:
+        b = max(trained, key=lambda r: r.get("params") or 0)
+        print(f"{b['size']} ({b['params'] / 1e9:.2f}B params, {b['placement']} offload, "
+              f"{b['tflops']:.1f} TFLOPS)")
+    return 0
+
+
 def phase_json(a):
     """The phase's JSON: key=value pairs (a value that parses as JSON is taken as such), over
     the objects of any --merge files."""
@@ -344,6 +354,9 @@ def main(argv=None):
     pj.add_argument("--merge", action="append", help="a JSON object file to start from")
     pj.add_argument("pairs", nargs="*")
     pj.set_defaults(fn=phase_json)
+    lg = sub.add_parser("largest", help="the largest trained size of a scale runs list (JSON)")
+    lg.add_argument("runs")
+    lg.set_defaults(fn=largest)
     sz = sub.add_parser("size", help="print layers,d_model,heads of a scale size")
     sz.add_argument("name", choices=sorted(SCALE_SIZES))
     sz.set_defaults(fn=lambda a: print(",".join(str(x) for x in SCALE_SIZES[a.name])) or 0)

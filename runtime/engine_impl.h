@@ -1,10 +1,12 @@
 // Engine::Impl: the engine's state and the rooms that share it. One header, one .cc per room:
-//   engine.cc            the facade (Engine), construction (units, partitioning, tiers), reports
+//   engine.cc            the facade (Engine), unit discovery, reports
 //   unit_coordinator.cc  gathering and releasing units' parameters (stage 3), forward and the
 //                        unit protocol, prefetching from the trace
 //   gather_lane.cc       stage 3's shards read and copied into their chunks ahead of use
 //   gradient_reducer.cc  gradient hooks, per-chunk reduction, Backward
-//   optimizer_lane.cc    the optimizer thread, Adam per chunk, publishing new values, Step
+//   engine_init.cc       Init and its named steps
+//   optimizer_lane.cc    the optimizer thread, Adam per chunk, Step
+//   publish_lane.cc      a host optimizer's new values taken to the device (pinned staging)
 //   engine_checkpoint.cc saving and loading checkpoints
 //   activation_stash.cc  checkpointed units' saved inputs in the tier manager (cpu_checkpointing)
 // Private to runtime/: nothing outside the engine includes it.

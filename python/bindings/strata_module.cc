@@ -15,6 +15,13 @@ using strata::python::StatusError;
 
 PYBIND11_MODULE(_strata, m) {
   m.doc() = "Strata's C++ engine, tiers and CPU Adam; use the functions of the strata package";
+  // Whether this build has c10d's Gloo (CPU collectives across ranks): it needs Gloo's headers at
+  // build time (libgloo-dev, or a LibTorch that carries them).
+#ifdef USE_C10D_GLOO
+  m.attr("have_gloo") = true;
+#else
+  m.attr("have_gloo") = false;
+#endif
 
   // StrataError for every failure; InvalidArgumentError is also a ValueError, so a script that
   // catches ValueError for a bad config (as with DeepSpeed) keeps working.

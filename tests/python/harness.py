@@ -46,6 +46,12 @@ class KwargsNet(torch.nn.Module):
         return {"loss": loss, "logits": logits}
 
 
+def have_gloo():
+    """Whether this build can run CPU collectives across ranks (c10d Gloo)."""
+    from strata import _strata
+    return bool(getattr(_strata, "have_gloo", True))
+
+
 def gpt2():
     return GPT2(vocab_size=256, seq_len=16, d_model=32, n_layers=2, n_heads=4)
 

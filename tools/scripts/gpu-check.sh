@@ -160,8 +160,10 @@ fio_cmd() {  # fio from the machine, else the packed one (its own libraries on i
   local f="$DEPS/usr/bin/fio"
   [ -x "$f" ] || return 1
   local wrapper="$BUILD/fio"
-  printf '#!/bin/sh\nLD_LIBRARY_PATH="%s:%s${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" exec "%s" "$@"\n' \
-    "$DEPS/usr/lib/x86_64-linux-gnu" "$DEPS/lib/x86_64-linux-gnu" "$f" >"$wrapper"
+  # librados keeps libceph-common in a private folder it names by absolute path (RUNPATH).
+  printf '#!/bin/sh\nLD_LIBRARY_PATH="%s:%s:%s${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" exec "%s" "$@"\n' \
+    "$DEPS/usr/lib/x86_64-linux-gnu" "$DEPS/usr/lib/x86_64-linux-gnu/ceph" "$DEPS/lib/x86_64-linux-gnu" \
+    "$f" >"$wrapper"
   chmod +x "$wrapper"
   "$wrapper" --version >/dev/null 2>&1 || return 1
   echo "$wrapper"
@@ -192,6 +194,12 @@ phase_build() {
     [ -d "$DEPS/usr/share/cmake/CLI11" ] && args+=(-DCLI11_DIR="$DEPS/usr/share/cmake/CLI11")
     [ -d "$DEPS/usr/lib/cmake/CLI11" ] && args+=(-DCLI11_DIR="$DEPS/usr/lib/cmake/CLI11")
   fi
+  # c10d's ProcessGroupGloo (the CPU collectives) needs Gloo's headers: a pip torch carries them
+  # in its own include folders; elsewhere CMake looks in the usual places.
+  local gloo
+  gloo=$("$PY" -c 'import os, torch.utils.cpp_extension as e
+print(next((d for d in e.include_paths() if os.path.exists(os.path.join(d, "gloo", "config.h"))), ""))' 2>/dev/null || true)
+  [ -n "$gloo" ] && args+=(-DSTRATA_GLOO_INCLUDE="$gloo")
   if [ "$device" = cuda ]; then
     command -v nvcc >/dev/null || export PATH="/usr/local/cuda/bin:$PATH"
     command -v nvcc >/dev/null || { finish false "no nvcc on PATH or in /usr/local/cuda/bin"; return 1; }
@@ -303,6 +311,7 @@ phase_bench() {
   # The cpu rows get the host budget a user of this machine would give them (half its memory);
   # the nvme rows keep the shipped 2 GiB, so that states really stream from the disk.
   host_cpu="$(( $(mem_gib) / 2 ))GiB"
+  [ "$quick" = 1 ] && host_cpu=2GiB  # the dry run's small model: locking half the host is waste
   local dtype place cfg
   for dtype in fp32 bf16; do
     for place in none cpu nvme; do

@@ -51,8 +51,13 @@ bash tools/scripts/setup.sh >/dev/null  # fio (whose libraries are read below) c
 
 # fio's shared libraries, as this machine resolves them, mapped to their packages.
 fio_pkgs=(fio)
+owner() {  # the package that ships a library; merged /usr makes dpkg know /lib/... or /usr/lib/...
+  local real; real=$(readlink -f "$1")
+  { dpkg -S "$real" || dpkg -S "${real#/usr}" || dpkg -S "$(basename "$real")"; } 2>/dev/null |
+    head -1 | cut -d: -f1
+}
 while read -r lib; do
-  pkg=$(dpkg -S "$(readlink -f "$lib")" 2>/dev/null | head -1 | cut -d: -f1) || true
+  pkg=$(owner "$lib") || true
   [ -n "$pkg" ] && ! [[ "$pkg" =~ $BASE_RE ]] && fio_pkgs+=("$pkg")
 done < <(ldd "$(command -v fio)" | awk '/=> \//{print $3}')
 mapfile -t fio_pkgs < <(printf '%s\n' "${fio_pkgs[@]}" | sort -u)

@@ -293,8 +293,9 @@ def largest(a):
     trained = [r for r in json.loads(a.runs) if r.get("result") == "trained"]
     if trained:
         b = max(trained, key=lambda r: r.get("params") or 0)
-        print(f"{b['size']} ({b['params'] / 1e9:.2f}B params, {b['placement']} offload, "
-              f"{b['tflops']:.1f} TFLOPS)")
+        n = b["params"]
+        count = f"{n / 1e9:.2f}B" if n >= 1e8 else f"{n / 1e6:.2f}M"
+        print(f"{b['size']} ({count} params, {b['placement']} offload, {b['tflops']:.3g} TFLOPS)")
     return 0
 
 

@@ -421,7 +421,24 @@ class Trainer {
 }  // namespace
 }  // namespace strata::train
 
+// Note [passive OpenMP waits]
+// LibTorch's intra-op pool is OpenMP, and OpenMP threads spin after each parallel region by
+// default. A LibTorch 2.x that calls a pthread OpenBLAS for fp32 matmuls (Debian trixie's 2.6)
+// then runs BLAS threads beside spinning OpenMP threads on the same cores: on 2 cores an fp32
+// step of a 1.7M-parameter GPT took 0.23-0.37 s, against 0.04 s with OMP_WAIT_POLICY=PASSIVE
+// (or one BLAS thread), and bf16 (oneDNN) and LibTorch 1.13 were unchanged by it. The policy is
+// read once, when the OpenMP runtime loads, before main: so the process starts itself again
+// with it set, unless the caller chose a policy. STRATA_KEEP_OMP_WAIT=1 skips the restart.
+static void ExecWithPassiveOmpWait(char** argv) {
+  if (std::getenv("OMP_WAIT_POLICY") != nullptr || std::getenv("STRATA_KEEP_OMP_WAIT") != nullptr)
+    return;
+  if (setenv("OMP_WAIT_POLICY", "PASSIVE", 1) != 0) return;
+  execv("/proc/self/exe", argv);  // returns only on failure: then go on as we are
+  unsetenv("OMP_WAIT_POLICY");
+}
+
 int main(int argc, char** argv) {
+  ExecWithPassiveOmpWait(argv);
   using strata::train::Flags;
   Flags f;
   CLI::App app{

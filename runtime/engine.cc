@@ -51,7 +51,7 @@ void StepReport::FillOverlap() {
 Engine::Impl::~Impl() {
   StopReduceLane();  // first: its jobs may queue updates
   StopOptimizerLane();
-  StopPublishLane();  // after: the optimizer lane's last update may start a publish
+  if (publish_) publish_->Stop();  // after: the optimizer lane's last update may submit a copy
   StopGatherLane();
   if (nvme_) nvme_->SetBusyObserver(nullptr);  // the trace dies before the tier
   if (owner_) unit_detail::UnregisterEngine(owner_);

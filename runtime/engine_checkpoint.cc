@@ -317,4 +317,31 @@ StatusOr<nlohmann::json> Engine::Impl::Load(const std::string& path, bool weight
   return m.extra;
 }
 
+// Copies a shard of new working values from host memory to where the device reads it, and
+// waits: a checkpoint load, while the optimizer lane is idle (updates publish through
+// StartPublish).
+Status Engine::Impl::PublishParams(int64_t c, const void* shard_values, optim::DType dtype) {
+  const ChunkInfo& ci = partitioner_->chunks()[c];
+  const size_t bytes = ci.shard_numel * optim::DTypeSize(dtype);
+  void* dst;
+  bool held = false;
+  if (config_.zero_optimization.stage == 3) {
+    STRATA_ASSIGN_OR_RETURN(dst, store_->Acquire({c, StateKind::kParam16}, Access::kWrite));
+    held = true;
+  } else {
+    dst = WorkingShard(c);
+  }
+  if (held && param_placement_ != Placement::kDevice) {  // a host buffer: no device copy
+    std::memcpy(dst, shard_values, bytes);
+    return store_->Release({c, StateKind::kParam16}, true);
+  }
+  Status s = publish_stream_->MemcpyAsync(dst, shard_values, bytes, CopyKind::kHostToDevice);
+  if (s.ok()) s = publish_stream_->Synchronize();
+  if (held) {
+    Status r = store_->Release({c, StateKind::kParam16}, true);
+    if (s.ok()) s = r;
+  }
+  return s;
+}
+
 }  // namespace strata

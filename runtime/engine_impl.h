@@ -52,6 +52,7 @@
 #include "runtime/logging.h"
 #include "runtime/lr_schedule.h"
 #include "runtime/partitioner.h"
+#include "runtime/publish_lane.h"
 #include "runtime/run_unit.h"
 #include "runtime/units.h"
 #include "runtime/zero_init.h"
@@ -308,25 +309,16 @@ class Engine::Impl {
   Status TakeParamGrad(int64_t pid, bool settle);
   // Hands chunk c's complete gradient to the reduce lane (Note [reduce lane]).
   Status ReduceChunk(int64_t c);
-  // Note [pipelined publish]: a copy of new values in flight, for the publish lane to finish.
-  struct PendingPublish {
-    int64_t c = -1;
-    int slot = 0;
-    bool held = false;  // the chunk's param16 block is pinned until the copy lands
-    uint64_t step = 0;
-    size_t bytes = 0;
-  };
   // One chunk's update. Sets *publish when it left the copy of new values to the device in
-  // flight (Note [pipelined publish]): the publish lane then finishes the chunk.
+  // flight (Note [pipelined publish]): the optimizer lane then submits it to the publish lane.
   Status AdamChunk(int64_t c, float grad_scale, double lr, int64_t step,
-                   std::optional<PendingPublish>* publish);
-  // Note [pipelined publish]: a free staging slot, waited for (the wait adds to
-  // opt_slot_wait_s_).
-  int TakePublishSlot();
-  void FreePublishSlot(int slot);
-  Status StartPublish(int64_t c, int slot, PendingPublish* publish);
-  void StartPublishLane();
-  void StopPublishLane();
+                   std::optional<PublishLane::Copy>* publish);
+  // The copy of chunk c's new values from `slot` to where the device reads them (its param16
+  // block, pinned until the copy lands, or the working shard). On failure nothing is in flight
+  // and the slot is free again.
+  Status StartPublish(int64_t c, int slot, PublishLane::Copy* copy);
+  // The publish lane's `done`: a chunk's new values have landed (or failed to).
+  void OnPublished(const PublishLane::Copy& copy, Status s);
   // Copies a shard of new values to the device and waits (a checkpoint load).
   Status PublishParams(int64_t c, const void* shard_values, optim::DType dtype);
   Status ShareUpdatedShards();
@@ -464,11 +456,6 @@ class Engine::Impl {
   // fp32 working copy, and the copies of a host optimizer's new values to the device
   // (StartPublish; PublishParams for a checkpoint load, while the lane is idle). Made once.
   std::unique_ptr<Stream> publish_stream_;
-  // Where a host optimizer writes new working values that live in device memory, for the
-  // publish copy to take over (Note [pipelined publish]): two slots, pinned, sized at Init to the
-  // largest shard; each with the event of its copy in flight.
-  StagingBuffer publish_staging_[2];
-  std::unique_ptr<Event> publish_events_[2];
   // CUDA: the gradient statistics' stream, and the reduce lane's LibTorch ops (compute_fence.h).
   std::unique_ptr<SideStream> side_stream_;
   // Chunk memory handed back while compute may still read it (Note [ordered frees]).
@@ -608,16 +595,10 @@ class Engine::Impl {
   bool opt_stop_ = false;          // GUARDED_BY(opt_mu_)
   Status opt_error_;               // GUARDED_BY(opt_mu_)
   double opt_s_ = 0;               // GUARDED_BY(opt_mu_)
-  // Note [pipelined publish]: copies of new values in flight, oldest first; a chunk stays
-  // update_pending_ (and counts in opt_busy_) until its copy has landed.
-  std::thread publish_thread_;
-  std::deque<PendingPublish> publish_queue_;  // GUARDED_BY(opt_mu_)
-  bool publish_slot_busy_[2] = {false, false};  // GUARDED_BY(opt_mu_)
-  int publish_next_slot_ = 0;                 // the optimizer lane's own
-  double opt_slot_wait_s_ = 0;                // the optimizer lane's own: this update's slot wait
-  bool publish_stop_ = false;                 // GUARDED_BY(opt_mu_)
-  double publish_s_ = 0;                      // GUARDED_BY(opt_mu_): copy-lane seconds
-  uint64_t publish_h2d_ = 0;                  // GUARDED_BY(opt_mu_)
+  double opt_slot_wait_s_ = 0;     // the optimizer lane's own: this update's staging-slot wait
+  // Note [pipelined publish]: the staging slots and the copies in flight (staged_publish() only);
+  // a chunk stays update_pending_ (and counts in opt_busy_) until OnPublished.
+  std::unique_ptr<PublishLane> publish_;
   float opt_grad_scale_ = 1;       // set before enqueueing
   double opt_lr_ = 0;
   int64_t opt_step_ = 0;

@@ -348,12 +348,11 @@ Status Engine::Impl::StartLanes() {
   if (staged_publish()) {
     int64_t most = 0;
     for (const ChunkInfo& ci : chunk_infos) most = std::max(most, ci.shard_numel);
-    for (int slot = 0; slot < 2; ++slot) {
-      STRATA_RETURN_IF_ERROR(publish_staging_[slot].Reserve(most * optim::DTypeSize(compute_dtype_))
-                                 .WithContext("the optimizer's staging buffer"));
-      STRATA_ASSIGN_OR_RETURN(publish_events_[slot], device_->CreateEvent());
-    }
-    StartPublishLane();
+    publish_ = std::make_unique<PublishLane>(
+        device_, publish_stream_.get(), &lane_trace_,
+        [this](const PublishLane::Copy& copy, Status s) { OnPublished(copy, std::move(s)); });
+    STRATA_RETURN_IF_ERROR(publish_->Reserve(most * optim::DTypeSize(compute_dtype_)));
+    publish_->Start();
   }
   StartOptimizerLane();
   StartReduceLane();

@@ -40,7 +40,7 @@ void Engine::Impl::StartOptimizerLane() {
       l.unlock();
       double dt = 0;
       Status s;
-      std::optional<PendingPublish> publish;
+      std::optional<PublishLane::Copy> publish;
       opt_slot_wait_s_ = 0;
       if (!failed) {
         if (optimizer_delay_hook_) optimizer_delay_hook_(c);
@@ -52,9 +52,9 @@ void Engine::Impl::StartOptimizerLane() {
       opt_s_ += std::max(0.0, dt - opt_slot_wait_s_);
       if (!s.ok() && opt_error_.ok()) opt_error_ = s;
       if (publish) {
-        // The publish lane finishes the chunk; queued here, with this update's time already
+        // The publish lane finishes the chunk; submitted here, with this update's time already
         // counted, so that an idle lane means its step's figures are complete.
-        publish_queue_.push_back(*publish);
+        publish_->Submit(*publish);
       } else {
         update_pending_[c] = 0;
         --opt_busy_;
@@ -163,7 +163,7 @@ void Engine::Impl::PrefetchStatesForUpdates() {
 }
 
 Status Engine::Impl::AdamChunk(int64_t c, float grad_scale, double lr, int64_t step,
-                               std::optional<PendingPublish>* publish) {
+                               std::optional<PublishLane::Copy>* publish) {
   publish->reset();
   const ChunkInfo& ci = partitioner_->chunks()[c];
   const int64_t n = ci.shard_numel;
@@ -216,8 +216,8 @@ Status Engine::Impl::AdamChunk(int64_t c, float grad_scale, double lr, int64_t s
   }
   if (!out) {
     STRATA_DCHECK(staged_publish(), "chunk ", c, ": new values need the staging slots");
-    slot = TakePublishSlot();
-    out = publish_staging_[slot].data();
+    slot = publish_->AcquireSlot(opt_step_, &opt_slot_wait_s_);
+    out = publish_->SlotData(slot);
   }
 
   optim::AdamParams ap;
@@ -281,16 +281,50 @@ Status Engine::Impl::AdamChunk(int64_t c, float grad_scale, double lr, int64_t s
     if (s.ok()) s = ps;
   }
   if (!s.ok()) {
-    if (slot >= 0) FreePublishSlot(slot);
+    if (slot >= 0) publish_->FreeSlot(slot);
     return s.WithContext(StrCat("optimizer step of chunk ", c));
   }
   if (slot >= 0) {
-    PendingPublish p;
+    PublishLane::Copy p;
     STRATA_RETURN_IF_ERROR(
         StartPublish(c, slot, &p).WithContext(StrCat("publishing chunk ", c, "'s new values")));
     *publish = p;
   }
   return Status::Ok();
+}
+
+Status Engine::Impl::StartPublish(int64_t c, int slot, PublishLane::Copy* copy) {
+  const ChunkInfo& ci = partitioner_->chunks()[c];
+  *copy = {c, slot, stage3(), opt_step_, ci.shard_numel * optim::DTypeSize(compute_dtype_)};
+  void* dst;
+  if (copy->held) {
+    auto got = store_->Acquire({c, StateKind::kParam16}, Access::kWrite);
+    if (!got.ok()) {
+      publish_->FreeSlot(slot);
+      return got.status();
+    }
+    dst = *got;
+  } else {
+    dst = WorkingShard(c);
+  }
+  Status s = publish_->StartCopy(*copy, dst);
+  if (!s.ok() && copy->held) store_->Release({c, StateKind::kParam16}, false).IgnoreError();
+  return s;
+}
+
+// The block is released before the chunk counts as updated: a reader that waits for the update
+// then finds the new values in the block (Note [pipelined publish]).
+void Engine::Impl::OnPublished(const PublishLane::Copy& copy, Status s) {
+  if (copy.held) {
+    Status r = store_->Release({copy.chunk, StateKind::kParam16}, s.ok());
+    if (s.ok()) s = r;
+  }
+  std::lock_guard<std::mutex> l(opt_mu_);
+  if (!s.ok() && opt_error_.ok())
+    opt_error_ = s.WithContext(StrCat("publishing chunk ", copy.chunk, "'s new values"));
+  update_pending_[copy.chunk] = 0;
+  --opt_busy_;
+  opt_cv_.notify_all();
 }
 
 // Stages 1-2: every rank updated its shard of the replicated working copy; share them.
@@ -325,8 +359,8 @@ void Engine::Impl::ResetLanes() {
     reduce_d2h_ = 0;
   }
   std::lock_guard<std::mutex> l(opt_mu_);
-  opt_s_ = publish_s_ = 0;
-  publish_h2d_ = 0;
+  opt_s_ = 0;
+  if (publish_) publish_->ResetStats();
 }
 
 StatusOr<StepReport> Engine::Impl::Step() {
@@ -422,8 +456,10 @@ StatusOr<StepReport> Engine::Impl::Step() {
   {
     std::lock_guard<std::mutex> l(opt_mu_);
     rep.optimizer_s = opt_s_;
-    rep.copy_s += publish_s_;
-    bytes_h2d_ += publish_h2d_;
+    if (publish_) {  // idle too: every submitted copy was done before opt_busy_ reached 0
+      rep.copy_s += publish_->copy_seconds();
+      bytes_h2d_ += publish_->bytes_to_device();
+    }
   }
   BlockStoreStats now = store_->stats();
   rep.nvme_s = now.nvme_busy_s - store_at_step_start_.nvme_busy_s;

@@ -291,7 +291,7 @@ train_run() {  # train_run NAME CONFIG STEPS: strata-train --json into WORK/trai
   say "strata-train $name ($n steps)"
   rm -rf "$NVME"; mkdir -p "$NVME"
   if timeout "$((t - 20))" "$CM/bin/strata-train" --config "$cfg" --steps "$n" --json --device "$device" \
-       --eval-every 0 >"$WORK/train-$name.jsonl" 2>"$WORK/train-$name.err"; then
+       --eval-every 0 --plot "$WORK/train-$name.svg" >"$WORK/train-$name.jsonl" 2>"$WORK/train-$name.err"; then
     "$UPY" "$UTIL" train-summary "$WORK/train-$name.jsonl" | cut -c1-300
   else
     echo "  failed: $(grep -v '^\s*$' "$WORK/train-$name.err" | tail -1)"

@@ -5,6 +5,7 @@
 #include <pybind11/stl.h>
 
 #include "python/bindings/py_engine.h"
+#include "runtime/comm/backends.h"
 #include "runtime/host_info.h"
 #include "runtime/zero_init.h"
 
@@ -17,11 +18,7 @@ PYBIND11_MODULE(_strata, m) {
   m.doc() = "Strata's C++ engine, tiers and CPU Adam; use the functions of the strata package";
   // Whether this build has c10d's Gloo (CPU collectives across ranks): it needs Gloo's headers at
   // build time (libgloo-dev, or a LibTorch that carries them).
-#ifdef USE_C10D_GLOO
-  m.attr("have_gloo") = true;
-#else
-  m.attr("have_gloo") = false;
-#endif
+  m.attr("have_gloo") = strata::GlooAvailable();
 
   // StrataError for every failure; InvalidArgumentError is also a ValueError, so a script that
   // catches ValueError for a bad config (as with DeepSpeed) keeps working.

@@ -25,6 +25,10 @@ StatusOr<std::unique_ptr<Communicator>> CreateCommunicator(const CommOptions& op
 // ranks to connect; every rank gives up with DEADLINE_EXCEEDED/UNAVAILABLE after `timeout_s`.
 StatusOr<std::shared_ptr<RendezvousStore>> ConnectTcpStore(const DistEnv& env, double timeout_s);
 
+// Whether this build has c10d Gloo (its headers were there at configure time); without it the
+// two functions below return UNIMPLEMENTED.
+bool GlooAvailable();
+
 // c10d ProcessGroupGloo over a TCPStore; host buffers. The Gloo device binds to 127.0.0.1 when
 // MASTER_ADDR is a loopback address, to GLOO_SOCKET_IFNAME when set, else to this host's name.
 StatusOr<std::unique_ptr<Communicator>> CreateGlooCommunicator(const DistEnv& env,

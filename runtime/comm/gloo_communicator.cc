@@ -239,6 +239,8 @@ StatusOr<std::shared_ptr<RendezvousStore>> ConnectTcpStore(const DistEnv& env, d
   return std::shared_ptr<RendezvousStore>(std::make_shared<TcpRendezvousStore>(std::move(store)));
 }
 
+bool GlooAvailable() { return true; }
+
 StatusOr<std::unique_ptr<Communicator>> CreateGlooCommunicator(const DistEnv& env,
                                                                double timeout_s) {
   STRATA_CHECK(timeout_s > 0, "strata.comm_timeout_s=", timeout_s, ": must be > 0");

@@ -8,6 +8,8 @@ constexpr const char* kNoGloo =
     "this build has no c10d Gloo (install libgloo-dev and reconfigure) ";
 }
 
+bool GlooAvailable() { return false; }
+
 StatusOr<std::shared_ptr<RendezvousStore>> ConnectTcpStore(const DistEnv&, double) {
   return Unimplemented(StrCat("TCPStore rendezvous: ", kNoGloo));
 }

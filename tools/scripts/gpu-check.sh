@@ -147,7 +147,6 @@ unpack_deps() {  # prints "system" or "pack": where the build's libraries come f
   cat >"$BUILD/deps.env" <<EOF
 export PKG_CONFIG_PATH="$lib/pkgconfig:$DEPS/usr/share/pkgconfig\${PKG_CONFIG_PATH:+:\$PKG_CONFIG_PATH}"
 export LD_LIBRARY_PATH="$lib:$DEPS/lib/x86_64-linux-gnu\${LD_LIBRARY_PATH:+:\$LD_LIBRARY_PATH}"
-export STRATA_DEPS_PREFIX="$DEPS/usr"
 # The compiler searches /usr/include/<multiarch> by itself, never the unpacked tree's (hwloc keeps
 # its generated config.h there).
 export CPATH="$DEPS/usr/include/x86_64-linux-gnu\${CPATH:+:\$CPATH}"

@@ -29,10 +29,6 @@ SCALE_SIZES = {
 }
 
 
-def gib(text):
-    return f"{int(text)}GiB"
-
-
 def make_config(a):
     with open(a.base, encoding="utf-8") as f:
         cfg = json.load(f)
@@ -154,17 +150,24 @@ def ceilings(profile_path):
     return out
 
 
+def err_tail(path):
+    """The last non-empty line of a run's stderr: what stopped it."""
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            tail = [line.strip() for line in f if line.strip()]
+    except OSError:
+        tail = []
+    return tail[-1][:300] if tail else "no output"
+
+
 def bench_json(a):
     """Everything the bench phase measured, from its work folder, as one object."""
     runs, peers = {}, {}
     for path in sorted(glob.glob(os.path.join(a.work, "train-*.jsonl"))):
         name = os.path.basename(path)[len("train-"):-len(".jsonl")]
         r = summarize_train(path)
-        err = os.path.join(a.work, f"train-{name}.err")
-        if not r.get("ok") and os.path.exists(err):
-            with open(err, encoding="utf-8", errors="replace") as f:
-                tail = [l.strip() for l in f if l.strip()]
-            r["error"] = tail[-1][:300] if tail else "no output"
+        if not r.get("ok"):
+            r["error"] = err_tail(os.path.join(a.work, f"train-{name}.err"))
         runs[name] = r
     for path in sorted(glob.glob(os.path.join(a.work, "peer-*.jsonl"))):
         name = os.path.basename(path)[len("peer-"):-len(".jsonl")]
@@ -173,12 +176,7 @@ def bench_json(a):
             summary["ok"] = True
             peers[name] = summary
         else:
-            err = os.path.join(a.work, f"peer-{name}.err")
-            tail = []
-            if os.path.exists(err):
-                with open(err, encoding="utf-8", errors="replace") as f:
-                    tail = [l.strip() for l in f if l.strip()]
-            peers[name] = {"ok": False, "error": tail[-1][:300] if tail else "no output"}
+            peers[name] = {"ok": False, "error": err_tail(os.path.join(a.work, f"peer-{name}.err"))}
     ratios = {}
     for dtype in ("fp32", "bf16"):
         ours, theirs = runs.get(f"cpu-{dtype}", {}), peers.get(f"fsdp2-cpu-{dtype}", {})

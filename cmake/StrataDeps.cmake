@@ -1,8 +1,29 @@
 # Finds every dependency that is not CUDA. Nothing is vendored.
 find_package(Threads REQUIRED)
-find_package(PkgConfig REQUIRED)
-pkg_check_modules(URING REQUIRED IMPORTED_TARGET liburing)
-pkg_check_modules(HWLOC REQUIRED IMPORTED_TARGET hwloc)
+# liburing and hwloc through pkg-config where it exists; a machine without it (a lent GPU image
+# with the libraries unpacked beside the tree) finds the header and library directly, under the
+# same target names.
+find_package(PkgConfig QUIET)
+if(PKG_CONFIG_FOUND)
+  pkg_check_modules(URING REQUIRED IMPORTED_TARGET liburing)
+  pkg_check_modules(HWLOC REQUIRED IMPORTED_TARGET hwloc)
+else()
+  foreach(_dep IN ITEMS "URING;liburing.h;uring" "HWLOC;hwloc.h;hwloc")
+    list(GET _dep 0 _name)
+    list(GET _dep 1 _header)
+    list(GET _dep 2 _lib)
+    find_path(STRATA_${_name}_INCLUDE ${_header})
+    find_library(STRATA_${_name}_LIB ${_lib})
+    if(NOT STRATA_${_name}_INCLUDE OR NOT STRATA_${_name}_LIB)
+      message(FATAL_ERROR "${_header} / lib${_lib} not found and no pkg-config to ask: install "
+                          "liburing-dev, libhwloc-dev and pkgconf (tools/scripts/setup.sh does), or "
+                          "pass -DCMAKE_INCLUDE_PATH and -DCMAKE_LIBRARY_PATH")
+    endif()
+    add_library(PkgConfig::${_name} INTERFACE IMPORTED)
+    target_include_directories(PkgConfig::${_name} INTERFACE "${STRATA_${_name}_INCLUDE}")
+    target_link_libraries(PkgConfig::${_name} INTERFACE "${STRATA_${_name}_LIB}")
+  endforeach()
+endif()
 find_package(TBB REQUIRED)
 find_package(nlohmann_json 3 REQUIRED)
 find_package(CLI11 CONFIG QUIET)

@@ -24,7 +24,10 @@
 #   --steps N      bench: steps per run (default 6; quick 3)
 # Environment: PYTHON (a python3 with torch; default: the first of python3, /usr/bin/python3 that
 # imports torch), PEER_PYTHON (the FSDP2 peer's python, torch >= 2.6; default PYTHON),
-# STRATA_NVME_DIR (swap directory; default /var/tmp/strata-gpu-nvme), STRATA_GPU_BUILD.
+# STRATA_NVME_DIR (swap directory; default /var/tmp/strata-gpu-nvme), STRATA_GPU_BUILD,
+# STRATA_PHASE_SECONDS (the phase's own time limit; default 530), STRATA_GPU_TARGETS (build: the
+# targets to build, default all; `lease` names the ones test, bench and scale run, for a short
+# lease where the whole test tree does not fit).
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
 cd "$ROOT"
@@ -228,9 +231,17 @@ for d in nvidia.__path__:
   grep -E '^-- strata' "$WORK/configure.log" || true
   local pymod
   pymod=$(grep -q 'Python module off' "$WORK/configure.log" && grep -m1 'Python module off' "$WORK/configure.log" | sed 's/.*off: //' || echo on)
-  say "build: -j $(nproc)"
-  local jobs=$(nproc)
-  if ! timeout "$(left)" cmake --build "$CM" -j "$jobs" >"$WORK/build.log" 2>&1; then
+  local jobs=$(nproc) targets=()
+  case "${STRATA_GPU_TARGETS:-all}" in
+    all) ;;
+    lease) targets=(--target strata-train strata-swapbench strata-estimate strata-launch
+                    engine_equivalence_test engine_multirank_test)
+           [ "$device" = cuda ] && targets+=(kernels_gpu_test cuda_device_test nccl_communicator_test)
+           [ "$pymod" = on ] && targets+=(strata_python) ;;
+    *) read -r -a targets <<<"$STRATA_GPU_TARGETS"; targets=(--target "${targets[@]}") ;;
+  esac
+  say "build: -j $jobs ${targets[*]:-(all targets)}"
+  if ! timeout "$(left)" cmake --build "$CM" -j "$jobs" "${targets[@]}" >"$WORK/build.log" 2>&1; then
     tail -40 "$WORK/build.log"
     finish false "build failed or ran out of the phase's time: $(grep -m1 -E 'error|FAILED' "$WORK/build.log" | head -c 200)"
     return 1
@@ -287,6 +298,8 @@ mem_gib() { awk '/MemTotal/{printf "%d", $2/1048576}' /proc/meminfo; }
 train_run() {  # train_run NAME CONFIG STEPS: strata-train --json into WORK/train-NAME.jsonl
   local name=$1 cfg=$2 n=$3 t
   t=$(left); [ "$t" -gt 30 ] || { echo "no time left" >"$WORK/train-$name.err"; : >"$WORK/train-$name.jsonl"; return 1; }
+  # RUN_SHARE=k: this run may take 1/k of what is left, so that a hung run leaves the rest time.
+  [ "${RUN_SHARE:-1}" -gt 1 ] && t=$(( t / RUN_SHARE + 20 ))
   say "strata-train $name ($n steps)"
   rm -rf "$NVME"; mkdir -p "$NVME"
   if timeout "$((t - 20))" "$CM/bin/strata-train" --config "$cfg" --steps "$n" --json --device "$device" \
@@ -305,30 +318,36 @@ phase_bench() {
   mkdir -p "$NVME"
   say "ceilings: strata-swapbench profile --quick (NVMe and fio, copies, DRAM, CPU Adam, matmul)"
   local fio; fio=$(fio_cmd) && export PATH="$(dirname "$fio"):$PATH" || say "fio: not available on this machine"
-  timeout 150 "$CM/bin/strata-swapbench" profile --quick --json --path "$NVME" >"$WORK/profile.json" \
+  local cap=$(( $(left) / 5 )); [ "$cap" -gt 150 ] && cap=150
+  timeout "$cap" "$CM/bin/strata-swapbench" profile --quick --json --path "$NVME" >"$WORK/profile.json" \
     2>"$WORK/profile.err" || say "profile failed: $(tail -1 "$WORK/profile.err")"
-  # The cpu rows get the host budget a user of this machine would give them (half its memory);
-  # the nvme rows keep the shipped 2 GiB, so that states really stream from the disk.
-  host_cpu="$(( $(mem_gib) / 2 ))GiB"
+  # The cpu rows get the host budget a user of this machine would give a 404M model: half its
+  # memory, at most 16 GiB (the states take under 7 GiB, and the pool pins its whole budget at
+  # start, which costs seconds per 10 GiB); the nvme rows keep the shipped 2 GiB, so that states
+  # really stream from the disk.
+  local half=$(( $(mem_gib) / 2 )); [ "$half" -gt 16 ] && half=16
+  host_cpu="${half}GiB"
   [ "$quick" = 1 ] && host_cpu=2GiB  # the dry run's small model: locking half the host is waste
-  local dtype place cfg
+  local dtype place cfg ppy=${PEER_PYTHON:-$PY}
+  # Per dtype: none, cpu, the FSDP2 peer on the cpu row's config, then nvme (the slowest), so that
+  # a lease cut short still has the rows the targets compare.
   for dtype in fp32 bf16; do
-    for place in none cpu nvme; do
+    for place in none cpu peer nvme; do
       cfg="$WORK/cfg-$place-$dtype.json"
+      if [ "$place" = peer ]; then
+        say "FSDP2 CPUOffloadPolicy peer ($dtype, $ppy)"
+        if [ "$(left)" -lt 40 ]; then echo "no time left" >"$WORK/peer-fsdp2-cpu-$dtype.err"; continue; fi
+        timeout "$(( $(left) / 2 ))" $ppy "$ROOT/tools/scripts/fsdp2_peer.py" --config "$WORK/cfg-cpu-$dtype.json" \
+          --steps "$n" --device "$device" --offload cpu >"$WORK/peer-fsdp2-cpu-$dtype.jsonl" \
+          2>"$WORK/peer-fsdp2-cpu-$dtype.err" || say "peer failed: $(tail -1 "$WORK/peer-fsdp2-cpu-$dtype.err")"
+        continue
+      fi
       local budget=()
       [ "$place" = cpu ] && budget=(--host-budget "$host_cpu")
       "$UPY" "$UTIL" config "$base" "$cfg" --placement "$place" --dtype "$dtype" --device "$device" \
         --nvme-path "$NVME" "${budget[@]}" "${model_args[@]}"
-      train_run "$place-$dtype" "$cfg" "$n" || true
+      RUN_SHARE=2 train_run "$place-$dtype" "$cfg" "$n" || true
     done
-  done
-  local ppy=${PEER_PYTHON:-$PY}
-  for dtype in fp32 bf16; do
-    say "FSDP2 CPUOffloadPolicy peer ($dtype, $ppy)"
-    if [ "$(left)" -lt 40 ]; then echo "no time left" >"$WORK/peer-fsdp2-cpu-$dtype.err"; continue; fi
-    timeout "$(( $(left) - 20 ))" $ppy "$ROOT/tools/scripts/fsdp2_peer.py" --config "$WORK/cfg-cpu-$dtype.json" \
-      --steps "$n" --device "$device" --offload cpu >"$WORK/peer-fsdp2-cpu-$dtype.jsonl" \
-      2>"$WORK/peer-fsdp2-cpu-$dtype.err" || say "peer failed: $(tail -1 "$WORK/peer-fsdp2-cpu-$dtype.err")"
   done
   "$UPY" "$UTIL" bench-json "$WORK" >"$WORK/bench.json"
   local ok; ok=$("$UPY" -c 'import json,sys; print("true" if json.load(open(sys.argv[1]))["ok"] else "false")' "$WORK/bench.json")

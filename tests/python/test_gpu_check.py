@@ -105,6 +105,9 @@ def test_configs_place_every_state_as_asked(tmp_path):
         assert c["model"]["checkpoint_activations"] is True
         assert c["train_micro_batch_size_per_gpu"] == 8
         assert c["optimizer"] == json.load(open(base))["optimizer"]  # the rest is the base's
+        # Without offload every state lives on the device: the whole device, not the base's 4 GiB.
+        want = 0 if place == "none" else json.load(open(base))["strata"]["device_memory_budget"]
+        assert c["strata"]["device_memory_budget"] == want
 
 
 def test_scale_sizes_are_the_gpt3_shapes():

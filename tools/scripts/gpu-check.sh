@@ -257,6 +257,25 @@ need_build() {
 }
 
 # --- test -------------------------------------------------------------------------------------
+# A Python test that dies of a signal leaves only its Python frames (faulthandler). The first such
+# suite runs again under a debugger (cuda-gdb debugs host code too; gdb where the image has it),
+# stopping at the fault, and the native frames of every thread go to WORK/native-bt.log.
+native_backtrace() {
+  local suite file dbg
+  suite=$(grep -m1 -oE 'python_[a-z_0-9]+ \.+\*\*\*Exception: (SegFault|Bus error|Illegal)' "$WORK/ctest-python.log" |
+          grep -oE '^python_[a-z_0-9]+') || return 0
+  file="$ROOT/tests/python/test_${suite#python_}.py"
+  dbg=$(command -v gdb || command -v cuda-gdb || ls /usr/local/cuda/bin/cuda-gdb 2>/dev/null) || {
+    say "$suite died of a signal; no gdb or cuda-gdb here for its native frames"; return 0; }
+  local t=$(( $(left) / 2 )); [ "$t" -gt 120 ] && t=120
+  [ "$t" -ge 20 ] || return 0
+  say "$suite died of a signal: its native frames under $(basename "$dbg") (${t}s at most)"
+  (cd "$CM" && PYTHONPATH="$CM/python" STRATA_BIN="$CM/bin" STRATA_DS_COMPAT="$CM/deepspeed-compat" \
+     timeout "$t" "$dbg" -q -batch -ex 'set pagination off' -ex run -ex 'info sharedlibrary' \
+       -ex 'thread apply all bt 25' --args "$PY" -m pytest -x -q -p no:cacheprovider "$file") \
+     >"$WORK/native-bt.log" 2>&1 || true
+  grep -m12 -E '^#[0-9]+ ' "$WORK/native-bt.log" | cut -c1-220 || true
+}
 ctest_line() { grep -E 'tests passed|No tests were found' "$1" | tail -1; }
 phase_test() {
   need_build
@@ -272,6 +291,7 @@ phase_test() {
     (cd "$CM" && timeout "$(( $(left) * 2 / 3 ))" ctest -L python --output-on-failure -j 4) >"$WORK/ctest-python.log" 2>&1 || ok=false
     line=$(ctest_line "$WORK/ctest-python.log"); echo "  $line"
     suites+=("python=${line:-no summary}")
+    native_backtrace
     local trainer="$ROOT/tests/python/test_hf_trainer.py"
     if [ -f "$trainer" ]; then
       say "the Trainer test"

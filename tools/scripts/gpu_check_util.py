@@ -46,6 +46,10 @@ def make_config(a):
         st["host_memory_budget"] = a.host_budget
     if a.device_budget:
         st["device_memory_budget"] = a.device_budget
+    elif a.placement == "none":
+        # Everything stays on the device: the base's budget (sized for offloaded runs) would refuse
+        # the states; 0 is the whole device.
+        st["device_memory_budget"] = 0
     if a.state_dtype:
         st["optimizer_state_dtype"] = a.state_dtype
     if a.chunk_size:

@@ -48,6 +48,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -187,6 +188,12 @@ class Engine {
   // Completes an optimizer step once gradient_accumulation_steps micro-steps have run; before
   // that it returns FAILED_PRECONDITION.
   StatusOr<StepReport> Step();
+  // The learning rate of the optimizer steps from now on, in place of the config's schedule
+  // (a client LR scheduler, or a loop that writes the lr itself); nullopt returns to the
+  // schedule. A step takes the lr set when its updates start: in the last micro-step's Backward
+  // when updates overlap backward (no clipping, no loss scaling), else in Step. Call it from the
+  // thread that calls Backward and Step. A value that is negative or not finite is refused.
+  Status SetLearningRate(std::optional<double> lr);
 
   // The full fp32 master values of every parameter, in registration order (collective when
   // world_size > 1: every rank must call it).

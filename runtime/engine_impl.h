@@ -128,6 +128,8 @@ class Engine::Impl {
   void EndUnit(int64_t u, const std::vector<torch::Tensor>& outputs);
   Status Backward(const torch::Tensor& loss);
   StatusOr<StepReport> Step();
+  // Engine::SetLearningRate: the lr of the steps from now on (nullopt: the config's schedule).
+  void SetLearningRate(std::optional<double> lr) { lr_override_ = lr; }
   StatusOr<std::vector<torch::Tensor>> GatherMasterParams();
   Status Save(const std::string& dir, const nlohmann::json& extra);
   StatusOr<nlohmann::json> Load(const std::string& dir, bool weights_only);
@@ -601,6 +603,11 @@ class Engine::Impl {
   std::unique_ptr<PublishLane> publish_;
   float opt_grad_scale_ = 1;       // set before enqueueing
   double opt_lr_ = 0;
+  // Set by SetLearningRate on the caller's thread, read there when a step's updates start.
+  std::optional<double> lr_override_;
+  double NextLearningRate(int64_t step) const {
+    return lr_override_ ? *lr_override_ : LearningRate(config_, step);
+  }
   int64_t opt_step_ = 0;
 };
 

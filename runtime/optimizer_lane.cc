@@ -409,7 +409,7 @@ StatusOr<StepReport> Engine::Impl::Step() {
       const double inv = scaler_ ? scaler_->inv_scale() : 1.0;
       opt_grad_scale_ = static_cast<float>(clip * inv);
       opt_step_ = global_step_ + 1;
-      opt_lr_ = LearningRate(config_, opt_step_);
+      opt_lr_ = NextLearningRate(opt_step_);
       rep.lr = opt_lr_;
       if (defer_updates()) {
         // The next iteration starts with these updates (see iteration_open_).

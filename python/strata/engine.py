@@ -45,6 +45,12 @@ class StrataEngine(torch.nn.Module):
         self._replaced_by = None  # why this engine no longer trains (destroy, a later initialize)
         self.optimizer = None  # set by initialize: the optimizer and scheduler it returned
         self.lr_scheduler = None
+        # Where the lr of each step is read (Note [the lr from Python]): the groups of
+        # `optimizer`, or of the torch optimizer a client scheduler steps. Set by initialize.
+        self._lr_source = None
+        self._client_scheduler = False  # lr_scheduler is the script's, stepped here
+        self._client_optimizer = None  # the torch optimizer given to initialize, if any
+        self._lr_pushed = None  # the lr last handed to the C++ engine
         # id(parameter) -> the units holding it (root parameters: none, they stay gathered).
         self._param_units = {}
         for index, (_, module) in zip(self._unit_index, units):
@@ -81,6 +87,7 @@ class StrataEngine(torch.nn.Module):
                                        "unit after its backward; run forward again instead")
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise InvalidArgumentError("engine.backward(loss) needs a scalar loss tensor")
+        self._sync_lr()  # updates may start during this backward
         if not scale_wrt_gas:
             # The engine divides by the accumulation steps; undo it for a pre-divided loss.
             gas = self.gradient_accumulation_steps()
@@ -114,8 +121,76 @@ class StrataEngine(torch.nn.Module):
                 f"engine.step(): the accumulation boundary was set after {micro % gas} of "
                 f"{gas} micro-batches; Strata steps every gradient_accumulation_steps ({gas}) "
                 "micro-batches: make the loop's accumulation match the config's")
+        self._sync_lr()
         self.last_report = json.loads(self._cpp.step())
         self._stepped_at = micro
+        if self.last_report.get("skipped"):
+            return  # as DeepSpeed: an fp16 overflow does not advance the schedule
+        # The engine stepped, not the wrapper a torch scheduler puts on optimizer.step: mark the
+        # step on every optimizer a scheduler may watch (ours, the client's, the scheduler's),
+        # as the wrapper would, or torch warns that the scheduler stepped first.
+        for opt in {id(o): o for o in (self.optimizer, self._lr_source, self._client_optimizer,
+                                       getattr(self.lr_scheduler, "optimizer", None))
+                    if isinstance(o, torch.optim.Optimizer)}.values():
+            opt._step_count = getattr(opt, "_step_count", 0) + 1
+            opt._opt_called = True
+        if self._client_scheduler:
+            self.lr_scheduler.step(**(lr_kwargs or {}))
+        self._publish_lr()
+
+    # Note [the lr from Python]
+    # The lr of a step is whatever the optimizer's param_groups hold when its updates start, as
+    # with torch.optim and DeepSpeed: a client scheduler stepped at each boundary, the Trainer's
+    # LambdaLR on its own torch optimizer (whose groups StrataOptimizer shares), or a loop that
+    # writes group["lr"] itself. The config's schedule takes part the way DeepSpeed's schedulers
+    # do: after each step it writes the next step's lr into the groups (_publish_lr). The
+    # engine applies one set of hyperparameters to every parameter, so the groups must agree,
+    # and only the lr may move after initialize.
+    def _lr_groups(self):
+        source = self._lr_source if self._lr_source is not None else self.optimizer
+        return source.param_groups if source is not None else []
+
+    def _sync_lr(self):
+        groups = self._lr_groups()
+        if not groups:
+            return
+        from .optimizer import engine_hyperparameters
+        lrs = sorted({float(g["lr"]) for g in groups})
+        if len(lrs) > 1:
+            raise InvalidArgumentError(
+                f"optimizer.param_groups hold different learning rates {lrs}: Strata applies one "
+                "lr to every parameter; give every group the same lr (a scheduler keeps equal "
+                "lrs equal)")
+        _, betas, eps, weight_decay = engine_hyperparameters(self._config)
+        for g in groups:
+            for key, want in (("betas", betas), ("eps", eps), ("weight_decay", weight_decay)):
+                if key not in g:
+                    continue
+                got = tuple(float(b) for b in g[key]) if key == "betas" else float(g[key])
+                if got != want:
+                    raise InvalidArgumentError(
+                        f"optimizer.param_groups[...][{key!r}] is now {got}, was {want} at "
+                        "initialize: Strata takes only the lr from the groups at each step (a "
+                        "OneCycleLR cycles betas: pass cycle_momentum=False)")
+        lr = lrs[0]
+        if lr != self._lr_pushed:
+            self._cpp.set_lr(lr)
+            self._lr_pushed = lr
+
+    def _publish_lr(self):
+        """After a step: the config's schedule writes the next step's lr into the groups, and a
+        client scheduler's own optimizer (when it is not ours) lends its lr to ours."""
+        if self.optimizer is None:
+            return
+        if self._client_scheduler:
+            if self._lr_source is not None and self._lr_source is not self.optimizer:
+                lr = self._lr_source.param_groups[0]["lr"]
+                for g in self.optimizer.param_groups:
+                    g["lr"] = lr
+        elif self.lr_scheduler is not None:
+            lr = self._cpp.lr_at(self.global_steps + 1)
+            for g in self.optimizer.param_groups:
+                g["lr"] = lr
 
     def zero_grad(self, set_to_none=True):
         """Nothing to clear: the engine moves gradients out of .grad as they are computed."""
@@ -198,6 +273,9 @@ class StrataEngine(torch.nn.Module):
 
     def get_lr(self):
         """The learning rate the next optimizer step uses, as a one-element list."""
+        groups = self._lr_groups()
+        if groups:
+            return [g["lr"] for g in groups]
         return [self._cpp.lr_at(self.global_steps + 1)]
 
     @property
@@ -228,6 +306,13 @@ class StrataEngine(torch.nn.Module):
         state = dict(client_state) if client_state is not None else {}
         if self.lr_scheduler is not None and hasattr(self.lr_scheduler, "state_dict"):
             state[_SCHEDULER_KEY] = self.lr_scheduler.state_dict()
+        if self.optimizer is not None:
+            # The groups' hyperparameters: the lr of the next step lives there (a LambdaLR's
+            # load_state_dict restores its counter but writes no lr until its next step).
+            state[_OPTIMIZER_KEY] = self.optimizer.state_dict()
+            if self._lr_source is not None and self._lr_source is not self.optimizer:
+                state[_LR_SOURCE_KEY] = [dict((k, v) for k, v in g.items() if k != "params")
+                                         for g in self._lr_source.param_groups]
         buf = io.BytesIO()
         torch.save(state, buf)
         extra = {"client_state": base64.b64encode(buf.getvalue()).decode("ascii"),
@@ -264,11 +349,20 @@ class StrataEngine(torch.nn.Module):
         self._stepped_at = self._cpp.micro_step
         state = extra.get("client_state")
         client_state = _unpickle_trusted(base64.b64decode(state)) if state is not None else None
-        if isinstance(client_state, dict) and _SCHEDULER_KEY in client_state:
-            sched = client_state.pop(_SCHEDULER_KEY)
-            if load_lr_scheduler_states and self.lr_scheduler is not None and \
-                    hasattr(self.lr_scheduler, "load_state_dict"):
+        if isinstance(client_state, dict):
+            groups = client_state.pop(_OPTIMIZER_KEY, None)
+            source = client_state.pop(_LR_SOURCE_KEY, None)
+            sched = client_state.pop(_SCHEDULER_KEY, None)
+            if groups is not None and self.optimizer is not None:
+                self.optimizer.load_state_dict(groups)
+            if source is not None and self._lr_source is not None and \
+                    len(source) == len(self._lr_source.param_groups):
+                for mine, saved in zip(self._lr_source.param_groups, source):
+                    mine.update(saved)
+            if sched is not None and load_lr_scheduler_states and self.lr_scheduler is not None \
+                    and hasattr(self.lr_scheduler, "load_state_dict"):
                 self.lr_scheduler.load_state_dict(sched)
+        self._lr_pushed = None  # the C++ engine's lr is pushed again at the next step
         return root, client_state
 
     # --- 16-bit weights -----------------------------------------------------------------------
@@ -386,6 +480,8 @@ _live_engines = weakref.WeakValueDictionary()
 
 # client_state's key for the client LR scheduler's state_dict.
 _SCHEDULER_KEY = "__strata_lr_scheduler__"
+_OPTIMIZER_KEY = "__strata_optimizer_groups__"
+_LR_SOURCE_KEY = "__strata_lr_source_groups__"
 
 
 def _logger():

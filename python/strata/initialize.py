@@ -14,61 +14,7 @@ from . import engine as _engine_mod
 from . import units as _units
 from ._strata import InvalidArgumentError
 from .engine import StrataEngine
-
-
-class StrataOptimizer:
-    """What initialize returns as the optimizer: the engine's own Adam/AdamW, seen the way a
-    training loop uses a torch optimizer (param_groups[0]["lr"], step, zero_grad)."""
-
-    def __init__(self, engine, params):
-        self._engine = engine
-        self._params = params
-
-    @property
-    def param_groups(self):
-        return [_ParamGroup(params=self._params, lr=self._engine.get_lr()[0])]
-
-    def step(self, closure=None):
-        if closure is not None:
-            raise InvalidArgumentError("optimizer.step(closure): closures are not supported")
-        self._engine.step()
-
-    def zero_grad(self, set_to_none=True):
-        """Nothing to clear (the engine keeps gradients in its own buffers)."""
-
-    def state_dict(self):
-        raise NotImplementedError("the optimizer states are partitioned across tiers and ranks; "
-                                  "use engine.save_checkpoint / load_checkpoint")
-
-
-class _ParamGroup(dict):
-    """A read-only view of the one parameter group: a loop that sets the lr by hand would change
-    nothing, so it is told where the schedule lives instead."""
-
-    def __setitem__(self, key, value):
-        raise InvalidArgumentError(
-            f"optimizer.param_groups[0][{key!r}] cannot be set: the engine's optimizer takes its "
-            "lr from the config's \"optimizer\" and \"scheduler\" sections")
-
-
-class ConfigSchedule:
-    """The config's "scheduler" (WarmupLR, WarmupDecayLR, WarmupCosineLR), which the engine
-    applies at every step itself; this object reports it."""
-
-    def __init__(self, engine):
-        self._engine = engine
-
-    def step(self, *args, **kwargs):
-        """Nothing to do: the engine advances the schedule with each optimizer step."""
-
-    def get_last_lr(self):
-        return self._engine.get_lr()
-
-    def get_lr(self):
-        return self._engine.get_lr()
-
-    def state_dict(self):
-        return {"global_steps": self._engine.global_steps}
+from .optimizer import ConfigSchedule, StrataOptimizer
 
 
 def _check_model_parameters(model, model_parameters):
@@ -159,10 +105,13 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
                           "the optimizer object wins, as with DeepSpeed")
         cfg["optimizer"] = _config.optimizer_section(optimizer)
         hints.lr = cfg["optimizer"]["params"]["lr"]
-    if lr_scheduler is not None:
+    if lr_scheduler is not None and not hasattr(lr_scheduler, "step") and not callable(lr_scheduler):
         raise InvalidArgumentError(
-            "initialize: lr_scheduler objects are not supported; set the config's \"scheduler\" "
-            "(WarmupLR, WarmupDecayLR or WarmupCosineLR), which the engine applies every step")
+            f"initialize: lr_scheduler={type(lr_scheduler).__name__} is neither a scheduler (an "
+            "object with step()) nor a callable that takes the optimizer and returns one")
+    if lr_scheduler is not None and cfg.get("scheduler"):
+        warnings.warn(f"{source}: both the config's \"scheduler\" and lr_scheduler= were given; "
+                      "the client scheduler wins, as with DeepSpeed")
     _check_model_parameters(model, model_parameters)
 
     owner = _owner_of(model)
@@ -193,7 +142,25 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     engine = StrataEngine(cpp, model, units)
     engine._user_config = user_cfg
     trainable = [p for p in model.parameters() if p.requires_grad]
-    engine.optimizer = StrataOptimizer(engine, trainable)
-    engine.lr_scheduler = ConfigSchedule(engine) if cfg.get("scheduler") else None
+    engine.optimizer = StrataOptimizer(engine, trainable, client=optimizer)
+    engine._lr_source = engine.optimizer
+    engine._client_optimizer = optimizer
+    if lr_scheduler is None:
+        engine.lr_scheduler = ConfigSchedule(engine) if cfg.get("scheduler") else None
+    else:
+        if not hasattr(lr_scheduler, "step"):
+            lr_scheduler = lr_scheduler(engine.optimizer)  # DeepSpeed's callable form
+            if not hasattr(lr_scheduler, "step"):
+                raise InvalidArgumentError(
+                    "initialize: the lr_scheduler callable returned "
+                    f"{type(lr_scheduler).__name__}, not a scheduler (an object with step())")
+        engine.lr_scheduler = lr_scheduler
+        engine._client_scheduler = True
+        stepped = getattr(lr_scheduler, "optimizer", None)
+        if isinstance(stepped, torch.optim.Optimizer) and stepped is not optimizer and \
+                stepped is not engine.optimizer:
+            # A scheduler on a torch optimizer initialize never saw: its groups carry the lr.
+            engine._lr_source = stepped
+    engine._publish_lr()
     loader = _make_loader(engine, training_data, collate_fn)
     return engine, engine.optimizer, loader, engine.lr_scheduler

@@ -1,0 +1,242 @@
+"""The lr comes from the optimizer's param_groups at every step: a client LR scheduler given to
+initialize (object or callable), a scheduler the loop steps on its own torch optimizer (Hugging
+Face's Trainer without a DeepSpeed scheduler), and a loop that writes the lr by hand all train
+as plain PyTorch does with the same schedule. The optimizer initialize returns is a
+torch.optim.Optimizer whose state_dict round-trips, and a checkpoint carries the schedule.
+"""
+
+import copy
+
+import pytest
+import torch
+
+import harness
+import strata
+from strata import InvalidArgumentError
+
+STEPS = 6
+CASES = {c[0]: c for c in harness.GRID}
+
+
+def warmup_then_decay(step):
+    """The Trainer's default shape: linear warmup over 2 steps, then linear decay."""
+    if step < 2:
+        return (step + 1) / 2
+    return max(0.0, (STEPS + 1 - step) / (STEPS - 1))
+
+
+def reference(accum, clip, set_lr_by_hand=False):
+    """Plain PyTorch: AdamW stepped by a LambdaLR (or the same lr written into its groups)."""
+    torch.manual_seed(0)
+    model = harness.MODELS["gpt2"]()
+    opt = torch.optim.AdamW(model.parameters(), lr=harness.LR, weight_decay=harness.WEIGHT_DECAY)
+    sched = None if set_lr_by_hand else torch.optim.lr_scheduler.LambdaLR(opt, warmup_then_decay)
+    losses = []
+    for step in range(STEPS):
+        if set_lr_by_hand:
+            for g in opt.param_groups:
+                g["lr"] = harness.LR * warmup_then_decay(step)
+        total = 0.0
+        for m in range(accum):
+            x, y = harness.batch("gpt2", step * accum + m)
+            loss = harness.loss_of("gpt2", model, x, y)
+            (loss / accum).backward()
+            total += loss.item() / accum
+        if clip > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+        opt.zero_grad()
+        if sched is not None:
+            sched.step()
+        losses.append(total)
+    return losses
+
+
+def strata_engine(case, tmp_path, **kwargs):
+    torch.manual_seed(0)
+    model = harness.MODELS["gpt2"]()
+    cfg = harness.config_for(case, tmp_path / "nvme")
+    if kwargs.get("optimizer") is not None:
+        kwargs["optimizer"] = kwargs["optimizer"](model)
+    engine, opt, _, sched = strata.initialize(model=model, model_parameters=model.parameters(),
+                                              config=copy.deepcopy(cfg), **kwargs)
+    return engine, opt, sched, case[4]
+
+
+def train(engine, accum, first, count, before_step=None, after_step=None):
+    losses = []
+    for step in range(first, first + count):
+        if before_step:
+            before_step(step)
+        total = 0.0
+        for m in range(accum):
+            x, y = harness.batch("gpt2", step * accum + m)
+            loss = harness.loss_of("gpt2", engine, x, y)
+            engine.backward(loss)
+            engine.step()
+            total += loss.item() / accum
+        if after_step:
+            after_step(step)
+        losses.append(total)
+    return losses
+
+
+# Overlapped updates start in backward (stage 0/3 without clipping); clipping and accumulation
+# fix the lr at step(); cpu and nvme offload; stage 3 releasing every unit.
+SCHEDULE_CASES = ["stage0", "stage2_cpu_clip", "stage3_cpu_release", "stage3_nvme_clip_accum"]
+
+
+@pytest.mark.parametrize("name", SCHEDULE_CASES)
+def test_a_client_scheduler_callable_matches_pytorch(name, tmp_path):
+    case = CASES[name]
+    engine, opt, sched, accum = strata_engine(
+        case, tmp_path,
+        lr_scheduler=lambda o: torch.optim.lr_scheduler.LambdaLR(o, warmup_then_decay))
+    assert isinstance(opt, torch.optim.Optimizer)
+    assert isinstance(sched, torch.optim.lr_scheduler.LambdaLR) and sched.optimizer is opt
+    got = train(engine, accum, 0, STEPS)
+    harness.assert_close(got, reference(accum, case[5]))
+    # The schedule really moved: the lr after the last step is the lambda's, not the config's.
+    assert engine.get_lr() == [pytest.approx(harness.LR * warmup_then_decay(STEPS))]
+    engine.close()
+
+
+def test_a_scheduler_object_on_the_client_optimizer_matches_pytorch(tmp_path):
+    case = CASES["stage3"]
+    client = {}
+
+    def make(model):
+        client["opt"] = torch.optim.AdamW(model.parameters(), lr=harness.LR,
+                                          weight_decay=harness.WEIGHT_DECAY)
+        client["sched"] = torch.optim.lr_scheduler.LambdaLR(client["opt"], warmup_then_decay)
+        return client["opt"]
+
+    torch.manual_seed(0)
+    model = harness.MODELS["gpt2"]()
+    opt = make(model)
+    engine, _, _, sched = strata.initialize(
+        model=model, optimizer=opt, lr_scheduler=client["sched"],
+        config=copy.deepcopy(harness.config_for(case, tmp_path / "nvme")))
+    assert sched is client["sched"]
+    harness.assert_close(train(engine, 1, 0, STEPS), reference(1, 0.0))
+    engine.close()
+
+
+def test_the_trainers_own_scheduler_on_the_client_optimizer_drives_the_lr(tmp_path):
+    # Hugging Face's Trainer with neither a DeepSpeed optimizer nor scheduler: it passes its
+    # AdamW to initialize and steps its LambdaLR on that AdamW itself, after engine.step().
+    case = CASES["stage3_cpu_release"]
+    made = {}
+
+    def make(model):
+        made["opt"] = torch.optim.AdamW(model.parameters(), lr=harness.LR,
+                                        weight_decay=harness.WEIGHT_DECAY)
+        return made["opt"]
+
+    engine, _, sched, accum = strata_engine(case, tmp_path, optimizer=make)
+    assert sched is None
+    trainer_sched = torch.optim.lr_scheduler.LambdaLR(made["opt"], warmup_then_decay)
+    got = train(engine, accum, 0, STEPS, after_step=lambda _: trainer_sched.step())
+    harness.assert_close(got, reference(accum, case[5]))
+    engine.close()
+
+
+def test_a_loop_that_writes_the_lr_by_hand_matches_pytorch(tmp_path):
+    case = CASES["stage2_cpu_clip"]
+    engine, opt, _, accum = strata_engine(case, tmp_path)
+
+    def set_lr(step):
+        for g in opt.param_groups:
+            g["lr"] = harness.LR * warmup_then_decay(step)
+
+    got = train(engine, accum, 0, STEPS, before_step=set_lr)
+    harness.assert_close(got, reference(accum, case[5], set_lr_by_hand=True))
+    engine.close()
+
+
+def test_the_configs_schedule_writes_its_lr_into_the_groups(tmp_path):
+    case = CASES["stage0"]
+    torch.manual_seed(0)
+    model = harness.MODELS["gpt2"]()
+    cfg = harness.config_for(case, tmp_path / "nvme",
+                             scheduler={"type": "WarmupLR",
+                                        "params": {"warmup_min_lr": 0, "warmup_max_lr": 1e-3,
+                                                   "warmup_num_steps": 4, "warmup_type": "linear"}})
+    engine, opt, _, sched = strata.initialize(model=model, config=cfg)
+    seen = []
+    for step in range(5):
+        seen.append(opt.param_groups[0]["lr"])
+        assert sched.get_last_lr() == [seen[-1]]
+        train(engine, 1, step, 1)
+    # DeepSpeed's linear WarmupLR: min + (max - min) * it / warmup_num_steps for iterations
+    # it = 0..3, then max.
+    assert seen == pytest.approx([0.0, 2.5e-4, 5e-4, 7.5e-4, 1e-3])
+    engine.close()
+
+
+def test_a_schedule_that_moves_betas_is_refused_by_name(tmp_path):
+    case = CASES["stage0"]
+    engine, _, _, _ = strata_engine(
+        case, tmp_path,
+        lr_scheduler=lambda o: torch.optim.lr_scheduler.OneCycleLR(o, max_lr=1e-3, total_steps=10))
+    x, y = harness.batch("gpt2", 0)
+    with pytest.raises(InvalidArgumentError, match="betas.*cycle_momentum=False"):
+        engine.backward(harness.loss_of("gpt2", engine, x, y))
+    engine.close()
+
+
+def test_groups_with_different_lrs_are_refused_by_name(tmp_path):
+    case = CASES["stage0"]
+    engine, opt, _, _ = strata_engine(case, tmp_path)
+    opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(1))]})  # a second group
+    opt.param_groups[1]["lr"] = 5e-4
+    x, y = harness.batch("gpt2", 0)
+    with pytest.raises(InvalidArgumentError, match=r"different learning rates \[0.0005, 0.001\]"):
+        engine.backward(harness.loss_of("gpt2", engine, x, y))
+    engine.close()
+
+
+def test_the_optimizers_state_dict_round_trips_its_hyperparameters(tmp_path):
+    engine, opt, _, _ = strata_engine(CASES["stage3"], tmp_path)
+    opt.param_groups[0]["lr"] = 3e-4
+    sd = opt.state_dict()
+    assert sd["state"] == {} and sd["param_groups"][0]["lr"] == 3e-4
+    assert sd["param_groups"][0]["params"] == list(range(len(opt.param_groups[0]["params"])))
+    opt.param_groups[0]["lr"] = 1.0
+    opt.load_state_dict(sd)
+    assert opt.param_groups[0]["lr"] == 3e-4
+    with pytest.raises(InvalidArgumentError, match="per-parameter state"):
+        opt.load_state_dict({"state": {0: {"exp_avg": torch.zeros(1)}},
+                             "param_groups": sd["param_groups"]})
+    with pytest.raises(InvalidArgumentError, match="do not match"):
+        opt.load_state_dict({"state": {}, "param_groups": sd["param_groups"] * 2})
+    engine.close()
+
+
+@pytest.mark.parametrize("name", ["stage0", "stage3_nvme_clip_accum"])
+def test_a_checkpoint_carries_the_client_schedule_bit_exactly(name, tmp_path):
+    case = CASES[name]
+    make_sched = lambda o: torch.optim.lr_scheduler.LambdaLR(o, warmup_then_decay)  # noqa: E731
+    engine, _, _, accum = strata_engine(case, tmp_path, lr_scheduler=make_sched)
+    train(engine, accum, 0, 3)
+    engine.save_checkpoint(tmp_path / "ckpt", client_state={"mine": 7})
+    straight = train(engine, accum, 3, 3)
+    engine.close()
+
+    resumed, _, sched, _ = strata_engine(case, tmp_path, lr_scheduler=make_sched)
+    path, client_state = resumed.load_checkpoint(tmp_path / "ckpt")
+    assert path is not None and client_state == {"mine": 7}
+    assert sched.last_epoch == 3
+    assert resumed.get_lr() == [harness.LR * warmup_then_decay(3)]
+    assert train(resumed, accum, 3, 3) == straight
+    resumed.close()
+
+
+def test_an_lr_that_is_not_finite_or_is_negative_is_refused(tmp_path):
+    engine, opt, _, _ = strata_engine(CASES["stage0"], tmp_path)
+    for bad in (float("nan"), float("inf"), -1e-3):
+        opt.param_groups[0]["lr"] = bad
+        x, y = harness.batch("gpt2", 0)
+        with pytest.raises(InvalidArgumentError, match="must be finite and >= 0"):
+            engine.backward(harness.loss_of("gpt2", engine, x, y))
+    engine.close()

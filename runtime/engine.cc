@@ -401,6 +401,21 @@ StatusOr<nlohmann::json> Engine::LoadCheckpoint(const std::string& dir, bool wei
 
 
 int64_t Engine::global_step() const { return impl_->global_step_; }
+Status Engine::SetGroupHyperparameters(const std::vector<GroupHyperparameters>& groups) {
+  return impl_->SetGroupHyperparameters(groups);
+}
+int Engine::num_param_groups() const { return impl_->num_param_groups(); }
+Status Engine::Impl::SetGroupHyperparameters(const std::vector<GroupHyperparameters>& groups) {
+  if (groups.size() != groups_.size()) {
+    return InvalidArgument(StrCat(groups.size(), " parameter groups given but the engine was "
+                                  "built with ", groups_.size(), ": groups cannot be added or "
+                                  "removed after the engine is made"));
+  }
+  for (size_t g = 0; g < groups.size(); ++g)
+    STRATA_RETURN_IF_ERROR(ValidateGroup(groups[g], static_cast<int>(g)));
+  group_override_ = groups;
+  return Status::Ok();
+}
 Status Engine::SetLearningRate(std::optional<double> lr) {
   if (lr && !(std::isfinite(*lr) && *lr >= 0))
     return InvalidArgument(StrCat("learning rate ", *lr, ": must be finite and >= 0"));

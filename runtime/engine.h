@@ -56,6 +56,7 @@
 #include <torch/torch.h>
 
 #include "runtime/config.h"
+#include "runtime/param_groups.h"
 #include "runtime/status.h"
 #include "tiers/nvme/io_engine.h"
 
@@ -88,6 +89,15 @@ struct EngineOptions {
   // blocks, tests/runtime/poisoning_store.h), so a test can show that nothing uses a block
   // outside its Acquire..Release window.
   std::function<std::unique_ptr<BlockStore>(std::unique_ptr<BlockStore>)> wrap_store;
+  // Parameter groups, as torch.optim's param_groups: each group's hyperparameters and its
+  // parameters (the model's own tensors). Empty: one group, the config's "optimizer" section,
+  // for every parameter. A trainable parameter in no group joins group 0; one in two groups is
+  // refused. The config's bias_correction and Adam/AdamW choice hold for every group.
+  struct ParamGroup {
+    GroupHyperparameters hyper;
+    std::vector<torch::Tensor> params;
+  };
+  std::vector<ParamGroup> param_groups;
 };
 
 // One optimizer step, as seen by every lane.
@@ -194,6 +204,11 @@ class Engine {
   // when updates overlap backward (no clipping, no loss scaling), else in Step. Call it from the
   // thread that calls Backward and Step. A value that is negative or not finite is refused.
   Status SetLearningRate(std::optional<double> lr);
+  // Every group's hyperparameters from the next step whose updates start on, in place of the
+  // groups' own and the schedule's lr (what a Python optimizer's param_groups hold at each step);
+  // one entry per group, in EngineOptions::param_groups' order. Checked as ValidateGroup checks.
+  Status SetGroupHyperparameters(const std::vector<GroupHyperparameters>& groups);
+  int num_param_groups() const;
 
   // The full fp32 master values of every parameter, in registration order (collective when
   // world_size > 1: every rank must call it).

@@ -130,6 +130,8 @@ class Engine::Impl {
   StatusOr<StepReport> Step();
   // Engine::SetLearningRate: the lr of the steps from now on (nullopt: the config's schedule).
   void SetLearningRate(std::optional<double> lr) { lr_override_ = lr; }
+  Status SetGroupHyperparameters(const std::vector<GroupHyperparameters>& groups);
+  int num_param_groups() const { return static_cast<int>(groups_.size()); }
   StatusOr<std::vector<torch::Tensor>> GatherMasterParams();
   Status Save(const std::string& dir, const nlohmann::json& extra);
   StatusOr<nlohmann::json> Load(const std::string& dir, bool weights_only);
@@ -222,6 +224,7 @@ class Engine::Impl {
   Status StartStreamsAndArena();
   Status DiscoverUnits(const EngineOptions& options);
   Status Partition();
+  Status GroupParameters(const EngineOptions& options);  // param_groups.h; engine_init.cc
   Status OpenNvmeTier(const EngineOptions& options);
   Status OpenBlockStore(const EngineOptions& options);
   Status PlaceBuffers();
@@ -313,7 +316,8 @@ class Engine::Impl {
   Status ReduceChunk(int64_t c);
   // One chunk's update. Sets *publish when it left the copy of new values to the device in
   // flight (Note [pipelined publish]): the optimizer lane then submits it to the publish lane.
-  Status AdamChunk(int64_t c, float grad_scale, double lr, int64_t step,
+  // The hyperparameters are opt_groups_', fixed when the step's updates started.
+  Status AdamChunk(int64_t c, float grad_scale, int64_t step,
                    std::optional<PublishLane::Copy>* publish);
   // The copy of chunk c's new values from `slot` to where the device reads them (its param16
   // block, pinned until the copy lands, or the working shard). On failure nothing is in flight
@@ -607,6 +611,25 @@ class Engine::Impl {
   std::optional<double> lr_override_;
   double NextLearningRate(int64_t step) const {
     return lr_override_ ? *lr_override_ : LearningRate(config_, step);
+  }
+  // Parameter groups (param_groups.h), fixed at Init: each group's own hyperparameters, each
+  // parameter's group, and each chunk's shard as segments of one group. Read-only after Init.
+  std::vector<GroupHyperparameters> groups_;
+  std::vector<int> group_of_param_;
+  std::vector<std::vector<ShardSegment>> chunk_segments_;
+  // Set by SetGroupHyperparameters on the caller's thread (nullopt: the groups' own, with the
+  // step's lr). The hyperparameters of the step whose updates are starting are copied into
+  // opt_groups_ there too (FixStepHyperparameters), which the optimizer lane then reads.
+  std::optional<std::vector<GroupHyperparameters>> group_override_;
+  std::vector<GroupHyperparameters> opt_groups_;
+  void FixStepHyperparameters() {
+    opt_lr_ = NextLearningRate(opt_step_);
+    if (group_override_) {
+      opt_groups_ = *group_override_;
+    } else {
+      opt_groups_ = groups_;
+      for (GroupHyperparameters& g : opt_groups_) g.lr = opt_lr_;
+    }
   }
   int64_t opt_step_ = 0;
 };

@@ -2,6 +2,8 @@
 // the lanes' threads (engine_impl.h maps the rooms).
 #include "runtime/engine_impl.h"
 
+#include <unordered_map>
+
 namespace strata {
 
 using namespace engine_detail;
@@ -16,6 +18,7 @@ Status Engine::Impl::Init(Engine* owner, const EngineOptions& options) {
   STRATA_RETURN_IF_ERROR(StartStreamsAndArena());
   STRATA_RETURN_IF_ERROR(DiscoverUnits(options));  // the units and the partitioner (engine.cc)
   STRATA_RETURN_IF_ERROR(Partition());
+  STRATA_RETURN_IF_ERROR(GroupParameters(options));
   STRATA_RETURN_IF_ERROR(OpenNvmeTier(options));
   STRATA_RETURN_IF_ERROR(OpenBlockStore(options));
   STRATA_RETURN_IF_ERROR(PlaceBuffers());
@@ -114,6 +117,47 @@ Status Engine::Impl::Partition() {
   const auto& z = config_.zero_optimization;
   STRATA_ASSIGN_OR_RETURN(plan_, partitioner_->PlanFor(z.stage, shard_rank(),
                                                        static_cast<int>(optim::DTypeSize(state_dtype_))));
+  return Status::Ok();
+}
+
+// Parameter groups: each parameter's group, and every chunk's shard cut into runs of one group
+// for the optimizer (AdamChunk).
+Status Engine::Impl::GroupParameters(const EngineOptions& options) {
+  const auto& oc = config_.optimizer;
+  group_of_param_.assign(params_.size(), 0);
+  groups_.clear();
+  if (options.param_groups.empty()) {
+    groups_.push_back({oc.lr, oc.beta1, oc.beta2, oc.eps, oc.weight_decay});
+  } else {
+    std::unordered_map<const c10::TensorImpl*, int64_t> id_of;
+    for (size_t p = 0; p < params_.size(); ++p) id_of[params_[p].tensor.unsafeGetTensorImpl()] = p;
+    std::vector<int> seen(params_.size(), -1);
+    for (size_t g = 0; g < options.param_groups.size(); ++g) {
+      const auto& pg = options.param_groups[g];
+      STRATA_RETURN_IF_ERROR(ValidateGroup(pg.hyper, static_cast<int>(g)));
+      groups_.push_back(pg.hyper);
+      for (const torch::Tensor& t : pg.params) {
+        auto it = id_of.find(t.unsafeGetTensorImpl());
+        if (it == id_of.end()) {
+          return InvalidArgument(StrCat("parameter group ", g, " holds a tensor of shape ",
+                                        t.sizes(), " that is not a parameter of the model"));
+        }
+        if (seen[it->second] >= 0 && seen[it->second] != static_cast<int>(g)) {
+          return InvalidArgument(StrCat("parameter '", partitioner_->param_name(it->second),
+                                        "' is in parameter groups ", seen[it->second], " and ", g,
+                                        ": each parameter belongs to one group"));
+        }
+        seen[it->second] = static_cast<int>(g);
+        group_of_param_[it->second] = static_cast<int>(g);
+      }
+    }
+  }
+  chunk_segments_.clear();
+  for (size_t c = 0; c < partitioner_->chunks().size(); ++c) {
+    chunk_segments_.push_back(ShardSegments(*partitioner_, static_cast<int64_t>(c), shard_rank(),
+                                            group_of_param_));
+  }
+  opt_groups_ = groups_;
   return Status::Ok();
 }
 

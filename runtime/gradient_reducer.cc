@@ -350,7 +350,7 @@ Status Engine::Impl::Backward(const torch::Tensor& loss) {
   if (last_micro_step() && immediate_optimizer()) {
     // Updates start during this backward: fix their step-wide inputs now.
     opt_step_ = global_step_ + 1;
-    opt_lr_ = NextLearningRate(opt_step_);
+    FixStepHyperparameters();
     opt_grad_scale_ = 1.0f;
   }
   if (last_micro_step() && defer_updates()) {

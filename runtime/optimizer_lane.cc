@@ -45,7 +45,7 @@ void Engine::Impl::StartOptimizerLane() {
       if (!failed) {
         if (optimizer_delay_hook_) optimizer_delay_hook_(c);
         LaneTimer t(&dt, &lane_trace_, Lane::kOptimizer, "adam", opt_step_, c);
-        s = AdamChunk(c, opt_grad_scale_, opt_lr_, opt_step_, &publish);
+        s = AdamChunk(c, opt_grad_scale_, opt_step_, &publish);
       }
       l.lock();
       // A wait for a staging slot is a wait for the copy lane, not optimizer work.
@@ -162,7 +162,7 @@ void Engine::Impl::PrefetchStatesForUpdates() {
   }
 }
 
-Status Engine::Impl::AdamChunk(int64_t c, float grad_scale, double lr, int64_t step,
+Status Engine::Impl::AdamChunk(int64_t c, float grad_scale, int64_t step,
                                std::optional<PublishLane::Copy>* publish) {
   publish->reset();
   const ChunkInfo& ci = partitioner_->chunks()[c];
@@ -220,26 +220,37 @@ Status Engine::Impl::AdamChunk(int64_t c, float grad_scale, double lr, int64_t s
     out = publish_->SlotData(slot);
   }
 
-  optim::AdamParams ap;
-  ap.lr = lr;
-  ap.beta1 = oc.beta1;
-  ap.beta2 = oc.beta2;
-  ap.eps = oc.eps;
-  ap.weight_decay = oc.weight_decay;
-  ap.adamw = oc.type == OptimizerType::kAdamW;
-  ap.bias_correction = oc.bias_correction;
-  ap.step = step;
-  optim::AdamBuffers bufs;
-  bufs.master = static_cast<float*>(master);
-  bufs.grad = g;
-  bufs.grad_dtype = optim::DType::kFloat32;
-  bufs.exp_avg = m;
-  bufs.exp_avg_sq = v;
-  bufs.state_dtype = state_dtype_;
-  bufs.n = static_cast<size_t>(n);
-  if (compute_dtype_ != optim::DType::kFloat32) {
-    bufs.param16 = out;
-    bufs.param16_dtype = compute_dtype_;
+  // One Adam call per run of one parameter group (param_groups.h); one group: one call.
+  struct Segment {
+    optim::AdamParams ap;
+    optim::AdamBuffers bufs;
+  };
+  std::vector<Segment> segments;
+  const size_t state_size = optim::DTypeSize(state_dtype_);
+  const size_t work_size = optim::DTypeSize(compute_dtype_);
+  for (const ShardSegment& seg : chunk_segments_[c]) {
+    const GroupHyperparameters& gh = opt_groups_[seg.group];
+    Segment sg;
+    sg.ap.lr = gh.lr;
+    sg.ap.beta1 = gh.beta1;
+    sg.ap.beta2 = gh.beta2;
+    sg.ap.eps = gh.eps;
+    sg.ap.weight_decay = gh.weight_decay;
+    sg.ap.adamw = oc.type == OptimizerType::kAdamW;
+    sg.ap.bias_correction = oc.bias_correction;
+    sg.ap.step = step;
+    sg.bufs.master = static_cast<float*>(master) + seg.begin;
+    sg.bufs.grad = static_cast<char*>(g) + seg.begin * 4;
+    sg.bufs.grad_dtype = optim::DType::kFloat32;
+    sg.bufs.exp_avg = static_cast<char*>(m) + seg.begin * state_size;
+    sg.bufs.exp_avg_sq = static_cast<char*>(v) + seg.begin * state_size;
+    sg.bufs.state_dtype = state_dtype_;
+    sg.bufs.n = static_cast<size_t>(seg.size);
+    if (compute_dtype_ != optim::DType::kFloat32) {
+      sg.bufs.param16 = static_cast<char*>(out) + seg.begin * work_size;
+      sg.bufs.param16_dtype = compute_dtype_;
+    }
+    segments.push_back(sg);
   }
   Status s;
   if (device_optimizer()) {
@@ -250,10 +261,16 @@ Status Engine::Impl::AdamChunk(int64_t c, float grad_scale, double lr, int64_t s
     // pinned until then. The gradient's hand-off already waited for the compute that wrote it.
     const bool cuda = device_->kind() == DeviceKind::kCuda;
     tbb::task_arena* arena = arena_.get();
-    s = publish_stream_->LaunchKernel([cuda, arena, ap, bufs, grad_scale](void* native) {
-      if (cuda) return kernels::AdamStep(kernels::Backend::kCuda, ap, bufs, grad_scale, nullptr, native);
+    s = publish_stream_->LaunchKernel([cuda, arena, segments, grad_scale](void* native) {
       Status r;
-      arena->execute([&] { r = kernels::AdamStep(kernels::Backend::kCpu, ap, bufs, grad_scale); });
+      for (const Segment& sg : segments) {
+        if (cuda) {
+          r = kernels::AdamStep(kernels::Backend::kCuda, sg.ap, sg.bufs, grad_scale, nullptr, native);
+        } else {
+          arena->execute([&] { r = kernels::AdamStep(kernels::Backend::kCpu, sg.ap, sg.bufs, grad_scale); });
+        }
+        if (!r.ok()) break;
+      }
       return r;
     });
     if (s.ok() && compute_dtype_ == optim::DType::kFloat32 && out != master)
@@ -264,10 +281,13 @@ Status Engine::Impl::AdamChunk(int64_t c, float grad_scale, double lr, int64_t s
     optim::AdamOptions ao;
     ao.arena = arena_.get();
     ao.grad_check = optim::GradCheck::kCallerChecked;
-    auto r = optim::AdamStep(ap, bufs, grad_scale, ao);
-    if (r.ok() && compute_dtype_ == optim::DType::kFloat32 && out != master)
+    for (const Segment& sg : segments) {
+      auto r = optim::AdamStep(sg.ap, sg.bufs, grad_scale, ao);
+      s = r.status();
+      if (!s.ok()) break;
+    }
+    if (s.ok() && compute_dtype_ == optim::DType::kFloat32 && out != master)
       std::memcpy(out, master, n * 4);
-    s = r.status();
   }
   const bool updated = s.ok();
   for (const BlockKey& k : {km, ka, kv}) {
@@ -409,7 +429,7 @@ StatusOr<StepReport> Engine::Impl::Step() {
       const double inv = scaler_ ? scaler_->inv_scale() : 1.0;
       opt_grad_scale_ = static_cast<float>(clip * inv);
       opt_step_ = global_step_ + 1;
-      opt_lr_ = NextLearningRate(opt_step_);
+      FixStepHyperparameters();
       rep.lr = opt_lr_;
       if (defer_updates()) {
         // The next iteration starts with these updates (see iteration_open_).

@@ -39,7 +39,7 @@ Communicator* ProcessCommunicator(const CommOptions& co) {
 
 PyEngine::PyEngine(py::handle model, const std::vector<py::handle>& units,
                    const std::string& config_json, const std::string& source,
-                   const AutoHints& hints) {
+                   const AutoHints& hints, const Groups& groups) {
   config_ = ValueOrThrow(Config::FromJsonText(config_json, source));
   CommOptions co;
   co.backend = config_.strata.comm_backend;
@@ -68,6 +68,10 @@ PyEngine::PyEngine(py::handle model, const std::vector<py::handle>& units,
     if (it == mirror_.by_python.end())
       ThrowIfError(InvalidArgument("a unit is not a submodule of the model"));
     eo.units.push_back(it->second);
+  }
+  for (const auto& [params, h] : groups) {
+    if (h.size() != 5) ThrowIfError(InvalidArgument("a parameter group needs (lr, beta1, beta2, eps, weight_decay)"));
+    eo.param_groups.push_back({GroupHyperparameters{h[0], h[1], h[2], h[3], h[4]}, params});
   }
   py::gil_scoped_release nogil;  // partitioning writes the shards to their tiers (and rank 0's broadcast)
   engine_ = ValueOrThrow(Engine::Create(mirror_.root, config_, comm_, device_.get(), eo));

@@ -55,9 +55,9 @@ PYBIND11_MODULE(_strata, m) {
 
   py::class_<PyEngine>(m, "Engine")
       .def(py::init<py::handle, const std::vector<py::handle>&, const std::string&,
-                    const std::string&, const AutoHints&>(),
+                    const std::string&, const AutoHints&, const PyEngine::Groups&>(),
            py::arg("model"), py::arg("units"), py::arg("config_json"), py::arg("source"),
-           py::arg("hints"))
+           py::arg("hints"), py::arg("groups") = PyEngine::Groups{})
       .def("begin_unit", &PyEngine::BeginUnit, py::arg("unit"), py::arg("checkpointed") = false)
       .def("end_unit", &PyEngine::EndUnit)
       .def("backward", &PyEngine::Backward)
@@ -70,6 +70,20 @@ PYBIND11_MODULE(_strata, m) {
       .def("master_params", &PyEngine::MasterParams)
       .def("close", &PyEngine::Close)
       .def("lr_at", &PyEngine::LearningRateAt)
+      .def("set_groups",
+           [](PyEngine& e, const std::vector<std::vector<double>>& groups) {
+             std::vector<strata::GroupHyperparameters> g;
+             for (const auto& h : groups) {
+               if (h.size() != 5)
+                 strata::python::ThrowIfError(strata::InvalidArgument(
+                     "set_groups: each group is (lr, beta1, beta2, eps, weight_decay)"));
+               g.push_back({h[0], h[1], h[2], h[3], h[4]});
+             }
+             strata::python::ThrowIfError(e.engine().SetGroupHyperparameters(g));
+           },
+           py::arg("groups"))
+      .def_property_readonly("num_param_groups",
+                             [](PyEngine& e) { return e.engine().num_param_groups(); })
       .def("set_lr",
            [](PyEngine& e, std::optional<double> lr) {
              strata::python::ThrowIfError(e.engine().SetLearningRate(lr));

@@ -99,6 +99,15 @@ def _group_hyperparameters(group):
             float(group["weight_decay"]))
 
 
+def group_hyperparameters(group, defaults):
+    """(lr, beta1, beta2, eps, weight_decay) of one parameter group, `defaults` (the effective
+    config's optimizer params) filling what the group does not set."""
+    betas = group.get("betas", defaults.get("betas", (0.9, 0.999)))
+    return [float(group.get("lr", defaults.get("lr", 1e-3))), float(betas[0]), float(betas[1]),
+            float(group.get("eps", defaults.get("eps", 1e-8))),
+            float(group.get("weight_decay", defaults.get("weight_decay", 0.0)))]
+
+
 def optimizer_section(optimizer):
     """The config "optimizer" section equal to a torch.optim.Adam / AdamW the script built, or
     an error naming what cannot be carried over."""
@@ -114,12 +123,9 @@ def optimizer_section(optimizer):
             "DeepSpeedCPUAdam / FusedAdam), or leave optimizer=None and set the config's "
             "\"optimizer\" section")
     groups = optimizer.param_groups
+    # Group 0's values stand for the section; each group keeps its own (initialize passes them
+    # to the engine as parameter groups).
     first = _group_hyperparameters(groups[0])
-    for g in groups[1:]:
-        if _group_hyperparameters(g) != first:
-            raise InvalidArgumentError(
-                "optimizer has parameter groups with different lr, betas, eps or weight_decay; "
-                "Strata applies one set to every parameter: use one group")
     for g in groups:
         if g.get("amsgrad") or g.get("maximize"):
             raise InvalidArgumentError("optimizer uses amsgrad or maximize, which Strata's Adam "

@@ -143,39 +143,29 @@ class StrataEngine(torch.nn.Module):
     # with torch.optim and DeepSpeed: a client scheduler stepped at each boundary, the Trainer's
     # LambdaLR on its own torch optimizer (whose groups StrataOptimizer shares), or a loop that
     # writes group["lr"] itself. The config's schedule takes part the way DeepSpeed's schedulers
-    # do: after each step it writes the next step's lr into the groups (_publish_lr). The
-    # engine applies one set of hyperparameters to every parameter, so the groups must agree,
-    # and only the lr may move after initialize.
+    # do: after each step it writes the next step's lr into the groups (_publish_lr). Each group
+    # keeps its own hyperparameters (betas, eps and weight_decay may move too: a OneCycleLR
+    # cycles betas); the engine was built with the groups initialize saw, and no others.
     def _lr_groups(self):
         source = self._lr_source if self._lr_source is not None else self.optimizer
         return source.param_groups if source is not None else []
 
     def _sync_lr(self):
+        """Hands every group's hyperparameters to the C++ engine when they changed."""
         groups = self._lr_groups()
         if not groups:
             return
-        from .optimizer import engine_hyperparameters
-        lrs = sorted({float(g["lr"]) for g in groups})
-        if len(lrs) > 1:
+        if len(groups) != self._cpp.num_param_groups:
             raise InvalidArgumentError(
-                f"optimizer.param_groups hold different learning rates {lrs}: Strata applies one "
-                "lr to every parameter; give every group the same lr (a scheduler keeps equal "
-                "lrs equal)")
-        _, betas, eps, weight_decay = engine_hyperparameters(self._config)
-        for g in groups:
-            for key, want in (("betas", betas), ("eps", eps), ("weight_decay", weight_decay)):
-                if key not in g:
-                    continue
-                got = tuple(float(b) for b in g[key]) if key == "betas" else float(g[key])
-                if got != want:
-                    raise InvalidArgumentError(
-                        f"optimizer.param_groups[...][{key!r}] is now {got}, was {want} at "
-                        "initialize: Strata takes only the lr from the groups at each step (a "
-                        "OneCycleLR cycles betas: pass cycle_momentum=False)")
-        lr = lrs[0]
-        if lr != self._lr_pushed:
-            self._cpp.set_lr(lr)
-            self._lr_pushed = lr
+                f"the optimizer has {len(groups)} parameter groups but the engine was built "
+                f"with {self._cpp.num_param_groups}: groups cannot be added after initialize; "
+                "pass every group to initialize (optimizer= or model_parameters=[{...}, ...])")
+        from .config import group_hyperparameters
+        defaults = self._config.get("optimizer", {}).get("params", {})
+        values = [group_hyperparameters(g, defaults) for g in groups]
+        if values != self._lr_pushed:
+            self._cpp.set_groups(values)
+            self._lr_pushed = values
 
     def _publish_lr(self):
         """After a step: the config's schedule writes the next step's lr into the groups, and a

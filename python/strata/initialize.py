@@ -17,6 +17,34 @@ from .engine import StrataEngine
 from .optimizer import ConfigSchedule, StrataOptimizer
 
 
+def _groups_of(optimizer, model_parameters):
+    """The parameter groups as dicts: the client optimizer's, else model_parameters' when they
+    are dicts (DeepSpeed takes groups either way), else None (one group, the config's)."""
+    if optimizer is not None:
+        return optimizer.param_groups
+    if isinstance(model_parameters, (list, tuple)) and model_parameters and \
+            all(isinstance(g, dict) for g in model_parameters):
+        return model_parameters
+    return None
+
+
+def _engine_groups(optimizer, model_parameters, cfg):
+    """What the C++ engine takes: [(trainable params, [lr, beta1, beta2, eps, weight_decay])]."""
+    groups = _groups_of(optimizer, model_parameters)
+    if groups is None:
+        return []
+    defaults = cfg.get("optimizer", {}).get("params", {})
+    return [([p for p in g["params"] if p.requires_grad], _config.group_hyperparameters(g, defaults))
+            for g in groups]
+
+
+def _torch_groups(model_parameters, trainable):
+    """StrataOptimizer's groups when no client optimizer lends its own: model_parameters' dicts
+    (a generator was consumed by the check before: the trainable parameters stand for it)."""
+    groups = _groups_of(None, model_parameters)
+    return [dict(g, params=list(g["params"])) for g in groups] if groups is not None else trainable
+
+
 def _check_model_parameters(model, model_parameters):
     if model_parameters is None:
         return
@@ -112,6 +140,10 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     if lr_scheduler is not None and cfg.get("scheduler"):
         warnings.warn(f"{source}: both the config's \"scheduler\" and lr_scheduler= were given; "
                       "the client scheduler wins, as with DeepSpeed")
+    if model_parameters is not None:
+        # Read twice below (the check, the groups): generators become lists, groups' too.
+        model_parameters = [dict(g, params=list(g["params"])) if isinstance(g, dict) else g
+                            for g in model_parameters]
     _check_model_parameters(model, model_parameters)
 
     owner = _owner_of(model)
@@ -135,14 +167,16 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     if port is not None:
         os.environ["MASTER_PORT"] = str(port)  # Note [two rendezvous] in strata/comm.py
     try:
-        cpp = _strata.Engine(model, [m for _, m in units], json.dumps(cfg), source, hints)
+        cpp = _strata.Engine(model, [m for _, m in units], json.dumps(cfg), source, hints,
+                             _engine_groups(optimizer, model_parameters, cfg))
     finally:
         if port is not None:
             os.environ["MASTER_PORT"] = saved_port
     engine = StrataEngine(cpp, model, units)
     engine._user_config = user_cfg
     trainable = [p for p in model.parameters() if p.requires_grad]
-    engine.optimizer = StrataOptimizer(engine, trainable, client=optimizer)
+    engine.optimizer = StrataOptimizer(engine, _torch_groups(model_parameters, trainable),
+                                       client=optimizer)
     engine._lr_source = engine.optimizer
     engine._client_optimizer = optimizer
     if lr_scheduler is None:

@@ -1,0 +1,122 @@
+"""Parameter groups with their own lr, betas, eps and weight_decay (Hugging Face's Trainer puts
+biases and norm weights in a group without weight decay) train as torch.optim.AdamW with the
+same groups, under stages 0-3 x offload none/cpu/nvme, with clipping and accumulation, whether
+the groups come from a client optimizer or from model_parameters dicts with the config's
+optimizer. Small chunks (16 KiB) make most chunks hold parameters of both groups.
+"""
+
+import copy
+
+import pytest
+import torch
+
+import harness
+import strata
+from strata import InvalidArgumentError
+
+STEPS = 5
+
+
+def split(model):
+    """The Trainer's split: weights of matrices decay; biases and norm weights do not."""
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        (no_decay if p.ndim < 2 or "norm" in name or "ln" in name else decay).append(p)
+    return decay, no_decay
+
+
+def torch_groups(model):
+    decay, no_decay = split(model)
+    return [{"params": decay, "weight_decay": 0.05},
+            {"params": no_decay, "weight_decay": 0.0, "lr": 3e-3, "betas": (0.8, 0.99),
+             "eps": 1e-6}]
+
+
+def reference(accum, clip, with_schedule=False):
+    torch.manual_seed(0)
+    model = harness.MODELS["gpt2"]()
+    opt = torch.optim.AdamW(torch_groups(model), lr=harness.LR)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, [lambda s: 1 / (s + 1), lambda s: 0.5 ** s]) \
+        if with_schedule else None
+    losses = []
+    for step in range(STEPS):
+        total = 0.0
+        for m in range(accum):
+            x, y = harness.batch("gpt2", step * accum + m)
+            loss = harness.loss_of("gpt2", model, x, y)
+            (loss / accum).backward()
+            total += loss.item() / accum
+        if clip > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+        opt.zero_grad()
+        if sched is not None:
+            sched.step()
+        losses.append(total)
+    return losses
+
+
+def train(engine, accum):
+    losses = []
+    for step in range(STEPS):
+        total = 0.0
+        for m in range(accum):
+            x, y = harness.batch("gpt2", step * accum + m)
+            loss = harness.loss_of("gpt2", engine, x, y)
+            engine.backward(loss)
+            engine.step()
+            total += loss.item() / accum
+        losses.append(total)
+    return losses
+
+
+@pytest.mark.parametrize("case", harness.GRID, ids=[c[0] for c in harness.GRID])
+def test_groups_of_a_client_optimizer_match_pytorch(case, tmp_path):
+    torch.manual_seed(0)
+    model = harness.MODELS["gpt2"]()
+    cfg = harness.config_for(case, tmp_path / "nvme")
+    del cfg["optimizer"]
+    opt = torch.optim.AdamW(torch_groups(model), lr=harness.LR)
+    engine, returned, _, _ = strata.initialize(model=model, optimizer=opt, config=cfg)
+    assert returned.param_groups is opt.param_groups
+    harness.assert_close(train(engine, case[4]), reference(case[4], case[5]))
+    engine.close()
+
+
+@pytest.mark.parametrize("name", ["stage1_cpu", "stage3_nvme_clip_accum"])
+def test_groups_as_model_parameters_dicts_with_a_per_group_schedule(name, tmp_path):
+    case = {c[0]: c for c in harness.GRID}[name]
+    torch.manual_seed(0)
+    model = harness.MODELS["gpt2"]()
+    cfg = harness.config_for(case, tmp_path / "nvme")
+    cfg["optimizer"]["params"] = {"lr": harness.LR}  # groups set their own decay
+    engine, opt, _, _ = strata.initialize(
+        model=model, model_parameters=torch_groups(model), config=copy.deepcopy(cfg),
+        lr_scheduler=lambda o: torch.optim.lr_scheduler.LambdaLR(
+            o, [lambda s: 1 / (s + 1), lambda s: 0.5 ** s]))
+    assert [g["weight_decay"] for g in opt.param_groups] == [0.05, 0.0]
+    harness.assert_close(train(engine, case[4]), reference(case[4], case[5], with_schedule=True))
+    # Each group followed its own lambda.
+    assert [g["lr"] for g in opt.param_groups] == \
+        pytest.approx([harness.LR / (STEPS + 1), 3e-3 * 0.5 ** STEPS])
+    engine.close()
+
+
+def test_a_group_with_a_bad_value_is_refused_by_group_and_name(tmp_path):
+    torch.manual_seed(0)
+    model = harness.MODELS["gpt2"]()
+    decay, no_decay = split(model)
+    groups = [{"params": decay}, {"params": no_decay, "betas": (0.9, 1.5)}]
+    with pytest.raises(InvalidArgumentError, match=r"parameter group 1: betas\[1\]=1.5"):
+        strata.initialize(model=model, model_parameters=groups,
+                          config=harness.config_for(harness.GRID[0], tmp_path / "nvme"))
+
+
+def test_a_parameter_in_two_groups_is_refused_by_name(tmp_path):
+    torch.manual_seed(0)
+    model = harness.MODELS["gpt2"]()
+    params = list(model.parameters())
+    groups = [{"params": params}, {"params": params[:1], "weight_decay": 0.0}]
+    with pytest.raises(InvalidArgumentError, match="is in parameter groups 0 and 1"):
+        strata.initialize(model=model, model_parameters=groups,
+                          config=harness.config_for(harness.GRID[0], tmp_path / "nvme"))

@@ -405,6 +405,9 @@ Status Engine::SetGroupHyperparameters(const std::vector<GroupHyperparameters>& 
   return impl_->SetGroupHyperparameters(groups);
 }
 int Engine::num_param_groups() const { return impl_->num_param_groups(); }
+Status Engine::WriteParameters(const std::vector<torch::Tensor>& params) {
+  return impl_->WriteParameters(params);
+}
 Status Engine::Impl::SetGroupHyperparameters(const std::vector<GroupHyperparameters>& groups) {
   if (groups.size() != groups_.size()) {
     return InvalidArgument(StrCat(groups.size(), " parameter groups given but the engine was "

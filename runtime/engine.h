@@ -210,6 +210,13 @@ class Engine {
   Status SetGroupHyperparameters(const std::vector<GroupHyperparameters>& groups);
   int num_param_groups() const;
 
+  // Writes the values the given parameters hold now (a gathered stage-3 parameter, or a stage
+  // 0-2 parameter, changed by the caller) into this rank's partitions: the fp32 master and the
+  // working copy, wherever they live (device, host, NVMe). Optimizer states are untouched.
+  // Between steps only; collective when world_size > 1 (every rank calls it with the same
+  // parameters holding the same values: the caller broadcasts first).
+  Status WriteParameters(const std::vector<torch::Tensor>& params);
+
   // The full fp32 master values of every parameter, in registration order (collective when
   // world_size > 1: every rank must call it).
   StatusOr<std::vector<torch::Tensor>> GatherMasterParams();

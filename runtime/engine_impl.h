@@ -132,6 +132,7 @@ class Engine::Impl {
   void SetLearningRate(std::optional<double> lr) { lr_override_ = lr; }
   Status SetGroupHyperparameters(const std::vector<GroupHyperparameters>& groups);
   int num_param_groups() const { return static_cast<int>(groups_.size()); }
+  Status WriteParameters(const std::vector<torch::Tensor>& params);  // param_writes.cc
   StatusOr<std::vector<torch::Tensor>> GatherMasterParams();
   Status Save(const std::string& dir, const nlohmann::json& extra);
   StatusOr<nlohmann::json> Load(const std::string& dir, bool weights_only);

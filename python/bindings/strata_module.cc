@@ -84,6 +84,16 @@ PYBIND11_MODULE(_strata, m) {
            py::arg("groups"))
       .def_property_readonly("num_param_groups",
                              [](PyEngine& e) { return e.engine().num_param_groups(); })
+      .def("write_params",
+           [](PyEngine& e, const std::vector<torch::Tensor>& params) {
+             strata::Status s;
+             {
+               py::gil_scoped_release nogil;
+               s = e.engine().WriteParameters(params);
+             }
+             strata::python::ThrowIfError(s);
+           },
+           py::arg("params"))
       .def("set_lr",
            [](PyEngine& e, std::optional<double> lr) {
              strata::python::ThrowIfError(e.engine().SetLearningRate(lr));

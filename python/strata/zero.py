@@ -12,13 +12,18 @@ from ._strata import ZeroInit as _ZeroInit
 
 class GatheredParameters:
     """Makes the given parameters readable inside the block (ZeRO stage 3 keeps a unit's
-    parameters empty outside its forward and backward):
+    parameters empty outside its forward and backward), and with `modifier_rank` writable:
 
         with strata.zero.GatheredParameters(model.head.weight):
             print(model.head.weight.norm())
+        with strata.zero.GatheredParameters(model.embed.weight, modifier_rank=0):
+            if rank == 0:
+                model.embed.weight[3] = 0.0
 
-    Reading only: changes made inside the block are not written back to the partitions, so
-    modifier_rank must stay None. Outside an engine, or below stage 3, it does nothing."""
+    modifier_rank=r: on leaving the block, rank r's values are broadcast to every rank and written
+    into the partitions (the fp32 master and the working copy, NVMe-resident ones included);
+    optimizer states are untouched. Every rank must enter the block. Without it, changes are
+    dropped. Outside an engine, the broadcast alone runs (the parameters are plain tensors)."""
 
     def __init__(self, params, modifier_rank=None, fwd_module=None, enabled=True):
         if isinstance(params, torch.Tensor):
@@ -27,10 +32,10 @@ class GatheredParameters:
         self._enabled = enabled
         self._open = []
         self._engine = None
-        if modifier_rank is not None and enabled:
-            raise InvalidArgumentError(
-                "GatheredParameters(modifier_rank=...): writing gathered parameters back into the "
-                "partitions is not supported; initialize parameters before strata.initialize")
+        if modifier_rank is not None and (not isinstance(modifier_rank, int) or modifier_rank < 0):
+            raise InvalidArgumentError(f"GatheredParameters(modifier_rank={modifier_rank!r}): a "
+                                       "rank (an int >= 0) or None")
+        self._modifier_rank = modifier_rank
 
     def __enter__(self):
         if not self._enabled:
@@ -43,6 +48,12 @@ class GatheredParameters:
                     self._engine = engine
                     units.update(found)
                     break
+        if self._modifier_rank is not None:
+            world = self._engine.world_size if self._engine is not None else _world_size()
+            if self._modifier_rank >= world:
+                raise InvalidArgumentError(
+                    f"GatheredParameters(modifier_rank={self._modifier_rank}): the world has "
+                    f"{world} rank(s)")
         if self._engine is None or self._engine.zero_optimization_stage() < 3:
             return self
         with torch.no_grad():
@@ -55,11 +66,30 @@ class GatheredParameters:
                 raise
         return self
 
-    def __exit__(self, *exc):
-        with torch.no_grad():
-            while self._open:
-                self._engine._cpp.end_unit(self._open.pop(), [])
+    def __exit__(self, exc_type, *exc):
+        try:
+            if self._enabled and self._modifier_rank is not None and exc_type is None:
+                self._write_back()
+        finally:
+            with torch.no_grad():
+                while self._open:
+                    self._engine._cpp.end_unit(self._open.pop(), [])
         return False
+
+    def _write_back(self):
+        params = [p for p in self._params if p.numel() > 0]
+        with torch.no_grad():
+            if _world_size() > 1:
+                for p in params:
+                    torch.distributed.broadcast(p.data, src=self._modifier_rank)
+            if self._engine is not None:
+                self._engine._cpp.write_params(
+                    [p for p in params if self._engine._units_of_param(p) is not None])
+
+
+def _world_size():
+    dist = torch.distributed
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
 class Init:

@@ -125,8 +125,8 @@ def test_gathered_parameters_reads_released_units(tmp_path):
         assert _storage_bytes(w) > 0
         assert torch.equal(w.detach(), masters[index].view_as(w))
     assert _storage_bytes(w) == 0
-    with pytest.raises(ValueError, match="modifier_rank"):
-        strata.zero.GatheredParameters([w], modifier_rank=0)
+    with pytest.raises(ValueError, match="modifier_rank"):  # writable gathers take a rank
+        strata.zero.GatheredParameters([w], modifier_rank="0")
     engine.close()
 
 

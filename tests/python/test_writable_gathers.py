@@ -1,0 +1,151 @@
+"""GatheredParameters(params, modifier_rank=r) writes what the block changed into the partitions:
+read back through master_parameters() the values are exactly the written ones, and training on
+equals plain PyTorch whose model was changed the same way between the same steps (its AdamW
+states untouched, as Strata's are). Stage 0, 1 with cpu offload, 3 releasing every unit, and 3
+with NVMe-resident states; two ranks with modifier ranks 0 and 1 in test_multirank.py's style.
+"""
+
+import copy
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import harness
+import strata
+from strata import InvalidArgumentError
+
+CASES = {c[0]: c for c in harness.GRID}
+HERE = os.path.dirname(os.path.abspath(__file__))
+BEFORE, AFTER = 2, 3
+
+
+def edit(model, rank=0):
+    """The change: a weight halved and an embedding row set (rank-dependent, so that two ranks
+    that wrote their own values would disagree)."""
+    with torch.no_grad():
+        model.blocks[0].fc.weight.mul_(0.5)
+        model.embed.tok.weight[3].fill_(0.25 + rank)
+
+
+def edited_params(model):
+    return [model.blocks[0].fc.weight, model.embed.tok.weight]
+
+
+def reference(accum, clip, modifier=0):
+    torch.manual_seed(0)
+    model = harness.MODELS["gpt2"]()
+    opt = torch.optim.AdamW(model.parameters(), lr=harness.LR, weight_decay=harness.WEIGHT_DECAY)
+    losses = []
+    for step in range(BEFORE + AFTER):
+        if step == BEFORE:
+            edit(model, modifier)
+        total = 0.0
+        for m in range(accum):
+            x, y = harness.batch("gpt2", step * accum + m)
+            loss = harness.loss_of("gpt2", model, x, y)
+            (loss / accum).backward()
+            total += loss.item() / accum
+        if clip > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+        opt.zero_grad()
+        losses.append(total)
+    return losses
+
+
+@pytest.mark.parametrize("name", ["stage0", "stage1_cpu", "stage3_cpu_release",
+                                  "stage3_nvme_clip_accum"])
+def test_a_written_gather_lands_in_the_partitions_and_trains_on(name, tmp_path):
+    case = CASES[name]
+    accum = case[4]
+    torch.manual_seed(0)
+    model = harness.MODELS["gpt2"]()
+    engine, _, _, _ = strata.initialize(model=model, model_parameters=model.parameters(),
+                                        config=harness.config_for(case, tmp_path / "nvme"))
+    losses = harness.run_steps(engine, "gpt2", 0, BEFORE, accum)
+    names = [n for n, _ in model.named_parameters()]
+    before = dict(zip(names, engine.master_parameters()))
+    with strata.zero.GatheredParameters(edited_params(model), modifier_rank=0):
+        edit(model)
+    after = dict(zip(names, engine.master_parameters()))
+    want_fc = before["blocks.0.fc.weight"] * 0.5
+    want_tok = before["embed.tok.weight"].clone()
+    want_tok[3] = 0.25
+    assert torch.equal(after["blocks.0.fc.weight"], want_fc)
+    assert torch.equal(after["embed.tok.weight"], want_tok)
+    for n in names:  # nothing else moved
+        if n not in ("blocks.0.fc.weight", "embed.tok.weight"):
+            assert torch.equal(after[n], before[n]), n
+    losses += harness.run_steps(engine, "gpt2", BEFORE, AFTER, accum)
+    harness.assert_close(losses, reference(accum, case[5]))
+    engine.close()
+
+
+def test_without_modifier_rank_changes_are_dropped(tmp_path):
+    torch.manual_seed(0)
+    model = harness.MODELS["gpt2"]()
+    engine, _, _, _ = strata.initialize(model=model, model_parameters=model.parameters(),
+                                        config=harness.config_for(CASES["stage3"], tmp_path))
+    before = [t.clone() for t in engine.master_parameters()]
+    with strata.zero.GatheredParameters(edited_params(model)):
+        edit(model)
+    assert all(torch.equal(a, b) for a, b in zip(engine.master_parameters(), before))
+    engine.close()
+
+
+def test_a_modifier_rank_outside_the_world_is_refused(tmp_path):
+    torch.manual_seed(0)
+    model = harness.MODELS["gpt2"]()
+    engine, _, _, _ = strata.initialize(model=model, model_parameters=model.parameters(),
+                                        config=harness.config_for(CASES["stage3"], tmp_path))
+    with pytest.raises(InvalidArgumentError, match="modifier_rank=1.*1 rank"):
+        with strata.zero.GatheredParameters(edited_params(model), modifier_rank=1):
+            pass
+    with pytest.raises(InvalidArgumentError, match="modifier_rank=-1"):
+        strata.zero.GatheredParameters(edited_params(model), modifier_rank=-1)
+    engine.close()
+
+
+@pytest.mark.skipif(not harness.have_gloo(),
+                    reason="this build has no c10d Gloo (its headers were missing at build time)")
+@pytest.mark.parametrize("modifier", [0, 1])
+def test_two_ranks_take_the_modifier_ranks_values(modifier, tmp_path):
+    launcher = os.path.join(os.environ.get("STRATA_BIN", ""), "strata-launch")
+    if not os.path.exists(launcher):
+        pytest.fail(f"strata-launch not found at {launcher}: run through ctest (it sets STRATA_BIN)")
+    out = str(tmp_path / "losses")
+    cmd = [launcher, "--nproc", "2", "--", sys.executable,
+           os.path.join(HERE, "writable_gather_worker.py"), str(modifier), out, str(tmp_path)]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
+    ranks = [json.load(open(f"{out}.rank{r}.json", encoding="utf-8")) for r in range(2)]
+    # Both ranks hold the modifier's row after the write, whoever they are.
+    for r in ranks:
+        assert r["row3"] == pytest.approx([0.25 + modifier] * 32)
+    # Each rank trained on its half of the global batch: the mean equals the whole-batch reference.
+    torch.manual_seed(0)
+    want = reference_two_ranks(modifier)
+    got = [(a + b) / 2 for a, b in zip(ranks[0]["losses"], ranks[1]["losses"])]
+    harness.assert_close(got, want)
+
+
+def reference_two_ranks(modifier):
+    """reference() on the two ranks' whole batch (micro-batch 2 per rank)."""
+    torch.manual_seed(0)
+    model = harness.MODELS["gpt2"]()
+    opt = torch.optim.AdamW(model.parameters(), lr=harness.LR, weight_decay=harness.WEIGHT_DECAY)
+    losses = []
+    for step in range(BEFORE + AFTER):
+        if step == BEFORE:
+            edit(model, modifier)
+        x, y = harness.batch("gpt2", step, 0, 1, 4)
+        loss = harness.loss_of("gpt2", model, x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses

@@ -1,11 +1,26 @@
 // Activation stash: checkpointed units' saved inputs in the tier manager (cpu_checkpointing).
-#include "runtime/engine_impl.h"
+#include "runtime/activation_stash.h"
+
+#include <chrono>
+
+#include "runtime/logging.h"
 
 namespace strata {
-
-using namespace engine_detail;
-
 namespace {
+
+using Clock = std::chrono::steady_clock;
+
+// Adds the scope's duration to *sum.
+class Timed {
+ public:
+  explicit Timed(double* sum) : sum_(sum), t0_(Clock::now()) {}
+  ~Timed() { *sum_ += std::chrono::duration<double>(Clock::now() - t0_).count(); }
+
+ private:
+  double* sum_;
+  Clock::time_point t0_;
+};
+
 
 // Activation slots use their own chunk numbers, far above any model chunk.
 constexpr int64_t kFirstActivationChunk = int64_t{1} << 30;
@@ -13,7 +28,7 @@ constexpr uint64_t kAlign = 64;
 
 }  // namespace
 
-StatusOr<int64_t> Engine::Impl::StashActivations(const std::vector<torch::Tensor>& tensors) {
+StatusOr<int64_t> ActivationStash::Stash(const std::vector<torch::Tensor>& tensors) {
   Stashed st;
   uint64_t bytes = 0;
   for (const auto& t : tensors) {
@@ -33,19 +48,19 @@ StatusOr<int64_t> Engine::Impl::StashActivations(const std::vector<torch::Tensor
   if (static_cast<size_t>(slot) >= slot_bytes_.size()) slot_bytes_.resize(slot + 1, 0);
   if (slot_bytes_[slot] < bytes) {
     if (slot_bytes_[slot] > 0) s = store_->Unregister(key);
-    if (s.ok()) s = store_->Register(key, bytes, nvme_ ? Placement::kNvme : Placement::kHost);
+    if (s.ok()) s = store_->Register(key, bytes, nvme_backed_ ? Placement::kNvme : Placement::kHost);
     slot_bytes_[slot] = s.ok() ? bytes : 0;
   }
   if (s.ok()) {
     auto dst = store_->Acquire(key, Access::kWrite);
     if (dst.ok()) {
-      LaneTimer t(&copy_s_);
+      Timed t(counters_.copy_s);
       torch::NoGradGuard ng;
       for (size_t i = 0; i < tensors.size(); ++i) {
         torch::Tensor view = torch::from_blob(static_cast<char*>(*dst) + st.offsets[i], st.sizes[i],
                                               torch::TensorOptions().dtype(st.dtypes[i]));
         view.copy_(tensors[i]);
-        if (!tensors[i].device().is_cpu()) bytes_d2h_ += tensors[i].nbytes();
+        if (!tensors[i].device().is_cpu()) *counters_.bytes_d2h += tensors[i].nbytes();
       }
       STRATA_RETURN_IF_ERROR(store_->Release(key, /*dirty=*/true));
       st.slot = slot;
@@ -56,8 +71,8 @@ StatusOr<int64_t> Engine::Impl::StashActivations(const std::vector<torch::Tensor
     s = dst.status();
   }
   // No room in the host tier (or none at all): keep plain host copies, and say so once.
-  if (!stash_fallback_logged_) {
-    stash_fallback_logged_ = true;
+  if (!fallback_logged_) {
+    fallback_logged_ = true;
     STRATA_LOG(INFO) << "cpu_checkpointing: saved inputs stay in plain host memory, not the tier "
                         "manager (" << s.ToString() << ")";
   }
@@ -67,7 +82,7 @@ StatusOr<int64_t> Engine::Impl::StashActivations(const std::vector<torch::Tensor
   return handle;
 }
 
-StatusOr<std::vector<torch::Tensor>> Engine::Impl::RestoreActivations(int64_t handle) {
+StatusOr<std::vector<torch::Tensor>> ActivationStash::Restore(int64_t handle) {
   auto it = stashed_.find(handle);
   if (it == stashed_.end())
     return NotFound(StrCat("activation stash handle ", handle, " is unknown or already restored"));
@@ -82,16 +97,18 @@ StatusOr<std::vector<torch::Tensor>> Engine::Impl::RestoreActivations(int64_t ha
   // Backward restores in reverse order: hint the slot before this one.
   if (st.slot > 0) store_->Prefetch({kFirstActivationChunk + st.slot - 1, StateKind::kActivation});
   BlockKey key{kFirstActivationChunk + st.slot, StateKind::kActivation};
-  auto t0 = Clock::now();
-  STRATA_ASSIGN_OR_RETURN(void* src, store_->Acquire(key, Access::kRead));
-  stall_s_ += Since(t0);
+  void* src;
   {
-    LaneTimer t(&copy_s_);
+    Timed t(counters_.stall_s);
+    STRATA_ASSIGN_OR_RETURN(src, store_->Acquire(key, Access::kRead));
+  }
+  {
+    Timed t(counters_.copy_s);
     for (size_t i = 0; i < st.sizes.size(); ++i) {
       torch::Tensor view = torch::from_blob(static_cast<char*>(src) + st.offsets[i], st.sizes[i],
                                             torch::TensorOptions().dtype(st.dtypes[i]));
       out.push_back(view.to(st.devices[i], /*non_blocking=*/false, /*copy=*/true));
-      if (!st.devices[i].is_cpu()) bytes_h2d_ += out.back().nbytes();
+      if (!st.devices[i].is_cpu()) *counters_.bytes_h2d += out.back().nbytes();
     }
   }
   STRATA_RETURN_IF_ERROR(store_->Release(key, false));

@@ -5,10 +5,14 @@
 //   gather_lane.cc       stage 3's shards read and copied into their chunks ahead of use
 //   gradient_reducer.cc  gradient hooks, per-chunk reduction, Backward
 //   engine_init.cc       Init and its named steps
-//   optimizer_lane.cc    the optimizer thread, Adam per chunk, Step
-//   publish_lane.cc      a host optimizer's new values taken to the device (pinned staging)
+//   optimizer_lane.cc    the optimizer thread, Adam per chunk (as runs of one parameter group,
+//                        param_groups.h), Step
+//   publish_lane.cc      a host optimizer's new values taken to the device (pinned staging;
+//                        PublishLane owns its state, publish_lane.h)
 //   engine_checkpoint.cc saving and loading checkpoints
-//   activation_stash.cc  checkpointed units' saved inputs in the tier manager (cpu_checkpointing)
+//   param_writes.cc      parameter values written back into the partitions (writable gathers)
+//   activation_stash.cc  checkpointed units' saved inputs in the tier manager (cpu_checkpointing;
+//                        ActivationStash owns its state, activation_stash.h)
 // Private to runtime/: nothing outside the engine includes it.
 #pragma once
 #include "runtime/engine.h"
@@ -40,6 +44,7 @@
 
 #include "optim/cpu_adam.h"
 #include "optim/loss_scaler.h"
+#include "runtime/activation_stash.h"
 #include "runtime/block_store.h"
 #include "runtime/checkpoint.h"
 #include "runtime/check.h"
@@ -153,9 +158,13 @@ class Engine::Impl {
   // Lane trace (lane_trace.h): spans are recorded while armed.
   void SetTracing(bool on) { lane_trace_.Arm(on); }
   nlohmann::json TraceJson() const { return lane_trace_.ToJson(); }
-  // Activation stash (activation_stash.cc).
-  StatusOr<int64_t> StashActivations(const std::vector<torch::Tensor>& tensors);
-  StatusOr<std::vector<torch::Tensor>> RestoreActivations(int64_t handle);
+  // Activation stash (activation_stash.h).
+  StatusOr<int64_t> StashActivations(const std::vector<torch::Tensor>& tensors) {
+    return stash_->Stash(tensors);
+  }
+  StatusOr<std::vector<torch::Tensor>> RestoreActivations(int64_t handle) {
+    return stash_->Restore(handle);
+  }
 
  private:
   struct ParamInfo {
@@ -505,22 +514,9 @@ class Engine::Impl {
   bool micro_open_ = false;     // a training forward has begun and its Backward not yet run
   bool in_backward_ = false;
 
-  // Activation stash: per handle, the tensors' layout in their slot's block (or, without a host
-  // tier, the host copies themselves); per slot, the bytes registered.
-  struct Stashed {
-    int64_t slot = -1;  // -1: kept in `host` instead
-    std::vector<std::vector<int64_t>> sizes;
-    std::vector<torch::ScalarType> dtypes;
-    std::vector<torch::Device> devices;
-    std::vector<uint64_t> offsets;
-    std::vector<torch::Tensor> host;
-  };
-  std::map<int64_t, Stashed> stashed_;
-  std::vector<uint64_t> slot_bytes_;
-  int64_t next_slot_ = 0;    // reset each micro-step: slot k is the k-th checkpoint of the step
-  int64_t next_handle_ = 1;
-  bool stash_fallback_logged_ = false;
-  uint64_t bytes_stashed_ = 0;
+  // Checkpointed units' saved inputs (activation_stash.h): made with the block store, used from
+  // the caller's thread.
+  std::unique_ptr<ActivationStash> stash_;
 
   LaneTrace lane_trace_;
   // Per-step lanes (main thread), reset when a reporting window begins: at the end of each Step

@@ -266,6 +266,9 @@ Status Engine::Impl::OpenBlockStore(const EngineOptions& options) {
     if (options.wrap_store) store_ = options.wrap_store(std::move(store_));
     host_budget_ = budget;
   }
+  stash_ = std::make_unique<ActivationStash>(
+      store_.get(), nvme_ != nullptr,
+      ActivationStash::Counters{&copy_s_, &stall_s_, &bytes_d2h_, &bytes_h2d_});
   return Status::Ok();
 }
 

@@ -366,7 +366,7 @@ void Engine::Impl::ResetLanes() {
   step_start_ = Clock::now();
   compute_s_ = copy_s_ = comm_s_ = stall_s_ = waits_in_compute_s_ = update_wait_s_ = 0;
   bytes_h2d_ = bytes_d2h_ = 0;
-  bytes_stashed_ = 0;
+  stash_->TakeBytesStashed();  // the window starts from zero
   store_at_step_start_ = store_->stats();
   {
     std::lock_guard<std::mutex> l(gather_mu_);
@@ -491,7 +491,7 @@ StatusOr<StepReport> Engine::Impl::Step() {
   rep.bytes_host_to_nvme = now.bytes_host_to_nvme - store_at_step_start_.bytes_host_to_nvme;
   rep.peak_device_bytes = device_->peak_allocated();
   rep.peak_host_bytes = now.peak_bytes_host;
-  rep.bytes_activations_stashed = bytes_stashed_;
+  rep.bytes_activations_stashed = stash_->TakeBytesStashed();
   rep.FillOverlap();
   step_open_ = false;
   ResetLanes();  // the next window starts now: deferred updates run in it

@@ -269,7 +269,7 @@ void Engine::Impl::OpenMicroStep() {
   forward_start_ = Clock::now();
   waits_at_forward_start_ = WaitsSoFar();
   trace_.clear();
-  next_slot_ = 0;
+  stash_->BeginMicroStep();
   for (auto& p : params_) {
     p.plain_use = false;
     p.checkpointed_uses = 0;

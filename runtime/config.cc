@@ -497,16 +497,37 @@ Status ParseOptimizer(Section s, OptimizerConfig* c) {
       c->type = OptimizerType::kAdamW;  // adam_w_mode below may turn it back into Adam
     } else if (lower == "adamw") {
       c->type = OptimizerType::kAdamW;
+    } else if (lower == "sgd") {
+      c->type = OptimizerType::kSGD;
     } else {
       return InvalidArgument(StrCat(
           s.Key("type"), "=\"", t->get<std::string>(),
-          "\": Strata implements Adam and AdamW only (DeepSpeed's Lamb, OneBitAdam, Adagrad and "
-          "Lion are not available); use \"AdamW\""));
+          "\": Strata implements Adam, AdamW and SGD (DeepSpeed's Lamb, OneBitAdam, Adagrad and "
+          "Lion are not available); use one of those"));
     }
   } else if (t) {
-    return InvalidArgument(StrCat(s.Key("type"), "=", Describe(*t), ": must be \"Adam\" or \"AdamW\""));
+    return InvalidArgument(StrCat(s.Key("type"), "=", Describe(*t),
+                                  ": must be \"Adam\", \"AdamW\" or \"SGD\""));
   }
   STRATA_ASSIGN_OR_RETURN(Section p, s.Child("params"));
+  if (c->type == OptimizerType::kSGD) {
+    // torch.optim.SGD's parameters and rules.
+    c->lr = 1e-2;
+    STRATA_RETURN_IF_ERROR(p.Double("lr", &c->lr, 0.0, 10.0));
+    STRATA_RETURN_IF_ERROR(p.Double("momentum", &c->momentum, 0.0, 1e3));
+    STRATA_RETURN_IF_ERROR(p.Double("dampening", &c->dampening, 0.0, 1e3));
+    STRATA_RETURN_IF_ERROR(p.Double("weight_decay", &c->weight_decay, 0.0, 1e3));
+    STRATA_RETURN_IF_ERROR(p.Bool("nesterov", &c->nesterov));
+    if (c->nesterov && (c->momentum <= 0 || c->dampening != 0))
+      return InvalidArgument(StrCat(p.Key("nesterov"), "=true needs momentum > 0 and dampening = 0 "
+                                    "(as torch.optim.SGD)"));
+    if (const json* m = p.Get("maximize"); m && m->is_boolean() && m->get<bool>())
+      return InvalidArgument(StrCat(p.Key("maximize"), "=true is not supported; remove it"));
+    p.Ignored("foreach", "Strata's SGD is always one fused pass per chunk");
+    p.Ignored("differentiable", "does not apply");
+    STRATA_RETURN_IF_ERROR(p.Finish());
+    return s.Finish();
+  }
   STRATA_RETURN_IF_ERROR(p.Double("lr", &c->lr, 0.0, 10.0));
   if (p.IsAuto("betas")) {
     // resolved to the defaults (0.9, 0.999) by Config::ResolveAuto
@@ -820,6 +841,15 @@ json Config::ToJson() const {
   j["gradient_clipping"] = gradient_clipping;
   j["steps_per_print"] = steps_per_print;
   j["wall_clock_breakdown"] = wall_clock_breakdown;
+  if (optimizer.type == OptimizerType::kSGD) {
+    j["optimizer"] = {{"type", "SGD"},
+                      {"params",
+                       {{"lr", optimizer.lr},
+                        {"momentum", optimizer.momentum},
+                        {"dampening", optimizer.dampening},
+                        {"weight_decay", optimizer.weight_decay},
+                        {"nesterov", optimizer.nesterov}}}};
+  } else {
   j["optimizer"] = {
       {"type", optimizer.type == OptimizerType::kAdam ? "Adam" : "AdamW"},
       {"params",
@@ -830,6 +860,7 @@ json Config::ToJson() const {
         {"bias_correction", optimizer.bias_correction}}}};
   // Note [Adam means AdamW]: "Adam" alone reads back as AdamW, so plain Adam says so.
   if (optimizer.type == OptimizerType::kAdam) j["optimizer"]["params"]["adam_w_mode"] = false;
+  }
   if (scheduler.type != SchedulerType::kNone) {
     const char* names[] = {"none", "WarmupLR", "WarmupDecayLR", "WarmupCosineLR"};
     j["scheduler"] = {{"type", names[static_cast<int>(scheduler.type)]},

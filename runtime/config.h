@@ -77,7 +77,7 @@ struct AioConfig {
   bool use_gds = false;             // GPUDirect Storage: accepted, not supported (warns)
 };
 
-enum class OptimizerType { kAdam, kAdamW };
+enum class OptimizerType { kAdam, kAdamW, kSGD };
 
 struct OptimizerConfig {
   OptimizerType type = OptimizerType::kAdamW;
@@ -87,6 +87,10 @@ struct OptimizerConfig {
   double eps = 1e-8;
   double weight_decay = 0.0;
   bool bias_correction = true;
+  // SGD (torch.optim.SGD's): the momentum buffer lives in the exp_avg state.
+  double momentum = 0.0;
+  double dampening = 0.0;
+  bool nesterov = false;
 };
 
 enum class SchedulerType { kNone, kWarmupLR, kWarmupDecayLR, kWarmupCosineLR };

@@ -5,8 +5,9 @@
 //   gather_lane.cc       stage 3's shards read and copied into their chunks ahead of use
 //   gradient_reducer.cc  gradient hooks, per-chunk reduction, Backward
 //   engine_init.cc       Init and its named steps
-//   optimizer_lane.cc    the optimizer thread, Adam per chunk (as runs of one parameter group,
-//                        param_groups.h), Step
+//   optimizer_lane.cc    the optimizer thread, its queue and order, Step
+//   chunk_update.cc      one chunk's update: Adam/AdamW or SGD, as runs of one parameter group
+//                        (param_groups.h)
 //   publish_lane.cc      a host optimizer's new values taken to the device (pinned staging;
 //                        PublishLane owns its state, publish_lane.h)
 //   engine_checkpoint.cc saving and loading checkpoints

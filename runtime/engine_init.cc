@@ -75,6 +75,15 @@ Status Engine::Impl::ChoosePrecisionAndPlacement(const EngineOptions& options) {
     return FailedPrecondition(StrCat("communicator ", comm_->backend(),
                                      " moves host memory but the device is ", device_->name(),
                                      "; use the nccl backend with CUDA"));
+  if (config_.optimizer.type == OptimizerType::kSGD) {
+    if (state_dtype_ != optim::DType::kFloat32)
+      return InvalidArgument("optimizer.type=SGD keeps its momentum in fp32: remove "
+                             "strata.optimizer_state_dtype=bf16");
+    if (device_optimizer() && device_->kind() == DeviceKind::kCuda)
+      return InvalidArgument(StrCat("optimizer.type=SGD runs on the CPU optimizer lane; on ",
+                                    device_->name(), " offload the optimizer "
+                                    "(offload_optimizer.device: cpu or nvme)"));
+  }
   if (config_.fp16.enabled && device_->kind() == DeviceKind::kCpu)
     return InvalidArgument(
         "fp16.enabled=true on the cpu device: LibTorch has no fp16 CPU kernels for LayerNorm and "
@@ -127,7 +136,7 @@ Status Engine::Impl::GroupParameters(const EngineOptions& options) {
   group_of_param_.assign(params_.size(), 0);
   groups_.clear();
   if (options.param_groups.empty()) {
-    groups_.push_back({oc.lr, oc.beta1, oc.beta2, oc.eps, oc.weight_decay});
+    groups_.push_back({oc.lr, oc.beta1, oc.beta2, oc.eps, oc.weight_decay, oc.momentum, oc.dampening});
   } else {
     std::unordered_map<const c10::TensorImpl*, int64_t> id_of;
     for (size_t p = 0; p < params_.size(); ++p) id_of[params_[p].tensor.unsafeGetTensorImpl()] = p;

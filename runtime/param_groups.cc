@@ -15,6 +15,10 @@ Status ValidateGroup(const GroupHyperparameters& g, int index) {
   if (!std::isfinite(g.eps) || g.eps < 0) return bad("eps", g.eps, "must be finite and >= 0");
   if (!std::isfinite(g.weight_decay) || g.weight_decay < 0)
     return bad("weight_decay", g.weight_decay, "must be finite and >= 0");
+  if (!std::isfinite(g.momentum) || g.momentum < 0)
+    return bad("momentum", g.momentum, "must be finite and >= 0");
+  if (!std::isfinite(g.dampening) || g.dampening < 0)
+    return bad("dampening", g.dampening, "must be finite and >= 0");
   if (!(g.beta1 >= 0 && g.beta1 < 1)) return bad("betas[0]", g.beta1, "must be in [0, 1)");
   if (!(g.beta2 >= 0 && g.beta2 < 1)) return bad("betas[1]", g.beta2, "must be in [0, 1)");
   return Status::Ok();

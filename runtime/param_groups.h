@@ -24,6 +24,8 @@ struct GroupHyperparameters {
   double beta2 = 0.999;
   double eps = 1e-8;
   double weight_decay = 0.0;
+  double momentum = 0.0;   // SGD only
+  double dampening = 0.0;  // SGD only
 };
 
 // Refuses values torch.optim.Adam refuses (lr, eps, weight_decay < 0; betas outside [0, 1)) and

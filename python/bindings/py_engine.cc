@@ -70,8 +70,10 @@ PyEngine::PyEngine(py::handle model, const std::vector<py::handle>& units,
     eo.units.push_back(it->second);
   }
   for (const auto& [params, h] : groups) {
-    if (h.size() != 5) ThrowIfError(InvalidArgument("a parameter group needs (lr, beta1, beta2, eps, weight_decay)"));
-    eo.param_groups.push_back({GroupHyperparameters{h[0], h[1], h[2], h[3], h[4]}, params});
+    if (h.size() != 7)
+      ThrowIfError(InvalidArgument("a parameter group needs (lr, beta1, beta2, eps, weight_decay, "
+                                   "momentum, dampening)"));
+    eo.param_groups.push_back({GroupHyperparameters{h[0], h[1], h[2], h[3], h[4], h[5], h[6]}, params});
   }
   py::gil_scoped_release nogil;  // partitioning writes the shards to their tiers (and rank 0's broadcast)
   engine_ = ValueOrThrow(Engine::Create(mirror_.root, config_, comm_, device_.get(), eo));

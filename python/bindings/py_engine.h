@@ -58,7 +58,8 @@ class PyEngine {
   // `units`: the Python modules to manage as units, in forward order (the front end picks them
   // with the same rule as the C++ default). `config_json`: the DeepSpeed-style config as JSON
   // text; `source` names it in messages. `groups`: the optimizer's parameter groups, each its
-  // parameters and (lr, beta1, beta2, eps, weight_decay); empty: one group from the config.
+  // parameters and (lr, beta1, beta2, eps, weight_decay, momentum, dampening); empty: one group
+  // from the config.
   using Groups = std::vector<std::pair<std::vector<torch::Tensor>, std::vector<double>>>;
   PyEngine(pybind11::handle model, const std::vector<pybind11::handle>& units,
            const std::string& config_json, const std::string& source, const AutoHints& hints,

@@ -74,10 +74,11 @@ PYBIND11_MODULE(_strata, m) {
            [](PyEngine& e, const std::vector<std::vector<double>>& groups) {
              std::vector<strata::GroupHyperparameters> g;
              for (const auto& h : groups) {
-               if (h.size() != 5)
+               if (h.size() != 7)
                  strata::python::ThrowIfError(strata::InvalidArgument(
-                     "set_groups: each group is (lr, beta1, beta2, eps, weight_decay)"));
-               g.push_back({h[0], h[1], h[2], h[3], h[4]});
+                     "set_groups: each group is (lr, beta1, beta2, eps, weight_decay, momentum, "
+                     "dampening)"));
+               g.push_back({h[0], h[1], h[2], h[3], h[4], h[5], h[6]});
              }
              strata::python::ThrowIfError(e.engine().SetGroupHyperparameters(g));
            },

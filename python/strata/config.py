@@ -105,12 +105,30 @@ def group_hyperparameters(group, defaults):
     betas = group.get("betas", defaults.get("betas", (0.9, 0.999)))
     return [float(group.get("lr", defaults.get("lr", 1e-3))), float(betas[0]), float(betas[1]),
             float(group.get("eps", defaults.get("eps", 1e-8))),
-            float(group.get("weight_decay", defaults.get("weight_decay", 0.0)))]
+            float(group.get("weight_decay", defaults.get("weight_decay", 0.0))),
+            float(group.get("momentum", defaults.get("momentum", 0.0))),
+            float(group.get("dampening", defaults.get("dampening", 0.0)))]
+
+
+def _sgd_section(optimizer):
+    g = optimizer.param_groups[0]
+    if any(grp.get("maximize") for grp in optimizer.param_groups):
+        raise InvalidArgumentError("optimizer SGD uses maximize, which Strata's SGD does not "
+                                   "implement; turn it off")
+    if len({bool(grp.get("nesterov")) for grp in optimizer.param_groups}) > 1:
+        raise InvalidArgumentError("optimizer SGD: nesterov differs between groups; Strata takes "
+                                   "one nesterov setting for every group")
+    return {"type": "SGD", "params": {"lr": float(g["lr"]), "momentum": float(g["momentum"]),
+                                      "dampening": float(g["dampening"]),
+                                      "weight_decay": float(g["weight_decay"]),
+                                      "nesterov": bool(g["nesterov"])}}
 
 
 def optimizer_section(optimizer):
-    """The config "optimizer" section equal to a torch.optim.Adam / AdamW the script built, or
-    an error naming what cannot be carried over."""
+    """The config "optimizer" section equal to a torch.optim.Adam / AdamW / SGD the script built,
+    or an error naming what cannot be carried over."""
+    if isinstance(optimizer, torch.optim.SGD):
+        return _sgd_section(optimizer)
     if isinstance(optimizer, torch.optim.AdamW):
         # DeepSpeedCPUAdam / FusedAdam (strata.ops) are AdamW with an adam_w_mode switch.
         kind = "AdamW" if getattr(optimizer, "adam_w_mode", True) else "Adam"
@@ -118,8 +136,8 @@ def optimizer_section(optimizer):
         kind = "Adam"
     else:
         raise InvalidArgumentError(
-            f"optimizer={type(optimizer).__name__}: Strata runs its own Adam/AdamW on the "
-            "partitioned states; pass torch.optim.Adam or AdamW (or deepspeed.ops.adam's "
+            f"optimizer={type(optimizer).__name__}: Strata runs its own Adam, AdamW and SGD on "
+            "the partitioned states; pass torch.optim.Adam, AdamW or SGD (or deepspeed.ops.adam's "
             "DeepSpeedCPUAdam / FusedAdam), or leave optimizer=None and set the config's "
             "\"optimizer\" section")
     groups = optimizer.param_groups

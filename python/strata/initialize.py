@@ -98,7 +98,7 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     """Returns (engine, optimizer, training_dataloader, lr_scheduler) as DeepSpeed does.
 
     config: a dict or the path of a DeepSpeed JSON file (or args.deepspeed_config).
-    optimizer: None (the config's "optimizer" section) or a torch.optim.Adam/AdamW (or
+    optimizer: None (the config's "optimizer" section) or a torch.optim.Adam/AdamW/SGD (or
     DeepSpeedCPUAdam/FusedAdam) whose hyperparameters become that section.
     training_data: a torch Dataset; the returned DataLoader yields this rank's micro-batches.
 
@@ -124,7 +124,7 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     cfg, source = _config.load(config)
     user_cfg = json.loads(json.dumps(cfg))
     if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
-        raise InvalidArgumentError("initialize: optimizer must be a torch.optim.Adam/AdamW "
+        raise InvalidArgumentError("initialize: optimizer must be a torch.optim.Adam/AdamW/SGD "
                                    "(a callable returning one is not supported)")
     hints = _strata.AutoHints()
     if optimizer is not None:

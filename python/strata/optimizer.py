@@ -26,14 +26,21 @@ def engine_hyperparameters(config):
 
 
 class StrataOptimizer(torch.optim.Optimizer):
-    """The engine's Adam/AdamW seen as a torch optimizer: param_groups to read and write, step,
+    """The engine's Adam/AdamW/SGD seen as a torch optimizer: param_groups to read and write, step,
     zero_grad, state_dict. Its per-parameter `state` stays empty: the moments are partitioned
     across ranks and tiers and go into engine.save_checkpoint, not into state_dict()."""
 
     def __init__(self, engine, params, client=None):
         lr, betas, eps, weight_decay = engine_hyperparameters(engine.config)
-        super().__init__(list(params), {"lr": lr, "betas": betas, "eps": eps,
-                                        "weight_decay": weight_decay})
+        section = engine.config.get("optimizer", {})
+        if section.get("type") == "SGD":
+            p = section.get("params", {})
+            defaults = {"lr": lr, "momentum": float(p.get("momentum", 0.0)),
+                        "dampening": float(p.get("dampening", 0.0)), "weight_decay": weight_decay,
+                        "nesterov": bool(p.get("nesterov", False))}
+        else:
+            defaults = {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay}
+        super().__init__(list(params), defaults)
         if client is not None:
             self.param_groups = client.param_groups
             self.defaults = client.defaults

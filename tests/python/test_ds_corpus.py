@@ -64,7 +64,8 @@ SCRIPTS = [
      "train.py --deepspeed_config configs/baseline.json --hidden_dim 64 --num_layers 2 "
      "--num_heads 4 --vocab_size 1000 --seq_length 32 --num_steps 3 --warmup_steps 1 "
      "--log_interval 1"),
-    ("alcf-resnet50", 1, 8, "fails", r'optimizer\.type="SGD": Strata implements Adam and AdamW',
+    # Its SGD config loads since Strata has SGD; it then moves every batch to `local_rank` (CUDA).
+    ("alcf-resnet50", 1, 8, "gpu", ".to(model_engine.local_rank)",
      "resnet_ds.py data --deepspeed --deepspeed_config resnet_ds_config.json --steps 1 "
      "--log-interval 1"),
     ("dse-offload-states", 1, 0, "fails", r"No module named 'deepspeed\.runtime\.zero\.offload_config'",

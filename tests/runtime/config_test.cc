@@ -460,8 +460,32 @@ TEST(ConfigDeepSpeed, OptimizerTypesFollowDeepSpeed) {
   EXPECT_EQ(type_of(R"({"optimizer": {"type": "adam", "params": {"adam_w_mode": false}}})"), OptimizerType::kAdam);
   EXPECT_EQ(type_of(R"({"optimizer": {"type": "AdamW", "params": {"adam_w_mode": false}}})"), OptimizerType::kAdamW);
   EXPECT_EQ(type_of(R"({"optimizer": {"type": "DeepSpeed_Adam"}})"), OptimizerType::kAdamW);
-  ExpectError(R"({"optimizer": {"type": "Lamb"}})", {"optimizer.type=\"Lamb\"", "Adam and AdamW only"});
+  ExpectError(R"({"optimizer": {"type": "Lamb"}})", {"optimizer.type=\"Lamb\"", "Adam, AdamW and SGD"});
   ExpectError(R"({"scheduler": {"type": "OneCycle"}})", {"scheduler.type=\"OneCycle\"", "not implemented"});
+}
+
+TEST(ConfigDeepSpeed, SgdTakesTorchsParametersAndRules) {
+  ASSERT_OK_AND_ASSIGN(Config c, Config::FromJsonText(R"({"optimizer": {"type": "SGD",
+      "params": {"lr": 0.05, "momentum": 0.9, "weight_decay": 1e-4, "nesterov": true}}})"));
+  EXPECT_EQ(c.optimizer.type, OptimizerType::kSGD);
+  EXPECT_EQ(c.optimizer.lr, 0.05);
+  EXPECT_EQ(c.optimizer.momentum, 0.9);
+  EXPECT_EQ(c.optimizer.dampening, 0.0);
+  EXPECT_TRUE(c.optimizer.nesterov);
+  // torch.optim.SGD's default lr when the config leaves it out.
+  ASSERT_OK_AND_ASSIGN(Config d, Config::FromJsonText(R"({"optimizer": {"type": "sgd"}})"));
+  EXPECT_EQ(d.optimizer.lr, 1e-2);
+  // The effective config reads back as the same SGD.
+  ASSERT_OK_AND_ASSIGN(Config back, Config::FromJsonText(c.ToJson().dump()));
+  EXPECT_EQ(back.optimizer.type, OptimizerType::kSGD);
+  EXPECT_EQ(back.optimizer.momentum, 0.9);
+  EXPECT_TRUE(back.optimizer.nesterov);
+  ExpectError(R"({"optimizer": {"type": "SGD", "params": {"nesterov": true}}})",
+              {"optimizer.params.nesterov", "momentum > 0"});
+  ExpectError(R"({"optimizer": {"type": "SGD", "params": {"momentum": -1}}})",
+              {"optimizer.params.momentum"});
+  ExpectError(R"({"optimizer": {"type": "SGD", "params": {"betas": [0.9, 0.99]}}})",
+              {"optimizer.params.betas"});
 }
 
 TEST(ConfigDeepSpeed, SpellingsWithoutTheStage3Prefix) {

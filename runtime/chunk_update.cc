@@ -1,0 +1,191 @@
+// One chunk's update (the optimizer lane's unit of work): Adam/AdamW or SGD over this rank's
+// shard of the chunk, as runs of one parameter group (param_groups.h), with the new working
+// values written to their home or to a publish slot (publish_lane.h).
+#include "kernels/kernels.h"
+#include "optim/cpu_sgd.h"
+#include "runtime/engine_impl.h"
+
+namespace strata {
+
+using namespace engine_detail;
+
+namespace {
+// SGD over an Adam segment's buffers: exp_avg is its momentum buffer (fp32; Init refuses bf16
+// states for SGD), exp_avg_sq unused.
+Status RunSgd(const optim::SgdParams& sp, const optim::AdamBuffers& b, float grad_scale,
+              tbb::task_arena* arena) {
+  optim::SgdBuffers sb;
+  sb.master = b.master;
+  sb.grad = static_cast<const float*>(b.grad);
+  sb.momentum = static_cast<float*>(b.exp_avg);
+  sb.param16 = b.param16;
+  sb.param16_dtype = b.param16_dtype;
+  sb.n = b.n;
+  optim::SgdOptions so;
+  so.arena = arena;
+  return optim::SgdStep(sp, sb, grad_scale, so).status();
+}
+}  // namespace
+
+Status Engine::Impl::AdamChunk(int64_t c, float grad_scale, int64_t step,
+                               std::optional<PublishLane::Copy>* publish) {
+  publish->reset();
+  const ChunkInfo& ci = partitioner_->chunks()[c];
+  const int64_t n = ci.shard_numel;
+  const auto& oc = config_.optimizer;
+  BlockKey km = MasterKey(c), ka{c, StateKind::kExpAvg}, kv{c, StateKind::kExpAvgSq},
+      kg{c, StateKind::kGrad};
+  // A failed acquire (an I/O error reading a state back) releases what was already pinned: the
+  // error must leave the tier manager consistent for the caller to report it and shut down.
+  void* ptrs[4] = {};
+  const std::pair<BlockKey, Access> wants[4] = {
+      {km, Access::kReadWrite}, {ka, Access::kReadWrite}, {kv, Access::kReadWrite}, {kg, Access::kRead}};
+  for (int i = 0; i < 4; ++i) {
+    auto got = store_->Acquire(wants[i].first, wants[i].second);
+    if (!got.ok()) {
+      for (int j = 0; j < i; ++j) store_->Release(wants[j].first, false).IgnoreError();
+      return got.status().WithContext(StrCat("optimizer step of chunk ", c));
+    }
+    // A device-placed state is reached at its compute address (Note [device blocks]): only the
+    // device's own compute touches it (device_optimizer() below).
+    ptrs[i] = device_->ComputeAddress(*got);
+  }
+  void* master = ptrs[0];
+  void* m = ptrs[1];
+  void* v = ptrs[2];
+  void* g = ptrs[3];
+  // The new working copy goes straight into its home when the optimizer can address it: host
+  // memory, or device memory when the optimizer is the device's own compute. A host optimizer
+  // never writes device memory, on the CPU device either (Note [strict device memory]): its
+  // values go to a staging slot and a copy takes them over (Note [pipelined publish]), the path a
+  // GPU takes.
+  const int stage = config_.zero_optimization.stage;
+  void* out = nullptr;
+  BlockKey kp{c, StateKind::kParam16};
+  int slot = -1;  // the staging slot taken
+  bool param_block_held = false;
+  if (master_is_param()) {
+    out = master;  // Note [shared master]: the update writes the working shard in place
+  } else if (stage == 3) {
+    if (param_placement_ != Placement::kDevice || device_optimizer()) {
+      auto got = store_->Acquire(kp, Access::kWrite);
+      if (!got.ok()) {
+        for (const auto& w : wants) store_->Release(w.first, false).IgnoreError();
+        return got.status().WithContext(StrCat("optimizer step of chunk ", c));
+      }
+      out = device_->ComputeAddress(*got);
+      param_block_held = true;
+    }
+  } else if (device_optimizer()) {
+    out = WorkingShard(c);
+  }
+  if (!out) {
+    STRATA_DCHECK(staged_publish(), "chunk ", c, ": new values need the staging slots");
+    slot = publish_->AcquireSlot(opt_step_, &opt_slot_wait_s_);
+    out = publish_->SlotData(slot);
+  }
+
+  // One Adam call per run of one parameter group (param_groups.h); one group: one call.
+  struct Segment {
+    optim::AdamParams ap;
+    optim::AdamBuffers bufs;
+    optim::SgdParams sp;  // optimizer.type SGD: its update, with exp_avg as the momentum buffer
+  };
+  const bool sgd = oc.type == OptimizerType::kSGD;
+  std::vector<Segment> segments;
+  const size_t state_size = optim::DTypeSize(state_dtype_);
+  const size_t work_size = optim::DTypeSize(compute_dtype_);
+  for (const ShardSegment& seg : chunk_segments_[c]) {
+    const GroupHyperparameters& gh = opt_groups_[seg.group];
+    Segment sg;
+    sg.ap.lr = gh.lr;
+    sg.ap.beta1 = gh.beta1;
+    sg.ap.beta2 = gh.beta2;
+    sg.ap.eps = gh.eps;
+    sg.ap.weight_decay = gh.weight_decay;
+    sg.ap.adamw = oc.type == OptimizerType::kAdamW;
+    sg.ap.bias_correction = oc.bias_correction;
+    sg.ap.step = step;
+    sg.sp.lr = gh.lr;
+    sg.sp.momentum = gh.momentum;
+    sg.sp.dampening = gh.dampening;
+    sg.sp.weight_decay = gh.weight_decay;
+    sg.sp.nesterov = oc.nesterov;
+    sg.sp.first = step == 1;
+    sg.bufs.master = static_cast<float*>(master) + seg.begin;
+    sg.bufs.grad = static_cast<char*>(g) + seg.begin * 4;
+    sg.bufs.grad_dtype = optim::DType::kFloat32;
+    sg.bufs.exp_avg = static_cast<char*>(m) + seg.begin * state_size;
+    sg.bufs.exp_avg_sq = static_cast<char*>(v) + seg.begin * state_size;
+    sg.bufs.state_dtype = state_dtype_;
+    sg.bufs.n = static_cast<size_t>(seg.size);
+    if (compute_dtype_ != optim::DType::kFloat32) {
+      sg.bufs.param16 = static_cast<char*>(out) + seg.begin * work_size;
+      sg.bufs.param16_dtype = compute_dtype_;
+    }
+    segments.push_back(sg);
+  }
+  Status s;
+  if (device_optimizer()) {
+    // Device compute on the lane's stream (Stream::LaunchKernel): the GPU Adam (the same IEEE
+    // operations as the CPU Adam), or on the CPU device the CPU Adam run by the stream's worker
+    // in the optimizer's arena. Either way this thread goes on at once and the one wait below
+    // covers the update and the copy into the working shard queued behind it; the blocks stay
+    // pinned until then. The gradient's hand-off already waited for the compute that wrote it.
+    const bool cuda = device_->kind() == DeviceKind::kCuda;
+    tbb::task_arena* arena = arena_.get();
+    s = publish_stream_->LaunchKernel([cuda, arena, segments, grad_scale, sgd](void* native) {
+      Status r;
+      for (const Segment& sg : segments) {
+        if (sgd) {  // the CPU device only (Init refuses a device SGD on CUDA)
+          arena->execute([&] { r = RunSgd(sg.sp, sg.bufs, grad_scale, nullptr); });
+        } else if (cuda) {
+          r = kernels::AdamStep(kernels::Backend::kCuda, sg.ap, sg.bufs, grad_scale, nullptr, native);
+        } else {
+          arena->execute([&] { r = kernels::AdamStep(kernels::Backend::kCpu, sg.ap, sg.bufs, grad_scale); });
+        }
+        if (!r.ok()) break;
+      }
+      return r;
+    });
+    if (s.ok() && compute_dtype_ == optim::DType::kFloat32 && out != master)
+      s = publish_stream_->MemcpyAsync(out, master, n * 4, CopyKind::kDeviceToDevice);
+    Status w = publish_stream_->Synchronize();
+    if (s.ok()) s = w;
+  } else {
+    optim::AdamOptions ao;
+    ao.arena = arena_.get();
+    ao.grad_check = optim::GradCheck::kCallerChecked;
+    for (const Segment& sg : segments) {
+      s = sgd ? RunSgd(sg.sp, sg.bufs, grad_scale, arena_.get())
+              : optim::AdamStep(sg.ap, sg.bufs, grad_scale, ao).status();
+      if (!s.ok()) break;
+    }
+    if (s.ok() && compute_dtype_ == optim::DType::kFloat32 && out != master)
+      std::memcpy(out, master, n * 4);
+  }
+  const bool updated = s.ok();
+  for (const BlockKey& k : {km, ka, kv}) {
+    Status rs = store_->Release(k, updated);
+    if (s.ok()) s = rs;
+  }
+  Status gs = store_->Release(kg, false);
+  if (s.ok()) s = gs;
+  if (param_block_held) {
+    Status ps = store_->Release(kp, updated);
+    if (s.ok()) s = ps;
+  }
+  if (!s.ok()) {
+    if (slot >= 0) publish_->FreeSlot(slot);
+    return s.WithContext(StrCat("optimizer step of chunk ", c));
+  }
+  if (slot >= 0) {
+    PublishLane::Copy p;
+    STRATA_RETURN_IF_ERROR(
+        StartPublish(c, slot, &p).WithContext(StrCat("publishing chunk ", c, "'s new values")));
+    *publish = p;
+  }
+  return Status::Ok();
+}
+
+}  // namespace strata

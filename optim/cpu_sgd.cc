@@ -106,7 +106,7 @@ void SgdReference(const SgdParams& params, const SgdBuffers& bufs, float grad_sc
   const float wd = static_cast<float>(params.weight_decay);
   for (size_t i = 0; i < bufs.n; ++i) {
     float g = bufs.grad[i] * grad_scale;
-    if (params.weight_decay != 0) g = g + wd * bufs.master[i];
+    if (params.weight_decay != 0) g = g + wd * bufs.master[i];  // torch adds no decay term at 0
     if (params.momentum != 0) {
       const float b = params.first ? g : mom * bufs.momentum[i] + omd * g;
       bufs.momentum[i] = b;

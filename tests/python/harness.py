@@ -140,13 +140,15 @@ def config_for(case, nvme_dir, micro=2, **extra):
     return cfg
 
 
-def train_reference(model_name, steps, accum=1, clip=0.0, world=1, micro=2):
-    """Plain PyTorch: the loss of each global batch (mean over its micro-batches and ranks)."""
-    torch.manual_seed(0)
-    model = MODELS[model_name]()
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
+def reference_loop(model_name, model, opt, steps, accum=1, clip=0.0, world=1, micro=2,
+                   sched=None, before_step=None):
+    """Plain PyTorch's loop, the one every Python test compares with: per global step,
+    before_step(step), `accum` micro-batches of the whole batch (every rank's), clipping,
+    opt.step(), zero_grad(), then sched.step(). Returns the loss of each global batch."""
     losses = []
     for step in range(steps):
+        if before_step is not None:
+            before_step(step)
         total = 0.0
         for m in range(accum):
             x, y = batch(model_name, step * accum + m, 0, 1, micro * world)
@@ -157,8 +159,19 @@ def train_reference(model_name, steps, accum=1, clip=0.0, world=1, micro=2):
             torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         opt.step()
         opt.zero_grad()
+        if sched is not None:
+            sched.step()
         losses.append(total)
-    return losses, model
+    return losses
+
+
+def train_reference(model_name, steps, accum=1, clip=0.0, world=1, micro=2):
+    """Plain PyTorch with AdamW: the loss of each global batch (mean over its micro-batches and
+    ranks), and the trained model."""
+    torch.manual_seed(0)
+    model = MODELS[model_name]()
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
+    return reference_loop(model_name, model, opt, steps, accum, clip, world, micro), model
 
 
 def run_steps(engine, model_name, first, count, accum=1, rank=0, world=1, micro=2):

@@ -34,26 +34,14 @@ def reference(accum, clip, set_lr_by_hand=False, make_sched=lambda_schedule):
     torch.manual_seed(0)
     model = harness.MODELS["gpt2"]()
     opt = torch.optim.AdamW(model.parameters(), lr=harness.LR, weight_decay=harness.WEIGHT_DECAY)
-    sched = None if set_lr_by_hand else make_sched(opt)
-    losses = []
-    for step in range(STEPS):
-        if set_lr_by_hand:
-            for g in opt.param_groups:
-                g["lr"] = harness.LR * warmup_then_decay(step)
-        total = 0.0
-        for m in range(accum):
-            x, y = harness.batch("gpt2", step * accum + m)
-            loss = harness.loss_of("gpt2", model, x, y)
-            (loss / accum).backward()
-            total += loss.item() / accum
-        if clip > 0:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-        opt.step()
-        opt.zero_grad()
-        if sched is not None:
-            sched.step()
-        losses.append(total)
-    return losses
+
+    def set_lr(step):
+        for g in opt.param_groups:
+            g["lr"] = harness.LR * warmup_then_decay(step)
+
+    return harness.reference_loop("gpt2", model, opt, STEPS, accum, clip,
+                                  sched=None if set_lr_by_hand else make_sched(opt),
+                                  before_step=set_lr if set_lr_by_hand else None)
 
 
 def strata_engine(case, tmp_path, **kwargs):

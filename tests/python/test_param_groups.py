@@ -38,36 +38,11 @@ def reference(accum, clip, with_schedule=False):
     opt = torch.optim.AdamW(torch_groups(model), lr=harness.LR)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, [lambda s: 1 / (s + 1), lambda s: 0.5 ** s]) \
         if with_schedule else None
-    losses = []
-    for step in range(STEPS):
-        total = 0.0
-        for m in range(accum):
-            x, y = harness.batch("gpt2", step * accum + m)
-            loss = harness.loss_of("gpt2", model, x, y)
-            (loss / accum).backward()
-            total += loss.item() / accum
-        if clip > 0:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-        opt.step()
-        opt.zero_grad()
-        if sched is not None:
-            sched.step()
-        losses.append(total)
-    return losses
+    return harness.reference_loop("gpt2", model, opt, STEPS, accum, clip, sched=sched)
 
 
 def train(engine, accum):
-    losses = []
-    for step in range(STEPS):
-        total = 0.0
-        for m in range(accum):
-            x, y = harness.batch("gpt2", step * accum + m)
-            loss = harness.loss_of("gpt2", engine, x, y)
-            engine.backward(loss)
-            engine.step()
-            total += loss.item() / accum
-        losses.append(total)
-    return losses
+    return harness.run_steps(engine, "gpt2", 0, STEPS, accum)
 
 
 @pytest.mark.parametrize("case", harness.GRID, ids=[c[0] for c in harness.GRID])

@@ -34,23 +34,8 @@ def reference(settings, accum, clip, two_groups=False, schedule=None):
     torch.manual_seed(0)
     model = harness.MODELS["gpt2"]()
     opt = torch.optim.SGD(groups_of(model, two_groups), **settings)
-    sched = schedule(opt) if schedule else None
-    losses = []
-    for step in range(STEPS):
-        total = 0.0
-        for m in range(accum):
-            x, y = harness.batch("gpt2", step * accum + m)
-            loss = harness.loss_of("gpt2", model, x, y)
-            (loss / accum).backward()
-            total += loss.item() / accum
-        if clip > 0:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-        opt.step()
-        opt.zero_grad()
-        if sched:
-            sched.step()
-        losses.append(total)
-    return losses
+    return harness.reference_loop("gpt2", model, opt, STEPS, accum, clip,
+                                  sched=schedule(opt) if schedule else None)
 
 
 def train(case, tmp_path, settings, client, two_groups=False, schedule=None):

@@ -35,26 +35,22 @@ def edited_params(model):
     return [model.blocks[0].fc.weight, model.embed.tok.weight]
 
 
-def reference(accum, clip, modifier=0):
+def reference(accum, clip, modifier=0, world=1):
+    """Plain PyTorch whose model is edited (as rank `modifier` edits it) before step BEFORE."""
     torch.manual_seed(0)
     model = harness.MODELS["gpt2"]()
     opt = torch.optim.AdamW(model.parameters(), lr=harness.LR, weight_decay=harness.WEIGHT_DECAY)
-    losses = []
-    for step in range(BEFORE + AFTER):
-        if step == BEFORE:
-            edit(model, modifier)
-        total = 0.0
-        for m in range(accum):
-            x, y = harness.batch("gpt2", step * accum + m)
-            loss = harness.loss_of("gpt2", model, x, y)
-            (loss / accum).backward()
-            total += loss.item() / accum
-        if clip > 0:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-        opt.step()
-        opt.zero_grad()
-        losses.append(total)
-    return losses
+    return harness.reference_loop(
+        "gpt2", model, opt, BEFORE + AFTER, accum, clip, world=world,
+        before_step=lambda step: edit(model, modifier) if step == BEFORE else None)
+
+
+def gpt2_engine(case, nvme_dir):
+    torch.manual_seed(0)
+    model = harness.MODELS["gpt2"]()
+    engine, _, _, _ = strata.initialize(model=model, model_parameters=model.parameters(),
+                                        config=harness.config_for(case, nvme_dir))
+    return engine, model
 
 
 @pytest.mark.parametrize("name", ["stage0", "stage1_cpu", "stage3_cpu_release",
@@ -62,10 +58,7 @@ def reference(accum, clip, modifier=0):
 def test_a_written_gather_lands_in_the_partitions_and_trains_on(name, tmp_path):
     case = CASES[name]
     accum = case[4]
-    torch.manual_seed(0)
-    model = harness.MODELS["gpt2"]()
-    engine, _, _, _ = strata.initialize(model=model, model_parameters=model.parameters(),
-                                        config=harness.config_for(case, tmp_path / "nvme"))
+    engine, model = gpt2_engine(case, tmp_path / "nvme")
     losses = harness.run_steps(engine, "gpt2", 0, BEFORE, accum)
     names = [n for n, _ in model.named_parameters()]
     before = dict(zip(names, engine.master_parameters()))
@@ -86,10 +79,7 @@ def test_a_written_gather_lands_in_the_partitions_and_trains_on(name, tmp_path):
 
 
 def test_without_modifier_rank_changes_are_dropped(tmp_path):
-    torch.manual_seed(0)
-    model = harness.MODELS["gpt2"]()
-    engine, _, _, _ = strata.initialize(model=model, model_parameters=model.parameters(),
-                                        config=harness.config_for(CASES["stage3"], tmp_path))
+    engine, model = gpt2_engine(CASES["stage3"], tmp_path)
     before = [t.clone() for t in engine.master_parameters()]
     with strata.zero.GatheredParameters(edited_params(model)):
         edit(model)
@@ -98,10 +88,7 @@ def test_without_modifier_rank_changes_are_dropped(tmp_path):
 
 
 def test_a_modifier_rank_outside_the_world_is_refused(tmp_path):
-    torch.manual_seed(0)
-    model = harness.MODELS["gpt2"]()
-    engine, _, _, _ = strata.initialize(model=model, model_parameters=model.parameters(),
-                                        config=harness.config_for(CASES["stage3"], tmp_path))
+    engine, model = gpt2_engine(CASES["stage3"], tmp_path)
     with pytest.raises(InvalidArgumentError, match="modifier_rank=1.*1 rank"):
         with strata.zero.GatheredParameters(edited_params(model), modifier_rank=1):
             pass
@@ -127,25 +114,6 @@ def test_two_ranks_take_the_modifier_ranks_values(modifier, tmp_path):
     for r in ranks:
         assert r["row3"] == pytest.approx([0.25 + modifier] * 32)
     # Each rank trained on its half of the global batch: the mean equals the whole-batch reference.
-    torch.manual_seed(0)
-    want = reference_two_ranks(modifier)
+    want = reference(1, 0.0, modifier, world=2)
     got = [(a + b) / 2 for a, b in zip(ranks[0]["losses"], ranks[1]["losses"])]
     harness.assert_close(got, want)
-
-
-def reference_two_ranks(modifier):
-    """reference() on the two ranks' whole batch (micro-batch 2 per rank)."""
-    torch.manual_seed(0)
-    model = harness.MODELS["gpt2"]()
-    opt = torch.optim.AdamW(model.parameters(), lr=harness.LR, weight_decay=harness.WEIGHT_DECAY)
-    losses = []
-    for step in range(BEFORE + AFTER):
-        if step == BEFORE:
-            edit(model, modifier)
-        x, y = harness.batch("gpt2", step, 0, 1, 4)
-        loss = harness.loss_of("gpt2", model, x, y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses

@@ -610,3 +610,59 @@ def test_nvme_dir_removed_before_close_is_a_normal_exit(tmp_path, capfd):
     err = capfd.readouterr().err
     assert "[strata E" not in err, err
     assert "was removed; no index written" in err
+
+
+def test_the_trainers_default_path_two_groups_and_its_own_scheduler(tmp_path):
+    """The Trainer with neither optimizer nor scheduler in the DeepSpeed config (its default):
+    it builds AdamW with two groups (weight decay 0.01 on matrices, 0 on biases and norms),
+    passes it to initialize, builds its LambdaLR (linear warmup then decay) on that AdamW, and at
+    each boundary steps the engine, reads the grad norm and optimizer.overflow, then steps the
+    LambdaLR itself. Compared with plain PyTorch doing the same (clipping at 1.0, GAS 2)."""
+    gas, steps, warmup = 2, 4, 2
+    cfg = harness.config_for(STAGE3, tmp_path, gradient_accumulation_steps=gas,
+                             gradient_clipping=1.0)
+    del cfg["optimizer"]
+
+    def trainer_optimizer(model):
+        decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
+        no_decay = [p for n, p in model.named_parameters() if p.ndim < 2]
+        return torch.optim.AdamW([{"params": decay, "weight_decay": 0.01},
+                                  {"params": no_decay, "weight_decay": 0.0}], lr=harness.LR)
+
+    def trainer_schedule(opt):
+        return torch.optim.lr_scheduler.LambdaLR(
+            opt, lambda s: (s + 1) / warmup if s < warmup else max(0.0, (steps - s) / (steps - warmup)))
+
+    torch.manual_seed(0)
+    model = harness.gpt2()
+    client = trainer_optimizer(model)
+    engine, optimizer, _, scheduler = deepspeed.initialize(model=model, optimizer=client,
+                                                           config_params=copy.deepcopy(cfg))
+    assert scheduler is None and optimizer.param_groups is client.param_groups
+    lr_scheduler = trainer_schedule(client)
+    losses, lrs = [], []
+    for step in range(steps):
+        total = 0.0
+        for m in range(gas):
+            x, y = harness.batch("gpt2", step * gas + m)
+            boundary = m == gas - 1
+            engine.set_gradient_accumulation_boundary(boundary)
+            loss = harness.loss_of("gpt2", engine, x, y) / gas
+            engine.backward(loss, scale_wrt_gas=False)
+            if boundary:
+                engine.step()
+            total += loss.item()
+        assert engine.get_global_grad_norm() is not None
+        assert optimizer.overflow is False
+        lrs.append(lr_scheduler.get_last_lr()[0])
+        lr_scheduler.step()  # the Trainer's own step, on its AdamW
+        engine.zero_grad()
+        losses.append(total)
+    assert lrs == pytest.approx([harness.LR / 2, harness.LR, harness.LR, harness.LR / 2])
+    torch.manual_seed(0)
+    ref = harness.gpt2()
+    ref_opt = trainer_optimizer(ref)
+    want = harness.reference_loop("gpt2", ref, ref_opt, steps, gas, 1.0,
+                                  sched=trainer_schedule(ref_opt))
+    harness.assert_close(losses, want)
+    engine.destroy()

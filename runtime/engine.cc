@@ -419,12 +419,6 @@ Status Engine::Impl::SetGroupHyperparameters(const std::vector<GroupHyperparamet
   group_override_ = groups;
   return Status::Ok();
 }
-Status Engine::SetLearningRate(std::optional<double> lr) {
-  if (lr && !(std::isfinite(*lr) && *lr >= 0))
-    return InvalidArgument(StrCat("learning rate ", *lr, ": must be finite and >= 0"));
-  impl_->SetLearningRate(lr);
-  return Status::Ok();
-}
 int64_t Engine::micro_step() const { return impl_->micro_step_; }
 int64_t Engine::num_parameters() const { return impl_->num_params(); }
 uint64_t Engine::model_state_bytes() const { return impl_->model_state_bytes(); }

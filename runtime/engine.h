@@ -198,15 +198,12 @@ class Engine {
   // Completes an optimizer step once gradient_accumulation_steps micro-steps have run; before
   // that it returns FAILED_PRECONDITION.
   StatusOr<StepReport> Step();
-  // The learning rate of the optimizer steps from now on, in place of the config's schedule
-  // (a client LR scheduler, or a loop that writes the lr itself); nullopt returns to the
-  // schedule. A step takes the lr set when its updates start: in the last micro-step's Backward
-  // when updates overlap backward (no clipping, no loss scaling), else in Step. Call it from the
-  // thread that calls Backward and Step. A value that is negative or not finite is refused.
-  Status SetLearningRate(std::optional<double> lr);
   // Every group's hyperparameters from the next step whose updates start on, in place of the
-  // groups' own and the schedule's lr (what a Python optimizer's param_groups hold at each step);
-  // one entry per group, in EngineOptions::param_groups' order. Checked as ValidateGroup checks.
+  // groups' own and the config schedule's lr (what a Python optimizer's param_groups hold at each
+  // step: a client scheduler, or a loop that writes the lr itself); one entry per group, in
+  // EngineOptions::param_groups' order, checked as ValidateGroup checks. A step takes the values
+  // set when its updates start: in the last micro-step's Backward when updates overlap backward
+  // (no clipping, no loss scaling), else in Step. Call it from the thread that calls Backward.
   Status SetGroupHyperparameters(const std::vector<GroupHyperparameters>& groups);
   int num_param_groups() const;
 

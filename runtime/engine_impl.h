@@ -134,8 +134,6 @@ class Engine::Impl {
   void EndUnit(int64_t u, const std::vector<torch::Tensor>& outputs);
   Status Backward(const torch::Tensor& loss);
   StatusOr<StepReport> Step();
-  // Engine::SetLearningRate: the lr of the steps from now on (nullopt: the config's schedule).
-  void SetLearningRate(std::optional<double> lr) { lr_override_ = lr; }
   Status SetGroupHyperparameters(const std::vector<GroupHyperparameters>& groups);
   int num_param_groups() const { return static_cast<int>(groups_.size()); }
   Status WriteParameters(const std::vector<torch::Tensor>& params);  // param_writes.cc
@@ -605,11 +603,6 @@ class Engine::Impl {
   std::unique_ptr<PublishLane> publish_;
   float opt_grad_scale_ = 1;       // set before enqueueing
   double opt_lr_ = 0;
-  // Set by SetLearningRate on the caller's thread, read there when a step's updates start.
-  std::optional<double> lr_override_;
-  double NextLearningRate(int64_t step) const {
-    return lr_override_ ? *lr_override_ : LearningRate(config_, step);
-  }
   // Parameter groups (param_groups.h), fixed at Init: each group's own hyperparameters, each
   // parameter's group, and each chunk's shard as segments of one group. Read-only after Init.
   std::vector<GroupHyperparameters> groups_;
@@ -621,10 +614,11 @@ class Engine::Impl {
   std::optional<std::vector<GroupHyperparameters>> group_override_;
   std::vector<GroupHyperparameters> opt_groups_;
   void FixStepHyperparameters() {
-    opt_lr_ = NextLearningRate(opt_step_);
     if (group_override_) {
       opt_groups_ = *group_override_;
+      opt_lr_ = opt_groups_.front().lr;  // the step report's lr: group 0's
     } else {
+      opt_lr_ = LearningRate(config_, opt_step_);
       opt_groups_ = groups_;
       for (GroupHyperparameters& g : opt_groups_) g.lr = opt_lr_;
     }

@@ -95,11 +95,6 @@ PYBIND11_MODULE(_strata, m) {
              strata::python::ThrowIfError(s);
            },
            py::arg("params"))
-      .def("set_lr",
-           [](PyEngine& e, std::optional<double> lr) {
-             strata::python::ThrowIfError(e.engine().SetLearningRate(lr));
-           },
-           py::arg("lr"))
       .def_property_readonly("rank", &PyEngine::rank)
       .def_property_readonly("world_size", &PyEngine::world_size)
       .def_property_readonly("num_units", [](PyEngine& e) { return e.engine().num_units(); })

@@ -16,13 +16,7 @@ from collections import defaultdict
 import torch
 
 from ._strata import InvalidArgumentError
-
-
-def engine_hyperparameters(config):
-    """(lr, betas, eps, weight_decay) of the effective config's optimizer section."""
-    p = config.get("optimizer", {}).get("params", {})
-    return (float(p.get("lr", 1e-3)), tuple(float(b) for b in p.get("betas", (0.9, 0.999))),
-            float(p.get("eps", 1e-8)), float(p.get("weight_decay", 0.0)))
+from .config import group_hyperparameters
 
 
 class StrataOptimizer(torch.optim.Optimizer):
@@ -31,15 +25,14 @@ class StrataOptimizer(torch.optim.Optimizer):
     across ranks and tiers and go into engine.save_checkpoint, not into state_dict()."""
 
     def __init__(self, engine, params, client=None):
-        lr, betas, eps, weight_decay = engine_hyperparameters(engine.config)
         section = engine.config.get("optimizer", {})
+        given = section.get("params", {})
+        lr, beta1, beta2, eps, weight_decay, momentum, dampening = group_hyperparameters({}, given)
         if section.get("type") == "SGD":
-            p = section.get("params", {})
-            defaults = {"lr": lr, "momentum": float(p.get("momentum", 0.0)),
-                        "dampening": float(p.get("dampening", 0.0)), "weight_decay": weight_decay,
-                        "nesterov": bool(p.get("nesterov", False))}
+            defaults = {"lr": lr, "momentum": momentum, "dampening": dampening,
+                        "weight_decay": weight_decay, "nesterov": bool(given.get("nesterov", False))}
         else:
-            defaults = {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay}
+            defaults = {"lr": lr, "betas": (beta1, beta2), "eps": eps, "weight_decay": weight_decay}
         super().__init__(list(params), defaults)
         if client is not None:
             self.param_groups = client.param_groups

@@ -46,6 +46,29 @@ class KwargsNet(torch.nn.Module):
         return {"loss": loss, "logits": logits}
 
 
+def launch_two_ranks(worker, args, tmp_path):
+    """Runs tests/python/<worker> on two ranks under strata-launch with `args` after the output
+    stem; returns each rank's JSON (<stem>.rank<R>.json)."""
+    import json
+    import subprocess
+    launcher = os.path.join(os.environ.get("STRATA_BIN", ""), "strata-launch")
+    if not os.path.exists(launcher):
+        import pytest
+        pytest.fail(f"strata-launch not found at {launcher}: run through ctest (it sets "
+                    "STRATA_BIN) or export STRATA_BIN=<build>/bin")
+    out = str(tmp_path / "losses")
+    here = os.path.dirname(os.path.abspath(__file__))
+    cmd = [launcher, "--nproc", "2", "--", sys.executable, os.path.join(here, worker),
+           *[str(a) for a in args[:1]], out, *[str(a) for a in args[1:]]]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
+    ranks = []
+    for r in range(2):
+        with open(f"{out}.rank{r}.json", encoding="utf-8") as f:
+            ranks.append(json.load(f))
+    return ranks
+
+
 def have_gloo():
     """Whether this build can run CPU collectives across ranks (c10d Gloo)."""
     from strata import _strata

@@ -6,10 +6,6 @@ optimizer. Small chunks (16 KiB) make most chunks hold parameters of both groups
 """
 
 import copy
-import json
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -19,7 +15,6 @@ import strata
 from strata import InvalidArgumentError
 
 STEPS = 5
-HERE = os.path.dirname(os.path.abspath(__file__))
 # A per-group schedule: the decay group's lr falls as 1/(s+1), the other halves each step.
 LAMBDAS = [lambda s: 1 / (s + 1), lambda s: 0.5 ** s]
 
@@ -132,15 +127,7 @@ def test_a_checkpoint_with_groups_and_their_schedule_resumes_bit_exactly(name, t
                     reason="this build has no c10d Gloo (its headers were missing at build time)")
 @pytest.mark.parametrize("name", ["stage2_cpu_clip", "stage3_nvme_clip_accum"])
 def test_two_ranks_with_groups_and_their_schedule_match_pytorch(name, tmp_path):
-    launcher = os.path.join(os.environ.get("STRATA_BIN", ""), "strata-launch")
-    if not os.path.exists(launcher):
-        pytest.fail(f"strata-launch not found at {launcher}: run through ctest (it sets STRATA_BIN)")
-    out = str(tmp_path / "losses")
-    cmd = [launcher, "--nproc", "2", "--", sys.executable,
-           os.path.join(HERE, "param_groups_worker.py"), name, out, str(tmp_path)]
-    run = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
-    ranks = [json.load(open(f"{out}.rank{r}.json", encoding="utf-8")) for r in range(2)]
+    ranks = harness.launch_two_ranks("param_groups_worker.py", [name, tmp_path], tmp_path)
     case = {c[0]: c for c in harness.GRID}[name]
     got = [(a + b) / 2 for a, b in zip(*ranks)]
     harness.assert_close(got, reference(case[4], case[5], with_schedule=True, world=2))

@@ -5,11 +5,6 @@ states untouched, as Strata's are). Stage 0, 1 with cpu offload, 3 releasing eve
 with NVMe-resident states; two ranks with modifier ranks 0 and 1 in test_multirank.py's style.
 """
 
-import copy
-import json
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -19,7 +14,6 @@ import strata
 from strata import InvalidArgumentError
 
 CASES = {c[0]: c for c in harness.GRID}
-HERE = os.path.dirname(os.path.abspath(__file__))
 BEFORE, AFTER = 2, 3
 
 
@@ -101,15 +95,7 @@ def test_a_modifier_rank_outside_the_world_is_refused(tmp_path):
                     reason="this build has no c10d Gloo (its headers were missing at build time)")
 @pytest.mark.parametrize("modifier", [0, 1])
 def test_two_ranks_take_the_modifier_ranks_values(modifier, tmp_path):
-    launcher = os.path.join(os.environ.get("STRATA_BIN", ""), "strata-launch")
-    if not os.path.exists(launcher):
-        pytest.fail(f"strata-launch not found at {launcher}: run through ctest (it sets STRATA_BIN)")
-    out = str(tmp_path / "losses")
-    cmd = [launcher, "--nproc", "2", "--", sys.executable,
-           os.path.join(HERE, "writable_gather_worker.py"), str(modifier), out, str(tmp_path)]
-    run = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
-    ranks = [json.load(open(f"{out}.rank{r}.json", encoding="utf-8")) for r in range(2)]
+    ranks = harness.launch_two_ranks("writable_gather_worker.py", [modifier, tmp_path], tmp_path)
     # Both ranks hold the modifier's row after the write, whoever they are.
     for r in ranks:
         assert r["row3"] == pytest.approx([0.25 + modifier] * 32)

@@ -4,6 +4,7 @@
 
 #include <pybind11/stl.h>
 
+#include "python/bindings/native_backtrace.h"
 #include "python/bindings/py_engine.h"
 #include "runtime/comm/backends.h"
 #include "runtime/host_info.h"
@@ -19,6 +20,7 @@ PYBIND11_MODULE(_strata, m) {
   // Whether this build has c10d's Gloo (CPU collectives across ranks): it needs Gloo's headers at
   // build time (libgloo-dev, or a LibTorch that carries them).
   m.attr("have_gloo") = strata::GlooAvailable();
+  m.attr("native_backtrace") = strata::python::MaybeInstallNativeBacktrace();
 
   // StrataError for every failure; InvalidArgumentError is also a ValueError, so a script that
   // catches ValueError for a bad config (as with DeepSpeed) keeps working.

@@ -4,7 +4,8 @@
 #   build    unpack .gpu-pack (tools/scripts/gpu-pack.sh, run before the lease) where the machine
 #            lacks a library, configure against the machine's pip torch (its LibTorch) and its
 #            NCCL, for the GPU's architecture, and build everything
-#   test     ctest -L gpu, the Python suite (on CUDA wherever a GPU is), the Trainer test
+#   test     ctest -L gpu, the Python module case by case (gpu_python_probe.py), the Python
+#            suite (on CUDA wherever a GPU is), the Trainer test
 #   bench    the 404M bench config (configs/bench-nvme.json) under none/cpu/nvme x fp32/bf16,
 #            every lane reported; PyTorch FSDP2 with CPUOffloadPolicy on the same model beside it;
 #            the ceilings (NVMe through io_uring and fio, host<->device copies, DRAM, CPU Adam)
@@ -287,6 +288,15 @@ phase_test() {
   skipped=$(grep -c -E 'SKIPPED|Skipped' "$WORK/ctest-gpu.log" || true)
   suites+=("ctest_gpu=${line:-no summary} (skip lines: $skipped)")
   if [ -d "$CM/python/strata" ] || compgen -G "$CM/python/*strata*" >/dev/null; then
+    # One small engine per case, each in its own process: where the module fails on this device,
+    # with native frames for a crash (tools/scripts/gpu_python_probe.py).
+    say "the Python module, case by case (gpu_python_probe.py)"
+    if PYTHONPATH="$CM/python" STRATA_BIN="$CM/bin" timeout "$(( $(left) / 3 ))" \
+         "$PY" "$ROOT/tools/scripts/gpu_python_probe.py" --out "$WORK/probe" --timeout 60 2>&1 | tee "$WORK/probe.log"; then
+      suites+=("probe=all cases ran")
+    else
+      ok=false; suites+=("probe=$(grep -c FAILED "$WORK/probe.log" || true) cases failed (work/test/probe)")
+    fi
     say "the Python suite (ctest -L python; strata.device auto takes CUDA where a GPU is)"
     (cd "$CM" && timeout "$(( $(left) * 2 / 3 ))" ctest -L python --output-on-failure -j 4) >"$WORK/ctest-python.log" 2>&1 || ok=false
     line=$(ctest_line "$WORK/ctest-python.log"); echo "  $line"

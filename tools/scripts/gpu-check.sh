@@ -173,6 +173,18 @@ fio_cmd() {  # fio from the machine, else the packed one (its own libraries on i
 }
 
 # --- build ------------------------------------------------------------------------------------
+pick_cxx() {  # the first g++ whose shared objects need libstdc++.so (not a static copy)
+  local c probe="$WORK/libstdcxx-probe"
+  for c in ${CXX:-} "$(command -v g++ || true)" /usr/bin/g++; do
+    [ -n "$c" ] && [ -x "$(command -v "$c" || true)" ] || continue
+    printf '#include <sstream>\nstd::string f(long v) { std::ostringstream s; s << v; return s.str(); }\n' >"$probe.cc"
+    if "$c" -shared -fPIC -o "$probe.so" "$probe.cc" 2>/dev/null && grep -qa 'libstdc++\.so' "$probe.so"; then
+      command -v "$c"; return 0
+    fi
+    echo "[gpu-check] $c links libstdc++ statically: not used" >&2
+  done
+  return 1
+}
 phase_build() {
   [ -n "$PY" ] || { finish false "no python3 with torch (set PYTHON)"; return 1; }
   local from torch_prefix torch_ver args=() arch="" nccl=""
@@ -222,7 +234,17 @@ for d in nvidia.__path__:
   else
     args+=(-DSTRATA_CUDA=AUTO)
   fi
-  say "configure: torch $torch_ver, device $device${arch:+, sm_$arch}${nccl:+, NCCL from $nccl}"
+  # The Python module shares the process with torch's libstdc++.so.6, so the compiler must link
+  # libstdc++ as a shared library; some images put a GCC first on PATH that links it statically
+  # (/opt/gcc on the H100 lease of 2026-11-26: the module crashed in its first `<<` of a number).
+  local cxx
+  if cxx=$(pick_cxx); then
+    args+=(-DCMAKE_CXX_COMPILER="$cxx" -DCMAKE_C_COMPILER="${cxx%g++}gcc")
+    [ "$device" = cuda ] && args+=(-DCMAKE_CUDA_HOST_COMPILER="$cxx")
+  else
+    say "no C++ compiler here links libstdc++ as a shared library: the Python module stays off"
+  fi
+  say "configure: torch $torch_ver, device $device${arch:+, sm_$arch}${nccl:+, NCCL from $nccl}, ${cxx:-default compiler}"
   mkdir -p "$CM"
   if ! cmake -S "$ROOT" -B "$CM" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DSTRATA_PYTHON=AUTO \
        -DSTRATA_PYTHON_EXECUTABLE="$PY" -DCMAKE_PREFIX_PATH="$prefix" "${args[@]}" >"$WORK/configure.log" 2>&1; then

@@ -16,10 +16,10 @@
 #include <cstddef>
 #include <cstdint>
 
-#include <tbb/task_arena.h>
-
+#include "optim/blockwise.h"
 #include "optim/cpu_adam.h"
 #include "optim/dtype.h"
+#include "optim/elementwise_rules.h"
 #include "runtime/status.h"
 
 namespace strata::optim {
@@ -42,11 +42,7 @@ struct SgdBuffers {
   size_t n = 0;
 };
 
-struct SgdOptions {
-  Isa isa = Isa::kAuto;
-  tbb::task_arena* arena = nullptr;  // null: the caller's current arena
-  size_t grain = 0;                  // elements per task; 0: 64 Ki
-};
+using SgdOptions = ElementwiseOptions;
 
 // One update of `bufs`. INVALID_ARGUMENT, nothing written: null buffers with n > 0, lr,
 // momentum, dampening or weight_decay negative or not finite, nesterov without momentum or
@@ -60,10 +56,7 @@ void SgdReference(const SgdParams& params, const SgdBuffers& bufs, float grad_sc
 
 namespace internal {
 // One block of the update, [0, n) of the given pointers, for each ISA (sgd_kernel_*.cc).
-struct SgdConsts {
-  float lr, momentum, one_minus_dampening, weight_decay, grad_scale;
-  bool has_momentum, nesterov, first, has_decay;
-};
+SgdConsts MakeSgdConsts(const SgdParams& params, float grad_scale);
 void SgdBlockScalar(const SgdConsts& c, float* p, const float* g, float* buf, size_t n);
 void SgdBlockAvx2(const SgdConsts& c, float* p, const float* g, float* buf, size_t n);
 void SgdBlockAvx512(const SgdConsts& c, float* p, const float* g, float* buf, size_t n);

@@ -1,5 +1,6 @@
-// CPU Adam against LibTorch's torch::optim::Adam / AdamW over several steps. The only LibTorch
-// translation unit of the optim tests: keep it one file (they compile slowly).
+// CPU Adam against LibTorch's torch::optim::Adam / AdamW, and CPU Adagrad against
+// torch::optim::Adagrad, over several steps. The only LibTorch translation unit of the optim
+// tests: keep it one file (they compile slowly).
 #include <torch/torch.h>
 
 #include <cstring>
@@ -9,6 +10,7 @@
 
 #include <gtest/gtest.h>
 
+#include "optim/cpu_adagrad.h"
 #include "optim/cpu_adam.h"
 #include "tests/test_util.h"
 
@@ -119,6 +121,54 @@ INSTANTIATE_TEST_SUITE_P(
     ::testing::Values(Case{false, 0.0, DType::kFloat32, 1.0f}, Case{false, 0.01, DType::kFloat32, 0.5f},
                       Case{true, 0.0, DType::kFloat32, 1.0f}, Case{true, 0.1, DType::kFloat32, 0.25f},
                       Case{true, 0.05, DType::kBFloat16, 1.0f}, Case{false, 0.05, DType::kFloat16, 0.125f}));
+
+// Adagrad (weight decay, lr_decay, a grad scale) against torch::optim::Adagrad over six steps,
+// on the scalar path and this CPU's best: the same unfused fp32 operations in the same order,
+// so the parameters and sums agree to a few ulps (LibTorch's kernels are its own vector code).
+TEST(TorchAdagradParity, MatchesTorchOverSteps) {
+  const int64_t n = 4099;
+  const double lr = 0.05, lr_decay = 0.01, weight_decay = 0.01, eps = 1e-10;
+  const float grad_scale = 0.5f;
+  torch::manual_seed(5);
+  const torch::Tensor param = torch::randn({n});
+  for (Isa isa : {Isa::kScalar, DetectIsa()}) {
+    SCOPED_TRACE(IsaName(isa));
+    std::vector<torch::Tensor> params = {param.clone().set_requires_grad(true)};
+    torch::optim::Adagrad opt(params, torch::optim::AdagradOptions(lr).lr_decay(lr_decay)
+                                          .weight_decay(weight_decay).eps(eps));
+    std::vector<float> master(param.data_ptr<float>(), param.data_ptr<float>() + n);
+    std::vector<float> sum(n, 0.0f);
+    torch::manual_seed(29);
+    for (int64_t step = 1; step <= 6; ++step) {
+      const torch::Tensor g = torch::randn({n}) * 0.3;
+      {
+        torch::NoGradGuard no_grad;
+        params[0].mutable_grad() = g * grad_scale;
+      }
+      opt.step();
+      AdagradParams ap;
+      ap.lr = lr;
+      ap.lr_decay = lr_decay;
+      ap.weight_decay = weight_decay;
+      ap.eps = eps;
+      ap.step = step;
+      ElementwiseOptions o;
+      o.isa = isa;
+      ASSERT_OK(AdagradStep(ap, {master.data(), g.data_ptr<float>(), sum.data(), nullptr,
+                                 DType::kBFloat16, static_cast<size_t>(n)},
+                            grad_scale, o)
+                    .status());
+      const float* want = params[0].data_ptr<float>();
+      for (int64_t i = 0; i < n; ++i) {
+        ASSERT_NEAR(master[i], want[i], 1e-6 * (1.0 + std::fabs(want[i])))
+            << "step " << step << " element " << i;
+      }
+    }
+    auto& st = static_cast<torch::optim::AdagradParamState&>(*opt.state().begin()->second);
+    const float* want_sum = st.sum().data_ptr<float>();
+    for (int64_t i = 0; i < n; ++i) ASSERT_NEAR(sum[i], want_sum[i], 1e-6 * (1e-3 + want_sum[i]));
+  }
+}
 
 // fp16 conversion against torch's c10::Half for random values across fp16's range.
 TEST(TorchConversionTest, Fp16MatchesTorch) {

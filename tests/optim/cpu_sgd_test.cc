@@ -50,8 +50,12 @@ void RunCase(const Case& c, Isa isa) {
   EXPECT_EQ(*r, isa);
   SgdReference(sp, b, 0.5f);
   EXPECT_EQ(std::memcmp(p.data(), p2.data(), n * 4), 0) << IsaName(isa);
-  if (c.momentum != 0) EXPECT_EQ(std::memcmp(m.data(), m2.data(), n * 4), 0) << IsaName(isa);
-  if (c.with16) EXPECT_EQ(std::memcmp(h.data(), h2.data(), n * 2), 0) << IsaName(isa);
+  if (c.momentum != 0) {
+    EXPECT_EQ(std::memcmp(m.data(), m2.data(), n * 4), 0) << IsaName(isa);
+  }
+  if (c.with16) {
+    EXPECT_EQ(std::memcmp(h.data(), h2.data(), n * 2), 0) << IsaName(isa);
+  }
   // And the update did something.
   EXPECT_NE(std::memcmp(p2.data(), before.data(), n * 4), 0);
 }

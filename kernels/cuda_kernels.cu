@@ -10,6 +10,8 @@
 //   sqrtf and '/' (correctly rounded: this target never uses --use_fast_math, and is compiled
 //   with --fmad=false so nvcc does not fuse a multiply and an add on its own, the device twin
 //   of optim's -ffp-contract=off).
+// - SGD, Adagrad and Lion run the per-element rules of optim/elementwise_rules.h themselves
+//   (unfused multiply and add, correctly rounded sqrtf and division).
 // - The gradient statistics use the reduction layout of Note [stats order] (internal.h).
 #include <cuda_runtime.h>
 
@@ -227,6 +229,51 @@ void LaunchAdamState(const AdamLaunch& a, cudaStream_t stream) {
   }
 }
 
+// ---- SGD, Adagrad, Lion ----
+// One kernel over the per-element rule of optim/elementwise_rules.h, the very function the CPU
+// references call, so the two backends differ only in who runs it.
+
+struct SgdRule {
+  __device__ void operator()(const ElementwiseLaunch& a, float& p, float g, float& s) const {
+    optim::internal::SgdElement(a.sgd, p, g, s);
+  }
+};
+struct AdagradRule {
+  __device__ void operator()(const ElementwiseLaunch& a, float& p, float g, float& s) const {
+    optim::internal::AdagradElement(a.adagrad, p, g, s);
+  }
+};
+struct LionRule {
+  __device__ void operator()(const ElementwiseLaunch& a, float& p, float g, float& s) const {
+    optim::internal::LionElement(a.lion, p, g, s);
+  }
+};
+
+template <class Rule, int P>
+__global__ void ElementwiseKernel(ElementwiseLaunch a) {
+  const Rule rule;
+  for (size_t i = GlobalThread(); i < a.n; i += GridThreads()) {
+    float p = a.master[i];
+    float s = a.state != nullptr ? a.state[i] : 0.0f;
+    rule(a, p, a.grad[i], s);
+    a.master[i] = p;
+    if (a.state != nullptr) a.state[i] = s;
+    if constexpr (P == kP16Bf16) Store<DType::kBFloat16>(a.param16, i, p);
+    if constexpr (P == kP16Fp16) Store<DType::kFloat16>(a.param16, i, p);
+  }
+}
+
+template <class Rule>
+void LaunchElementwise(const ElementwiseLaunch& a, cudaStream_t stream) {
+  if (a.param16 == nullptr) {
+    ElementwiseKernel<Rule, kP16None><<<BlocksFor(a.n), kThreads, 0, stream>>>(a);
+  } else if (a.param16_dtype == DType::kBFloat16) {
+    ElementwiseKernel<Rule, kP16Bf16><<<BlocksFor(a.n), kThreads, 0, stream>>>(a);
+  } else {
+    ElementwiseKernel<Rule, kP16Fp16><<<BlocksFor(a.n), kThreads, 0, stream>>>(a);
+  }
+}
+
 // ---- Chunk copies ----
 
 // Segments per launch travel in the kernel's parameter block (64 * 24 bytes, well under the
@@ -349,6 +396,16 @@ Status CudaAdamStep(const AdamLaunch& a, void* stream) {
     case DType::kFloat16: LaunchAdamState<DType::kFloat16>(a, s); break;
   }
   return LaunchStatus("AdamStep kernel launch");
+}
+
+Status CudaElementwiseStep(const ElementwiseLaunch& a, void* stream) {
+  const cudaStream_t s = AsStream(stream);
+  switch (a.rule) {
+    case ElementwiseRule::kSgd: LaunchElementwise<SgdRule>(a, s); break;
+    case ElementwiseRule::kAdagrad: LaunchElementwise<AdagradRule>(a, s); break;
+    case ElementwiseRule::kLion: LaunchElementwise<LionRule>(a, s); break;
+  }
+  return LaunchStatus("SgdStep/AdagradStep/LionStep kernel launch");
 }
 
 Status CudaCopySegments(const CopySegment* segs, size_t count, void* stream) {

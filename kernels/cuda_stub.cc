@@ -34,6 +34,9 @@ Status CudaReadGradStats(const GradStatsAccumulator*, double*, uint32_t*, void*)
 Status CudaAllocAccumulator(GradStatsAccumulator**, void*) { return NoCuda("UnscaleCheckNorm"); }
 Status CudaFreeAccumulator(GradStatsAccumulator*, void*) { return NoCuda("UnscaleCheckNorm"); }
 Status CudaAdamStep(const AdamLaunch&, void*) { return NoCuda("AdamStep"); }
+Status CudaElementwiseStep(const ElementwiseLaunch&, void*) {
+  return NoCuda("SgdStep/AdagradStep/LionStep");
+}
 Status CudaCopySegments(const CopySegment*, size_t, void*) { return NoCuda("PackChunk/UnpackChunk"); }
 
 }  // namespace internal

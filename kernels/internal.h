@@ -23,6 +23,7 @@
 #include "kernels/grad_stats.h"
 #include "optim/adam_kernels.h"
 #include "optim/dtype.h"
+#include "optim/elementwise_rules.h"
 #include "runtime/status.h"
 
 namespace strata::optim {
@@ -71,6 +72,24 @@ struct AdamLaunch {
   const GradStatsAccumulator* skip_if_nonfinite;  // null: never skip
 };
 
+// ---- SGD, Adagrad, Lion ----
+// One element-wise update on fp32 buffers: `state` is SGD's momentum buffer (null without
+// momentum), Adagrad's sum or Lion's exp_avg; param16 (null: none) gets the new values in
+// param16_dtype. The constants are optim's (optim::internal::Make*Consts).
+enum class ElementwiseRule : int { kSgd = 0, kAdagrad = 1, kLion = 2 };
+struct ElementwiseLaunch {
+  ElementwiseRule rule;
+  optim::internal::SgdConsts sgd;
+  optim::internal::AdagradConsts adagrad;
+  optim::internal::LionConsts lion;
+  float* master;
+  const float* grad;
+  float* state;
+  void* param16;
+  DType param16_dtype;
+  size_t n;
+};
+
 // ---- Chunks ----
 // One contiguous byte copy; src == nullptr means "fill with zero bytes". PackChunk and
 // UnpackChunk are planned on the host (kernels.cc) into a list of these, then executed.
@@ -104,6 +123,7 @@ Status CudaReadGradStats(const GradStatsAccumulator* acc, double* sum_sq, uint32
 Status CudaAllocAccumulator(GradStatsAccumulator** acc, void* stream);
 Status CudaFreeAccumulator(GradStatsAccumulator* acc, void* stream);
 Status CudaAdamStep(const AdamLaunch& launch, void* stream);
+Status CudaElementwiseStep(const ElementwiseLaunch& launch, void* stream);
 Status CudaCopySegments(const CopySegment* segs, size_t count, void* stream);
 
 }  // namespace strata::kernels::internal

@@ -273,4 +273,57 @@ Status UnpackChunk(Backend backend, const void* chunk, size_t chunk_numel,
   return RunSegments(backend, segs, stream);
 }
 
+namespace {
+internal::ElementwiseLaunch ElementwiseOf(internal::ElementwiseRule rule, float* master,
+                                          const float* grad, float* state, void* param16,
+                                          DType param16_dtype, size_t n) {
+  internal::ElementwiseLaunch a{};
+  a.rule = rule;
+  a.master = master;
+  a.grad = grad;
+  a.state = state;
+  a.param16 = param16;
+  a.param16_dtype = param16_dtype;
+  a.n = n;
+  return a;
+}
+}  // namespace
+
+Status SgdStep(Backend backend, const optim::SgdParams& params, const optim::SgdBuffers& bufs,
+               float grad_scale, StreamHandle stream) {
+  STRATA_RETURN_IF_ERROR(CheckBackend(backend));
+  STRATA_RETURN_IF_ERROR(optim::CheckSgdArguments(params, bufs, grad_scale));
+  if (bufs.n == 0) return Status::Ok();
+  if (backend == Backend::kCpu) return optim::SgdStep(params, bufs, grad_scale).status();
+  auto a = ElementwiseOf(internal::ElementwiseRule::kSgd, bufs.master, bufs.grad,
+                         params.momentum != 0 ? bufs.momentum : nullptr, bufs.param16,
+                         bufs.param16_dtype, bufs.n);
+  a.sgd = optim::internal::MakeSgdConsts(params, grad_scale);
+  return internal::CudaElementwiseStep(a, stream);
+}
+
+Status AdagradStep(Backend backend, const optim::AdagradParams& params,
+                   const optim::AdagradBuffers& bufs, float grad_scale, StreamHandle stream) {
+  STRATA_RETURN_IF_ERROR(CheckBackend(backend));
+  STRATA_RETURN_IF_ERROR(optim::CheckAdagradArguments(params, bufs, grad_scale));
+  if (bufs.n == 0) return Status::Ok();
+  if (backend == Backend::kCpu) return optim::AdagradStep(params, bufs, grad_scale).status();
+  auto a = ElementwiseOf(internal::ElementwiseRule::kAdagrad, bufs.master, bufs.grad, bufs.sum,
+                         bufs.param16, bufs.param16_dtype, bufs.n);
+  a.adagrad = optim::internal::MakeAdagradConsts(params, grad_scale);
+  return internal::CudaElementwiseStep(a, stream);
+}
+
+Status LionStep(Backend backend, const optim::LionParams& params, const optim::LionBuffers& bufs,
+                float grad_scale, StreamHandle stream) {
+  STRATA_RETURN_IF_ERROR(CheckBackend(backend));
+  STRATA_RETURN_IF_ERROR(optim::CheckLionArguments(params, bufs, grad_scale));
+  if (bufs.n == 0) return Status::Ok();
+  if (backend == Backend::kCpu) return optim::LionStep(params, bufs, grad_scale).status();
+  auto a = ElementwiseOf(internal::ElementwiseRule::kLion, bufs.master, bufs.grad, bufs.exp_avg,
+                         bufs.param16, bufs.param16_dtype, bufs.n);
+  a.lion = optim::internal::MakeLionConsts(params, grad_scale);
+  return internal::CudaElementwiseStep(a, stream);
+}
+
 }  // namespace strata::kernels

@@ -7,6 +7,7 @@
 //   CastFp32To16 / Cast16ToFp32   fp32 <-> bf16 / fp16 (round to nearest even, as optim/dtype.h)
 //   AccumulateGradStats           fused unscale + inf/NaN flag + squared L2 norm, read-only
 //   AdamStep                      Adam/AdamW on states kept in the backend's memory
+//   SgdStep / AdagradStep / LionStep   the element-wise optimizers, fp32 states
 //   PackChunk / UnpackChunk       gather tensors into a flat, zero-padded chunk and scatter back
 //
 // Backends, memory and ordering:
@@ -49,7 +50,10 @@
 #include <vector>
 
 #include "kernels/grad_stats.h"
+#include "optim/cpu_adagrad.h"
 #include "optim/cpu_adam.h"
+#include "optim/cpu_lion.h"
+#include "optim/cpu_sgd.h"
 #include "optim/dtype.h"
 #include "runtime/status.h"
 
@@ -124,6 +128,22 @@ StatusOr<optim::GradStats> UnscaleCheckNorm(Backend backend, const void* grad, D
 Status AdamStep(Backend backend, const optim::AdamParams& params, const optim::AdamBuffers& bufs,
                 float grad_scale = 1.0f, const GradStatsAccumulator* skip_if_nonfinite = nullptr,
                 StreamHandle stream = nullptr);
+
+// ---- SGD, Adagrad, Lion --------------------------------------------------------------------
+
+// One update of `bufs` with optim's formula and buffers (optim/cpu_sgd.h, cpu_adagrad.h,
+// cpu_lion.h): fp32 master, grads and state, an optional bf16/fp16 param16 copy, all in the
+// backend's memory. kCpu runs optim's SIMD loops in the caller's current arena and returns when
+// done; kCuda enqueues one kernel on `stream`. The grads are trusted (no scan for inf/NaN: the
+// engine checks a step's gradients before any update). Errors (INVALID_ARGUMENT, nothing
+// written): those of optim's Check*Arguments.
+Status SgdStep(Backend backend, const optim::SgdParams& params, const optim::SgdBuffers& bufs,
+               float grad_scale = 1.0f, StreamHandle stream = nullptr);
+Status AdagradStep(Backend backend, const optim::AdagradParams& params,
+                   const optim::AdagradBuffers& bufs, float grad_scale = 1.0f,
+                   StreamHandle stream = nullptr);
+Status LionStep(Backend backend, const optim::LionParams& params, const optim::LionBuffers& bufs,
+                float grad_scale = 1.0f, StreamHandle stream = nullptr);
 
 // ---- Chunk pack / unpack --------------------------------------------------------------------
 

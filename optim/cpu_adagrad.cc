@@ -3,9 +3,8 @@
 #include <cmath>
 
 namespace strata::optim {
-namespace {
 
-Status Validate(const AdagradParams& p, const AdagradBuffers& b, float grad_scale) {
+Status CheckAdagradArguments(const AdagradParams& p, const AdagradBuffers& b, float grad_scale) {
   auto bad = [](const char* what, double v, const char* rule) {
     return InvalidArgument(StrCat("Adagrad ", what, "=", v, ": ", rule));
   };
@@ -24,6 +23,8 @@ Status Validate(const AdagradParams& p, const AdagradBuffers& b, float grad_scal
     return InvalidArgument("Adagrad: param16 must be bf16 or fp16");
   return Status::Ok();
 }
+namespace {
+
 
 }  // namespace
 
@@ -39,7 +40,7 @@ internal::AdagradConsts internal::MakeAdagradConsts(const AdagradParams& p, floa
 
 StatusOr<Isa> AdagradStep(const AdagradParams& params, const AdagradBuffers& bufs,
                           float grad_scale, const ElementwiseOptions& options) {
-  STRATA_RETURN_IF_ERROR(Validate(params, bufs, grad_scale));
+  STRATA_RETURN_IF_ERROR(CheckAdagradArguments(params, bufs, grad_scale));
   STRATA_ASSIGN_OR_RETURN(const Isa isa, internal::ChooseIsa(options.isa, "Adagrad"));
   auto* block = internal::PickBlock(isa, &internal::AdagradBlockScalar,
                                     &internal::AdagradBlockAvx2, &internal::AdagradBlockAvx512);

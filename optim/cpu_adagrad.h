@@ -42,6 +42,10 @@ struct AdagradBuffers {
   size_t n = 0;
 };
 
+// The argument checks AdagradStep runs first (the rules listed below), for callers that run the
+// update elsewhere (kernels::AdagradStep on a GPU).
+Status CheckAdagradArguments(const AdagradParams& params, const AdagradBuffers& bufs, float grad_scale);
+
 // One update of `bufs`. INVALID_ARGUMENT, nothing written: null buffers with n > 0; lr,
 // lr_decay or weight_decay negative or not finite; eps not finite or <= 0; step < 1; a param16
 // dtype other than bf16/fp16; grad_scale not finite or negative; an isa this CPU cannot run.

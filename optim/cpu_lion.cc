@@ -3,9 +3,8 @@
 #include <cmath>
 
 namespace strata::optim {
-namespace {
 
-Status Validate(const LionParams& p, const LionBuffers& b, float grad_scale) {
+Status CheckLionArguments(const LionParams& p, const LionBuffers& b, float grad_scale) {
   auto bad = [](const char* what, double v, const char* rule) {
     return InvalidArgument(StrCat("Lion ", what, "=", v, ": ", rule));
   };
@@ -22,6 +21,8 @@ Status Validate(const LionParams& p, const LionBuffers& b, float grad_scale) {
     return InvalidArgument("Lion: param16 must be bf16 or fp16");
   return Status::Ok();
 }
+namespace {
+
 
 }  // namespace
 
@@ -40,7 +41,7 @@ internal::LionConsts internal::MakeLionConsts(const LionParams& p, float grad_sc
 
 StatusOr<Isa> LionStep(const LionParams& params, const LionBuffers& bufs, float grad_scale,
                        const ElementwiseOptions& options) {
-  STRATA_RETURN_IF_ERROR(Validate(params, bufs, grad_scale));
+  STRATA_RETURN_IF_ERROR(CheckLionArguments(params, bufs, grad_scale));
   STRATA_ASSIGN_OR_RETURN(const Isa isa, internal::ChooseIsa(options.isa, "Lion"));
   auto* block = internal::PickBlock(isa, &internal::LionBlockScalar, &internal::LionBlockAvx2,
                                     &internal::LionBlockAvx512);

@@ -24,10 +24,10 @@
 
 namespace strata::optim {
 
-struct LionParams {
-  double lr = 1e-4;
+struct LionParams {  // DeepSpeed's defaults
+  double lr = 1e-3;
   double beta1 = 0.9;
-  double beta2 = 0.99;
+  double beta2 = 0.999;
   double weight_decay = 0.0;
 };
 
@@ -39,6 +39,10 @@ struct LionBuffers {
   DType param16_dtype = DType::kBFloat16;
   size_t n = 0;
 };
+
+// The argument checks LionStep runs first (the rules listed below), for callers that run the
+// update elsewhere (kernels::LionStep on a GPU).
+Status CheckLionArguments(const LionParams& params, const LionBuffers& bufs, float grad_scale);
 
 // One update of `bufs`. INVALID_ARGUMENT, nothing written: null buffers with n > 0; lr or
 // weight_decay negative or not finite; a beta outside [0, 1); a param16 dtype other than

@@ -5,9 +5,8 @@
 #include "optim/blockwise.h"
 
 namespace strata::optim {
-namespace {
 
-Status Validate(const SgdParams& p, const SgdBuffers& b, float grad_scale) {
+Status CheckSgdArguments(const SgdParams& p, const SgdBuffers& b, float grad_scale) {
   auto bad = [](const char* what, double v, const char* rule) {
     return InvalidArgument(StrCat("SGD ", what, "=", v, ": ", rule));
   };
@@ -29,6 +28,8 @@ Status Validate(const SgdParams& p, const SgdBuffers& b, float grad_scale) {
     return InvalidArgument("SGD: param16 must be bf16 or fp16");
   return Status::Ok();
 }
+namespace {
+
 
 }  // namespace
 
@@ -48,7 +49,7 @@ internal::SgdConsts internal::MakeSgdConsts(const SgdParams& p, float grad_scale
 
 StatusOr<Isa> SgdStep(const SgdParams& params, const SgdBuffers& bufs, float grad_scale,
                       const SgdOptions& options) {
-  STRATA_RETURN_IF_ERROR(Validate(params, bufs, grad_scale));
+  STRATA_RETURN_IF_ERROR(CheckSgdArguments(params, bufs, grad_scale));
   STRATA_ASSIGN_OR_RETURN(const Isa isa, internal::ChooseIsa(options.isa, "SGD"));
   auto* block = internal::PickBlock(isa, &internal::SgdBlockScalar, &internal::SgdBlockAvx2,
                                     &internal::SgdBlockAvx512);

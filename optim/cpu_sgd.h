@@ -44,6 +44,10 @@ struct SgdBuffers {
 
 using SgdOptions = ElementwiseOptions;
 
+// The argument checks SgdStep runs first (the rules listed below), for callers that run the
+// update elsewhere (kernels::SgdStep on a GPU).
+Status CheckSgdArguments(const SgdParams& params, const SgdBuffers& bufs, float grad_scale);
+
 // One update of `bufs`. INVALID_ARGUMENT, nothing written: null buffers with n > 0, lr,
 // momentum, dampening or weight_decay negative or not finite, nesterov without momentum or
 // with dampening (torch's rule), a param16 dtype other than bf16/fp16, grad_scale not finite or

@@ -1,8 +1,7 @@
-// One chunk's update (the optimizer lane's unit of work): Adam/AdamW or SGD over this rank's
-// shard of the chunk, as runs of one parameter group (param_groups.h), with the new working
-// values written to their home or to a publish slot (publish_lane.h).
+// One chunk's update (the optimizer lane's unit of work): Adam/AdamW, SGD, Adagrad or Lion over
+// this rank's shard of the chunk, as runs of one parameter group (param_groups.h), with the new
+// working values written to their home or to a publish slot (publish_lane.h).
 #include "kernels/kernels.h"
-#include "optim/cpu_sgd.h"
 #include "runtime/engine_impl.h"
 
 namespace strata {
@@ -10,21 +9,47 @@ namespace strata {
 using namespace engine_detail;
 
 namespace {
-// SGD over an Adam segment's buffers: exp_avg is its momentum buffer (fp32; Init refuses bf16
-// states for SGD), exp_avg_sq unused.
-Status RunSgd(const optim::SgdParams& sp, const optim::AdamBuffers& b, float grad_scale,
-              tbb::task_arena* arena) {
-  optim::SgdBuffers sb;
-  sb.master = b.master;
-  sb.grad = static_cast<const float*>(b.grad);
-  sb.momentum = static_cast<float*>(b.exp_avg);
-  sb.param16 = b.param16;
-  sb.param16_dtype = b.param16_dtype;
-  sb.n = b.n;
-  optim::SgdOptions so;
-  so.arena = arena;
-  return optim::SgdStep(sp, sb, grad_scale, so).status();
+
+// One run of one parameter group inside a chunk, with each optimizer's view of its buffers.
+struct Segment {
+  optim::AdamParams ap;
+  optim::AdamBuffers bufs;  // Adam's view; the element-wise optimizers take their states from it
+  optim::SgdParams sp;
+  optim::AdagradParams gp;
+  optim::LionParams lp;
+};
+
+// SGD, Adagrad or Lion over an Adam segment's buffers (fp32 states: Init refuses bf16 ones for
+// them): SGD's momentum buffer and Lion's momentum live in exp_avg, Adagrad's sum in
+// exp_avg_sq. kCpu runs in the caller's current arena; kCuda enqueues on `stream`.
+Status RunElementwise(OptimizerType type, const Segment& sg, float grad_scale,
+                      kernels::Backend backend, void* stream) {
+  const optim::AdamBuffers& b = sg.bufs;
+  const auto* grad = static_cast<const float*>(b.grad);
+  auto* exp_avg = static_cast<float*>(b.exp_avg);
+  switch (type) {
+    case OptimizerType::kSGD:
+      return kernels::SgdStep(backend, sg.sp,
+                              {b.master, grad, exp_avg, b.param16, b.param16_dtype, b.n},
+                              grad_scale, stream);
+    case OptimizerType::kAdagrad:
+      return kernels::AdagradStep(backend, sg.gp,
+                                  {b.master, grad, static_cast<float*>(b.exp_avg_sq), b.param16,
+                                   b.param16_dtype, b.n},
+                                  grad_scale, stream);
+    case OptimizerType::kLion:
+      return kernels::LionStep(backend, sg.lp,
+                               {b.master, grad, exp_avg, b.param16, b.param16_dtype, b.n},
+                               grad_scale, stream);
+    case OptimizerType::kAdam:
+    case OptimizerType::kAdamW:
+      break;
+  }
+  return Internal(StrCat("RunElementwise called for ", OptimizerTypeName(type)));
 }
+
+bool IsAdam(OptimizerType t) { return t == OptimizerType::kAdam || t == OptimizerType::kAdamW; }
+
 }  // namespace
 
 Status Engine::Impl::AdamChunk(int64_t c, float grad_scale, int64_t step,
@@ -85,13 +110,9 @@ Status Engine::Impl::AdamChunk(int64_t c, float grad_scale, int64_t step,
     out = publish_->SlotData(slot);
   }
 
-  // One Adam call per run of one parameter group (param_groups.h); one group: one call.
-  struct Segment {
-    optim::AdamParams ap;
-    optim::AdamBuffers bufs;
-    optim::SgdParams sp;  // optimizer.type SGD: its update, with exp_avg as the momentum buffer
-  };
-  const bool sgd = oc.type == OptimizerType::kSGD;
+  // One optimizer call per run of one parameter group (param_groups.h); one group: one call.
+  const OptimizerType type = oc.type;
+  const bool adam = IsAdam(type);
   std::vector<Segment> segments;
   const size_t state_size = optim::DTypeSize(state_dtype_);
   const size_t work_size = optim::DTypeSize(compute_dtype_);
@@ -103,7 +124,7 @@ Status Engine::Impl::AdamChunk(int64_t c, float grad_scale, int64_t step,
     sg.ap.beta2 = gh.beta2;
     sg.ap.eps = gh.eps;
     sg.ap.weight_decay = gh.weight_decay;
-    sg.ap.adamw = oc.type == OptimizerType::kAdamW;
+    sg.ap.adamw = type == OptimizerType::kAdamW;
     sg.ap.bias_correction = oc.bias_correction;
     sg.ap.step = step;
     sg.sp.lr = gh.lr;
@@ -112,6 +133,15 @@ Status Engine::Impl::AdamChunk(int64_t c, float grad_scale, int64_t step,
     sg.sp.weight_decay = gh.weight_decay;
     sg.sp.nesterov = oc.nesterov;
     sg.sp.first = step == 1;
+    sg.gp.lr = gh.lr;
+    sg.gp.lr_decay = oc.lr_decay;
+    sg.gp.eps = gh.eps;
+    sg.gp.weight_decay = gh.weight_decay;
+    sg.gp.step = step;
+    sg.lp.lr = gh.lr;
+    sg.lp.beta1 = gh.beta1;
+    sg.lp.beta2 = gh.beta2;
+    sg.lp.weight_decay = gh.weight_decay;
     sg.bufs.master = static_cast<float*>(master) + seg.begin;
     sg.bufs.grad = static_cast<char*>(g) + seg.begin * 4;
     sg.bufs.grad_dtype = optim::DType::kFloat32;
@@ -134,15 +164,18 @@ Status Engine::Impl::AdamChunk(int64_t c, float grad_scale, int64_t step,
     // pinned until then. The gradient's hand-off already waited for the compute that wrote it.
     const bool cuda = device_->kind() == DeviceKind::kCuda;
     tbb::task_arena* arena = arena_.get();
-    s = publish_stream_->LaunchKernel([cuda, arena, segments, grad_scale, sgd](void* native) {
+    s = publish_stream_->LaunchKernel([cuda, arena, segments, grad_scale, adam, type](void* native) {
+      const kernels::Backend backend = cuda ? kernels::Backend::kCuda : kernels::Backend::kCpu;
       Status r;
       for (const Segment& sg : segments) {
-        if (sgd) {  // the CPU device only (Init refuses a device SGD on CUDA)
-          arena->execute([&] { r = RunSgd(sg.sp, sg.bufs, grad_scale, nullptr); });
-        } else if (cuda) {
-          r = kernels::AdamStep(kernels::Backend::kCuda, sg.ap, sg.bufs, grad_scale, nullptr, native);
+        auto run = [&] {
+          r = adam ? kernels::AdamStep(backend, sg.ap, sg.bufs, grad_scale, nullptr, native)
+                   : RunElementwise(type, sg, grad_scale, backend, native);
+        };
+        if (cuda) {
+          run();
         } else {
-          arena->execute([&] { r = kernels::AdamStep(kernels::Backend::kCpu, sg.ap, sg.bufs, grad_scale); });
+          arena->execute(run);
         }
         if (!r.ok()) break;
       }
@@ -157,8 +190,12 @@ Status Engine::Impl::AdamChunk(int64_t c, float grad_scale, int64_t step,
     ao.arena = arena_.get();
     ao.grad_check = optim::GradCheck::kCallerChecked;
     for (const Segment& sg : segments) {
-      s = sgd ? RunSgd(sg.sp, sg.bufs, grad_scale, arena_.get())
-              : optim::AdamStep(sg.ap, sg.bufs, grad_scale, ao).status();
+      if (adam) {
+        s = optim::AdamStep(sg.ap, sg.bufs, grad_scale, ao).status();
+      } else {
+        arena_->execute(
+            [&] { s = RunElementwise(type, sg, grad_scale, kernels::Backend::kCpu, nullptr); });
+      }
       if (!s.ok()) break;
     }
     if (s.ok() && compute_dtype_ == optim::DType::kFloat32 && out != master)

@@ -482,6 +482,39 @@ Status ParseAio(Section s, AioConfig* c) {
   return s.Finish();
 }
 
+}  // namespace
+
+const char* OptimizerTypeName(OptimizerType type) {
+  switch (type) {
+    case OptimizerType::kAdam: return "Adam";
+    case OptimizerType::kAdamW: return "AdamW";
+    case OptimizerType::kSGD: return "SGD";
+    case OptimizerType::kAdagrad: return "Adagrad";
+    case OptimizerType::kLion: return "Lion";
+  }
+  return "unknown";
+}
+
+namespace {
+
+// optimizer.params.betas: two numbers in [0, 1), or "auto" (Config::ResolveAuto fills the
+// optimizer's defaults).
+Status ParseBetas(Section& p, OptimizerConfig* c) {
+  if (p.IsAuto("betas")) {
+    // left at the optimizer's defaults, which Config::ResolveAuto reports
+  } else if (const json* b = p.Get("betas")) {
+    if (!b->is_array() || b->size() != 2 || !(*b)[0].is_number() || !(*b)[1].is_number())
+      return InvalidArgument(StrCat(p.Key("betas"), "=", Describe(*b),
+                                    ": must be a list of two numbers in [0, 1), e.g. [0.9, 0.999]"));
+    double b1 = (*b)[0].get<double>(), b2 = (*b)[1].get<double>();
+    if (!(b1 >= 0 && b1 < 1 && b2 >= 0 && b2 < 1))
+      return InvalidArgument(StrCat(p.Key("betas"), "=", Describe(*b), ": both must be in [0, 1)"));
+    c->beta1 = b1;
+    c->beta2 = b2;
+  }
+  return Status::Ok();
+}
+
 Status ParseOptimizer(Section s, OptimizerConfig* c) {
   // DeepSpeed's type names are case-insensitive; "DeepSpeed_Adam" is an old name of its CPU Adam.
   // Note [Adam means AdamW]: DeepSpeed builds "Adam" with adam_w_mode=true unless the params say
@@ -499,15 +532,19 @@ Status ParseOptimizer(Section s, OptimizerConfig* c) {
       c->type = OptimizerType::kAdamW;
     } else if (lower == "sgd") {
       c->type = OptimizerType::kSGD;
+    } else if (lower == "adagrad" || lower == "deepspeedcpuadagrad") {
+      c->type = OptimizerType::kAdagrad;
+    } else if (lower == "lion" || lower == "fusedlion" || lower == "deepspeedcpulion") {
+      c->type = OptimizerType::kLion;
     } else {
       return InvalidArgument(StrCat(
           s.Key("type"), "=\"", t->get<std::string>(),
-          "\": Strata implements Adam, AdamW and SGD (DeepSpeed's Lamb, OneBitAdam, Adagrad and "
-          "Lion are not available); use one of those"));
+          "\": Strata implements Adam, AdamW, SGD, Adagrad and Lion (DeepSpeed's Lamb, OneBitAdam, "
+          "OneBitLamb and ZeroOneAdam are not available); use one of those"));
     }
   } else if (t) {
     return InvalidArgument(StrCat(s.Key("type"), "=", Describe(*t),
-                                  ": must be \"Adam\", \"AdamW\" or \"SGD\""));
+                                  ": must be \"Adam\", \"AdamW\", \"SGD\", \"Adagrad\" or \"Lion\""));
   }
   STRATA_ASSIGN_OR_RETURN(Section p, s.Child("params"));
   if (c->type == OptimizerType::kSGD) {
@@ -528,19 +565,40 @@ Status ParseOptimizer(Section s, OptimizerConfig* c) {
     STRATA_RETURN_IF_ERROR(p.Finish());
     return s.Finish();
   }
-  STRATA_RETURN_IF_ERROR(p.Double("lr", &c->lr, 0.0, 10.0));
-  if (p.IsAuto("betas")) {
-    // resolved to the defaults (0.9, 0.999) by Config::ResolveAuto
-  } else if (const json* b = p.Get("betas")) {
-    if (!b->is_array() || b->size() != 2 || !(*b)[0].is_number() || !(*b)[1].is_number())
-      return InvalidArgument(StrCat(p.Key("betas"), "=", Describe(*b),
-                                    ": must be a list of two numbers in [0, 1), e.g. [0.9, 0.999]"));
-    double b1 = (*b)[0].get<double>(), b2 = (*b)[1].get<double>();
-    if (!(b1 >= 0 && b1 < 1 && b2 >= 0 && b2 < 1))
-      return InvalidArgument(StrCat(p.Key("betas"), "=", Describe(*b), ": both must be in [0, 1)"));
-    c->beta1 = b1;
-    c->beta2 = b2;
+  if (c->type == OptimizerType::kAdagrad) {
+    // torch.optim.Adagrad's parameters (DeepSpeed's CPU Adagrad takes lr, eps, weight_decay).
+    c->lr = 1e-2;
+    c->eps = 1e-10;
+    STRATA_RETURN_IF_ERROR(p.Double("lr", &c->lr, 0.0, 10.0));
+    STRATA_RETURN_IF_ERROR(p.Double("lr_decay", &c->lr_decay, 0.0, 1e3));
+    STRATA_RETURN_IF_ERROR(p.Double("eps", &c->eps, 0.0, 1.0, false, true));
+    STRATA_RETURN_IF_ERROR(p.Double("weight_decay", &c->weight_decay, 0.0, 1e3));
+    if (const json* a = p.Get("initial_accumulator_value");
+        a && !(a->is_number() && a->get<double>() == 0.0))
+      return InvalidArgument(StrCat(p.Key("initial_accumulator_value"), "=", Describe(*a),
+                                    ": Strata's Adagrad starts the sum at 0 (torch's default); "
+                                    "remove it or set 0"));
+    if (const json* m = p.Get("maximize"); m && m->is_boolean() && m->get<bool>())
+      return InvalidArgument(StrCat(p.Key("maximize"), "=true is not supported; remove it"));
+    p.Ignored("foreach", "Strata's Adagrad is always one fused pass per chunk");
+    p.Ignored("fused", "Strata's Adagrad is always fused");
+    p.Ignored("differentiable", "does not apply");
+    p.Ignored("amsgrad", "does not apply to Adagrad");
+    STRATA_RETURN_IF_ERROR(p.Finish());
+    return s.Finish();
   }
+  if (c->type == OptimizerType::kLion) {
+    // DeepSpeed's Lion: lr, betas, weight_decay (decoupled), with its defaults 1e-3 and
+    // (0.9, 0.999) (the paper suggests beta2 = 0.99 and a 3-10x smaller lr than AdamW's).
+    STRATA_RETURN_IF_ERROR(p.Double("lr", &c->lr, 0.0, 10.0));
+    STRATA_RETURN_IF_ERROR(ParseBetas(p, c));
+    STRATA_RETURN_IF_ERROR(p.Double("weight_decay", &c->weight_decay, 0.0, 1e3));
+    p.Ignored("fused", "Strata's Lion is always fused");
+    STRATA_RETURN_IF_ERROR(p.Finish());
+    return s.Finish();
+  }
+  STRATA_RETURN_IF_ERROR(p.Double("lr", &c->lr, 0.0, 10.0));
+  STRATA_RETURN_IF_ERROR(ParseBetas(p, c));
   STRATA_RETURN_IF_ERROR(p.Double("eps", &c->eps, 0.0, 1.0, false, true));
   STRATA_RETURN_IF_ERROR(p.Double("weight_decay", &c->weight_decay, 0.0, 1e3));
   STRATA_RETURN_IF_ERROR(p.Bool("bias_correction", &c->bias_correction));
@@ -563,23 +621,53 @@ Status ParseOptimizer(Section s, OptimizerConfig* c) {
 }
 
 Status ParseScheduler(Section s, SchedulerConfig* c) {
-  if (const json* t = s.Get("type"); t && t->is_string() &&
-                                      (t->get<std::string>() == "OneCycle" || t->get<std::string>() == "LRRangeTest"))
-    return InvalidArgument(StrCat(s.Key("type"), "=\"", t->get<std::string>(),
-                                  "\": not implemented in Strata; use WarmupLR, WarmupDecayLR or "
-                                  "WarmupCosineLR"));
   STRATA_RETURN_IF_ERROR(s.Enum("type", &c->type,
                                 {{"WarmupLR", SchedulerType::kWarmupLR},
                                  {"WarmupDecayLR", SchedulerType::kWarmupDecayLR},
-                                 {"WarmupCosineLR", SchedulerType::kWarmupCosineLR}}));
+                                 {"WarmupCosineLR", SchedulerType::kWarmupCosineLR},
+                                 {"OneCycle", SchedulerType::kOneCycle},
+                                 {"LRRangeTest", SchedulerType::kLRRangeTest}}));
   STRATA_ASSIGN_OR_RETURN(Section p, s.Child("params"));
+  p.Ignored("last_batch_iteration", "has no effect in Strata (a resumed run continues its "
+                                    "schedule from the checkpoint's step)");
+  if (c->type == SchedulerType::kOneCycle) {
+    for (const char* key : {"cycle_min_lr", "cycle_max_lr"}) {
+      if (!p.has(key))
+        return InvalidArgument(StrCat(p.Key(key), " is required by OneCycle (its lower and upper "
+                                      "learning rates), e.g. 1e-4 and 1e-3"));
+    }
+    STRATA_RETURN_IF_ERROR(p.Double("cycle_min_lr", &c->cycle_min_lr, 0.0, 10.0));
+    STRATA_RETURN_IF_ERROR(p.Double("cycle_max_lr", &c->cycle_max_lr, 0.0, 10.0));
+    STRATA_RETURN_IF_ERROR(p.Double("decay_lr_rate", &c->decay_lr_rate, 0.0, 1e6));
+    STRATA_RETURN_IF_ERROR(p.Int("cycle_first_step_size", &c->cycle_first_step_size, 1, kMaxElems));
+    STRATA_RETURN_IF_ERROR(p.Int("cycle_second_step_size", &c->cycle_second_step_size, -1, kMaxElems));
+    STRATA_RETURN_IF_ERROR(p.Int("cycle_first_stair_count", &c->cycle_first_stair_count, 0, kMaxElems));
+    STRATA_RETURN_IF_ERROR(p.Int("cycle_second_stair_count", &c->cycle_second_stair_count, -1, kMaxElems));
+    STRATA_RETURN_IF_ERROR(p.Int("decay_step_size", &c->decay_step_size, 0, kMaxElems));
+    STRATA_RETURN_IF_ERROR(p.Bool("cycle_momentum", &c->cycle_momentum));
+    STRATA_RETURN_IF_ERROR(p.Double("cycle_min_mom", &c->cycle_min_mom, 0.0, 1.0, true, false));
+    STRATA_RETURN_IF_ERROR(p.Double("cycle_max_mom", &c->cycle_max_mom, 0.0, 1.0, true, false));
+    STRATA_RETURN_IF_ERROR(p.Double("decay_mom_rate", &c->decay_mom_rate, 0.0, 1e6));
+    if (c->cycle_second_step_size == 0)
+      return InvalidArgument(StrCat(p.Key("cycle_second_step_size"),
+                                    "=0: must be >= 1, or -1 for cycle_first_step_size"));
+    STRATA_RETURN_IF_ERROR(p.Finish());
+    return s.Finish();
+  }
+  if (c->type == SchedulerType::kLRRangeTest) {
+    STRATA_RETURN_IF_ERROR(p.Double("lr_range_test_min_lr", &c->lr_range_test_min_lr, 0.0, 10.0));
+    STRATA_RETURN_IF_ERROR(p.Int("lr_range_test_step_size", &c->lr_range_test_step_size, 1, kMaxElems));
+    STRATA_RETURN_IF_ERROR(p.Double("lr_range_test_step_rate", &c->lr_range_test_step_rate, 0.0, 1e6));
+    STRATA_RETURN_IF_ERROR(p.Bool("lr_range_test_staircase", &c->lr_range_test_staircase));
+    STRATA_RETURN_IF_ERROR(p.Finish());
+    return s.Finish();
+  }
   STRATA_RETURN_IF_ERROR(p.Double("warmup_min_lr", &c->warmup_min_lr, 0.0, 10.0));
   STRATA_RETURN_IF_ERROR(p.Double("warmup_max_lr", &c->warmup_max_lr, 0.0, 10.0));
   STRATA_RETURN_IF_ERROR(p.Int("warmup_num_steps", &c->warmup_num_steps, 0, kMaxElems));
   STRATA_RETURN_IF_ERROR(p.Int("total_num_steps", &c->total_num_steps, 1, kMaxElems));
   STRATA_RETURN_IF_ERROR(p.Enum("warmup_type", &c->warmup_type,
                                 {{"log", WarmupType::kLog}, {"linear", WarmupType::kLinear}}));
-  p.Ignored("last_batch_iteration", "has no effect in Strata");
   STRATA_RETURN_IF_ERROR(p.Finish());
   if (c->type != SchedulerType::kNone && c->type != SchedulerType::kWarmupLR &&
       c->total_num_steps < c->warmup_num_steps)
@@ -841,35 +929,68 @@ json Config::ToJson() const {
   j["gradient_clipping"] = gradient_clipping;
   j["steps_per_print"] = steps_per_print;
   j["wall_clock_breakdown"] = wall_clock_breakdown;
-  if (optimizer.type == OptimizerType::kSGD) {
-    j["optimizer"] = {{"type", "SGD"},
-                      {"params",
-                       {{"lr", optimizer.lr},
-                        {"momentum", optimizer.momentum},
-                        {"dampening", optimizer.dampening},
-                        {"weight_decay", optimizer.weight_decay},
-                        {"nesterov", optimizer.nesterov}}}};
-  } else {
-  j["optimizer"] = {
-      {"type", optimizer.type == OptimizerType::kAdam ? "Adam" : "AdamW"},
-      {"params",
-       {{"lr", optimizer.lr},
-        {"betas", {optimizer.beta1, optimizer.beta2}},
-        {"eps", optimizer.eps},
-        {"weight_decay", optimizer.weight_decay},
-        {"bias_correction", optimizer.bias_correction}}}};
-  // Note [Adam means AdamW]: "Adam" alone reads back as AdamW, so plain Adam says so.
-  if (optimizer.type == OptimizerType::kAdam) j["optimizer"]["params"]["adam_w_mode"] = false;
+  switch (optimizer.type) {
+    case OptimizerType::kSGD:
+      j["optimizer"]["params"] = {{"lr", optimizer.lr},
+                                  {"momentum", optimizer.momentum},
+                                  {"dampening", optimizer.dampening},
+                                  {"weight_decay", optimizer.weight_decay},
+                                  {"nesterov", optimizer.nesterov}};
+      break;
+    case OptimizerType::kAdagrad:
+      j["optimizer"]["params"] = {{"lr", optimizer.lr},
+                                  {"lr_decay", optimizer.lr_decay},
+                                  {"eps", optimizer.eps},
+                                  {"weight_decay", optimizer.weight_decay}};
+      break;
+    case OptimizerType::kLion:
+      j["optimizer"]["params"] = {{"lr", optimizer.lr},
+                                  {"betas", {optimizer.beta1, optimizer.beta2}},
+                                  {"weight_decay", optimizer.weight_decay}};
+      break;
+    case OptimizerType::kAdam:
+    case OptimizerType::kAdamW:
+      j["optimizer"]["params"] = {{"lr", optimizer.lr},
+                                  {"betas", {optimizer.beta1, optimizer.beta2}},
+                                  {"eps", optimizer.eps},
+                                  {"weight_decay", optimizer.weight_decay},
+                                  {"bias_correction", optimizer.bias_correction}};
+      // Note [Adam means AdamW]: "Adam" alone reads back as AdamW, so plain Adam says so.
+      if (optimizer.type == OptimizerType::kAdam) j["optimizer"]["params"]["adam_w_mode"] = false;
+      break;
   }
+  j["optimizer"]["type"] = OptimizerTypeName(optimizer.type);
   if (scheduler.type != SchedulerType::kNone) {
-    const char* names[] = {"none", "WarmupLR", "WarmupDecayLR", "WarmupCosineLR"};
-    j["scheduler"] = {{"type", names[static_cast<int>(scheduler.type)]},
-                      {"params",
-                       {{"warmup_type", scheduler.warmup_type == WarmupType::kLog ? "log" : "linear"},
-                        {"warmup_min_lr", scheduler.warmup_min_lr},
-                        {"warmup_max_lr", scheduler.warmup_max_lr},
-                        {"warmup_num_steps", scheduler.warmup_num_steps},
-                        {"total_num_steps", scheduler.total_num_steps}}}};
+    const char* names[] = {"none", "WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "OneCycle",
+                           "LRRangeTest"};
+    const SchedulerConfig& sc = scheduler;
+    json params;
+    if (sc.type == SchedulerType::kOneCycle) {
+      params = {{"cycle_min_lr", sc.cycle_min_lr},
+                {"cycle_max_lr", sc.cycle_max_lr},
+                {"decay_lr_rate", sc.decay_lr_rate},
+                {"cycle_first_step_size", sc.cycle_first_step_size},
+                {"cycle_second_step_size", sc.cycle_second_step_size},
+                {"cycle_first_stair_count", sc.cycle_first_stair_count},
+                {"cycle_second_stair_count", sc.cycle_second_stair_count},
+                {"decay_step_size", sc.decay_step_size},
+                {"cycle_momentum", sc.cycle_momentum},
+                {"cycle_min_mom", sc.cycle_min_mom},
+                {"cycle_max_mom", sc.cycle_max_mom},
+                {"decay_mom_rate", sc.decay_mom_rate}};
+    } else if (sc.type == SchedulerType::kLRRangeTest) {
+      params = {{"lr_range_test_min_lr", sc.lr_range_test_min_lr},
+                {"lr_range_test_step_size", sc.lr_range_test_step_size},
+                {"lr_range_test_step_rate", sc.lr_range_test_step_rate},
+                {"lr_range_test_staircase", sc.lr_range_test_staircase}};
+    } else {
+      params = {{"warmup_type", sc.warmup_type == WarmupType::kLog ? "log" : "linear"},
+                {"warmup_min_lr", sc.warmup_min_lr},
+                {"warmup_max_lr", sc.warmup_max_lr},
+                {"warmup_num_steps", sc.warmup_num_steps},
+                {"total_num_steps", sc.total_num_steps}};
+    }
+    j["scheduler"] = {{"type", names[static_cast<int>(sc.type)]}, {"params", params}};
   }
   j["fp16"] = {{"enabled", fp16.enabled},
                {"loss_scale", fp16.loss_scale},

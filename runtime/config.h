@@ -77,7 +77,10 @@ struct AioConfig {
   bool use_gds = false;             // GPUDirect Storage: accepted, not supported (warns)
 };
 
-enum class OptimizerType { kAdam, kAdamW, kSGD };
+enum class OptimizerType { kAdam, kAdamW, kSGD, kAdagrad, kLion };
+
+// "Adam", "AdamW", "SGD", "Adagrad", "Lion".
+const char* OptimizerTypeName(OptimizerType type);
 
 struct OptimizerConfig {
   OptimizerType type = OptimizerType::kAdamW;
@@ -91,9 +94,12 @@ struct OptimizerConfig {
   double momentum = 0.0;
   double dampening = 0.0;
   bool nesterov = false;
+  // Adagrad (torch.optim.Adagrad's): the sum of squared gradients lives in exp_avg_sq; lr_decay
+  // is one value for every group. Lion: its momentum lives in exp_avg (betas as Adam's).
+  double lr_decay = 0.0;
 };
 
-enum class SchedulerType { kNone, kWarmupLR, kWarmupDecayLR, kWarmupCosineLR };
+enum class SchedulerType { kNone, kWarmupLR, kWarmupDecayLR, kWarmupCosineLR, kOneCycle, kLRRangeTest };
 enum class WarmupType { kLog, kLinear };
 
 struct SchedulerConfig {
@@ -103,6 +109,25 @@ struct SchedulerConfig {
   double warmup_max_lr = 1e-3;
   int64_t warmup_num_steps = 1000;
   int64_t total_num_steps = 10000;  // WarmupDecayLR / WarmupCosineLR
+  // OneCycle (DeepSpeed's names and defaults; cycle_min_lr and cycle_max_lr are required). A
+  // second step size or stair count of -1 takes the first's.
+  double cycle_min_lr = 0.0;
+  double cycle_max_lr = 0.0;
+  double decay_lr_rate = 0.0;
+  int64_t cycle_first_step_size = 2000;
+  int64_t cycle_second_step_size = -1;
+  int64_t cycle_first_stair_count = 0;
+  int64_t cycle_second_stair_count = -1;
+  int64_t decay_step_size = 0;
+  bool cycle_momentum = true;  // cycles beta1 inversely to the lr (optimizers with betas only)
+  double cycle_min_mom = 0.8;
+  double cycle_max_mom = 0.9;
+  double decay_mom_rate = 0.0;
+  // LRRangeTest.
+  double lr_range_test_min_lr = 1e-3;
+  int64_t lr_range_test_step_size = 2000;
+  double lr_range_test_step_rate = 1.0;
+  bool lr_range_test_staircase = false;
 };
 
 struct Fp16Config {

@@ -35,6 +35,7 @@
 #include <set>
 #include <stdexcept>
 #include <thread>
+#include <tuple>
 
 #include <c10/core/DeviceGuard.h>
 #include <c10/core/StreamGuard.h>
@@ -619,8 +620,12 @@ class Engine::Impl {
       opt_lr_ = opt_groups_.front().lr;  // the step report's lr: group 0's
     } else {
       opt_lr_ = LearningRate(config_, opt_step_);
+      const auto betas = ScheduledBetas(config_, opt_step_);  // OneCycle's cycled momentum
       opt_groups_ = groups_;
-      for (GroupHyperparameters& g : opt_groups_) g.lr = opt_lr_;
+      for (GroupHyperparameters& g : opt_groups_) {
+        g.lr = opt_lr_;
+        if (betas) std::tie(g.beta1, g.beta2) = *betas;
+      }
     }
   }
   int64_t opt_step_ = 0;

@@ -75,14 +75,12 @@ Status Engine::Impl::ChoosePrecisionAndPlacement(const EngineOptions& options) {
     return FailedPrecondition(StrCat("communicator ", comm_->backend(),
                                      " moves host memory but the device is ", device_->name(),
                                      "; use the nccl backend with CUDA"));
-  if (config_.optimizer.type == OptimizerType::kSGD) {
+  if (const OptimizerType t = config_.optimizer.type;
+      t == OptimizerType::kSGD || t == OptimizerType::kAdagrad || t == OptimizerType::kLion) {
     if (state_dtype_ != optim::DType::kFloat32)
-      return InvalidArgument("optimizer.type=SGD keeps its momentum in fp32: remove "
-                             "strata.optimizer_state_dtype=bf16");
-    if (device_optimizer() && device_->kind() == DeviceKind::kCuda)
-      return InvalidArgument(StrCat("optimizer.type=SGD runs on the CPU optimizer lane; on ",
-                                    device_->name(), " offload the optimizer "
-                                    "(offload_optimizer.device: cpu or nvme)"));
+      return InvalidArgument(StrCat("optimizer.type=", OptimizerTypeName(t),
+                                    " keeps its state in fp32: remove "
+                                    "strata.optimizer_state_dtype=bf16"));
   }
   if (config_.fp16.enabled && device_->kind() == DeviceKind::kCpu)
     return InvalidArgument(

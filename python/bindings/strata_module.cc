@@ -8,6 +8,7 @@
 #include "python/bindings/py_engine.h"
 #include "runtime/comm/backends.h"
 #include "runtime/host_info.h"
+#include "runtime/lr_schedule.h"
 #include "runtime/zero_init.h"
 
 namespace py = pybind11;
@@ -72,6 +73,9 @@ PYBIND11_MODULE(_strata, m) {
       .def("master_params", &PyEngine::MasterParams)
       .def("close", &PyEngine::Close)
       .def("lr_at", &PyEngine::LearningRateAt)
+      .def("betas_at",
+           [](PyEngine& e, int64_t step) { return strata::ScheduledBetas(e.config(), step); },
+           py::arg("step"))
       .def("set_groups",
            [](PyEngine& e, const std::vector<std::vector<double>>& groups) {
              std::vector<strata::GroupHyperparameters> g;

@@ -124,11 +124,41 @@ def _sgd_section(optimizer):
                                       "nesterov": bool(g["nesterov"])}}
 
 
+def _adagrad_section(optimizer):
+    groups = optimizer.param_groups
+    g = groups[0]
+    if any(grp.get("maximize") for grp in groups):
+        raise InvalidArgumentError("optimizer Adagrad uses maximize, which Strata's Adagrad does "
+                                   "not implement; turn it off")
+    if any(float(grp.get("initial_accumulator_value", 0.0)) != 0.0 for grp in groups):
+        raise InvalidArgumentError("optimizer Adagrad: initial_accumulator_value must be 0 (the "
+                                   "sum starts at zero in Strata's Adagrad, torch's default)")
+    if len({float(grp.get("lr_decay", 0.0)) for grp in groups}) > 1:
+        raise InvalidArgumentError("optimizer Adagrad: lr_decay differs between groups; Strata "
+                                   "takes one lr_decay for every group")
+    return {"type": "Adagrad", "params": {"lr": float(g["lr"]),
+                                          "lr_decay": float(g.get("lr_decay", 0.0)),
+                                          "eps": float(g["eps"]),
+                                          "weight_decay": float(g["weight_decay"])}}
+
+
+def _lion_section(optimizer):
+    g = optimizer.param_groups[0]
+    return {"type": "Lion", "params": {"lr": float(g["lr"]), "betas": [float(b) for b in g["betas"]],
+                                       "weight_decay": float(g["weight_decay"])}}
+
+
 def optimizer_section(optimizer):
-    """The config "optimizer" section equal to a torch.optim.Adam / AdamW / SGD the script built,
-    or an error naming what cannot be carried over."""
+    """The config "optimizer" section equal to a torch.optim.Adam / AdamW / SGD / Adagrad (or a
+    strata.ops / deepspeed.ops optimizer) the script built, or an error naming what cannot be
+    carried over."""
+    from . import ops  # late: ops imports nothing from here, but keeps config importable alone
     if isinstance(optimizer, torch.optim.SGD):
         return _sgd_section(optimizer)
+    if isinstance(optimizer, torch.optim.Adagrad):
+        return _adagrad_section(optimizer)
+    if isinstance(optimizer, ops._LionFamily):
+        return _lion_section(optimizer)
     if isinstance(optimizer, torch.optim.AdamW):
         # DeepSpeedCPUAdam / FusedAdam (strata.ops) are AdamW with an adam_w_mode switch.
         kind = "AdamW" if getattr(optimizer, "adam_w_mode", True) else "Adam"
@@ -136,10 +166,10 @@ def optimizer_section(optimizer):
         kind = "Adam"
     else:
         raise InvalidArgumentError(
-            f"optimizer={type(optimizer).__name__}: Strata runs its own Adam, AdamW and SGD on "
-            "the partitioned states; pass torch.optim.Adam, AdamW or SGD (or deepspeed.ops.adam's "
-            "DeepSpeedCPUAdam / FusedAdam), or leave optimizer=None and set the config's "
-            "\"optimizer\" section")
+            f"optimizer={type(optimizer).__name__}: Strata runs its own Adam, AdamW, SGD, Adagrad "
+            "and Lion on the partitioned states; pass torch.optim.Adam, AdamW, SGD or Adagrad (or "
+            "deepspeed.ops' DeepSpeedCPUAdam, FusedAdam, DeepSpeedCPUAdagrad, DeepSpeedCPULion, "
+            "FusedLion), or leave optimizer=None and set the config's \"optimizer\" section")
     groups = optimizer.param_groups
     # Group 0's values stand for the section; each group keeps its own (initialize passes them
     # to the engine as parameter groups).

@@ -44,12 +44,12 @@ class StrataEngine(torch.nn.Module):
         self._boundary_override = None  # set_gradient_accumulation_boundary's value
         self._replaced_by = None  # why this engine no longer trains (destroy, a later initialize)
         self.optimizer = None  # set by initialize: the optimizer and scheduler it returned
-        self.lr_scheduler = None
         # Where the lr of each step is read (Note [the lr from Python]): the groups of
         # `optimizer`, or of the torch optimizer a client scheduler steps. Set by initialize.
         self._lr_source = None
         self._client_scheduler = False  # lr_scheduler is the script's, stepped here
         self._client_optimizer = None  # the torch optimizer given to initialize, if any
+        self._lr_scheduler = None
         self._lr_pushed = None  # the lr last handed to the C++ engine
         # id(parameter) -> the units holding it (root parameters: none, they stay gathered).
         self._param_units = {}
@@ -178,9 +178,17 @@ class StrataEngine(torch.nn.Module):
                 for g in self.optimizer.param_groups:
                     g["lr"] = lr
         elif self.lr_scheduler is not None:
-            lr = self._cpp.lr_at(self.global_steps + 1)
-            for g in self.optimizer.param_groups:
-                g["lr"] = lr
+            self._write_config_schedule()
+
+    def _write_config_schedule(self):
+        """The config's schedule for the next step into every group: its lr, and OneCycle's
+        betas under cycle_momentum."""
+        lr = self._cpp.lr_at(self.global_steps + 1)
+        betas = self._cpp.betas_at(self.global_steps + 1)
+        for g in self.optimizer.param_groups:
+            g["lr"] = lr
+            if betas is not None:
+                g["betas"] = tuple(betas)
 
     def zero_grad(self, set_to_none=True):
         """Nothing to clear: the engine moves gradients out of .grad as they are computed."""
@@ -202,6 +210,33 @@ class StrataEngine(torch.nn.Module):
         return self._cpp.micro_step // self.gradient_accumulation_steps() - self.global_steps
 
     # --- what DeepSpeed scripts read ----------------------------------------------------------
+    @property
+    def lr_scheduler(self):
+        """The scheduler stepped at each accumulation boundary: the config's schedule, the one
+        given to initialize, or one a script assigns later (DeepSpeed steps whatever this holds;
+        its variable-batch example assigns its VariableBatchSizeLR here)."""
+        return self._lr_scheduler
+
+    @lr_scheduler.setter
+    def lr_scheduler(self, sched):
+        from .optimizer import ConfigSchedule
+        self._lr_scheduler = sched
+        self._client_scheduler = sched is not None and not isinstance(sched, ConfigSchedule)
+        self._lr_source = self.optimizer
+        stepped = getattr(sched, "optimizer", None) if self._client_scheduler else None
+        if isinstance(stepped, torch.optim.Optimizer) and stepped is not self._client_optimizer \
+                and stepped is not self.optimizer:
+            # A scheduler on a torch optimizer initialize never saw: its groups carry the lr.
+            self._lr_source = stepped
+
+    @property
+    def data_parallel_group(self):
+        """The ranks that split the batch (all of them: Strata is data-parallel only), as a
+        process group with rank() and size()."""
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            return torch.distributed.group.WORLD
+        return _SingleGroup()
+
     @property
     def global_steps(self):
         return self._cpp.global_step
@@ -518,3 +553,15 @@ def _write_atomic(path, text):
 
 
 __all__ = ["StrataEngine", "StrataError"]
+
+
+class _SingleGroup:
+    """The data-parallel group of a process that never initialised torch.distributed."""
+
+    @staticmethod
+    def rank():
+        return 0
+
+    @staticmethod
+    def size():
+        return 1

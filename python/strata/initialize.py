@@ -98,8 +98,10 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     """Returns (engine, optimizer, training_dataloader, lr_scheduler) as DeepSpeed does.
 
     config: a dict or the path of a DeepSpeed JSON file (or args.deepspeed_config).
-    optimizer: None (the config's "optimizer" section) or a torch.optim.Adam/AdamW/SGD (or
-    DeepSpeedCPUAdam/FusedAdam) whose hyperparameters become that section.
+    optimizer: None (the config's "optimizer" section), a torch.optim.Adam/AdamW/SGD/Adagrad (or
+    deepspeed.ops' DeepSpeedCPUAdam, FusedAdam, DeepSpeedCPUAdagrad, DeepSpeedCPULion,
+    FusedLion) whose hyperparameters become that section, or a callable that takes the model's
+    parameters (model_parameters when given) and returns one.
     training_data: a torch Dataset; the returned DataLoader yields this rank's micro-batches.
 
     With several ranks, torch's default process group is created first (init_distributed), as
@@ -122,10 +124,23 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     if config is None:
         config = _arguments.config_from_args(args)
     cfg, source = _config.load(config)
+    if model_parameters is not None and not isinstance(model_parameters, (list, tuple)):
+        # A generator (model.parameters()) is read more than once below: by an optimizer
+        # callable and by the checks.
+        model_parameters = list(model_parameters)
     user_cfg = json.loads(json.dumps(cfg))
     if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
-        raise InvalidArgumentError("initialize: optimizer must be a torch.optim.Adam/AdamW/SGD "
-                                   "(a callable returning one is not supported)")
+        if not callable(optimizer):
+            raise InvalidArgumentError(
+                f"initialize: optimizer={type(optimizer).__name__} is neither a torch optimizer "
+                "(Adam, AdamW, SGD, Adagrad, or deepspeed.ops') nor a callable that takes the "
+                "model's parameters and returns one")
+        # As DeepSpeed: a callable gets model_parameters (or the model's) and builds the optimizer.
+        built = optimizer(model_parameters if model_parameters is not None else model.parameters())
+        if not isinstance(built, torch.optim.Optimizer):
+            raise InvalidArgumentError(f"initialize: the optimizer callable returned "
+                                       f"{type(built).__name__}, not a torch optimizer")
+        optimizer = built
     hints = _strata.AutoHints()
     if optimizer is not None:
         if "optimizer" in cfg:
@@ -177,7 +192,6 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     trainable = [p for p in model.parameters() if p.requires_grad]
     engine.optimizer = StrataOptimizer(engine, _torch_groups(model_parameters, trainable),
                                        client=optimizer)
-    engine._lr_source = engine.optimizer
     engine._client_optimizer = optimizer
     if lr_scheduler is None:
         engine.lr_scheduler = ConfigSchedule(engine) if cfg.get("scheduler") else None
@@ -188,13 +202,7 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
                 raise InvalidArgumentError(
                     "initialize: the lr_scheduler callable returned "
                     f"{type(lr_scheduler).__name__}, not a scheduler (an object with step())")
-        engine.lr_scheduler = lr_scheduler
-        engine._client_scheduler = True
-        stepped = getattr(lr_scheduler, "optimizer", None)
-        if isinstance(stepped, torch.optim.Optimizer) and stepped is not optimizer and \
-                stepped is not engine.optimizer:
-            # A scheduler on a torch optimizer initialize never saw: its groups carry the lr.
-            engine._lr_source = stepped
+        engine.lr_scheduler = lr_scheduler  # the setter decides whose groups carry the lr
     engine._publish_lr()
     loader = _make_loader(engine, training_data, collate_fn)
     return engine, engine.optimizer, loader, engine.lr_scheduler

@@ -1,10 +1,12 @@
-"""strata.ops: DeepSpeed's optimizer classes (`deepspeed.ops.adam`), as objects initialize reads.
+"""strata.ops: DeepSpeed's optimizer classes (`deepspeed.ops.adam`, `.adagrad`, `.lion`), as
+objects initialize reads.
 
-Scripts and accelerate build `DeepSpeedCPUAdam(params, lr=..., adamw_mode=...)` or
-`FusedAdam(...)` and pass it to initialize. Strata does not run these objects: it reads their
-hyperparameters into the config's "optimizer" section and runs its own SIMD Adam on the
-partitioned states (optim/). Outside an engine they step like torch's Adam/AdamW, so code that
-uses them on a plain model still trains.
+Scripts and accelerate build `DeepSpeedCPUAdam(params, lr=..., adamw_mode=...)`, `FusedAdam(...)`,
+`DeepSpeedCPUAdagrad(...)`, `DeepSpeedCPULion(...)` or `FusedLion(...)` and pass it to initialize.
+Strata does not run these objects: it reads their hyperparameters into the config's "optimizer"
+section and runs its own SIMD optimizer on the partitioned states (optim/). Outside an engine
+they step like the optimizer they name (torch's Adam/AdamW/Adagrad; Lion written out below), so
+code that uses them on a plain model still trains.
 """
 
 import torch
@@ -61,4 +63,63 @@ class FusedAdam(_AdamFamily):
                          adam_w_mode)
 
 
-__all__ = ["DeepSpeedCPUAdam", "FusedAdam"]
+class DeepSpeedCPUAdagrad(torch.optim.Adagrad):
+    """DeepSpeed's CPU Adagrad signature over torch's Adagrad (no lr_decay, sum starting at 0)."""
+
+    def __init__(self, model_params, lr=1e-2, eps=1e-10, weight_decay=0, amsgrad=False,
+                 fp32_optimizer_states=True):
+        if amsgrad:
+            raise ValueError("DeepSpeedCPUAdagrad(amsgrad=True): Adagrad has no AMSGrad variant; "
+                             "leave it False")
+        super().__init__(model_params, lr=lr, eps=eps, weight_decay=weight_decay)
+        self.fp32_optimizer_states = fp32_optimizer_states
+
+
+class _LionFamily(torch.optim.Optimizer):
+    """Lion (Chen et al. 2023) on plain tensors, as Strata's CPU and GPU kernels compute it:
+    c = beta1*m + (1-beta1)*g; p *= 1 - lr*wd; p -= lr*sign(c); m = beta2*m + (1-beta2)*g."""
+
+    def __init__(self, params, lr, betas, weight_decay):
+        if not 0.0 <= lr:
+            raise ValueError(f"{type(self).__name__}(lr={lr}): must be >= 0")
+        if not (0.0 <= betas[0] < 1.0 and 0.0 <= betas[1] < 1.0):
+            raise ValueError(f"{type(self).__name__}(betas={tuple(betas)}): both must be in [0, 1)")
+        super().__init__(params, dict(lr=lr, betas=tuple(betas), weight_decay=weight_decay))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            beta1, beta2 = group["betas"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if not state:
+                    state["exp_avg"] = torch.zeros_like(p, dtype=torch.float32)
+                m = state["exp_avg"]
+                g = p.grad.float()
+                c = m.mul(beta1).add_(g, alpha=1 - beta1)
+                if group["weight_decay"] != 0:
+                    p.mul_(1 - group["lr"] * group["weight_decay"])
+                p.add_(c.sign_().to(p.dtype), alpha=-group["lr"])
+                m.mul_(beta2).add_(g, alpha=1 - beta2)
+        return loss
+
+
+class DeepSpeedCPULion(_LionFamily):
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), weight_decay=0,
+                 fp32_optimizer_states=True):
+        super().__init__(params, lr, betas, weight_decay)
+        self.fp32_optimizer_states = fp32_optimizer_states
+
+
+class FusedLion(_LionFamily):
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), weight_decay=0.0, set_grad_none=True):
+        super().__init__(params, lr, betas, weight_decay)
+
+
+__all__ = ["DeepSpeedCPUAdam", "FusedAdam", "DeepSpeedCPUAdagrad", "DeepSpeedCPULion", "FusedLion"]

@@ -1,8 +1,8 @@
 """The optimizer and the config's schedule as initialize returns them.
 
 StrataOptimizer is a real torch.optim.Optimizer: torch's LR schedulers and Hugging Face's Trainer
-wrap its step and write its param_groups. The Adam states themselves live in the engine's tiers;
-what lives here is the hyperparameters, and the engine reads the lr from these groups at every
+wrap its step and write its param_groups. The optimizer states themselves live in the engine's
+tiers; what lives here is the hyperparameters, and the engine reads the lr from these groups at every
 step (StrataEngine._sync_lr), so a client scheduler, a scheduler built on the client's own torch
 optimizer, or a loop that writes the lr by hand all drive the update.
 
@@ -20,17 +20,24 @@ from .config import group_hyperparameters
 
 
 class StrataOptimizer(torch.optim.Optimizer):
-    """The engine's Adam/AdamW/SGD seen as a torch optimizer: param_groups to read and write, step,
-    zero_grad, state_dict. Its per-parameter `state` stays empty: the moments are partitioned
+    """The engine's optimizer (Adam/AdamW/SGD/Adagrad/Lion) seen as a torch optimizer:
+    param_groups to read and write, step, zero_grad, state_dict. Its per-parameter `state` stays
+    empty: the optimizer states (moments, momentum buffers, Adagrad's sums) are partitioned
     across ranks and tiers and go into engine.save_checkpoint, not into state_dict()."""
 
     def __init__(self, engine, params, client=None):
         section = engine.config.get("optimizer", {})
         given = section.get("params", {})
         lr, beta1, beta2, eps, weight_decay, momentum, dampening = group_hyperparameters({}, given)
-        if section.get("type") == "SGD":
+        kind = section.get("type")
+        if kind == "SGD":
             defaults = {"lr": lr, "momentum": momentum, "dampening": dampening,
                         "weight_decay": weight_decay, "nesterov": bool(given.get("nesterov", False))}
+        elif kind == "Adagrad":
+            defaults = {"lr": lr, "lr_decay": float(given.get("lr_decay", 0.0)), "eps": eps,
+                        "weight_decay": weight_decay, "initial_accumulator_value": 0.0}
+        elif kind == "Lion":
+            defaults = {"lr": lr, "betas": (beta1, beta2), "weight_decay": weight_decay}
         else:
             defaults = {"lr": lr, "betas": (beta1, beta2), "eps": eps, "weight_decay": weight_decay}
         super().__init__(list(params), defaults)
@@ -92,15 +99,22 @@ class StrataOptimizer(torch.optim.Optimizer):
 
 
 class ConfigSchedule:
-    """The config's "scheduler" (WarmupLR, WarmupDecayLR, WarmupCosineLR). The engine writes its
-    lr into the optimizer's groups after each step, as DeepSpeed's schedulers do, so a loop that
-    writes the lr between steps overrides it for that step only."""
+    """The config's "scheduler" (WarmupLR, WarmupDecayLR, WarmupCosineLR, OneCycle, LRRangeTest).
+    The engine writes its lr (and OneCycle's cycled betas) into the optimizer's groups after each
+    step, as DeepSpeed's schedulers do, so a loop that writes them between steps overrides them
+    for that step only."""
 
     def __init__(self, engine):
         self._engine = engine
 
+    @property
+    def optimizer(self):
+        return self._engine.optimizer
+
     def step(self, *args, **kwargs):
-        """Nothing to do: the engine advances the schedule with each optimizer step."""
+        """Writes the schedule's values for the next step into the groups. The engine does this
+        itself after each step; a scheduler that wraps this one (VariableBatchSizeLR) calls it."""
+        self._engine._write_config_schedule()
 
     def get_last_lr(self):
         return self._engine.get_lr()

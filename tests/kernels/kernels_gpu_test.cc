@@ -256,6 +256,79 @@ TEST_F(KernelsGpu, AdamMatchesCpuBitForBitOverAllDtypeOptions) {
   }
 }
 
+// ---- SGD, Adagrad, Lion ----
+
+// Four steps of each element-wise optimizer on the GPU and on the CPU twin, every case of its
+// rule (SGD: plain, momentum with dampening, nesterov; decay on and off; Adagrad with lr_decay;
+// Lion with and without decay) and every param16 option: bit-identical masters, states and
+// 16-bit copies.
+TEST_F(KernelsGpu, SgdAdagradLionMatchCpuBitForBit) {
+  const size_t n = 300007;
+  for (int opt = 0; opt < 3; ++opt) {
+    for (int variant = 0; variant < 3; ++variant) {
+      for (int p = 0; p < 3; ++p) {
+        const DType p16 = p == 2 ? DType::kFloat16 : DType::kBFloat16;
+        SCOPED_TRACE(::testing::Message() << "optimizer " << opt << " variant " << variant
+                                          << " p16 " << p);
+        std::vector<float> master = RandomFloats(n, 1, 0.1f, 4);
+        const std::vector<float> grad = RandomFloats(n, 2, 1e-3f, 8);
+        std::vector<float> state = RandomFloats(n, 3, 1e-4f, 4);
+        if (opt == 1) {
+          for (auto& x : state) x = std::fabs(x);  // Adagrad's sum is never negative
+        }
+        std::vector<uint16_t> h16(n, 0);
+        DevBuf d_master(master), d_grad(grad), d_state(state), d_p16(h16);
+        void* cpu16 = p ? h16.data() : nullptr;
+        void* gpu16 = p ? d_p16.get() : nullptr;
+        for (int64_t step = 1; step <= 4; ++step) {
+          if (opt == 0) {
+            optim::SgdParams sp;
+            sp.lr = 0.05;
+            sp.weight_decay = variant == 1 ? 0.0 : 1e-3;
+            sp.momentum = variant == 0 ? 0.0 : 0.9;
+            sp.dampening = variant == 1 ? 0.2 : 0.0;
+            sp.nesterov = variant == 2;
+            sp.first = step == 1;
+            ASSERT_OK(SgdStep(kCuda, sp, {d_master.as<float>(), d_grad.as<float>(),
+                                          d_state.as<float>(), gpu16, p16, n}, 0.75f, stream_));
+            ASSERT_OK(SgdStep(kCpu, sp, {master.data(), grad.data(), state.data(), cpu16, p16, n},
+                              0.75f));
+          } else if (opt == 1) {
+            optim::AdagradParams ap;
+            ap.lr = 0.05;
+            ap.weight_decay = variant == 0 ? 0.0 : 1e-3;
+            ap.lr_decay = variant == 2 ? 0.1 : 0.0;
+            ap.step = step;
+            ASSERT_OK(AdagradStep(kCuda, ap, {d_master.as<float>(), d_grad.as<float>(),
+                                              d_state.as<float>(), gpu16, p16, n}, 0.75f, stream_));
+            ASSERT_OK(AdagradStep(kCpu, ap, {master.data(), grad.data(), state.data(), cpu16, p16,
+                                             n}, 0.75f));
+          } else {
+            optim::LionParams lp;
+            lp.lr = 1e-3;
+            lp.weight_decay = variant == 0 ? 0.0 : 0.1;
+            lp.beta2 = variant == 2 ? 0.99 : 0.999;
+            ASSERT_OK(LionStep(kCuda, lp, {d_master.as<float>(), d_grad.as<float>(),
+                                           d_state.as<float>(), gpu16, p16, n}, 0.75f, stream_));
+            ASSERT_OK(LionStep(kCpu, lp, {master.data(), grad.data(), state.data(), cpu16, p16, n},
+                               0.75f));
+          }
+        }
+        Sync();
+        const std::vector<float> gm = d_master.Download<float>();
+        EXPECT_EQ(0, std::memcmp(gm.data(), master.data(), 4 * n)) << "master differs";
+        if (!(opt == 0 && variant == 0)) {  // plain SGD has no state
+          const std::vector<float> gs = d_state.Download<float>();
+          EXPECT_EQ(0, std::memcmp(gs.data(), state.data(), 4 * n)) << "state differs";
+        }
+        if (p) {
+          EXPECT_EQ(d_p16.Download<uint16_t>(), h16) << "param16 differs";
+        }
+      }
+    }
+  }
+}
+
 TEST_F(KernelsGpu, AdamSkipsOnTheDeviceFlagWithoutHostSync) {
   const size_t n = 4096;
   std::vector<float> master = RandomFloats(n, 9);

@@ -6,6 +6,7 @@ torch.optim.Optimizer whose state_dict round-trips, and a checkpoint carries the
 """
 
 import copy
+import math
 
 import pytest
 import torch
@@ -179,6 +180,103 @@ def test_a_schedule_that_also_moves_betas_matches_pytorch(name, tmp_path):
     harness.assert_close(got, reference(accum, case[5], make_sched=one_cycle))
     assert opt.param_groups[0]["betas"][0] != 0.9  # the schedule did move it
     engine.close()
+
+
+class DeepSpeedStyleSchedule:
+    """DeepSpeed's OneCycle and LRRangeTest restated from their documentation, as a scheduler for
+    the plain-PyTorch reference: the constructor writes the first step's lr (and OneCycle's
+    (cycle_min_mom, 0.99) betas); step() after each optimizer step advances the batch index b
+    and writes the values for index b."""
+
+    def __init__(self, opt, kind, p):
+        self.opt, self.kind, self.p, self.last = opt, kind, p, -1
+        self._write(0)
+
+    def _scale(self, b):
+        p = self.p
+        first = p["cycle_first_step_size"]
+        second = p.get("cycle_second_step_size", first)
+        total = first + second
+        x = 1 + b / total - math.floor(1 + b / total)
+        up = x <= first / total
+        scale = x / (first / total) if up else (x - 1) / (first / total - 1)
+        stairs = p.get("cycle_first_stair_count", 0) if up else p.get("cycle_second_stair_count", 0)
+        if stairs > 0:
+            at = b % total
+            pos = at * stairs / first if at <= first else (total - at) * stairs / second
+            scale = math.floor(pos) / stairs
+        return scale, total
+
+    def _write(self, b):
+        p = self.p
+        betas = None
+        if self.kind == "LRRangeTest":
+            k = b / p["lr_range_test_step_size"]
+            lr = p["lr_range_test_min_lr"] * (1 + p["lr_range_test_step_rate"] * k)
+        else:
+            scale, total = self._scale(b)
+            if b == 0:
+                lr, betas = p["cycle_min_lr"], (p["cycle_min_mom"], 0.99)
+            elif b - 1 < total:
+                lr = p["cycle_min_lr"] + (p["cycle_max_lr"] - p["cycle_min_lr"]) * scale
+                betas = (p["cycle_max_mom"] - (p["cycle_max_mom"] - p["cycle_min_mom"]) * scale, 0.99)
+            else:
+                k = (b - total) / p["decay_step_size"]
+                lr = p["cycle_min_lr"] / (1 + p["decay_lr_rate"] * k)
+                betas = (p["cycle_max_mom"] * (1 + p["decay_mom_rate"] * k), 0.99)
+        for g in self.opt.param_groups:
+            g["lr"] = lr
+            if betas is not None:
+                g["betas"] = betas
+
+    def step(self):
+        self.last += 1
+        self._write(self.last + 1)
+
+
+CONFIG_SCHEDULES = {
+    # A short cycle with stairs on the way down, then decay of both lr and momentum.
+    "one_cycle": ("OneCycle", {"cycle_min_lr": 2e-4, "cycle_max_lr": 2e-3, "cycle_first_step_size": 2,
+                               "cycle_second_step_size": 3, "cycle_second_stair_count": 2,
+                               "decay_step_size": 1, "decay_lr_rate": 0.5, "cycle_min_mom": 0.85,
+                               "cycle_max_mom": 0.95, "decay_mom_rate": 0.01}),
+    "lr_range_test": ("LRRangeTest", {"lr_range_test_min_lr": 2e-4, "lr_range_test_step_size": 2,
+                                      "lr_range_test_step_rate": 1.5}),
+}
+
+
+@pytest.mark.parametrize("schedule", sorted(CONFIG_SCHEDULES))
+@pytest.mark.parametrize("name", ["stage0", "stage3_nvme_clip_accum"])
+def test_the_configs_one_cycle_and_range_test_match_deepspeeds_rule(schedule, name, tmp_path):
+    kind, params = CONFIG_SCHEDULES[schedule]
+    case = CASES[name]
+    steps = 8  # past the 5-step cycle: the decay phase runs too
+    torch.manual_seed(0)
+    model = harness.MODELS["gpt2"]()
+    cfg = harness.config_for(case, tmp_path / "nvme", scheduler={"type": kind, "params": params})
+    engine, opt, _, _ = strata.initialize(model=model, config=copy.deepcopy(cfg))
+    seen = []
+    got = []
+    for step in range(steps):
+        seen.append((opt.param_groups[0]["lr"], tuple(opt.param_groups[0]["betas"])))
+        got += train(engine, case[4], step, 1)
+    engine.close()
+
+    torch.manual_seed(0)
+    ref_model = harness.MODELS["gpt2"]()
+    ref_opt = torch.optim.AdamW(ref_model.parameters(), lr=harness.LR,
+                                weight_decay=harness.WEIGHT_DECAY)
+    ref_sched = DeepSpeedStyleSchedule(ref_opt, kind, params)
+    want_seen = []
+    want = harness.reference_loop(
+        "gpt2", ref_model, ref_opt, steps, case[4], case[5], sched=ref_sched,
+        before_step=lambda _: want_seen.append((ref_opt.param_groups[0]["lr"],
+                                                tuple(ref_opt.param_groups[0]["betas"]))))
+    assert [s[0] for s in seen] == pytest.approx([w[0] for w in want_seen], rel=1e-12)
+    assert [s[1] for s in seen] == [pytest.approx(w[1], rel=1e-12) for w in want_seen]
+    if kind == "OneCycle":
+        assert len({s[1][0] for s in seen}) > 3  # beta1 really cycled
+    harness.assert_close(got, want)
 
 
 def test_groups_added_after_initialize_are_refused_by_name(tmp_path):

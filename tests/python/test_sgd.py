@@ -78,7 +78,7 @@ def test_bad_sgd_settings_are_refused_by_name(tmp_path):
     case = CASES["stage0"]
     with pytest.raises(InvalidArgumentError, match="nesterov=true needs momentum > 0"):
         train(case, tmp_path, {"lr": 0.1, "nesterov": True}, client=False)
-    with pytest.raises(InvalidArgumentError, match="SGD keeps its momentum in fp32"):
+    with pytest.raises(InvalidArgumentError, match="SGD keeps its state in fp32"):
         torch.manual_seed(0)
         model = harness.MODELS["gpt2"]()
         cfg = harness.config_for(case, tmp_path / "nvme")

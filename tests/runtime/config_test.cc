@@ -460,7 +460,8 @@ TEST(ConfigDeepSpeed, OptimizerTypesFollowDeepSpeed) {
   EXPECT_EQ(type_of(R"({"optimizer": {"type": "adam", "params": {"adam_w_mode": false}}})"), OptimizerType::kAdam);
   EXPECT_EQ(type_of(R"({"optimizer": {"type": "AdamW", "params": {"adam_w_mode": false}}})"), OptimizerType::kAdamW);
   EXPECT_EQ(type_of(R"({"optimizer": {"type": "DeepSpeed_Adam"}})"), OptimizerType::kAdamW);
-  ExpectError(R"({"optimizer": {"type": "Lamb"}})", {"optimizer.type=\"Lamb\"", "Adam, AdamW and SGD"});
+  ExpectError(R"({"optimizer": {"type": "Lamb"}})",
+              {"optimizer.type=\"Lamb\"", "Adam, AdamW, SGD, Adagrad and Lion"});
   ExpectError(R"({"scheduler": {"type": "OneCycle"}})", {"scheduler.type=\"OneCycle\"", "not implemented"});
 }
 
@@ -486,6 +487,42 @@ TEST(ConfigDeepSpeed, SgdTakesTorchsParametersAndRules) {
               {"optimizer.params.momentum"});
   ExpectError(R"({"optimizer": {"type": "SGD", "params": {"betas": [0.9, 0.99]}}})",
               {"optimizer.params.betas"});
+}
+
+TEST(ConfigDeepSpeed, AdagradAndLionTakeTheirParametersAndDefaults) {
+  ASSERT_OK_AND_ASSIGN(Config a, Config::FromJsonText(R"({"optimizer": {"type": "Adagrad",
+      "params": {"lr": 0.05, "lr_decay": 0.01, "weight_decay": 1e-4}}})"));
+  EXPECT_EQ(a.optimizer.type, OptimizerType::kAdagrad);
+  EXPECT_EQ(a.optimizer.lr_decay, 0.01);
+  EXPECT_EQ(a.optimizer.eps, 1e-10);  // torch's and DeepSpeed's Adagrad default
+  ASSERT_OK_AND_ASSIGN(Config back, Config::FromJsonText(a.ToJson().dump()));
+  EXPECT_EQ(back.optimizer.type, OptimizerType::kAdagrad);
+  EXPECT_EQ(back.optimizer.lr_decay, 0.01);
+  EXPECT_EQ(back.optimizer.eps, 1e-10);
+  ASSERT_OK_AND_ASSIGN(Config d, Config::FromJsonText(R"({"optimizer": {"type": "adagrad"}})"));
+  EXPECT_EQ(d.optimizer.lr, 1e-2);
+
+  ASSERT_OK_AND_ASSIGN(Config l, Config::FromJsonText(R"({"optimizer": {"type": "Lion",
+      "params": {"lr": 3e-4, "betas": [0.95, 0.98], "weight_decay": 0.1}}})"));
+  EXPECT_EQ(l.optimizer.type, OptimizerType::kLion);
+  EXPECT_EQ(l.optimizer.beta1, 0.95);
+  EXPECT_EQ(l.optimizer.beta2, 0.98);
+  ASSERT_OK_AND_ASSIGN(Config lb, Config::FromJsonText(l.ToJson().dump()));
+  EXPECT_EQ(lb.optimizer.type, OptimizerType::kLion);
+  EXPECT_EQ(lb.optimizer.weight_decay, 0.1);
+  // DeepSpeed's Lion defaults: lr 1e-3, betas (0.9, 0.999).
+  ASSERT_OK_AND_ASSIGN(Config ld, Config::FromJsonText(R"({"optimizer": {"type": "lion"}})"));
+  EXPECT_EQ(ld.optimizer.lr, 1e-3);
+  EXPECT_EQ(ld.optimizer.beta2, 0.999);
+
+  ExpectError(R"({"optimizer": {"type": "Adagrad", "params": {"initial_accumulator_value": 0.1}}})",
+              {"optimizer.params.initial_accumulator_value", "starts the sum at 0"});
+  ExpectError(R"({"optimizer": {"type": "Adagrad", "params": {"betas": [0.9, 0.99]}}})",
+              {"optimizer.params.betas"});
+  ExpectError(R"({"optimizer": {"type": "Lion", "params": {"eps": 1e-8}}})",
+              {"optimizer.params.eps"});
+  ExpectError(R"({"optimizer": {"type": "Lion", "params": {"betas": [1.0, 0.99]}}})",
+              {"optimizer.params.betas", "[0, 1)"});
 }
 
 TEST(ConfigDeepSpeed, SpellingsWithoutTheStage3Prefix) {

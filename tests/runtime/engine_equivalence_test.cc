@@ -107,6 +107,60 @@ INSTANTIATE_TEST_SUITE_P(
     Placements, Equivalence, ::testing::ValuesIn(kCases),
     [](const auto& info) { return std::string(info.param.name); });
 
+// SGD (momentum, nesterov, decay) and Adagrad (lr_decay, decay) through the engine against
+// LibTorch's torch::optim::SGD / Adagrad: the optimizer on the device (with
+// STRATA_TEST_DEVICE=cuda, the GPU kernels) at stage 0 and stage 2 with clipping, and on the
+// CPU optimizer lane at stage 3 with cpu and nvme offload and accumulation.
+struct OptimizerCase {
+  const char* name;
+  OptimizerType type;
+  int stage;
+  OffloadDevice offload;
+  int accumulation;
+  double clipping;
+};
+class EquivalenceOtherOptimizers : public ::testing::TestWithParam<OptimizerCase> {};
+
+TEST_P(EquivalenceOtherOptimizers, MatchesLibTorchsOwnOptimizer) {
+  const OptimizerCase& k = GetParam();
+  Config c = BaseConfig();
+  c.optimizer.type = k.type;
+  if (k.type == OptimizerType::kSGD) {
+    c.optimizer.lr = 0.05;
+    c.optimizer.momentum = 0.9;
+    c.optimizer.nesterov = true;
+    c.optimizer.weight_decay = 1e-3;
+  } else {
+    c.optimizer.lr = 0.02;
+    c.optimizer.lr_decay = 0.05;
+    c.optimizer.eps = 1e-10;
+    c.optimizer.weight_decay = 1e-3;
+  }
+  c.zero_optimization.stage = k.stage;
+  c.zero_optimization.offload_optimizer.device = k.offload;
+  c.zero_optimization.offload_param.device = k.stage == 3 ? k.offload : OffloadDevice::kNone;
+  c.gradient_accumulation_steps = k.accumulation;
+  c.gradient_clipping = k.clipping;
+  testing::TempDir dir;
+  EngineOptions opts;
+  if (k.offload == OffloadDevice::kNvme) opts.nvme_path = {dir.path()};
+  TrainRun ref = Reference(c);
+  TrainRun got = ThroughEngine(c, opts, nullptr, 0);
+  ASSERT_LT(ref.losses.back(), ref.losses.front());
+  ExpectMatch(ref, got, 1e-5, 2e-5);
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Optimizers, EquivalenceOtherOptimizers,
+    ::testing::Values(
+        OptimizerCase{"sgd_device_stage0", OptimizerType::kSGD, 0, OffloadDevice::kNone, 1, 0.0},
+        OptimizerCase{"sgd_device_stage2_clip", OptimizerType::kSGD, 2, OffloadDevice::kNone, 1, 1.0},
+        OptimizerCase{"sgd_cpu_stage3_accum", OptimizerType::kSGD, 3, OffloadDevice::kCpu, 2, 1.0},
+        OptimizerCase{"adagrad_device_stage0", OptimizerType::kAdagrad, 0, OffloadDevice::kNone, 1, 0.0},
+        OptimizerCase{"adagrad_device_stage2_clip", OptimizerType::kAdagrad, 2, OffloadDevice::kNone, 1, 1.0},
+        OptimizerCase{"adagrad_nvme_stage3_accum", OptimizerType::kAdagrad, 3, OffloadDevice::kNvme, 2, 1.0}),
+    [](const ::testing::TestParamInfo<OptimizerCase>& info) { return std::string(info.param.name); });
+
 // Note [deferred optimizer]: under stage 3 with clipping, updates run after Step returns, beside
 // the next forward. Against the same engine waiting for them in Step
 // (strata.overlap_optimizer=false), the losses, an evaluation forward between steps and the final

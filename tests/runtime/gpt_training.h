@@ -90,14 +90,33 @@ inline torch::optim::AdamWOptions ReferenceAdamWOptions(const Config& c) {
       .weight_decay(c.optimizer.weight_decay);
 }
 
-// Plain LibTorch AdamW over `params` with the config's hyper-parameters, accumulation and
-// clipping: `steps` steps of gradient_accumulation_steps micro-steps, `loss(step, micro)` giving
-// each micro-step's loss. Returns the steps' mean losses. The reference every equivalence test
-// compares the engine with.
-inline std::vector<double> TrainWithAdamW(const std::vector<torch::Tensor>& params, const Config& c,
+// LibTorch's own optimizer for the config's optimizer.type and hyper-parameters: AdamW, SGD or
+// Adagrad (LibTorch has no Lion; the Python suite checks Lion against the paper's rule).
+inline std::unique_ptr<torch::optim::Optimizer> ReferenceOptimizer(
+    const std::vector<torch::Tensor>& params, const Config& c) {
+  const OptimizerConfig& o = c.optimizer;
+  switch (o.type) {
+    case OptimizerType::kSGD:
+      return std::make_unique<torch::optim::SGD>(
+          params, torch::optim::SGDOptions(o.lr).momentum(o.momentum).dampening(o.dampening)
+                      .weight_decay(o.weight_decay).nesterov(o.nesterov));
+    case OptimizerType::kAdagrad:
+      return std::make_unique<torch::optim::Adagrad>(
+          params, torch::optim::AdagradOptions(o.lr).lr_decay(o.lr_decay)
+                      .weight_decay(o.weight_decay).eps(o.eps));
+    default:
+      return std::make_unique<torch::optim::AdamW>(params, ReferenceAdamWOptions(c));
+  }
+}
+
+// Plain LibTorch training over `params` with the config's optimizer (ReferenceOptimizer),
+// accumulation and clipping: `steps` steps of gradient_accumulation_steps micro-steps,
+// `loss(step, micro)` giving each micro-step's loss. Returns the steps' mean losses. The
+// reference every equivalence test compares the engine with.
+inline std::vector<double> TrainPlainLibTorch(const std::vector<torch::Tensor>& params, const Config& c,
                                           int steps,
                                           const std::function<torch::Tensor(int, int)>& loss) {
-  torch::optim::AdamW adamw(params, ReferenceAdamWOptions(c));
+  std::unique_ptr<torch::optim::Optimizer> opt = ReferenceOptimizer(params, c);
   std::vector<double> losses;
   for (int s = 0; s < steps; ++s) {
     double step_loss = 0;
@@ -107,8 +126,8 @@ inline std::vector<double> TrainWithAdamW(const std::vector<torch::Tensor>& para
       step_loss += l.item<double>() / c.gradient_accumulation_steps;
     }
     if (c.gradient_clipping > 0) torch::nn::utils::clip_grad_norm_(params, c.gradient_clipping);
-    adamw.step();
-    adamw.zero_grad();
+    opt->step();
+    opt->zero_grad();
     losses.push_back(step_loss);
   }
   return losses;
@@ -143,7 +162,7 @@ struct ReferenceLossScaler {
   int64_t last_overflow = -1;
 };
 
-// TrainWithAdamW under loss scaling (the config's "fp16" block, whatever fp16.enabled says):
+// TrainPlainLibTorch under loss scaling (the config's "fp16" block, whatever fp16.enabled says):
 // each micro-step's loss times the scale goes backward; a step whose summed gradients hold an
 // inf or NaN is skipped (no update, AdamW's step count unchanged), the others are unscaled,
 // clipped and applied. `run` gets the losses, skips and scales.
@@ -188,7 +207,7 @@ inline TrainRun Reference(const Config& c) {
   auto model = models::BuildGpt(c.model);
   std::vector<torch::Tensor> params = models::UniqueParameters(*model);
   TrainRun run;
-  run.losses = TrainWithAdamW(params, c, kSteps,
+  run.losses = TrainPlainLibTorch(params, c, kSteps,
                               [&](int s, int m) { return ReferenceLoss(model, c, s, m); });
   for (auto& p : params) run.params.push_back(p.detach().clone());
   return run;
@@ -206,7 +225,7 @@ inline TrainRun ScaledReference(const Config& c, int steps, const LossShaper& sh
   return run;
 }
 
-// The engine's side of TrainWithAdamW: Backward of each micro-step's loss (this rank's slice),
+// The engine's side of TrainPlainLibTorch: Backward of each micro-step's loss (this rank's slice),
 // Step after each accumulation. Returns the steps' losses averaged over ranks.
 inline std::vector<double> TrainWithEngine(Engine& engine, const Config& c, Communicator* comm,
                                            int steps,

@@ -206,7 +206,7 @@ inline Run Reference(const Model& z, const Config& c) {
   model->train();
   std::vector<torch::Tensor> params = models::UniqueParameters(*model);
   Run run;
-  run.losses = TrainWithAdamW(params, c, kZooSteps,
+  run.losses = TrainPlainLibTorch(params, c, kZooSteps,
                               [&](int s, int k) { return z.loss(*model, s, k, 0, kGlobalBatch); });
   for (auto& p : params) run.params.push_back(p.detach().clone());
   run.buffers = Buffers(*model);

@@ -8,7 +8,7 @@ namespace strata::swapbench {
 
 void RegisterNvmeCommand(CLI::App& app, int* exit_code);
 void RegisterAdamCommand(CLI::App& app, int* exit_code);
-void RegisterSgdCommand(CLI::App& app, int* exit_code);
+void RegisterElementwiseCommands(CLI::App& app, int* exit_code);  // sgd, adagrad, lion
 void RegisterTiersCommand(CLI::App& app, int* exit_code);
 void RegisterProfileCommand(CLI::App& app, int* exit_code);
 

@@ -14,7 +14,7 @@ int main(int argc, char** argv) {
   int exit_code = 0;
   strata::swapbench::RegisterNvmeCommand(app, &exit_code);
   strata::swapbench::RegisterAdamCommand(app, &exit_code);
-  strata::swapbench::RegisterSgdCommand(app, &exit_code);
+  strata::swapbench::RegisterElementwiseCommands(app, &exit_code);
   strata::swapbench::RegisterTiersCommand(app, &exit_code);
   strata::swapbench::RegisterProfileCommand(app, &exit_code);
   try {

@@ -54,7 +54,9 @@ void RunCase(const Case& c, Isa isa) {
   if (c.with16) {
     EXPECT_EQ(std::memcmp(h.data(), h2.data(), n * 2), 0) << IsaName(isa);
   }
-  if (c.weight_decay == 0) EXPECT_EQ(p[5], before[5]);  // no gradient, no decay: unchanged
+  if (c.weight_decay == 0) {
+    EXPECT_EQ(p[5], before[5]);  // no gradient, no decay: unchanged
+  }
   EXPECT_NE(std::memcmp(p2.data(), before.data(), n * 4), 0);
 }
 

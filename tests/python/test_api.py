@@ -93,8 +93,8 @@ def test_missing_config_file_and_wrong_optimizer(tmp_path):
     with pytest.raises(ValueError, match="no-such.json"):
         strata.initialize(model=harness.kwargs_net(), config=str(tmp_path / "no-such.json"))
     model = harness.kwargs_net()
-    with pytest.raises(ValueError, match="Adagrad.*Adam, AdamW and SGD"):
-        strata.initialize(model=model, optimizer=torch.optim.Adagrad(model.parameters(), lr=0.1),
+    with pytest.raises(ValueError, match="RMSprop.*Adam, AdamW, SGD, Adagrad and Lion"):
+        strata.initialize(model=model, optimizer=torch.optim.RMSprop(model.parameters(), lr=0.1),
                           config={})
 
 

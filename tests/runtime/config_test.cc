@@ -462,7 +462,9 @@ TEST(ConfigDeepSpeed, OptimizerTypesFollowDeepSpeed) {
   EXPECT_EQ(type_of(R"({"optimizer": {"type": "DeepSpeed_Adam"}})"), OptimizerType::kAdamW);
   ExpectError(R"({"optimizer": {"type": "Lamb"}})",
               {"optimizer.type=\"Lamb\"", "Adam, AdamW, SGD, Adagrad and Lion"});
-  ExpectError(R"({"scheduler": {"type": "OneCycle"}})", {"scheduler.type=\"OneCycle\"", "not implemented"});
+  ExpectError(R"({"scheduler": {"type": "OneCycle"}})",
+              {"scheduler.params.cycle_min_lr", "required by OneCycle"});
+  ExpectError(R"({"scheduler": {"type": "OneCycleLR"}})", {"scheduler.type", "OneCycle"});
 }
 
 TEST(ConfigDeepSpeed, SgdTakesTorchsParametersAndRules) {

@@ -37,7 +37,6 @@ const std::map<std::string, std::string> kRejected = {
      "optimizer.type=\"Lamb\""},
     {"microsoft__DeepSpeedExamples__bing_bert__deepspeed_bsz4k_onebit_config_seq128.json",
      "optimizer.type=\"OneBitAdam\""},
-    {"microsoft__DeepSpeedExamples__QANet-Pytorch__ds_bsz512_1cycle.json", "scheduler.type=\"OneCycle\""},
 };
 
 struct Source {

@@ -60,7 +60,9 @@ void Check(const Case& c) {
       for (size_t s = 0; s < segs.size(); ++s) {
         ASSERT_EQ(segs[s].begin, at) << "chunk " << chunk << " rank " << rank << " segment " << s;
         ASSERT_GT(segs[s].size, 0);
-        if (s > 0) EXPECT_NE(segs[s].group, segs[s - 1].group);
+        if (s > 0) {
+          EXPECT_NE(segs[s].group, segs[s - 1].group);
+        }
         for (int64_t i = segs[s].begin; i < segs[s].begin + segs[s].size; ++i)
           ASSERT_EQ(segs[s].group, want[i]) << "chunk " << chunk << " rank " << rank << " element " << i;
         at += segs[s].size;

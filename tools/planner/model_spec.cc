@@ -28,7 +28,7 @@ StatusOr<ModelSpec> GptModelSpec(const ModelConfig& c) {
   ModelSpec m;
   m.gpt = c;
   int64_t block = 0;
-  auto add = [&](std::string name, int64_t numel) { m.params.push_back({std::move(name), numel, block}); };
+  auto add = [&](std::string name, int64_t numel) { m.params.push_back({std::move(name), numel, block, {}}); };
   add("embed.pos", T * d);
   add("embed.tok.weight", V * d);
   const size_t tok = m.params.size() - 1;
@@ -77,7 +77,7 @@ StatusOr<ModelSpec> SyntheticModelSpec(int64_t params, int64_t largest_layer) {
   int64_t left = params, block = 0;
   while (left > 0) {
     const int64_t n = std::min(left, largest_layer);
-    m.params.push_back({StrCat("layer", block), n, block});
+    m.params.push_back({StrCat("layer", block), n, block, {}});
     left -= n;
     ++block;
   }

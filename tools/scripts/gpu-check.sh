@@ -28,7 +28,8 @@
 # STRATA_NVME_DIR (swap directory; default /var/tmp/strata-gpu-nvme), STRATA_GPU_BUILD,
 # STRATA_PHASE_SECONDS (the phase's own time limit; default 530), STRATA_GPU_TARGETS (build: the
 # targets to build, default all; `lease` names the ones test, bench and scale run, for a short
-# lease where the whole test tree does not fit).
+# lease where the whole test tree does not fit), STRATA_GPU_PYTHON_TESTS (test: a ctest -R regex
+# of the Python suites to run; default all).
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
 cd "$ROOT"
@@ -304,7 +305,7 @@ phase_test() {
   need_build
   local ok=true suites=() line
   say "ctest -L gpu"
-  (cd "$CM" && timeout "$(( $(left) / 3 ))" ctest -L gpu --output-on-failure -j 2) >"$WORK/ctest-gpu.log" 2>&1 || ok=false
+  (cd "$CM" && timeout "$(( $(left) / 4 ))" ctest -L gpu --output-on-failure -j 2) >"$WORK/ctest-gpu.log" 2>&1 || ok=false
   line=$(ctest_line "$WORK/ctest-gpu.log"); echo "  $line"
   local skipped
   skipped=$(grep -c -E 'SKIPPED|Skipped' "$WORK/ctest-gpu.log" || true)
@@ -313,27 +314,32 @@ phase_test() {
     # One small engine per case, each in its own process: where the module fails on this device,
     # with native frames for a crash (tools/scripts/gpu_python_probe.py).
     say "the Python module, case by case (gpu_python_probe.py)"
-    if PYTHONPATH="$CM/python" STRATA_BIN="$CM/bin" timeout "$(( $(left) / 3 ))" \
-         "$PY" "$ROOT/tools/scripts/gpu_python_probe.py" --out "$WORK/probe" --timeout 60 2>&1 | tee "$WORK/probe.log"; then
+    if PYTHONPATH="$CM/python" STRATA_BIN="$CM/bin" timeout "$(( $(left) / 4 ))" \
+         "$PY" "$ROOT/tools/scripts/gpu_python_probe.py" --out "$WORK/probe" --timeout 45 2>&1 | tee "$WORK/probe.log"; then
       suites+=("probe=all cases ran")
     else
       ok=false; suites+=("probe=$(grep -c FAILED "$WORK/probe.log" || true) cases failed (work/test/probe)")
     fi
-    say "the Python suite (ctest -L python; strata.device auto takes CUDA where a GPU is)"
-    (cd "$CM" && timeout "$(( $(left) * 2 / 3 ))" ctest -L python --output-on-failure -j 4) >"$WORK/ctest-python.log" 2>&1 || ok=false
-    line=$(ctest_line "$WORK/ctest-python.log"); echo "  $line"
-    suites+=("python=${line:-no summary}")
-    native_backtrace
+    # The Trainer test before the whole suite: it is the one nothing else covers, and a short
+    # lease may end during the suite.
     local trainer="$ROOT/tests/python/test_hf_trainer.py"
     if [ -f "$trainer" ]; then
       say "the Trainer test"
-      if PYTHONPATH="$CM/python:$CM/deepspeed-compat" STRATA_BIN="$CM/bin" timeout "$(left)" \
+      if PYTHONPATH="$CM/python:$CM/deepspeed-compat" STRATA_BIN="$CM/bin" timeout "$(( $(left) / 2 ))" \
            "$PY" -m pytest -q -rs -p no:cacheprovider "$trainer" >"$WORK/trainer.log" 2>&1; then :; else ok=false; fi
       line=$(tail -1 "$WORK/trainer.log"); echo "  $line"
       suites+=("trainer=$line")
     else
       suites+=("trainer=not present (tests/python/test_hf_trainer.py)")
     fi
+    # STRATA_GPU_PYTHON_TESTS: a ctest -R regex picking suites when the lease is short.
+    local pick=()
+    [ -n "${STRATA_GPU_PYTHON_TESTS:-}" ] && pick=(-R "$STRATA_GPU_PYTHON_TESTS")
+    say "the Python suite (ctest -L python ${pick[*]}; strata.device auto takes CUDA where a GPU is)"
+    (cd "$CM" && timeout "$(( $(left) - 5 ))" ctest -L python "${pick[@]}" --output-on-failure -j 4) >"$WORK/ctest-python.log" 2>&1 || ok=false
+    line=$(ctest_line "$WORK/ctest-python.log"); echo "  $line"
+    suites+=("python=${line:-no summary}")
+    native_backtrace
   else
     suites+=("python=module not built (see build.json's python_module)")
   fi

@@ -68,6 +68,13 @@ print("cxx11_abi=" + str(int(torch._C._GLIBCXX_USE_CXX11_ABI)))
       set(_strata_shared_libstdcxx OFF)
     endif()
   endif()
+  # The shared libstdc++ the module links first (Note [one libstdc++] in python/CMakeLists.txt).
+  execute_process(COMMAND "${CMAKE_CXX_COMPILER}" -print-file-name=libstdc++.so
+                  OUTPUT_VARIABLE _libstdcxx OUTPUT_STRIP_TRAILING_WHITESPACE ERROR_QUIET)
+  set(STRATA_PY_LIBSTDCXX "")
+  if(IS_ABSOLUTE "${_libstdcxx}" AND EXISTS "${_libstdcxx}")
+    set(STRATA_PY_LIBSTDCXX "${_libstdcxx}")
+  endif()
   set(_why "no python3 found")
   if(NOT _strata_shared_libstdcxx)
     set(_candidates)

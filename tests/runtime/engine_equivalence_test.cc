@@ -131,9 +131,12 @@ TEST_P(EquivalenceOtherOptimizers, MatchesLibTorchsOwnOptimizer) {
     c.optimizer.nesterov = true;
     c.optimizer.weight_decay = 1e-3;
   } else {
+    // Adagrad's first step moves each parameter by about lr whatever its gradient's size, so a
+    // gradient near zero is amplified: eps 1e-6 (not torch's 1e-10) damps the ones below it,
+    // where the GPU's differently rounded matmuls would otherwise flip a sign.
     c.optimizer.lr = 0.02;
     c.optimizer.lr_decay = 0.05;
-    c.optimizer.eps = 1e-10;
+    c.optimizer.eps = 1e-6;
     c.optimizer.weight_decay = 1e-3;
   }
   c.zero_optimization.stage = k.stage;
@@ -147,7 +150,11 @@ TEST_P(EquivalenceOtherOptimizers, MatchesLibTorchsOwnOptimizer) {
   TrainRun ref = Reference(c);
   TrainRun got = ThroughEngine(c, opts, nullptr, 0);
   ASSERT_LT(ref.losses.back(), ref.losses.front());
-  ExpectMatch(ref, got, 1e-5, 2e-5);
+  // On a GPU, Adagrad's normalisation turns the matmuls' other rounding of a small gradient into a
+  // difference of a fraction of lr: the parameters are held to lr / 10 there (the losses and the
+  // kernels themselves, kernels_gpu_test, stay exact); everywhere else to the usual 2e-5.
+  const bool gpu_adagrad = k.type == OptimizerType::kAdagrad && TestDeviceSpec() != "cpu";
+  ExpectMatch(ref, got, 1e-5, gpu_adagrad ? c.optimizer.lr / 10 / kGpuToleranceFactor : 2e-5);
 }
 
 INSTANTIATE_TEST_SUITE_P(

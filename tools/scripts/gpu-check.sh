@@ -325,7 +325,8 @@ phase_test() {
     local trainer="$ROOT/tests/python/test_hf_trainer.py"
     if [ -f "$trainer" ]; then
       say "the Trainer test"
-      if PYTHONPATH="$CM/python:$CM/deepspeed-compat" STRATA_BIN="$CM/bin" timeout "$(( $(left) / 2 ))" \
+      if PYTHONPATH="$CM/python:$CM/deepspeed-compat" STRATA_BIN="$CM/bin" \
+           STRATA_DS_COMPAT="$CM/deepspeed-compat" timeout "$(( $(left) / 2 ))" \
            "$PY" -m pytest -q -rs -p no:cacheprovider "$trainer" >"$WORK/trainer.log" 2>&1; then :; else ok=false; fi
       line=$(tail -1 "$WORK/trainer.log"); echo "  $line"
       suites+=("trainer=$line")

@@ -131,12 +131,9 @@ TEST_P(EquivalenceOtherOptimizers, MatchesLibTorchsOwnOptimizer) {
     c.optimizer.nesterov = true;
     c.optimizer.weight_decay = 1e-3;
   } else {
-    // Adagrad's first step moves each parameter by about lr whatever its gradient's size, so a
-    // gradient near zero is amplified: eps 1e-6 (not torch's 1e-10) damps the ones below it,
-    // where the GPU's differently rounded matmuls would otherwise flip a sign.
     c.optimizer.lr = 0.02;
     c.optimizer.lr_decay = 0.05;
-    c.optimizer.eps = 1e-6;
+    c.optimizer.eps = 1e-10;
     c.optimizer.weight_decay = 1e-3;
   }
   c.zero_optimization.stage = k.stage;
@@ -150,11 +147,13 @@ TEST_P(EquivalenceOtherOptimizers, MatchesLibTorchsOwnOptimizer) {
   TrainRun ref = Reference(c);
   TrainRun got = ThroughEngine(c, opts, nullptr, 0);
   ASSERT_LT(ref.losses.back(), ref.losses.front());
-  // On a GPU, Adagrad's normalisation turns the matmuls' other rounding of a small gradient into a
-  // difference of a fraction of lr: the parameters are held to lr / 10 there (the losses and the
-  // kernels themselves, kernels_gpu_test, stay exact); everywhere else to the usual 2e-5.
+  // Adagrad's first step moves each parameter by about lr whatever its gradient's size, so on a
+  // GPU, whose matmuls round differently, a gradient near zero can come out with the other sign
+  // and its parameter lr away (measured on an H100: up to 1.8e-3 with lr 2e-2). There the
+  // parameters are held to lr / 4 and the losses to the usual bound; the kernel itself is
+  // bit-exact against the CPU's (kernels_gpu_test). Everywhere else: 2e-5.
   const bool gpu_adagrad = k.type == OptimizerType::kAdagrad && TestDeviceSpec() != "cpu";
-  ExpectMatch(ref, got, 1e-5, gpu_adagrad ? c.optimizer.lr / 10 / kGpuToleranceFactor : 2e-5);
+  ExpectMatch(ref, got, 1e-5, gpu_adagrad ? c.optimizer.lr / 4 / kGpuToleranceFactor : 2e-5);
 }
 
 INSTANTIATE_TEST_SUITE_P(

@@ -51,7 +51,7 @@ const char* SettingsOf(Kind k) {
 
 // Plain C++ moving the optimizer's bytes with its operations; O3 clones per ISA, as adam_cmd.cc's
 // roofline, so the reference is memory-bound rather than instruction-bound.
-__attribute__((target_clones("avx512f", "avx2", "default"), optimize("O3", "no-math-errno"))) void
+__attribute__((target_clones("avx512f", "avx2", "default"), optimize("O3"))) void
 StreamingLoop(int kind, float* __restrict p, const float* __restrict g, float* __restrict s,
               size_t begin, size_t end) {
   if (kind == 0) {

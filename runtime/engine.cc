@@ -387,6 +387,11 @@ StatusOr<std::vector<torch::Tensor>> Engine::RestoreActivations(int64_t handle) 
 }
 std::string Engine::unit_name(int64_t unit) const { return impl_->unit_name(unit); }
 uint64_t Engine::device_bytes_in_use() const { return impl_->device_bytes(); }
+uint64_t Engine::device_peak_bytes() const { return impl_->device_peak_bytes(); }
+StatusOr<uint64_t> Engine::OffloadStates(const std::vector<StateKind>& kinds) {
+  return impl_->OffloadStates(kinds);
+}
+StatusOr<uint64_t> Engine::ReloadStates() { return impl_->ReloadStates(); }
 Status Engine::Backward(const torch::Tensor& loss) { return impl_->Backward(loss); }
 StatusOr<StepReport> Engine::Step() { return impl_->Step(); }
 StatusOr<std::vector<torch::Tensor>> Engine::GatherMasterParams() {

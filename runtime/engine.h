@@ -190,8 +190,18 @@ class Engine {
   StatusOr<int64_t> StashActivations(const std::vector<torch::Tensor>& tensors);
   StatusOr<std::vector<torch::Tensor>> RestoreActivations(int64_t handle);
   std::string unit_name(int64_t unit) const;
-  // Bytes of the device allocator in use now (the engine's device, all of its allocations).
+  // Bytes of the device allocator in use now (the engine's device, all of its allocations), and
+  // the most it has held.
   uint64_t device_bytes_in_use() const;
+  uint64_t device_peak_bytes() const;
+  // DeepSpeed's offload_states / reload_states (ZeRO stage 3, between steps): the device-resident
+  // blocks of `kinds` are copied to host memory and their device memory freed; ReloadStates puts
+  // every parked block back bit for bit. While states are parked the engine does not train (a
+  // training forward or Step fails with FAILED_PRECONDITION naming reload_states). Offload
+  // waits for the step's pending updates first; kinds placed off the device are left alone.
+  // Both return the bytes moved.
+  StatusOr<uint64_t> OffloadStates(const std::vector<StateKind>& kinds);
+  StatusOr<uint64_t> ReloadStates();
   // Backward of `loss` (divided by gradient_accumulation_steps and multiplied by the fp16 loss
   // scale here, as DeepSpeed does) and the gradient reduction.
   Status Backward(const torch::Tensor& loss);

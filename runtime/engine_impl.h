@@ -138,6 +138,15 @@ class Engine::Impl {
   Status SetGroupHyperparameters(const std::vector<GroupHyperparameters>& groups);
   int num_param_groups() const { return static_cast<int>(groups_.size()); }
   Status WriteParameters(const std::vector<torch::Tensor>& params);  // param_writes.cc
+  // offload_states / reload_states (state_offload.cc).
+  StatusOr<uint64_t> OffloadStates(const std::vector<StateKind>& kinds);
+  StatusOr<uint64_t> ReloadStates();
+  Status CheckStatesResident(const char* what) const;
+  struct ParkedBlock {
+    BlockKey key;
+    std::vector<uint8_t> bytes;  // the block's bytes while its device memory is freed
+  };
+  std::vector<ParkedBlock> parked_;  // owner thread only
   StatusOr<std::vector<torch::Tensor>> GatherMasterParams();
   Status Save(const std::string& dir, const nlohmann::json& extra);
   StatusOr<nlohmann::json> Load(const std::string& dir, bool weights_only);
@@ -154,6 +163,7 @@ class Engine::Impl {
     return u >= 0 && u < num_units() ? units_[u].name : std::string();
   }
   uint64_t device_bytes() const { return device_->allocated(); }
+  uint64_t device_peak_bytes() const { return device_->peak_allocated(); }
   bool cpu_checkpointing() const { return config_.activation_checkpointing.cpu_checkpointing; }
   // Lane trace (lane_trace.h): spans are recorded while armed.
   void SetTracing(bool on) { lane_trace_.Arm(on); }

@@ -232,6 +232,7 @@ void Engine::Impl::ResetLanes() {
 }
 
 StatusOr<StepReport> Engine::Impl::Step() {
+  STRATA_RETURN_IF_ERROR(CheckStatesResident("Step"));
   if (micro_step_ == 0 || micro_step_ % config_.gradient_accumulation_steps != 0)
     return FailedPrecondition(StrCat("Step after ", micro_step_ % config_.gradient_accumulation_steps,
                                      " of ", config_.gradient_accumulation_steps,

@@ -255,6 +255,7 @@ void Engine::Impl::PrefetchUnits(size_t pos, int direction) {
 }
 
 void Engine::Impl::OpenMicroStep() {
+  if (!parked_.empty()) Throw(CheckStatesResident("a training forward"));
   if (!step_open_) {
     step_open_ = true;
     // The first step's window opens here; later ones opened when the previous Step returned.

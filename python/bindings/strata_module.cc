@@ -112,6 +112,43 @@ PYBIND11_MODULE(_strata, m) {
                              [](PyEngine& e) { return e.engine().cpu_checkpointing(); })
       .def_property_readonly("device_bytes_in_use",
                              [](PyEngine& e) { return e.engine().device_bytes_in_use(); })
+      .def_property_readonly("device_peak_bytes",
+                             [](PyEngine& e) { return e.engine().device_peak_bytes(); })
+      .def("offload_states",
+           [](PyEngine& e, const std::vector<std::string>& names) {
+             std::vector<strata::StateKind> kinds;
+             for (const std::string& n : names) {
+               bool found = false;
+               for (int k = 0; k < strata::kNumStateKinds; ++k) {
+                 if (n == strata::StateKindName(static_cast<strata::StateKind>(k))) {
+                   kinds.push_back(static_cast<strata::StateKind>(k));
+                   found = true;
+                 }
+               }
+               if (!found)
+                 strata::python::ThrowIfError(strata::InvalidArgument(
+                     "offload_states: unknown state '" + n +
+                     "'; one of param16, grad, master32, exp_avg, exp_avg_sq"));
+             }
+             strata::StatusOr<uint64_t> moved = uint64_t{0};
+             {
+               py::gil_scoped_release nogil;
+               moved = e.engine().OffloadStates(kinds);
+             }
+             strata::python::ThrowIfError(moved.status());
+             return *moved;
+           },
+           py::arg("kinds"))
+      .def("reload_states",
+           [](PyEngine& e) {
+             strata::StatusOr<uint64_t> moved = uint64_t{0};
+             {
+               py::gil_scoped_release nogil;
+               moved = e.engine().ReloadStates();
+             }
+             strata::python::ThrowIfError(moved.status());
+             return *moved;
+           })
       .def_property_readonly("config_json", [](PyEngine& e) { return e.config().ToJsonString(); })
       .def("describe", [](PyEngine& e) { return e.engine().Describe().dump(); });
 

@@ -4,9 +4,11 @@ One object answers for the device the engine computes on: a CUDA GPU when torch 
 CPU device otherwise. Scripts use it to place tensors (`get_accelerator().device_name()`), seed,
 synchronize and read memory counters without naming CUDA.
 
-On the CPU device the memory counters are the process's: resident bytes now
-(memory_allocated) and its high-water mark (max_memory_allocated), both from /proc/self/status,
-since the engine's host memory is the process's memory. fp16 is unsupported there (the engine
+On the CPU device the memory counters are those of the device it stands in for: the bytes the
+live engines' device allocators hold now (memory_allocated) and the most they have held
+(max_memory_allocated), what torch.cuda's counters report on a GPU. So a script that frees device
+memory (engine.offload_states) sees the counter fall, and a process with no engine reads 0. The
+process's resident memory is host_memory_resident() (VmRSS). fp16 is unsupported there (the engine
 refuses it on the CPU device); bf16 is supported.
 """
 
@@ -24,6 +26,18 @@ def _proc_status_bytes(field):
     except OSError:
         pass
     return 0
+
+
+def _engine_device_bytes(counter):
+    """A device-allocator counter summed over the engines alive in this process."""
+    from . import engine as _engine
+    total = 0
+    for e in list(_engine._live_engines.values()):
+        try:
+            total += getattr(e._cpp, counter)
+        except Exception:  # an engine closing meanwhile holds nothing
+            pass
+    return total
 
 
 class Accelerator:
@@ -116,12 +130,19 @@ class Accelerator:
     def memory_allocated(self, device_index=None):
         if self._cuda:
             return torch.cuda.memory_allocated(device_index)
-        return _proc_status_bytes("VmRSS")
+        return _engine_device_bytes("device_bytes_in_use")
 
     def max_memory_allocated(self, device_index=None):
+        """On the CPU device: the sum of the live engines' device high-water marks (they are not
+        reset by reset_peak_memory_stats)."""
         if self._cuda:
             return torch.cuda.max_memory_allocated(device_index)
-        return _proc_status_bytes("VmHWM")
+        return _engine_device_bytes("device_peak_bytes")
+
+    @staticmethod
+    def host_memory_resident():
+        """The process's resident memory (VmRSS), on either device."""
+        return _proc_status_bytes("VmRSS")
 
     def memory_reserved(self, device_index=None):
         return torch.cuda.memory_reserved(device_index) if self._cuda else self.memory_allocated()

@@ -62,6 +62,7 @@ class StrataEngine(torch.nn.Module):
 
     # --- forward ------------------------------------------------------------------------------
     def forward(self, *args, **kwargs):
+        self._check_states_resident("forward")
         outer = _units.thread_state.engine
         _units.thread_state.engine = self
         try:
@@ -112,6 +113,7 @@ class StrataEngine(torch.nn.Module):
         backward; before that it does nothing (as DeepSpeed's engine.step). A client LR scheduler
         given to initialize steps after each optimizer step."""
         self._check_live()
+        self._check_states_resident("step()")
         micro = self._cpp.micro_step
         if micro == self._stepped_at or not self.is_gradient_accumulation_boundary():
             return
@@ -439,6 +441,49 @@ class StrataEngine(torch.nn.Module):
         return True
 
     save_fp16_model = save_16bit_model
+
+    # --- offload_states / reload_states ------------------------------------------------------
+    # DeepSpeed's state types onto the engine's blocks. Strata keeps no contiguous gradient buffer
+    # between steps (gradients are reduced into the grad shards as they arrive), so that type
+    # moves nothing.
+    _STATE_BLOCKS = {"optim_states": ("exp_avg", "exp_avg_sq"), "hp_params": ("master32",),
+                     "lp_params": ("param16",), "lp_grads": ("grad",),
+                     "contiguous_grad_buffer": ()}
+
+    def offload_states(self, include=None, device="cpu", pin_memory=True, non_blocking=False):
+        """Moves the device-resident states named by `include` (DeepSpeed's OffloadStateTypeEnum
+        members or their names; None: all) to host memory and frees their device memory, between
+        steps, under ZeRO stage 3, as DeepSpeed's engine does; reload_states() brings them back
+        bit for bit, and the engine refuses to train until then. States already off the device
+        (cpu/nvme offload) stay where they are. Only device="cpu" is supported, as in DeepSpeed;
+        the host copies are ordinary (pageable) memory whatever pin_memory says, and the copy is
+        complete when the call returns (non_blocking is accepted and has no effect)."""
+        self._check_live()
+        where = getattr(device, "value", device)
+        if where != "cpu":
+            raise InvalidArgumentError(f"offload_states(device={where!r}): only 'cpu' is "
+                                       "supported (as in DeepSpeed)")
+        names = list(self._STATE_BLOCKS) if include is None else \
+            [getattr(t, "value", getattr(t, "name", t)) for t in include]
+        blocks = []
+        for n in names:
+            if n not in self._STATE_BLOCKS:
+                raise InvalidArgumentError(f"offload_states: unknown state type {n!r}; one of "
+                                           f"{sorted(self._STATE_BLOCKS)}")
+            blocks += [b for b in self._STATE_BLOCKS[n] if b not in blocks]
+        self._cpp.offload_states(blocks)
+        self._states_offloaded = True
+
+    def reload_states(self, non_blocking=False):
+        """Brings every state offload_states moved back to the device."""
+        self._check_live()
+        self._cpp.reload_states()
+        self._states_offloaded = False
+
+    def _check_states_resident(self, what):
+        if getattr(self, "_states_offloaded", False):
+            raise InvalidArgumentError(f"engine.{what} while states are offloaded to host memory "
+                                       "(offload_states): call engine.reload_states() first")
 
     # --- teardown -----------------------------------------------------------------------------
     def close(self):

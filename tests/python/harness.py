@@ -197,6 +197,29 @@ def train_reference(model_name, steps, accum=1, clip=0.0, world=1, micro=2):
     return reference_loop(model_name, model, opt, steps, accum, clip, world, micro), model
 
 
+def train_with_optimizer(case, tmp_path, groups, steps, client=None, section=None, schedule=None):
+    """The gpt2 model through strata.initialize for `steps` global steps under `case`, with its
+    optimizer given either as a client object (client(groups(model)), the config's own optimizer
+    section removed) or as the config's `section` with model_parameters=groups(model); an
+    lr_scheduler when `schedule` is set. Returns the loss of each step."""
+    torch.manual_seed(0)
+    model = MODELS["gpt2"]()
+    cfg = config_for(case, tmp_path / "nvme")
+    kwargs = {}
+    if client is not None:
+        del cfg["optimizer"]
+        kwargs["optimizer"] = client(groups(model))
+    else:
+        cfg["optimizer"] = section
+        kwargs["model_parameters"] = groups(model)
+    if schedule:
+        kwargs["lr_scheduler"] = schedule
+    engine, _, _, _ = strata.initialize(model=model, config=copy.deepcopy(cfg), **kwargs)
+    losses = run_steps(engine, "gpt2", 0, steps, case[4])
+    engine.close()
+    return losses
+
+
 def run_steps(engine, model_name, first, count, accum=1, rank=0, world=1, micro=2):
     """Global steps first..first+count-1 through a Strata engine, `accum` micro-batches each;
     returns this rank's mean loss per step."""

@@ -72,24 +72,12 @@ def reference(kind, settings, accum, clip, two_groups=False, schedule=None):
 
 
 def train(kind, case, tmp_path, settings, client, two_groups=False, schedule=None):
-    torch.manual_seed(0)
-    model = harness.MODELS["gpt2"]()
-    cfg = harness.config_for(case, tmp_path / "nvme")
-    kwargs = {}
-    if client:
-        del cfg["optimizer"]
-        kwargs["optimizer"] = OPTIMIZERS[kind][2](groups_of(model, two_groups, settings["lr"]),
-                                                  **settings)
-    else:
-        params = {k: list(v) if isinstance(v, tuple) else v for k, v in settings.items()}
-        cfg["optimizer"] = {"type": OPTIMIZERS[kind][0], "params": params}
-        kwargs["model_parameters"] = groups_of(model, two_groups, settings["lr"])
-    if schedule:
-        kwargs["lr_scheduler"] = schedule
-    engine, _, _, _ = strata.initialize(model=model, config=copy.deepcopy(cfg), **kwargs)
-    losses = harness.run_steps(engine, "gpt2", 0, STEPS, case[4])
-    engine.close()
-    return losses
+    params = {k: list(v) if isinstance(v, tuple) else v for k, v in settings.items()}
+    return harness.train_with_optimizer(
+        case, tmp_path, lambda m: groups_of(m, two_groups, settings["lr"]), STEPS,
+        schedule=schedule,
+        client=(lambda g: OPTIMIZERS[kind][2](g, **settings)) if client else None,
+        section={"type": OPTIMIZERS[kind][0], "params": params})
 
 
 @pytest.mark.parametrize("kind,setting", [(k, s) for k in sorted(OPTIMIZERS)

@@ -4,8 +4,6 @@ torch.optim.SGD does, from a client torch optimizer or the config's "type": "SGD
 client LR scheduler.
 """
 
-import copy
-
 import pytest
 import torch
 
@@ -39,22 +37,10 @@ def reference(settings, accum, clip, two_groups=False, schedule=None):
 
 
 def train(case, tmp_path, settings, client, two_groups=False, schedule=None):
-    torch.manual_seed(0)
-    model = harness.MODELS["gpt2"]()
-    cfg = harness.config_for(case, tmp_path / "nvme")
-    kwargs = {}
-    if client:
-        del cfg["optimizer"]
-        kwargs["optimizer"] = torch.optim.SGD(groups_of(model, two_groups), **settings)
-    else:
-        cfg["optimizer"] = {"type": "SGD", "params": dict(settings)}
-        kwargs["model_parameters"] = groups_of(model, two_groups)
-    if schedule:
-        kwargs["lr_scheduler"] = schedule
-    engine, _, _, _ = strata.initialize(model=model, config=copy.deepcopy(cfg), **kwargs)
-    losses = harness.run_steps(engine, "gpt2", 0, STEPS, case[4])
-    engine.close()
-    return losses
+    return harness.train_with_optimizer(
+        case, tmp_path, lambda m: groups_of(m, two_groups), STEPS, schedule=schedule,
+        client=(lambda g: torch.optim.SGD(g, **settings)) if client else None,
+        section={"type": "SGD", "params": dict(settings)})
 
 
 @pytest.mark.parametrize("setting", sorted(SETTINGS))

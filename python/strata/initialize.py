@@ -81,15 +81,22 @@ def _check_parameters_have_memory(model):
 
 
 def _make_loader(engine, training_data, collate_fn):
+    """The training loader DeepSpeed's initialize returns: each rank's share of the data in a
+    seeded shuffle (DistributedSampler, seed 0) under a launcher or with several ranks, a
+    RandomSampler on the global RNG in a plain single process; micro-batches of
+    train_micro_batch_size_per_gpu, the last partial one kept unless the config sets
+    dataloader_drop_last."""
     if training_data is None:
         return None
-    sampler = None
-    if engine.world_size > 1:
+    if engine.world_size > 1 or "LOCAL_RANK" in os.environ:
         sampler = torch.utils.data.distributed.DistributedSampler(
             training_data, num_replicas=engine.world_size, rank=engine.global_rank)
+    else:
+        sampler = torch.utils.data.RandomSampler(training_data)
+    drop_last = bool((getattr(engine, "_user_config", None) or {}).get("dataloader_drop_last", False))
     return torch.utils.data.DataLoader(
         training_data, batch_size=engine.train_micro_batch_size_per_gpu(), sampler=sampler,
-        shuffle=False, collate_fn=collate_fn, drop_last=True)
+        collate_fn=collate_fn, drop_last=drop_last)
 
 
 def initialize(args=None, model=None, optimizer=None, model_parameters=None, training_data=None,

@@ -174,6 +174,27 @@ def test_plain_loss_backward_is_refused_with_the_fix(tmp_path):
     engine.close()
 
 
+def test_the_training_loader_is_deepspeeds(tmp_path, monkeypatch):
+    # Under a launcher (LOCAL_RANK set) DeepSpeed's loader deals the data out through a
+    # DistributedSampler (a shuffle seeded with 0) and keeps the last partial batch unless the
+    # config sets dataloader_drop_last.
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    data = torch.utils.data.TensorDataset(torch.arange(10.0))
+    want = [float(i) for i in torch.utils.data.distributed.DistributedSampler(
+        data, num_replicas=1, rank=0)]
+    assert want != sorted(want)
+    for drop, sizes in ((False, [4, 4, 2]), (True, [4, 4])):
+        cfg = harness.config_for(STAGE2_CPU, tmp_path, micro=4)
+        if drop:
+            cfg["dataloader_drop_last"] = True
+        engine, _, loader, _ = strata.initialize(model=harness.kwargs_net(), config=cfg,
+                                                 training_data=data)
+        got = [x for (x,) in loader]
+        assert [len(x) for x in got] == sizes
+        assert torch.cat(got).tolist() == want[:sum(sizes)]
+        engine.close()
+
+
 def test_training_data_loader_and_boundaries(tmp_path):
     cfg = harness.config_for(STAGE2_CPU, tmp_path)
     cfg["gradient_accumulation_steps"] = 2

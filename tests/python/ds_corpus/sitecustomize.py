@@ -4,6 +4,9 @@ downloading datasets with small random ones of the same shapes, so the scripts r
 and offline.
 
   STRATA_FAKE_DATA=N    samples per training set (test sets: N // 2, at least 40)
+  STRATA_SEED=S         torch.manual_seed(S) before the script runs, for scripts that seed
+                        nothing: the by-hand differential against real DeepSpeed
+                        (tools/scripts/ds_differential.sh) starts both runs from the same weights
 
 The fakes are torchvision.datasets.FakeData (PIL images, so the scripts' own transforms run),
 with every class present: per-class accuracy code divides by each class's count.
@@ -12,6 +15,11 @@ with every class present: per-class accuracy code divides by each class's count.
 import os
 
 _N = os.environ.get("STRATA_FAKE_DATA")
+
+if os.environ.get("STRATA_SEED"):
+    import torch as _torch
+
+    _torch.manual_seed(int(os.environ["STRATA_SEED"]))
 
 if _N:
     import torchvision

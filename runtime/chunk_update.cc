@@ -62,15 +62,19 @@ Status Engine::Impl::AdamChunk(int64_t c, float grad_scale, int64_t step,
       kg{c, StateKind::kGrad};
   // A failed acquire (an I/O error reading a state back) releases what was already pinned: the
   // error must leave the tier manager consistent for the caller to report it and shut down.
+  // States the optimizer does not keep (HoldsState) have no block: their pointer stays null.
   void* ptrs[4] = {};
   const std::pair<BlockKey, Access> wants[4] = {
       {km, Access::kReadWrite}, {ka, Access::kReadWrite}, {kv, Access::kReadWrite}, {kg, Access::kRead}};
+  std::vector<BlockKey> held;  // acquired, to release
   for (int i = 0; i < 4; ++i) {
+    if (!HoldsState(wants[i].first.kind)) continue;
     auto got = store_->Acquire(wants[i].first, wants[i].second);
     if (!got.ok()) {
-      for (int j = 0; j < i; ++j) store_->Release(wants[j].first, false).IgnoreError();
+      for (const BlockKey& k : held) store_->Release(k, false).IgnoreError();
       return got.status().WithContext(StrCat("optimizer step of chunk ", c));
     }
+    held.push_back(wants[i].first);
     // A device-placed state is reached at its compute address (Note [device blocks]): only the
     // device's own compute touches it (device_optimizer() below).
     ptrs[i] = device_->ComputeAddress(*got);
@@ -95,7 +99,7 @@ Status Engine::Impl::AdamChunk(int64_t c, float grad_scale, int64_t step,
     if (param_placement_ != Placement::kDevice || device_optimizer()) {
       auto got = store_->Acquire(kp, Access::kWrite);
       if (!got.ok()) {
-        for (const auto& w : wants) store_->Release(w.first, false).IgnoreError();
+        for (const BlockKey& k : held) store_->Release(k, false).IgnoreError();
         return got.status().WithContext(StrCat("optimizer step of chunk ", c));
       }
       out = device_->ComputeAddress(*got);
@@ -145,8 +149,8 @@ Status Engine::Impl::AdamChunk(int64_t c, float grad_scale, int64_t step,
     sg.bufs.master = static_cast<float*>(master) + seg.begin;
     sg.bufs.grad = static_cast<char*>(g) + seg.begin * 4;
     sg.bufs.grad_dtype = optim::DType::kFloat32;
-    sg.bufs.exp_avg = static_cast<char*>(m) + seg.begin * state_size;
-    sg.bufs.exp_avg_sq = static_cast<char*>(v) + seg.begin * state_size;
+    sg.bufs.exp_avg = m ? static_cast<char*>(m) + seg.begin * state_size : nullptr;
+    sg.bufs.exp_avg_sq = v ? static_cast<char*>(v) + seg.begin * state_size : nullptr;
     sg.bufs.state_dtype = state_dtype_;
     sg.bufs.n = static_cast<size_t>(seg.size);
     if (compute_dtype_ != optim::DType::kFloat32) {
@@ -202,12 +206,10 @@ Status Engine::Impl::AdamChunk(int64_t c, float grad_scale, int64_t step,
       std::memcpy(out, master, n * 4);
   }
   const bool updated = s.ok();
-  for (const BlockKey& k : {km, ka, kv}) {
-    Status rs = store_->Release(k, updated);
+  for (const BlockKey& k : held) {
+    Status rs = store_->Release(k, updated && !(k == kg));  // the gradient is only read
     if (s.ok()) s = rs;
   }
-  Status gs = store_->Release(kg, false);
-  if (s.ok()) s = gs;
   if (param_block_held) {
     Status ps = store_->Release(kp, updated);
     if (s.ok()) s = ps;

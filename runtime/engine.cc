@@ -305,8 +305,9 @@ uint64_t Engine::Impl::model_state_bytes() const {
   const uint64_t n = static_cast<uint64_t>(num_params());
   const uint64_t work = optim::DTypeSize(compute_dtype_);
   const uint64_t state = optim::DTypeSize(state_dtype_);
-  // working copy + fp32 grad + fp32 master + two moments
-  return n * (work + 4 + 4 + 2 * state);
+  // working copy + fp32 grad + fp32 master + the moments the optimizer keeps
+  const uint64_t moments = (holds_exp_avg_ ? 1 : 0) + (holds_exp_avg_sq_ ? 1 : 0);
+  return n * (work + 4 + 4 + moments * state);
 }
 
 nlohmann::json Engine::Impl::PlanJson() const {
@@ -419,8 +420,14 @@ Status Engine::Impl::SetGroupHyperparameters(const std::vector<GroupHyperparamet
                                   "built with ", groups_.size(), ": groups cannot be added or "
                                   "removed after the engine is made"));
   }
-  for (size_t g = 0; g < groups.size(); ++g)
+  for (size_t g = 0; g < groups.size(); ++g) {
     STRATA_RETURN_IF_ERROR(ValidateGroup(groups[g], static_cast<int>(g)));
+    if (groups[g].momentum != 0 && !holds_exp_avg_ && config_.optimizer.type == OptimizerType::kSGD)
+      return InvalidArgument(StrCat(
+          "parameter group ", g, ": momentum=", groups[g].momentum, " but every group had "
+          "momentum 0 when the engine was made, so it keeps no momentum buffer; give the groups "
+          "their momentum before initialize"));
+  }
   group_override_ = groups;
   return Status::Ok();
 }

@@ -86,6 +86,7 @@ Status Engine::Impl::Save(const std::string& root, const nlohmann::json& extra) 
   std::vector<char> staging;
   for (size_t c = 0; c < chunks_.size() && s.ok(); ++c) {
     for (StateKind kind : kSavedKinds) {
+      if (!HoldsState(kind)) continue;  // Note [states the optimizer uses]
       const int64_t c64 = static_cast<int64_t>(c);
       const uint64_t bytes = partitioner_->chunks()[c].shard_numel *
                              (kind == StateKind::kMaster32 ? 4 : optim::DTypeSize(state_dtype_));
@@ -237,6 +238,7 @@ StatusOr<nlohmann::json> Engine::Impl::Load(const std::string& path, bool weight
   for (size_t c = 0; c < chunks_.size() && s.ok(); ++c) {
     for (StateKind kind : kSavedKinds) {
       if (weights_only && kind != StateKind::kMaster32) continue;  // the optimizer keeps its own
+      if (!HoldsState(kind)) continue;  // a state this optimizer does not keep is not read
       const int64_t c64 = static_cast<int64_t>(c);
       auto it = entries.find({c64, kind});
       const uint64_t bytes = partitioner_->chunks()[c].shard_numel *

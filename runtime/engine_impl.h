@@ -438,6 +438,15 @@ class Engine::Impl {
   const char* OptimizerOverlapName() const {
     return immediate_optimizer() ? "backward" : defer_updates() ? "next-forward" : "in-step";
   }
+  // Whether the optimizer keeps this state (Note [states the optimizer uses]): the master,
+  // param16 and grad always; exp_avg for Adam, AdamW, Lion and SGD with momentum; exp_avg_sq for
+  // Adam, AdamW and Adagrad. A state it does not keep has no blocks: no memory, no NVMe traffic,
+  // not in checkpoints. Fixed in GroupParameters, before the blocks are placed.
+  bool HoldsState(StateKind k) const {
+    return k == StateKind::kExpAvg ? holds_exp_avg_ : k == StateKind::kExpAvgSq ? holds_exp_avg_sq_ : true;
+  }
+  bool holds_exp_avg_ = true;
+  bool holds_exp_avg_sq_ = true;
   BlockKey MasterKey(int64_t c) const {
     return {c, master_is_param() ? StateKind::kParam16 : StateKind::kMaster32};
   }

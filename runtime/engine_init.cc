@@ -159,6 +159,14 @@ Status Engine::Impl::GroupParameters(const EngineOptions& options) {
       }
     }
   }
+  // Note [states the optimizer uses]: SGD keeps a momentum buffer (in exp_avg) only when some
+  // group has momentum, Adagrad its sum (in exp_avg_sq), Lion its momentum (in exp_avg); Adam
+  // both moments. An SGD group may not gain momentum later (SetGroupHyperparameters refuses it).
+  const OptimizerType type = oc.type;
+  const bool sgd_momentum = std::any_of(groups_.begin(), groups_.end(),
+                                        [](const GroupHyperparameters& g) { return g.momentum != 0; });
+  holds_exp_avg_ = type != OptimizerType::kAdagrad && (type != OptimizerType::kSGD || sgd_momentum);
+  holds_exp_avg_sq_ = type != OptimizerType::kSGD && type != OptimizerType::kLion;
   chunk_segments_.clear();
   for (size_t c = 0; c < partitioner_->chunks().size(); ++c) {
     chunk_segments_.push_back(ShardSegments(*partitioner_, static_cast<int64_t>(c), shard_rank(),
@@ -231,9 +239,10 @@ Status Engine::Impl::OpenBlockStore(const EngineOptions& options) {
     const uint64_t ssize = optim::DTypeSize(state_dtype_);
     for (const ChunkInfo& ci : partitioner_->chunks()) {
       const uint64_t n = static_cast<uint64_t>(ci.shard_numel);
-      std::vector<std::pair<uint64_t, Placement>> blocks = {
-          {n * 4, optim_placement_}, {n * ssize, optim_placement_}, {n * ssize, optim_placement_},
-          {n * 4, optim_placement_}};
+      std::vector<std::pair<uint64_t, Placement>> blocks = {{n * 4, optim_placement_},
+                                                             {n * 4, optim_placement_}};
+      if (holds_exp_avg_) blocks.push_back({n * ssize, optim_placement_});
+      if (holds_exp_avg_sq_) blocks.push_back({n * ssize, optim_placement_});
       if (z.stage == 3) blocks.push_back({n * optim::DTypeSize(compute_dtype_), param_placement_});
       for (auto [bytes, where] : blocks) {
         if (where == Placement::kHost) host_only += cls(bytes);
@@ -345,8 +354,9 @@ Status Engine::Impl::WriteInitialBlocks() {
     };
     if (!master_is_param())
       STRATA_RETURN_IF_ERROR(put(StateKind::kMaster32, n * 4, optim_placement_, shard32.data_ptr()));
-    STRATA_RETURN_IF_ERROR(put(StateKind::kExpAvg, n * ssize, optim_placement_, nullptr));
-    STRATA_RETURN_IF_ERROR(put(StateKind::kExpAvgSq, n * ssize, optim_placement_, nullptr));
+    if (holds_exp_avg_) STRATA_RETURN_IF_ERROR(put(StateKind::kExpAvg, n * ssize, optim_placement_, nullptr));
+    if (holds_exp_avg_sq_)
+      STRATA_RETURN_IF_ERROR(put(StateKind::kExpAvgSq, n * ssize, optim_placement_, nullptr));
     STRATA_RETURN_IF_ERROR(put(StateKind::kGrad, n * 4, optim_placement_, nullptr));
     torch::Tensor work = full32.to(tdtype);
     torch::NoGradGuard ng;

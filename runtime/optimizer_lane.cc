@@ -76,7 +76,9 @@ void Engine::Impl::EnqueueOptimizer(int64_t c) {
   WaitFillLanded(c);  // a copy gathered ahead still reads the block the update writes
   // Start reading the chunk's states now; the lane picks it up in order.
   store_->Prefetch(MasterKey(c));
-  for (StateKind k : {StateKind::kExpAvg, StateKind::kExpAvgSq}) store_->Prefetch({c, k});
+  for (StateKind k : {StateKind::kExpAvg, StateKind::kExpAvgSq}) {
+    if (HoldsState(k)) store_->Prefetch({c, k});
+  }
   {
     std::lock_guard<std::mutex> l(opt_mu_);
     update_pending_[c] = 1;
@@ -157,7 +159,9 @@ void Engine::Impl::PrefetchStatesForUpdates() {
   for (size_t i = 0; i < state_prefetch_next_; ++i) {
     const int64_t c = state_prefetch_order_[i];
     store_->Prefetch(MasterKey(c));
-    for (StateKind k : {StateKind::kExpAvg, StateKind::kExpAvgSq}) store_->Prefetch({c, k});
+    for (StateKind k : {StateKind::kExpAvg, StateKind::kExpAvgSq}) {
+      if (HoldsState(k)) store_->Prefetch({c, k});
+    }
   }
 }
 

@@ -23,7 +23,7 @@ StatusOr<uint64_t> Engine::Impl::OffloadStates(const std::vector<StateKind>& kin
   uint64_t moved = 0;
   for (StateKind kind : kinds) {
     if (kind == StateKind::kMaster32 && master_is_param()) continue;  // the param16 block is it
-    if (PlacementOf(kind) != Placement::kDevice) continue;
+    if (PlacementOf(kind) != Placement::kDevice || !HoldsState(kind)) continue;
     for (size_t c = 0; c < chunks_.size(); ++c) {
       const BlockKey key{static_cast<int64_t>(c), kind};
       if (std::any_of(parked_.begin(), parked_.end(), [&](const ParkedBlock& p) { return p.key == key; }))

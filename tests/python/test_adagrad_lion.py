@@ -167,3 +167,64 @@ def test_bad_settings_are_refused_by_name(tmp_path):
         strata.initialize(model=model, config=bad)
     with pytest.raises(InvalidArgumentError, match="neither a torch optimizer"):
         strata.initialize(model=model, config=cfg, optimizer=42)
+
+
+# Note [states the optimizer uses]: each optimizer keeps only its own states, so it needs less
+# device memory than AdamW by one 4-byte moment per parameter for each it does not keep, and its
+# checkpoints hold only those states and still resume bit for bit.
+STATE_CASES = {
+    # name: (config optimizer section, moments it keeps)
+    "sgd": ({"type": "SGD", "params": {"lr": 0.05}}, 0),
+    "sgd_momentum": ({"type": "SGD", "params": {"lr": 0.05, "momentum": 0.9}}, 1),
+    "adagrad": ({"type": "Adagrad", "params": {"lr": 0.05}}, 1),
+    "lion": ({"type": "Lion", "params": {"lr": 1e-3, "weight_decay": 0.1}}, 1),
+}
+
+
+def _built(case, tmp_path, section):
+    torch.manual_seed(0)
+    model = harness.MODELS["gpt2"]()
+    cfg = harness.config_for(case, tmp_path / "nvme")
+    cfg["optimizer"] = section
+    engine, *_ = strata.initialize(model=model, config=copy.deepcopy(cfg))
+    return engine
+
+
+@pytest.mark.parametrize("name", sorted(STATE_CASES))
+def test_each_optimizer_keeps_only_its_states(name, tmp_path):
+    section, moments = STATE_CASES[name]
+    adamw = _built(CASES["stage0"], tmp_path, {"type": "AdamW", "params": {"lr": 1e-3}})
+    full = adamw._cpp.device_bytes_in_use
+    adamw.close()
+    engine = _built(CASES["stage0"], tmp_path, section)
+    n = engine._cpp.num_parameters
+    saved = full - engine._cpp.device_bytes_in_use
+    engine.close()
+    assert 4 * n * (2 - moments) <= saved < 4 * n * (2 - moments) + (64 << 10)
+
+
+@pytest.mark.parametrize("name", sorted(STATE_CASES))
+def test_a_checkpoint_of_only_those_states_resumes_bit_for_bit(name, tmp_path):
+    section, _ = STATE_CASES[name]
+    case = CASES["stage3_nvme_clip_accum"]
+    straight = _built(case, tmp_path, section)
+    want = harness.run_steps(straight, "gpt2", 0, 4, case[4])
+    straight.close()
+    first = _built(case, tmp_path, section)
+    harness.run_steps(first, "gpt2", 0, 2, case[4])
+    first.save_checkpoint(tmp_path / "ckpt")
+    first.close()
+    second = _built(case, tmp_path, section)
+    second.load_checkpoint(tmp_path / "ckpt")
+    got = harness.run_steps(second, "gpt2", 2, 2, case[4])
+    second.close()
+    assert got == want[2:]
+
+
+def test_sgd_momentum_cannot_appear_after_initialize(tmp_path):
+    engine, opt, _, _ = strata.initialize(model=harness.MODELS["gpt2"](), config={
+        "train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}})
+    opt.param_groups[0]["momentum"] = 0.9
+    with pytest.raises(InvalidArgumentError, match="keeps no momentum buffer"):
+        harness.run_steps(engine, "gpt2", 0, 1)
+    engine.close()

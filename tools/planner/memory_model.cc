@@ -131,13 +131,19 @@ StatusOr<MemoryEstimate> EstimateMemory(const Config& config, const ModelSpec& m
       largest_class = std::max(largest_class, PoolClass(raw));
     }
   };
+  // The moments the optimizer keeps, as the engine decides (Note [states the optimizer uses] in
+  // runtime/engine_init.cc): SGD only with momentum, Adagrad only its sum, Lion only exp_avg.
+  const OptimizerType ot = config.optimizer.type;
+  const bool keeps_exp_avg =
+      ot != OptimizerType::kAdagrad && (ot != OptimizerType::kSGD || config.optimizer.momentum != 0);
+  const bool keeps_exp_avg_sq = ot != OptimizerType::kSGD && ot != OptimizerType::kLion;
   uint64_t nvme_need = 0, max_shard = 0;
   for (const ChunkInfo& ci : chunks) {
     const uint64_t n = static_cast<uint64_t>(ci.shard_numel);
     max_shard = std::max(max_shard, n);
     add_state("master32", optim_tier, n * 4);
-    add_state("exp_avg", optim_tier, n * ssize);
-    add_state("exp_avg_sq", optim_tier, n * ssize);
+    if (keeps_exp_avg) add_state("exp_avg", optim_tier, n * ssize);
+    if (keeps_exp_avg_sq) add_state("exp_avg_sq", optim_tier, n * ssize);
     add_state("grad", optim_tier, n * 4);
     if (z.stage == 3) {
       add_state("param16", param_tier, n * esize);

@@ -207,5 +207,36 @@ TEST(EstimateVsEngineTest, Stage3NvmeOffloadDeferredOptimizer) {
   ExpectWithin(e.engine_host_peak_bytes, m.host, "peak_host_bytes");
 }
 
+// Note [states the optimizer uses]: SGD without momentum keeps no moments and Lion one, in the
+// estimate as in the engine, on the device and in host memory alike.
+TEST(EstimateVsEngineTest, OptimizersWithFewerStates) {
+  for (OptimizerType type : {OptimizerType::kSGD, OptimizerType::kLion}) {
+    for (OffloadDevice where : {OffloadDevice::kNone, OffloadDevice::kCpu}) {
+      SCOPED_TRACE(::testing::Message() << OptimizerTypeName(type) << " offload "
+                                        << (where == OffloadDevice::kCpu ? "cpu" : "none"));
+      Config c = SmallConfig();
+      c.optimizer.type = type;
+      c.optimizer.lr = type == OptimizerType::kSGD ? 0.01 : 1e-4;
+      c.zero_optimization.stage = 3;
+      c.zero_optimization.offload_optimizer.device = where;
+      c.zero_optimization.offload_param.device = where;
+      ASSERT_OK_AND_ASSIGN(ModelSpec spec, GptModelSpec(c.model));
+      ASSERT_OK_AND_ASSIGN(MemoryEstimate e, EstimateMemory(c, spec));
+      Config adamw = c;
+      adamw.optimizer.type = OptimizerType::kAdamW;
+      ASSERT_OK_AND_ASSIGN(MemoryEstimate full, EstimateMemory(adamw, spec));
+      Measured m = TrainAndMeasure(c);
+      ExpectDevicePeak(e, m.device);
+      ExpectWithin(e.engine_host_peak_bytes, m.host, "peak_host_bytes");
+      // And the estimate itself is smaller than AdamW's where the states live.
+      if (where == OffloadDevice::kNone) {
+        EXPECT_LT(e.engine_device_peak_bytes, full.engine_device_peak_bytes);
+      } else {
+        EXPECT_LT(e.engine_host_peak_bytes, full.engine_host_peak_bytes);
+      }
+    }
+  }
+}
+
 }  // namespace
 }  // namespace strata::planner

@@ -150,7 +150,9 @@ StatusOr<MemoryEstimate> EstimateMemory(const Config& config, const ModelSpec& m
     } else {
       add_state("param16", MemTier::kHbm, static_cast<uint64_t>(ci.numel) * esize);
     }
-    if (optim_tier == MemTier::kNvme) nvme_need += Round(n * 4, 4096) * 2 + Round(n * ssize, 4096) * 2;
+    if (optim_tier == MemTier::kNvme)
+      nvme_need += Round(n * 4, 4096) * 2 +
+                   Round(n * ssize, 4096) * ((keeps_exp_avg ? 1 : 0) + (keeps_exp_avg_sq ? 1 : 0));
     if (param_tier == MemTier::kNvme) nvme_need += Round(n * esize, 4096);
   }
   const char* dtype_name = esize == 2 ? (config.fp16.enabled ? "fp16" : "bf16") : "fp32";

@@ -49,26 +49,11 @@ print("suffix=" + sysconfig.get_config_var("EXT_SUFFIX"))
 print("cmake_prefix=" + torch.utils.cmake_prefix_path)
 print("cxx11_abi=" + str(int(torch._C._GLIBCXX_USE_CXX11_ABI)))
 ]=])
-  # The module is dlopen'ed into a process that already holds torch's libstdc++.so.6. A compiler
-  # that links libstdc++ statically (some toolchains under /opt do) gives the module a private
-  # copy whose exported symbols the process's copy partly interposes: locale and iostream state
-  # then lives half in each, and the first `stream << number` faults. A standalone tool is not
-  # affected (its copy comes first for everyone), so only the module is refused.
-  set(_strata_probe_dir "${CMAKE_BINARY_DIR}/CMakeFiles/strata-libstdcxx-probe")
-  file(MAKE_DIRECTORY "${_strata_probe_dir}")
-  file(WRITE "${_strata_probe_dir}/probe.cc"
-       "#include <sstream>\nstd::string strata_probe(long v) { std::ostringstream s; s << v; return s.str(); }\n")
-  execute_process(COMMAND "${CMAKE_CXX_COMPILER}" -shared -fPIC -o "${_strata_probe_dir}/probe.so"
-                          "${_strata_probe_dir}/probe.cc"
-                  RESULT_VARIABLE _rc OUTPUT_QUIET ERROR_QUIET)
-  set(_strata_shared_libstdcxx ON)
-  if(_rc EQUAL 0)
-    file(STRINGS "${_strata_probe_dir}/probe.so" _needed REGEX "libstdc\\+\\+\\.so" LIMIT_COUNT 1)
-    if(NOT _needed)
-      set(_strata_shared_libstdcxx OFF)
-    endif()
-  endif()
-  # The shared libstdc++ the module links first (Note [one libstdc++] in python/CMakeLists.txt).
+  # The module is dlopen'ed into a process that already holds torch's libstdc++.so.6, so it must
+  # use that shared library, never a static copy (Note [one libstdc++] in python/CMakeLists.txt):
+  # it links the compiler's libstdc++.so first, whatever the compiler's default, and a check after
+  # linking refuses a module that does not need it. A compiler without a shared libstdc++ cannot
+  # build the module at all.
   execute_process(COMMAND "${CMAKE_CXX_COMPILER}" -print-file-name=libstdc++.so
                   OUTPUT_VARIABLE _libstdcxx OUTPUT_STRIP_TRAILING_WHITESPACE ERROR_QUIET)
   set(STRATA_PY_LIBSTDCXX "")
@@ -76,12 +61,12 @@ print("cxx11_abi=" + str(int(torch._C._GLIBCXX_USE_CXX11_ABI)))
     set(STRATA_PY_LIBSTDCXX "${_libstdcxx}")
   endif()
   set(_why "no python3 found")
-  if(NOT _strata_shared_libstdcxx)
+  if(NOT STRATA_PY_LIBSTDCXX)
     set(_candidates)
-    string(CONCAT _why "the C++ compiler ${CMAKE_CXX_COMPILER} links libstdc++ statically into shared "
-             "objects: the module would carry a second libstdc++ beside the one torch loads and "
-             "crash in its first iostream call. Configure with a compiler whose libstdc++ is "
-             "shared, e.g. -DCMAKE_CXX_COMPILER=/usr/bin/g++ -DCMAKE_C_COMPILER=/usr/bin/gcc")
+    string(CONCAT _why "the C++ compiler ${CMAKE_CXX_COMPILER} has no shared libstdc++ "
+             "(-print-file-name=libstdc++.so names no file): the module would carry a second "
+             "libstdc++ beside the one torch loads. Configure with a compiler that has one, e.g. "
+             "-DCMAKE_CXX_COMPILER=/usr/bin/g++ -DCMAKE_C_COMPILER=/usr/bin/gcc")
   endif()
   foreach(_py ${_candidates})
     execute_process(COMMAND "${_py}" -c "${_probe}" OUTPUT_VARIABLE _out ERROR_VARIABLE _err

@@ -235,9 +235,10 @@ for d in nvidia.__path__:
   else
     args+=(-DSTRATA_CUDA=AUTO)
   fi
-  # The Python module shares the process with torch's libstdc++.so.6, so the compiler must link
-  # libstdc++ as a shared library; some images put a GCC first on PATH that links it statically
-  # (/opt/gcc on the H100 lease of 2026-11-26: the module crashed in its first `<<` of a number).
+  # The Python module shares the process with torch's libstdc++.so.6 (Note [one libstdc++] in
+  # python/CMakeLists.txt: it links the compiler's shared libstdc++ itself). A g++ whose plain
+  # shared objects need libstdc++.so is preferred all the same: the H100 image puts one first on
+  # PATH (/opt/gcc) that does not, and whose shared libstdc++ may be missing.
   local cxx
   if cxx=$(pick_cxx); then
     args+=(-DCMAKE_CXX_COMPILER="$cxx" -DCMAKE_C_COMPILER="${cxx%g++}gcc")

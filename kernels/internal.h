@@ -24,7 +24,7 @@
 #include "optim/adam_kernels.h"
 #include "optim/dtype.h"
 #include "optim/elementwise_rules.h"
-#include "runtime/status.h"
+#include "runtime/base/status.h"
 
 namespace strata::optim {
 struct AdamParams;

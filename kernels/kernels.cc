@@ -9,7 +9,7 @@
 #include <numeric>
 
 #include "kernels/internal.h"
-#include "runtime/check.h"
+#include "runtime/base/check.h"
 
 namespace strata::kernels {
 

@@ -55,7 +55,7 @@
 #include "optim/cpu_lion.h"
 #include "optim/cpu_sgd.h"
 #include "optim/dtype.h"
-#include "runtime/status.h"
+#include "runtime/base/status.h"
 
 namespace strata::kernels {
 

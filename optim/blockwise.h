@@ -14,7 +14,7 @@
 
 #include "optim/cpu_adam.h"
 #include "optim/dtype.h"
-#include "runtime/status.h"
+#include "runtime/base/status.h"
 
 namespace strata::optim {
 

@@ -21,7 +21,7 @@
 #include "optim/cpu_adam.h"
 #include "optim/dtype.h"
 #include "optim/elementwise_rules.h"
-#include "runtime/status.h"
+#include "runtime/base/status.h"
 
 namespace strata::optim {
 

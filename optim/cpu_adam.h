@@ -52,7 +52,7 @@
 #include <tbb/task_arena.h>
 
 #include "optim/dtype.h"
-#include "runtime/status.h"
+#include "runtime/base/status.h"
 
 namespace strata::optim {
 

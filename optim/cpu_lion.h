@@ -20,7 +20,7 @@
 #include "optim/blockwise.h"
 #include "optim/dtype.h"
 #include "optim/elementwise_rules.h"
-#include "runtime/status.h"
+#include "runtime/base/status.h"
 
 namespace strata::optim {
 

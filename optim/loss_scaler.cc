@@ -4,7 +4,7 @@
 #include <cmath>
 #include <limits>
 
-#include "runtime/check.h"
+#include "runtime/base/check.h"
 
 namespace strata::optim {
 

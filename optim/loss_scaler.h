@@ -19,8 +19,8 @@
 
 #include <cstdint>
 
-#include "runtime/config.h"
-#include "runtime/status.h"
+#include "runtime/base/config.h"
+#include "runtime/base/status.h"
 
 namespace strata::optim {
 

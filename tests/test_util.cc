@@ -8,7 +8,7 @@
 #include <filesystem>
 #include <string>
 
-#include "runtime/remove_tree.h"
+#include "runtime/base/remove_tree.h"
 
 namespace strata::testing {
 
@@ -20,7 +20,7 @@ TempDir::TempDir() {
   path_ = made;
 }
 
-TempDir::~TempDir() { RemoveTree(path_).IgnoreError(); }  // runtime/remove_tree.h says why
+TempDir::~TempDir() { RemoveTree(path_).IgnoreError(); }  // runtime/base/remove_tree.h says why
 
 CommandResult RunCommand(const std::string& cmd, bool with_stderr) {
   CommandResult r;

@@ -3,7 +3,7 @@
 
 #include <gtest/gtest.h>
 
-#include "runtime/status.h"
+#include "runtime/base/status.h"
 
 #define ASSERT_OK(expr)                                      \
   do {                                                       \

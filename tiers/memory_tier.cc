@@ -3,7 +3,7 @@
 #include <chrono>
 #include <cstring>
 
-#include "runtime/units.h"
+#include "runtime/base/units.h"
 
 namespace strata {
 

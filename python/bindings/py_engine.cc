@@ -4,10 +4,11 @@
 
 #include <nlohmann/json.hpp>
 
+#include "runtime/base/device.h"
 #include "runtime/comm/backends.h"
-#include "runtime/compute_dtype.h"
-#include "runtime/device.h"
-#include "runtime/lr_schedule.h"
+#include "runtime/engine/compute_dtype.h"
+#include "runtime/state/lr_schedule.h"
+#include "tiers/hbm/device_factory.h"
 
 namespace strata::python {
 namespace py = pybind11;

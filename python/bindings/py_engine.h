@@ -23,9 +23,9 @@
 #include <torch/extension.h>
 
 #include "python/bindings/module_mirror.h"
-#include "runtime/config.h"
-#include "runtime/engine.h"
-#include "runtime/status.h"
+#include "runtime/base/config.h"
+#include "runtime/base/status.h"
+#include "runtime/engine/engine.h"
 
 namespace strata {
 class Communicator;

@@ -6,10 +6,10 @@
 
 #include "python/bindings/native_backtrace.h"
 #include "python/bindings/py_engine.h"
+#include "runtime/base/host_info.h"
 #include "runtime/comm/backends.h"
-#include "runtime/host_info.h"
-#include "runtime/lr_schedule.h"
-#include "runtime/zero_init.h"
+#include "runtime/engine/zero_init.h"
+#include "runtime/state/lr_schedule.h"
 
 namespace py = pybind11;
 using strata::python::AutoHints;

@@ -1,6 +1,6 @@
 """The config a Python script hands to strata.initialize: a dict or a path to DeepSpeed JSON.
 
-The C++ parser validates it (runtime/config.h: unknown keys name the closest valid one, bad
+The C++ parser validates it (runtime/base/config.h: unknown keys name the closest valid one, bad
 values name the range). This file only gathers the inputs: the file or dict, and an optimizer
 passed as an object, which becomes the config's "optimizer" section.
 
@@ -182,6 +182,6 @@ def optimizer_section(optimizer):
     params = {"lr": lr, "betas": list(betas), "eps": eps, "weight_decay": weight_decay}
     if kind == "Adam":
         # A config's "Adam" means decoupled decay, as in DeepSpeed (Note [Adam means AdamW] in
-        # runtime/config.cc); torch's Adam adds the decay to the gradient.
+        # runtime/base/config.cc); torch's Adam adds the decay to the gradient.
         params["adam_w_mode"] = False
     return {"type": kind, "params": params}

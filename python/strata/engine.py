@@ -1,5 +1,5 @@
 """StrataEngine: the object strata.initialize returns, with DeepSpeed's engine API over the C++
-engine (runtime/engine.h).
+engine (runtime/engine/engine.h).
 
     loss = engine(batch)          # the model's own forward; unit hooks gather and release
     engine.backward(loss)         # backward, gradient reduction, optimizer chunks as they finish

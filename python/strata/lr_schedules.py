@@ -1,6 +1,6 @@
 """strata.lr_schedules: the names of the config's "scheduler" types (DeepSpeed's
 `deepspeed.runtime.lr_schedules`). The schedules themselves run in the engine
-(runtime/lr_schedule.h): the lr of every step is computed there from the config."""
+(runtime/state/lr_schedule.h): the lr of every step is computed there from the config."""
 
 LR_RANGE_TEST = "LRRangeTest"
 ONE_CYCLE = "OneCycle"

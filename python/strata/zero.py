@@ -100,7 +100,7 @@ class Init:
         engine, *_ = strata.initialize(model=model, config=ds_config)
 
     As each module finishes its constructor, its trainable parameters are written to a staging
-    file and become shared mappings of it (runtime/zero_init.h, StageMapped): their pages are
+    file and become shared mappings of it (runtime/engine/zero_init.h, StageMapped): their pages are
     file-backed, so the kernel can write them back and reclaim them, and the process's anonymous
     memory holds about one module at a time. Parameters stay readable and writable, so the
     initialization passes models run at the end of their constructor (torchvision's kaiming init,

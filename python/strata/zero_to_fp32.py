@@ -5,7 +5,7 @@ wrote it (DeepSpeed's `deepspeed.utils.zero_to_fp32`).
 
 A checkpoint's rank files hold each rank's shard of every chunk's fp32 master, wherever the run
 kept it (device, host or NVMe: save_checkpoint streams every tier into the files), and each
-manifest says where every parameter lives (runtime/checkpoint.h, Manifest::layout). This module
+manifest says where every parameter lives (runtime/state/checkpoint.h, Manifest::layout). This module
 puts the shards of every rank side by side and cuts the parameters out, in pure Python, reading
 one chunk at a time.
 

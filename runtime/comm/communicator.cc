@@ -5,7 +5,7 @@
 #include <cstdlib>
 #include <cstring>
 
-#include "runtime/check.h"
+#include "runtime/base/check.h"
 
 namespace strata {
 

@@ -3,9 +3,9 @@
 #include <map>
 #include <mutex>
 
-#include "runtime/check.h"
+#include "runtime/base/check.h"
+#include "runtime/base/logging.h"
 #include "runtime/comm/backends.h"
-#include "runtime/logging.h"
 
 namespace strata {
 

@@ -11,10 +11,10 @@
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 #include <ATen/ATen.h>
 
-#include "runtime/check.h"
+#include "runtime/base/check.h"
+#include "runtime/base/logging.h"
 #include "runtime/comm/backends.h"
 #include "runtime/comm/host_reduce.h"
-#include "runtime/logging.h"
 
 namespace strata {
 

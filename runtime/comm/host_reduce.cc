@@ -4,7 +4,7 @@
 #include <cstring>
 #include <vector>
 
-#include "runtime/check.h"
+#include "runtime/base/check.h"
 
 namespace strata {
 

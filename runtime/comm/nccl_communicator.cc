@@ -7,9 +7,9 @@
 #include <cuda_runtime.h>
 #include <nccl.h>
 
-#include "runtime/check.h"
+#include "runtime/base/check.h"
+#include "runtime/base/logging.h"
 #include "runtime/comm/backends.h"
-#include "runtime/logging.h"
 
 // Note [nccl timeouts]
 // A blocking NCCL communicator waits forever for a peer that died. Strata creates its

@@ -29,6 +29,7 @@
 #include <gtest/gtest.h>
 
 #include "tests/runtime/gpt_training.h"
+#include "tiers/hbm/device_factory.h"
 
 namespace strata {
 namespace {

@@ -12,9 +12,9 @@
 #include <string>
 #include <string_view>
 
-#include "runtime/checkpoint.h"
-#include "runtime/config.h"
-#include "runtime/status.h"
+#include "runtime/base/config.h"
+#include "runtime/base/status.h"
+#include "runtime/state/checkpoint.h"
 #include "tiers/nvme/swap_index.h"
 
 namespace strata::fuzz {

@@ -12,9 +12,10 @@
 #include "kernels/kernels.h"
 #include "optim/cpu_adam.h"
 #include "optim/dtype.h"
-#include "runtime/device.h"
+#include "runtime/base/device.h"
 #include "tests/kernels/kernel_test_data.h"
 #include "tests/test_util.h"
+#include "tiers/hbm/device_factory.h"
 
 namespace strata::kernels {
 namespace {

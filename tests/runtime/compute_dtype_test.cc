@@ -1,12 +1,12 @@
-// Note [bf16 by capability] (runtime/compute_dtype.cc): "auto" picks bf16 only where the device
+// Note [bf16 by capability] (runtime/engine/compute_dtype.cc): "auto" picks bf16 only where the device
 // computes it natively; an explicit bf16 on an emulating CPU runs, flagged for the warning.
-#include "runtime/compute_dtype.h"
+#include "runtime/engine/compute_dtype.h"
 
 #include <cstdlib>
 
 #include <gtest/gtest.h>
 
-#include "runtime/host_info.h"
+#include "runtime/base/host_info.h"
 #include "tests/test_util.h"
 
 namespace strata {

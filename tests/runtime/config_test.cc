@@ -1,4 +1,4 @@
-#include "runtime/config.h"
+#include "runtime/base/config.h"
 
 #include <cmath>
 #include <filesystem>
@@ -7,8 +7,8 @@
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
-#include "runtime/lr_schedule.h"
-#include "runtime/tier_manager.h"
+#include "runtime/state/lr_schedule.h"
+#include "runtime/state/tier_manager.h"
 #include "tests/test_util.h"
 
 namespace strata {

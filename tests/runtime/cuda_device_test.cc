@@ -10,8 +10,9 @@
 
 #include <gtest/gtest.h>
 
-#include "runtime/device.h"
+#include "runtime/base/device.h"
 #include "tests/test_util.h"
+#include "tiers/hbm/device_factory.h"
 
 namespace strata {
 namespace {

@@ -17,7 +17,7 @@
 #include <random>
 #include <thread>
 
-#include "runtime/device.h"
+#include "runtime/base/device.h"
 
 namespace strata::testing {
 

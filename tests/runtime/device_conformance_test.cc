@@ -1,6 +1,6 @@
 // The device conformance suite: every device this machine can create runs the same cases.
 // A new device adds nothing here; it is picked up from AvailableDevices().
-#include "runtime/device.h"
+#include "runtime/base/device.h"
 
 #include <algorithm>
 #include <atomic>
@@ -19,6 +19,7 @@
 #include "optim/dtype.h"
 #include "tests/test_util.h"
 #include "tiers/hbm/cpu_device.h"
+#include "tiers/hbm/device_factory.h"
 #include "tiers/host/staging_buffer.h"
 
 namespace strata {

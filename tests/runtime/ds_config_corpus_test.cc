@@ -1,5 +1,5 @@
 // Real DeepSpeed configs, kept verbatim under tests/data/ds-configs/ (SOURCES.tsv names each
-// file's repository, path and commit). The rule (runtime/config.h): what DeepSpeed accepts loads
+// file's repository, path and commit). The rule (runtime/base/config.h): what DeepSpeed accepts loads
 // here, and every "auto" in it resolves; the few files that do not load are listed below with
 // the reason, which the error must name.
 #include <filesystem>
@@ -13,7 +13,7 @@
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
-#include "runtime/config.h"
+#include "runtime/base/config.h"
 #include "tests/test_util.h"
 
 namespace strata {

@@ -11,12 +11,13 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include "runtime/base/config.h"
+#include "runtime/base/device.h"
 #include "runtime/comm/communicator.h"
-#include "runtime/config.h"
-#include "runtime/device.h"
-#include "runtime/engine.h"
-#include "tests/test_util.h"
+#include "runtime/engine/engine.h"
 #include "tests/runtime/gpt_training.h"
+#include "tests/test_util.h"
+#include "tiers/hbm/device_factory.h"
 #include "tools/train/gpt.h"
 
 namespace strata {

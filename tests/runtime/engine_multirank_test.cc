@@ -6,6 +6,7 @@
 #include "runtime/comm/backends.h"
 #include "tests/runtime/gpt_training.h"
 #include "tests/runtime/model_zoo.h"
+#include "tiers/hbm/device_factory.h"
 #include "tools/planner/memory_model.h"
 #include "tools/planner/model_spec.h"
 

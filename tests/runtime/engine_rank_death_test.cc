@@ -12,6 +12,7 @@
 #include "runtime/comm/backends.h"
 #include "tests/runtime/comm/subprocess.h"
 #include "tests/runtime/gpt_training.h"
+#include "tiers/hbm/device_factory.h"
 
 namespace strata {
 namespace {

@@ -17,8 +17,9 @@
 
 #include <gtest/gtest.h>
 
-#include "runtime/checkpoint.h"
+#include "runtime/state/checkpoint.h"
 #include "tests/runtime/gpt_training.h"
+#include "tiers/hbm/device_factory.h"
 
 namespace strata {
 namespace {

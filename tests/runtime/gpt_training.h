@@ -17,13 +17,14 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include "runtime/base/config.h"
+#include "runtime/base/device.h"
 #include "runtime/comm/communicator.h"
-#include "runtime/config.h"
-#include "runtime/device.h"
-#include "runtime/engine.h"
+#include "runtime/engine/engine.h"
 #include "tests/runtime/delaying_device.h"
 #include "tests/runtime/poisoning_store.h"
 #include "tests/test_util.h"
+#include "tiers/hbm/device_factory.h"
 #include "tools/train/gpt.h"
 
 namespace strata {

@@ -1,6 +1,6 @@
 // The optimizer arena's width (ChooseOptimizerThreads): beside compute it takes the cores
 // LibTorch leaves, alone it takes every core, and strata.optimizer_threads wins.
-#include "runtime/host_info.h"
+#include "runtime/base/host_info.h"
 
 #include <gtest/gtest.h>
 

@@ -13,13 +13,14 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include "runtime/base/config.h"
+#include "runtime/base/device.h"
 #include "runtime/comm/communicator.h"
-#include "runtime/config.h"
-#include "runtime/device.h"
-#include "runtime/engine.h"
-#include "runtime/run_unit.h"
+#include "runtime/engine/engine.h"
+#include "runtime/engine/run_unit.h"
 #include "tests/runtime/gpt_training.h"
 #include "tests/test_util.h"
+#include "tiers/hbm/device_factory.h"
 #include "tools/train/gpt.h"
 
 namespace strata::zoo {

@@ -11,6 +11,7 @@
 #include <gtest/gtest.h>
 
 #include "tests/runtime/model_zoo.h"
+#include "tiers/hbm/device_factory.h"
 
 namespace strata {
 namespace {

@@ -3,7 +3,7 @@
 // parameter, the group of the last parameter before it in the shard (the first one's when the
 // shard starts with padding). Segments cover the shard in order and never repeat a group twice
 // in a row.
-#include "runtime/param_groups.h"
+#include "runtime/state/param_groups.h"
 
 #include <gtest/gtest.h>
 

@@ -1,4 +1,4 @@
-#include "runtime/partitioner.h"
+#include "runtime/state/partitioner.h"
 
 #include <gtest/gtest.h>
 

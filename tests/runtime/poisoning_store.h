@@ -23,7 +23,7 @@
 #include <memory>
 #include <mutex>
 
-#include "runtime/block_store.h"
+#include "runtime/state/block_store.h"
 
 namespace strata::testing {
 

@@ -7,7 +7,7 @@
 
 #include <gtest/gtest.h>
 
-#include "runtime/device.h"
+#include "runtime/base/device.h"
 #include "tiers/hbm/cpu_device.h"
 
 namespace strata {

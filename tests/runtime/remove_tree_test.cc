@@ -1,4 +1,4 @@
-#include "runtime/remove_tree.h"
+#include "runtime/base/remove_tree.h"
 
 #include <sys/stat.h>
 

@@ -1,11 +1,11 @@
-#include "runtime/status.h"
+#include "runtime/base/status.h"
 
 #include <cerrno>
 
 #include <gtest/gtest.h>
 
-#include "runtime/check.h"
-#include "runtime/units.h"
+#include "runtime/base/check.h"
+#include "runtime/base/units.h"
 #include "tests/test_util.h"
 
 namespace strata {

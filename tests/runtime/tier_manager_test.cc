@@ -1,4 +1,4 @@
-#include "runtime/tier_manager.h"
+#include "runtime/state/tier_manager.h"
 
 #include <fcntl.h>
 #include <unistd.h>
@@ -17,7 +17,7 @@
 
 #include <nlohmann/json.hpp>
 
-#include "runtime/units.h"
+#include "runtime/base/units.h"
 #include "tests/test_util.h"
 #include "tiers/faulty_tier.h"
 #include "tiers/memory_tier.h"

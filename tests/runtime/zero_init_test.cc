@@ -7,7 +7,7 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
-#include "runtime/zero_init.h"
+#include "runtime/engine/zero_init.h"
 #include "tests/runtime/gpt_training.h"
 #include "tests/test_util.h"
 

@@ -10,12 +10,13 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include "runtime/base/config.h"
+#include "runtime/base/device.h"
 #include "runtime/comm/communicator.h"
-#include "runtime/config.h"
-#include "runtime/device.h"
-#include "runtime/engine.h"
-#include "runtime/partitioner.h"
+#include "runtime/engine/engine.h"
+#include "runtime/state/partitioner.h"
 #include "tests/test_util.h"
+#include "tiers/hbm/device_factory.h"
 #include "tools/planner/memory_model.h"
 #include "tools/planner/model_spec.h"
 #include "tools/train/gpt.h"

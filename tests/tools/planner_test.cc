@@ -6,7 +6,7 @@
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
-#include "runtime/config.h"
+#include "runtime/base/config.h"
 #include "tests/test_util.h"
 #include "tools/planner/cli_util.h"
 #include "tools/planner/cost_model.h"

@@ -8,8 +8,8 @@
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
-#include "runtime/config.h"
-#include "runtime/host_info.h"
+#include "runtime/base/config.h"
+#include "runtime/base/host_info.h"
 #include "tests/test_util.h"
 
 namespace strata {

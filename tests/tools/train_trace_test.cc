@@ -10,7 +10,7 @@
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
-#include "runtime/engine.h"
+#include "runtime/engine/engine.h"
 #include "tests/test_util.h"
 
 namespace strata {

@@ -4,7 +4,7 @@
 
 #include <cmath>
 
-#include "runtime/config.h"
+#include "runtime/base/config.h"
 #include "tests/test_util.h"
 #include "tools/planner/model_spec.h"
 #include "tools/tune/calibrate.h"

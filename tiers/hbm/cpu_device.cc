@@ -16,7 +16,7 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
-#include "runtime/units.h"
+#include "runtime/base/units.h"
 
 namespace strata {
 namespace {

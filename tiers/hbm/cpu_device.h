@@ -10,7 +10,7 @@
 #include <cstdint>
 #include <memory>
 
-#include "runtime/device.h"
+#include "runtime/base/device.h"
 
 namespace strata {
 

@@ -4,7 +4,7 @@
 
 #include <cuda_runtime_api.h>
 
-#include "runtime/status.h"
+#include "runtime/base/status.h"
 
 namespace strata {
 

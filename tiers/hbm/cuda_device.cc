@@ -10,7 +10,7 @@
 #include <mutex>
 #include <set>
 
-#include "runtime/units.h"
+#include "runtime/base/units.h"
 #include "tiers/hbm/cuda_check.h"
 
 namespace strata {

@@ -5,7 +5,7 @@
 #include <cstdint>
 #include <memory>
 
-#include "runtime/device.h"
+#include "runtime/base/device.h"
 
 namespace strata {
 

@@ -3,7 +3,7 @@
 
 #include <cuda_runtime_api.h>
 
-#include "runtime/logging.h"
+#include "runtime/base/logging.h"
 #include "tiers/hbm/cuda_check.h"
 #include "tiers/hbm/cuda_device.h"
 

@@ -4,7 +4,7 @@
 
 #include <cstdint>
 
-#include "runtime/status.h"
+#include "runtime/base/status.h"
 
 namespace strata::host_internal {
 

@@ -8,10 +8,10 @@
 #include <cerrno>
 #include <cstring>
 
-#include "runtime/check.h"
-#include "runtime/host_info.h"
-#include "runtime/logging.h"
-#include "runtime/units.h"
+#include "runtime/base/check.h"
+#include "runtime/base/host_info.h"
+#include "runtime/base/logging.h"
+#include "runtime/base/units.h"
 #include "tiers/host/cuda_host_alloc.h"
 
 namespace strata {

@@ -45,7 +45,7 @@
 #include <unordered_map>
 #include <vector>
 
-#include "runtime/status.h"
+#include "runtime/base/status.h"
 
 namespace strata {
 

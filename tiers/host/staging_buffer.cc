@@ -4,7 +4,7 @@
 
 #include <cerrno>
 
-#include "runtime/units.h"
+#include "runtime/base/units.h"
 #include "tiers/host/cuda_host_alloc.h"
 
 namespace strata {

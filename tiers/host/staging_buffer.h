@@ -18,7 +18,7 @@
 #include <cstddef>
 #include <cstdint>
 
-#include "runtime/status.h"
+#include "runtime/base/status.h"
 
 namespace strata {
 

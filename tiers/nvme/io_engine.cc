@@ -4,8 +4,8 @@
 #include <cerrno>
 #include <utility>
 
-#include "runtime/check.h"
-#include "runtime/logging.h"
+#include "runtime/base/check.h"
+#include "runtime/base/logging.h"
 #include "tiers/nvme/thread_pool_engine.h"
 #include "tiers/nvme/uring_engine.h"
 

@@ -46,8 +46,8 @@
 #include <string_view>
 #include <vector>
 
-#include "runtime/config.h"
-#include "runtime/status.h"
+#include "runtime/base/config.h"
+#include "runtime/base/status.h"
 
 namespace strata::nvme {
 

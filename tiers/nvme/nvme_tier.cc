@@ -2,8 +2,8 @@
 
 #include <algorithm>
 
-#include "runtime/check.h"
-#include "runtime/units.h"
+#include "runtime/base/check.h"
+#include "runtime/base/units.h"
 
 namespace strata::nvme {
 

@@ -15,7 +15,7 @@
 #include <string>
 #include <vector>
 
-#include "runtime/config.h"
+#include "runtime/base/config.h"
 #include "tiers/nvme/swap_store.h"
 #include "tiers/tier.h"
 

@@ -15,9 +15,9 @@
 #include <future>
 #include <set>
 
-#include "runtime/check.h"
-#include "runtime/logging.h"
-#include "runtime/units.h"
+#include "runtime/base/check.h"
+#include "runtime/base/logging.h"
+#include "runtime/base/units.h"
 #include "tiers/nvme/crc32c.h"
 
 namespace strata::nvme {

@@ -37,8 +37,8 @@
 #include <unordered_map>
 #include <vector>
 
-#include "runtime/config.h"
-#include "runtime/status.h"
+#include "runtime/base/config.h"
+#include "runtime/base/status.h"
 #include "tiers/nvme/io_engine.h"
 #include "tiers/nvme/swap_index.h"
 

@@ -13,8 +13,8 @@
 #include <deque>
 #include <thread>
 
-#include "runtime/check.h"
-#include "runtime/logging.h"
+#include "runtime/base/check.h"
+#include "runtime/base/logging.h"
 
 namespace strata::nvme {
 

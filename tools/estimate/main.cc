@@ -7,7 +7,7 @@
 
 #include <nlohmann/json.hpp>
 
-#include "runtime/config.h"
+#include "runtime/base/config.h"
 #include "tools/planner/cli_util.h"
 #include "tools/planner/memory_model.h"
 

@@ -12,11 +12,11 @@
 #include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
 
-#include "runtime/check.h"
-#include "runtime/checkpoint.h"
+#include "runtime/base/check.h"
+#include "runtime/base/host_info.h"
+#include "runtime/base/units.h"
 #include "runtime/comm/backends.h"
-#include "runtime/host_info.h"
-#include "runtime/units.h"
+#include "runtime/state/checkpoint.h"
 
 namespace {
 

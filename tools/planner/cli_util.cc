@@ -13,7 +13,7 @@
 
 #include <nlohmann/json.hpp>
 
-#include "runtime/host_info.h"
+#include "runtime/base/host_info.h"
 
 namespace strata::planner {
 

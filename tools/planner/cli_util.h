@@ -7,8 +7,8 @@
 #include <CLI/CLI.hpp>
 #include <nlohmann/json_fwd.hpp>
 
-#include "runtime/config.h"
-#include "runtime/status.h"
+#include "runtime/base/config.h"
+#include "runtime/base/status.h"
 #include "tools/planner/model_spec.h"
 
 namespace strata::planner {

@@ -9,7 +9,7 @@
 
 #include <nlohmann/json.hpp>
 
-#include "runtime/units.h"
+#include "runtime/base/units.h"
 
 namespace strata::planner {
 

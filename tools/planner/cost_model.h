@@ -1,6 +1,6 @@
 // Cost model and placement search for strata-tune.
 //
-// Lanes of one optimizer step (per rank), following what runtime/engine.cc does today:
+// Lanes of one optimizer step (per rank), following what runtime/engine/engine.cc does today:
 // - main thread: compute (FLOPs / measured FLOP rate), and — serially, because the engine's
 //   gathers and gradient hand-offs block the compute thread — stage-3 parameter fetches (NVMe
 //   read + host->device copy, twice per micro-step: forward and backward) and gradient shards
@@ -25,8 +25,8 @@
 
 #include <nlohmann/json_fwd.hpp>
 
-#include "runtime/config.h"
-#include "runtime/status.h"
+#include "runtime/base/config.h"
+#include "runtime/base/status.h"
 #include "tools/planner/memory_model.h"
 #include "tools/planner/model_spec.h"
 #include "tools/planner/profile.h"

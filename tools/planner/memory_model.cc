@@ -8,8 +8,8 @@
 
 #include <nlohmann/json.hpp>
 
-#include "runtime/partitioner.h"
-#include "runtime/units.h"
+#include "runtime/base/units.h"
+#include "runtime/state/partitioner.h"
 
 namespace strata::planner {
 
@@ -31,7 +31,7 @@ MemTier TierOf(OffloadDevice d) {
                                     : MemTier::kNvme;
 }
 
-// The pinned pool's size class of a block (runtime/engine.cc sizes the pool with the same rule).
+// The pinned pool's size class of a block (runtime/engine/engine.cc sizes the pool with the same rule).
 uint64_t PoolClass(uint64_t bytes) {
   uint64_t c = 4096;
   while (c < bytes) c <<= 1;
@@ -54,7 +54,7 @@ uint64_t Round(uint64_t bytes, uint64_t to) { return (std::max<uint64_t>(bytes, 
 // The device peak is not a sum: stage-3 chunk buffers and fp32 gradient buffers come and go as
 // units run. Replaying the engine's order gives the peak it will see:
 //   forward, for each unit b:  gather(b); release(b) (kept by the reuse distance, Note
-//     [stage-3 live set] in runtime/unit_coordinator.cc)
+//     [stage-3 live set] in runtime/engine/unit_coordinator.cc)
 //   backward, for each unit b from the last: gather(b), then its parameters' gradients arrive
 //     (see the replay below); units are freed as they complete, and a chunk's complete
 //     gradient buffer goes to the reduce lane, which frees it once reduced: at the latest when
@@ -132,7 +132,7 @@ StatusOr<MemoryEstimate> EstimateMemory(const Config& config, const ModelSpec& m
     }
   };
   // The moments the optimizer keeps, as the engine decides (Note [states the optimizer uses] in
-  // runtime/engine_init.cc): SGD only with momentum, Adagrad only its sum, Lion only exp_avg.
+  // runtime/engine/engine_init.cc): SGD only with momentum, Adagrad only its sum, Lion only exp_avg.
   const OptimizerType ot = config.optimizer.type;
   const bool keeps_exp_avg =
       ot != OptimizerType::kAdagrad && (ot != OptimizerType::kSGD || config.optimizer.momentum != 0);
@@ -193,7 +193,7 @@ StatusOr<MemoryEstimate> EstimateMemory(const Config& config, const ModelSpec& m
   uint64_t in_lane_bytes = 0;
   uint64_t peak_min = device_resident;  // the peak of cur - in_lane_bytes
   // Stages 0 and 1 keep every chunk's whole fp32 gradient from the first micro-step to the
-  // accumulation boundary (runtime/gradient_reducer.cc): with accumulation, a micro-step before
+  // accumulation boundary (runtime/engine/gradient_reducer.cc): with accumulation, a micro-step before
   // the last starts with all of them allocated and frees none. That micro-step is the one
   // replayed: it is the peak.
   const bool keep_grads = z.stage <= 1 && config.gradient_accumulation_steps > 1;
@@ -216,7 +216,7 @@ StatusOr<MemoryEstimate> EstimateMemory(const Config& config, const ModelSpec& m
     }
     gather_peak = std::max(gather_peak, gather_cur);
   };
-  // The engine's stage-3 live set (Note [stage-3 live set] in runtime/unit_coordinator.cc): a chunk stays
+  // The engine's stage-3 live set (Note [stage-3 live set] in runtime/engine/unit_coordinator.cc): a chunk stays
   // gathered after its block when persistent or reused within stage3_max_reuse_distance, within
   // stage3_max_live_parameters; gathering past that cap drops chunks nobody holds.
   std::vector<bool> gathered(chunks.size(), false);
@@ -249,7 +249,7 @@ StatusOr<MemoryEstimate> EstimateMemory(const Config& config, const ModelSpec& m
       note_peak();
     }
   };
-  // Gathering ahead (Note [prefetched gathers] in runtime/gather_lane.cc): while a unit runs, the
+  // Gathering ahead (Note [prefetched gathers] in runtime/engine/gather_lane.cc): while a unit runs, the
   // chunks of the unit after it in forward (before it in backward) are gathered too, when the cap
   // leaves room, without a holder. The replay is of a step after the first (the engine follows
   // the previous step's trace) with no update pending, so this is an upper bound.
@@ -281,7 +281,7 @@ StatusOr<MemoryEstimate> EstimateMemory(const Config& config, const ModelSpec& m
     }
   };
   auto release = [&](int64_t b) { release_dist(b, false); };
-  // Backward (Note [backward by gradients] in runtime/gradient_reducer.cc): a unit is gathered when
+  // Backward (Note [backward by gradients] in runtime/engine/gradient_reducer.cc): a unit is gathered when
   // backward reaches it; each parameter's gradient, as it arrives (a unit's in reverse order, a
   // tied one with its owner), lands in its chunk's fp32 buffer, which is reduced and freed when
   // the chunk's last parameter is in; a unit is released when its last parameter is in.
@@ -314,7 +314,7 @@ StatusOr<MemoryEstimate> EstimateMemory(const Config& config, const ModelSpec& m
     }
     if (--pending[c] == 0 && !keep_grads) {
       // The complete buffer goes to the reduce lane, which holds one at a time: the previous
-      // one is freed by now at the latest (Note [reduce lane] in runtime/gradient_reducer.cc).
+      // one is freed by now at the latest (Note [reduce lane] in runtime/engine/gradient_reducer.cc).
       free_in_lane();
       in_lane = static_cast<int64_t>(c);
       in_lane_bytes = bytes;

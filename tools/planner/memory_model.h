@@ -1,4 +1,4 @@
-// Memory model: what strata::Engine (runtime/engine.cc) allocates on each tier for a model under a
+// Memory model: what strata::Engine (runtime/engine/engine.cc) allocates on each tier for a model under a
 // config, per rank — modelled on the engine as it is, not on what DeepSpeed would allocate.
 //
 // What the engine does (and this model follows):
@@ -26,8 +26,8 @@
 
 #include <nlohmann/json_fwd.hpp>
 
-#include "runtime/config.h"
-#include "runtime/status.h"
+#include "runtime/base/config.h"
+#include "runtime/base/status.h"
 #include "tools/planner/model_spec.h"
 
 namespace strata::planner {

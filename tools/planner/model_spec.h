@@ -13,8 +13,8 @@
 #include <string>
 #include <vector>
 
-#include "runtime/config.h"
-#include "runtime/status.h"
+#include "runtime/base/config.h"
+#include "runtime/base/status.h"
 
 namespace strata::planner {
 

@@ -25,7 +25,7 @@
 
 #include <nlohmann/json_fwd.hpp>
 
-#include "runtime/status.h"
+#include "runtime/base/status.h"
 
 namespace strata::planner {
 

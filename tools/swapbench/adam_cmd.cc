@@ -36,9 +36,9 @@
 #include <nlohmann/json.hpp>
 
 #include "optim/cpu_adam.h"
-#include "runtime/host_info.h"
-#include "runtime/status.h"
-#include "runtime/units.h"
+#include "runtime/base/host_info.h"
+#include "runtime/base/status.h"
+#include "runtime/base/units.h"
 #include "tiers/host/pinned_pool.h"
 #include "tools/swapbench/commands.h"
 

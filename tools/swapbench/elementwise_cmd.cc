@@ -26,7 +26,7 @@
 #include "optim/cpu_adagrad.h"
 #include "optim/cpu_lion.h"
 #include "optim/cpu_sgd.h"
-#include "runtime/host_info.h"
+#include "runtime/base/host_info.h"
 #include "tools/swapbench/commands.h"
 
 namespace strata::swapbench {

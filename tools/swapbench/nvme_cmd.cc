@@ -27,11 +27,11 @@
 
 #include <nlohmann/json.hpp>
 
-#include "runtime/check.h"
-#include "runtime/logging.h"
-#include "runtime/host_info.h"
-#include "runtime/status.h"
-#include "runtime/units.h"
+#include "runtime/base/check.h"
+#include "runtime/base/host_info.h"
+#include "runtime/base/logging.h"
+#include "runtime/base/status.h"
+#include "runtime/base/units.h"
 #include "tiers/nvme/io_engine.h"
 #include "tiers/nvme/swap_store.h"
 #include "tools/swapbench/commands.h"

@@ -34,10 +34,11 @@
 #include <torch/torch.h>
 
 #include "optim/cpu_adam.h"
-#include "runtime/config.h"
-#include "runtime/device.h"
-#include "runtime/host_info.h"
-#include "runtime/units.h"
+#include "runtime/base/config.h"
+#include "runtime/base/device.h"
+#include "runtime/base/host_info.h"
+#include "runtime/base/units.h"
+#include "tiers/hbm/device_factory.h"
 #include "tiers/host/cuda_host_alloc.h"
 #include "tiers/nvme/io_engine.h"
 #include "tools/planner/cli_util.h"

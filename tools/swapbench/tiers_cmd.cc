@@ -32,12 +32,12 @@
 
 #include <nlohmann/json.hpp>
 
-#include "runtime/remove_tree.h"
-#include "runtime/logging.h"
-#include "runtime/host_info.h"
-#include "runtime/status.h"
-#include "runtime/tier_manager.h"
-#include "runtime/units.h"
+#include "runtime/base/host_info.h"
+#include "runtime/base/logging.h"
+#include "runtime/base/remove_tree.h"
+#include "runtime/base/status.h"
+#include "runtime/base/units.h"
+#include "runtime/state/tier_manager.h"
 #include "tiers/host/pinned_pool.h"
 #include "tiers/nvme/nvme_tier.h"
 #include "tools/swapbench/commands.h"

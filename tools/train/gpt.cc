@@ -6,8 +6,8 @@
 
 #include <torch/version.h>
 
-#include "runtime/run_unit.h"
-#include "runtime/zero_init.h"
+#include "runtime/engine/run_unit.h"
+#include "runtime/engine/zero_init.h"
 
 namespace strata::models {
 namespace {

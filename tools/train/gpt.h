@@ -9,7 +9,7 @@
 
 #include <torch/torch.h>
 
-#include "runtime/config.h"
+#include "runtime/base/config.h"
 
 namespace strata::models {
 

@@ -18,16 +18,17 @@
 #include <nlohmann/json.hpp>
 #include <torch/torch.h>
 
-#include "runtime/checkpoint.h"
+#include "runtime/base/config.h"
+#include "runtime/base/device.h"
+#include "runtime/base/host_info.h"
+#include "runtime/base/logging.h"
+#include "runtime/base/units.h"
 #include "runtime/comm/backends.h"
-#include "runtime/config.h"
-#include "runtime/compute_dtype.h"
-#include "runtime/device.h"
-#include "runtime/host_info.h"
-#include "runtime/engine.h"
-#include "runtime/zero_init.h"
-#include "runtime/logging.h"
-#include "runtime/units.h"
+#include "runtime/engine/compute_dtype.h"
+#include "runtime/engine/engine.h"
+#include "runtime/engine/zero_init.h"
+#include "runtime/state/checkpoint.h"
+#include "tiers/hbm/device_factory.h"
 #include "tools/train/embedded_config.h"
 #include "tools/train/gpt.h"
 #include "tools/train/plot.h"
@@ -80,7 +81,7 @@ struct Flags {
   double lr = 0;            // fills optimizer.params.lr = "auto"
 };
 
-// What the config's "auto" values are resolved from (Note [auto values] in runtime/config.cc):
+// What the config's "auto" values are resolved from (Note [auto values] in runtime/base/config.cc):
 // this run's flags, its world size (torchrun's WORLD_SIZE), the model and the device.
 AutoContext MakeAutoContext(const Flags& f, const Config& c, int world_size) {
   AutoContext ctx;

@@ -4,7 +4,7 @@
 #include <string>
 #include <vector>
 
-#include "runtime/status.h"
+#include "runtime/base/status.h"
 
 namespace strata::train {
 

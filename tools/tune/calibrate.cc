@@ -13,7 +13,7 @@
 namespace strata::tune {
 namespace {
 
-// The engine's rule for the compute dtype (runtime/compute_dtype.cc), as a torch dtype.
+// The engine's rule for the compute dtype (runtime/engine/compute_dtype.cc), as a torch dtype.
 torch::Dtype ComputeDtype(const Config& c) {
   if (c.bf16.enabled) return torch::kBFloat16;
   if (c.fp16.enabled) return torch::kFloat16;

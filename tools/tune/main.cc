@@ -16,9 +16,9 @@
 
 #include <nlohmann/json.hpp>
 
-#include "runtime/config.h"
-#include "runtime/host_info.h"
-#include "runtime/units.h"
+#include "runtime/base/config.h"
+#include "runtime/base/host_info.h"
+#include "runtime/base/units.h"
 #include "tools/planner/cli_util.h"
 #include "tools/planner/cost_model.h"
 #include "tools/tune/calibrate.h"

@@ -8,9 +8,10 @@
 #include <nlohmann/json.hpp>
 #include <torch/torch.h>
 
+#include "runtime/base/device.h"
 #include "runtime/comm/communicator.h"
-#include "runtime/device.h"
-#include "runtime/engine.h"
+#include "runtime/engine/engine.h"
+#include "tiers/hbm/device_factory.h"
 #include "tools/train/gpt.h"
 
 namespace strata::tune {

@@ -8,8 +8,8 @@
 
 #include <nlohmann/json.hpp>
 
-#include "runtime/config.h"
-#include "runtime/status.h"
+#include "runtime/base/config.h"
+#include "runtime/base/status.h"
 
 namespace strata::tune {
 

@@ -13,7 +13,7 @@
 
 #include "runtime/comm/backends.h"
 #include "runtime/comm/host_reduce.h"
-#include "runtime/partitioner.h"
+#include "runtime/state/partitioner.h"
 #include "tests/test_util.h"
 
 namespace strata {

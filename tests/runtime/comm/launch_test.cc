@@ -3,7 +3,7 @@
 
 #include <string>
 
-#include "runtime/status.h"
+#include "runtime/base/status.h"
 #include "tests/runtime/comm/subprocess.h"
 
 namespace strata {

@@ -13,8 +13,8 @@
 #include <thread>
 #include <vector>
 
-#include "runtime/host_info.h"
-#include "runtime/units.h"
+#include "runtime/base/host_info.h"
+#include "runtime/base/units.h"
 #include "tests/test_util.h"
 #include "tiers/nvme/nvme_tier.h"
 

@@ -1,5 +1,5 @@
 """deepspeed.runtime.zero.offload_config: the enums engine.offload_states takes (DeepSpeed's
-names and values). Strata reads the config's offload sections itself (runtime/config.cc)."""
+names and values). Strata reads the config's offload sections itself (runtime/base/config.cc)."""
 from enum import Enum
 
 

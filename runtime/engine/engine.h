@@ -1,0 +1,263 @@
+// Engine: ZeRO training of a LibTorch model across device memory, host DRAM and NVMe.
+//
+// The model contract (README "Bring your own model"):
+// - Any torch::nn::Module built from stock LibTorch layers. Its trainable parameters are split
+//   into units: by default each child of the root that holds parameters, looking through
+//   containers (Sequential, ModuleList, ModuleDict) to their children; EngineOptions::units names
+//   them instead. Parameters directly on the root form one more unit that stays gathered.
+// - The model's own forward runs each unit through strata::RunUnit (runtime/engine/run_unit.h):
+//       x = strata::RunUnit(*block, [&] { return block->forward(x, mask); });
+//   with any signature and any number of tensor outputs. Without an engine RunUnit just calls
+//   the function, so the same model trains with plain LibTorch. A Sequential needs nothing of
+//   this: Engine::Forward runs its children as units.
+// - A unit's parameters are valid only inside its RunUnit (stage 3): outside it their storage is
+//   empty (nbytes 0, a null data pointer), so reading one crashes on the CPU device as it would
+//   on a GPU instead of returning stale values.
+// - Shared (tied) parameters are stored, reduced and updated once. Module buffers stay where the
+//   model keeps them on the engine's device, start from rank 0's values, and are saved in
+//   checkpoints.
+//
+// Materialization (stage 3): before a unit runs, its chunks are brought to the device (NVMe ->
+// host -> device, then all-gather across ranks) into one buffer per chunk. Each parameter is a
+// view of its chunk's storage for the engine's whole life; releasing a chunk frees the storage's
+// memory and leaves the storage empty, gathering it again refills the same storage (the way FSDP
+// resizes a flat parameter's storage). So tensors autograd saved from a parameter (a stock
+// Linear saves the transposed weight, a view) stay valid across the release, and the memory is
+// really returned between a unit's forward and its backward. A hook on each of a unit's outputs
+// gathers the unit again when backward reaches it; the unit is released as soon as every
+// parameter of it has its gradient (Note [backward by gradients] in gradient_reducer.cc). Stages 0-2 keep
+// full parameters on the device.
+//
+// Gradients: a hook after each parameter's gradient accumulation copies .grad into its chunk's
+// fp32 gradient buffer and clears .grad; when every parameter of a chunk is in, the chunk is
+// reduce-scattered (averaged over ranks) into each rank's shard and accumulated into the shard's
+// grad block. The optimizer (CPU Adam/AdamW on the shards of master32 / exp_avg / exp_avg_sq,
+// writing the new working copy) runs per chunk:
+// - during backward, as soon as a chunk's gradients are complete, when the step's result cannot
+//   depend on global conditions (no gradient clipping and no fp16 loss scaling);
+// - otherwise after backward (deferred): the global gradient norm and the fp16 overflow flag are
+//   reduced over every shard and rank first, then the chunks update in order with their states
+//   prefetched. Deferring, not rolling back, keeps the result identical to a non-overlapped step.
+// Either way the update equals torch.optim's step after a plain backward.
+//
+// Thread-safety: one thread drives the model's forward, Backward and Step. Errors inside forward
+// and backward (I/O, collectives) surface as exceptions from the forward (the LibTorch boundary)
+// and as Status from Backward / Step.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+#include <torch/torch.h>
+
+#include "runtime/base/config.h"
+#include "runtime/base/status.h"
+#include "runtime/state/param_groups.h"
+#include "tiers/nvme/io_engine.h"
+
+namespace strata {
+
+class BlockStore;
+class Communicator;
+class Device;
+
+struct EngineOptions {
+  // The modules the engine manages as units, in the order they run; empty: the default split
+  // (each child of the root holding parameters, looking through containers).
+  std::vector<std::shared_ptr<torch::nn::Module>> units;
+  std::vector<std::string> nvme_path;  // overrides both offload nvme_path settings when set
+  bool force_fallback_io = false;      // use the pread/pwrite engine (tests)
+  nvme::IoFaultHook nvme_fault_hook;   // test-only: forwarded to NvmeTierOptions::fault_hook
+  // Test-only delay injection: runs on the optimizer lane before each chunk's update, so a test
+  // can stretch the lane and show that nothing reads a chunk before its update is in.
+  std::function<void(int64_t chunk)> optimizer_delay_hook;
+  // Test-only delay injection: runs on the reduce lane before each chunk's reduction and, with
+  // several ranks, before each all-gather issued ahead (once the chunk's copy has landed), so a
+  // test can make the lane lag compute and show that every reader of its results waits for them.
+  std::function<void(int64_t chunk)> reduce_delay_hook;
+  // Test-only: the "fp16" block's loss scaling without fp16 compute, so the overflow path (a
+  // skipped step, the scale's schedule, deferred updates around a skipped step) runs on the CPU
+  // device, where fp16 is refused. Power-of-two scales multiply fp32 gradients exactly, so a run
+  // equals one without scaling on every step that is not skipped.
+  bool loss_scaling = false;
+  // Test-only: wraps the engine's block store once it is made (a store that poisons released
+  // blocks, tests/runtime/poisoning_store.h), so a test can show that nothing uses a block
+  // outside its Acquire..Release window.
+  std::function<std::unique_ptr<BlockStore>(std::unique_ptr<BlockStore>)> wrap_store;
+  // Parameter groups, as torch.optim's param_groups: each group's hyperparameters and its
+  // parameters (the model's own tensors). Empty: one group, the config's "optimizer" section,
+  // for every parameter. A trainable parameter in no group joins group 0; one in two groups is
+  // refused. The config's bias_correction and Adam/AdamW choice hold for every group.
+  struct ParamGroup {
+    GroupHyperparameters hyper;
+    std::vector<torch::Tensor> params;
+  };
+  std::vector<ParamGroup> param_groups;
+};
+
+// One optimizer step, as seen by every lane.
+struct StepReport {
+  int64_t step = 0;             // optimizer steps taken so far (skipped ones excluded)
+  bool skipped = false;         // fp16 overflow: no update this step
+  double lr = 0;
+  double loss_scale = 1;
+  double grad_norm = 0;         // global L2 norm of the unscaled gradients (0 when not computed)
+  // Wall time of the step's window: from the end of the previous Step (for the first step, its
+  // first training forward) to the end of this one. It includes whatever the caller did between
+  // steps, and deferred optimizer work runs inside it (Note [deferred optimizer]).
+  double step_time_s = 0;
+  // Busy time per lane (seconds) within the window. compute is the forward and backward spans
+  // less the time they waited (stall_s).
+  double compute_s = 0;
+  double copy_s = 0;            // host<->device copies
+  double comm_s = 0;            // collectives
+  double nvme_s = 0;            // NVMe tier busy time (any I/O in flight)
+  double optimizer_s = 0;       // CPU Adam, its state reads and write-backs included
+  double stall_s = 0;           // compute waiting for parameters, states or updates
+  double update_wait_s = 0;     // of stall_s: waiting for a deferred optimizer update
+  // Derived by FillOverlap from the lanes above (compute, copy, comm, nvme, optimizer):
+  double lane_sum_s = 0;        // sum of the lanes' busy time
+  double longest_lane_s = 0;    // the busiest lane's
+  // (lane_sum - step) / (lane_sum - longest): 0 when the lanes ran one after another, 1 when
+  // everything ran under the longest lane; NaN (JSON null) when only one lane was busy.
+  double overlap = 0;
+  double compute_idle_share = 0;  // 1 - compute / step: the share of the step compute was idle
+  void FillOverlap();
+  uint64_t bytes_host_to_device = 0;
+  uint64_t bytes_device_to_host = 0;
+  uint64_t bytes_nvme_to_host = 0;
+  uint64_t bytes_host_to_nvme = 0;
+  uint64_t peak_device_bytes = 0;
+  uint64_t peak_host_bytes = 0;  // engine-managed host memory (states and staging)
+  uint64_t bytes_activations_stashed = 0;  // cpu_checkpointing: saved inputs sent to the host tier
+  nlohmann::json ToJson() const;
+};
+
+class Engine {
+ public:
+  // Takes over `model`'s parameters: they are partitioned, their full storage is freed, and from
+  // now on only the engine materializes them. `comm` and `device` must outlive the engine, and the
+  // model must outlive it too (the engine keeps a reference).
+  static StatusOr<std::unique_ptr<Engine>> Create(std::shared_ptr<torch::nn::Module> model,
+                                                  const Config& config, Communicator* comm,
+                                                  Device* device, const EngineOptions& options = {});
+  // A module with a forward: Engine::Forward(input) calls the model's own forward(input).
+  static StatusOr<std::unique_ptr<Engine>> Create(torch::nn::AnyModule model, const Config& config,
+                                                  Communicator* comm, Device* device,
+                                                  const EngineOptions& options = {});
+  template <class M>
+  static StatusOr<std::unique_ptr<Engine>> Create(torch::nn::ModuleHolder<M> model, const Config& config,
+                                                  Communicator* comm, Device* device,
+                                                  const EngineOptions& options = {}) {
+    return Create(torch::nn::AnyModule(model), config, comm, device, options);
+  }
+  static StatusOr<std::unique_ptr<Engine>> Create(torch::nn::Sequential model, const Config& config,
+                                                  Communicator* comm, Device* device,
+                                                  const EngineOptions& options = {}) {
+    return Create(std::static_pointer_cast<torch::nn::Module>(model.ptr()), config, comm, device,
+                  options);
+  }
+  ~Engine();
+
+  // For a Sequential root: runs its children in order, each as a unit. For a model given as an
+  // AnyModule: its own forward(input), which runs its units through strata::RunUnit. (A model
+  // given as a plain Module pointer is called by the caller directly.) Throws std::runtime_error
+  // with the Status text on failure.
+  torch::Tensor Forward(const torch::Tensor& input);
+
+  // The unit protocol RunUnit, CheckpointUnit and the Python front end drive. BeginUnit
+  // materializes the unit's parameters (throws on failure); EndUnit releases them and, when
+  // autograd records, hooks the outputs that require grad so that backward gathers the unit
+  // again before entering it. `checkpointed`: the run records nothing for autograd (activation
+  // checkpointing) but is part of training; backward recomputes it, and a BeginUnit during
+  // Backward gathers the unit for that recomputation. Calls nest only for different units.
+  void BeginUnit(int64_t unit, bool checkpointed = false);
+  void EndUnit(int64_t unit, const std::vector<torch::Tensor>& outputs);
+  int64_t num_units() const;
+  // activation_checkpointing.cpu_checkpointing: CheckpointUnit hands its saved inputs to
+  // StashActivations in forward and takes them back with RestoreActivations in backward. The
+  // stash is the tier manager: one block per checkpoint slot of the step, in the host pool and,
+  // when NVMe is configured, backed by NVMe so that a full host budget evicts it there; slots are
+  // reused step after step, so the tier manager's trace prefetches them back in reverse order.
+  // Without a host tier (nothing offloaded) the inputs wait as plain host tensors. Restore
+  // consumes the handle.
+  bool cpu_checkpointing() const;
+  StatusOr<int64_t> StashActivations(const std::vector<torch::Tensor>& tensors);
+  StatusOr<std::vector<torch::Tensor>> RestoreActivations(int64_t handle);
+  std::string unit_name(int64_t unit) const;
+  // Bytes of the device allocator in use now (the engine's device, all of its allocations), and
+  // the most it has held.
+  uint64_t device_bytes_in_use() const;
+  uint64_t device_peak_bytes() const;
+  // DeepSpeed's offload_states / reload_states (ZeRO stage 3, between steps): the device-resident
+  // blocks of `kinds` are copied to host memory and their device memory freed; ReloadStates puts
+  // every parked block back bit for bit. While states are parked the engine does not train (a
+  // training forward or Step fails with FAILED_PRECONDITION naming reload_states). Offload
+  // waits for the step's pending updates first; kinds placed off the device are left alone.
+  // Both return the bytes moved.
+  StatusOr<uint64_t> OffloadStates(const std::vector<StateKind>& kinds);
+  StatusOr<uint64_t> ReloadStates();
+  // Backward of `loss` (divided by gradient_accumulation_steps and multiplied by the fp16 loss
+  // scale here, as DeepSpeed does) and the gradient reduction.
+  Status Backward(const torch::Tensor& loss);
+  // Completes an optimizer step once gradient_accumulation_steps micro-steps have run; before
+  // that it returns FAILED_PRECONDITION.
+  StatusOr<StepReport> Step();
+  // Every group's hyperparameters from the next step whose updates start on, in place of the
+  // groups' own and the config schedule's lr (what a Python optimizer's param_groups hold at each
+  // step: a client scheduler, or a loop that writes the lr itself); one entry per group, in
+  // EngineOptions::param_groups' order, checked as ValidateGroup checks. A step takes the values
+  // set when its updates start: in the last micro-step's Backward when updates overlap backward
+  // (no clipping, no loss scaling), else in Step. Call it from the thread that calls Backward.
+  Status SetGroupHyperparameters(const std::vector<GroupHyperparameters>& groups);
+  int num_param_groups() const;
+
+  // Writes the values the given parameters hold now (a gathered stage-3 parameter, or a stage
+  // 0-2 parameter, changed by the caller) into this rank's partitions: the fp32 master and the
+  // working copy, wherever they live (device, host, NVMe). Optimizer states are untouched.
+  // Between steps only; collective when world_size > 1 (every rank calls it with the same
+  // parameters holding the same values: the caller broadcasts first).
+  Status WriteParameters(const std::vector<torch::Tensor>& params);
+
+  // The full fp32 master values of every parameter, in registration order (collective when
+  // world_size > 1: every rank must call it).
+  StatusOr<std::vector<torch::Tensor>> GatherMasterParams();
+
+  // Saves this rank's partitions and the training state into `dir` atomically; loads them back.
+  // `extra` is stored in the manifest and returned by Load (data position, RNG, ...).
+  Status SaveCheckpoint(const std::string& dir, const nlohmann::json& extra);
+  // weights_only: restores the fp32 masters (and the working copy from them) and the module
+  // buffers; the optimizer states, step counters and loss scale keep their current values.
+  StatusOr<nlohmann::json> LoadCheckpoint(const std::string& dir, bool weights_only = false);
+
+  int64_t global_step() const;
+  int64_t micro_step() const;
+  int64_t num_parameters() const;  // elements, padding excluded
+  // Bytes of model state (params + grads + optimizer states) over all ranks, padding excluded.
+  uint64_t model_state_bytes() const;
+  nlohmann::json Describe() const;  // placement, chunking and sizes, for logs
+
+  // Lane tracing: while on, every lane's spans (forward, backward, waits, copies, collectives,
+  // NVMe busy intervals, each chunk's Adam) are recorded; TraceJson returns them all as a
+  // Chrome/Perfetto trace-event document. Meant for a few steps: spans stay in memory.
+  void SetTracing(bool on);
+  nlohmann::json TraceJson() const;
+
+  class Impl;
+
+ private:
+  explicit Engine(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+// The LibTorch device that compute on `device` runs on: cuda:N for a CUDA device, cpu for the
+// CPU device. The engine keeps the model's parameters and buffers there; inputs and targets must
+// be there too (`batch.to(TorchDevice(*device))`).
+torch::Device TorchDevice(const Device& device);
+
+}  // namespace strata

@@ -1,0 +1,349 @@
+// Checkpoints of the engine (layout and publication rules: runtime/state/checkpoint.h).
+#include "runtime/base/remove_tree.h"
+#include "runtime/engine/engine_impl.h"
+
+namespace strata {
+
+using namespace engine_detail;
+
+// ---------------------------------------------------------------------------------------------
+// Checkpoints (layout and publication rules: runtime/state/checkpoint.h).
+
+namespace {
+
+constexpr StateKind kSavedKinds[] = {StateKind::kMaster32, StateKind::kExpAvg, StateKind::kExpAvgSq};
+
+StatusOr<StateKind> KindFromName(const std::string& name) {
+  for (StateKind k : kSavedKinds)
+    if (name == StateKindName(k)) return k;
+  return DataLoss(StrCat("unknown state '", name, "' in checkpoint manifest"));
+}
+
+Status WriteAll(int fd, const void* data, size_t n, const std::string& path) {
+  const char* p = static_cast<const char*>(data);
+  while (n > 0) {
+    ssize_t w = ::write(fd, p, n);
+    if (w < 0) {
+      if (errno == EINTR) continue;
+      return ErrnoToStatus(errno, StrCat("write ", path));
+    }
+    p += w;
+    n -= static_cast<size_t>(w);
+  }
+  return Status::Ok();
+}
+
+}  // namespace
+
+Status Engine::Impl::Save(const std::string& root, const nlohmann::json& extra) {
+  namespace fs = std::filesystem;
+  if (step_open_)
+    return FailedPrecondition("SaveCheckpoint during a step: save after Step() returns");
+  STRATA_RETURN_IF_ERROR(FinishUpdates());
+  std::error_code ec;
+  fs::create_directories(root, ec);
+  if (ec) return ErrnoToStatus(ec.value(), StrCat("create checkpoint directory ", root));
+  const std::string name = checkpoint::StepDirName(global_step_);
+  const fs::path final_dir = fs::path(root) / name;
+  const fs::path tmp_dir = fs::path(root) / ("." + name + ".tmp");
+  const int rank = comm_->rank();
+  const std::string stem = checkpoint::RankFileStem(rank);
+  if (fs::exists(final_dir / (stem + ".json"), ec)) {
+    // This step is already saved (a periodic save followed by the final one).
+    if (rank == 0) STRATA_RETURN_IF_ERROR(checkpoint::WriteFileAtomic((fs::path(root) / "latest").string(), name));
+    return Status::Ok();
+  }
+  if (rank == 0) {  // leftovers of saves that crashed
+    for (const auto& e : fs::directory_iterator(root, ec)) {
+      const std::string n = e.path().filename().string();
+      if (n.size() > 5 && n[0] == '.' && n.rfind(".tmp") == n.size() - 4 && e.path() != tmp_dir)
+        RemoveTree(e.path().string()).IgnoreError();  // best effort: a leftover is harmless
+    }
+  }
+  fs::create_directories(tmp_dir, ec);
+  if (ec) return ErrnoToStatus(ec.value(), StrCat("create ", tmp_dir.string()));
+
+  checkpoint::Manifest m;
+  m.rank = rank;
+  m.world_size = comm_->world_size();
+  m.stage = config_.zero_optimization.stage;
+  m.dtype = optim::DTypeName(compute_dtype_);
+  m.state_dtype = optim::DTypeName(state_dtype_);
+  m.parameters = num_params();
+  for (const ChunkInfo& ci : partitioner_->chunks()) m.shard_numel.push_back(ci.shard_numel);
+  m.global_step = global_step_;
+  m.micro_step = micro_step_;
+  if (scaler_) m.scaler = {{"scale", scaler_->scale()}};
+  m.extra = extra;
+  m.layout = LayoutJson();
+
+  // Stream every block from wherever it lives straight into the file: no state is staged whole.
+  const std::string bin = (tmp_dir / (stem + ".bin")).string();
+  int fd = ::open(bin.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  if (fd < 0) return ErrnoToStatus(errno, StrCat("create ", bin));
+  Status s;
+  uint64_t offset = 0;
+  std::vector<char> staging;
+  for (size_t c = 0; c < chunks_.size() && s.ok(); ++c) {
+    for (StateKind kind : kSavedKinds) {
+      if (!HoldsState(kind)) continue;  // Note [states the optimizer uses]
+      const int64_t c64 = static_cast<int64_t>(c);
+      const uint64_t bytes = partitioner_->chunks()[c].shard_numel *
+                             (kind == StateKind::kMaster32 ? 4 : optim::DTypeSize(state_dtype_));
+      const BlockKey key = kind == StateKind::kMaster32 ? MasterKey(c64) : BlockKey{c64, kind};
+      auto data = store_->Acquire(key, Access::kRead);
+      if (!data.ok()) {
+        s = data.status();
+        break;
+      }
+      // A device block reaches the file through a host copy (Note [device blocks]).
+      const void* bytes_at = *data;
+      if (PlacementOf(key.kind) == Placement::kDevice) {
+        staging.resize(bytes);
+        s = ReadBlockBytes(staging.data(), *data, bytes, Placement::kDevice);
+        bytes_at = staging.data();
+      }
+      if (s.ok()) s = WriteAll(fd, bytes_at, bytes, bin);
+      uint32_t crc = nvme::Crc32c(bytes_at, bytes);
+      Status r = store_->Release(key, false);
+      if (s.ok()) s = r;
+      if (!s.ok()) break;
+      m.blocks.push_back({c64, StateKindName(kind), offset, bytes, crc});
+      offset += bytes;
+    }
+  }
+  // Buffers after the blocks, each from a host copy.
+  for (size_t i = 0; i < buffers_.size() && s.ok(); ++i) {
+    const auto& [name, b] = buffers_[i];
+    torch::Tensor host = b.detach().to(torch::kCPU).contiguous();
+    const uint64_t bytes = host.nbytes();
+    s = WriteAll(fd, host.data_ptr(), bytes, bin);
+    m.buffers.push_back({name, std::string(c10::toString(host.scalar_type())), offset, bytes,
+                         nvme::Crc32c(host.data_ptr(), bytes)});
+    offset += bytes;
+  }
+  if (s.ok() && ::fsync(fd) != 0) s = ErrnoToStatus(errno, StrCat("fsync ", bin));
+  ::close(fd);
+  if (s.ok())
+    s = checkpoint::WriteFileAtomic((tmp_dir / (stem + ".json")).string(),
+                                    checkpoint::SerializeManifest(m));
+  if (!s.ok()) return s.WithContext(StrCat("saving checkpoint ", final_dir.string()));
+  if (comm_->world_size() > 1) STRATA_RETURN_IF_ERROR(comm_->Barrier());
+  // Test hook: die where a crash hurts most, with every file written but nothing published.
+  if (const char* crash = std::getenv("STRATA_TEST_CRASH_BEFORE_PUBLISH"); crash && *crash == '1')
+    ::_exit(137);
+  if (rank == 0) {
+    STRATA_RETURN_IF_ERROR(checkpoint::FsyncDir(tmp_dir.string()));
+    fs::rename(tmp_dir, final_dir, ec);
+    if (ec) return ErrnoToStatus(ec.value(), StrCat("rename ", tmp_dir.string(), " to ", final_dir.string()));
+    STRATA_RETURN_IF_ERROR(checkpoint::FsyncDir(root));
+    STRATA_RETURN_IF_ERROR(checkpoint::WriteFileAtomic((fs::path(root) / "latest").string(), name));
+  }
+  if (comm_->world_size() > 1) STRATA_RETURN_IF_ERROR(comm_->Barrier());
+  STRATA_LOG(INFO) << "checkpoint saved dir=" << final_dir.string() << " bytes=" << offset;
+  return Status::Ok();
+}
+
+nlohmann::json Engine::Impl::LayoutJson() const {
+  nlohmann::json shard_offset = nlohmann::json::array(), chunk_numel = nlohmann::json::array();
+  for (size_t c = 0; c < chunks_.size(); ++c) {
+    shard_offset.push_back(partitioner_->ShardOffset(static_cast<int64_t>(c), shard_rank()));
+    chunk_numel.push_back(partitioner_->chunks()[c].numel);
+  }
+  nlohmann::json params = nlohmann::json::array();
+  for (size_t pid = 0; pid < params_.size(); ++pid) {
+    const ParamLocation& loc = partitioner_->location(static_cast<int64_t>(pid));
+    params.push_back({{"name", partitioner_->param_name(static_cast<int64_t>(pid))},
+                      {"shape", params_[pid].shape},
+                      {"chunk", loc.chunk},
+                      {"offset", loc.offset}});
+  }
+  nlohmann::json buffers = nlohmann::json::array();
+  for (const auto& [name, b] : buffers_) buffers.push_back({{"name", name}, {"shape", b.sizes().vec()}});
+  return {{"shard_offset", shard_offset}, {"chunk_numel", chunk_numel}, {"params", params},
+          {"buffers", buffers}};
+}
+
+StatusOr<nlohmann::json> Engine::Impl::Load(const std::string& path, bool weights_only) {
+  namespace fs = std::filesystem;
+  if (step_open_) return FailedPrecondition("LoadCheckpoint during a step");
+  STRATA_RETURN_IF_ERROR(FinishUpdates());
+  STRATA_ASSIGN_OR_RETURN(std::string dir, checkpoint::ResolveCheckpointDir(path));
+  const std::string stem = checkpoint::RankFileStem(comm_->rank());
+  const std::string mpath = (fs::path(dir) / (stem + ".json")).string();
+  std::error_code ec;
+  if (!fs::exists(mpath, ec)) {
+    return NotFound(StrCat(dir, " has no ", stem, ".json: it was saved by fewer ranks than this run's ",
+                           comm_->world_size(), "; resume with the world size it was saved with"));
+  }
+  STRATA_ASSIGN_OR_RETURN(std::string text, checkpoint::ReadFile(mpath));
+  STRATA_ASSIGN_OR_RETURN(checkpoint::Manifest m, checkpoint::ParseManifest(text, mpath));
+  auto mismatch = [&](const std::string& what, const std::string& saved, const std::string& now,
+                      const std::string& fix) {
+    return InvalidArgument(StrCat(dir, " was saved with ", what, "=", saved, " but this run has ",
+                                  what, "=", now, "; ", fix));
+  };
+  if (m.world_size != comm_->world_size())
+    return mismatch("world_size", std::to_string(m.world_size), std::to_string(comm_->world_size()),
+                    "resume with the same number of ranks");
+  if (m.stage != config_.zero_optimization.stage)
+    return mismatch("zero_optimization.stage", std::to_string(m.stage),
+                    std::to_string(config_.zero_optimization.stage), "use the config it was saved with");
+  if (m.dtype != optim::DTypeName(compute_dtype_) || m.state_dtype != optim::DTypeName(state_dtype_))
+    return mismatch("precision", m.dtype + "/" + m.state_dtype,
+                    std::string(optim::DTypeName(compute_dtype_)) + "/" + optim::DTypeName(state_dtype_),
+                    "use the bf16/fp16 and optimizer_state_dtype settings it was saved with");
+  std::vector<int64_t> ours;
+  for (const ChunkInfo& ci : partitioner_->chunks()) ours.push_back(ci.shard_numel);
+  if (m.parameters != num_params() || m.shard_numel != ours)
+    return mismatch("a model of parameters", std::to_string(m.parameters), std::to_string(num_params()),
+                    "it belongs to another model (or chunk_size differs): use the same model and "
+                    "strata.chunk_size");
+  std::map<BlockKey, const checkpoint::BlockEntry*> entries;
+  for (const auto& e : m.blocks) {
+    STRATA_ASSIGN_OR_RETURN(StateKind k, KindFromName(e.state));
+    entries[{e.chunk, k}] = &e;
+  }
+  const std::string bin = (fs::path(dir) / (stem + ".bin")).string();
+  int fd = ::open(bin.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return ErrnoToStatus(errno, StrCat("open ", bin));
+  Status s;
+  // Buffers first, all read and checked before any state is overwritten: every one the model has
+  // must be in the checkpoint, by name, with its size and type.
+  std::vector<torch::Tensor> buffer_values;
+  for (size_t i = 0; i < buffers_.size() && s.ok(); ++i) {
+    const auto& [name, b] = buffers_[i];
+    const checkpoint::BufferEntry* e = nullptr;
+    for (const auto& be : m.buffers)
+      if (be.name == name) e = &be;
+    const std::string type(c10::toString(b.scalar_type()));
+    if (!e || e->bytes != b.nbytes() || e->dtype != type) {
+      s = DataLoss(StrCat(mpath, ": buffer '", name, "' (", type, ", ", b.nbytes(),
+                          " bytes) is missing or differs; the checkpoint belongs to another model"));
+      break;
+    }
+    torch::Tensor host = torch::empty(b.sizes(), torch::TensorOptions().dtype(b.scalar_type()));
+    ssize_t got = ::pread(fd, host.data_ptr(), e->bytes, static_cast<off_t>(e->offset));
+    if (got < 0 || static_cast<uint64_t>(got) != e->bytes) {
+      s = DataLoss(StrCat(bin, " is truncated: buffer '", name, "' needs ", e->bytes, " bytes"));
+      break;
+    }
+    if (nvme::Crc32c(host.data_ptr(), e->bytes) != e->crc32c) {
+      s = DataLoss(StrCat(bin, ": buffer '", name, "' fails its crc32c check; the checkpoint is "
+                          "corrupted: resume from an earlier one"));
+      break;
+    }
+    buffer_values.push_back(host);
+  }
+  for (size_t c = 0; c < chunks_.size() && s.ok(); ++c) {
+    for (StateKind kind : kSavedKinds) {
+      if (weights_only && kind != StateKind::kMaster32) continue;  // the optimizer keeps its own
+      if (!HoldsState(kind)) continue;  // a state this optimizer does not keep is not read
+      const int64_t c64 = static_cast<int64_t>(c);
+      auto it = entries.find({c64, kind});
+      const uint64_t bytes = partitioner_->chunks()[c].shard_numel *
+                             (kind == StateKind::kMaster32 ? 4 : optim::DTypeSize(state_dtype_));
+      if (it == entries.end() || it->second->bytes != bytes) {
+        s = DataLoss(StrCat(mpath, ": ", BlockName({c64, kind}), " is missing or has the wrong size"));
+        break;
+      }
+      // Read into a scratch buffer first: a damaged file must not overwrite the live state.
+      std::vector<char> buf(bytes);
+      ssize_t got = ::pread(fd, buf.data(), bytes, static_cast<off_t>(it->second->offset));
+      if (got < 0) {
+        s = ErrnoToStatus(errno, StrCat("read ", bin));
+        break;
+      }
+      if (static_cast<uint64_t>(got) != bytes) {
+        s = DataLoss(StrCat(bin, " is truncated: ", BlockName({c64, kind}), " needs ", bytes,
+                            " bytes at offset ", it->second->offset, ", got ", got));
+        break;
+      }
+      if (nvme::Crc32c(buf.data(), bytes) != it->second->crc32c) {
+        s = DataLoss(StrCat(bin, ": ", BlockName({c64, kind}),
+                            " fails its crc32c check; the checkpoint is corrupted: resume from an "
+                            "earlier one"));
+        break;
+      }
+      const BlockKey key = kind == StateKind::kMaster32 ? MasterKey(c64) : BlockKey{c64, kind};
+      auto dst = store_->Acquire(key, Access::kWrite);
+      if (!dst.ok()) {
+        s = dst.status();
+        break;
+      }
+      s = WriteBlockBytes(*dst, buf.data(), bytes, PlacementOf(key.kind));
+      Status r = store_->Release(key, true);
+      if (s.ok()) s = r;
+    }
+  }
+  ::close(fd);
+  STRATA_RETURN_IF_ERROR(s);
+  {
+    torch::NoGradGuard ng;
+    for (size_t i = 0; i < buffer_values.size(); ++i) buffers_[i].second.copy_(buffer_values[i]);
+  }
+
+  // The working copy is the master rounded to the working precision, exactly what Adam writes.
+  const size_t esize = optim::DTypeSize(compute_dtype_);
+  for (size_t c = 0; c < chunks_.size() && !master_is_param(); ++c) {  // shared: already there
+    const int64_t c64 = static_cast<int64_t>(c);
+    const int64_t n = partitioner_->chunks()[c].shard_numel;
+    STRATA_ASSIGN_OR_RETURN(void* master, store_->Acquire({c64, StateKind::kMaster32}, Access::kRead));
+    std::vector<float> master_host(n);
+    Status read = ReadBlockBytes(master_host.data(), master, n * 4, optim_placement_);
+    if (!read.ok()) {
+      store_->Release({c64, StateKind::kMaster32}, false).IgnoreError();
+      return read;
+    }
+    std::vector<char> work(n * esize);
+    const float* mf = master_host.data();
+    if (compute_dtype_ == optim::DType::kFloat32) {
+      std::memcpy(work.data(), mf, n * 4);
+    } else {
+      auto* w16 = reinterpret_cast<uint16_t*>(work.data());
+      for (int64_t i = 0; i < n; ++i)
+        w16[i] = compute_dtype_ == optim::DType::kBFloat16 ? optim::FloatToBf16(mf[i])
+                                                           : optim::FloatToHalf(mf[i]);
+    }
+    STRATA_RETURN_IF_ERROR(store_->Release({c64, StateKind::kMaster32}, false));
+    STRATA_RETURN_IF_ERROR(PublishParams(c64, work.data(), compute_dtype_));
+  }
+  STRATA_RETURN_IF_ERROR(ShareUpdatedShards());
+  STRATA_RETURN_IF_ERROR(RefreshChunksAfterStep());
+  if (!weights_only) {
+    global_step_ = m.global_step;
+    micro_step_ = m.micro_step;
+  }
+  STRATA_LOG(INFO) << "checkpoint loaded dir=" << dir << " step=" << m.global_step
+                   << (weights_only ? " (weights only)" : "");
+  return m.extra;
+}
+
+// Copies a shard of new working values from host memory to where the device reads it, and
+// waits: a checkpoint load, while the optimizer lane is idle (updates publish through
+// StartPublish).
+Status Engine::Impl::PublishParams(int64_t c, const void* shard_values, optim::DType dtype) {
+  const ChunkInfo& ci = partitioner_->chunks()[c];
+  const size_t bytes = ci.shard_numel * optim::DTypeSize(dtype);
+  void* dst;
+  bool held = false;
+  if (config_.zero_optimization.stage == 3) {
+    STRATA_ASSIGN_OR_RETURN(dst, store_->Acquire({c, StateKind::kParam16}, Access::kWrite));
+    held = true;
+  } else {
+    dst = WorkingShard(c);
+  }
+  if (held && param_placement_ != Placement::kDevice) {  // a host buffer: no device copy
+    std::memcpy(dst, shard_values, bytes);
+    return store_->Release({c, StateKind::kParam16}, true);
+  }
+  Status s = publish_stream_->MemcpyAsync(dst, shard_values, bytes, CopyKind::kHostToDevice);
+  if (s.ok()) s = publish_stream_->Synchronize();
+  if (held) {
+    Status r = store_->Release({c, StateKind::kParam16}, true);
+    if (s.ok()) s = r;
+  }
+  return s;
+}
+
+}  // namespace strata

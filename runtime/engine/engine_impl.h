@@ -1,0 +1,539 @@
+// Engine::Impl: the engine's state and the rooms that share it. One header, one .cc per room:
+//   engine.cc            the facade (Engine), unit discovery, reports
+//   unit_coordinator.cc  gathering and releasing units' parameters (stage 3), forward and the
+//                        unit protocol, prefetching from the trace
+//   gather_lane.cc       stage 3's shards read and copied into their chunks ahead of use
+//   gradient_reducer.cc  gradient hooks, per-chunk reduction, Backward
+//   engine_init.cc       Init and its named steps
+//   optimizer_lane.cc    the optimizer thread, its queue and order, Step
+//   chunk_update.cc      one chunk's update: Adam/AdamW or SGD, as runs of one parameter group
+//                        (param_groups.h)
+//   publish_lane.cc      a host optimizer's new values taken to the device (pinned staging;
+//                        PublishLane owns its state, publish_lane.h)
+//   engine_checkpoint.cc saving and loading checkpoints
+//   param_writes.cc      parameter values written back into the partitions (writable gathers)
+//   activation_stash.cc  checkpointed units' saved inputs in the tier manager (cpu_checkpointing;
+//                        ActivationStash owns its state, activation_stash.h)
+// Private to runtime/: nothing outside the engine includes it.
+#pragma once
+#include "runtime/engine/engine.h"
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cmath>
+#include <condition_variable>
+#include <cstring>
+#include <deque>
+#include <filesystem>
+#include <fstream>
+#include <limits>
+#include <map>
+#include <mutex>
+#include <set>
+#include <stdexcept>
+#include <thread>
+#include <tuple>
+
+#include <c10/core/DeviceGuard.h>
+#include <c10/core/StreamGuard.h>
+#include <tbb/task_arena.h>
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/function_hook.h>
+#include <torch/csrc/autograd/variable.h>
+
+#include "optim/cpu_adam.h"
+#include "optim/loss_scaler.h"
+#include "runtime/base/check.h"
+#include "runtime/base/device.h"
+#include "runtime/base/host_info.h"
+#include "runtime/base/logging.h"
+#include "runtime/base/units.h"
+#include "runtime/comm/communicator.h"
+#include "runtime/engine/activation_stash.h"
+#include "runtime/engine/compute_dtype.h"
+#include "runtime/engine/compute_fence.h"
+#include "runtime/engine/gather_lane.h"
+#include "runtime/engine/lane_trace.h"
+#include "runtime/engine/optimizer_lane.h"
+#include "runtime/engine/publish_lane.h"
+#include "runtime/engine/reduce_lane.h"
+#include "runtime/engine/run_unit.h"
+#include "runtime/engine/zero_init.h"
+#include "runtime/state/block_store.h"
+#include "runtime/state/checkpoint.h"
+#include "runtime/state/lr_schedule.h"
+#include "runtime/state/partitioner.h"
+#include "tiers/host/staging_buffer.h"
+#include "tiers/nvme/crc32c.h"
+#include "tiers/nvme/nvme_tier.h"
+
+namespace strata {
+namespace engine_detail {
+
+using Clock = std::chrono::steady_clock;
+
+inline double Since(Clock::time_point t0) {
+  return std::chrono::duration<double>(Clock::now() - t0).count();
+}
+
+[[noreturn]] inline void Throw(const Status& s) { throw std::runtime_error(s.ToString()); }
+
+inline torch::Dtype TorchDtype(optim::DType d) {
+  switch (d) {
+    case optim::DType::kFloat32: return torch::kFloat32;
+    case optim::DType::kBFloat16: return torch::kBFloat16;
+    case optim::DType::kFloat16: return torch::kFloat16;
+  }
+  return torch::kFloat32;
+}
+
+inline strata::DType CommDtype(optim::DType d) {
+  switch (d) {
+    case optim::DType::kFloat32: return strata::DType::kF32;
+    case optim::DType::kBFloat16: return strata::DType::kBF16;
+    case optim::DType::kFloat16: return strata::DType::kF16;
+  }
+  return strata::DType::kF32;
+}
+
+}  // namespace engine_detail
+
+class Engine::Impl {
+ public:
+  Impl(std::shared_ptr<torch::nn::Module> model, const Config& config, Communicator* comm,
+       Device* device)
+      : model_(std::move(model)), config_(config), comm_(comm), device_(device) {}
+  ~Impl();
+
+  Status Init(Engine* owner, const EngineOptions& options);
+  torch::Tensor Forward(const torch::Tensor& input);
+  void BeginUnit(int64_t u, bool checkpointed);
+  void EndUnit(int64_t u, const std::vector<torch::Tensor>& outputs);
+  Status Backward(const torch::Tensor& loss);
+  StatusOr<StepReport> Step();
+  Status SetGroupHyperparameters(const std::vector<GroupHyperparameters>& groups);
+  int num_param_groups() const { return static_cast<int>(groups_.size()); }
+  Status WriteParameters(const std::vector<torch::Tensor>& params);  // param_writes.cc
+  // offload_states / reload_states (state_offload.cc).
+  StatusOr<uint64_t> OffloadStates(const std::vector<StateKind>& kinds);
+  StatusOr<uint64_t> ReloadStates();
+  Status CheckStatesResident(const char* what) const;
+  struct ParkedBlock {
+    BlockKey key;
+    std::vector<uint8_t> bytes;  // the block's bytes while its device memory is freed
+  };
+  std::vector<ParkedBlock> parked_;  // owner thread only
+  StatusOr<std::vector<torch::Tensor>> GatherMasterParams();
+  Status Save(const std::string& dir, const nlohmann::json& extra);
+  StatusOr<nlohmann::json> Load(const std::string& dir, bool weights_only);
+  nlohmann::json LayoutJson() const;  // Manifest::layout of this rank
+
+  int64_t global_step_ = 0;
+  int64_t micro_step_ = 0;
+  nlohmann::json Describe() const;
+  nlohmann::json PlanJson() const;  // per state: sharded, bytes this rank keeps
+  int64_t num_params() const { return partitioner_ ? partitioner_->param_numel() : 0; }
+  uint64_t model_state_bytes() const;
+  int64_t num_units() const { return static_cast<int64_t>(units_.size()); }
+  std::string unit_name(int64_t u) const {
+    return u >= 0 && u < num_units() ? units_[u].name : std::string();
+  }
+  uint64_t device_bytes() const { return device_->allocated(); }
+  uint64_t device_peak_bytes() const { return device_->peak_allocated(); }
+  bool cpu_checkpointing() const { return config_.activation_checkpointing.cpu_checkpointing; }
+  // Lane trace (lane_trace.h): spans are recorded while armed.
+  void SetTracing(bool on) { lane_trace_.Arm(on); }
+  nlohmann::json TraceJson() const { return lane_trace_.ToJson(); }
+  // Activation stash (activation_stash.h).
+  StatusOr<int64_t> StashActivations(const std::vector<torch::Tensor>& tensors) {
+    return stash_->Stash(tensors);
+  }
+  StatusOr<std::vector<torch::Tensor>> RestoreActivations(int64_t handle) {
+    return stash_->Restore(handle);
+  }
+
+ private:
+  struct ParamInfo {
+    torch::Tensor tensor;
+    std::vector<int64_t> shape;
+    std::vector<int64_t> units;                 // every unit that holds it (tied: several)
+    std::shared_ptr<torch::autograd::Node> acc;  // its AccumulateGrad node, kept alive for the hook
+    // This micro-step (Note [backward by gradients]): whether a plain (not checkpointed) unit run
+    // used it, how many checkpointed runs did, how many gradient deliveries came, and whether
+    // its gradient is complete.
+    bool plain_use = false;
+    int checkpointed_uses = 0;
+    int arrivals = 0;
+    bool grad_in = false;
+  };
+  struct UnitInfo {
+    std::string name;
+    std::shared_ptr<torch::nn::Module> module;
+    std::vector<int64_t> params;  // parameters it holds, tied ones included
+    std::vector<int64_t> chunks;  // chunks those parameters live in
+    int64_t elems = 0;            // full elements a gather of the unit brings in
+    bool always_live = false;     // the root's own parameters: gathered for the engine's life
+    int grads_pending = 0;        // parameters whose gradient has not arrived this micro-step
+    bool backward_held = false;   // gathered for its backward
+    int forward_depth = 0;        // open BeginUnit calls
+    bool open_checkpointed = false;  // the open run is a checkpointed forward
+  };
+  struct ChunkState {
+    std::vector<int64_t> units;
+    // Stages 0-2: the working copy, owned. Stage 3: a view of `storage`, whose memory the engine
+    // installs when gathering and removes when dropping (`gathered` says which).
+    torch::Tensor full;
+    c10::Storage storage;
+    void* buffer = nullptr;
+    bool gathered = false;
+    // Gathered ahead by the gather lane (Note [prefetched gathers]): memory installed, the
+    // shard's copy handed to the lane and compute not yet ordered after it.
+    bool filling = false;
+    // With several ranks, also its all-gather, queued on the reduce lane behind the copy.
+    bool ahead_all_gather = false;
+    int live = 0;             // holders of the gathered chunk (stage 3)
+    torch::Tensor grad_full;  // fp32 gradient of the whole chunk for this micro-step
+    int pending = 0;          // parameters whose gradient has not arrived this micro-step
+  };
+
+  // Device memory counted against the device budget, owned by the returned tensor: the memory
+  // returns to the allocator when the last view of it dies.
+  StatusOr<torch::Tensor> DeviceTensor(int64_t numel, torch::Dtype dtype);
+  torch::TensorOptions DeviceOptions(torch::Dtype dtype) const;
+  // Where a state's blocks live: the param16 shard with the parameters, every other state with
+  // the optimizer.
+  Placement PlacementOf(StateKind kind) const {
+    return kind == StateKind::kParam16 ? param_placement_ : optim_placement_;
+  }
+  // Host code's only way into a block's bytes (Note [device blocks]): a device-placed block is
+  // device memory, moved by the copy stream; a host or NVMe-staged block is host memory.
+  // WriteBlockBytes with a null `src` zero-fills. Both return once the bytes have landed.
+  Status ReadBlockBytes(void* dst, const void* block, size_t bytes, Placement where);
+  // Runs `collective` (given the address to pass the communicator) on a host tensor's bytes
+  // where the communicator reaches them: in place for a host-memory one (Gloo, single), through
+  // a device copy for NCCL, which takes device buffers only. Writes the result back into `host`.
+  Status OnCommMemory(torch::Tensor& host, const std::function<Status(void*)>& collective);
+  Status WriteBlockBytes(void* block, const void* src, size_t bytes, Placement where);
+
+  // Init's steps, in the order Init runs them (engine_init.cc; DiscoverUnits in engine.cc).
+  Status ChoosePrecisionAndPlacement(const EngineOptions& options);
+  Status StartStreamsAndArena();
+  Status DiscoverUnits(const EngineOptions& options);
+  Status Partition();
+  Status GroupParameters(const EngineOptions& options);  // param_groups.h; engine_init.cc
+  Status OpenNvmeTier(const EngineOptions& options);
+  Status OpenBlockStore(const EngineOptions& options);
+  Status PlaceBuffers();
+  Status WriteInitialBlocks();
+  Status MakeLanes();
+  Status HookModel();
+  void StartLanes();
+  Status HookGradients();
+  // Stage 3: installs memory in a chunk's storage and fills it (shard from its tier, all-gather).
+  Status InstallChunk(int64_t c);
+  Status FillChunk(int64_t c);
+  // FillChunk's two halves: this rank's shard into the chunk, then the all-gather.
+  Status CopyShardIn(int64_t c);
+  Status AllGatherChunk(int64_t c);
+  // The all-gather itself: every rank's shard into the whole chunk (any thread; the caller
+  // orders it among the rank's collectives).
+  Status AllGatherShards(int64_t c);
+  // Gather lane (Note [prefetched gathers]; the lane itself: gather_lane.h).
+  // Gather lane (Note [prefetched gathers]).
+  void StartGatherLane();
+  void StopGatherLane();
+  // Installs each chunk of `next` and hands its shard's copy to the gather lane, when it is not
+  // gathered and the live-parameter cap leaves room, and with one rank when no update of it is
+  // pending; otherwise leaves it. With several ranks every rank makes the same choice (one
+  // small all-reduce agrees on it) and the chosen chunks' all-gathers go to the reduce lane.
+  void PrefetchGathers(const std::vector<int64_t>& next);
+  // Orders compute after a chunk gathered ahead: waits until the lane has enqueued its copy,
+  // then makes compute wait for the copy's event (on a GPU, on the device), and with several
+  // ranks waits for its all-gather (on the reduce lane when it was queued there, else here, in
+  // the order chunks are used).
+  Status FinishFill(int64_t c);
+  // Reduce lane: chunk c's all-gather once its copy gathered ahead has landed (`step` for the
+  // lane trace); adds its seconds to *comm_s.
+  Status AllGatherAhead(int64_t c, int64_t step, double* comm_s);
+  // Waits until the gather lane is done with chunk c: its copy has landed and the lane has
+  // released its param16 block (the lane still writes the chunk's memory and reads the block
+  // until then). Returns at once when no gather ahead of c is in flight.
+  void WaitFillLanded(int64_t c);
+  // For a caller about to drop or refill chunk c: waits for everything a gather ahead still has
+  // in flight on it (the copy; with several ranks, the all-gather), clears the chunk's marks and
+  // returns their status.
+  Status SettleFill(int64_t c);
+  // Every prefetched copy landed.
+  void FinishAllFills();
+  // Returns and clears a block release the gather lane could not make after compute had already
+  // taken the copy.
+  Status TakeGatherError();
+  void FreeChunkMemory(int64_t c);
+  // Frees the pending chunk memory whose compute has finished; all of it when `wait`.
+  void ReapFrees(bool wait);
+  // True when the optimizer is the device's own compute, on states in device memory
+  // (offload_optimizer.device: none): the GPU Adam on CUDA, the CPU Adam on the CPU device.
+  bool device_optimizer() const { return optim_placement_ == Placement::kDevice; }
+  // True when a host optimizer's new values for device-resident parameters go through the
+  // staging slots and the publish lane (Note [pipelined publish]).
+  bool staged_publish() const {
+    return !device_optimizer() && param_placement_ == Placement::kDevice;
+  }
+  // Stages 0-2: this rank's shard of chunk c in the replicated working copy (device memory, at
+  // its compute address), in the compute dtype.
+  void* WorkingShard(int64_t c) const {
+    return static_cast<char*>(chunks_[c].full.data_ptr()) +
+           partitioner_->ShardOffset(c, shard_rank()) * optim::DTypeSize(compute_dtype_);
+  }
+  // True when the optimizer runs on a CUDA device's own memory (the GPU Adam).
+  bool gpu_optimizer() const {
+    return device_optimizer() && device_->kind() == DeviceKind::kCuda;
+  }
+  Status GatherChunk(int64_t c);
+  // Drops a holder; the chunk stays gathered when it is persistent or will be reused within
+  // stage3_max_reuse_distance elements (Note [stage-3 live set]).
+  void ReleaseChunk(int64_t c, int64_t reuse_distance);
+  void DropChunk(int64_t c);
+  // After an optimizer step: persistent chunks are refilled with the new values, others dropped.
+  Status RefreshChunksAfterStep();
+  Status GatherUnit(int64_t u);
+  void ReleaseUnit(int64_t u, int64_t reuse_distance);
+  int64_t ForwardReuseDistance(size_t trace_pos) const;
+  // In backward, the elements gathered before chunk c is needed again in this backward (by a
+  // unit whose gradients are not all in yet), or "never" (the next use follows the step).
+  int64_t BackwardReuseDistance(int64_t c) const;
+  void PrefetchUnits(size_t trace_pos, int direction);
+  void OpenMicroStep();
+  void OnUnitBackwardReach(int64_t u);
+  void OnParamGrad(int64_t pid);
+  // Takes a delivery of a parameter's gradient; `settle` completes it whatever came.
+  Status TakeParamGrad(int64_t pid, bool settle);
+  // Hands chunk c's complete gradient to the reduce lane (Note [reduce lane]).
+  Status ReduceChunk(int64_t c);
+  // One chunk's update. Sets *publish when it left the copy of new values to the device in
+  // flight (Note [pipelined publish]): the optimizer lane then submits it to the publish lane.
+  // The hyperparameters are `in`'s, fixed when the step's updates started.
+  // Adds a wait for a staging slot to *slot_wait_s.
+  Status AdamChunk(int64_t c, const OptimizerLane::StepInputs& in,
+                   std::optional<PublishLane::Copy>* publish, double* slot_wait_s);
+  // The copy of chunk c's new values from `slot` to where the device reads them (its param16
+  // block, pinned until the copy lands, or the working shard). On failure nothing is in flight
+  // and the slot is free again.
+  Status StartPublish(int64_t c, int slot, PublishLane::Copy* copy);
+  // The publish lane's `done`: a chunk's new values have landed (or failed to).
+  void OnPublished(const PublishLane::Copy& copy, Status s);
+  // Copies a shard of new values to the device and waits (a checkpoint load).
+  Status PublishParams(int64_t c, const void* shard_values, optim::DType dtype);
+  Status ShareUpdatedShards();
+
+  // Optimizer lane (optimizer_lane.h): chunk c's update queued once its states' reads started.
+  void EnqueueOptimizer(int64_t c);
+  Status DrainOptimizer() { return opt_lane_->Drain(); }
+  // Note [deferred optimizer]: blocks until chunk c's queued update (if any) has finished,
+  // moving it to the head of the queue first; returns the lane's error if an update failed.
+  // The wait counts as the compute lane's stall unless `waited` (another lane's) is given.
+  Status WaitChunkUpdated(int64_t c, double* waited = nullptr);
+
+  // Reduce lane (Note [reduce lane]; the lane itself: reduce_lane.h).
+  bool UseReduceLane() const;  // whether reductions run on the lane's thread
+  // Compute thread: queues the updates of chunks the lane finished reducing (immediate optimizer).
+  void EnqueueReducedUpdates();
+  // A reduction's work, on the lane or on the compute thread (`on_lane`); its times go to *out.
+  Status ReduceShard(ReduceJob& job, bool on_lane, ReduceOutcome* out);
+  // The same wait outside a micro-step (Step, checkpoints, master values), before a collective
+  // of the compute thread's own: a training forward may have left all-gathers issued ahead on
+  // the lane. Leaves the lane's errors for DrainReductions.
+  void WaitReduceLaneQuiet() { reduce_lane_->WaitQuiet(); }
+  // Compute thread: waits until every queued reduction has finished (before a collective of its
+  // own, and at the end of Backward); returns and clears the lane's first failure.
+  Status DrainReductions();
+  // Every queued update finished (checkpoints, master values, a new step's global scan).
+  Status FinishUpdates() {
+    WaitReduceLaneQuiet();
+    FinishAllFills();
+    Status f = TakeGatherError();
+    Status d = DrainOptimizer();
+    if (d.ok()) return f;
+    if (!f.ok()) STRATA_LOG(ERROR) << f;  // the failed update is the error reported
+    return d;
+  }
+  // The same wait, leaving a failed update's error for the Step (or checkpoint) that reports it:
+  // for readers that only need the lanes quiet (GatherMasterParams).
+  void QuietLanes() {
+    WaitReduceLaneQuiet();
+    FinishAllFills();
+    opt_lane_->WaitIdle();
+  }
+  // The order the next forward needs chunks in: those that stay gathered across steps (the
+  // root's own, persistent ones; Step refills them) first, then `trace`'s units', then any others.
+  std::vector<int64_t> UpdateOrder(const std::vector<int64_t>& trace) const;
+  // Deferred updates: while the last micro-step's backward runs (the NVMe lane has room then),
+  // starts reading the optimizer states of the first updates, one chunk per reduced chunk, up
+  // to half the host budget.
+  void PrefetchStatesForUpdates();
+  // Starts a new reporting window: the lanes' counters restart from zero.
+  void ResetLanes();
+
+  // Note [shared master]: under stage 3 with fp32 compute the working shard (param16) holds the
+  // same bits as the fp32 master, so when both live in the same host or NVMe tier the master is
+  // not stored twice: the param16 block is the master, which saves a chunk's worth of write-back
+  // and read per update. The checkpoint format is unchanged (its "master32" entries are read from
+  // and written to this block).
+  bool master_is_param() const {
+    return stage3() && compute_dtype_ == optim::DType::kFloat32 &&
+           param_placement_ == optim_placement_ && param_placement_ != Placement::kDevice;
+  }
+  // "backward", "next-forward" or "in-step": where updates run (the log and Describe say it).
+  const char* OptimizerOverlapName() const {
+    return immediate_optimizer() ? "backward" : defer_updates() ? "next-forward" : "in-step";
+  }
+  // Whether the optimizer keeps this state (Note [states the optimizer uses]): the master,
+  // param16 and grad always; exp_avg for Adam, AdamW, Lion and SGD with momentum; exp_avg_sq for
+  // Adam, AdamW and Adagrad. A state it does not keep has no blocks: no memory, no NVMe traffic,
+  // not in checkpoints. Fixed in GroupParameters, before the blocks are placed.
+  bool HoldsState(StateKind k) const {
+    return k == StateKind::kExpAvg ? holds_exp_avg_ : k == StateKind::kExpAvgSq ? holds_exp_avg_sq_ : true;
+  }
+  bool holds_exp_avg_ = true;
+  bool holds_exp_avg_sq_ = true;
+  BlockKey MasterKey(int64_t c) const {
+    return {c, master_is_param() ? StateKind::kParam16 : StateKind::kMaster32};
+  }
+  int shard_rank() const { return config_.zero_optimization.stage == 0 ? 0 : comm_->rank(); }
+  int shard_world() const {
+    return config_.zero_optimization.stage == 0 ? 1 : comm_->world_size();
+  }
+  bool stage3() const { return config_.zero_optimization.stage == 3; }
+  bool immediate_optimizer() const {
+    return config_.strata.overlap_optimizer && config_.gradient_clipping == 0 && !loss_scaling_;
+  }
+  // Note [deferred optimizer]: updates that wait for a global condition run after Step returns.
+  // Only under stage 3, where a unit's parameters are readable only while the engine has gathered
+  // them; below it the parameters are plain views of the working copy, which a caller may read
+  // right after Step.
+  bool defer_updates() const {
+    return config_.strata.overlap_optimizer && !immediate_optimizer() && stage3();
+  }
+  int64_t trace_step() const { return global_step_ + 1; }
+  bool last_micro_step() const {
+    return (micro_step_ + 1) % config_.gradient_accumulation_steps == 0;
+  }
+
+  std::shared_ptr<torch::nn::Module> model_;
+ public:
+  std::optional<torch::nn::AnyModule> any_;  // set when the model came with a forward
+ private:
+  Engine* owner_ = nullptr;
+  std::function<void(int64_t)> optimizer_delay_hook_;  // EngineOptions::optimizer_delay_hook
+  std::function<void(int64_t)> reduce_delay_hook_;     // EngineOptions::reduce_delay_hook
+  // fp16, or EngineOptions::loss_scaling: the loss is scaled and a step with a non-finite
+  // gradient is skipped, so no update may start before the step's overflow flag is known.
+  bool loss_scaling_ = false;
+  Config config_;
+  Communicator* comm_;
+  Device* device_;
+  // Declared before the streams, so it outlives any update still queued on one (AdamChunk waits
+  // for its own, but a stream drains only when it is destroyed).
+  std::unique_ptr<tbb::task_arena> arena_;
+  std::unique_ptr<Stream> copy_stream_;
+  // The optimizer's device work: the device-resident update (Stream::LaunchKernel) with its
+  // fp32 working copy, and the copies of a host optimizer's new values to the device
+  // (StartPublish; PublishParams for a checkpoint load, while the lane is idle). Made once.
+  std::unique_ptr<Stream> publish_stream_;
+  // CUDA: the gradient statistics' stream, and the reduce lane's LibTorch ops (compute_fence.h).
+  std::unique_ptr<SideStream> side_stream_;
+  // Chunk memory handed back while compute may still read it (Note [ordered frees]).
+  std::mutex frees_mu_;
+  std::vector<std::pair<void*, ComputeFence>> pending_frees_;  // GUARDED_BY(frees_mu_)
+  std::unique_ptr<nvme::NvmeTier> nvme_;
+  std::unique_ptr<BlockStore> store_;
+  std::optional<Partitioner> partitioner_;
+  // What this rank keeps of each state under the configured stage (Partitioner::PlanFor): which
+  // states are sharded decides how gradients are reduced (gradient_reducer.cc).
+  StagePlan plan_;
+  // Stages 0 and 1: every rank keeps the whole gradient until the step (the plan does not shard
+  // it), accumulated locally over micro-steps and all-reduced once at the boundary.
+  bool full_gradients() const { return !plan_.sharded[static_cast<int>(StateKind::kGrad)]; }
+  std::optional<optim::DynamicLossScaler> scaler_;
+  uint64_t host_budget_ = 0;
+  optim::DType compute_dtype_ = optim::DType::kFloat32;
+  optim::DType state_dtype_ = optim::DType::kFloat32;
+  Placement param_placement_ = Placement::kDevice;
+  Placement optim_placement_ = Placement::kDevice;
+
+  std::vector<ParamInfo> params_;
+  std::vector<UnitInfo> units_;
+  std::vector<std::pair<std::string, torch::Tensor>> buffers_;  // unique, in registration order
+  std::vector<ChunkState> chunks_;
+  std::vector<bool> persistent_;   // chunks below stage3_param_persistence_threshold
+  int64_t live_elems_ = 0;         // elements of gathered chunks (stage 3)
+
+  // The order units ran in this micro-step's forward and in the previous one; prefetching and
+  // the reuse distance follow the previous one (Note [stage-3 live set]).
+  std::vector<int64_t> trace_, last_trace_;
+  // Per position of last_trace_: elements the units after it gather in forward and backward.
+  std::vector<int64_t> last_trace_after_;
+  size_t backward_cursor_ = 0;  // position in trace_ backward has reached
+  bool micro_open_ = false;     // a training forward has begun and its Backward not yet run
+  bool in_backward_ = false;
+
+  // Checkpointed units' saved inputs (activation_stash.h): made with the block store, used from
+  // the caller's thread.
+  std::unique_ptr<ActivationStash> stash_;
+
+  LaneTrace lane_trace_;
+  // Per-step lanes (main thread), reset when a reporting window begins: at the end of each Step
+  // (or, before the first, at the first training forward), so that work a deferred update does
+  // between steps counts in the window it ran in.
+  bool window_open_ = false;
+  // A tier-manager iteration (BeginIteration) is open. It brackets what repeats each step: with
+  // deferred updates that is from one Step's end to the next, so the trace the tier manager
+  // records (the second step's) holds the updates interleaved with the forward.
+  bool iteration_open_ = false;
+  bool step_open_ = false;
+  engine_detail::Clock::time_point step_start_;
+  // The micro-step's first training gather: Backward adds the span from here as forward compute,
+  // whoever drives the forward (Engine::Forward, RunUnit from the model's own forward, the Python
+  // front end's hooks). Gathers inside it are subtracted again as copy, comm and stall time.
+  engine_detail::Clock::time_point forward_start_;
+  double waits_at_forward_start_ = 0;
+  double compute_s_ = 0, copy_s_ = 0, comm_s_ = 0, stall_s_ = 0;
+  double update_wait_s_ = 0;  // of stall_s_: compute waiting for a deferred update
+  // Of the copy, comm and stall time, the part spent inside the compute spans (forward, Backward):
+  // compute is those spans less this. Waits in Step (the deferred norm scan, refreshing persistent
+  // chunks, sharing updated shards) happen outside them and must not shrink compute.
+  double waits_in_compute_s_ = 0;
+  double WaitsSoFar() const { return copy_s_ + comm_s_ + stall_s_; }
+  uint64_t bytes_h2d_ = 0, bytes_d2h_ = 0;
+  BlockStoreStats store_at_step_start_;
+  std::vector<int64_t> state_prefetch_order_;  // PrefetchStatesForUpdates: the update order
+  size_t state_prefetch_next_ = 0;
+  uint64_t state_prefetch_bytes_ = 0;
+  Status backward_error_;
+
+  // The lanes (each owns its thread, queue, lock and counters; see its header). Made by
+  // MakeLanes, stopped in ~Impl: reduce first (its jobs queue updates), then the optimizer, then
+  // publish (the optimizer's last update may submit a copy), then gather.
+  // A host optimizer's new values taken to the device (staged_publish() only; Note [pipelined
+  // publish]): a chunk stays pending on the optimizer lane until its copy lands.
+  std::unique_ptr<PublishLane> publish_;
+  std::unique_ptr<OptimizerLane> opt_lane_;
+  std::unique_ptr<ReduceLane> reduce_lane_;
+  std::unique_ptr<GatherLane> gather_;  // stage 3 only
+  // Parameter groups (param_groups.h), fixed at Init: each group's own hyperparameters, each
+  // parameter's group, and each chunk's shard as segments of one group. Read-only after Init.
+  std::vector<GroupHyperparameters> groups_;
+  std::vector<int> group_of_param_;
+  std::vector<std::vector<ShardSegment>> chunk_segments_;
+  // Set by SetGroupHyperparameters on the caller's thread (nullopt: the groups' own, with the
+  // step's lr from the config's schedule).
+  std::optional<std::vector<GroupHyperparameters>> group_override_;
+  // The inputs of the step whose updates are about to start, handed to the (idle) optimizer
+  // lane: the step, the gradient scale, each group's hyperparameters (engine_step.cc).
+  void FixStepInputs(int64_t step, float grad_scale);
+};
+
+}  // namespace strata

@@ -1,0 +1,472 @@
+// Engine construction: Init and its named steps, from the config's precision and placement to
+// the lanes' threads (engine_impl.h maps the rooms).
+#include "runtime/engine/engine_impl.h"
+
+#include <unordered_map>
+
+namespace strata {
+
+using namespace engine_detail;
+
+// Init reads top to bottom; each step is one method below, run once, in this order. The
+// engine's lanes start last, so no step races a lane thread.
+Status Engine::Impl::Init(Engine* owner, const EngineOptions& options) {
+  owner_ = owner;
+  optimizer_delay_hook_ = options.optimizer_delay_hook;
+  reduce_delay_hook_ = options.reduce_delay_hook;
+  STRATA_RETURN_IF_ERROR(ChoosePrecisionAndPlacement(options));
+  STRATA_RETURN_IF_ERROR(StartStreamsAndArena());
+  STRATA_RETURN_IF_ERROR(DiscoverUnits(options));  // the units and the partitioner (engine.cc)
+  STRATA_RETURN_IF_ERROR(Partition());
+  STRATA_RETURN_IF_ERROR(GroupParameters(options));
+  STRATA_RETURN_IF_ERROR(OpenNvmeTier(options));
+  STRATA_RETURN_IF_ERROR(OpenBlockStore(options));
+  STRATA_RETURN_IF_ERROR(PlaceBuffers());
+  STRATA_RETURN_IF_ERROR(WriteInitialBlocks());
+  STRATA_RETURN_IF_ERROR(MakeLanes());
+  STRATA_RETURN_IF_ERROR(HookModel());
+  StartLanes();
+  const auto& chunk_infos = partitioner_->chunks();
+  STRATA_LOG(INFO) << "engine stage=" << config_.zero_optimization.stage << " world=" << comm_->world_size()
+                   << " params=" << partitioner_->param_numel() << " units=" << units_.size()
+                   << " chunks=" << chunk_infos.size()
+                   << " param_placement=" << PlacementName(param_placement_)
+                   << " optimizer_placement=" << PlacementName(optim_placement_)
+                   << " dtype=" << optim::DTypeName(compute_dtype_)
+                   << " optimizer_overlap=" << OptimizerOverlapName()
+                   << " master=" << (master_is_param() ? "param16" : "master32");
+  return Status::Ok();
+}
+
+// Precision (compute and state dtypes, loss scaling) and where each state kind lives, with the
+// combinations the device cannot run refused.
+Status Engine::Impl::ChoosePrecisionAndPlacement(const EngineOptions& options) {
+  const auto& z = config_.zero_optimization;
+  loss_scaling_ = config_.fp16.enabled || options.loss_scaling;
+  const ComputeDtypeChoice dtype_choice =
+      ChooseComputeDtype(config_, device_->kind(), DeviceHasNativeBf16(device_->kind()));
+  compute_dtype_ = dtype_choice.dtype;
+  if (dtype_choice.slow_bf16) {
+    static std::once_flag warned;  // once per process, however many engines it builds
+    std::call_once(warned, [] {
+      STRATA_LOG(WARN) << SlowBf16Warning(MeasureCpuMatmulGflops(torch::kBFloat16),
+                                          MeasureCpuMatmulGflops(torch::kFloat32));
+    });
+  }
+  state_dtype_ = config_.strata.optimizer_state_dtype == StateDtype::kBf16 ? optim::DType::kBFloat16
+                                                                            : optim::DType::kFloat32;
+  auto placement = [](OffloadDevice d) {
+    return d == OffloadDevice::kNone  ? Placement::kDevice
+           : d == OffloadDevice::kCpu ? Placement::kHost
+                                      : Placement::kNvme;
+  };
+  param_placement_ = placement(z.offload_param.device);
+  optim_placement_ = placement(z.offload_optimizer.device);
+  if (device_optimizer() && param_placement_ != Placement::kDevice)
+    return InvalidArgument(StrCat(
+        "offload_param.device offloads the parameters but offload_optimizer.device=none keeps the "
+        "optimizer on the device (", device_->name(), "); offload the optimizer too "
+        "(offload_optimizer.device: cpu or nvme), as DeepSpeed requires"));
+  if (device_->kind() == DeviceKind::kCuda && !torch::cuda::is_available())
+    return FailedPrecondition(StrCat(
+        "the device is ", device_->name(), " but this LibTorch has no CUDA (or sees no GPU); "
+        "build Strata against a CUDA LibTorch (pip torch: see the README) or use --device cpu"));
+  if (comm_->world_size() > 1 && comm_->memory_kind() == MemoryKind::kHost &&
+      device_->kind() != DeviceKind::kCpu)
+    return FailedPrecondition(StrCat("communicator ", comm_->backend(),
+                                     " moves host memory but the device is ", device_->name(),
+                                     "; use the nccl backend with CUDA"));
+  if (const OptimizerType t = config_.optimizer.type;
+      t == OptimizerType::kSGD || t == OptimizerType::kAdagrad || t == OptimizerType::kLion) {
+    if (state_dtype_ != optim::DType::kFloat32)
+      return InvalidArgument(StrCat("optimizer.type=", OptimizerTypeName(t),
+                                    " keeps its state in fp32: remove "
+                                    "strata.optimizer_state_dtype=bf16"));
+  }
+  if (config_.fp16.enabled && device_->kind() == DeviceKind::kCpu)
+    return InvalidArgument(
+        "fp16.enabled=true on the cpu device: LibTorch has no fp16 CPU kernels for LayerNorm and "
+        "matmul; use bf16.enabled=true instead (same memory, no loss scaling needed), or run on a "
+        "GPU");
+  if (loss_scaling_) {
+    STRATA_ASSIGN_OR_RETURN(auto s, optim::DynamicLossScaler::FromConfig(config_.fp16));
+    scaler_.emplace(std::move(s));
+  }
+  return Status::Ok();
+}
+
+// The engine's own streams and the optimizer lane's thread arena.
+Status Engine::Impl::StartStreamsAndArena() {
+  STRATA_ASSIGN_OR_RETURN(copy_stream_, device_->CreateStream(StreamPriority::kHigh));
+  STRATA_ASSIGN_OR_RETURN(publish_stream_, device_->CreateStream());
+  side_stream_ = std::make_unique<SideStream>(*device_);
+  // The optimizer's arena. When updates overlap compute (during backward, or beside the next
+  // forward) it gets the physical cores (hwloc) that LibTorch's intra-op threads leave, at least
+  // one: more would oversubscribe the cores and slow compute by more than the updates gain
+  // (measured on 2 cores: compute 9.5 s with one update thread, 10.9-12.1 s with two). When Step
+  // waits for the updates they run alone and get every core. strata.optimizer_threads overrides.
+  // On a GPU, compute needs one host thread (the one launching kernels); LibTorch's intra-op pool
+  // sits idle, so the CPU Adam may take the other cores.
+  const int compute_threads =
+      device_->kind() == DeviceKind::kCuda ? 1 : torch::get_num_threads();
+  std::string why;
+  const int arena_threads = ChooseOptimizerThreads(
+      PhysicalCoreCount(), compute_threads, static_cast<int>(config_.strata.optimizer_threads),
+      immediate_optimizer() || defer_updates(), &why);
+  arena_ = std::make_unique<tbb::task_arena>(arena_threads);
+  if (comm_->rank() == 0)
+    STRATA_LOG(INFO) << "optimizer lane: " << arena_threads << " thread(s) (" << why
+                     << "); LibTorch compute: " << compute_threads << " thread(s)";
+  return Status::Ok();
+}
+
+// This rank's plan over the partitioner's chunks (DiscoverUnits made the partitioner).
+Status Engine::Impl::Partition() {
+  const auto& z = config_.zero_optimization;
+  STRATA_ASSIGN_OR_RETURN(plan_, partitioner_->PlanFor(z.stage, shard_rank(),
+                                                       static_cast<int>(optim::DTypeSize(state_dtype_))));
+  return Status::Ok();
+}
+
+// Parameter groups: each parameter's group, and every chunk's shard cut into runs of one group
+// for the optimizer (AdamChunk).
+Status Engine::Impl::GroupParameters(const EngineOptions& options) {
+  const auto& oc = config_.optimizer;
+  group_of_param_.assign(params_.size(), 0);
+  groups_.clear();
+  if (options.param_groups.empty()) {
+    groups_.push_back({oc.lr, oc.beta1, oc.beta2, oc.eps, oc.weight_decay, oc.momentum, oc.dampening});
+  } else {
+    std::unordered_map<const c10::TensorImpl*, int64_t> id_of;
+    for (size_t p = 0; p < params_.size(); ++p) id_of[params_[p].tensor.unsafeGetTensorImpl()] = p;
+    std::vector<int> seen(params_.size(), -1);
+    for (size_t g = 0; g < options.param_groups.size(); ++g) {
+      const auto& pg = options.param_groups[g];
+      STRATA_RETURN_IF_ERROR(ValidateGroup(pg.hyper, static_cast<int>(g)));
+      groups_.push_back(pg.hyper);
+      for (const torch::Tensor& t : pg.params) {
+        auto it = id_of.find(t.unsafeGetTensorImpl());
+        if (it == id_of.end()) {
+          return InvalidArgument(StrCat("parameter group ", g, " holds a tensor of shape ",
+                                        t.sizes(), " that is not a parameter of the model"));
+        }
+        if (seen[it->second] >= 0 && seen[it->second] != static_cast<int>(g)) {
+          return InvalidArgument(StrCat("parameter '", partitioner_->param_name(it->second),
+                                        "' is in parameter groups ", seen[it->second], " and ", g,
+                                        ": each parameter belongs to one group"));
+        }
+        seen[it->second] = static_cast<int>(g);
+        group_of_param_[it->second] = static_cast<int>(g);
+      }
+    }
+  }
+  // Note [states the optimizer uses]: SGD keeps a momentum buffer (in exp_avg) only when some
+  // group has momentum, Adagrad its sum (in exp_avg_sq), Lion its momentum (in exp_avg); Adam
+  // both moments. An SGD group may not gain momentum later (SetGroupHyperparameters refuses it).
+  const OptimizerType type = oc.type;
+  const bool sgd_momentum = std::any_of(groups_.begin(), groups_.end(),
+                                        [](const GroupHyperparameters& g) { return g.momentum != 0; });
+  holds_exp_avg_ = type != OptimizerType::kAdagrad && (type != OptimizerType::kSGD || sgd_momentum);
+  holds_exp_avg_sq_ = type != OptimizerType::kSGD && type != OptimizerType::kLion;
+  chunk_segments_.clear();
+  for (size_t c = 0; c < partitioner_->chunks().size(); ++c) {
+    chunk_segments_.push_back(ShardSegments(*partitioner_, static_cast<int64_t>(c), shard_rank(),
+                                            group_of_param_));
+  }
+  return Status::Ok();
+}
+
+// The NVMe tier, when anything is placed there, sized to this rank's NVMe-placed shards.
+Status Engine::Impl::OpenNvmeTier(const EngineOptions& options) {
+  const auto& z = config_.zero_optimization;
+  // NVMe tier for whatever is placed there.
+  if (param_placement_ == Placement::kNvme || optim_placement_ == Placement::kNvme) {
+    std::vector<std::string> paths = options.nvme_path;
+    if (paths.empty())
+      paths = optim_placement_ == Placement::kNvme ? z.offload_optimizer.nvme_path
+                                                   : z.offload_param.nvme_path;
+    if (paths.empty())
+      return InvalidArgument(
+          "NVMe offload is configured but no nvme_path is set; set "
+          "zero_optimization.offload_optimizer.nvme_path (or pass --nvme-path)");
+    nvme::NvmeTierOptions o;
+    o.paths = paths;
+    o.rank = static_cast<uint32_t>(comm_->rank());
+    // Without a configured capacity, reserve what this rank's NVMe-placed shards need.
+    uint64_t need = 0;
+    const uint64_t ssize = optim::DTypeSize(state_dtype_);
+    for (const ChunkInfo& ci : partitioner_->chunks()) {
+      auto round = [](uint64_t b) { return (b + 4095) / 4096 * 4096; };
+      const uint64_t n = static_cast<uint64_t>(ci.shard_numel);
+      if (optim_placement_ == Placement::kNvme)  // grad, master (unless shared), two moments
+        need += round(n * 4) * (master_is_param() ? 1 : 2) + round(n * ssize) * 2;
+      if (param_placement_ == Placement::kNvme && z.stage == 3)
+        need += round(n * optim::DTypeSize(compute_dtype_));
+    }
+    // cpu_checkpointing puts saved inputs in NVMe-backed slots too: leave them an eighth more
+    // (a block's input is B·T·d elements against its 12·d² weights).
+    if (config_.activation_checkpointing.cpu_checkpointing) need += std::max<uint64_t>(need / 8, 64ull << 20);
+    o.capacity = config_.strata.nvme_capacity ? config_.strata.nvme_capacity : need;
+    // A disk too small for the state is refused now, naming the path and the bytes, not at the
+    // first Allocate that meets ENOSPC (Note [preallocation] grows the files on demand).
+    o.needed_bytes = std::min(need, o.capacity);
+    o.aio = config_.aio;
+    o.checksums = config_.strata.checksums;
+    o.force_fallback = options.force_fallback_io;
+    o.fault_hook = options.nvme_fault_hook;
+    STRATA_ASSIGN_OR_RETURN(auto tier, nvme::NvmeTier::Create(o));
+    nvme_ = std::move(tier);
+    nvme_->SetBusyObserver([this](Clock::time_point b, Clock::time_point e) {
+      lane_trace_.Add(Lane::kNvme, "nvme busy", b, e, /*step=*/-1);
+    });
+  }
+  return Status::Ok();
+}
+
+// The host budget and the tiered block store over the device, the pinned pool and NVMe.
+Status Engine::Impl::OpenBlockStore(const EngineOptions& options) {
+  const auto& z = config_.zero_optimization;
+  {
+    // Host budget: the pinned pool the tier manager places host and NVMe blocks in. Unset, it is
+    // sized to hold every host-placed block plus a working set of NVMe blocks; the pool rounds
+    // blocks to power-of-two classes, so the sizes here do too.
+    auto cls = [](uint64_t b) {
+      uint64_t c = 4096;
+      while (c < b) c <<= 1;
+      return c;
+    };
+    uint64_t host_only = 0, nvme_total = 0, largest = 0;
+    const uint64_t ssize = optim::DTypeSize(state_dtype_);
+    for (const ChunkInfo& ci : partitioner_->chunks()) {
+      const uint64_t n = static_cast<uint64_t>(ci.shard_numel);
+      std::vector<std::pair<uint64_t, Placement>> blocks = {{n * 4, optim_placement_},
+                                                             {n * 4, optim_placement_}};
+      if (holds_exp_avg_) blocks.push_back({n * ssize, optim_placement_});
+      if (holds_exp_avg_sq_) blocks.push_back({n * ssize, optim_placement_});
+      if (z.stage == 3) blocks.push_back({n * optim::DTypeSize(compute_dtype_), param_placement_});
+      for (auto [bytes, where] : blocks) {
+        if (where == Placement::kHost) host_only += cls(bytes);
+        if (where == Placement::kNvme) nvme_total += cls(bytes), largest = std::max(largest, cls(bytes));
+      }
+    }
+    // The optimizer lane pins five blocks of a chunk while the compute lane pins two more.
+    const uint64_t working = std::min(nvme_total, std::max<uint64_t>(16 * largest, 512ull << 20));
+    uint64_t budget = config_.strata.host_memory_budget;
+    if (budget == 0 && host_only + nvme_total > 0) budget = host_only + working;
+    if (budget > 0 && budget < host_only + std::min(nvme_total, 8 * largest))
+      return InvalidArgument(StrCat(
+          "strata.host_memory_budget=", FormatBytes(budget), " cannot hold the ",
+          FormatBytes(host_only), " of host-offloaded state plus a working set of ",
+          FormatBytes(std::min(nvme_total, 8 * largest)),
+          " of NVMe blocks; raise it, offload more to NVMe, or lower strata.chunk_size"));
+    if (host_only + nvme_total == 0) budget = 0;
+    // State that must live in host memory and cannot fit there is named here, in the config's
+    // terms, before the pool tries to lock it (Note [locking past the host's memory]).
+    if (const HostMemory mem = ReadHostMemory(); mem.available_bytes > 0 && host_only > mem.available_bytes)
+      return ResourceExhausted(StrCat(
+          "the host-offloaded state of this rank is ", FormatBytes(host_only), " but this host has ",
+          FormatBytes(mem.available_bytes), " available (of ", FormatBytes(mem.total_bytes),
+          "); set offload_optimizer.device (and offload_param.device) to nvme, use more ranks, or "
+          "set strata.optimizer_state_dtype to bf16"));
+    TierManagerOptions tmo = TierManagerOptions::FromConfig(config_.strata, budget);
+    tmo.host_budget = budget;
+    // DeepSpeed's offload pin_memory: false in a section that offloads keeps the host pool
+    // pageable (slower transfers, no locked memory).
+    const bool unpinned = (z.offload_param.device != OffloadDevice::kNone && !z.offload_param.pin_memory) ||
+                          (z.offload_optimizer.device != OffloadDevice::kNone && !z.offload_optimizer.pin_memory);
+    if (unpinned) {
+      tmo.pool.force_pageable = true;
+      STRATA_LOG(INFO) << "host pool: pin_memory=false in the offload config; the pool stays pageable";
+    }
+    STRATA_ASSIGN_OR_RETURN(store_, MakeTieredBlockStore(device_, nvme_.get(), tmo));
+    if (options.wrap_store) store_ = options.wrap_store(std::move(store_));
+    host_budget_ = budget;
+  }
+  stash_ = std::make_unique<ActivationStash>(
+      store_.get(), nvme_ != nullptr,
+      ActivationStash::Counters{&copy_s_, &stall_s_, &bytes_d2h_, &bytes_h2d_});
+  return Status::Ok();
+}
+
+// Which chunks persist, and the model's buffers on the engine's device.
+Status Engine::Impl::PlaceBuffers() {
+  const auto& z = config_.zero_optimization;
+  const auto& chunk_infos = partitioner_->chunks();
+  persistent_.assign(chunk_infos.size(), false);
+  for (size_t c = 0; c < chunk_infos.size(); ++c)
+    persistent_[c] = chunk_infos[c].used_numel < z.stage3_param_persistence_threshold;
+
+  // Buffers live on the engine's device and start from rank 0's values too.
+  for (auto& [name, b] : buffers_) {
+    torch::NoGradGuard ng;
+    const torch::Device dev = DeviceOptions(b.scalar_type()).device();
+    if (b.device() != dev) b.set_data(b.to(dev));
+    if (comm_->world_size() > 1 && b.numel() > 0) {
+      torch::Tensor t = b.contiguous();
+      ComputeFence::Mark(*device_).Wait();  // the move above and contiguous() are queued compute
+      STRATA_RETURN_IF_ERROR(comm_->Broadcast(t.data_ptr(), static_cast<int64_t>(t.nbytes()),
+                                              strata::DType::kU8, 0)
+                                 .WithContext(StrCat("broadcasting buffer ", name)));
+      if (!t.is_same(b)) b.copy_(t);
+    }
+  }
+  return Status::Ok();
+}
+
+// Every block registered and written, and the parameters turned into views of their chunks.
+Status Engine::Impl::WriteInitialBlocks() {
+  const auto& z = config_.zero_optimization;
+  const auto& chunk_infos = partitioner_->chunks();
+  // Register every block and write its initial contents, chunk by chunk, so that at most one
+  // chunk's full fp32 values exist at a time besides the model.
+  const int stage = z.stage;
+  const size_t esize = optim::DTypeSize(compute_dtype_);
+  const size_t ssize = optim::DTypeSize(state_dtype_);
+  const torch::Dtype tdtype = TorchDtype(compute_dtype_);
+  for (size_t c = 0; c < chunk_infos.size(); ++c) {
+    const ChunkInfo& ci = chunk_infos[c];
+    const int64_t n = ci.shard_numel;
+    const int64_t c64 = static_cast<int64_t>(c);
+    // The chunk's initial fp32 values: from the parameters, or from zero::Init's staging file
+    // for a model built there (it has shapes but no memory).
+    torch::Tensor full32 = torch::zeros({ci.numel}, torch::kFloat32);
+    for (int64_t pid : ci.params) {
+      const ParamLocation& loc = partitioner_->location(pid);
+      torch::Tensor dst = full32.narrow(0, loc.offset, loc.numel);
+      STRATA_ASSIGN_OR_RETURN(bool staged, zero::ReadStaged(params_[pid].tensor, dst.data_ptr<float>()));
+      if (!staged) dst.copy_(params_[pid].tensor.detach().reshape({-1}).to(torch::kFloat32));
+    }
+    // Every rank starts from rank 0's initial values.
+    if (comm_->world_size() > 1)
+      STRATA_RETURN_IF_ERROR(
+          OnCommMemory(full32, [&](void* p) {
+            return comm_->Broadcast(p, ci.numel, strata::DType::kF32, 0);
+          }).WithContext(StrCat("broadcasting chunk ", c, "'s initial values")));
+    torch::Tensor shard32 =
+        full32.narrow(0, partitioner_->ShardOffset(c64, shard_rank()), n).contiguous();
+    auto put = [&](StateKind kind, uint64_t bytes, Placement where, const void* src) -> Status {
+      BlockKey key{c64, kind};
+      STRATA_RETURN_IF_ERROR(store_->Register(key, bytes, where));
+      STRATA_ASSIGN_OR_RETURN(void* dst, store_->Acquire(key, Access::kWrite));
+      Status written = WriteBlockBytes(dst, src, bytes, where);
+      Status released = store_->Release(key, /*dirty=*/true);
+      return written.ok() ? released : written;
+    };
+    if (!master_is_param())
+      STRATA_RETURN_IF_ERROR(put(StateKind::kMaster32, n * 4, optim_placement_, shard32.data_ptr()));
+    if (holds_exp_avg_) STRATA_RETURN_IF_ERROR(put(StateKind::kExpAvg, n * ssize, optim_placement_, nullptr));
+    if (holds_exp_avg_sq_)
+      STRATA_RETURN_IF_ERROR(put(StateKind::kExpAvgSq, n * ssize, optim_placement_, nullptr));
+    STRATA_RETURN_IF_ERROR(put(StateKind::kGrad, n * 4, optim_placement_, nullptr));
+    torch::Tensor work = full32.to(tdtype);
+    torch::NoGradGuard ng;
+    if (stage == 3) {
+      torch::Tensor shard16 =
+          work.narrow(0, partitioner_->ShardOffset(c64, shard_rank()), n).contiguous();
+      STRATA_RETURN_IF_ERROR(put(StateKind::kParam16, n * esize, param_placement_, shard16.data_ptr()));
+      // The parameters become views of the chunk's storage for good; its memory comes and goes.
+      ChunkState& cs = chunks_[c];
+      const torch::Device dev = DeviceOptions(tdtype).device();
+      cs.storage = c10::Storage(c10::Storage::use_byte_size_t(), 0, c10::DataPtr(nullptr, dev),
+                                /*allocator=*/nullptr, /*resizable=*/false);
+      STRATA_RETURN_IF_ERROR(InstallChunk(c64));
+      cs.full = torch::empty({0}, DeviceOptions(tdtype)).set_(cs.storage, 0, {ci.numel}, {1});
+      for (int64_t pid : ci.params) {
+        const ParamLocation& loc = partitioner_->location(pid);
+        params_[pid].tensor.set_data(cs.full.narrow(0, loc.offset, loc.numel).view(params_[pid].shape));
+      }
+      DropChunk(c64);
+    } else {
+      // Stages 0-2 keep the whole working copy on the device for the whole run.
+      STRATA_ASSIGN_OR_RETURN(chunks_[c].full, DeviceTensor(ci.numel, tdtype));
+      chunks_[c].full.copy_(work);
+      for (int64_t pid : ci.params) {
+        const ParamLocation& loc = partitioner_->location(pid);
+        params_[pid].tensor.set_data(
+            chunks_[c].full.narrow(0, loc.offset, loc.numel).view(params_[pid].shape));
+      }
+    }
+  }
+  return Status::Ok();
+}
+
+// The model wired to the engine: always-live units gathered, gradient hooks, unit hooks.
+Status Engine::Impl::HookModel() {
+  // The root's own parameters stay gathered; gradients are taken as they arrive; the model's
+  // forward finds its units through RunUnit.
+  for (size_t u = 0; u < units_.size(); ++u)
+    if (units_[u].always_live) STRATA_RETURN_IF_ERROR(GatherUnit(static_cast<int64_t>(u)));
+  STRATA_RETURN_IF_ERROR(HookGradients());
+  for (size_t u = 0; u < units_.size(); ++u)
+    if (!units_[u].always_live)
+      STRATA_RETURN_IF_ERROR(unit_detail::Register(units_[u].module.get(), owner_, static_cast<int64_t>(u)));
+  return Status::Ok();
+}
+
+// The lanes: publish (when staged), optimizer, reduce and, at stage 3, gather. Made before
+// HookModel, which gathers the root's own parameters through them; their threads start last.
+Status Engine::Impl::MakeLanes() {
+  const auto& chunk_infos = partitioner_->chunks();
+  // A host optimizer's new values for device-resident parameters go through the staging buffer
+  // (AdamChunk). Sized once, here: growing it later would free and allocate page-locked memory,
+  // which on a GPU waits for the device.
+  if (staged_publish()) {
+    int64_t most = 0;
+    for (const ChunkInfo& ci : chunk_infos) most = std::max(most, ci.shard_numel);
+    publish_ = std::make_unique<PublishLane>(
+        device_, publish_stream_.get(), &lane_trace_,
+        [this](const PublishLane::Copy& copy, Status s) { OnPublished(copy, std::move(s)); });
+    STRATA_RETURN_IF_ERROR(publish_->Reserve(most * optim::DTypeSize(compute_dtype_)));
+  }
+  const auto num_chunks = static_cast<int64_t>(chunk_infos.size());
+  opt_lane_ = std::make_unique<OptimizerLane>(
+      num_chunks, device_, &lane_trace_, publish_.get(),
+      [this](int64_t c, const OptimizerLane::StepInputs& in,
+             std::optional<PublishLane::Copy>* publish, double* slot_wait_s) {
+        return AdamChunk(c, in, publish, slot_wait_s);
+      },
+      optimizer_delay_hook_);
+  reduce_lane_ = std::make_unique<ReduceLane>(
+      num_chunks, UseReduceLane(), &lane_trace_,
+      [this](ReduceJob& job, bool on_lane, ReduceOutcome* out) {
+        return ReduceShard(job, on_lane, out);
+      },
+      [this](int64_t c, int64_t step, double* comm_s) { return AllGatherAhead(c, step, comm_s); },
+      reduce_delay_hook_);
+  if (stage3()) {
+    // With several ranks a chunk is gathered ahead whatever its update's state (Note
+    // [prefetched gathers]): the lane waits for the update before it reads the shard.
+    std::function<void(int64_t)> before_read;
+    if (comm_->world_size() > 1) {
+      before_read = [this](int64_t c) {
+        double waited = 0;  // the lane traces its own wait
+        opt_lane_->WaitUpdated(c, &waited, /*trace_step=*/-1).IgnoreError();
+      };
+    }
+    STRATA_ASSIGN_OR_RETURN(
+        gather_, GatherLane::Create(
+                     device_, num_chunks, store_.get(), &lane_trace_,
+                     [this](int64_t c) {
+                       const size_t esize = optim::DTypeSize(compute_dtype_);
+                       GatherLane::ShardCopy to;
+                       to.dst = static_cast<char*>(chunks_[c].buffer) +
+                                partitioner_->ShardOffset(c, shard_rank()) * esize;
+                       to.bytes = partitioner_->chunks()[c].shard_numel * esize;
+                       to.kind = param_placement_ == Placement::kDevice
+                                     ? CopyKind::kDeviceToDevice
+                                     : CopyKind::kHostToDevice;
+                       return to;
+                     },
+                     std::move(before_read)));
+  }
+  return Status::Ok();
+}
+
+void Engine::Impl::StartLanes() {
+  if (publish_) publish_->Start();
+  opt_lane_->Start();
+  reduce_lane_->Start();
+  if (gather_) gather_->Start();
+}
+
+}  // namespace strata

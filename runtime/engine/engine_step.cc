@@ -1,0 +1,260 @@
+// Step: the accumulation boundary. The global norm and overflow check, the step's updates queued
+// on the optimizer lane in the order the next forward needs them, the working copy refreshed,
+// and the step's report from every lane's counters.
+#include "runtime/engine/engine_impl.h"
+
+namespace strata {
+
+using namespace engine_detail;
+
+void Engine::Impl::EnqueueOptimizer(int64_t c) {
+  WaitFillLanded(c);  // a copy gathered ahead still reads the block the update writes
+  // Start reading the chunk's states now; the lane picks it up in order.
+  store_->Prefetch(MasterKey(c));
+  for (StateKind k : {StateKind::kExpAvg, StateKind::kExpAvgSq}) {
+    if (HoldsState(k)) store_->Prefetch({c, k});
+  }
+  opt_lane_->Enqueue(c);
+}
+
+Status Engine::Impl::WaitChunkUpdated(int64_t c, double* waited) {
+  if (waited != nullptr) return opt_lane_->WaitUpdated(c, waited, trace_step());
+  double stalled = 0;
+  Status s = opt_lane_->WaitUpdated(c, &stalled, trace_step());
+  stall_s_ += stalled;
+  update_wait_s_ += stalled;
+  return s;
+}
+
+std::vector<int64_t> Engine::Impl::UpdateOrder(const std::vector<int64_t>& trace) const {
+  std::vector<int64_t> order;
+  std::vector<bool> seen(chunks_.size(), false);
+  auto add = [&](int64_t u) {
+    for (int64_t c : units_[u].chunks)
+      if (!seen[c]) {
+        seen[c] = true;
+        order.push_back(c);
+      }
+  };
+  for (size_t u = 0; u < units_.size(); ++u)
+    if (units_[u].always_live) add(static_cast<int64_t>(u));
+  for (size_t c = 0; c < chunks_.size(); ++c)
+    if (stage3() && persistent_[c] && !seen[c]) {
+      seen[c] = true;
+      order.push_back(static_cast<int64_t>(c));
+    }
+  for (int64_t u : trace) add(u);
+  for (size_t c = 0; c < chunks_.size(); ++c)
+    if (!seen[c]) order.push_back(static_cast<int64_t>(c));
+  return order;
+}
+
+void Engine::Impl::PrefetchStatesForUpdates() {
+  if (optim_placement_ != Placement::kNvme) return;
+  if (state_prefetch_next_ < state_prefetch_order_.size()) {
+    const int64_t c = state_prefetch_order_[state_prefetch_next_];
+    const uint64_t bytes = 3ull * partitioner_->chunks()[c].shard_numel * 4;
+    if (state_prefetch_bytes_ + bytes <= host_budget_ / 2) {
+      ++state_prefetch_next_;
+      state_prefetch_bytes_ += bytes;
+    }
+  }
+  // A prefetch that found no room without waiting only started a write-back: ask again for the
+  // earlier chunks too (a no-op for blocks already read or on their way).
+  for (size_t i = 0; i < state_prefetch_next_; ++i) {
+    const int64_t c = state_prefetch_order_[i];
+    store_->Prefetch(MasterKey(c));
+    for (StateKind k : {StateKind::kExpAvg, StateKind::kExpAvgSq}) {
+      if (HoldsState(k)) store_->Prefetch({c, k});
+    }
+  }
+}
+
+Status Engine::Impl::StartPublish(int64_t c, int slot, PublishLane::Copy* copy) {
+  const ChunkInfo& ci = partitioner_->chunks()[c];
+  *copy = {c, slot, stage3(), opt_lane_->inputs().step, ci.shard_numel * optim::DTypeSize(compute_dtype_)};
+  void* dst;
+  if (copy->held) {
+    auto got = store_->Acquire({c, StateKind::kParam16}, Access::kWrite);
+    if (!got.ok()) {
+      publish_->FreeSlot(slot);
+      return got.status();
+    }
+    dst = *got;
+  } else {
+    dst = WorkingShard(c);
+  }
+  Status s = publish_->StartCopy(*copy, dst);
+  if (!s.ok() && copy->held) store_->Release({c, StateKind::kParam16}, false).IgnoreError();
+  return s;
+}
+
+// The block is released before the chunk counts as updated: a reader that waits for the update
+// then finds the new values in the block (Note [pipelined publish]).
+void Engine::Impl::OnPublished(const PublishLane::Copy& copy, Status s) {
+  if (copy.held) {
+    Status r = store_->Release({copy.chunk, StateKind::kParam16}, s.ok());
+    if (s.ok()) s = r;
+  }
+  opt_lane_->Finished(copy.chunk, std::move(s));
+}
+
+// Stages 1-2: every rank updated its shard of the replicated working copy; share them.
+Status Engine::Impl::ShareUpdatedShards() {
+  if (stage3() || shard_world() < 2) return Status::Ok();
+  const size_t esize = optim::DTypeSize(compute_dtype_);
+  for (size_t c = 0; c < chunks_.size(); ++c) {
+    const ChunkInfo& ci = partitioner_->chunks()[c];
+    char* full = static_cast<char*>(chunks_[c].full.data_ptr());
+    STRATA_RETURN_IF_ERROR(comm_->AllGather(
+        full + partitioner_->ShardOffset(static_cast<int64_t>(c), shard_rank()) * esize, full,
+        ci.shard_numel, CommDtype(compute_dtype_)));
+  }
+  return Status::Ok();
+}
+
+void Engine::Impl::ResetLanes() {
+  window_open_ = true;
+  step_start_ = Clock::now();
+  compute_s_ = copy_s_ = comm_s_ = stall_s_ = waits_in_compute_s_ = update_wait_s_ = 0;
+  bytes_h2d_ = bytes_d2h_ = 0;
+  stash_->TakeBytesStashed();  // the window starts from zero
+  store_at_step_start_ = store_->stats();
+  if (gather_) gather_->ResetStats();
+  reduce_lane_->ResetStats();
+  opt_lane_->ResetStats();
+  if (publish_) publish_->ResetStats();
+}
+
+void Engine::Impl::FixStepInputs(int64_t step, float grad_scale) {
+  OptimizerLane::StepInputs in;
+  in.step = step;
+  in.grad_scale = grad_scale;
+  if (group_override_) {
+    in.groups = *group_override_;
+    in.lr = in.groups.front().lr;  // the step report's lr: group 0's
+  } else {
+    in.lr = LearningRate(config_, step);
+    const auto betas = ScheduledBetas(config_, step);  // OneCycle's cycled momentum
+    in.groups = groups_;
+    for (GroupHyperparameters& g : in.groups) {
+      g.lr = in.lr;
+      if (betas) std::tie(g.beta1, g.beta2) = *betas;
+    }
+  }
+  opt_lane_->SetStepInputs(std::move(in));
+}
+
+StatusOr<StepReport> Engine::Impl::Step() {
+  STRATA_RETURN_IF_ERROR(CheckStatesResident("Step"));
+  if (micro_step_ == 0 || micro_step_ % config_.gradient_accumulation_steps != 0)
+    return FailedPrecondition(StrCat("Step after ", micro_step_ % config_.gradient_accumulation_steps,
+                                     " of ", config_.gradient_accumulation_steps,
+                                     " micro-steps; run Forward/Backward until the accumulation "
+                                     "boundary"));
+  StepReport rep;
+  rep.loss_scale = scaler_ ? scaler_->scale() : 1.0;
+  bool overflow = false;
+  // The previous step's updates (deferred ones, or those that started in backward) have all
+  // been waited for by now (this step's forward and reductions needed them); a failure among
+  // them surfaces here. Copies gathered ahead land before any update may write their blocks.
+  STRATA_RETURN_IF_ERROR(FinishUpdates());
+  // Global conditions first: the squared norm and the overflow flag over every shard, from the
+  // per-chunk parts the reductions computed, summed in chunk order.
+  double sum_sq = 0;
+  bool nonfinite = false;
+  for (size_t c = 0; c < chunks_.size(); ++c) {
+    const ReduceLane::GradStats g = reduce_lane_->grad_stats(static_cast<int64_t>(c));
+    nonfinite |= g.nonfinite;
+    sum_sq += g.sum_sq;
+  }
+  if (comm_->world_size() > 1 && config_.zero_optimization.stage > 0) {
+    LaneTimer t(&comm_s_, &lane_trace_, Lane::kComm, "norm all-reduce", trace_step());
+    torch::Tensor flags = torch::tensor({sum_sq, nonfinite ? 1.0 : 0.0}, torch::kFloat64);
+    STRATA_RETURN_IF_ERROR(OnCommMemory(flags, [&](void* p) {
+      auto* f = static_cast<double*>(p);
+      Status s = comm_->AllReduce(f, 1, strata::DType::kF64, ReduceOp::kSum);
+      return s.ok() ? comm_->AllReduce(f + 1, 1, strata::DType::kF64, ReduceOp::kMax) : s;
+    }));
+    sum_sq = flags[0].item<double>();
+    nonfinite = flags[1].item<double>() > 0;
+  }
+  const double norm = std::sqrt(sum_sq);
+  if (immediate_optimizer()) {
+    rep.lr = opt_lane_->inputs().lr;
+    rep.grad_norm = norm;  // reported only: nothing waits on it
+  } else {
+    overflow = nonfinite;
+    rep.grad_norm = overflow ? 0.0 : norm;
+    if (!overflow) {
+      double clip = 1.0;
+      if (config_.gradient_clipping > 0)
+        clip = std::min(1.0, config_.gradient_clipping / (norm + 1e-6));
+      const double inv = scaler_ ? scaler_->inv_scale() : 1.0;
+      FixStepInputs(global_step_ + 1, static_cast<float>(clip * inv));
+      rep.lr = opt_lane_->inputs().lr;
+      if (defer_updates()) {
+        // The next iteration starts with these updates (see iteration_open_).
+        if (iteration_open_) store_->EndIteration();
+        store_->BeginIteration();
+        iteration_open_ = true;
+      }
+      for (int64_t c : UpdateOrder(last_trace_)) EnqueueOptimizer(c);
+      if (!defer_updates()) STRATA_RETURN_IF_ERROR(DrainOptimizer());
+    }
+  }
+  if (scaler_) STRATA_RETURN_IF_ERROR(scaler_->Update(overflow));
+  if (!overflow) {
+    ++global_step_;
+    if (!stage3() && shard_world() > 1) {
+      LaneTimer t(&comm_s_, &lane_trace_, Lane::kComm, "share updated shards", global_step_);
+      STRATA_RETURN_IF_ERROR(ShareUpdatedShards());
+    }
+  }
+  if (!overflow) STRATA_RETURN_IF_ERROR(RefreshChunksAfterStep());  // the working copy changed
+  if (iteration_open_ && !(defer_updates() && !overflow)) {
+    store_->EndIteration();
+    iteration_open_ = false;
+  }
+
+  rep.step = global_step_;
+  rep.skipped = overflow;
+  rep.step_time_s = Since(step_start_);
+  rep.compute_s = std::max(0.0, compute_s_ - waits_in_compute_s_);
+  rep.copy_s = copy_s_;
+  rep.comm_s = comm_s_;
+  if (gather_) {
+    const GatherLane::Stats g = gather_->stats();
+    rep.copy_s += g.copy_s;
+    bytes_h2d_ += g.bytes_h2d;
+  }
+  {
+    const ReduceLane::Stats r = reduce_lane_->stats();  // idle: Backward drained it
+    rep.comm_s += r.comm_s;
+    rep.copy_s += r.copy_s;
+    bytes_d2h_ += r.bytes_d2h;
+  }
+  // Deferred updates may still run: what they did so far counts in this window.
+  rep.optimizer_s = opt_lane_->busy_seconds();
+  if (publish_) {  // every copy of the updates waited for above has landed
+    rep.copy_s += publish_->copy_seconds();
+    bytes_h2d_ += publish_->bytes_to_device();
+  }
+  BlockStoreStats now = store_->stats();
+  rep.nvme_s = now.nvme_busy_s - store_at_step_start_.nvme_busy_s;
+  rep.stall_s = stall_s_;  // the compute lane's waits; the optimizer lane's are in optimizer_s
+  rep.update_wait_s = update_wait_s_;
+  rep.bytes_host_to_device = bytes_h2d_;
+  rep.bytes_device_to_host = bytes_d2h_;
+  rep.bytes_nvme_to_host = now.bytes_nvme_to_host - store_at_step_start_.bytes_nvme_to_host;
+  rep.bytes_host_to_nvme = now.bytes_host_to_nvme - store_at_step_start_.bytes_host_to_nvme;
+  rep.peak_device_bytes = device_->peak_allocated();
+  rep.peak_host_bytes = now.peak_bytes_host;
+  rep.bytes_activations_stashed = stash_->TakeBytesStashed();
+  rep.FillOverlap();
+  step_open_ = false;
+  ResetLanes();  // the next window starts now: deferred updates run in it
+  return rep;
+}
+
+}  // namespace strata

@@ -1,0 +1,309 @@
+// Gather lane: stage 3's shards read and copied into their chunks ahead of use. The lane itself
+// (gather_lane.h), then the engine's side: choosing what to gather ahead and ordering compute
+// after it.
+#include "runtime/engine/gather_lane.h"
+
+#include "runtime/base/logging.h"
+#include "runtime/engine/engine_impl.h"
+
+namespace strata {
+
+using namespace engine_detail;
+
+// Note [prefetched gathers]
+// When a unit begins (forward) or backward reaches it, the chunks of the unit after it in the
+// trace are gathered ahead: the compute thread installs their memory (so the device budget and
+// stage3_max_live_parameters are charged at once, and never exceeded) and hands each shard's copy
+// to the gather lane. The lane acquires the shard from its tier (waiting for NVMe there, not on
+// the compute thread), enqueues the copy into the chunk on its own stream, records the chunk's
+// event after it, and releases the block once the event has completed. With one rank the
+// compute thread, when it reaches the chunk, waits only until the copy is enqueued and then
+// orders LibTorch's compute after the event (ComputeWaitFor): on a GPU the wait is on the device
+// and the thread goes on queuing kernels; on the CPU device it blocks until the copy has run, so
+// delay injection on the stream catches a missing wait. Anything that frees, drops or updates a
+// chunk waits for the lane to be done with it first (WaitFillLanded), as does anything that
+// hands the chunk to a collective, which runs from the host (with several ranks, its all-gather).
+//
+// With one rank there is no all-gather, and a chunk whose optimizer update is pending is not
+// gathered ahead (compute waits for the update when it reaches the chunk).
+//
+// With several ranks the all-gather is issued ahead too, on the reduce lane, which then runs
+// every collective of the backward in one queue. The ranks must issue the same collectives in
+// the same order, so the choice of what to gather ahead may depend only on what every rank
+// shares (the trace, the chunks gathered, the live-parameter cap), not on timing or on a
+// rank's own memory: a pending update makes the gather lane wait for it instead of skipping
+// the chunk, and whether each rank could install the chunks is agreed by one small all-reduce
+// before anything is queued (a rank that could not install one makes every rank leave it).
+// That all-reduce is a collective on the compute thread, so it first waits for the reduce lane
+// to go idle, as the compute thread's own all-gathers do. The lane queues each chosen chunk's
+// all-gather behind the reductions already queued; it waits for the copy to land, then
+// all-gathers (even when this rank's copy failed: the other ranks are in the collective, and
+// the error is reported when compute reaches the chunk).
+
+StatusOr<std::unique_ptr<GatherLane>> GatherLane::Create(
+    Device* device, int64_t num_chunks, BlockStore* store, LaneTrace* trace, Target target,
+    std::function<void(int64_t)> before_read) {
+  STRATA_ASSIGN_OR_RETURN(std::unique_ptr<Stream> stream,
+                          device->CreateStream(StreamPriority::kHigh));
+  std::vector<std::unique_ptr<Event>> events(static_cast<size_t>(num_chunks));
+  for (auto& event : events) {
+    STRATA_ASSIGN_OR_RETURN(event, device->CreateEvent());
+  }
+  return std::unique_ptr<GatherLane>(new GatherLane(std::move(stream), std::move(events), store,
+                                                    trace, std::move(target),
+                                                    std::move(before_read)));
+}
+
+GatherLane::GatherLane(std::unique_ptr<Stream> stream, std::vector<std::unique_ptr<Event>> events,
+                       BlockStore* store, LaneTrace* trace, Target target,
+                       std::function<void(int64_t)> before_read)
+    : stream_(std::move(stream)), events_(std::move(events)), store_(store), trace_(trace),
+      target_(std::move(target)), before_read_(std::move(before_read)),
+      enqueued_(events_.size(), 1), taken_(events_.size(), 0), landed_(events_.size(), 1),
+      status_(events_.size(), Status::Ok()) {}
+
+GatherLane::~GatherLane() { Stop(); }
+
+void GatherLane::Start() { thread_ = std::thread([this] { Run(); }); }
+
+void GatherLane::Stop() {
+  {
+    std::lock_guard<std::mutex> l(mu_);
+    stop_ = true;
+  }
+  cv_.notify_all();
+  if (thread_.joinable()) thread_.join();
+}
+
+void GatherLane::Run() {
+  std::unique_lock<std::mutex> l(mu_);
+  for (;;) {
+    cv_.wait(l, [&] { return stop_ || !queue_.empty(); });
+    if (queue_.empty()) return;
+    const int64_t c = queue_.front();
+    queue_.pop_front();
+    l.unlock();
+    if (before_read_) {
+      double wait_s = 0;  // waiting, not busy: traced, not counted
+      LaneTimer t(&wait_s, trace_, Lane::kCopy, "wait for update (ahead)", -1, c);
+      before_read_(c);
+    }
+    const ShardCopy to = target_(c);
+    const BlockKey key{c, StateKind::kParam16};
+    double read_s = 0, copy_s = 0;
+    Status s;
+    void* src = nullptr;
+    {
+      LaneTimer t(&read_s, trace_, Lane::kCopy, "shard read (ahead)", -1, c);
+      auto got = store_->Acquire(key, Access::kRead);
+      if (got.ok()) src = *got;
+      else s = got.status();
+    }
+    Status r;  // the block's release, once the copy has read it
+    {
+      LaneTimer t(&copy_s, trace_, Lane::kCopy, "shard to device (ahead)", -1, c);
+      bool recorded = false;
+      if (s.ok()) {
+        s = stream_->MemcpyAsync(to.dst, src, to.bytes, to.kind);
+        if (s.ok()) s = stream_->Record(*events_[c]);
+        recorded = s.ok();
+      }
+      // Compute may go on now: it orders itself after the event (WaitEnqueued's `take`).
+      l.lock();
+      status_[c] = s.ok() ? s : s.WithContext(StrCat("gathering chunk ", c, " ahead"));
+      enqueued_[c] = 1;
+      cv_.notify_all();
+      l.unlock();
+      if (src != nullptr) {
+        Status w = recorded ? events_[c]->Synchronize() : stream_->Synchronize();
+        r = store_->Release(key, false);
+        if (!w.ok()) r = w;
+      }
+    }
+    l.lock();
+    stats_.read_s += read_s;
+    stats_.copy_s += copy_s;
+    if (s.ok() && r.ok() && to.kind == CopyKind::kHostToDevice) stats_.bytes_h2d += to.bytes;
+    if (!r.ok()) {
+      r = r.WithContext(StrCat("gathering chunk ", c, " ahead"));
+      if (taken_[c]) {
+        if (error_.ok()) error_ = r;  // the engine's FinishUpdates reports it
+      } else if (status_[c].ok()) {
+        status_[c] = r;  // the engine's SettleFill reports it
+      } else {
+        STRATA_LOG(WARN) << r;  // second to the copy's own error, which is reported
+      }
+    }
+    landed_[c] = 1;
+    cv_.notify_all();
+  }
+}
+
+void GatherLane::Enqueue(int64_t c) {
+  {
+    std::lock_guard<std::mutex> l(mu_);
+    STRATA_DCHECK(landed_[c] != 0, "chunk ", c, " queued for a gather ahead while one is in flight");
+    enqueued_[c] = 0;
+    landed_[c] = 0;
+    taken_[c] = 0;
+    status_[c] = Status::Ok();
+    queue_.push_back(c);
+  }
+  cv_.notify_all();
+}
+
+Status GatherLane::WaitEnqueued(int64_t c, bool take, double* stall_s, int64_t trace_step) {
+  std::unique_lock<std::mutex> l(mu_);
+  TimedWait(l, cv_, [&] { return enqueued_[c] != 0; }, stall_s, trace_, "shard ahead",
+            trace_step, c);
+  if (status_[c].ok() && take) taken_[c] = 1;
+  return status_[c];
+}
+
+void GatherLane::WaitLanded(int64_t c) {
+  std::unique_lock<std::mutex> l(mu_);
+  cv_.wait(l, [&] { return landed_[c] != 0; });
+}
+
+void GatherLane::WaitAllLanded() {
+  for (size_t c = 0; c < landed_.size(); ++c) WaitLanded(static_cast<int64_t>(c));
+}
+
+Status GatherLane::status(int64_t c) const {
+  std::lock_guard<std::mutex> l(mu_);
+  return status_[c];
+}
+
+Status GatherLane::TakeError() {
+  std::lock_guard<std::mutex> l(mu_);
+  return std::exchange(error_, Status::Ok());
+}
+
+GatherLane::Stats GatherLane::stats() const {
+  std::lock_guard<std::mutex> l(mu_);
+  return stats_;
+}
+
+void GatherLane::ResetStats() {
+  std::lock_guard<std::mutex> l(mu_);
+  stats_ = Stats();
+}
+
+// ---------------------------------------------------------------------------------------------
+// The engine's side.
+
+void Engine::Impl::PrefetchGathers(const std::vector<int64_t>& next) {
+  if (!gather_) return;
+  const bool ranks = comm_->world_size() > 1;
+  const int64_t max_live = config_.zero_optimization.stage3_max_live_parameters;
+  std::vector<int64_t> chosen;
+  int64_t live = live_elems_;  // with the chunks chosen so far
+  for (int64_t c : next) {
+    if (chunks_[c].gathered) continue;
+    const int64_t numel = partitioner_->chunks()[c].numel;
+    if (live + numel > max_live) continue;
+    if (!ranks && opt_lane_->Pending(c)) continue;
+    chosen.push_back(c);
+    live += numel;
+  }
+  if (chosen.empty()) return;
+  // Install what fits; with several ranks, keep only what every rank installed.
+  std::vector<double> failed(chosen.size(), 0.0);
+  for (size_t i = 0; i < chosen.size(); ++i)
+    if (!InstallChunk(chosen[i]).ok()) failed[i] = 1;
+  if (ranks) {
+    reduce_lane_->WaitIdle(&stall_s_, trace_step());
+    torch::Tensor flags = torch::tensor(failed, torch::kFloat64);
+    Status s;
+    {
+      LaneTimer t(&comm_s_, &lane_trace_, Lane::kComm, "agree on gathers ahead", trace_step());
+      s = OnCommMemory(flags, [&](void* p) {
+        return comm_->AllReduce(p, static_cast<size_t>(flags.numel()), strata::DType::kF64,
+                                ReduceOp::kMax);
+      });
+    }
+    // Without an agreement nothing is gathered ahead; the failure shows at the next collective.
+    const double* f = flags.data_ptr<double>();
+    for (size_t i = 0; i < chosen.size(); ++i) {
+      const bool installed = failed[i] == 0;
+      failed[i] = s.ok() ? f[i] : 1;
+      if (installed && failed[i] != 0) DropChunk(chosen[i]);
+    }
+  }
+  for (size_t i = 0; i < chosen.size(); ++i) {
+    if (failed[i] != 0) continue;  // no device room now: gathered when used
+    const int64_t c = chosen[i];
+    chunks_[c].filling = true;
+    gather_->Enqueue(c);
+    if (!ranks) continue;
+    chunks_[c].ahead_all_gather = true;
+    reduce_lane_->QueueAllGather(c, trace_step());
+  }
+}
+
+Status Engine::Impl::AllGatherAhead(int64_t c, int64_t step, double* comm_s) {
+  c10::DeviceGuard on_device(TorchDevice(*device_));
+  gather_->WaitLanded(c);
+  Status s = gather_->status(c);
+  // Delay injection here, after the copy landed, when compute may already be waiting to read.
+  if (reduce_delay_hook_) reduce_delay_hook_(c);
+  Status g;
+  {
+    LaneTimer t(comm_s, &lane_trace_, Lane::kComm, "all-gather (ahead)", step, c);
+    g = AllGatherShards(c);
+  }
+  return s.ok() ? g : s;
+}
+
+Status Engine::Impl::FinishFill(int64_t c) {
+  ChunkState& cs = chunks_[c];
+  // With several ranks an all-gather follows, and collectives run from the host: the shard must
+  // be in place, not just ordered. With one rank only compute reads the chunk.
+  const bool ordered_only = comm_->world_size() == 1;
+  Status s = gather_->WaitEnqueued(c, /*take=*/ordered_only, &stall_s_, trace_step());
+  if (!ordered_only || !s.ok()) {
+    // Waits for the copy (and the all-gather issued ahead); a failed copy's status carries
+    // "gathering chunk c ahead".
+    const bool all_gathered = cs.ahead_all_gather;
+    STRATA_RETURN_IF_ERROR(SettleFill(c));
+    // Several ranks always all-gather ahead today (PrefetchGathers); kept for a chunk queued
+    // without it. (With one rank AllGatherChunk does nothing.)
+    return all_gathered ? Status::Ok() : AllGatherChunk(c);
+  }
+  cs.filling = false;
+  // On a GPU this thread goes on while the copy runs. Waits that cost nothing are not traced.
+  const Clock::time_point t0 = Clock::now();
+  Status w = ComputeWaitFor(*device_, gather_->event(c));
+  const Clock::time_point t1 = Clock::now();
+  stall_s_ += std::chrono::duration<double>(t1 - t0).count();
+  if (t1 - t0 > std::chrono::microseconds(20))
+    lane_trace_.Add(Lane::kWait, "shard ahead (copy)", t0, t1, trace_step(), c);
+  return w;
+}
+
+void Engine::Impl::WaitFillLanded(int64_t c) {
+  if (gather_) gather_->WaitLanded(c);
+}
+
+Status Engine::Impl::SettleFill(int64_t c) {
+  ChunkState& cs = chunks_[c];
+  // After FinishFill the lane may still hold the block (a GPU's copy in flight): wait anyway.
+  WaitFillLanded(c);
+  if (!cs.filling) return Status::Ok();
+  Status s = gather_->status(c);
+  cs.filling = false;
+  if (cs.ahead_all_gather) {
+    cs.ahead_all_gather = false;
+    Status g = reduce_lane_->WaitAllGather(c, &stall_s_, trace_step());
+    if (s.ok()) s = g;
+  }
+  return s;
+}
+
+void Engine::Impl::FinishAllFills() {
+  if (gather_) gather_->WaitAllLanded();
+}
+
+Status Engine::Impl::TakeGatherError() { return gather_ ? gather_->TakeError() : Status::Ok(); }
+
+}  // namespace strata

@@ -1,0 +1,77 @@
+// zero::Init: building a model larger than DRAM, unit by unit, straight into the tiers.
+//
+//   auto init = strata::zero::Init::Create("/nvme/strata").value();  // current on this thread
+//   Gpt model(c);          // each unit's constructor ends with strata::zero::Partition(*unit)
+//   auto engine = strata::Engine::Create(model, config, comm, device).value();
+//   init.reset();          // the staging file goes
+//
+// While an Init is current on the thread, Partition(unit) writes the unit's freshly initialized
+// trainable parameters to a staging file in the Init's directory and leaves each of them with its
+// shape and dtype but no memory, so the full model never exists in DRAM: at most one unit does.
+// Engine::Create reads the staged values chunk by chunk as it writes the shards to their tiers.
+// Without a current Init, Partition does nothing (the same model code builds normally). A
+// parameter shared by several units (tied) is staged once.
+//
+// While an Init is alive glibc's mmap threshold is fixed at 1 MiB for the process, so that a freed
+// unit's tensors go back to the OS instead of staying in the heap; when the last Init goes it is
+// set to 32 MiB, the ceiling of glibc's adaptive threshold, because a 1 MiB threshold makes every
+// activation a fresh mapping during training (zero_init.cc says why).
+//
+// Thread-safety: Partition and the engine's reads may run on any thread; an Init is current only
+// on the thread that created it.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include <torch/torch.h>
+
+#include "runtime/base/status.h"
+
+namespace strata::zero {
+
+class Init {
+ public:
+  // Creates the staging file (removed by the destructor, and unlinked at once so that a crash
+  // leaves nothing behind) and makes this Init current on the calling thread.
+  static StatusOr<std::unique_ptr<Init>> Create(const std::string& dir);
+  ~Init();
+  Init(const Init&) = delete;
+  Init& operator=(const Init&) = delete;
+
+  uint64_t staged_bytes() const;
+  int64_t staged_params() const;
+
+  class Impl;
+
+ private:
+  explicit Init(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+// Stages `unit`'s trainable parameters under the current Init (see above). Throws
+// std::runtime_error on an I/O error, naming the file.
+void Partition(torch::nn::Module& unit);
+
+// For front ends whose models write parameters after constructing their modules (PyTorch models
+// initialize weights in a pass at the end of the root's constructor): stages `param` under the
+// current Init but keeps it readable and writable. Its values go to the staging file and its
+// memory becomes a shared mapping of that place in the file, so its pages are file-backed: the
+// kernel writes them back and drops them under memory pressure instead of holding them in
+// anonymous memory, and a model larger than DRAM can be built and then initialized in place.
+// The engine reads such a parameter like any other (through the mapping); the mapping goes when
+// the engine points the parameter at its own memory. Does nothing without a current Init.
+// Throws std::runtime_error on an I/O or mapping error, naming the file.
+void StageMapped(const torch::Tensor& param);
+
+// For the engine: when `param` was staged by a live Init, reads its values converted to fp32
+// into `dst` (param.numel() floats), frees their space in the staging file and returns true;
+// a parameter is read once (then it is no longer staged). Returns false for a parameter not
+// staged. An I/O error is returned as a Status.
+StatusOr<bool> ReadStaged(const torch::Tensor& param, float* dst);
+
+// True when `param` has been staged and not yet read (it has a shape but no memory).
+bool IsStaged(const torch::Tensor& param);
+
+}  // namespace strata::zero

@@ -1,0 +1,208 @@
+#include "runtime/state/checkpoint.h"
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <limits>
+#include <stdexcept>
+#include <sstream>
+
+namespace strata::checkpoint {
+
+namespace fs = std::filesystem;
+
+std::string StepDirName(int64_t step) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "step-%08lld", static_cast<long long>(step));
+  return buf;
+}
+
+std::string RankFileStem(int rank) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "rank-%05d", rank);
+  return buf;
+}
+
+std::string SerializeManifest(const Manifest& m) {
+  nlohmann::json blocks = nlohmann::json::array();
+  for (const auto& b : m.blocks)
+    blocks.push_back({{"chunk", b.chunk}, {"state", b.state}, {"offset", b.offset},
+                      {"bytes", b.bytes}, {"crc32c", b.crc32c}});
+  nlohmann::json j = {{"format", "strata-checkpoint"},
+                      {"version", m.version},
+                      {"rank", m.rank},
+                      {"world_size", m.world_size},
+                      {"stage", m.stage},
+                      {"dtype", m.dtype},
+                      {"state_dtype", m.state_dtype},
+                      {"parameters", m.parameters},
+                      {"shard_numel", m.shard_numel},
+                      {"global_step", m.global_step},
+                      {"micro_step", m.micro_step},
+                      {"scaler", m.scaler},
+                      {"extra", m.extra},
+                      {"blocks", blocks}};
+  if (!m.layout.is_null()) j["layout"] = m.layout;
+  if (!m.buffers.empty()) {
+    nlohmann::json buffers = nlohmann::json::array();
+    for (const auto& b : m.buffers)
+      buffers.push_back({{"name", b.name}, {"dtype", b.dtype}, {"offset", b.offset},
+                         {"bytes", b.bytes}, {"crc32c", b.crc32c}});
+    j["buffers"] = buffers;
+  }
+  return j.dump(1);
+}
+
+StatusOr<Manifest> ParseManifest(std::string_view bytes, const std::string& source) {
+  nlohmann::json j;
+  try {
+    j = nlohmann::json::parse(bytes.begin(), bytes.end());
+  } catch (const std::exception& e) {
+    return DataLoss(StrCat(source, ": the manifest is not valid JSON (", e.what(),
+                           "); the checkpoint is damaged: resume from an earlier one"));
+  }
+  auto bad = [&](const std::string& what) {
+    return DataLoss(StrCat(source, ": ", what, "; the checkpoint is damaged or not a Strata checkpoint"));
+  };
+  // Integers are read through Int: nlohmann's get<int>() on 1e300 converts a double that does
+  // not fit, which is undefined behaviour, so every integer field must be an integer first.
+  auto Int = [&](const nlohmann::json& v, const char* name, int64_t lo, int64_t hi) -> int64_t {
+    if (!v.is_number_integer()) throw std::out_of_range(StrCat(name, " is not an integer"));
+    if (v.is_number_unsigned() && v.get<uint64_t>() > static_cast<uint64_t>(hi))
+      throw std::out_of_range(StrCat(name, " is out of range"));
+    int64_t x = v.get<int64_t>();
+    if (x < lo || x > hi) throw std::out_of_range(StrCat(name, " is out of range"));
+    return x;
+  };
+  constexpr int64_t kMax = std::numeric_limits<int64_t>::max();
+  try {
+    if (!j.is_object() || j.value("format", "") != "strata-checkpoint")
+      return bad("no \"format\": \"strata-checkpoint\"");
+    Manifest m;
+    m.version = static_cast<int>(Int(j.at("version"), "version", 0, 1 << 20));
+    if (m.version != kFormatVersion)
+      return InvalidArgument(StrCat(source, ": checkpoint format version ", m.version,
+                                    " is not supported (this build reads ", kFormatVersion, ")"));
+    m.rank = static_cast<int>(Int(j.at("rank"), "rank", 0, 1 << 24));
+    m.world_size = static_cast<int>(Int(j.at("world_size"), "world_size", 1, 1 << 24));
+    m.stage = static_cast<int>(Int(j.at("stage"), "stage", 0, 3));
+    m.dtype = j.at("dtype").get<std::string>();
+    m.state_dtype = j.at("state_dtype").get<std::string>();
+    m.parameters = Int(j.at("parameters"), "parameters", 0, kMax);
+    if (!j.at("shard_numel").is_array() || !j.at("blocks").is_array())
+      return bad("shard_numel and blocks must be lists");
+    for (const auto& v : j.at("shard_numel")) m.shard_numel.push_back(Int(v, "shard_numel", 0, kMax));
+    m.global_step = Int(j.at("global_step"), "global_step", 0, kMax);
+    m.micro_step = Int(j.at("micro_step"), "micro_step", 0, kMax);
+    m.scaler = j.at("scaler");
+    m.extra = j.at("extra");
+    if (j.contains("layout")) m.layout = j.at("layout");
+    if (m.rank < 0 || m.world_size < 1 || m.rank >= m.world_size || m.stage < 0 || m.stage > 3 ||
+        m.parameters < 0 || m.global_step < 0 || m.micro_step < 0)
+      return bad("a counter is out of range");
+    for (const auto& b : j.at("blocks")) {
+      BlockEntry e;
+      e.chunk = Int(b.at("chunk"), "chunk", 0, kMax);
+      e.state = b.at("state").get<std::string>();
+      e.offset = static_cast<uint64_t>(Int(b.at("offset"), "offset", 0, kMax));
+      e.bytes = static_cast<uint64_t>(Int(b.at("bytes"), "bytes", 0, kMax));
+      e.crc32c = static_cast<uint32_t>(Int(b.at("crc32c"), "crc32c", 0, 0xffffffffll));
+      if (e.chunk < 0 || e.chunk >= static_cast<int64_t>(m.shard_numel.size()))
+        return bad(StrCat("block names chunk ", e.chunk, " of ", m.shard_numel.size()));
+      m.blocks.push_back(std::move(e));
+    }
+    if (j.contains("buffers")) {
+      if (!j.at("buffers").is_array()) return bad("buffers must be a list");
+      for (const auto& b : j.at("buffers")) {
+        BufferEntry e;
+        e.name = b.at("name").get<std::string>();
+        e.dtype = b.at("dtype").get<std::string>();
+        e.offset = static_cast<uint64_t>(Int(b.at("offset"), "offset", 0, kMax));
+        e.bytes = static_cast<uint64_t>(Int(b.at("bytes"), "bytes", 0, kMax));
+        e.crc32c = static_cast<uint32_t>(Int(b.at("crc32c"), "crc32c", 0, 0xffffffffll));
+        m.buffers.push_back(std::move(e));
+      }
+    }
+    return m;
+  } catch (const std::exception& e) {
+    return bad(StrCat("a field is missing or has the wrong type (", e.what(), ")"));
+  }
+}
+
+StatusOr<std::string> ResolveCheckpointDir(const std::string& path) {
+  std::error_code ec;
+  if (!fs::is_directory(path, ec))
+    return NotFound(StrCat("checkpoint directory ", path,
+                           " does not exist; pass the --save directory of an earlier run"));
+  if (fs::exists(fs::path(path) / (RankFileStem(0) + ".json"), ec)) return path;
+  fs::path latest = fs::path(path) / "latest";
+  if (fs::exists(latest, ec)) {
+    STRATA_ASSIGN_OR_RETURN(std::string name, ReadFile(latest.string()));
+    while (!name.empty() && (name.back() == '\n' || name.back() == ' ')) name.pop_back();
+    if (name.empty() || name.find('/') != std::string::npos)
+      return DataLoss(StrCat(latest.string(), " does not name a checkpoint"));
+    fs::path dir = fs::path(path) / name;
+    if (!fs::is_directory(dir, ec))
+      return DataLoss(StrCat(latest.string(), " names ", name, ", which is missing"));
+    return dir.string();
+  }
+  return NotFound(StrCat(path, " holds no checkpoint (no 'latest' file and no ",
+                         RankFileStem(0), ".json); pass a --save directory or a step-* directory"));
+}
+
+Status FsyncDir(const std::string& dir) {
+  int fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY);
+  if (fd < 0) return ErrnoToStatus(errno, StrCat("open directory ", dir));
+  int rc = ::fsync(fd);
+  int err = errno;
+  ::close(fd);
+  if (rc != 0) return ErrnoToStatus(err, StrCat("fsync directory ", dir));
+  return Status::Ok();
+}
+
+Status WriteFileAtomic(const std::string& path, std::string_view bytes) {
+  const std::string tmp = path + ".tmp";
+  int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  if (fd < 0) return ErrnoToStatus(errno, StrCat("create ", tmp));
+  size_t done = 0;
+  while (done < bytes.size()) {
+    ssize_t n = ::write(fd, bytes.data() + done, bytes.size() - done);
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      int err = errno;
+      ::close(fd);
+      ::unlink(tmp.c_str());
+      return ErrnoToStatus(err, StrCat("write ", tmp));
+    }
+    done += static_cast<size_t>(n);
+  }
+  if (::fsync(fd) != 0) {
+    int err = errno;
+    ::close(fd);
+    ::unlink(tmp.c_str());
+    return ErrnoToStatus(err, StrCat("fsync ", tmp));
+  }
+  ::close(fd);
+  if (::rename(tmp.c_str(), path.c_str()) != 0) {
+    int err = errno;
+    ::unlink(tmp.c_str());
+    return ErrnoToStatus(err, StrCat("rename ", tmp, " to ", path));
+  }
+  return FsyncDir(fs::path(path).parent_path().empty() ? "." : fs::path(path).parent_path().string());
+}
+
+StatusOr<std::string> ReadFile(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return ErrnoToStatus(errno, StrCat("open ", path));
+  std::stringstream ss;
+  ss << in.rdbuf();
+  if (in.bad()) return ErrnoToStatus(errno, StrCat("read ", path));
+  return ss.str();
+}
+
+}  // namespace strata::checkpoint

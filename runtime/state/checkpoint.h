@@ -1,0 +1,87 @@
+// Checkpoint files: layout, manifest, and the atomic-publication rules that make a crash at any
+// moment leave the previous checkpoint loadable.
+//
+// Layout under a save root R:
+//   R/step-00000010/rank-00000.bin    this rank's shards, block after block
+//   R/step-00000010/rank-00000.json   its manifest: run identity, counters, and per block
+//                                     (chunk, state, offset, bytes, crc32c)
+//   R/latest                          the name of the newest complete checkpoint ("step-00000010")
+// Publication: every rank writes into R/.step-00000010.tmp/, fsyncs its files, and the ranks meet
+// at a barrier; rank 0 then renames the directory to its final name, fsyncs R, and replaces
+// `latest` atomically (temporary name, fsync, rename). A crash before that last rename leaves
+// `latest` naming the previous checkpoint, which is untouched. Leftover .tmp directories are
+// removed by the next save.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "runtime/base/status.h"
+
+namespace strata::checkpoint {
+
+inline constexpr int kFormatVersion = 1;
+
+struct BlockEntry {
+  int64_t chunk = 0;
+  std::string state;  // "master32", "exp_avg", "exp_avg_sq"
+  uint64_t offset = 0;
+  uint64_t bytes = 0;
+  uint32_t crc32c = 0;
+};
+
+// A module buffer (BatchNorm running statistics, ...), saved by name after the blocks.
+struct BufferEntry {
+  std::string name;
+  std::string dtype;  // torch scalar type name, e.g. "Float"
+  uint64_t offset = 0;
+  uint64_t bytes = 0;
+  uint32_t crc32c = 0;
+};
+
+struct Manifest {
+  int version = kFormatVersion;
+  int rank = 0;
+  int world_size = 1;
+  int stage = 0;
+  std::string dtype;        // working precision
+  std::string state_dtype;  // exp_avg / exp_avg_sq
+  int64_t parameters = 0;
+  std::vector<int64_t> shard_numel;  // per chunk: identifies the model's layout
+  int64_t global_step = 0;
+  int64_t micro_step = 0;
+  nlohmann::json scaler;  // loss-scaler state (empty without fp16)
+  nlohmann::json extra;   // the caller's state (data position, ...)
+  // Where each parameter lives, for readers without the engine (strata.zero_to_fp32):
+  //   {"shard_offset": [per chunk, the first element of this rank's shard],
+  //    "chunk_numel": [per chunk, padded elements],
+  //    "params": [{"name", "shape", "chunk", "offset"} in registration order],
+  //    "buffers": [{"name", "shape"}]}
+  // Null in checkpoints written before it existed.
+  nlohmann::json layout;
+  std::vector<BlockEntry> blocks;
+  std::vector<BufferEntry> buffers;  // absent in checkpoints of models without buffers
+};
+
+std::string StepDirName(int64_t step);          // "step-00000010"
+std::string RankFileStem(int rank);             // "rank-00000"
+
+// Serializes / parses a manifest. Parse accepts any bytes and returns DATA_LOSS or
+// INVALID_ARGUMENT naming what is wrong for anything that is not a complete, valid manifest.
+std::string SerializeManifest(const Manifest& m);
+StatusOr<Manifest> ParseManifest(std::string_view bytes, const std::string& source);
+
+// Resolves what a user passed to --resume: a save root (uses `latest`) or a step directory.
+// NOT_FOUND with the fix when neither holds a checkpoint.
+StatusOr<std::string> ResolveCheckpointDir(const std::string& path);
+
+// Writes `bytes` to `path` atomically: path.tmp, fsync, rename, fsync of the directory.
+Status WriteFileAtomic(const std::string& path, std::string_view bytes);
+Status FsyncDir(const std::string& dir);
+StatusOr<std::string> ReadFile(const std::string& path);
+
+}  // namespace strata::checkpoint

@@ -243,7 +243,9 @@ Status Engine::Impl::DiscoverUnits(const EngineOptions& options) {
   STRATA_RETURN_IF_ERROR(part.Finalize());
   partitioner_.emplace(std::move(part));
   const auto& chunk_infos = partitioner_->chunks();
-  chunks_.resize(chunk_infos.size());
+  std::vector<int64_t> chunk_numel;
+  for (const ChunkInfo& ci : chunk_infos) chunk_numel.push_back(ci.numel);
+  chunks_ = ChunkTable(std::move(chunk_numel));
   for (size_t u = 0; u < units_.size(); ++u) {
     UnitInfo& info = units_[u];
     for (int64_t pid : info.params) {

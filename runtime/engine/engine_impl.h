@@ -53,6 +53,7 @@
 #include "runtime/base/units.h"
 #include "runtime/comm/communicator.h"
 #include "runtime/engine/activation_stash.h"
+#include "runtime/engine/chunk_table.h"
 #include "runtime/engine/compute_dtype.h"
 #include "runtime/engine/compute_fence.h"
 #include "runtime/engine/gather_lane.h"
@@ -180,23 +181,6 @@ class Engine::Impl {
     bool backward_held = false;   // gathered for its backward
     int forward_depth = 0;        // open BeginUnit calls
     bool open_checkpointed = false;  // the open run is a checkpointed forward
-  };
-  struct ChunkState {
-    std::vector<int64_t> units;
-    // Stages 0-2: the working copy, owned. Stage 3: a view of `storage`, whose memory the engine
-    // installs when gathering and removes when dropping (`gathered` says which).
-    torch::Tensor full;
-    c10::Storage storage;
-    void* buffer = nullptr;
-    bool gathered = false;
-    // Gathered ahead by the gather lane (Note [prefetched gathers]): memory installed, the
-    // shard's copy handed to the lane and compute not yet ordered after it.
-    bool filling = false;
-    // With several ranks, also its all-gather, queued on the reduce lane behind the copy.
-    bool ahead_all_gather = false;
-    int live = 0;             // holders of the gathered chunk (stage 3)
-    torch::Tensor grad_full;  // fp32 gradient of the whole chunk for this micro-step
-    int pending = 0;          // parameters whose gradient has not arrived this micro-step
   };
 
   // Device memory counted against the device budget, owned by the returned tensor: the memory
@@ -467,9 +451,8 @@ class Engine::Impl {
   std::vector<ParamInfo> params_;
   std::vector<UnitInfo> units_;
   std::vector<std::pair<std::string, torch::Tensor>> buffers_;  // unique, in registration order
-  std::vector<ChunkState> chunks_;
-  std::vector<bool> persistent_;   // chunks below stage3_param_persistence_threshold
-  int64_t live_elems_ = 0;         // elements of gathered chunks (stage 3)
+  // Each chunk's working copy and residency (chunk_table.h): the compute thread's.
+  ChunkTable chunks_;
 
   // The order units ran in this micro-step's forward and in the previous one; prefetching and
   // the reuse distance follow the previous one (Note [stage-3 live set]).

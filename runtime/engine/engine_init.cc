@@ -292,9 +292,8 @@ Status Engine::Impl::OpenBlockStore(const EngineOptions& options) {
 Status Engine::Impl::PlaceBuffers() {
   const auto& z = config_.zero_optimization;
   const auto& chunk_infos = partitioner_->chunks();
-  persistent_.assign(chunk_infos.size(), false);
   for (size_t c = 0; c < chunk_infos.size(); ++c)
-    persistent_[c] = chunk_infos[c].used_numel < z.stage3_param_persistence_threshold;
+    chunks_.SetPersistent(static_cast<int64_t>(c), chunk_infos[c].used_numel < z.stage3_param_persistence_threshold);
 
   // Buffers live on the engine's device and start from rank 0's values too.
   for (auto& [name, b] : buffers_) {
@@ -365,7 +364,7 @@ Status Engine::Impl::WriteInitialBlocks() {
           work.narrow(0, partitioner_->ShardOffset(c64, shard_rank()), n).contiguous();
       STRATA_RETURN_IF_ERROR(put(StateKind::kParam16, n * esize, param_placement_, shard16.data_ptr()));
       // The parameters become views of the chunk's storage for good; its memory comes and goes.
-      ChunkState& cs = chunks_[c];
+      ChunkTable::Chunk& cs = chunks_[c];
       const torch::Device dev = DeviceOptions(tdtype).device();
       cs.storage = c10::Storage(c10::Storage::use_byte_size_t(), 0, c10::DataPtr(nullptr, dev),
                                 /*allocator=*/nullptr, /*resizable=*/false);

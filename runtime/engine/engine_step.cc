@@ -39,7 +39,7 @@ std::vector<int64_t> Engine::Impl::UpdateOrder(const std::vector<int64_t>& trace
   for (size_t u = 0; u < units_.size(); ++u)
     if (units_[u].always_live) add(static_cast<int64_t>(u));
   for (size_t c = 0; c < chunks_.size(); ++c)
-    if (stage3() && persistent_[c] && !seen[c]) {
+    if (stage3() && chunks_.persistent(static_cast<int64_t>(c)) && !seen[c]) {
       seen[c] = true;
       order.push_back(static_cast<int64_t>(c));
     }
@@ -252,6 +252,7 @@ StatusOr<StepReport> Engine::Impl::Step() {
   rep.peak_host_bytes = now.peak_bytes_host;
   rep.bytes_activations_stashed = stash_->TakeBytesStashed();
   rep.FillOverlap();
+  chunks_.CheckInvariants();
   step_open_ = false;
   ResetLanes();  // the next window starts now: deferred updates run in it
   return rep;

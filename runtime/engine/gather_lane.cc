@@ -197,9 +197,9 @@ void Engine::Impl::PrefetchGathers(const std::vector<int64_t>& next) {
   const bool ranks = comm_->world_size() > 1;
   const int64_t max_live = config_.zero_optimization.stage3_max_live_parameters;
   std::vector<int64_t> chosen;
-  int64_t live = live_elems_;  // with the chunks chosen so far
+  int64_t live = chunks_.live_elems();  // with the chunks chosen so far
   for (int64_t c : next) {
-    if (chunks_[c].gathered) continue;
+    if (chunks_.installed(c)) continue;
     const int64_t numel = partitioner_->chunks()[c].numel;
     if (live + numel > max_live) continue;
     if (!ranks && opt_lane_->Pending(c)) continue;
@@ -233,11 +233,9 @@ void Engine::Impl::PrefetchGathers(const std::vector<int64_t>& next) {
   for (size_t i = 0; i < chosen.size(); ++i) {
     if (failed[i] != 0) continue;  // no device room now: gathered when used
     const int64_t c = chosen[i];
-    chunks_[c].filling = true;
+    chunks_.FillStarted(c, /*all_gather=*/ranks);
     gather_->Enqueue(c);
-    if (!ranks) continue;
-    chunks_[c].ahead_all_gather = true;
-    reduce_lane_->QueueAllGather(c, trace_step());
+    if (ranks) reduce_lane_->QueueAllGather(c, trace_step());
   }
 }
 
@@ -256,7 +254,6 @@ Status Engine::Impl::AllGatherAhead(int64_t c, int64_t step, double* comm_s) {
 }
 
 Status Engine::Impl::FinishFill(int64_t c) {
-  ChunkState& cs = chunks_[c];
   // With several ranks an all-gather follows, and collectives run from the host: the shard must
   // be in place, not just ordered. With one rank only compute reads the chunk.
   const bool ordered_only = comm_->world_size() == 1;
@@ -264,13 +261,13 @@ Status Engine::Impl::FinishFill(int64_t c) {
   if (!ordered_only || !s.ok()) {
     // Waits for the copy (and the all-gather issued ahead); a failed copy's status carries
     // "gathering chunk c ahead".
-    const bool all_gathered = cs.ahead_all_gather;
+    const bool all_gathered = chunks_.all_gather_ahead(c);
     STRATA_RETURN_IF_ERROR(SettleFill(c));
     // Several ranks always all-gather ahead today (PrefetchGathers); kept for a chunk queued
     // without it. (With one rank AllGatherChunk does nothing.)
     return all_gathered ? Status::Ok() : AllGatherChunk(c);
   }
-  cs.filling = false;
+  chunks_.FillSettled(c);  // one rank: no all-gather ahead
   // On a GPU this thread goes on while the copy runs. Waits that cost nothing are not traced.
   const Clock::time_point t0 = Clock::now();
   Status w = ComputeWaitFor(*device_, gather_->event(c));
@@ -286,14 +283,11 @@ void Engine::Impl::WaitFillLanded(int64_t c) {
 }
 
 Status Engine::Impl::SettleFill(int64_t c) {
-  ChunkState& cs = chunks_[c];
   // After FinishFill the lane may still hold the block (a GPU's copy in flight): wait anyway.
   WaitFillLanded(c);
-  if (!cs.filling) return Status::Ok();
+  if (!chunks_.filling(c)) return Status::Ok();
   Status s = gather_->status(c);
-  cs.filling = false;
-  if (cs.ahead_all_gather) {
-    cs.ahead_all_gather = false;
+  if (chunks_.FillSettled(c)) {
     Status g = reduce_lane_->WaitAllGather(c, &stall_s_, trace_step());
     if (s.ok()) s = g;
   }

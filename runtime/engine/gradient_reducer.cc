@@ -54,7 +54,7 @@ Status Engine::Impl::TakeParamGrad(int64_t pid, bool settle) {
   ParamInfo& p = params_[pid];
   if (p.grad_in) return Status::Ok();
   const ParamLocation& loc = partitioner_->location(pid);
-  ChunkState& cs = chunks_[loc.chunk];
+  ChunkTable::Chunk& cs = chunks_[loc.chunk];
   {
     torch::NoGradGuard ng;
     torch::Tensor g = p.tensor.grad();
@@ -109,7 +109,7 @@ bool Engine::Impl::UseReduceLane() const {
 }
 
 Status Engine::Impl::ReduceChunk(int64_t c) {
-  ChunkState& cs = chunks_[c];
+  ChunkTable::Chunk& cs = chunks_[c];
   const ChunkInfo& ci = partitioner_->chunks()[c];
   if (!cs.grad_full.defined()) {  // no parameter of the chunk took part: a zero gradient
     STRATA_ASSIGN_OR_RETURN(cs.grad_full, DeviceTensor(ci.numel, torch::kFloat32));

@@ -20,7 +20,7 @@ using namespace engine_detail;
 // backward a chunk is next needed after the step (whose update changes it) unless an earlier
 // unit still to run its backward holds it too (BackwardReuseDistance).
 Status Engine::Impl::InstallChunk(int64_t c) {
-  ChunkState& cs = chunks_[c];
+  ChunkTable::Chunk& cs = chunks_[c];
   const ChunkInfo& ci = partitioner_->chunks()[c];
   const size_t bytes = static_cast<size_t>(ci.numel) * optim::DTypeSize(compute_dtype_);
   ReapFrees(/*wait=*/false);
@@ -35,14 +35,12 @@ Status Engine::Impl::InstallChunk(int64_t c) {
   impl->set_data_ptr_noswap(
       c10::DataPtr(device_->ComputeAddress(p), DeviceOptions(torch::kFloat32).device()));
   impl->set_nbytes(bytes);
-  cs.buffer = p;
-  cs.gathered = true;
-  live_elems_ += ci.numel;
+  chunks_.Installed(c, p);
   return Status::Ok();
 }
 
 void Engine::Impl::FreeChunkMemory(int64_t c) {
-  ChunkState& cs = chunks_[c];
+  ChunkTable::Chunk& cs = chunks_[c];
   if (!cs.buffer) return;
   // Leave the storage empty first: every view (the parameters, what autograd saved) now reads
   // as unallocated instead of pointing at freed memory.
@@ -124,13 +122,12 @@ Status Engine::Impl::AllGatherShards(int64_t c) {
 }
 
 Status Engine::Impl::GatherChunk(int64_t c) {
-  ChunkState& cs = chunks_[c];
-  ++cs.live;
-  if (cs.gathered) {
-    if (!cs.filling) return Status::Ok();
+  chunks_.Hold(c);
+  if (chunks_.installed(c)) {
+    if (!chunks_.filling(c)) return Status::Ok();
     Status s = FinishFill(c);
     if (!s.ok()) {
-      --cs.live;
+      chunks_.Release(c);
       DropChunk(c);
     }
     return s;
@@ -138,50 +135,47 @@ Status Engine::Impl::GatherChunk(int64_t c) {
   const ChunkInfo& ci = partitioner_->chunks()[c];
   // Its shard may still be being updated (Note [deferred optimizer]).
   if (Status w = WaitChunkUpdated(c); !w.ok()) {
-    --cs.live;
+    chunks_.Release(c);
     return w;
   }
   const int64_t max_live = config_.zero_optimization.stage3_max_live_parameters;
-  for (size_t k = 0; k < chunks_.size() && live_elems_ + ci.numel > max_live; ++k)
-    if (chunks_[k].live == 0 && chunks_[k].gathered) DropChunk(static_cast<int64_t>(k));
+  for (int64_t k = 0; k < static_cast<int64_t>(chunks_.size()) &&
+                      chunks_.live_elems() + ci.numel > max_live; ++k)
+    if (chunks_.holders(k) == 0 && chunks_.installed(k)) DropChunk(k);
   Status s = InstallChunk(c);
   if (s.ok()) s = FillChunk(c);
   if (!s.ok()) {
-    --cs.live;
+    chunks_.Release(c);
     DropChunk(c);
   }
   return s;
 }
 
 void Engine::Impl::ReleaseChunk(int64_t c, int64_t reuse_distance) {
-  ChunkState& cs = chunks_[c];
-  STRATA_DCHECK(cs.live > 0, "chunk ", c, " released more often than gathered");
-  if (--cs.live > 0) return;
+  if (!chunks_.Release(c)) return;
   const auto& z = config_.zero_optimization;
-  if (persistent_[c]) return;
-  if (reuse_distance <= z.stage3_max_reuse_distance && live_elems_ <= z.stage3_max_live_parameters)
+  if (chunks_.persistent(c)) return;
+  if (reuse_distance <= z.stage3_max_reuse_distance &&
+      chunks_.live_elems() <= z.stage3_max_live_parameters)
     return;
   DropChunk(c);
 }
 
 void Engine::Impl::DropChunk(int64_t c) {
-  ChunkState& cs = chunks_[c];
-  if (!cs.gathered) return;
+  if (!chunks_.installed(c)) return;
   // Gathered ahead but not used (the trace changed, the cap needs room): the lane's copy, and
   // its all-gather, must be done before the memory goes back.
   SettleFill(c).IgnoreError();
   FreeChunkMemory(c);
-  cs.gathered = false;
-  live_elems_ -= partitioner_->chunks()[c].numel;
+  chunks_.Dropped(c);
 }
 
 Status Engine::Impl::RefreshChunksAfterStep() {
   if (!stage3()) return Status::Ok();
   for (size_t c = 0; c < chunks_.size(); ++c) {
     const int64_t c64 = static_cast<int64_t>(c);
-    ChunkState& cs = chunks_[c];
-    if (!cs.gathered) continue;
-    if (cs.live > 0 || persistent_[c]) {
+    if (!chunks_.installed(c64)) continue;
+    if (chunks_.holders(c64) > 0 || chunks_.persistent(c64)) {
       // Still held (the root's own parameters) or persistent: readable between steps, so same
       // memory, new values, before Step returns. Their updates are queued first.
       STRATA_RETURN_IF_ERROR(WaitChunkUpdated(c64));
@@ -245,7 +239,7 @@ void Engine::Impl::PrefetchUnits(size_t pos, int direction) {
   for (int64_t k = static_cast<int64_t>(pos) + direction;
        k >= 0 && k < static_cast<int64_t>(trace.size()) && budget > 0; k += direction) {
     for (int64_t c : units_[trace[k]].chunks) {
-      if (chunks_[c].gathered) continue;
+      if (chunks_.installed(c)) continue;
       if (param_placement_ != Placement::kDevice) store_->Prefetch({c, StateKind::kParam16});
       if (std::abs(k - static_cast<int64_t>(pos)) == 1) next.push_back(c);
       budget -= partitioner_->chunks()[c].shard_numel;

@@ -15,6 +15,7 @@
 #include "optim/cpu_adam.h"
 #include "runtime/base/config.h"
 #include "runtime/base/device.h"
+#include "runtime/comm/communicator.h"
 
 namespace strata {
 
@@ -36,5 +37,24 @@ std::string SlowBf16Warning(double bf16_gflops, double fp32_gflops);
 // The AutoContext fields a device decides: native bf16 (CUDA builds target sm_80+, all with bf16;
 // the CPU device asks cpuid, see CpuHasNativeBf16).
 bool DeviceHasNativeBf16(DeviceKind device);
+
+// The same dtype as LibTorch and the communicators name it.
+inline torch::Dtype TorchDtype(optim::DType d) {
+  switch (d) {
+    case optim::DType::kFloat32: return torch::kFloat32;
+    case optim::DType::kBFloat16: return torch::kBFloat16;
+    case optim::DType::kFloat16: return torch::kFloat16;
+  }
+  return torch::kFloat32;
+}
+
+inline strata::DType CommDtype(optim::DType d) {
+  switch (d) {
+    case optim::DType::kFloat32: return strata::DType::kF32;
+    case optim::DType::kBFloat16: return strata::DType::kBF16;
+    case optim::DType::kFloat16: return strata::DType::kF16;
+  }
+  return strata::DType::kF32;
+}
 
 }  // namespace strata

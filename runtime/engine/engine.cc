@@ -186,11 +186,11 @@ Status Engine::Impl::DiscoverUnits(const EngineOptions& options) {
   auto add_unit = [&](const std::string& name, std::shared_ptr<torch::nn::Module> module,
                       const std::vector<std::pair<std::string, torch::Tensor>>& named,
                       bool always_live) -> Status {
-    UnitInfo info;
+    UnitCoordinator::Unit info;
     info.name = name;
     info.module = std::move(module);
     info.always_live = always_live;
-    const int64_t u = static_cast<int64_t>(units_.size());
+    const int64_t u = units_.size();  // the index Add gives it
     for (const auto& [pname, p] : named) {
       if (!p.requires_grad()) continue;
       auto it = seen.find(p.unsafeGetTensorImpl());
@@ -216,7 +216,7 @@ Status Engine::Impl::DiscoverUnits(const EngineOptions& options) {
       params_[id].units.push_back(u);
       info.params.push_back(id);
     }
-    units_.push_back(std::move(info));
+    units_.Add(std::move(info));
     return Status::Ok();
   };
   {
@@ -246,8 +246,8 @@ Status Engine::Impl::DiscoverUnits(const EngineOptions& options) {
   std::vector<int64_t> chunk_numel;
   for (const ChunkInfo& ci : chunk_infos) chunk_numel.push_back(ci.numel);
   chunks_ = ChunkTable(std::move(chunk_numel));
-  for (size_t u = 0; u < units_.size(); ++u) {
-    UnitInfo& info = units_[u];
+  for (int64_t u = 0; u < units_.size(); ++u) {
+    UnitCoordinator::Unit& info = units_[u];
     for (int64_t pid : info.params) {
       const int64_t c = partitioner_->location(pid).chunk;
       if (std::find(info.chunks.begin(), info.chunks.end(), c) == info.chunks.end()) {

@@ -1,19 +1,18 @@
-// Engine::Impl: the engine's state and the rooms that share it. One header, one .cc per room:
-//   engine.cc            the facade (Engine), unit discovery, reports
-//   unit_coordinator.cc  gathering and releasing units' parameters (stage 3), forward and the
-//                        unit protocol, prefetching from the trace
-//   gather_lane.cc       stage 3's shards read and copied into their chunks ahead of use
-//   gradient_reducer.cc  gradient hooks, per-chunk reduction, Backward
-//   engine_init.cc       Init and its named steps
-//   optimizer_lane.cc    the optimizer thread, its queue and order, Step
-//   chunk_update.cc      one chunk's update: Adam/AdamW or SGD, as runs of one parameter group
-//                        (param_groups.h)
-//   publish_lane.cc      a host optimizer's new values taken to the device (pinned staging;
-//                        PublishLane owns its state, publish_lane.h)
-//   engine_checkpoint.cc saving and loading checkpoints
-//   param_writes.cc      parameter values written back into the partitions (writable gathers)
-//   activation_stash.cc  checkpointed units' saved inputs in the tier manager (cpu_checkpointing;
-//                        ActivationStash owns its state, activation_stash.h)
+// Engine::Impl: the engine facade's state, and the compute thread's. Each other room is a class
+// that owns its state (its header says what it owns, what it borrows and its thread rules):
+//   ChunkTable      chunk_table.h       each chunk's working copy and residency on the device
+//   UnitCoordinator unit_coordinator.h  the units, the order they ran in, reuse and prefetch order
+//   GatherLane      gather_lane.h       stage 3's shards copied into their chunks ahead of use
+//   ReduceLane      reduce_lane.h       each chunk gradient's reduction, all-gathers ahead
+//   OptimizerLane   optimizer_lane.h    chunk updates in order, the step's inputs
+//   PublishLane     publish_lane.h      a host optimizer's new values taken to the device
+//   ActivationStash activation_stash.h  checkpointed units' saved inputs in the tier manager
+// Impl's methods, by file: engine.cc (the facade, unit discovery, reports), engine_init.cc (Init
+// and its named steps), unit_protocol.cc (micro-steps, BeginUnit/EndUnit, forward),
+// chunk_gathers.cc (stage 3's gathers, releases and prefetching), gather_lane.cc (what to gather
+// ahead), gradient_reducer.cc (gradient hooks, reductions, Backward), chunk_update.cc (one chunk's
+// update), engine_step.cc (Step), engine_checkpoint.cc, param_writes.cc (writable gathers),
+// state_offload.cc (offload_states).
 // Private to runtime/: nothing outside the engine includes it.
 #pragma once
 #include "runtime/engine/engine.h"
@@ -62,6 +61,7 @@
 #include "runtime/engine/publish_lane.h"
 #include "runtime/engine/reduce_lane.h"
 #include "runtime/engine/run_unit.h"
+#include "runtime/engine/unit_coordinator.h"
 #include "runtime/engine/zero_init.h"
 #include "runtime/state/block_store.h"
 #include "runtime/state/checkpoint.h"
@@ -81,24 +81,6 @@ inline double Since(Clock::time_point t0) {
 }
 
 [[noreturn]] inline void Throw(const Status& s) { throw std::runtime_error(s.ToString()); }
-
-inline torch::Dtype TorchDtype(optim::DType d) {
-  switch (d) {
-    case optim::DType::kFloat32: return torch::kFloat32;
-    case optim::DType::kBFloat16: return torch::kBFloat16;
-    case optim::DType::kFloat16: return torch::kFloat16;
-  }
-  return torch::kFloat32;
-}
-
-inline strata::DType CommDtype(optim::DType d) {
-  switch (d) {
-    case optim::DType::kFloat32: return strata::DType::kF32;
-    case optim::DType::kBFloat16: return strata::DType::kBF16;
-    case optim::DType::kFloat16: return strata::DType::kF16;
-  }
-  return strata::DType::kF32;
-}
 
 }  // namespace engine_detail
 
@@ -138,10 +120,8 @@ class Engine::Impl {
   nlohmann::json PlanJson() const;  // per state: sharded, bytes this rank keeps
   int64_t num_params() const { return partitioner_ ? partitioner_->param_numel() : 0; }
   uint64_t model_state_bytes() const;
-  int64_t num_units() const { return static_cast<int64_t>(units_.size()); }
-  std::string unit_name(int64_t u) const {
-    return u >= 0 && u < num_units() ? units_[u].name : std::string();
-  }
+  int64_t num_units() const { return units_.size(); }
+  std::string unit_name(int64_t u) const { return units_.name(u); }
   uint64_t device_bytes() const { return device_->allocated(); }
   uint64_t device_peak_bytes() const { return device_->peak_allocated(); }
   bool cpu_checkpointing() const { return config_.activation_checkpointing.cpu_checkpointing; }
@@ -169,18 +149,6 @@ class Engine::Impl {
     int checkpointed_uses = 0;
     int arrivals = 0;
     bool grad_in = false;
-  };
-  struct UnitInfo {
-    std::string name;
-    std::shared_ptr<torch::nn::Module> module;
-    std::vector<int64_t> params;  // parameters it holds, tied ones included
-    std::vector<int64_t> chunks;  // chunks those parameters live in
-    int64_t elems = 0;            // full elements a gather of the unit brings in
-    bool always_live = false;     // the root's own parameters: gathered for the engine's life
-    int grads_pending = 0;        // parameters whose gradient has not arrived this micro-step
-    bool backward_held = false;   // gathered for its backward
-    int forward_depth = 0;        // open BeginUnit calls
-    bool open_checkpointed = false;  // the open run is a checkpointed forward
   };
 
   // Device memory counted against the device budget, owned by the returned tensor: the memory
@@ -285,10 +253,6 @@ class Engine::Impl {
   Status RefreshChunksAfterStep();
   Status GatherUnit(int64_t u);
   void ReleaseUnit(int64_t u, int64_t reuse_distance);
-  int64_t ForwardReuseDistance(size_t trace_pos) const;
-  // In backward, the elements gathered before chunk c is needed again in this backward (by a
-  // unit whose gradients are not all in yet), or "never" (the next use follows the step).
-  int64_t BackwardReuseDistance(int64_t c) const;
   void PrefetchUnits(size_t trace_pos, int direction);
   void OpenMicroStep();
   void OnUnitBackwardReach(int64_t u);
@@ -449,17 +413,12 @@ class Engine::Impl {
   Placement optim_placement_ = Placement::kDevice;
 
   std::vector<ParamInfo> params_;
-  std::vector<UnitInfo> units_;
+  // The units and the order they ran in (unit_coordinator.h).
+  UnitCoordinator units_;
   std::vector<std::pair<std::string, torch::Tensor>> buffers_;  // unique, in registration order
   // Each chunk's working copy and residency (chunk_table.h): the compute thread's.
   ChunkTable chunks_;
 
-  // The order units ran in this micro-step's forward and in the previous one; prefetching and
-  // the reuse distance follow the previous one (Note [stage-3 live set]).
-  std::vector<int64_t> trace_, last_trace_;
-  // Per position of last_trace_: elements the units after it gather in forward and backward.
-  std::vector<int64_t> last_trace_after_;
-  size_t backward_cursor_ = 0;  // position in trace_ backward has reached
   bool micro_open_ = false;     // a training forward has begun and its Backward not yet run
   bool in_backward_ = false;
 

@@ -393,12 +393,12 @@ Status Engine::Impl::WriteInitialBlocks() {
 Status Engine::Impl::HookModel() {
   // The root's own parameters stay gathered; gradients are taken as they arrive; the model's
   // forward finds its units through RunUnit.
-  for (size_t u = 0; u < units_.size(); ++u)
-    if (units_[u].always_live) STRATA_RETURN_IF_ERROR(GatherUnit(static_cast<int64_t>(u)));
+  for (int64_t u = 0; u < units_.size(); ++u)
+    if (units_[u].always_live) STRATA_RETURN_IF_ERROR(GatherUnit(u));
   STRATA_RETURN_IF_ERROR(HookGradients());
-  for (size_t u = 0; u < units_.size(); ++u)
+  for (int64_t u = 0; u < units_.size(); ++u)
     if (!units_[u].always_live)
-      STRATA_RETURN_IF_ERROR(unit_detail::Register(units_[u].module.get(), owner_, static_cast<int64_t>(u)));
+      STRATA_RETURN_IF_ERROR(unit_detail::Register(units_[u].module.get(), owner_, u));
   return Status::Ok();
 }
 

@@ -27,26 +27,8 @@ Status Engine::Impl::WaitChunkUpdated(int64_t c, double* waited) {
 }
 
 std::vector<int64_t> Engine::Impl::UpdateOrder(const std::vector<int64_t>& trace) const {
-  std::vector<int64_t> order;
-  std::vector<bool> seen(chunks_.size(), false);
-  auto add = [&](int64_t u) {
-    for (int64_t c : units_[u].chunks)
-      if (!seen[c]) {
-        seen[c] = true;
-        order.push_back(c);
-      }
-  };
-  for (size_t u = 0; u < units_.size(); ++u)
-    if (units_[u].always_live) add(static_cast<int64_t>(u));
-  for (size_t c = 0; c < chunks_.size(); ++c)
-    if (stage3() && chunks_.persistent(static_cast<int64_t>(c)) && !seen[c]) {
-      seen[c] = true;
-      order.push_back(static_cast<int64_t>(c));
-    }
-  for (int64_t u : trace) add(u);
-  for (size_t c = 0; c < chunks_.size(); ++c)
-    if (!seen[c]) order.push_back(static_cast<int64_t>(c));
-  return order;
+  return units_.ChunkOrder(trace, static_cast<int64_t>(chunks_.size()),
+                           [&](int64_t c) { return stage3() && chunks_.persistent(c); });
 }
 
 void Engine::Impl::PrefetchStatesForUpdates() {
@@ -199,7 +181,7 @@ StatusOr<StepReport> Engine::Impl::Step() {
         store_->BeginIteration();
         iteration_open_ = true;
       }
-      for (int64_t c : UpdateOrder(last_trace_)) EnqueueOptimizer(c);
+      for (int64_t c : UpdateOrder(units_.last_trace())) EnqueueOptimizer(c);
       if (!defer_updates()) STRATA_RETURN_IF_ERROR(DrainOptimizer());
     }
   }

@@ -74,13 +74,13 @@ Status Engine::Impl::TakeParamGrad(int64_t pid, bool settle) {
   if (!settle && p.arrivals < p.checkpointed_uses + (p.plain_use ? 1 : 0)) return Status::Ok();
   p.grad_in = true;
   for (int64_t u : p.units) {
-    UnitInfo& unit = units_[u];
+    UnitCoordinator::Unit& unit = units_[u];
     if (--unit.grads_pending == 0 && unit.backward_held) {
       unit.backward_held = false;
       // A chunk an earlier unit still needs in this backward may stay; otherwise the next use
       // is after the optimizer step, which changes the values: only persistent chunks survive.
       if (stage3())
-        for (int64_t c : unit.chunks) ReleaseChunk(c, BackwardReuseDistance(c));
+        for (int64_t c : unit.chunks) ReleaseChunk(c, units_.BackwardReuseDistance(c));
     }
   }
   if (--cs.pending == 0) STRATA_RETURN_IF_ERROR(ReduceChunk(loc.chunk));
@@ -247,13 +247,13 @@ Status Engine::Impl::Backward(const torch::Tensor& loss) {
     FixStepInputs(global_step_ + 1, 1.0f);
   }
   if (last_micro_step() && defer_updates()) {
-    state_prefetch_order_ = UpdateOrder(trace_);
+    state_prefetch_order_ = UpdateOrder(units_.trace());
     state_prefetch_next_ = 0;
     state_prefetch_bytes_ = 0;
   }
   double scale = scaler_ ? scaler_->scale() : 1.0;
   torch::Tensor scaled = loss * (scale / static_cast<double>(config_.gradient_accumulation_steps));
-  backward_cursor_ = trace_.size();
+  units_.BeginBackward();
   in_backward_ = true;
   Status result;
   try {
@@ -275,10 +275,10 @@ Status Engine::Impl::Backward(const torch::Tensor& loss) {
   // Parameters that took no part in this backward: a zero gradient, their units released.
   for (size_t pid = 0; pid < params_.size() && result.ok(); ++pid)
     result = TakeParamGrad(static_cast<int64_t>(pid), /*settle=*/true);
-  for (size_t u = 0; u < units_.size(); ++u) {
+  for (int64_t u = 0; u < units_.size(); ++u) {
     if (units_[u].backward_held) {
       units_[u].backward_held = false;
-      ReleaseUnit(static_cast<int64_t>(u), std::numeric_limits<int64_t>::max());
+      ReleaseUnit(u, UnitCoordinator::kNever);
     }
   }
   // Every reduction of this micro-step has finished before Backward returns, failed or not: the
@@ -288,10 +288,7 @@ Status Engine::Impl::Backward(const torch::Tensor& loss) {
     drain_on_exit.done = true;
     if (result.ok()) result = r;
   }
-  last_trace_ = trace_;
-  last_trace_after_.assign(last_trace_.size(), 0);
-  for (size_t k = last_trace_.size(); k-- > 1;)
-    last_trace_after_[k - 1] = last_trace_after_[k] + 2 * units_[last_trace_[k]].elems;
+  units_.EndMicroStep();
   micro_open_ = false;
   STRATA_RETURN_IF_ERROR(result);
   for (size_t c = 0; c < chunks_.size(); ++c)

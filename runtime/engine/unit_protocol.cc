@@ -1,0 +1,130 @@
+// The unit protocol on the engine's side: a micro-step opened by its first training forward,
+// units begun and ended (gathered, traced, released), forward for a Sequential or a model given
+// with its forward, and backward reaching a unit (the UnitCoordinator, unit_coordinator.h,
+// keeps the units and their order).
+#include "runtime/engine/engine_impl.h"
+
+namespace strata {
+
+using namespace engine_detail;
+
+void Engine::Impl::OpenMicroStep() {
+  if (!parked_.empty()) Throw(CheckStatesResident("a training forward"));
+  if (!step_open_) {
+    step_open_ = true;
+    // The first step's window opens here; later ones opened when the previous Step returned.
+    if (!window_open_) ResetLanes();
+    if (!iteration_open_ && !defer_updates()) {
+      store_->BeginIteration();
+      iteration_open_ = true;
+    }
+  }
+  micro_open_ = true;
+  forward_start_ = Clock::now();
+  waits_at_forward_start_ = WaitsSoFar();
+  units_.BeginMicroStep();
+  stash_->BeginMicroStep();
+  for (auto& p : params_) {
+    p.plain_use = false;
+    p.checkpointed_uses = 0;
+    p.arrivals = 0;
+    p.grad_in = false;
+  }
+  for (size_t c = 0; c < chunks_.size(); ++c)
+    chunks_[c].pending = static_cast<int>(partitioner_->chunks()[c].params.size());
+}
+
+void Engine::Impl::BeginUnit(int64_t u, bool checkpointed) {
+  if (u < 0 || u >= num_units()) Throw(InvalidArgument(StrCat("no unit ", u)));
+  UnitCoordinator::Unit& unit = units_[u];
+  if (unit.forward_depth > 0)
+    Throw(FailedPrecondition(StrCat("unit '", unit.name, "' runs inside itself; units may nest only "
+                                    "when they are different modules")));
+  if (in_backward_) {
+    // Backward recomputes a checkpointed unit: gather it and hold it until its gradients are in.
+    if (!unit.backward_held && unit.grads_pending > 0) {
+      Status s = GatherUnit(u);
+      if (!s.ok()) Throw(s.WithContext(StrCat("gathering unit '", unit.name, "' to recompute it")));
+      unit.backward_held = true;
+    }
+    ++unit.forward_depth;
+    unit.open_checkpointed = false;
+    return;
+  }
+  // Under torch::NoGradGuard (evaluation) nothing is recorded for backward and no step opens; a
+  // checkpointed forward runs without grad but is training.
+  const bool training = torch::GradMode::is_enabled() || checkpointed;
+  if (training && !micro_open_) OpenMicroStep();
+  Status s = GatherUnit(u);
+  if (!s.ok()) Throw(s.WithContext(StrCat("gathering unit '", unit.name, "' for forward")));
+  ++unit.forward_depth;
+  unit.open_checkpointed = checkpointed;
+  if (training) {
+    PrefetchUnits(units_.RecordForward(u), +1);
+    for (int64_t pid : unit.params) {
+      if (checkpointed) ++params_[pid].checkpointed_uses;
+      else params_[pid].plain_use = true;
+    }
+  }
+}
+
+void Engine::Impl::EndUnit(int64_t u, const std::vector<torch::Tensor>& outputs) {
+  if (u < 0 || u >= num_units() || units_[u].forward_depth == 0)
+    Throw(FailedPrecondition(StrCat("EndUnit(", u, ") without its BeginUnit")));
+  UnitCoordinator::Unit& unit = units_[u];
+  --unit.forward_depth;
+  if (in_backward_) return;  // a recomputation: released when its gradients are in
+  const bool checkpointed = unit.open_checkpointed;
+  unit.open_checkpointed = false;
+  const bool training = torch::GradMode::is_enabled() || checkpointed;
+  if (training && !checkpointed && stage3()) {
+    for (const torch::Tensor& out : outputs) {
+      if (!out.defined() || !out.requires_grad()) continue;
+      torch::Tensor t = out;  // register_hook is not const; the hook lands on the shared node
+      t.register_hook([this, u](const torch::Tensor&) { OnUnitBackwardReach(u); });
+    }
+  }
+  ReleaseUnit(u, training ? units_.ForwardReuseDistance(units_.trace().size() - 1)
+                          : UnitCoordinator::kNever);
+}
+
+torch::Tensor Engine::Impl::Forward(const torch::Tensor& input) {
+  auto* seq = dynamic_cast<torch::nn::SequentialImpl*>(model_.get());
+  if (!seq && !any_)
+    Throw(FailedPrecondition(
+        "Engine::Forward needs a Sequential or a model given with its forward (AnyModule); call "
+        "the model's own forward instead, which runs its units through strata::RunUnit"));
+  // A training forward's compute is the micro-step's span up to Backward (forward_start_), not
+  // timed here twice.
+  if (!seq) return any_->forward(input);
+  torch::Tensor x = input;
+  for (size_t k = 0; k < seq->size(); ++k) {
+    // A child holding no trainable parameter is no unit: its scope does nothing.
+    unit_detail::UnitScope scope(unit_detail::FindUnit(*seq->ptr(k)), /*checkpointed=*/false);
+    x = (seq->begin() + static_cast<std::ptrdiff_t>(k))->forward(x);
+    scope.Done({x});
+  }
+  return x;
+}
+
+void Engine::Impl::OnUnitBackwardReach(int64_t u) {
+  if (!in_backward_)
+    Throw(FailedPrecondition("backward reached a unit outside Engine::Backward: call "
+                             "engine->Backward(loss) instead of loss.backward()"));
+  if (!backward_error_.ok()) return;
+  UnitCoordinator::Unit& unit = units_[u];
+  if (unit.backward_held || unit.grads_pending == 0) return;
+  Status s = GatherUnit(u);
+  if (!s.ok()) {
+    backward_error_ = s.WithContext(StrCat("gathering unit '", unit.name, "' for backward"));
+    // Autograd cannot be cancelled from a hook without unwinding through it: throw, and
+    // Backward turns the exception back into this Status.
+    Throw(backward_error_);
+  }
+  unit.backward_held = true;
+  // Prefetch the units that ran before this one.
+  const int64_t before = units_.ReachedInBackward(u);
+  if (before >= 0) PrefetchUnits(static_cast<size_t>(before), -1);
+}
+
+}  // namespace strata

@@ -57,8 +57,9 @@ class UnitCoordinator {
   const std::vector<int64_t>& last_trace() const { return last_trace_; }
   // Backward begins: it walks this micro-step's trace from the end.
   void BeginBackward() { backward_cursor_ = trace_.size(); }
-  // Backward reached unit u: returns the trace position of the unit that ran before it (where
-  // prefetching for backward continues from), or -1 when u ran first.
+  // Backward reached unit u: returns u's position in the trace, searching back from where
+  // backward last was (the units before it are the ones to gather ahead), or -1 when u is not
+  // in the rest of the trace.
   int64_t ReachedInBackward(int64_t u);
   // The micro-step is over: its trace becomes the one the next forward follows.
   void EndMicroStep();

@@ -1,5 +1,5 @@
 // The engine's rooms through their own interfaces, without an engine: the chunk table's
-// transitions and invariants, the optimizer lane's order, errors and step inputs, the reduce
+// transitions and invariants, the unit coordinator's distances and orders, the optimizer lane's order, errors and step inputs, the reduce
 // lane's two ways of running a job. (The engine suites test them together; these pin down each
 // contract the headers state.)
 #include <atomic>
@@ -7,6 +7,7 @@
 #include <mutex>
 #include <stdexcept>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include <gtest/gtest.h>
@@ -15,6 +16,7 @@
 #include "runtime/engine/lane_trace.h"
 #include "runtime/engine/optimizer_lane.h"
 #include "runtime/engine/reduce_lane.h"
+#include "runtime/engine/unit_coordinator.h"
 #include "tiers/hbm/device_factory.h"
 
 namespace strata {
@@ -131,6 +133,102 @@ TEST(ChunkTableDeathTest, BrokenTransitionsAbort) {
         t.Release(0);
       },
       "released more often than gathered");
+}
+
+// ---------------------------------------------------------------------------------------------
+// UnitCoordinator
+
+// The root (always live, chunk 0) and three units; unit 1 and 2 share chunk 2.
+UnitCoordinator FourUnits() {
+  UnitCoordinator units;
+  auto unit = [](std::vector<int64_t> params, std::vector<int64_t> chunks, int64_t elems,
+                 bool root) {
+    UnitCoordinator::Unit u;
+    u.params = std::move(params);
+    u.chunks = std::move(chunks);
+    u.elems = elems;
+    u.always_live = root;
+    return u;
+  };
+  EXPECT_EQ(units.Add(unit({0}, {0}, 10, true)), 0);
+  EXPECT_EQ(units.Add(unit({1, 2}, {1, 2}, 20, false)), 1);
+  EXPECT_EQ(units.Add(unit({3}, {2, 3}, 30, false)), 2);
+  EXPECT_EQ(units.Add(unit({4}, {4}, 40, false)), 3);
+  return units;
+}
+
+TEST(UnitCoordinator, ForwardReuseFollowsThePreviousOrderUntilItDiverges) {
+  UnitCoordinator units = FourUnits();
+  units.BeginMicroStep();
+  for (int64_t u : {1, 2, 3}) units.RecordForward(u);
+  // The first micro-step has no previous order: nothing is known to come back.
+  EXPECT_EQ(units.ForwardReuseDistance(0), UnitCoordinator::kNever);
+  units.EndMicroStep();
+  units.BeginMicroStep();
+  EXPECT_EQ(units.RecordForward(1), 0u);
+  // Unit 1 comes back in backward after units 2 and 3 were gathered twice each: 2*30 + 2*40.
+  EXPECT_EQ(units.ForwardReuseDistance(0), 140);
+  EXPECT_EQ(units.RecordForward(3), 1u);  // not unit 2: this forward left the previous order
+  EXPECT_EQ(units.ForwardReuseDistance(1), UnitCoordinator::kNever);
+}
+
+TEST(UnitCoordinator, BackwardReuseCountsOnlyUnitsStillWaitingForGradients) {
+  UnitCoordinator units = FourUnits();
+  units.BeginMicroStep();
+  for (int64_t u : {1, 2, 3}) units.RecordForward(u);
+  EXPECT_EQ(units[2].grads_pending, 1);  // BeginMicroStep: every parameter still to come
+  // Chunk 2 is unit 2's and unit 1's: next needed by unit 2, after unit 3's 40 elements.
+  EXPECT_EQ(units.BackwardReuseDistance(2), 40);
+  units[3].grads_pending = 0;  // unit 3's backward is done: it gathers nothing more
+  EXPECT_EQ(units.BackwardReuseDistance(2), 0);
+  units[2].grads_pending = 0;
+  EXPECT_EQ(units.BackwardReuseDistance(2), 0);  // unit 1 still needs it
+  EXPECT_EQ(units.BackwardReuseDistance(3), UnitCoordinator::kNever);  // only unit 2's, done
+  EXPECT_EQ(units.BackwardReuseDistance(0), UnitCoordinator::kNever);  // the root's: no unit
+}
+
+TEST(UnitCoordinator, BackwardWalksTheTraceFromTheEnd) {
+  UnitCoordinator units = FourUnits();
+  units.BeginMicroStep();
+  for (int64_t u : {1, 2, 1}) units.RecordForward(u);  // unit 1 ran twice
+  units.BeginBackward();
+  EXPECT_EQ(units.ReachedInBackward(1), 2);  // its later run first
+  EXPECT_EQ(units.ReachedInBackward(2), 1);
+  EXPECT_EQ(units.ReachedInBackward(1), 0);
+  EXPECT_EQ(units.ReachedInBackward(3), -1);  // never ran
+}
+
+TEST(UnitCoordinator, VisitNearGoesForwardInTheLastOrderAndBackwardInThisOne) {
+  UnitCoordinator units = FourUnits();
+  units.BeginMicroStep();
+  for (int64_t u : {1, 2, 3}) units.RecordForward(u);
+  units.EndMicroStep();
+  units.BeginMicroStep();
+  for (int64_t u : {3, 2}) units.RecordForward(u);
+  std::vector<std::pair<int64_t, int64_t>> seen;
+  auto record = [&](int64_t u, int64_t d) {
+    seen.push_back({u, d});
+    return true;
+  };
+  units.VisitNear(0, +1, record);
+  EXPECT_EQ(seen, (std::vector<std::pair<int64_t, int64_t>>{{2, 1}, {3, 2}}));
+  seen.clear();
+  units.VisitNear(1, -1, record);
+  EXPECT_EQ(seen, (std::vector<std::pair<int64_t, int64_t>>{{3, 1}}));
+  seen.clear();
+  units.VisitNear(0, +1, [&](int64_t u, int64_t d) {
+    seen.push_back({u, d});
+    return false;  // stop after the first
+  });
+  EXPECT_EQ(seen.size(), 1u);
+}
+
+TEST(UnitCoordinator, ChunkOrderPutsWhatStaysGatheredFirstThenTheTrace) {
+  UnitCoordinator units = FourUnits();
+  const std::vector<int64_t> order =
+      units.ChunkOrder({3, 1}, 6, [](int64_t c) { return c == 5; });
+  // The root's chunk, the chunk that stays gathered, unit 3's, unit 1's, then the rest.
+  EXPECT_EQ(order, (std::vector<int64_t>{0, 5, 4, 1, 2, 3}));
 }
 
 // ---------------------------------------------------------------------------------------------

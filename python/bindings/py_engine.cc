@@ -40,7 +40,7 @@ Communicator* ProcessCommunicator(const CommOptions& co) {
 
 PyEngine::PyEngine(py::handle model, const std::vector<py::handle>& units,
                    const std::string& config_json, const std::string& source,
-                   const AutoHints& hints, const Groups& groups) {
+                   const AutoHints& hints, const Groups& groups, bool client_optimizer) {
   config_ = ValueOrThrow(Config::FromJsonText(config_json, source));
   CommOptions co;
   co.backend = config_.strata.comm_backend;
@@ -76,6 +76,7 @@ PyEngine::PyEngine(py::handle model, const std::vector<py::handle>& units,
                                    "momentum, dampening)"));
     eo.param_groups.push_back({GroupHyperparameters{h[0], h[1], h[2], h[3], h[4], h[5], h[6]}, params});
   }
+  eo.client_optimizer = client_optimizer;
   py::gil_scoped_release nogil;  // partitioning writes the shards to their tiers (and rank 0's broadcast)
   engine_ = ValueOrThrow(Engine::Create(mirror_.root, config_, comm_, device_.get(), eo));
 }
@@ -123,11 +124,47 @@ std::string PyEngine::Step() {
   return ValueOrThrow(std::move(r)).ToJson().dump();
 }
 
-void PyEngine::SaveCheckpoint(const std::string& dir, const std::string& extra_json) {
+std::pair<std::string, PyEngine::ClientPairs> PyEngine::BeginClientStep() {
+  Engine& e = engine();
+  StatusOr<Engine::ClientStep> r = FailedPrecondition("");
+  {
+    py::gil_scoped_release nogil;
+    r = e.BeginClientStep();
+  }
+  Engine::ClientStep step = ValueOrThrow(std::move(r));
+  nlohmann::json facts = {{"skipped", step.skipped}, {"grad_norm", step.grad_norm},
+                          {"grad_scale", step.grad_scale}};
+  return {facts.dump(), std::move(step.groups)};
+}
+
+std::string PyEngine::FinishClientStep(bool apply) {
+  Engine& e = engine();
+  StatusOr<StepReport> r = FailedPrecondition("");
+  {
+    py::gil_scoped_release nogil;
+    r = e.FinishClientStep(apply);
+  }
+  return ValueOrThrow(std::move(r)).ToJson().dump();
+}
+
+std::vector<std::vector<int64_t>> PyEngine::ClientSegments() { return engine().ClientSegments(); }
+
+void PyEngine::SaveCheckpoint(const std::string& dir, const std::string& extra_json,
+                              const std::string& client_file) {
   Engine& e = engine();
   nlohmann::json extra = nlohmann::json::parse(extra_json);
   py::gil_scoped_release nogil;
-  ThrowIfError(e.SaveCheckpoint(dir, extra));
+  ThrowIfError(e.SaveCheckpoint(dir, extra, client_file));
+}
+
+py::bytes PyEngine::ReadClientFile(const std::string& dir) {
+  Engine& e = engine();
+  StatusOr<std::string> r = FailedPrecondition("");
+  {
+    py::gil_scoped_release nogil;
+    r = e.ReadClientFile(dir);
+  }
+  return py::bytes(ValueOrThrow(std::move(r)));
 }
 
 std::string PyEngine::LoadCheckpoint(const std::string& dir, bool weights_only) {

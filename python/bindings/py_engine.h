@@ -63,14 +63,23 @@ class PyEngine {
   using Groups = std::vector<std::pair<std::vector<torch::Tensor>, std::vector<double>>>;
   PyEngine(pybind11::handle model, const std::vector<pybind11::handle>& units,
            const std::string& config_json, const std::string& source, const AutoHints& hints,
-           const Groups& groups);
+           const Groups& groups, bool client_optimizer = false);
   ~PyEngine();
 
   void BeginUnit(int64_t unit, bool checkpointed);
   void EndUnit(int64_t unit, const std::vector<torch::Tensor>& outputs);
   void Backward(const torch::Tensor& loss);
   std::string Step();  // the StepReport as JSON text
-  void SaveCheckpoint(const std::string& dir, const std::string& extra_json);
+  // EngineOptions::client_optimizer: (the step's facts as JSON, per group the (master,
+  // gradient) shard pairs), then the StepReport as JSON text.
+  using ClientPairs = std::vector<std::vector<std::pair<torch::Tensor, torch::Tensor>>>;
+  std::pair<std::string, ClientPairs> BeginClientStep();
+  std::string FinishClientStep(bool apply);
+  std::vector<std::vector<int64_t>> ClientSegments();
+  // `client_file`: bytes saved beside this rank's manifest (Engine::SaveCheckpoint).
+  void SaveCheckpoint(const std::string& dir, const std::string& extra_json,
+                      const std::string& client_file);
+  pybind11::bytes ReadClientFile(const std::string& dir);
   // The extra JSON given to Save. weights_only: Engine::LoadCheckpoint's.
   std::string LoadCheckpoint(const std::string& dir, bool weights_only);
   int64_t StashActivations(const std::vector<torch::Tensor>& tensors);

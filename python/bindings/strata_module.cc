@@ -58,14 +58,20 @@ PYBIND11_MODULE(_strata, m) {
 
   py::class_<PyEngine>(m, "Engine")
       .def(py::init<py::handle, const std::vector<py::handle>&, const std::string&,
-                    const std::string&, const AutoHints&, const PyEngine::Groups&>(),
+                    const std::string&, const AutoHints&, const PyEngine::Groups&, bool>(),
            py::arg("model"), py::arg("units"), py::arg("config_json"), py::arg("source"),
-           py::arg("hints"), py::arg("groups") = PyEngine::Groups{})
+           py::arg("hints"), py::arg("groups") = PyEngine::Groups{},
+           py::arg("client_optimizer") = false)
       .def("begin_unit", &PyEngine::BeginUnit, py::arg("unit"), py::arg("checkpointed") = false)
       .def("end_unit", &PyEngine::EndUnit)
       .def("backward", &PyEngine::Backward)
       .def("step", &PyEngine::Step)
-      .def("save_checkpoint", &PyEngine::SaveCheckpoint)
+      .def("save_checkpoint", &PyEngine::SaveCheckpoint, py::arg("dir"), py::arg("extra_json"),
+           py::arg("client_file") = std::string())
+      .def("read_client_file", &PyEngine::ReadClientFile)
+      .def("begin_client_step", &PyEngine::BeginClientStep)
+      .def("finish_client_step", &PyEngine::FinishClientStep, py::arg("apply") = true)
+      .def("client_segments", &PyEngine::ClientSegments)
       .def("load_checkpoint", &PyEngine::LoadCheckpoint, py::arg("dir"),
            py::arg("weights_only") = false)
       .def("stash_activations", &PyEngine::StashActivations)

@@ -49,6 +49,9 @@ class StrataEngine(torch.nn.Module):
         self._lr_source = None
         self._client_scheduler = False  # lr_scheduler is the script's, stepped here
         self._client_optimizer = None  # the torch optimizer given to initialize, if any
+        # Note [a client optimizer]: per group, the tensors the client optimizer steps (None
+        # when the engine runs its own optimizer).
+        self._client_params = None
         self._lr_scheduler = None
         self._lr_pushed = None  # the lr last handed to the C++ engine
         # id(parameter) -> the units holding it (root parameters: none, they stay gathered).
@@ -124,21 +127,71 @@ class StrataEngine(torch.nn.Module):
                 f"{gas} micro-batches; Strata steps every gradient_accumulation_steps ({gas}) "
                 "micro-batches: make the loop's accumulation match the config's")
         self._sync_lr()
-        self.last_report = json.loads(self._cpp.step())
+        if self._client_params is not None:
+            self.last_report = self._client_step()
+        else:
+            self.last_report = json.loads(self._cpp.step())
         self._stepped_at = micro
         if self.last_report.get("skipped"):
             return  # as DeepSpeed: an fp16 overflow does not advance the schedule
         # The engine stepped, not the wrapper a torch scheduler puts on optimizer.step: mark the
         # step on every optimizer a scheduler may watch (ours, the client's, the scheduler's),
         # as the wrapper would, or torch warns that the scheduler stepped first.
+        # (A client optimizer that stepped itself has marked its own step.)
+        stepped_itself = self._client_optimizer if self._client_params is not None else None
         for opt in {id(o): o for o in (self.optimizer, self._lr_source, self._client_optimizer,
                                        getattr(self.lr_scheduler, "optimizer", None))
-                    if isinstance(o, torch.optim.Optimizer)}.values():
+                    if isinstance(o, torch.optim.Optimizer) and o is not stepped_itself}.values():
             opt._step_count = getattr(opt, "_step_count", 0) + 1
             opt._opt_called = True
         if self._client_scheduler:
             self.lr_scheduler.step(**(lr_kwargs or {}))
         self._publish_lr()
+
+    # Note [a client optimizer]
+    # An optimizer outside Strata's own set (zero_allow_untested_optimizer, or any optimizer at
+    # stage 0, as DeepSpeed) runs itself, on the device, over this rank's partition: as DeepSpeed's
+    # ZeRO-1/2 optimizer does, the client's param_groups get flat tensors in place of the model's
+    # parameters, here one per run of the group's elements in a chunk's shard. At each boundary the
+    # C++ engine reduces the gradients, takes the global norm, unscales and clips them, and lends
+    # the fp32 master and gradient shards; they become those tensors' data and .grad, the client's
+    # step() updates the master in place, and the engine takes the new values to the working copy
+    # and the other ranks. The client's state (its moments, buffers) is its own: torch tensors on
+    # the device, saved per rank beside the checkpoint's shards.
+    def _attach_client_optimizer(self, optimizer):
+        segments = self._cpp.client_segments()
+        if len(segments) != len(optimizer.param_groups):
+            raise StrataError(f"the engine has {len(segments)} parameter groups but the optimizer "
+                              f"{len(optimizer.param_groups)} (a bug)")
+        self._client_params = []
+        for group, sizes in zip(optimizer.param_groups, segments):
+            flat = [torch.nn.Parameter(torch.empty(0, device=self._device)) for _ in sizes]
+            group["params"] = flat
+            self._client_params.append(flat)
+        optimizer.state.clear()  # whatever it held belonged to the model's own tensors
+
+    def _client_step(self):
+        facts, lent = self._cpp.begin_client_step()
+        if json.loads(facts)["skipped"]:
+            return json.loads(self._cpp.finish_client_step())
+        try:
+            for params, pairs in zip(self._client_params, lent):
+                for p, (master, grad) in zip(params, pairs):
+                    p.data = master
+                    p.grad = grad
+            self._client_optimizer.step()
+        except BaseException:
+            # The engine takes nothing from a failed update; the master keeps what the
+            # optimizer wrote (load a checkpoint to go on from a known state).
+            self._cpp.finish_client_step(apply=False)
+            raise
+        finally:
+            empty = torch.empty(0, device=self._device)
+            for params in self._client_params:
+                for p in params:  # the lent memory is the engine's again
+                    p.grad = None
+                    p.data = empty
+        return json.loads(self._cpp.finish_client_step())
 
     # Note [the lr from Python]
     # The lr of a step is whatever the optimizer's param_groups hold when its updates start, as
@@ -344,7 +397,13 @@ class StrataEngine(torch.nn.Module):
         torch.save(state, buf)
         extra = {"client_state": base64.b64encode(buf.getvalue()).decode("ascii"),
                  "tag": str(tag), "module_keys": self._module_keys()}
-        self._cpp.save_checkpoint(root, json.dumps(extra))
+        client_file = b""
+        if self._client_params is not None:
+            # This rank's share of the client optimizer's state, beside its shards.
+            opt_buf = io.BytesIO()
+            torch.save(self._client_optimizer.state_dict(), opt_buf)
+            client_file = opt_buf.getvalue()
+        self._cpp.save_checkpoint(root, json.dumps(extra), client_file)
         if save_latest and self.global_rank == 0:
             _write_atomic(os.path.join(save_dir, "latest"), str(tag))
         return True
@@ -374,6 +433,8 @@ class StrataEngine(torch.nn.Module):
             return root, None
         extra = json.loads(self._cpp.load_checkpoint(root))
         self._stepped_at = self._cpp.micro_step
+        if self._client_params is not None:
+            self._load_client_optimizer(root)
         state = extra.get("client_state")
         client_state = _unpickle_trusted(base64.b64decode(state)) if state is not None else None
         if isinstance(client_state, dict):
@@ -391,6 +452,15 @@ class StrataEngine(torch.nn.Module):
                 self.lr_scheduler.load_state_dict(sched)
         self._lr_pushed = None  # the C++ engine's lr is pushed again at the next step
         return root, client_state
+
+    def _load_client_optimizer(self, root):
+        """The client optimizer's state this rank saved (Note [a client optimizer])."""
+        saved = _unpickle_trusted(self._cpp.read_client_file(root))
+        self._client_optimizer.load_state_dict(saved)
+        # torch's load_state_dict makes new group dicts around the same tensors: share them again.
+        if self.optimizer is not None:
+            self.optimizer.param_groups = self._client_optimizer.param_groups
+        self._client_params = [list(g["params"]) for g in self._client_optimizer.param_groups]
 
     # --- 16-bit weights -----------------------------------------------------------------------
     def _zero3_consolidated_16bit_state_dict(self, exclude_frozen_parameters=False):

@@ -38,6 +38,32 @@ def _engine_groups(optimizer, model_parameters, cfg):
             for g in groups]
 
 
+def _check_client_optimizer(cfg, source, optimizer, refused):
+    """Whether `optimizer`, which Strata does not run itself (`refused` says why), may run as it
+    is, on the device, over this rank's partition (Note [a client optimizer]): as DeepSpeed, at
+    stage 0 always and at stages 1-2 with zero_allow_untested_optimizer; unlike DeepSpeed, never at
+    stage 3 or with offload, where the partition is not in device memory for the optimizer to
+    step."""
+    z = cfg.get("zero_optimization") or {}
+    stage = int(z.get("stage", 0))
+    name = type(optimizer).__name__
+    if stage > 0 and not cfg.get("zero_allow_untested_optimizer", False):
+        raise InvalidArgumentError(
+            f"{refused}; or set \"zero_allow_untested_optimizer\": true in {source} to run "
+            f"{name} itself on the device over this rank's partition (ZeRO stages 0-2 without "
+            "offload), as DeepSpeed does") from None
+    offloaded = [k for k in ("offload_optimizer", "offload_param")
+                 if str((z.get(k) or {}).get("device", "none")).lower() not in ("none", "")]
+    if stage == 3 or offloaded:
+        where = f"zero_optimization.stage {stage}" if stage == 3 else \
+            " and ".join(f"{k}.device={z[k]['device']}" for k in offloaded)
+        raise InvalidArgumentError(
+            f"optimizer={name} runs itself only over a partition in device memory (ZeRO stages "
+            f"0-2 without offload), and {source} has {where}; Strata's own optimizers (Adam, "
+            "AdamW, SGD, Adagrad, Lion) run at every stage and with offload. (DeepSpeed also runs "
+            "an untested optimizer under stage 3; Strata does not.)") from None
+
+
 def _torch_groups(model_parameters, trainable):
     """StrataOptimizer's groups when no client optimizer lends its own: model_parameters' dicts
     (a generator was consumed by the check before: the trainable parameters stand for it)."""
@@ -149,11 +175,19 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
                                        f"{type(built).__name__}, not a torch optimizer")
         optimizer = built
     hints = _strata.AutoHints()
+    client_runs_itself = False
     if optimizer is not None:
         if "optimizer" in cfg:
             warnings.warn(f"{source}: both the config's \"optimizer\" and optimizer= were given; "
                           "the optimizer object wins, as with DeepSpeed")
-        cfg["optimizer"] = _config.optimizer_section(optimizer)
+        try:
+            cfg["optimizer"] = _config.optimizer_section(optimizer)
+        except InvalidArgumentError as refused:
+            # Note [a client optimizer] in strata/engine.py.
+            _check_client_optimizer(cfg, source, optimizer, refused)
+            client_runs_itself = True
+            lr = optimizer.param_groups[0].get("lr", 1e-3) if optimizer.param_groups else 1e-3
+            cfg["optimizer"] = {"type": "AdamW", "params": {"lr": float(lr)}}
         hints.lr = cfg["optimizer"]["params"]["lr"]
     if lr_scheduler is not None and not hasattr(lr_scheduler, "step") and not callable(lr_scheduler):
         raise InvalidArgumentError(
@@ -190,7 +224,8 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
         os.environ["MASTER_PORT"] = str(port)  # Note [two rendezvous] in strata/comm.py
     try:
         cpp = _strata.Engine(model, [m for _, m in units], json.dumps(cfg), source, hints,
-                             _engine_groups(optimizer, model_parameters, cfg))
+                             _engine_groups(optimizer, model_parameters, cfg),
+                             client_optimizer=client_runs_itself)
     finally:
         if port is not None:
             os.environ["MASTER_PORT"] = saved_port
@@ -200,6 +235,8 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     engine.optimizer = StrataOptimizer(engine, _torch_groups(model_parameters, trainable),
                                        client=optimizer)
     engine._client_optimizer = optimizer
+    if client_runs_itself:
+        engine._attach_client_optimizer(optimizer)
     if lr_scheduler is None:
         engine.lr_scheduler = ConfigSchedule(engine) if cfg.get("scheduler") else None
     else:

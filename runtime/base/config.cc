@@ -799,12 +799,14 @@ Status ParseRoot(const json& given_root, Config* c) {
   STRATA_RETURN_IF_ERROR(
       s.Int("steps_per_print", &c->steps_per_print, 1, std::numeric_limits<int64_t>::max()));
   STRATA_RETURN_IF_ERROR(s.Bool("wall_clock_breakdown", &c->wall_clock_breakdown));
+  STRATA_RETURN_IF_ERROR(
+      s.Bool("zero_allow_untested_optimizer", &c->zero_allow_untested_optimizer));
   if (c->wall_clock_breakdown)
     s.Warn("wall_clock_breakdown=true has no effect: Strata always reports per-lane busy time "
            "(compute, NVMe, optimizer, comm) in strata-train's step lines and --json");
   // Note [DeepSpeed sections]: sections DeepSpeed knows and Strata does not act on are accepted
   // with one line each saying so, and what Strata offers instead.
-  for (const char* k : {"zero_allow_untested_optimizer", "zero_force_ds_cpu_optimizer",
+  for (const char* k : {"zero_force_ds_cpu_optimizer",
                         "dump_state", "memory_breakdown", "gradient_predivide_factor",
                         "seq_parallel_communication_data_type", "sparse_gradients",
                         "amp", "elasticity", "autotuning", "quantize_training",
@@ -929,6 +931,7 @@ json Config::ToJson() const {
   j["gradient_clipping"] = gradient_clipping;
   j["steps_per_print"] = steps_per_print;
   j["wall_clock_breakdown"] = wall_clock_breakdown;
+  j["zero_allow_untested_optimizer"] = zero_allow_untested_optimizer;
   switch (optimizer.type) {
     case OptimizerType::kSGD:
       j["optimizer"]["params"] = {{"lr", optimizer.lr},

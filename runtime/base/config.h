@@ -212,6 +212,10 @@ struct Config {
   double gradient_clipping = 0.0;  // 0 disables clipping
   int64_t steps_per_print = 10;
   bool wall_clock_breakdown = false;
+  // DeepSpeed's: a torch optimizer outside Strata's own set runs itself, on the device, over
+  // this rank's master shards (stages 0-2, nothing offloaded). The Python front end acts on it
+  // (EngineOptions::client_optimizer); strata-train has no such optimizer.
+  bool zero_allow_untested_optimizer = false;
   OptimizerConfig optimizer;
   SchedulerConfig scheduler;
   Fp16Config fp16;

@@ -391,13 +391,21 @@ StatusOr<StepReport> Engine::Step() { return impl_->Step(); }
 StatusOr<std::vector<torch::Tensor>> Engine::GatherMasterParams() {
   return impl_->GatherMasterParams();
 }
-Status Engine::SaveCheckpoint(const std::string& dir, const nlohmann::json& extra) {
-  return impl_->Save(dir, extra);
+Status Engine::SaveCheckpoint(const std::string& dir, const nlohmann::json& extra,
+                              const std::string& client_file) {
+  return impl_->Save(dir, extra, client_file);
 }
 StatusOr<nlohmann::json> Engine::LoadCheckpoint(const std::string& dir, bool weights_only) {
   return impl_->Load(dir, weights_only);
 }
-
+StatusOr<std::string> Engine::ReadClientFile(const std::string& dir) {
+  return impl_->ReadClientFile(dir);
+}
+StatusOr<Engine::ClientStep> Engine::BeginClientStep() { return impl_->BeginClientStep(); }
+StatusOr<StepReport> Engine::FinishClientStep(bool apply) { return impl_->FinishClientStep(apply); }
+std::vector<std::vector<int64_t>> Engine::ClientSegments() const {
+  return impl_->ClientSegments();
+}
 
 int64_t Engine::global_step() const { return impl_->global_step_; }
 Status Engine::SetGroupHyperparameters(const std::vector<GroupHyperparameters>& groups) {

@@ -98,6 +98,13 @@ struct EngineOptions {
     std::vector<torch::Tensor> params;
   };
   std::vector<ParamGroup> param_groups;
+  // The optimizer is the caller's (DeepSpeed's zero_allow_untested_optimizer): the engine keeps
+  // the fp32 master and the gradients but no optimizer state and runs no update. At each
+  // accumulation boundary BeginClientStep hands the caller this rank's master and gradient
+  // shards, its optimizer updates the master in place, and FinishClientStep takes the new values
+  // to the working copy. Stages 0-2 with nothing offloaded only: the caller's optimizer works on
+  // the device's memory (refused otherwise, naming the setting).
+  bool client_optimizer = false;
 };
 
 // One optimizer step, as seen by every lane.
@@ -208,6 +215,25 @@ class Engine {
   // Completes an optimizer step once gradient_accumulation_steps micro-steps have run; before
   // that it returns FAILED_PRECONDITION.
   StatusOr<StepReport> Step();
+  // EngineOptions::client_optimizer: Step is refused; a boundary is BeginClientStep, the
+  // caller's update of the master shards it returns, then FinishClientStep.
+  struct ClientStep {
+    bool skipped = false;  // a non-finite gradient under loss scaling: no update this step
+    double grad_norm = 0;  // as StepReport::grad_norm
+    float grad_scale = 1;  // the clip factor times the loss scale's inverse, already applied
+    // Per parameter group, this rank's shard of it as (fp32 master, fp32 gradient) tensors on
+    // the device, one pair per run of the group's elements in a chunk's shard (the same runs,
+    // in the same order, at every step). The gradients are unscaled and clipped. Valid until
+    // FinishClientStep; empty when skipped.
+    std::vector<std::vector<std::pair<torch::Tensor, torch::Tensor>>> groups;
+  };
+  StatusOr<ClientStep> BeginClientStep();
+  // apply: the master shards now hold the step's new values (or, skipped, are unchanged): the
+  // working copy takes them, the step counts. !apply (the caller's update failed): the blocks
+  // are released and nothing else happens; the master keeps whatever the caller wrote.
+  StatusOr<StepReport> FinishClientStep(bool apply = true);
+  // Per parameter group, the element counts of the runs BeginClientStep hands out.
+  std::vector<std::vector<int64_t>> ClientSegments() const;
   // Every group's hyperparameters from the next step whose updates start on, in place of the
   // groups' own and the config schedule's lr (what a Python optimizer's param_groups hold at each
   // step: a client scheduler, or a loop that writes the lr itself); one entry per group, in
@@ -230,7 +256,12 @@ class Engine {
 
   // Saves this rank's partitions and the training state into `dir` atomically; loads them back.
   // `extra` is stored in the manifest and returned by Load (data position, RNG, ...).
-  Status SaveCheckpoint(const std::string& dir, const nlohmann::json& extra);
+  // `client_file`, when not empty, is saved beside this rank's manifest (its size and crc32c in
+  // it) and published with the rest: the caller's own per-rank state, such as a client
+  // optimizer's. ReadClientFile returns it from a checkpoint, checked against the manifest.
+  Status SaveCheckpoint(const std::string& dir, const nlohmann::json& extra,
+                        const std::string& client_file = {});
+  StatusOr<std::string> ReadClientFile(const std::string& dir);
   // weights_only: restores the fp32 masters (and the working copy from them) and the module
   // buffers; the optimizer states, step counters and loss scale keep their current values.
   StatusOr<nlohmann::json> LoadCheckpoint(const std::string& dir, bool weights_only = false);

@@ -6,6 +6,12 @@ namespace strata {
 
 using namespace engine_detail;
 
+namespace {
+// SaveCheckpoint's client file: beside the rank's manifest, described in its "extra".
+constexpr const char* kClientFileSuffix = ".client.bin";
+constexpr const char* kClientFileKey = "strata_client_file";
+}  // namespace
+
 // ---------------------------------------------------------------------------------------------
 // Checkpoints (layout and publication rules: runtime/state/checkpoint.h).
 
@@ -35,7 +41,8 @@ Status WriteAll(int fd, const void* data, size_t n, const std::string& path) {
 
 }  // namespace
 
-Status Engine::Impl::Save(const std::string& root, const nlohmann::json& extra) {
+Status Engine::Impl::Save(const std::string& root, const nlohmann::json& extra,
+                          const std::string& client_file) {
   namespace fs = std::filesystem;
   if (step_open_)
     return FailedPrecondition("SaveCheckpoint during a step: save after Step() returns");
@@ -124,6 +131,13 @@ Status Engine::Impl::Save(const std::string& root, const nlohmann::json& extra) 
   }
   if (s.ok() && ::fsync(fd) != 0) s = ErrnoToStatus(errno, StrCat("fsync ", bin));
   ::close(fd);
+  if (s.ok() && !client_file.empty()) {
+    // The caller's own per-rank state, published with the rest; its size and crc32c in the
+    // manifest let ReadClientFile refuse a damaged one.
+    s = checkpoint::WriteFileAtomic((tmp_dir / (stem + kClientFileSuffix)).string(), client_file);
+    m.extra[kClientFileKey] = {{"bytes", client_file.size()},
+                               {"crc32c", nvme::Crc32c(client_file.data(), client_file.size())}};
+  }
   if (s.ok())
     s = checkpoint::WriteFileAtomic((tmp_dir / (stem + ".json")).string(),
                                     checkpoint::SerializeManifest(m));
@@ -162,6 +176,26 @@ nlohmann::json Engine::Impl::LayoutJson() const {
   for (const auto& [name, b] : buffers_) buffers.push_back({{"name", name}, {"shape", b.sizes().vec()}});
   return {{"shard_offset", shard_offset}, {"chunk_numel", chunk_numel}, {"params", params},
           {"buffers", buffers}};
+}
+
+StatusOr<std::string> Engine::Impl::ReadClientFile(const std::string& path) {
+  namespace fs = std::filesystem;
+  STRATA_ASSIGN_OR_RETURN(std::string dir, checkpoint::ResolveCheckpointDir(path));
+  const std::string stem = checkpoint::RankFileStem(comm_->rank());
+  const std::string mpath = (fs::path(dir) / (stem + ".json")).string();
+  STRATA_ASSIGN_OR_RETURN(std::string text, checkpoint::ReadFile(mpath));
+  STRATA_ASSIGN_OR_RETURN(checkpoint::Manifest m, checkpoint::ParseManifest(text, mpath));
+  if (!m.extra.is_object() || !m.extra.contains(kClientFileKey))
+    return NotFound(StrCat(dir, " holds no client file for rank ", comm_->rank(),
+                           " (it was saved without one)"));
+  const std::string fpath = (fs::path(dir) / (stem + kClientFileSuffix)).string();
+  STRATA_ASSIGN_OR_RETURN(std::string bytes, checkpoint::ReadFile(fpath));
+  const auto& want = m.extra[kClientFileKey];
+  if (bytes.size() != want.value("bytes", uint64_t{0}) ||
+      nvme::Crc32c(bytes.data(), bytes.size()) != want.value("crc32c", uint32_t{0}))
+    return DataLoss(StrCat(fpath, " does not match its manifest (size or crc32c): the checkpoint "
+                           "is damaged; load an earlier one"));
+  return bytes;
 }
 
 StatusOr<nlohmann::json> Engine::Impl::Load(const std::string& path, bool weights_only) {

@@ -110,7 +110,12 @@ class Engine::Impl {
   };
   std::vector<ParkedBlock> parked_;  // owner thread only
   StatusOr<std::vector<torch::Tensor>> GatherMasterParams();
-  Status Save(const std::string& dir, const nlohmann::json& extra);
+  Status Save(const std::string& dir, const nlohmann::json& extra, const std::string& client_file);
+  StatusOr<std::string> ReadClientFile(const std::string& dir);
+  // EngineOptions::client_optimizer (client_step.cc).
+  StatusOr<Engine::ClientStep> BeginClientStep();
+  StatusOr<StepReport> FinishClientStep(bool apply);
+  std::vector<std::vector<int64_t>> ClientSegments() const;
   StatusOr<nlohmann::json> Load(const std::string& dir, bool weights_only);
   nlohmann::json LayoutJson() const;  // Manifest::layout of this rank
 
@@ -322,6 +327,13 @@ class Engine::Impl {
   // starts reading the optimizer states of the first updates, one chunk per reduced chunk, up
   // to half the host budget.
   void PrefetchStatesForUpdates();
+  // Step's parts, shared with FinishClientStep (engine_step.cc): the boundary check, the global
+  // norm and overflow flag, the gradients' scale (clip factor times the loss scale's inverse),
+  // and what follows the updates (the scaler, the step count, the working copy, the report).
+  Status CheckStepBoundary() const;
+  Status GlobalGradStats(double* norm, bool* nonfinite);
+  float GradScale(double norm) const;
+  StatusOr<StepReport> CompleteStep(StepReport rep, bool overflow);
   // Starts a new reporting window: the lanes' counters restart from zero.
   void ResetLanes();
 
@@ -356,7 +368,8 @@ class Engine::Impl {
   }
   bool stage3() const { return config_.zero_optimization.stage == 3; }
   bool immediate_optimizer() const {
-    return config_.strata.overlap_optimizer && config_.gradient_clipping == 0 && !loss_scaling_;
+    return config_.strata.overlap_optimizer && config_.gradient_clipping == 0 && !loss_scaling_ &&
+           !client_optimizer_;
   }
   // Note [deferred optimizer]: updates that wait for a global condition run after Step returns.
   // Only under stage 3, where a unit's parameters are readable only while the engine has gathered
@@ -380,6 +393,13 @@ class Engine::Impl {
   // fp16, or EngineOptions::loss_scaling: the loss is scaled and a step with a non-finite
   // gradient is skipped, so no update may start before the step's overflow flag is known.
   bool loss_scaling_ = false;
+  // EngineOptions::client_optimizer (client_step.cc): between BeginClientStep and
+  // FinishClientStep, the master and gradient blocks it acquired and each chunk's master view.
+  bool client_optimizer_ = false;
+  bool client_open_ = false, client_skipped_ = false;
+  double client_norm_ = 0;
+  std::vector<BlockKey> client_held_;
+  std::vector<torch::Tensor> client_masters_;
   Config config_;
   Communicator* comm_;
   Device* device_;

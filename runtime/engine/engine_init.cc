@@ -62,6 +62,15 @@ Status Engine::Impl::ChoosePrecisionAndPlacement(const EngineOptions& options) {
   };
   param_placement_ = placement(z.offload_param.device);
   optim_placement_ = placement(z.offload_optimizer.device);
+  client_optimizer_ = options.client_optimizer;
+  if (client_optimizer_ && (z.stage == 3 || param_placement_ != Placement::kDevice ||
+                            optim_placement_ != Placement::kDevice))
+    return InvalidArgument(StrCat(
+        "a client optimizer (zero_allow_untested_optimizer) runs on the device's memory: it needs "
+        "zero_optimization.stage 0-2 (this config: ", z.stage, ") with offload_param.device and "
+        "offload_optimizer.device none (this config: ", PlacementName(param_placement_), ", ",
+        PlacementName(optim_placement_), "); use one of Strata's optimizers (Adam, AdamW, SGD, "
+        "Adagrad, Lion) for stage 3 and offload"));
   if (device_optimizer() && param_placement_ != Placement::kDevice)
     return InvalidArgument(StrCat(
         "offload_param.device offloads the parameters but offload_optimizer.device=none keeps the "
@@ -168,6 +177,7 @@ Status Engine::Impl::GroupParameters(const EngineOptions& options) {
                                         [](const GroupHyperparameters& g) { return g.momentum != 0; });
   holds_exp_avg_ = type != OptimizerType::kAdagrad && (type != OptimizerType::kSGD || sgd_momentum);
   holds_exp_avg_sq_ = type != OptimizerType::kSGD && type != OptimizerType::kLion;
+  if (client_optimizer_) holds_exp_avg_ = holds_exp_avg_sq_ = false;  // the client's own
   chunk_segments_.clear();
   for (size_t c = 0; c < partitioner_->chunks().size(); ++c) {
     chunk_segments_.push_back(ShardSegments(*partitioner_, static_cast<int64_t>(c), shard_rank(),

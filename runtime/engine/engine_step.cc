@@ -127,13 +127,54 @@ void Engine::Impl::FixStepInputs(int64_t step, float grad_scale) {
   opt_lane_->SetStepInputs(std::move(in));
 }
 
-StatusOr<StepReport> Engine::Impl::Step() {
+Status Engine::Impl::CheckStepBoundary() const {
   STRATA_RETURN_IF_ERROR(CheckStatesResident("Step"));
   if (micro_step_ == 0 || micro_step_ % config_.gradient_accumulation_steps != 0)
     return FailedPrecondition(StrCat("Step after ", micro_step_ % config_.gradient_accumulation_steps,
                                      " of ", config_.gradient_accumulation_steps,
                                      " micro-steps; run Forward/Backward until the accumulation "
                                      "boundary"));
+  return Status::Ok();
+}
+
+// The squared norm and the overflow flag over every shard, from the per-chunk parts the
+// reductions computed, summed in chunk order (then across ranks).
+Status Engine::Impl::GlobalGradStats(double* norm, bool* nonfinite) {
+  double sum_sq = 0;
+  *nonfinite = false;
+  for (size_t c = 0; c < chunks_.size(); ++c) {
+    const ReduceLane::GradStats g = reduce_lane_->grad_stats(static_cast<int64_t>(c));
+    *nonfinite |= g.nonfinite;
+    sum_sq += g.sum_sq;
+  }
+  if (comm_->world_size() > 1 && config_.zero_optimization.stage > 0) {
+    LaneTimer t(&comm_s_, &lane_trace_, Lane::kComm, "norm all-reduce", trace_step());
+    torch::Tensor flags = torch::tensor({sum_sq, *nonfinite ? 1.0 : 0.0}, torch::kFloat64);
+    STRATA_RETURN_IF_ERROR(OnCommMemory(flags, [&](void* p) {
+      auto* f = static_cast<double*>(p);
+      Status s = comm_->AllReduce(f, 1, strata::DType::kF64, ReduceOp::kSum);
+      return s.ok() ? comm_->AllReduce(f + 1, 1, strata::DType::kF64, ReduceOp::kMax) : s;
+    }));
+    sum_sq = flags[0].item<double>();
+    *nonfinite = flags[1].item<double>() > 0;
+  }
+  *norm = std::sqrt(sum_sq);
+  return Status::Ok();
+}
+
+float Engine::Impl::GradScale(double norm) const {
+  double clip = 1.0;
+  if (config_.gradient_clipping > 0) clip = std::min(1.0, config_.gradient_clipping / (norm + 1e-6));
+  const double inv = scaler_ ? scaler_->inv_scale() : 1.0;
+  return static_cast<float>(clip * inv);
+}
+
+StatusOr<StepReport> Engine::Impl::Step() {
+  if (client_optimizer_)
+    return FailedPrecondition("Step: the engine was made for a client optimizer "
+                              "(EngineOptions::client_optimizer); step with BeginClientStep, the "
+                              "optimizer's update, then FinishClientStep");
+  STRATA_RETURN_IF_ERROR(CheckStepBoundary());
   StepReport rep;
   rep.loss_scale = scaler_ ? scaler_->scale() : 1.0;
   bool overflow = false;
@@ -141,27 +182,10 @@ StatusOr<StepReport> Engine::Impl::Step() {
   // been waited for by now (this step's forward and reductions needed them); a failure among
   // them surfaces here. Copies gathered ahead land before any update may write their blocks.
   STRATA_RETURN_IF_ERROR(FinishUpdates());
-  // Global conditions first: the squared norm and the overflow flag over every shard, from the
-  // per-chunk parts the reductions computed, summed in chunk order.
-  double sum_sq = 0;
+  // Global conditions first.
+  double norm = 0;
   bool nonfinite = false;
-  for (size_t c = 0; c < chunks_.size(); ++c) {
-    const ReduceLane::GradStats g = reduce_lane_->grad_stats(static_cast<int64_t>(c));
-    nonfinite |= g.nonfinite;
-    sum_sq += g.sum_sq;
-  }
-  if (comm_->world_size() > 1 && config_.zero_optimization.stage > 0) {
-    LaneTimer t(&comm_s_, &lane_trace_, Lane::kComm, "norm all-reduce", trace_step());
-    torch::Tensor flags = torch::tensor({sum_sq, nonfinite ? 1.0 : 0.0}, torch::kFloat64);
-    STRATA_RETURN_IF_ERROR(OnCommMemory(flags, [&](void* p) {
-      auto* f = static_cast<double*>(p);
-      Status s = comm_->AllReduce(f, 1, strata::DType::kF64, ReduceOp::kSum);
-      return s.ok() ? comm_->AllReduce(f + 1, 1, strata::DType::kF64, ReduceOp::kMax) : s;
-    }));
-    sum_sq = flags[0].item<double>();
-    nonfinite = flags[1].item<double>() > 0;
-  }
-  const double norm = std::sqrt(sum_sq);
+  STRATA_RETURN_IF_ERROR(GlobalGradStats(&norm, &nonfinite));
   if (immediate_optimizer()) {
     rep.lr = opt_lane_->inputs().lr;
     rep.grad_norm = norm;  // reported only: nothing waits on it
@@ -169,11 +193,7 @@ StatusOr<StepReport> Engine::Impl::Step() {
     overflow = nonfinite;
     rep.grad_norm = overflow ? 0.0 : norm;
     if (!overflow) {
-      double clip = 1.0;
-      if (config_.gradient_clipping > 0)
-        clip = std::min(1.0, config_.gradient_clipping / (norm + 1e-6));
-      const double inv = scaler_ ? scaler_->inv_scale() : 1.0;
-      FixStepInputs(global_step_ + 1, static_cast<float>(clip * inv));
+      FixStepInputs(global_step_ + 1, GradScale(norm));
       rep.lr = opt_lane_->inputs().lr;
       if (defer_updates()) {
         // The next iteration starts with these updates (see iteration_open_).
@@ -185,6 +205,10 @@ StatusOr<StepReport> Engine::Impl::Step() {
       if (!defer_updates()) STRATA_RETURN_IF_ERROR(DrainOptimizer());
     }
   }
+  return CompleteStep(rep, overflow);
+}
+
+StatusOr<StepReport> Engine::Impl::CompleteStep(StepReport rep, bool overflow) {
   if (scaler_) STRATA_RETURN_IF_ERROR(scaler_->Update(overflow));
   if (!overflow) {
     ++global_step_;

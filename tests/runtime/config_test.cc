@@ -314,10 +314,18 @@ TEST(Config, DeprecatedSpellingsWarnAndApply) {
 
 TEST(Config, IgnoredDeepSpeedKeysWarn) {
   ASSERT_OK_AND_ASSIGN(Config c, Config::FromJsonText(R"({
-    "zero_allow_untested_optimizer": true,
+    "zero_force_ds_cpu_optimizer": true,
     "zero_optimization": {"stage": 3, "stage3_gather_16bit_weights_on_model_save": true}
   })"));
   EXPECT_EQ(c.warnings.size(), 2u);
+}
+
+// Acted on by the Python front end (a client optimizer): read, not warned about.
+TEST(Config, AllowUntestedOptimizerIsRead) {
+  ASSERT_OK_AND_ASSIGN(Config c, Config::FromJsonText(R"({"zero_allow_untested_optimizer": true})"));
+  EXPECT_TRUE(c.zero_allow_untested_optimizer);
+  EXPECT_TRUE(c.warnings.empty());
+  EXPECT_FALSE(Config::FromJsonText(R"({"zero_allow_untested_optimizer": "yes"})").ok());
 }
 
 TEST(Config, NumbersAndSizes) {

@@ -1,0 +1,107 @@
+// A client optimizer's step (EngineOptions::client_optimizer, DeepSpeed's
+// zero_allow_untested_optimizer): the engine reduces the gradients, takes the global norm and
+// the overflow check as for its own optimizers, and hands this rank's fp32 master and gradient
+// shards to the caller, whose optimizer updates the master in place on the device; the new values
+// then go to the working copy and, at stages 1-2, to the other ranks (ShareUpdatedShards).
+//
+// Why only stages 0-2 without offload: there every block stays in device memory at a fixed
+// address for the engine's life, so the shards can be lent as plain device tensors for the
+// length of the step. A caller's optimizer keeps its own state (torch allocations, outside the
+// device budget the engine accounts); the engine keeps no moments.
+#include "runtime/engine/engine_impl.h"
+
+namespace strata {
+
+using namespace engine_detail;
+
+std::vector<std::vector<int64_t>> Engine::Impl::ClientSegments() const {
+  std::vector<std::vector<int64_t>> out(groups_.size());
+  for (size_t c = 0; c < chunks_.size(); ++c)
+    for (const ShardSegment& seg : chunk_segments_[c]) out[seg.group].push_back(seg.size);
+  return out;
+}
+
+StatusOr<Engine::ClientStep> Engine::Impl::BeginClientStep() {
+  if (!client_optimizer_)
+    return FailedPrecondition("BeginClientStep: the engine runs its own optimizer (make it with "
+                              "EngineOptions::client_optimizer for a client optimizer); call Step");
+  if (client_open_)
+    return FailedPrecondition("BeginClientStep twice: finish the open step with FinishClientStep");
+  STRATA_RETURN_IF_ERROR(CheckStepBoundary());
+  STRATA_RETURN_IF_ERROR(FinishUpdates());  // nothing is queued: the lanes are quiet
+  Engine::ClientStep out;
+  bool nonfinite = false;
+  STRATA_RETURN_IF_ERROR(GlobalGradStats(&client_norm_, &nonfinite));
+  client_skipped_ = nonfinite;
+  out.skipped = nonfinite;
+  out.grad_norm = nonfinite ? 0.0 : client_norm_;
+  client_open_ = true;
+  if (nonfinite) return out;
+  out.grad_scale = GradScale(client_norm_);
+  out.groups.resize(groups_.size());
+  client_masters_.assign(chunks_.size(), torch::Tensor());
+  torch::NoGradGuard ng;
+  auto lend = [&](int64_t c, StateKind kind) -> StatusOr<torch::Tensor> {
+    const BlockKey key = kind == StateKind::kMaster32 ? MasterKey(c) : BlockKey{c, kind};
+    STRATA_ASSIGN_OR_RETURN(void* p, store_->Acquire(key, Access::kReadWrite));
+    client_held_.push_back(key);
+    // A device block is reached at the device's compute address (Note [device blocks]).
+    return torch::from_blob(device_->ComputeAddress(p), {partitioner_->chunks()[c].shard_numel},
+                            DeviceOptions(torch::kFloat32));
+  };
+  for (size_t c = 0; c < chunks_.size(); ++c) {
+    const auto c64 = static_cast<int64_t>(c);
+    auto master = lend(c64, StateKind::kMaster32);
+    auto grad = master.ok() ? lend(c64, StateKind::kGrad) : master;
+    if (!grad.ok()) {
+      FinishClientStep(/*apply=*/false).status().IgnoreError();  // releases what was lent
+      return grad.status().WithContext(StrCat("lending chunk ", c, "'s shards to the optimizer"));
+    }
+    if (out.grad_scale != 1.0f) grad->mul_(out.grad_scale);
+    client_masters_[c] = *master;
+    for (const ShardSegment& seg : chunk_segments_[c])
+      out.groups[seg.group].push_back(
+          {master->narrow(0, seg.begin, seg.size), grad->narrow(0, seg.begin, seg.size)});
+  }
+  return out;
+}
+
+StatusOr<StepReport> Engine::Impl::FinishClientStep(bool apply) {
+  if (!client_open_)
+    return FailedPrecondition("FinishClientStep without BeginClientStep");
+  Status s;
+  if (apply && !client_skipped_) {
+    // The working copy (this rank's shard of it) takes the new master values, in the compute
+    // dtype; at stages 1-2 CompleteStep shares the shards.
+    torch::NoGradGuard ng;
+    try {
+      for (size_t c = 0; c < chunks_.size(); ++c) {
+        const auto c64 = static_cast<int64_t>(c);
+        chunks_[c64]
+            .full.narrow(0, partitioner_->ShardOffset(c64, shard_rank()),
+                         partitioner_->chunks()[c].shard_numel)
+            .copy_(client_masters_[c]);
+      }
+      ComputeFence::Mark(*device_).Wait();  // landed before the blocks go back
+    } catch (const std::exception& e) {
+      s = Internal(StrCat("writing the client optimizer's values to the working copy: ", e.what()));
+    }
+  }
+  for (const BlockKey& key : client_held_) {
+    Status r = store_->Release(key, /*dirty=*/true);
+    if (s.ok()) s = r;
+  }
+  client_held_.clear();
+  client_masters_.clear();
+  client_open_ = false;
+  STRATA_RETURN_IF_ERROR(s);
+  if (!apply) return StepReport{};
+  StepReport rep;
+  rep.loss_scale = scaler_ ? scaler_->scale() : 1.0;
+  rep.grad_norm = client_skipped_ ? 0.0 : client_norm_;
+  // The lr the caller's groups held (SetGroupHyperparameters), else the config's schedule.
+  rep.lr = group_override_ ? group_override_->front().lr : LearningRate(config_, global_step_ + 1);
+  return CompleteStep(rep, client_skipped_);
+}
+
+}  // namespace strata

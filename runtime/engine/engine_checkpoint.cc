@@ -1,4 +1,7 @@
 // Checkpoints of the engine (layout and publication rules: runtime/state/checkpoint.h).
+#include <fcntl.h>
+#include <unistd.h>
+
 #include "runtime/base/remove_tree.h"
 #include "runtime/engine/engine_impl.h"
 

@@ -16,8 +16,6 @@
 // Private to runtime/: nothing outside the engine includes it.
 #pragma once
 #include "runtime/engine/engine.h"
-#include <fcntl.h>
-#include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
@@ -27,7 +25,6 @@
 #include <cstring>
 #include <deque>
 #include <filesystem>
-#include <fstream>
 #include <limits>
 #include <map>
 #include <mutex>

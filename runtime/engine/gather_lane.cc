@@ -66,14 +66,7 @@ GatherLane::~GatherLane() { Stop(); }
 
 void GatherLane::Start() { thread_ = std::thread([this] { Run(); }); }
 
-void GatherLane::Stop() {
-  {
-    std::lock_guard<std::mutex> l(mu_);
-    stop_ = true;
-  }
-  cv_.notify_all();
-  if (thread_.joinable()) thread_.join();
-}
+void GatherLane::Stop() { StopLaneThread(mu_, cv_, &stop_, thread_); }
 
 void GatherLane::Run() {
   std::unique_lock<std::mutex> l(mu_);

@@ -6,6 +6,8 @@
 // - Add records only while the trace is armed; disarmed, it costs one relaxed atomic load.
 // - Spans are kept in memory until Clear; a run traces a few steps, not a whole training.
 // - Thread-safe: lanes record from their own threads.
+// Beside it, what every lane shares: LaneTimer (busy time and a span), TimedWait (a waiter's
+// blocked time), StopLaneThread (ending a lane's thread).
 #pragma once
 
 #include <atomic>
@@ -14,6 +16,7 @@
 #include <cstdint>
 #include <mutex>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include <nlohmann/json.hpp>
@@ -98,6 +101,18 @@ void TimedWait(std::unique_lock<std::mutex>& held, std::condition_variable& cv, 
   const LaneClock::time_point t1 = LaneClock::now();
   *waited += std::chrono::duration<double>(t1 - t0).count();
   trace->Add(Lane::kWait, what, t0, t1, step, chunk);
+}
+
+// How a lane ends its thread: sets *stop under `mu` (the lane's loop returns once its queue is
+// empty and *stop is set), wakes the loop and joins it. Idempotent.
+inline void StopLaneThread(std::mutex& mu, std::condition_variable& cv, bool* stop,
+                           std::thread& thread) {
+  {
+    std::lock_guard<std::mutex> l(mu);
+    *stop = true;
+  }
+  cv.notify_all();
+  if (thread.joinable()) thread.join();
 }
 
 }  // namespace strata

@@ -38,14 +38,7 @@ OptimizerLane::~OptimizerLane() { Stop(); }
 
 void OptimizerLane::Start() { thread_ = std::thread([this] { Run(); }); }
 
-void OptimizerLane::Stop() {
-  {
-    std::lock_guard<std::mutex> l(mu_);
-    stop_ = true;
-  }
-  cv_.notify_all();
-  if (thread_.joinable()) thread_.join();
-}
+void OptimizerLane::Stop() { StopLaneThread(mu_, cv_, &stop_, thread_); }
 
 void OptimizerLane::Run() {
   // The current device is per thread: the GPU Adam's kernels go to the engine's device.

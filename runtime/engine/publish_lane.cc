@@ -38,14 +38,7 @@ void PublishLane::Start() {
   thread_ = std::thread([this] { Run(); });
 }
 
-void PublishLane::Stop() {
-  {
-    std::lock_guard<std::mutex> l(mu_);
-    stop_ = true;
-  }
-  cv_.notify_all();
-  if (thread_.joinable()) thread_.join();
-}
+void PublishLane::Stop() { StopLaneThread(mu_, cv_, &stop_, thread_); }
 
 void PublishLane::Run() {
   // The current device is per thread: the event waits go to the engine's device (a rank's GPU

@@ -19,14 +19,7 @@ ReduceLane::~ReduceLane() { Stop(); }
 
 void ReduceLane::Start() { thread_ = std::thread([this] { Run(); }); }
 
-void ReduceLane::Stop() {
-  {
-    std::lock_guard<std::mutex> l(mu_);
-    stop_ = true;
-  }
-  cv_.notify_all();
-  if (thread_.joinable()) thread_.join();
-}
+void ReduceLane::Stop() { StopLaneThread(mu_, cv_, &stop_, thread_); }
 
 void ReduceLane::Run() {
   std::unique_lock<std::mutex> l(mu_);

@@ -23,10 +23,6 @@ Status CheckAdagradArguments(const AdagradParams& p, const AdagradBuffers& b, fl
     return InvalidArgument("Adagrad: param16 must be bf16 or fp16");
   return Status::Ok();
 }
-namespace {
-
-
-}  // namespace
 
 internal::AdagradConsts internal::MakeAdagradConsts(const AdagradParams& p, float grad_scale) {
   internal::AdagradConsts c;

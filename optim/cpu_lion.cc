@@ -21,10 +21,6 @@ Status CheckLionArguments(const LionParams& p, const LionBuffers& b, float grad_
     return InvalidArgument("Lion: param16 must be bf16 or fp16");
   return Status::Ok();
 }
-namespace {
-
-
-}  // namespace
 
 internal::LionConsts internal::MakeLionConsts(const LionParams& p, float grad_scale) {
   internal::LionConsts c;

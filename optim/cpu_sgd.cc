@@ -28,10 +28,6 @@ Status CheckSgdArguments(const SgdParams& p, const SgdBuffers& b, float grad_sca
     return InvalidArgument("SGD: param16 must be bf16 or fp16");
   return Status::Ok();
 }
-namespace {
-
-
-}  // namespace
 
 internal::SgdConsts internal::MakeSgdConsts(const SgdParams& p, float grad_scale) {
   internal::SgdConsts c;

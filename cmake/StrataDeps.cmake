@@ -58,6 +58,17 @@ else()
   target_link_libraries(strata_torch_deps INTERFACE "${STRATA_TORCH_LIB}" "${STRATA_TORCH_CPU_LIB}"
                                                     "${STRATA_C10_LIB}")
 endif()
+# The C++ standard LibTorch's headers need, read from the #error line ATen.h keeps for it: 14
+# (1.13), 17 (2.x up to 2.9), 20 (later). The build uses the newer of that and its own 17, for
+# every target, so that one process never mixes standard-library modes.
+find_file(STRATA_ATEN_HEADER ATen/ATen.h PATHS ${TORCH_INCLUDE_DIRS} NO_CACHE)
+if(STRATA_ATEN_HEADER)
+  file(STRINGS "${STRATA_ATEN_HEADER}" _aten_std REGEX "C\\+\\+[0-9]+ or later")
+  if(_aten_std MATCHES "C\\+\\+([0-9]+) or later" AND CMAKE_MATCH_1 GREATER CMAKE_CXX_STANDARD)
+    message(STATUS "LibTorch's headers need C++${CMAKE_MATCH_1}: building as C++${CMAKE_MATCH_1}")
+    set(CMAKE_CXX_STANDARD ${CMAKE_MATCH_1})
+  endif()
+endif()
 # c10d's headers expose ProcessGroupGloo only with USE_C10D_GLOO, which LibTorch builds that
 # include Gloo (Debian's does; libgloo-dev supplies the headers) need defined by their users.
 find_path(STRATA_GLOO_INCLUDE gloo/config.h)

@@ -67,9 +67,11 @@ void FaultyTier::WriteAsync(const TierRegion& region, const void* src, IoCallbac
       auto merged = std::make_shared<std::vector<uint8_t>>(region.size);
       uint64_t half = region.size / 2;
       bool eio = f.kind == FaultKind::kIoError;
-      inner_->ReadAsync(region, merged->data(), [=, done = std::move(done)](Status rs) mutable {
+      inner_->ReadAsync(region, merged->data(), [this, region, src, merged, half, eio,
+                                                 done = std::move(done)](Status rs) mutable {
         if (rs.ok()) std::memcpy(merged->data(), src, half);
-        inner_->WriteAsync(region, merged->data(), [=, done = std::move(done)](Status) {
+        inner_->WriteAsync(region, merged->data(), [this, region, merged, half, eio,
+                                                    done = std::move(done)](Status) {
           (void)merged;
           if (eio)
             done(ErrnoToStatus(EIO, StrCat(name_, ": injected fault writing region ", region.id)));
@@ -98,7 +100,8 @@ void FaultyTier::ReadAsync(const TierRegion& region, void* dst, IoCallback done)
       return done(ErrnoToStatus(EIO, StrCat(name_, ": injected fault reading region ", region.id)));
     case FaultKind::kShortTransfer: {
       auto full = std::make_shared<std::vector<uint8_t>>(region.size);
-      inner_->ReadAsync(region, full->data(), [=, done = std::move(done)](Status s) {
+      inner_->ReadAsync(region, full->data(), [this, region, dst, full,
+                                               done = std::move(done)](Status s) {
         if (!s.ok()) return done(s);
         uint64_t half = region.size / 2;
         std::memcpy(dst, full->data(), half);
@@ -113,7 +116,7 @@ void FaultyTier::ReadAsync(const TierRegion& region, void* dst, IoCallback done)
         std::lock_guard<std::mutex> l(mu_);
         pos = region.size ? rng_() % region.size : 0;
       }
-      inner_->ReadAsync(region, dst, [=, done = std::move(done)](Status s) {
+      inner_->ReadAsync(region, dst, [region, dst, pos, done = std::move(done)](Status s) {
         if (s.ok() && region.size) static_cast<uint8_t*>(dst)[pos] ^= 0x5a;
         done(std::move(s));
       });

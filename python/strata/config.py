@@ -10,6 +10,7 @@ multi-line strings) are not: such a file gets an error naming the line, with the
 """
 
 import json
+import math
 import os
 
 import torch
@@ -19,6 +20,31 @@ from ._strata import InvalidArgumentError
 
 def load(config):
     """Returns (dict, source) for a dict, a path, or None."""
+    cfg, source = _read(config)
+    return _finite(cfg, source, ""), source
+
+
+# What steps_per_print = inf means: never. accelerate writes exactly that into every config it
+# hands to initialize (so that DeepSpeed's `steps % inf` never hits zero); the engine's config
+# takes a whole number, and JSON has no infinity, so "never" becomes the largest step it takes.
+_NEVER = 2**63 - 1
+
+
+def _finite(value, source, path):
+    """`value` with the one infinity DeepSpeed gives a meaning replaced; any other inf or nan is
+    refused by its key path (JSON cannot carry it, and no setting means anything by it)."""
+    if isinstance(value, dict):
+        return {k: _finite(v, source, f"{path}.{k}" if path else k) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_finite(v, source, f"{path}[{i}]") for i, v in enumerate(value)]
+    if isinstance(value, float) and not math.isfinite(value):
+        if path == "steps_per_print" and value > 0:
+            return _NEVER
+        raise InvalidArgumentError(f"{source}: {path} is {value}; give a finite number")
+    return value
+
+
+def _read(config):
     if config is None:
         return {}, "<no config>"
     if isinstance(config, dict):

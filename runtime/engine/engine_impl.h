@@ -32,6 +32,7 @@
 #include <stdexcept>
 #include <thread>
 #include <tuple>
+#include <utility>
 
 #include <c10/core/DeviceGuard.h>
 #include <c10/core/StreamGuard.h>
@@ -139,11 +140,15 @@ class Engine::Impl {
   }
 
  private:
+  // LibTorch hands out a parameter's AccumulateGrad node as a shared_ptr (1.13, 2.6) or as an
+  // intrusive_ptr (2.14); holding whatever it returns keeps the engine building on each.
+  using GradAccumulatorRef =
+      decltype(torch::autograd::impl::grad_accumulator(std::declval<const torch::Tensor&>()));
   struct ParamInfo {
     torch::Tensor tensor;
     std::vector<int64_t> shape;
     std::vector<int64_t> units;                 // every unit that holds it (tied: several)
-    std::shared_ptr<torch::autograd::Node> acc;  // its AccumulateGrad node, kept alive for the hook
+    GradAccumulatorRef acc;                      // its AccumulateGrad node, kept alive for the hook
     // This micro-step (Note [backward by gradients]): whether a plain (not checkpointed) unit run
     // used it, how many checkpointed runs did, how many gradient deliveries came, and whether
     // its gradient is complete.

@@ -110,13 +110,16 @@ at::ScalarType ToScalarType(DType d) {
   return at::kByte;
 }
 
-// Gloo 1.13 moves bytes for every type it knows but does not know bf16; moves that do not reduce
-// can use any type of the same width.
-at::ScalarType MoveType(DType d) { return d == DType::kBF16 ? at::kHalf : ToScalarType(d); }
-
 at::Tensor Wrap(const void* p, int64_t count, at::ScalarType type) {
   // from_blob neither copies, owns nor frees: the caller's buffer outlives the blocking collective.
   return at::from_blob(const_cast<void*>(p), {count}, at::TensorOptions().dtype(type));
+}
+
+// Moves that do not reduce (all-gather, all-to-all, broadcast) go as bytes. Which 16-bit types a
+// Gloo build accepts varies (LibTorch 1.13's lacks bf16; Debian's 2.14 refuses bf16, fp16 and
+// int16 with "Invalid scalar type"), while every build moves uint8.
+at::Tensor WrapBytes(const void* p, int64_t count, DType d) {
+  return Wrap(p, count * static_cast<int64_t>(DTypeSize(d)), at::kByte);
 }
 
 class GlooCommunicator final : public Communicator {
@@ -131,12 +134,12 @@ class GlooCommunicator final : public Communicator {
  protected:
   Status AllGatherImpl(const void* src, void* dst, int64_t count, int64_t dst_stride,
                        DType dtype) override {
-    const at::ScalarType t = MoveType(dtype);
     const size_t esize = DTypeSize(dtype);
-    std::vector<at::Tensor> inputs = {Wrap(src, count, t)};
+    std::vector<at::Tensor> inputs = {WrapBytes(src, count, dtype)};
     std::vector<std::vector<at::Tensor>> outputs(1);
     for (int r = 0; r < world_size(); ++r) {
-      outputs[0].push_back(Wrap(static_cast<char*>(dst) + r * dst_stride * esize, count, t));
+      char* slot = static_cast<char*>(dst) + r * dst_stride * esize;
+      outputs[0].push_back(WrapBytes(slot, count, dtype));
     }
     return Wait("allgather", [&] { return pg_->allgather(outputs, inputs); });
   }
@@ -158,8 +161,8 @@ class GlooCommunicator final : public Communicator {
       send = send_.data();
     }
     recv_.resize(n * seg);
-    at::Tensor in = Wrap(send, count * n, MoveType(dtype));
-    at::Tensor out = Wrap(recv_.data(), count * n, MoveType(dtype));
+    at::Tensor in = WrapBytes(send, count * n, dtype);
+    at::Tensor out = WrapBytes(recv_.data(), count * n, dtype);
     std::vector<int64_t> splits;  // empty: equal splits
     STRATA_RETURN_IF_ERROR(
         Wait("alltoall", [&] { return pg_->alltoall_base(out, in, splits, splits); }));
@@ -175,17 +178,22 @@ class GlooCommunicator final : public Communicator {
                     : op == ReduceOp::kMin ? c10d::ReduceOp::MIN
                                            : c10d::ReduceOp::SUM;
     opts.timeout = timeout_;
-    if (dtype == DType::kBF16) {
-      // Gloo cannot add bf16: reduce in fp32 (exact for the sums and maxima of norms and flags
-      // this is used for) and round once.
+    if (dtype == DType::kBF16 || dtype == DType::kF16) {
+      // Not every Gloo build adds 16-bit floats (see WrapBytes): reduce in fp32 (exact for the
+      // sums and maxima of norms and flags this is used for) and round once.
+      const bool bf16 = dtype == DType::kBF16;
       widened_.resize(count);
       const uint16_t* p = static_cast<const uint16_t*>(buf);
-      for (int64_t i = 0; i < count; ++i) widened_[i] = Bf16ToFloat(p[i]);
+      for (int64_t i = 0; i < count; ++i) {
+        widened_[i] = bf16 ? Bf16ToFloat(p[i]) : Fp16ToFloat(p[i]);
+      }
       std::vector<at::Tensor> tensors = {Wrap(widened_.data(), count, at::kFloat)};
       STRATA_RETURN_IF_ERROR(Wait("allreduce", [&] { return pg_->allreduce(tensors, opts); }));
       if (op == ReduceOp::kAvg) DivideHostBuffer(widened_.data(), count, DType::kF32, world_size());
       uint16_t* q = static_cast<uint16_t*>(buf);
-      for (int64_t i = 0; i < count; ++i) q[i] = FloatToBf16(widened_[i]);
+      for (int64_t i = 0; i < count; ++i) {
+        q[i] = bf16 ? FloatToBf16(widened_[i]) : FloatToFp16(widened_[i]);
+      }
       return Status::Ok();
     }
     std::vector<at::Tensor> tensors = {Wrap(buf, count, ToScalarType(dtype))};
@@ -198,7 +206,7 @@ class GlooCommunicator final : public Communicator {
     c10d::BroadcastOptions opts;
     opts.rootRank = root;
     opts.timeout = timeout_;
-    std::vector<at::Tensor> tensors = {Wrap(buf, count, MoveType(dtype))};
+    std::vector<at::Tensor> tensors = {WrapBytes(buf, count, dtype)};
     return Wait("broadcast", [&] { return pg_->broadcast(tensors, opts); });
   }
 

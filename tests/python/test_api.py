@@ -78,6 +78,8 @@ def test_tagged_checkpoint_and_latest(tmp_path):
     ({"zero_optimization": {"stage": 5}}, "zero_optimization.stage"),
     ({"optimizer": {"type": "AdamW", "params": {"lr": -1}}}, "lr"),
     ({"train_micro_batch_size_per_gpu": 2, "train_batch_size": 3}, "train_batch_size"),
+    ({"optimizer": {"type": "AdamW", "params": {"lr": float("nan")}}}, r"optimizer\.params\.lr is nan"),
+    ({"gradient_clipping": float("inf")}, "gradient_clipping is inf; give a finite number"),
 ])
 def test_bad_config_raises_value_error_naming_the_key(bad, words):
     model = harness.kwargs_net()
@@ -87,6 +89,16 @@ def test_bad_config_raises_value_error_naming_the_key(bad, words):
     assert isinstance(info.value, strata.StrataError)
     # Nothing was taken: the model is intact and still trains with plain PyTorch.
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
+def test_steps_per_print_inf_means_never_as_accelerate_writes_it():
+    # accelerate sets steps_per_print = float("inf") in every config it passes to initialize.
+    engine, *_ = strata.initialize(model=harness.kwargs_net(),
+                                   config={"steps_per_print": float("inf"),
+                                           "optimizer": {"type": "AdamW",
+                                                         "params": {"lr": 1e-3}}})
+    assert engine.config["steps_per_print"] == 2**63 - 1
+    engine.close()
 
 
 def test_missing_config_file_and_wrong_optimizer(tmp_path):

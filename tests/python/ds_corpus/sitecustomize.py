@@ -22,7 +22,15 @@ if os.environ.get("STRATA_SEED"):
     _torch.manual_seed(int(os.environ["STRATA_SEED"]))
 
 if _N:
+    import multiprocessing as _mp
     import torchvision
+
+    # The corpus scripts were written when Linux started a DataLoader's workers by fork. Python
+    # 3.14 starts them by forkserver, which re-imports the main script in the server: a script
+    # without an `if __name__ == "__main__"` guard then runs again there and the worker dies.
+    # Fork is what these scripts expect (and what Python <= 3.13 does anyway).
+    if _mp.get_start_method(allow_none=True) is None:
+        _mp.set_start_method("fork")
     import torchvision.datasets as _datasets
 
     def _fake(image_size, num_classes, name):
@@ -46,11 +54,13 @@ if _N:
         Fake.__name__ = Fake.__qualname__ = name
         return Fake
 
-    _datasets.CIFAR10 = _fake((3, 32, 32), 10, "CIFAR10")
-    _datasets.CIFAR100 = _fake((3, 32, 32), 100, "CIFAR100")
-    _datasets.MNIST = _fake((1, 28, 28), 10, "MNIST")
-    _datasets.FashionMNIST = _fake((1, 28, 28), 10, "FashionMNIST")
-    _ImageFolder = _fake((3, 64, 64), 10, "ImageFolder")
+    # Module attributes too: a DataLoader's workers get the dataset pickled, by reference to
+    # sitecustomize.<name>, when they start by forkserver or spawn (Python 3.14's default).
+    CIFAR10 = _datasets.CIFAR10 = _fake((3, 32, 32), 10, "CIFAR10")
+    CIFAR100 = _datasets.CIFAR100 = _fake((3, 32, 32), 100, "CIFAR100")
+    MNIST = _datasets.MNIST = _fake((1, 28, 28), 10, "MNIST")
+    FashionMNIST = _datasets.FashionMNIST = _fake((1, 28, 28), 10, "FashionMNIST")
+    ImageFolder = _ImageFolder = _fake((3, 64, 64), 10, "ImageFolder")
 
     def _image_folder(root, transform=None, target_transform=None, **kwargs):
         return _ImageFolder(train="val" not in str(root), transform=transform,

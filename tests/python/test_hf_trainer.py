@@ -149,7 +149,7 @@ from transformers.integrations import HfDeepSpeedConfig
 out, ds, steps = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3])
 rank = int(os.environ["RANK"])
 keep = HfDeepSpeedConfig(ds)  # while it lives, from_config builds under zero.Init
-deepspeed.init_distributed()
+deepspeed.init_distributed(dist_backend="nccl" if ds["strata"]["device"] == "cuda" else "gloo")
 torch.manual_seed(1000 + rank)
 model = AutoModelForCausalLM.from_config(
     GPT2Config(vocab_size=256, n_positions=32, n_embd=64, n_layer=2, n_head=4, resid_pdrop=0.0,
@@ -162,7 +162,7 @@ engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.param
 data = torch.randint(0, 256, (4 * steps, 32), generator=torch.Generator().manual_seed(1))
 losses = []
 for step in range(steps):
-    x = data[4 * step + 2 * rank: 4 * step + 2 * rank + 2]
+    x = data[4 * step + 2 * rank: 4 * step + 2 * rank + 2].to(engine.device)
     loss = engine(input_ids=x, labels=x).loss
     engine.backward(loss)
     engine.step()
@@ -318,7 +318,9 @@ def test_two_ranks_build_under_zero_init_initialise_on_rank_0_and_train_as_one_b
     ds = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
           "zero_optimization": {"stage": 3},
           "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.01}},
-          "strata": {"chunk_size": "64KiB"}}
+          # Two ranks sharing one GPU is refused by NCCL: below two GPUs, the CPU device.
+          "strata": {"chunk_size": "64KiB",
+                     "device": "cuda" if torch.cuda.device_count() >= 2 else "cpu"}}
     losses = run_two_ranks(tmp_path, ds)
     init = [torch.load(tmp_path / f"init-rank{r}.pt") for r in range(2)]
     assert init[0].keys() == init[1].keys()

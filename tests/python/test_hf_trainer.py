@@ -27,11 +27,11 @@ pytestmark = pytest.mark.skipif(
            "in the Debian sid root of tools/scripts/test-libtorch2.sh --hf)")
 
 STEPS = 6
-RUNNER = r'''
+# What every runner starts with: its arguments, the token data, the small GPT-2's config.
+PRELUDE = r'''
 import json, os, sys
 import torch
-import transformers
-from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+from transformers import GPT2Config
 
 out, ds, resume = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3]
 steps = int(sys.argv[4])
@@ -49,10 +49,17 @@ class Tokens(torch.utils.data.Dataset):
         return {"input_ids": self.x[i], "labels": self.x[i]}
 
 
+def small_gpt2_config():
+    return GPT2Config(vocab_size=256, n_positions=32, n_embd=64, n_layer=2, n_head=4,
+                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+'''
+
+RUNNER = PRELUDE + r'''
+import transformers
+from transformers import GPT2LMHeadModel, Trainer, TrainingArguments
+
 transformers.set_seed(0)
-cfg = GPT2Config(vocab_size=256, n_positions=32, n_embd=64, n_layer=2, n_head=4,
-                 resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
-model = GPT2LMHeadModel(cfg)
+model = GPT2LMHeadModel(small_gpt2_config())
 args = TrainingArguments(output_dir=os.path.join(out, "run"), max_steps=steps,
                          per_device_train_batch_size=2, per_device_eval_batch_size=2,
                          learning_rate=1e-3, weight_decay=0.01, warmup_steps=2,
@@ -70,32 +77,13 @@ with open(os.path.join(out, "result.json"), "w") as f:
 # accelerate's own loop as its docs write it: the client AdamW with a decay / no-decay split, a
 # torch LambdaLR (linear warmup and decay) that accelerate keeps outside the engine, clipping,
 # save_state after step 3, and load_state + skip_first_batches to resume.
-ACCELERATE_RUNNER = r'''
-import json, os, sys
-import torch
+ACCELERATE_RUNNER = PRELUDE + r'''
 from accelerate import Accelerator, DeepSpeedPlugin
 from accelerate.utils import set_seed
-from transformers import GPT2Config, GPT2LMHeadModel, get_linear_schedule_with_warmup
-
-out, ds, resume = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3]
-steps = int(sys.argv[4])
-
-
-class Tokens(torch.utils.data.Dataset):
-    def __init__(self, n, seed):
-        g = torch.Generator().manual_seed(seed)
-        self.x = torch.randint(0, 256, (n, 32), generator=g)
-
-    def __len__(self):
-        return len(self.x)
-
-    def __getitem__(self, i):
-        return {"input_ids": self.x[i], "labels": self.x[i]}
-
+from transformers import GPT2LMHeadModel, get_linear_schedule_with_warmup
 
 set_seed(0)
-model = GPT2LMHeadModel(GPT2Config(vocab_size=256, n_positions=32, n_embd=64, n_layer=2,
-                                   n_head=4, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
+model = GPT2LMHeadModel(small_gpt2_config())
 decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
 rest = [p for n, p in model.named_parameters() if p.dim() < 2]
 optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": 0.01},
@@ -139,21 +127,16 @@ with open(os.path.join(out, "result.json"), "w") as f:
 # (The Trainer itself cannot run two ranks on a machine without GPUs: accelerate then opens no
 # backend under DeepSpeed and counts one process, so its "auto" train_batch_size is half the
 # real one, which real DeepSpeed refuses as Strata does.)
-TWO_RANK_RUNNER = r'''
-import json, os, sys
-import torch
+TWO_RANK_RUNNER = PRELUDE + r'''
 import deepspeed
-from transformers import AutoModelForCausalLM, GPT2Config
+from transformers import AutoModelForCausalLM
 from transformers.integrations import HfDeepSpeedConfig
 
-out, ds, steps = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3])
 rank = int(os.environ["RANK"])
 keep = HfDeepSpeedConfig(ds)  # while it lives, from_config builds under zero.Init
 deepspeed.init_distributed(dist_backend="nccl" if ds["strata"]["device"] == "cuda" else "gloo")
 torch.manual_seed(1000 + rank)
-model = AutoModelForCausalLM.from_config(
-    GPT2Config(vocab_size=256, n_positions=32, n_embd=64, n_layer=2, n_head=4, resid_pdrop=0.0,
-               embd_pdrop=0.0, attn_pdrop=0.0))
+model = AutoModelForCausalLM.from_config(small_gpt2_config())
 with deepspeed.zero.GatheredParameters(list(model.parameters())):
     torch.save({n: p.detach().clone() for n, p in model.named_parameters()},
                os.path.join(out, f"init-rank{rank}.pt"))
@@ -297,7 +280,7 @@ def run_two_ranks(out, ds):
     env["PYTHONPATH"] = os.pathsep.join(
         p for p in (os.environ.get("STRATA_DS_COMPAT", ""), env.get("PYTHONPATH", "")) if p)
     procs = [subprocess.Popen([sys.executable, "-c", TWO_RANK_RUNNER, str(out), json.dumps(ds),
-                               str(STEPS)], env=dict(env, RANK=str(r), LOCAL_RANK=str(r)),
+                               "", str(STEPS)], env=dict(env, RANK=str(r), LOCAL_RANK=str(r)),
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for r in range(2)]
     logs = [p.communicate(timeout=900)[0] for p in procs]

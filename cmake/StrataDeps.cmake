@@ -58,8 +58,8 @@ else()
   target_link_libraries(strata_torch_deps INTERFACE "${STRATA_TORCH_LIB}" "${STRATA_TORCH_CPU_LIB}"
                                                     "${STRATA_C10_LIB}")
 endif()
-# The C++ standard LibTorch's headers need, read from the #error line ATen.h keeps for it: 14
-# (1.13), 17 (2.x up to 2.9), 20 (later). The build uses the newer of that and its own 17, for
+# The C++ standard LibTorch's headers need, read from the #error line ATen.h keeps for it: 14 in
+# Debian's 1.13, 17 in 2.6, 20 in 2.14. The build uses the newer of that and its own 17, for
 # every target, so that one process never mixes standard-library modes.
 find_file(STRATA_ATEN_HEADER ATen/ATen.h PATHS ${TORCH_INCLUDE_DIRS} NO_CACHE)
 if(STRATA_ATEN_HEADER)

@@ -78,7 +78,8 @@ def test_tagged_checkpoint_and_latest(tmp_path):
     ({"zero_optimization": {"stage": 5}}, "zero_optimization.stage"),
     ({"optimizer": {"type": "AdamW", "params": {"lr": -1}}}, "lr"),
     ({"train_micro_batch_size_per_gpu": 2, "train_batch_size": 3}, "train_batch_size"),
-    ({"optimizer": {"type": "AdamW", "params": {"lr": float("nan")}}}, r"optimizer\.params\.lr is nan"),
+    ({"optimizer": {"type": "AdamW", "params": {"lr": float("nan")}}},
+     r"optimizer\.params\.lr is nan"),
     ({"gradient_clipping": float("inf")}, "gradient_clipping is inf; give a finite number"),
 ])
 def test_bad_config_raises_value_error_naming_the_key(bad, words):

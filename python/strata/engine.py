@@ -36,7 +36,14 @@ class StrataEngine(torch.nn.Module):
         if missing:
             raise StrataError(f"the engine has no unit named {missing[0]!r} (a bug)")
         self._unit_index = [by_name[name] for name, _ in units]
-        self._hooks = _units.UnitHooks(cpp, [(self._unit_index[i], m) for i, (_, m) in enumerate(units)])
+        hooked = [(self._unit_index[i], m) for i, (_, m) in enumerate(units)]
+        if "" in by_name:
+            # The root's own parameters (unit ""): gathered for the engine's life, but its forward
+            # is a unit's all the same, so that a model whose parameters all belong to the root
+            # (nn.Linear, a parameters-only module) opens its micro-step and is reached in
+            # backward like any other. Its hooks run outside its children's.
+            hooked.insert(0, (by_name[""], model))
+        self._hooks = _units.UnitHooks(cpp, hooked)
         self._config = json.loads(cpp.config_json)
         # "cuda:0", not the device's display name ("cuda:0 (NVIDIA H100 ...)").
         self._device = torch.device(json.loads(cpp.describe())["torch_device"])

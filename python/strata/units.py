@@ -3,8 +3,8 @@
 A unit is the granularity of materialization: under ZeRO stage 3 a unit's parameters exist in
 device memory only while its forward (and, again, its backward) runs. The default split is the
 C++ engine's: each child of the root holding trainable parameters, looking through containers
-(Sequential, ModuleList, ModuleDict) to their children. Parameters directly on the root stay
-gathered.
+(Sequential, ModuleList, ModuleDict) to their children. Parameters directly on the root form one
+more unit (the C++ engine's unit "") that stays gathered; its forward is hooked like the others.
 
 Each unit gets a forward pre-hook (the engine gathers it) and a forward hook (the engine releases
 it and hooks the outputs, so that backward gathers the unit again before entering it). The hooks

@@ -402,13 +402,14 @@ Status Engine::Impl::WriteInitialBlocks() {
 // The model wired to the engine: always-live units gathered, gradient hooks, unit hooks.
 Status Engine::Impl::HookModel() {
   // The root's own parameters stay gathered; gradients are taken as they arrive; the model's
-  // forward finds its units through RunUnit.
+  // forward finds its units through RunUnit. The root's unit is registered too: its forward
+  // (Engine::Forward, or RunUnit on the root) opens the micro-step of a model whose parameters
+  // all belong to the root, which has no other unit to do it.
   for (int64_t u = 0; u < units_.size(); ++u)
     if (units_[u].always_live) STRATA_RETURN_IF_ERROR(GatherUnit(u));
   STRATA_RETURN_IF_ERROR(HookGradients());
   for (int64_t u = 0; u < units_.size(); ++u)
-    if (!units_[u].always_live)
-      STRATA_RETURN_IF_ERROR(unit_detail::Register(units_[u].module.get(), owner_, u));
+    STRATA_RETURN_IF_ERROR(unit_detail::Register(units_[u].module.get(), owner_, u));
   return Status::Ok();
 }
 

@@ -233,9 +233,21 @@ Status Engine::Impl::ReduceShard(ReduceJob& job, bool on_lane, ReduceOutcome* ou
   return Status::Ok();
 }
 
+// Note [a forward no unit saw]
+// A micro-step opens when the first unit of a training forward begins. A model whose parameters
+// all belong to its root, called directly (`model->forward(x)`, F::linear on its own tensors),
+// runs no unit: its parameters stay gathered, so its forward needs nothing from the engine, and
+// Backward opens the micro-step itself when the loss has a graph. Only the forward's compute time
+// goes unmeasured (it ran before the micro-step began).
 Status Engine::Impl::Backward(const torch::Tensor& loss) {
+  if ((!step_open_ || !micro_open_) && loss.defined() && loss.requires_grad() && !in_backward_) {
+    if (!parked_.empty()) return CheckStatesResident("a training forward");
+    OpenMicroStep();
+  }
   if (!step_open_ || !micro_open_)
-    return FailedPrecondition("Backward called without a training forward in this micro-step");
+    return FailedPrecondition(
+        "Backward called without a training forward in this micro-step: the loss has no "
+        "graph (computed under torch::NoGradGuard or torch.no_grad, or detached)");
   backward_error_ = Status::Ok();
   // The forward (and the loss), however it was driven.
   lane_trace_.Add(Lane::kCompute, "forward", forward_start_, Clock::now(), trace_step());

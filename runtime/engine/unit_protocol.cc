@@ -37,6 +37,12 @@ void Engine::Impl::OpenMicroStep() {
 void Engine::Impl::BeginUnit(int64_t u, bool checkpointed) {
   if (u < 0 || u >= num_units()) Throw(InvalidArgument(StrCat("no unit ", u)));
   UnitCoordinator::Unit& unit = units_[u];
+  if (unit.always_live && unit.forward_depth > 0) {
+    // The root entered again from inside its own forward (Engine::Forward's scope, then the
+    // model's RunUnit on itself): one scope, the outermost, speaks for it.
+    ++unit.forward_depth;
+    return;
+  }
   if (unit.forward_depth > 0)
     Throw(FailedPrecondition(StrCat("unit '", unit.name, "' runs inside itself; units may nest only "
                                     "when they are different modules")));
@@ -74,6 +80,7 @@ void Engine::Impl::EndUnit(int64_t u, const std::vector<torch::Tensor>& outputs)
   UnitCoordinator::Unit& unit = units_[u];
   --unit.forward_depth;
   if (in_backward_) return;  // a recomputation: released when its gradients are in
+  if (unit.always_live && unit.forward_depth > 0) return;  // an inner scope of the root
   const bool checkpointed = unit.open_checkpointed;
   unit.open_checkpointed = false;
   const bool training = torch::GradMode::is_enabled() || checkpointed;
@@ -95,15 +102,21 @@ torch::Tensor Engine::Impl::Forward(const torch::Tensor& input) {
         "Engine::Forward needs a Sequential or a model given with its forward (AnyModule); call "
         "the model's own forward instead, which runs its units through strata::RunUnit"));
   // A training forward's compute is the micro-step's span up to Backward (forward_start_), not
-  // timed here twice.
-  if (!seq) return any_->forward(input);
+  // timed here twice. The root is a unit when it holds parameters of its own (none: a null
+  // scope), and its scope encloses the children's, as a Python forward hook on the root does.
+  unit_detail::UnitScope root(unit_detail::FindUnit(*model_), /*checkpointed=*/false);
   torch::Tensor x = input;
-  for (size_t k = 0; k < seq->size(); ++k) {
-    // A child holding no trainable parameter is no unit: its scope does nothing.
-    unit_detail::UnitScope scope(unit_detail::FindUnit(*seq->ptr(k)), /*checkpointed=*/false);
-    x = (seq->begin() + static_cast<std::ptrdiff_t>(k))->forward(x);
-    scope.Done({x});
+  if (!seq) {
+    x = any_->forward(input);
+  } else {
+    for (size_t k = 0; k < seq->size(); ++k) {
+      // A child holding no trainable parameter is no unit: its scope does nothing.
+      unit_detail::UnitScope scope(unit_detail::FindUnit(*seq->ptr(k)), /*checkpointed=*/false);
+      x = (seq->begin() + static_cast<std::ptrdiff_t>(k))->forward(x);
+      scope.Done({x});
+    }
   }
+  root.Done({x});
   return x;
 }
 

@@ -46,6 +46,37 @@ class KwargsNet(torch.nn.Module):
         return {"loss": loss, "logits": logits}
 
 
+class ParamsOnly(torch.nn.Module):
+    """Every trainable tensor is the root's own Parameter, used through F.linear: no child module
+    (matrix factorisation, logistic regression and many research models look like this)."""
+
+    def __init__(self, d=8, h=16, classes=4):
+        super().__init__()
+        self.w1 = torch.nn.Parameter(torch.randn(h, d) * 0.3)
+        self.b1 = torch.nn.Parameter(torch.zeros(h))
+        self.w2 = torch.nn.Parameter(torch.randn(classes, h) * 0.3)
+        self.b2 = torch.nn.Parameter(torch.zeros(classes))
+
+    def forward(self, x):
+        h = torch.tanh(torch.nn.functional.linear(x, self.w1, self.b1))
+        return torch.nn.functional.linear(h, self.w2, self.b2)
+
+
+class RootAround(torch.nn.Module):
+    """The root's own parameters used before its children (a learned input scale) and after them
+    (an output bias)."""
+
+    def __init__(self, d=8, h=16, classes=4):
+        super().__init__()
+        self.scale = torch.nn.Parameter(torch.ones(d))
+        self.body = torch.nn.Sequential(torch.nn.Linear(d, h), torch.nn.Tanh(),
+                                        torch.nn.Linear(h, classes))
+        self.bias = torch.nn.Parameter(torch.zeros(classes))
+
+    def forward(self, x):
+        return self.body(x * self.scale) + self.bias
+
+
 def launch_two_ranks(worker, args, tmp_path):
     """Runs tests/python/<worker> on two ranks under strata-launch with `args` after the output
     stem; returns each rank's JSON (<stem>.rank<R>.json)."""
@@ -98,7 +129,11 @@ def kwargs_net():
     return KwargsNet()
 
 
-MODELS = {"gpt2": gpt2, "resnet18": resnet18, "vit": vit, "kwargs": kwargs_net}
+MODELS = {"gpt2": gpt2, "resnet18": resnet18, "vit": vit, "kwargs": kwargs_net,
+          # Models whose parameters (all, or some) belong to the root module.
+          "linear": lambda: torch.nn.Linear(8, 4), "params_only": ParamsOnly,
+          "root_around": RootAround}
+ROOT_PARAM_MODELS = ("linear", "params_only", "root_around")
 
 
 def batch(model_name, step, rank=0, world=1, micro=2):
@@ -110,6 +145,12 @@ def batch(model_name, step, rank=0, world=1, micro=2):
         x, y = t[:, :-1], t[:, 1:]
     elif model_name == "kwargs":
         x, y = torch.randn(n, 24, generator=g), torch.randint(0, 5, (n,), generator=g)
+    elif model_name in ROOT_PARAM_MODELS:
+        # A class the models can learn: which quarter of the range the first feature is in. One
+        # batch for every step, so that three steps of these small models show them learning.
+        g = torch.Generator().manual_seed(1000)
+        x = torch.randn(n, 8, generator=g)
+        y = torch.bucketize(x[:, 0], torch.tensor([-0.67, 0.0, 0.67]))
     else:
         side = 64 if model_name == "resnet18" else 32  # resnet: BatchNorm over more than 2 values in layer4
         x, y = torch.randn(n, 3, side, side, generator=g), torch.randint(0, 10, (n,), generator=g)

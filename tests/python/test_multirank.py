@@ -20,6 +20,9 @@ CASES = {
     "gpt2": ["stage1", "stage2_cpu_clip", "stage3_cpu_release", "stage3_nvme_clip_accum"],
     "vit": ["stage2_nvme", "stage3_nvme_clip_accum"],
     "kwargs": ["stage1_cpu", "stage3"],
+    # The root's own parameters: all of them, and some around child units.
+    "params_only": ["stage1", "stage3_nvme_clip_accum"],
+    "root_around": ["stage2_cpu_clip", "stage3_cpu_release"],
 }
 
 

@@ -250,7 +250,7 @@ TEST(ZooMultiRankBuffers, BroadcastFromRankZeroAtStart) {
 }
 
 INSTANTIATE_TEST_SUITE_P(StockLayers, ZooMultiRank,
-                         ::testing::Combine(::testing::Values(0, 2), ::testing::Values(1, 3)),
+                         ::testing::Combine(::testing::Values(0, 2, 3, 4), ::testing::Values(1, 3)),
                          [](const auto& info) {
                            return zoo::Models()[std::get<0>(info.param)].name + "_stage" +
                                   std::to_string(std::get<1>(info.param));

@@ -145,6 +145,41 @@ struct TwoWayImpl : torch::nn::Module {
 };
 TORCH_MODULE(TwoWay);
 
+// --- Every trainable tensor is the root's own parameter, used through torch::linear with no
+// child module and no RunUnit (logistic regression, matrix factorisation and many research
+// models look like this): the engine's root unit, never released.
+struct RootOnlyImpl : torch::nn::Module {
+  RootOnlyImpl() {
+    w1 = register_parameter("w1", torch::randn({16, 12}) * 0.3);
+    b1 = register_parameter("b1", torch::zeros({16}));
+    w2 = register_parameter("w2", torch::randn({4, 16}) * 0.3);
+    b2 = register_parameter("b2", torch::zeros({4}));
+  }
+  torch::Tensor forward(const torch::Tensor& x) {
+    return torch::linear(torch::tanh(torch::linear(x, w1, b1)), w2, b2);
+  }
+  torch::Tensor w1, b1, w2, b2;
+};
+TORCH_MODULE(RootOnly);
+
+// --- The root's own parameters used before its children (a learned input scale) and after them
+// (an output bias), around two Linear units.
+struct RootAroundImpl : torch::nn::Module {
+  RootAroundImpl() {
+    scale = register_parameter("scale", torch::ones({12}));
+    fc1 = register_module("fc1", torch::nn::Linear(12, 16));
+    fc2 = register_module("fc2", torch::nn::Linear(16, 4));
+    bias = register_parameter("bias", torch::zeros({4}));
+  }
+  torch::Tensor forward(const torch::Tensor& x) {
+    torch::Tensor h = strata::RunUnit(*fc1, [&] { return fc1(x * scale); });
+    return strata::RunUnit(*fc2, [&] { return fc2(torch::tanh(h)); }) + bias;
+  }
+  torch::Tensor scale, bias;
+  torch::nn::Linear fc1{nullptr}, fc2{nullptr};
+};
+TORCH_MODULE(RootAround);
+
 // A model of the zoo: how to build it (seeded) and its loss on rows [row0, row0 + rows) of the
 // global batch of (step, micro).
 struct Model {
@@ -186,6 +221,26 @@ inline std::vector<Model> Models() {
                    return torch::nn::functional::cross_entropy(
                        net->forward(a.narrow(0, r0, n), b.narrow(0, r0, n)), y.narrow(0, r0, n));
                  }});
+  // A target the two root-parameter models can learn: which quarter of the input's range its
+  // first feature falls in. The same batch every step (these models are small, and four steps
+  // on fresh batches of 8 do not show whether they learn).
+  auto quarter_loss = [](auto forward) {
+    return [forward](torch::nn::Module& m, int, int k, int64_t r0, int64_t n) {
+      Seed(0, k);
+      torch::Tensor x = torch::randn({kGlobalBatch, 12});
+      torch::Tensor y =
+          torch::bucketize(x.select(1, 0).contiguous(), torch::tensor({-0.67f, 0.0f, 0.67f}));
+      return torch::nn::functional::cross_entropy(forward(m, x.narrow(0, r0, n)), y.narrow(0, r0, n));
+    };
+  };
+  out.push_back({"root_only", [] { torch::manual_seed(10); return std::static_pointer_cast<torch::nn::Module>(RootOnly().ptr()); },
+                 quarter_loss([](torch::nn::Module& m, const torch::Tensor& x) {
+                   return m.as<RootOnlyImpl>()->forward(x);
+                 })});
+  out.push_back({"root_around", [] { torch::manual_seed(11); return std::static_pointer_cast<torch::nn::Module>(RootAround().ptr()); },
+                 quarter_loss([](torch::nn::Module& m, const torch::Tensor& x) {
+                   return m.as<RootAroundImpl>()->forward(x);
+                 })});
   return out;
 }
 

@@ -83,7 +83,8 @@ TEST_P(Zoo, MatchesPlainLibTorchAdamW) {
 
 INSTANTIATE_TEST_SUITE_P(
     StockLayers, Zoo,
-    ::testing::Combine(::testing::Range(0, 3), ::testing::Range(0, kNumPlacements)),
+    ::testing::Combine(::testing::Range(0, static_cast<int>(zoo::Models().size())),
+                       ::testing::Range(0, kNumPlacements)),
     [](const auto& info) {
       return zoo::Models()[std::get<0>(info.param)].name + "_" +
              kPlacements[std::get<1>(info.param)].name;
@@ -156,6 +157,74 @@ TEST(ZooMemory, ParameterStorageIsEmptyOutsideItsUnit) {
   EXPECT_EQ(net->out->weight.storage().nbytes(), 0u);
   EXPECT_EQ(engine->num_units(), 6);
   EXPECT_EQ(engine->unit_name(1), "blocks.0");
+}
+
+// A stock Linear as the whole model (its weight and bias are the root's own parameters): through
+// Engine::Forward (the model given with its forward) and through RunUnit on the root, at stage 3
+// with NVMe offload, it trains as plain LibTorch does.
+TEST(ZooRoot, LinearAsTheModelMatchesPlainLibTorch) {
+  Config c = zoo::ZooConfig();
+  c.zero_optimization.stage = 3;
+  c.zero_optimization.offload_param.device = OffloadDevice::kNvme;
+  c.zero_optimization.offload_optimizer.device = OffloadDevice::kNvme;
+  // One batch for every step: a small Linear learns it within the test's four steps.
+  auto loss_of = [](const torch::Tensor& out, int, int k) {
+    zoo::Seed(0, k);
+    torch::Tensor y = torch::randint(0, 3, {zoo::kGlobalBatch}, torch::kLong);
+    return torch::nn::functional::cross_entropy(out, y);
+  };
+  auto input = [](int, int k) {
+    zoo::Seed(100, k);
+    return torch::randn({zoo::kGlobalBatch, 6});
+  };
+  torch::manual_seed(12);
+  torch::nn::Linear ref_model(6, 3);
+  std::vector<torch::Tensor> ref_params = models::UniqueParameters(*ref_model);
+  const std::vector<double> ref = TrainPlainLibTorch(
+      ref_params, c, zoo::kZooSteps, [&](int s, int k) { return loss_of(ref_model(input(s, k)), s, k); });
+  ASSERT_LT(ref.back(), ref.front()) << "the reference does not learn";
+  for (bool through_forward : {true, false}) {
+    SCOPED_TRACE(through_forward ? "Engine::Forward" : "RunUnit on the root");
+    torch::manual_seed(12);
+    torch::nn::Linear model(6, 3);
+    testing::TempDir dir;
+    EngineOptions opts;
+    opts.nvme_path = {dir.path()};
+    auto comm = CreateSingleCommunicator();
+    auto device = CreateDevice("cpu", 64 << 20).value();
+    ASSERT_OK_AND_ASSIGN(auto engine, Engine::Create(torch::nn::AnyModule(model), c, comm.get(),
+                                                     device.get(), opts));
+    const std::vector<double> got = TrainWithEngine(*engine, c, comm.get(), zoo::kZooSteps, [&](int s, int k) {
+      torch::Tensor x = input(s, k);
+      torch::Tensor out = through_forward ? engine->Forward(x)
+                                          : strata::RunUnit(*model, [&] { return model(x); });
+      return loss_of(out, s, k);
+    });
+    ASSERT_EQ(got.size(), ref.size());
+    for (size_t i = 0; i < ref.size(); ++i) EXPECT_NEAR(got[i], ref[i], 1e-5 * std::abs(ref[i])) << "step " << i;
+    ASSERT_OK_AND_ASSIGN(auto params, engine->GatherMasterParams());
+    ASSERT_EQ(params.size(), ref_params.size());
+    for (size_t i = 0; i < params.size(); ++i)
+      EXPECT_LT((params[i] - ref_params[i]).abs().max().item<double>(), 2e-5) << "parameter " << i;
+  }
+}
+
+// A loss without a graph is refused by Backward, naming why, whatever the model.
+TEST(ZooRoot, BackwardOfALossWithoutAGraphIsRefused) {
+  Config c = zoo::ZooConfig();
+  torch::manual_seed(10);
+  zoo::RootOnly net;
+  auto comm = CreateSingleCommunicator();
+  auto device = CreateDevice("cpu", 64 << 20).value();
+  ASSERT_OK_AND_ASSIGN(auto engine, Engine::Create(net.ptr(), c, comm.get(), device.get()));
+  torch::Tensor loss;
+  {
+    torch::NoGradGuard ng;
+    loss = net->forward(torch::randn({8, 12})).pow(2).mean();
+  }
+  Status s = engine->Backward(loss);
+  EXPECT_EQ(s.code(), StatusCode::kFailedPrecondition) << s;
+  EXPECT_NE(s.ToString().find("no graph"), std::string::npos) << s;
 }
 
 // Calling loss.backward() instead of Engine::Backward is a clear error naming the fix.

@@ -13,6 +13,7 @@ import os
 import shutil
 import socket
 import sys
+import sysconfig
 
 DEEPSPEED_ENVIRONMENT_NAME = os.environ.get("DS_ENV_FILE", ".deepspeed_env")
 _LOCAL_HOSTS = {"localhost", "127.0.0.1", "::1", socket.gethostname()}
@@ -194,13 +195,17 @@ def _env_file():
 def _strata_launch():
     here = os.path.dirname(os.path.abspath(__file__))
     # <build>/python/strata -> <build>/bin/strata-launch, else the PATH's.
-    candidate = os.path.join(os.path.dirname(os.path.dirname(here)), "bin", "strata-launch")
-    if os.access(candidate, os.X_OK):
-        return candidate
+    # A pip install: the commands of this interpreter's environment (a venv's bin, found even
+    # when the venv is not activated).
+    for candidate in (os.path.join(os.path.dirname(os.path.dirname(here)), "bin", "strata-launch"),
+                      os.path.join(sysconfig.get_path("scripts"), "strata-launch")):
+        if os.access(candidate, os.X_OK):
+            return candidate
     found = shutil.which("strata-launch")
     if found is None:
-        raise LaunchError("strata-launch not found next to the strata package or on PATH; "
-                          "source <build>/strata-env.sh")
+        raise LaunchError("strata-launch not found next to the strata package, among "
+                          f"{sys.executable}'s commands or on PATH: pip install the project "
+                          "(pip install --no-build-isolation .), or source <build>/strata-env.sh")
     return found
 
 

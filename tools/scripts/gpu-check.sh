@@ -4,6 +4,9 @@
 #   build    unpack .gpu-pack (tools/scripts/gpu-pack.sh, run before the lease) where the machine
 #            lacks a library, configure against the machine's pip torch (its LibTorch) and its
 #            NCCL, for the GPU's architecture, and build everything
+#   pip      what a Python user does: pip install --no-build-isolation . and ./python into the
+#            machine's Python (timed), then from outside the tree the module case by case, the
+#            Trainer test, examples/train_gpt2.py and the Python suite on the installed packages
 #   test     ctest -L gpu, the Python module case by case (gpu_python_probe.py), the Python
 #            suite (on CUDA wherever a GPU is), the Trainer test
 #   bench    the 404M bench config (configs/bench-nvme.json) under none/cpu/nvme x fp32/bf16,
@@ -29,19 +32,19 @@
 # STRATA_PHASE_SECONDS (the phase's own time limit; default 530), STRATA_GPU_TARGETS (build: the
 # targets to build, default all; `lease` names the ones test, bench and scale run, for a short
 # lease where the whole test tree does not fit), STRATA_GPU_PYTHON_TESTS (test: a ctest -R regex
-# of the Python suites to run; default all).
+# of the Python suites to run; pip: a pytest -k expression; default all).
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
 cd "$ROOT"
 UTIL="$ROOT/tools/scripts/gpu_check_util.py"
 
-usage() { sed -n '2,30p' "$0" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '2,33p' "$0" | sed 's/^# \{0,1\}//'; }
 phase=${1:-}
 case "$phase" in
-  build|test|bench|scale|report) shift ;;
+  build|pip|test|bench|scale|report) shift ;;
   -h|--help) usage; exit 0 ;;
-  "") usage >&2; echo "gpu-check: name a phase: build, test, bench, scale or report" >&2; exit 2 ;;
-  *) echo "gpu-check: unknown phase '$phase': build, test, bench, scale or report" >&2; exit 2 ;;
+  "") usage >&2; echo "gpu-check: name a phase: build, pip, test, bench, scale or report" >&2; exit 2 ;;
+  *) echo "gpu-check: unknown phase '$phase': build, pip, test, bench, scale or report" >&2; exit 2 ;;
 esac
 device=""; quick=0; sizes="1.3b,2.7b,6.7b,13b"; steps=""
 while [ $# -gt 0 ]; do
@@ -186,29 +189,30 @@ pick_cxx() {  # the first g++ whose shared objects need libstdc++.so (not a stat
   done
   return 1
 }
-phase_build() {
-  [ -n "$PY" ] || { finish false "no python3 with torch (set PYTHON)"; return 1; }
-  local from torch_prefix torch_ver args=() arch="" nccl=""
-  from=$(unpack_deps) || { finish false "libraries missing and no .gpu-pack"; return 1; }
+# configure_args: fills `args` (CMake flags), `from` (system or pack), `arch`, `nccl` and `cxx` for
+# this machine: the packed libraries where it lacks them, the pip torch's Gloo headers, the GPU's
+# architecture and the NCCL of torch's wheel, a g++ that links the shared libstdc++. Shared by
+# `build` (CMake directly) and `pip` (the same flags through STRATA_CMAKE_ARGS).
+# On failure it returns 1 with the reason in `why`.
+# `dep_args` holds the packed libraries' flags alone.
+configure_args() {
+  args=() dep_args=() arch="" nccl="" cxx="" why=""
+  from=$(unpack_deps) || { why="libraries missing and no .gpu-pack"; return 1; }
   deps_env
-  say "libraries: $from; python: $PY"
   # The default training text (strata-train, the example, the tests) is read from Debian's path.
   local fortunes=/usr/share/games/fortunes
   if [ ! -e "$fortunes" ] && [ -d "$DEPS/usr/share/games/fortunes" ]; then
     mkdir -p /usr/share/games 2>/dev/null && ln -s "$DEPS/usr/share/games/fortunes" "$fortunes" 2>/dev/null &&
       say "linked $fortunes to the packed fortunes text" || say "cannot link $fortunes (not root?): pass --data"
   fi
-  torch_prefix=$("$PY" -c 'import torch.utils; print(torch.utils.cmake_prefix_path)')
-  torch_ver=$("$PY" -c 'import torch; print(torch.__version__)')
-  local prefix="$torch_prefix"
   if [ "$from" = pack ]; then
-    prefix="$DEPS/usr;$torch_prefix"
     local l="$DEPS/usr/lib/x86_64-linux-gnu/cmake"
     args+=(-DTBB_DIR="$l/TBB" -Dnlohmann_json_DIR="$DEPS/usr/share/cmake/nlohmann_json"
            -DGTest_DIR="$l/GTest" -Dbenchmark_DIR="$l/benchmark"
            -DCMAKE_INCLUDE_PATH="$DEPS/usr/include" -DCMAKE_LIBRARY_PATH="$DEPS/usr/lib/x86_64-linux-gnu")
     [ -d "$DEPS/usr/share/cmake/CLI11" ] && args+=(-DCLI11_DIR="$DEPS/usr/share/cmake/CLI11")
     [ -d "$DEPS/usr/lib/cmake/CLI11" ] && args+=(-DCLI11_DIR="$DEPS/usr/lib/cmake/CLI11")
+    dep_args=("${args[@]}" -DCMAKE_PREFIX_PATH="$DEPS/usr")
   fi
   # c10d's ProcessGroupGloo (the CPU collectives) needs Gloo's headers: a pip torch carries them
   # in its own include folders; elsewhere CMake looks in the usual places.
@@ -218,7 +222,7 @@ print(next((d for d in e.include_paths() if os.path.exists(os.path.join(d, "gloo
   [ -n "$gloo" ] && args+=(-DSTRATA_GLOO_INCLUDE="$gloo")
   if [ "$device" = cuda ]; then
     command -v nvcc >/dev/null || export PATH="/usr/local/cuda/bin:$PATH"
-    command -v nvcc >/dev/null || { finish false "no nvcc on PATH or in /usr/local/cuda/bin"; return 1; }
+    command -v nvcc >/dev/null || { why="no nvcc on PATH or in /usr/local/cuda/bin"; return 1; }
     arch=$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader | head -1 | tr -d '. ')
     # The NCCL that torch loads: its pip wheel's (nvidia/nccl/ or, in CUDA 13 wheels, nvidia/cu13/).
     local header
@@ -239,13 +243,24 @@ for d in nvidia.__path__:
   # python/CMakeLists.txt: it links the compiler's shared libstdc++ itself). A g++ whose plain
   # shared objects need libstdc++.so is preferred all the same: the H100 image puts one first on
   # PATH (/opt/gcc) that does not, and whose shared libstdc++ may be missing.
-  local cxx
   if cxx=$(pick_cxx); then
     args+=(-DCMAKE_CXX_COMPILER="$cxx" -DCMAKE_C_COMPILER="${cxx%g++}gcc")
     [ "$device" = cuda ] && args+=(-DCMAKE_CUDA_HOST_COMPILER="$cxx")
   else
+    cxx=""
     say "no C++ compiler here links libstdc++ as a shared library: the Python module stays off"
   fi
+  return 0
+}
+phase_build() {
+  [ -n "$PY" ] || { finish false "no python3 with torch (set PYTHON)"; return 1; }
+  local from torch_prefix torch_ver args=() arch="" nccl="" cxx="" why
+  configure_args || { finish false "$why"; return 1; }
+  say "libraries: $from; python: $PY"
+  torch_prefix=$("$PY" -c 'import torch.utils; print(torch.utils.cmake_prefix_path)')
+  torch_ver=$("$PY" -c 'import torch; print(torch.__version__)')
+  local prefix="$torch_prefix"
+  [ "$from" = pack ] && prefix="$DEPS/usr;$torch_prefix"
   say "configure: torch $torch_ver, device $device${arch:+, sm_$arch}${nccl:+, NCCL from $nccl}, ${cxx:-default compiler}"
   mkdir -p "$CM"
   if ! cmake -S "$ROOT" -B "$CM" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DSTRATA_PYTHON=AUTO \
@@ -274,6 +289,85 @@ for d in nvidia.__path__:
   tail -2 "$WORK/build.log"
   finish true "built with torch $torch_ver (${from} libraries)" torch="$torch_ver" python="$PY" \
     libraries="$from" cuda_arch="${arch:-none}" nccl="${nccl:-none}" python_module="$pymod"
+}
+
+# --- pip ----------------------------------------------------------------------------------------
+# What a Python user does on this machine: `pip install --no-build-isolation .` (the extension and
+# the tools against the machine's own torch, found by the project's build backend) and
+# `pip install ./python` (the deepspeed distribution), then, from outside the source tree, the
+# module case by case, the Trainer test, the example and the Python suite, all against the
+# installed packages. Only the packed libraries' locations are passed (STRATA_CMAKE_ARGS); the
+# torch, its CUDA and NCCL, the GPU's architecture and the compiler are the backend's to find.
+phase_pip() {
+  [ -n "$PY" ] || { finish false "no python3 with torch (set PYTHON)"; return 1; }
+  local from args=() dep_args=() arch="" nccl="" cxx="" why ok=true results=() line t0 secs
+  configure_args >/dev/null || { finish false "$why"; return 1; }
+  say "pip install --no-build-isolation . ($PY, torch $("$PY" -c 'import torch; print(torch.__version__)'))"
+  t0=$(date +%s)
+  if ! STRATA_CMAKE_ARGS="${dep_args[*]}" STRATA_BUILD_DIR="$BUILD/pip" timeout "$(( $(left) / 2 ))"        "$PY" -m pip install --no-build-isolation --no-deps --no-index -v "$ROOT" >"$WORK/pip-strata.log" 2>&1; then
+    tail -30 "$WORK/pip-strata.log"
+    finish false "pip install . failed: $(grep -m1 -E 'strata build:.*(failed|cannot|no )|error' "$WORK/pip-strata.log" | head -c 240)"
+    return 1
+  fi
+  secs=$(( $(date +%s) - t0 ))
+  line=$(grep -m1 -oE 'wrote strata-[^ ]+ \([0-9.]+ MiB\)' "$WORK/pip-strata.log" || echo "wheel size not found")
+  say "strata installed in ${secs}s: $line"
+  results+=("pip_strata=${secs}s, $line")
+  if "$PY" -m pip install --no-build-isolation --no-deps --no-index "$ROOT/python" >"$WORK/pip-deepspeed.log" 2>&1; then
+    results+=("pip_deepspeed=installed")
+  else
+    ok=false; results+=("pip_deepspeed=failed: $(tail -1 "$WORK/pip-deepspeed.log" | head -c 200)")
+  fi
+  local scripts site
+  scripts=$("$PY" -c 'import sysconfig; print(sysconfig.get_path("scripts"))')
+  site=$("$PY" -c 'import sysconfig; print(sysconfig.get_path("purelib"))')
+  cd "$WORK"  # from here on nothing of the source tree is on sys.path
+  say "smoke: import strata and deepspeed, the commands on PATH"
+  if PATH="$scripts:$PATH" "$PY" -c 'import strata, deepspeed, shutil, sys
+print("strata", strata.__file__, "deepspeed", deepspeed.__version__, deepspeed.__file__)
+missing = [c for c in ("strata-train", "strata-launch", "strata-swapbench", "strata-estimate", "strata-tune", "deepspeed") if not shutil.which(c)]
+sys.exit("missing commands: %s" % missing if missing else 0)' >"$WORK/smoke.log" 2>&1 &&
+     PATH="$scripts:$PATH" strata-estimate --help >/dev/null 2>>"$WORK/smoke.log"; then
+    results+=("smoke=ok")
+  else
+    ok=false; results+=("smoke=$(tail -1 "$WORK/smoke.log" | head -c 200)")
+  fi
+  cat "$WORK/smoke.log"
+  say "the module case by case (gpu_python_probe.py)"
+  if STRATA_BIN="$scripts" timeout "$(( $(left) / 5 ))" "$PY" "$ROOT/tools/scripts/gpu_python_probe.py"        --out "$WORK/probe" --timeout 45 >"$WORK/probe.log" 2>&1; then
+    results+=("probe=all cases ran")
+  else
+    ok=false; results+=("probe=$(grep -c FAILED "$WORK/probe.log" || true) cases failed")
+  fi
+  cat "$WORK/probe.log"
+  say "the Trainer test"
+  STRATA_BIN="$scripts" STRATA_DS_COMPAT="$site" timeout "$(( $(left) / 4 ))"     "$PY" -m pytest -q -rs -p no:cacheprovider "$ROOT/tests/python/test_hf_trainer.py" >"$WORK/trainer.log" 2>&1 || ok=false
+  line=$(tail -1 "$WORK/trainer.log"); echo "  $line"; results+=("trainer=$line")
+  say "examples/train_gpt2.py (30 steps)"
+  if PATH="$scripts:$PATH" timeout "$(( $(left) / 4 ))" "$PY" "$ROOT/examples/train_gpt2.py" --steps 30        --log-every 10 >"$WORK/example.log" 2>&1; then
+    results+=("example=$(grep -E 'step +30|step 30' "$WORK/example.log" | tail -1 | head -c 160)")
+  else
+    ok=false; results+=("example=failed: $(tail -1 "$WORK/example.log" | head -c 200)")
+  fi
+  tail -4 "$WORK/example.log"
+  # The suite: one worker per file (as ctest runs them), as many files at once as cores allow.
+  local pick=() workers=$(( $(nproc) / 2 ))
+  [ "$workers" -gt 8 ] && workers=8
+  [ -n "${STRATA_GPU_PYTHON_TESTS:-}" ] && pick=(-k "$STRATA_GPU_PYTHON_TESTS")
+  local xdist=()
+  "$PY" -c 'import xdist' 2>/dev/null && xdist=(-n "$workers" --dist loadfile)
+  say "the Python suite on the installed packages (${xdist[*]:-one process}) for $(( $(left) - 15 ))s at most"
+  STRATA_BIN="$scripts" STRATA_DS_COMPAT="$site" STRATA_CPU_DEVICE=strict timeout "$(( $(left) - 15 ))"     "$PY" -m pytest -q -rs -p no:cacheprovider "${xdist[@]}" "${pick[@]}"     --ignore="$ROOT/tests/python/test_hf_trainer.py" "$ROOT/tests/python" >"$WORK/suite.log" 2>&1 || ok=false
+  line=$(grep -E '(passed|failed|error)' "$WORK/suite.log" | tail -1)
+  echo "  ${line:-the suite ran out of time (see work/pip/suite.log)}"
+  results+=("suite=${line:-ran out of time}")
+  grep -E '^(FAILED|ERROR) ' "$WORK/suite.log" | head -20 || true
+  cd "$ROOT"
+  local kv=() s
+  for s in "${results[@]}"; do kv+=("${s%%=*}=${s#*=}"); done
+  local json
+  json=$("$UPY" -c 'import json,sys; print(json.dumps(dict(a.split("=",1) for a in sys.argv[1:])))' "${kv[@]}")
+  finish "$ok" "$(IFS=';'; echo "${results[*]}")" results="$json"
 }
 
 need_build() {

@@ -6,7 +6,7 @@
 #   tools/scripts/gpu-lease.sh [--total SECONDS] PHASE[:CAP] [FLAGS...] [PHASE[:CAP] [FLAGS...]]...
 #
 #   --total S    the whole command's deadline (default 560: inside a 10-minute device command)
-#   PHASE        build, test, bench, scale or report, run in the order given
+#   PHASE        build, pip, test, bench, scale or report, run in the order given
 #   :CAP         at most CAP seconds for that phase; without it, a phase gets what is left
 #                (less 20 s kept for the report and the packing)
 #   FLAGS        passed to the phase before them, e.g. `bench --steps 4 scale --sizes 1.3b`
@@ -25,14 +25,14 @@ while [ $# -gt 0 ]; do
     -h|--help) sed -n '2,17p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     --total) total=${2:-}; shift 2 ;;
     --total=*) total=${1#*=}; shift ;;
-    build|build:*|test|test:*|bench|bench:*|scale|scale:*|report|report:*)
+    build|build:*|pip|pip:*|test|test:*|bench|bench:*|scale|scale:*|report|report:*)
       phases+=("${1%%:*}")
       if [[ "$1" == *:* ]]; then caps+=("${1#*:}"); else caps+=(""); fi
       flags+=("")
       shift ;;
     *)
       if [ ${#phases[@]} -eq 0 ]; then
-        echo "gpu-lease: '$1' before any phase: name a phase first (build, test, bench, scale, report)" >&2
+        echo "gpu-lease: '$1' before any phase: name a phase first (build, pip, test, bench, scale, report)" >&2
         exit 2
       fi
       flags[-1]="${flags[-1]} $1"; shift ;;

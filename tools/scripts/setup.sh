@@ -11,6 +11,7 @@ PACKAGES=(
   nlohmann-json3-dev libcli11-dev
   fio fortunes fortunes-min
   python3-dev python3-setuptools python3-torch python3-torchvision python3-pybind11 python3-pytest
+  python3-venv python3-pip
 )
 # Extras for the by-hand jobs: `setup.sh --fuzz` adds clang and its libFuzzer runtime.
 if [ "${1:-}" = "--fuzz" ]; then

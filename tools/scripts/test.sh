@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The README's test command: installs what is missing, builds Strata with CUDA on when nvcc is
 # present (every .cu file compiles even without a GPU), runs the CPU test suite (the C++ suites and
-# the Python ones under tests/python, through ctest), then builds and tests again with
+# the Python ones under tests/python, through ctest), pip-installs the project into a venv and
+# tests the installed packages from outside the tree, then builds and tests again with
 # -DSTRATA_CUDA=OFF. GPU-only tests (label gpu) run only where a GPU exists.
 #
 #   tools/scripts/test.sh                  # everything
@@ -41,8 +42,32 @@ run_pass() {
   echo "== $dir: build $((t1 - t0)) s, tests $((t2 - t1)) s"
 }
 
+# The pip pass: what a Python user does. A venv that sees Debian's torch (--system-site-packages),
+# `pip install --no-build-isolation .` and `./python` into it (offline: the project's own build
+# backend), then, from a folder outside the tree, the installed packages' own test and the
+# DeepSpeed compatibility suite against them. Run after the CUDA=AUTO pass: the same compiler
+# flags, so ccache serves the objects.
+pip_pass() {
+  local venv="$root/build-ci/venv" t0=$(date +%s) away
+  echo "== pip pass ($venv)"
+  rm -rf "$venv"
+  /usr/bin/python3 -m venv --system-site-packages "$venv"
+  STRATA_BUILD_DIR="$root/build-ci/pip" STRATA_JOBS="$jobs" \
+    "$venv/bin/python" -m pip install -q --no-build-isolation --no-deps --no-index "$root"
+  "$venv/bin/python" -m pip install -q --no-build-isolation --no-deps --no-index "$root/python"
+  away=$(mktemp -d)
+  local site
+  site=$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_path("purelib"))')
+  (cd "$away" && STRATA_PIP_VENV="$venv" STRATA_DS_COMPAT="$site" STRATA_CPU_DEVICE=strict \
+     STRATA_BIN="$venv/bin" PATH="$venv/bin:$PATH" "$venv/bin/python" -m pytest -q -p no:cacheprovider \
+     "$root/tests/python/test_pip_install.py" "$root/tests/python/test_deepspeed_api.py")
+  rm -rf "$away"
+  echo "== pip pass: $(( $(date +%s) - t0 )) s"
+}
+
 mkdir -p build-ci
 run_pass build-ci/cuda-auto -DSTRATA_CUDA=AUTO
+pip_pass
 if [ "${STRATA_TEST_CUDA_OFF:-1}" = "1" ]; then
   run_pass build-ci/cuda-off -DSTRATA_CUDA=OFF
 fi

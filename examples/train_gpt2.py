@@ -101,7 +101,8 @@ def main():
         n = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
         print(f"train_gpt2: GPT-2-style, {n / 1e6:.3g} M params, {engine.world_size} rank(s), "
               f"ZeRO stage {engine.zero_optimization_stage()}, micro-batch {micro} x {accum}, "
-              f"{len(text) / 1e6:.1f} MB of text; on {deepspeed.host_description()}", flush=True)
+              f"{len(text) / 1e6:.1f} MB of text; on {engine.device}, {deepspeed.host_description()}",
+              flush=True)
 
     rows, times = [], []
     csv = open(args.loss_csv, "w", encoding="utf-8") if args.loss_csv and leader else None
@@ -112,7 +113,8 @@ def main():
         total = 0.0
         for _ in range(accum):
             x, y = sample(text, micro, seq_len, gen)
-            loss = engine(x, targets=y)
+            # The batch goes where the engine computes (a GPU when there is one), as in DeepSpeed.
+            loss = engine(x.to(engine.device), targets=y.to(engine.device))
             engine.backward(loss)
             engine.step()
             total += loss.item() / accum

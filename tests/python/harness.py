@@ -19,6 +19,16 @@ import strata  # noqa: E402
 LR = 1e-3
 WEIGHT_DECAY = 0.01
 
+# Where the engines of these tests compute: what strata.device "auto" picks (CUDA where a GPU is,
+# else the CPU device), or STRATA_TEST_DEVICE. Batches are made there and the plain-PyTorch
+# reference runs there too, so that engine and reference run the same kernels.
+DEVICE = torch.device(os.environ.get("STRATA_TEST_DEVICE") or
+                      ("cuda" if torch.cuda.is_available() else "cpu"))
+# The relative tolerance of the loss comparisons: the CPU's, and five times it on a GPU, whose
+# Adam (Strata's kernel, torch's foreach AdamW) rounds in another order (as the C++ suite's
+# kGpuToleranceFactor).
+REL = 1e-5 if DEVICE.type == "cpu" else 5e-5
+
 
 class KwargsNet(torch.nn.Module):
     """A model whose forward and whose units take keyword arguments and return dicts."""
@@ -100,6 +110,19 @@ def launch_two_ranks(worker, args, tmp_path):
     return ranks
 
 
+def deepspeed_command():
+    """The `deepspeed` command: the build's (STRATA_DS_COMPAT/bin) or, for the pip-installed
+    distribution, the one in this interpreter's environment."""
+    import sysconfig
+    compat = os.environ.get("STRATA_DS_COMPAT", "")
+    candidates = [os.path.join(compat, "bin", "deepspeed")] if compat else []
+    for path in candidates + [os.path.join(sysconfig.get_path("scripts"), "deepspeed")]:
+        if os.access(path, os.X_OK):
+            return path
+    import pytest
+    pytest.fail(f"no deepspeed command in {compat}/bin or {sysconfig.get_path('scripts')}")
+
+
 def have_gloo():
     """Whether this build can run CPU collectives across ranks (c10d Gloo)."""
     from strata import _strata
@@ -154,7 +177,8 @@ def batch(model_name, step, rank=0, world=1, micro=2):
     else:
         side = 64 if model_name == "resnet18" else 32  # resnet: BatchNorm over more than 2 values in layer4
         x, y = torch.randn(n, 3, side, side, generator=g), torch.randint(0, 10, (n,), generator=g)
-    return x[rank * micro:(rank + 1) * micro], y[rank * micro:(rank + 1) * micro]
+    return (x[rank * micro:(rank + 1) * micro].to(DEVICE),
+            y[rank * micro:(rank + 1) * micro].to(DEVICE))
 
 
 def loss_of(model_name, model, x, y):
@@ -209,6 +233,7 @@ def reference_loop(model_name, model, opt, steps, accum=1, clip=0.0, world=1, mi
     """Plain PyTorch's loop, the one every Python test compares with: per global step,
     before_step(step), `accum` micro-batches of the whole batch (every rank's), clipping,
     opt.step(), zero_grad(), then sched.step(). Returns the loss of each global batch."""
+    model.to(DEVICE)  # in place: `opt` keeps stepping the same parameters
     losses = []
     for step in range(steps):
         if before_step is not None:
@@ -233,7 +258,7 @@ def train_reference(model_name, steps, accum=1, clip=0.0, world=1, micro=2):
     """Plain PyTorch with AdamW: the loss of each global batch (mean over its micro-batches and
     ranks), and the trained model."""
     torch.manual_seed(0)
-    model = MODELS[model_name]()
+    model = MODELS[model_name]().to(DEVICE)
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
     return reference_loop(model_name, model, opt, steps, accum, clip, world, micro), model
 
@@ -292,7 +317,8 @@ def train_strata(model_name, cfg, steps, rank=0, world=1, engine_out=None):
     return losses
 
 
-def assert_close(got, want, rel=1e-5, what="loss"):
+def assert_close(got, want, rel=None, what="loss"):
+    rel = REL if rel is None else rel
     assert len(got) == len(want)
     for i, (g, w) in enumerate(zip(got, want)):
         assert abs(g - w) <= rel * abs(w), f"{what} {i}: strata {g!r} vs reference {w!r}"

@@ -516,23 +516,12 @@ def test_launcher_refuses_a_hostfile_naming_other_hosts(tmp_path):
     assert _plan("--hostfile", str(hostfile))[0] == 3
 
 
-def _deepspeed_command():
-    """The build's `deepspeed` command, or, for the pip-installed distribution, its
-    environment's."""
-    import sysconfig
-    for path in (os.path.join(COMPAT, "bin", "deepspeed"),
-                 os.path.join(sysconfig.get_path("scripts"), "deepspeed")):
-        if os.access(path, os.X_OK):
-            return path
-    pytest.fail(f"no deepspeed command in {COMPAT}/bin or {sysconfig.get_path('scripts')}")
-
-
 def test_deepspeed_command_names_a_bad_flag():
     import subprocess
-    out = subprocess.run([_deepspeed_command(), "--num_nodes", "2", "x.py"],
+    out = subprocess.run([harness.deepspeed_command(), "--num_nodes", "2", "x.py"],
                          capture_output=True, text=True)
     assert out.returncode == 2 and "--num_nodes 2" in out.stderr
-    helped = subprocess.run([_deepspeed_command(), "--help"],
+    helped = subprocess.run([harness.deepspeed_command(), "--help"],
                             capture_output=True, text=True)
     assert helped.returncode == 0 and "--num_gpus" in helped.stdout
 

@@ -24,6 +24,8 @@ import sys
 
 import pytest
 
+import harness
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CORPUS = os.path.join(ROOT, "tests", "data", "ds-scripts")
 FAKE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "ds_corpus")
@@ -92,7 +94,7 @@ def _run(folder, ranks, fake, script_args, tmp_path):
     env["PYTHONPATH"] = os.pathsep.join([FAKE, COMPAT, env.get("PYTHONPATH", "")])
     env["STRATA_FAKE_DATA"] = str(fake) if fake else ""
     env["PYTHONUNBUFFERED"] = "1"
-    launcher = os.path.join(COMPAT, "bin", "deepspeed")
+    launcher = harness.deepspeed_command()
     cmd = f"{launcher} --num_gpus {ranks} {script_args}"
     # Each script runs in its own copy: several write files next to themselves or in ./data.
     proc = subprocess.run(["bash", "-c", cmd], cwd=work, env=env, capture_output=True, text=True,

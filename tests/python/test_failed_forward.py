@@ -1,0 +1,64 @@
+"""A forward that raises inside a unit (here: an input of the wrong dtype reaching the first
+convolution) leaves the engine and its device usable: the unit's gathered parameters are
+released, the same engine then trains exactly as plain PyTorch does, and closing it, or dropping
+it without close, frees everything with no copy or kernel left reading freed memory. On a GPU
+such a copy shows as an illegal address at the next CUDA call, which the end of each test makes
+(torch.cuda.synchronize)."""
+
+import copy
+import gc
+
+import pytest
+import torch
+
+import harness
+import strata
+
+CASES = [c for c in harness.GRID
+         if c[0] in ("stage0", "stage2_cpu_clip", "stage3", "stage3_cpu_release",
+                     "stage3_nvme_clip_accum")]
+
+
+def _sync():
+    if harness.DEVICE.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def _engine(case, tmp_path):
+    torch.manual_seed(0)
+    model = harness.MODELS["vit"]()
+    engine, _, _, _ = strata.initialize(model=model, model_parameters=model.parameters(),
+                                        config=copy.deepcopy(harness.config_for(case, tmp_path / "nvme")))
+    return engine
+
+
+def _fail_once(engine):
+    x, y = harness.batch("vit", 0)
+    with pytest.raises(RuntimeError):
+        harness.loss_of("vit", engine, x.to(torch.float64), y)
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c[0])
+def test_training_after_a_failed_forward_matches_pytorch(case, tmp_path):
+    want, _ = harness.train_reference("vit", 3, accum=case[4], clip=case[5])
+    engine = _engine(case, tmp_path)
+    _fail_once(engine)
+    got = harness.run_steps(engine, "vit", 0, 3, case[4])
+    engine.close()
+    _sync()
+    harness.assert_close(got, want)
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c[0])
+def test_an_engine_dropped_after_a_failed_forward_frees_cleanly(case, tmp_path):
+    engine = _engine(case, tmp_path)
+    _fail_once(engine)
+    del engine
+    gc.collect()
+    _sync()
+    # The device is healthy: a new engine on it trains.
+    engine = _engine(case, tmp_path)
+    losses = harness.run_steps(engine, "vit", 0, 2, case[4])
+    engine.close()
+    _sync()
+    assert all(torch.isfinite(torch.tensor(losses))), losses

@@ -345,11 +345,13 @@ sys.exit("missing commands: %s" % missing if missing else 0)' >"$WORK/smoke.log"
     results+=("probe=$(grep -c ' ok ' "$WORK/probe.log" || true) ok, $(grep -c FAILED "$WORK/probe.log" || true) failed of 7")
   fi
   cat "$WORK/probe.log"
-  # Seven cases, each a process importing transformers: more than 45 s on that lease.
+  # Seven cases, each a few Trainer runs in processes of their own: the first (stage 2, three
+  # runs) took about 90 s on the lease of 2026-11-27. Under set -e an empty grep below is a log
+  # without a summary (the time ran out), not an error.
   say "the Trainer test"
   STRATA_BIN="$scripts" STRATA_DS_COMPAT="$site" timeout "$(cap $(( $(left) / 2 )) 130)" \
     "$PY" -m pytest -q -rs -p no:cacheprovider "$ROOT/tests/python/test_hf_trainer.py" >"$WORK/trainer.log" 2>&1 || ok=false
-  line=$(grep -E '(passed|failed|skipped|error)' "$WORK/trainer.log" | tail -1)
+  line=$(grep -E '(passed|failed|skipped|error)' "$WORK/trainer.log" | tail -1 || true)
   line=${line:-ran out of time}; echo "  $line"; results+=("trainer=$line")
   say "examples/train_gpt2.py (30 steps)"
   if PATH="$scripts:$PATH" timeout "$(cap $(( $(left) / 4 )) 60)" "$PY" "$ROOT/examples/train_gpt2.py" \
@@ -365,7 +367,7 @@ sys.exit("missing commands: %s" % missing if missing else 0)' >"$WORK/smoke.log"
   say "a failed forward and what follows (CUDA_LAUNCH_BLOCKING=1)"
   STRATA_BIN="$scripts" CUDA_LAUNCH_BLOCKING=1 timeout "$(cap $(( $(left) / 3 )) 60)" \
     "$PY" -m pytest -q -rs -p no:cacheprovider "$ROOT/tests/python/test_failed_forward.py" >"$WORK/failed-forward.log" 2>&1 || ok=false
-  line=$(grep -E '(passed|failed|error)' "$WORK/failed-forward.log" | tail -1)
+  line=$(grep -E '(passed|failed|error)' "$WORK/failed-forward.log" | tail -1 || true)
   line=${line:-ran out of time}; echo "  $line"; results+=("failed_forward=$line")
   # The suite: one worker per file (as ctest runs them), as many files at once as cores allow.
   # The corpus test is the CPU device's (its scripts' fp16 refusals); the Trainer and the failed
@@ -380,7 +382,7 @@ sys.exit("missing commands: %s" % missing if missing else 0)' >"$WORK/smoke.log"
     --ignore="$ROOT/tests/python/test_hf_trainer.py" --ignore="$ROOT/tests/python/test_ds_corpus.py" \
     --ignore="$ROOT/tests/python/test_failed_forward.py" --ignore="$ROOT/tests/python/test_pip_install.py" \
     "$ROOT/tests/python" >"$WORK/suite.log" 2>&1 || ok=false
-  line=$(grep -E '(passed|failed|error)' "$WORK/suite.log" | tail -1)
+  line=$(grep -E '(passed|failed|error)' "$WORK/suite.log" | tail -1 || true)
   echo "  ${line:-the suite ran out of time (see work/pip/suite.log)}"
   results+=("suite=${line:-ran out of time}")
   grep -E '^(FAILED|ERROR) ' "$WORK/suite.log" | head -20 || true

@@ -138,7 +138,7 @@ def test_report_has_a_row_per_run(tmp_path):
 
 
 @pytest.mark.parametrize("args, message", [
-    ([], "build, test, bench, scale"),
+    ([], "build, pip, test, bench, scale"),
     (["deploy"], "unknown phase 'deploy'"),
     (["bench", "--device", "tpu"], "--device=tpu: cuda or cpu"),
     (["bench", "--steps", "0"], "--steps=0"),

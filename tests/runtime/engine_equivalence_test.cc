@@ -134,7 +134,14 @@ TEST_P(EquivalenceOtherOptimizers, MatchesLibTorchsOwnOptimizer) {
   } else {
     c.optimizer.lr = 0.02;
     c.optimizer.lr_decay = 0.05;
-    c.optimizer.eps = 1e-10;
+    // Not 1e-10: the attention's key bias (and the other parameters of the same kind) has a
+    // gradient of zero up to rounding (softmax ignores a shift shared by every key), and Adagrad
+    // divides a gradient by its own size. With a tiny eps that rounding noise, about 1e-7 here
+    // and dependent on the BLAS kernels' summation order (the CPU, the operands' alignment),
+    // moves such a bias by up to lr either way: the engine and LibTorch disagreed by 1.5e-4 on
+    // a Zen 5 with AVX-512. eps 1e-3 keeps noise below the tolerance while the gradients that
+    // carry signal (1e-2 and up) still set the update.
+    c.optimizer.eps = 1e-3;
     c.optimizer.weight_decay = 1e-3;
   }
   c.zero_optimization.stage = k.stage;

@@ -14,12 +14,19 @@ namespace strata::nvme {
 namespace {
 constexpr uint64_t kDirectAlignment = 4096;  // O_DIRECT offset and length granularity
 constexpr int kMaxShortRetries = 1000;       // retries of a piece that moves less than a block
+// How often one piece may be retried after -EAGAIN / -EINTR before the request fails, and the
+// backoff before each -EAGAIN retry (doubling from the first to the cap): a device that keeps
+// refusing is reported after about 1.2 s (25 ms for the doublings, then 56 x 20 ms) rather than
+// spun on, and a transient refusal costs 100 us.
+constexpr int kMaxEagainRetries = 64;
+constexpr auto kEagainFirstBackoff = std::chrono::microseconds(100);
+constexpr auto kEagainMaxBackoff = std::chrono::milliseconds(20);
+
+std::chrono::microseconds EagainBackoff(int retry) {
+  const auto d = kEagainFirstBackoff * (int64_t{1} << std::min(retry, 20));
+  return std::min<std::chrono::microseconds>(d, kEagainMaxBackoff);
+}
 }  // namespace
-
-
-// How often one piece may be retried after -EAGAIN / -EINTR before the request fails: a device
-// that keeps refusing is reported rather than spun on forever.
-constexpr int kMaxEagainRetries = 1000;
 
 struct IoEngine::Join {
   IoDone done;
@@ -91,8 +98,7 @@ void IoEngine::Submit(IoRequest request) {
     IoDone done = std::move(request.done);
     done(InvalidArgument(StrCat("I/O request names file ", request.file, " of ", files_.size(),
                                 " registered, buffer ", request.buf, ", length ", request.length)));
-    std::lock_guard<std::mutex> lock(drain_mu_);
-    if (--outstanding_ == 0) drain_cv_.notify_all();
+    RequestFinished();
     return;
   }
   uint64_t n = request.length == 0 ? 0 : (request.length + bs - 1) / bs;
@@ -106,17 +112,16 @@ void IoEngine::Submit(IoRequest request) {
     IoDone done = std::move(join->done);
     delete join;
     done(Status::Ok());
-    std::lock_guard<std::mutex> lock(drain_mu_);
-    if (--outstanding_ == 0) drain_cv_.notify_all();
+    RequestFinished();
     return;
   }
-  std::vector<Piece*> pieces;
+  std::vector<PiecePtr> pieces;
   pieces.reserve(n);
   auto* base = static_cast<char*>(request.buf);
   for (uint64_t i = 0; i < n; ++i) {
     uint64_t off = i * bs;
     uint64_t len = std::min(bs, request.length - off);
-    auto* p = new Piece;
+    auto p = std::make_unique<Piece>();
     p->op = request.op;
     p->file = request.file;
     p->buf = base + off;
@@ -124,12 +129,12 @@ void IoEngine::Submit(IoRequest request) {
     p->remaining = len;
     p->buf_index = BufferIndex(p->buf, len);
     p->join = join;
-    pieces.push_back(p);
+    pieces.push_back(std::move(p));
   }
-  Enqueue(pieces);
+  Enqueue(std::move(pieces));
 }
 
-bool IoEngine::OnResult(Piece* p, int64_t result) {
+bool IoEngine::OnResult(PiecePtr& p, int64_t result) {
   if (options_.fault_hook) {
     IoAttempt a{p->op, p->file, path_of(p->file), p->offset, p->remaining, p->attempt};
     result = options_.fault_hook(a, result);
@@ -139,34 +144,39 @@ bool IoEngine::OnResult(Piece* p, int64_t result) {
   if (result == -EAGAIN || result == -EINTR) {
     retries_eagain_.fetch_add(1, std::memory_order_relaxed);
     if (++p->eagain > kMaxEagainRetries) {
-      FinishPiece(p, Unavailable(StrCat(verb, " of ", p->remaining, " bytes at offset ", p->offset,
-                                        " in ", path_of(p->file), " still refused (EAGAIN) after ",
-                                        kMaxEagainRetries, " retries; the device is overloaded")));
+      Status refused = Unavailable(StrCat(verb, " of ", p->remaining, " bytes at offset ", p->offset,
+                                          " in ", path_of(p->file), " still refused (EAGAIN) after ",
+                                          kMaxEagainRetries, " retries; the device is overloaded"));
+      FinishPiece(std::move(p), std::move(refused));
       return true;
     }
+    // An interrupted call goes again at once; a refusal waits, longer each time.
+    p->retry_at = result == -EINTR ? std::chrono::steady_clock::time_point{}
+                                   : std::chrono::steady_clock::now() + EagainBackoff(p->eagain - 1);
     return false;
   }
+  p->retry_at = {};
   if (result < 0) {
-    FinishPiece(p, ErrnoToStatus(static_cast<int>(-result),
+    FinishPiece(std::move(p), ErrnoToStatus(static_cast<int>(-result),
                                  StrCat(verb, " of ", p->remaining, " bytes at offset ", p->offset,
                                         " in ", path_of(p->file))));
     return true;
   }
   if (result == 0) {
     if (p->op == IoOp::kRead) {
-      FinishPiece(p, OutOfRange(StrCat("short file: ", path_of(p->file), " ends before offset ",
+      FinishPiece(std::move(p), OutOfRange(StrCat("short file: ", path_of(p->file), " ends before offset ",
                                        p->offset, " (", p->remaining,
                                        " more bytes expected); the file was truncated or is not "
                                        "the one the index describes")));
     } else {
-      FinishPiece(p, IoError(StrCat("write at offset ", p->offset, " in ", path_of(p->file),
+      FinishPiece(std::move(p), IoError(StrCat("write at offset ", p->offset, " in ", path_of(p->file),
                                     " transferred 0 of ", p->remaining, " bytes")));
     }
     return true;
   }
   auto done = static_cast<uint64_t>(result);
   if (done > p->remaining) {
-    FinishPiece(p, Internal(StrCat(verb, " in ", path_of(p->file), " reported ", done,
+    FinishPiece(std::move(p), Internal(StrCat(verb, " in ", path_of(p->file), " reported ", done,
                                    " bytes for a request of ", p->remaining)));
     return true;
   }
@@ -175,8 +185,8 @@ bool IoEngine::OnResult(Piece* p, int64_t result) {
   // that are already right) instead of issuing an unaligned request the kernel would refuse.
   if (done < p->remaining && done % kDirectAlignment != 0) {
     done -= done % kDirectAlignment;
-    if (done == 0 && ++p->attempt > kMaxShortRetries) {
-      FinishPiece(p, IoError(StrCat(verb, " at offset ", p->offset, " in ", path_of(p->file),
+    if (done == 0 && ++p->stalls > kMaxShortRetries) {
+      FinishPiece(std::move(p), IoError(StrCat(verb, " at offset ", p->offset, " in ", path_of(p->file),
                                     " keeps transferring less than one ", kDirectAlignment,
                                     "-byte block; the device is failing")));
       return true;
@@ -190,14 +200,14 @@ bool IoEngine::OnResult(Piece* p, int64_t result) {
     retries_short_.fetch_add(1, std::memory_order_relaxed);
     return false;
   }
-  FinishPiece(p, Status::Ok());
+  FinishPiece(std::move(p), Status::Ok());
   return true;
 }
 
-void IoEngine::FinishPiece(Piece* p, Status status) {
+void IoEngine::FinishPiece(PiecePtr p, Status status) {
   pieces_.fetch_add(1, std::memory_order_relaxed);
   Join* j = p->join;
-  delete p;
+  p.reset();
   if (!status.ok()) {
     std::lock_guard<std::mutex> lock(j->mu);
     if (j->first_error.ok()) j->first_error = std::move(status);
@@ -213,6 +223,10 @@ void IoEngine::FinishPiece(Piece* p, Status status) {
   requests_.fetch_add(1, std::memory_order_relaxed);
   if (!result.ok()) errors_.fetch_add(1, std::memory_order_relaxed);
   done(std::move(result));
+  RequestFinished();
+}
+
+void IoEngine::RequestFinished() {
   std::lock_guard<std::mutex> lock(drain_mu_);
   if (--outstanding_ == 0) drain_cv_.notify_all();
 }
@@ -231,6 +245,7 @@ IoEngineStats IoEngine::stats() const {
   s.errors = errors_.load();
   s.retries_eagain = retries_eagain_.load();
   s.retries_short = retries_short_.load();
+  s.broken_rings = broken_rings_.load();
   s.fixed_buffers = fixed_buffers_.load();
   s.fixed_files = fixed_files_.load();
   return s;

@@ -25,9 +25,17 @@
 //   request naming an unknown file), with OK only when every byte of the request was
 //   transferred. Callbacks must be short and must not call Drain() or destroy the
 //   engine.
-// - Partial transfers are finished (the remainder is resubmitted); -EAGAIN / -EINTR are retried
-//   (bounded); any other error fails the request with a Status naming the file, offset and
-//   length. A read that meets end of file fails with OUT_OF_RANGE ("short file").
+// - Partial transfers are finished (the remainder is resubmitted); -EINTR is retried at once and
+//   -EAGAIN after a backoff that doubles from 100 us to 20 ms, both together at most
+//   kMaxEagainRetries (64) times per piece, so a piece the device keeps refusing fails with
+//   UNAVAILABLE within about 1.2 s; any other error fails the request with a Status naming the
+//   file, offset and length. A read that meets end of file fails with OUT_OF_RANGE ("short file").
+// - io_uring_enter itself failing (Note [broken ring] in uring_engine.cc): EINTR is retried,
+//   EAGAIN / EBUSY are retried after a backoff for at most about 2 s while nothing completes, any
+//   other error after 5 tries with a backoff (31 ms). Then the ring is broken: its queued pieces
+//   and those never handed to the kernel fail at once with that Status, those in flight as they
+//   complete (or after 2 s more, once the ring is torn down), and every later request on that
+//   ring fails at once. So Drain() returns within a stated bound whatever the kernel does.
 // - SetFiles() and RegisterBuffers() must be called while no I/O is in flight (normally right
 //   after Create). The engine does not own the file descriptors.
 // - Buffers and lengths must satisfy O_DIRECT's alignment (4096) for files opened with it.
@@ -37,6 +45,7 @@
 #include <sys/uio.h>
 
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <cstdint>
 #include <functional>
@@ -83,12 +92,17 @@ struct IoAttempt {
 // acts on it, so EIO, ENOSPC, EAGAIN and short transfers can be injected into the real
 // completion path of either engine. Called on engine threads; must be thread-safe.
 using IoFaultHook = std::function<int64_t(const IoAttempt&, int64_t result)>;
+// Test-only: called before each io_uring_enter that submits (io_uring engine only) with the
+// ring's label ("read0", "write1", ...); 0 lets the call go to the kernel, a negative errno makes
+// it fail with that error without reaching the kernel (nothing is submitted).
+using IoSubmitFaultHook = std::function<int(const std::string& ring)>;
 
 struct IoEngineOptions {
   AioConfig aio;
   bool force_fallback = false;  // use the pread/pwrite engine even where io_uring works
   std::string fallback_reason;  // why the caller forces it (logged and reported)
   IoFaultHook fault_hook;
+  IoSubmitFaultHook submit_fault_hook;
 };
 
 struct IoEngineStats {
@@ -98,6 +112,7 @@ struct IoEngineStats {
   uint64_t bytes_written = 0;   // SUM: bytes written
   uint64_t errors = 0;          // COUNT: requests completed with an error
   uint64_t retries_eagain = 0;  // COUNT: attempts retried after -EAGAIN / -EINTR
+  uint64_t broken_rings = 0;    // COUNT: rings that gave up after io_uring_enter kept failing
   uint64_t retries_short = 0;   // COUNT: attempts resubmitted to finish a short transfer
   bool fixed_buffers = false;   // registered buffers in use
   bool fixed_files = false;     // registered files in use
@@ -132,27 +147,36 @@ class IoEngine {
 
  protected:
   struct Join;
-  // One kernel-level request: a slice of at most block_size bytes of an IoRequest.
+  // One kernel-level request: a slice of at most block_size bytes of an IoRequest. Owned through
+  // PiecePtr by whoever holds it: the engine's queues, the kernel while in flight (its pointer is
+  // the SQE's user data, taken back from the completion), OnResult and FinishPiece.
   struct Piece {
     IoOp op = IoOp::kRead;
     int file = 0;
     char* buf = nullptr;
     uint64_t offset = 0;
     uint64_t remaining = 0;  // bytes still to transfer
-    int attempt = 0;
-    int eagain = 0;
-    int buf_index = -1;  // registered buffer holding buf, or -1
+    int attempt = 0;         // kernel-level attempts so far (what the fault hook sees)
+    int eagain = 0;          // attempts refused with -EAGAIN / -EINTR
+    int stalls = 0;          // attempts that moved less than one O_DIRECT block
+    int buf_index = -1;      // registered buffer holding buf, or -1
+    // Not to be submitted before this time (the backoff after -EAGAIN); epoch: at once.
+    std::chrono::steady_clock::time_point retry_at{};
     Join* join = nullptr;
   };
+  using PiecePtr = std::unique_ptr<Piece>;
 
   explicit IoEngine(IoEngineOptions options);
 
   // Hands pieces to the implementation; called once per Submit with all its pieces.
-  virtual void Enqueue(std::vector<Piece*>& pieces) = 0;
+  virtual void Enqueue(std::vector<PiecePtr> pieces) = 0;
   // Applies the fault hook and accounts `result`. Returns true when the piece is finished
-  // (completed or failed; it has been deleted), false when it must be submitted again as is
-  // (its offset/buf/remaining already advanced).
-  bool OnResult(Piece* piece, int64_t result);
+  // (completed or failed; `piece` is then empty), false when it must be submitted again as is
+  // (its offset/buf/remaining already advanced, retry_at set after -EAGAIN).
+  bool OnResult(PiecePtr& piece, int64_t result);
+  // Fails a piece that never reached the kernel or never will again (a broken ring).
+  void FailPiece(PiecePtr piece, Status status) { FinishPiece(std::move(piece), std::move(status)); }
+  void CountBrokenRing() { broken_rings_.fetch_add(1, std::memory_order_relaxed); }
 
   const std::string& path_of(int file) const;
   int BufferIndex(const void* buf, uint64_t len) const;
@@ -165,10 +189,12 @@ class IoEngine {
   std::atomic<bool> fixed_files_{false};
 
  private:
-  void FinishPiece(Piece* piece, Status status);
+  void FinishPiece(PiecePtr piece, Status status);
+  // One request fewer outstanding; wakes Drain() at zero.
+  void RequestFinished();
 
   std::atomic<uint64_t> requests_{0}, pieces_{0}, bytes_read_{0}, bytes_written_{0}, errors_{0},
-      retries_eagain_{0}, retries_short_{0};
+      retries_eagain_{0}, retries_short_{0}, broken_rings_{0};
 
   std::mutex drain_mu_;
   std::condition_variable drain_cv_;

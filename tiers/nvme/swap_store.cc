@@ -180,6 +180,7 @@ StatusOr<std::unique_ptr<SwapStore>> SwapStore::Open(const SwapStoreOptions& opt
   IoEngineOptions eo;
   eo.aio = options.aio;
   eo.fault_hook = options.fault_hook;
+  eo.submit_fault_hook = options.submit_fault_hook;
   eo.force_fallback = options.force_fallback || !s->direct_;
   if (!s->direct_) {
     eo.fallback_reason = "a swap directory does not support O_DIRECT (tmpfs?); buffered I/O with O_DSYNC";

@@ -67,6 +67,7 @@ struct SwapStoreOptions {
   SwapOpenMode mode = SwapOpenMode::kCreate;
   bool force_fallback = false;     // pread/pwrite engine even where io_uring works (tests)
   IoFaultHook fault_hook;          // test-only, see io_engine.h
+  IoSubmitFaultHook submit_fault_hook;  // test-only, see io_engine.h
   // Test-only: replaces open(2) for the swap files (returns an fd, or -1 with errno set), so a
   // file system that refuses O_DIRECT can be simulated on one that accepts it.
   std::function<int(const std::string& path, int flags, mode_t mode)> open_file;

@@ -4,6 +4,7 @@
 
 #include <cerrno>
 #include <system_error>
+#include <thread>
 
 namespace strata::nvme {
 
@@ -38,12 +39,13 @@ Status ThreadPoolEngine::SetFiles(std::vector<IoFile> files) {
   return Status::Ok();
 }
 
-void ThreadPoolEngine::Enqueue(std::vector<Piece*>& pieces) {
+void ThreadPoolEngine::Enqueue(std::vector<PiecePtr> pieces) {
+  const size_t n = pieces.size();
   {
     std::lock_guard<std::mutex> lock(mu_);
-    queue_.insert(queue_.end(), pieces.begin(), pieces.end());
+    for (auto& p : pieces) queue_.push_back(std::move(p));
   }
-  if (pieces.size() == 1) {
+  if (n == 1) {
     cv_.notify_one();
   } else {
     cv_.notify_all();
@@ -52,20 +54,21 @@ void ThreadPoolEngine::Enqueue(std::vector<Piece*>& pieces) {
 
 void ThreadPoolEngine::Worker() {
   while (true) {
-    Piece* p;
+    PiecePtr p;
     {
       std::unique_lock<std::mutex> lock(mu_);
       cv_.wait(lock, [this] { return stopping_ || !queue_.empty(); });
       if (queue_.empty()) return;  // stopping and drained
-      p = queue_.front();
+      p = std::move(queue_.front());
       queue_.pop_front();
     }
     const int fd = files_[p->file].fd;
-    bool finished = false;
-    while (!finished) {
+    while (true) {
       ssize_t r = p->op == IoOp::kRead ? pread(fd, p->buf, p->remaining, static_cast<off_t>(p->offset))
                                        : pwrite(fd, p->buf, p->remaining, static_cast<off_t>(p->offset));
-      finished = OnResult(p, r < 0 ? -static_cast<int64_t>(errno) : static_cast<int64_t>(r));
+      if (OnResult(p, r < 0 ? -static_cast<int64_t>(errno) : static_cast<int64_t>(r))) break;
+      // The backoff after -EAGAIN: this worker holds the piece, so it waits here.
+      std::this_thread::sleep_until(p->retry_at);
     }
   }
 }

@@ -2,8 +2,8 @@
 //
 // Used only when io_uring cannot be set up, when a directory does not support O_DIRECT (tmpfs),
 // or when forced. 2 × aio.intra_op_parallelism worker threads each run one piece at a time to
-// completion (finishing short transfers and retrying EAGAIN in place), so at most that many
-// pieces are in flight; the rest wait in a FIFO queue.
+// completion (finishing short transfers and retrying EAGAIN in place, after its backoff), so at
+// most that many pieces are in flight; the rest wait in a FIFO queue.
 #pragma once
 
 #include <condition_variable>
@@ -28,13 +28,13 @@ class ThreadPoolEngine final : public IoEngine {
 
  private:
   explicit ThreadPoolEngine(const IoEngineOptions& options);
-  void Enqueue(std::vector<Piece*>& pieces) override;
+  void Enqueue(std::vector<PiecePtr> pieces) override;
   void Worker();
 
   std::vector<std::thread> threads_;
   std::mutex mu_;
   std::condition_variable cv_;
-  std::deque<Piece*> queue_;  // GUARDED_BY(mu_)
+  std::deque<PiecePtr> queue_;  // GUARDED_BY(mu_)
   bool stopping_ = false;     // GUARDED_BY(mu_)
 };
 

@@ -25,7 +25,7 @@ class UringEngine final : public IoEngine {
  private:
   class Ring;
   explicit UringEngine(const IoEngineOptions& options);
-  void Enqueue(std::vector<Piece*>& pieces) override;
+  void Enqueue(std::vector<PiecePtr> pieces) override;
 
   std::vector<std::unique_ptr<Ring>> read_rings_;
   std::vector<std::unique_ptr<Ring>> write_rings_;

@@ -13,11 +13,13 @@
 #include <cstddef>
 
 #include <atomic>
+#include <chrono>
 #include <cerrno>
 #include <cstdlib>
 #include <cstring>
 #include <future>
 #include <memory>
+#include <mutex>
 #include <random>
 #include <string>
 #include <vector>
@@ -56,11 +58,13 @@ class EngineTest : public ::testing::TestWithParam<bool> {
   }
   void TearDown() override { close(fd_); }
 
-  std::unique_ptr<IoEngine> Make(AioConfig aio = {}, IoFaultHook hook = nullptr) {
+  std::unique_ptr<IoEngine> Make(AioConfig aio = {}, IoFaultHook hook = nullptr,
+                                 IoSubmitFaultHook submit_hook = nullptr) {
     IoEngineOptions o;
     o.aio = aio;
     o.force_fallback = GetParam();
     o.fault_hook = std::move(hook);
+    o.submit_fault_hook = std::move(submit_hook);
     auto e = IoEngine::Create(o);
     EXPECT_TRUE(e.ok()) << e.status();
     auto engine = std::move(e).value();
@@ -171,6 +175,40 @@ TEST_P(EngineTest, EagainIsRetried) {
   EXPECT_EQ(e->stats().retries_eagain, 6u);
 }
 
+// A device that refuses for good: each retry waits longer (100 us doubling to 20 ms), and the
+// request fails UNAVAILABLE after 64 retries, about 1.2 s, never spinning and never hanging.
+TEST_P(EngineTest, PersistentEagainFailsWithinItsBoundAfterBackingOff) {
+  auto hook = [](const IoAttempt&, int64_t) -> int64_t { return -EAGAIN; };
+  auto e = Make(AioConfig{}, hook);
+  Aligned b(4096);
+  const auto t0 = std::chrono::steady_clock::now();
+  Status s = Io(*e, IoOp::kWrite, b.p, b.size, 0);
+  const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  EXPECT_EQ(s.code(), StatusCode::kUnavailable) << s;
+  EXPECT_NE(s.message().find(path_), std::string::npos) << s;
+  EXPECT_EQ(e->stats().retries_eagain, 65u);  // the first refusal and 64 retries
+  EXPECT_GT(secs, 1.0) << "the retries did not back off";
+  EXPECT_LT(secs, 3.0) << "past the stated bound";
+  e->Drain();  // returns: nothing is left in flight
+}
+
+// Every kernel-level try of a piece is one attempt: a piece that keeps moving less than one
+// block is seen by the fault hook as attempts 0, 1, 2, ... with none skipped.
+TEST_P(EngineTest, EachAttemptIsCountedOnce) {
+  std::mutex mu;
+  std::vector<int> seen;
+  auto hook = [&](const IoAttempt& a, int64_t res) -> int64_t {
+    std::lock_guard<std::mutex> l(mu);
+    seen.push_back(a.attempt);
+    return a.attempt < 4 ? 100 : res;  // four tries that move less than a block
+  };
+  auto e = Make(AioConfig{}, hook);
+  Aligned w(8192);
+  Fill(w.p, w.size, 8);
+  ASSERT_OK(Io(*e, IoOp::kWrite, w.p, w.size, 0));
+  EXPECT_EQ(seen, (std::vector<int>{0, 1, 2, 3, 4}));
+}
+
 TEST_P(EngineTest, ErrorsNameTheFileAndKeepTheirCode) {
   auto hook = [](const IoAttempt& a, int64_t res) -> int64_t {
     if (a.offset == 0) return a.op == IoOp::kWrite ? -ENOSPC : -EIO;
@@ -234,6 +272,74 @@ TEST_P(EngineTest, DestructionDrainsInFlightIo) {
 
 INSTANTIATE_TEST_SUITE_P(Backends, EngineTest, ::testing::Values(false, true),
                          [](const auto& info) { return info.param ? "Fallback" : "IoUring"; });
+
+// io_uring_enter itself failing (Note [broken ring] in uring_engine.cc), injected before the call
+// reaches the kernel. The io_uring engine only: the fallback makes no such call.
+class RingTest : public EngineTest {};
+
+TEST_P(RingTest, PersistentSubmitErrorFailsEveryRequestWithinItsBound) {
+  std::atomic<bool> fail_writes{true};
+  auto submit = [&](const std::string& ring) { return fail_writes && ring == "write0" ? -EIO : 0; };
+  AioConfig aio;
+  aio.block_size = 4096;
+  aio.queue_depth = 4;
+  auto e = Make(aio, nullptr, submit);
+  constexpr int kN = 16;
+  Aligned w(kN * 4096);
+  Fill(w.p, w.size, 12);
+  std::atomic<int> failed{0}, calls{0};
+  const auto t0 = std::chrono::steady_clock::now();
+  for (int i = 0; i < kN; ++i)
+    e->Submit({IoOp::kWrite, 0, w.p + i * 4096, 4096, uint64_t(i) * 4096, [&](Status s) {
+                 calls++;
+                 if (s.code() == StatusCode::kIoError &&
+                     s.message().find("io_uring_enter") != std::string::npos)
+                   failed++;
+               }});
+  e->Drain();
+  const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  EXPECT_EQ(calls.load(), kN);
+  EXPECT_EQ(failed.load(), kN) << "each request fails with the call's error";
+  EXPECT_LT(secs, 1.0) << "5 tries with a 31 ms backoff, then the ring gives up";
+  EXPECT_EQ(e->stats().broken_rings, 1u);
+  EXPECT_EQ(e->stats().bytes_written, 0u);
+  // A broken ring fails later requests at once; the read ring is untouched.
+  fail_writes = false;
+  Aligned r(4096);
+  EXPECT_EQ(Io(*e, IoOp::kWrite, w.p, 4096, 0).code(), StatusCode::kIoError);
+  EXPECT_OK(Io(*e, IoOp::kRead, r.p, r.size, 0));
+}
+
+TEST_P(RingTest, ATransientSubmitErrorIsRetried) {
+  std::atomic<int> left{3};
+  auto submit = [&](const std::string&) { return left.fetch_sub(1) > 0 ? -ENOMEM : 0; };
+  auto e = Make(AioConfig{}, nullptr, submit);
+  Aligned w(8192), r(8192);
+  Fill(w.p, w.size, 13);
+  ASSERT_OK(Io(*e, IoOp::kWrite, w.p, w.size, 0));
+  ASSERT_OK(Io(*e, IoOp::kRead, r.p, r.size, 0));
+  EXPECT_EQ(std::memcmp(w.p, r.p, w.size), 0);
+  EXPECT_EQ(e->stats().broken_rings, 0u);
+}
+
+// EAGAIN from io_uring_enter with nothing in flight to complete: retried with a backoff for the
+// busy bound (2 s), then the ring gives up instead of spinning.
+TEST_P(RingTest, SubmitEagainWithNothingCompletingGivesUpAfterItsBound) {
+  std::atomic<bool> busy{false};  // from the request on: the ring's own set-up goes through
+  auto submit = [&](const std::string& ring) { return busy && ring == "read0" ? -EAGAIN : 0; };
+  auto e = Make(AioConfig{}, nullptr, submit);
+  Aligned r(4096);
+  busy = true;
+  const auto t0 = std::chrono::steady_clock::now();
+  Status s = Io(*e, IoOp::kRead, r.p, r.size, 0);
+  const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  EXPECT_EQ(s.code(), StatusCode::kUnavailable) << s;
+  EXPECT_GT(secs, 1.9);
+  EXPECT_LT(secs, 4.0);
+}
+
+INSTANTIATE_TEST_SUITE_P(IoUring, RingTest, ::testing::Values(false),
+                         [](const auto&) { return std::string("IoUring"); });
 
 // Makes io_uring_setup fail with ENOSYS in this process, as on a kernel built without io_uring
 // or with it disabled, without touching the machine-wide io_uring_disabled sysctl.

@@ -290,6 +290,27 @@ TEST_P(SwapStoreTest, InjectedFaultsFailTheBlockWithoutClaimingIt) {
   EXPECT_EQ(back, d);
 }
 
+// io_uring_enter failing for good on the write ring: the write fails within the ring's bound
+// and the block is not claimed (FAILED_PRECONDITION on read, as after any failed write).
+TEST_P(SwapStoreTest, ABrokenRingFailsTheWriteWithoutClaimingTheBlock) {
+  if (fallback()) GTEST_SKIP() << "the fallback makes no io_uring_enter call";
+  std::atomic<bool> broken{false};
+  auto o = Opts({dir_.path()}, fallback());
+  o.submit_fault_hook = [&](const std::string& ring) {
+    return broken && ring.rfind("write", 0) == 0 ? -EFAULT : 0;
+  };
+  ASSERT_OK_AND_ASSIGN(auto store, SwapStore::Open(o));
+  ASSERT_OK(store->Allocate(1, 70000));
+  auto d = Pattern(70000, 4);
+  ASSERT_OK(store->Write(1, d.data()));
+  broken = true;
+  Status w = store->Write(1, d.data());
+  EXPECT_EQ(w.code(), StatusCode::kIoError) << w;
+  EXPECT_NE(w.message().find("io_uring_enter"), std::string::npos) << w;
+  std::vector<char> back(70000);
+  EXPECT_EQ(store->Read(1, back.data()).code(), StatusCode::kFailedPrecondition);
+}
+
 TEST_P(SwapStoreTest, AllocatorReusesFreedSpaceAndReportsExhaustion) {
   ASSERT_OK_AND_ASSIGN(auto store, SwapStore::Open(Opts({dir_.path()}, fallback(), 1 << 20)));
   EXPECT_EQ(store->capacity(), 1u << 20);

@@ -19,7 +19,7 @@
 #include <cstdint>
 
 #include "kernels/internal.h"
-#include "tiers/hbm/cuda_check.h"
+#include "runtime/base/cuda_check.h"
 
 namespace strata::kernels {
 

@@ -8,6 +8,7 @@
 #include <nccl.h>
 
 #include "runtime/base/check.h"
+#include "runtime/base/cuda_check.h"
 #include "runtime/base/logging.h"
 #include "runtime/comm/backends.h"
 
@@ -22,16 +23,6 @@
 namespace strata {
 
 namespace {
-
-// Turns a CUDA error into a Status and clears CUDA's sticky last error.
-#define STRATA_CUDA_RETURN(expr)                                                           \
-  do {                                                                                     \
-    const cudaError_t strata_ce_ = (expr);                                                 \
-    if (strata_ce_ != cudaSuccess) {                                                       \
-      (void)cudaGetLastError();                                                            \
-      return ::strata::Internal(::strata::StrCat(#expr, ": ", cudaGetErrorString(strata_ce_))); \
-    }                                                                                      \
-  } while (0)
 
 Status NcclError(ncclResult_t r, const char* what, ncclComm_t comm) {
   const char* last = comm != nullptr ? ncclGetLastError(comm) : ncclGetLastError(nullptr);
@@ -91,9 +82,9 @@ class NcclCommunicator final : public Communicator {
   MemoryKind memory_kind() const override { return MemoryKind::kDevice; }
 
   Status Init(RendezvousStore& store) {
-    STRATA_CUDA_RETURN(cudaSetDevice(device_));
-    STRATA_CUDA_RETURN(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
-    STRATA_CUDA_RETURN(cudaMalloc(&scratch_, sizeof(int32_t)));
+    STRATA_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
+    STRATA_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+    STRATA_CUDA_RETURN_IF_ERROR(cudaMalloc(&scratch_, sizeof(int32_t)));
     ncclUniqueId id;
     const std::string key = "strata/nccl/unique_id";
     if (rank() == 0) {
@@ -179,7 +170,7 @@ class NcclCommunicator final : public Communicator {
  private:
   template <typename F>
   Status Issue(const char* what, F&& enqueue) {
-    STRATA_CUDA_RETURN(cudaSetDevice(device_));
+    STRATA_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
     const ncclResult_t r = enqueue();
     if (r != ncclSuccess && r != ncclInProgress) return Fail(NcclError(r, what, comm_));
     STRATA_RETURN_IF_ERROR(WaitComm(what));
@@ -212,7 +203,7 @@ class NcclCommunicator final : public Communicator {
       if (q == cudaSuccess) return Status::Ok();
       if (q != cudaErrorNotReady) {
         (void)cudaGetLastError();
-        return Fail(Internal(StrCat(what, ": cudaStreamQuery: ", cudaGetErrorString(q))));
+        return Fail(CudaToStatus(q, StrCat(what, ": cudaStreamQuery").c_str()));
       }
       ncclResult_t state = ncclSuccess;
       if (ncclCommGetAsyncError(comm_, &state) == ncclSuccess && state != ncclSuccess &&

@@ -11,7 +11,7 @@
 #include <set>
 
 #include "runtime/base/units.h"
-#include "tiers/hbm/cuda_check.h"
+#include "runtime/base/cuda_check.h"
 
 namespace strata {
 namespace {

@@ -4,7 +4,7 @@
 #include <cuda_runtime_api.h>
 
 #include "runtime/base/logging.h"
-#include "tiers/hbm/cuda_check.h"
+#include "runtime/base/cuda_check.h"
 #include "tiers/hbm/cuda_device.h"
 
 namespace strata::host_internal {

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Builds the libFuzzer targets with clang (ASan + UBSan + coverage on strata_core too) in
+# Builds the libFuzzer targets with clang (ASan + UBSan + coverage on the libraries they link too) in
 # build-fuzz and runs each for N seconds on its committed corpus, tests/fuzz/corpus/<target>/.
 # New interesting inputs go to build-fuzz/corpus/<target>/ (not the committed corpus); crashes
 # to build-fuzz/artifacts/<target>/ and fail the script. Add a reproducer to the committed corpus

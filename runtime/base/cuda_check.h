@@ -1,5 +1,7 @@
-// The one way CUDA calls report errors: a Status naming the call, with CUDA's sticky error
-// cleared so that one failed call does not poison every later one.
+// The one way CUDA calls report errors, for every floor that makes them (the CUDA device and host
+// allocator in tiers/, the NCCL communicator in runtime/comm/, the kernels): a Status naming the
+// call, out of memory as RESOURCE_EXHAUSTED, with CUDA's sticky error cleared so that one failed
+// call does not poison every later one. Included only by files compiled with CUDA.
 #pragma once
 
 #include <cuda_runtime_api.h>

@@ -14,6 +14,7 @@
 
 #include "optim/adam_kernels.h"
 #include "runtime/base/check.h"
+#include "runtime/base/cpu_features.h"
 #include "runtime/base/logging.h"
 
 namespace strata::optim {
@@ -63,17 +64,16 @@ StatusOr<Isa> ParseIsa(const char* name) {
 }
 
 bool IsaSupported(Isa isa) {
-  // __builtin_cpu_supports also checks that the OS saves the wider registers (XCR0).
-  const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-                    __builtin_cpu_supports("f16c");
-  const bool avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+  // Cpu() also checks that the OS saves the wider registers (XCR0).
+  const CpuFeatures& f = Cpu();
+  const bool avx2 = f.avx2 && f.fma && f.f16c;
+  const bool avx512 = f.avx512f && f.avx512bw && f.avx512vl && f.avx512dq;
   switch (isa) {
     case Isa::kAuto:
     case Isa::kScalar: return true;
     case Isa::kAvx2: return avx2;
     case Isa::kAvx512: return avx512;
-    case Isa::kAvx512Bf16: return avx512 && __builtin_cpu_supports("avx512bf16");
+    case Isa::kAvx512Bf16: return avx512 && f.avx512_bf16;
   }
   return false;
 }

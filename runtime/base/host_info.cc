@@ -11,6 +11,8 @@
 #include <fstream>
 #include <sstream>
 
+#include "runtime/base/cpu_features.h"
+
 namespace strata {
 namespace {
 
@@ -64,16 +66,15 @@ HostInfo ReadHostInfo() {
       break;
     }
   }
-  __builtin_cpu_init();
-  // AMX-BF16 has no __builtin_cpu_supports name in GCC 12; its CPUs also report avx512bf16.
-  h.native_bf16 = __builtin_cpu_supports("avx512bf16");
+  // CPUs with AMX-BF16 also report AVX512_BF16.
+  h.native_bf16 = Cpu().avx512_bf16;
   if (const char* o = std::getenv("STRATA_CPU_BF16"); o && (o[0] == '0' || o[0] == '1') && o[1] == '\0')
     h.native_bf16 = o[0] == '1';
-  if (__builtin_cpu_supports("avx512bf16")) {
+  if (Cpu().avx512_bf16) {
     h.isa = "avx512_bf16";
-  } else if (__builtin_cpu_supports("avx512f")) {
+  } else if (Cpu().avx512f) {
     h.isa = "avx512";
-  } else if (__builtin_cpu_supports("avx2")) {
+  } else if (Cpu().avx2) {
     h.isa = "avx2";
   } else {
     h.isa = "sse";

@@ -64,121 +64,130 @@ GatherLane::GatherLane(std::unique_ptr<Stream> stream, std::vector<std::unique_p
 
 GatherLane::~GatherLane() { Stop(); }
 
-void GatherLane::Start() { thread_ = std::thread([this] { Run(); }); }
+void GatherLane::Start() {
+  WorkerThread<Job>::Hooks hooks;
+  hooks.take = [](Job&) {};
+  hooks.work = [this](Job& j) { Work(j); };
+  hooks.finish = [this](Job& j) {
+    worker_.mu.AssertHeld();
+    Finish(j);
+  };
+  worker_.Start(std::move(hooks));
+}
 
-void GatherLane::Stop() { StopLaneThread(mu_, cv_, &stop_, thread_); }
+void GatherLane::Stop() { worker_.Stop(); }
 
-void GatherLane::Run() {
-  std::unique_lock<std::mutex> l(mu_);
-  for (;;) {
-    cv_.wait(l, [&] { return stop_ || !queue_.empty(); });
-    if (queue_.empty()) return;
-    const int64_t c = queue_.front();
-    queue_.pop_front();
-    l.unlock();
-    if (before_read_) {
-      double wait_s = 0;  // waiting, not busy: traced, not counted
-      LaneTimer t(&wait_s, trace_, Lane::kCopy, "wait for update (ahead)", -1, c);
-      before_read_(c);
-    }
-    const ShardCopy to = target_(c);
-    const BlockKey key{c, StateKind::kParam16};
-    double read_s = 0, copy_s = 0;
-    Status s;
-    void* src = nullptr;
-    {
-      LaneTimer t(&read_s, trace_, Lane::kCopy, "shard read (ahead)", -1, c);
-      auto got = store_->Acquire(key, Access::kRead);
-      if (got.ok()) src = *got;
-      else s = got.status();
-    }
-    Status r;  // the block's release, once the copy has read it
-    {
-      LaneTimer t(&copy_s, trace_, Lane::kCopy, "shard to device (ahead)", -1, c);
-      bool recorded = false;
-      if (s.ok()) {
-        s = stream_->MemcpyAsync(to.dst, src, to.bytes, to.kind);
-        if (s.ok()) s = stream_->Record(*events_[c]);
-        recorded = s.ok();
-      }
-      // Compute may go on now: it orders itself after the event (WaitEnqueued's `take`).
-      l.lock();
-      status_[c] = s.ok() ? s : s.WithContext(StrCat("gathering chunk ", c, " ahead"));
-      enqueued_[c] = 1;
-      cv_.notify_all();
-      l.unlock();
-      if (src != nullptr) {
-        Status w = recorded ? events_[c]->Synchronize() : stream_->Synchronize();
-        r = store_->Release(key, false);
-        if (!w.ok()) r = w;
-      }
-    }
-    l.lock();
-    stats_.read_s += read_s;
-    stats_.copy_s += copy_s;
-    if (s.ok() && r.ok() && to.kind == CopyKind::kHostToDevice) stats_.bytes_h2d += to.bytes;
-    if (!r.ok()) {
-      r = r.WithContext(StrCat("gathering chunk ", c, " ahead"));
-      if (taken_[c]) {
-        if (error_.ok()) error_ = r;  // the engine's FinishUpdates reports it
-      } else if (status_[c].ok()) {
-        status_[c] = r;  // the engine's SettleFill reports it
-      } else {
-        STRATA_LOG(WARN) << r;  // second to the copy's own error, which is reported
-      }
-    }
-    landed_[c] = 1;
-    cv_.notify_all();
+void GatherLane::Work(Job& j) {
+  const int64_t c = j.c;
+  if (before_read_) {
+    double wait_s = 0;  // waiting, not busy: traced, not counted
+    LaneTimer t(&wait_s, trace_, Lane::kCopy, "wait for update (ahead)", -1, c);
+    before_read_(c);
   }
+  j.to = target_(c);
+  const BlockKey key{c, StateKind::kParam16};
+  void* src = nullptr;
+  {
+    LaneTimer t(&j.read_s, trace_, Lane::kCopy, "shard read (ahead)", -1, c);
+    auto got = store_->Acquire(key, Access::kRead);
+    if (got.ok()) src = *got;
+    else j.s = got.status();
+  }
+  LaneTimer t(&j.copy_s, trace_, Lane::kCopy, "shard to device (ahead)", -1, c);
+  bool recorded = false;
+  if (j.s.ok()) {
+    j.s = stream_->MemcpyAsync(j.to.dst, src, j.to.bytes, j.to.kind);
+    if (j.s.ok()) j.s = stream_->Record(*events_[c]);
+    recorded = j.s.ok();
+  }
+  // Compute may go on now: it orders itself after the event (WaitEnqueued's `take`).
+  {
+    MutexLock l(&worker_.mu);
+    status_[c] = j.s.ok() ? j.s : j.s.WithContext(StrCat("gathering chunk ", c, " ahead"));
+    enqueued_[c] = 1;
+  }
+  worker_.cv.SignalAll();
+  if (src != nullptr) {
+    Status w = recorded ? events_[c]->Synchronize() : stream_->Synchronize();
+    j.r = store_->Release(key, false);
+    if (!w.ok()) j.r = w;
+  }
+}
+
+void GatherLane::Finish(Job& j) {
+  const int64_t c = j.c;
+  stats_.read_s += j.read_s;
+  stats_.copy_s += j.copy_s;
+  if (j.s.ok() && j.r.ok() && j.to.kind == CopyKind::kHostToDevice) stats_.bytes_h2d += j.to.bytes;
+  if (!j.r.ok()) {
+    Status r = j.r.WithContext(StrCat("gathering chunk ", c, " ahead"));
+    if (taken_[c]) {
+      if (error_.ok()) error_ = r;  // the engine's FinishUpdates reports it
+    } else if (status_[c].ok()) {
+      status_[c] = r;  // the engine's SettleFill reports it
+    } else {
+      STRATA_LOG(WARN) << r;  // second to the copy's own error, which is reported
+    }
+  }
+  landed_[c] = 1;
 }
 
 void GatherLane::Enqueue(int64_t c) {
   {
-    std::lock_guard<std::mutex> l(mu_);
+    MutexLock l(&worker_.mu);
     STRATA_DCHECK(landed_[c] != 0, "chunk ", c, " queued for a gather ahead while one is in flight");
     enqueued_[c] = 0;
     landed_[c] = 0;
     taken_[c] = 0;
     status_[c] = Status::Ok();
-    queue_.push_back(c);
+    Job job;
+    job.c = c;
+    worker_.queue().push_back(std::move(job));
   }
-  cv_.notify_all();
+  worker_.cv.SignalAll();
 }
 
 Status GatherLane::WaitEnqueued(int64_t c, bool take, double* stall_s, int64_t trace_step) {
-  std::unique_lock<std::mutex> l(mu_);
-  TimedWait(l, cv_, [&] { return enqueued_[c] != 0; }, stall_s, trace_, "shard ahead",
-            trace_step, c);
+  MutexLock l(&worker_.mu);
+  if (!enqueued_[c]) {
+    LaneTimer t(stall_s, trace_, Lane::kWait, "shard ahead", trace_step, c);
+    while (!enqueued_[c]) worker_.cv.Wait(&worker_.mu);
+  }
   if (status_[c].ok() && take) taken_[c] = 1;
   return status_[c];
 }
 
 void GatherLane::WaitLanded(int64_t c) {
-  std::unique_lock<std::mutex> l(mu_);
-  cv_.wait(l, [&] { return landed_[c] != 0; });
+  MutexLock l(&worker_.mu);
+  while (!landed_[c]) worker_.cv.Wait(&worker_.mu);
 }
 
 void GatherLane::WaitAllLanded() {
-  for (size_t c = 0; c < landed_.size(); ++c) WaitLanded(static_cast<int64_t>(c));
+  size_t n;
+  {
+    MutexLock l(&worker_.mu);
+    n = landed_.size();
+  }
+  for (size_t c = 0; c < n; ++c) WaitLanded(static_cast<int64_t>(c));
 }
 
 Status GatherLane::status(int64_t c) const {
-  std::lock_guard<std::mutex> l(mu_);
+  MutexLock l(&worker_.mu);
   return status_[c];
 }
 
 Status GatherLane::TakeError() {
-  std::lock_guard<std::mutex> l(mu_);
+  MutexLock l(&worker_.mu);
   return std::exchange(error_, Status::Ok());
 }
 
 GatherLane::Stats GatherLane::stats() const {
-  std::lock_guard<std::mutex> l(mu_);
+  MutexLock l(&worker_.mu);
   return stats_;
 }
 
 void GatherLane::ResetStats() {
-  std::lock_guard<std::mutex> l(mu_);
+  MutexLock l(&worker_.mu);
   stats_ = Stats();
 }
 

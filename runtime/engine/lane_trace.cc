@@ -19,12 +19,12 @@ const char* LaneName(Lane lane) {
 void LaneTrace::Add(Lane lane, const char* name, Clock::time_point begin, Clock::time_point end,
                     int64_t step, int64_t chunk) {
   if (!armed()) return;
-  std::lock_guard<std::mutex> l(mu_);
+  MutexLock l(&mu_);
   spans_.push_back({lane, name, begin, end, step, chunk});
 }
 
 nlohmann::json LaneTrace::ToJson() const {
-  std::lock_guard<std::mutex> l(mu_);
+  MutexLock l(&mu_);
   nlohmann::json events = nlohmann::json::array();
   // Track names and their order (tid = lane), so the viewer shows compute first.
   for (int k = 0; k < kNumLanes; ++k) {
@@ -52,12 +52,12 @@ nlohmann::json LaneTrace::ToJson() const {
 }
 
 size_t LaneTrace::size() const {
-  std::lock_guard<std::mutex> l(mu_);
+  MutexLock l(&mu_);
   return spans_.size();
 }
 
 void LaneTrace::Clear() {
-  std::lock_guard<std::mutex> l(mu_);
+  MutexLock l(&mu_);
   spans_.clear();
 }
 

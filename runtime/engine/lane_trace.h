@@ -6,21 +6,19 @@
 // - Add records only while the trace is armed; disarmed, it costs one relaxed atomic load.
 // - Spans are kept in memory until Clear; a run traces a few steps, not a whole training.
 // - Thread-safe: lanes record from their own threads.
-// Beside it, what every lane shares: LaneTimer (busy time and a span), TimedWait (a waiter's
-// blocked time), StopLaneThread (ending a lane's thread).
+// Beside it, what every lane shares: LaneTimer (busy time and a span; a waiter's blocked time
+// when its span is on the wait track). The lanes' queue loop is runtime/base/worker_thread.h.
 #pragma once
 
 #include <atomic>
 #include <chrono>
-#include <condition_variable>
 #include <cstdint>
-#include <mutex>
 #include <string>
-#include <thread>
 #include <vector>
 
 #include <nlohmann/json.hpp>
 
+#include "runtime/base/mutex.h"
 #include "runtime/base/status.h"
 
 namespace strata {
@@ -41,12 +39,12 @@ class LaneTrace {
   // `step`: the optimizer step the work is for (< 0: not known, e.g. tier I/O). `chunk` < 0: the
   // span concerns no single chunk.
   void Add(Lane lane, const char* name, Clock::time_point begin, Clock::time_point end,
-           int64_t step, int64_t chunk = -1);
+           int64_t step, int64_t chunk = -1) EXCLUDES(mu_);
 
   // {"traceEvents": [...], "displayTimeUnit": "ms"}; times in microseconds from the first span.
-  nlohmann::json ToJson() const;
-  size_t size() const;
-  void Clear();
+  nlohmann::json ToJson() const EXCLUDES(mu_);
+  size_t size() const EXCLUDES(mu_);
+  void Clear() EXCLUDES(mu_);
 
  private:
   struct Span {
@@ -56,8 +54,8 @@ class LaneTrace {
     int64_t step, chunk;
   };
   std::atomic<bool> armed_{false};
-  mutable std::mutex mu_;
-  std::vector<Span> spans_;  // GUARDED_BY(mu_)
+  mutable Mutex mu_;
+  std::vector<Span> spans_ GUARDED_BY(mu_);
 };
 
 using LaneClock = LaneTrace::Clock;
@@ -87,32 +85,5 @@ class LaneTimer {
   const char* name_ = "";
   int64_t step_ = 0, chunk_ = -1;
 };
-
-// Waits on `cv` (with `held` locked) until `done()`. A wait that happened is added to *waited and
-// traced as `what` on the wait track: how a lane's waiter (usually the compute thread) accounts
-// for being blocked on that lane.
-template <typename Done>
-void TimedWait(std::unique_lock<std::mutex>& held, std::condition_variable& cv, Done done,
-               double* waited, LaneTrace* trace, const char* what, int64_t step,
-               int64_t chunk = -1) {
-  if (done()) return;
-  const LaneClock::time_point t0 = LaneClock::now();
-  cv.wait(held, done);
-  const LaneClock::time_point t1 = LaneClock::now();
-  *waited += std::chrono::duration<double>(t1 - t0).count();
-  trace->Add(Lane::kWait, what, t0, t1, step, chunk);
-}
-
-// How a lane ends its thread: sets *stop under `mu` (the lane's loop returns once its queue is
-// empty and *stop is set), wakes the loop and joins it. Idempotent.
-inline void StopLaneThread(std::mutex& mu, std::condition_variable& cv, bool* stop,
-                           std::thread& thread) {
-  {
-    std::lock_guard<std::mutex> l(mu);
-    *stop = true;
-  }
-  cv.notify_all();
-  if (thread.joinable()) thread.join();
-}
 
 }  // namespace strata

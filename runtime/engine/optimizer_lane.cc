@@ -36,85 +36,92 @@ OptimizerLane::OptimizerLane(int64_t num_chunks, Device* device, LaneTrace* trac
 
 OptimizerLane::~OptimizerLane() { Stop(); }
 
-void OptimizerLane::Start() { thread_ = std::thread([this] { Run(); }); }
-
-void OptimizerLane::Stop() { StopLaneThread(mu_, cv_, &stop_, thread_); }
-
-void OptimizerLane::Run() {
+void OptimizerLane::Start() {
+  WorkerThread<Job>::Hooks hooks;
+  hooks.take = [this](Job& j) {
+    worker_.mu.AssertHeld();
+    Take(j);
+  };
+  hooks.work = [this](Job& j) { Work(j); };
+  hooks.finish = [this](Job& j) {
+    worker_.mu.AssertHeld();
+    Finish(j);
+  };
   // The current device is per thread: the GPU Adam's kernels go to the engine's device.
-  c10::DeviceGuard on_device(TorchDevice(*device_));
-  std::unique_lock<std::mutex> l(mu_);
-  for (;;) {
-    cv_.wait(l, [&] { return stop_ || !queue_.empty(); });
-    if (queue_.empty()) return;
-    const int64_t c = queue_.front();
-    queue_.pop_front();
-    ++busy_;
-    const bool failed = !error_.ok();  // the step's later updates are dropped
-    l.unlock();
-    double dt = 0, not_busy_s = 0;
-    Status s;
-    std::optional<PublishLane::Copy> publish;
-    if (!failed) {
-      if (delay_hook_) delay_hook_(c);
-      LaneTimer t(&dt, trace_, Lane::kOptimizer, "adam", inputs_.step, c);
-      s = update_(c, inputs_, &publish, &not_busy_s);
-    }
-    l.lock();
-    // A wait for a staging slot is a wait for the copy lane, not optimizer work.
-    busy_s_ += std::max(0.0, dt - not_busy_s);
-    if (!s.ok() && error_.ok()) error_ = s;
-    if (publish) {
-      // The publish lane finishes the chunk; submitted here, with this update's time already
-      // counted, so that an idle lane means its step's figures are complete.
-      STRATA_DCHECK(publish_ != nullptr, "chunk ", c, ": an update left a copy but no publish lane");
-      publish_->Submit(*publish);
-    } else {
-      pending_[c] = 0;
-      --busy_;
-    }
-    cv_.notify_all();
+  worker_.Start(std::move(hooks), [this](const std::function<void()>& loop) {
+    c10::DeviceGuard on_device(TorchDevice(*device_));
+    loop();
+  });
+}
+
+void OptimizerLane::Stop() { worker_.Stop(); }
+
+void OptimizerLane::Take(Job& j) {
+  ++busy_;
+  j.failed = !error_.ok();
+}
+
+void OptimizerLane::Work(Job& j) {
+  if (j.failed) return;
+  if (delay_hook_) delay_hook_(j.c);
+  LaneTimer t(&j.dt, trace_, Lane::kOptimizer, "adam", inputs_.step, j.c);
+  j.s = update_(j.c, inputs_, &j.publish, &j.not_busy_s);
+}
+
+void OptimizerLane::Finish(Job& j) {
+  // A wait for a staging slot is a wait for the copy lane, not optimizer work.
+  busy_s_ += std::max(0.0, j.dt - j.not_busy_s);
+  if (!j.s.ok() && error_.ok()) error_ = j.s;
+  if (j.publish) {
+    // The publish lane finishes the chunk; submitted here, with this update's time already
+    // counted, so that an idle lane means its step's figures are complete.
+    STRATA_DCHECK(publish_ != nullptr, "chunk ", j.c, ": an update left a copy but no publish lane");
+    publish_->Submit(*j.publish);
+  } else {
+    pending_[j.c] = 0;
+    --busy_;
   }
 }
 
 void OptimizerLane::SetStepInputs(StepInputs in) {
-  std::lock_guard<std::mutex> l(mu_);
-  STRATA_DCHECK(queue_.empty() && busy_ == 0,
-               "step inputs changed while updates of step ", inputs_.step, " are pending");
+  MutexLock l(&worker_.mu);
+  STRATA_DCHECK(Idle(), "step inputs changed while updates of step ", inputs_.step, " are pending");
   inputs_ = std::move(in);
 }
 
 void OptimizerLane::Enqueue(int64_t c) {
   {
-    std::lock_guard<std::mutex> l(mu_);
+    MutexLock l(&worker_.mu);
     pending_[c] = 1;
-    queue_.push_back(c);
+    Job job;
+    job.c = c;
+    worker_.queue().push_back(std::move(job));
   }
-  cv_.notify_all();
+  worker_.cv.SignalAll();
 }
 
 bool OptimizerLane::Pending(int64_t c) const {
-  std::lock_guard<std::mutex> l(mu_);
+  MutexLock l(&worker_.mu);
   return pending_[c] != 0;
 }
 
 void OptimizerLane::WaitIdle() {
-  std::unique_lock<std::mutex> l(mu_);
-  cv_.wait(l, [&] { return queue_.empty() && busy_ == 0; });
+  MutexLock l(&worker_.mu);
+  while (!Idle()) worker_.cv.Wait(&worker_.mu);
 }
 
 Status OptimizerLane::Drain() {
-  std::unique_lock<std::mutex> l(mu_);
-  cv_.wait(l, [&] { return queue_.empty() && busy_ == 0; });
+  MutexLock l(&worker_.mu);
+  while (!Idle()) worker_.cv.Wait(&worker_.mu);
   return std::exchange(error_, Status::Ok());
 }
 
 Status OptimizerLane::WaitUpdated(int64_t c, double* waited, int64_t trace_step) {
-  std::unique_lock<std::mutex> l(mu_);
+  MutexLock l(&worker_.mu);
   if (!pending_[c]) return error_;
   Promote(c);
   const LaneClock::time_point t0 = LaneClock::now();
-  cv_.wait(l, [&] { return !pending_[c]; });
+  while (pending_[c]) worker_.cv.Wait(&worker_.mu);
   const LaneClock::time_point t1 = LaneClock::now();
   *waited += std::chrono::duration<double>(t1 - t0).count();
   if (trace_step >= 0) trace_->Add(Lane::kWait, "wait for update", t0, t1, trace_step, c);
@@ -122,30 +129,34 @@ Status OptimizerLane::WaitUpdated(int64_t c, double* waited, int64_t trace_step)
 }
 
 void OptimizerLane::Promote(int64_t c) {
-  auto it = std::find(queue_.begin(), queue_.end(), c);
-  if (it != queue_.end() && it != queue_.begin()) {
-    queue_.erase(it);
-    queue_.push_front(c);
+  auto& q = worker_.queue();
+  auto it = std::find_if(q.begin(), q.end(), [c](const Job& j) { return j.c == c; });
+  if (it != q.end() && it != q.begin()) {
+    Job job = std::move(*it);
+    q.erase(it);
+    q.push_front(std::move(job));
   }
 }
 
 // The block is released (by the engine's `done`) before this: a reader that waits for the update
 // then finds the new values in the block (Note [pipelined publish]).
 void OptimizerLane::Finished(int64_t c, Status s) {
-  std::lock_guard<std::mutex> l(mu_);
-  if (!s.ok() && error_.ok()) error_ = s.WithContext(StrCat("publishing chunk ", c, "'s new values"));
-  pending_[c] = 0;
-  --busy_;
-  cv_.notify_all();
+  {
+    MutexLock l(&worker_.mu);
+    if (!s.ok() && error_.ok()) error_ = s.WithContext(StrCat("publishing chunk ", c, "'s new values"));
+    pending_[c] = 0;
+    --busy_;
+  }
+  worker_.cv.SignalAll();
 }
 
 double OptimizerLane::busy_seconds() const {
-  std::lock_guard<std::mutex> l(mu_);
+  MutexLock l(&worker_.mu);
   return busy_s_;
 }
 
 void OptimizerLane::ResetStats() {
-  std::lock_guard<std::mutex> l(mu_);
+  MutexLock l(&worker_.mu);
   busy_s_ = 0;
 }
 

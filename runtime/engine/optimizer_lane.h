@@ -13,17 +13,15 @@
 // only while no update is pending (checked), so an update never sees two steps' inputs.
 #pragma once
 
-#include <condition_variable>
 #include <cstdint>
-#include <deque>
 #include <functional>
-#include <mutex>
 #include <optional>
-#include <thread>
 #include <vector>
 
 #include "runtime/base/device.h"
 #include "runtime/base/status.h"
+#include "runtime/base/thread_annotations.h"
+#include "runtime/base/worker_thread.h"
 #include "runtime/engine/lane_trace.h"
 #include "runtime/engine/publish_lane.h"
 #include "runtime/state/param_groups.h"
@@ -58,35 +56,45 @@ class OptimizerLane {
   // Runs what is queued, then joins the thread. Idempotent.
   void Stop();
 
-  void SetStepInputs(StepInputs in);
+  void SetStepInputs(StepInputs in) EXCLUDES(worker_.mu);
   // The current step's inputs. Read by updates, and by the engine between steps.
   const StepInputs& inputs() const { return inputs_; }
 
   // Queues chunk c's update (the caller has started reading its states).
-  void Enqueue(int64_t c);
-  bool Pending(int64_t c) const;
+  void Enqueue(int64_t c) EXCLUDES(worker_.mu);
+  bool Pending(int64_t c) const EXCLUDES(worker_.mu);
   // Blocks until chunk c's update (if pending) has finished, moving it to the head of the queue
   // first: someone waits for it, and the order of updates changes no value (each reads only its
   // own chunk's state). Adds the wait to *waited and, when `trace_step` >= 0, traces it on the
   // wait track (compute's). Returns the lane's error, without clearing it.
-  Status WaitUpdated(int64_t c, double* waited, int64_t trace_step);
+  Status WaitUpdated(int64_t c, double* waited, int64_t trace_step) EXCLUDES(worker_.mu);
   // Blocks until nothing is queued, running or publishing.
-  void WaitIdle();
+  void WaitIdle() EXCLUDES(worker_.mu);
   // WaitIdle, then returns and clears the first error of the updates since the last Drain.
-  Status Drain();
+  Status Drain() EXCLUDES(worker_.mu);
 
   // The publish lane's `done`: chunk c's new values landed (or failed to with `s`).
-  void Finished(int64_t c, Status s);
+  void Finished(int64_t c, Status s) EXCLUDES(worker_.mu);
 
   // SUM since ResetStats: seconds the lane spent in updates (less their waits for other lanes).
   // Exact once the lane is idle.
-  double busy_seconds() const;
-  void ResetStats();
+  double busy_seconds() const EXCLUDES(worker_.mu);
+  void ResetStats() EXCLUDES(worker_.mu);
 
  private:
-  void Run();
-  // REQUIRES(mu_)
-  void Promote(int64_t c);
+  // One queued update as the worker carries it from take to finish.
+  struct Job {
+    int64_t c = -1;
+    bool failed = false;  // the step already failed: its later updates are dropped
+    Status s;
+    std::optional<PublishLane::Copy> publish;
+    double dt = 0, not_busy_s = 0;
+  };
+  void Take(Job& job) REQUIRES(worker_.mu);
+  void Work(Job& job) EXCLUDES(worker_.mu);
+  void Finish(Job& job) REQUIRES(worker_.mu);
+  void Promote(int64_t c) REQUIRES(worker_.mu);
+  bool Idle() REQUIRES(worker_.mu) { return worker_.queue().empty() && busy_ == 0; }
 
   Device* device_;
   LaneTrace* trace_;
@@ -95,15 +103,12 @@ class OptimizerLane {
   std::function<void(int64_t)> delay_hook_;
   StepInputs inputs_;  // written while idle (SetStepInputs), read by updates
 
-  mutable std::mutex mu_;
-  std::condition_variable cv_;
-  std::deque<int64_t> queue_;     // GUARDED_BY(mu_)
-  std::vector<uint8_t> pending_;  // GUARDED_BY(mu_): per chunk, queued, running or publishing
-  int busy_ = 0;                  // GUARDED_BY(mu_): updates running or publishing
-  bool stop_ = false;             // GUARDED_BY(mu_)
-  Status error_;                  // GUARDED_BY(mu_)
-  double busy_s_ = 0;             // GUARDED_BY(mu_)
-  std::thread thread_;
+  std::vector<uint8_t> pending_ GUARDED_BY(worker_.mu);  // per chunk: queued, running or publishing
+  int busy_ GUARDED_BY(worker_.mu) = 0;                   // updates running or publishing
+  Status error_ GUARDED_BY(worker_.mu);
+  double busy_s_ GUARDED_BY(worker_.mu) = 0;
+  // Last: stopped (its thread joined) before the members its hooks use go.
+  mutable WorkerThread<Job> worker_;
 };
 
 }  // namespace strata

@@ -35,50 +35,47 @@ Status PublishLane::Reserve(size_t slot_bytes) {
 }
 
 void PublishLane::Start() {
-  thread_ = std::thread([this] { Run(); });
-}
-
-void PublishLane::Stop() { StopLaneThread(mu_, cv_, &stop_, thread_); }
-
-void PublishLane::Run() {
+  WorkerThread<InFlight>::Hooks hooks;
+  hooks.take = [](InFlight&) {};
+  hooks.work = [this](InFlight& f) { Work(f); };
+  hooks.finish = [this](InFlight& f) {
+    worker_.mu.AssertHeld();
+    Finish(f);
+  };
+  // Outside the lock: `done` takes the engine's; the optimizer lane may be waiting for a slot
+  // while holding nothing else.
+  hooks.after = [this](InFlight& f) { done_(f.copy, std::move(f.s)); };
   // The current device is per thread: the event waits go to the engine's device (a rank's GPU
   // other than the first would otherwise get a context on GPU 0).
-  c10::DeviceGuard on_device(TorchDevice(*device_));
-  std::unique_lock<std::mutex> l(mu_);
-  for (;;) {
-    cv_.wait(l, [&] { return stop_ || !queue_.empty(); });
-    if (queue_.empty()) return;
-    const Copy copy = queue_.front();
-    queue_.pop_front();
-    l.unlock();
-    const LaneTrace::Clock::time_point t0 = LaneTrace::Clock::now();
-    Status s = events_[copy.slot]->Synchronize();
-    const LaneTrace::Clock::time_point t1 = LaneTrace::Clock::now();
-    trace_->Add(Lane::kCopy, "publish", t0, t1, copy.step, copy.chunk);
-    l.lock();
-    copy_s_ += std::chrono::duration<double>(t1 - t0).count();
-    if (s.ok() && device_->kind() != DeviceKind::kCpu) bytes_to_device_ += copy.bytes;
-    slot_busy_[copy.slot] = false;
-    cv_.notify_all();
-    l.unlock();
-    // Outside the lock: `done` takes the engine's; the optimizer lane may be waiting here for a
-    // slot while holding nothing else.
-    done_(copy, std::move(s));
-    l.lock();
-  }
+  worker_.Start(std::move(hooks), [this](const std::function<void()>& loop) {
+    c10::DeviceGuard on_device(TorchDevice(*device_));
+    loop();
+  });
+}
+
+void PublishLane::Stop() { worker_.Stop(); }
+
+void PublishLane::Work(InFlight& f) {
+  f.t0 = LaneTrace::Clock::now();
+  f.s = events_[f.copy.slot]->Synchronize();
+  f.t1 = LaneTrace::Clock::now();
+  trace_->Add(Lane::kCopy, "publish", f.t0, f.t1, f.copy.step, f.copy.chunk);
+}
+
+void PublishLane::Finish(InFlight& f) {
+  copy_s_ += std::chrono::duration<double>(f.t1 - f.t0).count();
+  if (f.s.ok() && device_->kind() != DeviceKind::kCpu) bytes_to_device_ += f.copy.bytes;
+  slot_busy_[f.copy.slot] = false;
 }
 
 int PublishLane::AcquireSlot(int64_t step, double* waited) {
   const int slot = next_slot_;
   next_slot_ ^= 1;
-  std::unique_lock<std::mutex> l(mu_);
+  MutexLock l(&worker_.mu);
   if (slot_busy_[slot]) {
-    const LaneTrace::Clock::time_point t0 = LaneTrace::Clock::now();
-    cv_.wait(l, [&] { return !slot_busy_[slot]; });
-    const LaneTrace::Clock::time_point t1 = LaneTrace::Clock::now();
-    *waited += std::chrono::duration<double>(t1 - t0).count();
     // Inside the update's own span on the optimizer track, so the trace shows what it waited for.
-    trace_->Add(Lane::kOptimizer, "wait for staging slot", t0, t1, step, -1);
+    LaneTimer t(waited, trace_, Lane::kOptimizer, "wait for staging slot", step, -1);
+    while (slot_busy_[slot]) worker_.cv.Wait(&worker_.mu);
   }
   slot_busy_[slot] = true;
   return slot;
@@ -86,10 +83,10 @@ int PublishLane::AcquireSlot(int64_t step, double* waited) {
 
 void PublishLane::FreeSlot(int slot) {
   {
-    std::lock_guard<std::mutex> l(mu_);
+    MutexLock l(&worker_.mu);
     slot_busy_[slot] = false;
   }
-  cv_.notify_all();
+  worker_.cv.SignalAll();
 }
 
 Status PublishLane::StartCopy(const Copy& copy, void* dst) {
@@ -103,26 +100,20 @@ Status PublishLane::StartCopy(const Copy& copy, void* dst) {
   return s;
 }
 
-void PublishLane::Submit(const Copy& copy) {
-  {
-    std::lock_guard<std::mutex> l(mu_);
-    queue_.push_back(copy);
-  }
-  cv_.notify_all();
-}
+void PublishLane::Submit(const Copy& copy) { worker_.Push(InFlight{copy, Status::Ok(), {}, {}}); }
 
 double PublishLane::copy_seconds() const {
-  std::lock_guard<std::mutex> l(mu_);
+  MutexLock l(&worker_.mu);
   return copy_s_;
 }
 
 uint64_t PublishLane::bytes_to_device() const {
-  std::lock_guard<std::mutex> l(mu_);
+  MutexLock l(&worker_.mu);
   return bytes_to_device_;
 }
 
 void PublishLane::ResetStats() {
-  std::lock_guard<std::mutex> l(mu_);
+  MutexLock l(&worker_.mu);
   copy_s_ = 0;
   bytes_to_device_ = 0;
 }

@@ -13,17 +13,15 @@
 // completed (or failed) and its slot is free again.
 #pragma once
 
-#include <condition_variable>
 #include <cstddef>
 #include <cstdint>
-#include <deque>
 #include <functional>
 #include <memory>
-#include <mutex>
-#include <thread>
 
 #include "runtime/base/device.h"
 #include "runtime/base/status.h"
+#include "runtime/base/thread_annotations.h"
+#include "runtime/base/worker_thread.h"
 #include "runtime/engine/lane_trace.h"
 #include "tiers/host/staging_buffer.h"
 
@@ -55,24 +53,31 @@ class PublishLane {
 
   // A free slot, waiting for one while both copies are in flight; the wait's seconds are added
   // to *waited and traced on the optimizer track (the waiter's), labelled with `step`.
-  int AcquireSlot(int64_t step, double* waited);
+  int AcquireSlot(int64_t step, double* waited) EXCLUDES(worker_.mu);
   void* SlotData(int slot) { return staging_[slot].data(); }
   // Gives back a slot that no copy was started from (the update failed).
-  void FreeSlot(int slot);
+  void FreeSlot(int slot) EXCLUDES(worker_.mu);
   // Queues the copy of `bytes` from `slot` to device memory `dst` and records the slot's event.
   // On failure nothing of it is in flight (the stream was drained) and the slot is free again.
-  Status StartCopy(const Copy& copy, void* dst);
+  Status StartCopy(const Copy& copy, void* dst) EXCLUDES(worker_.mu);
   // Hands a started copy to the lane's thread, which waits for it and then calls `done`.
-  void Submit(const Copy& copy);
+  void Submit(const Copy& copy) EXCLUDES(worker_.mu);
 
   // COUNT/SUM since ResetStats: seconds the copies took to land, and bytes they moved to a GPU
   // (the CPU device's copies move nothing across a bus).
-  double copy_seconds() const;
-  uint64_t bytes_to_device() const;
-  void ResetStats();
+  double copy_seconds() const EXCLUDES(worker_.mu);
+  uint64_t bytes_to_device() const EXCLUDES(worker_.mu);
+  void ResetStats() EXCLUDES(worker_.mu);
 
  private:
-  void Run();
+  // A submitted copy as the worker carries it: the copy, and how waiting for it went.
+  struct InFlight {
+    Copy copy;
+    Status s;
+    LaneTrace::Clock::time_point t0, t1;
+  };
+  void Work(InFlight& f) EXCLUDES(worker_.mu);
+  void Finish(InFlight& f) REQUIRES(worker_.mu);
 
   Device* device_;
   Stream* stream_;
@@ -82,14 +87,12 @@ class PublishLane {
   std::unique_ptr<Event> events_[2];
   int next_slot_ = 0;  // the optimizer lane's own
 
-  mutable std::mutex mu_;
-  std::condition_variable cv_;
-  std::deque<Copy> queue_;             // GUARDED_BY(mu_): submitted, oldest first
-  bool slot_busy_[2] = {false, false};  // GUARDED_BY(mu_)
-  bool stop_ = false;                   // GUARDED_BY(mu_)
-  double copy_s_ = 0;                   // GUARDED_BY(mu_)
-  uint64_t bytes_to_device_ = 0;        // GUARDED_BY(mu_)
-  std::thread thread_;
+  bool slot_busy_[2] GUARDED_BY(worker_.mu) = {false, false};
+  double copy_s_ GUARDED_BY(worker_.mu) = 0;
+  uint64_t bytes_to_device_ GUARDED_BY(worker_.mu) = 0;
+  // Last: stopped (its thread joined) before the members its hooks use go. Its queue holds the
+  // submitted copies, oldest first.
+  mutable WorkerThread<InFlight> worker_;
 };
 
 }  // namespace strata

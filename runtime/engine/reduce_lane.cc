@@ -17,55 +17,63 @@ ReduceLane::ReduceLane(int64_t num_chunks, bool threaded, LaneTrace* trace, Redu
 
 ReduceLane::~ReduceLane() { Stop(); }
 
-void ReduceLane::Start() { thread_ = std::thread([this] { Run(); }); }
+void ReduceLane::Start() {
+  WorkerThread<Queued>::Hooks hooks;
+  hooks.take = [this](Queued& q) {
+    worker_.mu.AssertHeld();
+    Take(q);
+  };
+  hooks.work = [this](Queued& q) { Work(q); };
+  hooks.finish = [this](Queued& q) {
+    worker_.mu.AssertHeld();
+    Finish(q);
+  };
+  worker_.Start(std::move(hooks));
+}
 
-void ReduceLane::Stop() { StopLaneThread(mu_, cv_, &stop_, thread_); }
+void ReduceLane::Stop() { worker_.Stop(); }
 
-void ReduceLane::Run() {
-  std::unique_lock<std::mutex> l(mu_);
-  for (;;) {
-    cv_.wait(l, [&] { return stop_ || !queue_.empty(); });
-    if (queue_.empty()) return;
-    ReduceJob job = std::move(queue_.front());
-    queue_.pop_front();
-    busy_ = true;
-    const bool failed = !error_.ok();  // later jobs of a failed step are dropped
-    l.unlock();
-    Status s;
-    ReduceOutcome out;
-    // LibTorch throws; an exception must become the step's error, not end the process.
-    try {
-      if (job.all_gather) {
-        // Run even when this rank's copy failed: the other ranks are in this collective. (After
-        // a failed reduction, skipped below, the ranks' collectives no longer pair up and the
-        // step fails on the communicator's timeout.)
-        s = all_gather_(job.c, job.step, &out.comm_s);
-      } else {
-        if (!failed && delay_hook_) delay_hook_(job.c);
-        if (!failed) s = reduce_(job, /*on_lane=*/true, &out);
-        job.grad_full = torch::Tensor();  // the chunk's gradient buffer returns to the allocator
-      }
-    } catch (const std::exception& e) {
-      s = Internal(StrCat(job.all_gather ? "all-gathering chunk " : "reducing chunk ", job.c,
-                          job.all_gather ? " ahead: " : "'s gradient: ", e.what()));
-    }
-    if (!job.all_gather) Record(job, out);
-    l.lock();
-    stats_.comm_s += out.comm_s;
-    stats_.copy_s += out.copy_s;
-    stats_.bytes_d2h += out.bytes_d2h;
+void ReduceLane::Take(Queued& q) {
+  busy_ = true;
+  q.failed = !error_.ok();
+}
+
+void ReduceLane::Work(Queued& q) {
+  ReduceJob& job = q.job;
+  // LibTorch throws; an exception must become the step's error, not end the process.
+  try {
     if (job.all_gather) {
-      // Its own result, reported when compute reaches the chunk (FinishFill).
-      ahead_status_[job.c] = s;
-      ahead_done_[job.c] = 1;
-      s = Status::Ok();
-    } else if (out.update_ready) {
-      update_ready_.push_back(job.c);
+      // Run even when this rank's copy failed: the other ranks are in this collective. (After
+      // a failed reduction, skipped below, the ranks' collectives no longer pair up and the
+      // step fails on the communicator's timeout.)
+      q.s = all_gather_(job.c, job.step, &q.out.comm_s);
+    } else {
+      if (!q.failed && delay_hook_) delay_hook_(job.c);
+      if (!q.failed) q.s = reduce_(job, /*on_lane=*/true, &q.out);
+      job.grad_full = torch::Tensor();  // the chunk's gradient buffer returns to the allocator
     }
-    if (!s.ok() && error_.ok()) error_ = s;
-    busy_ = false;
-    cv_.notify_all();
+  } catch (const std::exception& e) {
+    q.s = Internal(StrCat(job.all_gather ? "all-gathering chunk " : "reducing chunk ", job.c,
+                          job.all_gather ? " ahead: " : "'s gradient: ", e.what()));
   }
+  if (!job.all_gather) Record(job, q.out);
+}
+
+void ReduceLane::Finish(Queued& q) {
+  stats_.comm_s += q.out.comm_s;
+  stats_.copy_s += q.out.copy_s;
+  stats_.bytes_d2h += q.out.bytes_d2h;
+  Status s = std::move(q.s);
+  if (q.job.all_gather) {
+    // Its own result, reported when compute reaches the chunk (FinishFill).
+    ahead_status_[q.job.c] = s;
+    ahead_done_[q.job.c] = 1;
+    s = Status::Ok();
+  } else if (q.out.update_ready) {
+    update_ready_.push_back(q.job.c);
+  }
+  if (!s.ok() && error_.ok()) error_ = s;
+  busy_ = false;
 }
 
 void ReduceLane::Record(const ReduceJob& job, const ReduceOutcome& out) {
@@ -80,12 +88,16 @@ Status ReduceLane::Submit(ReduceJob job, ReduceOutcome* here, double* stall_s,
     return s;
   }
   {
-    std::unique_lock<std::mutex> l(mu_);
-    TimedWait(l, cv_, [&] { return queue_.empty() && !busy_; }, stall_s, trace_,
-              "wait for reductions", trace_step);
-    queue_.push_back(std::move(job));
+    MutexLock l(&worker_.mu);
+    if (!Idle()) {
+      LaneTimer t(stall_s, trace_, Lane::kWait, "wait for reductions", trace_step);
+      while (!Idle()) worker_.cv.Wait(&worker_.mu);
+    }
+    Queued q;
+    q.job = std::move(job);
+    worker_.queue().push_back(std::move(q));
   }
-  cv_.notify_all();
+  worker_.cv.SignalAll();
   return Status::Ok();
 }
 
@@ -95,49 +107,54 @@ void ReduceLane::QueueAllGather(int64_t c, int64_t step) {
   job.all_gather = true;
   job.step = step;
   {
-    std::lock_guard<std::mutex> l(mu_);
+    MutexLock l(&worker_.mu);
     ahead_done_[c] = 0;
     ahead_status_[c] = Status::Ok();
-    queue_.push_back(std::move(job));
+    Queued q;
+    q.job = std::move(job);
+    worker_.queue().push_back(std::move(q));
   }
-  cv_.notify_all();
+  worker_.cv.SignalAll();
 }
 
 Status ReduceLane::WaitAllGather(int64_t c, double* stall_s, int64_t trace_step) {
-  std::unique_lock<std::mutex> l(mu_);
-  TimedWait(l, cv_, [&] { return ahead_done_[c] != 0; }, stall_s, trace_, "all-gather ahead",
-            trace_step, c);
+  MutexLock l(&worker_.mu);
+  if (!ahead_done_[c]) {
+    LaneTimer t(stall_s, trace_, Lane::kWait, "all-gather ahead", trace_step, c);
+    while (!ahead_done_[c]) worker_.cv.Wait(&worker_.mu);
+  }
   return ahead_status_[c];
 }
 
 void ReduceLane::WaitIdle(double* stall_s, int64_t trace_step) {
-  std::unique_lock<std::mutex> l(mu_);
-  TimedWait(l, cv_, [&] { return queue_.empty() && !busy_; }, stall_s, trace_,
-            "wait for reductions", trace_step);
+  MutexLock l(&worker_.mu);
+  if (Idle()) return;
+  LaneTimer t(stall_s, trace_, Lane::kWait, "wait for reductions", trace_step);
+  while (!Idle()) worker_.cv.Wait(&worker_.mu);
 }
 
 void ReduceLane::WaitQuiet() {
-  std::unique_lock<std::mutex> l(mu_);
-  cv_.wait(l, [&] { return queue_.empty() && !busy_; });
+  MutexLock l(&worker_.mu);
+  while (!Idle()) worker_.cv.Wait(&worker_.mu);
 }
 
 Status ReduceLane::TakeError() {
-  std::lock_guard<std::mutex> l(mu_);
+  MutexLock l(&worker_.mu);
   return std::exchange(error_, Status::Ok());
 }
 
 std::vector<int64_t> ReduceLane::TakeUpdateReady() {
-  std::lock_guard<std::mutex> l(mu_);
+  MutexLock l(&worker_.mu);
   return std::exchange(update_ready_, {});
 }
 
 ReduceLane::Stats ReduceLane::stats() const {
-  std::lock_guard<std::mutex> l(mu_);
+  MutexLock l(&worker_.mu);
   return stats_;
 }
 
 void ReduceLane::ResetStats() {
-  std::lock_guard<std::mutex> l(mu_);
+  MutexLock l(&worker_.mu);
   stats_ = Stats();
 }
 

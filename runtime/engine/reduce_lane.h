@@ -15,17 +15,15 @@
 // writes before the drain at the end of Backward.
 #pragma once
 
-#include <condition_variable>
 #include <cstdint>
-#include <deque>
 #include <functional>
-#include <mutex>
-#include <thread>
 #include <vector>
 
 #include <torch/torch.h>
 
 #include "runtime/base/status.h"
+#include "runtime/base/thread_annotations.h"
+#include "runtime/base/worker_thread.h"
 #include "runtime/engine/compute_fence.h"
 #include "runtime/engine/lane_trace.h"
 
@@ -86,28 +84,39 @@ class ReduceLane {
   // model counts on, tools/planner/memory_model.cc), counting the wait in *stall_s, and queues
   // the job. Otherwise runs it here and returns its status; its times go to *here for the
   // caller's own counters, and an update it made ready is the caller's to queue.
-  Status Submit(ReduceJob job, ReduceOutcome* here, double* stall_s, int64_t trace_step);
+  Status Submit(ReduceJob job, ReduceOutcome* here, double* stall_s, int64_t trace_step)
+      EXCLUDES(worker_.mu);
   // Queues chunk c's all-gather ahead behind the jobs already queued.
-  void QueueAllGather(int64_t c, int64_t step);
+  void QueueAllGather(int64_t c, int64_t step) EXCLUDES(worker_.mu);
   // Waits for chunk c's all-gather ahead (counted in *stall_s) and returns its status.
-  Status WaitAllGather(int64_t c, double* stall_s, int64_t trace_step);
+  Status WaitAllGather(int64_t c, double* stall_s, int64_t trace_step) EXCLUDES(worker_.mu);
 
   // Waits until nothing is queued or running, counting the wait in *stall_s.
-  void WaitIdle(double* stall_s, int64_t trace_step);
+  void WaitIdle(double* stall_s, int64_t trace_step) EXCLUDES(worker_.mu);
   // The same wait, uncounted (outside a micro-step: Step, checkpoints, master values).
-  void WaitQuiet();
+  void WaitQuiet() EXCLUDES(worker_.mu);
   // Returns and clears the first failure since the last call. After WaitIdle.
-  Status TakeError();
+  Status TakeError() EXCLUDES(worker_.mu);
   // Chunks whose reduction on the lane made their update ready, oldest first; cleared.
-  std::vector<int64_t> TakeUpdateReady();
+  std::vector<int64_t> TakeUpdateReady() EXCLUDES(worker_.mu);
 
   GradStats grad_stats(int64_t c) const { return grad_stats_[c]; }
   // SUM since ResetStats of the jobs run on the lane. Exact once the lane is idle.
-  Stats stats() const;
-  void ResetStats();
+  Stats stats() const EXCLUDES(worker_.mu);
+  void ResetStats() EXCLUDES(worker_.mu);
 
  private:
-  void Run();
+  // A job as the worker carries it from take to finish.
+  struct Queued {
+    ReduceJob job;
+    bool failed = false;  // the micro-step already failed: later reductions are dropped
+    Status s;
+    ReduceOutcome out;
+  };
+  void Take(Queued& q) REQUIRES(worker_.mu);
+  void Work(Queued& q) EXCLUDES(worker_.mu);
+  void Finish(Queued& q) REQUIRES(worker_.mu);
+  bool Idle() REQUIRES(worker_.mu) { return worker_.queue().empty() && !busy_; }
   // Takes a reduction's outcome into the per-chunk results (either thread).
   void Record(const ReduceJob& job, const ReduceOutcome& out);
 
@@ -119,17 +128,14 @@ class ReduceLane {
   // Written by the job's thread, read after the drain (see the thread rules).
   std::vector<GradStats> grad_stats_;
 
-  mutable std::mutex mu_;
-  std::condition_variable cv_;
-  std::deque<ReduceJob> queue_;         // GUARDED_BY(mu_)
-  bool busy_ = false;                   // GUARDED_BY(mu_)
-  bool stop_ = false;                   // GUARDED_BY(mu_)
-  Status error_;                        // GUARDED_BY(mu_)
-  Stats stats_;                         // GUARDED_BY(mu_)
-  std::vector<int64_t> update_ready_;   // GUARDED_BY(mu_)
-  std::vector<uint8_t> ahead_done_;     // GUARDED_BY(mu_): per chunk
-  std::vector<Status> ahead_status_;    // GUARDED_BY(mu_): per chunk
-  std::thread thread_;
+  bool busy_ GUARDED_BY(worker_.mu) = false;
+  Status error_ GUARDED_BY(worker_.mu);
+  Stats stats_ GUARDED_BY(worker_.mu);
+  std::vector<int64_t> update_ready_ GUARDED_BY(worker_.mu);
+  std::vector<uint8_t> ahead_done_ GUARDED_BY(worker_.mu);   // per chunk
+  std::vector<Status> ahead_status_ GUARDED_BY(worker_.mu);  // per chunk
+  // Last: stopped (its thread joined) before the members its hooks use go.
+  mutable WorkerThread<Queued> worker_;
 };
 
 }  // namespace strata

@@ -154,13 +154,16 @@ StatusOr<std::unique_ptr<TierManager>> TierManager::Create(const TierManagerOpti
   }
   std::unique_ptr<TierManager> m(new TierManager(o, nvme));
   STRATA_ASSIGN_OR_RETURN(m->pool_, PinnedPool::Create(o.pool));
-  m->stats_.host_budget = m->pool_->arena_bytes();
+  {
+    MutexLock l(&m->mu_);
+    m->stats_.host_budget = m->pool_->arena_bytes();
+  }
   return m;
 }
 
 TierManager::~TierManager() {
-  Lock lk(mu_);
-  cv_.wait(lk, [this] { return inflight_ == 0; });
+  MutexLock lk(&mu_);
+  while (inflight_ != 0) cv_.Wait(&mu_);
   for (auto& [key, b] : blocks_) {
     STRATA_DCHECK(b->pins == 0, "tier manager destroyed while ", ToString(b->id), " is pinned");
     if (b->home == BlockHome::kNvme && nvme_ != nullptr) {
@@ -185,7 +188,7 @@ void TierManager::NoteHostBytes() {
 }
 
 Status TierManager::Register(BlockId id, uint64_t bytes, BlockHome home) {
-  Lock lk(mu_);
+  MutexLock lk(&mu_);
   const std::string name = ToString(id);
   STRATA_CHECK(bytes > 0, "registering ", name, ": size 0; every block needs at least one byte");
   if (Find(id) != nullptr) return Status(StatusCode::kAlreadyExists, StrCat(name, " is already registered"));
@@ -226,7 +229,7 @@ Status TierManager::Register(BlockId id, uint64_t bytes, BlockHome home) {
           " of host-only blocks already there, the ", FormatBytes(arena),
           " host pool would have no room left for the largest NVMe-backed block (",
           FormatBytes(largest_nvme_class_), "); raise strata.host_memory_budget"));
-    StatusOr<PinnedBlock> mem = MakeRoom(bytes, name, lk, Clock::time_point::max());
+    StatusOr<PinnedBlock> mem = MakeRoom(bytes, name, Clock::time_point::max());
     if (!mem.ok()) return mem.status();
     if (Find(id) != nullptr) {  // registered by another thread while we made room
       pool_->Free(*mem);
@@ -246,7 +249,7 @@ Status TierManager::Unregister(BlockId id) {
   TierRegion region;
   bool free_region = false;
   {
-    Lock lk(mu_);
+    MutexLock lk(&mu_);
     Block* b = Find(id);
     if (b == nullptr) return NotFound(StrCat(ToString(id), " is not registered"));
     if (b->pins > 0 || b->host == HostResidency::kReading || b->host == HostResidency::kWriting)
@@ -281,11 +284,11 @@ Status TierManager::Unregister(BlockId id) {
   return Status::Ok();
 }
 
-void TierManager::Wait(Lock& lk, Clock::time_point deadline, bool* timed_out) {
+void TierManager::Wait(Clock::time_point deadline, bool* timed_out) {
   const auto t0 = Clock::now();
   if (deadline == Clock::time_point::max()) {
-    cv_.wait(lk);
-  } else if (cv_.wait_until(lk, deadline) == std::cv_status::timeout && Clock::now() >= deadline) {
+    cv_.Wait(&mu_);
+  } else if (!cv_.WaitUntil(&mu_, deadline) && Clock::now() >= deadline) {
     *timed_out = true;
   }
   stats_.stall_seconds += std::chrono::duration<double>(Clock::now() - t0).count();
@@ -488,7 +491,7 @@ void TierManager::Issue(std::vector<IoAction>& io) {
 void TierManager::OnReadDone(Block* b, uint64_t gen, const Status& s) {
   std::vector<IoAction> io;
   {
-    Lock lk(mu_);
+    MutexLock lk(&mu_);
     --inflight_;
     b->read_done_gen = gen;
     if (s.ok()) {
@@ -508,7 +511,7 @@ void TierManager::OnReadDone(Block* b, uint64_t gen, const Status& s) {
       b->prefetched = false;
     }
     Pump(&io);
-    cv_.notify_all();
+    cv_.SignalAll();
   }
   Issue(io);
 }
@@ -516,7 +519,7 @@ void TierManager::OnReadDone(Block* b, uint64_t gen, const Status& s) {
 void TierManager::OnWriteDone(Block* b, uint64_t gen, const Status& s) {
   std::vector<IoAction> io;
   {
-    Lock lk(mu_);
+    MutexLock lk(&mu_);
     --inflight_;
     --writes_inflight_;
     STRATA_DCHECK(b->host == HostResidency::kWriting, "write-back completion of ", ToString(b->id), " in state ",
@@ -549,12 +552,12 @@ void TierManager::OnWriteDone(Block* b, uint64_t gen, const Status& s) {
                        << "; the block stays dirty in host memory and will be retried";
     }
     Pump(&io);
-    cv_.notify_all();
+    cv_.SignalAll();
   }
   Issue(io);
 }
 
-StatusOr<PinnedBlock> TierManager::MakeRoom(uint64_t bytes, const std::string& for_what, Lock& lk,
+StatusOr<PinnedBlock> TierManager::MakeRoom(uint64_t bytes, const std::string& for_what,
                                             Clock::time_point deadline) {
   const uint64_t need = pool_->ClassBytes(bytes);
   const uint64_t error_gen = write_error_gen_;
@@ -586,15 +589,15 @@ StatusOr<PinnedBlock> TierManager::MakeRoom(uint64_t bytes, const std::string& f
         } else {
           std::vector<IoAction> io;
           StartWriteBack(v, /*evict=*/true, &io);
-          lk.unlock();
+          mu_.Unlock();
           Issue(io);
-          lk.lock();
+          mu_.Lock();
         }
         continue;
       }
     }
     bool timed_out = false;
-    Wait(lk, deadline, &timed_out);
+    Wait(deadline, &timed_out);
     if (timed_out)
       return DeadlineExceeded(StrCat("no room for ", for_what, " (", FormatBytes(need), ") after ",
                                      options_.acquire_timeout.count(), " ms: ", PinnedSummary(),
@@ -638,6 +641,7 @@ void TierManager::Pump(std::vector<IoAction>* io) {
   uint64_t pending = reclaiming_bytes_;
   // Starts the read of `b`, needed `dist` entries from now; false when nothing more can be done.
   auto serve = [&](Block* b, uint64_t dist) {
+    mu_.AssertHeld();  // Pump's own lock: the lambda runs inside it
     if (b->home != BlockHome::kNvme || b->host != HostResidency::kAbsent) return true;
     if (b->nvme != NvmeResidency::kResident) return true;  // never written: Acquire zero-fills it
     const uint64_t need = pool_->ClassBytes(b->bytes);
@@ -689,11 +693,12 @@ StatusOr<void*> TierManager::Acquire(BlockId id, Access access) {
                                                              : Clock::time_point::max();
   const bool writes = access != Access::kRead;
   std::vector<IoAction> io;
-  Lock lk(mu_);
+  MutexLock lk(&mu_);
   Block* b = Find(id);
   if (b == nullptr) return NotFound(StrCat("acquiring ", ToString(id), ": not registered"));
   RecordUse(b);
   auto pin = [&]() -> void* {
+    mu_.AssertHeld();  // Acquire's lock: the lambda runs inside it
     ++b->pins;
     if (writes) ++b->write_pins;
     if (access == Access::kWrite) b->host = HostResidency::kDirty;
@@ -713,6 +718,7 @@ StatusOr<void*> TierManager::Acquire(BlockId id, Access access) {
   };
   bool timed_out = false;
   auto timeout = [&]() {
+    mu_.AssertHeld();
     return DeadlineExceeded(StrCat("acquiring ", ToString(id), ": still waiting after ",
                                    options_.acquire_timeout.count(), " ms (", PinnedSummary(), ")"));
   };
@@ -723,7 +729,7 @@ StatusOr<void*> TierManager::Acquire(BlockId id, Access access) {
         count(&stats_.host_hits);
         void* p = pin();
         Pump(&io);
-        lk.unlock();
+        lk.Unlock();
         Issue(io);
         return p;
       }
@@ -732,14 +738,14 @@ StatusOr<void*> TierManager::Acquire(BlockId id, Access access) {
         if (!writes) {
           void* p = pin();
           Pump(&io);
-          lk.unlock();
+          lk.Unlock();
           Issue(io);
           return p;
         }
         // Writers wait for the write-back (it must not see half-modified bytes); the pin keeps
         // the copy resident when the write completes.
         ++b->pins;
-        while (b->host == HostResidency::kWriting && !timed_out) Wait(lk, deadline, &timed_out);
+        while (b->host == HostResidency::kWriting && !timed_out) Wait(deadline, &timed_out);
         --b->pins;
         if (timed_out) return timeout();
         continue;
@@ -748,7 +754,7 @@ StatusOr<void*> TierManager::Acquire(BlockId id, Access access) {
         count(&stats_.host_inflight_hits);
         const uint64_t gen = b->read_gen;
         ++b->pins;
-        while (b->read_done_gen < gen && !timed_out) Wait(lk, deadline, &timed_out);
+        while (b->read_done_gen < gen && !timed_out) Wait(deadline, &timed_out);
         --b->pins;
         if (timed_out) return timeout();
         if (b->read_failed_gen >= gen) return b->read_status;
@@ -756,7 +762,7 @@ StatusOr<void*> TierManager::Acquire(BlockId id, Access access) {
       }
       case HostResidency::kAbsent: {
         count(&stats_.host_misses);
-        StatusOr<PinnedBlock> mem = MakeRoom(b->bytes, ToString(id), lk, deadline);
+        StatusOr<PinnedBlock> mem = MakeRoom(b->bytes, ToString(id), deadline);
         if (!mem.ok()) return mem.status();
         if (b->host != HostResidency::kAbsent) {  // another thread brought it in meanwhile
           pool_->Free(*mem);
@@ -767,7 +773,7 @@ StatusOr<void*> TierManager::Acquire(BlockId id, Access access) {
           b->mem = *mem;
           void* p = pin();
           Pump(&io);
-          lk.unlock();
+          lk.Unlock();
           Issue(io);
           return p;
         }
@@ -779,14 +785,14 @@ StatusOr<void*> TierManager::Acquire(BlockId id, Access access) {
           b->host = HostResidency::kReading;
           const uint64_t gen = ++b->read_gen;
           ++b->pins;
-          lk.unlock();
+          lk.Unlock();
           std::memset(mem->ptr, 0, b->bytes);
-          lk.lock();
+          lk.Lock();
           --b->pins;
           b->read_done_gen = gen;
           b->host = HostResidency::kClean;
           stats_.bytes_zero_filled += b->bytes;
-          cv_.notify_all();
+          cv_.SignalAll();
           continue;
         }
         ++stats_.nvme_hits;
@@ -795,10 +801,10 @@ StatusOr<void*> TierManager::Acquire(BlockId id, Access access) {
         // generation: a failed read must be reported, not silently retried.
         const uint64_t gen = b->read_gen;
         ++b->pins;
-        lk.unlock();
+        lk.Unlock();
         Issue(io);
-        lk.lock();
-        while (b->read_done_gen < gen && !timed_out) Wait(lk, deadline, &timed_out);
+        lk.Lock();
+        while (b->read_done_gen < gen && !timed_out) Wait(deadline, &timed_out);
         --b->pins;
         if (timed_out) return timeout();
         if (b->read_failed_gen >= gen) return b->read_status;
@@ -811,7 +817,7 @@ StatusOr<void*> TierManager::Acquire(BlockId id, Access access) {
 Status TierManager::Release(BlockId id, bool dirty) {
   std::vector<IoAction> io;
   {
-    Lock lk(mu_);
+    MutexLock lk(&mu_);
     Block* b = Find(id);
     if (b == nullptr) return NotFound(StrCat("releasing ", ToString(id), ": not registered"));
     if (b->pins == 0) return FailedPrecondition(StrCat("releasing ", ToString(id), " without a matching Acquire"));
@@ -832,7 +838,7 @@ Status TierManager::Release(BlockId id, bool dirty) {
     }
     b->last_use = ++tick_;
     Pump(&io);
-    cv_.notify_all();
+    cv_.SignalAll();
   }
   Issue(io);
   return Status::Ok();
@@ -841,7 +847,7 @@ Status TierManager::Release(BlockId id, bool dirty) {
 void TierManager::Prefetch(BlockId id) {
   std::vector<IoAction> io;
   {
-    Lock lk(mu_);
+    MutexLock lk(&mu_);
     Block* b = Find(id);
     if (b == nullptr || b->home != BlockHome::kNvme || b->host != HostResidency::kAbsent ||
         b->nvme != NvmeResidency::kResident || space_waiters_ > 0)
@@ -855,7 +861,7 @@ void TierManager::Prefetch(BlockId id) {
 Status TierManager::BeginIteration() {
   std::vector<IoAction> io;
   {
-    Lock lk(mu_);
+    MutexLock lk(&mu_);
     if (in_iteration_) return FailedPrecondition("BeginIteration called twice without EndIteration");
     in_iteration_ = true;
     ++stats_.iterations;
@@ -877,7 +883,7 @@ Status TierManager::BeginIteration() {
 Status TierManager::EndIteration() {
   std::vector<IoAction> io;
   {
-    Lock lk(mu_);
+    MutexLock lk(&mu_);
     if (!in_iteration_) return FailedPrecondition("EndIteration called without BeginIteration");
     in_iteration_ = false;
     if (recording_) {
@@ -899,7 +905,7 @@ Status TierManager::EndIteration() {
 Status TierManager::Flush() {
   std::vector<IoAction> io;
   std::vector<std::pair<Block*, uint64_t>> targets;
-  Lock lk(mu_);
+  MutexLock lk(&mu_);
   for (auto& [k, b] : blocks_) {
     if (b->home == BlockHome::kNvme && b->host == HostResidency::kDirty && b->write_pins > 0)
       return FailedPrecondition(StrCat("Flush: ", ToString(b->id),
@@ -915,14 +921,14 @@ Status TierManager::Flush() {
       targets.emplace_back(b, b->write_gen);
     }
   }
-  lk.unlock();
+  lk.Unlock();
   Issue(io);
-  lk.lock();
+  lk.Lock();
   Status first;
   uint64_t failed = 0;
   bool timed_out = false;
   for (auto& [b, gen] : targets) {
-    while (b->write_done_gen < gen) Wait(lk, Clock::time_point::max(), &timed_out);
+    while (b->write_done_gen < gen) Wait(Clock::time_point::max(), &timed_out);
     // A later write-back of the same block may have completed since; judge the one we waited on
     // by the block's state: still dirty with a failed status means the data is not on NVMe.
     if (!b->write_status.ok() && b->host == HostResidency::kDirty) {
@@ -935,7 +941,7 @@ Status TierManager::Flush() {
 }
 
 StatusOr<BlockInfo> TierManager::Query(BlockId id) const {
-  Lock lk(mu_);
+  MutexLock lk(&mu_);
   Block* b = Find(id);
   if (b == nullptr) return NotFound(StrCat(ToString(id), " is not registered"));
   BlockInfo info;
@@ -951,7 +957,7 @@ StatusOr<BlockInfo> TierManager::Query(BlockId id) const {
 }
 
 TierManagerStats TierManager::stats() const {
-  Lock lk(mu_);
+  MutexLock lk(&mu_);
   TierManagerStats s = stats_;
   s.nvme_capacity = nvme_ != nullptr ? nvme_->capacity() : 0;
   return s;

@@ -63,10 +63,8 @@
 #pragma once
 
 #include <chrono>
-#include <condition_variable>
 #include <cstdint>
 #include <memory>
-#include <mutex>
 #include <string>
 #include <string_view>
 #include <thread>
@@ -76,6 +74,7 @@
 #include <nlohmann/json_fwd.hpp>
 
 #include "runtime/base/config.h"
+#include "runtime/base/mutex.h"
 #include "runtime/base/status.h"
 #include "runtime/state/partitioner.h"
 #include "tiers/host/pinned_pool.h"
@@ -189,31 +188,30 @@ class TierManager {
   // Registers the pool's arena with the NVMe engine so transfers use fixed buffers (no bounce
   // copy, no per-request page pinning). Call before any I/O; a failure leaves I/O working without
   // registration and is returned for the caller to log.
-  Status RegisterHostPoolWith(nvme::NvmeTier& tier);
+  Status RegisterHostPoolWith(nvme::NvmeTier& tier) EXCLUDES(mu_);
 
-  Status Register(BlockId id, uint64_t bytes, BlockHome home);
+  Status Register(BlockId id, uint64_t bytes, BlockHome home) EXCLUDES(mu_);
   // Forgets a block: frees its host copy and NVMe region. FAILED_PRECONDITION while pinned or in
   // flight.
-  Status Unregister(BlockId id);
+  Status Unregister(BlockId id) EXCLUDES(mu_);
 
-  StatusOr<void*> Acquire(BlockId id, Access access);
-  Status Release(BlockId id, bool dirty);
-  void Prefetch(BlockId id);
+  StatusOr<void*> Acquire(BlockId id, Access access) EXCLUDES(mu_);
+  Status Release(BlockId id, bool dirty) EXCLUDES(mu_);
+  void Prefetch(BlockId id) EXCLUDES(mu_);
 
-  Status BeginIteration();
-  Status EndIteration();
+  Status BeginIteration() EXCLUDES(mu_);
+  Status EndIteration() EXCLUDES(mu_);
 
-  Status Flush();
+  Status Flush() EXCLUDES(mu_);
 
-  StatusOr<BlockInfo> Query(BlockId id) const;
-  TierManagerStats stats() const;
-  nlohmann::json StatsJson() const;
+  StatusOr<BlockInfo> Query(BlockId id) const EXCLUDES(mu_);
+  TierManagerStats stats() const EXCLUDES(mu_);
+  nlohmann::json StatsJson() const EXCLUDES(mu_);
   const PinnedPool& host_pool() const { return *pool_; }
 
  private:
   struct Block;
   struct IoAction;
-  using Lock = std::unique_lock<std::mutex>;
 
   TierManager(const TierManagerOptions& options, Tier* nvme);
 
@@ -223,73 +221,74 @@ class TierManager {
     uint64_t next = 0;                // index into positions of the lane's next expected access
   };
 
-  Block* Find(BlockId id) const;  // REQUIRES(mu_)
-  void RecordUse(Block* b);       // REQUIRES(mu_)
+  Block* Find(BlockId id) const REQUIRES(mu_);
+  void RecordUse(Block* b) REQUIRES(mu_);
   // The calling thread's lane; while recording, a thread new to the trace gets one. -1 when the
   // thread recorded nothing.
-  int LaneOfThisThread();  // REQUIRES(mu_)
+  int LaneOfThisThread() REQUIRES(mu_);
   // Matches `b` against lane `lane`'s next `horizon` entries; advances the lane on a match.
-  bool MatchInLane(size_t lane, const Block* b, uint64_t horizon);  // REQUIRES(mu_)
+  bool MatchInLane(size_t lane, const Block* b, uint64_t horizon) REQUIRES(mu_);
   // Where the lane stands in the trace: the earlier of its next expected access and frontier_
   // (Note [lanes in the trace]); >= the trace's length once the lane and the frontier are in
   // the next iteration. The lane has entries.
-  uint64_t LanePosition(size_t lane) const;  // REQUIRES(mu_)
+  uint64_t LanePosition(size_t lane) const REQUIRES(mu_);
   // Trace entries between the lane's position and trace position `pos` (which the lane reaches
   // in this iteration or the next).
-  uint64_t LaneDistance(size_t lane, uint64_t pos) const;  // REQUIRES(mu_)
-  void ResetLanes(bool to_next_iteration);  // REQUIRES(mu_)
+  uint64_t LaneDistance(size_t lane, uint64_t pos) const REQUIRES(mu_);
+  void ResetLanes(bool to_next_iteration) REQUIRES(mu_);
   // Trace entries until `b` is next used (by whichever lane uses it first), or kNever.
-  uint64_t NextUse(const Block* b) const;  // REQUIRES(mu_)
-  bool InWindow(const Block* b) const;     // REQUIRES(mu_)
+  uint64_t NextUse(const Block* b) const REQUIRES(mu_);
+  bool InWindow(const Block* b) const REQUIRES(mu_);
   // The unpinned resident NVMe-backed block to evict next, or null. With `before` set, only
   // blocks whose next use is further away than `before` (a NextUse distance) qualify, and never
   // one inside the prefetch window.
-  Block* PickVictim(const uint64_t* before) const;  // REQUIRES(mu_)
-  void Drop(Block* b);                               // REQUIRES(mu_)
-  void StartWriteBack(Block* b, bool evict, std::vector<IoAction>* io);  // REQUIRES(mu_)
-  void StartRead(Block* b, const PinnedBlock& mem, bool prefetch, std::vector<IoAction>* io);  // REQUIRES(mu_)
-  // Gets pool memory for `bytes`, evicting and waiting as needed. Unlocks `lk` while it waits.
-  StatusOr<PinnedBlock> MakeRoom(uint64_t bytes, const std::string& for_what, Lock& lk,
-                                 std::chrono::steady_clock::time_point deadline);
+  Block* PickVictim(const uint64_t* before) const REQUIRES(mu_);
+  void Drop(Block* b) REQUIRES(mu_);
+  void StartWriteBack(Block* b, bool evict, std::vector<IoAction>* io) REQUIRES(mu_);
+  void StartRead(Block* b, const PinnedBlock& mem, bool prefetch, std::vector<IoAction>* io) REQUIRES(mu_);
+  // Gets pool memory for `bytes`, evicting and waiting as needed. Releases mu_ while it waits.
+  StatusOr<PinnedBlock> MakeRoom(uint64_t bytes, const std::string& for_what,
+                                 std::chrono::steady_clock::time_point deadline) REQUIRES(mu_);
   // Tries to make room without waiting for a prefetch of `b` needed `pos` entries from now.
-  bool TryPrefetch(Block* b, uint64_t pos, std::vector<IoAction>* io);  // REQUIRES(mu_)
+  bool TryPrefetch(Block* b, uint64_t pos, std::vector<IoAction>* io) REQUIRES(mu_);
   // Advances automatic prefetch from the trace.
-  void Pump(std::vector<IoAction>* io);  // REQUIRES(mu_)
-  void Issue(std::vector<IoAction>& io);  // EXCLUDES(mu_)
-  void OnReadDone(Block* b, uint64_t gen, const Status& s);
-  void OnWriteDone(Block* b, uint64_t gen, const Status& s);
-  void Wait(Lock& lk, std::chrono::steady_clock::time_point deadline, bool* timed_out);
-  void NoteHostBytes();  // REQUIRES(mu_)
-  std::string PinnedSummary() const;  // REQUIRES(mu_)
+  void Pump(std::vector<IoAction>* io) REQUIRES(mu_);
+  void Issue(std::vector<IoAction>& io) EXCLUDES(mu_);
+  void OnReadDone(Block* b, uint64_t gen, const Status& s) EXCLUDES(mu_);
+  void OnWriteDone(Block* b, uint64_t gen, const Status& s) EXCLUDES(mu_);
+  // Waits for a change (cv_) until `deadline`, counted as a stall; sets *timed_out past it.
+  void Wait(std::chrono::steady_clock::time_point deadline, bool* timed_out) REQUIRES(mu_);
+  void NoteHostBytes() REQUIRES(mu_);
+  std::string PinnedSummary() const REQUIRES(mu_);
 
   const TierManagerOptions options_;
   Tier* const nvme_;
   std::unique_ptr<PinnedPool> pool_;
 
-  mutable std::mutex mu_;
-  std::condition_variable cv_;  // any block state change, pin release or completion
-  std::unordered_map<uint64_t, std::unique_ptr<Block>> blocks_;  // GUARDED_BY(mu_)
-  uint64_t host_only_class_bytes_ = 0;   // GUARDED_BY(mu_)
-  uint64_t largest_nvme_class_ = 0;      // GUARDED_BY(mu_)
-  uint64_t inflight_ = 0;                // GUARDED_BY(mu_): I/O issued or about to be
-  uint64_t reclaiming_bytes_ = 0;        // GUARDED_BY(mu_): class bytes of write-backs that evict
-  int space_waiters_ = 0;                // GUARDED_BY(mu_)
-  uint64_t writes_inflight_ = 0;         // GUARDED_BY(mu_): write-backs issued, not completed
-  uint64_t write_error_gen_ = 0;         // GUARDED_BY(mu_): bumps on every failed write-back
-  Status last_write_error_;              // GUARDED_BY(mu_)
-  uint64_t tick_ = 0;                    // GUARDED_BY(mu_): LRU clock
+  mutable Mutex mu_;
+  CondVar cv_;  // any block state change, pin release or completion
+  std::unordered_map<uint64_t, std::unique_ptr<Block>> blocks_ GUARDED_BY(mu_);
+  uint64_t host_only_class_bytes_ GUARDED_BY(mu_) = 0;
+  uint64_t largest_nvme_class_ GUARDED_BY(mu_) = 0;
+  uint64_t inflight_ GUARDED_BY(mu_) = 0;           // I/O issued or about to be
+  uint64_t reclaiming_bytes_ GUARDED_BY(mu_) = 0;   // class bytes of write-backs that evict
+  int space_waiters_ GUARDED_BY(mu_) = 0;
+  uint64_t writes_inflight_ GUARDED_BY(mu_) = 0;    // write-backs issued, not completed
+  uint64_t write_error_gen_ GUARDED_BY(mu_) = 0;    // bumps on every failed write-back
+  Status last_write_error_ GUARDED_BY(mu_);
+  uint64_t tick_ GUARDED_BY(mu_) = 0;               // LRU clock
   // Trace (see BeginIteration).
-  bool in_iteration_ = false;            // GUARDED_BY(mu_)
-  bool recording_ = false;               // GUARDED_BY(mu_)
-  bool trace_ready_ = false;             // GUARDED_BY(mu_)
-  std::vector<Block*> trace_;            // GUARDED_BY(mu_)
-  std::vector<uint16_t> trace_lane_;     // GUARDED_BY(mu_): the lane of each trace entry
-  std::vector<TraceLane> lanes_;         // GUARDED_BY(mu_)
-  std::unordered_map<std::thread::id, uint16_t> thread_lane_;  // GUARDED_BY(mu_)
+  bool in_iteration_ GUARDED_BY(mu_) = false;
+  bool recording_ GUARDED_BY(mu_) = false;
+  bool trace_ready_ GUARDED_BY(mu_) = false;
+  std::vector<Block*> trace_ GUARDED_BY(mu_);
+  std::vector<uint16_t> trace_lane_ GUARDED_BY(mu_);  // the lane of each trace entry
+  std::vector<TraceLane> lanes_ GUARDED_BY(mu_);
+  std::unordered_map<std::thread::id, uint16_t> thread_lane_ GUARDED_BY(mu_);
   // One past the furthest trace position any lane matched this iteration; the trace's length
-  // once the iteration has ended. GUARDED_BY(mu_)
-  uint64_t frontier_ = 0;
-  TierManagerStats stats_;               // GUARDED_BY(mu_)
+  // once the iteration has ended.
+  uint64_t frontier_ GUARDED_BY(mu_) = 0;
+  TierManagerStats stats_ GUARDED_BY(mu_);
 };
 
 }  // namespace strata

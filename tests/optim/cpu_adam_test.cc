@@ -13,6 +13,7 @@
 
 #include <gtest/gtest.h>
 
+#include "runtime/base/cpu_features.h"
 #include "tests/test_util.h"
 
 namespace strata::optim {
@@ -440,7 +441,7 @@ TEST(CpuAdamTest, Fp16ConversionsExact) {
   // Random fp32 bit patterns: the result is the nearest half (ties to even) by definition,
   // and equals F16C's conversion where the CPU has it.
   std::mt19937 rng(5);
-  const bool f16c = __builtin_cpu_supports("f16c");
+  const bool f16c = Cpu().f16c;
   for (int i = 0; i < 200000; ++i) {
     // Exponents concentrated on fp16's range so subnormals, normals and overflow all appear.
     const uint32_t sign = rng() & 0x80000000u;

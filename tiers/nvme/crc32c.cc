@@ -7,6 +7,8 @@
 #include <nmmintrin.h>
 #endif
 
+#include "runtime/base/cpu_features.h"
+
 namespace strata::nvme {
 namespace {
 
@@ -90,10 +92,7 @@ __attribute__((target("sse4.2"))) uint32_t ExtendSse42(uint32_t crc, const uint8
   return ~static_cast<uint32_t>(c);
 }
 
-bool DetectSse42() {
-  __builtin_cpu_init();
-  return __builtin_cpu_supports("sse4.2");
-}
+bool DetectSse42() { return Cpu().sse42; }
 #endif
 
 }  // namespace

@@ -31,8 +31,8 @@ std::chrono::microseconds EagainBackoff(int retry) {
 struct IoEngine::Join {
   IoDone done;
   std::atomic<int> left;
-  std::mutex mu;
-  Status first_error;  // GUARDED_BY(mu)
+  Mutex mu;
+  Status first_error GUARDED_BY(mu);
   IoOp op;
   uint64_t length;
 };
@@ -89,7 +89,7 @@ int IoEngine::BufferIndex(const void* buf, uint64_t len) const {
 void IoEngine::Submit(IoRequest request) {
   const uint64_t bs = static_cast<uint64_t>(options_.aio.block_size);
   {
-    std::lock_guard<std::mutex> lock(drain_mu_);
+    MutexLock lock(&drain_mu_);
     ++outstanding_;
   }
   if (request.file < 0 || static_cast<size_t>(request.file) >= files_.size() ||
@@ -209,13 +209,13 @@ void IoEngine::FinishPiece(PiecePtr p, Status status) {
   Join* j = p->join;
   p.reset();
   if (!status.ok()) {
-    std::lock_guard<std::mutex> lock(j->mu);
+    MutexLock lock(&j->mu);
     if (j->first_error.ok()) j->first_error = std::move(status);
   }
   if (j->left.fetch_sub(1, std::memory_order_acq_rel) != 1) return;
   Status result;
   {
-    std::lock_guard<std::mutex> lock(j->mu);
+    MutexLock lock(&j->mu);
     result = std::move(j->first_error);
   }
   IoDone done = std::move(j->done);
@@ -227,13 +227,13 @@ void IoEngine::FinishPiece(PiecePtr p, Status status) {
 }
 
 void IoEngine::RequestFinished() {
-  std::lock_guard<std::mutex> lock(drain_mu_);
-  if (--outstanding_ == 0) drain_cv_.notify_all();
+  MutexLock lock(&drain_mu_);
+  if (--outstanding_ == 0) drain_cv_.SignalAll();
 }
 
 void IoEngine::Drain() {
-  std::unique_lock<std::mutex> lock(drain_mu_);
-  drain_cv_.wait(lock, [this] { return outstanding_ == 0; });
+  MutexLock lock(&drain_mu_);
+  while (outstanding_ != 0) drain_cv_.Wait(&drain_mu_);
 }
 
 IoEngineStats IoEngine::stats() const {

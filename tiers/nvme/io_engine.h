@@ -46,16 +46,15 @@
 
 #include <atomic>
 #include <chrono>
-#include <condition_variable>
 #include <cstdint>
 #include <functional>
 #include <memory>
-#include <mutex>
 #include <string>
 #include <string_view>
 #include <vector>
 
 #include "runtime/base/config.h"
+#include "runtime/base/mutex.h"
 #include "runtime/base/status.h"
 
 namespace strata::nvme {
@@ -138,9 +137,9 @@ class IoEngine {
   // non-root user) leaves the engine working without registered buffers.
   virtual Status RegisterBuffers(const std::vector<iovec>& ranges) = 0;
 
-  void Submit(IoRequest request);
+  void Submit(IoRequest request) EXCLUDES(drain_mu_);
   // Blocks until every request submitted so far has completed.
-  void Drain();
+  void Drain() EXCLUDES(drain_mu_);
 
   IoEngineStats stats() const;
   const AioConfig& aio() const { return options_.aio; }
@@ -191,14 +190,14 @@ class IoEngine {
  private:
   void FinishPiece(PiecePtr piece, Status status);
   // One request fewer outstanding; wakes Drain() at zero.
-  void RequestFinished();
+  void RequestFinished() EXCLUDES(drain_mu_);
 
   std::atomic<uint64_t> requests_{0}, pieces_{0}, bytes_read_{0}, bytes_written_{0}, errors_{0},
       retries_eagain_{0}, retries_short_{0}, broken_rings_{0};
 
-  std::mutex drain_mu_;
-  std::condition_variable drain_cv_;
-  uint64_t outstanding_ = 0;  // GUARDED_BY(drain_mu_): requests submitted, not yet completed
+  Mutex drain_mu_;
+  CondVar drain_cv_;
+  uint64_t outstanding_ GUARDED_BY(drain_mu_) = 0;  // requests submitted, not yet completed
 };
 
 }  // namespace strata::nvme

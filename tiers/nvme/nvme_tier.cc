@@ -46,7 +46,7 @@ StatusOr<TierRegion> NvmeTier::Allocate(uint64_t bytes) {
   const uint64_t charged = (bytes + kSwapAlignment - 1) / kSwapAlignment * kSwapAlignment;
   uint64_t id;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     if (stats_.bytes_allocated + charged > capacity_)
       return ResourceExhausted(StrCat("nvme tier budget: ", FormatBytes(charged), " requested, ",
                                       FormatBytes(capacity_ - stats_.bytes_allocated), " of ",
@@ -57,7 +57,7 @@ StatusOr<TierRegion> NvmeTier::Allocate(uint64_t bytes) {
   }
   Status s = store_->Allocate(id, bytes);
   if (!s.ok()) {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     stats_.bytes_allocated -= charged;
     return s;
   }
@@ -67,21 +67,21 @@ StatusOr<TierRegion> NvmeTier::Allocate(uint64_t bytes) {
 Status NvmeTier::Free(const TierRegion& region) {
   STRATA_RETURN_IF_ERROR(store_->Free(region.id));
   const uint64_t charged = (region.size + kSwapAlignment - 1) / kSwapAlignment * kSwapAlignment;
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   stats_.bytes_allocated -= std::min(charged, stats_.bytes_allocated);
   return Status::Ok();
 }
 
 IoDone NvmeTier::Track(bool read, uint64_t bytes, IoCallback done) {
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     if (inflight_++ == 0) busy_since_ = std::chrono::steady_clock::now();
   }
   return [this, read, bytes, done = std::move(done)](Status s) {
     std::shared_ptr<const BusyObserver> observer;
     std::chrono::steady_clock::time_point begin, end;
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      MutexLock lock(&mu_);
       if (--inflight_ == 0) {
         end = std::chrono::steady_clock::now();
         begin = busy_since_;
@@ -112,12 +112,12 @@ void NvmeTier::ReadAsync(const TierRegion& region, void* dst, IoCallback done) {
 }
 
 void NvmeTier::SetBusyObserver(BusyObserver observer) {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   observer_ = observer ? std::make_shared<const BusyObserver>(std::move(observer)) : nullptr;
 }
 
 TierStats NvmeTier::stats() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   TierStats s = stats_;
   if (inflight_ > 0)
     s.busy_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - busy_since_).count();

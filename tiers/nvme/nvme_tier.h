@@ -11,11 +11,11 @@
 #include <chrono>
 #include <functional>
 #include <memory>
-#include <mutex>
 #include <string>
 #include <vector>
 
 #include "runtime/base/config.h"
+#include "runtime/base/mutex.h"
 #include "tiers/nvme/swap_store.h"
 #include "tiers/tier.h"
 
@@ -69,12 +69,12 @@ class NvmeTier final : public Tier {
   std::unique_ptr<SwapStore> store_;
   uint64_t capacity_ = 0;
 
-  mutable std::mutex mu_;
-  uint64_t next_id_ = 1;             // GUARDED_BY(mu_)
-  TierStats stats_;                  // GUARDED_BY(mu_)
-  uint64_t inflight_ = 0;            // GUARDED_BY(mu_)
-  std::chrono::steady_clock::time_point busy_since_;  // GUARDED_BY(mu_)
-  std::shared_ptr<const BusyObserver> observer_;      // GUARDED_BY(mu_)
+  mutable Mutex mu_;
+  uint64_t next_id_ GUARDED_BY(mu_) = 1;
+  TierStats stats_ GUARDED_BY(mu_);
+  uint64_t inflight_ GUARDED_BY(mu_) = 0;
+  std::chrono::steady_clock::time_point busy_since_ GUARDED_BY(mu_);
+  std::shared_ptr<const BusyObserver> observer_ GUARDED_BY(mu_);
 };
 
 }  // namespace strata::nvme

@@ -82,8 +82,8 @@ struct SwapStore::Op {
   std::string files;     // for messages
   IoDone done;
   std::atomic<int> left{0};
-  std::mutex mu;
-  Status first_error;    // GUARDED_BY(mu)
+  Mutex mu;
+  Status first_error GUARDED_BY(mu);
 };
 
 StatusOr<std::unique_ptr<SwapStore>> SwapStore::Open(const SwapStoreOptions& options) {
@@ -192,13 +192,21 @@ StatusOr<std::unique_ptr<SwapStore>> SwapStore::Open(const SwapStoreOptions& opt
   for (const auto& f : s->files_) io_files.push_back({f.fd, f.path});
   STRATA_RETURN_IF_ERROR(s->engine_->SetFiles(std::move(io_files)));
 
-  s->free_[0] = s->capacity_;
+  {
+    MutexLock lock(&s->mu_);
+    s->free_[0] = s->capacity_;
+  }
   if (index) STRATA_RETURN_IF_ERROR(s->LoadIndex(*index));
   s->opened_ = true;
+  size_t blocks;
+  {
+    MutexLock lock(&s->mu_);
+    blocks = s->blocks_.size();
+  }
   STRATA_LOG(INFO) << "nvme swap store rank=" << s->rank_ << " paths=" << n
                    << " capacity=" << s->capacity_ << " stripe_unit=" << s->stripe_unit_
                    << " engine=" << s->engine_->name() << " direct_io=" << s->direct_
-                   << " blocks=" << s->blocks_.size();
+                   << " blocks=" << blocks;
   return s;
 }
 
@@ -295,6 +303,7 @@ uint64_t SwapStore::PerFileBytesFor(uint64_t logical_end) const {
 }
 
 Status SwapStore::LoadIndex(const SwapIndex& index) {
+  MutexLock lock(&mu_);
   for (const auto& b : index.blocks) {
     const uint64_t len = RoundUp(b.length, kSwapAlignment);
     auto it = free_.upper_bound(b.offset);
@@ -326,11 +335,11 @@ SwapStore::~SwapStore() {
 
 Status SwapStore::Close() {
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     if (closed_) return Status::Ok();
   }
   if (engine_) engine_->Drain();  // outside mu_: completions take it
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   Status result;
   // A store whose Open failed half-way must not overwrite the index it could not load. A
   // directory removed while the store was open (a temporary nvme_path cleaned up before the
@@ -364,7 +373,7 @@ Status SwapStore::Close() {
 
 Status SwapStore::Allocate(uint64_t key, uint64_t bytes) {
   STRATA_CHECK(bytes > 0, "swap block ", key, ": cannot allocate 0 bytes");
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   if (closed_) return FailedPrecondition("swap store is closed");
   if (blocks_.count(key)) return Status(StatusCode::kAlreadyExists, StrCat("swap block ", key, " already exists"));
   const uint64_t len = RoundUp(bytes, kSwapAlignment);
@@ -389,7 +398,7 @@ Status SwapStore::Allocate(uint64_t key, uint64_t bytes) {
 }
 
 Status SwapStore::Free(uint64_t key) {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   if (closed_) return FailedPrecondition("swap store is closed");
   auto it = blocks_.find(key);
   if (it == blocks_.end()) return NotFound(StrCat("swap block ", key, " does not exist"));
@@ -447,7 +456,7 @@ std::string SwapStore::FilesOf(const std::vector<Segment>& segs) const {
 void SwapStore::WriteAsync(uint64_t key, const void* src, IoDone done) {
   Block block;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     if (closed_) return done(FailedPrecondition(StrCat("write of swap block ", key, ": store is closed")));
     auto it = blocks_.find(key);
     if (it == blocks_.end()) return done(NotFound(StrCat("write of swap block ", key, ": no such block")));
@@ -484,7 +493,7 @@ void SwapStore::WriteAsync(uint64_t key, const void* src, IoDone done) {
 void SwapStore::ReadAsync(uint64_t key, void* dst, IoDone done) {
   Block block;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     if (closed_) return done(FailedPrecondition(StrCat("read of swap block ", key, ": store is closed")));
     auto it = blocks_.find(key);
     if (it == blocks_.end()) return done(NotFound(StrCat("read of swap block ", key, ": no such block")));
@@ -559,7 +568,7 @@ void SwapStore::Issue(IoOp kind, uint64_t key, const Block& block, char* user, s
     r.offset = p.foff;
     r.done = [this, op](Status s) {
       if (!s.ok()) {
-        std::lock_guard<std::mutex> lock(op->mu);
+        MutexLock lock(&op->mu);
         if (op->first_error.ok()) op->first_error = std::move(s);
       }
       if (op->left.fetch_sub(1, std::memory_order_acq_rel) != 1) return;
@@ -576,11 +585,11 @@ void SwapStore::Issue(IoOp kind, uint64_t key, const Block& block, char* user, s
 void SwapStore::FinishWrite(const std::shared_ptr<Op>& op) {
   Status s;
   {
-    std::lock_guard<std::mutex> lock(op->mu);
+    MutexLock lock(&op->mu);
     s = std::move(op->first_error);
   }
   if (s.ok()) {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     auto it = blocks_.find(op->key);
     if (it != blocks_.end()) {
       it->second.crc = op->crc;
@@ -598,7 +607,7 @@ void SwapStore::FinishWrite(const std::shared_ptr<Op>& op) {
 void SwapStore::FinishRead(const std::shared_ptr<Op>& op) {
   Status s;
   {
-    std::lock_guard<std::mutex> lock(op->mu);
+    MutexLock lock(&op->mu);
     s = std::move(op->first_error);
   }
   if (s.ok()) {
@@ -641,7 +650,7 @@ Status SwapStore::Read(uint64_t key, void* dst) {
 }
 
 Status SwapStore::SaveIndex() {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   if (closed_) return FailedPrecondition("swap store is closed");
   return SaveIndexLocked();
 }
@@ -662,13 +671,13 @@ Status SwapStore::SaveIndexLocked() {
 }
 
 Status SwapStore::RegisterBuffers(const std::vector<iovec>& ranges) {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   if (!engine_) return FailedPrecondition("swap store is closed");
   return engine_->RegisterBuffers(ranges);
 }
 
 StatusOr<SwapBlockRecord> SwapStore::Lookup(uint64_t key) const {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   auto it = blocks_.find(key);
   if (it == blocks_.end()) return NotFound(StrCat("swap block ", key, " does not exist"));
   return SwapBlockRecord{key, it->second.offset, it->second.length, it->second.crc, it->second.written};
@@ -683,7 +692,7 @@ StatusOr<std::vector<SwapExtent>> SwapStore::Locate(uint64_t key) const {
 }
 
 std::vector<uint64_t> SwapStore::Keys() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   std::vector<uint64_t> keys;
   for (const auto& kv : blocks_) keys.push_back(kv.first);
   std::sort(keys.begin(), keys.end());
@@ -692,7 +701,7 @@ std::vector<uint64_t> SwapStore::Keys() const {
 
 SwapStoreStats SwapStore::stats() const {
   SwapStoreStats s;
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   if (engine_) {
     s.engine = std::string(engine_->name());
     s.fallback_reason = engine_->fallback_reason();

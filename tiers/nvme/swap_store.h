@@ -32,12 +32,12 @@
 #include <functional>
 #include <map>
 #include <memory>
-#include <mutex>
 #include <string>
 #include <unordered_map>
 #include <vector>
 
 #include "runtime/base/config.h"
+#include "runtime/base/mutex.h"
 #include "runtime/base/status.h"
 #include "tiers/nvme/io_engine.h"
 #include "tiers/nvme/swap_index.h"
@@ -152,7 +152,7 @@ class SwapStore {
 
   SwapStore() = default;
   Status OpenFiles(const SwapStoreOptions& options, bool create, uint64_t per_file);
-  Status LoadIndex(const SwapIndex& index);
+  Status LoadIndex(const SwapIndex& index) EXCLUDES(mu_);
   Status Preallocate(uint64_t wanted, uint64_t needed);  // per file; Note [preallocation]
   uint64_t PerFileBytesFor(uint64_t logical_end) const;
   std::vector<Segment> MapExtent(uint64_t logical, uint64_t length) const;
@@ -160,7 +160,7 @@ class SwapStore {
   void Issue(IoOp op, uint64_t key, const Block& block, char* buf, std::shared_ptr<Op> state);
   void FinishRead(const std::shared_ptr<Op>& op);
   void FinishWrite(const std::shared_ptr<Op>& op);
-  Status SaveIndexLocked();
+  Status SaveIndexLocked() REQUIRES(mu_);
 
   std::vector<File> files_;
   std::string index_path_;
@@ -173,14 +173,14 @@ class SwapStore {
   std::unique_ptr<IoEngine> engine_;  // reset by Close() under mu_
   std::atomic<uint64_t> checksum_failures_{0};
 
-  mutable std::mutex mu_;
-  bool closed_ = false;                           // GUARDED_BY(mu_)
-  std::unordered_map<uint64_t, Block> blocks_;    // GUARDED_BY(mu_)
-  std::map<uint64_t, uint64_t> free_;             // GUARDED_BY(mu_): offset → length, coalesced
-  uint64_t bytes_allocated_ = 0;                  // GUARDED_BY(mu_)
-  // What stats() reports once Close() has destroyed the engine. GUARDED_BY(mu_)
-  std::string engine_name_, fallback_reason_;
-  IoEngineStats closed_io_;
+  mutable Mutex mu_;
+  bool closed_ GUARDED_BY(mu_) = false;
+  std::unordered_map<uint64_t, Block> blocks_ GUARDED_BY(mu_);
+  std::map<uint64_t, uint64_t> free_ GUARDED_BY(mu_);  // offset → length, coalesced
+  uint64_t bytes_allocated_ GUARDED_BY(mu_) = 0;
+  // What stats() reports once Close() has destroyed the engine.
+  std::string engine_name_ GUARDED_BY(mu_), fallback_reason_ GUARDED_BY(mu_);
+  IoEngineStats closed_io_ GUARDED_BY(mu_);
 };
 
 }  // namespace strata::nvme

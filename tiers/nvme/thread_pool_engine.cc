@@ -27,10 +27,10 @@ StatusOr<std::unique_ptr<ThreadPoolEngine>> ThreadPoolEngine::Create(const IoEng
 ThreadPoolEngine::~ThreadPoolEngine() {
   Drain();
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     stopping_ = true;
   }
-  cv_.notify_all();
+  cv_.SignalAll();
   for (auto& t : threads_) t.join();
 }
 
@@ -42,13 +42,13 @@ Status ThreadPoolEngine::SetFiles(std::vector<IoFile> files) {
 void ThreadPoolEngine::Enqueue(std::vector<PiecePtr> pieces) {
   const size_t n = pieces.size();
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     for (auto& p : pieces) queue_.push_back(std::move(p));
   }
   if (n == 1) {
-    cv_.notify_one();
+    cv_.Signal();
   } else {
-    cv_.notify_all();
+    cv_.SignalAll();
   }
 }
 
@@ -56,8 +56,8 @@ void ThreadPoolEngine::Worker() {
   while (true) {
     PiecePtr p;
     {
-      std::unique_lock<std::mutex> lock(mu_);
-      cv_.wait(lock, [this] { return stopping_ || !queue_.empty(); });
+      MutexLock lock(&mu_);
+      while (!stopping_ && queue_.empty()) cv_.Wait(&mu_);
       if (queue_.empty()) return;  // stopping and drained
       p = std::move(queue_.front());
       queue_.pop_front();

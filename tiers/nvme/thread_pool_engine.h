@@ -6,7 +6,6 @@
 // most that many pieces are in flight; the rest wait in a FIFO queue.
 #pragma once
 
-#include <condition_variable>
 #include <deque>
 #include <memory>
 #include <thread>
@@ -28,14 +27,14 @@ class ThreadPoolEngine final : public IoEngine {
 
  private:
   explicit ThreadPoolEngine(const IoEngineOptions& options);
-  void Enqueue(std::vector<PiecePtr> pieces) override;
-  void Worker();
+  void Enqueue(std::vector<PiecePtr> pieces) override EXCLUDES(mu_);
+  void Worker() EXCLUDES(mu_);
 
   std::vector<std::thread> threads_;
-  std::mutex mu_;
-  std::condition_variable cv_;
-  std::deque<PiecePtr> queue_;  // GUARDED_BY(mu_)
-  bool stopping_ = false;     // GUARDED_BY(mu_)
+  Mutex mu_;
+  CondVar cv_;
+  std::deque<PiecePtr> queue_ GUARDED_BY(mu_);
+  bool stopping_ GUARDED_BY(mu_) = false;
 };
 
 }  // namespace strata::nvme

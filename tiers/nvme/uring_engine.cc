@@ -8,7 +8,6 @@
 #include <algorithm>
 #include <cerrno>
 #include <chrono>
-#include <condition_variable>
 #include <cstdlib>
 #include <deque>
 #include <functional>
@@ -82,7 +81,7 @@ class UringEngine::Ring {
   ~Ring() {
     if (thread_.joinable()) {
       {
-        std::lock_guard<std::mutex> lock(mu_);
+        MutexLock lock(&mu_);
         stopping_ = true;
       }
       Wake();
@@ -106,23 +105,23 @@ class UringEngine::Ring {
   unsigned setup_flags() const { return setup_flags_; }
 
   // Runs `fn` on the ring's thread (Note [ring ownership]) and returns its result.
-  Status Call(std::function<Status(io_uring*)> fn) {
+  Status Call(std::function<Status(io_uring*)> fn) EXCLUDES(mu_) {
     if (tls_current_ring == this) return fn(&ring_);
     auto task = std::make_shared<Task>();
     task->fn = std::move(fn);
     auto f = task->result.get_future();
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      MutexLock lock(&mu_);
       tasks_.push_back(task);
     }
     Wake();
     return f.get();
   }
 
-  void Push(std::vector<PiecePtr>& pieces) {
+  void Push(std::vector<PiecePtr>& pieces) EXCLUDES(mu_) {
     bool was_empty;
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      MutexLock lock(&mu_);
       was_empty = queue_.empty();
       for (auto& p : pieces) queue_.push_back(std::move(p));
     }
@@ -141,7 +140,7 @@ class UringEngine::Ring {
     // EAGAIN means the counter is already non-zero: a wake-up is pending anyway.
     ssize_t r = write(efd_, &one, sizeof one);
     (void)r;
-    idle_cv_.notify_one();  // a broken ring's thread waits there instead
+    idle_cv_.Signal();  // a broken ring's thread waits there instead
   }
 
   void ArmWake() {
@@ -195,7 +194,7 @@ class UringEngine::Ring {
     return Status::Ok();
   }
 
-  void Loop(std::promise<Status>* ready) {
+  void Loop(std::promise<Status>* ready) EXCLUDES(mu_) {
     tls_current_ring = this;
     {
       Status s = Setup();
@@ -210,7 +209,7 @@ class UringEngine::Ring {
     while (true) {
       bool stop;
       {
-        std::lock_guard<std::mutex> lock(mu_);
+        MutexLock lock(&mu_);
         for (auto& p : queue_) local_.push_back(std::move(p));
         queue_.clear();
         tasks.swap(tasks_);
@@ -383,10 +382,10 @@ class UringEngine::Ring {
   }
 
   // A broken ring's thread: sleeps until a piece (to fail) or a task comes, or it must stop.
-  void WaitForWork() {
-    std::unique_lock<std::mutex> lock(mu_);
-    idle_cv_.wait_for(lock, std::chrono::milliseconds(50),
-                      [this] { return stopping_ || !queue_.empty() || !tasks_.empty(); });
+  void WaitForWork() EXCLUDES(mu_) {
+    MutexLock lock(&mu_);
+    if (!stopping_ && queue_.empty() && tasks_.empty())
+      idle_cv_.WaitFor(&mu_, std::chrono::milliseconds(50));
   }
 
   UringEngine* engine_;
@@ -407,11 +406,11 @@ class UringEngine::Ring {
   Status broken_;
   std::thread thread_;
 
-  std::mutex mu_;
-  std::condition_variable idle_cv_;           // a broken ring's thread waits on it
-  std::vector<PiecePtr> queue_;               // GUARDED_BY(mu_)
-  std::vector<std::shared_ptr<Task>> tasks_;  // GUARDED_BY(mu_)
-  bool stopping_ = false;                     // GUARDED_BY(mu_)
+  Mutex mu_;
+  CondVar idle_cv_;  // a broken ring's thread waits on it
+  std::vector<PiecePtr> queue_ GUARDED_BY(mu_);
+  std::vector<std::shared_ptr<Task>> tasks_ GUARDED_BY(mu_);
+  bool stopping_ GUARDED_BY(mu_) = false;
 };
 
 UringEngine::UringEngine(const IoEngineOptions& options) : IoEngine(options) {}

@@ -12,10 +12,11 @@ PACKAGES=(
   fio fortunes fortunes-min
   python3-dev python3-setuptools python3-torch python3-torchvision python3-pybind11 python3-pytest
   python3-venv python3-pip
+  clang
 )
-# Extras for the by-hand jobs: `setup.sh --fuzz` adds clang and its libFuzzer runtime.
+# Extras for the by-hand jobs: `setup.sh --fuzz` adds clang's libFuzzer runtime.
 if [ "${1:-}" = "--fuzz" ]; then
-  PACKAGES+=(clang libclang-rt-14-dev)
+  PACKAGES+=(libclang-rt-14-dev)
 fi
 
 SUDO=""

@@ -2,8 +2,8 @@
 # The README's test command: installs what is missing, builds Strata with CUDA on when nvcc is
 # present (every .cu file compiles even without a GPU), runs the CPU test suite (the C++ suites and
 # the Python ones under tests/python, through ctest), pip-installs the project into a venv and
-# tests the installed packages from outside the tree, then builds and tests again with
-# -DSTRATA_CUDA=OFF. GPU-only tests (label gpu) run only where a GPU exists.
+# tests the installed packages from outside the tree, checks the thread rules with clang, then
+# builds and tests again with -DSTRATA_CUDA=OFF. GPU-only tests (label gpu) run only where a GPU exists.
 #
 #   tools/scripts/test.sh                  # everything
 #   STRATA_TEST_CUDA_OFF=0 tools/scripts/test.sh   # skip the CUDA=OFF pass
@@ -65,9 +65,29 @@ pip_pass() {
   echo "== pip pass: $(( $(date +%s) - t0 )) s"
 }
 
+# The thread rules (runtime/base/thread_annotations.h) checked by clang: the floors the engine
+# is built from and the engine itself with -Wthread-safety -Werror=thread-safety, and a file of
+# deliberate violations that must fail to compile, or the check proves nothing.
+clang_pass() {
+  local dir="$root/build-ci/clang" t0=$(date +%s)
+  echo "== clang thread-safety pass ($dir)"
+  cmake -S . -B "$dir" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DCMAKE_CXX_COMPILER=clang++ \
+    -DCMAKE_C_COMPILER=clang -DSTRATA_PYTHON=OFF -DSTRATA_BUILD_TESTS=OFF -DSTRATA_CUDA=OFF \
+    "-DCMAKE_CXX_FLAGS=-Wthread-safety -Werror=thread-safety" >"$dir.configure.log" 2>&1 ||
+    { cat "$dir.configure.log"; exit 1; }
+  cmake --build "$dir" -j "$jobs" --target strata_tiers strata_state strata_engine
+  if clang++ -std=c++17 -I"$root" -Wthread-safety -Werror=thread-safety -fsyntax-only \
+       "$root/tests/runtime/thread_safety_violation.cc" 2>/dev/null; then
+    echo "clang pass: tests/runtime/thread_safety_violation.cc compiled: the analysis checks nothing" >&2
+    exit 1
+  fi
+  echo "== clang pass: $(( $(date +%s) - t0 )) s"
+}
+
 mkdir -p build-ci
 run_pass build-ci/cuda-auto -DSTRATA_CUDA=AUTO
 pip_pass
+clang_pass
 if [ "${STRATA_TEST_CUDA_OFF:-1}" = "1" ]; then
   run_pass build-ci/cuda-off -DSTRATA_CUDA=OFF
 fi

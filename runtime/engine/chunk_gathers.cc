@@ -23,7 +23,7 @@ using namespace engine_detail;
 Status Engine::Impl::InstallChunk(int64_t c) {
   ChunkTable::Chunk& cs = chunks_[c];
   const ChunkInfo& ci = partitioner_->chunks()[c];
-  const size_t bytes = static_cast<size_t>(ci.numel) * optim::DTypeSize(compute_dtype_);
+  const size_t bytes = static_cast<size_t>(ci.numel) * optim::DTypeSize(plan_.compute_dtype());
   ReapFrees(/*wait=*/false);
   StatusOr<void*> got = device_->Allocate(bytes);
   if (!got.ok() && got.status().code() == StatusCode::kResourceExhausted) {
@@ -84,8 +84,8 @@ Status Engine::Impl::FillChunk(int64_t c) {
 
 Status Engine::Impl::CopyShardIn(int64_t c) {
   const ChunkInfo& ci = partitioner_->chunks()[c];
-  const size_t esize = optim::DTypeSize(compute_dtype_);
-  char* dst = static_cast<char*>(chunks_[c].buffer) + partitioner_->ShardOffset(c, shard_rank()) * esize;
+  const size_t esize = optim::DTypeSize(plan_.compute_dtype());
+  char* dst = static_cast<char*>(chunks_[c].buffer) + partitioner_->ShardOffset(c, plan_.shard_rank()) * esize;
   const size_t bytes = ci.shard_numel * esize;
   BlockKey key{c, StateKind::kParam16};
   void* src = nullptr;
@@ -94,7 +94,7 @@ Status Engine::Impl::CopyShardIn(int64_t c) {
     STRATA_ASSIGN_OR_RETURN(src, store_->Acquire(key, Access::kRead));
   }
   LaneTimer t(&copy_s_, &lane_trace_, Lane::kCopy, "shard to device", trace_step(), c);
-  CopyKind kind = param_placement_ == Placement::kDevice ? CopyKind::kDeviceToDevice
+  CopyKind kind = plan_.param_placement() == Placement::kDevice ? CopyKind::kDeviceToDevice
                                                          : CopyKind::kHostToDevice;
   Status s = copy_stream_->MemcpyAsync(dst, src, bytes, kind);
   if (s.ok()) s = copy_stream_->Synchronize();
@@ -115,11 +115,11 @@ Status Engine::Impl::AllGatherChunk(int64_t c) {
 
 Status Engine::Impl::AllGatherShards(int64_t c) {
   const ChunkInfo& ci = partitioner_->chunks()[c];
-  const size_t esize = optim::DTypeSize(compute_dtype_);
+  const size_t esize = optim::DTypeSize(plan_.compute_dtype());
   // Collectives take the address compute uses, as NCCL takes a tensor's data pointer.
   char* base = static_cast<char*>(device_->ComputeAddress(chunks_[c].buffer));
-  char* mine = base + partitioner_->ShardOffset(c, shard_rank()) * esize;
-  return comm_->AllGather(mine, base, ci.shard_numel, CommDtype(compute_dtype_));
+  char* mine = base + partitioner_->ShardOffset(c, plan_.shard_rank()) * esize;
+  return comm_->AllGather(mine, base, ci.shard_numel, CommDtype(plan_.compute_dtype()));
 }
 
 Status Engine::Impl::GatherChunk(int64_t c) {
@@ -172,7 +172,7 @@ void Engine::Impl::DropChunk(int64_t c) {
 }
 
 Status Engine::Impl::RefreshChunksAfterStep() {
-  if (!stage3()) return Status::Ok();
+  if (!plan_.stage3()) return Status::Ok();
   for (size_t c = 0; c < chunks_.size(); ++c) {
     const int64_t c64 = static_cast<int64_t>(c);
     if (!chunks_.installed(c64)) continue;
@@ -191,7 +191,7 @@ Status Engine::Impl::RefreshChunksAfterStep() {
 }
 
 Status Engine::Impl::GatherUnit(int64_t u) {
-  if (!stage3()) return Status::Ok();
+  if (!plan_.stage3()) return Status::Ok();
   const auto& chunks = units_[u].chunks;
   for (size_t k = 0; k < chunks.size(); ++k) {
     Status s = GatherChunk(chunks[k]);
@@ -204,21 +204,21 @@ Status Engine::Impl::GatherUnit(int64_t u) {
 }
 
 void Engine::Impl::ReleaseUnit(int64_t u, int64_t reuse_distance) {
-  if (!stage3()) return;
+  if (!plan_.stage3()) return;
   for (int64_t c : units_[u].chunks) ReleaseChunk(c, reuse_distance);
 }
 
 // Hints the shards of the units after trace position `pos` (direction +1, forward) or before it
 // (-1, backward) until stage3_prefetch_bucket_size elements are on their way.
 void Engine::Impl::PrefetchUnits(size_t pos, int direction) {
-  if (!stage3()) return;
+  if (!plan_.stage3()) return;
   int64_t budget = config_.zero_optimization.stage3_prefetch_bucket_size;
   std::vector<int64_t> next;  // the next unit's chunks are gathered ahead, not only read ahead
   units_.VisitNear(pos, direction, [&](int64_t u, int64_t distance) {
     if (budget <= 0) return false;
     for (int64_t c : units_[u].chunks) {
       if (chunks_.installed(c)) continue;
-      if (param_placement_ != Placement::kDevice) store_->Prefetch({c, StateKind::kParam16});
+      if (plan_.param_placement() != Placement::kDevice) store_->Prefetch({c, StateKind::kParam16});
       if (distance == 1) next.push_back(c);
       budget -= partitioner_->chunks()[c].shard_numel;
     }

@@ -60,7 +60,7 @@ Status Engine::Impl::AdamChunk(int64_t c, const OptimizerLane::StepInputs& in,
   const ChunkInfo& ci = partitioner_->chunks()[c];
   const int64_t n = ci.shard_numel;
   const auto& oc = config_.optimizer;
-  BlockKey km = MasterKey(c), ka{c, StateKind::kExpAvg}, kv{c, StateKind::kExpAvgSq},
+  BlockKey km = plan_.MasterKey(c), ka{c, StateKind::kExpAvg}, kv{c, StateKind::kExpAvgSq},
       kg{c, StateKind::kGrad};
   // A failed acquire (an I/O error reading a state back) releases what was already pinned: the
   // error must leave the tier manager consistent for the caller to report it and shut down.
@@ -70,7 +70,7 @@ Status Engine::Impl::AdamChunk(int64_t c, const OptimizerLane::StepInputs& in,
       {km, Access::kReadWrite}, {ka, Access::kReadWrite}, {kv, Access::kReadWrite}, {kg, Access::kRead}};
   std::vector<BlockKey> held;  // acquired, to release
   for (int i = 0; i < 4; ++i) {
-    if (!HoldsState(wants[i].first.kind)) continue;
+    if (!plan_.HoldsState(wants[i].first.kind)) continue;
     auto got = store_->Acquire(wants[i].first, wants[i].second);
     if (!got.ok()) {
       for (const BlockKey& k : held) store_->Release(k, false).IgnoreError();
@@ -78,7 +78,7 @@ Status Engine::Impl::AdamChunk(int64_t c, const OptimizerLane::StepInputs& in,
     }
     held.push_back(wants[i].first);
     // A device-placed state is reached at its compute address (Note [device blocks]): only the
-    // device's own compute touches it (device_optimizer() below).
+    // device's own compute touches it (plan_.device_optimizer() below).
     ptrs[i] = device_->ComputeAddress(*got);
   }
   void* master = ptrs[0];
@@ -95,10 +95,10 @@ Status Engine::Impl::AdamChunk(int64_t c, const OptimizerLane::StepInputs& in,
   BlockKey kp{c, StateKind::kParam16};
   int slot = -1;  // the staging slot taken
   bool param_block_held = false;
-  if (master_is_param()) {
+  if (plan_.master_is_param()) {
     out = master;  // Note [shared master]: the update writes the working shard in place
   } else if (stage == 3) {
-    if (param_placement_ != Placement::kDevice || device_optimizer()) {
+    if (plan_.param_placement() != Placement::kDevice || plan_.device_optimizer()) {
       auto got = store_->Acquire(kp, Access::kWrite);
       if (!got.ok()) {
         for (const BlockKey& k : held) store_->Release(k, false).IgnoreError();
@@ -107,11 +107,11 @@ Status Engine::Impl::AdamChunk(int64_t c, const OptimizerLane::StepInputs& in,
       out = device_->ComputeAddress(*got);
       param_block_held = true;
     }
-  } else if (device_optimizer()) {
+  } else if (plan_.device_optimizer()) {
     out = WorkingShard(c);
   }
   if (!out) {
-    STRATA_DCHECK(staged_publish(), "chunk ", c, ": new values need the staging slots");
+    STRATA_DCHECK(plan_.staged_publish(), "chunk ", c, ": new values need the staging slots");
     slot = publish_->AcquireSlot(step, slot_wait_s);
     out = publish_->SlotData(slot);
   }
@@ -120,8 +120,8 @@ Status Engine::Impl::AdamChunk(int64_t c, const OptimizerLane::StepInputs& in,
   const OptimizerType type = oc.type;
   const bool adam = IsAdam(type);
   std::vector<Segment> segments;
-  const size_t state_size = optim::DTypeSize(state_dtype_);
-  const size_t work_size = optim::DTypeSize(compute_dtype_);
+  const size_t state_size = optim::DTypeSize(plan_.state_dtype());
+  const size_t work_size = optim::DTypeSize(plan_.compute_dtype());
   for (const ShardSegment& seg : chunk_segments_[c]) {
     const GroupHyperparameters& gh = in.groups[seg.group];
     Segment sg;
@@ -153,16 +153,16 @@ Status Engine::Impl::AdamChunk(int64_t c, const OptimizerLane::StepInputs& in,
     sg.bufs.grad_dtype = optim::DType::kFloat32;
     sg.bufs.exp_avg = m ? static_cast<char*>(m) + seg.begin * state_size : nullptr;
     sg.bufs.exp_avg_sq = v ? static_cast<char*>(v) + seg.begin * state_size : nullptr;
-    sg.bufs.state_dtype = state_dtype_;
+    sg.bufs.state_dtype = plan_.state_dtype();
     sg.bufs.n = static_cast<size_t>(seg.size);
-    if (compute_dtype_ != optim::DType::kFloat32) {
+    if (plan_.compute_dtype() != optim::DType::kFloat32) {
       sg.bufs.param16 = static_cast<char*>(out) + seg.begin * work_size;
-      sg.bufs.param16_dtype = compute_dtype_;
+      sg.bufs.param16_dtype = plan_.compute_dtype();
     }
     segments.push_back(sg);
   }
   Status s;
-  if (device_optimizer()) {
+  if (plan_.device_optimizer()) {
     // Device compute on the lane's stream (Stream::LaunchKernel): the GPU Adam (the same IEEE
     // operations as the CPU Adam), or on the CPU device the CPU Adam run by the stream's worker
     // in the optimizer's arena. Either way this thread goes on at once and the one wait below
@@ -187,7 +187,7 @@ Status Engine::Impl::AdamChunk(int64_t c, const OptimizerLane::StepInputs& in,
       }
       return r;
     });
-    if (s.ok() && compute_dtype_ == optim::DType::kFloat32 && out != master)
+    if (s.ok() && plan_.compute_dtype() == optim::DType::kFloat32 && out != master)
       s = publish_stream_->MemcpyAsync(out, master, n * 4, CopyKind::kDeviceToDevice);
     Status w = publish_stream_->Synchronize();
     if (s.ok()) s = w;
@@ -204,7 +204,7 @@ Status Engine::Impl::AdamChunk(int64_t c, const OptimizerLane::StepInputs& in,
       }
       if (!s.ok()) break;
     }
-    if (s.ok() && compute_dtype_ == optim::DType::kFloat32 && out != master)
+    if (s.ok() && plan_.compute_dtype() == optim::DType::kFloat32 && out != master)
       std::memcpy(out, master, n * 4);
   }
   const bool updated = s.ok();

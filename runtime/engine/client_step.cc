@@ -22,7 +22,7 @@ std::vector<std::vector<int64_t>> Engine::Impl::ClientSegments() const {
 }
 
 StatusOr<Engine::ClientStep> Engine::Impl::BeginClientStep() {
-  if (!client_optimizer_)
+  if (!plan_.client_optimizer())
     return FailedPrecondition("BeginClientStep: the engine runs its own optimizer (make it with "
                               "EngineOptions::client_optimizer for a client optimizer); call Step");
   if (client_open_)
@@ -42,7 +42,7 @@ StatusOr<Engine::ClientStep> Engine::Impl::BeginClientStep() {
   client_masters_.assign(chunks_.size(), torch::Tensor());
   torch::NoGradGuard ng;
   auto lend = [&](int64_t c, StateKind kind) -> StatusOr<torch::Tensor> {
-    const BlockKey key = kind == StateKind::kMaster32 ? MasterKey(c) : BlockKey{c, kind};
+    const BlockKey key = kind == StateKind::kMaster32 ? plan_.MasterKey(c) : BlockKey{c, kind};
     STRATA_ASSIGN_OR_RETURN(void* p, store_->Acquire(key, Access::kReadWrite));
     client_held_.push_back(key);
     // A device block is reached at the device's compute address (Note [device blocks]).
@@ -78,7 +78,7 @@ StatusOr<StepReport> Engine::Impl::FinishClientStep(bool apply) {
       for (size_t c = 0; c < chunks_.size(); ++c) {
         const auto c64 = static_cast<int64_t>(c);
         chunks_[c64]
-            .full.narrow(0, partitioner_->ShardOffset(c64, shard_rank()),
+            .full.narrow(0, partitioner_->ShardOffset(c64, plan_.shard_rank()),
                          partitioner_->chunks()[c].shard_numel)
             .copy_(client_masters_[c]);
       }

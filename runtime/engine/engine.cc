@@ -62,7 +62,7 @@ Engine::Impl::~Impl() {
   ReapFrees(/*wait=*/true);
   // Stages 0-2: the parameters are views of chunks the device allocated, and the model outlives
   // the engine (and maybe the device): give them their own copy of the working values.
-  if (!stage3()) {
+  if (!plan_.stage3()) {
     torch::NoGradGuard ng;
     for (auto& p : params_)
       if (p.tensor.defined() && p.tensor.numel() > 0) p.tensor.set_data(p.tensor.detach().clone());
@@ -157,7 +157,7 @@ void DefaultUnits(const std::string& prefix, const torch::nn::Module& m,
 
 }  // namespace
 
-Status Engine::Impl::DiscoverUnits(const EngineOptions& options) {
+Status Engine::Impl::DiscoverUnits(const EngineOptions& options, optim::DType compute_dtype) {
   std::vector<std::pair<std::string, std::shared_ptr<torch::nn::Module>>> found;
   if (options.units.empty()) {
     DefaultUnits("", *model_, &found);
@@ -179,8 +179,8 @@ Status Engine::Impl::DiscoverUnits(const EngineOptions& options) {
   // unit holding it and is shared by the others).
   PartitionerOptions po;
   po.chunk_size = config_.strata.chunk_size;
-  po.world_size = shard_world();
-  po.element_size = static_cast<int>(optim::DTypeSize(compute_dtype_));
+  po.world_size = config_.zero_optimization.stage == 0 ? 1 : comm_->world_size();
+  po.element_size = static_cast<int>(optim::DTypeSize(compute_dtype));
   STRATA_ASSIGN_OR_RETURN(Partitioner part, Partitioner::Create(po));
   std::map<const c10::TensorImpl*, int64_t> seen;
   auto add_unit = [&](const std::string& name, std::shared_ptr<torch::nn::Module> module,
@@ -274,13 +274,13 @@ StatusOr<std::vector<torch::Tensor>> Engine::Impl::GatherMasterParams() {
     const ChunkInfo& ci = partitioner_->chunks()[c];
     const int64_t c64 = static_cast<int64_t>(c);
     torch::Tensor full = torch::zeros({ci.numel}, torch::kFloat32);
-    float* shard = full.data_ptr<float>() + partitioner_->ShardOffset(c64, shard_rank());
-    STRATA_ASSIGN_OR_RETURN(void* m, store_->Acquire(MasterKey(c64), Access::kRead));
-    Status read = ReadBlockBytes(shard, m, ci.shard_numel * 4, optim_placement_);
-    STRATA_RETURN_IF_ERROR(store_->Release(MasterKey(c64), false));
+    float* shard = full.data_ptr<float>() + partitioner_->ShardOffset(c64, plan_.shard_rank());
+    STRATA_ASSIGN_OR_RETURN(void* m, store_->Acquire(plan_.MasterKey(c64), Access::kRead));
+    Status read = ReadBlockBytes(shard, m, ci.shard_numel * 4, plan_.optim_placement());
+    STRATA_RETURN_IF_ERROR(store_->Release(plan_.MasterKey(c64), false));
     STRATA_RETURN_IF_ERROR(read);
-    if (shard_world() > 1) {
-      const int64_t off = partitioner_->ShardOffset(c64, shard_rank());
+    if (plan_.shard_world() > 1) {
+      const int64_t off = partitioner_->ShardOffset(c64, plan_.shard_rank());
       STRATA_RETURN_IF_ERROR(OnCommMemory(full, [&](void* p) {
         return comm_->AllGather(static_cast<float*>(p) + off, p, ci.shard_numel,
                                 strata::DType::kF32);
@@ -296,18 +296,11 @@ StatusOr<std::vector<torch::Tensor>> Engine::Impl::GatherMasterParams() {
 
 uint64_t Engine::Impl::model_state_bytes() const {
   const uint64_t n = static_cast<uint64_t>(num_params());
-  const uint64_t work = optim::DTypeSize(compute_dtype_);
-  const uint64_t state = optim::DTypeSize(state_dtype_);
+  const uint64_t work = optim::DTypeSize(plan_.compute_dtype());
+  const uint64_t state = optim::DTypeSize(plan_.state_dtype());
   // working copy + fp32 grad + fp32 master + the moments the optimizer keeps
-  const uint64_t moments = (holds_exp_avg_ ? 1 : 0) + (holds_exp_avg_sq_ ? 1 : 0);
+  const uint64_t moments = (plan_.HoldsState(StateKind::kExpAvg) ? 1 : 0) + (plan_.HoldsState(StateKind::kExpAvgSq) ? 1 : 0);
   return n * (work + 4 + 4 + moments * state);
-}
-
-nlohmann::json Engine::Impl::PlanJson() const {
-  nlohmann::json j = nlohmann::json::object();
-  for (int k = 0; k < kNumStateKinds; ++k)
-    j[StateKindName(static_cast<StateKind>(k))] = {{"sharded", plan_.sharded[k]}, {"bytes", plan_.bytes[k]}};
-  return j;
 }
 
 nlohmann::json Engine::Impl::Describe() const {
@@ -316,16 +309,16 @@ nlohmann::json Engine::Impl::Describe() const {
           {"parameters", num_params()},
           {"chunks", chunks_.size()},
           {"chunk_size", config_.strata.chunk_size},
-          {"dtype", optim::DTypeName(compute_dtype_)},
-          {"optimizer_state_dtype", optim::DTypeName(state_dtype_)},
-          {"param_placement", PlacementName(param_placement_)},
-          {"optimizer_placement", PlacementName(optim_placement_)},
-          {"optimizer_overlap", OptimizerOverlapName()},
-          {"master_storage", master_is_param() ? "param16 (shared)" : "master32"},
+          {"dtype", optim::DTypeName(plan_.compute_dtype())},
+          {"optimizer_state_dtype", optim::DTypeName(plan_.state_dtype())},
+          {"param_placement", PlacementName(plan_.param_placement())},
+          {"optimizer_placement", PlacementName(plan_.optim_placement())},
+          {"optimizer_overlap", plan_.OptimizerOverlapName()},
+          {"master_storage", plan_.master_is_param() ? "param16 (shared)" : "master32"},
           {"model_state_bytes", model_state_bytes()},
-          {"host_budget", host_budget_},
+          {"host_budget", plan_.host_budget()},
           {"tier_manager", store_->StatsJson()},
-          {"plan", PlanJson()},
+          {"plan", plan_.ToJson()},
           {"device", device_->name()},
           {"torch_device", TorchDevice(*device_).str()}};
 }
@@ -423,7 +416,7 @@ Status Engine::Impl::SetGroupHyperparameters(const std::vector<GroupHyperparamet
   }
   for (size_t g = 0; g < groups.size(); ++g) {
     STRATA_RETURN_IF_ERROR(ValidateGroup(groups[g], static_cast<int>(g)));
-    if (groups[g].momentum != 0 && !holds_exp_avg_ && config_.optimizer.type == OptimizerType::kSGD)
+    if (groups[g].momentum != 0 && !plan_.HoldsState(StateKind::kExpAvg) && config_.optimizer.type == OptimizerType::kSGD)
       return InvalidArgument(StrCat(
           "parameter group ", g, ": momentum=", groups[g].momentum, " but every group had "
           "momentum 0 when the engine was made, so it keeps no momentum buffer; give the groups "

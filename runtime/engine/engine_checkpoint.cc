@@ -77,8 +77,8 @@ Status Engine::Impl::Save(const std::string& root, const nlohmann::json& extra,
   m.rank = rank;
   m.world_size = comm_->world_size();
   m.stage = config_.zero_optimization.stage;
-  m.dtype = optim::DTypeName(compute_dtype_);
-  m.state_dtype = optim::DTypeName(state_dtype_);
+  m.dtype = optim::DTypeName(plan_.compute_dtype());
+  m.state_dtype = optim::DTypeName(plan_.state_dtype());
   m.parameters = num_params();
   for (const ChunkInfo& ci : partitioner_->chunks()) m.shard_numel.push_back(ci.shard_numel);
   m.global_step = global_step_;
@@ -96,11 +96,11 @@ Status Engine::Impl::Save(const std::string& root, const nlohmann::json& extra,
   std::vector<char> staging;
   for (size_t c = 0; c < chunks_.size() && s.ok(); ++c) {
     for (StateKind kind : kSavedKinds) {
-      if (!HoldsState(kind)) continue;  // Note [states the optimizer uses]
+      if (!plan_.HoldsState(kind)) continue;  // Note [states the optimizer uses]
       const int64_t c64 = static_cast<int64_t>(c);
       const uint64_t bytes = partitioner_->chunks()[c].shard_numel *
-                             (kind == StateKind::kMaster32 ? 4 : optim::DTypeSize(state_dtype_));
-      const BlockKey key = kind == StateKind::kMaster32 ? MasterKey(c64) : BlockKey{c64, kind};
+                             (kind == StateKind::kMaster32 ? 4 : optim::DTypeSize(plan_.state_dtype()));
+      const BlockKey key = kind == StateKind::kMaster32 ? plan_.MasterKey(c64) : BlockKey{c64, kind};
       auto data = store_->Acquire(key, Access::kRead);
       if (!data.ok()) {
         s = data.status();
@@ -108,7 +108,7 @@ Status Engine::Impl::Save(const std::string& root, const nlohmann::json& extra,
       }
       // A device block reaches the file through a host copy (Note [device blocks]).
       const void* bytes_at = *data;
-      if (PlacementOf(key.kind) == Placement::kDevice) {
+      if (plan_.PlacementOf(key.kind) == Placement::kDevice) {
         staging.resize(bytes);
         s = ReadBlockBytes(staging.data(), *data, bytes, Placement::kDevice);
         bytes_at = staging.data();
@@ -164,7 +164,7 @@ Status Engine::Impl::Save(const std::string& root, const nlohmann::json& extra,
 nlohmann::json Engine::Impl::LayoutJson() const {
   nlohmann::json shard_offset = nlohmann::json::array(), chunk_numel = nlohmann::json::array();
   for (size_t c = 0; c < chunks_.size(); ++c) {
-    shard_offset.push_back(partitioner_->ShardOffset(static_cast<int64_t>(c), shard_rank()));
+    shard_offset.push_back(partitioner_->ShardOffset(static_cast<int64_t>(c), plan_.shard_rank()));
     chunk_numel.push_back(partitioner_->chunks()[c].numel);
   }
   nlohmann::json params = nlohmann::json::array();
@@ -226,9 +226,9 @@ StatusOr<nlohmann::json> Engine::Impl::Load(const std::string& path, bool weight
   if (m.stage != config_.zero_optimization.stage)
     return mismatch("zero_optimization.stage", std::to_string(m.stage),
                     std::to_string(config_.zero_optimization.stage), "use the config it was saved with");
-  if (m.dtype != optim::DTypeName(compute_dtype_) || m.state_dtype != optim::DTypeName(state_dtype_))
+  if (m.dtype != optim::DTypeName(plan_.compute_dtype()) || m.state_dtype != optim::DTypeName(plan_.state_dtype()))
     return mismatch("precision", m.dtype + "/" + m.state_dtype,
-                    std::string(optim::DTypeName(compute_dtype_)) + "/" + optim::DTypeName(state_dtype_),
+                    std::string(optim::DTypeName(plan_.compute_dtype())) + "/" + optim::DTypeName(plan_.state_dtype()),
                     "use the bf16/fp16 and optimizer_state_dtype settings it was saved with");
   std::vector<int64_t> ours;
   for (const ChunkInfo& ci : partitioner_->chunks()) ours.push_back(ci.shard_numel);
@@ -275,11 +275,11 @@ StatusOr<nlohmann::json> Engine::Impl::Load(const std::string& path, bool weight
   for (size_t c = 0; c < chunks_.size() && s.ok(); ++c) {
     for (StateKind kind : kSavedKinds) {
       if (weights_only && kind != StateKind::kMaster32) continue;  // the optimizer keeps its own
-      if (!HoldsState(kind)) continue;  // a state this optimizer does not keep is not read
+      if (!plan_.HoldsState(kind)) continue;  // a state this optimizer does not keep is not read
       const int64_t c64 = static_cast<int64_t>(c);
       auto it = entries.find({c64, kind});
       const uint64_t bytes = partitioner_->chunks()[c].shard_numel *
-                             (kind == StateKind::kMaster32 ? 4 : optim::DTypeSize(state_dtype_));
+                             (kind == StateKind::kMaster32 ? 4 : optim::DTypeSize(plan_.state_dtype()));
       if (it == entries.end() || it->second->bytes != bytes) {
         s = DataLoss(StrCat(mpath, ": ", BlockName({c64, kind}), " is missing or has the wrong size"));
         break;
@@ -302,13 +302,13 @@ StatusOr<nlohmann::json> Engine::Impl::Load(const std::string& path, bool weight
                             "earlier one"));
         break;
       }
-      const BlockKey key = kind == StateKind::kMaster32 ? MasterKey(c64) : BlockKey{c64, kind};
+      const BlockKey key = kind == StateKind::kMaster32 ? plan_.MasterKey(c64) : BlockKey{c64, kind};
       auto dst = store_->Acquire(key, Access::kWrite);
       if (!dst.ok()) {
         s = dst.status();
         break;
       }
-      s = WriteBlockBytes(*dst, buf.data(), bytes, PlacementOf(key.kind));
+      s = WriteBlockBytes(*dst, buf.data(), bytes, plan_.PlacementOf(key.kind));
       Status r = store_->Release(key, true);
       if (s.ok()) s = r;
     }
@@ -321,29 +321,29 @@ StatusOr<nlohmann::json> Engine::Impl::Load(const std::string& path, bool weight
   }
 
   // The working copy is the master rounded to the working precision, exactly what Adam writes.
-  const size_t esize = optim::DTypeSize(compute_dtype_);
-  for (size_t c = 0; c < chunks_.size() && !master_is_param(); ++c) {  // shared: already there
+  const size_t esize = optim::DTypeSize(plan_.compute_dtype());
+  for (size_t c = 0; c < chunks_.size() && !plan_.master_is_param(); ++c) {  // shared: already there
     const int64_t c64 = static_cast<int64_t>(c);
     const int64_t n = partitioner_->chunks()[c].shard_numel;
     STRATA_ASSIGN_OR_RETURN(void* master, store_->Acquire({c64, StateKind::kMaster32}, Access::kRead));
     std::vector<float> master_host(n);
-    Status read = ReadBlockBytes(master_host.data(), master, n * 4, optim_placement_);
+    Status read = ReadBlockBytes(master_host.data(), master, n * 4, plan_.optim_placement());
     if (!read.ok()) {
       store_->Release({c64, StateKind::kMaster32}, false).IgnoreError();
       return read;
     }
     std::vector<char> work(n * esize);
     const float* mf = master_host.data();
-    if (compute_dtype_ == optim::DType::kFloat32) {
+    if (plan_.compute_dtype() == optim::DType::kFloat32) {
       std::memcpy(work.data(), mf, n * 4);
     } else {
       auto* w16 = reinterpret_cast<uint16_t*>(work.data());
       for (int64_t i = 0; i < n; ++i)
-        w16[i] = compute_dtype_ == optim::DType::kBFloat16 ? optim::FloatToBf16(mf[i])
+        w16[i] = plan_.compute_dtype() == optim::DType::kBFloat16 ? optim::FloatToBf16(mf[i])
                                                            : optim::FloatToHalf(mf[i]);
     }
     STRATA_RETURN_IF_ERROR(store_->Release({c64, StateKind::kMaster32}, false));
-    STRATA_RETURN_IF_ERROR(PublishParams(c64, work.data(), compute_dtype_));
+    STRATA_RETURN_IF_ERROR(PublishParams(c64, work.data(), plan_.compute_dtype()));
   }
   STRATA_RETURN_IF_ERROR(ShareUpdatedShards());
   STRATA_RETURN_IF_ERROR(RefreshChunksAfterStep());
@@ -370,7 +370,7 @@ Status Engine::Impl::PublishParams(int64_t c, const void* shard_values, optim::D
   } else {
     dst = WorkingShard(c);
   }
-  if (held && param_placement_ != Placement::kDevice) {  // a host buffer: no device copy
+  if (held && plan_.param_placement() != Placement::kDevice) {  // a host buffer: no device copy
     std::memcpy(dst, shard_values, bytes);
     return store_->Release({c, StateKind::kParam16}, true);
   }

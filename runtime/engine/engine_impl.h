@@ -65,6 +65,7 @@
 #include "runtime/state/checkpoint.h"
 #include "runtime/state/lr_schedule.h"
 #include "runtime/state/partitioner.h"
+#include "runtime/state/step_plan.h"
 #include "tiers/host/staging_buffer.h"
 #include "tiers/nvme/crc32c.h"
 #include "tiers/nvme/nvme_tier.h"
@@ -120,7 +121,6 @@ class Engine::Impl {
   int64_t global_step_ = 0;
   int64_t micro_step_ = 0;
   nlohmann::json Describe() const;
-  nlohmann::json PlanJson() const;  // per state: sharded, bytes this rank keeps
   int64_t num_params() const { return partitioner_ ? partitioner_->param_numel() : 0; }
   uint64_t model_state_bytes() const;
   int64_t num_units() const { return units_.size(); }
@@ -164,9 +164,6 @@ class Engine::Impl {
   torch::TensorOptions DeviceOptions(torch::Dtype dtype) const;
   // Where a state's blocks live: the param16 shard with the parameters, every other state with
   // the optimizer.
-  Placement PlacementOf(StateKind kind) const {
-    return kind == StateKind::kParam16 ? param_placement_ : optim_placement_;
-  }
   // Host code's only way into a block's bytes (Note [device blocks]): a device-placed block is
   // device memory, moved by the copy stream; a host or NVMe-staged block is host memory.
   // WriteBlockBytes with a null `src` zero-fills. Both return once the bytes have landed.
@@ -178,11 +175,11 @@ class Engine::Impl {
   Status WriteBlockBytes(void* block, const void* src, size_t bytes, Placement where);
 
   // Init's steps, in the order Init runs them (engine_init.cc; DiscoverUnits in engine.cc).
-  Status ChoosePrecisionAndPlacement(const EngineOptions& options);
-  Status StartStreamsAndArena();
-  Status DiscoverUnits(const EngineOptions& options);
-  Status Partition();
+  ComputeDtypeChoice ChooseDtype() const;
+  Status DiscoverUnits(const EngineOptions& options, optim::DType compute_dtype);
   Status GroupParameters(const EngineOptions& options);  // param_groups.h; engine_init.cc
+  Status MakePlan(const EngineOptions& options, optim::DType compute_dtype);
+  Status StartStreamsAndArena();
   Status OpenNvmeTier(const EngineOptions& options);
   Status OpenBlockStore(const EngineOptions& options);
   Status PlaceBuffers();
@@ -233,23 +230,11 @@ class Engine::Impl {
   void FreeChunkMemory(int64_t c);
   // Frees the pending chunk memory whose compute has finished; all of it when `wait`.
   void ReapFrees(bool wait);
-  // True when the optimizer is the device's own compute, on states in device memory
-  // (offload_optimizer.device: none): the GPU Adam on CUDA, the CPU Adam on the CPU device.
-  bool device_optimizer() const { return optim_placement_ == Placement::kDevice; }
-  // True when a host optimizer's new values for device-resident parameters go through the
-  // staging slots and the publish lane (Note [pipelined publish]).
-  bool staged_publish() const {
-    return !device_optimizer() && param_placement_ == Placement::kDevice;
-  }
   // Stages 0-2: this rank's shard of chunk c in the replicated working copy (device memory, at
   // its compute address), in the compute dtype.
   void* WorkingShard(int64_t c) const {
     return static_cast<char*>(chunks_[c].full.data_ptr()) +
-           partitioner_->ShardOffset(c, shard_rank()) * optim::DTypeSize(compute_dtype_);
-  }
-  // True when the optimizer runs on a CUDA device's own memory (the GPU Adam).
-  bool gpu_optimizer() const {
-    return device_optimizer() && device_->kind() == DeviceKind::kCuda;
+           partitioner_->ShardOffset(c, plan_.shard_rank()) * optim::DTypeSize(plan_.compute_dtype());
   }
   Status GatherChunk(int64_t c);
   // Drops a holder; the chunk stays gathered when it is persistent or will be reused within
@@ -339,47 +324,6 @@ class Engine::Impl {
   // Starts a new reporting window: the lanes' counters restart from zero.
   void ResetLanes();
 
-  // Note [shared master]: under stage 3 with fp32 compute the working shard (param16) holds the
-  // same bits as the fp32 master, so when both live in the same host or NVMe tier the master is
-  // not stored twice: the param16 block is the master, which saves a chunk's worth of write-back
-  // and read per update. The checkpoint format is unchanged (its "master32" entries are read from
-  // and written to this block).
-  bool master_is_param() const {
-    return stage3() && compute_dtype_ == optim::DType::kFloat32 &&
-           param_placement_ == optim_placement_ && param_placement_ != Placement::kDevice;
-  }
-  // "backward", "next-forward" or "in-step": where updates run (the log and Describe say it).
-  const char* OptimizerOverlapName() const {
-    return immediate_optimizer() ? "backward" : defer_updates() ? "next-forward" : "in-step";
-  }
-  // Whether the optimizer keeps this state (Note [states the optimizer uses]): the master,
-  // param16 and grad always; exp_avg for Adam, AdamW, Lion and SGD with momentum; exp_avg_sq for
-  // Adam, AdamW and Adagrad. A state it does not keep has no blocks: no memory, no NVMe traffic,
-  // not in checkpoints. Fixed in GroupParameters, before the blocks are placed.
-  bool HoldsState(StateKind k) const {
-    return k == StateKind::kExpAvg ? holds_exp_avg_ : k == StateKind::kExpAvgSq ? holds_exp_avg_sq_ : true;
-  }
-  bool holds_exp_avg_ = true;
-  bool holds_exp_avg_sq_ = true;
-  BlockKey MasterKey(int64_t c) const {
-    return {c, master_is_param() ? StateKind::kParam16 : StateKind::kMaster32};
-  }
-  int shard_rank() const { return config_.zero_optimization.stage == 0 ? 0 : comm_->rank(); }
-  int shard_world() const {
-    return config_.zero_optimization.stage == 0 ? 1 : comm_->world_size();
-  }
-  bool stage3() const { return config_.zero_optimization.stage == 3; }
-  bool immediate_optimizer() const {
-    return config_.strata.overlap_optimizer && config_.gradient_clipping == 0 && !loss_scaling_ &&
-           !client_optimizer_;
-  }
-  // Note [deferred optimizer]: updates that wait for a global condition run after Step returns.
-  // Only under stage 3, where a unit's parameters are readable only while the engine has gathered
-  // them; below it the parameters are plain views of the working copy, which a caller may read
-  // right after Step.
-  bool defer_updates() const {
-    return config_.strata.overlap_optimizer && !immediate_optimizer() && stage3();
-  }
   int64_t trace_step() const { return global_step_ + 1; }
   bool last_micro_step() const {
     return (micro_step_ + 1) % config_.gradient_accumulation_steps == 0;
@@ -392,12 +336,8 @@ class Engine::Impl {
   Engine* owner_ = nullptr;
   std::function<void(int64_t)> optimizer_delay_hook_;  // EngineOptions::optimizer_delay_hook
   std::function<void(int64_t)> reduce_delay_hook_;     // EngineOptions::reduce_delay_hook
-  // fp16, or EngineOptions::loss_scaling: the loss is scaled and a step with a non-finite
-  // gradient is skipped, so no update may start before the step's overflow flag is known.
-  bool loss_scaling_ = false;
   // EngineOptions::client_optimizer (client_step.cc): between BeginClientStep and
   // FinishClientStep, the master and gradient blocks it acquired and each chunk's master view.
-  bool client_optimizer_ = false;
   bool client_open_ = false, client_skipped_ = false;
   double client_norm_ = 0;
   std::vector<BlockKey> client_held_;
@@ -423,16 +363,11 @@ class Engine::Impl {
   std::optional<Partitioner> partitioner_;
   // What this rank keeps of each state under the configured stage (Partitioner::PlanFor): which
   // states are sharded decides how gradients are reduced (gradient_reducer.cc).
-  StagePlan plan_;
+  // The step's mode decisions (runtime/state/step_plan.h), made once in Init.
+  StepPlan plan_;
   // Stages 0 and 1: every rank keeps the whole gradient until the step (the plan does not shard
   // it), accumulated locally over micro-steps and all-reduced once at the boundary.
-  bool full_gradients() const { return !plan_.sharded[static_cast<int>(StateKind::kGrad)]; }
   std::optional<optim::DynamicLossScaler> scaler_;
-  uint64_t host_budget_ = 0;
-  optim::DType compute_dtype_ = optim::DType::kFloat32;
-  optim::DType state_dtype_ = optim::DType::kFloat32;
-  Placement param_placement_ = Placement::kDevice;
-  Placement optim_placement_ = Placement::kDevice;
 
   std::vector<ParamInfo> params_;
   // The units and the order they ran in (unit_coordinator.h).
@@ -481,7 +416,7 @@ class Engine::Impl {
   // The lanes (each owns its thread, queue, lock and counters; see its header). Made by
   // MakeLanes, stopped in ~Impl: reduce first (its jobs queue updates), then the optimizer, then
   // publish (the optimizer's last update may submit a copy), then gather.
-  // A host optimizer's new values taken to the device (staged_publish() only; Note [pipelined
+  // A host optimizer's new values taken to the device (plan_.staged_publish() only; Note [pipelined
   // publish]): a chunk stays pending on the optimizer lane until its copy lands.
   std::unique_ptr<PublishLane> publish_;
   std::unique_ptr<OptimizerLane> opt_lane_;

@@ -14,11 +14,11 @@ Status Engine::Impl::Init(Engine* owner, const EngineOptions& options) {
   owner_ = owner;
   optimizer_delay_hook_ = options.optimizer_delay_hook;
   reduce_delay_hook_ = options.reduce_delay_hook;
-  STRATA_RETURN_IF_ERROR(ChoosePrecisionAndPlacement(options));
-  STRATA_RETURN_IF_ERROR(StartStreamsAndArena());
-  STRATA_RETURN_IF_ERROR(DiscoverUnits(options));  // the units and the partitioner (engine.cc)
-  STRATA_RETURN_IF_ERROR(Partition());
+  const ComputeDtypeChoice dtype = ChooseDtype();
+  STRATA_RETURN_IF_ERROR(DiscoverUnits(options, dtype.dtype));  // units and partitioner (engine.cc)
   STRATA_RETURN_IF_ERROR(GroupParameters(options));
+  STRATA_RETURN_IF_ERROR(MakePlan(options, dtype.dtype));
+  STRATA_RETURN_IF_ERROR(StartStreamsAndArena());
   STRATA_RETURN_IF_ERROR(OpenNvmeTier(options));
   STRATA_RETURN_IF_ERROR(OpenBlockStore(options));
   STRATA_RETURN_IF_ERROR(PlaceBuffers());
@@ -30,74 +30,49 @@ Status Engine::Impl::Init(Engine* owner, const EngineOptions& options) {
   STRATA_LOG(INFO) << "engine stage=" << config_.zero_optimization.stage << " world=" << comm_->world_size()
                    << " params=" << partitioner_->param_numel() << " units=" << units_.size()
                    << " chunks=" << chunk_infos.size()
-                   << " param_placement=" << PlacementName(param_placement_)
-                   << " optimizer_placement=" << PlacementName(optim_placement_)
-                   << " dtype=" << optim::DTypeName(compute_dtype_)
-                   << " optimizer_overlap=" << OptimizerOverlapName()
-                   << " master=" << (master_is_param() ? "param16" : "master32");
+                   << " param_placement=" << PlacementName(plan_.param_placement())
+                   << " optimizer_placement=" << PlacementName(plan_.optim_placement())
+                   << " dtype=" << optim::DTypeName(plan_.compute_dtype())
+                   << " optimizer_overlap=" << plan_.OptimizerOverlapName()
+                   << " master=" << (plan_.master_is_param() ? "param16" : "master32");
   return Status::Ok();
 }
 
-// Precision (compute and state dtypes, loss scaling) and where each state kind lives, with the
-// combinations the device cannot run refused.
-Status Engine::Impl::ChoosePrecisionAndPlacement(const EngineOptions& options) {
-  const auto& z = config_.zero_optimization;
-  loss_scaling_ = config_.fp16.enabled || options.loss_scaling;
-  const ComputeDtypeChoice dtype_choice =
+// The compute dtype (the partitioner's element size needs it first), with the one-time warning
+// where bf16 is slower than fp32 on this CPU.
+ComputeDtypeChoice Engine::Impl::ChooseDtype() const {
+  const ComputeDtypeChoice choice =
       ChooseComputeDtype(config_, device_->kind(), DeviceHasNativeBf16(device_->kind()));
-  compute_dtype_ = dtype_choice.dtype;
-  if (dtype_choice.slow_bf16) {
+  if (choice.slow_bf16) {
     static std::once_flag warned;  // once per process, however many engines it builds
     std::call_once(warned, [] {
       STRATA_LOG(WARN) << SlowBf16Warning(MeasureCpuMatmulGflops(torch::kBFloat16),
                                           MeasureCpuMatmulGflops(torch::kFloat32));
     });
   }
-  state_dtype_ = config_.strata.optimizer_state_dtype == StateDtype::kBf16 ? optim::DType::kBFloat16
-                                                                            : optim::DType::kFloat32;
-  auto placement = [](OffloadDevice d) {
-    return d == OffloadDevice::kNone  ? Placement::kDevice
-           : d == OffloadDevice::kCpu ? Placement::kHost
-                                      : Placement::kNvme;
-  };
-  param_placement_ = placement(z.offload_param.device);
-  optim_placement_ = placement(z.offload_optimizer.device);
-  client_optimizer_ = options.client_optimizer;
-  if (client_optimizer_ && (z.stage == 3 || param_placement_ != Placement::kDevice ||
-                            optim_placement_ != Placement::kDevice))
-    return InvalidArgument(StrCat(
-        "a client optimizer (zero_allow_untested_optimizer) runs on the device's memory: it needs "
-        "zero_optimization.stage 0-2 (this config: ", z.stage, ") with offload_param.device and "
-        "offload_optimizer.device none (this config: ", PlacementName(param_placement_), ", ",
-        PlacementName(optim_placement_), "); use one of Strata's optimizers (Adam, AdamW, SGD, "
-        "Adagrad, Lion) for stage 3 and offload"));
-  if (device_optimizer() && param_placement_ != Placement::kDevice)
-    return InvalidArgument(StrCat(
-        "offload_param.device offloads the parameters but offload_optimizer.device=none keeps the "
-        "optimizer on the device (", device_->name(), "); offload the optimizer too "
-        "(offload_optimizer.device: cpu or nvme), as DeepSpeed requires"));
-  if (device_->kind() == DeviceKind::kCuda && !torch::cuda::is_available())
-    return FailedPrecondition(StrCat(
-        "the device is ", device_->name(), " but this LibTorch has no CUDA (or sees no GPU); "
-        "build Strata against a CUDA LibTorch (pip torch: see the README) or use --device cpu"));
-  if (comm_->world_size() > 1 && comm_->memory_kind() == MemoryKind::kHost &&
-      device_->kind() != DeviceKind::kCpu)
-    return FailedPrecondition(StrCat("communicator ", comm_->backend(),
-                                     " moves host memory but the device is ", device_->name(),
-                                     "; use the nccl backend with CUDA"));
-  if (const OptimizerType t = config_.optimizer.type;
-      t == OptimizerType::kSGD || t == OptimizerType::kAdagrad || t == OptimizerType::kLion) {
-    if (state_dtype_ != optim::DType::kFloat32)
-      return InvalidArgument(StrCat("optimizer.type=", OptimizerTypeName(t),
-                                    " keeps its state in fp32: remove "
-                                    "strata.optimizer_state_dtype=bf16"));
-  }
-  if (config_.fp16.enabled && device_->kind() == DeviceKind::kCpu)
-    return InvalidArgument(
-        "fp16.enabled=true on the cpu device: LibTorch has no fp16 CPU kernels for LayerNorm and "
-        "matmul; use bf16.enabled=true instead (same memory, no loss scaling needed), or run on a "
-        "GPU");
-  if (loss_scaling_) {
+  return choice;
+}
+
+// The step's plan (runtime/state/step_plan.h): precision, placement, the states kept, the
+// stage's sharding and the tiers' sizes, with what cannot run refused; and the loss scaler.
+Status Engine::Impl::MakePlan(const EngineOptions& options, optim::DType compute_dtype) {
+  StepPlan::Inputs in;
+  in.config = &config_;
+  in.device_kind = device_->kind();
+  in.device_name = device_->name();
+  in.device_usable = device_->kind() != DeviceKind::kCuda || torch::cuda::is_available();
+  in.compute_dtype = compute_dtype;
+  in.world_size = comm_->world_size();
+  in.rank = comm_->rank();
+  in.comm_moves_host_memory = comm_->memory_kind() == MemoryKind::kHost;
+  in.comm_backend = comm_->backend();
+  in.client_optimizer = options.client_optimizer;
+  in.loss_scaling_option = options.loss_scaling;
+  in.sgd_momentum = std::any_of(groups_.begin(), groups_.end(),
+                                [](const GroupHyperparameters& g) { return g.momentum != 0; });
+  in.partitioner = &*partitioner_;
+  STRATA_ASSIGN_OR_RETURN(plan_, StepPlan::Make(in));
+  if (plan_.loss_scaling()) {
     STRATA_ASSIGN_OR_RETURN(auto s, optim::DynamicLossScaler::FromConfig(config_.fp16));
     scaler_.emplace(std::move(s));
   }
@@ -121,19 +96,11 @@ Status Engine::Impl::StartStreamsAndArena() {
   std::string why;
   const int arena_threads = ChooseOptimizerThreads(
       PhysicalCoreCount(), compute_threads, static_cast<int>(config_.strata.optimizer_threads),
-      immediate_optimizer() || defer_updates(), &why);
+      plan_.immediate_optimizer() || plan_.defer_updates(), &why);
   arena_ = std::make_unique<tbb::task_arena>(arena_threads);
   if (comm_->rank() == 0)
     STRATA_LOG(INFO) << "optimizer lane: " << arena_threads << " thread(s) (" << why
                      << "); LibTorch compute: " << compute_threads << " thread(s)";
-  return Status::Ok();
-}
-
-// This rank's plan over the partitioner's chunks (DiscoverUnits made the partitioner).
-Status Engine::Impl::Partition() {
-  const auto& z = config_.zero_optimization;
-  STRATA_ASSIGN_OR_RETURN(plan_, partitioner_->PlanFor(z.stage, shard_rank(),
-                                                       static_cast<int>(optim::DTypeSize(state_dtype_))));
   return Status::Ok();
 }
 
@@ -169,18 +136,10 @@ Status Engine::Impl::GroupParameters(const EngineOptions& options) {
       }
     }
   }
-  // Note [states the optimizer uses]: SGD keeps a momentum buffer (in exp_avg) only when some
-  // group has momentum, Adagrad its sum (in exp_avg_sq), Lion its momentum (in exp_avg); Adam
-  // both moments. An SGD group may not gain momentum later (SetGroupHyperparameters refuses it).
-  const OptimizerType type = oc.type;
-  const bool sgd_momentum = std::any_of(groups_.begin(), groups_.end(),
-                                        [](const GroupHyperparameters& g) { return g.momentum != 0; });
-  holds_exp_avg_ = type != OptimizerType::kAdagrad && (type != OptimizerType::kSGD || sgd_momentum);
-  holds_exp_avg_sq_ = type != OptimizerType::kSGD && type != OptimizerType::kLion;
-  if (client_optimizer_) holds_exp_avg_ = holds_exp_avg_sq_ = false;  // the client's own
   chunk_segments_.clear();
   for (size_t c = 0; c < partitioner_->chunks().size(); ++c) {
-    chunk_segments_.push_back(ShardSegments(*partitioner_, static_cast<int64_t>(c), shard_rank(),
+    chunk_segments_.push_back(ShardSegments(*partitioner_, static_cast<int64_t>(c),
+                                            config_.zero_optimization.stage == 0 ? 0 : comm_->rank(),
                                             group_of_param_));
   }
   return Status::Ok();
@@ -190,10 +149,10 @@ Status Engine::Impl::GroupParameters(const EngineOptions& options) {
 Status Engine::Impl::OpenNvmeTier(const EngineOptions& options) {
   const auto& z = config_.zero_optimization;
   // NVMe tier for whatever is placed there.
-  if (param_placement_ == Placement::kNvme || optim_placement_ == Placement::kNvme) {
+  if (plan_.param_placement() == Placement::kNvme || plan_.optim_placement() == Placement::kNvme) {
     std::vector<std::string> paths = options.nvme_path;
     if (paths.empty())
-      paths = optim_placement_ == Placement::kNvme ? z.offload_optimizer.nvme_path
+      paths = plan_.optim_placement() == Placement::kNvme ? z.offload_optimizer.nvme_path
                                                    : z.offload_param.nvme_path;
     if (paths.empty())
       return InvalidArgument(
@@ -203,16 +162,7 @@ Status Engine::Impl::OpenNvmeTier(const EngineOptions& options) {
     o.paths = paths;
     o.rank = static_cast<uint32_t>(comm_->rank());
     // Without a configured capacity, reserve what this rank's NVMe-placed shards need.
-    uint64_t need = 0;
-    const uint64_t ssize = optim::DTypeSize(state_dtype_);
-    for (const ChunkInfo& ci : partitioner_->chunks()) {
-      auto round = [](uint64_t b) { return (b + 4095) / 4096 * 4096; };
-      const uint64_t n = static_cast<uint64_t>(ci.shard_numel);
-      if (optim_placement_ == Placement::kNvme)  // grad, master (unless shared), two moments
-        need += round(n * 4) * (master_is_param() ? 1 : 2) + round(n * ssize) * 2;
-      if (param_placement_ == Placement::kNvme && z.stage == 3)
-        need += round(n * optim::DTypeSize(compute_dtype_));
-    }
+    uint64_t need = plan_.nvme_bytes();
     // cpu_checkpointing puts saved inputs in NVMe-backed slots too: leave them an eighth more
     // (a block's input is B·T·d elements against its 12·d² weights).
     if (config_.activation_checkpointing.cpu_checkpointing) need += std::max<uint64_t>(need / 8, 64ull << 20);
@@ -237,39 +187,10 @@ Status Engine::Impl::OpenNvmeTier(const EngineOptions& options) {
 Status Engine::Impl::OpenBlockStore(const EngineOptions& options) {
   const auto& z = config_.zero_optimization;
   {
-    // Host budget: the pinned pool the tier manager places host and NVMe blocks in. Unset, it is
-    // sized to hold every host-placed block plus a working set of NVMe blocks; the pool rounds
-    // blocks to power-of-two classes, so the sizes here do too.
-    auto cls = [](uint64_t b) {
-      uint64_t c = 4096;
-      while (c < b) c <<= 1;
-      return c;
-    };
-    uint64_t host_only = 0, nvme_total = 0, largest = 0;
-    const uint64_t ssize = optim::DTypeSize(state_dtype_);
-    for (const ChunkInfo& ci : partitioner_->chunks()) {
-      const uint64_t n = static_cast<uint64_t>(ci.shard_numel);
-      std::vector<std::pair<uint64_t, Placement>> blocks = {{n * 4, optim_placement_},
-                                                             {n * 4, optim_placement_}};
-      if (holds_exp_avg_) blocks.push_back({n * ssize, optim_placement_});
-      if (holds_exp_avg_sq_) blocks.push_back({n * ssize, optim_placement_});
-      if (z.stage == 3) blocks.push_back({n * optim::DTypeSize(compute_dtype_), param_placement_});
-      for (auto [bytes, where] : blocks) {
-        if (where == Placement::kHost) host_only += cls(bytes);
-        if (where == Placement::kNvme) nvme_total += cls(bytes), largest = std::max(largest, cls(bytes));
-      }
-    }
-    // The optimizer lane pins five blocks of a chunk while the compute lane pins two more.
-    const uint64_t working = std::min(nvme_total, std::max<uint64_t>(16 * largest, 512ull << 20));
-    uint64_t budget = config_.strata.host_memory_budget;
-    if (budget == 0 && host_only + nvme_total > 0) budget = host_only + working;
-    if (budget > 0 && budget < host_only + std::min(nvme_total, 8 * largest))
-      return InvalidArgument(StrCat(
-          "strata.host_memory_budget=", FormatBytes(budget), " cannot hold the ",
-          FormatBytes(host_only), " of host-offloaded state plus a working set of ",
-          FormatBytes(std::min(nvme_total, 8 * largest)),
-          " of NVMe blocks; raise it, offload more to NVMe, or lower strata.chunk_size"));
-    if (host_only + nvme_total == 0) budget = 0;
+    // The pinned pool's budget is the plan's (unset in the config: every host-placed block and a
+    // working set of NVMe blocks).
+    const uint64_t budget = plan_.host_budget();
+    const uint64_t host_only = plan_.host_only_bytes();
     // State that must live in host memory and cannot fit there is named here, in the config's
     // terms, before the pool tries to lock it (Note [locking past the host's memory]).
     if (const HostMemory mem = ReadHostMemory(); mem.available_bytes > 0 && host_only > mem.available_bytes)
@@ -290,7 +211,6 @@ Status Engine::Impl::OpenBlockStore(const EngineOptions& options) {
     }
     STRATA_ASSIGN_OR_RETURN(store_, MakeTieredBlockStore(device_, nvme_.get(), tmo));
     if (options.wrap_store) store_ = options.wrap_store(std::move(store_));
-    host_budget_ = budget;
   }
   stash_ = std::make_unique<ActivationStash>(
       store_.get(), nvme_ != nullptr,
@@ -329,9 +249,9 @@ Status Engine::Impl::WriteInitialBlocks() {
   // Register every block and write its initial contents, chunk by chunk, so that at most one
   // chunk's full fp32 values exist at a time besides the model.
   const int stage = z.stage;
-  const size_t esize = optim::DTypeSize(compute_dtype_);
-  const size_t ssize = optim::DTypeSize(state_dtype_);
-  const torch::Dtype tdtype = TorchDtype(compute_dtype_);
+  const size_t esize = optim::DTypeSize(plan_.compute_dtype());
+  const size_t ssize = optim::DTypeSize(plan_.state_dtype());
+  const torch::Dtype tdtype = TorchDtype(plan_.compute_dtype());
   for (size_t c = 0; c < chunk_infos.size(); ++c) {
     const ChunkInfo& ci = chunk_infos[c];
     const int64_t n = ci.shard_numel;
@@ -352,7 +272,7 @@ Status Engine::Impl::WriteInitialBlocks() {
             return comm_->Broadcast(p, ci.numel, strata::DType::kF32, 0);
           }).WithContext(StrCat("broadcasting chunk ", c, "'s initial values")));
     torch::Tensor shard32 =
-        full32.narrow(0, partitioner_->ShardOffset(c64, shard_rank()), n).contiguous();
+        full32.narrow(0, partitioner_->ShardOffset(c64, plan_.shard_rank()), n).contiguous();
     auto put = [&](StateKind kind, uint64_t bytes, Placement where, const void* src) -> Status {
       BlockKey key{c64, kind};
       STRATA_RETURN_IF_ERROR(store_->Register(key, bytes, where));
@@ -361,18 +281,18 @@ Status Engine::Impl::WriteInitialBlocks() {
       Status released = store_->Release(key, /*dirty=*/true);
       return written.ok() ? released : written;
     };
-    if (!master_is_param())
-      STRATA_RETURN_IF_ERROR(put(StateKind::kMaster32, n * 4, optim_placement_, shard32.data_ptr()));
-    if (holds_exp_avg_) STRATA_RETURN_IF_ERROR(put(StateKind::kExpAvg, n * ssize, optim_placement_, nullptr));
-    if (holds_exp_avg_sq_)
-      STRATA_RETURN_IF_ERROR(put(StateKind::kExpAvgSq, n * ssize, optim_placement_, nullptr));
-    STRATA_RETURN_IF_ERROR(put(StateKind::kGrad, n * 4, optim_placement_, nullptr));
+    if (!plan_.master_is_param())
+      STRATA_RETURN_IF_ERROR(put(StateKind::kMaster32, n * 4, plan_.optim_placement(), shard32.data_ptr()));
+    if (plan_.HoldsState(StateKind::kExpAvg)) STRATA_RETURN_IF_ERROR(put(StateKind::kExpAvg, n * ssize, plan_.optim_placement(), nullptr));
+    if (plan_.HoldsState(StateKind::kExpAvgSq))
+      STRATA_RETURN_IF_ERROR(put(StateKind::kExpAvgSq, n * ssize, plan_.optim_placement(), nullptr));
+    STRATA_RETURN_IF_ERROR(put(StateKind::kGrad, n * 4, plan_.optim_placement(), nullptr));
     torch::Tensor work = full32.to(tdtype);
     torch::NoGradGuard ng;
     if (stage == 3) {
       torch::Tensor shard16 =
-          work.narrow(0, partitioner_->ShardOffset(c64, shard_rank()), n).contiguous();
-      STRATA_RETURN_IF_ERROR(put(StateKind::kParam16, n * esize, param_placement_, shard16.data_ptr()));
+          work.narrow(0, partitioner_->ShardOffset(c64, plan_.shard_rank()), n).contiguous();
+      STRATA_RETURN_IF_ERROR(put(StateKind::kParam16, n * esize, plan_.param_placement(), shard16.data_ptr()));
       // The parameters become views of the chunk's storage for good; its memory comes and goes.
       ChunkTable::Chunk& cs = chunks_[c];
       const torch::Device dev = DeviceOptions(tdtype).device();
@@ -420,13 +340,13 @@ Status Engine::Impl::MakeLanes() {
   // A host optimizer's new values for device-resident parameters go through the staging buffer
   // (AdamChunk). Sized once, here: growing it later would free and allocate page-locked memory,
   // which on a GPU waits for the device.
-  if (staged_publish()) {
+  if (plan_.staged_publish()) {
     int64_t most = 0;
     for (const ChunkInfo& ci : chunk_infos) most = std::max(most, ci.shard_numel);
     publish_ = std::make_unique<PublishLane>(
         device_, publish_stream_.get(), &lane_trace_,
         [this](const PublishLane::Copy& copy, Status s) { OnPublished(copy, std::move(s)); });
-    STRATA_RETURN_IF_ERROR(publish_->Reserve(most * optim::DTypeSize(compute_dtype_)));
+    STRATA_RETURN_IF_ERROR(publish_->Reserve(most * optim::DTypeSize(plan_.compute_dtype())));
   }
   const auto num_chunks = static_cast<int64_t>(chunk_infos.size());
   opt_lane_ = std::make_unique<OptimizerLane>(
@@ -443,7 +363,7 @@ Status Engine::Impl::MakeLanes() {
       },
       [this](int64_t c, int64_t step, double* comm_s) { return AllGatherAhead(c, step, comm_s); },
       reduce_delay_hook_);
-  if (stage3()) {
+  if (plan_.stage3()) {
     // With several ranks a chunk is gathered ahead whatever its update's state (Note
     // [prefetched gathers]): the lane waits for the update before it reads the shard.
     std::function<void(int64_t)> before_read;
@@ -457,12 +377,12 @@ Status Engine::Impl::MakeLanes() {
         gather_, GatherLane::Create(
                      device_, num_chunks, store_.get(), &lane_trace_,
                      [this](int64_t c) {
-                       const size_t esize = optim::DTypeSize(compute_dtype_);
+                       const size_t esize = optim::DTypeSize(plan_.compute_dtype());
                        GatherLane::ShardCopy to;
                        to.dst = static_cast<char*>(chunks_[c].buffer) +
-                                partitioner_->ShardOffset(c, shard_rank()) * esize;
+                                partitioner_->ShardOffset(c, plan_.shard_rank()) * esize;
                        to.bytes = partitioner_->chunks()[c].shard_numel * esize;
-                       to.kind = param_placement_ == Placement::kDevice
+                       to.kind = plan_.param_placement() == Placement::kDevice
                                      ? CopyKind::kDeviceToDevice
                                      : CopyKind::kHostToDevice;
                        return to;

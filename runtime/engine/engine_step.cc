@@ -10,9 +10,9 @@ using namespace engine_detail;
 void Engine::Impl::EnqueueOptimizer(int64_t c) {
   WaitFillLanded(c);  // a copy gathered ahead still reads the block the update writes
   // Start reading the chunk's states now; the lane picks it up in order.
-  store_->Prefetch(MasterKey(c));
+  store_->Prefetch(plan_.MasterKey(c));
   for (StateKind k : {StateKind::kExpAvg, StateKind::kExpAvgSq}) {
-    if (HoldsState(k)) store_->Prefetch({c, k});
+    if (plan_.HoldsState(k)) store_->Prefetch({c, k});
   }
   opt_lane_->Enqueue(c);
 }
@@ -28,15 +28,15 @@ Status Engine::Impl::WaitChunkUpdated(int64_t c, double* waited) {
 
 std::vector<int64_t> Engine::Impl::UpdateOrder(const std::vector<int64_t>& trace) const {
   return units_.ChunkOrder(trace, static_cast<int64_t>(chunks_.size()),
-                           [&](int64_t c) { return stage3() && chunks_.persistent(c); });
+                           [&](int64_t c) { return plan_.stage3() && chunks_.persistent(c); });
 }
 
 void Engine::Impl::PrefetchStatesForUpdates() {
-  if (optim_placement_ != Placement::kNvme) return;
+  if (plan_.optim_placement() != Placement::kNvme) return;
   if (state_prefetch_next_ < state_prefetch_order_.size()) {
     const int64_t c = state_prefetch_order_[state_prefetch_next_];
     const uint64_t bytes = 3ull * partitioner_->chunks()[c].shard_numel * 4;
-    if (state_prefetch_bytes_ + bytes <= host_budget_ / 2) {
+    if (state_prefetch_bytes_ + bytes <= plan_.host_budget() / 2) {
       ++state_prefetch_next_;
       state_prefetch_bytes_ += bytes;
     }
@@ -45,16 +45,16 @@ void Engine::Impl::PrefetchStatesForUpdates() {
   // earlier chunks too (a no-op for blocks already read or on their way).
   for (size_t i = 0; i < state_prefetch_next_; ++i) {
     const int64_t c = state_prefetch_order_[i];
-    store_->Prefetch(MasterKey(c));
+    store_->Prefetch(plan_.MasterKey(c));
     for (StateKind k : {StateKind::kExpAvg, StateKind::kExpAvgSq}) {
-      if (HoldsState(k)) store_->Prefetch({c, k});
+      if (plan_.HoldsState(k)) store_->Prefetch({c, k});
     }
   }
 }
 
 Status Engine::Impl::StartPublish(int64_t c, int slot, PublishLane::Copy* copy) {
   const ChunkInfo& ci = partitioner_->chunks()[c];
-  *copy = {c, slot, stage3(), opt_lane_->inputs().step, ci.shard_numel * optim::DTypeSize(compute_dtype_)};
+  *copy = {c, slot, plan_.stage3(), opt_lane_->inputs().step, ci.shard_numel * optim::DTypeSize(plan_.compute_dtype())};
   void* dst;
   if (copy->held) {
     auto got = store_->Acquire({c, StateKind::kParam16}, Access::kWrite);
@@ -83,14 +83,14 @@ void Engine::Impl::OnPublished(const PublishLane::Copy& copy, Status s) {
 
 // Stages 1-2: every rank updated its shard of the replicated working copy; share them.
 Status Engine::Impl::ShareUpdatedShards() {
-  if (stage3() || shard_world() < 2) return Status::Ok();
-  const size_t esize = optim::DTypeSize(compute_dtype_);
+  if (plan_.stage3() || plan_.shard_world() < 2) return Status::Ok();
+  const size_t esize = optim::DTypeSize(plan_.compute_dtype());
   for (size_t c = 0; c < chunks_.size(); ++c) {
     const ChunkInfo& ci = partitioner_->chunks()[c];
     char* full = static_cast<char*>(chunks_[c].full.data_ptr());
     STRATA_RETURN_IF_ERROR(comm_->AllGather(
-        full + partitioner_->ShardOffset(static_cast<int64_t>(c), shard_rank()) * esize, full,
-        ci.shard_numel, CommDtype(compute_dtype_)));
+        full + partitioner_->ShardOffset(static_cast<int64_t>(c), plan_.shard_rank()) * esize, full,
+        ci.shard_numel, CommDtype(plan_.compute_dtype())));
   }
   return Status::Ok();
 }
@@ -170,7 +170,7 @@ float Engine::Impl::GradScale(double norm) const {
 }
 
 StatusOr<StepReport> Engine::Impl::Step() {
-  if (client_optimizer_)
+  if (plan_.client_optimizer())
     return FailedPrecondition("Step: the engine was made for a client optimizer "
                               "(EngineOptions::client_optimizer); step with BeginClientStep, the "
                               "optimizer's update, then FinishClientStep");
@@ -186,7 +186,7 @@ StatusOr<StepReport> Engine::Impl::Step() {
   double norm = 0;
   bool nonfinite = false;
   STRATA_RETURN_IF_ERROR(GlobalGradStats(&norm, &nonfinite));
-  if (immediate_optimizer()) {
+  if (plan_.immediate_optimizer()) {
     rep.lr = opt_lane_->inputs().lr;
     rep.grad_norm = norm;  // reported only: nothing waits on it
   } else {
@@ -195,14 +195,14 @@ StatusOr<StepReport> Engine::Impl::Step() {
     if (!overflow) {
       FixStepInputs(global_step_ + 1, GradScale(norm));
       rep.lr = opt_lane_->inputs().lr;
-      if (defer_updates()) {
+      if (plan_.defer_updates()) {
         // The next iteration starts with these updates (see iteration_open_).
         if (iteration_open_) store_->EndIteration();
         store_->BeginIteration();
         iteration_open_ = true;
       }
       for (int64_t c : UpdateOrder(units_.last_trace())) EnqueueOptimizer(c);
-      if (!defer_updates()) STRATA_RETURN_IF_ERROR(DrainOptimizer());
+      if (!plan_.defer_updates()) STRATA_RETURN_IF_ERROR(DrainOptimizer());
     }
   }
   return CompleteStep(rep, overflow);
@@ -212,13 +212,13 @@ StatusOr<StepReport> Engine::Impl::CompleteStep(StepReport rep, bool overflow) {
   if (scaler_) STRATA_RETURN_IF_ERROR(scaler_->Update(overflow));
   if (!overflow) {
     ++global_step_;
-    if (!stage3() && shard_world() > 1) {
+    if (!plan_.stage3() && plan_.shard_world() > 1) {
       LaneTimer t(&comm_s_, &lane_trace_, Lane::kComm, "share updated shards", global_step_);
       STRATA_RETURN_IF_ERROR(ShareUpdatedShards());
     }
   }
   if (!overflow) STRATA_RETURN_IF_ERROR(RefreshChunksAfterStep());  // the working copy changed
-  if (iteration_open_ && !(defer_updates() && !overflow)) {
+  if (iteration_open_ && !(plan_.defer_updates() && !overflow)) {
     store_->EndIteration();
     iteration_open_ = false;
   }

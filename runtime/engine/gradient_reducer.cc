@@ -79,7 +79,7 @@ Status Engine::Impl::TakeParamGrad(int64_t pid, bool settle) {
       unit.backward_held = false;
       // A chunk an earlier unit still needs in this backward may stay; otherwise the next use
       // is after the optimizer step, which changes the values: only persistent chunks survive.
-      if (stage3())
+      if (plan_.stage3())
         for (int64_t c : unit.chunks) ReleaseChunk(c, units_.BackwardReuseDistance(c));
     }
   }
@@ -118,7 +118,7 @@ Status Engine::Impl::ReduceChunk(int64_t c) {
   // Stages 0 and 1 keep the chunk's whole gradient on every rank: the next micro-steps add into
   // it, and it is reduced once, at the accumulation boundary (all-reduce). Stages 2 and 3 shard
   // it: each micro-step reduce-scatters and accumulates only this rank's shard.
-  const bool full = full_gradients();
+  const bool full = plan_.full_gradients();
   if (full && !last_micro_step()) return Status::Ok();
   ReduceJob job;
   job.c = c;
@@ -163,11 +163,11 @@ Status Engine::Impl::ReduceShard(ReduceJob& job, bool on_lane, ReduceOutcome* ou
   if (on_lane && side_stream_ && side_stream_->stream()) on_stream.emplace(*side_stream_->stream());
   const int64_t c = job.c;
   const ChunkInfo& ci = partitioner_->chunks()[c];
-  const bool full = full_gradients();
+  const bool full = plan_.full_gradients();
   // This job's time goes to *out, however it ends; whoever ran it adds it to its counters.
   job.fence.Wait();
   float* data = job.grad_full.data_ptr<float>();
-  const int64_t off = partitioner_->ShardOffset(c, shard_rank());
+  const int64_t off = partitioner_->ShardOffset(c, plan_.shard_rank());
   if (comm_->world_size() > 1) {
     LaneTimer t(&out->comm_s, &lane_trace_, Lane::kComm, full ? "all-reduce" : "reduce-scatter",
                 job.step, c);
@@ -196,22 +196,22 @@ Status Engine::Impl::ReduceShard(ReduceJob& job, bool on_lane, ReduceOutcome* ou
     LaneTimer t(&out->copy_s, &lane_trace_, Lane::kCopy, "gradient to host", job.step, c);
     torch::Tensor host = torch::from_blob(
         dst, {ci.shard_numel},
-        optim_placement_ == Placement::kDevice ? DeviceOptions(torch::kFloat32)
+        plan_.optim_placement() == Placement::kDevice ? DeviceOptions(torch::kFloat32)
                                                : torch::TensorOptions().dtype(torch::kFloat32));
     if (job.first_micro) host.copy_(shard);
     else host.add_(shard.to(host.device()));
-    if (device_->kind() != DeviceKind::kCpu && optim_placement_ != Placement::kDevice)
+    if (device_->kind() != DeviceKind::kCpu && plan_.optim_placement() != Placement::kDevice)
       out->bytes_d2h += ci.shard_numel * 4;
     // Into device memory the copy is queued work: the optimizer lane reads the block only after
     // it has run. (A copy to host memory has finished when copy_ returns.)
-    if (gpu_optimizer()) ComputeFence::Mark(*device_).Wait();
+    if (plan_.gpu_optimizer()) ComputeFence::Mark(*device_).Wait();
   }
   if (job.last_micro) {
     // This chunk's part of the step's global norm and overflow check, while the shard is hot
     // (Note [deferred optimizer]). Updates that start in backward need neither, but the norm is
     // reported (engine.get_global_grad_norm) whatever the mode.
     const double inv = scaler_ ? scaler_->inv_scale() : 1.0;
-    auto st = gpu_optimizer()
+    auto st = plan_.gpu_optimizer()
                   ? kernels::UnscaleCheckNorm(kernels::Backend::kCuda, dst, optim::DType::kFloat32,
                                               ci.shard_numel, static_cast<float>(inv),
                                               side_stream_->handle())
@@ -224,12 +224,12 @@ Status Engine::Impl::ReduceShard(ReduceJob& job, bool on_lane, ReduceOutcome* ou
     out->scanned = true;
     out->sum_sq = st->sum_sq;
     out->nonfinite = st->found_nonfinite;
-    if (defer_updates()) PrefetchStatesForUpdates();
+    if (plan_.defer_updates()) PrefetchStatesForUpdates();
   }
   STRATA_RETURN_IF_ERROR(store_->Release(key, true));
   // The update is queued by the compute thread (ReduceChunk, EnqueueReducedUpdates):
   // EnqueueOptimizer waits for a copy gathered ahead, which FinishFill may have left in flight.
-  out->update_ready = job.last_micro && immediate_optimizer();
+  out->update_ready = job.last_micro && plan_.immediate_optimizer();
   return Status::Ok();
 }
 
@@ -254,11 +254,11 @@ Status Engine::Impl::Backward(const torch::Tensor& loss) {
   compute_s_ += Since(forward_start_);
   waits_in_compute_s_ += WaitsSoFar() - waits_at_forward_start_;
   const double waits_at_backward = WaitsSoFar();
-  if (last_micro_step() && immediate_optimizer()) {
+  if (last_micro_step() && plan_.immediate_optimizer()) {
     // Updates start during this backward: fix their step-wide inputs now.
     FixStepInputs(global_step_ + 1, 1.0f);
   }
-  if (last_micro_step() && defer_updates()) {
+  if (last_micro_step() && plan_.defer_updates()) {
     state_prefetch_order_ = UpdateOrder(units_.trace());
     state_prefetch_next_ = 0;
     state_prefetch_bytes_ = 0;

@@ -33,12 +33,12 @@ Status Engine::Impl::WriteParameters(const std::vector<torch::Tensor>& tensors) 
       by_chunk[partitioner_->location(pid).chunk].push_back({pid, host});
     }
   }
-  const size_t esize = optim::DTypeSize(compute_dtype_);
+  const size_t esize = optim::DTypeSize(plan_.compute_dtype());
   for (auto& [c, written] : by_chunk) {
-    const int64_t lo = partitioner_->ShardOffset(c, shard_rank());
+    const int64_t lo = partitioner_->ShardOffset(c, plan_.shard_rank());
     const int64_t n = partitioner_->chunks()[c].shard_numel;
-    const BlockKey key = MasterKey(c);
-    const Placement where = PlacementOf(key.kind);
+    const BlockKey key = plan_.MasterKey(c);
+    const Placement where = plan_.PlacementOf(key.kind);
     // The master shard, patched where a written parameter overlaps it. With a shared master
     // (fp32 compute) it is the working shard itself; otherwise the working copy is the master
     // rounded to the working precision, as after an update.
@@ -58,17 +58,17 @@ Status Engine::Impl::WriteParameters(const std::vector<torch::Tensor>& tensors) 
     Status r = store_->Release(key, s.ok());
     STRATA_RETURN_IF_ERROR(s.WithContext(StrCat("writing chunk ", c, "'s parameters")));
     STRATA_RETURN_IF_ERROR(r);
-    if (master_is_param()) continue;
+    if (plan_.master_is_param()) continue;
     std::vector<char> work(n * esize);
-    if (compute_dtype_ == optim::DType::kFloat32) {
+    if (plan_.compute_dtype() == optim::DType::kFloat32) {
       std::memcpy(work.data(), master.data(), n * 4);
     } else {
       auto* w16 = reinterpret_cast<uint16_t*>(work.data());
       for (int64_t i = 0; i < n; ++i)
-        w16[i] = compute_dtype_ == optim::DType::kBFloat16 ? optim::FloatToBf16(master[i])
+        w16[i] = plan_.compute_dtype() == optim::DType::kBFloat16 ? optim::FloatToBf16(master[i])
                                                            : optim::FloatToHalf(master[i]);
     }
-    STRATA_RETURN_IF_ERROR(PublishParams(c, work.data(), compute_dtype_));
+    STRATA_RETURN_IF_ERROR(PublishParams(c, work.data(), plan_.compute_dtype()));
   }
   // Every rank's shards to the others (replicated working copies), and what is gathered now
   // refreshed from them, as after an optimizer step.

@@ -14,7 +14,7 @@ namespace strata {
 using namespace engine_detail;
 
 StatusOr<uint64_t> Engine::Impl::OffloadStates(const std::vector<StateKind>& kinds) {
-  if (!stage3())
+  if (!plan_.stage3())
     return FailedPrecondition(StrCat("offload_states needs ZeRO stage 3 (this engine runs stage ",
                                      config_.zero_optimization.stage, "), as in DeepSpeed"));
   if (step_open_)
@@ -22,17 +22,17 @@ StatusOr<uint64_t> Engine::Impl::OffloadStates(const std::vector<StateKind>& kin
   STRATA_RETURN_IF_ERROR(FinishUpdates());
   uint64_t moved = 0;
   for (StateKind kind : kinds) {
-    if (kind == StateKind::kMaster32 && master_is_param()) continue;  // the param16 block is it
-    if (PlacementOf(kind) != Placement::kDevice || !HoldsState(kind)) continue;
+    if (kind == StateKind::kMaster32 && plan_.master_is_param()) continue;  // the param16 block is it
+    if (plan_.PlacementOf(kind) != Placement::kDevice || !plan_.HoldsState(kind)) continue;
     for (size_t c = 0; c < chunks_.size(); ++c) {
       const BlockKey key{static_cast<int64_t>(c), kind};
       if (std::any_of(parked_.begin(), parked_.end(), [&](const ParkedBlock& p) { return p.key == key; }))
         continue;  // offloaded already (DeepSpeed allows a second call)
       const uint64_t n = static_cast<uint64_t>(partitioner_->chunks()[c].shard_numel);
       const uint64_t bytes =
-          n * (kind == StateKind::kParam16 ? optim::DTypeSize(compute_dtype_)
+          n * (kind == StateKind::kParam16 ? optim::DTypeSize(plan_.compute_dtype())
                : kind == StateKind::kMaster32 || kind == StateKind::kGrad ? 4
-                                                                           : optim::DTypeSize(state_dtype_));
+                                                                           : optim::DTypeSize(plan_.state_dtype()));
       ParkedBlock p{key, std::vector<uint8_t>(bytes)};
       STRATA_ASSIGN_OR_RETURN(void* block, store_->Acquire(key, Access::kRead));
       Status s = ReadBlockBytes(p.bytes.data(), block, bytes, Placement::kDevice);

@@ -14,7 +14,7 @@ void Engine::Impl::OpenMicroStep() {
     step_open_ = true;
     // The first step's window opens here; later ones opened when the previous Step returned.
     if (!window_open_) ResetLanes();
-    if (!iteration_open_ && !defer_updates()) {
+    if (!iteration_open_ && !plan_.defer_updates()) {
       store_->BeginIteration();
       iteration_open_ = true;
     }
@@ -84,7 +84,7 @@ void Engine::Impl::EndUnit(int64_t u, const std::vector<torch::Tensor>& outputs)
   const bool checkpointed = unit.open_checkpointed;
   unit.open_checkpointed = false;
   const bool training = torch::GradMode::is_enabled() || checkpointed;
-  if (training && !checkpointed && stage3()) {
+  if (training && !checkpointed && plan_.stage3()) {
     for (const torch::Tensor& out : outputs) {
       if (!out.defined() || !out.requires_grad()) continue;
       torch::Tensor t = out;  // register_hook is not const; the hook lands on the shared node

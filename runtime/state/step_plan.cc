@@ -1,0 +1,170 @@
+#include "runtime/state/step_plan.h"
+
+#include <algorithm>
+#include <utility>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "runtime/base/check.h"
+#include "runtime/base/units.h"
+
+namespace strata {
+namespace {
+
+Placement PlacementOfDevice(OffloadDevice d) {
+  return d == OffloadDevice::kNone  ? Placement::kDevice
+         : d == OffloadDevice::kCpu ? Placement::kHost
+                                    : Placement::kNvme;
+}
+
+// The pinned pool rounds each block to a power-of-two class of at least 4 KiB.
+uint64_t PoolClass(uint64_t bytes) {
+  uint64_t c = 4096;
+  while (c < bytes) c <<= 1;
+  return c;
+}
+
+}  // namespace
+
+StatusOr<StepPlan> StepPlan::Make(const Inputs& in) {
+  STRATA_CHECK(in.config != nullptr && in.partitioner != nullptr, "StepPlan::Make: no config or chunks");
+  const Config& c = *in.config;
+  StepPlan p;
+  p.stage_ = c.zero_optimization.stage;
+  p.rank_ = in.rank;
+  p.world_ = in.world_size;
+  p.device_kind_ = in.device_kind;
+  p.compute_dtype_ = in.compute_dtype;
+  p.state_dtype_ = c.strata.optimizer_state_dtype == StateDtype::kBf16 ? optim::DType::kBFloat16
+                                                                       : optim::DType::kFloat32;
+  p.loss_scaling_ = c.fp16.enabled || in.loss_scaling_option;
+  p.client_optimizer_ = in.client_optimizer;
+  STRATA_RETURN_IF_ERROR(p.ChoosePlacement(in));
+  // Note [states the optimizer uses]: an SGD group may not gain momentum later
+  // (SetGroupHyperparameters refuses it).
+  const OptimizerType type = c.optimizer.type;
+  p.holds_exp_avg_ = type != OptimizerType::kAdagrad && (type != OptimizerType::kSGD || in.sgd_momentum);
+  p.holds_exp_avg_sq_ = type != OptimizerType::kSGD && type != OptimizerType::kLion;
+  if (p.client_optimizer_) p.holds_exp_avg_ = p.holds_exp_avg_sq_ = false;  // the client's own
+  p.immediate_ = c.strata.overlap_optimizer && c.gradient_clipping == 0 && !p.loss_scaling_ &&
+                 !p.client_optimizer_;
+  p.defer_ = c.strata.overlap_optimizer && !p.immediate_ && p.stage3();
+  STRATA_ASSIGN_OR_RETURN(p.stage_plan_,
+                          in.partitioner->PlanFor(p.stage_, p.shard_rank(),
+                                                  static_cast<int>(optim::DTypeSize(p.state_dtype_))));
+  p.SizeTiers(in);
+  // The host pool must hold the host-placed blocks and a working set of NVMe blocks.
+  if (p.host_budget_ > 0) {
+    uint64_t nvme_total = 0, largest = 0;
+    for (const ChunkInfo& ci : in.partitioner->chunks()) {
+      const uint64_t n = static_cast<uint64_t>(ci.shard_numel);
+      auto add = [&](uint64_t bytes, Placement where) {
+        if (where == Placement::kNvme) nvme_total += PoolClass(bytes), largest = std::max(largest, PoolClass(bytes));
+      };
+      add(n * 4, p.optim_placement_);
+      add(n * 4, p.optim_placement_);
+      if (p.holds_exp_avg_) add(n * optim::DTypeSize(p.state_dtype_), p.optim_placement_);
+      if (p.holds_exp_avg_sq_) add(n * optim::DTypeSize(p.state_dtype_), p.optim_placement_);
+      if (p.stage3()) add(n * optim::DTypeSize(p.compute_dtype_), p.param_placement_);
+    }
+    const uint64_t need = p.host_only_bytes_ + std::min(nvme_total, 8 * largest);
+    if (p.host_budget_ < need)
+      return InvalidArgument(StrCat(
+          "strata.host_memory_budget=", FormatBytes(p.host_budget_), " cannot hold the ",
+          FormatBytes(p.host_only_bytes_), " of host-offloaded state plus a working set of ",
+          FormatBytes(need - p.host_only_bytes_),
+          " of NVMe blocks; raise it, offload more to NVMe, or lower strata.chunk_size"));
+  }
+  return p;
+}
+
+// Where each state kind lives, with the combinations the device cannot run refused.
+Status StepPlan::ChoosePlacement(const Inputs& in) {
+  const Config& c = *in.config;
+  const auto& z = c.zero_optimization;
+  param_placement_ = PlacementOfDevice(z.offload_param.device);
+  optim_placement_ = PlacementOfDevice(z.offload_optimizer.device);
+  if (client_optimizer_ && (z.stage == 3 || param_placement_ != Placement::kDevice ||
+                            optim_placement_ != Placement::kDevice))
+    return InvalidArgument(StrCat(
+        "a client optimizer (zero_allow_untested_optimizer) runs on the device's memory: it needs "
+        "zero_optimization.stage 0-2 (this config: ", z.stage, ") with offload_param.device and "
+        "offload_optimizer.device none (this config: ", PlacementName(param_placement_), ", ",
+        PlacementName(optim_placement_), "); use one of Strata's optimizers (Adam, AdamW, SGD, "
+        "Adagrad, Lion) for stage 3 and offload"));
+  if (device_optimizer() && param_placement_ != Placement::kDevice)
+    return InvalidArgument(StrCat(
+        "offload_param.device offloads the parameters but offload_optimizer.device=none keeps the "
+        "optimizer on the device (", in.device_name, "); offload the optimizer too "
+        "(offload_optimizer.device: cpu or nvme), as DeepSpeed requires"));
+  if (in.device_kind == DeviceKind::kCuda && !in.device_usable)
+    return FailedPrecondition(StrCat(
+        "the device is ", in.device_name, " but this LibTorch has no CUDA (or sees no GPU); "
+        "build Strata against a CUDA LibTorch (pip torch: see the README) or use --device cpu"));
+  if (in.world_size > 1 && in.comm_moves_host_memory && in.device_kind != DeviceKind::kCpu)
+    return FailedPrecondition(StrCat("communicator ", in.comm_backend,
+                                     " moves host memory but the device is ", in.device_name,
+                                     "; use the nccl backend with CUDA"));
+  if (const OptimizerType t = c.optimizer.type;
+      t == OptimizerType::kSGD || t == OptimizerType::kAdagrad || t == OptimizerType::kLion) {
+    if (state_dtype_ != optim::DType::kFloat32)
+      return InvalidArgument(StrCat("optimizer.type=", OptimizerTypeName(t),
+                                    " keeps its state in fp32: remove "
+                                    "strata.optimizer_state_dtype=bf16"));
+  }
+  if (c.fp16.enabled && in.device_kind == DeviceKind::kCpu)
+    return InvalidArgument(
+        "fp16.enabled=true on the cpu device: LibTorch has no fp16 CPU kernels for LayerNorm and "
+        "matmul; use bf16.enabled=true instead (same memory, no loss scaling needed), or run on a "
+        "GPU");
+  return Status::Ok();
+}
+
+// The host pool's budget and the NVMe bytes, from this rank's blocks.
+void StepPlan::SizeTiers(const Inputs& in) {
+  const Config& c = *in.config;
+  const uint64_t ssize = optim::DTypeSize(state_dtype_);
+  const uint64_t esize = optim::DTypeSize(compute_dtype_);
+  uint64_t host_only = 0, nvme_total = 0, largest = 0, nvme_bytes = 0;
+  auto round = [](uint64_t b) { return (b + 4095) / 4096 * 4096; };
+  for (const ChunkInfo& ci : in.partitioner->chunks()) {
+    const uint64_t n = static_cast<uint64_t>(ci.shard_numel);
+    // master32 and grad, the moments the optimizer keeps, and at stage 3 the param16 shard.
+    std::vector<std::pair<uint64_t, Placement>> blocks = {{n * 4, optim_placement_}, {n * 4, optim_placement_}};
+    if (holds_exp_avg_) blocks.push_back({n * ssize, optim_placement_});
+    if (holds_exp_avg_sq_) blocks.push_back({n * ssize, optim_placement_});
+    if (stage3()) blocks.push_back({n * esize, param_placement_});
+    for (auto [bytes, where] : blocks) {
+      if (where == Placement::kHost) host_only += PoolClass(bytes);
+      if (where == Placement::kNvme) nvme_total += PoolClass(bytes), largest = std::max(largest, PoolClass(bytes));
+    }
+    // On disk: grad, master (unless the working copy is it) and two moments; the param16 shard.
+    if (optim_placement_ == Placement::kNvme)
+      nvme_bytes += round(n * 4) * (master_is_param() ? 1 : 2) + round(n * ssize) * 2;
+    if (param_placement_ == Placement::kNvme && stage3()) nvme_bytes += round(n * esize);
+  }
+  nvme_bytes_ = nvme_bytes;
+  host_only_bytes_ = host_only;
+  // Unset, the budget holds every host-placed block plus a working set of NVMe blocks: the
+  // optimizer lane pins five blocks of a chunk while the compute lane pins two more.
+  const uint64_t working = std::min(nvme_total, std::max<uint64_t>(16 * largest, 512ull << 20));
+  uint64_t budget = c.strata.host_memory_budget;
+  if (budget == 0 && host_only + nvme_total > 0) budget = host_only + working;
+  if (host_only + nvme_total == 0) budget = 0;
+  host_budget_ = budget;
+}
+
+const char* StepPlan::OptimizerOverlapName() const {
+  return immediate_ ? "backward" : defer_ ? "next-forward" : "in-step";
+}
+
+nlohmann::json StepPlan::ToJson() const {
+  nlohmann::json j = nlohmann::json::object();
+  for (int k = 0; k < kNumStateKinds; ++k)
+    j[StateKindName(static_cast<StateKind>(k))] = {{"sharded", stage_plan_.sharded[k]},
+                                                   {"bytes", stage_plan_.bytes[k]}};
+  return j;
+}
+
+}  // namespace strata

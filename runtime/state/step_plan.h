@@ -1,0 +1,137 @@
+// StepPlan: the engine's mode decisions, made once before anything is allocated and read-only
+// after: the precision (compute and optimizer-state dtypes, loss scaling), where each state kind
+// lives (device, pinned host, NVMe), which states the optimizer keeps, what this rank keeps of each
+// (the stage's sharding), whether updates run during backward, in Step or beside the next forward,
+// whether the fp32 master is the working copy itself, and the sizes the tiers must offer (the host
+// pool's budget, the NVMe bytes). Every combination the engine cannot run is refused here, naming
+// the settings and the fix, so the rest of the engine reads decisions instead of re-deriving them.
+//
+// A value: copyable, no LibTorch, no device access; Make is a pure function of its inputs (the
+// truth table in tests/runtime/step_plan_test.cc). Thread-safety: const after Make.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include <nlohmann/json_fwd.hpp>
+
+#include "optim/dtype.h"
+#include "runtime/base/config.h"
+#include "runtime/base/device.h"
+#include "runtime/base/status.h"
+#include "runtime/state/block_store.h"
+#include "runtime/state/partitioner.h"
+
+namespace strata {
+
+class StepPlan {
+ public:
+  struct Inputs {
+    const Config* config = nullptr;
+    DeviceKind device_kind = DeviceKind::kCpu;
+    std::string device_name;           // for messages
+    bool device_usable = true;         // false: a CUDA device LibTorch cannot reach
+    optim::DType compute_dtype = optim::DType::kFloat32;  // ChooseComputeDtype's
+    int world_size = 1;
+    int rank = 0;
+    bool comm_moves_host_memory = true;  // Gloo or single; NCCL moves device memory
+    std::string comm_backend;            // for messages
+    bool client_optimizer = false;       // EngineOptions::client_optimizer
+    bool loss_scaling_option = false;    // EngineOptions::loss_scaling (tests)
+    bool sgd_momentum = false;           // some parameter group has momentum
+    const Partitioner* partitioner = nullptr;  // finalized: the chunks
+  };
+  // Refuses (INVALID_ARGUMENT, FAILED_PRECONDITION) what cannot run, naming the settings.
+  static StatusOr<StepPlan> Make(const Inputs& in);
+
+  int stage() const { return stage_; }
+  bool stage3() const { return stage_ == 3; }
+  // The rank and world the states are sharded over (stage 0 keeps everything on every rank).
+  int shard_rank() const { return stage_ == 0 ? 0 : rank_; }
+  int shard_world() const { return stage_ == 0 ? 1 : world_; }
+
+  optim::DType compute_dtype() const { return compute_dtype_; }
+  optim::DType state_dtype() const { return state_dtype_; }
+  // fp16, or EngineOptions::loss_scaling: the loss is scaled and a step with a non-finite
+  // gradient is skipped, so no update may start before the step's overflow flag is known.
+  bool loss_scaling() const { return loss_scaling_; }
+  // EngineOptions::client_optimizer: the caller's optimizer steps the lent shards.
+  bool client_optimizer() const { return client_optimizer_; }
+
+  Placement param_placement() const { return param_placement_; }
+  Placement optim_placement() const { return optim_placement_; }
+  // The param16 shard lives with the parameters, every other state with the optimizer.
+  Placement PlacementOf(StateKind kind) const {
+    return kind == StateKind::kParam16 ? param_placement_ : optim_placement_;
+  }
+  // Note [states the optimizer uses]: the master, param16 and grad always; exp_avg for Adam,
+  // AdamW, Lion and SGD with momentum; exp_avg_sq for Adam, AdamW and Adagrad; neither with a
+  // client optimizer. A state not kept has no blocks: no memory, no NVMe traffic, not in
+  // checkpoints.
+  bool HoldsState(StateKind k) const {
+    return k == StateKind::kExpAvg ? holds_exp_avg_ : k == StateKind::kExpAvgSq ? holds_exp_avg_sq_ : true;
+  }
+
+  // The optimizer is the device's own compute, on states in device memory (offload_optimizer:
+  // none): the GPU kernels on CUDA, the CPU kernels on the CPU device's stream.
+  bool device_optimizer() const { return optim_placement_ == Placement::kDevice; }
+  bool gpu_optimizer() const { return device_optimizer() && device_kind_ == DeviceKind::kCuda; }
+  // A host optimizer's new values for device-resident parameters go through the staging slots
+  // and the publish lane (Note [pipelined publish]).
+  bool staged_publish() const { return !device_optimizer() && param_placement_ == Placement::kDevice; }
+  // Note [shared master]: under stage 3 with fp32 compute the working shard (param16) holds the
+  // same bits as the fp32 master, so when both live in the same host or NVMe tier the master is
+  // not stored twice: the param16 block is the master, which saves a chunk's worth of write-back
+  // and read per update. The checkpoint format is unchanged (its "master32" entries are read from
+  // and written to this block).
+  bool master_is_param() const {
+    return stage3() && compute_dtype_ == optim::DType::kFloat32 && param_placement_ == optim_placement_ &&
+           param_placement_ != Placement::kDevice;
+  }
+  BlockKey MasterKey(int64_t c) const {
+    return {c, master_is_param() ? StateKind::kParam16 : StateKind::kMaster32};
+  }
+  // Updates run during backward: nothing global (clipping, loss scaling) gates them.
+  bool immediate_optimizer() const { return immediate_; }
+  // Note [deferred optimizer]: updates that wait for a global condition run after Step returns,
+  // beside the next forward. Only under stage 3 (below it a caller may read the parameters right
+  // after Step).
+  bool defer_updates() const { return defer_; }
+  // "backward", "next-forward" or "in-step".
+  const char* OptimizerOverlapName() const;
+  // Stages 0 and 1: every rank keeps the whole gradient until the step.
+  bool full_gradients() const {
+    return !stage_plan_.sharded[static_cast<int>(StateKind::kGrad)];
+  }
+  const StagePlan& stage_plan() const { return stage_plan_; }
+
+  // The pinned host pool: its budget (0: no pool), of which the host-placed blocks take
+  // host_only_bytes (power-of-two classes, as the pool rounds them).
+  uint64_t host_budget() const { return host_budget_; }
+  uint64_t host_only_bytes() const { return host_only_bytes_; }
+  // Bytes this rank's NVMe-placed blocks need on disk (0: nothing on NVMe), before the
+  // activation stash's share.
+  uint64_t nvme_bytes() const { return nvme_bytes_; }
+
+  // Per state kind: sharded, and the bytes this rank keeps.
+  nlohmann::json ToJson() const;
+
+ private:
+  Status ChoosePlacement(const Inputs& in);
+  void SizeTiers(const Inputs& in);
+
+  int stage_ = 0, rank_ = 0, world_ = 1;
+  DeviceKind device_kind_ = DeviceKind::kCpu;
+  optim::DType compute_dtype_ = optim::DType::kFloat32;
+  optim::DType state_dtype_ = optim::DType::kFloat32;
+  bool loss_scaling_ = false;
+  bool client_optimizer_ = false;
+  Placement param_placement_ = Placement::kDevice;
+  Placement optim_placement_ = Placement::kDevice;
+  bool holds_exp_avg_ = true, holds_exp_avg_sq_ = true;
+  bool immediate_ = false, defer_ = false;
+  StagePlan stage_plan_;
+  uint64_t host_budget_ = 0, host_only_bytes_ = 0, nvme_bytes_ = 0;
+};
+
+}  // namespace strata

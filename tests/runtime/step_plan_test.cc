@@ -1,0 +1,167 @@
+// StepPlan (runtime/state/step_plan.h) as a truth table: each row a config, each column a decision
+// worked out by hand from the rules in the header, plus the refusals and the tier sizes.
+#include "runtime/state/step_plan.h"
+
+#include <gtest/gtest.h>
+
+#include "tests/test_util.h"
+
+namespace strata {
+namespace {
+
+// Chunks of 1024 fp32 elements holding parameters of 1000, 24 and 1000 elements: three chunks,
+// as each parameter starts on the partitioner's alignment.
+Partitioner Chunks(int world = 1) {
+  PartitionerOptions po;
+  po.chunk_size = 4096;
+  po.world_size = world;
+  po.element_size = 4;
+  auto p = Partitioner::Create(po).value();
+  EXPECT_TRUE(p.AddParam("a", 1000).ok());
+  EXPECT_TRUE(p.AddParam("b", 24).ok());
+  EXPECT_TRUE(p.AddParam("c", 1000).ok());
+  EXPECT_TRUE(p.Finalize().ok());
+  return p;
+}
+
+struct Row {
+  const char* name;
+  int stage;
+  OffloadDevice param, optim;
+  double clipping;
+  bool fp16;
+  OptimizerType optimizer;
+  bool sgd_momentum;
+  // Expected decisions.
+  Placement want_param, want_optim;
+  const char* want_overlap;
+  bool want_master_is_param, want_staged_publish, want_exp_avg, want_exp_avg_sq, want_full_grads;
+};
+
+const Row kRows[] = {
+    {"stage0_device", 0, OffloadDevice::kNone, OffloadDevice::kNone, 0, false, OptimizerType::kAdamW, false,
+     Placement::kDevice, Placement::kDevice, "backward", false, false, true, true, true},
+    {"stage2_cpu_clip", 2, OffloadDevice::kNone, OffloadDevice::kCpu, 1.0, false, OptimizerType::kAdamW, false,
+     Placement::kDevice, Placement::kHost, "in-step", false, true, true, true, false},
+    {"stage3_cpu_cpu", 3, OffloadDevice::kCpu, OffloadDevice::kCpu, 0, false, OptimizerType::kAdam, false,
+     Placement::kHost, Placement::kHost, "backward", true, false, true, true, false},
+    {"stage3_nvme_clip", 3, OffloadDevice::kNvme, OffloadDevice::kNvme, 0.5, false, OptimizerType::kAdamW, false,
+     Placement::kNvme, Placement::kNvme, "next-forward", true, false, true, true, false},
+    {"stage3_device_params_nvme_optim", 3, OffloadDevice::kNone, OffloadDevice::kNvme, 0, false,
+     OptimizerType::kAdamW, false, Placement::kDevice, Placement::kNvme, "backward", false, true, true, true,
+     false},
+    {"stage1_sgd_no_momentum", 1, OffloadDevice::kNone, OffloadDevice::kNone, 0, false, OptimizerType::kSGD, false,
+     Placement::kDevice, Placement::kDevice, "backward", false, false, false, false, true},
+    {"stage1_sgd_momentum", 1, OffloadDevice::kNone, OffloadDevice::kNone, 0, false, OptimizerType::kSGD, true,
+     Placement::kDevice, Placement::kDevice, "backward", false, false, true, false, true},
+    {"stage2_adagrad", 2, OffloadDevice::kNone, OffloadDevice::kNone, 0, false, OptimizerType::kAdagrad, false,
+     Placement::kDevice, Placement::kDevice, "backward", false, false, false, true, false},
+    {"stage3_lion_host", 3, OffloadDevice::kCpu, OffloadDevice::kCpu, 0, false, OptimizerType::kLion, false,
+     Placement::kHost, Placement::kHost, "backward", true, false, true, false, false},
+};
+
+class StepPlanTable : public ::testing::TestWithParam<Row> {};
+
+TEST_P(StepPlanTable, DecisionsAreTheRulesOnes) {
+  const Row& r = GetParam();
+  Config c;
+  c.zero_optimization.stage = r.stage;
+  c.zero_optimization.offload_param.device = r.param;
+  c.zero_optimization.offload_optimizer.device = r.optim;
+  c.gradient_clipping = r.clipping;
+  c.fp16.enabled = r.fp16;
+  c.optimizer.type = r.optimizer;
+  Partitioner part = Chunks();
+  StepPlan::Inputs in;
+  in.config = &c;
+  in.device_kind = DeviceKind::kCpu;
+  in.device_name = "cpu";
+  in.sgd_momentum = r.sgd_momentum;
+  in.partitioner = &part;
+  ASSERT_OK_AND_ASSIGN(StepPlan p, StepPlan::Make(in));
+  EXPECT_EQ(p.param_placement(), r.want_param);
+  EXPECT_EQ(p.optim_placement(), r.want_optim);
+  EXPECT_STREQ(p.OptimizerOverlapName(), r.want_overlap);
+  EXPECT_EQ(p.master_is_param(), r.want_master_is_param);
+  EXPECT_EQ(p.staged_publish(), r.want_staged_publish);
+  EXPECT_EQ(p.HoldsState(StateKind::kExpAvg), r.want_exp_avg);
+  EXPECT_EQ(p.HoldsState(StateKind::kExpAvgSq), r.want_exp_avg_sq);
+  EXPECT_EQ(p.full_gradients(), r.want_full_grads);
+  EXPECT_EQ(p.MasterKey(1).kind, r.want_master_is_param ? StateKind::kParam16 : StateKind::kMaster32);
+  EXPECT_EQ(p.device_optimizer(), r.want_optim == Placement::kDevice);
+  EXPECT_FALSE(p.gpu_optimizer());
+}
+
+INSTANTIATE_TEST_SUITE_P(Rows, StepPlanTable, ::testing::ValuesIn(kRows),
+                         [](const auto& info) { return std::string(info.param.name); });
+
+StatusOr<StepPlan> MakeWith(Config c, DeviceKind kind = DeviceKind::kCpu, bool client = false,
+                            int world = 1, bool comm_host = true) {
+  static Partitioner part = Chunks();
+  StepPlan::Inputs in;
+  in.config = &c;
+  in.device_kind = kind;
+  in.device_name = kind == DeviceKind::kCuda ? "cuda:0" : "cpu";
+  in.client_optimizer = client;
+  in.world_size = world;
+  in.comm_moves_host_memory = comm_host;
+  in.comm_backend = "gloo";
+  in.partitioner = &part;
+  return StepPlan::Make(in);
+}
+
+void ExpectRefused(const StatusOr<StepPlan>& p, const char* names) {
+  ASSERT_FALSE(p.ok());
+  EXPECT_NE(p.status().message().find(names), std::string::npos) << p.status();
+}
+
+TEST(StepPlanRefusals, NameTheSettings) {
+  Config c;
+  c.zero_optimization.stage = 3;
+  ExpectRefused(MakeWith(c, DeviceKind::kCpu, /*client=*/true), "zero_allow_untested_optimizer");
+  Config d;
+  d.zero_optimization.offload_param.device = OffloadDevice::kCpu;
+  d.zero_optimization.stage = 3;
+  ExpectRefused(MakeWith(d), "offload_optimizer.device");
+  Config f;
+  f.fp16.enabled = true;
+  ExpectRefused(MakeWith(f), "fp16.enabled=true on the cpu device");
+  Config s;
+  s.optimizer.type = OptimizerType::kSGD;
+  s.strata.optimizer_state_dtype = StateDtype::kBf16;
+  ExpectRefused(MakeWith(s), "strata.optimizer_state_dtype=bf16");
+  ExpectRefused(MakeWith(Config(), DeviceKind::kCuda, false, 2, /*comm_host=*/true), "nccl");
+  // fp16 on a GPU is a loss-scaled plan whose updates wait for the overflow flag.
+  ASSERT_OK_AND_ASSIGN(StepPlan g, MakeWith(f, DeviceKind::kCuda));
+  EXPECT_TRUE(g.loss_scaling());
+  EXPECT_FALSE(g.immediate_optimizer());
+  EXPECT_TRUE(g.gpu_optimizer());
+}
+
+// Tier sizes for stage 3 with everything on NVMe: per chunk (1024 elements), on disk grad 4 KiB,
+// two moments 4 KiB each and param16 4 KiB (the master is the working copy); in the pool's
+// classes every block is 4 KiB (master32 and grad counted both, as the pool may hold both), and
+// the default budget is the host-only bytes (none) plus all of the NVMe blocks (less than 16 x
+// the largest).
+TEST(StepPlanSizes, NvmeBytesAndTheDefaultHostBudget) {
+  Config c;
+  c.zero_optimization.stage = 3;
+  c.zero_optimization.offload_param.device = OffloadDevice::kNvme;
+  c.zero_optimization.offload_optimizer.device = OffloadDevice::kNvme;
+  ASSERT_OK_AND_ASSIGN(StepPlan p, MakeWith(c));
+  ASSERT_EQ(Chunks().chunks().size(), 3u);
+  EXPECT_TRUE(p.master_is_param());
+  EXPECT_EQ(p.nvme_bytes(), 3u * (4096 + 2 * 4096 + 4096));
+  EXPECT_EQ(p.host_only_bytes(), 0u);
+  EXPECT_EQ(p.host_budget(), 3u * 5 * 4096);
+  // A budget too small for a working set is refused by its key.
+  c.strata.host_memory_budget = 4096;
+  ExpectRefused(MakeWith(c), "strata.host_memory_budget=");
+  // Nothing offloaded: no pool.
+  ASSERT_OK_AND_ASSIGN(StepPlan none, MakeWith(Config()));
+  EXPECT_EQ(none.host_budget(), 0u);
+  EXPECT_EQ(none.nvme_bytes(), 0u);
+}
+
+}  // namespace
+}  // namespace strata

@@ -90,10 +90,10 @@ Status Engine::Impl::CopyShardIn(int64_t c) {
   BlockKey key{c, StateKind::kParam16};
   void* src = nullptr;
   {
-    LaneTimer t(&stall_s_, &lane_trace_, Lane::kWait, "shard read", trace_step(), c);
+    LaneTimer t(&meter_.stall_s, &meter_.trace, Lane::kWait, "shard read", trace_step(), c);
     STRATA_ASSIGN_OR_RETURN(src, store_->Acquire(key, Access::kRead));
   }
-  LaneTimer t(&copy_s_, &lane_trace_, Lane::kCopy, "shard to device", trace_step(), c);
+  LaneTimer t(&meter_.copy_s, &meter_.trace, Lane::kCopy, "shard to device", trace_step(), c);
   CopyKind kind = plan_.param_placement() == Placement::kDevice ? CopyKind::kDeviceToDevice
                                                          : CopyKind::kHostToDevice;
   Status s = copy_stream_->MemcpyAsync(dst, src, bytes, kind);
@@ -101,7 +101,7 @@ Status Engine::Impl::CopyShardIn(int64_t c) {
   Status r = store_->Release(key, false);
   STRATA_RETURN_IF_ERROR(s);
   STRATA_RETURN_IF_ERROR(r);
-  if (kind == CopyKind::kHostToDevice) bytes_h2d_ += bytes;
+  if (kind == CopyKind::kHostToDevice) meter_.bytes_h2d += bytes;
   return Status::Ok();
 }
 
@@ -109,7 +109,7 @@ Status Engine::Impl::AllGatherChunk(int64_t c) {
   if (comm_->world_size() < 2) return Status::Ok();
   // Reductions queued before this all-gather run before it on every rank (Note [reduce lane]).
   STRATA_RETURN_IF_ERROR(DrainReductions());
-  LaneTimer t(&comm_s_, &lane_trace_, Lane::kComm, "all-gather", trace_step(), c);
+  LaneTimer t(&meter_.comm_s, &meter_.trace, Lane::kComm, "all-gather", trace_step(), c);
   return AllGatherShards(c);
 }
 

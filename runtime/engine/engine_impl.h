@@ -59,6 +59,7 @@
 #include "runtime/engine/publish_lane.h"
 #include "runtime/engine/reduce_lane.h"
 #include "runtime/engine/run_unit.h"
+#include "runtime/engine/step_meter.h"
 #include "runtime/engine/unit_coordinator.h"
 #include "runtime/engine/zero_init.h"
 #include "runtime/state/block_store.h"
@@ -129,8 +130,8 @@ class Engine::Impl {
   uint64_t device_peak_bytes() const { return device_->peak_allocated(); }
   bool cpu_checkpointing() const { return config_.activation_checkpointing.cpu_checkpointing; }
   // Lane trace (lane_trace.h): spans are recorded while armed.
-  void SetTracing(bool on) { lane_trace_.Arm(on); }
-  nlohmann::json TraceJson() const { return lane_trace_.ToJson(); }
+  void SetTracing(bool on) { meter_.trace.Arm(on); }
+  nlohmann::json TraceJson() const { return meter_.trace.ToJson(); }
   // Activation stash (activation_stash.h).
   StatusOr<int64_t> StashActivations(const std::vector<torch::Tensor>& tensors) {
     return stash_->Stash(tensors);
@@ -383,31 +384,15 @@ class Engine::Impl {
   // the caller's thread.
   std::unique_ptr<ActivationStash> stash_;
 
-  LaneTrace lane_trace_;
-  // Per-step lanes (main thread), reset when a reporting window begins: at the end of each Step
-  // (or, before the first, at the first training forward), so that work a deferred update does
-  // between steps counts in the window it ran in.
-  bool window_open_ = false;
+  // The reporting window's counters and the lane trace (step_meter.h). A window opens at the end
+  // of each Step (or, before the first, at the first training forward), so that work a deferred
+  // update does between steps counts in the window it ran in.
+  StepMeter meter_;
   // A tier-manager iteration (BeginIteration) is open. It brackets what repeats each step: with
   // deferred updates that is from one Step's end to the next, so the trace the tier manager
   // records (the second step's) holds the updates interleaved with the forward.
   bool iteration_open_ = false;
   bool step_open_ = false;
-  engine_detail::Clock::time_point step_start_;
-  // The micro-step's first training gather: Backward adds the span from here as forward compute,
-  // whoever drives the forward (Engine::Forward, RunUnit from the model's own forward, the Python
-  // front end's hooks). Gathers inside it are subtracted again as copy, comm and stall time.
-  engine_detail::Clock::time_point forward_start_;
-  double waits_at_forward_start_ = 0;
-  double compute_s_ = 0, copy_s_ = 0, comm_s_ = 0, stall_s_ = 0;
-  double update_wait_s_ = 0;  // of stall_s_: compute waiting for a deferred update
-  // Of the copy, comm and stall time, the part spent inside the compute spans (forward, Backward):
-  // compute is those spans less this. Waits in Step (the deferred norm scan, refreshing persistent
-  // chunks, sharing updated shards) happen outside them and must not shrink compute.
-  double waits_in_compute_s_ = 0;
-  double WaitsSoFar() const { return copy_s_ + comm_s_ + stall_s_; }
-  uint64_t bytes_h2d_ = 0, bytes_d2h_ = 0;
-  BlockStoreStats store_at_step_start_;
   std::vector<int64_t> state_prefetch_order_;  // PrefetchStatesForUpdates: the update order
   size_t state_prefetch_next_ = 0;
   uint64_t state_prefetch_bytes_ = 0;

@@ -177,7 +177,7 @@ Status Engine::Impl::OpenNvmeTier(const EngineOptions& options) {
     STRATA_ASSIGN_OR_RETURN(auto tier, nvme::NvmeTier::Create(o));
     nvme_ = std::move(tier);
     nvme_->SetBusyObserver([this](Clock::time_point b, Clock::time_point e) {
-      lane_trace_.Add(Lane::kNvme, "nvme busy", b, e, /*step=*/-1);
+      meter_.trace.Add(Lane::kNvme, "nvme busy", b, e, /*step=*/-1);
     });
   }
   return Status::Ok();
@@ -214,7 +214,7 @@ Status Engine::Impl::OpenBlockStore(const EngineOptions& options) {
   }
   stash_ = std::make_unique<ActivationStash>(
       store_.get(), nvme_ != nullptr,
-      ActivationStash::Counters{&copy_s_, &stall_s_, &bytes_d2h_, &bytes_h2d_});
+      ActivationStash::Counters{&meter_.copy_s, &meter_.stall_s, &meter_.bytes_d2h, &meter_.bytes_h2d});
   return Status::Ok();
 }
 
@@ -344,20 +344,20 @@ Status Engine::Impl::MakeLanes() {
     int64_t most = 0;
     for (const ChunkInfo& ci : chunk_infos) most = std::max(most, ci.shard_numel);
     publish_ = std::make_unique<PublishLane>(
-        device_, publish_stream_.get(), &lane_trace_,
+        device_, publish_stream_.get(), &meter_.trace,
         [this](const PublishLane::Copy& copy, Status s) { OnPublished(copy, std::move(s)); });
     STRATA_RETURN_IF_ERROR(publish_->Reserve(most * optim::DTypeSize(plan_.compute_dtype())));
   }
   const auto num_chunks = static_cast<int64_t>(chunk_infos.size());
   opt_lane_ = std::make_unique<OptimizerLane>(
-      num_chunks, device_, &lane_trace_, publish_.get(),
+      num_chunks, device_, &meter_.trace, publish_.get(),
       [this](int64_t c, const OptimizerLane::StepInputs& in,
              std::optional<PublishLane::Copy>* publish, double* slot_wait_s) {
         return AdamChunk(c, in, publish, slot_wait_s);
       },
       optimizer_delay_hook_);
   reduce_lane_ = std::make_unique<ReduceLane>(
-      num_chunks, UseReduceLane(), &lane_trace_,
+      num_chunks, UseReduceLane(), &meter_.trace,
       [this](ReduceJob& job, bool on_lane, ReduceOutcome* out) {
         return ReduceShard(job, on_lane, out);
       },
@@ -375,7 +375,7 @@ Status Engine::Impl::MakeLanes() {
     }
     STRATA_ASSIGN_OR_RETURN(
         gather_, GatherLane::Create(
-                     device_, num_chunks, store_.get(), &lane_trace_,
+                     device_, num_chunks, store_.get(), &meter_.trace,
                      [this](int64_t c) {
                        const size_t esize = optim::DTypeSize(plan_.compute_dtype());
                        GatherLane::ShardCopy to;

@@ -21,8 +21,8 @@ Status Engine::Impl::WaitChunkUpdated(int64_t c, double* waited) {
   if (waited != nullptr) return opt_lane_->WaitUpdated(c, waited, trace_step());
   double stalled = 0;
   Status s = opt_lane_->WaitUpdated(c, &stalled, trace_step());
-  stall_s_ += stalled;
-  update_wait_s_ += stalled;
+  meter_.stall_s += stalled;
+  meter_.update_wait_s += stalled;
   return s;
 }
 
@@ -96,12 +96,8 @@ Status Engine::Impl::ShareUpdatedShards() {
 }
 
 void Engine::Impl::ResetLanes() {
-  window_open_ = true;
-  step_start_ = Clock::now();
-  compute_s_ = copy_s_ = comm_s_ = stall_s_ = waits_in_compute_s_ = update_wait_s_ = 0;
-  bytes_h2d_ = bytes_d2h_ = 0;
+  meter_.OpenWindow(store_->stats());
   stash_->TakeBytesStashed();  // the window starts from zero
-  store_at_step_start_ = store_->stats();
   if (gather_) gather_->ResetStats();
   reduce_lane_->ResetStats();
   opt_lane_->ResetStats();
@@ -148,7 +144,7 @@ Status Engine::Impl::GlobalGradStats(double* norm, bool* nonfinite) {
     sum_sq += g.sum_sq;
   }
   if (comm_->world_size() > 1 && config_.zero_optimization.stage > 0) {
-    LaneTimer t(&comm_s_, &lane_trace_, Lane::kComm, "norm all-reduce", trace_step());
+    LaneTimer t(&meter_.comm_s, &meter_.trace, Lane::kComm, "norm all-reduce", trace_step());
     torch::Tensor flags = torch::tensor({sum_sq, *nonfinite ? 1.0 : 0.0}, torch::kFloat64);
     STRATA_RETURN_IF_ERROR(OnCommMemory(flags, [&](void* p) {
       auto* f = static_cast<double*>(p);
@@ -213,7 +209,7 @@ StatusOr<StepReport> Engine::Impl::CompleteStep(StepReport rep, bool overflow) {
   if (!overflow) {
     ++global_step_;
     if (!plan_.stage3() && plan_.shard_world() > 1) {
-      LaneTimer t(&comm_s_, &lane_trace_, Lane::kComm, "share updated shards", global_step_);
+      LaneTimer t(&meter_.comm_s, &meter_.trace, Lane::kComm, "share updated shards", global_step_);
       STRATA_RETURN_IF_ERROR(ShareUpdatedShards());
     }
   }
@@ -225,37 +221,25 @@ StatusOr<StepReport> Engine::Impl::CompleteStep(StepReport rep, bool overflow) {
 
   rep.step = global_step_;
   rep.skipped = overflow;
-  rep.step_time_s = Since(step_start_);
-  rep.compute_s = std::max(0.0, compute_s_ - waits_in_compute_s_);
-  rep.copy_s = copy_s_;
-  rep.comm_s = comm_s_;
   if (gather_) {
     const GatherLane::Stats g = gather_->stats();
     rep.copy_s += g.copy_s;
-    bytes_h2d_ += g.bytes_h2d;
+    meter_.bytes_h2d += g.bytes_h2d;
   }
   {
     const ReduceLane::Stats r = reduce_lane_->stats();  // idle: Backward drained it
     rep.comm_s += r.comm_s;
     rep.copy_s += r.copy_s;
-    bytes_d2h_ += r.bytes_d2h;
+    meter_.bytes_d2h += r.bytes_d2h;
   }
   // Deferred updates may still run: what they did so far counts in this window.
   rep.optimizer_s = opt_lane_->busy_seconds();
   if (publish_) {  // every copy of the updates waited for above has landed
     rep.copy_s += publish_->copy_seconds();
-    bytes_h2d_ += publish_->bytes_to_device();
+    meter_.bytes_h2d += publish_->bytes_to_device();
   }
-  BlockStoreStats now = store_->stats();
-  rep.nvme_s = now.nvme_busy_s - store_at_step_start_.nvme_busy_s;
-  rep.stall_s = stall_s_;  // the compute lane's waits; the optimizer lane's are in optimizer_s
-  rep.update_wait_s = update_wait_s_;
-  rep.bytes_host_to_device = bytes_h2d_;
-  rep.bytes_device_to_host = bytes_d2h_;
-  rep.bytes_nvme_to_host = now.bytes_nvme_to_host - store_at_step_start_.bytes_nvme_to_host;
-  rep.bytes_host_to_nvme = now.bytes_host_to_nvme - store_at_step_start_.bytes_host_to_nvme;
+  meter_.Fill(&rep, store_->stats());
   rep.peak_device_bytes = device_->peak_allocated();
-  rep.peak_host_bytes = now.peak_bytes_host;
   rep.bytes_activations_stashed = stash_->TakeBytesStashed();
   rep.FillOverlap();
   chunks_.CheckInvariants();

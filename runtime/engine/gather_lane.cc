@@ -214,11 +214,11 @@ void Engine::Impl::PrefetchGathers(const std::vector<int64_t>& next) {
   for (size_t i = 0; i < chosen.size(); ++i)
     if (!InstallChunk(chosen[i]).ok()) failed[i] = 1;
   if (ranks) {
-    reduce_lane_->WaitIdle(&stall_s_, trace_step());
+    reduce_lane_->WaitIdle(&meter_.stall_s, trace_step());
     torch::Tensor flags = torch::tensor(failed, torch::kFloat64);
     Status s;
     {
-      LaneTimer t(&comm_s_, &lane_trace_, Lane::kComm, "agree on gathers ahead", trace_step());
+      LaneTimer t(&meter_.comm_s, &meter_.trace, Lane::kComm, "agree on gathers ahead", trace_step());
       s = OnCommMemory(flags, [&](void* p) {
         return comm_->AllReduce(p, static_cast<size_t>(flags.numel()), strata::DType::kF64,
                                 ReduceOp::kMax);
@@ -249,7 +249,7 @@ Status Engine::Impl::AllGatherAhead(int64_t c, int64_t step, double* comm_s) {
   if (reduce_delay_hook_) reduce_delay_hook_(c);
   Status g;
   {
-    LaneTimer t(comm_s, &lane_trace_, Lane::kComm, "all-gather (ahead)", step, c);
+    LaneTimer t(comm_s, &meter_.trace, Lane::kComm, "all-gather (ahead)", step, c);
     g = AllGatherShards(c);
   }
   return s.ok() ? g : s;
@@ -259,7 +259,7 @@ Status Engine::Impl::FinishFill(int64_t c) {
   // With several ranks an all-gather follows, and collectives run from the host: the shard must
   // be in place, not just ordered. With one rank only compute reads the chunk.
   const bool ordered_only = comm_->world_size() == 1;
-  Status s = gather_->WaitEnqueued(c, /*take=*/ordered_only, &stall_s_, trace_step());
+  Status s = gather_->WaitEnqueued(c, /*take=*/ordered_only, &meter_.stall_s, trace_step());
   if (!ordered_only || !s.ok()) {
     // Waits for the copy (and the all-gather issued ahead); a failed copy's status carries
     // "gathering chunk c ahead".
@@ -274,9 +274,9 @@ Status Engine::Impl::FinishFill(int64_t c) {
   const Clock::time_point t0 = Clock::now();
   Status w = ComputeWaitFor(*device_, gather_->event(c));
   const Clock::time_point t1 = Clock::now();
-  stall_s_ += std::chrono::duration<double>(t1 - t0).count();
+  meter_.stall_s += std::chrono::duration<double>(t1 - t0).count();
   if (t1 - t0 > std::chrono::microseconds(20))
-    lane_trace_.Add(Lane::kWait, "shard ahead (copy)", t0, t1, trace_step(), c);
+    meter_.trace.Add(Lane::kWait, "shard ahead (copy)", t0, t1, trace_step(), c);
   return w;
 }
 
@@ -290,7 +290,7 @@ Status Engine::Impl::SettleFill(int64_t c) {
   if (!chunks_.filling(c)) return Status::Ok();
   Status s = gather_->status(c);
   if (chunks_.FillSettled(c)) {
-    Status g = reduce_lane_->WaitAllGather(c, &stall_s_, trace_step());
+    Status g = reduce_lane_->WaitAllGather(c, &meter_.stall_s, trace_step());
     if (s.ok()) s = g;
   }
   return s;

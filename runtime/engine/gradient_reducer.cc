@@ -130,11 +130,11 @@ Status Engine::Impl::ReduceChunk(int64_t c) {
   job.last_micro = last_micro_step();
   job.step = trace_step();
   ReduceOutcome here;
-  Status s = reduce_lane_->Submit(std::move(job), &here, &stall_s_, trace_step());
+  Status s = reduce_lane_->Submit(std::move(job), &here, &meter_.stall_s, trace_step());
   // Run here (no lane): its collective and hand-off are the compute thread's waits.
-  comm_s_ += here.comm_s;
-  copy_s_ += here.copy_s;
-  bytes_d2h_ += here.bytes_d2h;
+  meter_.comm_s += here.comm_s;
+  meter_.copy_s += here.copy_s;
+  meter_.bytes_d2h += here.bytes_d2h;
   if (here.update_ready) EnqueueOptimizer(c);
   STRATA_RETURN_IF_ERROR(s);
   EnqueueReducedUpdates();
@@ -146,7 +146,7 @@ void Engine::Impl::EnqueueReducedUpdates() {
 }
 
 Status Engine::Impl::DrainReductions() {
-  reduce_lane_->WaitIdle(&stall_s_, trace_step());
+  reduce_lane_->WaitIdle(&meter_.stall_s, trace_step());
   Status s = reduce_lane_->TakeError();
   EnqueueReducedUpdates();
   return s;
@@ -169,7 +169,7 @@ Status Engine::Impl::ReduceShard(ReduceJob& job, bool on_lane, ReduceOutcome* ou
   float* data = job.grad_full.data_ptr<float>();
   const int64_t off = partitioner_->ShardOffset(c, plan_.shard_rank());
   if (comm_->world_size() > 1) {
-    LaneTimer t(&out->comm_s, &lane_trace_, Lane::kComm, full ? "all-reduce" : "reduce-scatter",
+    LaneTimer t(&out->comm_s, &meter_.trace, Lane::kComm, full ? "all-reduce" : "reduce-scatter",
                 job.step, c);
     if (full) {
       STRATA_RETURN_IF_ERROR(comm_->AllReduce(data, ci.numel, strata::DType::kF32, ReduceOp::kAvg));
@@ -182,7 +182,7 @@ Status Engine::Impl::ReduceShard(ReduceJob& job, bool on_lane, ReduceOutcome* ou
   BlockKey key{c, StateKind::kGrad};
   void* dst = nullptr;
   {
-    LaneTimer t(&out->copy_s, &lane_trace_, Lane::kCopy, "gradient block", job.step, c);
+    LaneTimer t(&out->copy_s, &meter_.trace, Lane::kCopy, "gradient block", job.step, c);
     // The previous step's deferred update of this chunk reads the block this overwrites.
     // On the lane the wait is part of this span; on the compute thread it is compute's stall.
     double update_wait_s = 0;
@@ -193,7 +193,7 @@ Status Engine::Impl::ReduceShard(ReduceJob& job, bool on_lane, ReduceOutcome* ou
   // blocks]); a host block comes back unchanged.
   dst = device_->ComputeAddress(dst);
   {
-    LaneTimer t(&out->copy_s, &lane_trace_, Lane::kCopy, "gradient to host", job.step, c);
+    LaneTimer t(&out->copy_s, &meter_.trace, Lane::kCopy, "gradient to host", job.step, c);
     torch::Tensor host = torch::from_blob(
         dst, {ci.shard_numel},
         plan_.optim_placement() == Placement::kDevice ? DeviceOptions(torch::kFloat32)
@@ -250,10 +250,8 @@ Status Engine::Impl::Backward(const torch::Tensor& loss) {
         "graph (computed under torch::NoGradGuard or torch.no_grad, or detached)");
   backward_error_ = Status::Ok();
   // The forward (and the loss), however it was driven.
-  lane_trace_.Add(Lane::kCompute, "forward", forward_start_, Clock::now(), trace_step());
-  compute_s_ += Since(forward_start_);
-  waits_in_compute_s_ += WaitsSoFar() - waits_at_forward_start_;
-  const double waits_at_backward = WaitsSoFar();
+  meter_.EndForward(trace_step());
+  const double waits_at_backward = meter_.WaitsSoFar();
   if (last_micro_step() && plan_.immediate_optimizer()) {
     // Updates start during this backward: fix their step-wide inputs now.
     FixStepInputs(global_step_ + 1, 1.0f);
@@ -269,7 +267,7 @@ Status Engine::Impl::Backward(const torch::Tensor& loss) {
   in_backward_ = true;
   Status result;
   try {
-    LaneTimer t(&compute_s_, &lane_trace_, Lane::kCompute, "backward", trace_step());
+    LaneTimer t(&meter_.compute_s, &meter_.trace, Lane::kCompute, "backward", trace_step());
     scaled.backward();
   } catch (const std::exception& e) {
     result = backward_error_.ok() ? Internal(StrCat("backward failed: ", e.what())) : backward_error_;
@@ -283,7 +281,7 @@ Status Engine::Impl::Backward(const torch::Tensor& loss) {
       if (!done) impl->DrainReductions().IgnoreError();
     }
   } drain_on_exit{this};
-  waits_in_compute_s_ += WaitsSoFar() - waits_at_backward;
+  meter_.waits_in_compute_s += meter_.WaitsSoFar() - waits_at_backward;
   // Parameters that took no part in this backward: a zero gradient, their units released.
   for (size_t pid = 0; pid < params_.size() && result.ok(); ++pid)
     result = TakeParamGrad(static_cast<int64_t>(pid), /*settle=*/true);

@@ -13,15 +13,14 @@ void Engine::Impl::OpenMicroStep() {
   if (!step_open_) {
     step_open_ = true;
     // The first step's window opens here; later ones opened when the previous Step returned.
-    if (!window_open_) ResetLanes();
+    if (!meter_.window_open()) ResetLanes();
     if (!iteration_open_ && !plan_.defer_updates()) {
       store_->BeginIteration();
       iteration_open_ = true;
     }
   }
   micro_open_ = true;
-  forward_start_ = Clock::now();
-  waits_at_forward_start_ = WaitsSoFar();
+  meter_.BeginForward();
   units_.BeginMicroStep();
   stash_->BeginMicroStep();
   for (auto& p : params_) {
@@ -101,7 +100,7 @@ torch::Tensor Engine::Impl::Forward(const torch::Tensor& input) {
     Throw(FailedPrecondition(
         "Engine::Forward needs a Sequential or a model given with its forward (AnyModule); call "
         "the model's own forward instead, which runs its units through strata::RunUnit"));
-  // A training forward's compute is the micro-step's span up to Backward (forward_start_), not
+  // A training forward's compute is the micro-step's span up to Backward (StepMeter), not
   // timed here twice. The root is a unit when it holds parameters of its own (none: a null
   // scope), and its scope encloses the children's, as a Python forward hook on the root does.
   unit_detail::UnitScope root(unit_detail::FindUnit(*model_), /*checkpointed=*/false);

@@ -14,6 +14,31 @@ namespace strata {
 
 using namespace engine_detail;
 
+void ClientStepSession::Open(double norm, bool skipped, size_t chunks) {
+  open_ = true;
+  skipped_ = skipped;
+  norm_ = norm;
+  masters_.assign(chunks, torch::Tensor());
+}
+
+StatusOr<torch::Tensor> ClientStepSession::Lend(const BlockKey& key, int64_t numel) {
+  STRATA_ASSIGN_OR_RETURN(void* p, store_->Acquire(key, Access::kReadWrite));
+  held_.push_back(key);
+  return torch::from_blob(device_->ComputeAddress(p), {numel}, fp32_);
+}
+
+Status ClientStepSession::Close() {
+  Status s;
+  for (const BlockKey& key : held_) {
+    Status r = store_->Release(key, /*dirty=*/true);
+    if (s.ok()) s = r;
+  }
+  held_.clear();
+  masters_.clear();
+  open_ = false;
+  return s;
+}
+
 std::vector<std::vector<int64_t>> Engine::Impl::ClientSegments() const {
   std::vector<std::vector<int64_t>> out(groups_.size());
   for (size_t c = 0; c < chunks_.size(); ++c)
@@ -25,29 +50,24 @@ StatusOr<Engine::ClientStep> Engine::Impl::BeginClientStep() {
   if (!plan_.client_optimizer())
     return FailedPrecondition("BeginClientStep: the engine runs its own optimizer (make it with "
                               "EngineOptions::client_optimizer for a client optimizer); call Step");
-  if (client_open_)
+  if (client_->open())
     return FailedPrecondition("BeginClientStep twice: finish the open step with FinishClientStep");
   STRATA_RETURN_IF_ERROR(CheckStepBoundary());
   STRATA_RETURN_IF_ERROR(FinishUpdates());  // nothing is queued: the lanes are quiet
   Engine::ClientStep out;
   bool nonfinite = false;
-  STRATA_RETURN_IF_ERROR(GlobalGradStats(&client_norm_, &nonfinite));
-  client_skipped_ = nonfinite;
+  double norm = 0;
+  STRATA_RETURN_IF_ERROR(GlobalGradStats(&norm, &nonfinite));
+  client_->Open(norm, nonfinite, chunks_.size());
   out.skipped = nonfinite;
-  out.grad_norm = nonfinite ? 0.0 : client_norm_;
-  client_open_ = true;
+  out.grad_norm = nonfinite ? 0.0 : norm;
   if (nonfinite) return out;
-  out.grad_scale = GradScale(client_norm_);
+  out.grad_scale = GradScale(norm);
   out.groups.resize(groups_.size());
-  client_masters_.assign(chunks_.size(), torch::Tensor());
   torch::NoGradGuard ng;
-  auto lend = [&](int64_t c, StateKind kind) -> StatusOr<torch::Tensor> {
+  auto lend = [&](int64_t c, StateKind kind) {
     const BlockKey key = kind == StateKind::kMaster32 ? plan_.MasterKey(c) : BlockKey{c, kind};
-    STRATA_ASSIGN_OR_RETURN(void* p, store_->Acquire(key, Access::kReadWrite));
-    client_held_.push_back(key);
-    // A device block is reached at the device's compute address (Note [device blocks]).
-    return torch::from_blob(device_->ComputeAddress(p), {partitioner_->chunks()[c].shard_numel},
-                            DeviceOptions(torch::kFloat32));
+    return client_->Lend(key, partitioner_->chunks()[c].shard_numel);
   };
   for (size_t c = 0; c < chunks_.size(); ++c) {
     const auto c64 = static_cast<int64_t>(c);
@@ -58,7 +78,7 @@ StatusOr<Engine::ClientStep> Engine::Impl::BeginClientStep() {
       return grad.status().WithContext(StrCat("lending chunk ", c, "'s shards to the optimizer"));
     }
     if (out.grad_scale != 1.0f) grad->mul_(out.grad_scale);
-    client_masters_[c] = *master;
+    client_->SetMaster(c, *master);
     for (const ShardSegment& seg : chunk_segments_[c])
       out.groups[seg.group].push_back(
           {master->narrow(0, seg.begin, seg.size), grad->narrow(0, seg.begin, seg.size)});
@@ -67,10 +87,12 @@ StatusOr<Engine::ClientStep> Engine::Impl::BeginClientStep() {
 }
 
 StatusOr<StepReport> Engine::Impl::FinishClientStep(bool apply) {
-  if (!client_open_)
+  if (!client_->open())
     return FailedPrecondition("FinishClientStep without BeginClientStep");
   Status s;
-  if (apply && !client_skipped_) {
+  const bool skipped = client_->skipped();
+  const double norm = client_->norm();
+  if (apply && !skipped) {
     // The working copy (this rank's shard of it) takes the new master values, in the compute
     // dtype; at stages 1-2 CompleteStep shares the shards.
     torch::NoGradGuard ng;
@@ -80,28 +102,23 @@ StatusOr<StepReport> Engine::Impl::FinishClientStep(bool apply) {
         chunks_[c64]
             .full.narrow(0, partitioner_->ShardOffset(c64, plan_.shard_rank()),
                          partitioner_->chunks()[c].shard_numel)
-            .copy_(client_masters_[c]);
+            .copy_(client_->master(c));
       }
       ComputeFence::Mark(*device_).Wait();  // landed before the blocks go back
     } catch (const std::exception& e) {
       s = Internal(StrCat("writing the client optimizer's values to the working copy: ", e.what()));
     }
   }
-  for (const BlockKey& key : client_held_) {
-    Status r = store_->Release(key, /*dirty=*/true);
-    if (s.ok()) s = r;
-  }
-  client_held_.clear();
-  client_masters_.clear();
-  client_open_ = false;
+  Status r = client_->Close();
+  if (s.ok()) s = r;
   STRATA_RETURN_IF_ERROR(s);
   if (!apply) return StepReport{};
   StepReport rep;
   rep.loss_scale = scaler_ ? scaler_->scale() : 1.0;
-  rep.grad_norm = client_skipped_ ? 0.0 : client_norm_;
+  rep.grad_norm = skipped ? 0.0 : norm;
   // The lr the caller's groups held (SetGroupHyperparameters), else the config's schedule.
   rep.lr = group_override_ ? group_override_->front().lr : LearningRate(config_, global_step_ + 1);
-  return CompleteStep(rep, client_skipped_);
+  return CompleteStep(rep, skipped);
 }
 
 }  // namespace strata

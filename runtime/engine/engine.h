@@ -58,37 +58,21 @@
 #include "runtime/base/config.h"
 #include "runtime/base/status.h"
 #include "runtime/state/param_groups.h"
-#include "tiers/nvme/io_engine.h"
 
 namespace strata {
 
 class BlockStore;
 class Communicator;
 class Device;
+struct EngineTestHooks;
 
 struct EngineOptions {
   // The modules the engine manages as units, in the order they run; empty: the default split
   // (each child of the root holding parameters, looking through containers).
   std::vector<std::shared_ptr<torch::nn::Module>> units;
   std::vector<std::string> nvme_path;  // overrides both offload nvme_path settings when set
-  bool force_fallback_io = false;      // use the pread/pwrite engine (tests)
-  nvme::IoFaultHook nvme_fault_hook;   // test-only: forwarded to NvmeTierOptions::fault_hook
-  // Test-only delay injection: runs on the optimizer lane before each chunk's update, so a test
-  // can stretch the lane and show that nothing reads a chunk before its update is in.
-  std::function<void(int64_t chunk)> optimizer_delay_hook;
-  // Test-only delay injection: runs on the reduce lane before each chunk's reduction and, with
-  // several ranks, before each all-gather issued ahead (once the chunk's copy has landed), so a
-  // test can make the lane lag compute and show that every reader of its results waits for them.
-  std::function<void(int64_t chunk)> reduce_delay_hook;
-  // Test-only: the "fp16" block's loss scaling without fp16 compute, so the overflow path (a
-  // skipped step, the scale's schedule, deferred updates around a skipped step) runs on the CPU
-  // device, where fp16 is refused. Power-of-two scales multiply fp32 gradients exactly, so a run
-  // equals one without scaling on every step that is not skipped.
-  bool loss_scaling = false;
-  // Test-only: wraps the engine's block store once it is made (a store that poisons released
-  // blocks, tests/runtime/poisoning_store.h), so a test can show that nothing uses a block
-  // outside its Acquire..Release window.
-  std::function<std::unique_ptr<BlockStore>(std::unique_ptr<BlockStore>)> wrap_store;
+  // Fault and delay injection (runtime/engine/engine_test_hooks.h); null outside tests.
+  std::shared_ptr<const EngineTestHooks> test_hooks;
   // Parameter groups, as torch.optim's param_groups: each group's hyperparameters and its
   // parameters (the model's own tensors). Empty: one group, the config's "optimizer" section,
   // for every parameter. A trainable parameter in no group joins group 0; one in two groups is

@@ -146,9 +146,8 @@ Status Engine::Impl::Save(const std::string& root, const nlohmann::json& extra,
                                     checkpoint::SerializeManifest(m));
   if (!s.ok()) return s.WithContext(StrCat("saving checkpoint ", final_dir.string()));
   if (comm_->world_size() > 1) STRATA_RETURN_IF_ERROR(comm_->Barrier());
-  // Test hook: die where a crash hurts most, with every file written but nothing published.
-  if (const char* crash = std::getenv("STRATA_TEST_CRASH_BEFORE_PUBLISH"); crash && *crash == '1')
-    ::_exit(137);
+  // A crash point (EngineTestHooks): every file written, nothing published.
+  if (hooks_.crash_point) hooks_.crash_point("checkpoint:before_publish");
   if (rank == 0) {
     STRATA_RETURN_IF_ERROR(checkpoint::FsyncDir(tmp_dir.string()));
     fs::rename(tmp_dir, final_dir, ec);

@@ -51,8 +51,10 @@
 #include "runtime/comm/communicator.h"
 #include "runtime/engine/activation_stash.h"
 #include "runtime/engine/chunk_table.h"
+#include "runtime/engine/client_step_session.h"
 #include "runtime/engine/compute_dtype.h"
 #include "runtime/engine/compute_fence.h"
+#include "runtime/engine/engine_test_hooks.h"
 #include "runtime/engine/gather_lane.h"
 #include "runtime/engine/lane_trace.h"
 #include "runtime/engine/optimizer_lane.h"
@@ -335,14 +337,10 @@ class Engine::Impl {
   std::optional<torch::nn::AnyModule> any_;  // set when the model came with a forward
  private:
   Engine* owner_ = nullptr;
-  std::function<void(int64_t)> optimizer_delay_hook_;  // EngineOptions::optimizer_delay_hook
-  std::function<void(int64_t)> reduce_delay_hook_;     // EngineOptions::reduce_delay_hook
-  // EngineOptions::client_optimizer (client_step.cc): between BeginClientStep and
-  // FinishClientStep, the master and gradient blocks it acquired and each chunk's master view.
-  bool client_open_ = false, client_skipped_ = false;
-  double client_norm_ = 0;
-  std::vector<BlockKey> client_held_;
-  std::vector<torch::Tensor> client_masters_;
+  EngineTestHooks hooks_;  // EngineOptions::test_hooks' (none outside tests)
+  // EngineOptions::client_optimizer (client_step_session.h): the open step, made in
+  // OpenBlockStore.
+  std::unique_ptr<ClientStepSession> client_;
   Config config_;
   Communicator* comm_;
   Device* device_;

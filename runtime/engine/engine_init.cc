@@ -12,8 +12,7 @@ using namespace engine_detail;
 // engine's lanes start last, so no step races a lane thread.
 Status Engine::Impl::Init(Engine* owner, const EngineOptions& options) {
   owner_ = owner;
-  optimizer_delay_hook_ = options.optimizer_delay_hook;
-  reduce_delay_hook_ = options.reduce_delay_hook;
+  if (options.test_hooks) hooks_ = *options.test_hooks;
   const ComputeDtypeChoice dtype = ChooseDtype();
   STRATA_RETURN_IF_ERROR(DiscoverUnits(options, dtype.dtype));  // units and partitioner (engine.cc)
   STRATA_RETURN_IF_ERROR(GroupParameters(options));
@@ -67,7 +66,7 @@ Status Engine::Impl::MakePlan(const EngineOptions& options, optim::DType compute
   in.comm_moves_host_memory = comm_->memory_kind() == MemoryKind::kHost;
   in.comm_backend = comm_->backend();
   in.client_optimizer = options.client_optimizer;
-  in.loss_scaling_option = options.loss_scaling;
+  in.loss_scaling_option = hooks_.loss_scaling;
   in.sgd_momentum = std::any_of(groups_.begin(), groups_.end(),
                                 [](const GroupHyperparameters& g) { return g.momentum != 0; });
   in.partitioner = &*partitioner_;
@@ -172,8 +171,8 @@ Status Engine::Impl::OpenNvmeTier(const EngineOptions& options) {
     o.needed_bytes = std::min(need, o.capacity);
     o.aio = config_.aio;
     o.checksums = config_.strata.checksums;
-    o.force_fallback = options.force_fallback_io;
-    o.fault_hook = options.nvme_fault_hook;
+    o.force_fallback = hooks_.force_fallback_io;
+    o.fault_hook = hooks_.nvme_fault_hook;
     STRATA_ASSIGN_OR_RETURN(auto tier, nvme::NvmeTier::Create(o));
     nvme_ = std::move(tier);
     nvme_->SetBusyObserver([this](Clock::time_point b, Clock::time_point e) {
@@ -210,8 +209,9 @@ Status Engine::Impl::OpenBlockStore(const EngineOptions& options) {
       STRATA_LOG(INFO) << "host pool: pin_memory=false in the offload config; the pool stays pageable";
     }
     STRATA_ASSIGN_OR_RETURN(store_, MakeTieredBlockStore(device_, nvme_.get(), tmo));
-    if (options.wrap_store) store_ = options.wrap_store(std::move(store_));
+    if (hooks_.wrap_store) store_ = hooks_.wrap_store(std::move(store_));
   }
+  client_ = std::make_unique<ClientStepSession>(store_.get(), device_, DeviceOptions(torch::kFloat32));
   stash_ = std::make_unique<ActivationStash>(
       store_.get(), nvme_ != nullptr,
       ActivationStash::Counters{&meter_.copy_s, &meter_.stall_s, &meter_.bytes_d2h, &meter_.bytes_h2d});
@@ -355,14 +355,14 @@ Status Engine::Impl::MakeLanes() {
              std::optional<PublishLane::Copy>* publish, double* slot_wait_s) {
         return AdamChunk(c, in, publish, slot_wait_s);
       },
-      optimizer_delay_hook_);
+      hooks_.optimizer_delay_hook);
   reduce_lane_ = std::make_unique<ReduceLane>(
       num_chunks, UseReduceLane(), &meter_.trace,
       [this](ReduceJob& job, bool on_lane, ReduceOutcome* out) {
         return ReduceShard(job, on_lane, out);
       },
       [this](int64_t c, int64_t step, double* comm_s) { return AllGatherAhead(c, step, comm_s); },
-      reduce_delay_hook_);
+      hooks_.reduce_delay_hook);
   if (plan_.stage3()) {
     // With several ranks a chunk is gathered ahead whatever its update's state (Note
     // [prefetched gathers]): the lane waits for the update before it reads the shard.

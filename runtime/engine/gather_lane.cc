@@ -246,7 +246,7 @@ Status Engine::Impl::AllGatherAhead(int64_t c, int64_t step, double* comm_s) {
   gather_->WaitLanded(c);
   Status s = gather_->status(c);
   // Delay injection here, after the copy landed, when compute may already be waiting to read.
-  if (reduce_delay_hook_) reduce_delay_hook_(c);
+  if (hooks_.reduce_delay_hook) hooks_.reduce_delay_hook(c);
   Status g;
   {
     LaneTimer t(comm_s, &meter_.trace, Lane::kComm, "all-gather (ahead)", step, c);

@@ -105,7 +105,7 @@ Status Engine::Impl::TakeParamGrad(int64_t pid, bool settle) {
 // the step 3 % slower). There the compute thread runs each job itself, unless a test's
 // reduce_delay_hook asks for the lane.
 bool Engine::Impl::UseReduceLane() const {
-  return comm_->world_size() > 1 || device_->kind() != DeviceKind::kCpu || reduce_delay_hook_;
+  return comm_->world_size() > 1 || device_->kind() != DeviceKind::kCpu || hooks_.reduce_delay_hook;
 }
 
 Status Engine::Impl::ReduceChunk(int64_t c) {

@@ -1,5 +1,5 @@
 // Faults during training: NVMe errors injected into the real I/O completion path (the engine's
-// nvme_fault_hook), a corrupted swap file, and resource bounds over many steps. The model is the
+// EngineTestHooks::nvme_fault_hook), a corrupted swap file, and resource bounds over many steps. The model is the
 // small GPT of tests/runtime/gpt_training.h on the CPU device, with the optimizer states and the
 // parameters on NVMe and the smallest host budget the engine accepts, so that every step evicts
 // dirty blocks (swap-out writes) and reads them back (swap-in reads).
@@ -147,7 +147,7 @@ TEST(TrainingFaults, EnospcOnSwapOutStopsWithAClearErrorAndTearsNoBlock) {
   inj.op = nvme::IoOp::kWrite;
   inj.rewrite = [](const nvme::IoAttempt&, int64_t) -> int64_t { return -ENOSPC; };
   EngineOptions opts;
-  opts.nvme_fault_hook = inj.Hook();
+  MutableHooks(&opts).nvme_fault_hook = inj.Hook();
   Harness h;
   ASSERT_OK(MakeEngine(dir.path(), opts, &h));
   for (int s = 0; s < kCleanSteps; ++s) {
@@ -177,7 +177,7 @@ TEST(TrainingFaults, EioOnSwapInIsReportedNeverTrainedOn) {
   inj.op = nvme::IoOp::kRead;
   inj.rewrite = [](const nvme::IoAttempt&, int64_t) -> int64_t { return -EIO; };
   EngineOptions opts;
-  opts.nvme_fault_hook = inj.Hook();
+  MutableHooks(&opts).nvme_fault_hook = inj.Hook();
   Harness h;
   ASSERT_OK(MakeEngine(dir.path(), opts, &h));
   std::vector<double> losses;
@@ -215,7 +215,7 @@ FaultRun RunWithReadFaults(std::function<int64_t(const nvme::IoAttempt&, int64_t
   inj.op = nvme::IoOp::kRead;
   inj.rewrite = std::move(rewrite);
   EngineOptions opts;
-  opts.nvme_fault_hook = inj.Hook();
+  MutableHooks(&opts).nvme_fault_hook = inj.Hook();
   Harness h;
   out.status = MakeEngine(dir.path(), opts, &h);
   if (!out.status.ok()) return out;

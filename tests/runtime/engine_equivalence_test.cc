@@ -255,7 +255,7 @@ TEST_P(DeferredUpdates, BitIdenticalToWaitingInStep) {
   std::mutex rng_mu;
   EngineOptions dopts;
   if (nvme) dopts.nvme_path = {dir_defer.path()};
-  dopts.optimizer_delay_hook = [&](int64_t) {
+  MutableHooks(&dopts).optimizer_delay_hook = [&](int64_t) {
     int us;
     {
       std::lock_guard<std::mutex> l(rng_mu);
@@ -335,7 +335,7 @@ TEST_P(OverflowSkips, LikePlainLibTorchWithTheSameScaler) {
   if (k.param == OffloadDevice::kNvme || k.optim == OffloadDevice::kNvme) opts.nvme_path = {dir.path()};
   const bool fp16 = TestDeviceSpec() != "cpu";
   if (fp16) c.fp16.enabled = true;
-  else opts.loss_scaling = true;
+  else MutableHooks(&opts).loss_scaling = true;
   TrainRun got = ThroughEngine(c, opts, nullptr, delay_us, kOverflowSteps, poison);
   EXPECT_EQ(got.skipped, ref.skipped);
   EXPECT_EQ(got.scales, ref.scales);

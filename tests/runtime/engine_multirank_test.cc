@@ -125,7 +125,7 @@ TEST(MultiRankOverflow, OneRankOverflowingSkipsTheStepEverywhere) {
   EngineOptions opts;
   const bool fp16 = TestDeviceSpec() != "cpu";
   if (fp16) c.fp16.enabled = true;
-  else opts.loss_scaling = true;
+  else MutableHooks(&opts).loss_scaling = true;
   const int rank = comm->rank();
   TrainRun got = ThroughEngine(c, opts, comm, 0, kOverflowSteps, [&](torch::Tensor l, int s, int m) {
     return rank == 0 && poisoned(s, m) ? l * 1e38 : l;

@@ -6,6 +6,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <chrono>
 #include <cstring>
 #include <filesystem>
@@ -26,6 +27,9 @@ namespace {
 
 namespace fs = std::filesystem;
 
+// Armed by SaveThenDieBeforePublish: the engine's crash point "checkpoint:before_publish" exits.
+std::atomic<bool> crash_before_publish{false};
+
 struct Trainer {
   std::unique_ptr<Communicator> comm = CreateSingleCommunicator();
   std::unique_ptr<Device> device = CreateDevice("cpu", 256 << 20).value();
@@ -35,6 +39,11 @@ struct Trainer {
   Trainer(const Config& c, const std::string& nvme_dir) : config(c) {
     EngineOptions o;
     if (!nvme_dir.empty()) o.nvme_path = {nvme_dir};
+    // Dies where a crash hurts most (every file of a checkpoint written, nothing published) once
+    // a test arms it.
+    MutableHooks(&o).crash_point = [](std::string_view point) {
+      if (crash_before_publish && point == "checkpoint:before_publish") ::_exit(137);
+    };
     auto e = Engine::Create(models::BuildGpt(c.model), c, comm.get(), device.get(), o);
     if (!e.ok()) {
       ADD_FAILURE() << e.status();
@@ -224,7 +233,7 @@ TEST(ResumeCrashChild, SaveThenDieBeforePublish) {
   t.Train(0, 1);
   if (!t.engine->SaveCheckpoint(dir + "/ckpt", {{"next_step", 1}}).ok()) _exit(3);
   t.Train(1, 2);
-  setenv("STRATA_TEST_CRASH_BEFORE_PUBLISH", "1", 1);
+  crash_before_publish = true;
   (void)t.engine->SaveCheckpoint(dir + "/ckpt", {{"next_step", 2}});
   _exit(4);  // not reached: the hook exits with 137
 }

@@ -21,6 +21,7 @@
 #include "runtime/base/device.h"
 #include "runtime/comm/communicator.h"
 #include "runtime/engine/engine.h"
+#include "runtime/engine/engine_test_hooks.h"
 #include "tests/runtime/delaying_device.h"
 #include "tests/runtime/poisoning_store.h"
 #include "tests/test_util.h"
@@ -82,6 +83,13 @@ struct TrainRun {
 
 // Rewrites a micro-step's loss before it goes backward (the overflow tests poison some steps).
 using LossShaper = std::function<torch::Tensor(torch::Tensor loss, int step, int micro)>;
+
+// The test hooks of `o`, copied (or made) for the caller to set: opts may share them.
+inline EngineTestHooks& MutableHooks(EngineOptions* o) {
+  auto h = std::make_shared<EngineTestHooks>(o->test_hooks ? *o->test_hooks : EngineTestHooks{});
+  o->test_hooks = h;
+  return *h;
+}
 
 // The config's optimizer hyper-parameters for LibTorch's AdamW.
 inline torch::optim::AdamWOptions ReferenceAdamWOptions(const Config& c) {
@@ -265,8 +273,8 @@ inline TrainRun ThroughEngine(const Config& c, const EngineOptions& opts_in = {}
   EngineOptions opts = opts_in;
   std::mt19937 rng(11);
   std::mutex rng_mu;
-  if (delay_us > 0 && !opts.reduce_delay_hook) {
-    opts.reduce_delay_hook = [&rng, &rng_mu, delay_us](int64_t) {
+  if (delay_us > 0 && !(opts.test_hooks && opts.test_hooks->reduce_delay_hook)) {
+    MutableHooks(&opts).reduce_delay_hook = [&rng, &rng_mu, delay_us](int64_t) {
       int us;
       {
         std::lock_guard<std::mutex> l(rng_mu);
@@ -275,8 +283,8 @@ inline TrainRun ThroughEngine(const Config& c, const EngineOptions& opts_in = {}
       std::this_thread::sleep_for(std::chrono::microseconds(us));
     };
   }
-  if (delay_us > 0 && !opts.wrap_store) {
-    opts.wrap_store = [](std::unique_ptr<BlockStore> inner) -> std::unique_ptr<BlockStore> {
+  if (delay_us > 0 && !(opts.test_hooks && opts.test_hooks->wrap_store)) {
+    MutableHooks(&opts).wrap_store = [](std::unique_ptr<BlockStore> inner) -> std::unique_ptr<BlockStore> {
       return std::make_unique<testing::PoisoningStore>(std::move(inner));
     };
   }

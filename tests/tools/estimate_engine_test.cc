@@ -14,6 +14,7 @@
 #include "runtime/base/device.h"
 #include "runtime/comm/communicator.h"
 #include "runtime/engine/engine.h"
+#include "runtime/engine/engine_test_hooks.h"
 #include "runtime/state/partitioner.h"
 #include "tests/test_util.h"
 #include "tiers/hbm/device_factory.h"
@@ -83,7 +84,9 @@ Measured TrainAndMeasure(const Config& c, const std::string& nvme_dir = "") {
   EngineOptions eo;
   if (!nvme_dir.empty()) {
     eo.nvme_path = {nvme_dir};
-    eo.force_fallback_io = true;
+    auto hooks = std::make_shared<EngineTestHooks>();
+    hooks->force_fallback_io = true;
+    eo.test_hooks = hooks;
   }
   auto engine = Engine::Create(models::BuildGpt(c.model), c, comm.get(), dev->get(), eo);
   EXPECT_TRUE(engine.ok()) << engine.status();

@@ -96,8 +96,8 @@ Status Engine::Impl::CopyShardIn(int64_t c) {
   LaneTimer t(&meter_.copy_s, &meter_.trace, Lane::kCopy, "shard to device", trace_step(), c);
   CopyKind kind = plan_.param_placement() == Placement::kDevice ? CopyKind::kDeviceToDevice
                                                          : CopyKind::kHostToDevice;
-  Status s = copy_stream_->MemcpyAsync(dst, src, bytes, kind);
-  if (s.ok()) s = copy_stream_->Synchronize();
+  Status s = streams_.copy->MemcpyAsync(dst, src, bytes, kind);
+  if (s.ok()) s = streams_.copy->Synchronize();
   Status r = store_->Release(key, false);
   STRATA_RETURN_IF_ERROR(s);
   STRATA_RETURN_IF_ERROR(r);

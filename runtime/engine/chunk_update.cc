@@ -122,7 +122,7 @@ Status Engine::Impl::AdamChunk(int64_t c, const OptimizerLane::StepInputs& in,
   std::vector<Segment> segments;
   const size_t state_size = optim::DTypeSize(plan_.state_dtype());
   const size_t work_size = optim::DTypeSize(plan_.compute_dtype());
-  for (const ShardSegment& seg : chunk_segments_[c]) {
+  for (const ShardSegment& seg : groups_.segments[c]) {
     const GroupHyperparameters& gh = in.groups[seg.group];
     Segment sg;
     sg.ap.lr = gh.lr;
@@ -169,8 +169,8 @@ Status Engine::Impl::AdamChunk(int64_t c, const OptimizerLane::StepInputs& in,
     // covers the update and the copy into the working shard queued behind it; the blocks stay
     // pinned until then. The gradient's hand-off already waited for the compute that wrote it.
     const bool cuda = device_->kind() == DeviceKind::kCuda;
-    tbb::task_arena* arena = arena_.get();
-    s = publish_stream_->LaunchKernel([cuda, arena, segments, grad_scale, adam, type](void* native) {
+    tbb::task_arena* arena = streams_.arena.get();
+    s = streams_.publish->LaunchKernel([cuda, arena, segments, grad_scale, adam, type](void* native) {
       const kernels::Backend backend = cuda ? kernels::Backend::kCuda : kernels::Backend::kCpu;
       Status r;
       for (const Segment& sg : segments) {
@@ -188,18 +188,18 @@ Status Engine::Impl::AdamChunk(int64_t c, const OptimizerLane::StepInputs& in,
       return r;
     });
     if (s.ok() && plan_.compute_dtype() == optim::DType::kFloat32 && out != master)
-      s = publish_stream_->MemcpyAsync(out, master, n * 4, CopyKind::kDeviceToDevice);
-    Status w = publish_stream_->Synchronize();
+      s = streams_.publish->MemcpyAsync(out, master, n * 4, CopyKind::kDeviceToDevice);
+    Status w = streams_.publish->Synchronize();
     if (s.ok()) s = w;
   } else {
     optim::AdamOptions ao;
-    ao.arena = arena_.get();
+    ao.arena = streams_.arena.get();
     ao.grad_check = optim::GradCheck::kCallerChecked;
     for (const Segment& sg : segments) {
       if (adam) {
         s = optim::AdamStep(sg.ap, sg.bufs, grad_scale, ao).status();
       } else {
-        arena_->execute(
+        streams_.arena->execute(
             [&] { s = RunElementwise(type, sg, grad_scale, kernels::Backend::kCpu, nullptr); });
       }
       if (!s.ok()) break;

@@ -40,9 +40,9 @@ Status ClientStepSession::Close() {
 }
 
 std::vector<std::vector<int64_t>> Engine::Impl::ClientSegments() const {
-  std::vector<std::vector<int64_t>> out(groups_.size());
+  std::vector<std::vector<int64_t>> out(groups_.hyper.size());
   for (size_t c = 0; c < chunks_.size(); ++c)
-    for (const ShardSegment& seg : chunk_segments_[c]) out[seg.group].push_back(seg.size);
+    for (const ShardSegment& seg : groups_.segments[c]) out[seg.group].push_back(seg.size);
   return out;
 }
 
@@ -63,7 +63,7 @@ StatusOr<Engine::ClientStep> Engine::Impl::BeginClientStep() {
   out.grad_norm = nonfinite ? 0.0 : norm;
   if (nonfinite) return out;
   out.grad_scale = GradScale(norm);
-  out.groups.resize(groups_.size());
+  out.groups.resize(groups_.hyper.size());
   torch::NoGradGuard ng;
   auto lend = [&](int64_t c, StateKind kind) {
     const BlockKey key = kind == StateKind::kMaster32 ? plan_.MasterKey(c) : BlockKey{c, kind};
@@ -79,7 +79,7 @@ StatusOr<Engine::ClientStep> Engine::Impl::BeginClientStep() {
     }
     if (out.grad_scale != 1.0f) grad->mul_(out.grad_scale);
     client_->SetMaster(c, *master);
-    for (const ShardSegment& seg : chunk_segments_[c])
+    for (const ShardSegment& seg : groups_.segments[c])
       out.groups[seg.group].push_back(
           {master->narrow(0, seg.begin, seg.size), grad->narrow(0, seg.begin, seg.size)});
   }
@@ -114,10 +114,10 @@ StatusOr<StepReport> Engine::Impl::FinishClientStep(bool apply) {
   STRATA_RETURN_IF_ERROR(s);
   if (!apply) return StepReport{};
   StepReport rep;
-  rep.loss_scale = scaler_ ? scaler_->scale() : 1.0;
+  rep.loss_scale = step_.scaler ? step_.scaler->scale() : 1.0;
   rep.grad_norm = skipped ? 0.0 : norm;
   // The lr the caller's groups held (SetGroupHyperparameters), else the config's schedule.
-  rep.lr = group_override_ ? group_override_->front().lr : LearningRate(config_, global_step_ + 1);
+  rep.lr = groups_.override_hyper ? groups_.override_hyper->front().lr : LearningRate(config_, step_.global_step + 1);
   return CompleteStep(rep, skipped);
 }
 

@@ -104,8 +104,8 @@ Status Engine::Impl::ReadBlockBytes(void* dst, const void* block, size_t bytes, 
     std::memcpy(dst, block, bytes);
     return Status::Ok();
   }
-  STRATA_RETURN_IF_ERROR(copy_stream_->MemcpyAsync(dst, block, bytes, CopyKind::kDeviceToHost));
-  return copy_stream_->Synchronize();
+  STRATA_RETURN_IF_ERROR(streams_.copy->MemcpyAsync(dst, block, bytes, CopyKind::kDeviceToHost));
+  return streams_.copy->Synchronize();
 }
 
 Status Engine::Impl::WriteBlockBytes(void* block, const void* src, size_t bytes, Placement where) {
@@ -115,9 +115,9 @@ Status Engine::Impl::WriteBlockBytes(void* block, const void* src, size_t bytes,
     return Status::Ok();
   }
   STRATA_RETURN_IF_ERROR(src != nullptr
-                             ? copy_stream_->MemcpyAsync(block, src, bytes, CopyKind::kHostToDevice)
-                             : copy_stream_->MemsetAsync(block, 0, bytes));
-  return copy_stream_->Synchronize();
+                             ? streams_.copy->MemcpyAsync(block, src, bytes, CopyKind::kHostToDevice)
+                             : streams_.copy->MemsetAsync(block, 0, bytes));
+  return streams_.copy->Synchronize();
 }
 
 Status Engine::Impl::OnCommMemory(torch::Tensor& host,
@@ -160,11 +160,11 @@ void DefaultUnits(const std::string& prefix, const torch::nn::Module& m,
 Status Engine::Impl::DiscoverUnits(const EngineOptions& options, optim::DType compute_dtype) {
   std::vector<std::pair<std::string, std::shared_ptr<torch::nn::Module>>> found;
   if (options.units.empty()) {
-    DefaultUnits("", *model_, &found);
+    DefaultUnits("", *model_.module, &found);
   } else {
     // Names for the units the caller chose: their path under the root.
     std::map<const torch::nn::Module*, std::string> names;
-    for (const auto& item : model_->named_modules("", /*include_self=*/false))
+    for (const auto& item : model_.module->named_modules("", /*include_self=*/false))
       names.emplace(item.value().get(), item.key());
     for (const auto& u : options.units) {
       if (!u) return InvalidArgument("EngineOptions::units holds a null module");
@@ -221,8 +221,8 @@ Status Engine::Impl::DiscoverUnits(const EngineOptions& options, optim::DType co
   };
   {
     std::vector<std::pair<std::string, torch::Tensor>> own;
-    for (const auto& item : model_->named_parameters(/*recurse=*/false)) own.push_back({item.key(), item.value()});
-    if (!own.empty()) STRATA_RETURN_IF_ERROR(add_unit("", model_, own, /*always_live=*/true));
+    for (const auto& item : model_.module->named_parameters(/*recurse=*/false)) own.push_back({item.key(), item.value()});
+    if (!own.empty()) STRATA_RETURN_IF_ERROR(add_unit("", model_.module, own, /*always_live=*/true));
   }
   std::set<const torch::nn::Module*> unit_modules;
   for (auto& [name, module] : found) {
@@ -233,7 +233,7 @@ Status Engine::Impl::DiscoverUnits(const EngineOptions& options, optim::DType co
     STRATA_RETURN_IF_ERROR(add_unit(name, module, named, false));
   }
   // Trainable parameters outside every unit would never be gathered.
-  for (const auto& item : model_->named_parameters(/*recurse=*/true)) {
+  for (const auto& item : model_.module->named_parameters(/*recurse=*/true)) {
     if (item.value().requires_grad() && !seen.count(item.value().unsafeGetTensorImpl()))
       return InvalidArgument(StrCat("parameter '", item.key(),
                                     "' is in no unit; add the module holding it to "
@@ -259,7 +259,7 @@ Status Engine::Impl::DiscoverUnits(const EngineOptions& options, optim::DType co
   }
   // Buffers, each once.
   std::set<const c10::TensorImpl*> seen_buffers;
-  for (const auto& item : model_->named_buffers(/*recurse=*/true))
+  for (const auto& item : model_.module->named_buffers(/*recurse=*/true))
     if (seen_buffers.insert(item.value().unsafeGetTensorImpl()).second)
       buffers_.push_back({item.key(), item.value()});
   return Status::Ok();
@@ -333,7 +333,7 @@ StatusOr<std::unique_ptr<Engine>> Engine::Create(torch::nn::AnyModule model, con
                                                  const EngineOptions& options) {
   if (model.is_empty()) return InvalidArgument("Engine::Create: the model is null");
   STRATA_ASSIGN_OR_RETURN(auto engine, Create(model.ptr(), config, comm, device, options));
-  engine->impl_->any_ = std::move(model);
+  engine->impl_->SetForward(std::move(model));
   return engine;
 }
 
@@ -400,7 +400,7 @@ std::vector<std::vector<int64_t>> Engine::ClientSegments() const {
   return impl_->ClientSegments();
 }
 
-int64_t Engine::global_step() const { return impl_->global_step_; }
+int64_t Engine::global_step() const { return impl_->global_step(); }
 Status Engine::SetGroupHyperparameters(const std::vector<GroupHyperparameters>& groups) {
   return impl_->SetGroupHyperparameters(groups);
 }
@@ -409,9 +409,9 @@ Status Engine::WriteParameters(const std::vector<torch::Tensor>& params) {
   return impl_->WriteParameters(params);
 }
 Status Engine::Impl::SetGroupHyperparameters(const std::vector<GroupHyperparameters>& groups) {
-  if (groups.size() != groups_.size()) {
+  if (groups.size() != groups_.hyper.size()) {
     return InvalidArgument(StrCat(groups.size(), " parameter groups given but the engine was "
-                                  "built with ", groups_.size(), ": groups cannot be added or "
+                                  "built with ", groups_.hyper.size(), ": groups cannot be added or "
                                   "removed after the engine is made"));
   }
   for (size_t g = 0; g < groups.size(); ++g) {
@@ -422,10 +422,10 @@ Status Engine::Impl::SetGroupHyperparameters(const std::vector<GroupHyperparamet
           "momentum 0 when the engine was made, so it keeps no momentum buffer; give the groups "
           "their momentum before initialize"));
   }
-  group_override_ = groups;
+  groups_.override_hyper = groups;
   return Status::Ok();
 }
-int64_t Engine::micro_step() const { return impl_->micro_step_; }
+int64_t Engine::micro_step() const { return impl_->micro_step(); }
 int64_t Engine::num_parameters() const { return impl_->num_params(); }
 uint64_t Engine::model_state_bytes() const { return impl_->model_state_bytes(); }
 void Engine::SetTracing(bool on) { impl_->SetTracing(on); }

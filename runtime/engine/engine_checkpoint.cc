@@ -47,13 +47,13 @@ Status WriteAll(int fd, const void* data, size_t n, const std::string& path) {
 Status Engine::Impl::Save(const std::string& root, const nlohmann::json& extra,
                           const std::string& client_file) {
   namespace fs = std::filesystem;
-  if (step_open_)
+  if (step_.step_open)
     return FailedPrecondition("SaveCheckpoint during a step: save after Step() returns");
   STRATA_RETURN_IF_ERROR(FinishUpdates());
   std::error_code ec;
   fs::create_directories(root, ec);
   if (ec) return ErrnoToStatus(ec.value(), StrCat("create checkpoint directory ", root));
-  const std::string name = checkpoint::StepDirName(global_step_);
+  const std::string name = checkpoint::StepDirName(step_.global_step);
   const fs::path final_dir = fs::path(root) / name;
   const fs::path tmp_dir = fs::path(root) / ("." + name + ".tmp");
   const int rank = comm_->rank();
@@ -81,9 +81,9 @@ Status Engine::Impl::Save(const std::string& root, const nlohmann::json& extra,
   m.state_dtype = optim::DTypeName(plan_.state_dtype());
   m.parameters = num_params();
   for (const ChunkInfo& ci : partitioner_->chunks()) m.shard_numel.push_back(ci.shard_numel);
-  m.global_step = global_step_;
-  m.micro_step = micro_step_;
-  if (scaler_) m.scaler = {{"scale", scaler_->scale()}};
+  m.global_step = step_.global_step;
+  m.micro_step = step_.micro_step;
+  if (step_.scaler) m.scaler = {{"scale", step_.scaler->scale()}};
   m.extra = extra;
   m.layout = LayoutJson();
 
@@ -202,7 +202,7 @@ StatusOr<std::string> Engine::Impl::ReadClientFile(const std::string& path) {
 
 StatusOr<nlohmann::json> Engine::Impl::Load(const std::string& path, bool weights_only) {
   namespace fs = std::filesystem;
-  if (step_open_) return FailedPrecondition("LoadCheckpoint during a step");
+  if (step_.step_open) return FailedPrecondition("LoadCheckpoint during a step");
   STRATA_RETURN_IF_ERROR(FinishUpdates());
   STRATA_ASSIGN_OR_RETURN(std::string dir, checkpoint::ResolveCheckpointDir(path));
   const std::string stem = checkpoint::RankFileStem(comm_->rank());
@@ -347,8 +347,8 @@ StatusOr<nlohmann::json> Engine::Impl::Load(const std::string& path, bool weight
   STRATA_RETURN_IF_ERROR(ShareUpdatedShards());
   STRATA_RETURN_IF_ERROR(RefreshChunksAfterStep());
   if (!weights_only) {
-    global_step_ = m.global_step;
-    micro_step_ = m.micro_step;
+    step_.global_step = m.global_step;
+    step_.micro_step = m.micro_step;
   }
   STRATA_LOG(INFO) << "checkpoint loaded dir=" << dir << " step=" << m.global_step
                    << (weights_only ? " (weights only)" : "");
@@ -373,8 +373,8 @@ Status Engine::Impl::PublishParams(int64_t c, const void* shard_values, optim::D
     std::memcpy(dst, shard_values, bytes);
     return store_->Release({c, StateKind::kParam16}, true);
   }
-  Status s = publish_stream_->MemcpyAsync(dst, shard_values, bytes, CopyKind::kHostToDevice);
-  if (s.ok()) s = publish_stream_->Synchronize();
+  Status s = streams_.publish->MemcpyAsync(dst, shard_values, bytes, CopyKind::kHostToDevice);
+  if (s.ok()) s = streams_.publish->Synchronize();
   if (held) {
     Status r = store_->Release({c, StateKind::kParam16}, true);
     if (s.ok()) s = r;

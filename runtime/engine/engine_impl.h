@@ -54,6 +54,7 @@
 #include "runtime/engine/client_step_session.h"
 #include "runtime/engine/compute_dtype.h"
 #include "runtime/engine/compute_fence.h"
+#include "runtime/engine/engine_state.h"
 #include "runtime/engine/engine_test_hooks.h"
 #include "runtime/engine/gather_lane.h"
 #include "runtime/engine/lane_trace.h"
@@ -90,7 +91,7 @@ class Engine::Impl {
  public:
   Impl(std::shared_ptr<torch::nn::Module> model, const Config& config, Communicator* comm,
        Device* device)
-      : model_(std::move(model)), config_(config), comm_(comm), device_(device) {}
+      : model_{std::move(model), std::nullopt}, config_(config), comm_(comm), device_(device) {}
   ~Impl();
 
   Status Init(Engine* owner, const EngineOptions& options);
@@ -100,17 +101,12 @@ class Engine::Impl {
   Status Backward(const torch::Tensor& loss);
   StatusOr<StepReport> Step();
   Status SetGroupHyperparameters(const std::vector<GroupHyperparameters>& groups);
-  int num_param_groups() const { return static_cast<int>(groups_.size()); }
+  int num_param_groups() const { return static_cast<int>(groups_.hyper.size()); }
   Status WriteParameters(const std::vector<torch::Tensor>& params);  // param_writes.cc
   // offload_states / reload_states (state_offload.cc).
   StatusOr<uint64_t> OffloadStates(const std::vector<StateKind>& kinds);
   StatusOr<uint64_t> ReloadStates();
   Status CheckStatesResident(const char* what) const;
-  struct ParkedBlock {
-    BlockKey key;
-    std::vector<uint8_t> bytes;  // the block's bytes while its device memory is freed
-  };
-  std::vector<ParkedBlock> parked_;  // owner thread only
   StatusOr<std::vector<torch::Tensor>> GatherMasterParams();
   Status Save(const std::string& dir, const nlohmann::json& extra, const std::string& client_file);
   StatusOr<std::string> ReadClientFile(const std::string& dir);
@@ -121,8 +117,10 @@ class Engine::Impl {
   StatusOr<nlohmann::json> Load(const std::string& dir, bool weights_only);
   nlohmann::json LayoutJson() const;  // Manifest::layout of this rank
 
-  int64_t global_step_ = 0;
-  int64_t micro_step_ = 0;
+  int64_t global_step() const { return step_.global_step; }
+  int64_t micro_step() const { return step_.micro_step; }
+  // The model came with its forward (Engine::Create's AnyModule overload).
+  void SetForward(torch::nn::AnyModule any) { model_.any = std::move(any); }
   nlohmann::json Describe() const;
   int64_t num_params() const { return partitioner_ ? partitioner_->param_numel() : 0; }
   uint64_t model_state_bytes() const;
@@ -327,15 +325,12 @@ class Engine::Impl {
   // Starts a new reporting window: the lanes' counters restart from zero.
   void ResetLanes();
 
-  int64_t trace_step() const { return global_step_ + 1; }
+  int64_t trace_step() const { return step_.global_step + 1; }
   bool last_micro_step() const {
-    return (micro_step_ + 1) % config_.gradient_accumulation_steps == 0;
+    return (step_.micro_step + 1) % config_.gradient_accumulation_steps == 0;
   }
 
-  std::shared_ptr<torch::nn::Module> model_;
- public:
-  std::optional<torch::nn::AnyModule> any_;  // set when the model came with a forward
- private:
+  EngineModel model_;
   Engine* owner_ = nullptr;
   EngineTestHooks hooks_;  // EngineOptions::test_hooks' (none outside tests)
   // EngineOptions::client_optimizer (client_step_session.h): the open step, made in
@@ -344,29 +339,16 @@ class Engine::Impl {
   Config config_;
   Communicator* comm_;
   Device* device_;
-  // Declared before the streams, so it outlives any update still queued on one (AdamChunk waits
-  // for its own, but a stream drains only when it is destroyed).
-  std::unique_ptr<tbb::task_arena> arena_;
-  std::unique_ptr<Stream> copy_stream_;
-  // The optimizer's device work: the device-resident update (Stream::LaunchKernel) with its
-  // fp32 working copy, and the copies of a host optimizer's new values to the device
-  // (StartPublish; PublishParams for a checkpoint load, while the lane is idle). Made once.
-  std::unique_ptr<Stream> publish_stream_;
-  // CUDA: the gradient statistics' stream, and the reduce lane's LibTorch ops (compute_fence.h).
-  std::unique_ptr<SideStream> side_stream_;
+  EngineStreams streams_;  // engine_state.h
   // Chunk memory handed back while compute may still read it (Note [ordered frees]).
   std::mutex frees_mu_;
   std::vector<std::pair<void*, ComputeFence>> pending_frees_;  // GUARDED_BY(frees_mu_)
   std::unique_ptr<nvme::NvmeTier> nvme_;
   std::unique_ptr<BlockStore> store_;
   std::optional<Partitioner> partitioner_;
-  // What this rank keeps of each state under the configured stage (Partitioner::PlanFor): which
-  // states are sharded decides how gradients are reduced (gradient_reducer.cc).
   // The step's mode decisions (runtime/state/step_plan.h), made once in Init.
   StepPlan plan_;
-  // Stages 0 and 1: every rank keeps the whole gradient until the step (the plan does not shard
-  // it), accumulated locally over micro-steps and all-reduced once at the boundary.
-  std::optional<optim::DynamicLossScaler> scaler_;
+  StepState step_;  // engine_state.h
 
   std::vector<ParamInfo> params_;
   // The units and the order they ran in (unit_coordinator.h).
@@ -374,9 +356,6 @@ class Engine::Impl {
   std::vector<std::pair<std::string, torch::Tensor>> buffers_;  // unique, in registration order
   // Each chunk's working copy and residency (chunk_table.h): the compute thread's.
   ChunkTable chunks_;
-
-  bool micro_open_ = false;     // a training forward has begun and its Backward not yet run
-  bool in_backward_ = false;
 
   // Checkpointed units' saved inputs (activation_stash.h): made with the block store, used from
   // the caller's thread.
@@ -386,15 +365,9 @@ class Engine::Impl {
   // of each Step (or, before the first, at the first training forward), so that work a deferred
   // update does between steps counts in the window it ran in.
   StepMeter meter_;
-  // A tier-manager iteration (BeginIteration) is open. It brackets what repeats each step: with
-  // deferred updates that is from one Step's end to the next, so the trace the tier manager
-  // records (the second step's) holds the updates interleaved with the forward.
-  bool iteration_open_ = false;
-  bool step_open_ = false;
   std::vector<int64_t> state_prefetch_order_;  // PrefetchStatesForUpdates: the update order
   size_t state_prefetch_next_ = 0;
   uint64_t state_prefetch_bytes_ = 0;
-  Status backward_error_;
 
   // The lanes (each owns its thread, queue, lock and counters; see its header). Made by
   // MakeLanes, stopped in ~Impl: reduce first (its jobs queue updates), then the optimizer, then
@@ -405,14 +378,13 @@ class Engine::Impl {
   std::unique_ptr<OptimizerLane> opt_lane_;
   std::unique_ptr<ReduceLane> reduce_lane_;
   std::unique_ptr<GatherLane> gather_;  // stage 3 only
-  // Parameter groups (param_groups.h), fixed at Init: each group's own hyperparameters, each
-  // parameter's group, and each chunk's shard as segments of one group. Read-only after Init.
-  std::vector<GroupHyperparameters> groups_;
-  std::vector<int> group_of_param_;
-  std::vector<std::vector<ShardSegment>> chunk_segments_;
-  // Set by SetGroupHyperparameters on the caller's thread (nullopt: the groups' own, with the
-  // step's lr from the config's schedule).
-  std::optional<std::vector<GroupHyperparameters>> group_override_;
+  GroupLayout groups_;  // engine_state.h
+  // The blocks offload_states took off the device, with their bytes (state_offload.cc).
+  struct ParkedBlock {
+    BlockKey key;
+    std::vector<uint8_t> bytes;
+  };
+  std::vector<ParkedBlock> parked_;
   // The inputs of the step whose updates are about to start, handed to the (idle) optimizer
   // lane: the step, the gradient scale, each group's hyperparameters (engine_step.cc).
   void FixStepInputs(int64_t step, float grad_scale);

@@ -67,22 +67,22 @@ Status Engine::Impl::MakePlan(const EngineOptions& options, optim::DType compute
   in.comm_backend = comm_->backend();
   in.client_optimizer = options.client_optimizer;
   in.loss_scaling_option = hooks_.loss_scaling;
-  in.sgd_momentum = std::any_of(groups_.begin(), groups_.end(),
+  in.sgd_momentum = std::any_of(groups_.hyper.begin(), groups_.hyper.end(),
                                 [](const GroupHyperparameters& g) { return g.momentum != 0; });
   in.partitioner = &*partitioner_;
   STRATA_ASSIGN_OR_RETURN(plan_, StepPlan::Make(in));
   if (plan_.loss_scaling()) {
     STRATA_ASSIGN_OR_RETURN(auto s, optim::DynamicLossScaler::FromConfig(config_.fp16));
-    scaler_.emplace(std::move(s));
+    step_.scaler.emplace(std::move(s));
   }
   return Status::Ok();
 }
 
 // The engine's own streams and the optimizer lane's thread arena.
 Status Engine::Impl::StartStreamsAndArena() {
-  STRATA_ASSIGN_OR_RETURN(copy_stream_, device_->CreateStream(StreamPriority::kHigh));
-  STRATA_ASSIGN_OR_RETURN(publish_stream_, device_->CreateStream());
-  side_stream_ = std::make_unique<SideStream>(*device_);
+  STRATA_ASSIGN_OR_RETURN(streams_.copy, device_->CreateStream(StreamPriority::kHigh));
+  STRATA_ASSIGN_OR_RETURN(streams_.publish, device_->CreateStream());
+  streams_.side = std::make_unique<SideStream>(*device_);
   // The optimizer's arena. When updates overlap compute (during backward, or beside the next
   // forward) it gets the physical cores (hwloc) that LibTorch's intra-op threads leave, at least
   // one: more would oversubscribe the cores and slow compute by more than the updates gain
@@ -96,7 +96,7 @@ Status Engine::Impl::StartStreamsAndArena() {
   const int arena_threads = ChooseOptimizerThreads(
       PhysicalCoreCount(), compute_threads, static_cast<int>(config_.strata.optimizer_threads),
       plan_.immediate_optimizer() || plan_.defer_updates(), &why);
-  arena_ = std::make_unique<tbb::task_arena>(arena_threads);
+  streams_.arena = std::make_unique<tbb::task_arena>(arena_threads);
   if (comm_->rank() == 0)
     STRATA_LOG(INFO) << "optimizer lane: " << arena_threads << " thread(s) (" << why
                      << "); LibTorch compute: " << compute_threads << " thread(s)";
@@ -107,10 +107,10 @@ Status Engine::Impl::StartStreamsAndArena() {
 // for the optimizer (AdamChunk).
 Status Engine::Impl::GroupParameters(const EngineOptions& options) {
   const auto& oc = config_.optimizer;
-  group_of_param_.assign(params_.size(), 0);
-  groups_.clear();
+  groups_.of_param.assign(params_.size(), 0);
+  groups_.hyper.clear();
   if (options.param_groups.empty()) {
-    groups_.push_back({oc.lr, oc.beta1, oc.beta2, oc.eps, oc.weight_decay, oc.momentum, oc.dampening});
+    groups_.hyper.push_back({oc.lr, oc.beta1, oc.beta2, oc.eps, oc.weight_decay, oc.momentum, oc.dampening});
   } else {
     std::unordered_map<const c10::TensorImpl*, int64_t> id_of;
     for (size_t p = 0; p < params_.size(); ++p) id_of[params_[p].tensor.unsafeGetTensorImpl()] = p;
@@ -118,7 +118,7 @@ Status Engine::Impl::GroupParameters(const EngineOptions& options) {
     for (size_t g = 0; g < options.param_groups.size(); ++g) {
       const auto& pg = options.param_groups[g];
       STRATA_RETURN_IF_ERROR(ValidateGroup(pg.hyper, static_cast<int>(g)));
-      groups_.push_back(pg.hyper);
+      groups_.hyper.push_back(pg.hyper);
       for (const torch::Tensor& t : pg.params) {
         auto it = id_of.find(t.unsafeGetTensorImpl());
         if (it == id_of.end()) {
@@ -131,15 +131,15 @@ Status Engine::Impl::GroupParameters(const EngineOptions& options) {
                                         ": each parameter belongs to one group"));
         }
         seen[it->second] = static_cast<int>(g);
-        group_of_param_[it->second] = static_cast<int>(g);
+        groups_.of_param[it->second] = static_cast<int>(g);
       }
     }
   }
-  chunk_segments_.clear();
+  groups_.segments.clear();
   for (size_t c = 0; c < partitioner_->chunks().size(); ++c) {
-    chunk_segments_.push_back(ShardSegments(*partitioner_, static_cast<int64_t>(c),
+    groups_.segments.push_back(ShardSegments(*partitioner_, static_cast<int64_t>(c),
                                             config_.zero_optimization.stage == 0 ? 0 : comm_->rank(),
-                                            group_of_param_));
+                                            groups_.of_param));
   }
   return Status::Ok();
 }
@@ -344,7 +344,7 @@ Status Engine::Impl::MakeLanes() {
     int64_t most = 0;
     for (const ChunkInfo& ci : chunk_infos) most = std::max(most, ci.shard_numel);
     publish_ = std::make_unique<PublishLane>(
-        device_, publish_stream_.get(), &meter_.trace,
+        device_, streams_.publish.get(), &meter_.trace,
         [this](const PublishLane::Copy& copy, Status s) { OnPublished(copy, std::move(s)); });
     STRATA_RETURN_IF_ERROR(publish_->Reserve(most * optim::DTypeSize(plan_.compute_dtype())));
   }

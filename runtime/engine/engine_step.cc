@@ -108,13 +108,13 @@ void Engine::Impl::FixStepInputs(int64_t step, float grad_scale) {
   OptimizerLane::StepInputs in;
   in.step = step;
   in.grad_scale = grad_scale;
-  if (group_override_) {
-    in.groups = *group_override_;
+  if (groups_.override_hyper) {
+    in.groups = *groups_.override_hyper;
     in.lr = in.groups.front().lr;  // the step report's lr: group 0's
   } else {
     in.lr = LearningRate(config_, step);
     const auto betas = ScheduledBetas(config_, step);  // OneCycle's cycled momentum
-    in.groups = groups_;
+    in.groups = groups_.hyper;
     for (GroupHyperparameters& g : in.groups) {
       g.lr = in.lr;
       if (betas) std::tie(g.beta1, g.beta2) = *betas;
@@ -125,8 +125,8 @@ void Engine::Impl::FixStepInputs(int64_t step, float grad_scale) {
 
 Status Engine::Impl::CheckStepBoundary() const {
   STRATA_RETURN_IF_ERROR(CheckStatesResident("Step"));
-  if (micro_step_ == 0 || micro_step_ % config_.gradient_accumulation_steps != 0)
-    return FailedPrecondition(StrCat("Step after ", micro_step_ % config_.gradient_accumulation_steps,
+  if (step_.micro_step == 0 || step_.micro_step % config_.gradient_accumulation_steps != 0)
+    return FailedPrecondition(StrCat("Step after ", step_.micro_step % config_.gradient_accumulation_steps,
                                      " of ", config_.gradient_accumulation_steps,
                                      " micro-steps; run Forward/Backward until the accumulation "
                                      "boundary"));
@@ -161,7 +161,7 @@ Status Engine::Impl::GlobalGradStats(double* norm, bool* nonfinite) {
 float Engine::Impl::GradScale(double norm) const {
   double clip = 1.0;
   if (config_.gradient_clipping > 0) clip = std::min(1.0, config_.gradient_clipping / (norm + 1e-6));
-  const double inv = scaler_ ? scaler_->inv_scale() : 1.0;
+  const double inv = step_.scaler ? step_.scaler->inv_scale() : 1.0;
   return static_cast<float>(clip * inv);
 }
 
@@ -172,7 +172,7 @@ StatusOr<StepReport> Engine::Impl::Step() {
                               "optimizer's update, then FinishClientStep");
   STRATA_RETURN_IF_ERROR(CheckStepBoundary());
   StepReport rep;
-  rep.loss_scale = scaler_ ? scaler_->scale() : 1.0;
+  rep.loss_scale = step_.scaler ? step_.scaler->scale() : 1.0;
   bool overflow = false;
   // The previous step's updates (deferred ones, or those that started in backward) have all
   // been waited for by now (this step's forward and reductions needed them); a failure among
@@ -189,13 +189,13 @@ StatusOr<StepReport> Engine::Impl::Step() {
     overflow = nonfinite;
     rep.grad_norm = overflow ? 0.0 : norm;
     if (!overflow) {
-      FixStepInputs(global_step_ + 1, GradScale(norm));
+      FixStepInputs(step_.global_step + 1, GradScale(norm));
       rep.lr = opt_lane_->inputs().lr;
       if (plan_.defer_updates()) {
-        // The next iteration starts with these updates (see iteration_open_).
-        if (iteration_open_) store_->EndIteration();
+        // The next iteration starts with these updates (see step_.iteration_open).
+        if (step_.iteration_open) store_->EndIteration();
         store_->BeginIteration();
-        iteration_open_ = true;
+        step_.iteration_open = true;
       }
       for (int64_t c : UpdateOrder(units_.last_trace())) EnqueueOptimizer(c);
       if (!plan_.defer_updates()) STRATA_RETURN_IF_ERROR(DrainOptimizer());
@@ -205,21 +205,21 @@ StatusOr<StepReport> Engine::Impl::Step() {
 }
 
 StatusOr<StepReport> Engine::Impl::CompleteStep(StepReport rep, bool overflow) {
-  if (scaler_) STRATA_RETURN_IF_ERROR(scaler_->Update(overflow));
+  if (step_.scaler) STRATA_RETURN_IF_ERROR(step_.scaler->Update(overflow));
   if (!overflow) {
-    ++global_step_;
+    ++step_.global_step;
     if (!plan_.stage3() && plan_.shard_world() > 1) {
-      LaneTimer t(&meter_.comm_s, &meter_.trace, Lane::kComm, "share updated shards", global_step_);
+      LaneTimer t(&meter_.comm_s, &meter_.trace, Lane::kComm, "share updated shards", step_.global_step);
       STRATA_RETURN_IF_ERROR(ShareUpdatedShards());
     }
   }
   if (!overflow) STRATA_RETURN_IF_ERROR(RefreshChunksAfterStep());  // the working copy changed
-  if (iteration_open_ && !(plan_.defer_updates() && !overflow)) {
+  if (step_.iteration_open && !(plan_.defer_updates() && !overflow)) {
     store_->EndIteration();
-    iteration_open_ = false;
+    step_.iteration_open = false;
   }
 
-  rep.step = global_step_;
+  rep.step = step_.global_step;
   rep.skipped = overflow;
   if (gather_) {
     const GatherLane::Stats g = gather_->stats();
@@ -243,7 +243,7 @@ StatusOr<StepReport> Engine::Impl::CompleteStep(StepReport rep, bool overflow) {
   rep.bytes_activations_stashed = stash_->TakeBytesStashed();
   rep.FillOverlap();
   chunks_.CheckInvariants();
-  step_open_ = false;
+  step_.step_open = false;
   ResetLanes();  // the next window starts now: deferred updates run in it
   return rep;
 }

@@ -42,10 +42,10 @@ Status Engine::Impl::HookGradients() {
 }
 
 void Engine::Impl::OnParamGrad(int64_t pid) {
-  if (!in_backward_ || !backward_error_.ok()) return;
+  if (!step_.in_backward || !step_.backward_error.ok()) return;
   Status s = TakeParamGrad(pid, false);
   if (!s.ok()) {
-    backward_error_ = s;
+    step_.backward_error = s;
     Throw(s);
   }
 }
@@ -126,7 +126,7 @@ Status Engine::Impl::ReduceChunk(int64_t c) {
   cs.grad_full = torch::Tensor();
   job.fence = ComputeFence::Mark(*device_);
   // The whole gradient already holds every micro-step: it replaces the shard's contents.
-  job.first_micro = full || micro_step_ % config_.gradient_accumulation_steps == 0;
+  job.first_micro = full || step_.micro_step % config_.gradient_accumulation_steps == 0;
   job.last_micro = last_micro_step();
   job.step = trace_step();
   ReduceOutcome here;
@@ -160,7 +160,7 @@ Status Engine::Impl::ReduceShard(ReduceJob& job, bool on_lane, ReduceOutcome* ou
   // On a GPU the lane's LibTorch ops (the hand-off copy) go to the side stream, where the norm
   // scan follows them, not to the default stream, which would serialize with compute.
   std::optional<c10::StreamGuard> on_stream;
-  if (on_lane && side_stream_ && side_stream_->stream()) on_stream.emplace(*side_stream_->stream());
+  if (on_lane && streams_.side && streams_.side->stream()) on_stream.emplace(*streams_.side->stream());
   const int64_t c = job.c;
   const ChunkInfo& ci = partitioner_->chunks()[c];
   const bool full = plan_.full_gradients();
@@ -210,11 +210,11 @@ Status Engine::Impl::ReduceShard(ReduceJob& job, bool on_lane, ReduceOutcome* ou
     // This chunk's part of the step's global norm and overflow check, while the shard is hot
     // (Note [deferred optimizer]). Updates that start in backward need neither, but the norm is
     // reported (engine.get_global_grad_norm) whatever the mode.
-    const double inv = scaler_ ? scaler_->inv_scale() : 1.0;
+    const double inv = step_.scaler ? step_.scaler->inv_scale() : 1.0;
     auto st = plan_.gpu_optimizer()
                   ? kernels::UnscaleCheckNorm(kernels::Backend::kCuda, dst, optim::DType::kFloat32,
                                               ci.shard_numel, static_cast<float>(inv),
-                                              side_stream_->handle())
+                                              streams_.side->handle())
                   : optim::UnscaleCheckNorm(dst, optim::DType::kFloat32, ci.shard_numel,
                                             static_cast<float>(inv));
     if (!st.ok()) {
@@ -240,39 +240,39 @@ Status Engine::Impl::ReduceShard(ReduceJob& job, bool on_lane, ReduceOutcome* ou
 // Backward opens the micro-step itself when the loss has a graph. Only the forward's compute time
 // goes unmeasured (it ran before the micro-step began).
 Status Engine::Impl::Backward(const torch::Tensor& loss) {
-  if ((!step_open_ || !micro_open_) && loss.defined() && loss.requires_grad() && !in_backward_) {
+  if ((!step_.step_open || !step_.micro_open) && loss.defined() && loss.requires_grad() && !step_.in_backward) {
     if (!parked_.empty()) return CheckStatesResident("a training forward");
     OpenMicroStep();
   }
-  if (!step_open_ || !micro_open_)
+  if (!step_.step_open || !step_.micro_open)
     return FailedPrecondition(
         "Backward called without a training forward in this micro-step: the loss has no "
         "graph (computed under torch::NoGradGuard or torch.no_grad, or detached)");
-  backward_error_ = Status::Ok();
+  step_.backward_error = Status::Ok();
   // The forward (and the loss), however it was driven.
   meter_.EndForward(trace_step());
   const double waits_at_backward = meter_.WaitsSoFar();
   if (last_micro_step() && plan_.immediate_optimizer()) {
     // Updates start during this backward: fix their step-wide inputs now.
-    FixStepInputs(global_step_ + 1, 1.0f);
+    FixStepInputs(step_.global_step + 1, 1.0f);
   }
   if (last_micro_step() && plan_.defer_updates()) {
     state_prefetch_order_ = UpdateOrder(units_.trace());
     state_prefetch_next_ = 0;
     state_prefetch_bytes_ = 0;
   }
-  double scale = scaler_ ? scaler_->scale() : 1.0;
+  double scale = step_.scaler ? step_.scaler->scale() : 1.0;
   torch::Tensor scaled = loss * (scale / static_cast<double>(config_.gradient_accumulation_steps));
   units_.BeginBackward();
-  in_backward_ = true;
+  step_.in_backward = true;
   Status result;
   try {
     LaneTimer t(&meter_.compute_s, &meter_.trace, Lane::kCompute, "backward", trace_step());
     scaled.backward();
   } catch (const std::exception& e) {
-    result = backward_error_.ok() ? Internal(StrCat("backward failed: ", e.what())) : backward_error_;
+    result = step_.backward_error.ok() ? Internal(StrCat("backward failed: ", e.what())) : step_.backward_error;
   }
-  in_backward_ = false;
+  step_.in_backward = false;
   // Whatever leaves this function, the reduce lane is idle first (a throw below included).
   struct DrainOnExit {
     Engine::Impl* impl;
@@ -299,13 +299,13 @@ Status Engine::Impl::Backward(const torch::Tensor& loss) {
     if (result.ok()) result = r;
   }
   units_.EndMicroStep();
-  micro_open_ = false;
+  step_.micro_open = false;
   STRATA_RETURN_IF_ERROR(result);
   for (size_t c = 0; c < chunks_.size(); ++c)
     if (chunks_[c].pending != 0)
       return Internal(StrCat("chunk ", c, " still waits for ", chunks_[c].pending,
                              " parameter(s) after backward"));
-  ++micro_step_;
+  ++step_.micro_step;
   return Status::Ok();
 }
 

@@ -9,7 +9,7 @@ namespace strata {
 using namespace engine_detail;
 
 Status Engine::Impl::WriteParameters(const std::vector<torch::Tensor>& tensors) {
-  if (step_open_) return FailedPrecondition("WriteParameters during a step: write between steps");
+  if (step_.step_open) return FailedPrecondition("WriteParameters during a step: write between steps");
   STRATA_RETURN_IF_ERROR(FinishUpdates());
   std::unordered_map<const c10::TensorImpl*, int64_t> id_of;
   for (size_t p = 0; p < params_.size(); ++p) id_of[params_[p].tensor.unsafeGetTensorImpl()] = p;

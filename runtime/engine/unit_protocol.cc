@@ -10,16 +10,16 @@ using namespace engine_detail;
 
 void Engine::Impl::OpenMicroStep() {
   if (!parked_.empty()) Throw(CheckStatesResident("a training forward"));
-  if (!step_open_) {
-    step_open_ = true;
+  if (!step_.step_open) {
+    step_.step_open = true;
     // The first step's window opens here; later ones opened when the previous Step returned.
     if (!meter_.window_open()) ResetLanes();
-    if (!iteration_open_ && !plan_.defer_updates()) {
+    if (!step_.iteration_open && !plan_.defer_updates()) {
       store_->BeginIteration();
-      iteration_open_ = true;
+      step_.iteration_open = true;
     }
   }
-  micro_open_ = true;
+  step_.micro_open = true;
   meter_.BeginForward();
   units_.BeginMicroStep();
   stash_->BeginMicroStep();
@@ -45,7 +45,7 @@ void Engine::Impl::BeginUnit(int64_t u, bool checkpointed) {
   if (unit.forward_depth > 0)
     Throw(FailedPrecondition(StrCat("unit '", unit.name, "' runs inside itself; units may nest only "
                                     "when they are different modules")));
-  if (in_backward_) {
+  if (step_.in_backward) {
     // Backward recomputes a checkpointed unit: gather it and hold it until its gradients are in.
     if (!unit.backward_held && unit.grads_pending > 0) {
       Status s = GatherUnit(u);
@@ -59,7 +59,7 @@ void Engine::Impl::BeginUnit(int64_t u, bool checkpointed) {
   // Under torch::NoGradGuard (evaluation) nothing is recorded for backward and no step opens; a
   // checkpointed forward runs without grad but is training.
   const bool training = torch::GradMode::is_enabled() || checkpointed;
-  if (training && !micro_open_) OpenMicroStep();
+  if (training && !step_.micro_open) OpenMicroStep();
   Status s = GatherUnit(u);
   if (!s.ok()) Throw(s.WithContext(StrCat("gathering unit '", unit.name, "' for forward")));
   ++unit.forward_depth;
@@ -78,7 +78,7 @@ void Engine::Impl::EndUnit(int64_t u, const std::vector<torch::Tensor>& outputs)
     Throw(FailedPrecondition(StrCat("EndUnit(", u, ") without its BeginUnit")));
   UnitCoordinator::Unit& unit = units_[u];
   --unit.forward_depth;
-  if (in_backward_) return;  // a recomputation: released when its gradients are in
+  if (step_.in_backward) return;  // a recomputation: released when its gradients are in
   if (unit.always_live && unit.forward_depth > 0) return;  // an inner scope of the root
   const bool checkpointed = unit.open_checkpointed;
   unit.open_checkpointed = false;
@@ -95,18 +95,18 @@ void Engine::Impl::EndUnit(int64_t u, const std::vector<torch::Tensor>& outputs)
 }
 
 torch::Tensor Engine::Impl::Forward(const torch::Tensor& input) {
-  auto* seq = dynamic_cast<torch::nn::SequentialImpl*>(model_.get());
-  if (!seq && !any_)
+  auto* seq = dynamic_cast<torch::nn::SequentialImpl*>(model_.module.get());
+  if (!seq && !model_.any)
     Throw(FailedPrecondition(
         "Engine::Forward needs a Sequential or a model given with its forward (AnyModule); call "
         "the model's own forward instead, which runs its units through strata::RunUnit"));
   // A training forward's compute is the micro-step's span up to Backward (StepMeter), not
   // timed here twice. The root is a unit when it holds parameters of its own (none: a null
   // scope), and its scope encloses the children's, as a Python forward hook on the root does.
-  unit_detail::UnitScope root(unit_detail::FindUnit(*model_), /*checkpointed=*/false);
+  unit_detail::UnitScope root(unit_detail::FindUnit(*model_.module), /*checkpointed=*/false);
   torch::Tensor x = input;
   if (!seq) {
-    x = any_->forward(input);
+    x = model_.any->forward(input);
   } else {
     for (size_t k = 0; k < seq->size(); ++k) {
       // A child holding no trainable parameter is no unit: its scope does nothing.
@@ -120,18 +120,18 @@ torch::Tensor Engine::Impl::Forward(const torch::Tensor& input) {
 }
 
 void Engine::Impl::OnUnitBackwardReach(int64_t u) {
-  if (!in_backward_)
+  if (!step_.in_backward)
     Throw(FailedPrecondition("backward reached a unit outside Engine::Backward: call "
                              "engine->Backward(loss) instead of loss.backward()"));
-  if (!backward_error_.ok()) return;
+  if (!step_.backward_error.ok()) return;
   UnitCoordinator::Unit& unit = units_[u];
   if (unit.backward_held || unit.grads_pending == 0) return;
   Status s = GatherUnit(u);
   if (!s.ok()) {
-    backward_error_ = s.WithContext(StrCat("gathering unit '", unit.name, "' for backward"));
+    step_.backward_error = s.WithContext(StrCat("gathering unit '", unit.name, "' for backward"));
     // Autograd cannot be cancelled from a hook without unwinding through it: throw, and
     // Backward turns the exception back into this Status.
-    Throw(backward_error_);
+    Throw(step_.backward_error);
   }
   unit.backward_held = true;
   // Prefetch the units that ran before this one.

@@ -52,7 +52,7 @@ Engine::Impl::~Impl() {
   // The lanes in the order ~Impl's members note: each may still hand work to the next.
   if (reduce_lane_) reduce_lane_->Stop();
   if (opt_lane_) opt_lane_->Stop();
-  if (publish_) publish_->Stop();
+  if (PublishLane* p = updater_ ? updater_->publish_lane() : nullptr) p->Stop();
   if (gather_) gather_->Stop();
   if (nvme_) nvme_->SetBusyObserver(nullptr);  // the trace dies before the tier
   if (owner_) unit_detail::UnregisterEngine(owner_);

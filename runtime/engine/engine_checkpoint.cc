@@ -342,7 +342,7 @@ StatusOr<nlohmann::json> Engine::Impl::Load(const std::string& path, bool weight
                                                            : optim::FloatToHalf(mf[i]);
     }
     STRATA_RETURN_IF_ERROR(store_->Release({c64, StateKind::kMaster32}, false));
-    STRATA_RETURN_IF_ERROR(PublishParams(c64, work.data(), plan_.compute_dtype()));
+    STRATA_RETURN_IF_ERROR(updater_->PublishParams(c64, work.data(), plan_.compute_dtype()));
   }
   STRATA_RETURN_IF_ERROR(ShareUpdatedShards());
   STRATA_RETURN_IF_ERROR(RefreshChunksAfterStep());
@@ -355,31 +355,5 @@ StatusOr<nlohmann::json> Engine::Impl::Load(const std::string& path, bool weight
   return m.extra;
 }
 
-// Copies a shard of new working values from host memory to where the device reads it, and
-// waits: a checkpoint load, while the optimizer lane is idle (updates publish through
-// StartPublish).
-Status Engine::Impl::PublishParams(int64_t c, const void* shard_values, optim::DType dtype) {
-  const ChunkInfo& ci = partitioner_->chunks()[c];
-  const size_t bytes = ci.shard_numel * optim::DTypeSize(dtype);
-  void* dst;
-  bool held = false;
-  if (config_.zero_optimization.stage == 3) {
-    STRATA_ASSIGN_OR_RETURN(dst, store_->Acquire({c, StateKind::kParam16}, Access::kWrite));
-    held = true;
-  } else {
-    dst = WorkingShard(c);
-  }
-  if (held && plan_.param_placement() != Placement::kDevice) {  // a host buffer: no device copy
-    std::memcpy(dst, shard_values, bytes);
-    return store_->Release({c, StateKind::kParam16}, true);
-  }
-  Status s = streams_.publish->MemcpyAsync(dst, shard_values, bytes, CopyKind::kHostToDevice);
-  if (s.ok()) s = streams_.publish->Synchronize();
-  if (held) {
-    Status r = store_->Release({c, StateKind::kParam16}, true);
-    if (s.ok()) s = r;
-  }
-  return s;
-}
 
 }  // namespace strata

@@ -51,6 +51,7 @@
 #include "runtime/comm/communicator.h"
 #include "runtime/engine/activation_stash.h"
 #include "runtime/engine/chunk_table.h"
+#include "runtime/engine/chunk_updater.h"
 #include "runtime/engine/client_step_session.h"
 #include "runtime/engine/compute_dtype.h"
 #include "runtime/engine/compute_fence.h"
@@ -182,7 +183,7 @@ class Engine::Impl {
   Status MakePlan(const EngineOptions& options, optim::DType compute_dtype);
   Status StartStreamsAndArena();
   Status OpenNvmeTier(const EngineOptions& options);
-  Status OpenBlockStore(const EngineOptions& options);
+  Status OpenBlockStore();
   Status PlaceBuffers();
   Status WriteInitialBlocks();
   Status MakeLanes();
@@ -231,12 +232,6 @@ class Engine::Impl {
   void FreeChunkMemory(int64_t c);
   // Frees the pending chunk memory whose compute has finished; all of it when `wait`.
   void ReapFrees(bool wait);
-  // Stages 0-2: this rank's shard of chunk c in the replicated working copy (device memory, at
-  // its compute address), in the compute dtype.
-  void* WorkingShard(int64_t c) const {
-    return static_cast<char*>(chunks_[c].full.data_ptr()) +
-           partitioner_->ShardOffset(c, plan_.shard_rank()) * optim::DTypeSize(plan_.compute_dtype());
-  }
   Status GatherChunk(int64_t c);
   // Drops a holder; the chunk stays gathered when it is persistent or will be reused within
   // stage3_max_reuse_distance elements (Note [stage-3 live set]).
@@ -254,20 +249,6 @@ class Engine::Impl {
   Status TakeParamGrad(int64_t pid, bool settle);
   // Hands chunk c's complete gradient to the reduce lane (Note [reduce lane]).
   Status ReduceChunk(int64_t c);
-  // One chunk's update. Sets *publish when it left the copy of new values to the device in
-  // flight (Note [pipelined publish]): the optimizer lane then submits it to the publish lane.
-  // The hyperparameters are `in`'s, fixed when the step's updates started.
-  // Adds a wait for a staging slot to *slot_wait_s.
-  Status AdamChunk(int64_t c, const OptimizerLane::StepInputs& in,
-                   std::optional<PublishLane::Copy>* publish, double* slot_wait_s);
-  // The copy of chunk c's new values from `slot` to where the device reads them (its param16
-  // block, pinned until the copy lands, or the working shard). On failure nothing is in flight
-  // and the slot is free again.
-  Status StartPublish(int64_t c, int slot, PublishLane::Copy* copy);
-  // The publish lane's `done`: a chunk's new values have landed (or failed to).
-  void OnPublished(const PublishLane::Copy& copy, Status s);
-  // Copies a shard of new values to the device and waits (a checkpoint load).
-  Status PublishParams(int64_t c, const void* shard_values, optim::DType dtype);
   Status ShareUpdatedShards();
 
   // Optimizer lane (optimizer_lane.h): chunk c's update queued once its states' reads started.
@@ -369,12 +350,11 @@ class Engine::Impl {
   size_t state_prefetch_next_ = 0;
   uint64_t state_prefetch_bytes_ = 0;
 
+  // One chunk's update, for every optimizer (chunk_updater.h); it owns the publish lane.
+  std::unique_ptr<ChunkUpdater> updater_;
   // The lanes (each owns its thread, queue, lock and counters; see its header). Made by
   // MakeLanes, stopped in ~Impl: reduce first (its jobs queue updates), then the optimizer, then
   // publish (the optimizer's last update may submit a copy), then gather.
-  // A host optimizer's new values taken to the device (plan_.staged_publish() only; Note [pipelined
-  // publish]): a chunk stays pending on the optimizer lane until its copy lands.
-  std::unique_ptr<PublishLane> publish_;
   std::unique_ptr<OptimizerLane> opt_lane_;
   std::unique_ptr<ReduceLane> reduce_lane_;
   std::unique_ptr<GatherLane> gather_;  // stage 3 only

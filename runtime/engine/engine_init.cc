@@ -19,7 +19,7 @@ Status Engine::Impl::Init(Engine* owner, const EngineOptions& options) {
   STRATA_RETURN_IF_ERROR(MakePlan(options, dtype.dtype));
   STRATA_RETURN_IF_ERROR(StartStreamsAndArena());
   STRATA_RETURN_IF_ERROR(OpenNvmeTier(options));
-  STRATA_RETURN_IF_ERROR(OpenBlockStore(options));
+  STRATA_RETURN_IF_ERROR(OpenBlockStore());
   STRATA_RETURN_IF_ERROR(PlaceBuffers());
   STRATA_RETURN_IF_ERROR(WriteInitialBlocks());
   STRATA_RETURN_IF_ERROR(MakeLanes());
@@ -104,7 +104,7 @@ Status Engine::Impl::StartStreamsAndArena() {
 }
 
 // Parameter groups: each parameter's group, and every chunk's shard cut into runs of one group
-// for the optimizer (AdamChunk).
+// for the optimizer (chunk_updater.h).
 Status Engine::Impl::GroupParameters(const EngineOptions& options) {
   const auto& oc = config_.optimizer;
   groups_.of_param.assign(params_.size(), 0);
@@ -183,7 +183,7 @@ Status Engine::Impl::OpenNvmeTier(const EngineOptions& options) {
 }
 
 // The host budget and the tiered block store over the device, the pinned pool and NVMe.
-Status Engine::Impl::OpenBlockStore(const EngineOptions& options) {
+Status Engine::Impl::OpenBlockStore() {
   const auto& z = config_.zero_optimization;
   {
     // The pinned pool's budget is the plan's (unset in the config: every host-placed block and a
@@ -337,23 +337,25 @@ Status Engine::Impl::HookModel() {
 // HookModel, which gathers the root's own parameters through them; their threads start last.
 Status Engine::Impl::MakeLanes() {
   const auto& chunk_infos = partitioner_->chunks();
-  // A host optimizer's new values for device-resident parameters go through the staging buffer
-  // (AdamChunk). Sized once, here: growing it later would free and allocate page-locked memory,
-  // which on a GPU waits for the device.
-  if (plan_.staged_publish()) {
-    int64_t most = 0;
-    for (const ChunkInfo& ci : chunk_infos) most = std::max(most, ci.shard_numel);
-    publish_ = std::make_unique<PublishLane>(
-        device_, streams_.publish.get(), &meter_.trace,
-        [this](const PublishLane::Copy& copy, Status s) { OnPublished(copy, std::move(s)); });
-    STRATA_RETURN_IF_ERROR(publish_->Reserve(most * optim::DTypeSize(plan_.compute_dtype())));
-  }
+  // One chunk's update (chunk_updater.h), with the publish lane when new values are staged.
+  ChunkUpdater::Parts up;
+  up.optimizer = &config_.optimizer;
+  up.plan = &plan_;
+  up.store = store_.get();
+  up.device = device_;
+  up.partitioner = &*partitioner_;
+  up.groups = &groups_;
+  up.streams = &streams_;
+  up.chunks = &chunks_;
+  up.trace = &meter_.trace;
+  up.finished = [this](int64_t c, Status s) { opt_lane_->Finished(c, std::move(s)); };
+  STRATA_ASSIGN_OR_RETURN(updater_, ChunkUpdater::Create(std::move(up)));
   const auto num_chunks = static_cast<int64_t>(chunk_infos.size());
   opt_lane_ = std::make_unique<OptimizerLane>(
-      num_chunks, device_, &meter_.trace, publish_.get(),
+      num_chunks, device_, &meter_.trace, updater_->publish_lane(),
       [this](int64_t c, const OptimizerLane::StepInputs& in,
              std::optional<PublishLane::Copy>* publish, double* slot_wait_s) {
-        return AdamChunk(c, in, publish, slot_wait_s);
+        return updater_->Update(c, in, publish, slot_wait_s);
       },
       hooks_.optimizer_delay_hook);
   reduce_lane_ = std::make_unique<ReduceLane>(
@@ -393,7 +395,7 @@ Status Engine::Impl::MakeLanes() {
 }
 
 void Engine::Impl::StartLanes() {
-  if (publish_) publish_->Start();
+  if (PublishLane* p = updater_->publish_lane()) p->Start();
   opt_lane_->Start();
   reduce_lane_->Start();
   if (gather_) gather_->Start();

@@ -52,35 +52,6 @@ void Engine::Impl::PrefetchStatesForUpdates() {
   }
 }
 
-Status Engine::Impl::StartPublish(int64_t c, int slot, PublishLane::Copy* copy) {
-  const ChunkInfo& ci = partitioner_->chunks()[c];
-  *copy = {c, slot, plan_.stage3(), opt_lane_->inputs().step, ci.shard_numel * optim::DTypeSize(plan_.compute_dtype())};
-  void* dst;
-  if (copy->held) {
-    auto got = store_->Acquire({c, StateKind::kParam16}, Access::kWrite);
-    if (!got.ok()) {
-      publish_->FreeSlot(slot);
-      return got.status();
-    }
-    dst = *got;
-  } else {
-    dst = WorkingShard(c);
-  }
-  Status s = publish_->StartCopy(*copy, dst);
-  if (!s.ok() && copy->held) store_->Release({c, StateKind::kParam16}, false).IgnoreError();
-  return s;
-}
-
-// The block is released before the chunk counts as updated: a reader that waits for the update
-// then finds the new values in the block (Note [pipelined publish]).
-void Engine::Impl::OnPublished(const PublishLane::Copy& copy, Status s) {
-  if (copy.held) {
-    Status r = store_->Release({copy.chunk, StateKind::kParam16}, s.ok());
-    if (s.ok()) s = r;
-  }
-  opt_lane_->Finished(copy.chunk, std::move(s));
-}
-
 // Stages 1-2: every rank updated its shard of the replicated working copy; share them.
 Status Engine::Impl::ShareUpdatedShards() {
   if (plan_.stage3() || plan_.shard_world() < 2) return Status::Ok();
@@ -101,7 +72,7 @@ void Engine::Impl::ResetLanes() {
   if (gather_) gather_->ResetStats();
   reduce_lane_->ResetStats();
   opt_lane_->ResetStats();
-  if (publish_) publish_->ResetStats();
+  if (PublishLane* p = updater_->publish_lane()) p->ResetStats();
 }
 
 void Engine::Impl::FixStepInputs(int64_t step, float grad_scale) {
@@ -234,9 +205,9 @@ StatusOr<StepReport> Engine::Impl::CompleteStep(StepReport rep, bool overflow) {
   }
   // Deferred updates may still run: what they did so far counts in this window.
   rep.optimizer_s = opt_lane_->busy_seconds();
-  if (publish_) {  // every copy of the updates waited for above has landed
-    rep.copy_s += publish_->copy_seconds();
-    meter_.bytes_h2d += publish_->bytes_to_device();
+  if (PublishLane* p = updater_->publish_lane()) {  // every copy waited for above has landed
+    rep.copy_s += p->copy_seconds();
+    meter_.bytes_h2d += p->bytes_to_device();
   }
   meter_.Fill(&rep, store_->stats());
   rep.peak_device_bytes = device_->peak_allocated();

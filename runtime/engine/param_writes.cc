@@ -68,7 +68,7 @@ Status Engine::Impl::WriteParameters(const std::vector<torch::Tensor>& tensors) 
         w16[i] = plan_.compute_dtype() == optim::DType::kBFloat16 ? optim::FloatToBf16(master[i])
                                                            : optim::FloatToHalf(master[i]);
     }
-    STRATA_RETURN_IF_ERROR(PublishParams(c, work.data(), plan_.compute_dtype()));
+    STRATA_RETURN_IF_ERROR(updater_->PublishParams(c, work.data(), plan_.compute_dtype()));
   }
   // Every rank's shards to the others (replicated working copies), and what is gathered now
   // refreshed from them, as after an optimizer step.

@@ -50,7 +50,7 @@ void StepReport::FillOverlap() {
 
 Engine::Impl::~Impl() {
   // The lanes in the order ~Impl's members note: each may still hand work to the next.
-  if (reduce_lane_) reduce_lane_->Stop();
+  if (reducer_) reducer_->Stop();
   if (opt_lane_) opt_lane_->Stop();
   if (PublishLane* p = updater_ ? updater_->publish_lane() : nullptr) p->Stop();
   if (gather_) gather_->Stop();

@@ -58,6 +58,7 @@
 #include "runtime/engine/engine_state.h"
 #include "runtime/engine/engine_test_hooks.h"
 #include "runtime/engine/gather_lane.h"
+#include "runtime/engine/gradient_reducer.h"
 #include "runtime/engine/lane_trace.h"
 #include "runtime/engine/optimizer_lane.h"
 #include "runtime/engine/publish_lane.h"
@@ -260,15 +261,10 @@ class Engine::Impl {
   Status WaitChunkUpdated(int64_t c, double* waited = nullptr);
 
   // Reduce lane (Note [reduce lane]; the lane itself: reduce_lane.h).
-  bool UseReduceLane() const;  // whether reductions run on the lane's thread
-  // Compute thread: queues the updates of chunks the lane finished reducing (immediate optimizer).
-  void EnqueueReducedUpdates();
-  // A reduction's work, on the lane or on the compute thread (`on_lane`); its times go to *out.
-  Status ReduceShard(ReduceJob& job, bool on_lane, ReduceOutcome* out);
   // The same wait outside a micro-step (Step, checkpoints, master values), before a collective
   // of the compute thread's own: a training forward may have left all-gathers issued ahead on
   // the lane. Leaves the lane's errors for DrainReductions.
-  void WaitReduceLaneQuiet() { reduce_lane_->WaitQuiet(); }
+  void WaitReduceLaneQuiet() { reducer_->WaitQuiet(); }
   // Compute thread: waits until every queued reduction has finished (before a collective of its
   // own, and at the end of Backward); returns and clears the lane's first failure.
   Status DrainReductions();
@@ -292,10 +288,6 @@ class Engine::Impl {
   // The order the next forward needs chunks in: those that stay gathered across steps (the
   // root's own, persistent ones; Step refills them) first, then `trace`'s units', then any others.
   std::vector<int64_t> UpdateOrder(const std::vector<int64_t>& trace) const;
-  // Deferred updates: while the last micro-step's backward runs (the NVMe lane has room then),
-  // starts reading the optimizer states of the first updates, one chunk per reduced chunk, up
-  // to half the host budget.
-  void PrefetchStatesForUpdates();
   // Step's parts, shared with FinishClientStep (engine_step.cc): the boundary check, the global
   // norm and overflow flag, the gradients' scale (clip factor times the loss scale's inverse),
   // and what follows the updates (the scaler, the step count, the working copy, the report).
@@ -346,9 +338,6 @@ class Engine::Impl {
   // of each Step (or, before the first, at the first training forward), so that work a deferred
   // update does between steps counts in the window it ran in.
   StepMeter meter_;
-  std::vector<int64_t> state_prefetch_order_;  // PrefetchStatesForUpdates: the update order
-  size_t state_prefetch_next_ = 0;
-  uint64_t state_prefetch_bytes_ = 0;
 
   // One chunk's update, for every optimizer (chunk_updater.h); it owns the publish lane.
   std::unique_ptr<ChunkUpdater> updater_;
@@ -356,7 +345,8 @@ class Engine::Impl {
   // MakeLanes, stopped in ~Impl: reduce first (its jobs queue updates), then the optimizer, then
   // publish (the optimizer's last update may submit a copy), then gather.
   std::unique_ptr<OptimizerLane> opt_lane_;
-  std::unique_ptr<ReduceLane> reduce_lane_;
+  // The gradient reducer (gradient_reducer.h); it owns the reduce lane.
+  std::unique_ptr<GradientReducer> reducer_;
   std::unique_ptr<GatherLane> gather_;  // stage 3 only
   GroupLayout groups_;  // engine_state.h
   // The blocks offload_states took off the device, with their bytes (state_offload.cc).

@@ -358,13 +358,22 @@ Status Engine::Impl::MakeLanes() {
         return updater_->Update(c, in, publish, slot_wait_s);
       },
       hooks_.optimizer_delay_hook);
-  reduce_lane_ = std::make_unique<ReduceLane>(
-      num_chunks, UseReduceLane(), &meter_.trace,
-      [this](ReduceJob& job, bool on_lane, ReduceOutcome* out) {
-        return ReduceShard(job, on_lane, out);
-      },
-      [this](int64_t c, int64_t step, double* comm_s) { return AllGatherAhead(c, step, comm_s); },
-      hooks_.reduce_delay_hook);
+  GradientReducer::Parts rp;
+  rp.plan = &plan_;
+  rp.comm = comm_;
+  rp.device = device_;
+  rp.store = store_.get();
+  rp.partitioner = &*partitioner_;
+  rp.trace = &meter_.trace;
+  rp.streams = &streams_;
+  rp.scaler = &step_.scaler;
+  rp.wait_updated = [this](int64_t c, double* waited) { return WaitChunkUpdated(c, waited); };
+  rp.queue_update = [this](int64_t c) { EnqueueOptimizer(c); };
+  rp.all_gather_ahead = [this](int64_t c, int64_t step, double* comm_s) {
+    return AllGatherAhead(c, step, comm_s);
+  };
+  rp.delay_hook = hooks_.reduce_delay_hook;
+  reducer_ = std::make_unique<GradientReducer>(std::move(rp));
   if (plan_.stage3()) {
     // With several ranks a chunk is gathered ahead whatever its update's state (Note
     // [prefetched gathers]): the lane waits for the update before it reads the shard.
@@ -397,7 +406,7 @@ Status Engine::Impl::MakeLanes() {
 void Engine::Impl::StartLanes() {
   if (PublishLane* p = updater_->publish_lane()) p->Start();
   opt_lane_->Start();
-  reduce_lane_->Start();
+  reducer_->Start();
   if (gather_) gather_->Start();
 }
 

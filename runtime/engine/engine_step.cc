@@ -31,27 +31,6 @@ std::vector<int64_t> Engine::Impl::UpdateOrder(const std::vector<int64_t>& trace
                            [&](int64_t c) { return plan_.stage3() && chunks_.persistent(c); });
 }
 
-void Engine::Impl::PrefetchStatesForUpdates() {
-  if (plan_.optim_placement() != Placement::kNvme) return;
-  if (state_prefetch_next_ < state_prefetch_order_.size()) {
-    const int64_t c = state_prefetch_order_[state_prefetch_next_];
-    const uint64_t bytes = 3ull * partitioner_->chunks()[c].shard_numel * 4;
-    if (state_prefetch_bytes_ + bytes <= plan_.host_budget() / 2) {
-      ++state_prefetch_next_;
-      state_prefetch_bytes_ += bytes;
-    }
-  }
-  // A prefetch that found no room without waiting only started a write-back: ask again for the
-  // earlier chunks too (a no-op for blocks already read or on their way).
-  for (size_t i = 0; i < state_prefetch_next_; ++i) {
-    const int64_t c = state_prefetch_order_[i];
-    store_->Prefetch(plan_.MasterKey(c));
-    for (StateKind k : {StateKind::kExpAvg, StateKind::kExpAvgSq}) {
-      if (plan_.HoldsState(k)) store_->Prefetch({c, k});
-    }
-  }
-}
-
 // Stages 1-2: every rank updated its shard of the replicated working copy; share them.
 Status Engine::Impl::ShareUpdatedShards() {
   if (plan_.stage3() || plan_.shard_world() < 2) return Status::Ok();
@@ -70,7 +49,7 @@ void Engine::Impl::ResetLanes() {
   meter_.OpenWindow(store_->stats());
   stash_->TakeBytesStashed();  // the window starts from zero
   if (gather_) gather_->ResetStats();
-  reduce_lane_->ResetStats();
+  reducer_->ResetStats();
   opt_lane_->ResetStats();
   if (PublishLane* p = updater_->publish_lane()) p->ResetStats();
 }
@@ -110,7 +89,7 @@ Status Engine::Impl::GlobalGradStats(double* norm, bool* nonfinite) {
   double sum_sq = 0;
   *nonfinite = false;
   for (size_t c = 0; c < chunks_.size(); ++c) {
-    const ReduceLane::GradStats g = reduce_lane_->grad_stats(static_cast<int64_t>(c));
+    const ReduceLane::GradStats g = reducer_->grad_stats(static_cast<int64_t>(c));
     *nonfinite |= g.nonfinite;
     sum_sq += g.sum_sq;
   }
@@ -198,7 +177,7 @@ StatusOr<StepReport> Engine::Impl::CompleteStep(StepReport rep, bool overflow) {
     meter_.bytes_h2d += g.bytes_h2d;
   }
   {
-    const ReduceLane::Stats r = reduce_lane_->stats();  // idle: Backward drained it
+    const ReduceLane::Stats r = reducer_->stats();  // idle: Backward drained it
     rep.comm_s += r.comm_s;
     rep.copy_s += r.copy_s;
     meter_.bytes_d2h += r.bytes_d2h;

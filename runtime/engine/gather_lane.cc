@@ -214,7 +214,7 @@ void Engine::Impl::PrefetchGathers(const std::vector<int64_t>& next) {
   for (size_t i = 0; i < chosen.size(); ++i)
     if (!InstallChunk(chosen[i]).ok()) failed[i] = 1;
   if (ranks) {
-    reduce_lane_->WaitIdle(&meter_.stall_s, trace_step());
+    reducer_->WaitIdle(&meter_, trace_step());
     torch::Tensor flags = torch::tensor(failed, torch::kFloat64);
     Status s;
     {
@@ -237,7 +237,7 @@ void Engine::Impl::PrefetchGathers(const std::vector<int64_t>& next) {
     const int64_t c = chosen[i];
     chunks_.FillStarted(c, /*all_gather=*/ranks);
     gather_->Enqueue(c);
-    if (ranks) reduce_lane_->QueueAllGather(c, trace_step());
+    if (ranks) reducer_->QueueAllGather(c, trace_step());
   }
 }
 
@@ -290,7 +290,7 @@ Status Engine::Impl::SettleFill(int64_t c) {
   if (!chunks_.filling(c)) return Status::Ok();
   Status s = gather_->status(c);
   if (chunks_.FillSettled(c)) {
-    Status g = reduce_lane_->WaitAllGather(c, &meter_.stall_s, trace_step());
+    Status g = reducer_->WaitAllGather(c, &meter_.stall_s, trace_step());
     if (s.ok()) s = g;
   }
   return s;

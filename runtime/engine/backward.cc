@@ -81,7 +81,7 @@ Status Engine::Impl::TakeParamGrad(int64_t pid, bool settle) {
       // A chunk an earlier unit still needs in this backward may stay; otherwise the next use
       // is after the optimizer step, which changes the values: only persistent chunks survive.
       if (plan_.stage3())
-        for (int64_t c : unit.chunks) ReleaseChunk(c, units_.BackwardReuseDistance(c));
+        for (int64_t c : unit.chunks) materializer_->ReleaseChunk(c, units_.BackwardReuseDistance(c));
     }
   }
   if (--cs.pending == 0) STRATA_RETURN_IF_ERROR(ReduceChunk(loc.chunk));

@@ -53,13 +53,15 @@ Engine::Impl::~Impl() {
   if (reducer_) reducer_->Stop();
   if (opt_lane_) opt_lane_->Stop();
   if (PublishLane* p = updater_ ? updater_->publish_lane() : nullptr) p->Stop();
-  if (gather_) gather_->Stop();
+  if (materializer_) materializer_->StopLane();
   if (nvme_) nvme_->SetBusyObserver(nullptr);  // the trace dies before the tier
   if (owner_) unit_detail::UnregisterEngine(owner_);
   for (auto& p : params_)
     if (p.acc) p.acc->post_hooks().clear();
-  for (size_t c = 0; c < chunks_.size(); ++c) FreeChunkMemory(static_cast<int64_t>(c));
-  ReapFrees(/*wait=*/true);
+  if (materializer_) {
+    for (size_t c = 0; c < chunks_.size(); ++c) materializer_->FreeChunkMemory(static_cast<int64_t>(c));
+    materializer_->ReapFrees(/*wait=*/true);
+  }
   // Stages 0-2: the parameters are views of chunks the device allocated, and the model outlives
   // the engine (and maybe the device): give them their own copy of the working values.
   if (!plan_.stage3()) {
@@ -118,16 +120,6 @@ Status Engine::Impl::WriteBlockBytes(void* block, const void* src, size_t bytes,
                              ? streams_.copy->MemcpyAsync(block, src, bytes, CopyKind::kHostToDevice)
                              : streams_.copy->MemsetAsync(block, 0, bytes));
   return streams_.copy->Synchronize();
-}
-
-Status Engine::Impl::OnCommMemory(torch::Tensor& host,
-                                  const std::function<Status(void*)>& collective) {
-  if (comm_->memory_kind() == MemoryKind::kHost) return collective(host.data_ptr());
-  torch::Tensor staged = host.to(TorchDevice(*device_));
-  ComputeFence::Mark(*device_).Wait();  // the collective's stream does not wait for the copy
-  STRATA_RETURN_IF_ERROR(collective(staged.data_ptr()));
-  host.copy_(staged);
-  return Status::Ok();
 }
 
 namespace {

@@ -345,7 +345,7 @@ StatusOr<nlohmann::json> Engine::Impl::Load(const std::string& path, bool weight
     STRATA_RETURN_IF_ERROR(updater_->PublishParams(c64, work.data(), plan_.compute_dtype()));
   }
   STRATA_RETURN_IF_ERROR(ShareUpdatedShards());
-  STRATA_RETURN_IF_ERROR(RefreshChunksAfterStep());
+  STRATA_RETURN_IF_ERROR(materializer_->RefreshChunks());
   if (!weights_only) {
     step_.global_step = m.global_step;
     step_.micro_step = m.micro_step;

@@ -50,9 +50,11 @@
 #include "runtime/base/units.h"
 #include "runtime/comm/communicator.h"
 #include "runtime/engine/activation_stash.h"
+#include "runtime/engine/chunk_materializer.h"
 #include "runtime/engine/chunk_table.h"
 #include "runtime/engine/chunk_updater.h"
 #include "runtime/engine/client_step_session.h"
+#include "runtime/engine/comm_memory.h"
 #include "runtime/engine/compute_dtype.h"
 #include "runtime/engine/compute_fence.h"
 #include "runtime/engine/engine_state.h"
@@ -171,10 +173,10 @@ class Engine::Impl {
   // device memory, moved by the copy stream; a host or NVMe-staged block is host memory.
   // WriteBlockBytes with a null `src` zero-fills. Both return once the bytes have landed.
   Status ReadBlockBytes(void* dst, const void* block, size_t bytes, Placement where);
-  // Runs `collective` (given the address to pass the communicator) on a host tensor's bytes
-  // where the communicator reaches them: in place for a host-memory one (Gloo, single), through
-  // a device copy for NCCL, which takes device buffers only. Writes the result back into `host`.
-  Status OnCommMemory(torch::Tensor& host, const std::function<Status(void*)>& collective);
+  // comm_memory.h's, with this engine's communicator and device.
+  Status OnCommMemory(torch::Tensor& host, const std::function<Status(void*)>& collective) {
+    return strata::OnCommMemory(*comm_, *device_, host, collective);
+  }
   Status WriteBlockBytes(void* block, const void* src, size_t bytes, Placement where);
 
   // Init's steps, in the order Init runs them (engine_init.cc; DiscoverUnits in engine.cc).
@@ -191,55 +193,6 @@ class Engine::Impl {
   Status HookModel();
   void StartLanes();
   Status HookGradients();
-  // Stage 3: installs memory in a chunk's storage and fills it (shard from its tier, all-gather).
-  Status InstallChunk(int64_t c);
-  Status FillChunk(int64_t c);
-  // FillChunk's two halves: this rank's shard into the chunk, then the all-gather.
-  Status CopyShardIn(int64_t c);
-  Status AllGatherChunk(int64_t c);
-  // The all-gather itself: every rank's shard into the whole chunk (any thread; the caller
-  // orders it among the rank's collectives).
-  Status AllGatherShards(int64_t c);
-  // Gather lane (Note [prefetched gathers]; the lane itself: gather_lane.h).
-  // Gather lane (Note [prefetched gathers]).
-  void StartGatherLane();
-  void StopGatherLane();
-  // Installs each chunk of `next` and hands its shard's copy to the gather lane, when it is not
-  // gathered and the live-parameter cap leaves room, and with one rank when no update of it is
-  // pending; otherwise leaves it. With several ranks every rank makes the same choice (one
-  // small all-reduce agrees on it) and the chosen chunks' all-gathers go to the reduce lane.
-  void PrefetchGathers(const std::vector<int64_t>& next);
-  // Orders compute after a chunk gathered ahead: waits until the lane has enqueued its copy,
-  // then makes compute wait for the copy's event (on a GPU, on the device), and with several
-  // ranks waits for its all-gather (on the reduce lane when it was queued there, else here, in
-  // the order chunks are used).
-  Status FinishFill(int64_t c);
-  // Reduce lane: chunk c's all-gather once its copy gathered ahead has landed (`step` for the
-  // lane trace); adds its seconds to *comm_s.
-  Status AllGatherAhead(int64_t c, int64_t step, double* comm_s);
-  // Waits until the gather lane is done with chunk c: its copy has landed and the lane has
-  // released its param16 block (the lane still writes the chunk's memory and reads the block
-  // until then). Returns at once when no gather ahead of c is in flight.
-  void WaitFillLanded(int64_t c);
-  // For a caller about to drop or refill chunk c: waits for everything a gather ahead still has
-  // in flight on it (the copy; with several ranks, the all-gather), clears the chunk's marks and
-  // returns their status.
-  Status SettleFill(int64_t c);
-  // Every prefetched copy landed.
-  void FinishAllFills();
-  // Returns and clears a block release the gather lane could not make after compute had already
-  // taken the copy.
-  Status TakeGatherError();
-  void FreeChunkMemory(int64_t c);
-  // Frees the pending chunk memory whose compute has finished; all of it when `wait`.
-  void ReapFrees(bool wait);
-  Status GatherChunk(int64_t c);
-  // Drops a holder; the chunk stays gathered when it is persistent or will be reused within
-  // stage3_max_reuse_distance elements (Note [stage-3 live set]).
-  void ReleaseChunk(int64_t c, int64_t reuse_distance);
-  void DropChunk(int64_t c);
-  // After an optimizer step: persistent chunks are refilled with the new values, others dropped.
-  Status RefreshChunksAfterStep();
   Status GatherUnit(int64_t u);
   void ReleaseUnit(int64_t u, int64_t reuse_distance);
   void PrefetchUnits(size_t trace_pos, int direction);
@@ -271,8 +224,8 @@ class Engine::Impl {
   // Every queued update finished (checkpoints, master values, a new step's global scan).
   Status FinishUpdates() {
     WaitReduceLaneQuiet();
-    FinishAllFills();
-    Status f = TakeGatherError();
+    materializer_->FinishAllFills();
+    Status f = materializer_->TakeGatherError();
     Status d = DrainOptimizer();
     if (d.ok()) return f;
     if (!f.ok()) STRATA_LOG(ERROR) << f;  // the failed update is the error reported
@@ -282,7 +235,7 @@ class Engine::Impl {
   // for readers that only need the lanes quiet (GatherMasterParams).
   void QuietLanes() {
     WaitReduceLaneQuiet();
-    FinishAllFills();
+    materializer_->FinishAllFills();
     opt_lane_->WaitIdle();
   }
   // The order the next forward needs chunks in: those that stay gathered across steps (the
@@ -313,9 +266,6 @@ class Engine::Impl {
   Communicator* comm_;
   Device* device_;
   EngineStreams streams_;  // engine_state.h
-  // Chunk memory handed back while compute may still read it (Note [ordered frees]).
-  std::mutex frees_mu_;
-  std::vector<std::pair<void*, ComputeFence>> pending_frees_;  // GUARDED_BY(frees_mu_)
   std::unique_ptr<nvme::NvmeTier> nvme_;
   std::unique_ptr<BlockStore> store_;
   std::optional<Partitioner> partitioner_;
@@ -347,7 +297,9 @@ class Engine::Impl {
   std::unique_ptr<OptimizerLane> opt_lane_;
   // The gradient reducer (gradient_reducer.h); it owns the reduce lane.
   std::unique_ptr<GradientReducer> reducer_;
-  std::unique_ptr<GatherLane> gather_;  // stage 3 only
+  // Stage 3's chunks in and out of device memory (chunk_materializer.h); it owns the gather
+  // lane. Made in OpenBlockStore (WriteInitialBlocks installs through it), its lanes in MakeLanes.
+  std::unique_ptr<ChunkMaterializer> materializer_;
   GroupLayout groups_;  // engine_state.h
   // The blocks offload_states took off the device, with their bytes (state_offload.cc).
   struct ParkedBlock {

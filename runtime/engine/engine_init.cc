@@ -212,6 +212,20 @@ Status Engine::Impl::OpenBlockStore() {
     if (hooks_.wrap_store) store_ = hooks_.wrap_store(std::move(store_));
   }
   client_ = std::make_unique<ClientStepSession>(store_.get(), device_, DeviceOptions(torch::kFloat32));
+  ChunkMaterializer::Parts mp;
+  mp.config = &config_;
+  mp.plan = &plan_;
+  mp.comm = comm_;
+  mp.device = device_;
+  mp.streams = &streams_;
+  mp.store = store_.get();
+  mp.partitioner = &*partitioner_;
+  mp.chunks = &chunks_;
+  mp.meter = &meter_;
+  mp.step = &step_;
+  mp.hooks = &hooks_;
+  mp.wait_updated = [this](int64_t c) { return WaitChunkUpdated(c); };
+  materializer_ = std::make_unique<ChunkMaterializer>(std::move(mp));
   stash_ = std::make_unique<ActivationStash>(
       store_.get(), nvme_ != nullptr,
       ActivationStash::Counters{&meter_.copy_s, &meter_.stall_s, &meter_.bytes_d2h, &meter_.bytes_h2d});
@@ -298,13 +312,13 @@ Status Engine::Impl::WriteInitialBlocks() {
       const torch::Device dev = DeviceOptions(tdtype).device();
       cs.storage = c10::Storage(c10::Storage::use_byte_size_t(), 0, c10::DataPtr(nullptr, dev),
                                 /*allocator=*/nullptr, /*resizable=*/false);
-      STRATA_RETURN_IF_ERROR(InstallChunk(c64));
+      STRATA_RETURN_IF_ERROR(materializer_->InstallChunk(c64));
       cs.full = torch::empty({0}, DeviceOptions(tdtype)).set_(cs.storage, 0, {ci.numel}, {1});
       for (int64_t pid : ci.params) {
         const ParamLocation& loc = partitioner_->location(pid);
         params_[pid].tensor.set_data(cs.full.narrow(0, loc.offset, loc.numel).view(params_[pid].shape));
       }
-      DropChunk(c64);
+      materializer_->DropChunk(c64);
     } else {
       // Stages 0-2 keep the whole working copy on the device for the whole run.
       STRATA_ASSIGN_OR_RETURN(chunks_[c].full, DeviceTensor(ci.numel, tdtype));
@@ -370,44 +384,18 @@ Status Engine::Impl::MakeLanes() {
   rp.wait_updated = [this](int64_t c, double* waited) { return WaitChunkUpdated(c, waited); };
   rp.queue_update = [this](int64_t c) { EnqueueOptimizer(c); };
   rp.all_gather_ahead = [this](int64_t c, int64_t step, double* comm_s) {
-    return AllGatherAhead(c, step, comm_s);
+    return materializer_->AllGatherAhead(c, step, comm_s);
   };
   rp.delay_hook = hooks_.reduce_delay_hook;
   reducer_ = std::make_unique<GradientReducer>(std::move(rp));
-  if (plan_.stage3()) {
-    // With several ranks a chunk is gathered ahead whatever its update's state (Note
-    // [prefetched gathers]): the lane waits for the update before it reads the shard.
-    std::function<void(int64_t)> before_read;
-    if (comm_->world_size() > 1) {
-      before_read = [this](int64_t c) {
-        double waited = 0;  // the lane traces its own wait
-        opt_lane_->WaitUpdated(c, &waited, /*trace_step=*/-1).IgnoreError();
-      };
-    }
-    STRATA_ASSIGN_OR_RETURN(
-        gather_, GatherLane::Create(
-                     device_, num_chunks, store_.get(), &meter_.trace,
-                     [this](int64_t c) {
-                       const size_t esize = optim::DTypeSize(plan_.compute_dtype());
-                       GatherLane::ShardCopy to;
-                       to.dst = static_cast<char*>(chunks_[c].buffer) +
-                                partitioner_->ShardOffset(c, plan_.shard_rank()) * esize;
-                       to.bytes = partitioner_->chunks()[c].shard_numel * esize;
-                       to.kind = plan_.param_placement() == Placement::kDevice
-                                     ? CopyKind::kDeviceToDevice
-                                     : CopyKind::kHostToDevice;
-                       return to;
-                     },
-                     std::move(before_read)));
-  }
-  return Status::Ok();
+  return materializer_->MakeLanes(reducer_.get(), opt_lane_.get());
 }
 
 void Engine::Impl::StartLanes() {
   if (PublishLane* p = updater_->publish_lane()) p->Start();
   opt_lane_->Start();
   reducer_->Start();
-  if (gather_) gather_->Start();
+  materializer_->StartLane();
 }
 
 }  // namespace strata

@@ -8,7 +8,7 @@ namespace strata {
 using namespace engine_detail;
 
 void Engine::Impl::EnqueueOptimizer(int64_t c) {
-  WaitFillLanded(c);  // a copy gathered ahead still reads the block the update writes
+  materializer_->WaitFillLanded(c);  // a copy gathered ahead still reads the block the update writes
   // Start reading the chunk's states now; the lane picks it up in order.
   store_->Prefetch(plan_.MasterKey(c));
   for (StateKind k : {StateKind::kExpAvg, StateKind::kExpAvgSq}) {
@@ -48,7 +48,7 @@ Status Engine::Impl::ShareUpdatedShards() {
 void Engine::Impl::ResetLanes() {
   meter_.OpenWindow(store_->stats());
   stash_->TakeBytesStashed();  // the window starts from zero
-  if (gather_) gather_->ResetStats();
+  if (GatherLane* g = materializer_->gather_lane()) g->ResetStats();
   reducer_->ResetStats();
   opt_lane_->ResetStats();
   if (PublishLane* p = updater_->publish_lane()) p->ResetStats();
@@ -163,7 +163,7 @@ StatusOr<StepReport> Engine::Impl::CompleteStep(StepReport rep, bool overflow) {
       STRATA_RETURN_IF_ERROR(ShareUpdatedShards());
     }
   }
-  if (!overflow) STRATA_RETURN_IF_ERROR(RefreshChunksAfterStep());  // the working copy changed
+  if (!overflow) STRATA_RETURN_IF_ERROR(materializer_->RefreshChunks());  // the working copy changed
   if (step_.iteration_open && !(plan_.defer_updates() && !overflow)) {
     store_->EndIteration();
     step_.iteration_open = false;
@@ -171,8 +171,8 @@ StatusOr<StepReport> Engine::Impl::CompleteStep(StepReport rep, bool overflow) {
 
   rep.step = step_.global_step;
   rep.skipped = overflow;
-  if (gather_) {
-    const GatherLane::Stats g = gather_->stats();
+  if (GatherLane* lane = materializer_->gather_lane()) {
+    const GatherLane::Stats g = lane->stats();
     rep.copy_s += g.copy_s;
     meter_.bytes_h2d += g.bytes_h2d;
   }

@@ -73,7 +73,7 @@ Status Engine::Impl::WriteParameters(const std::vector<torch::Tensor>& tensors) 
   // Every rank's shards to the others (replicated working copies), and what is gathered now
   // refreshed from them, as after an optimizer step.
   STRATA_RETURN_IF_ERROR(ShareUpdatedShards());
-  return RefreshChunksAfterStep();
+  return materializer_->RefreshChunks();
 }
 
 }  // namespace strata

@@ -1,0 +1,20 @@
+// OnCommMemory: a collective on a host tensor's bytes wherever the communicator reaches them: in
+// place for a host-memory one (Gloo, single), through a device copy for NCCL, which takes device
+// buffers only; the result is written back into `host`. `collective` gets the address to pass
+// the communicator. Caller's thread; it orders itself among the rank's collectives.
+#pragma once
+
+#include <functional>
+
+#include <torch/torch.h>
+
+#include "runtime/base/device.h"
+#include "runtime/base/status.h"
+#include "runtime/comm/communicator.h"
+
+namespace strata {
+
+Status OnCommMemory(Communicator& comm, Device& device, torch::Tensor& host,
+                    const std::function<Status(void*)>& collective);
+
+}  // namespace strata

@@ -182,6 +182,13 @@ class Engine::Impl {
   // Init's steps, in the order Init runs them (engine_init.cc; DiscoverUnits in engine.cc).
   ComputeDtypeChoice ChooseDtype() const;
   Status DiscoverUnits(const EngineOptions& options, optim::DType compute_dtype);
+  // DiscoverUnits' parts (unit_discovery.cc).
+  StatusOr<std::vector<std::pair<std::string, std::shared_ptr<torch::nn::Module>>>> UnitModules(
+      const EngineOptions& options) const;
+  Status AddUnit(const std::string& name, std::shared_ptr<torch::nn::Module> module,
+                 const std::vector<std::pair<std::string, torch::Tensor>>& named, bool always_live,
+                 Partitioner& part, std::map<const c10::TensorImpl*, int64_t>& seen);
+  void MapUnitsToChunks();
   Status GroupParameters(const EngineOptions& options);  // param_groups.h; engine_init.cc
   Status MakePlan(const EngineOptions& options, optim::DType compute_dtype);
   Status StartStreamsAndArena();

@@ -1,0 +1,110 @@
+// Init's placing steps: which chunks persist and where the buffers live, then every block
+// registered and written, and the parameters turned into views of their chunks.
+#include "runtime/engine/engine_impl.h"
+
+namespace strata {
+
+using namespace engine_detail;
+
+// Which chunks persist, and the model's buffers on the engine's device.
+Status Engine::Impl::PlaceBuffers() {
+  const auto& z = config_.zero_optimization;
+  const auto& chunk_infos = partitioner_->chunks();
+  for (size_t c = 0; c < chunk_infos.size(); ++c)
+    chunks_.SetPersistent(static_cast<int64_t>(c), chunk_infos[c].used_numel < z.stage3_param_persistence_threshold);
+
+  // Buffers live on the engine's device and start from rank 0's values too.
+  for (auto& [name, b] : buffers_) {
+    torch::NoGradGuard ng;
+    const torch::Device dev = DeviceOptions(b.scalar_type()).device();
+    if (b.device() != dev) b.set_data(b.to(dev));
+    if (comm_->world_size() > 1 && b.numel() > 0) {
+      torch::Tensor t = b.contiguous();
+      ComputeFence::Mark(*device_).Wait();  // the move above and contiguous() are queued compute
+      STRATA_RETURN_IF_ERROR(comm_->Broadcast(t.data_ptr(), static_cast<int64_t>(t.nbytes()),
+                                              strata::DType::kU8, 0)
+                                 .WithContext(StrCat("broadcasting buffer ", name)));
+      if (!t.is_same(b)) b.copy_(t);
+    }
+  }
+  return Status::Ok();
+}
+
+// Every block registered and written, and the parameters turned into views of their chunks.
+Status Engine::Impl::WriteInitialBlocks() {
+  const auto& z = config_.zero_optimization;
+  const auto& chunk_infos = partitioner_->chunks();
+  // Register every block and write its initial contents, chunk by chunk, so that at most one
+  // chunk's full fp32 values exist at a time besides the model.
+  const int stage = z.stage;
+  const size_t esize = optim::DTypeSize(plan_.compute_dtype());
+  const size_t ssize = optim::DTypeSize(plan_.state_dtype());
+  const torch::Dtype tdtype = TorchDtype(plan_.compute_dtype());
+  for (size_t c = 0; c < chunk_infos.size(); ++c) {
+    const ChunkInfo& ci = chunk_infos[c];
+    const int64_t n = ci.shard_numel;
+    const int64_t c64 = static_cast<int64_t>(c);
+    // The chunk's initial fp32 values: from the parameters, or from zero::Init's staging file
+    // for a model built there (it has shapes but no memory).
+    torch::Tensor full32 = torch::zeros({ci.numel}, torch::kFloat32);
+    for (int64_t pid : ci.params) {
+      const ParamLocation& loc = partitioner_->location(pid);
+      torch::Tensor dst = full32.narrow(0, loc.offset, loc.numel);
+      STRATA_ASSIGN_OR_RETURN(bool staged, zero::ReadStaged(params_[pid].tensor, dst.data_ptr<float>()));
+      if (!staged) dst.copy_(params_[pid].tensor.detach().reshape({-1}).to(torch::kFloat32));
+    }
+    // Every rank starts from rank 0's initial values.
+    if (comm_->world_size() > 1)
+      STRATA_RETURN_IF_ERROR(
+          OnCommMemory(full32, [&](void* p) {
+            return comm_->Broadcast(p, ci.numel, strata::DType::kF32, 0);
+          }).WithContext(StrCat("broadcasting chunk ", c, "'s initial values")));
+    torch::Tensor shard32 =
+        full32.narrow(0, partitioner_->ShardOffset(c64, plan_.shard_rank()), n).contiguous();
+    auto put = [&](StateKind kind, uint64_t bytes, Placement where, const void* src) -> Status {
+      BlockKey key{c64, kind};
+      STRATA_RETURN_IF_ERROR(store_->Register(key, bytes, where));
+      STRATA_ASSIGN_OR_RETURN(void* dst, store_->Acquire(key, Access::kWrite));
+      Status written = WriteBlockBytes(dst, src, bytes, where);
+      Status released = store_->Release(key, /*dirty=*/true);
+      return written.ok() ? released : written;
+    };
+    if (!plan_.master_is_param())
+      STRATA_RETURN_IF_ERROR(put(StateKind::kMaster32, n * 4, plan_.optim_placement(), shard32.data_ptr()));
+    if (plan_.HoldsState(StateKind::kExpAvg)) STRATA_RETURN_IF_ERROR(put(StateKind::kExpAvg, n * ssize, plan_.optim_placement(), nullptr));
+    if (plan_.HoldsState(StateKind::kExpAvgSq))
+      STRATA_RETURN_IF_ERROR(put(StateKind::kExpAvgSq, n * ssize, plan_.optim_placement(), nullptr));
+    STRATA_RETURN_IF_ERROR(put(StateKind::kGrad, n * 4, plan_.optim_placement(), nullptr));
+    torch::Tensor work = full32.to(tdtype);
+    torch::NoGradGuard ng;
+    if (stage == 3) {
+      torch::Tensor shard16 =
+          work.narrow(0, partitioner_->ShardOffset(c64, plan_.shard_rank()), n).contiguous();
+      STRATA_RETURN_IF_ERROR(put(StateKind::kParam16, n * esize, plan_.param_placement(), shard16.data_ptr()));
+      // The parameters become views of the chunk's storage for good; its memory comes and goes.
+      ChunkTable::Chunk& cs = chunks_[c];
+      const torch::Device dev = DeviceOptions(tdtype).device();
+      cs.storage = c10::Storage(c10::Storage::use_byte_size_t(), 0, c10::DataPtr(nullptr, dev),
+                                /*allocator=*/nullptr, /*resizable=*/false);
+      STRATA_RETURN_IF_ERROR(materializer_->InstallChunk(c64));
+      cs.full = torch::empty({0}, DeviceOptions(tdtype)).set_(cs.storage, 0, {ci.numel}, {1});
+      for (int64_t pid : ci.params) {
+        const ParamLocation& loc = partitioner_->location(pid);
+        params_[pid].tensor.set_data(cs.full.narrow(0, loc.offset, loc.numel).view(params_[pid].shape));
+      }
+      materializer_->DropChunk(c64);
+    } else {
+      // Stages 0-2 keep the whole working copy on the device for the whole run.
+      STRATA_ASSIGN_OR_RETURN(chunks_[c].full, DeviceTensor(ci.numel, tdtype));
+      chunks_[c].full.copy_(work);
+      for (int64_t pid : ci.params) {
+        const ParamLocation& loc = partitioner_->location(pid);
+        params_[pid].tensor.set_data(
+            chunks_[c].full.narrow(0, loc.offset, loc.numel).view(params_[pid].shape));
+      }
+    }
+  }
+  return Status::Ok();
+}
+
+}  // namespace strata

@@ -77,6 +77,9 @@ PyEngine::PyEngine(py::handle model, const std::vector<py::handle>& units,
     eo.param_groups.push_back({GroupHyperparameters{h[0], h[1], h[2], h[3], h[4], h[5], h[6]}, params});
   }
   eo.client_optimizer = client_optimizer;
+  // fp16 on the cpu device: initialize pushes python/strata/cpu_half.py's mode before the first
+  // forward, so every operator on the model's fp16 tensors runs in fp32.
+  eo.fp16_ops_in_fp32 = true;
   py::gil_scoped_release nogil;  // partitioning writes the shards to their tiers (and rank 0's broadcast)
   engine_ = ValueOrThrow(Engine::Create(mirror_.root, config_, comm_, device_.get(), eo));
 }

@@ -113,6 +113,7 @@ PYBIND11_MODULE(_strata, m) {
       .def("unit_name", [](PyEngine& e, int64_t u) { return e.engine().unit_name(u); })
       .def_property_readonly("global_step", [](PyEngine& e) { return e.engine().global_step(); })
       .def_property_readonly("micro_step", [](PyEngine& e) { return e.engine().micro_step(); })
+      .def_property_readonly("loss_scale", [](PyEngine& e) { return e.engine().loss_scale(); })
       .def_property_readonly("num_parameters", [](PyEngine& e) { return e.engine().num_parameters(); })
       .def_property_readonly("cpu_checkpointing",
                              [](PyEngine& e) { return e.engine().cpu_checkpointing(); })

@@ -10,6 +10,7 @@ from . import _strata
 from . import arguments as _arguments
 from . import comm as _comm
 from . import config as _config
+from . import cpu_half as _cpu_half
 from . import engine as _engine_mod
 from . import units as _units
 from ._strata import InvalidArgumentError
@@ -231,6 +232,8 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
             os.environ["MASTER_PORT"] = saved_port
     engine = StrataEngine(cpp, model, units)
     engine._user_config = user_cfg
+    if engine.fp16_enabled() and engine.device.type == "cpu":
+        _cpu_half.enable()  # fp16 operators in fp32, from here on (python/strata/cpu_half.py)
     trainable = [p for p in model.parameters() if p.requires_grad]
     engine.optimizer = StrataOptimizer(engine, _torch_groups(model_parameters, trainable),
                                        client=optimizer)

@@ -62,6 +62,17 @@ class StrataOptimizer(torch.optim.Optimizer):
         """Whether the last step was skipped for an fp16 overflow (DeepSpeed's attribute)."""
         return not self._engine.was_step_applied() and self._engine.last_report is not None
 
+    @property
+    def cur_scale(self):
+        """The dynamic loss scale the next backward multiplies the loss by (fp16; 1 otherwise),
+        DeepSpeed's FP16_Optimizer attribute."""
+        return self._engine._cpp.loss_scale
+
+    @property
+    def loss_scale(self):
+        """The same scale, under the name DeepSpeed's optimizers also give it."""
+        return self._engine._cpp.loss_scale
+
     def state_dict(self):
         """The groups' hyperparameters (lr, betas, eps, weight_decay and whatever a scheduler
         added, such as initial_lr), with parameters as indices, as torch writes them. The Adam

@@ -135,7 +135,13 @@ Status Engine::Impl::Backward(const torch::Tensor& loss) {
   }
   if (last_micro_step() && plan_.defer_updates()) reducer_->BeginStatePrefetch(UpdateOrder(units_.trace()));
   double scale = step_.scaler ? step_.scaler->scale() : 1.0;
-  torch::Tensor scaled = loss * (scale / static_cast<double>(config_.gradient_accumulation_steps));
+  // The scaled loss is fp32 whatever the loss's dtype (as DeepSpeed's loss scaler): an fp16 loss
+  // times 2^15 would overflow in the product itself. The gradient reaching an fp16 loss is the
+  // scale rounded to fp16, so 2^16 overflows there, and the first steps are skipped, as with
+  // DeepSpeed's default initial_scale_power.
+  const torch::Tensor wide =
+      loss.scalar_type() == torch::kHalf || loss.scalar_type() == torch::kBFloat16 ? loss.to(torch::kFloat) : loss;
+  torch::Tensor scaled = wide * (scale / static_cast<double>(config_.gradient_accumulation_steps));
   units_.BeginBackward();
   step_.in_backward = true;
   Status result;

@@ -283,6 +283,7 @@ Status Engine::Impl::SetGroupHyperparameters(const std::vector<GroupHyperparamet
   return Status::Ok();
 }
 int64_t Engine::micro_step() const { return impl_->micro_step(); }
+double Engine::loss_scale() const { return impl_->loss_scale(); }
 int64_t Engine::num_parameters() const { return impl_->num_params(); }
 uint64_t Engine::model_state_bytes() const { return impl_->model_state_bytes(); }
 void Engine::SetTracing(bool on) { impl_->SetTracing(on); }

@@ -89,6 +89,10 @@ struct EngineOptions {
   // to the working copy. Stages 0-2 with nothing offloaded only: the caller's optimizer works on
   // the device's memory (refused otherwise, naming the setting).
   bool client_optimizer = false;
+  // The caller runs each operator on fp16 CPU tensors in fp32 and rounds the result to fp16 (the
+  // Python package's torch function mode, python/strata/cpu_half.py), so fp16.enabled may run on
+  // the cpu device, where LibTorch has no fp16 kernels for matmul or LayerNorm. Off: refused.
+  bool fp16_ops_in_fp32 = false;
 };
 
 // One optimizer step, as seen by every lane.
@@ -252,6 +256,8 @@ class Engine {
 
   int64_t global_step() const;
   int64_t micro_step() const;
+  // The dynamic loss scale the next backward multiplies the loss by (fp16); 1 without scaling.
+  double loss_scale() const;
   int64_t num_parameters() const;  // elements, padding excluded
   // Bytes of model state (params + grads + optimizer states) over all ranks, padding excluded.
   uint64_t model_state_bytes() const;

@@ -123,6 +123,7 @@ class Engine::Impl {
 
   int64_t global_step() const { return step_.global_step; }
   int64_t micro_step() const { return step_.micro_step; }
+  double loss_scale() const { return step_.scaler ? step_.scaler->scale() : 1.0; }
   // The model came with its forward (Engine::Create's AnyModule overload).
   void SetForward(torch::nn::AnyModule any) { model_.any = std::move(any); }
   nlohmann::json Describe() const;

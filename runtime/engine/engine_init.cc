@@ -67,6 +67,7 @@ Status Engine::Impl::MakePlan(const EngineOptions& options, optim::DType compute
   in.comm_backend = comm_->backend();
   in.client_optimizer = options.client_optimizer;
   in.loss_scaling_option = hooks_.loss_scaling;
+  in.fp16_ops_in_fp32 = options.fp16_ops_in_fp32;
   in.sgd_momentum = std::any_of(groups_.hyper.begin(), groups_.hyper.end(),
                                 [](const GroupHyperparameters& g) { return g.momentum != 0; });
   in.partitioner = &*partitioner_;

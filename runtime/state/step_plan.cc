@@ -113,11 +113,12 @@ Status StepPlan::ChoosePlacement(const Inputs& in) {
                                     " keeps its state in fp32: remove "
                                     "strata.optimizer_state_dtype=bf16"));
   }
-  if (c.fp16.enabled && in.device_kind == DeviceKind::kCpu)
+  if (c.fp16.enabled && in.device_kind == DeviceKind::kCpu && !in.fp16_ops_in_fp32)
     return InvalidArgument(
-        "fp16.enabled=true on the cpu device: LibTorch has no fp16 CPU kernels for LayerNorm and "
-        "matmul; use bf16.enabled=true instead (same memory, no loss scaling needed), or run on a "
-        "GPU");
+        "fp16.enabled=true on the cpu device for a LibTorch model: LibTorch has no fp16 CPU "
+        "kernels for LayerNorm and matmul; use bf16.enabled=true instead (same memory, no loss "
+        "scaling needed), run on a GPU, or train from Python (import deepspeed or strata), whose "
+        "frontend computes fp16 operators in fp32");
   return Status::Ok();
 }
 

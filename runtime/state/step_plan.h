@@ -39,6 +39,7 @@ class StepPlan {
     bool client_optimizer = false;       // EngineOptions::client_optimizer
     bool loss_scaling_option = false;    // EngineOptions::loss_scaling (tests)
     bool sgd_momentum = false;           // some parameter group has momentum
+    bool fp16_ops_in_fp32 = false;       // EngineOptions::fp16_ops_in_fp32
     const Partitioner* partitioner = nullptr;  // finalized: the chunks
   };
   // Refuses (INVALID_ARGUMENT, FAILED_PRECONDITION) what cannot run, naming the settings.

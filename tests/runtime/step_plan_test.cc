@@ -96,7 +96,7 @@ INSTANTIATE_TEST_SUITE_P(Rows, StepPlanTable, ::testing::ValuesIn(kRows),
                          [](const auto& info) { return std::string(info.param.name); });
 
 StatusOr<StepPlan> MakeWith(Config c, DeviceKind kind = DeviceKind::kCpu, bool client = false,
-                            int world = 1, bool comm_host = true) {
+                            int world = 1, bool comm_host = true, bool fp16_ops_in_fp32 = false) {
   static Partitioner part = Chunks();
   StepPlan::Inputs in;
   in.config = &c;
@@ -106,6 +106,7 @@ StatusOr<StepPlan> MakeWith(Config c, DeviceKind kind = DeviceKind::kCpu, bool c
   in.world_size = world;
   in.comm_moves_host_memory = comm_host;
   in.comm_backend = "gloo";
+  in.fp16_ops_in_fp32 = fp16_ops_in_fp32;
   in.partitioner = &part;
   return StepPlan::Make(in);
 }
@@ -126,6 +127,9 @@ TEST(StepPlanRefusals, NameTheSettings) {
   Config f;
   f.fp16.enabled = true;
   ExpectRefused(MakeWith(f), "fp16.enabled=true on the cpu device");
+  // A frontend that computes fp16 operators in fp32 (the Python package) runs it, loss-scaled.
+  ASSERT_OK_AND_ASSIGN(StepPlan h, MakeWith(f, DeviceKind::kCpu, false, 1, true, /*fp16_ops_in_fp32=*/true));
+  EXPECT_TRUE(h.loss_scaling());
   Config s;
   s.optimizer.type = OptimizerType::kSGD;
   s.strata.optimizer_state_dtype = StateDtype::kBf16;

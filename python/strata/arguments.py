@@ -4,14 +4,16 @@ import argparse
 
 
 def add_config_arguments(parser):
-    """Adds DeepSpeed's flags to `parser` and returns it:
+    """Adds DeepSpeed's four flags to `parser` and returns it:
 
       --deepspeed            turn DeepSpeed (here: Strata) on; scripts test args.deepspeed
       --deepspeed_config F   the JSON config initialize(args=...) reads
       --deepscale, --deepscale_config F   the old names of the two above
-      --local_rank N         what the `deepspeed` launcher passes to each rank (added only
-                             when the script's parser lacks it, so that scripts that declare
-                             it themselves keep their own)
+
+    As DeepSpeed's, it adds no --local_rank: the `deepspeed` launcher passes --local_rank=R
+    (unless --no_local_rank), and scripts declare it themselves, before or after this call; a
+    script that does not reads LOCAL_RANK from the environment and is launched with
+    --no_local_rank. A flag the parser already has is left as it is.
     """
     if not isinstance(parser, argparse.ArgumentParser):
         raise TypeError(f"add_config_arguments(parser): expected an argparse.ArgumentParser, "
@@ -29,9 +31,6 @@ def add_config_arguments(parser):
                            help=argparse.SUPPRESS)
     if "--deepscale_config" not in taken:
         group.add_argument("--deepscale_config", default=None, type=str, help=argparse.SUPPRESS)
-    if "--local_rank" not in taken and "--local-rank" not in taken:
-        group.add_argument("--local_rank", "--local-rank", type=int, default=-1,
-                           help="this process's rank on its node (set by the launcher)")
     return parser
 
 

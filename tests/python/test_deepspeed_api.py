@@ -7,6 +7,7 @@ import copy
 import importlib.metadata
 import json
 import os
+import subprocess
 import sys
 
 import pytest
@@ -87,16 +88,60 @@ def test_unknown_name_in_refused_module_says_why():
 
 
 # --- module-level API --------------------------------------------------------------------------
-def test_add_config_arguments_flags_and_existing_local_rank():
-    p = argparse.ArgumentParser()
-    p.add_argument("--local_rank", type=int, default=7)  # the script's own, as most have
-    deepspeed.add_config_arguments(p)
-    a = p.parse_args(["--deepspeed", "--deepspeed_config", "ds.json", "--local_rank=1"])
-    assert a.deepspeed and a.deepspeed_config == "ds.json" and a.local_rank == 1
-    q = deepspeed.add_config_arguments(argparse.ArgumentParser())
-    b = q.parse_args(["--deepscale", "--deepscale_config", "x.json", "--local_rank", "3"])
-    assert b.deepscale and b.deepscale_config == "x.json" and b.local_rank == 3
-    assert not q.parse_args([]).deepspeed
+def test_add_config_arguments_adds_deepspeeds_four_flags():
+    p = deepspeed.add_config_arguments(argparse.ArgumentParser())
+    added = {o for a in p._actions for o in a.option_strings} - {"-h", "--help"}
+    assert added == {"--deepspeed", "--deepspeed_config", "--deepscale", "--deepscale_config"}
+    a = p.parse_args(["--deepspeed", "--deepspeed_config", "ds.json"])
+    assert a.deepspeed and a.deepspeed_config == "ds.json"
+    b = p.parse_args(["--deepscale", "--deepscale_config", "x.json"])
+    assert b.deepscale and b.deepscale_config == "x.json"
+    assert not p.parse_args([]).deepspeed
+    # A script's own --local_rank, declared after the call (no conflict) or before it.
+    p.add_argument("--local_rank", type=int, default=-1)
+    assert p.parse_args(["--local_rank=1"]).local_rank == 1
+    q = argparse.ArgumentParser()
+    q.add_argument("--local_rank", type=int, default=7)
+    assert deepspeed.add_config_arguments(q).parse_args([]).local_rank == 7
+
+
+OWN_LOCAL_RANK = """
+import argparse, os, deepspeed
+p = deepspeed.add_config_arguments(argparse.ArgumentParser())
+p.add_argument("--local_rank", type=int, default=-1)
+a = p.parse_args()
+print(f"rank {os.environ['RANK']} local_rank {a.local_rank} deepspeed {a.deepspeed}")
+"""
+ENV_LOCAL_RANK = """
+import argparse, os, deepspeed
+a = deepspeed.add_config_arguments(argparse.ArgumentParser()).parse_args()
+print(f"rank {os.environ['RANK']} LOCAL_RANK {os.environ['LOCAL_RANK']}")
+"""
+
+
+@pytest.mark.skipif(not os.environ.get("STRATA_DS_COMPAT"), reason="STRATA_DS_COMPAT not set")
+def test_launcher_passes_local_rank_or_not(tmp_path):
+    (tmp_path / "own.py").write_text(OWN_LOCAL_RANK)
+    (tmp_path / "env.py").write_text(ENV_LOCAL_RANK)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [os.environ["STRATA_DS_COMPAT"], os.environ.get("PYTHONPATH", "")]))
+
+    def launch(args):
+        return subprocess.run(["bash", "-c", f"{harness.deepspeed_command()} --num_gpus 2 {args}"],
+                              cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+
+    own = launch("own.py --deepspeed")
+    assert own.returncode == 0, own.stdout + own.stderr
+    for r in (0, 1):
+        assert f"rank {r} local_rank {r} deepspeed True" in own.stdout
+    by_env = launch("--no_local_rank env.py")
+    assert by_env.returncode == 0, by_env.stdout + by_env.stderr
+    for r in (0, 1):
+        assert f"rank {r} LOCAL_RANK {r}" in by_env.stdout
+    # Without --no_local_rank, a script that declares no --local_rank rejects the launcher's, as
+    # under DeepSpeed.
+    refused = launch("env.py")
+    assert refused.returncode != 0 and "unrecognized arguments: --local_rank=" in refused.stderr + refused.stdout
 
 
 def test_initialize_reads_config_from_args(tmp_path):
@@ -224,12 +269,6 @@ def test_engine_reports_precision_clipping_and_batch(tmp_path):
     bf16 = _engine("kwargs", dict(cfg, bf16={"enabled": True}))
     assert bf16.bfloat16_enabled() and not bf16.fp16_enabled()
     bf16.close()
-
-
-def test_fp16_on_the_cpu_device_is_refused_by_name(tmp_path):
-    cfg = dict(harness.config_for(STAGE0, tmp_path), fp16={"enabled": True})
-    with pytest.raises(ValueError, match="fp16"):
-        _engine("kwargs", cfg)
 
 
 def test_backward_scale_wrt_gas_false_matches_the_engine_dividing(tmp_path):

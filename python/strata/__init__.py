@@ -25,6 +25,7 @@ from ._strata import InvalidArgumentError, StrataError, host_description
 from .initialize import initialize
 from . import checkpointing, zero
 from .engine import StrataEngine
+from .unsupported import NotSupportedError
 
 __version__ = "0.1.0"
 
@@ -37,4 +38,5 @@ def init_distributed(dist_backend=None, **kwargs):
 
 
 __all__ = ["initialize", "init_distributed", "zero", "checkpointing", "StrataEngine",
-           "DeepSpeedEngine", "StrataError", "InvalidArgumentError", "host_description"]
+           "DeepSpeedEngine", "StrataError", "InvalidArgumentError", "NotSupportedError",
+           "host_description"]

@@ -19,11 +19,14 @@ import weakref
 
 import torch
 
+from . import data_loader as _data
+from . import engine_surface as _surface
 from . import units as _units
 from ._strata import InvalidArgumentError, StrataError
+from .engine_config_view import ConfigView
 
 
-class StrataEngine(torch.nn.Module):
+class StrataEngine(ConfigView, torch.nn.Module):
     def __init__(self, cpp, model, units):
         super().__init__()
         self.module = model
@@ -68,7 +71,37 @@ class StrataEngine(torch.nn.Module):
                 self._param_units.setdefault(id(p), set()).add(index)
         self._model_params = {id(p) for p in model.parameters()}
         self.last_report = None  # the StepReport of the last step, as a dict
+        # DeepSpeed's plain attributes (python/ENGINE_SURFACE.md); initialize sets the first ones.
+        self.client_lr_scheduler = None
+        self.training_data = None
+        self.collate_fn = None
+        self.training_dataloader = None
+        self.mpu = None
+        self.pipeline_parallelism = False
+        self.has_moe_layers = False
+        self.dont_change_device = False
+        self.gradient_average = True
+        self.param_names = {p: name for name, p in model.named_parameters()}
         _live_engines[id(self)] = self
+
+    def __getattr__(self, name):
+        """As DeepSpeed's engine: a name the engine does not have is the model's. DeepSpeed's
+        names Strata does not implement raise NotSupportedError saying why (never a bare
+        AttributeError); python/ENGINE_SURFACE.md lists them all."""
+        try:
+            return super().__getattr__(name)  # parameters, buffers, submodules (nn.Module)
+        except AttributeError:
+            pass
+        if name in _surface.REFUSED_NAMES:
+            raise _surface.refusal(name)
+        module = self.__dict__.get("_modules", {}).get("module")
+        if module is not None and not name.startswith("__"):
+            try:
+                return getattr(module, name)
+            except AttributeError:
+                pass
+        raise AttributeError(f"neither the engine nor the model ({type(module).__name__}) has "
+                             f"{name!r}; python/ENGINE_SURFACE.md lists the engine's names")
 
     # --- forward ------------------------------------------------------------------------------
     def forward(self, *args, **kwargs):
@@ -324,39 +357,71 @@ class StrataEngine(torch.nn.Module):
         """The engine's device: where inputs and the gathered parameters live."""
         return self._device
 
-    def train_micro_batch_size_per_gpu(self):
-        return self._config["train_micro_batch_size_per_gpu"]
+    @property
+    def micro_steps(self):
+        """Micro-batches through backward so far."""
+        return self._cpp.micro_step
 
-    def gradient_accumulation_steps(self):
-        return self._config["gradient_accumulation_steps"]
+    @property
+    def dp_world_size(self):
+        return self.world_size  # Strata is data-parallel only: every rank splits the batch
 
-    def train_batch_size(self):
-        return (self.train_micro_batch_size_per_gpu() * self.gradient_accumulation_steps() *
-                self.world_size)
+    @property
+    def seq_dp_world_size(self):
+        return self.world_size
 
-    def zero_optimization_stage(self):
-        return self._config["zero_optimization"]["stage"]
+    mp_world_size = 1
+    sequence_parallel_size = 1
 
-    def fp16_enabled(self):
-        return bool(self._config.get("fp16", {}).get("enabled", False))
+    @property
+    def seq_data_parallel_group(self):
+        return self.data_parallel_group
 
-    def bfloat16_enabled(self):
-        return bool(self._config.get("bf16", {}).get("enabled", False))
+    @property
+    def client_optimizer(self):
+        return self._client_optimizer
 
-    def gradient_clipping(self):
-        return self._config.get("gradient_clipping", 0.0)
+    @property
+    def basic_optimizer(self):
+        return self._client_optimizer if self._client_optimizer is not None else self.optimizer
 
-    def zero_offload_optimizer(self):
-        return self._config["zero_optimization"].get("offload_optimizer", {}).get("device", "none") != "none"
+    def get_data_parallel_rank(self):
+        return self.global_rank
 
-    def zero_offload_param(self):
-        return self._config["zero_optimization"].get("offload_param", {}).get("device", "none") != "none"
+    def get_model_parallel_rank(self):
+        return 0
 
-    def zero_gather_16bit_weights_on_model_save(self):
-        # The effective config drops keys without effect on training: read the user's.
-        z = getattr(self, "_user_config", {}).get("zero_optimization", {})
-        return bool(z.get("stage3_gather_16bit_weights_on_model_save",
-                          z.get("stage3_gather_fp16_weights_on_model_save", False)))
+    def get_tensor_parallel_rank(self):
+        return 0
+
+    @property
+    def is_compiled(self):
+        return False
+
+    def empty_partition_cache(self):
+        """Stage 3 keeps no gathered parameters between forwards; what is left to free is the
+        device allocator's cache."""
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    # --- data ----------------------------------------------------------------------------------
+    is_map_style_dataset = staticmethod(_data.is_map_style_dataset)
+    is_iterable_style_dataset = staticmethod(_data.is_iterable_style_dataset)
+
+    def deepspeed_io(self, dataset, batch_size=None, route=_data.ROUTE_TRAIN, pin_memory=True,
+                     data_sampler=None, collate_fn=None, num_local_io_workers=None):
+        """A DataLoader over this rank's share of `dataset` (strata/data_loader.py)."""
+        return _data.make_loader(self, dataset, batch_size, route, pin_memory, data_sampler,
+                                 collate_fn if collate_fn is not None else self.collate_fn,
+                                 num_local_io_workers)
+
+    def _loader_for(self, training_data, collate_fn):
+        """initialize's loader: kept as training_dataloader, with its data and collate_fn."""
+        if training_data is None:
+            return None
+        self.training_data, self.collate_fn = training_data, collate_fn
+        self.training_dataloader = self.deepspeed_io(training_data, collate_fn=collate_fn)
+        return self.training_dataloader
 
     def get_lr(self):
         """The learning rate the next optimizer step uses, as a one-element list."""
@@ -364,6 +429,18 @@ class StrataEngine(torch.nn.Module):
         if groups:
             return [g["lr"] for g in groups]
         return [self._cpp.lr_at(self.global_steps + 1)]
+
+    def _group_values(self, key):
+        return [g.get(key, 0.0) for g in self._lr_groups() or []]
+
+    def get_mom(self):
+        """Per parameter group: momentum for SGD and RMSprop, betas for the others."""
+        if self.optimizer_name() in ("SGD", "sgd", "RMSprop", "rmsprop"):
+            return self._group_values("momentum")
+        return self._group_values("betas")
+
+    def get_type(self):
+        return self._group_values("type")
 
     @property
     def config(self):
@@ -474,6 +551,10 @@ class StrataEngine(torch.nn.Module):
         """The whole model's state_dict in the working precision (bf16/fp16, else fp32), on the
         CPU, on rank 0; other ranks get an empty dict. Collective under stage 3: each unit is
         gathered in turn, so the device holds one unit at a time."""
+        out = self._gathered_state_dict(exclude_frozen_parameters)
+        return out if self.global_rank == 0 else {}
+
+    def _gathered_state_dict(self, exclude_frozen_parameters=False):
         self._check_live()
         values = {}
         with torch.no_grad():
@@ -493,7 +574,48 @@ class StrataEngine(torch.nn.Module):
                         not t.requires_grad:
                     continue
                 out[name] = values[id(t)] if id(t) in values else t.detach().to("cpu", copy=True)
-        return out if self.global_rank == 0 else {}
+        return out
+
+    def module_state_dict(self, destination=None, prefix="", keep_vars=False,
+                          exclude_frozen_parameters=False):
+        """The model's state_dict. Under stage 3 the parameters have no memory between forwards,
+        so every rank gets gathered CPU copies (collective; keep_vars is moot there)."""
+        if self.zero_optimization_stage() < 3:
+            sd = self.module.state_dict(destination=destination, prefix=prefix,
+                                        keep_vars=keep_vars)
+            if exclude_frozen_parameters:
+                for name, p in self.module.named_parameters():
+                    if not p.requires_grad:
+                        sd.pop(prefix + name, None)
+            return sd
+        sd = destination if destination is not None else {}
+        for name, t in self._gathered_state_dict(exclude_frozen_parameters).items():
+            sd[prefix + name] = t
+        return sd
+
+    def load_module_state_dict(self, checkpoint, strict=True, custom_load_fn=None,
+                               fetch_z3_params=False, z3_params_to_fetch=None,
+                               allowed_missing_keys=None):
+        """Loads checkpoint["module"] into the model's weights, the fp32 master and the working
+        copy both, from rank 0's values (collective). allowed_missing_keys: keys that may be
+        absent under strict loading."""
+        from .zero import GatheredParameters
+        self._check_live()
+        params = [p for p in self.module.parameters()]
+        with GatheredParameters(params, modifier_rank=0):
+            with torch.no_grad():
+                state = checkpoint["module"]
+                if custom_load_fn is not None:
+                    custom_load_fn(src=state, dst=self.module)
+                    return
+                result = self.module.load_state_dict(
+                    state, strict=strict and allowed_missing_keys is None)
+                if strict and allowed_missing_keys is not None:
+                    missing = [k for k in result.missing_keys if k not in set(allowed_missing_keys)]
+                    if missing or result.unexpected_keys:
+                        raise InvalidArgumentError(
+                            f"load_module_state_dict: missing keys {missing}, unexpected keys "
+                            f"{result.unexpected_keys}")
 
     def save_16bit_model(self, save_dir, save_filename="pytorch_model.bin",
                          exclude_frozen_parameters=False):

@@ -107,25 +107,6 @@ def _check_parameters_have_memory(model):
                 "model its weights back, or build a new model and load a checkpoint")
 
 
-def _make_loader(engine, training_data, collate_fn):
-    """The training loader DeepSpeed's initialize returns: each rank's share of the data in a
-    seeded shuffle (DistributedSampler, seed 0) under a launcher or with several ranks, a
-    RandomSampler on the global RNG in a plain single process; micro-batches of
-    train_micro_batch_size_per_gpu, the last partial one kept unless the config sets
-    dataloader_drop_last."""
-    if training_data is None:
-        return None
-    if engine.world_size > 1 or "LOCAL_RANK" in os.environ:
-        sampler = torch.utils.data.distributed.DistributedSampler(
-            training_data, num_replicas=engine.world_size, rank=engine.global_rank)
-    else:
-        sampler = torch.utils.data.RandomSampler(training_data)
-    drop_last = bool((getattr(engine, "_user_config", None) or {}).get("dataloader_drop_last", False))
-    return torch.utils.data.DataLoader(
-        training_data, batch_size=engine.train_micro_batch_size_per_gpu(), sampler=sampler,
-        collate_fn=collate_fn, drop_last=drop_last)
-
-
 def initialize(args=None, model=None, optimizer=None, model_parameters=None, training_data=None,
                lr_scheduler=None, distributed_port=None, mpu=None, dist_init_required=None,
                collate_fn=None, config=None, mesh_param=None, config_params=None):
@@ -206,7 +187,7 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     owner = _owner_of(model)
     if owner is not None:
         if owner._user_config == user_cfg and optimizer is None:
-            return owner, owner.optimizer, _make_loader(owner, training_data, collate_fn), \
+            return owner, owner.optimizer, owner._loader_for(training_data, collate_fn), \
                 owner.lr_scheduler
         warnings.warn("initialize: this model already has an engine with another config; that "
                       "engine ends (its weights go back to the model) and a new one takes over")
@@ -251,5 +232,6 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
                     f"{type(lr_scheduler).__name__}, not a scheduler (an object with step())")
         engine.lr_scheduler = lr_scheduler  # the setter decides whose groups carry the lr
     engine._publish_lr()
-    loader = _make_loader(engine, training_data, collate_fn)
-    return engine, engine.optimizer, loader, engine.lr_scheduler
+    engine.client_lr_scheduler = lr_scheduler
+    return engine, engine.optimizer, engine._loader_for(training_data, collate_fn), \
+        engine.lr_scheduler

@@ -6,6 +6,8 @@
 
 #include "python/bindings/native_backtrace.h"
 #include "python/bindings/py_engine.h"
+#include "python/bindings/py_param_state.h"
+#include "python/bindings/py_planner.h"
 #include "runtime/base/host_info.h"
 #include "runtime/comm/backends.h"
 #include "runtime/engine/zero_init.h"
@@ -56,7 +58,9 @@ PYBIND11_MODULE(_strata, m) {
       .def_readwrite("weight_decay", &AutoHints::weight_decay)
       .def_readwrite("micro_batch", &AutoHints::micro_batch);
 
-  py::class_<PyEngine>(m, "Engine")
+  py::class_<PyEngine> engine(m, "Engine");
+  strata::python::DefStateMethods(engine);
+  engine
       .def(py::init<py::handle, const std::vector<py::handle>&, const std::string&,
                     const std::string&, const AutoHints&, const PyEngine::Groups&, bool>(),
            py::arg("model"), py::arg("units"), py::arg("config_json"), py::arg("source"),
@@ -121,41 +125,6 @@ PYBIND11_MODULE(_strata, m) {
                              [](PyEngine& e) { return e.engine().device_bytes_in_use(); })
       .def_property_readonly("device_peak_bytes",
                              [](PyEngine& e) { return e.engine().device_peak_bytes(); })
-      .def("offload_states",
-           [](PyEngine& e, const std::vector<std::string>& names) {
-             std::vector<strata::StateKind> kinds;
-             for (const std::string& n : names) {
-               bool found = false;
-               for (int k = 0; k < strata::kNumStateKinds; ++k) {
-                 if (n == strata::StateKindName(static_cast<strata::StateKind>(k))) {
-                   kinds.push_back(static_cast<strata::StateKind>(k));
-                   found = true;
-                 }
-               }
-               if (!found)
-                 strata::python::ThrowIfError(strata::InvalidArgument(
-                     "offload_states: unknown state '" + n +
-                     "'; one of param16, grad, master32, exp_avg, exp_avg_sq"));
-             }
-             strata::StatusOr<uint64_t> moved = uint64_t{0};
-             {
-               py::gil_scoped_release nogil;
-               moved = e.engine().OffloadStates(kinds);
-             }
-             strata::python::ThrowIfError(moved.status());
-             return *moved;
-           },
-           py::arg("kinds"))
-      .def("reload_states",
-           [](PyEngine& e) {
-             strata::StatusOr<uint64_t> moved = uint64_t{0};
-             {
-               py::gil_scoped_release nogil;
-               moved = e.engine().ReloadStates();
-             }
-             strata::python::ThrowIfError(moved.status());
-             return *moved;
-           })
       .def_property_readonly("config_json", [](PyEngine& e) { return e.config().ToJsonString(); })
       .def("describe", [](PyEngine& e) { return e.engine().Describe().dump(); });
 
@@ -171,6 +140,7 @@ PYBIND11_MODULE(_strata, m) {
       .def_property_readonly("staged_bytes", &strata::zero::Init::staged_bytes)
       .def_property_readonly("staged_params", &strata::zero::Init::staged_params);
 
+  strata::python::DefPlanner(m);
   m.def("host_description", [](const std::string& dir) { return strata::HostDescription(dir); },
         py::arg("dir") = "", "The machine: CPU model, ISA, cores (and the disk holding `dir`)");
 }

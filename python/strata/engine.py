@@ -21,6 +21,7 @@ import torch
 
 from . import data_loader as _data
 from . import engine_surface as _surface
+from . import param_state as _param_state
 from . import units as _units
 from ._strata import InvalidArgumentError, StrataError
 from .engine_config_view import ConfigView
@@ -690,6 +691,7 @@ class StrataEngine(ConfigView, torch.nn.Module):
         keeps no trained values afterwards (under stage 3 its parameters are empty): save a
         checkpoint first, or call destroy(), which gives the model its weights back."""
         self._hooks.remove()
+        _param_state.detach(self)
         self._cpp.close()
         _live_engines.pop(id(self), None)
         if self._replaced_by is None:
@@ -735,6 +737,10 @@ class StrataEngine(ConfigView, torch.nn.Module):
         if id(param) not in self._model_params:
             return None
         return self._param_units.get(id(param), set())
+
+    def _cpp_optimizer_type(self):
+        """The optimizer the engine runs, lower case ("adam", "adamw", "sgd", "adagrad", "lion")."""
+        return str(self._config.get("optimizer", {}).get("type", "adam")).lower()
 
     def master_parameters(self):
         """The fp32 master value of every trainable parameter, in the model's named_parameters

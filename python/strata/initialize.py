@@ -12,6 +12,7 @@ from . import comm as _comm
 from . import config as _config
 from . import cpu_half as _cpu_half
 from . import engine as _engine_mod
+from . import param_state as _param_state
 from . import units as _units
 from ._strata import InvalidArgumentError
 from .engine import StrataEngine
@@ -213,6 +214,7 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
             os.environ["MASTER_PORT"] = saved_port
     engine = StrataEngine(cpp, model, units)
     engine._user_config = user_cfg
+    _param_state.attach(engine)  # ZeRO-3's ds_* attributes (stage 3)
     if engine.fp16_enabled() and engine.device.type == "cpu":
         _cpu_half.enable()  # fp16 operators in fp32, from here on (python/strata/cpu_half.py)
     trainable = [p for p in model.parameters() if p.requires_grad]

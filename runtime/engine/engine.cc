@@ -122,35 +122,6 @@ Status Engine::Impl::WriteBlockBytes(void* block, const void* src, size_t bytes,
   return streams_.copy->Synchronize();
 }
 
-StatusOr<std::vector<torch::Tensor>> Engine::Impl::GatherMasterParams() {
-  QuietLanes();
-  std::vector<torch::Tensor> out;
-  out.reserve(params_.size());
-  for (auto& p : params_) out.push_back(torch::zeros(p.shape, torch::kFloat32));
-  for (size_t c = 0; c < chunks_.size(); ++c) {
-    const ChunkInfo& ci = partitioner_->chunks()[c];
-    const int64_t c64 = static_cast<int64_t>(c);
-    torch::Tensor full = torch::zeros({ci.numel}, torch::kFloat32);
-    float* shard = full.data_ptr<float>() + partitioner_->ShardOffset(c64, plan_.shard_rank());
-    STRATA_ASSIGN_OR_RETURN(void* m, store_->Acquire(plan_.MasterKey(c64), Access::kRead));
-    Status read = ReadBlockBytes(shard, m, ci.shard_numel * 4, plan_.optim_placement());
-    STRATA_RETURN_IF_ERROR(store_->Release(plan_.MasterKey(c64), false));
-    STRATA_RETURN_IF_ERROR(read);
-    if (plan_.shard_world() > 1) {
-      const int64_t off = partitioner_->ShardOffset(c64, plan_.shard_rank());
-      STRATA_RETURN_IF_ERROR(OnCommMemory(full, [&](void* p) {
-        return comm_->AllGather(static_cast<float*>(p) + off, p, ci.shard_numel,
-                                strata::DType::kF32);
-      }));
-    }
-    for (int64_t pid : ci.params) {
-      const ParamLocation& loc = partitioner_->location(pid);
-      out[pid].copy_(full.narrow(0, loc.offset, loc.numel).view(params_[pid].shape));
-    }
-  }
-  return out;
-}
-
 uint64_t Engine::Impl::model_state_bytes() const {
   const uint64_t n = static_cast<uint64_t>(num_params());
   const uint64_t work = optim::DTypeSize(plan_.compute_dtype());
@@ -240,6 +211,22 @@ Status Engine::Backward(const torch::Tensor& loss) { return impl_->Backward(loss
 StatusOr<StepReport> Engine::Step() { return impl_->Step(); }
 StatusOr<std::vector<torch::Tensor>> Engine::GatherMasterParams() {
   return impl_->GatherMasterParams();
+}
+StatusOr<std::vector<Engine::Residency>> Engine::ParamResidency(
+    const std::vector<torch::Tensor>& params) const {
+  return impl_->ParamResidency(params);
+}
+StatusOr<std::vector<torch::Tensor>> Engine::GatherParamState(
+    StateKind kind, const std::vector<torch::Tensor>& params) {
+  return impl_->GatherParamState(kind, params);
+}
+StatusOr<std::vector<torch::Tensor>> Engine::LocalParamState(
+    StateKind kind, const std::vector<torch::Tensor>& params) {
+  return impl_->LocalParamState(kind, params);
+}
+Status Engine::WriteParamState(StateKind kind, const std::vector<torch::Tensor>& params,
+                               const std::vector<torch::Tensor>& values) {
+  return impl_->WriteParamState(kind, params, values);
 }
 Status Engine::SaveCheckpoint(const std::string& dir, const nlohmann::json& extra,
                               const std::string& client_file) {

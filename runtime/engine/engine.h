@@ -242,6 +242,31 @@ class Engine {
   // world_size > 1: every rank must call it).
   StatusOr<std::vector<torch::Tensor>> GatherMasterParams();
 
+  // One parameter's share of the states, for DeepSpeed's per-parameter API (safe_get_full_*,
+  // safe_set_full_*, a ZeRO-3 parameter's ds_status and ds_tensor). `params` are tensors the
+  // engine trains (any other is INVALID_ARGUMENT); `kind` is kMaster32, kExpAvg or kExpAvgSq
+  // (a state the optimizer does not keep is FAILED_PRECONDITION naming it), and kParam16 under
+  // stage 3 for LocalParamState. The lanes are quieted first.
+  //
+  // Where each parameter's working copy stands on this rank: always available below stage 3;
+  // under it, available while its chunk is gathered, in flight while a gather ahead lands.
+  enum class Residency { kAvailable, kNotAvailable, kInflight };
+  StatusOr<std::vector<Residency>> ParamResidency(const std::vector<torch::Tensor>& params) const;
+  // Each parameter's full value of `kind` in fp32, shaped as the parameter, from every rank's
+  // shards (an empty `params`: all of them, in registration order). Collective when
+  // world_size > 1: every rank calls it with the same parameters.
+  StatusOr<std::vector<torch::Tensor>> GatherParamState(StateKind kind,
+                                                        const std::vector<torch::Tensor>& params);
+  // This rank's elements of it, flat and possibly empty: kParam16 in the working dtype, the
+  // others in fp32. Local: no collective.
+  StatusOr<std::vector<torch::Tensor>> LocalParamState(StateKind kind,
+                                                       const std::vector<torch::Tensor>& params);
+  // Writes each full value (as many elements as its parameter) into this rank's shard of
+  // `kind`, between steps. For kMaster32 the working copy follows, as WriteParameters does
+  // (collective: every rank, the same values); a moment is this rank's write alone.
+  Status WriteParamState(StateKind kind, const std::vector<torch::Tensor>& params,
+                         const std::vector<torch::Tensor>& values);
+
   // Saves this rank's partitions and the training state into `dir` atomically; loads them back.
   // `extra` is stored in the manifest and returned by Load (data position, RNG, ...).
   // `client_file`, when not empty, is saved beside this rank's manifest (its size and crc32c in

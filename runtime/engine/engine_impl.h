@@ -11,7 +11,7 @@
 // and its named steps), unit_protocol.cc (micro-steps, BeginUnit/EndUnit, forward),
 // chunk_gathers.cc (stage 3's gathers, releases and prefetching), gather_lane.cc (what to gather
 // ahead), gradient_reducer.cc (gradient hooks, reductions, Backward), chunk_update.cc (one chunk's
-// update), engine_step.cc (Step), engine_checkpoint.cc, param_writes.cc (writable gathers),
+// update), engine_step.cc (Step), engine_checkpoint.cc, param_state.cc (writable gathers),
 // state_offload.cc (offload_states).
 // Private to runtime/: nothing outside the engine includes it.
 #pragma once
@@ -106,12 +106,21 @@ class Engine::Impl {
   StatusOr<StepReport> Step();
   Status SetGroupHyperparameters(const std::vector<GroupHyperparameters>& groups);
   int num_param_groups() const { return static_cast<int>(groups_.hyper.size()); }
-  Status WriteParameters(const std::vector<torch::Tensor>& params);  // param_writes.cc
+  Status WriteParameters(const std::vector<torch::Tensor>& params);  // param_state.cc
   // offload_states / reload_states (state_offload.cc).
   StatusOr<uint64_t> OffloadStates(const std::vector<StateKind>& kinds);
   StatusOr<uint64_t> ReloadStates();
   Status CheckStatesResident(const char* what) const;
+  // Per-parameter state (param_state.cc).
   StatusOr<std::vector<torch::Tensor>> GatherMasterParams();
+  StatusOr<std::vector<torch::Tensor>> GatherParamState(StateKind kind,
+                                                        const std::vector<torch::Tensor>& params);
+  StatusOr<std::vector<torch::Tensor>> LocalParamState(StateKind kind,
+                                                       const std::vector<torch::Tensor>& params);
+  Status WriteParamState(StateKind kind, const std::vector<torch::Tensor>& params,
+                         const std::vector<torch::Tensor>& values);
+  StatusOr<std::vector<Engine::Residency>> ParamResidency(
+      const std::vector<torch::Tensor>& params) const;
   Status Save(const std::string& dir, const nlohmann::json& extra, const std::string& client_file);
   StatusOr<std::string> ReadClientFile(const std::string& dir);
   // EngineOptions::client_optimizer (client_step.cc).
@@ -212,6 +221,17 @@ class Engine::Impl {
   // Hands chunk c's complete gradient to the reduce lane (Note [reduce lane]).
   Status ReduceChunk(int64_t c);
   Status ShareUpdatedShards();
+  // param_state.cc's parts: the engine's index of each parameter tensor; this rank's shard of
+  // chunk c's state `kind` in fp32; the shard with `values` (parameter, full fp32 value)
+  // written where they overlap it (the patched shard to `shard_out` when given); the masters
+  // written and the working copy following them.
+  StatusOr<std::vector<int64_t>> ParamIds(const std::vector<torch::Tensor>& tensors) const;
+  Status ReadShard(int64_t c, StateKind kind, float* out);
+  Status PatchShard(int64_t c, StateKind kind,
+                    const std::vector<std::pair<int64_t, torch::Tensor>>& values,
+                    std::vector<float>* shard_out);
+  Status WriteMasters(
+      const std::map<int64_t, std::vector<std::pair<int64_t, torch::Tensor>>>& by_chunk);
 
   // Optimizer lane (optimizer_lane.h): chunk c's update queued once its states' reads started.
   void EnqueueOptimizer(int64_t c);

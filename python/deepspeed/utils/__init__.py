@@ -1,8 +1,10 @@
-"""deepspeed.utils: the logger and rank-aware logging."""
+"""deepspeed.utils: the logger, rank-aware logging and the per-parameter state accessors."""
 import logging
 
 from strata.comm import get_rank as _get_rank
 from strata.runtime_utils import RepeatingLoader  # noqa: F401
+
+from .tensor_fragment import *  # noqa: F401,F403  - safe_get_full_fp32_param and its kin
 
 logger = logging.getLogger("DeepSpeed")
 if not logger.handlers:

@@ -1,0 +1,6 @@
+"""deepspeed.runtime.zero.stage_1_and_2: DeepSpeed's ZeRO-2 memory estimators, answered by
+Strata's planner (strata/estimators.py)."""
+from strata.estimators import (  # noqa: F401
+    estimate_zero2_model_states_mem_needs, estimate_zero2_model_states_mem_needs_all_cold,
+    estimate_zero2_model_states_mem_needs_all_live)
+from strata.estimators import model_to_params_zero2 as model_to_params  # noqa: F401

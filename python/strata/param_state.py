@@ -1,0 +1,235 @@
+"""One parameter's share of the engine's states, as DeepSpeed exposes it:
+
+  - deepspeed.utils' accessors: safe_get_full_fp32_param, safe_set_full_fp32_param,
+    safe_get_full_optimizer_state, safe_set_full_optimizer_state, and the local (this rank's
+    shard only) getters. They work at every stage, read and write the engine's real states
+    wherever they live (device, host, NVMe), and are collective when several ranks train, as
+    DeepSpeed's are: every rank calls them with the same parameter. A parameter no engine
+    trains gives None (get) or nothing happens (set), as in DeepSpeed;
+  - ZeRO-3's parameter attributes (deepspeed.runtime.zero.partition_parameters): under stage 3
+    each trained parameter has ds_id, ds_shape, ds_numel, ds_param_type, and two that ask the
+    engine when read: ds_status (is its chunk gathered on this rank now) and ds_tensor (a copy
+    of this rank's shard of its working copy, flat; writing to it changes nothing).
+
+Unlike DeepSpeed's stage 3, a Strata parameter keeps its full shape and numel while it is not
+gathered, so `p.numel()` counts it right; what tells the state is ds_status.
+"""
+
+import enum
+import itertools
+import weakref
+
+import torch
+
+from . import engine as _engine
+from ._strata import InvalidArgumentError
+from .unsupported import NotSupportedError
+
+
+class ZeroParamStatus(enum.Enum):
+    AVAILABLE = 1      # gathered on this rank: the parameter's values are readable
+    NOT_AVAILABLE = 2  # partitioned: only the shards exist
+    INFLIGHT = 3       # a gather ahead is landing
+
+
+class ZeroParamType(enum.Enum):
+    NORMAL = 1
+    PARTITIONED = 2
+    REMOTE = 3
+
+
+# Engine::Residency's order (python/bindings/py_param_state.cc).
+_STATUS = (ZeroParamStatus.AVAILABLE, ZeroParamStatus.NOT_AVAILABLE, ZeroParamStatus.INFLIGHT)
+
+# The optimizer's state keys, as torch's optimizers name them in optimizer.state[p], onto the
+# engine's state kinds.
+_STATE_KEYS = {
+    "adam": {"exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq"},
+    "adamw": {"exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq"},
+    "sgd": {"momentum_buffer": "exp_avg"},
+    "adagrad": {"sum": "exp_avg_sq"},
+    "lion": {"exp_avg": "exp_avg"},
+}
+
+_ids = itertools.count()
+
+
+def _engine_of(param):
+    """The live engine that trains `param`, or None."""
+    if not isinstance(param, torch.Tensor) or not param.requires_grad:
+        return None
+    for engine in list(_engine._live_engines.values()):
+        if engine._units_of_param(param) is not None:
+            return engine
+    return None
+
+
+def _state_kind(engine, key):
+    if engine._client_params is not None:
+        raise NotSupportedError(
+            f"optimizer state {key!r}: the client optimizer "
+            f"({type(engine.client_optimizer).__name__}) runs itself and keeps its own state; "
+            "read engine.client_optimizer.state")
+    optimizer = engine._cpp_optimizer_type()
+    keys = _STATE_KEYS.get(optimizer, {})
+    if key not in keys:
+        raise KeyError(f"optimizer state {key!r}: the {optimizer} optimizer's states are "
+                       f"{sorted(keys) or 'none'}")
+    return keys[key]
+
+
+def _on_device(engine, t):
+    return t.to(engine.device)
+
+
+# --- deepspeed.utils ------------------------------------------------------------------------------
+def safe_get_full_fp32_param(param):
+    """The parameter's fp32 master value, whole and shaped as the parameter, on the engine's
+    device; None for a parameter no engine trains."""
+    engine = _engine_of(param)
+    if engine is None:
+        return None
+    return _on_device(engine, engine._cpp.gather_param_state("master32", [param])[0])
+
+
+def safe_set_full_fp32_param(param, value):
+    """Writes `value` (the parameter's shape or numel) into its fp32 master; the working copy
+    follows at once. The optimizer states are untouched."""
+    engine = _engine_of(param)
+    if engine is None:
+        return
+    engine._cpp.write_param_state("master32", [param], [_checked(param, value)])
+
+
+def safe_get_full_optimizer_state(param, optim_state_key):
+    """One of the optimizer's states for the parameter (Adam/AdamW: "exp_avg", "exp_avg_sq";
+    SGD with momentum: "momentum_buffer"; Adagrad: "sum"; Lion: "exp_avg"), whole, in fp32, on
+    the engine's device; None for a parameter no engine trains."""
+    engine = _engine_of(param)
+    if engine is None:
+        return None
+    kind = _state_kind(engine, optim_state_key)
+    return _on_device(engine, engine._cpp.gather_param_state(kind, [param])[0])
+
+
+def safe_set_full_optimizer_state(param, value, optim_state_key):
+    engine = _engine_of(param)
+    if engine is None:
+        return
+    kind = _state_kind(engine, optim_state_key)
+    engine._cpp.write_param_state(kind, [param], [_checked(param, value)])
+
+
+def safe_get_local_fp32_param(param):
+    """This rank's elements of the parameter's fp32 master (flat; no collective)."""
+    engine = _engine_of(param)
+    if engine is None:
+        return None
+    return _on_device(engine, engine._cpp.local_param_state("master32", [param])[0])
+
+
+def safe_get_local_optimizer_state(param, optim_state_key):
+    engine = _engine_of(param)
+    if engine is None:
+        return None
+    kind = _state_kind(engine, optim_state_key)
+    return _on_device(engine, engine._cpp.local_param_state(kind, [param])[0])
+
+
+def _refused(name, what, instead):
+    def refused(*args, **kwargs):
+        raise NotSupportedError(f"{name}: {what} is not implemented by Strata; {instead}")
+
+    refused.__name__ = name
+    return refused
+
+
+_NO_GRADS = ("reading or writing a parameter's gradient between backward and step",
+             "the engine reduces each gradient into its shard during backward and may update "
+             "the parameter before step(); use engine.get_global_grad_norm() for the norm and "
+             "gradient_clipping in the config to clip")
+safe_get_full_grad = _refused("safe_get_full_grad", *_NO_GRADS)
+safe_set_full_grad = _refused("safe_set_full_grad", *_NO_GRADS)
+safe_get_local_grad = _refused("safe_get_local_grad", *_NO_GRADS)
+safe_set_local_grad = _refused("safe_set_local_grad", *_NO_GRADS)
+_LOCAL_WRITE = ("writing one rank's slice of a parameter's state",
+                "write the whole value with safe_set_full_fp32_param or "
+                "safe_set_full_optimizer_state")
+safe_set_local_fp32_param = _refused("safe_set_local_fp32_param", *_LOCAL_WRITE)
+safe_set_local_optimizer_state = _refused("safe_set_local_optimizer_state", *_LOCAL_WRITE)
+
+
+def _checked(param, value):
+    if not isinstance(value, torch.Tensor):
+        raise InvalidArgumentError(f"a value for a parameter of shape {tuple(param.shape)} must "
+                                   f"be a tensor, not {type(value).__name__}")
+    if value.numel() != param.numel():
+        raise InvalidArgumentError(f"a value of shape {tuple(value.shape)} for a parameter of "
+                                   f"shape {tuple(param.shape)}")
+    return value.detach()
+
+
+# --- ZeRO-3's parameter attributes -----------------------------------------------------------------
+class _ZeroAttributes:
+    """Mixed into a stage-3 parameter's class: the attributes that ask the engine."""
+
+    def _strata_live_engine(self):
+        ref = self.__dict__.get("_strata_engine")
+        engine = ref() if ref is not None else None
+        return engine if engine is not None and engine._replaced_by is None else None
+
+    @property
+    def ds_status(self):
+        engine = self._strata_live_engine()
+        if engine is None:
+            return ZeroParamStatus.AVAILABLE  # given back (destroy) or never partitioned
+        return _STATUS[engine._cpp.param_residency([self])[0]]
+
+    @property
+    def ds_tensor(self):
+        engine = self._strata_live_engine()
+        if engine is None:
+            return None
+        return engine._cpp.local_param_state("param16", [self])[0].to(engine.device)
+
+
+_classes = {}
+
+
+def _zero_class(base):
+    """`base` with the ZeRO-3 attributes, under base's own name (so that repr and messages read
+    as before; pickling a Parameter rebuilds a plain one)."""
+    if issubclass(base, _ZeroAttributes):
+        return base
+    if base not in _classes:
+        _classes[base] = type(base.__name__, (_ZeroAttributes, base),
+                              {"__module__": base.__module__, "_strata_base": base})
+    return _classes[base]
+
+
+def attach(engine):
+    """Under stage 3: each parameter the engine trains gets DeepSpeed's ds_* attributes."""
+    if engine.zero_optimization_stage() < 3:
+        return
+    seen = set()
+    for p in engine.module.parameters():
+        if id(p) in seen or not p.requires_grad:
+            continue
+        seen.add(id(p))
+        p.ds_id = next(_ids)
+        p.ds_shape = p.shape
+        p.ds_numel = p.numel()
+        p.ds_param_type = ZeroParamType.PARTITIONED
+        p._strata_engine = weakref.ref(engine)
+        p.__class__ = _zero_class(type(p))
+
+
+def detach(engine):
+    """The engine ended: its parameters become what they were (their class, no ds_* left)."""
+    for p in engine.module.parameters():
+        ref = p.__dict__.get("_strata_engine")
+        if ref is None or ref() is not engine:
+            continue
+        for name in ("ds_id", "ds_shape", "ds_numel", "ds_param_type", "_strata_engine"):
+            p.__dict__.pop(name, None)
+        p.__class__ = type(p)._strata_base

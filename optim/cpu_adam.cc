@@ -14,15 +14,16 @@
 
 #include "optim/adam_kernels.h"
 #include "runtime/base/check.h"
+#include "runtime/base/env_vars.h"
 #include "runtime/base/cpu_features.h"
 #include "runtime/base/logging.h"
 
 namespace strata::optim {
 
 // STRATA_ADAM_ISA: force a kernel ("scalar", "avx2", "avx512", "avx512_bf16") for kAuto.
-constexpr const char* kIsaEnv = "STRATA_ADAM_ISA";
+constexpr const char* kIsaEnv = kEnvAdamIsa.name;
 // STRATA_ADAM_PREFETCH: "0" or "1" overrides DefaultAvx512Prefetch.
-constexpr const char* kPrefetchEnv = "STRATA_ADAM_PREFETCH";
+constexpr const char* kPrefetchEnv = kEnvAdamPrefetch.name;
 
 // Note [grain]
 // 64 Ki elements per task: with fp32 everything a task streams ~1.8 MB, so TBB's per-task cost
@@ -87,7 +88,7 @@ Isa DetectIsa() {
 
 bool DefaultAvx512Prefetch() {
   static const bool use = [] {
-    if (const char* e = std::getenv(kPrefetchEnv); e != nullptr && *e != '\0') {
+    if (const char* e = GetEnv(kEnvAdamPrefetch); e != nullptr && *e != '\0') {
       if ((e[0] == '0' || e[0] == '1') && e[1] == '\0') return e[0] == '1';
       STRATA_LOG(WARN) << kPrefetchEnv << "=" << e << ": expected 0 or 1; ignoring it";
     }
@@ -100,7 +101,7 @@ bool DefaultAvx512Prefetch() {
 
 Isa ResolveAutoIsa() {
   static const Isa resolved = [] {
-    const char* env = std::getenv(kIsaEnv);
+    const char* env = GetEnv(kEnvAdamIsa);
     if (env != nullptr && *env != '\0') {
       StatusOr<Isa> parsed = ParseIsa(env);
       if (!parsed.ok()) {

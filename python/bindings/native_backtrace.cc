@@ -1,4 +1,5 @@
 #include "python/bindings/native_backtrace.h"
+#include "runtime/base/env_vars.h"
 
 #include <execinfo.h>
 #include <signal.h>
@@ -47,7 +48,7 @@ void OnFatalSignal(int sig, siginfo_t* info, void* context) {
 }  // namespace
 
 bool MaybeInstallNativeBacktrace() {
-  const char* env = std::getenv("STRATA_NATIVE_BACKTRACE");
+  const char* env = GetEnv(kEnvNativeBacktrace);
   if (env == nullptr || *env == '\0' || std::strcmp(env, "0") == 0) return false;
   // backtrace() loads libgcc_s on its first call; call it once here, not first inside a handler.
   void* warm[1];

@@ -8,6 +8,7 @@
 #include "python/bindings/py_engine.h"
 #include "python/bindings/py_param_state.h"
 #include "python/bindings/py_planner.h"
+#include "runtime/base/env_vars.h"
 #include "runtime/base/host_info.h"
 #include "runtime/comm/backends.h"
 #include "runtime/engine/zero_init.h"
@@ -141,6 +142,11 @@ PYBIND11_MODULE(_strata, m) {
       .def_property_readonly("staged_params", &strata::zero::Init::staged_params);
 
   strata::python::DefPlanner(m);
+  m.def("env_vars", [] {
+    std::vector<std::tuple<std::string, std::string, std::string>> out;
+    for (const strata::EnvVar& v : strata::kEnvVars) out.emplace_back(v.name, v.reader, v.meaning);
+    return out;
+  }, "Every environment variable Strata reads: (name, reader, meaning), runtime/base/env_vars.h");
   m.def("host_description", [](const std::string& dir) { return strata::HostDescription(dir); },
         py::arg("dir") = "", "The machine: CPU model, ISA, cores (and the disk holding `dir`)");
 }

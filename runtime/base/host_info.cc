@@ -1,4 +1,5 @@
 #include "runtime/base/host_info.h"
+#include "runtime/base/env_vars.h"
 
 #include <algorithm>
 
@@ -68,7 +69,7 @@ HostInfo ReadHostInfo() {
   }
   // CPUs with AMX-BF16 also report AVX512_BF16.
   h.native_bf16 = Cpu().avx512_bf16;
-  if (const char* o = std::getenv("STRATA_CPU_BF16"); o && (o[0] == '0' || o[0] == '1') && o[1] == '\0')
+  if (const char* o = GetEnv(kEnvCpuBf16); o && (o[0] == '0' || o[0] == '1') && o[1] == '\0')
     h.native_bf16 = o[0] == '1';
   if (Cpu().avx512_bf16) {
     h.isa = "avx512_bf16";

@@ -1,4 +1,5 @@
 #include "runtime/base/logging.h"
+#include "runtime/base/env_vars.h"
 
 #include <chrono>
 #include <cstdio>
@@ -11,7 +12,7 @@ namespace {
 
 LogLevel LevelFromEnv() {
   LogLevel level = LogLevel::kInfo;
-  if (const char* env = std::getenv("STRATA_LOG_LEVEL")) {
+  if (const char* env = GetEnv(kEnvLogLevel)) {
     if (!ParseLogLevel(env, &level)) {
       std::fprintf(stderr,
                    "strata: STRATA_LOG_LEVEL=%s is not a level; use debug, info, warn, error or "

@@ -1,4 +1,5 @@
 #include "runtime/comm/communicator.h"
+#include "runtime/base/env_vars.h"
 
 #include <algorithm>
 #include <cerrno>
@@ -142,21 +143,16 @@ Status Communicator::Barrier() {
 
 namespace {
 
-// The variables, declared once.
-constexpr const char* kEnvWorldSize = "WORLD_SIZE";
-constexpr const char* kEnvRank = "RANK";
-constexpr const char* kEnvMasterAddr = "MASTER_ADDR";
-constexpr const char* kEnvMasterPort = "MASTER_PORT";
-constexpr const char* kEnvLocalRank = "LOCAL_RANK";
-constexpr const char* kEnvLocalWorldSize = "LOCAL_WORLD_SIZE";
+// The variables are declared in runtime/base/env_vars.h.
 
 constexpr const char* kEnvFix =
     "; launch ranks with strata-launch, torchrun, or a Slurm/mpirun wrapper that sets WORLD_SIZE, "
     "RANK, MASTER_ADDR and MASTER_PORT";
 
 // Parses an integer variable in [lo, hi]. Absent: `fallback` when given, else an error.
-StatusOr<int> EnvInt(const char* name, int lo, int hi, const int* fallback) {
-  const char* text = std::getenv(name);
+StatusOr<int> EnvInt(const EnvVar& var, int lo, int hi, const int* fallback) {
+  const char* name = var.name;
+  const char* text = GetEnv(var);
   if (text == nullptr || *text == '\0') {
     if (fallback != nullptr) return *fallback;
     return InvalidArgument(StrCat(name, " is not set but WORLD_SIZE > 1 needs it", kEnvFix));
@@ -175,7 +171,7 @@ StatusOr<int> EnvInt(const char* name, int lo, int hi, const int* fallback) {
 
 StatusOr<DistEnv> ReadDistEnv() {
   DistEnv env;
-  const char* ws = std::getenv(kEnvWorldSize);
+  const char* ws = GetEnv(kEnvWorldSize);
   env.from_env = ws != nullptr && *ws != '\0';
   const int one = 1, zero = 0;
   STRATA_ASSIGN_OR_RETURN(env.world_size, EnvInt(kEnvWorldSize, 1, 1 << 20, &one));
@@ -188,11 +184,11 @@ StatusOr<DistEnv> ReadDistEnv() {
   const int default_port = 29500;
   STRATA_ASSIGN_OR_RETURN(env.master_port,
                           EnvInt(kEnvMasterPort, 1, 65535, multi ? nullptr : &default_port));
-  const char* addr = std::getenv(kEnvMasterAddr);
+  const char* addr = GetEnv(kEnvMasterAddr);
   if (addr != nullptr && *addr != '\0') {
     env.master_addr = addr;
   } else if (multi) {
-    return InvalidArgument(StrCat(kEnvMasterAddr, " is not set but WORLD_SIZE=", env.world_size,
+    return InvalidArgument(StrCat(kEnvMasterAddr.name, " is not set but WORLD_SIZE=", env.world_size,
                                   " needs the address of rank 0's store", kEnvFix));
   }
   return env;

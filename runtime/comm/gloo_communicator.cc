@@ -12,6 +12,7 @@
 #include <ATen/ATen.h>
 
 #include "runtime/base/check.h"
+#include "runtime/base/env_vars.h"
 #include "runtime/base/logging.h"
 #include "runtime/comm/backends.h"
 #include "runtime/comm/host_reduce.h"
@@ -256,7 +257,7 @@ StatusOr<std::unique_ptr<Communicator>> CreateGlooCommunicator(const DistEnv& en
   try {
     auto store = c10::make_intrusive<c10d::PrefixStore>("strata/gloo", tcp);
     auto options = c10d::ProcessGroupGloo::Options::create(ToMillis(timeout_s));
-    const char* ifname = std::getenv("GLOO_SOCKET_IFNAME");
+    const char* ifname = GetEnv(kEnvGlooSocketIfname);
     if (ifname != nullptr && *ifname != '\0') {
       options->devices.push_back(c10d::ProcessGroupGloo::createDeviceForInterface(ifname));
     } else if (IsLoopback(env.master_addr)) {

@@ -17,6 +17,7 @@
 #include <unistd.h>
 
 #include "runtime/base/units.h"
+#include "runtime/base/env_vars.h"
 
 namespace strata {
 namespace {
@@ -416,7 +417,7 @@ bool CpuStream::Query() {
 }  // namespace
 
 CpuDeviceMemory DefaultCpuDeviceMemory() {
-  const char* v = std::getenv("STRATA_CPU_DEVICE");
+  const char* v = GetEnv(kEnvCpuDevice);
   return v != nullptr && std::string_view(v) == "strict" ? CpuDeviceMemory::kStrict
                                                         : CpuDeviceMemory::kPlain;
 }

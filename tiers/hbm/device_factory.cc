@@ -1,4 +1,5 @@
 #include "tiers/hbm/device_factory.h"
+#include "runtime/base/env_vars.h"
 
 #include <cstdlib>
 
@@ -14,7 +15,7 @@ namespace {
 // "cuda" and "auto" mean this rank's GPU: LOCAL_RANK's, as launchers (strata-launch, torchrun)
 // set it and as the NCCL communicator binds, or GPU 0 when it is unset.
 int LocalCudaIndex() {
-  const char* v = std::getenv("LOCAL_RANK");
+  const char* v = GetEnv(kEnvLocalRank);
   if (v == nullptr || *v == '\0') return 0;
   char* end = nullptr;
   const long i = std::strtol(v, &end, 10);

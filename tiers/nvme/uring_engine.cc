@@ -16,6 +16,7 @@
 #include <unordered_set>
 
 #include "runtime/base/check.h"
+#include "runtime/base/env_vars.h"
 #include "runtime/base/logging.h"
 
 namespace strata::nvme {
@@ -69,7 +70,7 @@ constexpr auto kBackoffPoll = std::chrono::microseconds(200);
 // Kernels without those flags (before 6.1) get a plain ring. STRATA_NVME_PLAIN_RING=1 forces a
 // plain ring, for comparisons.
 const bool kPlainRing = [] {
-  const char* v = std::getenv("STRATA_NVME_PLAIN_RING");
+  const char* v = GetEnv(kEnvNvmePlainRing);
   return v != nullptr && v[0] == '1';
 }();
 

@@ -19,6 +19,7 @@
 #include <torch/torch.h>
 
 #include "runtime/base/config.h"
+#include "runtime/base/env_vars.h"
 #include "runtime/base/device.h"
 #include "runtime/base/host_info.h"
 #include "runtime/base/logging.h"
@@ -431,11 +432,12 @@ class Trainer {
 // read once, when the OpenMP runtime loads, before main: so the process starts itself again
 // with it set, unless the caller chose a policy. STRATA_KEEP_OMP_WAIT=1 skips the restart.
 static void ExecWithPassiveOmpWait(char** argv) {
-  if (std::getenv("OMP_WAIT_POLICY") != nullptr || std::getenv("STRATA_KEEP_OMP_WAIT") != nullptr)
+  if (strata::GetEnv(strata::kEnvOmpWaitPolicy) != nullptr ||
+      strata::GetEnv(strata::kEnvKeepOmpWait) != nullptr)
     return;
-  if (setenv("OMP_WAIT_POLICY", "PASSIVE", 1) != 0) return;
+  if (setenv(strata::kEnvOmpWaitPolicy.name, "PASSIVE", 1) != 0) return;
   execv("/proc/self/exe", argv);  // returns only on failure: then go on as we are
-  unsetenv("OMP_WAIT_POLICY");
+  unsetenv(strata::kEnvOmpWaitPolicy.name);
 }
 
 int main(int argc, char** argv) {
@@ -508,7 +510,7 @@ int main(int argc, char** argv) {
     return 2;
   }
   if (f.print_config) {
-    const char* ws = std::getenv("WORLD_SIZE");
+    const char* ws = strata::GetEnv(strata::kEnvWorldSize);
     const int world = ws && std::atoi(ws) > 0 ? std::atoi(ws) : 1;
     strata::Status s = config->ResolveAuto(strata::train::MakeAutoContext(f, *config, world));
     if (!s.ok()) {

@@ -49,10 +49,12 @@ def test_the_table_is_well_formed():
 def test_cpp_reads_only_through_the_table():
     raw = []
     for path in _tracked("runtime", "tiers", "optim", "kernels", "tools", "python/bindings"):
-        if not path.endswith((".cc", ".h", ".cu")) or path.endswith("runtime/base/env_vars.cc"):
+        if not path.endswith((".cc", ".h", ".cu")) or \
+                os.path.basename(path) in ("env_vars.cc", "env_vars.h"):
             continue
         for n, line in enumerate(open(path, errors="replace"), 1):
-            if re.search(r"\bgetenv\s*\(", line) and "GetEnv(" not in line:
+            code = line.split("//")[0]
+            if re.search(r"\bgetenv\s*\(", code) and "GetEnv(" not in code:
                 raw.append(f"{os.path.relpath(path, ROOT)}:{n}: {line.strip()}")
     assert not raw, "read through GetEnv(kEnv...) (runtime/base/env_vars.h):\n" + "\n".join(raw)
 

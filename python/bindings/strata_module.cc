@@ -19,13 +19,9 @@ using strata::python::AutoHints;
 using strata::python::PyEngine;
 using strata::python::StatusError;
 
-PYBIND11_MODULE(_strata, m) {
-  m.doc() = "Strata's C++ engine, tiers and CPU Adam; use the functions of the strata package";
-  // Whether this build has c10d's Gloo (CPU collectives across ranks): it needs Gloo's headers at
-  // build time (libgloo-dev, or a LibTorch that carries them).
-  m.attr("have_gloo") = strata::GlooAvailable();
-  m.attr("native_backtrace") = strata::python::MaybeInstallNativeBacktrace();
+namespace {
 
+void DefErrors(py::module_& m) {
   // StrataError for every failure; InvalidArgumentError is also a ValueError, so a script that
   // catches ValueError for a bad config (as with DeepSpeed) keeps working.
   static py::handle strata_error =
@@ -52,7 +48,9 @@ PYBIND11_MODULE(_strata, m) {
       PyErr_SetString(strata_error.ptr(), e.what());
     }
   });
+}
 
+void DefEngine(py::module_& m) {
   py::class_<AutoHints>(m, "AutoHints")
       .def(py::init<>())
       .def_readwrite("lr", &AutoHints::lr)
@@ -128,7 +126,9 @@ PYBIND11_MODULE(_strata, m) {
                              [](PyEngine& e) { return e.engine().device_peak_bytes(); })
       .def_property_readonly("config_json", [](PyEngine& e) { return e.config().ToJsonString(); })
       .def("describe", [](PyEngine& e) { return e.engine().Describe().dump(); });
+}
 
+void DefZeroInit(py::module_& m) {
   // zero::Init for strata.zero.Init: current on the creating thread until close().
   py::class_<strata::zero::Init>(m, "ZeroInit")
       .def(py::init([](const std::string& dir) {
@@ -140,7 +140,20 @@ PYBIND11_MODULE(_strata, m) {
       .def("stage", [](strata::zero::Init&, const torch::Tensor& t) { strata::zero::StageMapped(t); })
       .def_property_readonly("staged_bytes", &strata::zero::Init::staged_bytes)
       .def_property_readonly("staged_params", &strata::zero::Init::staged_params);
+}
 
+}  // namespace
+
+PYBIND11_MODULE(_strata, m) {
+  m.doc() = "Strata's C++ engine, tiers and CPU Adam; use the functions of the strata package";
+  // Whether this build has c10d's Gloo (CPU collectives across ranks): it needs Gloo's headers at
+  // build time (libgloo-dev, or a LibTorch that carries them).
+  m.attr("have_gloo") = strata::GlooAvailable();
+  m.attr("native_backtrace") = strata::python::MaybeInstallNativeBacktrace();
+
+  DefErrors(m);
+  DefEngine(m);
+  DefZeroInit(m);
   strata::python::DefPlanner(m);
   m.def("env_vars", [] {
     std::vector<std::tuple<std::string, std::string, std::string>> out;

@@ -50,18 +50,44 @@ Status Engine::Impl::Save(const std::string& root, const nlohmann::json& extra,
   if (step_.step_open)
     return FailedPrecondition("SaveCheckpoint during a step: save after Step() returns");
   STRATA_RETURN_IF_ERROR(FinishUpdates());
-  std::error_code ec;
-  fs::create_directories(root, ec);
-  if (ec) return ErrnoToStatus(ec.value(), StrCat("create checkpoint directory ", root));
   const std::string name = checkpoint::StepDirName(step_.global_step);
   const fs::path final_dir = fs::path(root) / name;
   const fs::path tmp_dir = fs::path(root) / ("." + name + ".tmp");
+  STRATA_ASSIGN_OR_RETURN(bool saved, PrepareSaveDir(root, name));
+  if (saved) return Status::Ok();
+
+  checkpoint::Manifest m = NewManifest(extra);
+  const std::string stem = checkpoint::RankFileStem(comm_->rank());
+  uint64_t bytes = 0;
+  Status s = WriteStateFile((tmp_dir / (stem + ".bin")).string(), &m, &bytes);
+  if (s.ok() && !client_file.empty()) {
+    // The caller's own per-rank state, published with the rest; its size and crc32c in the
+    // manifest let ReadClientFile refuse a damaged one.
+    s = checkpoint::WriteFileAtomic((tmp_dir / (stem + kClientFileSuffix)).string(), client_file);
+    m.extra[kClientFileKey] = {{"bytes", client_file.size()},
+                               {"crc32c", nvme::Crc32c(client_file.data(), client_file.size())}};
+  }
+  if (s.ok())
+    s = checkpoint::WriteFileAtomic((tmp_dir / (stem + ".json")).string(),
+                                    checkpoint::SerializeManifest(m));
+  if (!s.ok()) return s.WithContext(StrCat("saving checkpoint ", final_dir.string()));
+  STRATA_RETURN_IF_ERROR(PublishSave(root, name));
+  STRATA_LOG(INFO) << "checkpoint saved dir=" << final_dir.string() << " bytes=" << bytes;
+  return Status::Ok();
+}
+
+StatusOr<bool> Engine::Impl::PrepareSaveDir(const std::string& root, const std::string& name) {
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  fs::create_directories(root, ec);
+  if (ec) return ErrnoToStatus(ec.value(), StrCat("create checkpoint directory ", root));
+  const fs::path final_dir = fs::path(root) / name;
+  const fs::path tmp_dir = fs::path(root) / ("." + name + ".tmp");
   const int rank = comm_->rank();
-  const std::string stem = checkpoint::RankFileStem(rank);
-  if (fs::exists(final_dir / (stem + ".json"), ec)) {
+  if (fs::exists(final_dir / (checkpoint::RankFileStem(rank) + ".json"), ec)) {
     // This step is already saved (a periodic save followed by the final one).
     if (rank == 0) STRATA_RETURN_IF_ERROR(checkpoint::WriteFileAtomic((fs::path(root) / "latest").string(), name));
-    return Status::Ok();
+    return true;
   }
   if (rank == 0) {  // leftovers of saves that crashed
     for (const auto& e : fs::directory_iterator(root, ec)) {
@@ -72,9 +98,12 @@ Status Engine::Impl::Save(const std::string& root, const nlohmann::json& extra,
   }
   fs::create_directories(tmp_dir, ec);
   if (ec) return ErrnoToStatus(ec.value(), StrCat("create ", tmp_dir.string()));
+  return false;
+}
 
+checkpoint::Manifest Engine::Impl::NewManifest(const nlohmann::json& extra) const {
   checkpoint::Manifest m;
-  m.rank = rank;
+  m.rank = comm_->rank();
   m.world_size = comm_->world_size();
   m.stage = config_.zero_optimization.stage;
   m.dtype = optim::DTypeName(plan_.compute_dtype());
@@ -86,9 +115,12 @@ Status Engine::Impl::Save(const std::string& root, const nlohmann::json& extra,
   if (step_.scaler) m.scaler = {{"scale", step_.scaler->scale()}};
   m.extra = extra;
   m.layout = LayoutJson();
+  return m;
+}
 
+Status Engine::Impl::WriteStateFile(const std::string& bin, checkpoint::Manifest* m,
+                                    uint64_t* bytes_written) {
   // Stream every block from wherever it lives straight into the file: no state is staged whole.
-  const std::string bin = (tmp_dir / (stem + ".bin")).string();
   int fd = ::open(bin.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
   if (fd < 0) return ErrnoToStatus(errno, StrCat("create ", bin));
   Status s;
@@ -98,8 +130,7 @@ Status Engine::Impl::Save(const std::string& root, const nlohmann::json& extra,
     for (StateKind kind : kSavedKinds) {
       if (!plan_.HoldsState(kind)) continue;  // Note [states the optimizer uses]
       const int64_t c64 = static_cast<int64_t>(c);
-      const uint64_t bytes = partitioner_->chunks()[c].shard_numel *
-                             (kind == StateKind::kMaster32 ? 4 : optim::DTypeSize(plan_.state_dtype()));
+      const uint64_t bytes = SavedBytes(c64, kind);
       const BlockKey key = kind == StateKind::kMaster32 ? plan_.MasterKey(c64) : BlockKey{c64, kind};
       auto data = store_->Acquire(key, Access::kRead);
       if (!data.ok()) {
@@ -118,7 +149,7 @@ Status Engine::Impl::Save(const std::string& root, const nlohmann::json& extra,
       Status r = store_->Release(key, false);
       if (s.ok()) s = r;
       if (!s.ok()) break;
-      m.blocks.push_back({c64, StateKindName(kind), offset, bytes, crc});
+      m->blocks.push_back({c64, StateKindName(kind), offset, bytes, crc});
       offset += bytes;
     }
   }
@@ -128,27 +159,25 @@ Status Engine::Impl::Save(const std::string& root, const nlohmann::json& extra,
     torch::Tensor host = b.detach().to(torch::kCPU).contiguous();
     const uint64_t bytes = host.nbytes();
     s = WriteAll(fd, host.data_ptr(), bytes, bin);
-    m.buffers.push_back({name, std::string(c10::toString(host.scalar_type())), offset, bytes,
-                         nvme::Crc32c(host.data_ptr(), bytes)});
+    m->buffers.push_back({name, std::string(c10::toString(host.scalar_type())), offset, bytes,
+                          nvme::Crc32c(host.data_ptr(), bytes)});
     offset += bytes;
   }
   if (s.ok() && ::fsync(fd) != 0) s = ErrnoToStatus(errno, StrCat("fsync ", bin));
   ::close(fd);
-  if (s.ok() && !client_file.empty()) {
-    // The caller's own per-rank state, published with the rest; its size and crc32c in the
-    // manifest let ReadClientFile refuse a damaged one.
-    s = checkpoint::WriteFileAtomic((tmp_dir / (stem + kClientFileSuffix)).string(), client_file);
-    m.extra[kClientFileKey] = {{"bytes", client_file.size()},
-                               {"crc32c", nvme::Crc32c(client_file.data(), client_file.size())}};
-  }
-  if (s.ok())
-    s = checkpoint::WriteFileAtomic((tmp_dir / (stem + ".json")).string(),
-                                    checkpoint::SerializeManifest(m));
-  if (!s.ok()) return s.WithContext(StrCat("saving checkpoint ", final_dir.string()));
+  *bytes_written = offset;
+  return s;
+}
+
+Status Engine::Impl::PublishSave(const std::string& root, const std::string& name) {
+  namespace fs = std::filesystem;
+  const fs::path final_dir = fs::path(root) / name;
+  const fs::path tmp_dir = fs::path(root) / ("." + name + ".tmp");
   if (comm_->world_size() > 1) STRATA_RETURN_IF_ERROR(comm_->Barrier());
   // A crash point (EngineTestHooks): every file written, nothing published.
   if (hooks_.crash_point) hooks_.crash_point("checkpoint:before_publish");
-  if (rank == 0) {
+  if (comm_->rank() == 0) {
+    std::error_code ec;
     STRATA_RETURN_IF_ERROR(checkpoint::FsyncDir(tmp_dir.string()));
     fs::rename(tmp_dir, final_dir, ec);
     if (ec) return ErrnoToStatus(ec.value(), StrCat("rename ", tmp_dir.string(), " to ", final_dir.string()));
@@ -156,8 +185,12 @@ Status Engine::Impl::Save(const std::string& root, const nlohmann::json& extra,
     STRATA_RETURN_IF_ERROR(checkpoint::WriteFileAtomic((fs::path(root) / "latest").string(), name));
   }
   if (comm_->world_size() > 1) STRATA_RETURN_IF_ERROR(comm_->Barrier());
-  STRATA_LOG(INFO) << "checkpoint saved dir=" << final_dir.string() << " bytes=" << offset;
   return Status::Ok();
+}
+
+uint64_t Engine::Impl::SavedBytes(int64_t c, StateKind kind) const {
+  return partitioner_->chunks()[c].shard_numel *
+         (kind == StateKind::kMaster32 ? 4 : optim::DTypeSize(plan_.state_dtype()));
 }
 
 nlohmann::json Engine::Impl::LayoutJson() const {
@@ -214,6 +247,41 @@ StatusOr<nlohmann::json> Engine::Impl::Load(const std::string& path, bool weight
   }
   STRATA_ASSIGN_OR_RETURN(std::string text, checkpoint::ReadFile(mpath));
   STRATA_ASSIGN_OR_RETURN(checkpoint::Manifest m, checkpoint::ParseManifest(text, mpath));
+  STRATA_RETURN_IF_ERROR(CheckManifestFits(m, dir));
+  const std::string bin = (fs::path(dir) / (stem + ".bin")).string();
+  int fd = ::open(bin.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return ErrnoToStatus(errno, StrCat("open ", bin));
+  // Buffers first, all read and checked before any state is overwritten.
+  std::vector<torch::Tensor> buffer_values;
+  Status s = ReadSavedBuffers(fd, bin, m, mpath, &buffer_values);
+  if (s.ok()) s = ReadSavedBlocks(fd, bin, m, mpath, weights_only);
+  ::close(fd);
+  STRATA_RETURN_IF_ERROR(s);
+  {
+    torch::NoGradGuard ng;
+    for (size_t i = 0; i < buffer_values.size(); ++i) buffers_[i].second.copy_(buffer_values[i]);
+  }
+  // The working copy is the master rounded to the working precision, exactly what Adam writes.
+  if (!plan_.master_is_param()) {  // shared: already there
+    for (size_t c = 0; c < chunks_.size(); ++c) {
+      const int64_t c64 = static_cast<int64_t>(c);
+      std::vector<float> master(partitioner_->chunks()[c].shard_numel);
+      STRATA_RETURN_IF_ERROR(ReadShard(c64, StateKind::kMaster32, master.data()));
+      STRATA_RETURN_IF_ERROR(PublishMaster(c64, master));
+    }
+  }
+  STRATA_RETURN_IF_ERROR(ShareUpdatedShards());
+  STRATA_RETURN_IF_ERROR(materializer_->RefreshChunks());
+  if (!weights_only) {
+    step_.global_step = m.global_step;
+    step_.micro_step = m.micro_step;
+  }
+  STRATA_LOG(INFO) << "checkpoint loaded dir=" << dir << " step=" << m.global_step
+                   << (weights_only ? " (weights only)" : "");
+  return m.extra;
+}
+
+Status Engine::Impl::CheckManifestFits(const checkpoint::Manifest& m, const std::string& dir) const {
   auto mismatch = [&](const std::string& what, const std::string& saved, const std::string& now,
                       const std::string& fix) {
     return InvalidArgument(StrCat(dir, " was saved with ", what, "=", saved, " but this run has ",
@@ -235,125 +303,69 @@ StatusOr<nlohmann::json> Engine::Impl::Load(const std::string& path, bool weight
     return mismatch("a model of parameters", std::to_string(m.parameters), std::to_string(num_params()),
                     "it belongs to another model (or chunk_size differs): use the same model and "
                     "strata.chunk_size");
-  std::map<BlockKey, const checkpoint::BlockEntry*> entries;
-  for (const auto& e : m.blocks) {
-    STRATA_ASSIGN_OR_RETURN(StateKind k, KindFromName(e.state));
-    entries[{e.chunk, k}] = &e;
-  }
-  const std::string bin = (fs::path(dir) / (stem + ".bin")).string();
-  int fd = ::open(bin.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) return ErrnoToStatus(errno, StrCat("open ", bin));
-  Status s;
-  // Buffers first, all read and checked before any state is overwritten: every one the model has
-  // must be in the checkpoint, by name, with its size and type.
-  std::vector<torch::Tensor> buffer_values;
-  for (size_t i = 0; i < buffers_.size() && s.ok(); ++i) {
+  return Status::Ok();
+}
+
+Status Engine::Impl::ReadSavedBuffers(int fd, const std::string& bin, const checkpoint::Manifest& m,
+                                      const std::string& mpath, std::vector<torch::Tensor>* out) {
+  // Every buffer the model has must be in the checkpoint, by name, with its size and type.
+  for (size_t i = 0; i < buffers_.size(); ++i) {
     const auto& [name, b] = buffers_[i];
     const checkpoint::BufferEntry* e = nullptr;
     for (const auto& be : m.buffers)
       if (be.name == name) e = &be;
     const std::string type(c10::toString(b.scalar_type()));
-    if (!e || e->bytes != b.nbytes() || e->dtype != type) {
-      s = DataLoss(StrCat(mpath, ": buffer '", name, "' (", type, ", ", b.nbytes(),
-                          " bytes) is missing or differs; the checkpoint belongs to another model"));
-      break;
-    }
+    if (!e || e->bytes != b.nbytes() || e->dtype != type)
+      return DataLoss(StrCat(mpath, ": buffer '", name, "' (", type, ", ", b.nbytes(),
+                             " bytes) is missing or differs; the checkpoint belongs to another model"));
     torch::Tensor host = torch::empty(b.sizes(), torch::TensorOptions().dtype(b.scalar_type()));
     ssize_t got = ::pread(fd, host.data_ptr(), e->bytes, static_cast<off_t>(e->offset));
-    if (got < 0 || static_cast<uint64_t>(got) != e->bytes) {
-      s = DataLoss(StrCat(bin, " is truncated: buffer '", name, "' needs ", e->bytes, " bytes"));
-      break;
-    }
-    if (nvme::Crc32c(host.data_ptr(), e->bytes) != e->crc32c) {
-      s = DataLoss(StrCat(bin, ": buffer '", name, "' fails its crc32c check; the checkpoint is "
-                          "corrupted: resume from an earlier one"));
-      break;
-    }
-    buffer_values.push_back(host);
+    if (got < 0 || static_cast<uint64_t>(got) != e->bytes)
+      return DataLoss(StrCat(bin, " is truncated: buffer '", name, "' needs ", e->bytes, " bytes"));
+    if (nvme::Crc32c(host.data_ptr(), e->bytes) != e->crc32c)
+      return DataLoss(StrCat(bin, ": buffer '", name, "' fails its crc32c check; the checkpoint is "
+                             "corrupted: resume from an earlier one"));
+    out->push_back(host);
   }
-  for (size_t c = 0; c < chunks_.size() && s.ok(); ++c) {
+  return Status::Ok();
+}
+
+Status Engine::Impl::ReadSavedBlocks(int fd, const std::string& bin, const checkpoint::Manifest& m,
+                                     const std::string& mpath, bool weights_only) {
+  std::map<BlockKey, const checkpoint::BlockEntry*> entries;
+  for (const auto& e : m.blocks) {
+    STRATA_ASSIGN_OR_RETURN(StateKind k, KindFromName(e.state));
+    entries[{e.chunk, k}] = &e;
+  }
+  for (size_t c = 0; c < chunks_.size(); ++c) {
     for (StateKind kind : kSavedKinds) {
       if (weights_only && kind != StateKind::kMaster32) continue;  // the optimizer keeps its own
       if (!plan_.HoldsState(kind)) continue;  // a state this optimizer does not keep is not read
       const int64_t c64 = static_cast<int64_t>(c);
       auto it = entries.find({c64, kind});
-      const uint64_t bytes = partitioner_->chunks()[c].shard_numel *
-                             (kind == StateKind::kMaster32 ? 4 : optim::DTypeSize(plan_.state_dtype()));
-      if (it == entries.end() || it->second->bytes != bytes) {
-        s = DataLoss(StrCat(mpath, ": ", BlockName({c64, kind}), " is missing or has the wrong size"));
-        break;
-      }
+      const uint64_t bytes = SavedBytes(c64, kind);
+      if (it == entries.end() || it->second->bytes != bytes)
+        return DataLoss(StrCat(mpath, ": ", BlockName({c64, kind}), " is missing or has the wrong size"));
       // Read into a scratch buffer first: a damaged file must not overwrite the live state.
       std::vector<char> buf(bytes);
       ssize_t got = ::pread(fd, buf.data(), bytes, static_cast<off_t>(it->second->offset));
-      if (got < 0) {
-        s = ErrnoToStatus(errno, StrCat("read ", bin));
-        break;
-      }
-      if (static_cast<uint64_t>(got) != bytes) {
-        s = DataLoss(StrCat(bin, " is truncated: ", BlockName({c64, kind}), " needs ", bytes,
-                            " bytes at offset ", it->second->offset, ", got ", got));
-        break;
-      }
-      if (nvme::Crc32c(buf.data(), bytes) != it->second->crc32c) {
-        s = DataLoss(StrCat(bin, ": ", BlockName({c64, kind}),
-                            " fails its crc32c check; the checkpoint is corrupted: resume from an "
-                            "earlier one"));
-        break;
-      }
+      if (got < 0) return ErrnoToStatus(errno, StrCat("read ", bin));
+      if (static_cast<uint64_t>(got) != bytes)
+        return DataLoss(StrCat(bin, " is truncated: ", BlockName({c64, kind}), " needs ", bytes,
+                               " bytes at offset ", it->second->offset, ", got ", got));
+      if (nvme::Crc32c(buf.data(), bytes) != it->second->crc32c)
+        return DataLoss(StrCat(bin, ": ", BlockName({c64, kind}),
+                               " fails its crc32c check; the checkpoint is corrupted: resume from "
+                               "an earlier one"));
       const BlockKey key = kind == StateKind::kMaster32 ? plan_.MasterKey(c64) : BlockKey{c64, kind};
-      auto dst = store_->Acquire(key, Access::kWrite);
-      if (!dst.ok()) {
-        s = dst.status();
-        break;
-      }
-      s = WriteBlockBytes(*dst, buf.data(), bytes, plan_.PlacementOf(key.kind));
+      STRATA_ASSIGN_OR_RETURN(void* dst, store_->Acquire(key, Access::kWrite));
+      Status s = WriteBlockBytes(dst, buf.data(), bytes, plan_.PlacementOf(key.kind));
       Status r = store_->Release(key, true);
-      if (s.ok()) s = r;
+      STRATA_RETURN_IF_ERROR(s);
+      STRATA_RETURN_IF_ERROR(r);
     }
   }
-  ::close(fd);
-  STRATA_RETURN_IF_ERROR(s);
-  {
-    torch::NoGradGuard ng;
-    for (size_t i = 0; i < buffer_values.size(); ++i) buffers_[i].second.copy_(buffer_values[i]);
-  }
-
-  // The working copy is the master rounded to the working precision, exactly what Adam writes.
-  const size_t esize = optim::DTypeSize(plan_.compute_dtype());
-  for (size_t c = 0; c < chunks_.size() && !plan_.master_is_param(); ++c) {  // shared: already there
-    const int64_t c64 = static_cast<int64_t>(c);
-    const int64_t n = partitioner_->chunks()[c].shard_numel;
-    STRATA_ASSIGN_OR_RETURN(void* master, store_->Acquire({c64, StateKind::kMaster32}, Access::kRead));
-    std::vector<float> master_host(n);
-    Status read = ReadBlockBytes(master_host.data(), master, n * 4, plan_.optim_placement());
-    if (!read.ok()) {
-      store_->Release({c64, StateKind::kMaster32}, false).IgnoreError();
-      return read;
-    }
-    std::vector<char> work(n * esize);
-    const float* mf = master_host.data();
-    if (plan_.compute_dtype() == optim::DType::kFloat32) {
-      std::memcpy(work.data(), mf, n * 4);
-    } else {
-      auto* w16 = reinterpret_cast<uint16_t*>(work.data());
-      for (int64_t i = 0; i < n; ++i)
-        w16[i] = plan_.compute_dtype() == optim::DType::kBFloat16 ? optim::FloatToBf16(mf[i])
-                                                           : optim::FloatToHalf(mf[i]);
-    }
-    STRATA_RETURN_IF_ERROR(store_->Release({c64, StateKind::kMaster32}, false));
-    STRATA_RETURN_IF_ERROR(updater_->PublishParams(c64, work.data(), plan_.compute_dtype()));
-  }
-  STRATA_RETURN_IF_ERROR(ShareUpdatedShards());
-  STRATA_RETURN_IF_ERROR(materializer_->RefreshChunks());
-  if (!weights_only) {
-    step_.global_step = m.global_step;
-    step_.micro_step = m.micro_step;
-  }
-  STRATA_LOG(INFO) << "checkpoint loaded dir=" << dir << " step=" << m.global_step
-                   << (weights_only ? " (weights only)" : "");
-  return m.extra;
+  return Status::Ok();
 }
-
 
 }  // namespace strata

@@ -129,6 +129,20 @@ class Engine::Impl {
   std::vector<std::vector<int64_t>> ClientSegments() const;
   StatusOr<nlohmann::json> Load(const std::string& dir, bool weights_only);
   nlohmann::json LayoutJson() const;  // Manifest::layout of this rank
+  // Save's and Load's phases (engine_checkpoint.cc): the temporary folder made (true: this step
+  // is saved already), the manifest's header, the states and buffers streamed into the rank's
+  // file, the folder published; the manifest checked against this run, the buffers and blocks
+  // read back and checked. SavedBytes: a chunk's shard of a saved state.
+  StatusOr<bool> PrepareSaveDir(const std::string& root, const std::string& name);
+  checkpoint::Manifest NewManifest(const nlohmann::json& extra) const;
+  Status WriteStateFile(const std::string& bin, checkpoint::Manifest* m, uint64_t* bytes_written);
+  Status PublishSave(const std::string& root, const std::string& name);
+  Status CheckManifestFits(const checkpoint::Manifest& m, const std::string& dir) const;
+  Status ReadSavedBuffers(int fd, const std::string& bin, const checkpoint::Manifest& m,
+                          const std::string& mpath, std::vector<torch::Tensor>* out);
+  Status ReadSavedBlocks(int fd, const std::string& bin, const checkpoint::Manifest& m,
+                         const std::string& mpath, bool weights_only);
+  uint64_t SavedBytes(int64_t c, StateKind kind) const;
 
   int64_t global_step() const { return step_.global_step; }
   int64_t micro_step() const { return step_.micro_step; }
@@ -232,6 +246,9 @@ class Engine::Impl {
                     std::vector<float>* shard_out);
   Status WriteMasters(
       const std::map<int64_t, std::vector<std::pair<int64_t, torch::Tensor>>>& by_chunk);
+  // Chunk c's working copy from its fp32 master shard: rounded to the working precision and
+  // published, as after an update.
+  Status PublishMaster(int64_t c, const std::vector<float>& master);
 
   // Optimizer lane (optimizer_lane.h): chunk c's update queued once its states' reads started.
   void EnqueueOptimizer(int64_t c);

@@ -124,20 +124,21 @@ Status Engine::Impl::PatchShard(int64_t c, StateKind kind,
   return Status::Ok();
 }
 
+Status Engine::Impl::PublishMaster(int64_t c, const std::vector<float>& master) {
+  std::vector<char> work(master.size() * optim::DTypeSize(plan_.compute_dtype()));
+  FromFloat(master.data(), plan_.compute_dtype(), static_cast<int64_t>(master.size()), work.data());
+  return updater_->PublishParams(c, work.data(), plan_.compute_dtype());
+}
+
 Status Engine::Impl::WriteMasters(
     const std::map<int64_t, std::vector<std::pair<int64_t, torch::Tensor>>>& by_chunk) {
-  const size_t esize = optim::DTypeSize(plan_.compute_dtype());
   for (const auto& [c, written] : by_chunk) {
     // The master shard, patched where a written parameter overlaps it. With a shared master
     // (fp32 compute) it is the working shard itself; otherwise the working copy is the master
     // rounded to the working precision, as after an update.
     std::vector<float> master;
     STRATA_RETURN_IF_ERROR(PatchShard(c, StateKind::kMaster32, written, &master));
-    if (plan_.master_is_param()) continue;
-    std::vector<char> work(master.size() * esize);
-    FromFloat(master.data(), plan_.compute_dtype(), static_cast<int64_t>(master.size()),
-              work.data());
-    STRATA_RETURN_IF_ERROR(updater_->PublishParams(c, work.data(), plan_.compute_dtype()));
+    if (!plan_.master_is_param()) STRATA_RETURN_IF_ERROR(PublishMaster(c, master));
   }
   // Every rank's shards to the others (replicated working copies), and what is gathered now
   // refreshed from them, as after an optimizer step.

@@ -662,8 +662,20 @@ Status ParseScheduler(Section s, SchedulerConfig* c) {
     STRATA_RETURN_IF_ERROR(p.Finish());
     return s.Finish();
   }
-  STRATA_RETURN_IF_ERROR(p.Double("warmup_min_lr", &c->warmup_min_lr, 0.0, 10.0));
-  STRATA_RETURN_IF_ERROR(p.Double("warmup_max_lr", &c->warmup_max_lr, 0.0, 10.0));
+  if (c->type == SchedulerType::kWarmupCosineLR) {
+    // DeepSpeed's WarmupCosineLR scales the optimizer's lr by ratios; it takes no lr of its own.
+    for (const char* key : {"warmup_min_lr", "warmup_max_lr"}) {
+      if (p.has(key))
+        return InvalidArgument(StrCat(p.Key(key), ": WarmupCosineLR takes ratios of the "
+                                      "optimizer's lr (warmup_min_ratio, cos_min_ratio), as "
+                                      "DeepSpeed's does; set the peak in optimizer.params.lr"));
+    }
+    STRATA_RETURN_IF_ERROR(p.Double("warmup_min_ratio", &c->warmup_min_ratio, 0.0, 1.0));
+    STRATA_RETURN_IF_ERROR(p.Double("cos_min_ratio", &c->cos_min_ratio, 0.0, 1.0));
+  } else {
+    STRATA_RETURN_IF_ERROR(p.Double("warmup_min_lr", &c->warmup_min_lr, 0.0, 10.0));
+    STRATA_RETURN_IF_ERROR(p.Double("warmup_max_lr", &c->warmup_max_lr, 0.0, 10.0));
+  }
   STRATA_RETURN_IF_ERROR(p.Int("warmup_num_steps", &c->warmup_num_steps, 0, kMaxElems));
   STRATA_RETURN_IF_ERROR(p.Int("total_num_steps", &c->total_num_steps, 1, kMaxElems));
   STRATA_RETURN_IF_ERROR(p.Enum("warmup_type", &c->warmup_type,
@@ -986,6 +998,12 @@ json Config::ToJson() const {
                 {"lr_range_test_step_size", sc.lr_range_test_step_size},
                 {"lr_range_test_step_rate", sc.lr_range_test_step_rate},
                 {"lr_range_test_staircase", sc.lr_range_test_staircase}};
+    } else if (sc.type == SchedulerType::kWarmupCosineLR) {
+      params = {{"warmup_type", sc.warmup_type == WarmupType::kLog ? "log" : "linear"},
+                {"warmup_min_ratio", sc.warmup_min_ratio},
+                {"cos_min_ratio", sc.cos_min_ratio},
+                {"warmup_num_steps", sc.warmup_num_steps},
+                {"total_num_steps", sc.total_num_steps}};
     } else {
       params = {{"warmup_type", sc.warmup_type == WarmupType::kLog ? "log" : "linear"},
                 {"warmup_min_lr", sc.warmup_min_lr},

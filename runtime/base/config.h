@@ -109,6 +109,10 @@ struct SchedulerConfig {
   double warmup_max_lr = 1e-3;
   int64_t warmup_num_steps = 1000;
   int64_t total_num_steps = 10000;  // WarmupDecayLR / WarmupCosineLR
+  // WarmupCosineLR (DeepSpeed's): ratios of the optimizer's lr, from warmup_min_ratio up to 1
+  // over the warmup, then down a cosine to cos_min_ratio at total_num_steps.
+  double warmup_min_ratio = 0.0;
+  double cos_min_ratio = 1e-4;
   // OneCycle (DeepSpeed's names and defaults; cycle_min_lr and cycle_max_lr are required). A
   // second step size or stair count of -1 takes the first's.
   double cycle_min_lr = 0.0;

@@ -46,7 +46,8 @@ double OneCycleTotal(const SchedulerConfig& s) {
 double LearningRate(const Config& config, int64_t step) {
   const SchedulerConfig& s = config.scheduler;
   if (s.type == SchedulerType::kNone) return config.optimizer.lr;
-  // DeepSpeed counts scheduler iterations from 0 at the first step.
+  // LRRangeTest and OneCycle: DeepSpeed's classes write the lr of batch index 0 when built, so
+  // step `step` runs with batch index step - 1.
   const double it = static_cast<double>(std::max<int64_t>(step - 1, 0));
   if (s.type == SchedulerType::kLRRangeTest) {
     const double interval = it / static_cast<double>(s.lr_range_test_step_size);
@@ -64,21 +65,42 @@ double LearningRate(const Config& config, int64_t step) {
     const double k = it - total;  // steps since the cycle ended
     return s.cycle_min_lr / (1.0 + s.decay_lr_rate * k / static_cast<double>(s.decay_step_size));
   }
-  const double warm = static_cast<double>(s.warmup_num_steps);
-  if (it < warm) {
-    // DeepSpeed's WarmupLR: gamma = it / warm (linear) or log(it + 1) / log(warm) (log, with
-    // warm at least 2 so the log is defined).
-    const double gamma = s.warmup_type == WarmupType::kLinear
-                             ? it / warm
-                             : std::log(it + 1.0) / std::log(std::max(2.0, warm));
-    return s.warmup_min_lr + (s.warmup_max_lr - s.warmup_min_lr) * gamma;
+  // Note [warmup schedules' first steps]: DeepSpeed's WarmupLR, WarmupDecayLR and
+  // WarmupCosineLR write their lr for last_batch_iteration = -1 when they are built and step
+  // after each optimizer step, so step `step` runs with last_batch_iteration = step - 2: the
+  // first step at the start value (min lr; 0 for the cosine), the second at iteration 0, whose
+  // warmup gamma is 0 too. Their warmup is at least 2 steps long.
+  const int64_t last = step - 2;
+  const double warm = static_cast<double>(std::max<int64_t>(2, s.warmup_num_steps));
+  const double b = static_cast<double>(last);
+  const double warmup_gamma = s.warmup_type == WarmupType::kLinear ? b / warm
+                                                                    : std::log(b + 1.0) / std::log(warm);
+  if (s.type == SchedulerType::kWarmupCosineLR) {
+    if (last < 0) return 0.0;
+    double ratio;
+    if (b < warm) {
+      ratio = s.warmup_min_ratio + (1.0 - s.warmup_min_ratio) * warmup_gamma;
+    } else {
+      // Past total_num_steps the ratio stays at cos_min_ratio (DeepSpeed 0.19 clamps the
+      // cosine's progress to 1; earlier releases swung back up).
+      const double total = std::max(1.0, static_cast<double>(s.total_num_steps) - warm);
+      const double progress = std::min(1.0, (b - warm + 1.0) / total);
+      const double cosine = (1.0 + std::cos(M_PI * progress)) / 2.0;
+      ratio = std::max(0.0, s.cos_min_ratio + (1.0 - s.cos_min_ratio) * cosine);
+    }
+    return config.optimizer.lr * ratio;
   }
-  if (s.type == SchedulerType::kWarmupLR) return s.warmup_max_lr;
-  const double total = static_cast<double>(s.total_num_steps);
-  const double span = std::max(1.0, total - warm);
-  const double frac = std::clamp((it - warm) / span, 0.0, 1.0);
-  if (s.type == SchedulerType::kWarmupDecayLR) return s.warmup_max_lr * (1.0 - frac);
-  return s.warmup_max_lr * 0.5 * (1.0 + std::cos(M_PI * frac));
+  if (last < 0) return s.warmup_min_lr;
+  double gamma;
+  if (b < warm) {
+    gamma = warmup_gamma;
+  } else if (s.type == SchedulerType::kWarmupLR) {
+    gamma = 1.0;
+  } else {  // WarmupDecayLR: linear down to 0 at total_num_steps
+    gamma = std::max(0.0, (static_cast<double>(s.total_num_steps) - b) /
+                              std::max(1.0, static_cast<double>(s.total_num_steps) - warm));
+  }
+  return s.warmup_min_lr + (s.warmup_max_lr - s.warmup_min_lr) * gamma;
 }
 
 std::optional<std::pair<double, double>> ScheduledBetas(const Config& config, int64_t step) {

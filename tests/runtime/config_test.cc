@@ -547,17 +547,20 @@ TEST(ConfigDeepSpeed, SpellingsWithoutTheStage3Prefix) {
               {"both set"});
 }
 
-// DeepSpeed's WarmupLR defaults to a logarithmic warmup: gamma = log(it + 1) / log(warmup).
+// DeepSpeed's WarmupLR defaults to a logarithmic warmup: gamma = log(it + 1) / log(warmup), and
+// optimizer step s runs with iteration s - 2 (Note [warmup schedules' first steps]; the values
+// against real DeepSpeed: tests/python/test_lr_schedule_vs_deepspeed.py).
 TEST(ConfigDeepSpeed, WarmupTypeLogIsDeepSpeedsDefault) {
   ASSERT_OK_AND_ASSIGN(Config log_cfg, Config::FromJsonText(R"({"scheduler": {"type": "WarmupLR",
       "params": {"warmup_min_lr": 0, "warmup_max_lr": 1.0, "warmup_num_steps": 10}}})"));
   EXPECT_EQ(log_cfg.scheduler.warmup_type, WarmupType::kLog);
-  EXPECT_NEAR(LearningRate(log_cfg, 6), std::log(6.0) / std::log(10.0), 1e-12);  // iteration 5
+  EXPECT_NEAR(LearningRate(log_cfg, 6), std::log(5.0) / std::log(10.0), 1e-12);  // iteration 4
   EXPECT_NEAR(LearningRate(log_cfg, 1), 0.0, 1e-12);
-  EXPECT_NEAR(LearningRate(log_cfg, 11), 1.0, 1e-12);
+  EXPECT_NEAR(LearningRate(log_cfg, 2), 0.0, 1e-12);
+  EXPECT_NEAR(LearningRate(log_cfg, 12), 1.0, 1e-12);
   ASSERT_OK_AND_ASSIGN(Config lin, Config::FromJsonText(R"({"scheduler": {"type": "WarmupLR",
       "params": {"warmup_type": "linear", "warmup_min_lr": 0, "warmup_max_lr": 1.0, "warmup_num_steps": 10}}})"));
-  EXPECT_NEAR(LearningRate(lin, 6), 0.5, 1e-12);
+  EXPECT_NEAR(LearningRate(lin, 7), 0.5, 1e-12);
 }
 
 }  // namespace

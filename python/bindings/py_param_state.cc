@@ -24,6 +24,19 @@ T Checked(StatusOr<T> v) {
   return std::move(*v);
 }
 
+// One of the engine's per-parameter readers, without the GIL.
+using StateReader = StatusOr<std::vector<torch::Tensor>> (Engine::*)(
+    StateKind, const std::vector<torch::Tensor>&);
+std::vector<torch::Tensor> ParamStates(PyEngine& e, StateKind kind,
+                                       const std::vector<torch::Tensor>& params, StateReader read) {
+  StatusOr<std::vector<torch::Tensor>> got = std::vector<torch::Tensor>{};
+  {
+    py::gil_scoped_release nogil;
+    got = (e.engine().*read)(kind, params);
+  }
+  return Checked(std::move(got));
+}
+
 }  // namespace
 
 void DefStateMethods(py::class_<PyEngine>& engine) {
@@ -60,24 +73,12 @@ void DefStateMethods(py::class_<PyEngine>& engine) {
            py::arg("params"))
       .def("gather_param_state",
            [](PyEngine& e, const std::string& kind, const std::vector<torch::Tensor>& params) {
-             const StateKind k = KindNamed(kind, "gather_param_state");
-             StatusOr<std::vector<torch::Tensor>> got = std::vector<torch::Tensor>{};
-             {
-               py::gil_scoped_release nogil;
-               got = e.engine().GatherParamState(k, params);
-             }
-             return Checked(std::move(got));
+             return ParamStates(e, KindNamed(kind, "gather_param_state"), params, &Engine::GatherParamState);
            },
            py::arg("kind"), py::arg("params"))
       .def("local_param_state",
            [](PyEngine& e, const std::string& kind, const std::vector<torch::Tensor>& params) {
-             const StateKind k = KindNamed(kind, "local_param_state");
-             StatusOr<std::vector<torch::Tensor>> got = std::vector<torch::Tensor>{};
-             {
-               py::gil_scoped_release nogil;
-               got = e.engine().LocalParamState(k, params);
-             }
-             return Checked(std::move(got));
+             return ParamStates(e, KindNamed(kind, "local_param_state"), params, &Engine::LocalParamState);
            },
            py::arg("kind"), py::arg("params"))
       .def("write_param_state",

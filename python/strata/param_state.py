@@ -78,62 +78,55 @@ def _state_kind(engine, key):
     return keys[key]
 
 
-def _on_device(engine, t):
-    return t.to(engine.device)
+def _read(param, key, local):
+    """The state `key` (None: the fp32 master) of `param`, whole (collective) or this rank's
+    shard, on the engine's device; None for a parameter no engine trains."""
+    engine = _engine_of(param)
+    if engine is None:
+        return None
+    kind = "master32" if key is None else _state_kind(engine, key)
+    read = engine._cpp.local_param_state if local else engine._cpp.gather_param_state
+    return read(kind, [param])[0].to(engine.device)
+
+
+def _write(param, key, value):
+    engine = _engine_of(param)
+    if engine is not None:
+        kind = "master32" if key is None else _state_kind(engine, key)
+        engine._cpp.write_param_state(kind, [param], [_checked(param, value)])
 
 
 # --- deepspeed.utils ------------------------------------------------------------------------------
 def safe_get_full_fp32_param(param):
     """The parameter's fp32 master value, whole and shaped as the parameter, on the engine's
     device; None for a parameter no engine trains."""
-    engine = _engine_of(param)
-    if engine is None:
-        return None
-    return _on_device(engine, engine._cpp.gather_param_state("master32", [param])[0])
+    return _read(param, None, local=False)
 
 
 def safe_set_full_fp32_param(param, value):
     """Writes `value` (the parameter's shape or numel) into its fp32 master; the working copy
     follows at once. The optimizer states are untouched."""
-    engine = _engine_of(param)
-    if engine is None:
-        return
-    engine._cpp.write_param_state("master32", [param], [_checked(param, value)])
+    _write(param, None, value)
 
 
 def safe_get_full_optimizer_state(param, optim_state_key):
     """One of the optimizer's states for the parameter (Adam/AdamW: "exp_avg", "exp_avg_sq";
     SGD with momentum: "momentum_buffer"; Adagrad: "sum"; Lion: "exp_avg"), whole, in fp32, on
     the engine's device; None for a parameter no engine trains."""
-    engine = _engine_of(param)
-    if engine is None:
-        return None
-    kind = _state_kind(engine, optim_state_key)
-    return _on_device(engine, engine._cpp.gather_param_state(kind, [param])[0])
+    return _read(param, optim_state_key, local=False)
 
 
 def safe_set_full_optimizer_state(param, value, optim_state_key):
-    engine = _engine_of(param)
-    if engine is None:
-        return
-    kind = _state_kind(engine, optim_state_key)
-    engine._cpp.write_param_state(kind, [param], [_checked(param, value)])
+    _write(param, optim_state_key, value)
 
 
 def safe_get_local_fp32_param(param):
     """This rank's elements of the parameter's fp32 master (flat; no collective)."""
-    engine = _engine_of(param)
-    if engine is None:
-        return None
-    return _on_device(engine, engine._cpp.local_param_state("master32", [param])[0])
+    return _read(param, None, local=True)
 
 
 def safe_get_local_optimizer_state(param, optim_state_key):
-    engine = _engine_of(param)
-    if engine is None:
-        return None
-    kind = _state_kind(engine, optim_state_key)
-    return _on_device(engine, engine._cpp.local_param_state(kind, [param])[0])
+    return _read(param, optim_state_key, local=True)
 
 
 def _refused(name, what, instead):

@@ -515,15 +515,15 @@ Status ParseBetas(Section& p, OptimizerConfig* c) {
   return Status::Ok();
 }
 
-Status ParseOptimizer(Section s, OptimizerConfig* c) {
+// ParseOptimizer's parts: the type, then that type's params (each refuses what it cannot run).
+Status ParseOptimizerType(Section& s, OptimizerConfig* c, bool* named_adamw) {
   // DeepSpeed's type names are case-insensitive; "DeepSpeed_Adam" is an old name of its CPU Adam.
   // Note [Adam means AdamW]: DeepSpeed builds "Adam" with adam_w_mode=true unless the params say
   // otherwise, i.e. decoupled weight decay; Strata follows it so a config trains the same here.
-  bool named_adamw = false;  // "AdamW" itself: decoupled whatever adam_w_mode says
   if (const json* t = s.Get("type"); t && t->is_string()) {
     std::string lower = t->get<std::string>();
     std::transform(lower.begin(), lower.end(), lower.begin(), ::tolower);
-    named_adamw = lower == "adamw";
+    *named_adamw = lower == "adamw";
     if (lower == "adam" || lower == "deepspeed_adam" || lower == "fusedadam" || lower == "cpuadam") {
       if (lower != "adam")
         s.Warn(StrCat(s.Key("type"), "=\"", t->get<std::string>(), "\" runs Strata's CPU Adam"));
@@ -546,57 +546,60 @@ Status ParseOptimizer(Section s, OptimizerConfig* c) {
     return InvalidArgument(StrCat(s.Key("type"), "=", Describe(*t),
                                   ": must be \"Adam\", \"AdamW\", \"SGD\", \"Adagrad\" or \"Lion\""));
   }
-  STRATA_ASSIGN_OR_RETURN(Section p, s.Child("params"));
-  if (c->type == OptimizerType::kSGD) {
-    // torch.optim.SGD's parameters and rules.
-    c->lr = 1e-2;
-    STRATA_RETURN_IF_ERROR(p.Double("lr", &c->lr, 0.0, 10.0));
-    STRATA_RETURN_IF_ERROR(p.Double("momentum", &c->momentum, 0.0, 1e3));
-    STRATA_RETURN_IF_ERROR(p.Double("dampening", &c->dampening, 0.0, 1e3));
-    STRATA_RETURN_IF_ERROR(p.Double("weight_decay", &c->weight_decay, 0.0, 1e3));
-    STRATA_RETURN_IF_ERROR(p.Bool("nesterov", &c->nesterov));
-    if (c->nesterov && (c->momentum <= 0 || c->dampening != 0))
-      return InvalidArgument(StrCat(p.Key("nesterov"), "=true needs momentum > 0 and dampening = 0 "
-                                    "(as torch.optim.SGD)"));
-    if (const json* m = p.Get("maximize"); m && m->is_boolean() && m->get<bool>())
-      return InvalidArgument(StrCat(p.Key("maximize"), "=true is not supported; remove it"));
-    p.Ignored("foreach", "Strata's SGD is always one fused pass per chunk");
-    p.Ignored("differentiable", "does not apply");
-    STRATA_RETURN_IF_ERROR(p.Finish());
-    return s.Finish();
-  }
-  if (c->type == OptimizerType::kAdagrad) {
-    // torch.optim.Adagrad's parameters (DeepSpeed's CPU Adagrad takes lr, eps, weight_decay).
-    c->lr = 1e-2;
-    c->eps = 1e-10;
-    STRATA_RETURN_IF_ERROR(p.Double("lr", &c->lr, 0.0, 10.0));
-    STRATA_RETURN_IF_ERROR(p.Double("lr_decay", &c->lr_decay, 0.0, 1e3));
-    STRATA_RETURN_IF_ERROR(p.Double("eps", &c->eps, 0.0, 1.0, false, true));
-    STRATA_RETURN_IF_ERROR(p.Double("weight_decay", &c->weight_decay, 0.0, 1e3));
-    if (const json* a = p.Get("initial_accumulator_value");
-        a && !(a->is_number() && a->get<double>() == 0.0))
-      return InvalidArgument(StrCat(p.Key("initial_accumulator_value"), "=", Describe(*a),
-                                    ": Strata's Adagrad starts the sum at 0 (torch's default); "
-                                    "remove it or set 0"));
-    if (const json* m = p.Get("maximize"); m && m->is_boolean() && m->get<bool>())
-      return InvalidArgument(StrCat(p.Key("maximize"), "=true is not supported; remove it"));
-    p.Ignored("foreach", "Strata's Adagrad is always one fused pass per chunk");
-    p.Ignored("fused", "Strata's Adagrad is always fused");
-    p.Ignored("differentiable", "does not apply");
-    p.Ignored("amsgrad", "does not apply to Adagrad");
-    STRATA_RETURN_IF_ERROR(p.Finish());
-    return s.Finish();
-  }
-  if (c->type == OptimizerType::kLion) {
-    // DeepSpeed's Lion: lr, betas, weight_decay (decoupled), with its defaults 1e-3 and
-    // (0.9, 0.999) (the paper suggests beta2 = 0.99 and a 3-10x smaller lr than AdamW's).
-    STRATA_RETURN_IF_ERROR(p.Double("lr", &c->lr, 0.0, 10.0));
-    STRATA_RETURN_IF_ERROR(ParseBetas(p, c));
-    STRATA_RETURN_IF_ERROR(p.Double("weight_decay", &c->weight_decay, 0.0, 1e3));
-    p.Ignored("fused", "Strata's Lion is always fused");
-    STRATA_RETURN_IF_ERROR(p.Finish());
-    return s.Finish();
-  }
+  return Status::Ok();
+}
+
+Status ParseSgdParams(Section& p, OptimizerConfig* c) {
+  // torch.optim.SGD's parameters and rules.
+  c->lr = 1e-2;
+  STRATA_RETURN_IF_ERROR(p.Double("lr", &c->lr, 0.0, 10.0));
+  STRATA_RETURN_IF_ERROR(p.Double("momentum", &c->momentum, 0.0, 1e3));
+  STRATA_RETURN_IF_ERROR(p.Double("dampening", &c->dampening, 0.0, 1e3));
+  STRATA_RETURN_IF_ERROR(p.Double("weight_decay", &c->weight_decay, 0.0, 1e3));
+  STRATA_RETURN_IF_ERROR(p.Bool("nesterov", &c->nesterov));
+  if (c->nesterov && (c->momentum <= 0 || c->dampening != 0))
+    return InvalidArgument(StrCat(p.Key("nesterov"), "=true needs momentum > 0 and dampening = 0 "
+                                  "(as torch.optim.SGD)"));
+  if (const json* m = p.Get("maximize"); m && m->is_boolean() && m->get<bool>())
+    return InvalidArgument(StrCat(p.Key("maximize"), "=true is not supported; remove it"));
+  p.Ignored("foreach", "Strata's SGD is always one fused pass per chunk");
+  p.Ignored("differentiable", "does not apply");
+  return Status::Ok();
+}
+
+Status ParseAdagradParams(Section& p, OptimizerConfig* c) {
+  // torch.optim.Adagrad's parameters (DeepSpeed's CPU Adagrad takes lr, eps, weight_decay).
+  c->lr = 1e-2;
+  c->eps = 1e-10;
+  STRATA_RETURN_IF_ERROR(p.Double("lr", &c->lr, 0.0, 10.0));
+  STRATA_RETURN_IF_ERROR(p.Double("lr_decay", &c->lr_decay, 0.0, 1e3));
+  STRATA_RETURN_IF_ERROR(p.Double("eps", &c->eps, 0.0, 1.0, false, true));
+  STRATA_RETURN_IF_ERROR(p.Double("weight_decay", &c->weight_decay, 0.0, 1e3));
+  if (const json* a = p.Get("initial_accumulator_value");
+      a && !(a->is_number() && a->get<double>() == 0.0))
+    return InvalidArgument(StrCat(p.Key("initial_accumulator_value"), "=", Describe(*a),
+                                  ": Strata's Adagrad starts the sum at 0 (torch's default); "
+                                  "remove it or set 0"));
+  if (const json* m = p.Get("maximize"); m && m->is_boolean() && m->get<bool>())
+    return InvalidArgument(StrCat(p.Key("maximize"), "=true is not supported; remove it"));
+  p.Ignored("foreach", "Strata's Adagrad is always one fused pass per chunk");
+  p.Ignored("fused", "Strata's Adagrad is always fused");
+  p.Ignored("differentiable", "does not apply");
+  p.Ignored("amsgrad", "does not apply to Adagrad");
+  return Status::Ok();
+}
+
+Status ParseLionParams(Section& p, OptimizerConfig* c) {
+  // DeepSpeed's Lion: lr, betas, weight_decay (decoupled), with its defaults 1e-3 and
+  // (0.9, 0.999) (the paper suggests beta2 = 0.99 and a 3-10x smaller lr than AdamW's).
+  STRATA_RETURN_IF_ERROR(p.Double("lr", &c->lr, 0.0, 10.0));
+  STRATA_RETURN_IF_ERROR(ParseBetas(p, c));
+  STRATA_RETURN_IF_ERROR(p.Double("weight_decay", &c->weight_decay, 0.0, 1e3));
+  p.Ignored("fused", "Strata's Lion is always fused");
+  return Status::Ok();
+}
+
+Status ParseAdamParams(Section& p, OptimizerConfig* c, bool named_adamw) {
   STRATA_RETURN_IF_ERROR(p.Double("lr", &c->lr, 0.0, 10.0));
   STRATA_RETURN_IF_ERROR(ParseBetas(p, c));
   STRATA_RETURN_IF_ERROR(p.Double("eps", &c->eps, 0.0, 1.0, false, true));
@@ -616,6 +619,28 @@ Status ParseOptimizer(Section s, OptimizerConfig* c) {
   p.Ignored("amsgrad", "is not supported (amsgrad=true is rejected)");
   if (const json* a = p.Get("amsgrad"); a && a->is_boolean() && a->get<bool>())
     return InvalidArgument(StrCat(p.Key("amsgrad"), "=true: AMSGrad is not supported; remove it"));
+  return Status::Ok();
+}
+
+Status ParseOptimizer(Section s, OptimizerConfig* c) {
+  bool named_adamw = false;  // "AdamW" itself: decoupled whatever adam_w_mode says
+  STRATA_RETURN_IF_ERROR(ParseOptimizerType(s, c, &named_adamw));
+  STRATA_ASSIGN_OR_RETURN(Section p, s.Child("params"));
+  switch (c->type) {
+    case OptimizerType::kSGD:
+      STRATA_RETURN_IF_ERROR(ParseSgdParams(p, c));
+      break;
+    case OptimizerType::kAdagrad:
+      STRATA_RETURN_IF_ERROR(ParseAdagradParams(p, c));
+      break;
+    case OptimizerType::kLion:
+      STRATA_RETURN_IF_ERROR(ParseLionParams(p, c));
+      break;
+    case OptimizerType::kAdam:
+    case OptimizerType::kAdamW:
+      STRATA_RETURN_IF_ERROR(ParseAdamParams(p, c, named_adamw));
+      break;
+  }
   STRATA_RETURN_IF_ERROR(p.Finish());
   return s.Finish();
 }
@@ -778,6 +803,84 @@ Status ParseModel(Section s, ModelConfig* c) {
   return s.Finish();
 }
 
+// ParseRoot's parts: the sections DeepSpeed knows and Strata accepts without acting on them;
+// bf16 (or its old name bfloat16); what the sections allow only together.
+void AcceptDeepSpeedSections(Section& s) {
+  // Note [DeepSpeed sections]: sections DeepSpeed knows and Strata does not act on are accepted
+  // with one line each saying so, and what Strata offers instead.
+  for (const char* k : {"zero_force_ds_cpu_optimizer",
+                        "dump_state", "memory_breakdown", "gradient_predivide_factor",
+                        "seq_parallel_communication_data_type", "sparse_gradients",
+                        "amp", "elasticity", "autotuning", "quantize_training",
+                        "compression_training", "sparse_attention", "data_types",
+                        "eigenvalue", "progressive_layer_drop", "pld", "graph_harvesting",
+                        "use_data_before_expert_parallelism", "use_node_local_storage", "fp8",
+                        "torch_autocast", "timers", "hybrid_engine", "pipeline", "nebula",
+                        "checkpoint", "dataloader_drop_last", "data_efficiency",
+                        "curriculum_learning", "tensor_parallel", "compile", "weight_quantization",
+                        "steps_per_print_ranks", "disable_allgather", "cuda_visible_devices",
+                        "_comment", "comment", "train_batch_size_per_gpu_eval"})
+    s.Ignored(k, "has no effect in Strata");
+  for (const char* k : {"prescale_gradients", "communication_data_type"}) {
+    if (const json* v = s.Get(k); v && !(v->is_boolean() && !v->get<bool>()) && !v->is_null())
+      s.Warn(StrCat(k, "=", Describe(*v), " has no effect: gradients are reduced in fp32 and "
+                                            "averaged after the reduction"));
+  }
+  for (const char* k : {"wandb", "tensorboard", "csv_monitor", "monitor_config", "comet"})
+    s.Ignored(k, "is not a Strata monitor: strata-train prints per-step loss, lr, tokens/s and "
+                 "per-lane times, --json writes them as JSON lines and --plot draws an SVG");
+  s.Ignored("flops_profiler",
+            "has no effect: strata-train reports tokens/s and per-lane busy time each step; "
+            "strata-swapbench profile measures the machine's compute and copy rates");
+  for (const char* k : {"comms_logger", "comms_config"})
+    s.Ignored(k, "has no effect: strata-train's --json reports the comm lane's busy seconds "
+                 "per step, and strata-launch commbench measures collective bandwidth");
+}
+
+Status ParseBf16(Section& s, Bf16Config* c) {
+  STRATA_RETURN_IF_ERROR(s.Alias("bfloat16", "bf16"));
+  const char* bf16_key = s.has("bf16") || !s.has("bfloat16") ? "bf16" : "bfloat16";
+  STRATA_ASSIGN_OR_RETURN(Section bf16, s.Child(bf16_key));
+  STRATA_RETURN_IF_ERROR(bf16.Bool("enabled", &c->enabled));
+  bf16.Ignored("immediate_grad_update", "has no effect in Strata");
+  // Megatron-DeepSpeed's bf16 configs copy fp16's loss-scaling keys; DeepSpeed reads only
+  // "enabled" there.
+  for (const char* k : {"loss_scale", "loss_scale_window", "hysteresis", "min_loss_scale",
+                        "initial_scale_power", "consecutive_hysteresis", "auto_cast"})
+    bf16.Ignored(k, "has no effect: bf16 needs no loss scaling");
+  STRATA_RETURN_IF_ERROR(bf16.Finish());
+  return Status::Ok();
+}
+
+Status CheckCombinations(Section& s, Config* c) {
+  if (c->fp16.enabled && c->bf16.enabled)
+    return InvalidArgument("fp16.enabled and bf16.enabled are both true; enable at most one");
+  auto& z = c->zero_optimization;
+  // DeepSpeed only offloads parameters at stage 3 and the optimizer at stages 1-3; elsewhere it
+  // ignores the section, and so does Strata, saying so.
+  if (z.offload_param.device != OffloadDevice::kNone && z.stage != 3) {
+    s.Warn(StrCat("zero_optimization.offload_param.device=", EnumName(z.offload_param.device, kOffloadDevices),
+                  " is ignored at stage ", z.stage,
+                  ": parameters are offloaded only under stage 3 (as in DeepSpeed); set "
+                  "zero_optimization.stage to 3 to offload them"));
+    z.offload_param.device = OffloadDevice::kNone;
+  }
+  if (z.offload_optimizer.device != OffloadDevice::kNone && z.stage == 0) {
+    s.Warn(StrCat("zero_optimization.offload_optimizer.device=",
+                  EnumName(z.offload_optimizer.device, kOffloadDevices),
+                  " is ignored at stage 0 (as in DeepSpeed); set zero_optimization.stage to 1, 2 "
+                  "or 3 to offload the optimizer"));
+    z.offload_optimizer.device = OffloadDevice::kNone;
+  }
+  if (c->train_batch_size != 0 &&
+      c->train_batch_size % (c->train_micro_batch_size_per_gpu * c->gradient_accumulation_steps) != 0)
+    return InvalidArgument(StrCat(
+        "train_batch_size=", c->train_batch_size, " is not a multiple of train_micro_batch_size_per_gpu=",
+        c->train_micro_batch_size_per_gpu, " x gradient_accumulation_steps=",
+        c->gradient_accumulation_steps, " (it must equal their product times the world size)"));
+  return Status::Ok();
+}
+
 Status ParseRoot(const json& given_root, Config* c) {
   if (!given_root.is_object())
     return InvalidArgument(StrCat("the config must be a JSON object, got ", Describe(given_root)));
@@ -816,35 +919,7 @@ Status ParseRoot(const json& given_root, Config* c) {
   if (c->wall_clock_breakdown)
     s.Warn("wall_clock_breakdown=true has no effect: Strata always reports per-lane busy time "
            "(compute, NVMe, optimizer, comm) in strata-train's step lines and --json");
-  // Note [DeepSpeed sections]: sections DeepSpeed knows and Strata does not act on are accepted
-  // with one line each saying so, and what Strata offers instead.
-  for (const char* k : {"zero_force_ds_cpu_optimizer",
-                        "dump_state", "memory_breakdown", "gradient_predivide_factor",
-                        "seq_parallel_communication_data_type", "sparse_gradients",
-                        "amp", "elasticity", "autotuning", "quantize_training",
-                        "compression_training", "sparse_attention", "data_types",
-                        "eigenvalue", "progressive_layer_drop", "pld", "graph_harvesting",
-                        "use_data_before_expert_parallelism", "use_node_local_storage", "fp8",
-                        "torch_autocast", "timers", "hybrid_engine", "pipeline", "nebula",
-                        "checkpoint", "dataloader_drop_last", "data_efficiency",
-                        "curriculum_learning", "tensor_parallel", "compile", "weight_quantization",
-                        "steps_per_print_ranks", "disable_allgather", "cuda_visible_devices",
-                        "_comment", "comment", "train_batch_size_per_gpu_eval"})
-    s.Ignored(k, "has no effect in Strata");
-  for (const char* k : {"prescale_gradients", "communication_data_type"}) {
-    if (const json* v = s.Get(k); v && !(v->is_boolean() && !v->get<bool>()) && !v->is_null())
-      s.Warn(StrCat(k, "=", Describe(*v), " has no effect: gradients are reduced in fp32 and "
-                                            "averaged after the reduction"));
-  }
-  for (const char* k : {"wandb", "tensorboard", "csv_monitor", "monitor_config", "comet"})
-    s.Ignored(k, "is not a Strata monitor: strata-train prints per-step loss, lr, tokens/s and "
-                 "per-lane times, --json writes them as JSON lines and --plot draws an SVG");
-  s.Ignored("flops_profiler",
-            "has no effect: strata-train reports tokens/s and per-lane busy time each step; "
-            "strata-swapbench profile measures the machine's compute and copy rates");
-  for (const char* k : {"comms_logger", "comms_config"})
-    s.Ignored(k, "has no effect: strata-train's --json reports the comm lane's busy seconds "
-                 "per step, and strata-launch commbench measures collective bandwidth");
+  AcceptDeepSpeedSections(s);
   STRATA_ASSIGN_OR_RETURN(Section ac, s.Child("activation_checkpointing"));
   STRATA_RETURN_IF_ERROR(ParseActivationCheckpointing(ac, &c->activation_checkpointing));
 
@@ -855,18 +930,7 @@ Status ParseRoot(const json& given_root, Config* c) {
   STRATA_ASSIGN_OR_RETURN(Section fp16, s.Child("fp16"));
   STRATA_RETURN_IF_ERROR(ParseFp16(fp16, &c->fp16));
 
-  STRATA_RETURN_IF_ERROR(s.Alias("bfloat16", "bf16"));
-  const char* bf16_key = s.has("bf16") || !s.has("bfloat16") ? "bf16" : "bfloat16";
-  STRATA_ASSIGN_OR_RETURN(Section bf16, s.Child(bf16_key));
-  STRATA_RETURN_IF_ERROR(bf16.Bool("enabled", &c->bf16.enabled));
-  bf16.Ignored("immediate_grad_update", "has no effect in Strata");
-  // Megatron-DeepSpeed's bf16 configs copy fp16's loss-scaling keys; DeepSpeed reads only
-  // "enabled" there.
-  for (const char* k : {"loss_scale", "loss_scale_window", "hysteresis", "min_loss_scale",
-                        "initial_scale_power", "consecutive_hysteresis", "auto_cast"})
-    bf16.Ignored(k, "has no effect: bf16 needs no loss scaling");
-  STRATA_RETURN_IF_ERROR(bf16.Finish());
-
+  STRATA_RETURN_IF_ERROR(ParseBf16(s, &c->bf16));
   STRATA_ASSIGN_OR_RETURN(Section zero, s.Child("zero_optimization"));
   STRATA_RETURN_IF_ERROR(ParseZero(zero, &c->zero_optimization));
   STRATA_ASSIGN_OR_RETURN(Section aio, s.Child("aio"));
@@ -877,32 +941,7 @@ Status ParseRoot(const json& given_root, Config* c) {
   STRATA_RETURN_IF_ERROR(ParseModel(model, &c->model));
   STRATA_RETURN_IF_ERROR(s.Finish(/*warn_only=*/true));
 
-  if (c->fp16.enabled && c->bf16.enabled)
-    return InvalidArgument("fp16.enabled and bf16.enabled are both true; enable at most one");
-  auto& z = c->zero_optimization;
-  // DeepSpeed only offloads parameters at stage 3 and the optimizer at stages 1-3; elsewhere it
-  // ignores the section, and so does Strata, saying so.
-  if (z.offload_param.device != OffloadDevice::kNone && z.stage != 3) {
-    s.Warn(StrCat("zero_optimization.offload_param.device=", EnumName(z.offload_param.device, kOffloadDevices),
-                  " is ignored at stage ", z.stage,
-                  ": parameters are offloaded only under stage 3 (as in DeepSpeed); set "
-                  "zero_optimization.stage to 3 to offload them"));
-    z.offload_param.device = OffloadDevice::kNone;
-  }
-  if (z.offload_optimizer.device != OffloadDevice::kNone && z.stage == 0) {
-    s.Warn(StrCat("zero_optimization.offload_optimizer.device=",
-                  EnumName(z.offload_optimizer.device, kOffloadDevices),
-                  " is ignored at stage 0 (as in DeepSpeed); set zero_optimization.stage to 1, 2 "
-                  "or 3 to offload the optimizer"));
-    z.offload_optimizer.device = OffloadDevice::kNone;
-  }
-  if (c->train_batch_size != 0 &&
-      c->train_batch_size % (c->train_micro_batch_size_per_gpu * c->gradient_accumulation_steps) != 0)
-    return InvalidArgument(StrCat(
-        "train_batch_size=", c->train_batch_size, " is not a multiple of train_micro_batch_size_per_gpu=",
-        c->train_micro_batch_size_per_gpu, " x gradient_accumulation_steps=",
-        c->gradient_accumulation_steps, " (it must equal their product times the world size)"));
-  return Status::Ok();
+  return CheckCombinations(s, c);
 }
 
 
@@ -933,6 +972,86 @@ StatusOr<Config> Config::FromFile(const std::string& path) {
   return FromJsonText(ss.str(), path);
 }
 
+namespace {
+
+// ToJson's "optimizer" section: the type and the parameters that type reads.
+json OptimizerJson(const OptimizerConfig& o) {
+  json j;
+  switch (o.type) {
+    case OptimizerType::kSGD:
+      j["params"] = {{"lr", o.lr},
+                    {"momentum", o.momentum},
+                    {"dampening", o.dampening},
+                    {"weight_decay", o.weight_decay},
+                    {"nesterov", o.nesterov}};
+      break;
+    case OptimizerType::kAdagrad:
+      j["params"] = {{"lr", o.lr},
+                    {"lr_decay", o.lr_decay},
+                    {"eps", o.eps},
+                    {"weight_decay", o.weight_decay}};
+      break;
+    case OptimizerType::kLion:
+      j["params"] = {{"lr", o.lr},
+                    {"betas", {o.beta1, o.beta2}},
+                    {"weight_decay", o.weight_decay}};
+      break;
+    case OptimizerType::kAdam:
+    case OptimizerType::kAdamW:
+      j["params"] = {{"lr", o.lr},
+                    {"betas", {o.beta1, o.beta2}},
+                    {"eps", o.eps},
+                    {"weight_decay", o.weight_decay},
+                    {"bias_correction", o.bias_correction}};
+      // Note [Adam means AdamW]: "Adam" alone reads back as AdamW, so plain Adam says so.
+      if (o.type == OptimizerType::kAdam) j["params"]["adam_w_mode"] = false;
+      break;
+  }
+  j["type"] = OptimizerTypeName(o.type);
+  return j;
+}
+
+// ToJson's "scheduler" section: the type and the parameters that type reads.
+json SchedulerJson(const SchedulerConfig& sc) {
+  const char* names[] = {"none", "WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "OneCycle",
+                         "LRRangeTest"};
+  json params;
+  if (sc.type == SchedulerType::kOneCycle) {
+    params = {{"cycle_min_lr", sc.cycle_min_lr},
+              {"cycle_max_lr", sc.cycle_max_lr},
+              {"decay_lr_rate", sc.decay_lr_rate},
+              {"cycle_first_step_size", sc.cycle_first_step_size},
+              {"cycle_second_step_size", sc.cycle_second_step_size},
+              {"cycle_first_stair_count", sc.cycle_first_stair_count},
+              {"cycle_second_stair_count", sc.cycle_second_stair_count},
+              {"decay_step_size", sc.decay_step_size},
+              {"cycle_momentum", sc.cycle_momentum},
+              {"cycle_min_mom", sc.cycle_min_mom},
+              {"cycle_max_mom", sc.cycle_max_mom},
+              {"decay_mom_rate", sc.decay_mom_rate}};
+  } else if (sc.type == SchedulerType::kLRRangeTest) {
+    params = {{"lr_range_test_min_lr", sc.lr_range_test_min_lr},
+              {"lr_range_test_step_size", sc.lr_range_test_step_size},
+              {"lr_range_test_step_rate", sc.lr_range_test_step_rate},
+              {"lr_range_test_staircase", sc.lr_range_test_staircase}};
+  } else if (sc.type == SchedulerType::kWarmupCosineLR) {
+    params = {{"warmup_type", sc.warmup_type == WarmupType::kLog ? "log" : "linear"},
+              {"warmup_min_ratio", sc.warmup_min_ratio},
+              {"cos_min_ratio", sc.cos_min_ratio},
+              {"warmup_num_steps", sc.warmup_num_steps},
+              {"total_num_steps", sc.total_num_steps}};
+  } else {
+    params = {{"warmup_type", sc.warmup_type == WarmupType::kLog ? "log" : "linear"},
+              {"warmup_min_lr", sc.warmup_min_lr},
+              {"warmup_max_lr", sc.warmup_max_lr},
+              {"warmup_num_steps", sc.warmup_num_steps},
+              {"total_num_steps", sc.total_num_steps}};
+  }
+  return {{"type", names[static_cast<int>(sc.type)]}, {"params", params}};
+}
+
+}  // namespace
+
 json Config::ToJson() const {
   auto dev = [](OffloadDevice d) { return EnumName(d, kOffloadDevices); };
   const auto& z = zero_optimization;
@@ -944,75 +1063,8 @@ json Config::ToJson() const {
   j["steps_per_print"] = steps_per_print;
   j["wall_clock_breakdown"] = wall_clock_breakdown;
   j["zero_allow_untested_optimizer"] = zero_allow_untested_optimizer;
-  switch (optimizer.type) {
-    case OptimizerType::kSGD:
-      j["optimizer"]["params"] = {{"lr", optimizer.lr},
-                                  {"momentum", optimizer.momentum},
-                                  {"dampening", optimizer.dampening},
-                                  {"weight_decay", optimizer.weight_decay},
-                                  {"nesterov", optimizer.nesterov}};
-      break;
-    case OptimizerType::kAdagrad:
-      j["optimizer"]["params"] = {{"lr", optimizer.lr},
-                                  {"lr_decay", optimizer.lr_decay},
-                                  {"eps", optimizer.eps},
-                                  {"weight_decay", optimizer.weight_decay}};
-      break;
-    case OptimizerType::kLion:
-      j["optimizer"]["params"] = {{"lr", optimizer.lr},
-                                  {"betas", {optimizer.beta1, optimizer.beta2}},
-                                  {"weight_decay", optimizer.weight_decay}};
-      break;
-    case OptimizerType::kAdam:
-    case OptimizerType::kAdamW:
-      j["optimizer"]["params"] = {{"lr", optimizer.lr},
-                                  {"betas", {optimizer.beta1, optimizer.beta2}},
-                                  {"eps", optimizer.eps},
-                                  {"weight_decay", optimizer.weight_decay},
-                                  {"bias_correction", optimizer.bias_correction}};
-      // Note [Adam means AdamW]: "Adam" alone reads back as AdamW, so plain Adam says so.
-      if (optimizer.type == OptimizerType::kAdam) j["optimizer"]["params"]["adam_w_mode"] = false;
-      break;
-  }
-  j["optimizer"]["type"] = OptimizerTypeName(optimizer.type);
-  if (scheduler.type != SchedulerType::kNone) {
-    const char* names[] = {"none", "WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "OneCycle",
-                           "LRRangeTest"};
-    const SchedulerConfig& sc = scheduler;
-    json params;
-    if (sc.type == SchedulerType::kOneCycle) {
-      params = {{"cycle_min_lr", sc.cycle_min_lr},
-                {"cycle_max_lr", sc.cycle_max_lr},
-                {"decay_lr_rate", sc.decay_lr_rate},
-                {"cycle_first_step_size", sc.cycle_first_step_size},
-                {"cycle_second_step_size", sc.cycle_second_step_size},
-                {"cycle_first_stair_count", sc.cycle_first_stair_count},
-                {"cycle_second_stair_count", sc.cycle_second_stair_count},
-                {"decay_step_size", sc.decay_step_size},
-                {"cycle_momentum", sc.cycle_momentum},
-                {"cycle_min_mom", sc.cycle_min_mom},
-                {"cycle_max_mom", sc.cycle_max_mom},
-                {"decay_mom_rate", sc.decay_mom_rate}};
-    } else if (sc.type == SchedulerType::kLRRangeTest) {
-      params = {{"lr_range_test_min_lr", sc.lr_range_test_min_lr},
-                {"lr_range_test_step_size", sc.lr_range_test_step_size},
-                {"lr_range_test_step_rate", sc.lr_range_test_step_rate},
-                {"lr_range_test_staircase", sc.lr_range_test_staircase}};
-    } else if (sc.type == SchedulerType::kWarmupCosineLR) {
-      params = {{"warmup_type", sc.warmup_type == WarmupType::kLog ? "log" : "linear"},
-                {"warmup_min_ratio", sc.warmup_min_ratio},
-                {"cos_min_ratio", sc.cos_min_ratio},
-                {"warmup_num_steps", sc.warmup_num_steps},
-                {"total_num_steps", sc.total_num_steps}};
-    } else {
-      params = {{"warmup_type", sc.warmup_type == WarmupType::kLog ? "log" : "linear"},
-                {"warmup_min_lr", sc.warmup_min_lr},
-                {"warmup_max_lr", sc.warmup_max_lr},
-                {"warmup_num_steps", sc.warmup_num_steps},
-                {"total_num_steps", sc.total_num_steps}};
-    }
-    j["scheduler"] = {{"type", names[static_cast<int>(sc.type)]}, {"params", params}};
-  }
+  j["optimizer"] = OptimizerJson(optimizer);
+  if (scheduler.type != SchedulerType::kNone) j["scheduler"] = SchedulerJson(scheduler);
   j["fp16"] = {{"enabled", fp16.enabled},
                {"loss_scale", fp16.loss_scale},
                {"initial_scale_power", fp16.initial_scale_power},
@@ -1092,6 +1144,41 @@ Status Config::CheckBatchSizes(int world_size) const {
   return Status::Ok();
 }
 
+namespace {
+
+// Batch sizes, DeepSpeed's rules (its _set_batch_related_parameters): of train_batch_size,
+// the micro batch and the accumulation steps, the ones the file (or the command line) gives
+// fix the rest through train = micro x accumulation x world.
+Status ResolveBatchSizes(const AutoContext& ctx, Config* c) {
+  const int64_t world = ctx.world_size;
+  bool micro_known = c->micro_batch_given, accum_known = c->accumulation_given;
+  if (!micro_known && ctx.micro_batch > 0) c->train_micro_batch_size_per_gpu = ctx.micro_batch, micro_known = true;
+  if (!accum_known && ctx.accumulation > 0) c->gradient_accumulation_steps = ctx.accumulation, accum_known = true;
+  if (c->train_batch_size_given && !(micro_known && accum_known)) {
+    const int64_t known = (micro_known ? c->train_micro_batch_size_per_gpu : c->gradient_accumulation_steps) * world;
+    if (!micro_known && !accum_known) {
+      c->gradient_accumulation_steps = 1;
+      if (c->train_batch_size % world != 0)
+        return InvalidArgument(StrCat("train_batch_size=", c->train_batch_size,
+                                      " is not divisible by the world size ", world));
+      c->train_micro_batch_size_per_gpu = c->train_batch_size / world;
+    } else if (c->train_batch_size % known != 0) {
+      return InvalidArgument(StrCat("train_batch_size=", c->train_batch_size, " is not divisible by ",
+                                    micro_known ? "train_micro_batch_size_per_gpu=" : "gradient_accumulation_steps=",
+                                    known / world, " x world size ", world));
+    } else if (micro_known) {
+      c->gradient_accumulation_steps = c->train_batch_size / known;
+    } else {
+      c->train_micro_batch_size_per_gpu = c->train_batch_size / known;
+    }
+  } else if (!c->train_batch_size_given) {
+    c->train_batch_size = c->train_micro_batch_size_per_gpu * c->gradient_accumulation_steps * world;
+  }
+  return Status::Ok();
+}
+
+}  // namespace
+
 Status Config::ResolveAuto(const AutoContext& ctx) {
   auto_resolved.clear();
   const std::set<std::string> autos(auto_keys.begin(), auto_keys.end());
@@ -1104,33 +1191,7 @@ Status Config::ResolveAuto(const AutoContext& ctx) {
     o << v;
     return o.str();
   };
-  // Batch sizes, DeepSpeed's rules (its _set_batch_related_parameters): of train_batch_size,
-  // the micro batch and the accumulation steps, the ones the file (or the command line) gives
-  // fix the rest through train = micro x accumulation x world.
-  const int64_t world = ctx.world_size;
-  bool micro_known = micro_batch_given, accum_known = accumulation_given;
-  if (!micro_known && ctx.micro_batch > 0) train_micro_batch_size_per_gpu = ctx.micro_batch, micro_known = true;
-  if (!accum_known && ctx.accumulation > 0) gradient_accumulation_steps = ctx.accumulation, accum_known = true;
-  if (train_batch_size_given && !(micro_known && accum_known)) {
-    const int64_t known = (micro_known ? train_micro_batch_size_per_gpu : gradient_accumulation_steps) * world;
-    if (!micro_known && !accum_known) {
-      gradient_accumulation_steps = 1;
-      if (train_batch_size % world != 0)
-        return InvalidArgument(StrCat("train_batch_size=", train_batch_size,
-                                      " is not divisible by the world size ", world));
-      train_micro_batch_size_per_gpu = train_batch_size / world;
-    } else if (train_batch_size % known != 0) {
-      return InvalidArgument(StrCat("train_batch_size=", train_batch_size, " is not divisible by ",
-                                    micro_known ? "train_micro_batch_size_per_gpu=" : "gradient_accumulation_steps=",
-                                    known / world, " x world size ", world));
-    } else if (micro_known) {
-      gradient_accumulation_steps = train_batch_size / known;
-    } else {
-      train_micro_batch_size_per_gpu = train_batch_size / known;
-    }
-  } else if (!train_batch_size_given) {
-    train_batch_size = train_micro_batch_size_per_gpu * gradient_accumulation_steps * world;
-  }
+  STRATA_RETURN_IF_ERROR(ResolveBatchSizes(ctx, this));
   if (is("train_micro_batch_size_per_gpu"))
     note("train_micro_batch_size_per_gpu", std::to_string(train_micro_batch_size_per_gpu),
          ctx.micro_batch > 0 ? "the command line" : train_batch_size_given ? "train_batch_size" : "Strata's default");
@@ -1139,7 +1200,7 @@ Status Config::ResolveAuto(const AutoContext& ctx) {
          ctx.accumulation > 0 ? "the command line" : train_batch_size_given ? "train_batch_size" : "Strata's default");
   if (is("train_batch_size"))
     note("train_batch_size", std::to_string(train_batch_size),
-         StrCat("micro batch x accumulation x world size ", world));
+         StrCat("micro batch x accumulation x world size ", ctx.world_size));
   if (is("gradient_clipping")) {
     gradient_clipping = ctx.clipping >= 0 ? ctx.clipping : 1.0;
     note("gradient_clipping", num(gradient_clipping),

@@ -86,7 +86,12 @@ struct SwapStore::Op {
   Status first_error GUARDED_BY(mu);
 };
 
-StatusOr<std::unique_ptr<SwapStore>> SwapStore::Open(const SwapStoreOptions& options) {
+namespace {
+
+// Open's phases, in order: the paths and aio settings checked; the index read back (none for a
+// new store; kCreate removes an old one); the free space a new store needs checked; an index
+// checked against the paths and block size given now; the capacity chosen.
+Status CheckPaths(const SwapStoreOptions& options) {
   STRATA_CHECK(!options.paths.empty(),
                "no nvme path given: set offload_param.nvme_path / offload_optimizer.nvme_path to "
                "one or more directories on NVMe devices");
@@ -99,7 +104,92 @@ StatusOr<std::unique_ptr<SwapStore>> SwapStore::Open(const SwapStoreOptions& opt
                  " is listed twice: each striped directory must be distinct");
     STRATA_RETURN_IF_ERROR(CheckDirectory(p));
   }
+  return Status::Ok();
+}
 
+StatusOr<std::optional<SwapIndex>> ReadIndex(const SwapStoreOptions& options,
+                                             const std::string& index_path) {
+  if (options.mode == SwapOpenMode::kCreate) {
+    if (unlink(index_path.c_str()) != 0 && errno != ENOENT)
+      return ErrnoToStatus(errno, StrCat("removing the old swap index ", index_path));
+    return std::optional<SwapIndex>();
+  }
+  auto bytes = ReadWholeFile(index_path);
+  if (bytes.ok()) {
+    STRATA_ASSIGN_OR_RETURN(SwapIndex parsed, ParseSwapIndex(*bytes, index_path));
+    return std::optional<SwapIndex>(std::move(parsed));
+  }
+  if (bytes.status().code() != StatusCode::kNotFound || options.mode == SwapOpenMode::kOpenExisting) {
+    return bytes.status().WithContext(
+        options.mode == SwapOpenMode::kOpenExisting
+            ? "reopening the swap store needs its index (was the store closed or SaveIndex()ed?)"
+            : "reading the swap index");
+  }
+  return std::optional<SwapIndex>();
+}
+
+Status CheckFreeSpace(const SwapStoreOptions& options, uint64_t stripe_unit) {
+  // Every path holds the same share of the striped space.
+  const uint64_t n = options.paths.size();
+  const uint64_t stripes = (options.needed_bytes + stripe_unit - 1) / stripe_unit;
+  const uint64_t share = (stripes + n - 1) / n * stripe_unit;
+  for (const auto& p : options.paths) {
+    struct statvfs vfs;
+    if (statvfs(p.c_str(), &vfs) != 0) return ErrnoToStatus(errno, StrCat("statvfs ", p));
+    uint64_t free_bytes = uint64_t{vfs.f_bavail} * vfs.f_frsize;
+    struct stat old_file;
+    if (stat(SwapFileName(p, options.rank).c_str(), &old_file) == 0)
+      free_bytes += static_cast<uint64_t>(old_file.st_blocks) * 512;  // truncated below
+    if (free_bytes < share)
+      return ResourceExhausted(StrCat(
+          "nvme path ", p, " has ", FormatBytes(free_bytes), " free but rank ", options.rank,
+          "'s NVMe-placed state needs ", FormatBytes(share), " there (", FormatBytes(options.needed_bytes),
+          " in whole aio.block_size stripes of ", FormatBytes(stripe_unit), " over ", n, " path",
+          n > 1 ? "s" : "", "); free space there, add another nvme_path, set "
+          "strata.optimizer_state_dtype to bf16, or offload less to nvme"));
+  }
+  return Status::Ok();
+}
+
+Status CheckIndexFits(const SwapIndex& index, const SwapStoreOptions& options,
+                      const std::string& index_path, uint64_t stripe_unit) {
+  std::vector<std::string> expected;
+  for (const auto& p : options.paths) expected.push_back(SwapFileName(p, options.rank));
+  if (index.files != expected || index.rank != options.rank)
+    return FailedPrecondition(StrCat("swap index ", index_path, " describes rank ", index.rank,
+                                     " with files [", index.files.front(), ", ...] (",
+                                     index.files.size(), "), not the nvme paths given now; reopen "
+                                     "with the same nvme_path list and rank"));
+  if (index.stripe_unit != stripe_unit)
+    return FailedPrecondition(StrCat("swap index ", index_path, " was written with aio.block_size=",
+                                     index.stripe_unit, " (the stripe unit) but aio.block_size=",
+                                     stripe_unit, " now; reopen with the same block size"));
+  return Status::Ok();
+}
+
+// A new store's capacity: options.capacity rounded to whole stripes over every path, or with
+// strata.nvme_capacity=0 what the file systems have free now (the smallest, times the number of
+// paths, since every path holds the same share).
+StatusOr<uint64_t> NewCapacity(const SwapStoreOptions& options, uint64_t stripe_unit) {
+  const uint64_t n = options.paths.size();
+  if (options.capacity > 0) return RoundUp(options.capacity, stripe_unit * n);
+  uint64_t min_free = UINT64_MAX;
+  for (const auto& p : options.paths) {
+    struct statvfs vfs;
+    if (statvfs(p.c_str(), &vfs) != 0) return ErrnoToStatus(errno, StrCat("statvfs ", p));
+    min_free = std::min<uint64_t>(min_free, uint64_t{vfs.f_bavail} * vfs.f_frsize);
+  }
+  const uint64_t capacity = min_free / stripe_unit * stripe_unit * n;
+  if (capacity == 0)
+    return ResourceExhausted(StrCat("nvme path ", options.paths[0], " has less than one aio.block_size (",
+                                    stripe_unit, " bytes) free; free space or set another nvme_path"));
+  return capacity;
+}
+
+}  // namespace
+
+StatusOr<std::unique_ptr<SwapStore>> SwapStore::Open(const SwapStoreOptions& options) {
+  STRATA_RETURN_IF_ERROR(CheckPaths(options));
   std::unique_ptr<SwapStore> s(new SwapStore);
   s->rank_ = options.rank;
   s->stripe_unit_ = static_cast<uint64_t>(options.aio.block_size);
@@ -108,90 +198,17 @@ StatusOr<std::unique_ptr<SwapStore>> SwapStore::Open(const SwapStoreOptions& opt
   const std::string& first = options.paths[0];
   s->index_path_ = StrCat(first, first.back() == '/' ? "" : "/", "strata-rank", options.rank, ".index");
 
-  std::optional<SwapIndex> index;
-  if (options.mode != SwapOpenMode::kCreate) {
-    auto bytes = ReadWholeFile(s->index_path_);
-    if (bytes.ok()) {
-      STRATA_ASSIGN_OR_RETURN(SwapIndex parsed, ParseSwapIndex(*bytes, s->index_path_));
-      index = std::move(parsed);
-    } else if (bytes.status().code() != StatusCode::kNotFound || options.mode == SwapOpenMode::kOpenExisting) {
-      return bytes.status().WithContext(
-          options.mode == SwapOpenMode::kOpenExisting
-              ? "reopening the swap store needs its index (was the store closed or SaveIndex()ed?)"
-              : "reading the swap index");
-    }
-  } else if (unlink(s->index_path_.c_str()) != 0 && errno != ENOENT) {
-    return ErrnoToStatus(errno, StrCat("removing the old swap index ", s->index_path_));
-  }
-
-  if (!index && options.needed_bytes > 0) {
-    // Every path holds the same share of the striped space.
-    const uint64_t stripes = (options.needed_bytes + s->stripe_unit_ - 1) / s->stripe_unit_;
-    const uint64_t share = (stripes + n - 1) / n * s->stripe_unit_;
-    for (const auto& p : options.paths) {
-      struct statvfs vfs;
-      if (statvfs(p.c_str(), &vfs) != 0) return ErrnoToStatus(errno, StrCat("statvfs ", p));
-      uint64_t free_bytes = uint64_t{vfs.f_bavail} * vfs.f_frsize;
-      struct stat old_file;
-      if (stat(SwapFileName(p, options.rank).c_str(), &old_file) == 0)
-        free_bytes += static_cast<uint64_t>(old_file.st_blocks) * 512;  // truncated below
-      if (free_bytes < share)
-        return ResourceExhausted(StrCat(
-            "nvme path ", p, " has ", FormatBytes(free_bytes), " free but rank ", options.rank,
-            "'s NVMe-placed state needs ", FormatBytes(share), " there (", FormatBytes(options.needed_bytes),
-            " in whole aio.block_size stripes of ", FormatBytes(s->stripe_unit_), " over ", n, " path",
-            n > 1 ? "s" : "", "); free space there, add another nvme_path, set "
-            "strata.optimizer_state_dtype to bf16, or offload less to nvme"));
-    }
-  }
-
+  STRATA_ASSIGN_OR_RETURN(std::optional<SwapIndex> index, ReadIndex(options, s->index_path_));
   if (index) {
-    std::vector<std::string> expected;
-    for (const auto& p : options.paths) expected.push_back(SwapFileName(p, options.rank));
-    if (index->files != expected || index->rank != options.rank)
-      return FailedPrecondition(StrCat("swap index ", s->index_path_, " describes rank ", index->rank,
-                                       " with files [", index->files.front(), ", ...] (",
-                                       index->files.size(), "), not the nvme paths given now; reopen "
-                                       "with the same nvme_path list and rank"));
-    if (index->stripe_unit != s->stripe_unit_)
-      return FailedPrecondition(StrCat("swap index ", s->index_path_, " was written with aio.block_size=",
-                                       index->stripe_unit, " (the stripe unit) but aio.block_size=",
-                                       s->stripe_unit_, " now; reopen with the same block size"));
+    STRATA_RETURN_IF_ERROR(CheckIndexFits(*index, options, s->index_path_, s->stripe_unit_));
     s->capacity_ = index->capacity;
     s->checksums_ = index->checksums;
-  } else if (options.capacity > 0) {
-    s->capacity_ = RoundUp(options.capacity, s->stripe_unit_ * n);
   } else {
-    // strata.nvme_capacity=0: what the file systems have free now (the smallest, times the
-    // number of stripes, since every path holds the same share).
-    uint64_t min_free = UINT64_MAX;
-    for (const auto& p : options.paths) {
-      struct statvfs vfs;
-      if (statvfs(p.c_str(), &vfs) != 0) return ErrnoToStatus(errno, StrCat("statvfs ", p));
-      min_free = std::min<uint64_t>(min_free, uint64_t{vfs.f_bavail} * vfs.f_frsize);
-    }
-    s->capacity_ = min_free / s->stripe_unit_ * s->stripe_unit_ * n;
-    if (s->capacity_ == 0)
-      return ResourceExhausted(StrCat("nvme path ", options.paths[0], " has less than one aio.block_size (",
-                                      s->stripe_unit_, " bytes) free; free space or set another nvme_path"));
+    if (options.needed_bytes > 0) STRATA_RETURN_IF_ERROR(CheckFreeSpace(options, s->stripe_unit_));
+    STRATA_ASSIGN_OR_RETURN(s->capacity_, NewCapacity(options, s->stripe_unit_));
   }
   STRATA_RETURN_IF_ERROR(s->OpenFiles(options, !index.has_value(), s->capacity_ / n));
-
-  IoEngineOptions eo;
-  eo.aio = options.aio;
-  eo.fault_hook = options.fault_hook;
-  eo.submit_fault_hook = options.submit_fault_hook;
-  eo.force_fallback = options.force_fallback || !s->direct_;
-  if (!s->direct_) {
-    eo.fallback_reason = "a swap directory does not support O_DIRECT (tmpfs?); buffered I/O with O_DSYNC";
-  } else if (options.force_fallback) {
-    eo.fallback_reason = "forced by option";
-  }
-  STRATA_ASSIGN_OR_RETURN(s->engine_, IoEngine::Create(eo));
-  std::vector<IoFile> io_files;
-  for (const auto& f : s->files_) io_files.push_back({f.fd, f.path});
-  STRATA_RETURN_IF_ERROR(s->engine_->SetFiles(std::move(io_files)));
-
+  STRATA_RETURN_IF_ERROR(s->StartEngine(options));
   {
     MutexLock lock(&s->mu_);
     s->free_[0] = s->capacity_;
@@ -208,6 +225,23 @@ StatusOr<std::unique_ptr<SwapStore>> SwapStore::Open(const SwapStoreOptions& opt
                    << " engine=" << s->engine_->name() << " direct_io=" << s->direct_
                    << " blocks=" << blocks;
   return s;
+}
+
+Status SwapStore::StartEngine(const SwapStoreOptions& options) {
+  IoEngineOptions eo;
+  eo.aio = options.aio;
+  eo.fault_hook = options.fault_hook;
+  eo.submit_fault_hook = options.submit_fault_hook;
+  eo.force_fallback = options.force_fallback || !direct_;
+  if (!direct_) {
+    eo.fallback_reason = "a swap directory does not support O_DIRECT (tmpfs?); buffered I/O with O_DSYNC";
+  } else if (options.force_fallback) {
+    eo.fallback_reason = "forced by option";
+  }
+  STRATA_ASSIGN_OR_RETURN(engine_, IoEngine::Create(eo));
+  std::vector<IoFile> io_files;
+  for (const auto& f : files_) io_files.push_back({f.fd, f.path});
+  return engine_->SetFiles(std::move(io_files));
 }
 
 Status SwapStore::OpenFiles(const SwapStoreOptions& options, bool create, uint64_t per_file) {

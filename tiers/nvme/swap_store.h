@@ -152,6 +152,8 @@ class SwapStore {
 
   SwapStore() = default;
   Status OpenFiles(const SwapStoreOptions& options, bool create, uint64_t per_file);
+  // The I/O engine over the opened files (O_DIRECT unless a path refused it).
+  Status StartEngine(const SwapStoreOptions& options);
   Status LoadIndex(const SwapIndex& index) EXCLUDES(mu_);
   Status Preallocate(uint64_t wanted, uint64_t needed);  // per file; Note [preallocation]
   uint64_t PerFileBytesFor(uint64_t logical_end) const;

@@ -145,6 +145,179 @@ pid_t SpawnRank(int rank, int nproc, int port, const std::vector<std::string>& c
   _exit(127);
 }
 
+// The ranks' supervisor: starts them, relays their output line by line, forwards signals, and
+// on the first failure (or an interrupt) tears the others down, SIGTERM then SIGKILL after the
+// grace period. Run() returns strata-launch's exit code.
+class Supervisor {
+ public:
+  Supervisor(int nproc, int port, double grace_s, std::vector<std::string> cmd)
+      : nproc_(nproc), port_(port), grace_s_(grace_s), cmd_(std::move(cmd)), ranks_(nproc) {}
+
+  int Run() {
+    Start();
+    for (;;) {
+      std::vector<pollfd> pfds;
+      std::vector<std::pair<int, int>> owners;  // (rank, stream) of each pollfd after the first
+      int running = 0;
+      const int open_fds = PollSet(&pfds, &owners, &running);
+      if (running == 0 && open_fds == 0) break;
+      // A rank's own children may hold its pipes open after it exits: give them a moment, then
+      // stop.
+      if (running == 0 && drain_until_ == Clock::time_point::max())
+        drain_until_ = Clock::now() + std::chrono::seconds(2);
+      if (running == 0 && Clock::now() >= drain_until_) break;
+      int timeout_ms = -1;
+      if (kill_pending_) {
+        timeout_ms = static_cast<int>(std::max<int64_t>(
+            0, std::chrono::duration_cast<std::chrono::milliseconds>(kill_at_ - Clock::now()).count()));
+      }
+      if (running == 0) timeout_ms = 100;
+      const int n = poll(pfds.data(), pfds.size(), timeout_ms);
+      if (n < 0 && errno != EINTR) Die(std::string("poll: ") + std::strerror(errno));
+      if (kill_pending_ && Clock::now() >= kill_at_) {
+        SignalAll(SIGKILL);
+        kill_pending_ = false;
+      }
+      RelayOutput(pfds, owners);
+      if (pfds[0].revents & POLLIN) TakeSignals();
+      Reap();
+    }
+    if (failed_rank_ >= 0) return failed_code_ == 0 ? 1 : failed_code_;
+    if (received_signal_ != 0) return 128 + received_signal_;
+    for (const Rank& r : ranks_) {
+      if (ExitCodeOf(r.status) != 0) return ExitCodeOf(r.status);
+    }
+    return 0;
+  }
+
+ private:
+  using Clock = std::chrono::steady_clock;
+
+  // Signals arrive through a signalfd so the poll loop sees them in order with output; then
+  // every rank starts with its stdout and stderr on pipes of ours.
+  void Start() {
+    sigset_t mask;
+    sigemptyset(&mask);
+    sigaddset(&mask, SIGINT);
+    sigaddset(&mask, SIGTERM);
+    sigaddset(&mask, SIGCHLD);
+    sigaddset(&mask, SIGHUP);
+    sigprocmask(SIG_BLOCK, &mask, &old_mask_);
+    sig_fd_ = signalfd(-1, &mask, SFD_CLOEXEC | SFD_NONBLOCK);
+    if (sig_fd_ < 0) Die(std::string("signalfd: ") + std::strerror(errno));
+    signal(SIGPIPE, SIG_IGN);
+    for (int r = 0; r < nproc_; ++r) {
+      int out[2], err[2];
+      if (pipe2(out, O_CLOEXEC) != 0 || pipe2(err, O_CLOEXEC) != 0) {
+        Die(std::string("pipe: ") + std::strerror(errno));
+      }
+      ranks_[r].pid = SpawnRank(r, nproc_, port_, cmd_, out[1], err[1], old_mask_);
+      setpgid(ranks_[r].pid, ranks_[r].pid);  // also here: no race with an early kill(-pid)
+      ranks_[r].running = true;
+      close(out[1]);
+      close(err[1]);
+      ranks_[r].fds[0] = out[0];
+      ranks_[r].fds[1] = err[0];
+    }
+  }
+
+  // The signalfd first, then every rank's open pipe; returns how many pipes are open.
+  int PollSet(std::vector<pollfd>* pfds, std::vector<std::pair<int, int>>* owners, int* running) {
+    int open_fds = 0;
+    pfds->push_back({sig_fd_, POLLIN, 0});
+    for (int r = 0; r < nproc_; ++r) {
+      *running += ranks_[r].running;
+      for (int s = 0; s < 2; ++s) {
+        if (ranks_[r].fds[s] < 0) continue;
+        ++open_fds;
+        pfds->push_back({ranks_[r].fds[s], POLLIN, 0});
+        owners->emplace_back(r, s);
+      }
+    }
+    return open_fds;
+  }
+
+  void RelayOutput(const std::vector<pollfd>& pfds, const std::vector<std::pair<int, int>>& owners) {
+    for (size_t i = 1; i < pfds.size(); ++i) {
+      if (!(pfds[i].revents & (POLLIN | POLLHUP | POLLERR))) continue;
+      auto [r, s] = owners[i - 1];
+      char buf[65536];
+      const ssize_t got = read(ranks_[r].fds[s], buf, sizeof(buf));
+      if (got > 0) {
+        EmitLines(r, s, &ranks_[r].partial[s], buf, static_cast<size_t>(got), false);
+      } else if (got == 0 || (errno != EINTR && errno != EAGAIN)) {
+        EmitLines(r, s, &ranks_[r].partial[s], nullptr, 0, true);
+        close(ranks_[r].fds[s]);
+        ranks_[r].fds[s] = -1;
+      }
+    }
+  }
+
+  void TakeSignals() {
+    signalfd_siginfo info;
+    while (read(sig_fd_, &info, sizeof(info)) == static_cast<ssize_t>(sizeof(info))) {
+      const int sig = static_cast<int>(info.ssi_signo);
+      if (sig == SIGCHLD) continue;  // reaped below
+      if (received_signal_ != 0) {
+        SignalAll(SIGKILL);  // a second interrupt: stop waiting for a clean exit
+      } else {
+        received_signal_ = sig;
+        std::fprintf(stderr, "strata-launch: got %s, forwarding to all ranks\n", strsignal(sig));
+        StartTeardown(sig);
+      }
+      break;
+    }
+  }
+
+  void Reap() {
+    for (;;) {
+      int status = 0;
+      const pid_t pid = waitpid(-1, &status, WNOHANG);
+      if (pid <= 0) break;
+      for (int r = 0; r < nproc_; ++r) {
+        if (ranks_[r].pid != pid || !ranks_[r].running) continue;
+        ranks_[r].running = false;
+        ranks_[r].status = status;
+        const bool ok = WIFEXITED(status) && WEXITSTATUS(status) == 0;
+        if (!ok && failed_rank_ < 0 && received_signal_ == 0) {
+          failed_rank_ = r;
+          failed_code_ = ExitCodeOf(status);
+          std::fprintf(stderr, "strata-launch: rank %d %s; terminating the other ranks\n", r,
+                       Describe(status).c_str());
+          StartTeardown(SIGTERM);
+        }
+      }
+    }
+  }
+
+  void SignalAll(int sig) {
+    for (const Rank& r : ranks_) {
+      if (r.running) kill(-r.pid, sig);
+    }
+  }
+
+  void StartTeardown(int sig) {
+    SignalAll(sig);
+    if (!kill_pending_) {
+      kill_pending_ = true;
+      kill_at_ = Clock::now() + std::chrono::milliseconds(static_cast<int64_t>(grace_s_ * 1000));
+    }
+  }
+
+  const int nproc_, port_;
+  const double grace_s_;
+  const std::vector<std::string> cmd_;
+  std::vector<Rank> ranks_;
+  int sig_fd_ = -1;
+  sigset_t old_mask_;
+  int failed_rank_ = -1;
+  int failed_code_ = 0;
+  int received_signal_ = 0;
+  bool kill_pending_ = false;
+  Clock::time_point kill_at_;
+  Clock::time_point drain_until_ = Clock::time_point::max();
+};
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -185,144 +358,5 @@ int main(int argc, char** argv) {
     return 2;
   }
   if (port == 0) port = PickFreePort();
-
-  // Signals arrive through a signalfd so the poll loop sees them in order with output and exits.
-  sigset_t mask, old_mask;
-  sigemptyset(&mask);
-  sigaddset(&mask, SIGINT);
-  sigaddset(&mask, SIGTERM);
-  sigaddset(&mask, SIGCHLD);
-  sigaddset(&mask, SIGHUP);
-  sigprocmask(SIG_BLOCK, &mask, &old_mask);
-  const int sig_fd = signalfd(-1, &mask, SFD_CLOEXEC | SFD_NONBLOCK);
-  if (sig_fd < 0) Die(std::string("signalfd: ") + std::strerror(errno));
-  signal(SIGPIPE, SIG_IGN);
-
-  std::vector<Rank> ranks(nproc);
-  for (int r = 0; r < nproc; ++r) {
-    int out[2], err[2];
-    if (pipe2(out, O_CLOEXEC) != 0 || pipe2(err, O_CLOEXEC) != 0) {
-      Die(std::string("pipe: ") + std::strerror(errno));
-    }
-    ranks[r].pid = SpawnRank(r, nproc, port, cmd, out[1], err[1], old_mask);
-    setpgid(ranks[r].pid, ranks[r].pid);  // also here: no race with an early kill(-pid)
-    ranks[r].running = true;
-    close(out[1]);
-    close(err[1]);
-    ranks[r].fds[0] = out[0];
-    ranks[r].fds[1] = err[0];
-  }
-
-  using Clock = std::chrono::steady_clock;
-  int failed_rank = -1;
-  int failed_code = 0;
-  int received_signal = 0;
-  bool kill_pending = false;
-  Clock::time_point kill_at;
-  Clock::time_point drain_until = Clock::time_point::max();
-
-  auto signal_all = [&](int sig) {
-    for (const Rank& r : ranks) {
-      if (r.running) kill(-r.pid, sig);
-    }
-  };
-  auto start_teardown = [&](int sig) {
-    signal_all(sig);
-    if (!kill_pending) {
-      kill_pending = true;
-      kill_at = Clock::now() + std::chrono::milliseconds(static_cast<int64_t>(grace_s * 1000));
-    }
-  };
-
-  for (;;) {
-    int running = 0, open_fds = 0;
-    std::vector<pollfd> pfds;
-    std::vector<std::pair<int, int>> owners;  // (rank, stream) of each pollfd after the first
-    pfds.push_back({sig_fd, POLLIN, 0});
-    for (int r = 0; r < nproc; ++r) {
-      running += ranks[r].running;
-      for (int s = 0; s < 2; ++s) {
-        if (ranks[r].fds[s] < 0) continue;
-        ++open_fds;
-        pfds.push_back({ranks[r].fds[s], POLLIN, 0});
-        owners.emplace_back(r, s);
-      }
-    }
-    if (running == 0 && open_fds == 0) break;
-    // A rank's own children may hold its pipes open after it exits: give them a moment, then stop.
-    if (running == 0 && drain_until == Clock::time_point::max()) {
-      drain_until = Clock::now() + std::chrono::seconds(2);
-    }
-    if (running == 0 && Clock::now() >= drain_until) break;
-
-    int timeout_ms = -1;
-    if (kill_pending) {
-      timeout_ms = static_cast<int>(std::max<int64_t>(
-          0, std::chrono::duration_cast<std::chrono::milliseconds>(kill_at - Clock::now()).count()));
-    }
-    if (running == 0) timeout_ms = 100;
-    const int n = poll(pfds.data(), pfds.size(), timeout_ms);
-    if (n < 0 && errno != EINTR) Die(std::string("poll: ") + std::strerror(errno));
-
-    if (kill_pending && Clock::now() >= kill_at) {
-      signal_all(SIGKILL);
-      kill_pending = false;
-    }
-
-    for (size_t i = 1; i < pfds.size(); ++i) {
-      if (!(pfds[i].revents & (POLLIN | POLLHUP | POLLERR))) continue;
-      auto [r, s] = owners[i - 1];
-      char buf[65536];
-      const ssize_t got = read(ranks[r].fds[s], buf, sizeof(buf));
-      if (got > 0) {
-        EmitLines(r, s, &ranks[r].partial[s], buf, static_cast<size_t>(got), false);
-      } else if (got == 0 || (errno != EINTR && errno != EAGAIN)) {
-        EmitLines(r, s, &ranks[r].partial[s], nullptr, 0, true);
-        close(ranks[r].fds[s]);
-        ranks[r].fds[s] = -1;
-      }
-    }
-
-    if (pfds[0].revents & POLLIN) {
-      signalfd_siginfo info;
-      while (read(sig_fd, &info, sizeof(info)) == static_cast<ssize_t>(sizeof(info))) {
-        const int sig = static_cast<int>(info.ssi_signo);
-        if (sig == SIGCHLD) continue;  // reaped below
-        if (received_signal != 0) {
-          signal_all(SIGKILL);  // a second interrupt: stop waiting for a clean exit
-        } else {
-          received_signal = sig;
-          std::fprintf(stderr, "strata-launch: got %s, forwarding to all ranks\n", strsignal(sig));
-          start_teardown(sig);
-        }
-        break;
-      }
-    }
-
-    for (;;) {
-      int status = 0;
-      const pid_t pid = waitpid(-1, &status, WNOHANG);
-      if (pid <= 0) break;
-      for (int r = 0; r < nproc; ++r) {
-        if (ranks[r].pid != pid || !ranks[r].running) continue;
-        ranks[r].running = false;
-        ranks[r].status = status;
-        const bool ok = WIFEXITED(status) && WEXITSTATUS(status) == 0;
-        if (!ok && failed_rank < 0 && received_signal == 0) {
-          failed_rank = r;
-          failed_code = ExitCodeOf(status);
-          std::fprintf(stderr, "strata-launch: rank %d %s; terminating the other ranks\n", r,
-                       Describe(status).c_str());
-          start_teardown(SIGTERM);
-        }
-      }
-    }
-  }
-
-  if (failed_rank >= 0) return failed_code == 0 ? 1 : failed_code;
-  if (received_signal != 0) return 128 + received_signal;
-  for (const Rank& r : ranks) {
-    if (ExitCodeOf(r.status) != 0) return ExitCodeOf(r.status);
-  }
-  return 0;
+  return Supervisor(nproc, port, grace_s, std::move(cmd)).Run();
 }

@@ -190,6 +190,53 @@ std::string Candidate::Describe() const {
   return s;
 }
 
+namespace {
+
+// The budgets the candidates must fit: the flags', else the config's, else the device's (4 GiB
+// on the CPU device; unlimited on a GPU), half the RAM, and unlimited NVMe.
+void SetBudgets(const Config& config, const TuneOptions& o, TuneResult* res) {
+  const bool cpu = o.device == "cpu";
+  res->device_budget = o.device_budget ? o.device_budget
+                       : config.strata.device_memory_budget ? config.strata.device_memory_budget
+                       : cpu ? (4ull << 30) : 0;
+  if (o.host_budget) {
+    res->host_budget = o.host_budget;
+  } else if (config.strata.host_memory_budget) {
+    res->host_budget = config.strata.host_memory_budget;
+  } else {
+    res->host_budget = static_cast<uint64_t>(sysconf(_SC_PHYS_PAGES)) *
+                       static_cast<uint64_t>(sysconf(_SC_PAGESIZE)) / 2;
+  }
+  res->nvme_budget = o.nvme_budget ? o.nvme_budget : config.strata.nvme_capacity;
+}
+
+// Why a placement does not fit the budgets, or "" when it does.
+std::string WhyNot(const MemoryEstimate& mem, const TuneResult& res) {
+  if (res.device_budget && mem.hbm_bytes > res.device_budget)
+    return StrCat("device ", FormatBytes(mem.hbm_bytes), " > budget ", FormatBytes(res.device_budget));
+  if (mem.host_min_bytes + mem.host_pageable_bytes > res.host_budget)
+    return StrCat("host ", FormatBytes(mem.host_min_bytes + mem.host_pageable_bytes),
+                  " > budget ", FormatBytes(res.host_budget));
+  if (res.nvme_budget && mem.nvme_bytes > res.nvme_budget)
+    return StrCat("nvme ", FormatBytes(mem.nvme_bytes), " > budget ", FormatBytes(res.nvme_budget));
+  return "";
+}
+
+// Feasible first; then faster; near-ties (1 %) go to less NVMe traffic, then less host memory.
+void RankCandidates(std::vector<Candidate>* candidates) {
+  std::stable_sort(candidates->begin(), candidates->end(), [](const Candidate& a, const Candidate& b) {
+    if (a.feasible != b.feasible) return a.feasible;
+    const double ta = a.prediction.step_s, tb = b.prediction.step_s;
+    if (std::abs(ta - tb) > 0.01 * std::max(ta, tb)) return ta < tb;
+    const uint64_t na = a.prediction.bytes_nvme_read + a.prediction.bytes_nvme_write;
+    const uint64_t nb = b.prediction.bytes_nvme_read + b.prediction.bytes_nvme_write;
+    if (na != nb) return na < nb;
+    return a.memory.host_pageable_bytes < b.memory.host_pageable_bytes;
+  });
+}
+
+}  // namespace
+
 StatusOr<TuneResult> Tune(const Config& config, const ModelSpec& model, const HardwareProfile& profile,
                           const TuneOptions& o) {
   if (!model.gpt)
@@ -215,19 +262,7 @@ StatusOr<TuneResult> Tune(const Config& config, const ModelSpec& model, const Ha
     }
   }
   const bool cpu = o.device == "cpu";
-  res.device_budget = o.device_budget ? o.device_budget
-                      : config.strata.device_memory_budget ? config.strata.device_memory_budget
-                      : cpu ? (4ull << 30) : 0;
-  if (o.host_budget) {
-    res.host_budget = o.host_budget;
-  } else if (config.strata.host_memory_budget) {
-    res.host_budget = config.strata.host_memory_budget;
-  } else {
-    res.host_budget = static_cast<uint64_t>(sysconf(_SC_PHYS_PAGES)) *
-                      static_cast<uint64_t>(sysconf(_SC_PAGESIZE)) / 2;
-  }
-  res.nvme_budget = o.nvme_budget ? o.nvme_budget : config.strata.nvme_capacity;
-
+  SetBudgets(config, o, &res);
   // aio settings to try: every measured read point (write figure at the same setting, or the
   // best write when that setting was not measured for writes).
   std::vector<NvmePoint> aios;
@@ -279,32 +314,13 @@ StatusOr<TuneResult> Tune(const Config& config, const ModelSpec& model, const Ha
           if (r.nvme_write_gbps <= 0) r.nvme_write_gbps = a.gbps;
         }
         STRATA_ASSIGN_OR_RETURN(cand.prediction, PredictStep(c, model, mem, r, o.device, o.world_size));
-        cand.feasible = true;
-        if (res.device_budget && mem.hbm_bytes > res.device_budget) {
-          cand.feasible = false;
-          cand.why_not = StrCat("device ", FormatBytes(mem.hbm_bytes), " > budget ", FormatBytes(res.device_budget));
-        } else if (mem.host_min_bytes + mem.host_pageable_bytes > res.host_budget) {
-          cand.feasible = false;
-          cand.why_not = StrCat("host ", FormatBytes(mem.host_min_bytes + mem.host_pageable_bytes),
-                                " > budget ", FormatBytes(res.host_budget));
-        } else if (res.nvme_budget && mem.nvme_bytes > res.nvme_budget) {
-          cand.feasible = false;
-          cand.why_not = StrCat("nvme ", FormatBytes(mem.nvme_bytes), " > budget ", FormatBytes(res.nvme_budget));
-        }
+        cand.why_not = WhyNot(mem, res);
+        cand.feasible = cand.why_not.empty();
         res.candidates.push_back(std::move(cand));
       }
     }
   }
-  // Feasible first; then faster; near-ties (1 %) go to less NVMe traffic, then less host memory.
-  std::stable_sort(res.candidates.begin(), res.candidates.end(), [](const Candidate& a, const Candidate& b) {
-    if (a.feasible != b.feasible) return a.feasible;
-    const double ta = a.prediction.step_s, tb = b.prediction.step_s;
-    if (std::abs(ta - tb) > 0.01 * std::max(ta, tb)) return ta < tb;
-    const uint64_t na = a.prediction.bytes_nvme_read + a.prediction.bytes_nvme_write;
-    const uint64_t nb = b.prediction.bytes_nvme_read + b.prediction.bytes_nvme_write;
-    if (na != nb) return na < nb;
-    return a.memory.host_pageable_bytes < b.memory.host_pageable_bytes;
-  });
+  RankCandidates(&res.candidates);
   return res;
 }
 

@@ -227,42 +227,10 @@ struct Variant {
   double best_s = 1e30;
 };
 
-int RunAdam(const AdamArgs& args) {
-  StatusOr<Settings> settings = Validate(args);
-  if (!settings.ok()) {
-    std::cerr << "strata-swapbench adam: " << settings.status().message() << "\n";
-    return 2;
-  }
-  const Settings s = *settings;
-  const size_t n = s.n;
-  tbb::task_arena arena(s.threads);
-  torch::set_num_threads(s.threads);
-
-  // Strata's buffers: p, g, m, v (fp32) and m16, v16, p16 (bf16) from a coloured pool, the
-  // layout the engine runs on; the same four fp32 streams from an uncoloured pool (the layout
-  // before colouring). The roofline also gets two placements of its own: separate mappings (what
-  // an allocator hands out for large buffers) and one mapping with the streams staggered by odd
-  // multiples of 5 pages.
-  const size_t bytes = n * sizeof(float);
-  PoolBuffers pool(n, s.hugepages, PinnedPoolOptions{}.colour_step, {4, 4, 4, 4, 2, 2, 2});
-  PoolBuffers flat_pool(n, s.hugepages, /*colour_step=*/0, {4, 4, 4, 4});
-  Mapping sep_p(bytes, s.hugepages), sep_g(bytes, s.hugepages), sep_m(bytes, s.hugepages),
-      sep_v(bytes, s.hugepages);
-  constexpr size_t kStagger = 5 * 4096;
-  const size_t slot = (bytes + 4095) / 4096 * 4096 + kStagger;
-  Mapping staggered(4 * slot, s.hugepages);
-  auto stag = [&](int k) { return reinterpret_cast<float*>(staggered.data() + k * slot); };
-  const std::vector<StreamSet> placements = {
-      pool.Streams("pinned pool, coloured (Strata's)"),
-      flat_pool.Streams("pinned pool, uncoloured"),
-      {"separate mmaps", reinterpret_cast<float*>(sep_p.data()), reinterpret_cast<float*>(sep_g.data()),
-       reinterpret_cast<float*>(sep_m.data()), reinterpret_cast<float*>(sep_v.data())},
-      {"one mmap, staggered by 20 KiB", stag(0), stag(1), stag(2), stag(3)},
-  };
-  auto* m16 = static_cast<uint16_t*>(pool[4]);
-  auto* v16 = static_cast<uint16_t*>(pool[5]);
-  auto* p16 = static_cast<uint16_t*>(pool[6]);
-  // First touch in parallel inside the arena, so pages are spread like the work.
+// First touch in parallel inside the arena, so pages are spread like the work: every
+// placement's fp32 streams, and the bf16 ones zeroed.
+void FirstTouch(tbb::task_arena& arena, const std::vector<StreamSet>& placements,
+                const std::vector<uint16_t*>& halves, size_t n) {
   for (const StreamSet& set : placements) {
     ParallelRange(arena, n, [&](size_t b, size_t e) {
       for (size_t i = b; i < e; ++i) {
@@ -275,102 +243,34 @@ int RunAdam(const AdamArgs& args) {
     });
   }
   ParallelRange(arena, n, [&](size_t b, size_t e) {
-    for (size_t i = b; i < e; ++i) m16[i] = v16[i] = p16[i] = 0;
+    for (uint16_t* h : halves)
+      for (size_t i = b; i < e; ++i) h[i] = 0;
   });
-  const StreamSet& strata_set = placements[0];
-  const StreamSet& flat_set = placements[1];
-  torch::Tensor tp = torch::from_blob(strata_set.p, {static_cast<int64_t>(n)}, torch::kFloat32).clone();
-  tp.set_requires_grad(true);
-  tp.mutable_grad() = torch::from_blob(strata_set.g, {static_cast<int64_t>(n)}, torch::kFloat32).clone();
-  torch::optim::AdamW torch_adamw(std::vector<torch::Tensor>{tp},
-                                  torch::optim::AdamWOptions(1e-3).weight_decay(0.01));
+}
 
-  AdamParams hp;
-  hp.lr = 1e-3;
-  hp.weight_decay = 0.01;
-  hp.adamw = true;
-  int64_t step = 0;
-  auto strata_step = [&](const StreamSet& set, void* mm, void* vv, DType state, void* out16,
-                         optim::GradCheck check) {
-    AdamBuffers b;
-    b.master = set.p;
-    b.grad = set.g;
-    b.exp_avg = mm;
-    b.exp_avg_sq = vv;
-    b.state_dtype = state;
-    b.param16 = out16;
-    b.param16_dtype = DType::kBFloat16;
-    b.n = n;
-    hp.step = ++step;
-    AdamOptions o;
-    o.isa = s.isa;
-    o.arena = &arena;
-    o.grad_check = check;
-    return AdamStep(hp, b, 1.0f, o).status();
-  };
-
-  // variants[0..placements) are the roofline under each placement; the best is "the" roofline.
-  std::vector<Variant> variants;
-  for (const StreamSet& set : placements) {
-    variants.push_back({"stream: " + set.placement, "", 28, [&] {
-                          ParallelRange(arena, n, [&](size_t b, size_t e) {
-                            StreamingLoop(set.p, set.g, set.m, set.v, b, e);
-                          });
-                          return Status::Ok();
-                        }});
+// One untimed pass each (page faults, torch's state allocation, TBB worker start-up), then the
+// best of `reps` timed passes, round-robin over the variants.
+Status TimeVariants(std::vector<Variant>* variants, int reps) {
+  for (Variant& var : *variants) {
+    Status st = var.run();
+    if (!st.ok()) return st.WithContext(var.name);
   }
-  const size_t first_strata = variants.size();
-  variants.push_back({"strata fp32 states", "strata", 28, [&] {
-                        return strata_step(strata_set, strata_set.m, strata_set.v, DType::kFloat32,
-                                           nullptr, optim::GradCheck::kCallerChecked);
-                      }});
-  variants.push_back({"strata fp32 states, uncoloured pool", "strata_uncoloured", 28, [&] {
-                        return strata_step(flat_set, flat_set.m, flat_set.v, DType::kFloat32, nullptr,
-                                           optim::GradCheck::kCallerChecked);
-                      }});
-  variants.push_back({"strata fp32 states + inf/nan pre-scan", "strata_scan_first", 32, [&] {
-                        return strata_step(strata_set, strata_set.m, strata_set.v, DType::kFloat32,
-                                           nullptr, optim::GradCheck::kScanFirst);
-                      }});
-  variants.push_back({"strata fp32 states + bf16 param out", "strata_bf16_param", 30, [&] {
-                        return strata_step(strata_set, strata_set.m, strata_set.v, DType::kFloat32, p16,
-                                           optim::GradCheck::kCallerChecked);
-                      }});
-  variants.push_back({"strata bf16 states", "strata_bf16_states", 20, [&] {
-                        return strata_step(strata_set, m16, v16, DType::kBFloat16, nullptr,
-                                           optim::GradCheck::kCallerChecked);
-                      }});
-  variants.push_back({"grad scan alone (UnscaleCheckNorm, fp32)", "grad_scan", 4, [&] {
-                        AdamOptions o;
-                        o.isa = s.isa;
-                        o.arena = &arena;
-                        return optim::UnscaleCheckNorm(strata_set.g, DType::kFloat32, n, 1.0f, o).status();
-                      }});
-  variants.push_back({"libtorch AdamW", "libtorch_adamw", 28, [&] {
-                        torch_adamw.step();
-                        return Status::Ok();
-                      }});
-
-  // One untimed pass each: page faults, torch's state allocation, TBB worker start-up.
-  for (Variant& var : variants) {
-    const Status st = var.run();
-    if (!st.ok()) {
-      std::cerr << "strata-swapbench adam: " << var.name << ": " << st.ToString() << "\n";
-      return 1;
-    }
-  }
-  for (int r = 0; r < s.reps; ++r) {
-    for (Variant& var : variants) {
+  for (int r = 0; r < reps; ++r) {
+    for (Variant& var : *variants) {
       Status st;
       const double t = Seconds([&] { st = var.run(); });
-      if (!st.ok()) {
-        std::cerr << "strata-swapbench adam: " << var.name << ": " << st.ToString() << "\n";
-        return 1;
-      }
+      if (!st.ok()) return st.WithContext(var.name);
       var.best_s = std::min(var.best_s, t);
     }
   }
+  return Status::Ok();
+}
 
+// variants[0, first_strata) are the roofline under each placement (the best is "the" roofline),
+// then Strata's variants, LibTorch's last.
+void ReportAdam(const AdamArgs& args, const Settings& s, const std::vector<StreamSet>& placements,
+                const std::vector<Variant>& variants, size_t first_strata) {
+  const size_t n = s.n;
   auto gparams = [&](const Variant& var) { return static_cast<double>(n) / var.best_s / 1e9; };
   size_t roof_i = 0;
   for (size_t i = 1; i < first_strata; ++i)
@@ -407,7 +307,7 @@ int RunAdam(const AdamArgs& args) {
     j["strata_vs_libtorch"] = strata_rate / torch_rate;
     j["colouring_speedup"] = strata_rate / gparams(variants[first_strata + 1]);
     std::cout << j.dump(2) << "\n";
-    return 0;
+    return;
   }
   std::printf("strata-swapbench adam on %s\n", HostDescription().c_str());
   std::printf("n=%zu threads=%d isa=%s avx512_prefetch=%s hugepages=%s, best of %d\n", n, s.threads,
@@ -426,9 +326,144 @@ int RunAdam(const AdamArgs& args) {
               "B/param: bytes each step moves per parameter (LibTorch's figure counts the same 28 B\n"
               "as fp32 Adam; it makes more passes in reality). GB/s = G param/s x B/param.\n",
               placements[roof_i].placement.c_str());
-  return 0;
 }
 
+using StrataStep = std::function<Status(const StreamSet& set, void* exp_avg, void* exp_avg_sq,
+                                         DType state, void* param16, optim::GradCheck check)>;
+
+// The streaming loop (the memory roofline) under each placement.
+std::vector<Variant> RooflineVariants(tbb::task_arena& arena, const std::vector<StreamSet>& placements,
+                                      size_t n) {
+  std::vector<Variant> variants;
+  for (const StreamSet& set : placements) {
+    variants.push_back({"stream: " + set.placement, "", 28, [&arena, &set, n] {
+                          ParallelRange(arena, n, [&](size_t b, size_t e) {
+                            StreamingLoop(set.p, set.g, set.m, set.v, b, e);
+                          });
+                          return Status::Ok();
+                        }});
+  }
+  return variants;
+}
+
+// Strata's Adam in the engine's layout and its variants; halves: m16, v16, p16. `step` must
+// outlive the variants.
+void AddStrataVariants(std::vector<Variant>* variants, const StrataStep& step,
+                       const StreamSet& strata_set, const StreamSet& flat_set,
+                       std::vector<uint16_t*> halves) {
+  uint16_t *m16 = halves[0], *v16 = halves[1], *p16 = halves[2];
+  variants->push_back({"strata fp32 states", "strata", 28, [&] {
+                         return step(strata_set, strata_set.m, strata_set.v, DType::kFloat32,
+                                     nullptr, optim::GradCheck::kCallerChecked);
+                       }});
+  variants->push_back({"strata fp32 states, uncoloured pool", "strata_uncoloured", 28, [&] {
+                         return step(flat_set, flat_set.m, flat_set.v, DType::kFloat32, nullptr,
+                                     optim::GradCheck::kCallerChecked);
+                       }});
+  variants->push_back({"strata fp32 states + inf/nan pre-scan", "strata_scan_first", 32, [&] {
+                         return step(strata_set, strata_set.m, strata_set.v, DType::kFloat32,
+                                     nullptr, optim::GradCheck::kScanFirst);
+                       }});
+  variants->push_back({"strata fp32 states + bf16 param out", "strata_bf16_param", 30, [&, p16] {
+                         return step(strata_set, strata_set.m, strata_set.v, DType::kFloat32, p16,
+                                     optim::GradCheck::kCallerChecked);
+                       }});
+  variants->push_back({"strata bf16 states", "strata_bf16_states", 20, [&, m16, v16] {
+                         return step(strata_set, m16, v16, DType::kBFloat16, nullptr,
+                                     optim::GradCheck::kCallerChecked);
+                       }});
+}
+
+int RunAdam(const AdamArgs& args) {
+  StatusOr<Settings> settings = Validate(args);
+  if (!settings.ok()) {
+    std::cerr << "strata-swapbench adam: " << settings.status().message() << "\n";
+    return 2;
+  }
+  const Settings s = *settings;
+  const size_t n = s.n;
+  tbb::task_arena arena(s.threads);
+  torch::set_num_threads(s.threads);
+
+  // Strata's buffers: p, g, m, v (fp32) and m16, v16, p16 (bf16) from a coloured pool, the
+  // layout the engine runs on; the same four fp32 streams from an uncoloured pool (the layout
+  // before colouring). The roofline also gets two placements of its own: separate mappings (what
+  // an allocator hands out for large buffers) and one mapping with the streams staggered by odd
+  // multiples of 5 pages.
+  const size_t bytes = n * sizeof(float);
+  PoolBuffers pool(n, s.hugepages, PinnedPoolOptions{}.colour_step, {4, 4, 4, 4, 2, 2, 2});
+  PoolBuffers flat_pool(n, s.hugepages, /*colour_step=*/0, {4, 4, 4, 4});
+  Mapping sep_p(bytes, s.hugepages), sep_g(bytes, s.hugepages), sep_m(bytes, s.hugepages),
+      sep_v(bytes, s.hugepages);
+  constexpr size_t kStagger = 5 * 4096;
+  const size_t slot = (bytes + 4095) / 4096 * 4096 + kStagger;
+  Mapping staggered(4 * slot, s.hugepages);
+  auto stag = [&](int k) { return reinterpret_cast<float*>(staggered.data() + k * slot); };
+  const std::vector<StreamSet> placements = {
+      pool.Streams("pinned pool, coloured (Strata's)"),
+      flat_pool.Streams("pinned pool, uncoloured"),
+      {"separate mmaps", reinterpret_cast<float*>(sep_p.data()), reinterpret_cast<float*>(sep_g.data()),
+       reinterpret_cast<float*>(sep_m.data()), reinterpret_cast<float*>(sep_v.data())},
+      {"one mmap, staggered by 20 KiB", stag(0), stag(1), stag(2), stag(3)},
+  };
+  auto* m16 = static_cast<uint16_t*>(pool[4]);
+  auto* v16 = static_cast<uint16_t*>(pool[5]);
+  auto* p16 = static_cast<uint16_t*>(pool[6]);
+  FirstTouch(arena, placements, {m16, v16, p16}, n);
+  const StreamSet& strata_set = placements[0];
+  const StreamSet& flat_set = placements[1];
+  torch::Tensor tp = torch::from_blob(strata_set.p, {static_cast<int64_t>(n)}, torch::kFloat32).clone();
+  tp.set_requires_grad(true);
+  tp.mutable_grad() = torch::from_blob(strata_set.g, {static_cast<int64_t>(n)}, torch::kFloat32).clone();
+  torch::optim::AdamW torch_adamw(std::vector<torch::Tensor>{tp},
+                                  torch::optim::AdamWOptions(1e-3).weight_decay(0.01));
+
+  AdamParams hp;
+  hp.lr = 1e-3;
+  hp.weight_decay = 0.01;
+  hp.adamw = true;
+  int64_t step = 0;
+  const StrataStep strata_step = [&](const StreamSet& set, void* mm, void* vv, DType state,
+                                     void* out16, optim::GradCheck check) {
+    AdamBuffers b;
+    b.master = set.p;
+    b.grad = set.g;
+    b.exp_avg = mm;
+    b.exp_avg_sq = vv;
+    b.state_dtype = state;
+    b.param16 = out16;
+    b.param16_dtype = DType::kBFloat16;
+    b.n = n;
+    hp.step = ++step;
+    AdamOptions o;
+    o.isa = s.isa;
+    o.arena = &arena;
+    o.grad_check = check;
+    return AdamStep(hp, b, 1.0f, o).status();
+  };
+
+  // variants[0..placements) are the roofline under each placement; the best is "the" roofline.
+  std::vector<Variant> variants = RooflineVariants(arena, placements, n);
+  const size_t first_strata = variants.size();
+  AddStrataVariants(&variants, strata_step, strata_set, flat_set, {m16, v16, p16});
+  variants.push_back({"grad scan alone (UnscaleCheckNorm, fp32)", "grad_scan", 4, [&] {
+                        AdamOptions o;
+                        o.isa = s.isa;
+                        o.arena = &arena;
+                        return optim::UnscaleCheckNorm(strata_set.g, DType::kFloat32, n, 1.0f, o).status();
+                      }});
+  variants.push_back({"libtorch AdamW", "libtorch_adamw", 28, [&] {
+                        torch_adamw.step();
+                        return Status::Ok();
+                      }});
+
+  if (Status st = TimeVariants(&variants, s.reps); !st.ok()) {
+    std::cerr << "strata-swapbench adam: " << st.ToString() << "\n";
+    return 1;
+  }
+  ReportAdam(args, s, placements, variants, first_strata);
+  return 0;
+}
 }  // namespace
 
 void RegisterAdamCommand(CLI::App& app, int* exit_code) {

@@ -81,6 +81,53 @@ double Seconds(const std::function<void()>& fn) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
 
+// Best of `reps` per variant. Which variant runs first in a repetition was measured to matter
+// (about 20 % on a 2-core VM), so the order rotates from one repetition to the next; the first
+// repetition warms up and is not counted.
+std::vector<double> BestOfRotated(const std::vector<std::function<void()>>& variants, int reps) {
+  std::vector<double> best(variants.size(), 1e30);
+  const int rounds = (reps + 1) * static_cast<int>(variants.size());
+  for (int r = 0; r < rounds; ++r) {
+    for (size_t k = 0; k < variants.size(); ++k) {
+      const size_t v = (k + r) % variants.size();
+      const double t = Seconds(variants[v]);
+      if (r >= static_cast<int>(variants.size())) best[v] = std::min(best[v], t);
+    }
+  }
+  return best;
+}
+
+void Report(const BenchArgs& a, size_t n, int threads, optim::Isa isa, double strata_s,
+            double roof_s, double torch_s) {
+  const char* name = NameOf(a.kind);
+  const double gp = static_cast<double>(n) / 1e9;
+  const std::string host = HostDescription();
+  const std::string torch_label = a.kind == Kind::kLion ? "LibTorch Lion (tensor ops)"
+                                                        : std::string("LibTorch ") + name;
+  if (a.json) {
+    nlohmann::json j{{"host", host},
+                     {"optimizer", name},
+                     {"isa", optim::IsaName(isa)},
+                     {"threads", threads},
+                     {"n", a.n},
+                     {"strata_gparams_s", gp / strata_s},
+                     {"roofline_gparams_s", gp / roof_s},
+                     {"libtorch_gparams_s", gp / torch_s},
+                     {"strata_over_roofline", roof_s / strata_s},
+                     {"strata_over_libtorch", torch_s / strata_s}};
+    std::cout << j.dump() << "\n";
+  } else {
+    std::printf("%s; %d thread(s); n=%lld; %s %s, fp32, 20 B/param\n", host.c_str(), threads,
+                static_cast<long long>(a.n), name, SettingsOf(a.kind));
+    std::printf("  strata %s (%s)   %7.3f G params/s  %6.1f GB/s\n", name, optim::IsaName(isa),
+                gp / strata_s, gp * 20 / strata_s);
+    std::printf("  roofline stream   %7.3f G params/s  %6.1f GB/s\n", gp / roof_s, gp * 20 / roof_s);
+    std::printf("  %s  %7.3f G params/s\n", torch_label.c_str(), gp / torch_s);
+    std::printf("  strata / roofline %.2f, strata / LibTorch %.2f\n", roof_s / strata_s,
+                torch_s / strata_s);
+  }
+}
+
 int RunBench(const BenchArgs& a) {
   const char* name = NameOf(a.kind);
   if (a.n < 1 || a.reps < 1 || a.threads < 0) {
@@ -163,45 +210,8 @@ int RunBench(const BenchArgs& a) {
     tm.mul_(0.99).add_(tg, 0.01);
   };
   std::vector<std::function<void()>> variants = {strata_step, roofline, libtorch};
-  // Best of --reps per variant. Which variant runs first in a repetition was measured to matter
-  // (about 20 % on a 2-core VM), so the order rotates from one repetition to the next; the
-  // first repetition warms up and is not counted.
-  std::vector<double> best(variants.size(), 1e30);
-  const int rounds = (a.reps + 1) * static_cast<int>(variants.size());
-  for (int r = 0; r < rounds; ++r) {
-    for (size_t k = 0; k < variants.size(); ++k) {
-      const size_t v = (k + r) % variants.size();
-      const double t = Seconds(variants[v]);
-      if (r >= static_cast<int>(variants.size())) best[v] = std::min(best[v], t);
-    }
-  }
-  const double strata_s = best[0], roof_s = best[1], torch_s = best[2];
-  const double gp = static_cast<double>(n) / 1e9;
-  const std::string host = HostDescription();
-  const std::string torch_label = a.kind == Kind::kLion ? "LibTorch Lion (tensor ops)"
-                                                        : std::string("LibTorch ") + name;
-  if (a.json) {
-    nlohmann::json j{{"host", host},
-                     {"optimizer", name},
-                     {"isa", optim::IsaName(isa)},
-                     {"threads", threads},
-                     {"n", a.n},
-                     {"strata_gparams_s", gp / strata_s},
-                     {"roofline_gparams_s", gp / roof_s},
-                     {"libtorch_gparams_s", gp / torch_s},
-                     {"strata_over_roofline", roof_s / strata_s},
-                     {"strata_over_libtorch", torch_s / strata_s}};
-    std::cout << j.dump() << "\n";
-  } else {
-    std::printf("%s; %d thread(s); n=%lld; %s %s, fp32, 20 B/param\n", host.c_str(), threads,
-                static_cast<long long>(a.n), name, SettingsOf(a.kind));
-    std::printf("  strata %s (%s)   %7.3f G params/s  %6.1f GB/s\n", name, optim::IsaName(isa),
-                gp / strata_s, gp * 20 / strata_s);
-    std::printf("  roofline stream   %7.3f G params/s  %6.1f GB/s\n", gp / roof_s, gp * 20 / roof_s);
-    std::printf("  %s  %7.3f G params/s\n", torch_label.c_str(), gp / torch_s);
-    std::printf("  strata / roofline %.2f, strata / LibTorch %.2f\n", roof_s / strata_s,
-                torch_s / strata_s);
-  }
+  const std::vector<double> best = BestOfRotated(variants, a.reps);
+  Report(a, n, threads, isa, best[0], best[1], best[2]);
   return 0;
 }
 

@@ -309,6 +309,232 @@ double Median(std::vector<double> v) {
   return n % 2 ? v[n / 2] : (v[n / 2 - 1] + v[n / 2]) / 2;
 }
 
+// One `strata-swapbench nvme` run: the buffers, then exactly one of the two I/O paths (the raw
+// engine on one file, or the swap store), the rounds (interleaved with fio's when asked), the
+// path closed, the report.
+class NvmeBench {
+ public:
+  NvmeBench(const NvmeArgs& args, const Settings& s) : args_(args), s_(s), run_(s) {}
+  ~NvmeBench() {
+    engine_.reset();
+    store_.reset();
+    if (fd_ >= 0) close(fd_);
+  }
+
+  Status Run() {
+    STRATA_RETURN_IF_ERROR(AllocateBuffers());
+    AioConfig aio;
+    aio.block_size = static_cast<int64_t>(s_.block_size);
+    aio.queue_depth = s_.queue_depth;
+    aio.intra_op_parallelism = s_.threads;
+    STRATA_RETURN_IF_ERROR(args_.store ? OpenStore(aio) : OpenFile(aio));
+    if (needs_fill_ && s_.op == IoOp::kRead) {
+      // Preallocated space reads back as zeros without touching the device: write it for real.
+      auto filled = RunOnce(move_, drain_, s_, IoOp::kWrite, buffers_);
+      if (!filled.ok()) return filled.status().WithContext("filling the file before reading");
+    }
+    STRATA_RETURN_IF_ERROR(Rounds());
+    Close();
+    Report();
+    return Status::Ok();
+  }
+
+ private:
+  // With --fio, fio needs a huge-page reservation for --iomem=shmhuge; without one both sides
+  // use 4 KiB pages.
+  Status AllocateBuffers() {
+    huge_ = !args_.no_huge_pages;
+    fio_buffers_.fixed = !args_.no_fixed_buffers;
+    if (args_.fio && huge_) {
+      reservation_ = std::make_unique<HugePageReservation>(s_.queue_depth * s_.threads * s_.block_size);
+      if (!reservation_->ok()) {
+        std::cerr << "strata-swapbench nvme: could not reserve huge pages for fio's --iomem=shmhuge "
+                     "(needs root and free memory); both sides use 4 KiB pages instead\n";
+        huge_ = false;
+      }
+    }
+    fio_buffers_.huge = huge_;
+    STRATA_RETURN_IF_ERROR(
+        buffers_.Allocate(static_cast<size_t>(s_.queue_depth * s_.threads), s_.block_size, huge_));
+    for (char* b : buffers_.bufs) iov_.push_back({b, s_.block_size});
+    return Status::Ok();
+  }
+
+  Status OpenStore(const AioConfig& aio) {
+    nvme::SwapStoreOptions so;
+    so.paths = {s_.dir};
+    so.capacity = s_.size;
+    so.aio = aio;
+    so.force_fallback = args_.fallback;
+    STRATA_ASSIGN_OR_RETURN(store_, nvme::SwapStore::Open(so));
+    for (uint64_t b = 0; b < s_.size / s_.block_size; ++b)
+      STRATA_RETURN_IF_ERROR(store_->Allocate(b, s_.block_size));
+    STRATA_ASSIGN_OR_RETURN(auto ext, store_->Locate(0));
+    run_.file = ext[0].path;  // fio measures the swap file itself
+    direct_ = store_->stats().direct_io;
+    move_ = [this](IoOp op, uint64_t block, char* buf, nvme::IoDone done) {
+      if (op == IoOp::kRead) {
+        store_->ReadAsync(block, buf, std::move(done));
+      } else {
+        store_->WriteAsync(block, buf, std::move(done));
+      }
+    };
+    drain_ = [] {};  // every block's callback has run when the loop ends
+    if (!args_.no_fixed_buffers) {
+      Status reg = store_->RegisterBuffers(iov_);
+      if (!reg.ok()) STRATA_LOG(WARN) << "nvme bench: " << reg;
+    }
+    return Status::Ok();
+  }
+
+  Status OpenFile(const AioConfig& aio) {
+    fd_ = open(s_.file.c_str(), O_RDWR | O_CREAT | O_CLOEXEC | O_DIRECT, 0644);
+    if (fd_ < 0 && errno == EINVAL) {
+      direct_ = false;
+      fd_ = open(s_.file.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+    }
+    if (fd_ < 0) return ErrnoToStatus(errno, StrCat("opening ", s_.file));
+    struct stat st;
+    fstat(fd_, &st);
+    needs_fill_ = static_cast<uint64_t>(st.st_size) < s_.size;
+    if (needs_fill_ && fallocate(fd_, 0, 0, static_cast<off_t>(s_.size)) != 0 && errno != EOPNOTSUPP)
+      return ErrnoToStatus(errno, StrCat("preallocating ", FormatBytes(s_.size), " for ", s_.file));
+    nvme::IoEngineOptions eo;
+    eo.aio = aio;
+    eo.force_fallback = args_.fallback || !direct_;
+    if (!direct_) eo.fallback_reason = StrCat(s_.dir, " does not support O_DIRECT");
+    STRATA_ASSIGN_OR_RETURN(engine_, IoEngine::Create(eo));
+    STRATA_RETURN_IF_ERROR(engine_->SetFiles({{fd_, s_.file}}));
+    move_ = [this](IoOp op, uint64_t block, char* buf, nvme::IoDone done) {
+      nvme::IoRequest r;
+      r.op = op;
+      r.file = 0;
+      r.buf = buf;
+      r.length = s_.block_size;
+      r.offset = block * s_.block_size;
+      r.done = std::move(done);
+      engine_->Submit(std::move(r));
+    };
+    drain_ = [this] { engine_->Drain(); };
+    if (!args_.no_fixed_buffers) {
+      Status reg = engine_->RegisterBuffers(iov_);
+      if (!reg.ok()) STRATA_LOG(WARN) << "nvme bench: " << reg;
+    }
+    return Status::Ok();
+  }
+
+  // With --fio the order alternates (ours first, then fio first, ...): on a virtual disk the
+  // host may cache what the previous run read, which would favour whoever runs second.
+  Status Rounds() {
+    for (int64_t r = 0; r < s_.repeat; ++r) {
+      const bool fio_first = args_.fio && r % 2 == 1;
+      if (fio_first) STRATA_RETURN_IF_ERROR(RunFioOnce());
+      STRATA_ASSIGN_OR_RETURN(RunResult res, RunOnce(move_, drain_, s_, s_.op, buffers_));
+      ours_.push_back(res.gbps);
+      secs_.push_back(res.seconds);
+      if (args_.fio && !fio_first) STRATA_RETURN_IF_ERROR(RunFioOnce());
+      if (!args_.json) {
+        std::cout << "run " << r + 1 << "/" << s_.repeat << ": strata " << res.gbps << " GB/s";
+        if (args_.fio) std::cout << ", fio " << fio_.back() << " GB/s, ratio " << res.gbps / fio_.back();
+        std::cout << "\n";
+      }
+    }
+    return Status::Ok();
+  }
+
+  Status RunFioOnce() {
+    STRATA_ASSIGN_OR_RETURN(double gbps, RunFio(run_, fio_buffers_));
+    fio_.push_back(gbps);
+    return Status::Ok();
+  }
+
+  // The path's I/O statistics kept, then the path closed (a fresh store is made on every run).
+  void Close() {
+    if (store_) {
+      auto ss = store_->stats();
+      io_ = ss.io;
+      engine_name_ = ss.engine;
+      reason_ = ss.fallback_reason;
+      store_.reset();
+      unlink(run_.file.c_str());
+      unlink(StrCat(s_.dir, "/strata-rank0.index").c_str());
+    } else {
+      io_ = engine_->stats();
+      engine_name_ = std::string(engine_->name());
+      reason_ = engine_->fallback_reason();
+      engine_.reset();
+      close(fd_);
+      fd_ = -1;
+    }
+    if (args_.cleanup) unlink(s_.file.c_str());
+  }
+
+  void Report() const {
+    const double gbps = Median(ours_);
+    if (!args_.json) {
+      std::cout << "on " << HostDescription(s_.dir) << "\n";
+      std::cout << "nvme " << (s_.op == IoOp::kRead ? "read" : "write") << " file=" << run_.file
+                << " size=" << FormatBytes(s_.size) << " bs=" << FormatBytes(s_.block_size)
+                << " qd=" << s_.queue_depth << " threads=" << s_.threads << " engine=" << engine_name_
+                << " fixed_buffers=" << io_.fixed_buffers << "\n  strata: " << gbps << " GB/s (median of "
+                << s_.repeat << ")\n";
+      if (args_.fio)
+        std::cout << "  fio:    " << Median(fio_) << " GB/s\n  ratio:  " << gbps / Median(fio_) << "\n";
+      return;
+    }
+    nlohmann::json j;
+    j["command"] = "nvme";
+    j["host"] = HostDescription(s_.dir);
+    j["file"] = run_.file;
+    j["path"] = args_.store ? "swap_store" : "engine";
+    j["rw"] = s_.op == IoOp::kRead ? "read" : "write";
+    j["size"] = s_.size;
+    j["block_size"] = s_.block_size;
+    j["queue_depth"] = s_.queue_depth;
+    j["threads"] = s_.threads;
+    j["repeat"] = s_.repeat;
+    j["engine"] = engine_name_;
+    if (!reason_.empty()) j["fallback_reason"] = reason_;
+    j["direct_io"] = direct_;
+    j["fixed_buffers"] = io_.fixed_buffers;
+    j["fixed_files"] = io_.fixed_files;
+    j["huge_pages"] = huge_;
+    if (args_.fio)
+      j["fio_options"] = StrCat(fio_buffers_.fixed ? "--fixedbufs --registerfiles " : "",
+                                fio_buffers_.huge ? "--iomem=shmhuge" : "--iomem=malloc (4 KiB pages)");
+    j["gbps"] = gbps;
+    j["runs_gbps"] = ours_;
+    j["seconds"] = Median(secs_);
+    j["retries_short"] = io_.retries_short;
+    j["retries_eagain"] = io_.retries_eagain;
+    if (args_.fio) {
+      j["fio_gbps"] = Median(fio_);
+      j["fio_runs_gbps"] = fio_;
+      j["ratio_vs_fio"] = gbps / Median(fio_);
+    }
+    std::cout << j.dump() << "\n";
+  }
+
+  const NvmeArgs& args_;
+  const Settings s_;
+  Settings run_;  // what fio is given: the swap file itself under --store
+  bool huge_ = false;
+  FioBuffers fio_buffers_;
+  std::unique_ptr<HugePageReservation> reservation_;
+  Buffers buffers_;
+  std::vector<iovec> iov_;
+  bool direct_ = true;
+  int fd_ = -1;
+  std::unique_ptr<IoEngine> engine_;
+  std::unique_ptr<nvme::SwapStore> store_;
+  bool needs_fill_ = true;
+  MoveFn move_;
+  std::function<void()> drain_;
+  std::vector<double> ours_, fio_, secs_;
+  nvme::IoEngineStats io_;
+  std::string engine_name_, reason_;
+};
+
 // Returns the process exit code: 0 success, 1 run-time failure, 2 bad arguments.
 int RunNvme(const NvmeArgs& args) {
   auto settings = Validate(args);
@@ -321,215 +547,10 @@ int RunNvme(const NvmeArgs& args) {
   // With --fio, at least 3 interleaved rounds: one pair of runs says little on a disk whose speed
   // swings between minutes; the medians and their ratio are reported.
   if (args.fio && s.repeat < 3) s.repeat = 3;
-  bool huge = !args.no_huge_pages;
-  FioBuffers fio_buffers;
-  fio_buffers.fixed = !args.no_fixed_buffers;
-  std::unique_ptr<HugePageReservation> reservation;
-  if (args.fio && huge) {
-    reservation = std::make_unique<HugePageReservation>(s.queue_depth * s.threads * s.block_size);
-    if (!reservation->ok()) {
-      // fio cannot use huge pages without a reservation; compare both on 4 KiB pages instead.
-      std::cerr << "strata-swapbench nvme: could not reserve huge pages for fio's --iomem=shmhuge "
-                   "(needs root and free memory); both sides use 4 KiB pages instead\n";
-      huge = false;
-    }
-  }
-  fio_buffers.huge = huge;
-
-  Buffers buffers;
-  Status mem = buffers.Allocate(static_cast<size_t>(s.queue_depth * s.threads), s.block_size, huge);
-  if (!mem.ok()) {
-    std::cerr << "strata-swapbench nvme: " << mem << "\n";
-    return 1;
-  }
-  std::vector<iovec> iov;
-  for (char* b : buffers.bufs) iov.push_back({b, s.block_size});
-
-  AioConfig aio;
-  aio.block_size = static_cast<int64_t>(s.block_size);
-  aio.queue_depth = s.queue_depth;
-  aio.intra_op_parallelism = s.threads;
-
-  // Exactly one of the two paths is set up: the raw engine on one file, or the swap store.
-  bool direct = true;
-  int fd = -1;
-  std::unique_ptr<IoEngine> engine;
-  std::unique_ptr<nvme::SwapStore> store;
-  bool needs_fill = true;
-  Settings run = s;
-  MoveFn move;
-  std::function<void()> drain;
-  auto fail = [&](const Status& st) {
+  Status st = NvmeBench(args, s).Run();
+  if (!st.ok()) {
     std::cerr << "strata-swapbench nvme: " << st << "\n";
-    engine.reset();
-    store.reset();
-    if (fd >= 0) close(fd);
     return 1;
-  };
-  if (args.store) {
-    nvme::SwapStoreOptions so;
-    so.paths = {s.dir};
-    so.capacity = s.size;
-    so.aio = aio;
-    so.force_fallback = args.fallback;
-    auto st = nvme::SwapStore::Open(so);
-    if (!st.ok()) return fail(st.status());
-    store = std::move(st).value();
-    for (uint64_t b = 0; b < s.size / s.block_size; ++b) {
-      Status a = store->Allocate(b, s.block_size);
-      if (!a.ok()) return fail(a);
-    }
-    auto ext = store->Locate(0);
-    if (!ext.ok()) return fail(ext.status());
-    run.file = (*ext)[0].path;  // fio measures the swap file itself
-    direct = store->stats().direct_io;
-    move = [&](IoOp op, uint64_t block, char* buf, nvme::IoDone done) {
-      if (op == IoOp::kRead) {
-        store->ReadAsync(block, buf, std::move(done));
-      } else {
-        store->WriteAsync(block, buf, std::move(done));
-      }
-    };
-    drain = [] {};  // every block's callback has run when the loop ends
-    if (!args.no_fixed_buffers) {
-      Status reg = store->RegisterBuffers(iov);
-      if (!reg.ok()) STRATA_LOG(WARN) << "nvme bench: " << reg;
-    }
-  } else {
-    fd = open(s.file.c_str(), O_RDWR | O_CREAT | O_CLOEXEC | O_DIRECT, 0644);
-    if (fd < 0 && errno == EINVAL) {
-      direct = false;
-      fd = open(s.file.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
-    }
-    if (fd < 0) return fail(ErrnoToStatus(errno, StrCat("opening ", s.file)));
-    struct stat st;
-    fstat(fd, &st);
-    needs_fill = static_cast<uint64_t>(st.st_size) < s.size;
-    if (needs_fill && fallocate(fd, 0, 0, static_cast<off_t>(s.size)) != 0 && errno != EOPNOTSUPP)
-      return fail(ErrnoToStatus(errno, StrCat("preallocating ", FormatBytes(s.size), " for ", s.file)));
-    nvme::IoEngineOptions eo;
-    eo.aio = aio;
-    eo.force_fallback = args.fallback || !direct;
-    if (!direct) eo.fallback_reason = StrCat(s.dir, " does not support O_DIRECT");
-    auto engine_or = IoEngine::Create(eo);
-    if (!engine_or.ok()) return fail(engine_or.status());
-    engine = std::move(engine_or).value();
-    Status files = engine->SetFiles({{fd, s.file}});
-    if (!files.ok()) return fail(files);
-    move = [&](IoOp op, uint64_t block, char* buf, nvme::IoDone done) {
-      nvme::IoRequest r;
-      r.op = op;
-      r.file = 0;
-      r.buf = buf;
-      r.length = s.block_size;
-      r.offset = block * s.block_size;
-      r.done = std::move(done);
-      engine->Submit(std::move(r));
-    };
-    drain = [&] { engine->Drain(); };
-    if (!args.no_fixed_buffers) {
-      Status reg = engine->RegisterBuffers(iov);
-      if (!reg.ok()) STRATA_LOG(WARN) << "nvme bench: " << reg;
-    }
-  }
-
-  if (needs_fill && s.op == IoOp::kRead) {
-    // Preallocated space reads back as zeros without touching the device: write it for real.
-    auto filled = RunOnce(move, drain, s, IoOp::kWrite, buffers);
-    if (!filled.ok()) return fail(filled.status().WithContext("filling the file before reading"));
-  }
-
-  std::vector<double> ours, fio;
-  std::vector<double> secs;
-  // With --fio the order alternates (ours first, then fio first, ...): on a virtual disk the
-  // host may cache what the previous run read, which would favour whoever runs second.
-  for (int64_t r = 0; r < s.repeat; ++r) {
-    const bool fio_first = args.fio && r % 2 == 1;
-    auto run_fio = [&]() -> Status {
-      auto f = RunFio(run, fio_buffers);
-      if (!f.ok()) return f.status();
-      fio.push_back(*f);
-      return Status::Ok();
-    };
-    if (fio_first) {
-      Status f = run_fio();
-      if (!f.ok()) return fail(f);
-    }
-    auto res = RunOnce(move, drain, s, s.op, buffers);
-    if (!res.ok()) return fail(res.status());
-    ours.push_back(res->gbps);
-    secs.push_back(res->seconds);
-    if (args.fio && !fio_first) {
-      Status f = run_fio();
-      if (!f.ok()) return fail(f);
-    }
-    if (!args.json) {
-      std::cout << "run " << r + 1 << "/" << s.repeat << ": strata " << res->gbps << " GB/s";
-      if (args.fio) std::cout << ", fio " << fio.back() << " GB/s, ratio " << res->gbps / fio.back();
-      std::cout << "\n";
-    }
-  }
-  nvme::IoEngineStats io;
-  std::string engine_name, reason;
-  if (store) {
-    auto ss = store->stats();
-    io = ss.io;
-    engine_name = ss.engine;
-    reason = ss.fallback_reason;
-    store.reset();
-    unlink(run.file.c_str());  // a fresh store is made on every run
-    unlink(StrCat(s.dir, "/strata-rank0.index").c_str());
-  } else {
-    io = engine->stats();
-    engine_name = std::string(engine->name());
-    reason = engine->fallback_reason();
-    engine.reset();
-    close(fd);
-  }
-  if (args.cleanup) unlink(s.file.c_str());
-
-  const double gbps = Median(ours);
-  if (args.json) {
-    nlohmann::json j;
-    j["command"] = "nvme";
-    j["host"] = HostDescription(s.dir);
-    j["file"] = run.file;
-    j["path"] = args.store ? "swap_store" : "engine";
-    j["rw"] = s.op == IoOp::kRead ? "read" : "write";
-    j["size"] = s.size;
-    j["block_size"] = s.block_size;
-    j["queue_depth"] = s.queue_depth;
-    j["threads"] = s.threads;
-    j["repeat"] = s.repeat;
-    j["engine"] = engine_name;
-    if (!reason.empty()) j["fallback_reason"] = reason;
-    j["direct_io"] = direct;
-    j["fixed_buffers"] = io.fixed_buffers;
-    j["fixed_files"] = io.fixed_files;
-    j["huge_pages"] = huge;
-    if (args.fio)
-      j["fio_options"] = StrCat(fio_buffers.fixed ? "--fixedbufs --registerfiles " : "",
-                                fio_buffers.huge ? "--iomem=shmhuge" : "--iomem=malloc (4 KiB pages)");
-    j["gbps"] = gbps;
-    j["runs_gbps"] = ours;
-    j["seconds"] = Median(secs);
-    j["retries_short"] = io.retries_short;
-    j["retries_eagain"] = io.retries_eagain;
-    if (args.fio) {
-      j["fio_gbps"] = Median(fio);
-      j["fio_runs_gbps"] = fio;
-      j["ratio_vs_fio"] = gbps / Median(fio);
-    }
-    std::cout << j.dump() << "\n";
-  } else {
-    std::cout << "on " << HostDescription(s.dir) << "\n";
-    std::cout << "nvme " << (s.op == IoOp::kRead ? "read" : "write") << " file=" << run.file
-              << " size=" << FormatBytes(s.size) << " bs=" << FormatBytes(s.block_size)
-              << " qd=" << s.queue_depth << " threads=" << s.threads << " engine=" << engine_name
-              << " fixed_buffers=" << io.fixed_buffers << "\n  strata: " << gbps << " GB/s (median of "
-              << s.repeat << ")\n";
-    if (args.fio)
-      std::cout << "  fio:    " << Median(fio) << " GB/s\n  ratio:  " << gbps / Median(fio) << "\n";
   }
   return 0;
 }

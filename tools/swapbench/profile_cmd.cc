@@ -478,28 +478,70 @@ Status ApplyAio(const std::string& path, const NvmePoint& best) {
   return Config::FromFile(path).status();
 }
 
+// What is wrong with the flags, or "" (checked before anything is measured; makes the --out
+// folder).
+std::string BadProfileArgs(const ProfileArgs& a) {
+  if (a.quick && a.full) return "--quick and --full exclude each other";
+  if (!a.path.empty()) {
+    struct stat st;
+    if (stat(a.path.c_str(), &st) != 0 || !S_ISDIR(st.st_mode))
+      return StrCat("--path=", a.path, ": not an existing directory; create it first");
+  }
+  if (!a.apply.empty() && a.path.empty())
+    return "--apply needs NVMe figures: pass --path DIR on the NVMe drive";
+  if (!a.apply.empty()) {
+    auto c = Config::FromFile(a.apply);
+    if (!c.ok()) return StrCat("--apply=", a.apply, ": ", c.status().message());
+  }
+  if (!a.out.empty()) {
+    struct stat st;
+    if (stat(a.out.c_str(), &st) != 0 && mkdir(a.out.c_str(), 0755) != 0)
+      return StrCat("--out=", a.out, ": cannot create it (", std::strerror(errno), ")");
+  }
+  return "";
+}
+
+// The human-readable report: each figure beside its ceiling where one was measured.
+void PrintProfile(const ProfileArgs& a, const HardwareProfile& h, const StatusOr<NvmePoint>& best,
+                  const std::vector<std::string>& notes) {
+  std::printf("\non %s\n", HostDescription(a.path).c_str());
+  std::printf("%-44s %10s %12s %8s\n", "measurement", "GB/s", "ceiling", "ratio");
+  auto row = [](const std::string& what, double v, double ceil) {
+    if (ceil > 0) std::printf("%-44s %10.3f %12.3f %7.0f%%\n", what.c_str(), v, ceil, 100 * v / ceil);
+    else std::printf("%-44s %10.3f %12s %8s\n", what.c_str(), v, "-", "");
+  };
+  for (const auto& p : h.nvme) {
+    const double ceil = h.has_fio && h.fio.write == p.write && h.fio.block_size == p.block_size &&
+                                h.fio.queue_depth == p.queue_depth && h.fio.parallelism == p.parallelism
+                            ? h.fio.gbps
+                            : 0;
+    row(StrCat("nvme ", p.write ? "write " : "read  ", FormatBytes(static_cast<uint64_t>(p.block_size)), " QD",
+               p.queue_depth, " x", p.parallelism, " (", h.nvme_engine, ")"),
+        p.gbps, ceil);
+  }
+  if (h.has_fio)
+    row(StrCat("fio io_uring ", h.fio.write ? "write " : "read ", FormatBytes(static_cast<uint64_t>(h.fio.block_size)),
+               " QD", h.fio.queue_depth * h.fio.parallelism),
+        h.fio.gbps, 0);
+  row("DRAM streaming copy (memcpy)", h.dram_gbps, 0);
+  for (const auto& c : h.copies)
+    row(StrCat(c.device, " ", c.memory, " ", c.direction, " (Device stream)"), c.gbps, h.dram_gbps);
+  std::printf("%-44s %10.3f G elements/s (%s)\n", "CPU Adam, 16M elements", h.adam_gelems_per_s, h.adam_isa.c_str());
+  std::printf("%-44s %10.1f GFLOP/s bf16, %.1f fp32\n", "matmul (LibTorch, cpu)", h.compute_gflops,
+              h.compute_fp32_gflops);
+  if (best.ok())
+    std::printf("\nrecommended aio: {\"block_size\": %lld, \"queue_depth\": %lld, \"intra_op_parallelism\": %lld}\n",
+                static_cast<long long>(best->block_size), static_cast<long long>(best->queue_depth),
+                static_cast<long long>(best->parallelism));
+  for (const auto& n : notes) std::printf("note: %s\n", n.c_str());
+}
+
 int RunProfile(const ProfileArgs& a) {
   auto usage = [](const std::string& m) {
     std::cerr << "strata-swapbench profile: " << m << "\nRun `strata-swapbench profile --help` for the options.\n";
     return 2;
   };
-  if (a.quick && a.full) return usage("--quick and --full exclude each other");
-  if (!a.path.empty()) {
-    struct stat st;
-    if (stat(a.path.c_str(), &st) != 0 || !S_ISDIR(st.st_mode))
-      return usage(StrCat("--path=", a.path, ": not an existing directory; create it first"));
-  }
-  if (!a.apply.empty() && a.path.empty())
-    return usage("--apply needs NVMe figures: pass --path DIR on the NVMe drive");
-  if (!a.apply.empty()) {
-    auto c = Config::FromFile(a.apply);
-    if (!c.ok()) return usage(StrCat("--apply=", a.apply, ": ", c.status().message()));
-  }
-  if (!a.out.empty()) {
-    struct stat st;
-    if (stat(a.out.c_str(), &st) != 0 && mkdir(a.out.c_str(), 0755) != 0)
-      return usage(StrCat("--out=", a.out, ": cannot create it (", std::strerror(errno), ")"));
-  }
+  if (std::string bad = BadProfileArgs(a); !bad.empty()) return usage(bad);
   const bool full = a.full;
   std::vector<uint64_t> bss = full ? std::vector<uint64_t>{256_KiB, 1_MiB, 4_MiB, 8_MiB}
                                    : std::vector<uint64_t>{1_MiB, 8_MiB};
@@ -558,36 +600,7 @@ int RunProfile(const ProfileArgs& a) {
   if (a.json) {
     std::cout << j.dump(2) << "\n";
   } else {
-    std::printf("\non %s\n", HostDescription(a.path).c_str());
-    std::printf("%-44s %10s %12s %8s\n", "measurement", "GB/s", "ceiling", "ratio");
-    auto row = [](const std::string& what, double v, double ceil) {
-      if (ceil > 0) std::printf("%-44s %10.3f %12.3f %7.0f%%\n", what.c_str(), v, ceil, 100 * v / ceil);
-      else std::printf("%-44s %10.3f %12s %8s\n", what.c_str(), v, "-", "");
-    };
-    for (const auto& p : h.nvme) {
-      const double ceil = h.has_fio && h.fio.write == p.write && h.fio.block_size == p.block_size &&
-                                  h.fio.queue_depth == p.queue_depth && h.fio.parallelism == p.parallelism
-                              ? h.fio.gbps
-                              : 0;
-      row(StrCat("nvme ", p.write ? "write " : "read  ", FormatBytes(static_cast<uint64_t>(p.block_size)), " QD",
-                 p.queue_depth, " x", p.parallelism, " (", h.nvme_engine, ")"),
-          p.gbps, ceil);
-    }
-    if (h.has_fio)
-      row(StrCat("fio io_uring ", h.fio.write ? "write " : "read ", FormatBytes(static_cast<uint64_t>(h.fio.block_size)),
-                 " QD", h.fio.queue_depth * h.fio.parallelism),
-          h.fio.gbps, 0);
-    row("DRAM streaming copy (memcpy)", h.dram_gbps, 0);
-    for (const auto& c : h.copies)
-      row(StrCat(c.device, " ", c.memory, " ", c.direction, " (Device stream)"), c.gbps, h.dram_gbps);
-    std::printf("%-44s %10.3f G elements/s (%s)\n", "CPU Adam, 16M elements", h.adam_gelems_per_s, h.adam_isa.c_str());
-    std::printf("%-44s %10.1f GFLOP/s bf16, %.1f fp32\n", "matmul (LibTorch, cpu)", h.compute_gflops,
-                h.compute_fp32_gflops);
-    if (best.ok())
-      std::printf("\nrecommended aio: {\"block_size\": %lld, \"queue_depth\": %lld, \"intra_op_parallelism\": %lld}\n",
-                  static_cast<long long>(best->block_size), static_cast<long long>(best->queue_depth),
-                  static_cast<long long>(best->parallelism));
-    for (const auto& n : notes) std::printf("note: %s\n", n.c_str());
+    PrintProfile(a, h, best, notes);
   }
   if (!a.out.empty()) {
     Status s = WriteText(a.out + "/profile.json", j.dump(2) + "\n");

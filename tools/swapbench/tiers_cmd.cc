@@ -260,6 +260,67 @@ struct RunResult {
   nlohmann::json manager_stats;
 };
 
+// One step's block traffic of a model of s.chunks chunks, through the tier manager as the engine
+// makes it: forward reads each param16, backward reads it again and writes the gradient in
+// reverse order, the optimizer reads the gradient and updates master, moments and param16.
+// The touches read and write every byte, so the copies really happen.
+class TraceWorkload {
+ public:
+  TraceWorkload(TierManager* m, const Settings& s) : m_(m), s_(s) {}
+
+  // Every block written once, then flushed (the initial state; not timed).
+  Status WriteAll() {
+    for (uint32_t c = 0; c < s_.chunks; ++c)
+      for (StateKind k : {StateKind::kParam16, StateKind::kMaster32, StateKind::kExpAvg, StateKind::kExpAvgSq})
+        STRATA_RETURN_IF_ERROR(One({c, k}, Access::kWrite));
+    return m_->Flush();
+  }
+
+  Status Iteration() {
+    STRATA_RETURN_IF_ERROR(m_->BeginIteration());
+    for (uint32_t c = 0; c < s_.chunks; ++c) STRATA_RETURN_IF_ERROR(One({c, StateKind::kParam16}, Access::kRead));
+    for (uint32_t c = s_.chunks; c-- > 0;) {
+      STRATA_RETURN_IF_ERROR(Use({c, StateKind::kParam16}, Access::kRead));
+      STRATA_RETURN_IF_ERROR(Use({c, StateKind::kGrad}, Access::kWrite));
+      STRATA_RETURN_IF_ERROR(Release({c, StateKind::kGrad}, Access::kWrite));
+      STRATA_RETURN_IF_ERROR(Release({c, StateKind::kParam16}, Access::kRead));
+    }
+    const std::pair<StateKind, Access> step[] = {{StateKind::kGrad, Access::kRead},
+                                                 {StateKind::kMaster32, Access::kReadWrite},
+                                                 {StateKind::kExpAvg, Access::kReadWrite},
+                                                 {StateKind::kExpAvgSq, Access::kReadWrite},
+                                                 {StateKind::kParam16, Access::kWrite}};
+    for (uint32_t c = 0; c < s_.chunks; ++c) {
+      for (auto& [k, a] : step) STRATA_RETURN_IF_ERROR(Use({c, k}, a));
+      for (auto& [k, a] : step) STRATA_RETURN_IF_ERROR(Release({c, k}, a));
+    }
+    return m_->EndIteration();
+  }
+
+  uint64_t sink() const { return sink_; }
+
+ private:
+  uint64_t SizeOf(StateKind k) const {
+    return k == StateKind::kParam16 || k == StateKind::kGrad ? s_.chunk : 2 * s_.chunk;
+  }
+  Status Use(BlockId id, Access a) {
+    STRATA_ASSIGN_OR_RETURN(void* p, m_->Acquire(id, a));
+    const uint64_t n = SizeOf(id.kind);
+    if (a != Access::kWrite) sink_ += TouchRead(p, n);
+    if (a != Access::kRead) TouchWrite(p, n, sink_ + id.key());
+    return Status::Ok();
+  }
+  Status Release(BlockId id, Access a) { return m_->Release(id, a != Access::kRead); }
+  Status One(BlockId id, Access a) {
+    STRATA_RETURN_IF_ERROR(Use(id, a));
+    return Release(id, a);
+  }
+
+  TierManager* m_;
+  const Settings& s_;
+  uint64_t sink_ = 0;
+};
+
 StatusOr<RunResult> RunTrace(const Settings& s, EvictionPolicy policy, int64_t lookahead, bool measure_raw) {
   const uint64_t raw_region = std::max<uint64_t>(2 * s.chunk, 8_MiB);
   const int raw_depth = 8;
@@ -310,50 +371,12 @@ StatusOr<RunResult> RunTrace(const Settings& s, EvictionPolicy policy, int64_t l
     STRATA_RETURN_IF_ERROR(m->Register({c, StateKind::kExpAvg}, c2, BlockHome::kNvme));
     STRATA_RETURN_IF_ERROR(m->Register({c, StateKind::kExpAvgSq}, c2, BlockHome::kNvme));
   }
-  uint64_t sink = 0;
-  auto size_of = [&](StateKind k) { return k == StateKind::kParam16 || k == StateKind::kGrad ? c1 : c2; };
-  auto use = [&](BlockId id, Access a) -> Status {
-    STRATA_ASSIGN_OR_RETURN(void* p, m->Acquire(id, a));
-    const uint64_t n = size_of(id.kind);
-    if (a != Access::kWrite) sink += TouchRead(p, n);
-    if (a != Access::kRead) TouchWrite(p, n, sink + id.key());
-    return Status::Ok();
-  };
-  auto release = [&](BlockId id, Access a) { return m->Release(id, a != Access::kRead); };
-  auto one = [&](BlockId id, Access a) -> Status {
-    STRATA_RETURN_IF_ERROR(use(id, a));
-    return release(id, a);
-  };
-  // Initial state: every block written once, then flushed (not timed).
-  for (uint32_t c = 0; c < s.chunks; ++c)
-    for (StateKind k : {StateKind::kParam16, StateKind::kMaster32, StateKind::kExpAvg, StateKind::kExpAvgSq})
-      STRATA_RETURN_IF_ERROR(one({c, k}, Access::kWrite));
-  STRATA_RETURN_IF_ERROR(m->Flush());
-
-  auto iteration = [&]() -> Status {
-    STRATA_RETURN_IF_ERROR(m->BeginIteration());
-    for (uint32_t c = 0; c < s.chunks; ++c) STRATA_RETURN_IF_ERROR(one({c, StateKind::kParam16}, Access::kRead));
-    for (uint32_t c = s.chunks; c-- > 0;) {
-      STRATA_RETURN_IF_ERROR(use({c, StateKind::kParam16}, Access::kRead));
-      STRATA_RETURN_IF_ERROR(use({c, StateKind::kGrad}, Access::kWrite));
-      STRATA_RETURN_IF_ERROR(release({c, StateKind::kGrad}, Access::kWrite));
-      STRATA_RETURN_IF_ERROR(release({c, StateKind::kParam16}, Access::kRead));
-    }
-    const std::pair<StateKind, Access> step[] = {{StateKind::kGrad, Access::kRead},
-                                                 {StateKind::kMaster32, Access::kReadWrite},
-                                                 {StateKind::kExpAvg, Access::kReadWrite},
-                                                 {StateKind::kExpAvgSq, Access::kReadWrite},
-                                                 {StateKind::kParam16, Access::kWrite}};
-    for (uint32_t c = 0; c < s.chunks; ++c) {
-      for (auto& [k, a] : step) STRATA_RETURN_IF_ERROR(use({c, k}, a));
-      for (auto& [k, a] : step) STRATA_RETURN_IF_ERROR(release({c, k}, a));
-    }
-    return m->EndIteration();
-  };
-  STRATA_RETURN_IF_ERROR(iteration());  // records the trace
+  TraceWorkload work(m.get(), s);
+  STRATA_RETURN_IF_ERROR(work.WriteAll());
+  STRATA_RETURN_IF_ERROR(work.Iteration());  // records the trace
   const TierManagerStats before = m->stats();
   const auto t0 = Clock::now();
-  for (int i = 0; i < s.iterations; ++i) STRATA_RETURN_IF_ERROR(iteration());
+  for (int i = 0; i < s.iterations; ++i) STRATA_RETURN_IF_ERROR(work.Iteration());
   out.seconds = std::chrono::duration<double>(Clock::now() - t0).count();
   const TierManagerStats after = m->stats();
   out.bytes_read = after.bytes_nvme_to_host - before.bytes_nvme_to_host;
@@ -367,7 +390,7 @@ StatusOr<RunResult> RunTrace(const Settings& s, EvictionPolicy policy, int64_t l
   const auto st = tier->store().stats();
   out.engine = st.engine;
   out.fixed_buffers = st.io.fixed_buffers;
-  if (sink == 42) std::cerr << "";  // keeps the touches observable
+  if (work.sink() == 42) std::cerr << "";  // keeps the touches observable
   m.reset();
   return out;
 }

@@ -248,8 +248,16 @@ class Trainer {
     std::fflush(stderr);
   }
 
+  // What Loop gathers over the run for its summary.
+  struct RunTotals {
+    Series loss{"train loss", "#1f77b4", {}, {}}, val{"validation loss", "#d62728", {}, {}},
+        tps{"tokens/s", "#2ca02c", {}, {}};
+    double first_loss = NAN, last_loss = NAN, last_val = NAN, time_sum = 0, overlap_sum = 0;
+    int64_t measured = 0, overlap_measured = 0;
+    uint64_t tokens_total = 0;
+  };
+
   Status Loop() {
-    const int64_t B = c_.train_micro_batch_size_per_gpu, T = c_.model.seq_len;
     const int64_t accum = c_.gradient_accumulation_steps;
     const int64_t first = engine_->global_step();
     const int64_t last = f_.steps;
@@ -257,88 +265,51 @@ class Trainer {
       std::fprintf(stderr, "strata-train: already at step %lld of --steps %lld; nothing to do\n",
                    (long long)first, (long long)last);
     const int64_t log_every = f_.log_every > 0 ? f_.log_every : c_.steps_per_print;
-    std::vector<int64_t> tokens;
-    Series loss_s{"train loss", "#1f77b4", {}, {}}, val_s{"validation loss", "#d62728", {}, {}},
-        tps_s{"tokens/s", "#2ca02c", {}, {}};
-    double first_loss = NAN, last_loss = NAN, last_val = NAN, time_sum = 0, overlap_sum = 0;
-    int64_t measured = 0, overlap_measured = 0;
-    uint64_t tokens_total = 0;
+    RunTotals t;
     const auto t_start = std::chrono::steady_clock::now();
     // Traced: the steps after the first, which includes warm-up work.
     const int64_t trace_from = first + 1, trace_to = first + 1 + f_.trace_steps;
     for (int64_t step = first; step < last && !g_stop.load(); ++step) {
       if (!f_.trace.empty() && step == trace_from) engine_->SetTracing(true);
-      double loss_sum = 0;
-      for (int64_t m = 0; m < accum; ++m) {
-        SampleBatch(data_.train, B, T, c_.model.seed, step, m, comm_->rank(), &tokens);
-        torch::Tensor b = ToTensor(tokens, B, T + 1).to(TorchDevice(*device_));
-        torch::Tensor loss;
-        try {
-          loss = models::LanguageModelLoss(engine_->Forward(b.narrow(1, 0, T)), b.narrow(1, 1, T));
-        } catch (const std::exception& e) {
-          return Internal(StrCat("forward of step ", step + 1, " failed: ", e.what()));
-        }
-        STRATA_RETURN_IF_ERROR(engine_->Backward(loss));
-        loss_sum += loss.item<double>() / accum;
-      }
+      STRATA_ASSIGN_OR_RETURN(double loss, MicroSteps(step));
       STRATA_ASSIGN_OR_RETURN(StepReport rep, engine_->Step());
       if (!f_.trace.empty() && (step + 1 == trace_to || (step + 1 == last && step >= trace_from)))
         STRATA_RETURN_IF_ERROR(WriteTrace());
-      double loss = loss_sum;
       if (comm_->world_size() > 1)
         STRATA_RETURN_IF_ERROR(comm_->AllReduce(&loss, 1, strata::DType::kF64, ReduceOp::kAvg));
       if (!std::isfinite(loss))
         return Internal(StrCat("the loss is ", loss, " at step ", step + 1,
                                "; lower optimizer.params.lr or enable gradient_clipping"));
-      const uint64_t step_tokens = static_cast<uint64_t>(B * T * accum * comm_->world_size());
+      const uint64_t step_tokens = static_cast<uint64_t>(
+          c_.train_micro_batch_size_per_gpu * c_.model.seq_len * accum * comm_->world_size());
       const double tps = step_tokens / std::max(rep.step_time_s, 1e-9);
-      tokens_total += step_tokens;
-      if (std::isnan(first_loss)) first_loss = loss;
-      last_loss = loss;
+      t.tokens_total += step_tokens;
+      if (std::isnan(t.first_loss)) t.first_loss = loss;
+      t.last_loss = loss;
       if (step > first) {  // the first step includes warm-up work
-        time_sum += rep.step_time_s;
+        t.time_sum += rep.step_time_s;
         if (!std::isnan(rep.overlap)) {
-          overlap_sum += rep.overlap;
-          ++overlap_measured;
+          t.overlap_sum += rep.overlap;
+          ++t.overlap_measured;
         }
-        ++measured;
+        ++t.measured;
       }
-      loss_s.x.push_back(step + 1);
-      loss_s.y.push_back(loss);
-      tps_s.x.push_back(step + 1);
-      tps_s.y.push_back(tps);
+      t.loss.x.push_back(step + 1);
+      t.loss.y.push_back(loss);
+      t.tps.x.push_back(step + 1);
+      t.tps.y.push_back(tps);
       bool eval = f_.eval_batches > 0 && f_.eval_every > 0 &&
                   ((step + 1) % f_.eval_every == 0 || step + 1 == last);
       double val = NAN;
       if (eval) {
         STRATA_ASSIGN_OR_RETURN(val, Validate());
-        last_val = val;
-        val_s.x.push_back(step + 1);
-        val_s.y.push_back(val);
+        t.last_val = val;
+        t.val.x.push_back(step + 1);
+        t.val.y.push_back(val);
       }
-      if (leader()) {
-        if (f_.json) {
-          nlohmann::json j = rep.ToJson();
-          j["step"] = step + 1;
-          j["loss"] = loss;
-          j["tokens_per_s"] = tps;
-          if (eval) j["val_loss"] = val;
-          std::cout << j.dump() << std::endl;
-        } else if ((step + 1) % log_every == 0 || step == first || step + 1 == last || eval) {
-          if (isatty(STDERR_FILENO)) std::fputc('\r', stderr);
-          std::fprintf(stderr,
-                       "step %5lld/%lld | loss %.4f%s | %8.0f tok/s | step %.3f s | compute %.3f "
-                       "copy %.3f comm %.3f nvme %.3f optim %.3f s | lanes %.3f s, overlap %.2f, "
-                       "compute idle %.0f%% | nvme->host %s host->nvme %s\n",
-                       (long long)(step + 1), (long long)last, loss,
-                       eval ? StrCat(" (val ", std::to_string(val).substr(0, 6), ")").c_str() : "",
-                       tps, rep.step_time_s, rep.compute_s, rep.copy_s, rep.comm_s, rep.nvme_s,
-                       rep.optimizer_s, rep.lane_sum_s, rep.overlap,
-                       100 * rep.compute_idle_share,
-                       FormatBytes(rep.bytes_nvme_to_host).c_str(),
-                       FormatBytes(rep.bytes_host_to_nvme).c_str());
-        }
-      }
+      if (leader() && (f_.json || (step + 1) % log_every == 0 || step == first ||
+                       step + 1 == last || eval))
+        LogStep(step, last, rep, loss, tps, val);
       Progress(step + 1 - first, last - first,
                std::chrono::duration<double>(std::chrono::steady_clock::now() - t_start).count(),
                loss);
@@ -347,47 +318,99 @@ class Trainer {
     }
     STRATA_RETURN_IF_ERROR(Save());
     const double wall = std::chrono::duration<double>(std::chrono::steady_clock::now() - t_start).count();
-    if (!leader()) return Status::Ok();
+    if (leader()) Summarize(t, wall);
+    return Status::Ok();
+  }
+
+  // One step's micro-batches through forward and backward; their mean loss on this rank.
+  StatusOr<double> MicroSteps(int64_t step) {
+    const int64_t B = c_.train_micro_batch_size_per_gpu, T = c_.model.seq_len;
+    const int64_t accum = c_.gradient_accumulation_steps;
+    double loss_sum = 0;
+    std::vector<int64_t> tokens;
+    for (int64_t m = 0; m < accum; ++m) {
+      SampleBatch(data_.train, B, T, c_.model.seed, step, m, comm_->rank(), &tokens);
+      torch::Tensor b = ToTensor(tokens, B, T + 1).to(TorchDevice(*device_));
+      torch::Tensor loss;
+      try {
+        loss = models::LanguageModelLoss(engine_->Forward(b.narrow(1, 0, T)), b.narrow(1, 1, T));
+      } catch (const std::exception& e) {
+        return Internal(StrCat("forward of step ", step + 1, " failed: ", e.what()));
+      }
+      STRATA_RETURN_IF_ERROR(engine_->Backward(loss));
+      loss_sum += loss.item<double>() / accum;
+    }
+    return loss_sum;
+  }
+
+  // The step's line: JSON with --json, else the human-readable one (val: NAN without one).
+  void LogStep(int64_t step, int64_t last, const StepReport& rep, double loss, double tps,
+               double val) {
+    const bool eval = !std::isnan(val);
+    if (f_.json) {
+      nlohmann::json j = rep.ToJson();
+      j["step"] = step + 1;
+      j["loss"] = loss;
+      j["tokens_per_s"] = tps;
+      if (eval) j["val_loss"] = val;
+      std::cout << j.dump() << std::endl;
+      return;
+    }
+    if (isatty(STDERR_FILENO)) std::fputc('\r', stderr);
+    std::fprintf(stderr,
+                 "step %5lld/%lld | loss %.4f%s | %8.0f tok/s | step %.3f s | compute %.3f "
+                 "copy %.3f comm %.3f nvme %.3f optim %.3f s | lanes %.3f s, overlap %.2f, "
+                 "compute idle %.0f%% | nvme->host %s host->nvme %s\n",
+                 (long long)(step + 1), (long long)last, loss,
+                 eval ? StrCat(" (val ", std::to_string(val).substr(0, 6), ")").c_str() : "",
+                 tps, rep.step_time_s, rep.compute_s, rep.copy_s, rep.comm_s, rep.nvme_s,
+                 rep.optimizer_s, rep.lane_sum_s, rep.overlap,
+                 100 * rep.compute_idle_share,
+                 FormatBytes(rep.bytes_nvme_to_host).c_str(),
+                 FormatBytes(rep.bytes_host_to_nvme).c_str());
+  }
+
+  // The run's summary (JSON with --json) and its plot (--plot).
+  void Summarize(const RunTotals& t, double wall) {
     nlohmann::json summary = {
         {"summary", true},
         {"steps", engine_->global_step()},
-        {"steps_run", static_cast<int64_t>(loss_s.x.size())},
-        {"first_loss", first_loss},
-        {"final_loss", last_loss},
-        {"val_loss", last_val},
+        {"steps_run", static_cast<int64_t>(t.loss.x.size())},
+        {"first_loss", t.first_loss},
+        {"final_loss", t.last_loss},
+        {"val_loss", t.last_val},
         {"parameters", engine_->num_parameters()},
         {"model_state_bytes", engine_->model_state_bytes()},
-        {"mean_step_time_s", measured ? time_sum / measured : NAN},
-        {"mean_overlap", overlap_measured ? overlap_sum / overlap_measured : NAN},
-        {"tokens_per_s", wall > 0 ? tokens_total / wall : 0},
+        {"mean_step_time_s", t.measured ? t.time_sum / t.measured : NAN},
+        {"mean_overlap", t.overlap_measured ? t.overlap_sum / t.overlap_measured : NAN},
+        {"tokens_per_s", wall > 0 ? t.tokens_total / wall : 0},
         {"wall_s", wall},
         {"host", host_},
         {"peak_rss_bytes", PeakRssBytes()},
         {"interrupted", g_stop.load()},
         {"engine", engine_->Describe()}};
-    if (!f_.plot.empty() && !loss_s.x.empty()) {
-      Status ps = WriteTrainingSvg(f_.plot, "strata-train", {loss_s, val_s}, "loss", {tps_s},
+    if (!f_.plot.empty() && !t.loss.x.empty()) {
+      Status ps = WriteTrainingSvg(f_.plot, "strata-train", {t.loss, t.val}, "loss", {t.tps},
                                    "tokens/s");
       if (!ps.ok()) STRATA_LOG(WARN) << ps.ToString();
       else summary["plot"] = f_.plot;
     }
     if (f_.json) {
       std::cout << summary.dump() << std::endl;
-    } else {
-      std::fprintf(stderr,
-                   "\nsummary: %lld steps, loss %.4f -> %.4f (%s), %.3g M params, "
-                   "model state %s, mean step %.3f s, %.0f tokens/s, overlap %.2f, peak RSS %s%s%s\n",
-                   (long long)engine_->global_step(), first_loss, last_loss,
-                   std::isnan(last_val) ? "no validation"
-                                        : StrCat("validation ", std::to_string(last_val).substr(0, 6)).c_str(),
-                   engine_->num_parameters() / 1e6, FormatBytes(engine_->model_state_bytes()).c_str(),
-                   measured ? time_sum / measured : NAN, wall > 0 ? tokens_total / wall : 0.0,
-                   overlap_measured ? overlap_sum / overlap_measured : NAN,
-                   FormatBytes(PeakRssBytes()).c_str(),
-                   summary.contains("plot") ? ", plot " : "",
-                   summary.contains("plot") ? f_.plot.c_str() : "");
+      return;
     }
-    return Status::Ok();
+    std::fprintf(stderr,
+                 "\nsummary: %lld steps, loss %.4f -> %.4f (%s), %.3g M params, "
+                 "model state %s, mean step %.3f s, %.0f tokens/s, overlap %.2f, peak RSS %s%s%s\n",
+                 (long long)engine_->global_step(), t.first_loss, t.last_loss,
+                 std::isnan(t.last_val) ? "no validation"
+                                        : StrCat("validation ", std::to_string(t.last_val).substr(0, 6)).c_str(),
+                 engine_->num_parameters() / 1e6, FormatBytes(engine_->model_state_bytes()).c_str(),
+                 t.measured ? t.time_sum / t.measured : NAN, wall > 0 ? t.tokens_total / wall : 0.0,
+                 t.overlap_measured ? t.overlap_sum / t.overlap_measured : NAN,
+                 FormatBytes(PeakRssBytes()).c_str(),
+                 summary.contains("plot") ? ", plot " : "",
+                 summary.contains("plot") ? f_.plot.c_str() : "");
   }
 
   // Ends the lane trace and writes it (rank r > 0 appends ".rank<r>" to the name).

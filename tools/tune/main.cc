@@ -82,6 +82,168 @@ nlohmann::json CalibrateForTune(const Config& config, bool quiet, TuneOptions* t
   return j;
 }
 
+// The candidates that did not fit, each with why, and what to change.
+void PrintInfeasible(const TuneResult& res) {
+  std::cerr << "strata-tune: no placement fits the budgets (device "
+            << (res.device_budget ? FormatBytes(res.device_budget) : "unlimited") << ", host "
+            << FormatBytes(res.host_budget) << ", nvme "
+            << (res.nvme_budget ? FormatBytes(res.nvme_budget) : "unlimited") << "):\n";
+  for (const auto& c : res.candidates) std::cerr << "  " << c.Describe() << ": " << c.why_not << "\n";
+  std::cerr << "Raise a budget, use more ranks (--world-size), or allow NVMe (--nvme-path).\n";
+}
+
+// The first `top` candidates, as the report's JSON and as the table.
+nlohmann::json RankingJson(const TuneResult& res, size_t top) {
+  nlohmann::json cands = nlohmann::json::array();
+  for (size_t i = 0; i < res.candidates.size() && i < top; ++i) {
+    const Candidate& c = res.candidates[i];
+    cands.push_back({{"placement", c.Describe()},
+                     {"feasible", c.feasible},
+                     {"why_not", c.why_not},
+                     {"predicted", c.prediction.ToJson()},
+                     {"hbm_bytes", c.memory.hbm_bytes},
+                     {"host_bytes", c.memory.host_pageable_bytes + c.memory.host_pinned_bytes},
+                     {"nvme_bytes", c.memory.nvme_bytes}});
+  }
+  return cands;
+}
+
+void PrintRanking(const TuneResult& res, size_t top) {
+  std::printf("%-3s %-44s %10s %9s %9s %9s %9s %9s %10s %10s %10s\n", "#", "placement", "step_s",
+              "compute", "copy", "nvme", "adam", "comm", "hbm", "host", "nvme_B");
+  for (size_t i = 0; i < res.candidates.size() && i < top; ++i) {
+    const Candidate& c = res.candidates[i];
+    std::printf("%-3zu %-44s %10.4f %9.4f %9.4f %9.4f %9.4f %9.4f %10s %10s %10s %s\n", i + 1,
+                c.Describe().c_str(), c.prediction.step_s, c.prediction.compute_s, c.prediction.copy_s,
+                c.prediction.nvme_s, c.prediction.optimizer_s, c.prediction.comm_s,
+                FormatBytes(c.memory.hbm_bytes).c_str(),
+                FormatBytes(c.memory.host_pageable_bytes + c.memory.host_pinned_bytes).c_str(),
+                FormatBytes(c.memory.nvme_bytes).c_str(), c.feasible ? "" : ("(" + c.why_not + ")").c_str());
+  }
+  for (const auto& a : res.assumptions) std::printf("assumed: %s\n", a.c_str());
+}
+
+// --verify: the chosen placement run through the engine, predicted against measured lane by
+// lane (a good step figure can hide two lanes wrong in opposite directions); into
+// report["verify"]. Returns the exit code.
+int Verify(const Config& config, const TuneOptions& to, const Candidate& best,
+           const std::string& nvme_path, int steps, bool json, nlohmann::json* report) {
+  Config chosen = config;
+  if (to.host_budget) chosen.strata.host_memory_budget = to.host_budget;
+  if (to.device_budget) chosen.strata.device_memory_budget = to.device_budget;
+  chosen.zero_optimization.offload_param.device = best.param;
+  chosen.zero_optimization.offload_optimizer.device = best.optimizer;
+  if (best.uses_nvme) {
+    chosen.aio.block_size = best.aio.block_size;
+    chosen.aio.queue_depth = best.aio.queue_depth;
+    chosen.aio.intra_op_parallelism = best.aio.parallelism;
+  }
+  auto v = tune::VerifyConfig(chosen, to.device, best.uses_nvme ? nvme_path : "", steps);
+  if (!v.ok()) {
+    std::cerr << "strata-tune: --verify: " << v.status().message() << "\n";
+    return 1;
+  }
+  const StepPrediction& pr = best.prediction;
+  const std::vector<std::pair<std::string, double>> predicted = {
+      {"step", pr.step_s},  {"compute", pr.compute_s}, {"copy", pr.copy_s},
+      {"nvme", pr.nvme_s},  {"optimizer", pr.optimizer_s}, {"comm", pr.comm_s}};
+  nlohmann::json lanes = nlohmann::json::object();
+  if (!json)
+    std::printf("verify (median of %lld steps after a warm-up):\n  %-10s %12s %12s %10s\n",
+                static_cast<long long>(steps - 1), "lane", "predicted_s", "measured_s",
+                "pred/meas");
+  for (const auto& [lane, pred] : predicted) {
+    const double meas = v->lanes.at(lane);
+    // A lane that neither predicts nor measures a millisecond has no meaningful ratio.
+    const bool both = pred > 1e-3 || meas > 1e-3;
+    lanes[lane] = {{"predicted_s", pred}, {"measured_s", meas},
+                   {"ratio", both && meas > 0 ? nlohmann::json(pred / meas) : nlohmann::json(nullptr)}};
+    if (!json) {
+      if (both && meas > 0)
+        std::printf("  %-10s %12.4f %12.4f %10.2f\n", lane.c_str(), pred, meas, pred / meas);
+      else
+        std::printf("  %-10s %12.4f %12.4f %10s\n", lane.c_str(), pred, meas, "-");
+    }
+  }
+  (*report)["verify"] = {{"steps", steps - 1}, {"lanes", lanes}, {"last_step", v->last_report}};
+  return 0;
+}
+
+// strata-tune's command line.
+struct Args {
+  std::string config_path, profile_path, out_path, device = "", world_s = "1", top_s = "5";
+  std::string dev_budget, host_budget, nvme_budget, nvme_path, gflops_s, comm_s, steps_s = "4";
+  bool json = false, verify = false, dry_run = false, no_calibrate = false;
+};
+
+void AddOptions(CLI::App* app, Args* a) {
+  app->add_option("--config", a->config_path, "input config with a \"model\" section (required)")->required();
+  app->add_option("--profile", a->profile_path, "`strata-swapbench profile --json` report (required)")->required();
+  app->add_option("--out", a->out_path, "where to write the tuned config (default: <config>.tuned.json)");
+  app->add_option("--world-size", a->world_s, "ranks (default 1)");
+  app->add_option("--device", a->device, "cpu or cuda (default: the config's strata.device; auto reads as cpu)");
+  app->add_option("--device-budget", a->dev_budget, "device memory per rank, e.g. 40GiB (default: strata.device_memory_budget; cpu: 4GiB)");
+  app->add_option("--host-budget", a->host_budget, "host memory per rank (default: strata.host_memory_budget, else half of RAM)");
+  app->add_option("--nvme-budget", a->nvme_budget, "NVMe bytes per rank (default: strata.nvme_capacity, else unlimited)");
+  app->add_option("--nvme-path", a->nvme_path, "NVMe directory for candidates that use NVMe (default: the config's, "
+                                           "else the profile's)");
+  app->add_option("--gflops", a->gflops_s, "compute rate to assume instead of the profile's compute.gflops "
+                                       "(turns calibration off)");
+  app->add_option("--comm-gbps", a->comm_s, "collectives' bus bandwidth (GB/s) for --world-size > 1, instead "
+                                       "of the profile's comm section (`strata-launch --nproc N -- "
+                                       "strata-commbench --profile <profile.json>` measures it)");
+  app->add_flag("--no-calibrate", a->no_calibrate,
+               "use the profile's matmul figure as is. By default, on the cpu device, strata-tune "
+               "times the model on this CPU (forward, loss, backward at the config's "
+               "micro-batch and dtype; a model over 1 GiB is extrapolated from copies with one and "
+               "two blocks) and uses that rate instead of the profile's large-matmul figure, which "
+               "overstates small models");
+  app->add_option("--top", a->top_s, "candidates to print (default 5)");
+  app->add_flag("--json", a->json, "print the ranking as JSON");
+  app->add_flag("--dry-run", a->dry_run, "print the ranking, write nothing");
+  app->add_flag("--verify", a->verify, "run the chosen config through the engine (small models; one rank) and "
+                                   "report predicted vs measured time per lane and per step");
+  app->add_option("--verify-steps", a->steps_s, "optimizer steps for --verify, the first being warm-up (default 4)");
+}
+
+// The search's options from the command line (budgets, rates, the NVMe folder: the flag, else
+// the config's, else the profile's). Fills in a->nvme_path.
+StatusOr<TuneOptions> MakeTuneOptions(Args* a, const Config& config, const HardwareProfile& profile,
+                                      int world) {
+  TuneOptions to;
+  to.world_size = world;
+  to.device = a->device.empty() ? (config.strata.device == "cuda" ? "cuda" : "cpu") : a->device;
+  if (to.device != "cpu" && to.device != "cuda")
+    return InvalidArgument(StrCat("--device=", a->device, ": must be cpu or cuda"));
+  for (auto [flag, text, dst] : {std::tuple{"--device-budget", &a->dev_budget, &to.device_budget},
+                                 std::tuple{"--host-budget", &a->host_budget, &to.host_budget},
+                                 std::tuple{"--nvme-budget", &a->nvme_budget, &to.nvme_budget}}) {
+    auto b = Budget(flag, *text);
+    if (!b.ok()) return b.status();
+    *dst = *b;
+  }
+  if (!a->gflops_s.empty()) {
+    char* end = nullptr;
+    to.gflops_override = std::strtod(a->gflops_s.c_str(), &end);
+    if (*end != '\0' || !(to.gflops_override > 0))
+      return InvalidArgument(StrCat("--gflops=", a->gflops_s, ": must be a positive number"));
+  }
+  if (!a->comm_s.empty()) {
+    char* end = nullptr;
+    to.comm_gbps_override = std::strtod(a->comm_s.c_str(), &end);
+    if (*end != '\0' || !(to.comm_gbps_override > 0))
+      return InvalidArgument(StrCat("--comm-gbps=", a->comm_s, ": must be a positive number"));
+  }
+  if (a->nvme_path.empty()) {
+    const auto& z = config.zero_optimization;
+    if (!z.offload_optimizer.nvme_path.empty()) a->nvme_path = z.offload_optimizer.nvme_path[0];
+    else if (!z.offload_param.nvme_path.empty()) a->nvme_path = z.offload_param.nvme_path[0];
+    else a->nvme_path = profile.nvme_path;
+  }
+  to.nvme_allowed = !a->nvme_path.empty();
+  return to;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -97,36 +259,8 @@ int main(int argc, char** argv) {
       "  strata-tune --config configs/gpt_small.json --profile profile.json --host-budget 8GiB "
       "--out tuned.json --verify",
       "strata-tune"};
-  std::string config_path, profile_path, out_path, device = "", world_s = "1", top_s = "5";
-  std::string dev_budget, host_budget, nvme_budget, nvme_path, gflops_s, comm_s, steps_s = "4";
-  bool json = false, verify = false, dry_run = false, no_calibrate = false;
-  app.add_option("--config", config_path, "input config with a \"model\" section (required)")->required();
-  app.add_option("--profile", profile_path, "`strata-swapbench profile --json` report (required)")->required();
-  app.add_option("--out", out_path, "where to write the tuned config (default: <config>.tuned.json)");
-  app.add_option("--world-size", world_s, "ranks (default 1)");
-  app.add_option("--device", device, "cpu or cuda (default: the config's strata.device; auto reads as cpu)");
-  app.add_option("--device-budget", dev_budget, "device memory per rank, e.g. 40GiB (default: strata.device_memory_budget; cpu: 4GiB)");
-  app.add_option("--host-budget", host_budget, "host memory per rank (default: strata.host_memory_budget, else half of RAM)");
-  app.add_option("--nvme-budget", nvme_budget, "NVMe bytes per rank (default: strata.nvme_capacity, else unlimited)");
-  app.add_option("--nvme-path", nvme_path, "NVMe directory for candidates that use NVMe (default: the config's, "
-                                           "else the profile's)");
-  app.add_option("--gflops", gflops_s, "compute rate to assume instead of the profile's compute.gflops "
-                                       "(turns calibration off)");
-  app.add_option("--comm-gbps", comm_s, "collectives' bus bandwidth (GB/s) for --world-size > 1, instead "
-                                       "of the profile's comm section (`strata-launch --nproc N -- "
-                                       "strata-commbench --profile <profile.json>` measures it)");
-  app.add_flag("--no-calibrate", no_calibrate,
-               "use the profile's matmul figure as is. By default, on the cpu device, strata-tune "
-               "times the model on this CPU (forward, loss, backward at the config's "
-               "micro-batch and dtype; a model over 1 GiB is extrapolated from copies with one and "
-               "two blocks) and uses that rate instead of the profile's large-matmul figure, which "
-               "overstates small models");
-  app.add_option("--top", top_s, "candidates to print (default 5)");
-  app.add_flag("--json", json, "print the ranking as JSON");
-  app.add_flag("--dry-run", dry_run, "print the ranking, write nothing");
-  app.add_flag("--verify", verify, "run the chosen config through the engine (small models; one rank) and "
-                                   "report predicted vs measured time per lane and per step");
-  app.add_option("--verify-steps", steps_s, "optimizer steps for --verify, the first being warm-up (default 4)");
+  Args a;
+  AddOptions(&app, &a);
   if (int rc = ParseArgs(app, argc, argv); rc >= 0) return rc;
 
   auto fail = [](const Status& s, int code) {
@@ -134,87 +268,54 @@ int main(int argc, char** argv) {
               << "\n";
     return code;
   };
-  auto config = Config::FromFile(config_path);
+  auto config = Config::FromFile(a.config_path);
   if (!config.ok()) return fail(config.status(), 2);
-  auto raw = ReadJsonFile(config_path);
+  auto raw = ReadJsonFile(a.config_path);
   if (!raw.ok()) return fail(raw.status(), 2);
-  auto profile = HardwareProfile::FromFile(profile_path);
+  auto profile = HardwareProfile::FromFile(a.profile_path);
   if (!profile.ok()) return fail(profile.status(), 2);
-  auto world = ParseCount("--world-size", world_s, 1, 1 << 20);
+  auto world = ParseCount("--world-size", a.world_s, 1, 1 << 20);
   if (!world.ok()) return fail(world.status(), 2);
   // "auto" values resolve as the run would: in particular bf16 only where it is native, so the
   // compute rate calibrated below is that of the dtype that will run.
-  if (Status rs = ResolveAutoForPlanning(&*config, device.empty() ? config->strata.device : device,
+  if (Status rs = ResolveAutoForPlanning(&*config, a.device.empty() ? config->strata.device : a.device,
                                          static_cast<int>(*world));
       !rs.ok())
     return fail(rs, 2);
-  auto top = ParseCount("--top", top_s, 1, 1000);
+  auto top = ParseCount("--top", a.top_s, 1, 1000);
   if (!top.ok()) return fail(top.status(), 2);
-  auto steps = ParseCount("--verify-steps", steps_s, 2, 1000);
+  auto steps = ParseCount("--verify-steps", a.steps_s, 2, 1000);
   if (!steps.ok()) return fail(steps.status(), 2);
-  TuneOptions to;
-  to.world_size = static_cast<int>(*world);
-  to.device = device.empty() ? (config->strata.device == "cuda" ? "cuda" : "cpu") : device;
-  if (to.device != "cpu" && to.device != "cuda")
-    return fail(InvalidArgument(StrCat("--device=", device, ": must be cpu or cuda")), 2);
-  for (auto [flag, text, dst] : {std::tuple{"--device-budget", &dev_budget, &to.device_budget},
-                                 std::tuple{"--host-budget", &host_budget, &to.host_budget},
-                                 std::tuple{"--nvme-budget", &nvme_budget, &to.nvme_budget}}) {
-    auto b = Budget(flag, *text);
-    if (!b.ok()) return fail(b.status(), 2);
-    *dst = *b;
-  }
-  if (!gflops_s.empty()) {
-    char* end = nullptr;
-    to.gflops_override = std::strtod(gflops_s.c_str(), &end);
-    if (*end != '\0' || !(to.gflops_override > 0))
-      return fail(InvalidArgument(StrCat("--gflops=", gflops_s, ": must be a positive number")), 2);
-  }
-  if (!comm_s.empty()) {
-    char* end = nullptr;
-    to.comm_gbps_override = std::strtod(comm_s.c_str(), &end);
-    if (*end != '\0' || !(to.comm_gbps_override > 0))
-      return fail(InvalidArgument(StrCat("--comm-gbps=", comm_s, ": must be a positive number")), 2);
-  }
-  if (nvme_path.empty()) {
-    const auto& z = config->zero_optimization;
-    if (!z.offload_optimizer.nvme_path.empty()) nvme_path = z.offload_optimizer.nvme_path[0];
-    else if (!z.offload_param.nvme_path.empty()) nvme_path = z.offload_param.nvme_path[0];
-    else nvme_path = profile->nvme_path;
-  }
-  to.nvme_allowed = !nvme_path.empty();
+  auto options = MakeTuneOptions(&a, *config, *profile, static_cast<int>(*world));
+  if (!options.ok()) return fail(options.status(), 2);
+  TuneOptions to = *options;
   auto model = ModelFromArgs(&*raw, *config, "", "");
   if (!model.ok()) return fail(model.status(), 2);
-  if (verify && to.world_size != 1)
+  if (a.verify && to.world_size != 1)
     return fail(InvalidArgument("--verify runs one rank: use --world-size 1"), 2);
 
   // Calibration and --verify measure this machine: name it beside the figures.
-  const std::string host = HostDescription(nvme_path);
-  if (!json) std::fprintf(stderr, "strata-tune: on %s\n", host.c_str());
+  const std::string host = HostDescription(a.nvme_path);
+  if (!a.json) std::fprintf(stderr, "strata-tune: on %s\n", host.c_str());
   nlohmann::json calibration;
-  if (!no_calibrate && to.gflops_override == 0) calibration = CalibrateForTune(*config, json, &to);
-  if (calibration.contains("skipped") && !json)
+  if (!a.no_calibrate && to.gflops_override == 0) calibration = CalibrateForTune(*config, a.json, &to);
+  if (calibration.contains("skipped") && !a.json)
     std::fprintf(stderr, "strata-tune: compute calibration skipped: %s\n",
                  calibration["skipped"].get<std::string>().c_str());
 
   auto res = Tune(*config, *model, *profile, to);
   if (!res.ok()) return fail(res.status(), 2);
   if (res->candidates.empty() || !res->candidates.front().feasible) {
-    std::cerr << "strata-tune: no placement fits the budgets (device "
-              << (res->device_budget ? FormatBytes(res->device_budget) : "unlimited") << ", host "
-              << FormatBytes(res->host_budget) << ", nvme "
-              << (res->nvme_budget ? FormatBytes(res->nvme_budget) : "unlimited") << "):\n";
-    for (const auto& c : res->candidates) std::cerr << "  " << c.Describe() << ": " << c.why_not << "\n";
-    std::cerr << "Raise a budget, use more ranks (--world-size), or allow NVMe (--nvme-path).\n";
+    PrintInfeasible(*res);
     return 1;
   }
   const Candidate& best = res->candidates.front();
   nlohmann::json tuned = *raw;
-  ApplyCandidate(best, nvme_path, &tuned);
+  ApplyCandidate(best, a.nvme_path, &tuned);
   // Budgets given here bind the engine too: its pinned pool and device allocator read them.
   if (to.host_budget) tuned["strata"]["host_memory_budget"] = to.host_budget;
   if (to.device_budget) tuned["strata"]["device_memory_budget"] = to.device_budget;
-  if (out_path.empty()) out_path = DefaultOut(config_path);
+  if (a.out_path.empty()) a.out_path = DefaultOut(a.config_path);
 
   nlohmann::json report = {{"host", host},
                            {"device_budget", res->device_budget},
@@ -222,84 +323,18 @@ int main(int argc, char** argv) {
                            {"nvme_budget", res->nvme_budget},
                            {"assumptions", res->assumptions},
                            {"calibration", calibration},
-                           {"out", dry_run ? "" : out_path}};
-  nlohmann::json cands = nlohmann::json::array();
-  for (size_t i = 0; i < res->candidates.size() && i < static_cast<size_t>(*top); ++i) {
-    const Candidate& c = res->candidates[i];
-    cands.push_back({{"placement", c.Describe()},
-                     {"feasible", c.feasible},
-                     {"why_not", c.why_not},
-                     {"predicted", c.prediction.ToJson()},
-                     {"hbm_bytes", c.memory.hbm_bytes},
-                     {"host_bytes", c.memory.host_pageable_bytes + c.memory.host_pinned_bytes},
-                     {"nvme_bytes", c.memory.nvme_bytes}});
-  }
-  report["candidates"] = cands;
-  if (!json) {
-    std::printf("%-3s %-44s %10s %9s %9s %9s %9s %9s %10s %10s %10s\n", "#", "placement", "step_s",
-                "compute", "copy", "nvme", "adam", "comm", "hbm", "host", "nvme_B");
-    for (size_t i = 0; i < res->candidates.size() && i < static_cast<size_t>(*top); ++i) {
-      const Candidate& c = res->candidates[i];
-      std::printf("%-3zu %-44s %10.4f %9.4f %9.4f %9.4f %9.4f %9.4f %10s %10s %10s %s\n", i + 1,
-                  c.Describe().c_str(), c.prediction.step_s, c.prediction.compute_s, c.prediction.copy_s,
-                  c.prediction.nvme_s, c.prediction.optimizer_s, c.prediction.comm_s,
-                  FormatBytes(c.memory.hbm_bytes).c_str(),
-                  FormatBytes(c.memory.host_pageable_bytes + c.memory.host_pinned_bytes).c_str(),
-                  FormatBytes(c.memory.nvme_bytes).c_str(), c.feasible ? "" : ("(" + c.why_not + ")").c_str());
-    }
-    for (const auto& a : res->assumptions) std::printf("assumed: %s\n", a.c_str());
-  }
-  if (!dry_run) {
-    Status w = WriteJsonFileAtomic(out_path, tuned);
+                           {"out", a.dry_run ? "" : a.out_path}};
+  report["candidates"] = RankingJson(*res, static_cast<size_t>(*top));
+  if (!a.json) PrintRanking(*res, static_cast<size_t>(*top));
+  if (!a.dry_run) {
+    Status w = WriteJsonFileAtomic(a.out_path, tuned);
     if (!w.ok()) return fail(w, 1);
-    auto check = Config::FromFile(out_path);
+    auto check = Config::FromFile(a.out_path);
     if (!check.ok()) return fail(check.status().WithContext("the tuned config does not parse (a bug)"), 1);
-    if (!json) std::printf("chose %s; wrote %s\n", best.Describe().c_str(), out_path.c_str());
+    if (!a.json) std::printf("chose %s; wrote %s\n", best.Describe().c_str(), a.out_path.c_str());
   }
-  int rc = 0;
-  if (verify) {
-    Config chosen = *config;
-    if (to.host_budget) chosen.strata.host_memory_budget = to.host_budget;
-    if (to.device_budget) chosen.strata.device_memory_budget = to.device_budget;
-    chosen.zero_optimization.offload_param.device = best.param;
-    chosen.zero_optimization.offload_optimizer.device = best.optimizer;
-    if (best.uses_nvme) {
-      chosen.aio.block_size = best.aio.block_size;
-      chosen.aio.queue_depth = best.aio.queue_depth;
-      chosen.aio.intra_op_parallelism = best.aio.parallelism;
-    }
-    auto v = tune::VerifyConfig(chosen, to.device, best.uses_nvme ? nvme_path : "", static_cast<int>(*steps));
-    if (!v.ok()) {
-      std::cerr << "strata-tune: --verify: " << v.status().message() << "\n";
-      rc = 1;
-    } else {
-      // Predicted against measured, lane by lane: a good step figure can hide two lanes that are
-      // wrong in opposite directions.
-      const StepPrediction& pr = best.prediction;
-      const std::vector<std::pair<std::string, double>> predicted = {
-          {"step", pr.step_s},  {"compute", pr.compute_s}, {"copy", pr.copy_s},
-          {"nvme", pr.nvme_s},  {"optimizer", pr.optimizer_s}, {"comm", pr.comm_s}};
-      nlohmann::json lanes = nlohmann::json::object();
-      if (!json)
-        std::printf("verify (median of %lld steps after a warm-up):\n  %-10s %12s %12s %10s\n",
-                    static_cast<long long>(*steps - 1), "lane", "predicted_s", "measured_s",
-                    "pred/meas");
-      for (const auto& [lane, pred] : predicted) {
-        const double meas = v->lanes.at(lane);
-        // A lane that neither predicts nor measures a millisecond has no meaningful ratio.
-        const bool both = pred > 1e-3 || meas > 1e-3;
-        lanes[lane] = {{"predicted_s", pred}, {"measured_s", meas},
-                       {"ratio", both && meas > 0 ? nlohmann::json(pred / meas) : nlohmann::json(nullptr)}};
-        if (!json) {
-          if (both && meas > 0)
-            std::printf("  %-10s %12.4f %12.4f %10.2f\n", lane.c_str(), pred, meas, pred / meas);
-          else
-            std::printf("  %-10s %12.4f %12.4f %10s\n", lane.c_str(), pred, meas, "-");
-        }
-      }
-      report["verify"] = {{"steps", *steps - 1}, {"lanes", lanes}, {"last_step", v->last_report}};
-    }
-  }
-  if (json) std::cout << report.dump(2) << "\n";
+  const int rc = a.verify ? Verify(*config, to, best, a.nvme_path, static_cast<int>(*steps), a.json, &report)
+                        : 0;
+  if (a.json) std::cout << report.dump(2) << "\n";
   return rc;
 }

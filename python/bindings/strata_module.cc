@@ -6,6 +6,7 @@
 
 #include "python/bindings/native_backtrace.h"
 #include "python/bindings/py_engine.h"
+#include "python/bindings/py_checkpoint.h"
 #include "python/bindings/py_param_state.h"
 #include "python/bindings/py_planner.h"
 #include "runtime/base/env_vars.h"
@@ -155,6 +156,7 @@ PYBIND11_MODULE(_strata, m) {
   DefEngine(m);
   DefZeroInit(m);
   strata::python::DefPlanner(m);
+  strata::python::DefCheckpoint(m);
   m.def("env_vars", [] {
     std::vector<std::tuple<std::string, std::string, std::string>> out;
     for (const strata::EnvVar& v : strata::kEnvVars) out.emplace_back(v.name, v.reader, v.meaning);

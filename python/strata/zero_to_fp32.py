@@ -6,8 +6,8 @@ wrote it (DeepSpeed's `deepspeed.utils.zero_to_fp32`).
 A checkpoint's rank files hold each rank's shard of every chunk's fp32 master, wherever the run
 kept it (device, host or NVMe: save_checkpoint streams every tier into the files), and each
 manifest says where every parameter lives (runtime/state/checkpoint.h, Manifest::layout). This module
-puts the shards of every rank side by side and cuts the parameters out, in pure Python, reading
-one chunk at a time.
+puts the shards of every rank side by side and cuts the parameters out, one chunk at a time;
+every block is read through the engine's own checked reader (its crc32c against the manifest).
 
 What the state_dict holds: every trainable parameter under its module path (a parameter shared
 by several modules under each of its names, as the module's own state_dict has it) and the
@@ -24,6 +24,8 @@ import os
 import sys
 
 import torch
+
+from . import _strata
 
 _DTYPES = {"Float": torch.float32, "Double": torch.float64, "Half": torch.float16,
            "BFloat16": torch.bfloat16, "Long": torch.int64, "Int": torch.int32,
@@ -85,7 +87,8 @@ class Fp32Checkpoint:
             if block is None:
                 raise CheckpointError(f"{self.dir}: rank {m['rank']} has no master of chunk "
                                       f"{chunk}")
-            values = _read(self.dir, m["rank"], block["offset"], block["bytes"], torch.float32)
+            values = _read(self.dir, m["rank"], block, torch.float32,
+                           f"chunk {chunk}'s master32")
             start = m["layout"]["shard_offset"][chunk]
             full[start:start + values.numel()] = values
         return full
@@ -112,21 +115,24 @@ class Fp32Checkpoint:
         for b in m0.get("buffers", []):
             if keys and b["name"] not in keys["buffers"]:
                 continue  # not persistent: not part of the module's state_dict
-            values = _read(self.dir, 0, b["offset"], b["bytes"], _DTYPES[b["dtype"]])
+            values = _read(self.dir, 0, b, _DTYPES[b["dtype"]], f"buffer '{b['name']}'")
             out[b["name"]] = values.view(shapes.get(b["name"], [values.numel()]))
         return out
 
 
-def _read(step_dir, rank, offset, nbytes, dtype):
+def _read(step_dir, rank, entry, dtype, what):
+    """A block or buffer of a rank's state file, checked against the crc32c its manifest
+    recorded, by the same reader the engine's load_checkpoint uses (runtime/state/checkpoint.h):
+    a short or damaged file is refused naming it."""
     path = os.path.join(step_dir, f"rank-{rank:05d}.bin")
-    with open(path, "rb") as f:
-        f.seek(offset)
-        data = bytearray(f.read(nbytes))
-    if len(data) != nbytes:
-        raise CheckpointError(f"{path} is truncated: {nbytes} bytes needed at offset {offset}")
+    nbytes = entry["bytes"]
     if nbytes == 0:
         return torch.empty(0, dtype=dtype)
-    return torch.frombuffer(data, dtype=dtype)
+    try:
+        data = _strata.read_checked(path, entry["offset"], nbytes, entry["crc32c"], what)
+    except _strata.StrataError as e:
+        raise CheckpointError(str(e)) from None
+    return torch.frombuffer(bytearray(data), dtype=dtype)
 
 
 def get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir, tag=None,

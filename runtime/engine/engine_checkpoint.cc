@@ -319,12 +319,8 @@ Status Engine::Impl::ReadSavedBuffers(int fd, const std::string& bin, const chec
       return DataLoss(StrCat(mpath, ": buffer '", name, "' (", type, ", ", b.nbytes(),
                              " bytes) is missing or differs; the checkpoint belongs to another model"));
     torch::Tensor host = torch::empty(b.sizes(), torch::TensorOptions().dtype(b.scalar_type()));
-    ssize_t got = ::pread(fd, host.data_ptr(), e->bytes, static_cast<off_t>(e->offset));
-    if (got < 0 || static_cast<uint64_t>(got) != e->bytes)
-      return DataLoss(StrCat(bin, " is truncated: buffer '", name, "' needs ", e->bytes, " bytes"));
-    if (nvme::Crc32c(host.data_ptr(), e->bytes) != e->crc32c)
-      return DataLoss(StrCat(bin, ": buffer '", name, "' fails its crc32c check; the checkpoint is "
-                             "corrupted: resume from an earlier one"));
+    STRATA_RETURN_IF_ERROR(checkpoint::ReadChecked(fd, bin, e->offset, e->bytes, e->crc32c,
+                                                   StrCat("buffer '", name, "'"), host.data_ptr()));
     out->push_back(host);
   }
   return Status::Ok();
@@ -348,15 +344,9 @@ Status Engine::Impl::ReadSavedBlocks(int fd, const std::string& bin, const check
         return DataLoss(StrCat(mpath, ": ", BlockName({c64, kind}), " is missing or has the wrong size"));
       // Read into a scratch buffer first: a damaged file must not overwrite the live state.
       std::vector<char> buf(bytes);
-      ssize_t got = ::pread(fd, buf.data(), bytes, static_cast<off_t>(it->second->offset));
-      if (got < 0) return ErrnoToStatus(errno, StrCat("read ", bin));
-      if (static_cast<uint64_t>(got) != bytes)
-        return DataLoss(StrCat(bin, " is truncated: ", BlockName({c64, kind}), " needs ", bytes,
-                               " bytes at offset ", it->second->offset, ", got ", got));
-      if (nvme::Crc32c(buf.data(), bytes) != it->second->crc32c)
-        return DataLoss(StrCat(bin, ": ", BlockName({c64, kind}),
-                               " fails its crc32c check; the checkpoint is corrupted: resume from "
-                               "an earlier one"));
+      STRATA_RETURN_IF_ERROR(checkpoint::ReadChecked(fd, bin, it->second->offset, bytes,
+                                                     it->second->crc32c, BlockName({c64, kind}),
+                                                     buf.data()));
       const BlockKey key = kind == StateKind::kMaster32 ? plan_.MasterKey(c64) : BlockKey{c64, kind};
       STRATA_ASSIGN_OR_RETURN(void* dst, store_->Acquire(key, Access::kWrite));
       Status s = WriteBlockBytes(dst, buf.data(), bytes, plan_.PlacementOf(key.kind));

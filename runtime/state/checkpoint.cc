@@ -12,6 +12,8 @@
 #include <stdexcept>
 #include <sstream>
 
+#include "tiers/nvme/crc32c.h"
+
 namespace strata::checkpoint {
 
 namespace fs = std::filesystem;
@@ -203,6 +205,26 @@ StatusOr<std::string> ReadFile(const std::string& path) {
   ss << in.rdbuf();
   if (in.bad()) return ErrnoToStatus(errno, StrCat("read ", path));
   return ss.str();
+}
+
+Status ReadChecked(int fd, const std::string& path, uint64_t offset, uint64_t bytes,
+                   uint32_t crc32c, const std::string& what, void* out) {
+  uint64_t got = 0;
+  while (got < bytes) {
+    const ssize_t n = ::pread(fd, static_cast<char*>(out) + got, bytes - got,
+                              static_cast<off_t>(offset + got));
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) return ErrnoToStatus(errno, StrCat("read ", path));
+    if (n == 0) break;
+    got += static_cast<uint64_t>(n);
+  }
+  if (got != bytes)
+    return DataLoss(StrCat(path, " is truncated: ", what, " needs ", bytes, " bytes at offset ",
+                           offset, ", got ", got));
+  if (nvme::Crc32c(out, bytes) != crc32c)
+    return DataLoss(StrCat(path, ": ", what, " fails its crc32c check; the checkpoint is "
+                           "corrupted: resume from an earlier one"));
+  return Status::Ok();
 }
 
 }  // namespace strata::checkpoint

@@ -84,4 +84,12 @@ Status WriteFileAtomic(const std::string& path, std::string_view bytes);
 Status FsyncDir(const std::string& dir);
 StatusOr<std::string> ReadFile(const std::string& path);
 
+// Reads `bytes` bytes at `offset` of a rank's state file (`fd`, opened on `path`) into `out` and
+// checks them against `crc32c`, the checksum its manifest recorded. DATA_LOSS naming the file,
+// `what` ("chunk 3's master32", "buffer 'bn.running_mean'") and the fix when the file is short
+// or the bytes differ. The one reader of saved states: Engine's Load and strata.zero_to_fp32
+// (through the Python bindings) both read through it.
+Status ReadChecked(int fd, const std::string& path, uint64_t offset, uint64_t bytes,
+                   uint32_t crc32c, const std::string& what, void* out);
+
 }  // namespace strata::checkpoint

@@ -376,6 +376,42 @@ def test_zero_to_fp32_of_a_stage3_nvme_checkpoint_equals_the_masters(tmp_path):
     assert bad.returncode == 2 and "no Strata checkpoint" in bad.stderr
 
 
+def test_zero_to_fp32_refuses_a_damaged_shard_naming_the_file(tmp_path):
+    """zero_to_fp32 reads through the engine's checked reader: one flipped byte in a master
+    block, or a cut file, is refused naming the file, as load_checkpoint refuses it."""
+    import glob
+    import shutil
+
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+    from strata.zero_to_fp32 import CheckpointError
+    cfg = harness.config_for(STAGE2_CPU, tmp_path / "nvme")
+    engine = _engine("gpt2", cfg)
+    harness.run_steps(engine, "gpt2", 0, 1)
+    engine.save_checkpoint(tmp_path / "ck")
+    engine.close()
+    step_dir = glob.glob(str(tmp_path / "ck" / "global_step1" / "*" / "rank-00000.json"))
+    step_dir = os.path.dirname(step_dir[0]) if step_dir else str(tmp_path / "ck" / "global_step1")
+    manifest = json.load(open(os.path.join(step_dir, "rank-00000.json")))
+    block = next(b for b in manifest["blocks"] if b["state"] == "master32")
+    for damage in ("flip", "cut"):
+        bad = tmp_path / f"bad-{damage}"
+        shutil.copytree(tmp_path / "ck", bad)
+        bin_path = glob.glob(str(bad / "**" / "rank-00000.bin"), recursive=True)[0]
+        with open(bin_path, "r+b") as f:
+            if damage == "flip":
+                f.seek(block["offset"] + 3)
+                byte = f.read(1)
+                f.seek(block["offset"] + 3)
+                f.write(bytes([byte[0] ^ 0x40]))
+            else:
+                f.truncate(block["offset"] + 1)
+        with pytest.raises(CheckpointError) as e:
+            get_fp32_state_dict_from_zero_checkpoint(bad)
+        assert "rank-00000.bin" in str(e.value)
+        assert ("crc32c" if damage == "flip" else "is truncated") in str(e.value), str(e.value)
+    assert get_fp32_state_dict_from_zero_checkpoint(tmp_path / "ck")  # the original still loads
+
+
 @pytest.mark.parametrize("flag", ["load_module_only", "no_optimizer_states"])
 def test_load_weights_only_keeps_optimizer_and_counters(flag, tmp_path):
     cfg = harness.config_for(STAGE2_CPU, tmp_path)

@@ -1,306 +1,25 @@
 #include "runtime/base/config.h"
 
 #include <algorithm>
-#include <cmath>
 #include <fstream>
 #include <limits>
-#include <map>
-#include <set>
 #include <sstream>
+#include <string>
 #include <utility>
+#include <vector>
 
 #include <nlohmann/json.hpp>
 
+#include "runtime/base/config_keys.h"
+#include "runtime/base/config_section.h"
 #include "runtime/base/logging.h"
 #include "runtime/base/units.h"
 
 namespace strata {
 namespace {
 
-using json = nlohmann::json;
+using namespace config_internal;  // NOLINT: the parser's own building blocks
 
-size_t EditDistance(const std::string& a, const std::string& b) {
-  std::vector<size_t> prev(b.size() + 1), cur(b.size() + 1);
-  for (size_t j = 0; j <= b.size(); ++j) prev[j] = j;
-  for (size_t i = 1; i <= a.size(); ++i) {
-    cur[0] = i;
-    for (size_t j = 1; j <= b.size(); ++j) {
-      size_t sub = prev[j - 1] + (a[i - 1] == b[j - 1] ? 0 : 1);
-      cur[j] = std::min({prev[j] + 1, cur[j - 1] + 1, sub});
-    }
-    std::swap(prev, cur);
-  }
-  return prev[b.size()];
-}
-
-std::string Describe(const json& v) {
-  std::string s = v.dump();
-  if (s.size() > 60) s = s.substr(0, 57) + "...";
-  return s;
-}
-
-// Reads one JSON object section, recording which keys were consumed so that Finish() can name
-// any key nobody asked for. Every accessor leaves the default in place when the key is absent.
-// Note [strict keys]: DeepSpeed silently ignores keys it does not know, so a typo such as
-// "stage3_prefech_bucket_size" runs with the default and nobody notices. Strata refuses them.
-class Section {
- public:
-  Section(const json* obj, std::string path, std::vector<std::string>* warnings,
-          std::vector<std::string>* autos)
-      : obj_(obj), path_(std::move(path)), warnings_(warnings), autos_(autos) {}
-
-  bool has(const std::string& key) const { return obj_ && obj_->contains(key); }
-
-  std::string Key(const std::string& key) const { return path_.empty() ? key : path_ + "." + key; }
-
-  void Warn(const std::string& msg) { warnings_->push_back(msg); }
-
-  const json* Get(const std::string& key) {
-    known_.insert(key);
-    if (!obj_) return nullptr;
-    auto it = obj_->find(key);
-    if (it == obj_->end() || it->is_null()) return nullptr;
-    return &*it;
-  }
-
-  // Keys DeepSpeed accepts that have no effect here: allowed, with a warning.
-  void Ignored(const std::string& key, const char* why) {
-    if (Get(key)) Warn(StrCat(Key(key), " is accepted for DeepSpeed compatibility but ", why));
-  }
-
-  // Note [auto values]: Hugging Face's DeepSpeed integration writes "auto" for values it fills
-  // in from the trainer's arguments. Strata records the key (Config::auto_keys), leaves the
-  // default in place, and Config::ResolveAuto fills it from the run. Accessors call this first.
-  bool IsAuto(const std::string& key) {
-    const json* v = Get(key);
-    if (!v || !v->is_string() || v->get<std::string>() != "auto") return false;
-    autos_->push_back(Key(key));
-    return true;
-  }
-
-  // An old spelling: read as `now` (which must not also be present).
-  Status Alias(const std::string& old_key, const std::string& now_key) {
-    known_.insert(old_key);
-    if (!obj_ || !obj_->contains(old_key)) return Status::Ok();
-    if (obj_->contains(now_key)) {
-      return InvalidArgument(StrCat(Key(old_key), " and ", Key(now_key),
-                                    " are both set; remove the deprecated ", Key(old_key)));
-    }
-    Warn(StrCat(Key(old_key), " is deprecated; use ", Key(now_key), " (value taken)"));
-    aliases_[now_key] = old_key;
-    return Status::Ok();
-  }
-
-  Status Bool(const std::string& key, bool* out) {
-    if (IsAuto(key)) return Status::Ok();
-    const json* v = Lookup(key);
-    if (!v) return Status::Ok();
-    if (v->is_boolean()) {
-      *out = v->get<bool>();
-      return Status::Ok();
-    }
-    if (v->is_string()) {
-      std::string s = v->get<std::string>();
-      std::string lower = s;
-      std::transform(lower.begin(), lower.end(), lower.begin(), ::tolower);
-      if (lower == "true" || lower == "false") {
-        Warn(StrCat(Name(key), "=\"", s, "\" is a string; write the JSON boolean ", lower));
-        *out = lower == "true";
-        return Status::Ok();
-      }
-    }
-    return InvalidArgument(StrCat(Name(key), "=", Describe(*v), ": must be true or false"));
-  }
-
-  Status Int(const std::string& key, int64_t* out, int64_t lo, int64_t hi) {
-    if (IsAuto(key)) return Status::Ok();
-    const json* v = Lookup(key);
-    if (!v) return Status::Ok();
-    double d;
-    if (v->is_number_integer()) {
-      if (v->is_number_unsigned() && v->get<uint64_t>() > uint64_t(std::numeric_limits<int64_t>::max()))
-        return Range(key, *v, lo, hi);
-      *out = v->get<int64_t>();
-    } else if (v->is_number_float()) {  // 5e8 parses as a float in JSON
-      d = v->get<double>();
-      if (!std::isfinite(d) || d != std::floor(d) || std::fabs(d) > 9.2e18)
-        return InvalidArgument(StrCat(Name(key), "=", Describe(*v), ": must be a whole number in ",
-                                      lo, "..", hi));
-      *out = static_cast<int64_t>(d);
-    } else {
-      return InvalidArgument(StrCat(Name(key), "=", Describe(*v), ": must be a whole number in ", lo,
-                                    "..", hi));
-    }
-    if (*out < lo || *out > hi) return Range(key, *v, lo, hi);
-    return Status::Ok();
-  }
-
-  Status Double(const std::string& key, double* out, double lo, double hi, bool hi_open = false,
-                bool lo_open = false) {
-    if (IsAuto(key)) return Status::Ok();
-    const json* v = Lookup(key);
-    if (!v) return Status::Ok();
-    if (!v->is_number())
-      return InvalidArgument(StrCat(Name(key), "=", Describe(*v), ": must be a number in ",
-                                    lo_open ? "(" : "[", lo, ", ", hi, hi_open ? ")" : "]"));
-    double d = v->get<double>();
-    bool ok = std::isfinite(d) && (lo_open ? d > lo : d >= lo) && (hi_open ? d < hi : d <= hi);
-    if (!ok)
-      return InvalidArgument(StrCat(Name(key), "=", Describe(*v), ": must be in ",
-                                    lo_open ? "(" : "[", lo, ", ", hi, hi_open ? ")" : "]"));
-    *out = d;
-    return Status::Ok();
-  }
-
-  // A byte count: a whole number, 5e8, or a string such as "24GiB".
-  Status Bytes(const std::string& key, uint64_t* out, uint64_t lo, uint64_t hi) {
-    if (IsAuto(key)) return Status::Ok();
-    const json* v = Lookup(key);
-    if (!v) return Status::Ok();
-    uint64_t b = 0;
-    if (v->is_string()) {
-      auto parsed = ParseBytes(v->get<std::string>());
-      if (!parsed.ok()) return InvalidArgument(StrCat(Name(key), ": ", parsed.status().message()));
-      b = *parsed;
-    } else if (v->is_number_unsigned() || (v->is_number_integer() && v->get<int64_t>() >= 0)) {
-      b = v->get<uint64_t>();
-    } else if (v->is_number_float() && std::isfinite(v->get<double>()) && v->get<double>() >= 0 &&
-               v->get<double>() == std::floor(v->get<double>()) && v->get<double>() < 1.8e19) {
-      b = static_cast<uint64_t>(v->get<double>());
-    } else {
-      return InvalidArgument(StrCat(Name(key), "=", Describe(*v),
-                                    ": must be a byte count such as 1073741824, 1e9 or \"1GiB\""));
-    }
-    if (b < lo || b > hi)
-      return InvalidArgument(StrCat(Name(key), "=", Describe(*v), ": must be between ",
-                                    FormatBytes(lo), " and ", FormatBytes(hi)));
-    *out = b;
-    return Status::Ok();
-  }
-
-  Status String(const std::string& key, std::string* out) {
-    const json* v = Lookup(key);
-    if (!v) return Status::Ok();
-    if (!v->is_string())
-      return InvalidArgument(StrCat(Name(key), "=", Describe(*v), ": must be a string"));
-    *out = v->get<std::string>();
-    return Status::Ok();
-  }
-
-  // A string or a list of strings.
-  Status StringList(const std::string& key, std::vector<std::string>* out) {
-    const json* v = Lookup(key);
-    if (!v) return Status::Ok();
-    std::vector<std::string> r;
-    if (v->is_string()) {
-      r.push_back(v->get<std::string>());
-    } else if (v->is_array()) {
-      for (const auto& e : *v) {
-        if (!e.is_string())
-          return InvalidArgument(StrCat(Name(key), "=", Describe(*v), ": must be a string or a list of strings"));
-        r.push_back(e.get<std::string>());
-      }
-    } else {
-      return InvalidArgument(StrCat(Name(key), "=", Describe(*v), ": must be a string or a list of strings"));
-    }
-    for (const auto& s : r)
-      if (s.empty()) return InvalidArgument(StrCat(Name(key), ": an empty path is not allowed"));
-    *out = std::move(r);
-    return Status::Ok();
-  }
-
-  // A case-insensitive choice among named values.
-  template <typename E>
-  Status Enum(const std::string& key, E* out, const std::vector<std::pair<std::string, E>>& choices) {
-    const json* v = Lookup(key);
-    if (!v) return Status::Ok();
-    std::string names;
-    for (const auto& c : choices) names += (names.empty() ? "" : ", ") + c.first;
-    if (!v->is_string())
-      return InvalidArgument(StrCat(Name(key), "=", Describe(*v), ": must be one of ", names));
-    std::string s = v->get<std::string>();
-    std::string lower = s;
-    std::transform(lower.begin(), lower.end(), lower.begin(), ::tolower);
-    for (const auto& c : choices) {
-      std::string cl = c.first;
-      std::transform(cl.begin(), cl.end(), cl.begin(), ::tolower);
-      if (cl == lower) {
-        *out = c.second;
-        return Status::Ok();
-      }
-    }
-    return InvalidArgument(StrCat(Name(key), "=\"", s, "\": must be one of ", names));
-  }
-
-  // A nested object (absent → an empty section so defaults stay).
-  StatusOr<Section> Child(const std::string& key) {
-    const json* v = Get(key);
-    if (v && !v->is_object())
-      return InvalidArgument(StrCat(Key(key), "=", Describe(*v), ": must be a JSON object"));
-    return Section(v, Key(key), warnings_, autos_);
-  }
-
-  // Errors on the first key nobody consumed, suggesting the closest known spelling. With
-  // warn_only (the top level, where DeepSpeed ignores unknown keys) each such key is a warning.
-  Status Finish(bool warn_only = false) {
-    if (!obj_) return Status::Ok();
-    for (auto it = obj_->begin(); it != obj_->end(); ++it) {
-      if (known_.count(it.key())) continue;
-      std::string best;
-      size_t best_d = std::numeric_limits<size_t>::max();
-      for (const auto& k : known_) {
-        size_t d = EditDistance(it.key(), k);
-        // A truncated or extended spelling ("train_micro_batch_size") is closer than its raw
-        // edit distance says.
-        if (k.find(it.key()) != std::string::npos || it.key().find(k) != std::string::npos)
-          d = std::min(d, 1 + (std::max(k.size(), it.key().size()) -
-                               std::min(k.size(), it.key().size())) / 4);
-        if (d < best_d) best_d = d, best = k;
-      }
-      std::string msg = StrCat("unknown key ", Key(it.key()));
-      const bool close = !best.empty() && best_d <= std::max<size_t>(3, it.key().size() / 3);
-      if (warn_only) {
-        Warn(StrCat(msg, " is ignored (DeepSpeed ignores it too)",
-                    close ? StrCat("; did you mean ", Key(best), "?") : std::string()));
-        continue;
-      }
-      if (close)
-        msg += StrCat("; did you mean ", Key(best), "?");
-      else if (!known_.empty()) {
-        std::string all;
-        for (const auto& k : known_) all += (all.empty() ? "" : ", ") + k;
-        msg += StrCat("; valid keys here: ", all);
-      }
-      return InvalidArgument(msg);
-    }
-    return Status::Ok();
-  }
-
- private:
-  // The value for `key`, or for its deprecated alias.
-  const json* Lookup(const std::string& key) {
-    const json* v = Get(key);
-    if (v) return v;
-    auto a = aliases_.find(key);
-    if (a != aliases_.end()) return Get(a->second);
-    return nullptr;
-  }
-  std::string Name(const std::string& key) const {
-    auto a = aliases_.find(key);
-    if (a != aliases_.end() && obj_ && obj_->contains(a->second)) return Key(a->second);
-    return Key(key);
-  }
-  Status Range(const std::string& key, const json& v, int64_t lo, int64_t hi) const {
-    return InvalidArgument(StrCat(Name(key), "=", Describe(v), ": must be in ", lo, "..", hi));
-  }
-
-  const json* obj_;
-  std::string path_;
-  std::vector<std::string>* warnings_;
-  std::vector<std::string>* autos_;
-  std::set<std::string> known_;
-  std::map<std::string, std::string> aliases_;
-};
 
 constexpr int64_t kMaxElems = int64_t{1} << 50;
 constexpr uint64_t kMaxBytes = uint64_t{1} << 56;
@@ -315,13 +34,57 @@ std::string EnumName(E v, const std::vector<std::pair<std::string, E>>& choices)
   return "?";
 }
 
+// The tables of keys (Note [one table of keys] in config_keys.h), one per section, in the
+// order keys are read: that order decides which of two bad keys an error names.
+const KeyTable<OffloadParamConfig>& OffloadParamKeys() {
+  using C = OffloadParamConfig;
+  static const KeyTable<C> keys = {
+      EnumKey("device", &C::device, kOffloadDevices),
+      StringListKey("nvme_path", &C::nvme_path),
+      IntKey("buffer_count", &C::buffer_count, 1, 1024),
+      IntKey("buffer_size", &C::buffer_size, 1, kMaxElems),
+      IntKey("max_in_cpu", &C::max_in_cpu, 0, kMaxElems),
+      BoolKey("pin_memory", &C::pin_memory),
+  };
+  return keys;
+}
+
+const KeyTable<OffloadOptimizerConfig>& OffloadOptimizerKeys() {
+  using C = OffloadOptimizerConfig;
+  static const KeyTable<C> keys = {
+      EnumKey("device", &C::device, kOffloadDevices),
+      StringListKey("nvme_path", &C::nvme_path),
+      IntKey("buffer_count", &C::buffer_count, 1, 1024),
+      BoolKey("pin_memory", &C::pin_memory),
+      BoolKey("pipeline_read", &C::pipeline_read),
+      BoolKey("pipeline_write", &C::pipeline_write),
+      DoubleKey("ratio", &C::ratio, 0.0, 1.0),
+  };
+  return keys;
+}
+
+// zero_optimization's own keys; its two offload sections have their tables above.
+const KeyTable<ZeroConfig>& ZeroKeys() {
+  using C = ZeroConfig;
+  static const KeyTable<C> keys = {
+      IntKey("stage", &C::stage, 0, 3),
+      BoolKey("contiguous_gradients", &C::contiguous_gradients),
+      BoolKey("overlap_comm", &C::overlap_comm),
+      // 0 is accepted as DeepSpeed does (Hugging Face's tests use it): no bucketing / no grouping.
+      IntKey("reduce_bucket_size", &C::reduce_bucket_size, 0, kMaxElems),
+      IntKey("allgather_bucket_size", &C::allgather_bucket_size, 0, kMaxElems),
+      IntKey("sub_group_size", &C::sub_group_size, 0, kMaxElems),
+      IntKey("stage3_prefetch_bucket_size", &C::stage3_prefetch_bucket_size, 0, kMaxElems),
+      IntKey("stage3_param_persistence_threshold", &C::stage3_param_persistence_threshold, 0,
+             kMaxElems),
+      IntKey("stage3_max_live_parameters", &C::stage3_max_live_parameters, 0, kMaxElems),
+      IntKey("stage3_max_reuse_distance", &C::stage3_max_reuse_distance, 0, kMaxElems),
+  };
+  return keys;
+}
+
 Status ParseOffloadParam(Section s, OffloadParamConfig* c) {
-  STRATA_RETURN_IF_ERROR(s.Enum("device", &c->device, kOffloadDevices));
-  STRATA_RETURN_IF_ERROR(s.StringList("nvme_path", &c->nvme_path));
-  STRATA_RETURN_IF_ERROR(s.Int("buffer_count", &c->buffer_count, 1, 1024));
-  STRATA_RETURN_IF_ERROR(s.Int("buffer_size", &c->buffer_size, 1, kMaxElems));
-  STRATA_RETURN_IF_ERROR(s.Int("max_in_cpu", &c->max_in_cpu, 0, kMaxElems));
-  STRATA_RETURN_IF_ERROR(s.Bool("pin_memory", &c->pin_memory));
+  STRATA_RETURN_IF_ERROR(ReadKeys(s, OffloadParamKeys(), c));
   // Note [no silent key]: a key Strata parses but does not act on says so once.
   s.Ignored("buffer_count",
             "has no effect: parameters are staged through the host pool, sized by "
@@ -334,12 +97,7 @@ Status ParseOffloadParam(Section s, OffloadParamConfig* c) {
 }
 
 Status ParseOffloadOptimizer(Section s, OffloadOptimizerConfig* c) {
-  STRATA_RETURN_IF_ERROR(s.Enum("device", &c->device, kOffloadDevices));
-  STRATA_RETURN_IF_ERROR(s.StringList("nvme_path", &c->nvme_path));
-  STRATA_RETURN_IF_ERROR(s.Int("buffer_count", &c->buffer_count, 1, 1024));
-  STRATA_RETURN_IF_ERROR(s.Bool("pin_memory", &c->pin_memory));
-  STRATA_RETURN_IF_ERROR(s.Bool("pipeline_read", &c->pipeline_read));
-  STRATA_RETURN_IF_ERROR(s.Bool("pipeline_write", &c->pipeline_write));
+  STRATA_RETURN_IF_ERROR(ReadKeys(s, OffloadOptimizerKeys(), c));
   bool pipeline = false;
   if (s.has("pipeline")) {
     STRATA_RETURN_IF_ERROR(s.Bool("pipeline", &pipeline));
@@ -349,7 +107,6 @@ Status ParseOffloadOptimizer(Section s, OffloadOptimizerConfig* c) {
     s.Get("pipeline");
   }
   s.Ignored("fast_init", "has no effect in Strata");
-  STRATA_RETURN_IF_ERROR(s.Double("ratio", &c->ratio, 0.0, 1.0));
   s.Ignored("buffer_count",
             "has no effect: optimizer states are staged through the host pool, sized by "
             "strata.host_memory_budget");
@@ -365,23 +122,7 @@ Status ParseOffloadOptimizer(Section s, OffloadOptimizerConfig* c) {
 }
 
 Status ParseZero(Section s, ZeroConfig* c) {
-  int64_t stage = c->stage;
-  STRATA_RETURN_IF_ERROR(s.Int("stage", &stage, 0, 3));
-  c->stage = static_cast<int>(stage);
-  STRATA_RETURN_IF_ERROR(s.Bool("contiguous_gradients", &c->contiguous_gradients));
-  STRATA_RETURN_IF_ERROR(s.Bool("overlap_comm", &c->overlap_comm));
-  // 0 is accepted as DeepSpeed does (Hugging Face's tests use it): no bucketing / no grouping.
-  STRATA_RETURN_IF_ERROR(s.Int("reduce_bucket_size", &c->reduce_bucket_size, 0, kMaxElems));
-  STRATA_RETURN_IF_ERROR(s.Int("allgather_bucket_size", &c->allgather_bucket_size, 0, kMaxElems));
-  STRATA_RETURN_IF_ERROR(s.Int("sub_group_size", &c->sub_group_size, 0, kMaxElems));
-  STRATA_RETURN_IF_ERROR(
-      s.Int("stage3_prefetch_bucket_size", &c->stage3_prefetch_bucket_size, 0, kMaxElems));
-  STRATA_RETURN_IF_ERROR(s.Int("stage3_param_persistence_threshold",
-                               &c->stage3_param_persistence_threshold, 0, kMaxElems));
-  STRATA_RETURN_IF_ERROR(
-      s.Int("stage3_max_live_parameters", &c->stage3_max_live_parameters, 0, kMaxElems));
-  STRATA_RETURN_IF_ERROR(
-      s.Int("stage3_max_reuse_distance", &c->stage3_max_reuse_distance, 0, kMaxElems));
+  STRATA_RETURN_IF_ERROR(ReadKeys(s, ZeroKeys(), c));
   // DeepSpeed reads these without the stage3_ prefix as well (its pydantic aliases).
   for (const char* k : {"prefetch_bucket_size", "param_persistence_threshold", "max_live_parameters",
                         "max_reuse_distance", "gather_16bit_weights_on_model_save"}) {
@@ -463,18 +204,29 @@ Status ParseZero(Section s, ZeroConfig* c) {
   return s.Finish();
 }
 
+const KeyTable<AioConfig>& AioKeys() {
+  using C = AioConfig;
+  static const KeyTable<C> keys = {
+      Checked(IntKey("block_size", &C::block_size, 4096, int64_t{1} << 30),
+              [](const Section& s, const C& c) {
+                return c.block_size % 4096 == 0
+                           ? Status::Ok()
+                           : InvalidArgument(StrCat(s.Key("block_size"), "=", c.block_size,
+                                                    ": must be a multiple of 4096 (O_DIRECT alignment)"));
+              }),
+      IntKey("queue_depth", &C::queue_depth, 1, 4096),
+      IntKey("intra_op_parallelism", &C::intra_op_parallelism, 1, 256),
+      BoolKey("single_submit", &C::single_submit),
+      BoolKey("overlap_events", &C::overlap_events),
+      BoolKey("use_gds", &C::use_gds),
+  };
+  return keys;
+}
+
 Status ParseAio(Section s, AioConfig* c) {
   STRATA_RETURN_IF_ERROR(s.Alias("thread_count", "intra_op_parallelism"));
   STRATA_RETURN_IF_ERROR(s.Alias("num_threads", "intra_op_parallelism"));
-  STRATA_RETURN_IF_ERROR(s.Int("block_size", &c->block_size, 4096, int64_t{1} << 30));
-  if (c->block_size % 4096 != 0)
-    return InvalidArgument(StrCat(s.Key("block_size"), "=", c->block_size,
-                                  ": must be a multiple of 4096 (O_DIRECT alignment)"));
-  STRATA_RETURN_IF_ERROR(s.Int("queue_depth", &c->queue_depth, 1, 4096));
-  STRATA_RETURN_IF_ERROR(s.Int("intra_op_parallelism", &c->intra_op_parallelism, 1, 256));
-  STRATA_RETURN_IF_ERROR(s.Bool("single_submit", &c->single_submit));
-  STRATA_RETURN_IF_ERROR(s.Bool("overlap_events", &c->overlap_events));
-  STRATA_RETURN_IF_ERROR(s.Bool("use_gds", &c->use_gds));
+  STRATA_RETURN_IF_ERROR(ReadKeys(s, AioKeys(), c));
   if (c->use_gds)
     s.Warn(StrCat(s.Key("use_gds"),
                   "=true: GPUDirect Storage is not supported; NVMe transfers go through pinned "
@@ -549,32 +301,81 @@ Status ParseOptimizerType(Section& s, OptimizerConfig* c, bool* named_adamw) {
   return Status::Ok();
 }
 
+// optimizer.params.betas as a key of the tables below.
+ConfigKey<OptimizerConfig> BetasKey() {
+  return {"betas", ParseBetas, [](const OptimizerConfig& c, json* j) {
+            (*j)["betas"] = {c.beta1, c.beta2};
+          }};
+}
+
+// optimizer.params: each optimizer type reads its own keys (and refuses the others by name).
+const KeyTable<OptimizerConfig>& OptimizerParamKeys(OptimizerType type) {
+  using C = OptimizerConfig;
+  // torch.optim.SGD's parameters.
+  static const KeyTable<C> sgd = {
+      DoubleKey("lr", &C::lr, 0.0, 10.0),
+      DoubleKey("momentum", &C::momentum, 0.0, 1e3),
+      DoubleKey("dampening", &C::dampening, 0.0, 1e3),
+      DoubleKey("weight_decay", &C::weight_decay, 0.0, 1e3),
+      BoolKey("nesterov", &C::nesterov),
+      IgnoredKey<C>("foreach", "Strata's SGD is always one fused pass per chunk"),
+      IgnoredKey<C>("differentiable", "does not apply"),
+  };
+  // torch.optim.Adagrad's (DeepSpeed's CPU Adagrad takes lr, eps, weight_decay).
+  static const KeyTable<C> adagrad = {
+      DoubleKey("lr", &C::lr, 0.0, 10.0),
+      DoubleKey("lr_decay", &C::lr_decay, 0.0, 1e3),
+      DoubleKey("eps", &C::eps, 0.0, 1.0, false, true),
+      DoubleKey("weight_decay", &C::weight_decay, 0.0, 1e3),
+      IgnoredKey<C>("foreach", "Strata's Adagrad is always one fused pass per chunk"),
+      IgnoredKey<C>("fused", "Strata's Adagrad is always fused"),
+      IgnoredKey<C>("differentiable", "does not apply"),
+      IgnoredKey<C>("amsgrad", "does not apply to Adagrad"),
+  };
+  // DeepSpeed's Lion: lr, betas, weight_decay (decoupled), with its defaults 1e-3 and
+  // (0.9, 0.999) (the paper suggests beta2 = 0.99 and a 3-10x smaller lr than AdamW's).
+  static const KeyTable<C> lion = {
+      DoubleKey("lr", &C::lr, 0.0, 10.0),
+      BetasKey(),
+      DoubleKey("weight_decay", &C::weight_decay, 0.0, 1e3),
+      IgnoredKey<C>("fused", "Strata's Lion is always fused"),
+  };
+  static const KeyTable<C> adam = {
+      DoubleKey("lr", &C::lr, 0.0, 10.0),
+      BetasKey(),
+      DoubleKey("eps", &C::eps, 0.0, 1.0, false, true),
+      DoubleKey("weight_decay", &C::weight_decay, 0.0, 1e3),
+      BoolKey("bias_correction", &C::bias_correction),
+      IgnoredKey<C>("torch_adam", "Strata always uses its own CPU Adam"),
+      IgnoredKey<C>("max_grad_norm",
+                    "set gradient_clipping at the top level instead (DeepSpeed does the same)"),
+      IgnoredKey<C>("fused", "Strata's CPU Adam is always fused"),
+  };
+  switch (type) {
+    case OptimizerType::kSGD: return sgd;
+    case OptimizerType::kAdagrad: return adagrad;
+    case OptimizerType::kLion: return lion;
+    case OptimizerType::kAdam:
+    case OptimizerType::kAdamW: break;
+  }
+  return adam;
+}
+
 Status ParseSgdParams(Section& p, OptimizerConfig* c) {
-  // torch.optim.SGD's parameters and rules.
-  c->lr = 1e-2;
-  STRATA_RETURN_IF_ERROR(p.Double("lr", &c->lr, 0.0, 10.0));
-  STRATA_RETURN_IF_ERROR(p.Double("momentum", &c->momentum, 0.0, 1e3));
-  STRATA_RETURN_IF_ERROR(p.Double("dampening", &c->dampening, 0.0, 1e3));
-  STRATA_RETURN_IF_ERROR(p.Double("weight_decay", &c->weight_decay, 0.0, 1e3));
-  STRATA_RETURN_IF_ERROR(p.Bool("nesterov", &c->nesterov));
+  c->lr = 1e-2;  // torch.optim.SGD's default
+  STRATA_RETURN_IF_ERROR(ReadKeys(p, OptimizerParamKeys(OptimizerType::kSGD), c));
   if (c->nesterov && (c->momentum <= 0 || c->dampening != 0))
     return InvalidArgument(StrCat(p.Key("nesterov"), "=true needs momentum > 0 and dampening = 0 "
                                   "(as torch.optim.SGD)"));
   if (const json* m = p.Get("maximize"); m && m->is_boolean() && m->get<bool>())
     return InvalidArgument(StrCat(p.Key("maximize"), "=true is not supported; remove it"));
-  p.Ignored("foreach", "Strata's SGD is always one fused pass per chunk");
-  p.Ignored("differentiable", "does not apply");
   return Status::Ok();
 }
 
 Status ParseAdagradParams(Section& p, OptimizerConfig* c) {
-  // torch.optim.Adagrad's parameters (DeepSpeed's CPU Adagrad takes lr, eps, weight_decay).
-  c->lr = 1e-2;
+  c->lr = 1e-2;  // torch's Adagrad defaults
   c->eps = 1e-10;
-  STRATA_RETURN_IF_ERROR(p.Double("lr", &c->lr, 0.0, 10.0));
-  STRATA_RETURN_IF_ERROR(p.Double("lr_decay", &c->lr_decay, 0.0, 1e3));
-  STRATA_RETURN_IF_ERROR(p.Double("eps", &c->eps, 0.0, 1.0, false, true));
-  STRATA_RETURN_IF_ERROR(p.Double("weight_decay", &c->weight_decay, 0.0, 1e3));
+  STRATA_RETURN_IF_ERROR(ReadKeys(p, OptimizerParamKeys(OptimizerType::kAdagrad), c));
   if (const json* a = p.Get("initial_accumulator_value");
       a && !(a->is_number() && a->get<double>() == 0.0))
     return InvalidArgument(StrCat(p.Key("initial_accumulator_value"), "=", Describe(*a),
@@ -582,30 +383,17 @@ Status ParseAdagradParams(Section& p, OptimizerConfig* c) {
                                   "remove it or set 0"));
   if (const json* m = p.Get("maximize"); m && m->is_boolean() && m->get<bool>())
     return InvalidArgument(StrCat(p.Key("maximize"), "=true is not supported; remove it"));
-  p.Ignored("foreach", "Strata's Adagrad is always one fused pass per chunk");
-  p.Ignored("fused", "Strata's Adagrad is always fused");
-  p.Ignored("differentiable", "does not apply");
-  p.Ignored("amsgrad", "does not apply to Adagrad");
   return Status::Ok();
 }
 
 Status ParseLionParams(Section& p, OptimizerConfig* c) {
-  // DeepSpeed's Lion: lr, betas, weight_decay (decoupled), with its defaults 1e-3 and
-  // (0.9, 0.999) (the paper suggests beta2 = 0.99 and a 3-10x smaller lr than AdamW's).
-  STRATA_RETURN_IF_ERROR(p.Double("lr", &c->lr, 0.0, 10.0));
-  STRATA_RETURN_IF_ERROR(ParseBetas(p, c));
-  STRATA_RETURN_IF_ERROR(p.Double("weight_decay", &c->weight_decay, 0.0, 1e3));
-  p.Ignored("fused", "Strata's Lion is always fused");
-  return Status::Ok();
+  return ReadKeys(p, OptimizerParamKeys(OptimizerType::kLion), c);
 }
 
 Status ParseAdamParams(Section& p, OptimizerConfig* c, bool named_adamw) {
-  STRATA_RETURN_IF_ERROR(p.Double("lr", &c->lr, 0.0, 10.0));
-  STRATA_RETURN_IF_ERROR(ParseBetas(p, c));
-  STRATA_RETURN_IF_ERROR(p.Double("eps", &c->eps, 0.0, 1.0, false, true));
-  STRATA_RETURN_IF_ERROR(p.Double("weight_decay", &c->weight_decay, 0.0, 1e3));
-  STRATA_RETURN_IF_ERROR(p.Bool("bias_correction", &c->bias_correction));
-  // DeepSpeed's Adam takes adam_w_mode to pick decoupled decay; AdamW is always decoupled.
+  STRATA_RETURN_IF_ERROR(ReadKeys(p, OptimizerParamKeys(OptimizerType::kAdamW), c));
+  // DeepSpeed's Adam takes adam_w_mode to pick decoupled decay; AdamW is always decoupled. Not a
+  // table key: what it reads depends on the type's name, and ToJson writes it from the type.
   if (p.has("adam_w_mode")) {
     bool w = true;
     STRATA_RETURN_IF_ERROR(p.Bool("adam_w_mode", &w));
@@ -613,9 +401,6 @@ Status ParseAdamParams(Section& p, OptimizerConfig* c, bool named_adamw) {
   } else {
     p.Get("adam_w_mode");
   }
-  p.Ignored("torch_adam", "Strata always uses its own CPU Adam");
-  p.Ignored("max_grad_norm", "set gradient_clipping at the top level instead (DeepSpeed does the same)");
-  p.Ignored("fused", "Strata's CPU Adam is always fused");
   p.Ignored("amsgrad", "is not supported (amsgrad=true is rejected)");
   if (const json* a = p.Get("amsgrad"); a && a->is_boolean() && a->get<bool>())
     return InvalidArgument(StrCat(p.Key("amsgrad"), "=true: AMSGrad is not supported; remove it"));
@@ -645,13 +430,66 @@ Status ParseOptimizer(Section s, OptimizerConfig* c) {
   return s.Finish();
 }
 
+const std::vector<std::pair<std::string, SchedulerType>> kSchedulerTypes = {
+    {"WarmupLR", SchedulerType::kWarmupLR},
+    {"WarmupDecayLR", SchedulerType::kWarmupDecayLR},
+    {"WarmupCosineLR", SchedulerType::kWarmupCosineLR},
+    {"OneCycle", SchedulerType::kOneCycle},
+    {"LRRangeTest", SchedulerType::kLRRangeTest}};
+
+// scheduler.params: each schedule reads its own keys.
+const KeyTable<SchedulerConfig>& SchedulerParamKeys(SchedulerType type) {
+  using C = SchedulerConfig;
+  static const std::vector<std::pair<std::string, WarmupType>> warmup_types = {
+      {"log", WarmupType::kLog}, {"linear", WarmupType::kLinear}};
+  static const KeyTable<C> one_cycle = {
+      DoubleKey("cycle_min_lr", &C::cycle_min_lr, 0.0, 10.0),
+      DoubleKey("cycle_max_lr", &C::cycle_max_lr, 0.0, 10.0),
+      DoubleKey("decay_lr_rate", &C::decay_lr_rate, 0.0, 1e6),
+      IntKey("cycle_first_step_size", &C::cycle_first_step_size, 1, kMaxElems),
+      IntKey("cycle_second_step_size", &C::cycle_second_step_size, -1, kMaxElems),
+      IntKey("cycle_first_stair_count", &C::cycle_first_stair_count, 0, kMaxElems),
+      IntKey("cycle_second_stair_count", &C::cycle_second_stair_count, -1, kMaxElems),
+      IntKey("decay_step_size", &C::decay_step_size, 0, kMaxElems),
+      BoolKey("cycle_momentum", &C::cycle_momentum),
+      DoubleKey("cycle_min_mom", &C::cycle_min_mom, 0.0, 1.0, true, false),
+      DoubleKey("cycle_max_mom", &C::cycle_max_mom, 0.0, 1.0, true, false),
+      DoubleKey("decay_mom_rate", &C::decay_mom_rate, 0.0, 1e6),
+  };
+  static const KeyTable<C> range_test = {
+      DoubleKey("lr_range_test_min_lr", &C::lr_range_test_min_lr, 0.0, 10.0),
+      IntKey("lr_range_test_step_size", &C::lr_range_test_step_size, 1, kMaxElems),
+      DoubleKey("lr_range_test_step_rate", &C::lr_range_test_step_rate, 0.0, 1e6),
+      BoolKey("lr_range_test_staircase", &C::lr_range_test_staircase),
+  };
+  // DeepSpeed's WarmupCosineLR scales the optimizer's lr by ratios; it takes no lr of its own.
+  static const KeyTable<C> cosine = {
+      DoubleKey("warmup_min_ratio", &C::warmup_min_ratio, 0.0, 1.0),
+      DoubleKey("cos_min_ratio", &C::cos_min_ratio, 0.0, 1.0),
+      IntKey("warmup_num_steps", &C::warmup_num_steps, 0, kMaxElems),
+      IntKey("total_num_steps", &C::total_num_steps, 1, kMaxElems),
+      EnumKey("warmup_type", &C::warmup_type, warmup_types),
+  };
+  static const KeyTable<C> warmup = {
+      DoubleKey("warmup_min_lr", &C::warmup_min_lr, 0.0, 10.0),
+      DoubleKey("warmup_max_lr", &C::warmup_max_lr, 0.0, 10.0),
+      IntKey("warmup_num_steps", &C::warmup_num_steps, 0, kMaxElems),
+      IntKey("total_num_steps", &C::total_num_steps, 1, kMaxElems),
+      EnumKey("warmup_type", &C::warmup_type, warmup_types),
+  };
+  switch (type) {
+    case SchedulerType::kOneCycle: return one_cycle;
+    case SchedulerType::kLRRangeTest: return range_test;
+    case SchedulerType::kWarmupCosineLR: return cosine;
+    case SchedulerType::kNone:
+    case SchedulerType::kWarmupLR:
+    case SchedulerType::kWarmupDecayLR: break;
+  }
+  return warmup;
+}
+
 Status ParseScheduler(Section s, SchedulerConfig* c) {
-  STRATA_RETURN_IF_ERROR(s.Enum("type", &c->type,
-                                {{"WarmupLR", SchedulerType::kWarmupLR},
-                                 {"WarmupDecayLR", SchedulerType::kWarmupDecayLR},
-                                 {"WarmupCosineLR", SchedulerType::kWarmupCosineLR},
-                                 {"OneCycle", SchedulerType::kOneCycle},
-                                 {"LRRangeTest", SchedulerType::kLRRangeTest}}));
+  STRATA_RETURN_IF_ERROR(s.Enum("type", &c->type, kSchedulerTypes));
   STRATA_ASSIGN_OR_RETURN(Section p, s.Child("params"));
   p.Ignored("last_batch_iteration", "has no effect in Strata (a resumed run continues its "
                                     "schedule from the checkpoint's step)");
@@ -661,78 +499,64 @@ Status ParseScheduler(Section s, SchedulerConfig* c) {
         return InvalidArgument(StrCat(p.Key(key), " is required by OneCycle (its lower and upper "
                                       "learning rates), e.g. 1e-4 and 1e-3"));
     }
-    STRATA_RETURN_IF_ERROR(p.Double("cycle_min_lr", &c->cycle_min_lr, 0.0, 10.0));
-    STRATA_RETURN_IF_ERROR(p.Double("cycle_max_lr", &c->cycle_max_lr, 0.0, 10.0));
-    STRATA_RETURN_IF_ERROR(p.Double("decay_lr_rate", &c->decay_lr_rate, 0.0, 1e6));
-    STRATA_RETURN_IF_ERROR(p.Int("cycle_first_step_size", &c->cycle_first_step_size, 1, kMaxElems));
-    STRATA_RETURN_IF_ERROR(p.Int("cycle_second_step_size", &c->cycle_second_step_size, -1, kMaxElems));
-    STRATA_RETURN_IF_ERROR(p.Int("cycle_first_stair_count", &c->cycle_first_stair_count, 0, kMaxElems));
-    STRATA_RETURN_IF_ERROR(p.Int("cycle_second_stair_count", &c->cycle_second_stair_count, -1, kMaxElems));
-    STRATA_RETURN_IF_ERROR(p.Int("decay_step_size", &c->decay_step_size, 0, kMaxElems));
-    STRATA_RETURN_IF_ERROR(p.Bool("cycle_momentum", &c->cycle_momentum));
-    STRATA_RETURN_IF_ERROR(p.Double("cycle_min_mom", &c->cycle_min_mom, 0.0, 1.0, true, false));
-    STRATA_RETURN_IF_ERROR(p.Double("cycle_max_mom", &c->cycle_max_mom, 0.0, 1.0, true, false));
-    STRATA_RETURN_IF_ERROR(p.Double("decay_mom_rate", &c->decay_mom_rate, 0.0, 1e6));
-    if (c->cycle_second_step_size == 0)
-      return InvalidArgument(StrCat(p.Key("cycle_second_step_size"),
-                                    "=0: must be >= 1, or -1 for cycle_first_step_size"));
-    STRATA_RETURN_IF_ERROR(p.Finish());
-    return s.Finish();
-  }
-  if (c->type == SchedulerType::kLRRangeTest) {
-    STRATA_RETURN_IF_ERROR(p.Double("lr_range_test_min_lr", &c->lr_range_test_min_lr, 0.0, 10.0));
-    STRATA_RETURN_IF_ERROR(p.Int("lr_range_test_step_size", &c->lr_range_test_step_size, 1, kMaxElems));
-    STRATA_RETURN_IF_ERROR(p.Double("lr_range_test_step_rate", &c->lr_range_test_step_rate, 0.0, 1e6));
-    STRATA_RETURN_IF_ERROR(p.Bool("lr_range_test_staircase", &c->lr_range_test_staircase));
-    STRATA_RETURN_IF_ERROR(p.Finish());
-    return s.Finish();
   }
   if (c->type == SchedulerType::kWarmupCosineLR) {
-    // DeepSpeed's WarmupCosineLR scales the optimizer's lr by ratios; it takes no lr of its own.
     for (const char* key : {"warmup_min_lr", "warmup_max_lr"}) {
       if (p.has(key))
         return InvalidArgument(StrCat(p.Key(key), ": WarmupCosineLR takes ratios of the "
                                       "optimizer's lr (warmup_min_ratio, cos_min_ratio), as "
                                       "DeepSpeed's does; set the peak in optimizer.params.lr"));
     }
-    STRATA_RETURN_IF_ERROR(p.Double("warmup_min_ratio", &c->warmup_min_ratio, 0.0, 1.0));
-    STRATA_RETURN_IF_ERROR(p.Double("cos_min_ratio", &c->cos_min_ratio, 0.0, 1.0));
-  } else {
-    STRATA_RETURN_IF_ERROR(p.Double("warmup_min_lr", &c->warmup_min_lr, 0.0, 10.0));
-    STRATA_RETURN_IF_ERROR(p.Double("warmup_max_lr", &c->warmup_max_lr, 0.0, 10.0));
   }
-  STRATA_RETURN_IF_ERROR(p.Int("warmup_num_steps", &c->warmup_num_steps, 0, kMaxElems));
-  STRATA_RETURN_IF_ERROR(p.Int("total_num_steps", &c->total_num_steps, 1, kMaxElems));
-  STRATA_RETURN_IF_ERROR(p.Enum("warmup_type", &c->warmup_type,
-                                {{"log", WarmupType::kLog}, {"linear", WarmupType::kLinear}}));
+  STRATA_RETURN_IF_ERROR(ReadKeys(p, SchedulerParamKeys(c->type), c));
+  if (c->type == SchedulerType::kOneCycle && c->cycle_second_step_size == 0)
+    return InvalidArgument(StrCat(p.Key("cycle_second_step_size"),
+                                  "=0: must be >= 1, or -1 for cycle_first_step_size"));
   STRATA_RETURN_IF_ERROR(p.Finish());
-  if (c->type != SchedulerType::kNone && c->type != SchedulerType::kWarmupLR &&
-      c->total_num_steps < c->warmup_num_steps)
+  const bool warms_up = c->type == SchedulerType::kWarmupDecayLR ||
+                        c->type == SchedulerType::kWarmupCosineLR;
+  if (warms_up && c->total_num_steps < c->warmup_num_steps)
     return InvalidArgument(StrCat(p.Key("total_num_steps"), "=", c->total_num_steps,
                                   ": must be at least warmup_num_steps=", c->warmup_num_steps));
   return s.Finish();
 }
 
+const KeyTable<Fp16Config>& Fp16Keys() {
+  using C = Fp16Config;
+  static const KeyTable<C> keys = {
+      BoolKey("enabled", &C::enabled),
+      DoubleKey("loss_scale", &C::loss_scale, 0.0, 1e30),
+      IntKey("initial_scale_power", &C::initial_scale_power, 0, 64),
+      IntKey("loss_scale_window", &C::loss_scale_window, 1, kMaxElems),
+      IntKey("hysteresis", &C::hysteresis, 1, 1000000),
+      DoubleKey("min_loss_scale", &C::min_loss_scale, 0.0, 1e30),
+      IgnoredKey<C>("consecutive_hysteresis", "has no effect in Strata"),
+      IgnoredKey<C>("auto_cast", "has no effect in Strata (the model's parameters are cast)"),
+      IgnoredKey<C>("fp16_master_weights_and_grads", "master weights are always fp32 in Strata"),
+  };
+  return keys;
+}
+
 Status ParseFp16(Section s, Fp16Config* c) {
-  STRATA_RETURN_IF_ERROR(s.Bool("enabled", &c->enabled));
-  STRATA_RETURN_IF_ERROR(s.Double("loss_scale", &c->loss_scale, 0.0, 1e30));
-  STRATA_RETURN_IF_ERROR(s.Int("initial_scale_power", &c->initial_scale_power, 0, 64));
-  STRATA_RETURN_IF_ERROR(s.Int("loss_scale_window", &c->loss_scale_window, 1, kMaxElems));
-  STRATA_RETURN_IF_ERROR(s.Int("hysteresis", &c->hysteresis, 1, 1000000));
-  STRATA_RETURN_IF_ERROR(s.Double("min_loss_scale", &c->min_loss_scale, 0.0, 1e30));
-  s.Ignored("consecutive_hysteresis", "has no effect in Strata");
-  s.Ignored("auto_cast", "has no effect in Strata (the model's parameters are cast)");
-  s.Ignored("fp16_master_weights_and_grads", "master weights are always fp32 in Strata");
+  STRATA_RETURN_IF_ERROR(ReadKeys(s, Fp16Keys(), c));
   return s.Finish();
 }
 
+const KeyTable<ActivationCheckpointingConfig>& ActivationCheckpointingKeys() {
+  using C = ActivationCheckpointingConfig;
+  static const KeyTable<C> keys = {
+      BoolKey("partition_activations", &C::partition_activations),
+      BoolKey("cpu_checkpointing", &C::cpu_checkpointing),
+      BoolKey("contiguous_memory_optimization", &C::contiguous_memory_optimization),
+      IntKey("number_checkpoints", &C::number_checkpoints, 0, 1 << 20),
+      BoolKey("synchronize_checkpoint_boundary", &C::synchronize_checkpoint_boundary),
+      BoolKey("profile", &C::profile),
+  };
+  return keys;
+}
+
 Status ParseActivationCheckpointing(Section s, ActivationCheckpointingConfig* c) {
-  STRATA_RETURN_IF_ERROR(s.Bool("partition_activations", &c->partition_activations));
-  STRATA_RETURN_IF_ERROR(s.Bool("cpu_checkpointing", &c->cpu_checkpointing));
-  STRATA_RETURN_IF_ERROR(s.Bool("contiguous_memory_optimization", &c->contiguous_memory_optimization));
-  STRATA_RETURN_IF_ERROR(s.Int("number_checkpoints", &c->number_checkpoints, 0, 1 << 20));
-  STRATA_RETURN_IF_ERROR(s.Bool("synchronize_checkpoint_boundary", &c->synchronize_checkpoint_boundary));
-  STRATA_RETURN_IF_ERROR(s.Bool("profile", &c->profile));
+  STRATA_RETURN_IF_ERROR(ReadKeys(s, ActivationCheckpointingKeys(), c));
   // cpu_checkpointing acts (strata::CheckpointUnit keeps saved inputs in host memory). The rest
   // tune DeepSpeed's Megatron-style implementation and have no counterpart here.
   if (c->partition_activations)
@@ -747,55 +571,64 @@ Status ParseActivationCheckpointing(Section s, ActivationCheckpointingConfig* c)
   return s.Finish();
 }
 
+// A byte count that must keep pages aligned for O_DIRECT.
+template <typename C>
+ConfigKey<C> PageMultipleKey(const char* name, uint64_t C::*m, uint64_t lo, uint64_t hi,
+                             const char* why) {
+  return Checked(BytesKey(name, m, lo, hi), [=](const Section& s, const C& c) {
+    return c.*m % 4096 == 0 ? Status::Ok()
+                            : InvalidArgument(StrCat(s.Key(name), "=", c.*m,
+                                                     ": must be a multiple of 4096 bytes ", why));
+  });
+}
+
+const KeyTable<StrataConfig>& StrataKeys() {
+  using C = StrataConfig;
+  static const KeyTable<C> keys = {
+      BytesKey("device_memory_budget", &C::device_memory_budget, 0, kMaxBytes),
+      BytesKey("host_memory_budget", &C::host_memory_budget, 0, kMaxBytes),
+      BytesKey("nvme_capacity", &C::nvme_capacity, 0, kMaxBytes),
+      PageMultipleKey("chunk_size", &C::chunk_size, 4096, uint64_t{1} << 34, "(O_DIRECT alignment)"),
+      EnumKey("eviction", &C::eviction,
+              {{"next_use", EvictionPolicy::kNextUse}, {"lru", EvictionPolicy::kLru}}),
+      BoolKey("overlap_optimizer", &C::overlap_optimizer),
+      EnumKey("checksums", &C::checksums,
+              {{"crc32c", ChecksumKind::kCrc32c}, {"none", ChecksumKind::kNone}}),
+      IntKey("prefetch_lookahead", &C::prefetch_lookahead, 0, 4096),
+      EnumKey("optimizer_state_dtype", &C::optimizer_state_dtype,
+              {{"fp32", StateDtype::kFp32}, {"bf16", StateDtype::kBf16}}),
+      IntKey("optimizer_threads", &C::optimizer_threads, 0, 4096),
+      PageMultipleKey("host_pool_colour_step", &C::host_pool_colour_step, 0, 1 << 20,
+                      "(pages stay aligned for O_DIRECT); 0 turns colouring off"),
+      ChoiceKey("comm_backend", &C::comm_backend, {"auto", "single", "gloo", "nccl"}),
+      DoubleKey("comm_timeout_s", &C::comm_timeout_s, 0.0, 86400.0, false, true),
+      ChoiceKey("device", &C::device, {"auto", "cpu", "cuda"}),
+  };
+  return keys;
+}
+
 Status ParseStrata(Section s, StrataConfig* c) {
-  STRATA_RETURN_IF_ERROR(s.Bytes("device_memory_budget", &c->device_memory_budget, 0, kMaxBytes));
-  STRATA_RETURN_IF_ERROR(s.Bytes("host_memory_budget", &c->host_memory_budget, 0, kMaxBytes));
-  STRATA_RETURN_IF_ERROR(s.Bytes("nvme_capacity", &c->nvme_capacity, 0, kMaxBytes));
-  STRATA_RETURN_IF_ERROR(s.Bytes("chunk_size", &c->chunk_size, 4096, uint64_t{1} << 34));
-  if (c->chunk_size % 4096 != 0)
-    return InvalidArgument(StrCat(s.Key("chunk_size"), "=", c->chunk_size,
-                                  ": must be a multiple of 4096 bytes (O_DIRECT alignment)"));
-  STRATA_RETURN_IF_ERROR(s.Enum("eviction", &c->eviction,
-                                {{"next_use", EvictionPolicy::kNextUse}, {"lru", EvictionPolicy::kLru}}));
-  STRATA_RETURN_IF_ERROR(s.Bool("overlap_optimizer", &c->overlap_optimizer));
-  STRATA_RETURN_IF_ERROR(s.Enum("checksums", &c->checksums,
-                                {{"crc32c", ChecksumKind::kCrc32c}, {"none", ChecksumKind::kNone}}));
-  STRATA_RETURN_IF_ERROR(s.Int("prefetch_lookahead", &c->prefetch_lookahead, 0, 4096));
-  STRATA_RETURN_IF_ERROR(s.Enum("optimizer_state_dtype", &c->optimizer_state_dtype,
-                                {{"fp32", StateDtype::kFp32}, {"bf16", StateDtype::kBf16}}));
-  STRATA_RETURN_IF_ERROR(s.Int("optimizer_threads", &c->optimizer_threads, 0, 4096));
-  STRATA_RETURN_IF_ERROR(s.Bytes("host_pool_colour_step", &c->host_pool_colour_step, 0, 1 << 20));
-  if (c->host_pool_colour_step % 4096 != 0)
-    return InvalidArgument(StrCat(s.Key("host_pool_colour_step"), "=", c->host_pool_colour_step,
-                                  ": must be a multiple of 4096 bytes (pages stay aligned for "
-                                  "O_DIRECT); 0 turns colouring off"));
-  std::string backend = c->comm_backend;
-  STRATA_RETURN_IF_ERROR(s.String("comm_backend", &backend));
-  if (backend != "auto" && backend != "single" && backend != "gloo" && backend != "nccl")
-    return InvalidArgument(StrCat(s.Key("comm_backend"), "=\"", backend,
-                                  "\": must be one of auto, single, gloo, nccl"));
-  c->comm_backend = backend;
-  STRATA_RETURN_IF_ERROR(s.Double("comm_timeout_s", &c->comm_timeout_s, 0.0, 86400.0, false, true));
-  std::string device = c->device;
-  STRATA_RETURN_IF_ERROR(s.String("device", &device));
-  if (device != "auto" && device != "cpu" && device != "cuda")
-    return InvalidArgument(
-        StrCat(s.Key("device"), "=\"", device, "\": must be one of auto, cpu, cuda"));
-  c->device = device;
+  STRATA_RETURN_IF_ERROR(ReadKeys(s, StrataKeys(), c));
   return s.Finish();
 }
 
+const KeyTable<ModelConfig>& ModelKeys() {
+  using C = ModelConfig;
+  static const KeyTable<C> keys = {
+      IntKey("n_layers", &C::n_layers, 1, 4096),
+      IntKey("d_model", &C::d_model, 8, 1 << 20),
+      IntKey("n_heads", &C::n_heads, 1, 4096),
+      IntKey("seq_len", &C::seq_len, 2, 1 << 20),
+      IntKey("vocab_size", &C::vocab_size, 2, 1 << 24),
+      DoubleKey("dropout", &C::dropout, 0.0, 1.0, true),
+      BoolKey("checkpoint_activations", &C::checkpoint_activations),
+      IntKey("seed", &C::seed, 0, std::numeric_limits<int64_t>::max()),
+  };
+  return keys;
+}
+
 Status ParseModel(Section s, ModelConfig* c) {
-  STRATA_RETURN_IF_ERROR(s.Int("n_layers", &c->n_layers, 1, 4096));
-  STRATA_RETURN_IF_ERROR(s.Int("d_model", &c->d_model, 8, 1 << 20));
-  STRATA_RETURN_IF_ERROR(s.Int("n_heads", &c->n_heads, 1, 4096));
-  STRATA_RETURN_IF_ERROR(s.Int("seq_len", &c->seq_len, 2, 1 << 20));
-  STRATA_RETURN_IF_ERROR(s.Int("vocab_size", &c->vocab_size, 2, 1 << 24));
-  STRATA_RETURN_IF_ERROR(s.Double("dropout", &c->dropout, 0.0, 1.0, true));
-  STRATA_RETURN_IF_ERROR(s.Bool("checkpoint_activations", &c->checkpoint_activations));
-  int64_t seed = static_cast<int64_t>(c->seed);
-  STRATA_RETURN_IF_ERROR(s.Int("seed", &seed, 0, std::numeric_limits<int64_t>::max()));
-  c->seed = static_cast<uint64_t>(seed);
+  STRATA_RETURN_IF_ERROR(ReadKeys(s, ModelKeys(), c));
   if (c->d_model % c->n_heads != 0)
     return InvalidArgument(StrCat(s.Key("d_model"), "=", c->d_model, " is not divisible by ",
                                   s.Key("n_heads"), "=", c->n_heads,
@@ -837,19 +670,30 @@ void AcceptDeepSpeedSections(Section& s) {
                  "per step, and strata-launch commbench measures collective bandwidth");
 }
 
+const KeyTable<Bf16Config>& Bf16Keys() {
+  using C = Bf16Config;
+  static const KeyTable<C> keys = {
+      BoolKey("enabled", &C::enabled),
+      IgnoredKey<C>("immediate_grad_update", "has no effect in Strata"),
+      // Megatron-DeepSpeed's bf16 configs copy fp16's loss-scaling keys; DeepSpeed reads only
+      // "enabled" there.
+      IgnoredKey<C>("loss_scale", "has no effect: bf16 needs no loss scaling"),
+      IgnoredKey<C>("loss_scale_window", "has no effect: bf16 needs no loss scaling"),
+      IgnoredKey<C>("hysteresis", "has no effect: bf16 needs no loss scaling"),
+      IgnoredKey<C>("min_loss_scale", "has no effect: bf16 needs no loss scaling"),
+      IgnoredKey<C>("initial_scale_power", "has no effect: bf16 needs no loss scaling"),
+      IgnoredKey<C>("consecutive_hysteresis", "has no effect: bf16 needs no loss scaling"),
+      IgnoredKey<C>("auto_cast", "has no effect: bf16 needs no loss scaling"),
+  };
+  return keys;
+}
+
 Status ParseBf16(Section& s, Bf16Config* c) {
   STRATA_RETURN_IF_ERROR(s.Alias("bfloat16", "bf16"));
   const char* bf16_key = s.has("bf16") || !s.has("bfloat16") ? "bf16" : "bfloat16";
   STRATA_ASSIGN_OR_RETURN(Section bf16, s.Child(bf16_key));
-  STRATA_RETURN_IF_ERROR(bf16.Bool("enabled", &c->enabled));
-  bf16.Ignored("immediate_grad_update", "has no effect in Strata");
-  // Megatron-DeepSpeed's bf16 configs copy fp16's loss-scaling keys; DeepSpeed reads only
-  // "enabled" there.
-  for (const char* k : {"loss_scale", "loss_scale_window", "hysteresis", "min_loss_scale",
-                        "initial_scale_power", "consecutive_hysteresis", "auto_cast"})
-    bf16.Ignored(k, "has no effect: bf16 needs no loss scaling");
-  STRATA_RETURN_IF_ERROR(bf16.Finish());
-  return Status::Ok();
+  STRATA_RETURN_IF_ERROR(ReadKeys(bf16, Bf16Keys(), c));
+  return bf16.Finish();
 }
 
 Status CheckCombinations(Section& s, Config* c) {
@@ -881,6 +725,21 @@ Status CheckCombinations(Section& s, Config* c) {
   return Status::Ok();
 }
 
+// The top level's own keys; each section has its table above.
+const KeyTable<Config>& RootKeys() {
+  using C = Config;
+  static const KeyTable<C> keys = {
+      IntKey("train_batch_size", &C::train_batch_size, 0, kMaxElems),
+      IntKey("train_micro_batch_size_per_gpu", &C::train_micro_batch_size_per_gpu, 1, 1 << 24),
+      IntKey("gradient_accumulation_steps", &C::gradient_accumulation_steps, 1, 1 << 24),
+      DoubleKey("gradient_clipping", &C::gradient_clipping, 0.0, 1e12),
+      IntKey("steps_per_print", &C::steps_per_print, 1, std::numeric_limits<int64_t>::max()),
+      BoolKey("wall_clock_breakdown", &C::wall_clock_breakdown),
+      BoolKey("zero_allow_untested_optimizer", &C::zero_allow_untested_optimizer),
+  };
+  return keys;
+}
+
 Status ParseRoot(const json& given_root, Config* c) {
   if (!given_root.is_object())
     return InvalidArgument(StrCat("the config must be a JSON object, got ", Describe(given_root)));
@@ -898,7 +757,6 @@ Status ParseRoot(const json& given_root, Config* c) {
     s.Warn(StrCat("zero_optimization=", given_root.at("zero_optimization").dump(),
                   " is DeepSpeed's deprecated form; read as {\"stage\": ",
                   root.at("zero_optimization").at("stage").get<int>(), "}"));
-  STRATA_RETURN_IF_ERROR(s.Int("train_batch_size", &c->train_batch_size, 0, kMaxElems));
   auto given = [&](const char* k) {
     const json* v = root.contains(k) ? &root.at(k) : nullptr;
     return v && v->is_number();
@@ -906,16 +764,7 @@ Status ParseRoot(const json& given_root, Config* c) {
   c->train_batch_size_given = given("train_batch_size");
   c->micro_batch_given = given("train_micro_batch_size_per_gpu");
   c->accumulation_given = given("gradient_accumulation_steps");
-  STRATA_RETURN_IF_ERROR(
-      s.Int("train_micro_batch_size_per_gpu", &c->train_micro_batch_size_per_gpu, 1, 1 << 24));
-  STRATA_RETURN_IF_ERROR(
-      s.Int("gradient_accumulation_steps", &c->gradient_accumulation_steps, 1, 1 << 24));
-  STRATA_RETURN_IF_ERROR(s.Double("gradient_clipping", &c->gradient_clipping, 0.0, 1e12));
-  STRATA_RETURN_IF_ERROR(
-      s.Int("steps_per_print", &c->steps_per_print, 1, std::numeric_limits<int64_t>::max()));
-  STRATA_RETURN_IF_ERROR(s.Bool("wall_clock_breakdown", &c->wall_clock_breakdown));
-  STRATA_RETURN_IF_ERROR(
-      s.Bool("zero_allow_untested_optimizer", &c->zero_allow_untested_optimizer));
+  STRATA_RETURN_IF_ERROR(ReadKeys(s, RootKeys(), c));
   if (c->wall_clock_breakdown)
     s.Warn("wall_clock_breakdown=true has no effect: Strata always reports per-lane busy time "
            "(compute, NVMe, optimizer, comm) in strata-train's step lines and --json");
@@ -977,307 +826,37 @@ namespace {
 // ToJson's "optimizer" section: the type and the parameters that type reads.
 json OptimizerJson(const OptimizerConfig& o) {
   json j;
-  switch (o.type) {
-    case OptimizerType::kSGD:
-      j["params"] = {{"lr", o.lr},
-                    {"momentum", o.momentum},
-                    {"dampening", o.dampening},
-                    {"weight_decay", o.weight_decay},
-                    {"nesterov", o.nesterov}};
-      break;
-    case OptimizerType::kAdagrad:
-      j["params"] = {{"lr", o.lr},
-                    {"lr_decay", o.lr_decay},
-                    {"eps", o.eps},
-                    {"weight_decay", o.weight_decay}};
-      break;
-    case OptimizerType::kLion:
-      j["params"] = {{"lr", o.lr},
-                    {"betas", {o.beta1, o.beta2}},
-                    {"weight_decay", o.weight_decay}};
-      break;
-    case OptimizerType::kAdam:
-    case OptimizerType::kAdamW:
-      j["params"] = {{"lr", o.lr},
-                    {"betas", {o.beta1, o.beta2}},
-                    {"eps", o.eps},
-                    {"weight_decay", o.weight_decay},
-                    {"bias_correction", o.bias_correction}};
-      // Note [Adam means AdamW]: "Adam" alone reads back as AdamW, so plain Adam says so.
-      if (o.type == OptimizerType::kAdam) j["params"]["adam_w_mode"] = false;
-      break;
-  }
+  j["params"] = WriteKeys(OptimizerParamKeys(o.type), o);
+  // Note [Adam means AdamW]: "Adam" alone reads back as AdamW, so plain Adam says so.
+  if (o.type == OptimizerType::kAdam) j["params"]["adam_w_mode"] = false;
   j["type"] = OptimizerTypeName(o.type);
   return j;
 }
 
 // ToJson's "scheduler" section: the type and the parameters that type reads.
 json SchedulerJson(const SchedulerConfig& sc) {
-  const char* names[] = {"none", "WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "OneCycle",
-                         "LRRangeTest"};
-  json params;
-  if (sc.type == SchedulerType::kOneCycle) {
-    params = {{"cycle_min_lr", sc.cycle_min_lr},
-              {"cycle_max_lr", sc.cycle_max_lr},
-              {"decay_lr_rate", sc.decay_lr_rate},
-              {"cycle_first_step_size", sc.cycle_first_step_size},
-              {"cycle_second_step_size", sc.cycle_second_step_size},
-              {"cycle_first_stair_count", sc.cycle_first_stair_count},
-              {"cycle_second_stair_count", sc.cycle_second_stair_count},
-              {"decay_step_size", sc.decay_step_size},
-              {"cycle_momentum", sc.cycle_momentum},
-              {"cycle_min_mom", sc.cycle_min_mom},
-              {"cycle_max_mom", sc.cycle_max_mom},
-              {"decay_mom_rate", sc.decay_mom_rate}};
-  } else if (sc.type == SchedulerType::kLRRangeTest) {
-    params = {{"lr_range_test_min_lr", sc.lr_range_test_min_lr},
-              {"lr_range_test_step_size", sc.lr_range_test_step_size},
-              {"lr_range_test_step_rate", sc.lr_range_test_step_rate},
-              {"lr_range_test_staircase", sc.lr_range_test_staircase}};
-  } else if (sc.type == SchedulerType::kWarmupCosineLR) {
-    params = {{"warmup_type", sc.warmup_type == WarmupType::kLog ? "log" : "linear"},
-              {"warmup_min_ratio", sc.warmup_min_ratio},
-              {"cos_min_ratio", sc.cos_min_ratio},
-              {"warmup_num_steps", sc.warmup_num_steps},
-              {"total_num_steps", sc.total_num_steps}};
-  } else {
-    params = {{"warmup_type", sc.warmup_type == WarmupType::kLog ? "log" : "linear"},
-              {"warmup_min_lr", sc.warmup_min_lr},
-              {"warmup_max_lr", sc.warmup_max_lr},
-              {"warmup_num_steps", sc.warmup_num_steps},
-              {"total_num_steps", sc.total_num_steps}};
-  }
-  return {{"type", names[static_cast<int>(sc.type)]}, {"params", params}};
+  return {{"type", EnumName(sc.type, kSchedulerTypes)},
+          {"params", WriteKeys(SchedulerParamKeys(sc.type), sc)}};
 }
 
 }  // namespace
 
 json Config::ToJson() const {
-  auto dev = [](OffloadDevice d) { return EnumName(d, kOffloadDevices); };
-  const auto& z = zero_optimization;
-  json j;
-  j["train_batch_size"] = train_batch_size;
-  j["train_micro_batch_size_per_gpu"] = train_micro_batch_size_per_gpu;
-  j["gradient_accumulation_steps"] = gradient_accumulation_steps;
-  j["gradient_clipping"] = gradient_clipping;
-  j["steps_per_print"] = steps_per_print;
-  j["wall_clock_breakdown"] = wall_clock_breakdown;
-  j["zero_allow_untested_optimizer"] = zero_allow_untested_optimizer;
+  json j = WriteKeys(RootKeys(), *this);
   j["optimizer"] = OptimizerJson(optimizer);
   if (scheduler.type != SchedulerType::kNone) j["scheduler"] = SchedulerJson(scheduler);
-  j["fp16"] = {{"enabled", fp16.enabled},
-               {"loss_scale", fp16.loss_scale},
-               {"initial_scale_power", fp16.initial_scale_power},
-               {"loss_scale_window", fp16.loss_scale_window},
-               {"hysteresis", fp16.hysteresis},
-               {"min_loss_scale", fp16.min_loss_scale}};
-  j["bf16"] = {{"enabled", bf16.enabled}};
-  const auto& ac = activation_checkpointing;
-  j["activation_checkpointing"] = {{"partition_activations", ac.partition_activations},
-                                   {"cpu_checkpointing", ac.cpu_checkpointing},
-                                   {"contiguous_memory_optimization", ac.contiguous_memory_optimization},
-                                   {"number_checkpoints", ac.number_checkpoints},
-                                   {"synchronize_checkpoint_boundary", ac.synchronize_checkpoint_boundary},
-                                   {"profile", ac.profile}};
-  j["zero_optimization"] = {
-      {"stage", z.stage},
-      {"contiguous_gradients", z.contiguous_gradients},
-      {"overlap_comm", z.overlap_comm},
-      {"reduce_bucket_size", z.reduce_bucket_size},
-      {"allgather_bucket_size", z.allgather_bucket_size},
-      {"sub_group_size", z.sub_group_size},
-      {"stage3_prefetch_bucket_size", z.stage3_prefetch_bucket_size},
-      {"stage3_param_persistence_threshold", z.stage3_param_persistence_threshold},
-      {"stage3_max_live_parameters", z.stage3_max_live_parameters},
-      {"stage3_max_reuse_distance", z.stage3_max_reuse_distance},
-      {"offload_param",
-       {{"device", dev(z.offload_param.device)},
-        {"nvme_path", z.offload_param.nvme_path},
-        {"buffer_count", z.offload_param.buffer_count},
-        {"buffer_size", z.offload_param.buffer_size},
-        {"max_in_cpu", z.offload_param.max_in_cpu},
-        {"pin_memory", z.offload_param.pin_memory}}},
-      {"offload_optimizer",
-       {{"device", dev(z.offload_optimizer.device)},
-        {"nvme_path", z.offload_optimizer.nvme_path},
-        {"buffer_count", z.offload_optimizer.buffer_count},
-        {"pin_memory", z.offload_optimizer.pin_memory},
-        {"pipeline_read", z.offload_optimizer.pipeline_read},
-        {"pipeline_write", z.offload_optimizer.pipeline_write},
-        {"ratio", z.offload_optimizer.ratio}}}};
-  j["aio"] = {{"block_size", aio.block_size},
-              {"queue_depth", aio.queue_depth},
-              {"intra_op_parallelism", aio.intra_op_parallelism},
-              {"single_submit", aio.single_submit},
-              {"overlap_events", aio.overlap_events},
-              {"use_gds", aio.use_gds}};
-  j["strata"] = {
-      {"device_memory_budget", strata.device_memory_budget},
-      {"host_memory_budget", strata.host_memory_budget},
-      {"nvme_capacity", strata.nvme_capacity},
-      {"chunk_size", strata.chunk_size},
-      {"eviction", strata.eviction == EvictionPolicy::kNextUse ? "next_use" : "lru"},
-      {"overlap_optimizer", strata.overlap_optimizer},
-      {"checksums", strata.checksums == ChecksumKind::kCrc32c ? "crc32c" : "none"},
-      {"prefetch_lookahead", strata.prefetch_lookahead},
-      {"optimizer_state_dtype", strata.optimizer_state_dtype == StateDtype::kFp32 ? "fp32" : "bf16"},
-      {"optimizer_threads", strata.optimizer_threads},
-      {"host_pool_colour_step", strata.host_pool_colour_step},
-      {"comm_backend", strata.comm_backend},
-      {"comm_timeout_s", strata.comm_timeout_s},
-      {"device", strata.device}};
-  j["model"] = {{"n_layers", model.n_layers}, {"d_model", model.d_model},
-                {"n_heads", model.n_heads},   {"seq_len", model.seq_len},
-                {"vocab_size", model.vocab_size}, {"dropout", model.dropout},
-                {"checkpoint_activations", model.checkpoint_activations}, {"seed", model.seed}};
+  j["fp16"] = WriteKeys(Fp16Keys(), fp16);
+  j["bf16"] = WriteKeys(Bf16Keys(), bf16);
+  j["activation_checkpointing"] = WriteKeys(ActivationCheckpointingKeys(), activation_checkpointing);
+  j["zero_optimization"] = WriteKeys(ZeroKeys(), zero_optimization);
+  j["zero_optimization"]["offload_param"] =
+      WriteKeys(OffloadParamKeys(), zero_optimization.offload_param);
+  j["zero_optimization"]["offload_optimizer"] =
+      WriteKeys(OffloadOptimizerKeys(), zero_optimization.offload_optimizer);
+  j["aio"] = WriteKeys(AioKeys(), aio);
+  j["strata"] = WriteKeys(StrataKeys(), strata);
+  j["model"] = WriteKeys(ModelKeys(), model);
   return j;
-}
-
-Status Config::CheckBatchSizes(int world_size) const {
-  const int64_t product = train_micro_batch_size_per_gpu * gradient_accumulation_steps * world_size;
-  if (train_batch_size != 0 && train_batch_size != product)
-    return InvalidArgument(StrCat(
-        "train_batch_size=", train_batch_size, " does not equal train_micro_batch_size_per_gpu=",
-        train_micro_batch_size_per_gpu, " x gradient_accumulation_steps=", gradient_accumulation_steps,
-        " x world size ", world_size, " = ", product,
-        "; fix one of them, or write \"auto\" for the one that should follow"));
-  return Status::Ok();
-}
-
-namespace {
-
-// Batch sizes, DeepSpeed's rules (its _set_batch_related_parameters): of train_batch_size,
-// the micro batch and the accumulation steps, the ones the file (or the command line) gives
-// fix the rest through train = micro x accumulation x world.
-Status ResolveBatchSizes(const AutoContext& ctx, Config* c) {
-  const int64_t world = ctx.world_size;
-  bool micro_known = c->micro_batch_given, accum_known = c->accumulation_given;
-  if (!micro_known && ctx.micro_batch > 0) c->train_micro_batch_size_per_gpu = ctx.micro_batch, micro_known = true;
-  if (!accum_known && ctx.accumulation > 0) c->gradient_accumulation_steps = ctx.accumulation, accum_known = true;
-  if (c->train_batch_size_given && !(micro_known && accum_known)) {
-    const int64_t known = (micro_known ? c->train_micro_batch_size_per_gpu : c->gradient_accumulation_steps) * world;
-    if (!micro_known && !accum_known) {
-      c->gradient_accumulation_steps = 1;
-      if (c->train_batch_size % world != 0)
-        return InvalidArgument(StrCat("train_batch_size=", c->train_batch_size,
-                                      " is not divisible by the world size ", world));
-      c->train_micro_batch_size_per_gpu = c->train_batch_size / world;
-    } else if (c->train_batch_size % known != 0) {
-      return InvalidArgument(StrCat("train_batch_size=", c->train_batch_size, " is not divisible by ",
-                                    micro_known ? "train_micro_batch_size_per_gpu=" : "gradient_accumulation_steps=",
-                                    known / world, " x world size ", world));
-    } else if (micro_known) {
-      c->gradient_accumulation_steps = c->train_batch_size / known;
-    } else {
-      c->train_micro_batch_size_per_gpu = c->train_batch_size / known;
-    }
-  } else if (!c->train_batch_size_given) {
-    c->train_batch_size = c->train_micro_batch_size_per_gpu * c->gradient_accumulation_steps * world;
-  }
-  return Status::Ok();
-}
-
-}  // namespace
-
-Status Config::ResolveAuto(const AutoContext& ctx) {
-  auto_resolved.clear();
-  const std::set<std::string> autos(auto_keys.begin(), auto_keys.end());
-  auto is = [&](const char* k) { return autos.count(k) > 0; };
-  auto note = [&](const std::string& key, const std::string& value, const std::string& from) {
-    auto_resolved.push_back(StrCat(key, " = ", value, " (auto: ", from, ")"));
-  };
-  auto num = [](double v) {
-    std::ostringstream o;
-    o << v;
-    return o.str();
-  };
-  STRATA_RETURN_IF_ERROR(ResolveBatchSizes(ctx, this));
-  if (is("train_micro_batch_size_per_gpu"))
-    note("train_micro_batch_size_per_gpu", std::to_string(train_micro_batch_size_per_gpu),
-         ctx.micro_batch > 0 ? "the command line" : train_batch_size_given ? "train_batch_size" : "Strata's default");
-  if (is("gradient_accumulation_steps"))
-    note("gradient_accumulation_steps", std::to_string(gradient_accumulation_steps),
-         ctx.accumulation > 0 ? "the command line" : train_batch_size_given ? "train_batch_size" : "Strata's default");
-  if (is("train_batch_size"))
-    note("train_batch_size", std::to_string(train_batch_size),
-         StrCat("micro batch x accumulation x world size ", ctx.world_size));
-  if (is("gradient_clipping")) {
-    gradient_clipping = ctx.clipping >= 0 ? ctx.clipping : 1.0;
-    note("gradient_clipping", num(gradient_clipping),
-         ctx.clipping >= 0 ? "the command line" : "Hugging Face's default max_grad_norm");
-  }
-  if (is("optimizer.params.lr")) {
-    optimizer.lr = ctx.lr > 0 ? ctx.lr : 1e-3;
-    note("optimizer.params.lr", num(optimizer.lr), ctx.lr > 0 ? "the command line" : "Strata's default");
-  }
-  if (is("optimizer.params.weight_decay")) {
-    optimizer.weight_decay = ctx.weight_decay >= 0 ? ctx.weight_decay : 0.0;
-    note("optimizer.params.weight_decay", num(optimizer.weight_decay),
-         ctx.weight_decay >= 0 ? "the command line" : "Strata's default");
-  }
-  if (is("optimizer.params.betas"))
-    note("optimizer.params.betas", StrCat("[", num(optimizer.beta1), ", ", num(optimizer.beta2), "]"),
-         "Strata's default");
-  if (is("optimizer.params.eps")) note("optimizer.params.eps", num(optimizer.eps), "Strata's default");
-  if (is("scheduler.params.warmup_min_lr"))
-    note("scheduler.params.warmup_min_lr", num(scheduler.warmup_min_lr), "Strata's default");
-  if (is("scheduler.params.warmup_max_lr")) {
-    scheduler.warmup_max_lr = optimizer.lr;
-    note("scheduler.params.warmup_max_lr", num(scheduler.warmup_max_lr), "optimizer.params.lr");
-  }
-  if (is("scheduler.params.warmup_num_steps")) {
-    scheduler.warmup_num_steps = ctx.warmup_steps >= 0 ? ctx.warmup_steps : 0;
-    note("scheduler.params.warmup_num_steps", std::to_string(scheduler.warmup_num_steps),
-         ctx.warmup_steps >= 0 ? "the command line" : "no warmup");
-  }
-  if (is("scheduler.params.total_num_steps")) {
-    if (ctx.total_steps > 0) scheduler.total_num_steps = ctx.total_steps;
-    scheduler.total_num_steps = std::max(scheduler.total_num_steps, scheduler.warmup_num_steps);
-    note("scheduler.params.total_num_steps", std::to_string(scheduler.total_num_steps),
-         ctx.total_steps > 0 ? "the run's steps" : "Strata's default");
-  }
-  if (is("fp16.enabled")) {
-    fp16.enabled = ctx.fp16;
-    note("fp16.enabled", fp16.enabled ? "true" : "false", "the command line (off unless asked)");
-  }
-  if (is("bf16.enabled") || is("bfloat16.enabled")) {
-    bf16.enabled = ctx.native_bf16 && !fp16.enabled;
-    note("bf16.enabled", bf16.enabled ? "true" : "false",
-         ctx.native_bf16 ? "the device computes bf16 natively" : "the device has no native bf16");
-  }
-  // Hugging Face's formulas from the model's hidden size h.
-  const int64_t h = ctx.hidden_size;
-  auto& z = zero_optimization;
-  auto bucket = [&](const char* key, const char* alt, int64_t* field, int64_t value, const char* formula) {
-    if (!is(key) && !(alt && is(alt))) return;
-    if (h > 0) *field = value;
-    note(key, std::to_string(*field), h > 0 ? formula : "Strata's default (hidden size unknown)");
-  };
-  bucket("zero_optimization.reduce_bucket_size", nullptr, &z.reduce_bucket_size, h * h, "hidden^2");
-  bucket("zero_optimization.allgather_bucket_size", nullptr, &z.allgather_bucket_size, h * h, "hidden^2");
-  bucket("zero_optimization.stage3_prefetch_bucket_size", "zero_optimization.prefetch_bucket_size",
-         &z.stage3_prefetch_bucket_size, static_cast<int64_t>(0.9 * static_cast<double>(h * h)),
-         "0.9 x hidden^2");
-  bucket("zero_optimization.stage3_param_persistence_threshold",
-         "zero_optimization.param_persistence_threshold", &z.stage3_param_persistence_threshold,
-         10 * h, "10 x hidden");
-  // Anything else given as "auto" keeps Strata's default, and says so.
-  static const std::set<std::string> handled = {
-      "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "train_batch_size",
-      "gradient_clipping", "optimizer.params.lr", "optimizer.params.weight_decay",
-      "optimizer.params.betas", "optimizer.params.eps", "scheduler.params.warmup_min_lr",
-      "scheduler.params.warmup_max_lr", "scheduler.params.warmup_num_steps",
-      "scheduler.params.total_num_steps", "fp16.enabled", "bf16.enabled", "bfloat16.enabled",
-      "zero_optimization.reduce_bucket_size", "zero_optimization.allgather_bucket_size",
-      "zero_optimization.stage3_prefetch_bucket_size", "zero_optimization.prefetch_bucket_size",
-      "zero_optimization.stage3_param_persistence_threshold",
-      "zero_optimization.param_persistence_threshold"};
-  for (const std::string& k : auto_keys)
-    if (!handled.count(k)) auto_resolved.push_back(StrCat(k, " = Strata's default (auto)"));
-  if (fp16.enabled && bf16.enabled)
-    return InvalidArgument("fp16.enabled and bf16.enabled are both true after resolving \"auto\"; "
-                           "enable at most one");
-  return CheckBatchSizes(ctx.world_size);
 }
 
 std::string Config::ToJsonString(int indent) const { return ToJson().dump(indent); }

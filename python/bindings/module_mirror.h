@@ -14,7 +14,9 @@
 #pragma once
 
 #include <memory>
+#include <string>
 #include <unordered_map>
+#include <vector>
 
 #include <torch/extension.h>
 
@@ -29,5 +31,9 @@ struct Mirror {
 // Builds the mirror of `module` (a torch.nn.Module). Throws std::invalid_argument for a member
 // that is not a tensor where a Parameter or buffer is expected.
 Mirror MirrorModule(pybind11::handle module);
+
+// strata._strata.default_units: the dotted paths of `module`'s default units, by the engine's
+// own rule (runtime/engine/unit_rule.h) applied to its mirror.
+std::vector<std::string> DefaultUnitNames(pybind11::handle module);
 
 }  // namespace strata::python

@@ -36,6 +36,25 @@ void DefCheckpoint(py::module_& m) {
       py::arg("path"), py::arg("offset"), py::arg("bytes"), py::arg("crc32c"), py::arg("what"),
       "`bytes` bytes at `offset` of a checkpoint's state file, checked against their crc32c "
       "(DATA_LOSS naming the file when short or damaged)");
+  m.def(
+      "write_file_atomic",
+      [](const std::string& path, const py::bytes& data) {
+        std::string bytes = data;
+        py::gil_scoped_release nogil;
+        ThrowIfError(checkpoint::WriteFileAtomic(path, bytes));
+      },
+      py::arg("path"), py::arg("data"),
+      "Writes `data` to `path` so that a crash leaves the old file or the new one, never a part: "
+      "path.tmp, fsync, rename, fsync of the directory");
+  m.def(
+      "publish_file",
+      [](const std::string& tmp, const std::string& path) {
+        py::gil_scoped_release nogil;
+        ThrowIfError(checkpoint::PublishFile(tmp, path));
+      },
+      py::arg("tmp"), py::arg("path"),
+      "Makes the finished file `tmp` appear as `path` durably: fsync, rename, fsync of the "
+      "directory (tmp is removed on failure)");
 }
 
 }  // namespace strata::python

@@ -117,17 +117,17 @@ void PyEngine::Backward(const torch::Tensor& loss) {
   ThrowIfError(s);
 }
 
-std::string PyEngine::Step() {
+StepReport PyEngine::Step() {
   Engine& e = engine();
   StatusOr<StepReport> r = FailedPrecondition("");
   {
     py::gil_scoped_release nogil;
     r = e.Step();
   }
-  return ValueOrThrow(std::move(r)).ToJson().dump();
+  return ValueOrThrow(std::move(r));
 }
 
-std::pair<std::string, PyEngine::ClientPairs> PyEngine::BeginClientStep() {
+std::pair<bool, PyEngine::ClientPairs> PyEngine::BeginClientStep() {
   Engine& e = engine();
   StatusOr<Engine::ClientStep> r = FailedPrecondition("");
   {
@@ -135,19 +135,17 @@ std::pair<std::string, PyEngine::ClientPairs> PyEngine::BeginClientStep() {
     r = e.BeginClientStep();
   }
   Engine::ClientStep step = ValueOrThrow(std::move(r));
-  nlohmann::json facts = {{"skipped", step.skipped}, {"grad_norm", step.grad_norm},
-                          {"grad_scale", step.grad_scale}};
-  return {facts.dump(), std::move(step.groups)};
+  return {step.skipped, std::move(step.groups)};
 }
 
-std::string PyEngine::FinishClientStep(bool apply) {
+StepReport PyEngine::FinishClientStep(bool apply) {
   Engine& e = engine();
   StatusOr<StepReport> r = FailedPrecondition("");
   {
     py::gil_scoped_release nogil;
     r = e.FinishClientStep(apply);
   }
-  return ValueOrThrow(std::move(r)).ToJson().dump();
+  return ValueOrThrow(std::move(r));
 }
 
 std::vector<std::vector<int64_t>> PyEngine::ClientSegments() { return engine().ClientSegments(); }

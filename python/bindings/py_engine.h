@@ -69,12 +69,13 @@ class PyEngine {
   void BeginUnit(int64_t unit, bool checkpointed);
   void EndUnit(int64_t unit, const std::vector<torch::Tensor>& outputs);
   void Backward(const torch::Tensor& loss);
-  std::string Step();  // the StepReport as JSON text
+  StepReport Step();  // the StepReport as JSON text
   // EngineOptions::client_optimizer: (the step's facts as JSON, per group the (master,
   // gradient) shard pairs), then the StepReport as JSON text.
   using ClientPairs = std::vector<std::vector<std::pair<torch::Tensor, torch::Tensor>>>;
-  std::pair<std::string, ClientPairs> BeginClientStep();
-  std::string FinishClientStep(bool apply);
+  // Whether the step was skipped (an fp16 overflow), and the lent (master, grad) pairs.
+  std::pair<bool, ClientPairs> BeginClientStep();
+  StepReport FinishClientStep(bool apply);
   std::vector<std::vector<int64_t>> ClientSegments();
   // `client_file`: bytes saved beside this rank's manifest (Engine::SaveCheckpoint).
   void SaveCheckpoint(const std::string& dir, const std::string& extra_json,

@@ -9,6 +9,7 @@
 #include "python/bindings/py_checkpoint.h"
 #include "python/bindings/py_param_state.h"
 #include "python/bindings/py_planner.h"
+#include "python/bindings/py_step_report.h"
 #include "runtime/base/env_vars.h"
 #include "runtime/base/host_info.h"
 #include "runtime/comm/backends.h"
@@ -45,6 +46,8 @@ void DefErrors(py::module_& m) {
       PyErr_SetString(invalid_argument.ptr(), e.what());
     } catch (const c10::Error&) {
       throw;  // torch's own errors keep torch's translation
+    } catch (const py::builtin_exception&) {
+      throw;  // py::key_error and its kin keep their Python type
     } catch (const std::runtime_error& e) {
       PyErr_SetString(strata_error.ptr(), e.what());
     }
@@ -157,6 +160,9 @@ PYBIND11_MODULE(_strata, m) {
   DefZeroInit(m);
   strata::python::DefPlanner(m);
   strata::python::DefCheckpoint(m);
+  strata::python::DefStepReport(m);
+  m.def("default_units", &strata::python::DefaultUnitNames, py::arg("model"),
+        "The dotted paths of the model's default units, by the engine's own rule.");
   m.def("env_vars", [] {
     std::vector<std::tuple<std::string, std::string, std::string>> out;
     for (const strata::EnvVar& v : strata::kEnvVars) out.emplace_back(v.name, v.reader, v.meaning);

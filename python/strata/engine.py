@@ -22,6 +22,7 @@ import torch
 from . import data_loader as _data
 from . import engine_surface as _surface
 from . import param_state as _param_state
+from . import _strata
 from . import units as _units
 from ._strata import InvalidArgumentError, StrataError
 from .engine_config_view import ConfigView
@@ -71,7 +72,7 @@ class StrataEngine(ConfigView, torch.nn.Module):
             for p in module.parameters():
                 self._param_units.setdefault(id(p), set()).add(index)
         self._model_params = {id(p) for p in model.parameters()}
-        self.last_report = None  # the StepReport of the last step, as a dict
+        self.last_report = None  # the last step's _strata.StepReport (attributes, or a mapping)
         # DeepSpeed's plain attributes (python/ENGINE_SURFACE.md); initialize sets the first ones.
         self.client_lr_scheduler = None
         self.training_data = None
@@ -171,9 +172,9 @@ class StrataEngine(ConfigView, torch.nn.Module):
         if self._client_params is not None:
             self.last_report = self._client_step()
         else:
-            self.last_report = json.loads(self._cpp.step())
+            self.last_report = self._cpp.step()
         self._stepped_at = micro
-        if self.last_report.get("skipped"):
+        if self.last_report.skipped:
             return  # as DeepSpeed: an fp16 overflow does not advance the schedule
         # The engine stepped, not the wrapper a torch scheduler puts on optimizer.step: mark the
         # step on every optimizer a scheduler may watch (ours, the client's, the scheduler's),
@@ -212,9 +213,9 @@ class StrataEngine(ConfigView, torch.nn.Module):
         optimizer.state.clear()  # whatever it held belonged to the model's own tensors
 
     def _client_step(self):
-        facts, lent = self._cpp.begin_client_step()
-        if json.loads(facts)["skipped"]:
-            return json.loads(self._cpp.finish_client_step())
+        skipped, lent = self._cpp.begin_client_step()
+        if skipped:
+            return self._cpp.finish_client_step()
         try:
             for params, pairs in zip(self._client_params, lent):
                 for p, (master, grad) in zip(params, pairs):
@@ -232,7 +233,7 @@ class StrataEngine(ConfigView, torch.nn.Module):
                 for p in params:  # the lent memory is the engine's again
                     p.grad = None
                     p.data = empty
-        return json.loads(self._cpp.finish_client_step())
+        return self._cpp.finish_client_step()
 
     # Note [the lr from Python]
     # The lr of a step is whatever the optimizer's param_groups hold when its updates start, as
@@ -293,13 +294,13 @@ class StrataEngine(ConfigView, torch.nn.Module):
         """The global L2 norm of the gradients of the last optimizer step, before clipping (what
         torch.nn.utils.clip_grad_norm_ returns); None before the first step or after an fp16
         overflow."""
-        if self.last_report is None or self.last_report.get("skipped"):
+        if self.last_report is None or self.last_report.skipped:
             return None
-        return self.last_report["grad_norm"]
+        return self.last_report.grad_norm
 
     def was_step_applied(self):
         """False when the last step was skipped (fp16 overflow) or none ran yet."""
-        return self.last_report is not None and not self.last_report.get("skipped", False)
+        return self.last_report is not None and not self.last_report.skipped
 
     @property
     def skipped_steps(self):
@@ -490,7 +491,7 @@ class StrataEngine(ConfigView, torch.nn.Module):
             client_file = opt_buf.getvalue()
         self._cpp.save_checkpoint(root, json.dumps(extra), client_file)
         if save_latest and self.global_rank == 0:
-            _write_atomic(os.path.join(save_dir, "latest"), str(tag))
+            _strata.write_file_atomic(os.path.join(save_dir, "latest"), str(tag).encode())
         return True
 
     def load_checkpoint(self, load_dir, tag=None, load_module_strict=True,
@@ -637,7 +638,7 @@ class StrataEngine(ConfigView, torch.nn.Module):
             path = os.path.join(save_dir, save_filename)
             tmp = path + ".tmp"
             torch.save(state, tmp)
-            os.replace(tmp, path)
+            _strata.publish_file(tmp, path)
         return True
 
     save_fp16_model = save_16bit_model
@@ -791,15 +792,6 @@ def _unpickle_trusted(data):
         return torch.load(io.BytesIO(data), weights_only=True)
     except pickle.UnpicklingError:
         return torch.load(io.BytesIO(data), weights_only=False)
-
-
-def _write_atomic(path, text):
-    tmp = path + ".tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 __all__ = ["StrataEngine", "StrataError"]

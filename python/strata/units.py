@@ -15,35 +15,13 @@ import threading
 
 import torch
 
-_CONTAINERS = (torch.nn.Sequential, torch.nn.ModuleList, torch.nn.ModuleDict)
-
-
-def _holds_trainable(module):
-    return any(p.requires_grad for p in module.parameters())
+from . import _strata
 
 
 def default_units(model):
-    """The units of `model` in registration order, as (name, module) pairs."""
-    out = []
-
-    def walk(prefix, module):
-        for name, child in module.named_children():
-            if child is None or not _holds_trainable(child):
-                continue
-            path = f"{prefix}.{name}" if prefix else name
-            if isinstance(child, _CONTAINERS):
-                walk(path, child)
-            else:
-                out.append((path, child))
-
-    walk("", model)
-    # A module reached twice (shared by two parents) is one unit.
-    seen, units = set(), []
-    for name, m in out:
-        if id(m) not in seen:
-            seen.add(id(m))
-            units.append((name, m))
-    return units
+    """The units of `model` in registration order, as (name, module) pairs: the C++ engine's own
+    rule (runtime/engine/unit_rule.h), asked through the bindings so there is one copy of it."""
+    return [(name, model.get_submodule(name)) for name in _strata.default_units(model)]
 
 
 def flatten_tensors(value, out=None):

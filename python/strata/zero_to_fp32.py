@@ -156,7 +156,7 @@ def convert_zero_checkpoint_to_fp32_state_dict(checkpoint_dir, output_dir_or_fil
         out = os.path.join(out, "pytorch_model.bin")
     tmp = out + ".tmp"
     torch.save(state, tmp)
-    os.replace(tmp, out)
+    _strata.publish_file(tmp, out)
     return out
 
 

@@ -201,6 +201,9 @@ Status ParseZero(Section s, ZeroConfig* c) {
                         "zero_quantized_weights", "zero_quantized_gradients", "mics_shard_size",
                         "mics_hierarchical_params_gather"})
     s.Ignored(k, "has no effect in Strata");
+  s.Ignored("zenflow", "has no effect: ZenFlow's selective updates are not implemented; every "
+                       "gradient updates its parameter at every step (the run trains as without "
+                       "the section)");
   return s.Finish();
 }
 

@@ -1,6 +1,7 @@
 // Unit discovery: which modules the engine manages as units (the default split, or the caller's
 // list), the parameters registered with the partitioner unit by unit, and the chunk <-> unit maps.
 #include "runtime/engine/engine_impl.h"
+#include "runtime/engine/unit_rule.h"
 
 namespace strata {
 
@@ -11,7 +12,8 @@ namespace {
 bool IsContainer(const torch::nn::Module& m) {
   return dynamic_cast<const torch::nn::SequentialImpl*>(&m) ||
          dynamic_cast<const torch::nn::ModuleListImpl*>(&m) ||
-         dynamic_cast<const torch::nn::ModuleDictImpl*>(&m);
+         dynamic_cast<const torch::nn::ModuleDictImpl*>(&m) ||
+         dynamic_cast<const UnitContainer*>(&m);
 }
 
 bool HoldsTrainable(const torch::nn::Module& m) {
@@ -21,26 +23,32 @@ bool HoldsTrainable(const torch::nn::Module& m) {
 }
 
 // Children of `m` that hold trainable parameters, looking through containers.
-void DefaultUnits(const std::string& prefix, const torch::nn::Module& m,
+void CollectUnits(const std::string& prefix, const torch::nn::Module& m,
+                  std::set<const torch::nn::Module*>* seen,
                   std::vector<std::pair<std::string, std::shared_ptr<torch::nn::Module>>>* out) {
   for (const auto& child : m.named_children()) {
     const std::string name = prefix.empty() ? child.key() : prefix + "." + child.key();
     if (!HoldsTrainable(*child.value())) continue;
-    if (IsContainer(*child.value())) DefaultUnits(name, *child.value(), out);
-    else out->push_back({name, child.value()});
+    if (IsContainer(*child.value())) CollectUnits(name, *child.value(), seen, out);
+    else if (seen->insert(child.value().get()).second) out->push_back({name, child.value()});
   }
 }
 
 }  // namespace
 
+std::vector<std::pair<std::string, std::shared_ptr<torch::nn::Module>>> DefaultUnitModules(
+    const torch::nn::Module& root) {
+  std::vector<std::pair<std::string, std::shared_ptr<torch::nn::Module>>> out;
+  std::set<const torch::nn::Module*> seen;
+  CollectUnits("", root, &seen, &out);
+  return out;
+}
+
 // The modules that are units: the default split, or the caller's, named by their path.
 StatusOr<std::vector<std::pair<std::string, std::shared_ptr<torch::nn::Module>>>> Engine::Impl::UnitModules(
     const EngineOptions& options) const {
   std::vector<std::pair<std::string, std::shared_ptr<torch::nn::Module>>> found;
-  if (options.units.empty()) {
-    DefaultUnits("", *model_.module, &found);
-    return found;
-  }
+  if (options.units.empty()) return DefaultUnitModules(*model_.module);
   // Names for the units the caller chose: their path under the root.
   std::map<const torch::nn::Module*, std::string> names;
   for (const auto& item : model_.module->named_modules("", /*include_self=*/false))

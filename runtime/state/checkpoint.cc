@@ -183,6 +183,13 @@ Status WriteFileAtomic(const std::string& path, std::string_view bytes) {
     }
     done += static_cast<size_t>(n);
   }
+  ::close(fd);
+  return PublishFile(tmp, path);
+}
+
+Status PublishFile(const std::string& tmp, const std::string& path) {
+  const int fd = ::open(tmp.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return ErrnoToStatus(errno, StrCat("open ", tmp));
   if (::fsync(fd) != 0) {
     int err = errno;
     ::close(fd);

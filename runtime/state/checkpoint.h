@@ -79,8 +79,12 @@ StatusOr<Manifest> ParseManifest(std::string_view bytes, const std::string& sour
 // NOT_FOUND with the fix when neither holds a checkpoint.
 StatusOr<std::string> ResolveCheckpointDir(const std::string& path);
 
-// Writes `bytes` to `path` atomically: path.tmp, fsync, rename, fsync of the directory.
+// Writes `bytes` to `path` atomically: path.tmp, then PublishFile.
 Status WriteFileAtomic(const std::string& path, std::string_view bytes);
+// Makes the finished file `tmp` appear as `path` and survive a crash: fsync of tmp, rename over
+// path, fsync of the directory. On failure tmp is removed and path keeps its old content. For
+// files written by another writer (torch.save from Python) that then publish through here.
+Status PublishFile(const std::string& tmp, const std::string& path);
 Status FsyncDir(const std::string& dir);
 StatusOr<std::string> ReadFile(const std::string& path);
 

@@ -273,3 +273,57 @@ def test_compute_lane_covers_the_python_forward(tmp_path):
         ratios.append(engine.last_report["compute_s"] / engine.last_report["step_time_s"])
     engine.close()
     assert max(ratios[1:]) > 0.8, ratios
+
+
+def test_step_report_is_a_bound_class_that_reads_as_a_mapping(tmp_path):
+    # engine.last_report is _strata.StepReport: attributes, and the mapping it was (the keys are
+    # the C++ report's ToJson keys, the names strata-train --json writes).
+    engine = _engine("gpt2", harness.config_for(STAGE3_RELEASE, tmp_path))
+    t = torch.randint(0, 256, (2, 17))
+    engine.backward(engine(t[:, :-1], targets=t[:, 1:]))
+    engine.step()
+    report = engine.last_report
+    engine.close()
+    assert type(report).__name__ == "StepReport"
+    assert report.step == 1 and not report.skipped
+    assert report.lr == engine.get_lr()[0]
+    assert report.step_time_s > 0 and report.compute_s > 0
+    keys = report.keys()
+    assert {"step", "lr", "grad_norm", "overlap", "bytes_host_to_nvme"} <= set(keys)
+    as_dict = report.to_dict()
+    assert list(as_dict) == keys
+    for k in keys:
+        assert report[k] == as_dict[k] == getattr(report, k) or report[k] != report[k]  # NaN
+        assert k in report
+    assert "no_such_figure" not in report
+    assert report.get("no_such_figure", 7) == 7
+    with pytest.raises(KeyError):
+        report["no_such_figure"]
+    with pytest.raises(AttributeError):
+        report.step = 5  # read-only
+
+
+def test_default_units_are_the_engines_rule():
+    # strata.units.default_units asks the C++ rule (runtime/engine/unit_rule.h) through the
+    # bindings: containers and their subclasses are looked through, frozen children and the
+    # root's own parameters are not units, and a module reached twice is one unit.
+    class Blocks(torch.nn.ModuleList):
+        pass
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.scale = torch.nn.Parameter(torch.ones(1))
+            self.embed = torch.nn.Embedding(4, 2)
+            self.frozen = torch.nn.Linear(2, 2).requires_grad_(False)
+            shared = torch.nn.Linear(2, 2)
+            self.blocks = Blocks([torch.nn.Linear(2, 2), shared])
+            self.heads = torch.nn.ModuleDict({"a": torch.nn.Sequential(torch.nn.ReLU(),
+                                                                       torch.nn.Linear(2, 2))})
+            self.tied = shared
+
+    net = Net()
+    units = strata.units.default_units(net)
+    assert [n for n, _ in units] == ["embed", "blocks.0", "blocks.1", "heads.a.1"]
+    assert units[2][1] is net.tied
+    assert all(m is net.get_submodule(n) for n, m in units)

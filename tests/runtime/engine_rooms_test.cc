@@ -17,6 +17,7 @@
 #include "runtime/engine/optimizer_lane.h"
 #include "runtime/engine/reduce_lane.h"
 #include "runtime/engine/unit_coordinator.h"
+#include "runtime/engine/unit_rule.h"
 #include "tiers/hbm/device_factory.h"
 
 namespace strata {
@@ -402,6 +403,37 @@ TEST(ReduceLane, ThreadedQueuesCountsAndTurnsAThrowIntoTheStepsError) {
   EXPECT_TRUE(lane.TakeError().ok());
   lane.ResetStats();
   EXPECT_EQ(lane.stats().comm_s, 0.0);
+}
+
+// The unit rule (runtime/engine/unit_rule.h): trainable children of the root, containers (LibTorch's
+// and UnitContainer) looked through, frozen children and the root's own parameters left out, and
+// a module reached twice taken once under its first path.
+TEST(UnitRule, ChildrenThroughContainersEachModuleOnce) {
+  auto root = std::make_shared<torch::nn::Module>("Root");
+  root->register_parameter("scale", torch::ones({1}));
+  auto shared = torch::nn::Linear(2, 2);
+  auto frozen = torch::nn::Linear(2, 2);
+  for (auto& p : frozen->parameters()) p.set_requires_grad(false);
+  root->register_module("embed", torch::nn::Embedding(4, 2));
+  root->register_module("frozen", frozen);
+  auto blocks = std::make_shared<UnitContainer>("MyBlocks");
+  blocks->register_module("0", torch::nn::Linear(2, 2));
+  blocks->register_module("1", shared);
+  root->register_module("blocks", blocks);
+  torch::nn::Sequential head(torch::nn::ReLU(), torch::nn::Linear(2, 2));
+  root->register_module("head", head);
+  root->register_module("tied", shared);  // the same module as blocks.1
+  std::vector<std::string> names;
+  for (const auto& [name, module] : DefaultUnitModules(*root)) names.push_back(name);
+  EXPECT_EQ(names, (std::vector<std::string>{"embed", "blocks.0", "blocks.1", "head.1"}));
+  // A plain Module is not a container: it is one unit with all its children.
+  auto plain = std::make_shared<torch::nn::Module>("Plain");
+  plain->register_module("inner", blocks);
+  auto top = std::make_shared<torch::nn::Module>("Top");
+  top->register_module("plain", plain);
+  names.clear();
+  for (const auto& [name, module] : DefaultUnitModules(*top)) names.push_back(name);
+  EXPECT_EQ(names, (std::vector<std::string>{"plain"}));
 }
 
 }  // namespace

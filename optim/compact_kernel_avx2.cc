@@ -1,0 +1,91 @@
+// AVX2 paths of the compact-format block functions (compact_kernels.h): 8 lanes, the scalar
+// reference's operations lane by lane; tails run the scalar reference.
+#include <immintrin.h>
+
+#include <cmath>
+
+#include "optim/compact_formats.h"
+#include "optim/compact_kernels.h"
+
+namespace strata::optim::internal {
+namespace {
+
+constexpr size_t kW = 8;
+
+inline __m256i Hash32x8(__m256i x) {
+  x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 16));
+  x = _mm256_mullo_epi32(x, _mm256_set1_epi32(static_cast<int>(0x7feb352du)));
+  x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 15));
+  x = _mm256_mullo_epi32(x, _mm256_set1_epi32(static_cast<int>(0x846ca68bu)));
+  return _mm256_xor_si256(x, _mm256_srli_epi32(x, 16));
+}
+
+void RoundSr(const float* x, uint16_t* out, size_t n, uint32_t high, uint32_t lo) {
+  const __m256i iota = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  const __m256i vhigh = _mm256_set1_epi32(static_cast<int>(high));
+  const __m256i low16 = _mm256_set1_epi32(0xffff);
+  const __m256i abs_mask = _mm256_set1_epi32(0x7fffffff);
+  const __m256i inf = _mm256_set1_epi32(0x7f800000);
+  const __m256i quiet = _mm256_set1_epi32(0x40);
+  size_t i = 0;
+  for (; i + kW <= n; i += kW) {
+    const __m256i idx = _mm256_add_epi32(_mm256_set1_epi32(static_cast<int>(lo + i)), iota);
+    const __m256i bits = _mm256_and_si256(Hash32x8(_mm256_xor_si256(idx, vhigh)), low16);
+    const __m256i u = _mm256_castps_si256(_mm256_loadu_ps(x + i));
+    // |u| > inf as signed 32-bit integers: both sides are below 2^31.
+    const __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(u, abs_mask), inf);
+    const __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(u, bits), 16);
+    const __m256i kept = _mm256_or_si256(_mm256_srli_epi32(u, 16), quiet);
+    const __m256i r = _mm256_blendv_epi8(rounded, kept, nan);
+    const __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i), packed);
+  }
+  CompactKernelsScalar().round_sr(x + i, out + i, n - i, high, lo + static_cast<uint32_t>(i));
+}
+
+void Quantize(const float* x, size_t n, float scale, const float* mids, uint8_t* codes) {
+  const __m256 vscale = _mm256_set1_ps(scale);
+  size_t i = 0;
+  for (; i + kW <= n; i += kW) {
+    const __m256 y = _mm256_div_ps(_mm256_loadu_ps(x + i), vscale);
+    __m256i idx = _mm256_setzero_si256();
+    for (int step = 128; step >= 1; step >>= 1) {
+      const __m256i probe = _mm256_add_epi32(idx, _mm256_set1_epi32(step - 1));
+      const __m256 mid = _mm256_i32gather_ps(mids, probe, 4);
+      const __m256i below = _mm256_castps_si256(_mm256_cmp_ps(mid, y, _CMP_LT_OQ));
+      idx = _mm256_add_epi32(idx, _mm256_and_si256(below, _mm256_set1_epi32(step)));
+    }
+    const __m128i w = _mm_packus_epi32(_mm256_castsi256_si128(idx), _mm256_extracti128_si256(idx, 1));
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(codes + i), _mm_packus_epi16(w, w));
+  }
+  CompactKernelsScalar().quantize(x + i, n - i, scale, mids, codes + i);
+}
+
+void Dequantize(const uint8_t* codes, float scale, size_t n, const float* map, float* out) {
+  const __m256 vscale = _mm256_set1_ps(scale);
+  size_t i = 0;
+  for (; i + kW <= n; i += kW) {
+    const __m256i idx =
+        _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + i)));
+    _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_i32gather_ps(map, idx, 4), vscale));
+  }
+  CompactKernelsScalar().dequantize(codes + i, scale, n - i, map, out + i);
+}
+
+float Absmax(const float* x, size_t n) {
+  const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  __m256 m = _mm256_setzero_ps();
+  size_t i = 0;
+  for (; i + kW <= n; i += kW) m = _mm256_max_ps(m, _mm256_and_ps(_mm256_loadu_ps(x + i), abs_mask));
+  alignas(32) float lanes[kW];
+  _mm256_store_ps(lanes, m);
+  float r = CompactKernelsScalar().absmax(x + i, n - i);
+  for (float v : lanes) r = std::fmax(r, v);
+  return r;
+}
+
+}  // namespace
+
+CompactKernels CompactKernelsAvx2() { return {&RoundSr, &Quantize, &Dequantize, &Absmax}; }
+
+}  // namespace strata::optim::internal

@@ -1,0 +1,42 @@
+// The scalar reference of the compact-format block functions (compact_kernels.h).
+#include <cmath>
+
+#include "optim/compact_formats.h"
+#include "optim/compact_kernels.h"
+
+namespace strata::optim::internal {
+namespace {
+
+void RoundSr(const float* x, uint16_t* out, size_t n, uint32_t high, uint32_t lo) {
+  for (size_t i = 0; i < n; ++i)
+    out[i] = FloatToBf16Stochastic(x[i], Hash32((lo + static_cast<uint32_t>(i)) ^ high));
+}
+
+// The count of midpoints below y, by binary search over the 255 sorted midpoints: the vector
+// paths run the same eight steps.
+inline uint8_t Code(float y, const float* mids) {
+  uint32_t idx = 0;
+  for (uint32_t step = 128; step >= 1; step >>= 1)
+    if (mids[idx + step - 1] < y) idx += step;
+  return static_cast<uint8_t>(idx);
+}
+
+void Quantize(const float* x, size_t n, float scale, const float* mids, uint8_t* codes) {
+  for (size_t i = 0; i < n; ++i) codes[i] = Code(x[i] / scale, mids);
+}
+
+void Dequantize(const uint8_t* codes, float scale, size_t n, const float* map, float* out) {
+  for (size_t i = 0; i < n; ++i) out[i] = map[codes[i]] * scale;
+}
+
+float Absmax(const float* x, size_t n) {
+  float m = 0.0f;
+  for (size_t i = 0; i < n; ++i) m = std::fmax(m, std::fabs(x[i]));
+  return m;
+}
+
+}  // namespace
+
+CompactKernels CompactKernelsScalar() { return {&RoundSr, &Quantize, &Dequantize, &Absmax}; }
+
+}  // namespace strata::optim::internal

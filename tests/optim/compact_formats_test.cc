@@ -1,0 +1,209 @@
+// Compact formats (optim/compact_formats.h): every ISA bit-identical to the scalar reference,
+// stochastic rounding unbiased and independent of how a range is split, 8-bit blocks within the
+// format's stated error and picking the nearest map value.
+#include "optim/compact_formats.h"
+
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <limits>
+#include <random>
+#include <vector>
+
+#include <gtest/gtest.h>
+
+namespace strata::optim {
+namespace {
+
+std::vector<Isa> Isas() {
+  std::vector<Isa> out = {Isa::kScalar};
+  for (Isa isa : {Isa::kAvx2, Isa::kAvx512})
+    if (IsaSupported(isa)) out.push_back(isa);
+  return out;
+}
+
+// Values of every kind: normal, tiny, subnormal, huge, signed zeros, inf, NaN.
+std::vector<float> MixedValues(size_t n, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  std::uniform_int_distribution<int> exp(-140, 127);
+  std::vector<float> x(n);
+  for (size_t i = 0; i < n; ++i) x[i] = std::ldexp(normal(rng), exp(rng));
+  const float specials[] = {0.0f, -0.0f, std::numeric_limits<float>::infinity(),
+                            -std::numeric_limits<float>::infinity(),
+                            std::numeric_limits<float>::quiet_NaN(),
+                            std::numeric_limits<float>::max(), -std::numeric_limits<float>::max(),
+                            std::numeric_limits<float>::denorm_min(), 1.0f, -1.0f};
+  for (size_t i = 0; i < std::size(specials) && i * 97 < n; ++i) x[i * 97] = specials[i];
+  return x;
+}
+
+TEST(StochasticRounding, EveryIsaEqualsTheScalarFormulaAcrossTheIndexWrap) {
+  const size_t n = 4099;  // not a multiple of any vector width
+  const std::vector<float> x = MixedValues(n, 1);
+  const uint32_t key = RoundingKey(1234, 17);
+  const uint64_t base = (uint64_t{5} << 32) - 1000;  // the upper 32 bits change inside the range
+  std::vector<uint16_t> want(n);
+  for (size_t i = 0; i < n; ++i) want[i] = FloatToBf16Stochastic(x[i], RoundingBits(key, base + i));
+  for (Isa isa : Isas()) {
+    std::vector<uint16_t> got(n, 0xdead);
+    RoundToBf16Stochastic(x.data(), got.data(), n, key, base, isa);
+    for (size_t i = 0; i < n; ++i)
+      ASSERT_EQ(got[i], want[i]) << IsaName(isa) << " element " << i << " x=" << x[i];
+  }
+}
+
+TEST(StochasticRounding, PicksOneOfTheTwoNeighboursAndKeepsSpecials) {
+  const std::vector<float> x = MixedValues(20000, 2);
+  for (size_t i = 0; i < x.size(); ++i) {
+    const uint16_t r = FloatToBf16Stochastic(x[i], RoundingBits(99, i));
+    const uint32_t u = FloatBits(x[i]);
+    if (std::isnan(x[i])) {
+      EXPECT_TRUE(std::isnan(Bf16ToFloat(r)));
+    } else if (std::isinf(x[i])) {
+      EXPECT_EQ(Bf16ToFloat(r), x[i]);
+    } else {
+      const uint16_t down = static_cast<uint16_t>(u >> 16);
+      EXPECT_TRUE(r == down || (r == down + 1 && (u & 0xffff) != 0)) << x[i];
+    }
+  }
+}
+
+TEST(StochasticRounding, IsUnbiasedWhereNearestIsNot) {
+  // x sits a third of a bf16 ulp above a bf16 value: nearest always rounds down (bias -ulp/3);
+  // the mean of 2^16 stochastic roundings (different element indices) must be x within
+  // 6 standard errors (each rounding's deviation is below one ulp, so the error of the mean is
+  // below ulp / 2^8).
+  for (float base : {1.0f, -3.5f, 1e-20f, 7e30f}) {
+    const uint32_t b = FloatBits(base);
+    const float next = BitsToFloat(((b >> 16) + 1) << 16);
+    const float x = base + (next - base) / 3;
+    const size_t n = size_t{1} << 16;
+    std::vector<float> in(n, x);
+    std::vector<uint16_t> out(n);
+    RoundToBf16Stochastic(in.data(), out.data(), n, RoundingKey(7, 3), 0);
+    double sum = 0;
+    for (uint16_t h : out) sum += Bf16ToFloat(h);
+    const double mean = sum / n;
+    const double gap = std::fabs(static_cast<double>(next) - base);
+    EXPECT_NEAR(mean, x, 6 * gap / 256) << "base " << base;
+    EXPECT_GT(std::fabs(static_cast<double>(Bf16ToFloat(FloatToBf16(x))) - x), gap / 4)
+        << "nearest should be biased here";
+  }
+}
+
+TEST(StochasticRounding, BitsDependOnlyOnSeedStepAndIndex) {
+  // One call over [0, n) equals calls over pieces at the matching index bases (how chunk size,
+  // thread count and rank count split the work), and a different step or seed changes the bits.
+  const size_t n = 3000;
+  const std::vector<float> x = MixedValues(n, 3);
+  const uint32_t key = RoundingKey(42, 1000);
+  std::vector<uint16_t> whole(n), pieces(n);
+  RoundToBf16Stochastic(x.data(), whole.data(), n, key, 500);
+  size_t at = 0;
+  for (size_t len : {size_t{7}, size_t{1017}, size_t{1}, size_t{1975}}) {
+    RoundToBf16Stochastic(x.data() + at, pieces.data() + at, len, key, 500 + at, Isa::kScalar);
+    at += len;
+  }
+  ASSERT_EQ(at, n);
+  EXPECT_EQ(whole, pieces);
+  EXPECT_NE(RoundingKey(42, 1000), RoundingKey(42, 1001));
+  EXPECT_NE(RoundingKey(42, 1000), RoundingKey(43, 1000));
+  int differ = 0;
+  for (uint64_t i = 0; i < 1000; ++i)
+    differ += RoundingBits(RoundingKey(42, 1000), i) != RoundingBits(RoundingKey(42, 1001), i);
+  EXPECT_GT(differ, 990);
+}
+
+TEST(Int8Map, SortedWithZeroAndOne) {
+  for (bool is_signed : {true, false}) {
+    const float* map = DynamicMap(is_signed);
+    for (int i = 0; i < 255; ++i) ASSERT_LT(map[i], map[i + 1]) << i;
+    EXPECT_EQ(map[DynamicMapZero(is_signed)], 0.0f);
+    EXPECT_EQ(map[255], 1.0f);
+    if (is_signed) {
+      EXPECT_LT(map[0], -0.99f);
+    } else {
+      EXPECT_EQ(map[0], 0.0f);
+    }
+    // The stated bound: 1/128 of the block's scale is what seven decades in 256 codes allow.
+    EXPECT_LT(DynamicMapMaxError(is_signed), 1.0f / 128) << is_signed;
+    std::printf("map %s: largest quantization error %.5f of the block's scale\n",
+                is_signed ? "signed" : "unsigned", DynamicMapMaxError(is_signed));
+  }
+}
+
+// Blocks of several shapes: Gaussian, log-uniform over 12 decades, one outlier, all zero,
+// Adam-like second moments (squares).
+std::vector<std::vector<float>> Blocks(bool is_signed) {
+  std::mt19937 rng(5);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  std::uniform_real_distribution<float> uni(-12.0f, 0.0f);
+  std::vector<std::vector<float>> out;
+  for (size_t n : {kInt8Block, size_t{1}, size_t{37}, size_t{255}}) {
+    std::vector<float> g(n), l(n), o(n), z(n, 0.0f);
+    for (size_t i = 0; i < n; ++i) {
+      g[i] = normal(rng) * 1e-3f;
+      l[i] = std::pow(10.0f, uni(rng)) * (normal(rng) < 0 && is_signed ? -1.0f : 1.0f);
+      o[i] = normal(rng) * 1e-6f;
+      if (!is_signed) {
+        g[i] = g[i] * g[i];
+        o[i] = std::fabs(o[i]);
+      }
+    }
+    o[n / 2] = is_signed ? -5.0f : 5.0f;
+    out.push_back(g);
+    out.push_back(l);
+    out.push_back(o);
+    out.push_back(z);
+  }
+  return out;
+}
+
+TEST(Int8Blocks, EveryIsaEqualsTheScalarReferenceAndPicksTheNearestCode) {
+  for (bool is_signed : {true, false}) {
+    const float* map = DynamicMap(is_signed);
+    for (const auto& x : Blocks(is_signed)) {
+      const size_t n = x.size();
+      std::vector<uint8_t> want(n);
+      float want_scale = -1;
+      QuantizeBlock(x.data(), n, is_signed, want.data(), &want_scale, Isa::kScalar);
+      float absmax = 0;
+      for (float v : x) absmax = std::max(absmax, std::fabs(v));
+      ASSERT_EQ(want_scale, absmax);
+      for (size_t i = 0; i < n; ++i) {
+        // Nearest by brute force (ties to the lower code).
+        const float y = absmax > 0 ? x[i] / absmax : 0.0f;
+        int best = 0;
+        for (int c = 1; c < 256; ++c)
+          if (std::fabs(map[c] - y) < std::fabs(map[best] - y)) best = c;
+        ASSERT_EQ(want[i], best) << "y=" << y;
+      }
+      std::vector<float> back(n);
+      DequantizeBlock(want.data(), want_scale, n, is_signed, back.data(), Isa::kScalar);
+      for (size_t i = 0; i < n; ++i)
+        ASSERT_LE(std::fabs(back[i] - x[i]), DynamicMapMaxError(is_signed) * absmax * 1.0001f)
+            << x[i];
+      for (Isa isa : Isas()) {
+        std::vector<uint8_t> got(n, 77);
+        float scale = -1;
+        QuantizeBlock(x.data(), n, is_signed, got.data(), &scale, isa);
+        ASSERT_EQ(scale, want_scale) << IsaName(isa);
+        ASSERT_EQ(got, want) << IsaName(isa) << " n=" << n;
+        std::vector<float> deq(n, -9);
+        DequantizeBlock(got.data(), scale, n, is_signed, deq.data(), isa);
+        ASSERT_EQ(0, std::memcmp(deq.data(), back.data(), n * sizeof(float))) << IsaName(isa);
+      }
+    }
+  }
+}
+
+TEST(Int8Blocks, StateBytesHoldCodesAndScales) {
+  EXPECT_EQ(Int8StateBytes(256), 256u + 4u);
+  EXPECT_EQ(Int8StateBytes(257), 260u + 8u);
+  EXPECT_EQ(Int8ScaleOffset(257), 260u);
+  EXPECT_EQ(Int8StateBytes(0), 0u);
+}
+
+}  // namespace
+}  // namespace strata::optim

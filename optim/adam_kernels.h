@@ -8,11 +8,13 @@
 
 #include <cmath>
 #include <cstddef>
+#include <cstdint>
 
 #include "optim/dtype.h"
 
 namespace strata::optim {
 struct AdamParams;
+enum class Isa : uint8_t;
 }  // namespace strata::optim
 
 namespace strata::optim::internal {
@@ -73,6 +75,9 @@ AdamKernelFn GetAdamKernelScalar(DType grad, DType state, P16 p16);
 AdamKernelFn GetAdamKernelAvx2(DType grad, DType state, P16 p16);
 // prefetch: software prefetch of the read streams (Note [prefetch] in adam_kernel_avx512.cc).
 AdamKernelFn GetAdamKernelAvx512(DType grad, DType state, P16 p16, bool bf16_insn, bool prefetch);
+
+// The kernel of a resolved ISA (never kAuto): one of the three lookups above.
+AdamKernelFn PickAdamKernel(Isa isa, DType grad, DType state, P16 p16, bool prefetch);
 
 GradStatsFn GetGradStatsScalar(DType grad);
 GradStatsFn GetGradStatsAvx2(DType grad);

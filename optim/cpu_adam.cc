@@ -288,6 +288,22 @@ float CombinedGradScale(double global_sum_sq, double max_norm, double inv_loss_s
   return static_cast<float>(clip > 1 ? inv_loss_scale / clip : inv_loss_scale);
 }
 
+namespace internal {
+
+AdamKernelFn PickAdamKernel(Isa isa, DType grad, DType state, P16 p16, bool prefetch) {
+  switch (isa) {
+    case Isa::kAvx512Bf16:
+    case Isa::kAvx512:
+      return GetAdamKernelAvx512(grad, state, p16, isa == Isa::kAvx512Bf16, prefetch);
+    case Isa::kAvx2:
+      return GetAdamKernelAvx2(grad, state, p16);
+    default:
+      return GetAdamKernelScalar(grad, state, p16);
+  }
+}
+
+}  // namespace internal
+
 StatusOr<AdamResult> AdamStep(const AdamParams& params, const AdamBuffers& bufs, float grad_scale,
                               const AdamOptions& options) {
   STRATA_RETURN_IF_ERROR(ValidateParams(params, grad_scale));
@@ -310,23 +326,12 @@ StatusOr<AdamResult> AdamStep(const AdamParams& params, const AdamBuffers& bufs,
   if (bufs.param16 != nullptr) {
     p16 = bufs.param16_dtype == DType::kBFloat16 ? internal::P16::kBf16 : internal::P16::kFp16;
   }
-  internal::AdamKernelFn kernel = nullptr;
-  switch (result.isa) {
-    case Isa::kAvx512Bf16:
-    case Isa::kAvx512:
-      result.prefetch = options.prefetch == SoftwarePrefetch::kAuto
-                            ? DefaultAvx512Prefetch()
-                            : options.prefetch == SoftwarePrefetch::kOn;
-      kernel = internal::GetAdamKernelAvx512(bufs.grad_dtype, bufs.state_dtype, p16,
-                                             result.isa == Isa::kAvx512Bf16, result.prefetch);
-      break;
-    case Isa::kAvx2:
-      kernel = internal::GetAdamKernelAvx2(bufs.grad_dtype, bufs.state_dtype, p16);
-      break;
-    default:
-      kernel = internal::GetAdamKernelScalar(bufs.grad_dtype, bufs.state_dtype, p16);
-      break;
-  }
+  if (result.isa == Isa::kAvx512 || result.isa == Isa::kAvx512Bf16)
+    result.prefetch = options.prefetch == SoftwarePrefetch::kAuto
+                          ? DefaultAvx512Prefetch()
+                          : options.prefetch == SoftwarePrefetch::kOn;
+  const internal::AdamKernelFn kernel =
+      internal::PickAdamKernel(result.isa, bufs.grad_dtype, bufs.state_dtype, p16, result.prefetch);
   STRATA_DCHECK(kernel != nullptr, "no adam kernel for grad=", DTypeName(bufs.grad_dtype),
                 " state=", DTypeName(bufs.state_dtype));
 

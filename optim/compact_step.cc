@@ -1,0 +1,172 @@
+#include "optim/compact_step.h"
+
+#include <algorithm>
+
+#include "optim/adam_kernels.h"
+#include "optim/blockwise.h"
+
+namespace strata::optim {
+
+const char* MasterFormatName(MasterFormat f) {
+  switch (f) {
+    case MasterFormat::kFp32: return "fp32";
+    case MasterFormat::kBf16Nearest: return "bf16";
+    case MasterFormat::kBf16Stochastic: return "bf16_sr";
+  }
+  return "?";
+}
+
+const char* MomentFormatName(MomentFormat f) {
+  switch (f) {
+    case MomentFormat::kFp32: return "fp32";
+    case MomentFormat::kBf16: return "bf16";
+    case MomentFormat::kInt8: return "int8";
+  }
+  return "?";
+}
+
+size_t MasterBytes(MasterFormat f, size_t n) { return f == MasterFormat::kFp32 ? 4 * n : 2 * n; }
+
+size_t MomentBytes(MomentFormat f, size_t n) {
+  switch (f) {
+    case MomentFormat::kFp32: return 4 * n;
+    case MomentFormat::kBf16: return 2 * n;
+    case MomentFormat::kInt8: return Int8StateBytes(n);
+  }
+  return 0;
+}
+
+namespace {
+
+// One moment buffer seen block by block: fp32 in place, or widened into scratch and narrowed
+// back after the update.
+class MomentView {
+ public:
+  MomentView(void* base, MomentFormat format, size_t n, bool is_signed, Isa isa)
+      : base_(base), format_(format), n_(n), signed_(is_signed), isa_(isa) {}
+
+  // fp32 values of [off, off + len) (off a multiple of kInt8Block), valid until Store.
+  float* Load(size_t off, size_t len) {
+    switch (format_) {
+      case MomentFormat::kFp32:
+        return static_cast<float*>(base_) + off;
+      case MomentFormat::kBf16: {
+        const uint16_t* h = static_cast<const uint16_t*>(base_) + off;
+        for (size_t i = 0; i < len; ++i) scratch_[i] = Bf16ToFloat(h[i]);
+        return scratch_;
+      }
+      case MomentFormat::kInt8:
+        DequantizeBlock(Codes() + off, Scales()[off / kInt8Block], len, signed_, scratch_, isa_);
+        return scratch_;
+    }
+    return nullptr;
+  }
+
+  void Store(size_t off, size_t len) {
+    switch (format_) {
+      case MomentFormat::kFp32:
+        return;
+      case MomentFormat::kBf16: {
+        uint16_t* h = static_cast<uint16_t*>(base_) + off;
+        for (size_t i = 0; i < len; ++i) h[i] = FloatToBf16(scratch_[i]);
+        return;
+      }
+      case MomentFormat::kInt8:
+        QuantizeBlock(scratch_, len, signed_, Codes() + off, &Scales()[off / kInt8Block], isa_);
+        return;
+    }
+  }
+
+ private:
+  uint8_t* Codes() { return static_cast<uint8_t*>(base_); }
+  float* Scales() { return reinterpret_cast<float*>(Codes() + Int8ScaleOffset(n_)); }
+
+  void* base_;
+  MomentFormat format_;
+  size_t n_;
+  bool signed_;
+  Isa isa_;
+  alignas(64) float scratch_[kInt8Block];
+};
+
+Status Validate(const CompactAdamBuffers& b) {
+  if (b.n == 0) return Status::Ok();
+  if (!b.master || !b.grad || !b.exp_avg || !b.exp_avg_sq)
+    return InvalidArgument(StrCat("CompactAdamStep: a null buffer with n=", b.n));
+  if (b.param16 && b.master_format != MasterFormat::kFp32)
+    return InvalidArgument(StrCat("CompactAdamStep: param16 with a ", MasterFormatName(b.master_format),
+                                  " master; the bf16 master is the 16-bit copy itself"));
+  if (b.param16 && b.param16_dtype == DType::kFloat32)
+    return InvalidArgument("CompactAdamStep: param16 must be bf16 or fp16");
+  return Status::Ok();
+}
+
+}  // namespace
+
+StatusOr<AdamResult> CompactAdamStep(const AdamParams& params, const CompactAdamBuffers& bufs,
+                                     float grad_scale, const AdamOptions& options) {
+  STRATA_RETURN_IF_ERROR(Validate(bufs));
+  // AdamStep with no elements checks the hyperparameters, the scale and the ISA, as for itself.
+  AdamBuffers none;
+  none.grad_dtype = bufs.grad_dtype;
+  AdamOptions resolve = options;
+  resolve.grad_check = GradCheck::kCallerChecked;
+  STRATA_ASSIGN_OR_RETURN(AdamResult result, AdamStep(params, none, grad_scale, resolve));
+  if (bufs.n == 0) return result;
+  if (options.grad_check == GradCheck::kScanFirst) {
+    AdamOptions scan = options;
+    scan.isa = result.isa;
+    STRATA_ASSIGN_OR_RETURN(const GradStats stats,
+                            UnscaleCheckNorm(bufs.grad, bufs.grad_dtype, bufs.n, grad_scale, scan));
+    if (stats.found_nonfinite) {
+      result.skipped = true;
+      return result;
+    }
+  }
+  internal::P16 p16 = internal::P16::kNone;
+  if (bufs.param16) p16 = bufs.param16_dtype == DType::kBFloat16 ? internal::P16::kBf16 : internal::P16::kFp16;
+  const internal::AdamKernelFn kernel =
+      internal::PickAdamKernel(result.isa, bufs.grad_dtype, DType::kFloat32, p16, false);
+  const internal::AdamConsts consts = internal::MakeAdamConsts(params, grad_scale);
+  const size_t grad_size = DTypeSize(bufs.grad_dtype);
+  const size_t p16_size = 2;
+  const Isa isa = result.isa;
+  // Tasks cover whole 8-bit blocks.
+  const size_t grain = std::max<size_t>(
+      kInt8Block, ((options.grain ? options.grain : internal::kDefaultBlockGrain) / kInt8Block) * kInt8Block);
+  internal::ForEachBlock(bufs.n, grain, options.arena, [&](size_t begin, size_t end) {
+    MomentView m(bufs.exp_avg, bufs.moment_format, bufs.n, /*is_signed=*/true, isa);
+    MomentView v(bufs.exp_avg_sq, bufs.moment_format, bufs.n, /*is_signed=*/false, isa);
+    alignas(64) float master[kInt8Block];
+    for (size_t off = begin; off < end; off += kInt8Block) {
+      const size_t len = std::min(kInt8Block, end - off);
+      float* p = nullptr;
+      uint16_t* master16 = nullptr;
+      if (bufs.master_format == MasterFormat::kFp32) {
+        p = static_cast<float*>(bufs.master) + off;
+      } else {
+        master16 = static_cast<uint16_t*>(bufs.master) + off;
+        for (size_t i = 0; i < len; ++i) master[i] = Bf16ToFloat(master16[i]);
+        p = master;
+      }
+      internal::AdamKernelArgs args{};
+      args.c = consts;
+      args.master = p;
+      args.grad = static_cast<const char*>(bufs.grad) + off * grad_size;
+      args.exp_avg = m.Load(off, len);
+      args.exp_avg_sq = v.Load(off, len);
+      args.param16 = bufs.param16 ? static_cast<char*>(bufs.param16) + off * p16_size : nullptr;
+      kernel(args, 0, len);
+      m.Store(off, len);
+      v.Store(off, len);
+      if (bufs.master_format == MasterFormat::kBf16Nearest) {
+        for (size_t i = 0; i < len; ++i) master16[i] = FloatToBf16(master[i]);
+      } else if (bufs.master_format == MasterFormat::kBf16Stochastic) {
+        RoundToBf16Stochastic(master, master16, len, bufs.rounding_key, bufs.index_base + off, isa);
+      }
+    }
+  });
+  return result;
+}
+
+}  // namespace strata::optim

@@ -103,16 +103,27 @@ Status Validate(const CompactAdamBuffers& b) {
 
 }  // namespace
 
-StatusOr<AdamResult> CompactAdamStep(const AdamParams& params, const CompactAdamBuffers& bufs,
+StatusOr<AdamResult> CompactAdamStep(const std::vector<AdamRun>& runs, const CompactAdamBuffers& bufs,
                                      float grad_scale, const AdamOptions& options) {
   STRATA_RETURN_IF_ERROR(Validate(bufs));
-  // AdamStep with no elements checks the hyperparameters, the scale and the ISA, as for itself.
+  // AdamStep with no elements checks each run's hyperparameters, the scale and the ISA, as for
+  // itself.
   AdamBuffers none;
   none.grad_dtype = bufs.grad_dtype;
   AdamOptions resolve = options;
   resolve.grad_check = GradCheck::kCallerChecked;
-  STRATA_ASSIGN_OR_RETURN(AdamResult result, AdamStep(params, none, grad_scale, resolve));
-  if (bufs.n == 0) return result;
+  AdamResult result;
+  std::vector<internal::AdamConsts> consts;
+  size_t covered = 0;
+  for (const AdamRun& r : runs) {
+    if (r.begin < covered || r.begin + r.size > bufs.n)
+      return InvalidArgument(StrCat("CompactAdamStep: run [", r.begin, ", ", r.begin + r.size,
+                                    ") overlaps the previous one or ends past n=", bufs.n));
+    covered = r.begin + r.size;
+    STRATA_ASSIGN_OR_RETURN(result, AdamStep(r.params, none, grad_scale, resolve));
+    consts.push_back(internal::MakeAdamConsts(r.params, grad_scale));
+  }
+  if (bufs.n == 0 || runs.empty()) return result;
   if (options.grad_check == GradCheck::kScanFirst) {
     AdamOptions scan = options;
     scan.isa = result.isa;
@@ -127,10 +138,9 @@ StatusOr<AdamResult> CompactAdamStep(const AdamParams& params, const CompactAdam
   if (bufs.param16) p16 = bufs.param16_dtype == DType::kBFloat16 ? internal::P16::kBf16 : internal::P16::kFp16;
   const internal::AdamKernelFn kernel =
       internal::PickAdamKernel(result.isa, bufs.grad_dtype, DType::kFloat32, p16, false);
-  const internal::AdamConsts consts = internal::MakeAdamConsts(params, grad_scale);
   const size_t grad_size = DTypeSize(bufs.grad_dtype);
-  const size_t p16_size = 2;
   const Isa isa = result.isa;
+  const bool bf16_master = bufs.master_format != MasterFormat::kFp32;
   // Tasks cover whole 8-bit blocks.
   const size_t grain = std::max<size_t>(
       kInt8Block, ((options.grain ? options.grain : internal::kDefaultBlockGrain) / kInt8Block) * kInt8Block);
@@ -138,35 +148,61 @@ StatusOr<AdamResult> CompactAdamStep(const AdamParams& params, const CompactAdam
     MomentView m(bufs.exp_avg, bufs.moment_format, bufs.n, /*is_signed=*/true, isa);
     MomentView v(bufs.exp_avg_sq, bufs.moment_format, bufs.n, /*is_signed=*/false, isa);
     alignas(64) float master[kInt8Block];
+    // The first run that may reach this task's range.
+    size_t r0 = std::lower_bound(runs.begin(), runs.end(), begin,
+                                 [](const AdamRun& r, size_t at) { return r.begin + r.size <= at; }) -
+                runs.begin();
     for (size_t off = begin; off < end; off += kInt8Block) {
       const size_t len = std::min(kInt8Block, end - off);
+      while (r0 < runs.size() && runs[r0].begin + runs[r0].size <= off) ++r0;
+      if (r0 == runs.size() || runs[r0].begin >= off + len) continue;  // no run in this block
       float* p = nullptr;
       uint16_t* master16 = nullptr;
-      if (bufs.master_format == MasterFormat::kFp32) {
+      if (!bf16_master) {
         p = static_cast<float*>(bufs.master) + off;
       } else {
         master16 = static_cast<uint16_t*>(bufs.master) + off;
         for (size_t i = 0; i < len; ++i) master[i] = Bf16ToFloat(master16[i]);
         p = master;
       }
-      internal::AdamKernelArgs args{};
-      args.c = consts;
-      args.master = p;
-      args.grad = static_cast<const char*>(bufs.grad) + off * grad_size;
-      args.exp_avg = m.Load(off, len);
-      args.exp_avg_sq = v.Load(off, len);
-      args.param16 = bufs.param16 ? static_cast<char*>(bufs.param16) + off * p16_size : nullptr;
-      kernel(args, 0, len);
+      float* mp = m.Load(off, len);
+      float* vp = v.Load(off, len);
+      // Each run's part of the block: its constants; a bf16 master narrowed by its rounding.
+      size_t done = 0;  // block elements narrowed so far
+      for (size_t r = r0; r < runs.size() && runs[r].begin < off + len; ++r) {
+        const size_t lo = std::max(runs[r].begin, off) - off;
+        const size_t hi = std::min(runs[r].begin + runs[r].size, off + len) - off;
+        internal::AdamKernelArgs args{};
+        args.c = consts[r];
+        args.master = p + lo;
+        args.grad = static_cast<const char*>(bufs.grad) + (off + lo) * grad_size;
+        args.exp_avg = mp + lo;
+        args.exp_avg_sq = vp + lo;
+        args.param16 = bufs.param16 ? static_cast<char*>(bufs.param16) + (off + lo) * 2 : nullptr;
+        kernel(args, 0, hi - lo);
+        if (!bf16_master) continue;
+        for (size_t i = done; i < lo; ++i) master16[i] = FloatToBf16(master[i]);  // unchanged
+        if (bufs.master_format == MasterFormat::kBf16Nearest) {
+          for (size_t i = lo; i < hi; ++i) master16[i] = FloatToBf16(master[i]);
+        } else {
+          const uint64_t index = runs[r].index_base + (off + lo - runs[r].begin);
+          RoundToBf16Stochastic(master + lo, master16 + lo, hi - lo, bufs.rounding_key, index, isa);
+        }
+        done = hi;
+      }
+      if (bf16_master)
+        for (size_t i = done; i < len; ++i) master16[i] = FloatToBf16(master[i]);  // unchanged
       m.Store(off, len);
       v.Store(off, len);
-      if (bufs.master_format == MasterFormat::kBf16Nearest) {
-        for (size_t i = 0; i < len; ++i) master16[i] = FloatToBf16(master[i]);
-      } else if (bufs.master_format == MasterFormat::kBf16Stochastic) {
-        RoundToBf16Stochastic(master, master16, len, bufs.rounding_key, bufs.index_base + off, isa);
-      }
     }
   });
   return result;
+}
+
+StatusOr<AdamResult> CompactAdamStep(const AdamParams& params, const CompactAdamBuffers& bufs,
+                                     float grad_scale, const AdamOptions& options) {
+  return CompactAdamStep(std::vector<AdamRun>{{0, bufs.n, params, bufs.index_base}}, bufs,
+                         grad_scale, options);
 }
 
 }  // namespace strata::optim

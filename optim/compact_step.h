@@ -21,6 +21,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <vector>
 
 #include "optim/compact_formats.h"
 #include "optim/cpu_adam.h"
@@ -58,6 +59,22 @@ struct CompactAdamBuffers {
   uint32_t rounding_key = 0;
   uint64_t index_base = 0;
 };
+
+// A run of elements [begin, begin + size) of a shard updated with one group's hyperparameters;
+// element begin + j draws its rounding bits at model index index_base + j.
+struct AdamRun {
+  size_t begin = 0;
+  size_t size = 0;
+  AdamParams params;
+  uint64_t index_base = 0;
+};
+
+// One update of a whole shard (bufs.n elements; bufs.index_base is unused) made of runs, sorted
+// and disjoint, as a chunk's shard holds parameters of several groups. 8-bit blocks span runs:
+// a block is widened once, each run in it is updated with its own hyperparameters, and it is
+// narrowed once. Elements in no run keep their values (a block with no run is not touched).
+StatusOr<AdamResult> CompactAdamStep(const std::vector<AdamRun>& runs, const CompactAdamBuffers& bufs,
+                                     float grad_scale = 1.0f, const AdamOptions& options = {});
 
 // One update (cpu_adam.h's formula) of `bufs`. Errors as AdamStep's, plus INVALID_ARGUMENT for a
 // param16 beside a bf16 master (the master is the 16-bit copy). GradCheck::kScanFirst skips the

@@ -87,8 +87,10 @@ class Fp32Checkpoint:
             if block is None:
                 raise CheckpointError(f"{self.dir}: rank {m['rank']} has no master of chunk "
                                       f"{chunk}")
-            values = _read(self.dir, m["rank"], block, torch.float32,
-                           f"chunk {chunk}'s master32")
+            # A bf16 master (bf16_master_weights_and_grads) is saved as its bf16 bits.
+            bf16 = m.get("state_dtype", "").endswith("+bf16_master")
+            values = _read(self.dir, m["rank"], block, torch.bfloat16 if bf16 else torch.float32,
+                           f"chunk {chunk}'s master32").to(torch.float32)
             start = m["layout"]["shard_offset"][chunk]
             full[start:start + values.numel()] = values
         return full

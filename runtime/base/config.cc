@@ -599,7 +599,8 @@ const KeyTable<StrataConfig>& StrataKeys() {
               {{"crc32c", ChecksumKind::kCrc32c}, {"none", ChecksumKind::kNone}}),
       IntKey("prefetch_lookahead", &C::prefetch_lookahead, 0, 4096),
       EnumKey("optimizer_state_dtype", &C::optimizer_state_dtype,
-              {{"fp32", StateDtype::kFp32}, {"bf16", StateDtype::kBf16}}),
+              {{"fp32", StateDtype::kFp32}, {"bf16", StateDtype::kBf16}, {"int8", StateDtype::kInt8}}),
+      BoolKey("stochastic_rounding", &C::stochastic_rounding),
       IntKey("optimizer_threads", &C::optimizer_threads, 0, 4096),
       PageMultipleKey("host_pool_colour_step", &C::host_pool_colour_step, 0, 1 << 20,
                       "(pages stay aligned for O_DIRECT); 0 turns colouring off"),
@@ -677,6 +678,8 @@ const KeyTable<Bf16Config>& Bf16Keys() {
   using C = Bf16Config;
   static const KeyTable<C> keys = {
       BoolKey("enabled", &C::enabled),
+      BoolKey("bf16_master_weights_and_grads", &C::bf16_master_weights_and_grads),
+      BoolKey("bf16_optimizer_states", &C::bf16_optimizer_states),
       IgnoredKey<C>("immediate_grad_update", "has no effect in Strata"),
       // Megatron-DeepSpeed's bf16 configs copy fp16's loss-scaling keys; DeepSpeed reads only
       // "enabled" there.
@@ -702,6 +705,17 @@ Status ParseBf16(Section& s, Bf16Config* c) {
 Status CheckCombinations(Section& s, Config* c) {
   if (c->fp16.enabled && c->bf16.enabled)
     return InvalidArgument("fp16.enabled and bf16.enabled are both true; enable at most one");
+  if ((c->bf16.bf16_master_weights_and_grads || c->bf16.bf16_optimizer_states) && !c->bf16.enabled)
+    return InvalidArgument(StrCat(
+        "bf16.", c->bf16.bf16_master_weights_and_grads ? "bf16_master_weights_and_grads"
+                                                       : "bf16_optimizer_states",
+        "=true needs bf16.enabled=true (the compact layouts keep bf16 copies of bf16 training)"));
+  if (c->bf16.bf16_optimizer_states) {
+    if (c->strata.optimizer_state_dtype == StateDtype::kInt8)
+      return InvalidArgument("bf16.bf16_optimizer_states=true and strata.optimizer_state_dtype="
+                             "\"int8\" ask for two moment formats; keep one");
+    c->strata.optimizer_state_dtype = StateDtype::kBf16;  // DeepSpeed's key, Strata's field
+  }
   auto& z = c->zero_optimization;
   // DeepSpeed only offloads parameters at stage 3 and the optimizer at stages 1-3; elsewhere it
   // ignores the section, and so does Strata, saying so.

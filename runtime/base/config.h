@@ -31,7 +31,7 @@ namespace strata {
 enum class OffloadDevice { kNone, kCpu, kNvme };
 enum class EvictionPolicy { kNextUse, kLru };
 enum class ChecksumKind { kNone, kCrc32c };
-enum class StateDtype { kFp32, kBf16 };
+enum class StateDtype { kFp32, kBf16, kInt8 };
 
 struct OffloadParamConfig {
   OffloadDevice device = OffloadDevice::kNone;
@@ -145,6 +145,11 @@ struct Fp16Config {
 
 struct Bf16Config {
   bool enabled = false;
+  // DeepSpeed's compact layouts: the master weights are the bf16 working copy (no fp32 master),
+  // and the moments are bf16. Strata rounds the bf16 master stochastically unless
+  // strata.stochastic_rounding is false (DeepSpeed's nearest rounding).
+  bool bf16_master_weights_and_grads = false;
+  bool bf16_optimizer_states = false;
 };
 
 // DeepSpeed's activation_checkpointing section, with its keys and defaults. Parsed and validated;
@@ -184,7 +189,11 @@ struct StrataConfig {
   bool overlap_optimizer = true;      // run CPU Adam per chunk during backward
   ChecksumKind checksums = ChecksumKind::kCrc32c;
   int64_t prefetch_lookahead = 4;     // blocks issued ahead of use from the trace
-  StateDtype optimizer_state_dtype = StateDtype::kFp32;  // exp_avg / exp_avg_sq
+  // exp_avg / exp_avg_sq: fp32, bf16, or int8 (8-bit blockwise, optim/compact_formats.h).
+  StateDtype optimizer_state_dtype = StateDtype::kFp32;
+  // With bf16.bf16_master_weights_and_grads: round the bf16 master's updates stochastically
+  // (Note [stochastic rounding] in optim/compact_formats.h); false rounds to nearest.
+  bool stochastic_rounding = true;
   int64_t optimizer_threads = 0;      // 0: all cores
   // Host pool address colouring (PinnedPoolOptions::colour_step): each MiB of the pool is shifted
   // by one more step, so an optimizer call's buffers never share a large power-of-two alignment.

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "kernels/kernels.h"
+#include "optim/compact_step.h"
 #include "runtime/base/check.h"
 
 namespace strata {
@@ -110,6 +111,14 @@ StatusOr<std::unique_ptr<ChunkUpdater>> ChunkUpdater::Create(Parts parts) {
         [self](const PublishLane::Copy& copy, Status s) { self->OnPublished(copy, std::move(s)); });
     STRATA_RETURN_IF_ERROR(u->publish_->Reserve(most * optim::DTypeSize(u->p_.plan->compute_dtype())));
   }
+  if (u->p_.plan->compact_optimizer()) {
+    uint64_t at = 0;
+    for (int64_t pid = 0; pid < u->p_.partitioner->num_params(); ++pid) {
+      u->model_offset_.push_back(at);
+      at += static_cast<uint64_t>(u->p_.partitioner->location(pid).numel);
+    }
+    u->rounding_seed_ = u->p_.rounding_seed;
+  }
   return u;
 }
 
@@ -126,7 +135,11 @@ Status ChunkUpdater::Update(int64_t c, const OptimizerLane::StepInputs& in,
   Status s = ChooseOutput(c, in.step, &held, slot_wait_s);
   if (s.ok()) {
     const int64_t n = p_.partitioner->chunks()[c].shard_numel;
-    s = p_.plan->device_optimizer() ? RunOnDevice(in, held, n) : RunOnHost(in, held, n);
+    if (p_.plan->compact_optimizer() && !p_.plan->device_optimizer()) {
+      p_.streams->arena->execute([&] { s = RunCompact(in, held, n); });
+    } else {
+      s = p_.plan->device_optimizer() ? RunOnDevice(in, held, n) : RunOnHost(in, held, n);
+    }
   }
   return Finish(c, in.step, std::move(s), &held, publish);
 }
@@ -215,6 +228,17 @@ std::vector<Segment> Segments(const OptimizerConfig& oc, const StepPlan& plan,
 // update and the copy into the working shard queued behind it; the blocks stay pinned until then.
 // The gradient's hand-off already waited for the compute that wrote it.
 Status ChunkUpdater::RunOnDevice(const OptimizerLane::StepInputs& in, const Held& h, int64_t n) {
+  if (p_.plan->compact_optimizer()) {  // the CPU device only (StepPlan refuses CUDA)
+    Stream* stream = p_.streams->publish.get();
+    tbb::task_arena* arena = p_.streams->arena.get();
+    Status s = stream->LaunchKernel([this, &in, &h, n, arena](void*) {
+      Status r;
+      arena->execute([&] { r = RunCompact(in, h, n); });
+      return r;
+    });
+    Status w = stream->Synchronize();
+    return s.ok() ? w : s;
+  }
   const int64_t c = h.keys[0].chunk;
   std::vector<Segment> segments = Segments(*p_.optimizer, *p_.plan, p_.groups->segments[c], in, h.ptrs, h.out);
   const OptimizerType type = p_.optimizer->type;
@@ -267,6 +291,45 @@ Status ChunkUpdater::RunOnHost(const OptimizerLane::StepInputs& in, const Held& 
   if (s.ok() && p_.plan->compute_dtype() == optim::DType::kFloat32 && h.out != h.ptrs[0])
     std::memcpy(h.out, h.ptrs[0], n * 4);
   return s;
+}
+
+Status ChunkUpdater::RunCompact(const OptimizerLane::StepInputs& in, const Held& h, int64_t n) {
+  const int64_t c = h.keys[0].chunk;
+  const StepPlan& plan = *p_.plan;
+  const Partitioner& part = *p_.partitioner;
+  const int64_t lo = part.ShardOffset(c, plan.shard_rank());
+  // One run per parameter piece in the shard, with its group's hyperparameters.
+  std::vector<optim::AdamRun> runs;
+  for (int64_t pid : part.chunks()[c].params) {
+    const ParamLocation& loc = part.location(pid);
+    const int64_t from = std::max(lo, loc.offset), to = std::min(lo + n, loc.offset + loc.numel);
+    if (from >= to) continue;
+    const Segment sg = MakeSegment(*p_.optimizer, in.groups[p_.groups->of_param[pid]], in.step);
+    runs.push_back({static_cast<size_t>(from - lo), static_cast<size_t>(to - from), sg.ap,
+                    model_offset_[pid] + static_cast<uint64_t>(from - loc.offset)});
+  }
+  optim::CompactAdamBuffers b;
+  b.master = h.ptrs[0];
+  b.master_format = plan.master_format();
+  b.grad = h.ptrs[3];
+  b.grad_dtype = optim::DType::kFloat32;
+  b.exp_avg = h.ptrs[1];
+  b.exp_avg_sq = h.ptrs[2];
+  b.moment_format = plan.moment_format();
+  b.n = static_cast<size_t>(n);
+  b.rounding_key = optim::RoundingKey(rounding_seed_, in.step);
+  // An fp32 master writes the working copy as it goes (param16); a bf16 master is copied after.
+  const bool bf16_master = plan.master_dtype() != optim::DType::kFloat32;
+  if (!bf16_master && plan.compute_dtype() != optim::DType::kFloat32) {
+    b.param16 = h.out;
+    b.param16_dtype = plan.compute_dtype();
+  }
+  optim::AdamOptions ao;
+  ao.grad_check = optim::GradCheck::kCallerChecked;
+  STRATA_RETURN_IF_ERROR(optim::CompactAdamStep(runs, b, in.grad_scale, ao).status());
+  if (h.out != h.ptrs[0] && (bf16_master || plan.compute_dtype() == optim::DType::kFloat32))
+    std::memcpy(h.out, h.ptrs[0], n * optim::DTypeSize(plan.compute_dtype()));
+  return Status::Ok();
 }
 
 Status ChunkUpdater::Finish(int64_t c, int64_t step, Status s, Held* h,

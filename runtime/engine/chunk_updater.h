@@ -18,6 +18,7 @@
 #include <functional>
 #include <memory>
 #include <optional>
+#include <vector>
 
 #include "runtime/base/config.h"
 #include "runtime/base/device.h"
@@ -48,6 +49,7 @@ class ChunkUpdater {
     // A chunk's update is over (its new values landed, or failed to): the optimizer lane's
     // Finished. Called on the publish lane's thread.
     std::function<void(int64_t chunk, Status s)> finished;
+    uint64_t rounding_seed = 0;  // Note [stochastic rounding] (optim/compact_formats.h)
   };
   // Makes the publish lane, with slots for the largest shard, when the plan stages new values.
   static StatusOr<std::unique_ptr<ChunkUpdater>> Create(Parts parts);
@@ -74,6 +76,11 @@ class ChunkUpdater {
   Status ChooseOutput(int64_t c, int64_t step, Held* held, double* slot_wait_s);
   Status RunOnDevice(const OptimizerLane::StepInputs& in, const Held& held, int64_t n);
   Status RunOnHost(const OptimizerLane::StepInputs& in, const Held& held, int64_t n);
+  // Note [compact layouts] (step_plan.h): optim::CompactAdamStep over the shard, one run per
+  // parameter piece, each drawing its rounding bits at the parameter's model-wide index; then
+  // the new working values to `out` when the master is not the working shard. In the caller's
+  // arena.
+  Status RunCompact(const OptimizerLane::StepInputs& in, const Held& held, int64_t n);
   // Releases what the update held (written when `updated`) and starts the slot's copy.
   Status Finish(int64_t c, int64_t step, Status s, Held* held, std::optional<PublishLane::Copy>* publish);
   Status StartPublish(int64_t c, int slot, int64_t step, PublishLane::Copy* copy);
@@ -82,6 +89,10 @@ class ChunkUpdater {
 
   Parts p_;
   std::unique_ptr<PublishLane> publish_;
+  // The compact layouts' rounding: each parameter's first element's index in the whole model
+  // (registration order), and the run's seed (model.seed).
+  std::vector<uint64_t> model_offset_;
+  uint64_t rounding_seed_ = 0;
 };
 
 }  // namespace strata

@@ -123,12 +123,14 @@ Status Engine::Impl::WriteBlockBytes(void* block, const void* src, size_t bytes,
 }
 
 uint64_t Engine::Impl::model_state_bytes() const {
-  const uint64_t n = static_cast<uint64_t>(num_params());
-  const uint64_t work = optim::DTypeSize(plan_.compute_dtype());
-  const uint64_t state = optim::DTypeSize(plan_.state_dtype());
-  // working copy + fp32 grad + fp32 master + the moments the optimizer keeps
-  const uint64_t moments = (plan_.HoldsState(StateKind::kExpAvg) ? 1 : 0) + (plan_.HoldsState(StateKind::kExpAvgSq) ? 1 : 0);
-  return n * (work + 4 + 4 + moments * state);
+  const int64_t n = num_params();
+  // working copy + fp32 grad + the master (unless the working copy is it) + the moments kept
+  uint64_t bytes = plan_.BlockBytes(StateKind::kParam16, n) + plan_.BlockBytes(StateKind::kGrad, n);
+  if (plan_.master_dtype() != plan_.compute_dtype() || !plan_.compact_optimizer())
+    bytes += plan_.BlockBytes(StateKind::kMaster32, n);
+  for (StateKind k : {StateKind::kExpAvg, StateKind::kExpAvgSq})
+    if (plan_.HoldsState(k)) bytes += plan_.BlockBytes(k, n);
+  return bytes;
 }
 
 nlohmann::json Engine::Impl::Describe() const {
@@ -138,7 +140,8 @@ nlohmann::json Engine::Impl::Describe() const {
           {"chunks", chunks_.size()},
           {"chunk_size", config_.strata.chunk_size},
           {"dtype", optim::DTypeName(plan_.compute_dtype())},
-          {"optimizer_state_dtype", optim::DTypeName(plan_.state_dtype())},
+          {"optimizer_state_dtype", optim::MomentFormatName(plan_.moment_format())},
+          {"master_format", optim::MasterFormatName(plan_.master_format())},
           {"param_placement", PlacementName(plan_.param_placement())},
           {"optimizer_placement", PlacementName(plan_.optim_placement())},
           {"optimizer_overlap", plan_.OptimizerOverlapName()},

@@ -107,7 +107,7 @@ checkpoint::Manifest Engine::Impl::NewManifest(const nlohmann::json& extra) cons
   m.world_size = comm_->world_size();
   m.stage = config_.zero_optimization.stage;
   m.dtype = optim::DTypeName(plan_.compute_dtype());
-  m.state_dtype = optim::DTypeName(plan_.state_dtype());
+  m.state_dtype = plan_.StateLayoutName();
   m.parameters = num_params();
   for (const ChunkInfo& ci : partitioner_->chunks()) m.shard_numel.push_back(ci.shard_numel);
   m.global_step = step_.global_step;
@@ -189,8 +189,7 @@ Status Engine::Impl::PublishSave(const std::string& root, const std::string& nam
 }
 
 uint64_t Engine::Impl::SavedBytes(int64_t c, StateKind kind) const {
-  return partitioner_->chunks()[c].shard_numel *
-         (kind == StateKind::kMaster32 ? 4 : optim::DTypeSize(plan_.state_dtype()));
+  return plan_.BlockBytes(kind, partitioner_->chunks()[c].shard_numel);
 }
 
 nlohmann::json Engine::Impl::LayoutJson() const {
@@ -293,10 +292,11 @@ Status Engine::Impl::CheckManifestFits(const checkpoint::Manifest& m, const std:
   if (m.stage != config_.zero_optimization.stage)
     return mismatch("zero_optimization.stage", std::to_string(m.stage),
                     std::to_string(config_.zero_optimization.stage), "use the config it was saved with");
-  if (m.dtype != optim::DTypeName(plan_.compute_dtype()) || m.state_dtype != optim::DTypeName(plan_.state_dtype()))
+  if (m.dtype != optim::DTypeName(plan_.compute_dtype()) || m.state_dtype != plan_.StateLayoutName())
     return mismatch("precision", m.dtype + "/" + m.state_dtype,
-                    std::string(optim::DTypeName(plan_.compute_dtype())) + "/" + optim::DTypeName(plan_.state_dtype()),
-                    "use the bf16/fp16 and optimizer_state_dtype settings it was saved with");
+                    std::string(optim::DTypeName(plan_.compute_dtype())) + "/" + plan_.StateLayoutName(),
+                    "use the bf16/fp16, bf16_master_weights_and_grads and optimizer_state_dtype "
+                    "settings it was saved with");
   std::vector<int64_t> ours;
   for (const ChunkInfo& ci : partitioner_->chunks()) ours.push_back(ci.shard_numel);
   if (m.parameters != num_params() || m.shard_numel != ours)

@@ -263,6 +263,7 @@ Status Engine::Impl::MakeLanes() {
   up.chunks = &chunks_;
   up.trace = &meter_.trace;
   up.finished = [this](int64_t c, Status s) { opt_lane_->Finished(c, std::move(s)); };
+  up.rounding_seed = config_.model.seed;
   STRATA_ASSIGN_OR_RETURN(updater_, ChunkUpdater::Create(std::move(up)));
   const auto num_chunks = static_cast<int64_t>(chunk_infos.size());
   opt_lane_ = std::make_unique<OptimizerLane>(

@@ -38,7 +38,6 @@ Status Engine::Impl::WriteInitialBlocks() {
   // chunk's full fp32 values exist at a time besides the model.
   const int stage = z.stage;
   const size_t esize = optim::DTypeSize(plan_.compute_dtype());
-  const size_t ssize = optim::DTypeSize(plan_.state_dtype());
   const torch::Dtype tdtype = TorchDtype(plan_.compute_dtype());
   for (size_t c = 0; c < chunk_infos.size(); ++c) {
     const ChunkInfo& ci = chunk_infos[c];
@@ -69,13 +68,21 @@ Status Engine::Impl::WriteInitialBlocks() {
       Status released = store_->Release(key, /*dirty=*/true);
       return written.ok() ? released : written;
     };
-    if (!plan_.master_is_param())
-      STRATA_RETURN_IF_ERROR(put(StateKind::kMaster32, n * 4, plan_.optim_placement(), shard32.data_ptr()));
-    if (plan_.HoldsState(StateKind::kExpAvg)) STRATA_RETURN_IF_ERROR(put(StateKind::kExpAvg, n * ssize, plan_.optim_placement(), nullptr));
-    if (plan_.HoldsState(StateKind::kExpAvgSq))
-      STRATA_RETURN_IF_ERROR(put(StateKind::kExpAvgSq, n * ssize, plan_.optim_placement(), nullptr));
-    STRATA_RETURN_IF_ERROR(put(StateKind::kGrad, n * 4, plan_.optim_placement(), nullptr));
     torch::Tensor work = full32.to(tdtype);
+    // The master: the fp32 values, or a bf16 master's bits (the working copy's own: Note
+    // [compact layouts] in step_plan.h).
+    torch::Tensor master = plan_.master_dtype() == optim::DType::kFloat32
+                               ? shard32
+                               : work.narrow(0, partitioner_->ShardOffset(c64, plan_.shard_rank()), n)
+                                     .contiguous();
+    if (!plan_.master_is_param())
+      STRATA_RETURN_IF_ERROR(put(StateKind::kMaster32, plan_.BlockBytes(StateKind::kMaster32, n),
+                                 plan_.optim_placement(), master.data_ptr()));
+    // Zero bytes are zero moments in every format (an 8-bit block with scale 0).
+    for (StateKind k : {StateKind::kExpAvg, StateKind::kExpAvgSq})
+      if (plan_.HoldsState(k))
+        STRATA_RETURN_IF_ERROR(put(k, plan_.BlockBytes(k, n), plan_.optim_placement(), nullptr));
+    STRATA_RETURN_IF_ERROR(put(StateKind::kGrad, plan_.BlockBytes(StateKind::kGrad, n), plan_.optim_placement(), nullptr));
     torch::NoGradGuard ng;
     if (stage == 3) {
       torch::Tensor shard16 =

@@ -42,7 +42,7 @@ struct StateBlock {
 StatusOr<StateBlock> BlockOf(const StepPlan& plan, int64_t c, StateKind kind) {
   switch (kind) {
     case StateKind::kMaster32:
-      return StateBlock{plan.MasterKey(c), optim::DType::kFloat32};
+      return StateBlock{plan.MasterKey(c), plan.master_dtype()};
     case StateKind::kParam16:
       if (!plan.stage3())
         return FailedPrecondition("a parameter's shard of the working copy exists under ZeRO "
@@ -53,6 +53,11 @@ StatusOr<StateBlock> BlockOf(const StepPlan& plan, int64_t c, StateKind kind) {
       if (!plan.HoldsState(kind))
         return FailedPrecondition(StrCat("the optimizer keeps no ", StateKindName(kind),
                                          " state (Note [states the optimizer uses])"));
+      if (plan.moment_format() == optim::MomentFormat::kInt8)
+        return FailedPrecondition(StrCat(
+            "per-parameter access to ", StateKindName(kind), " is not available with "
+            "strata.optimizer_state_dtype=int8 yet (the moments are 8-bit blocks); save a "
+            "checkpoint, or train with fp32 or bf16 moments to read them"));
       return StateBlock{{c, kind}, plan.state_dtype()};
     default:
       return InvalidArgument(StrCat("no per-parameter access to the ", StateKindName(kind),

@@ -29,10 +29,7 @@ StatusOr<uint64_t> Engine::Impl::OffloadStates(const std::vector<StateKind>& kin
       if (std::any_of(parked_.begin(), parked_.end(), [&](const ParkedBlock& p) { return p.key == key; }))
         continue;  // offloaded already (DeepSpeed allows a second call)
       const uint64_t n = static_cast<uint64_t>(partitioner_->chunks()[c].shard_numel);
-      const uint64_t bytes =
-          n * (kind == StateKind::kParam16 ? optim::DTypeSize(plan_.compute_dtype())
-               : kind == StateKind::kMaster32 || kind == StateKind::kGrad ? 4
-                                                                           : optim::DTypeSize(plan_.state_dtype()));
+      const uint64_t bytes = plan_.BlockBytes(kind, static_cast<int64_t>(n));
       ParkedBlock p{key, std::vector<uint8_t>(bytes)};
       STRATA_ASSIGN_OR_RETURN(void* block, store_->Acquire(key, Access::kRead));
       Status s = ReadBlockBytes(p.bytes.data(), block, bytes, Placement::kDevice);

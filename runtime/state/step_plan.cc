@@ -41,6 +41,7 @@ StatusOr<StepPlan> StepPlan::Make(const Inputs& in) {
   p.loss_scaling_ = c.fp16.enabled || in.loss_scaling_option;
   p.client_optimizer_ = in.client_optimizer;
   STRATA_RETURN_IF_ERROR(p.ChoosePlacement(in));
+  STRATA_RETURN_IF_ERROR(p.ChooseLayout(in));
   // Note [states the optimizer uses]: an SGD group may not gain momentum later
   // (SetGroupHyperparameters refuses it).
   const OptimizerType type = c.optimizer.type;
@@ -53,6 +54,14 @@ StatusOr<StepPlan> StepPlan::Make(const Inputs& in) {
   STRATA_ASSIGN_OR_RETURN(p.stage_plan_,
                           in.partitioner->PlanFor(p.stage_, p.shard_rank(),
                                                   static_cast<int>(optim::DTypeSize(p.state_dtype_))));
+  // The stage plan counts elements times a size; the compact formats' blocks are sized here.
+  for (StateKind k : {StateKind::kMaster32, StateKind::kExpAvg, StateKind::kExpAvgSq}) {
+    const int i = static_cast<int>(k);
+    const int64_t numel = p.stage_plan_.sharded[i] ? in.partitioner->shard_numel_per_rank()
+                                                   : in.partitioner->total_numel();
+    if (k != StateKind::kMaster32 || p.stage_plan_.bytes[i] != 0)
+      p.stage_plan_.bytes[i] = p.BlockBytes(k, numel);
+  }
   p.SizeTiers(in);
   // The host pool must hold the host-placed blocks and a working set of NVMe blocks.
   if (p.host_budget_ > 0) {
@@ -62,11 +71,11 @@ StatusOr<StepPlan> StepPlan::Make(const Inputs& in) {
       auto add = [&](uint64_t bytes, Placement where) {
         if (where == Placement::kNvme) nvme_total += PoolClass(bytes), largest = std::max(largest, PoolClass(bytes));
       };
-      add(n * 4, p.optim_placement_);
-      add(n * 4, p.optim_placement_);
-      if (p.holds_exp_avg_) add(n * optim::DTypeSize(p.state_dtype_), p.optim_placement_);
-      if (p.holds_exp_avg_sq_) add(n * optim::DTypeSize(p.state_dtype_), p.optim_placement_);
-      if (p.stage3()) add(n * optim::DTypeSize(p.compute_dtype_), p.param_placement_);
+      add(p.BlockBytes(StateKind::kMaster32, ci.shard_numel), p.optim_placement_);
+      add(p.BlockBytes(StateKind::kGrad, ci.shard_numel), p.optim_placement_);
+      if (p.holds_exp_avg_) add(p.BlockBytes(StateKind::kExpAvg, ci.shard_numel), p.optim_placement_);
+      if (p.holds_exp_avg_sq_) add(p.BlockBytes(StateKind::kExpAvgSq, ci.shard_numel), p.optim_placement_);
+      if (p.stage3()) add(p.BlockBytes(StateKind::kParam16, ci.shard_numel), p.param_placement_);
     }
     const uint64_t need = p.host_only_bytes_ + std::min(nvme_total, 8 * largest);
     if (p.host_budget_ < need)
@@ -125,25 +134,26 @@ Status StepPlan::ChoosePlacement(const Inputs& in) {
 // The host pool's budget and the NVMe bytes, from this rank's blocks.
 void StepPlan::SizeTiers(const Inputs& in) {
   const Config& c = *in.config;
-  const uint64_t ssize = optim::DTypeSize(state_dtype_);
-  const uint64_t esize = optim::DTypeSize(compute_dtype_);
   uint64_t host_only = 0, nvme_total = 0, largest = 0, nvme_bytes = 0;
   auto round = [](uint64_t b) { return (b + 4095) / 4096 * 4096; };
   for (const ChunkInfo& ci : in.partitioner->chunks()) {
-    const uint64_t n = static_cast<uint64_t>(ci.shard_numel);
-    // master32 and grad, the moments the optimizer keeps, and at stage 3 the param16 shard.
-    std::vector<std::pair<uint64_t, Placement>> blocks = {{n * 4, optim_placement_}, {n * 4, optim_placement_}};
-    if (holds_exp_avg_) blocks.push_back({n * ssize, optim_placement_});
-    if (holds_exp_avg_sq_) blocks.push_back({n * ssize, optim_placement_});
-    if (stage3()) blocks.push_back({n * esize, param_placement_});
+    const int64_t n = ci.shard_numel;
+    const uint64_t master = BlockBytes(StateKind::kMaster32, n), grad = BlockBytes(StateKind::kGrad, n);
+    const uint64_t m = BlockBytes(StateKind::kExpAvg, n), v = BlockBytes(StateKind::kExpAvgSq, n);
+    const uint64_t work = BlockBytes(StateKind::kParam16, n);
+    // master and grad, the moments the optimizer keeps, and at stage 3 the param16 shard.
+    std::vector<std::pair<uint64_t, Placement>> blocks = {{master, optim_placement_}, {grad, optim_placement_}};
+    if (holds_exp_avg_) blocks.push_back({m, optim_placement_});
+    if (holds_exp_avg_sq_) blocks.push_back({v, optim_placement_});
+    if (stage3()) blocks.push_back({work, param_placement_});
     for (auto [bytes, where] : blocks) {
       if (where == Placement::kHost) host_only += PoolClass(bytes);
       if (where == Placement::kNvme) nvme_total += PoolClass(bytes), largest = std::max(largest, PoolClass(bytes));
     }
     // On disk: grad, master (unless the working copy is it) and two moments; the param16 shard.
     if (optim_placement_ == Placement::kNvme)
-      nvme_bytes += round(n * 4) * (master_is_param() ? 1 : 2) + round(n * ssize) * 2;
-    if (param_placement_ == Placement::kNvme && stage3()) nvme_bytes += round(n * esize);
+      nvme_bytes += round(grad) + (master_is_param() ? 0 : round(master)) + round(m) + round(v);
+    if (param_placement_ == Placement::kNvme && stage3()) nvme_bytes += round(work);
   }
   nvme_bytes_ = nvme_bytes;
   host_only_bytes_ = host_only;
@@ -154,6 +164,56 @@ void StepPlan::SizeTiers(const Inputs& in) {
   if (budget == 0 && host_only + nvme_total > 0) budget = host_only + working;
   if (host_only + nvme_total == 0) budget = 0;
   host_budget_ = budget;
+}
+
+uint64_t StepPlan::BlockBytes(StateKind kind, int64_t shard_numel) const {
+  const uint64_t n = static_cast<uint64_t>(shard_numel);
+  switch (kind) {
+    case StateKind::kParam16: return n * optim::DTypeSize(compute_dtype_);
+    case StateKind::kGrad: return n * 4;
+    case StateKind::kMaster32: return optim::MasterBytes(master_format_, n);
+    case StateKind::kExpAvg:
+    case StateKind::kExpAvgSq:
+      return moment_format_ == optim::MomentFormat::kInt8 ? optim::MomentBytes(moment_format_, n)
+                                                          : n * optim::DTypeSize(state_dtype_);
+    default: return 0;
+  }
+}
+
+std::string StepPlan::StateLayoutName() const {
+  return StrCat(moment_format_ == optim::MomentFormat::kInt8 ? "int8" : optim::DTypeName(state_dtype_),
+                master_format_ == optim::MasterFormat::kFp32 ? "" : "+bf16_master");
+}
+
+// Note [compact layouts]: which master and moment formats, and where they can run.
+Status StepPlan::ChooseLayout(const Inputs& in) {
+  const Config& c = *in.config;
+  moment_format_ = c.strata.optimizer_state_dtype == StateDtype::kInt8   ? optim::MomentFormat::kInt8
+                   : c.strata.optimizer_state_dtype == StateDtype::kBf16 ? optim::MomentFormat::kBf16
+                                                                         : optim::MomentFormat::kFp32;
+  if (c.bf16.bf16_master_weights_and_grads)
+    master_format_ = c.strata.stochastic_rounding ? optim::MasterFormat::kBf16Stochastic
+                                                  : optim::MasterFormat::kBf16Nearest;
+  if (!compact_optimizer()) return Status::Ok();
+  const std::string layout = StrCat(
+      master_format_ != optim::MasterFormat::kFp32 ? "bf16.bf16_master_weights_and_grads" : "",
+      master_format_ != optim::MasterFormat::kFp32 && moment_format_ == optim::MomentFormat::kInt8 ? " with " : "",
+      moment_format_ == optim::MomentFormat::kInt8 ? "strata.optimizer_state_dtype=int8" : "");
+  if (master_format_ != optim::MasterFormat::kFp32 && compute_dtype_ != optim::DType::kBFloat16)
+    return InvalidArgument(StrCat(layout, " keeps the master as the bf16 working copy, but this run "
+                                  "computes in ", optim::DTypeName(compute_dtype_),
+                                  "; set bf16.enabled=true"));
+  const OptimizerType t = c.optimizer.type;
+  if (t != OptimizerType::kAdam && t != OptimizerType::kAdamW)
+    return InvalidArgument(StrCat(layout, " runs with Adam and AdamW only so far; optimizer.type=",
+                                  OptimizerTypeName(t), " keeps fp32 states: remove it or use AdamW"));
+  if (client_optimizer_)
+    return InvalidArgument(StrCat(layout, " is Strata's own optimizer's layout; a client optimizer "
+                                  "(zero_allow_untested_optimizer) keeps its own states"));
+  if (device_optimizer() && device_kind_ == DeviceKind::kCuda)
+    return InvalidArgument(StrCat(layout, " runs on the CPU optimizer so far: set "
+                                  "zero_optimization.offload_optimizer.device to cpu or nvme"));
+  return Status::Ok();
 }
 
 const char* StepPlan::OptimizerOverlapName() const {

@@ -15,6 +15,7 @@
 
 #include <nlohmann/json_fwd.hpp>
 
+#include "optim/compact_step.h"
 #include "optim/dtype.h"
 #include "runtime/base/config.h"
 #include "runtime/base/device.h"
@@ -52,7 +53,30 @@ class StepPlan {
   int shard_world() const { return stage_ == 0 ? 1 : world_; }
 
   optim::DType compute_dtype() const { return compute_dtype_; }
+  // The moments' element type for the formats with one (fp32, bf16); int8 moments are blocks
+  // (moment_format, BlockBytes).
   optim::DType state_dtype() const { return state_dtype_; }
+  // Note [compact layouts]: bf16.bf16_master_weights_and_grads keeps the master as bf16 (rounded
+  // stochastically unless strata.stochastic_rounding is false); strata.optimizer_state_dtype
+  // int8 keeps the moments as 8-bit blocks. Either runs the optimizer through
+  // optim::CompactAdamStep (Adam and AdamW, on the host optimizer or the CPU device's).
+  optim::MasterFormat master_format() const { return master_format_; }
+  optim::MomentFormat moment_format() const { return moment_format_; }
+  bool compact_optimizer() const {
+    return master_format_ != optim::MasterFormat::kFp32 || moment_format_ == optim::MomentFormat::kInt8;
+  }
+  // The master's element type: fp32, or bf16 in the compact layouts.
+  optim::DType master_dtype() const {
+    return master_format_ == optim::MasterFormat::kFp32 ? optim::DType::kFloat32 : optim::DType::kBFloat16;
+  }
+  // The one rule for a state block's size: bytes of `kind` for a shard of `shard_numel`
+  // elements (the working copy in the compute dtype, the gradient in fp32, the master in its
+  // dtype, the moments in their format). Every allocation, checkpoint entry and tier budget
+  // asks here.
+  uint64_t BlockBytes(StateKind kind, int64_t shard_numel) const;
+  // The saved states' layout, as checkpoints record it (their "state_dtype"): the moments'
+  // format ("fp32", "bf16", "int8"), with "+bf16_master" when the master is bf16.
+  std::string StateLayoutName() const;
   // fp16, or EngineOptions::loss_scaling: the loss is scaled and a step with a non-finite
   // gradient is skipped, so no update may start before the step's overflow flag is known.
   bool loss_scaling() const { return loss_scaling_; }
@@ -85,8 +109,9 @@ class StepPlan {
   // not stored twice: the param16 block is the master, which saves a chunk's worth of write-back
   // and read per update. The checkpoint format is unchanged (its "master32" entries are read from
   // and written to this block).
+  // A bf16 master (Note [compact layouts]) is likewise the bf16 working shard itself.
   bool master_is_param() const {
-    return stage3() && compute_dtype_ == optim::DType::kFloat32 && param_placement_ == optim_placement_ &&
+    return stage3() && compute_dtype_ == master_dtype() && param_placement_ == optim_placement_ &&
            param_placement_ != Placement::kDevice;
   }
   BlockKey MasterKey(int64_t c) const {
@@ -119,12 +144,15 @@ class StepPlan {
 
  private:
   Status ChoosePlacement(const Inputs& in);
+  Status ChooseLayout(const Inputs& in);
   void SizeTiers(const Inputs& in);
 
   int stage_ = 0, rank_ = 0, world_ = 1;
   DeviceKind device_kind_ = DeviceKind::kCpu;
   optim::DType compute_dtype_ = optim::DType::kFloat32;
   optim::DType state_dtype_ = optim::DType::kFloat32;
+  optim::MasterFormat master_format_ = optim::MasterFormat::kFp32;
+  optim::MomentFormat moment_format_ = optim::MomentFormat::kFp32;
   bool loss_scaling_ = false;
   bool client_optimizer_ = false;
   Placement param_placement_ = Placement::kDevice;

@@ -281,6 +281,87 @@ TEST(CompactAdamStep, SmallUpdatesSurviveStochasticRoundingButNotNearest) {
   EXPECT_NEAR(mean_sr, 1.0 + 10 * 1e-4, 1e-4);  // ten steps of 1e-4, within 10 %
 }
 
+TEST(CompactAdamStep, RunsWithTheirOwnHyperparametersShareBlocks) {
+  // A shard of four parameters of two groups (as a chunk holds them), a gap of padding, and a
+  // block with no run: the reference widens everything, applies each run's AdamStep, and
+  // narrows every block a run touches; the untouched block keeps its bytes.
+  const size_t n = 1000;
+  for (MasterFormat mf : {MasterFormat::kBf16Stochastic, MasterFormat::kFp32}) {
+    State got = Initial(mf, MomentFormat::kInt8, n);
+    State want = got;
+    std::vector<AdamRun> runs(3);
+    runs[0] = {0, 100, AdamParams{}, 5000};
+    runs[1] = {100, 200, AdamParams{}, 7000};
+    runs[2] = {320, 400, AdamParams{}, 9000};  // [300, 320) padding; [768, 1000) no run
+    runs[0].params.lr = 1e-2;
+    runs[1].params.lr = 3e-3;
+    runs[1].params.weight_decay = 0.1;
+    runs[2].params.lr = 1e-3;
+    const std::vector<float> g = Grads(n, 4);
+    const uint32_t key = RoundingKey(77, 2);
+    CompactAdamBuffers b;
+    b.master = got.master.data();
+    b.master_format = mf;
+    b.grad = g.data();
+    b.exp_avg = got.m.data();
+    b.exp_avg_sq = got.v.data();
+    b.moment_format = MomentFormat::kInt8;
+    b.n = n;
+    b.rounding_key = key;
+    for (Isa isa : Isas()) {
+      State s = want;  // fresh copy for each ISA
+      b.master = s.master.data();
+      b.exp_avg = s.m.data();
+      b.exp_avg_sq = s.v.data();
+      AdamOptions o;
+      o.isa = isa;
+      o.grain = 256;
+      ASSERT_TRUE(CompactAdamStep(runs, b, 1.0f, o).ok());
+      if (isa == Isa::kScalar) got = s;
+      ASSERT_TRUE(s == got) << IsaName(isa);
+    }
+    // The reference.
+    std::vector<float> p(n), m(n), v(n);
+    for (size_t i = 0; i < n; ++i) {
+      p[i] = ReadMaster(want, i);
+      m[i] = ReadMoment(want, want.m, i, true);
+      v[i] = ReadMoment(want, want.v, i, false);
+    }
+    std::vector<uint16_t> sr_bits(n);
+    for (const AdamRun& r : runs) {
+      AdamBuffers ab;
+      ab.master = p.data() + r.begin;
+      ab.grad = g.data() + r.begin;
+      ab.exp_avg = m.data() + r.begin;
+      ab.exp_avg_sq = v.data() + r.begin;
+      ab.n = r.size;
+      AdamOptions o;
+      o.isa = Isa::kScalar;
+      ASSERT_TRUE(AdamStep(r.params, ab, 1.0f, o).ok());
+      for (size_t j = 0; j < r.size; ++j)
+        sr_bits[r.begin + j] = FloatToBf16Stochastic(p[r.begin + j], RoundingBits(key, r.index_base + j));
+    }
+    State ref = want;
+    WriteMoment(ref, ref.m, m, true);
+    WriteMoment(ref, ref.v, v, false);
+    for (size_t i = 0; i < n; ++i) {
+      if (mf == MasterFormat::kFp32) {
+        reinterpret_cast<float*>(ref.master.data())[i] = p[i];
+      } else {
+        const bool in_run = i < 300 || (i >= 320 && i < 720);
+        reinterpret_cast<uint16_t*>(ref.master.data())[i] = in_run ? sr_bits[i] : FloatToBf16(p[i]);
+      }
+    }
+    // The last block [768, 1000) has no run: its codes and scale stay as they were.
+    std::memcpy(ref.m.data() + 768, want.m.data() + 768, n - 768);
+    std::memcpy(ref.v.data() + 768, want.v.data() + 768, n - 768);
+    const size_t scales = Int8ScaleOffset(n);
+    std::memcpy(ref.m.data() + scales + 12, want.m.data() + scales + 12, 4);
+    std::memcpy(ref.v.data() + scales + 12, want.v.data() + scales + 12, 4);
+    EXPECT_TRUE(got == ref) << MasterFormatName(mf);
+  }
+}
+
 TEST(CompactAdamStep, RefusesParam16BesideABf16MasterAndSkipsNonFiniteGrads) {
   State s = Initial(MasterFormat::kBf16Nearest, MomentFormat::kInt8, 300);
   const State before = s;

@@ -235,6 +235,7 @@ TEST(Config, EveryKeyToJsonWritesIsReadBackIntoItsField) {
   for (const std::string& text : bases) {
     json base = json::parse(text);
     base["zero_optimization"]["stage"] = 3;
+    base["bf16"]["enabled"] = true;  // the compact layouts' keys need it
     ASSERT_OK_AND_ASSIGN(Config c, Config::FromJsonText(base.dump()));
     const json effective = c.ToJson();
     const json flat = effective.flatten();
@@ -250,11 +251,20 @@ TEST(Config, EveryKeyToJsonWritesIsReadBackIntoItsField) {
       std::optional<json> changed = Changed(leaf, edited.at(target));
       ASSERT_TRUE(changed.has_value()) << "no changed value known for " << it.key();
       edited[target] = *changed;
+      // fp16 and bf16 exclude each other: turning fp16 on turns the bases' bf16 off.
+      const bool fp16_on = it.key() == "/fp16/enabled";
+      if (fp16_on) edited["bf16"]["enabled"] = false;
       auto parsed = Config::FromJsonText(edited.dump());
       ASSERT_TRUE(parsed.ok()) << it.key() << ": " << parsed.status().message();
       json back = parsed->ToJson();
       EXPECT_EQ(back.at(target), *changed) << it.key() << " was not read into its field";
       back[target] = effective.at(target);
+      if (fp16_on) back["bf16"]["enabled"] = true;
+      // DeepSpeed's bf16_optimizer_states is Strata's optimizer_state_dtype "bf16".
+      if (it.key() == "/bf16/bf16_optimizer_states") {
+        EXPECT_EQ(back["strata"]["optimizer_state_dtype"], "bf16");
+        back["strata"]["optimizer_state_dtype"] = effective["strata"]["optimizer_state_dtype"];
+      }
       EXPECT_EQ(back, effective) << it.key() << " changed another key too";
       ++checked;
     }

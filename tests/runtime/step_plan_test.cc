@@ -96,9 +96,11 @@ INSTANTIATE_TEST_SUITE_P(Rows, StepPlanTable, ::testing::ValuesIn(kRows),
                          [](const auto& info) { return std::string(info.param.name); });
 
 StatusOr<StepPlan> MakeWith(Config c, DeviceKind kind = DeviceKind::kCpu, bool client = false,
-                            int world = 1, bool comm_host = true, bool fp16_ops_in_fp32 = false) {
+                            int world = 1, bool comm_host = true, bool fp16_ops_in_fp32 = false,
+                            optim::DType compute = optim::DType::kFloat32) {
   static Partitioner part = Chunks();
   StepPlan::Inputs in;
+  in.compute_dtype = compute;
   in.config = &c;
   in.device_kind = kind;
   in.device_name = kind == DeviceKind::kCuda ? "cuda:0" : "cpu";
@@ -165,6 +167,51 @@ TEST(StepPlanSizes, NvmeBytesAndTheDefaultHostBudget) {
   ASSERT_OK_AND_ASSIGN(StepPlan none, MakeWith(Config()));
   EXPECT_EQ(none.host_budget(), 0u);
   EXPECT_EQ(none.nvme_bytes(), 0u);
+}
+
+// Note [compact layouts]: the formats each setting picks, their block sizes (1024-element
+// shards: a bf16 master 2 KiB; 8-bit moments 1024 codes + 4 scales = 1040 B), the bf16 master
+// shared with the bf16 working shard under stage 3, and the refusals by key.
+TEST(StepPlanCompactLayouts, FormatsBlockBytesAndRefusals) {
+  Config c;
+  c.bf16.enabled = true;
+  c.bf16.bf16_master_weights_and_grads = true;
+  c.strata.optimizer_state_dtype = StateDtype::kInt8;
+  c.zero_optimization.stage = 3;
+  c.zero_optimization.offload_param.device = OffloadDevice::kNvme;
+  c.zero_optimization.offload_optimizer.device = OffloadDevice::kNvme;
+  ASSERT_OK_AND_ASSIGN(StepPlan p, MakeWith(c, DeviceKind::kCpu, false, 1, true, false,
+                                            optim::DType::kBFloat16));
+  EXPECT_EQ(p.master_format(), optim::MasterFormat::kBf16Stochastic);
+  EXPECT_EQ(p.moment_format(), optim::MomentFormat::kInt8);
+  EXPECT_TRUE(p.compact_optimizer());
+  EXPECT_TRUE(p.master_is_param());
+  EXPECT_EQ(p.BlockBytes(StateKind::kMaster32, 1024), 2048u);
+  EXPECT_EQ(p.BlockBytes(StateKind::kExpAvg, 1024), 1040u);
+  EXPECT_EQ(p.BlockBytes(StateKind::kParam16, 1024), 2048u);
+  EXPECT_EQ(p.BlockBytes(StateKind::kGrad, 1024), 4096u);
+  EXPECT_EQ(p.StateLayoutName(), "int8+bf16_master");
+  // On disk per chunk: grad 4 KiB, two 1040-byte moments rounded to 4 KiB, the bf16 working
+  // shard 2048 B rounded to 4 KiB (it is the master).
+  EXPECT_EQ(p.nvme_bytes(), 3u * (4096 + 2 * 4096 + 4096));
+  c.strata.stochastic_rounding = false;
+  ASSERT_OK_AND_ASSIGN(StepPlan n, MakeWith(c, DeviceKind::kCpu, false, 1, true, false,
+                                            optim::DType::kBFloat16));
+  EXPECT_EQ(n.master_format(), optim::MasterFormat::kBf16Nearest);
+  // Refused: a bf16 master without bf16 compute; SGD; the GPU's own optimizer; a client's.
+  ExpectRefused(MakeWith(c), "set bf16.enabled=true");
+  Config sgd = c;
+  sgd.optimizer.type = OptimizerType::kSGD;
+  ExpectRefused(MakeWith(sgd, DeviceKind::kCpu, false, 1, true, false, optim::DType::kBFloat16),
+                "Adam and AdamW only");
+  Config gpu = c;
+  gpu.zero_optimization.stage = 2;
+  gpu.zero_optimization.offload_param.device = OffloadDevice::kNone;
+  gpu.zero_optimization.offload_optimizer.device = OffloadDevice::kNone;
+  ExpectRefused(MakeWith(gpu, DeviceKind::kCuda, false, 1, true, false, optim::DType::kBFloat16),
+                "offload_optimizer.device to cpu or nvme");
+  ExpectRefused(MakeWith(gpu, DeviceKind::kCpu, true, 1, true, false, optim::DType::kBFloat16),
+                "client optimizer");
 }
 
 }  // namespace

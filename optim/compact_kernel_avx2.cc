@@ -43,22 +43,40 @@ void RoundSr(const float* x, uint16_t* out, size_t n, uint32_t high, uint32_t lo
   CompactKernelsScalar().round_sr(x + i, out + i, n - i, high, lo + static_cast<uint32_t>(i));
 }
 
-void Quantize(const float* x, size_t n, float scale, const float* mids, uint8_t* codes) {
+// The bucket of each lane (compact_kernels.h, BucketOf) with integer operations.
+inline __m256i Buckets(__m256i bits) {
+  const __m256i sign = _mm256_srli_epi32(bits, 31);
+  __m256i e = _mm256_and_si256(_mm256_srli_epi32(bits, 23), _mm256_set1_epi32(0xff));
+  __m256i mant = _mm256_and_si256(_mm256_srli_epi32(bits, 23 - kBucketMantissaBits),
+                                  _mm256_set1_epi32((1 << kBucketMantissaBits) - 1));
+  const __m256i tiny = _mm256_cmpgt_epi32(_mm256_set1_epi32(kBucketMinExponent), e);
+  e = _mm256_max_epi32(e, _mm256_set1_epi32(kBucketMinExponent - 1));
+  mant = _mm256_andnot_si256(tiny, mant);
+  const __m256i row = _mm256_add_epi32(_mm256_mullo_epi32(sign, _mm256_set1_epi32(128 - kBucketMinExponent + 1)),
+                                       _mm256_sub_epi32(e, _mm256_set1_epi32(kBucketMinExponent - 1)));
+  return _mm256_add_epi32(_mm256_slli_epi32(row, kBucketMantissaBits), mant);
+}
+
+void Quantize(const float* x, size_t n, float scale, const float* mids, const uint8_t* first,
+              uint8_t* codes) {
   const __m256 vscale = _mm256_set1_ps(scale);
   size_t i = 0;
   for (; i + kW <= n; i += kW) {
     const __m256 y = _mm256_div_ps(_mm256_loadu_ps(x + i), vscale);
-    __m256i idx = _mm256_setzero_si256();
-    for (int step = 128; step >= 1; step >>= 1) {
-      const __m256i probe = _mm256_add_epi32(idx, _mm256_set1_epi32(step - 1));
-      const __m256 mid = _mm256_i32gather_ps(mids, probe, 4);
+    // A 32-bit gather at byte offsets, low byte kept (the table is padded for it).
+    const __m256i c0 = _mm256_and_si256(
+        _mm256_i32gather_epi32(reinterpret_cast<const int*>(first), Buckets(_mm256_castps_si256(y)), 1),
+        _mm256_set1_epi32(0xff));
+    __m256i idx = c0;
+    for (int k = 0; k < kBucketProbes; ++k) {
+      const __m256 mid = _mm256_i32gather_ps(mids, _mm256_add_epi32(c0, _mm256_set1_epi32(k)), 4);
       const __m256i below = _mm256_castps_si256(_mm256_cmp_ps(mid, y, _CMP_LT_OQ));
-      idx = _mm256_add_epi32(idx, _mm256_and_si256(below, _mm256_set1_epi32(step)));
+      idx = _mm256_sub_epi32(idx, below);  // below is -1 where true
     }
     const __m128i w = _mm_packus_epi32(_mm256_castsi256_si128(idx), _mm256_extracti128_si256(idx, 1));
     _mm_storel_epi64(reinterpret_cast<__m128i*>(codes + i), _mm_packus_epi16(w, w));
   }
-  CompactKernelsScalar().quantize(x + i, n - i, scale, mids, codes + i);
+  CompactKernelsScalar().quantize(x + i, n - i, scale, mids, first, codes + i);
 }
 
 void Dequantize(const uint8_t* codes, float scale, size_t n, const float* map, float* out) {
@@ -84,8 +102,38 @@ float Absmax(const float* x, size_t n) {
   return r;
 }
 
+void WidenBf16(const uint16_t* h, float* out, size_t n) {
+  size_t i = 0;
+  for (; i + kW <= n; i += kW) {
+    const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h + i)));
+    _mm256_storeu_ps(out + i, _mm256_castsi256_ps(_mm256_slli_epi32(w, 16)));
+  }
+  CompactKernelsScalar().widen_bf16(h + i, out + i, n - i);
+}
+
+// FloatToBf16 (dtype.h) lane by lane: add 0x7fff plus the kept part's lowest bit, keep the upper
+// half; NaN keeps its upper half with the quiet bit.
+void NarrowBf16(const float* x, uint16_t* out, size_t n) {
+  const __m256i abs_mask = _mm256_set1_epi32(0x7fffffff), inf = _mm256_set1_epi32(0x7f800000);
+  const __m256i one = _mm256_set1_epi32(1), bias = _mm256_set1_epi32(0x7fff);
+  size_t i = 0;
+  for (; i + kW <= n; i += kW) {
+    const __m256i u = _mm256_castps_si256(_mm256_loadu_ps(x + i));
+    const __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(u, abs_mask), inf);
+    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), one);
+    const __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(bias, lsb)), 16);
+    const __m256i kept = _mm256_or_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(0x40));
+    const __m256i r = _mm256_blendv_epi8(rounded, kept, nan);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i),
+                     _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1)));
+  }
+  CompactKernelsScalar().narrow_bf16(x + i, out + i, n - i);
+}
+
 }  // namespace
 
-CompactKernels CompactKernelsAvx2() { return {&RoundSr, &Quantize, &Dequantize, &Absmax}; }
+CompactKernels CompactKernelsAvx2() {
+  return {&RoundSr, &Quantize, &Dequantize, &Absmax, &WidenBf16, &NarrowBf16};
+}
 
 }  // namespace strata::optim::internal

@@ -45,17 +45,34 @@ void RoundSr(const float* x, uint16_t* out, size_t n, uint32_t high, uint32_t lo
   }
 }
 
-void Quantize(const float* x, size_t n, float scale, const float* mids, uint8_t* codes) {
+// The bucket of each lane (compact_kernels.h, BucketOf) with integer operations.
+inline __m512i Buckets(__m512i bits) {
+  const __m512i sign = _mm512_srli_epi32(bits, 31);
+  __m512i e = _mm512_and_si512(_mm512_srli_epi32(bits, 23), _mm512_set1_epi32(0xff));
+  __m512i mant = _mm512_and_si512(_mm512_srli_epi32(bits, 23 - kBucketMantissaBits),
+                                  _mm512_set1_epi32((1 << kBucketMantissaBits) - 1));
+  const __mmask16 tiny = _mm512_cmplt_epu32_mask(e, _mm512_set1_epi32(kBucketMinExponent));
+  e = _mm512_max_epu32(e, _mm512_set1_epi32(kBucketMinExponent - 1));
+  mant = _mm512_maskz_mov_epi32(static_cast<__mmask16>(~tiny), mant);
+  const __m512i row = _mm512_add_epi32(_mm512_mullo_epi32(sign, _mm512_set1_epi32(128 - kBucketMinExponent + 1)),
+                                       _mm512_sub_epi32(e, _mm512_set1_epi32(kBucketMinExponent - 1)));
+  return _mm512_add_epi32(_mm512_slli_epi32(row, kBucketMantissaBits), mant);
+}
+
+void Quantize(const float* x, size_t n, float scale, const float* mids, const uint8_t* first,
+              uint8_t* codes) {
   const __m512 vscale = _mm512_set1_ps(scale);
   for (size_t i = 0; i < n; i += kW) {
     const __mmask16 k = Tail(n - i);
     const __m512 y = _mm512_div_ps(_mm512_maskz_loadu_ps(k, x + i), vscale);
-    __m512i idx = _mm512_setzero_si512();
-    for (int step = 128; step >= 1; step >>= 1) {
-      const __m512i probe = _mm512_add_epi32(idx, _mm512_set1_epi32(step - 1));
-      const __m512 mid = _mm512_i32gather_ps(probe, mids, 4);
+    // A 32-bit gather at byte offsets, low byte kept (the table is padded for it).
+    const __m512i c0 = _mm512_and_si512(_mm512_i32gather_epi32(Buckets(_mm512_castps_si512(y)), first, 1),
+                                        _mm512_set1_epi32(0xff));
+    __m512i idx = c0;
+    for (int p = 0; p < kBucketProbes; ++p) {
+      const __m512 mid = _mm512_i32gather_ps(_mm512_add_epi32(c0, _mm512_set1_epi32(p)), mids, 4);
       const __mmask16 below = _mm512_cmp_ps_mask(mid, y, _CMP_LT_OQ);
-      idx = _mm512_mask_add_epi32(idx, below, idx, _mm512_set1_epi32(step));
+      idx = _mm512_mask_add_epi32(idx, below, idx, _mm512_set1_epi32(1));
     }
     _mm_mask_storeu_epi8(codes + i, k, _mm512_cvtepi32_epi8(idx));
   }
@@ -78,8 +95,33 @@ float Absmax(const float* x, size_t n) {
   return _mm512_reduce_max_ps(m);
 }
 
+void WidenBf16(const uint16_t* h, float* out, size_t n) {
+  for (size_t i = 0; i < n; i += kW) {
+    const __mmask16 k = Tail(n - i);
+    const __m512i w = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(k, h + i));
+    _mm512_mask_storeu_ps(out + i, k, _mm512_castsi512_ps(_mm512_slli_epi32(w, 16)));
+  }
+}
+
+// FloatToBf16 (dtype.h) lane by lane, as the AVX2 path.
+void NarrowBf16(const float* x, uint16_t* out, size_t n) {
+  const __m512i abs_mask = _mm512_set1_epi32(0x7fffffff), inf = _mm512_set1_epi32(0x7f800000);
+  const __m512i one = _mm512_set1_epi32(1), bias = _mm512_set1_epi32(0x7fff);
+  for (size_t i = 0; i < n; i += kW) {
+    const __mmask16 k = Tail(n - i);
+    const __m512i u = _mm512_castps_si512(_mm512_maskz_loadu_ps(k, x + i));
+    const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, abs_mask), inf);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), one);
+    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(bias, lsb)), 16);
+    r = _mm512_mask_or_epi32(r, nan, _mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
+    _mm256_mask_storeu_epi16(out + i, k, _mm512_cvtepi32_epi16(r));
+  }
+}
+
 }  // namespace
 
-CompactKernels CompactKernelsAvx512() { return {&RoundSr, &Quantize, &Dequantize, &Absmax}; }
+CompactKernels CompactKernelsAvx512() {
+  return {&RoundSr, &Quantize, &Dequantize, &Absmax, &WidenBf16, &NarrowBf16};
+}
 
 }  // namespace strata::optim::internal

@@ -12,8 +12,8 @@ void RoundSr(const float* x, uint16_t* out, size_t n, uint32_t high, uint32_t lo
     out[i] = FloatToBf16Stochastic(x[i], Hash32((lo + static_cast<uint32_t>(i)) ^ high));
 }
 
-// The count of midpoints below y, by binary search over the 255 sorted midpoints: the vector
-// paths run the same eight steps.
+// The count of midpoints below y, by binary search over the 255 sorted midpoints. The vector
+// paths count the same set through the bucket table; a count is a count, so they agree.
 inline uint8_t Code(float y, const float* mids) {
   uint32_t idx = 0;
   for (uint32_t step = 128; step >= 1; step >>= 1)
@@ -21,7 +21,8 @@ inline uint8_t Code(float y, const float* mids) {
   return static_cast<uint8_t>(idx);
 }
 
-void Quantize(const float* x, size_t n, float scale, const float* mids, uint8_t* codes) {
+void Quantize(const float* x, size_t n, float scale, const float* mids, const uint8_t*,
+              uint8_t* codes) {
   for (size_t i = 0; i < n; ++i) codes[i] = Code(x[i] / scale, mids);
 }
 
@@ -35,8 +36,18 @@ float Absmax(const float* x, size_t n) {
   return m;
 }
 
+void WidenBf16(const uint16_t* h, float* out, size_t n) {
+  for (size_t i = 0; i < n; ++i) out[i] = Bf16ToFloat(h[i]);
+}
+
+void NarrowBf16(const float* x, uint16_t* out, size_t n) {
+  for (size_t i = 0; i < n; ++i) out[i] = FloatToBf16(x[i]);
+}
+
 }  // namespace
 
-CompactKernels CompactKernelsScalar() { return {&RoundSr, &Quantize, &Dequantize, &Absmax}; }
+CompactKernels CompactKernelsScalar() {
+  return {&RoundSr, &Quantize, &Dequantize, &Absmax, &WidenBf16, &NarrowBf16};
+}
 
 }  // namespace strata::optim::internal

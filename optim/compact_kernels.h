@@ -7,22 +7,52 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "optim/cpu_adam.h"
+
 namespace strata::optim::internal {
+
+// The quantizer's bucket table (Note [fast 8-bit codes] in compact_formats.cc): for a value's
+// sign, exponent and top mantissa bits, the count of midpoints below the bucket, so that the code
+// is that count plus at most kBucketProbes comparisons.
+inline constexpr int kBucketMantissaBits = 7;
+inline constexpr uint32_t kBucketMinExponent = 103;  // 2^-24; smaller magnitudes share one bucket
+inline constexpr int kBucketProbes = 1;
+inline constexpr size_t kBucketCount = 2u * (128 - kBucketMinExponent + 1) << kBucketMantissaBits;
+// The bucket of y (finite, |y| <= 1), as every path computes it.
+inline uint32_t BucketOf(uint32_t bits) {
+  const uint32_t sign = bits >> 31;
+  uint32_t e = (bits >> 23) & 0xffu;
+  uint32_t mant = (bits >> (23 - kBucketMantissaBits)) & ((1u << kBucketMantissaBits) - 1u);
+  if (e < kBucketMinExponent) e = kBucketMinExponent - 1, mant = 0;
+  return (sign * (128 - kBucketMinExponent + 1) + (e - (kBucketMinExponent - 1))) *
+             (1u << kBucketMantissaBits) + mant;
+}
 
 struct CompactKernels {
   // out[i] = FloatToBf16Stochastic(x[i], Hash32(lo + i ^ high)): the caller guarantees that
   // lo + n does not wrap (indices of one call share their upper 32 bits), and passes
   // high = RoundingHigh(key, index_base), lo = low 32 bits of index_base.
   void (*round_sr)(const float* x, uint16_t* out, size_t n, uint32_t high, uint32_t lo);
-  // codes[i] = #{k < 255 : mids[k] < x[i] / scale} for scale > 0.
-  void (*quantize)(const float* x, size_t n, float scale, const float* mids, uint8_t* codes);
+  // codes[i] = #{k < 255 : mids[k] < x[i] / scale} for scale > 0; `first` is the bucket table
+  // of the same map (count of midpoints below each bucket), `mids` padded with kBucketProbes
+  // copies of +inf after its 255 values.
+  void (*quantize)(const float* x, size_t n, float scale, const float* mids, const uint8_t* first,
+                   uint8_t* codes);
   // out[i] = map[codes[i]] * scale.
   void (*dequantize)(const uint8_t* codes, float scale, size_t n, const float* map, float* out);
   // max |x[i]| (x finite).
   float (*absmax)(const float* x, size_t n);
+  // out[i] = Bf16ToFloat(h[i]); out[i] = FloatToBf16(x[i]) (nearest even, dtype.h's rule).
+  void (*widen_bf16)(const uint16_t* h, float* out, size_t n);
+  void (*narrow_bf16)(const float* x, uint16_t* out, size_t n);
 };
 
+// The kernels of `isa` (kAuto resolves; an unsupported one falls back to scalar).
+CompactKernels CompactKernelsFor(Isa isa);
 CompactKernels CompactKernelsScalar();
+// The bucket table of a map (Note [fast 8-bit codes] in compact_formats.cc): one byte per
+// bucket, followed by 3 bytes of padding so that a 32-bit gather at any bucket stays inside.
+const uint8_t* BucketTable(bool is_signed);
 CompactKernels CompactKernelsAvx2();
 CompactKernels CompactKernelsAvx512();
 

@@ -4,6 +4,7 @@
 
 #include "optim/adam_kernels.h"
 #include "optim/blockwise.h"
+#include "optim/compact_kernels.h"
 
 namespace strata::optim {
 
@@ -42,21 +43,22 @@ namespace {
 // back after the update.
 class MomentView {
  public:
-  MomentView(void* base, MomentFormat format, size_t n, bool is_signed, Isa isa)
-      : base_(base), format_(format), n_(n), signed_(is_signed), isa_(isa) {}
+  MomentView(void* base, MomentFormat format, size_t n, bool is_signed,
+             const internal::CompactKernels& k)
+      : base_(base), format_(format), n_(n), signed_(is_signed), k_(k),
+        map_(DynamicMap(is_signed)), mids_(DynamicMapMidpoints(is_signed)),
+        first_(internal::BucketTable(is_signed)) {}
 
   // fp32 values of [off, off + len) (off a multiple of kInt8Block), valid until Store.
   float* Load(size_t off, size_t len) {
     switch (format_) {
       case MomentFormat::kFp32:
         return static_cast<float*>(base_) + off;
-      case MomentFormat::kBf16: {
-        const uint16_t* h = static_cast<const uint16_t*>(base_) + off;
-        for (size_t i = 0; i < len; ++i) scratch_[i] = Bf16ToFloat(h[i]);
+      case MomentFormat::kBf16:
+        k_.widen_bf16(static_cast<const uint16_t*>(base_) + off, scratch_, len);
         return scratch_;
-      }
       case MomentFormat::kInt8:
-        DequantizeBlock(Codes() + off, Scales()[off / kInt8Block], len, signed_, scratch_, isa_);
+        k_.dequantize(Codes() + off, Scales()[off / kInt8Block], len, map_, scratch_);
         return scratch_;
     }
     return nullptr;
@@ -66,14 +68,20 @@ class MomentView {
     switch (format_) {
       case MomentFormat::kFp32:
         return;
-      case MomentFormat::kBf16: {
-        uint16_t* h = static_cast<uint16_t*>(base_) + off;
-        for (size_t i = 0; i < len; ++i) h[i] = FloatToBf16(scratch_[i]);
+      case MomentFormat::kBf16:
+        k_.narrow_bf16(scratch_, static_cast<uint16_t*>(base_) + off, len);
+        return;
+      case MomentFormat::kInt8: {
+        // QuantizeBlock's steps with this call's kernels.
+        float& scale = Scales()[off / kInt8Block];
+        scale = k_.absmax(scratch_, len);
+        if (scale == 0.0f) {
+          std::fill(Codes() + off, Codes() + off + len, DynamicMapZero(signed_));
+        } else {
+          k_.quantize(scratch_, len, scale, mids_, first_, Codes() + off);
+        }
         return;
       }
-      case MomentFormat::kInt8:
-        QuantizeBlock(scratch_, len, signed_, Codes() + off, &Scales()[off / kInt8Block], isa_);
-        return;
     }
   }
 
@@ -85,7 +93,10 @@ class MomentView {
   MomentFormat format_;
   size_t n_;
   bool signed_;
-  Isa isa_;
+  const internal::CompactKernels& k_;
+  const float* map_;
+  const float* mids_;
+  const uint8_t* first_;
   alignas(64) float scratch_[kInt8Block];
 };
 
@@ -140,13 +151,14 @@ StatusOr<AdamResult> CompactAdamStep(const std::vector<AdamRun>& runs, const Com
       internal::PickAdamKernel(result.isa, bufs.grad_dtype, DType::kFloat32, p16, false);
   const size_t grad_size = DTypeSize(bufs.grad_dtype);
   const Isa isa = result.isa;
+  const internal::CompactKernels kernels = internal::CompactKernelsFor(isa);
   const bool bf16_master = bufs.master_format != MasterFormat::kFp32;
   // Tasks cover whole 8-bit blocks.
   const size_t grain = std::max<size_t>(
       kInt8Block, ((options.grain ? options.grain : internal::kDefaultBlockGrain) / kInt8Block) * kInt8Block);
   internal::ForEachBlock(bufs.n, grain, options.arena, [&](size_t begin, size_t end) {
-    MomentView m(bufs.exp_avg, bufs.moment_format, bufs.n, /*is_signed=*/true, isa);
-    MomentView v(bufs.exp_avg_sq, bufs.moment_format, bufs.n, /*is_signed=*/false, isa);
+    MomentView m(bufs.exp_avg, bufs.moment_format, bufs.n, /*is_signed=*/true, kernels);
+    MomentView v(bufs.exp_avg_sq, bufs.moment_format, bufs.n, /*is_signed=*/false, kernels);
     alignas(64) float master[kInt8Block];
     // The first run that may reach this task's range.
     size_t r0 = std::lower_bound(runs.begin(), runs.end(), begin,
@@ -162,7 +174,7 @@ StatusOr<AdamResult> CompactAdamStep(const std::vector<AdamRun>& runs, const Com
         p = static_cast<float*>(bufs.master) + off;
       } else {
         master16 = static_cast<uint16_t*>(bufs.master) + off;
-        for (size_t i = 0; i < len; ++i) master[i] = Bf16ToFloat(master16[i]);
+        kernels.widen_bf16(master16, master, len);
         p = master;
       }
       float* mp = m.Load(off, len);
@@ -181,17 +193,16 @@ StatusOr<AdamResult> CompactAdamStep(const std::vector<AdamRun>& runs, const Com
         args.param16 = bufs.param16 ? static_cast<char*>(bufs.param16) + (off + lo) * 2 : nullptr;
         kernel(args, 0, hi - lo);
         if (!bf16_master) continue;
-        for (size_t i = done; i < lo; ++i) master16[i] = FloatToBf16(master[i]);  // unchanged
+        kernels.narrow_bf16(master + done, master16 + done, lo - done);  // unchanged values
         if (bufs.master_format == MasterFormat::kBf16Nearest) {
-          for (size_t i = lo; i < hi; ++i) master16[i] = FloatToBf16(master[i]);
+          kernels.narrow_bf16(master + lo, master16 + lo, hi - lo);
         } else {
           const uint64_t index = runs[r].index_base + (off + lo - runs[r].begin);
           RoundToBf16Stochastic(master + lo, master16 + lo, hi - lo, bufs.rounding_key, index, isa);
         }
         done = hi;
       }
-      if (bf16_master)
-        for (size_t i = done; i < len; ++i) master16[i] = FloatToBf16(master[i]);  // unchanged
+      if (bf16_master) kernels.narrow_bf16(master + done, master16 + done, len - done);  // unchanged
       m.Store(off, len);
       v.Store(off, len);
     }

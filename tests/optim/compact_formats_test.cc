@@ -198,6 +198,46 @@ TEST(Int8Blocks, EveryIsaEqualsTheScalarReferenceAndPicksTheNearestCode) {
   }
 }
 
+TEST(Int8Blocks, VectorCodesEqualTheBinarySearchAtEveryBoundary) {
+  // The vector paths count midpoints through a bucket table (Note [fast 8-bit codes]); at every
+  // midpoint, one ulp either side, every map value, and 2^16 random values of each sign and
+  // magnitude (scale 1, so y = x), they must give the scalar binary search's code.
+  for (bool is_signed : {true, false}) {
+    std::vector<float> x;
+    const float* mids = DynamicMapMidpoints(is_signed);
+    const float* map = DynamicMap(is_signed);
+    for (int k = 0; k < 255; ++k)
+      for (float v : {mids[k], std::nextafter(mids[k], -2.0f), std::nextafter(mids[k], 2.0f)})
+        if (std::fabs(v) <= 1.0f && (is_signed || v >= 0)) x.push_back(v);
+    for (int k = 0; k < 256; ++k) x.push_back(map[k]);
+    std::mt19937 rng(9);
+    std::uniform_real_distribution<float> e(-30.0f, 0.0f);
+    for (int i = 0; i < 65536; ++i) {
+      const float v = std::pow(2.0f, e(rng));
+      x.push_back(is_signed && (i & 1) ? -v : v);
+    }
+    x.push_back(0.0f);
+    x.push_back(-0.0f);
+    x.push_back(1e-40f);  // subnormal
+    x.push_back(1.0f);
+    // Quantize in blocks whose scale is exactly 1: each block holds a 1.0.
+    for (size_t b = 0; b < x.size(); b += kInt8Block - 1) {
+      std::vector<float> block(x.begin() + b, x.begin() + std::min(x.size(), b + kInt8Block - 1));
+      block.push_back(1.0f);
+      std::vector<uint8_t> want(block.size());
+      float scale;
+      QuantizeBlock(block.data(), block.size(), is_signed, want.data(), &scale, Isa::kScalar);
+      ASSERT_EQ(scale, 1.0f);
+      for (Isa isa : Isas()) {
+        std::vector<uint8_t> got(block.size());
+        QuantizeBlock(block.data(), block.size(), is_signed, got.data(), &scale, isa);
+        for (size_t i = 0; i < block.size(); ++i)
+          ASSERT_EQ(got[i], want[i]) << IsaName(isa) << " y=" << block[i];
+      }
+    }
+  }
+}
+
 TEST(Int8Blocks, StateBytesHoldCodesAndScales) {
   EXPECT_EQ(Int8StateBytes(256), 256u + 4u);
   EXPECT_EQ(Int8StateBytes(257), 260u + 8u);

@@ -48,7 +48,8 @@ int main(int argc, char** argv) {
   app.add_option("--offload-param", off_param, "override offload_param.device: none|cpu|nvme");
   app.add_option("--offload-optimizer", off_optim, "override offload_optimizer.device: none|cpu|nvme");
   app.add_flag("--json", json, "print JSON (hbm_bytes, host_pinned_bytes, host_pageable_bytes, nvme_bytes, "
-                               "per_state, breakdown, notes) instead of a table");
+                               "per_state, breakdown, notes, bytes_per_param: the model state per parameter over every "
+                               "tier and rank) instead of a table");
   if (int rc = ParseArgs(app, argc, argv); rc >= 0) return rc;
 
   auto fail = [](const Status& s, int code) {

@@ -10,6 +10,7 @@
 
 #include "runtime/base/units.h"
 #include "runtime/state/partitioner.h"
+#include "runtime/state/step_plan.h"
 
 namespace strata::planner {
 
@@ -137,26 +138,48 @@ StatusOr<MemoryEstimate> EstimateMemory(const Config& config, const ModelSpec& m
   const bool keeps_exp_avg =
       ot != OptimizerType::kAdagrad && (ot != OptimizerType::kSGD || config.optimizer.momentum != 0);
   const bool keeps_exp_avg_sq = ot != OptimizerType::kSGD && ot != OptimizerType::kLion;
-  uint64_t nvme_need = 0, max_shard = 0;
+  // Block sizes and what is stored at all come from the engine's own plan (BlockBytes, the master
+  // shared with the working shard, the moments kept), so the estimate follows its layouts.
+  StepPlan::Inputs pin;
+  pin.config = &config;
+  pin.device_kind = cpu_device ? DeviceKind::kCpu : DeviceKind::kCuda;
+  pin.device_name = est.device;
+  pin.compute_dtype = esize == 4 ? optim::DType::kFloat32
+                      : config.fp16.enabled ? optim::DType::kFloat16 : optim::DType::kBFloat16;
+  pin.world_size = shard_world;
+  pin.comm_moves_host_memory = cpu_device;
+  pin.sgd_momentum = config.optimizer.momentum != 0;
+  pin.fp16_ops_in_fp32 = true;  // the Python front end runs fp16 on the CPU device
+  pin.partitioner = &part;
+  STRATA_ASSIGN_OR_RETURN(const StepPlan plan, StepPlan::Make(pin));
+  uint64_t nvme_need = 0, max_shard = 0, state_bytes = 0;
   for (const ChunkInfo& ci : chunks) {
-    const uint64_t n = static_cast<uint64_t>(ci.shard_numel);
-    max_shard = std::max(max_shard, n);
-    add_state("master32", optim_tier, n * 4);
-    if (keeps_exp_avg) add_state("exp_avg", optim_tier, n * ssize);
-    if (keeps_exp_avg_sq) add_state("exp_avg_sq", optim_tier, n * ssize);
-    add_state("grad", optim_tier, n * 4);
-    if (z.stage == 3) {
-      add_state("param16", param_tier, n * esize);
-    } else {
-      add_state("param16", MemTier::kHbm, static_cast<uint64_t>(ci.numel) * esize);
-    }
+    const int64_t n = ci.shard_numel;
+    max_shard = std::max(max_shard, static_cast<uint64_t>(n));
+    const uint64_t master = plan.master_is_param() ? 0 : plan.BlockBytes(StateKind::kMaster32, n);
+    const uint64_t m = keeps_exp_avg ? plan.BlockBytes(StateKind::kExpAvg, n) : 0;
+    const uint64_t v = keeps_exp_avg_sq ? plan.BlockBytes(StateKind::kExpAvgSq, n) : 0;
+    const uint64_t grad = plan.BlockBytes(StateKind::kGrad, n);
+    const uint64_t work = z.stage == 3 ? plan.BlockBytes(StateKind::kParam16, n)
+                                       : plan.BlockBytes(StateKind::kParam16, ci.numel);
+    if (master) add_state("master32", optim_tier, master);
+    if (keeps_exp_avg) add_state("exp_avg", optim_tier, m);
+    if (keeps_exp_avg_sq) add_state("exp_avg_sq", optim_tier, v);
+    add_state("grad", optim_tier, grad);
+    add_state("param16", z.stage == 3 ? param_tier : MemTier::kHbm, work);
+    state_bytes += master + m + v + grad + plan.BlockBytes(StateKind::kParam16, n);
     if (optim_tier == MemTier::kNvme)
-      nvme_need += Round(n * 4, 4096) * 2 +
-                   Round(n * ssize, 4096) * ((keeps_exp_avg ? 1 : 0) + (keeps_exp_avg_sq ? 1 : 0));
-    if (param_tier == MemTier::kNvme) nvme_need += Round(n * esize, 4096);
+      nvme_need += Round(grad, 4096) + Round(master, 4096) + Round(m, 4096) + Round(v, 4096);
+    if (param_tier == MemTier::kNvme) nvme_need += Round(work, 4096);
   }
+  // Every tier summed, per parameter of the model (the working copy counted once per rank's
+  // shard, as ZeRO-3 stores it; below stage 3 each rank keeps the whole copy on the device).
+  est.bytes_per_param = static_cast<double>(state_bytes) * shard_world / static_cast<double>(part.param_numel());
   const char* dtype_name = esize == 2 ? (config.fp16.enabled ? "fp16" : "bf16") : "fp32";
-  const char* sdtype_name = ssize == 2 ? "bf16" : "fp32";
+  const char* sdtype_name = plan.moment_format() == optim::MomentFormat::kInt8 ? "8-bit blockwise"
+                            : ssize == 2                                        ? "bf16"
+                                                                                : "fp32";
+  const char* master_name = plan.master_dtype() == optim::DType::kFloat32 ? "fp32" : "bf16";
   uint64_t device_resident = 0, host_resident = 0;
   for (const auto& [name, s] : states) {
     MemoryItem it;
@@ -168,7 +191,8 @@ StatusOr<MemoryEstimate> EstimateMemory(const Config& config, const ModelSpec& m
                              : StrCat("full ", dtype_name, " working copy of every chunk (stage ",
                                       z.stage, " keeps it on the device)");
     else if (name == "master32" || name == "grad")
-      it.note = StrCat("fp32 shard", shard_world > 1 ? " (1/world of each chunk)" : "");
+      it.note = StrCat(name == "grad" ? "fp32" : master_name, " shard",
+                       shard_world > 1 ? " (1/world of each chunk)" : "");
     else
       it.note = StrCat(sdtype_name, " Adam moment shard");
     if (s.tier == MemTier::kHbm) {
@@ -464,6 +488,7 @@ nlohmann::json MemoryEstimate::ToJson() const {
           {"device", device},
           {"chunks", chunks},
           {"param_numel", param_numel},
+          {"bytes_per_param", bytes_per_param},
           {"padded_numel", padded_numel},
           {"shard_numel", shard_numel},
           {"per_state", per_state},
@@ -476,7 +501,13 @@ std::string MemoryEstimate::ToTable() const {
   char line[512];
   o << "stage " << stage << ", world size " << world_size << ", device " << device << ": "
     << param_numel << " parameters in " << chunks << " chunks (" << padded_numel
-    << " elements with padding, " << shard_numel << " per rank)\n\n";
+    << " elements with padding, " << shard_numel << " per rank); model state "
+    << [&] {
+         char b[32];
+         std::snprintf(b, sizeof b, "%.2f", bytes_per_param);
+         return std::string(b);
+       }()
+    << " bytes per parameter over all tiers and ranks\n\n";
   std::snprintf(line, sizeof line, "%-32s %-14s %12s  %-18s %s\n", "what", "tier", "bytes",
                 "engine counter", "note");
   o << line;

@@ -77,6 +77,9 @@ struct MemoryEstimate {
   int64_t param_numel = 0;
   int64_t padded_numel = 0;       // all chunks, padding included
   int64_t shard_numel = 0;        // this rank's elements over all chunks
+  // Model state (working copy, gradient, master, moments) over every tier and rank, per
+  // parameter: 18 for fp32 states with a 16-bit working copy; fewer with the compact layouts.
+  double bytes_per_param = 0;
   int stage = 0;
   int world_size = 1;
   std::string device;

@@ -11,5 +11,6 @@ void RegisterAdamCommand(CLI::App& app, int* exit_code);
 void RegisterElementwiseCommands(CLI::App& app, int* exit_code);  // sgd, adagrad, lion
 void RegisterTiersCommand(CLI::App& app, int* exit_code);
 void RegisterProfileCommand(CLI::App& app, int* exit_code);
+void RegisterFormatsCommand(CLI::App& app, int* exit_code);  // Adam by optimizer-state layout
 
 }  // namespace strata::swapbench

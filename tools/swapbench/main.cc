@@ -17,6 +17,7 @@ int main(int argc, char** argv) {
   strata::swapbench::RegisterElementwiseCommands(app, &exit_code);
   strata::swapbench::RegisterTiersCommand(app, &exit_code);
   strata::swapbench::RegisterProfileCommand(app, &exit_code);
+  strata::swapbench::RegisterFormatsCommand(app, &exit_code);
   try {
     app.parse(argc, argv);
   } catch (const CLI::Success& e) {  // --help

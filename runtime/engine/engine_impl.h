@@ -1,18 +1,24 @@
-// Engine::Impl: the engine facade's state, and the compute thread's. Each other room is a class
-// that owns its state (its header says what it owns, what it borrows and its thread rules):
-//   ChunkTable      chunk_table.h       each chunk's working copy and residency on the device
-//   UnitCoordinator unit_coordinator.h  the units, the order they ran in, reuse and prefetch order
-//   GatherLane      gather_lane.h       stage 3's shards copied into their chunks ahead of use
-//   ReduceLane      reduce_lane.h       each chunk gradient's reduction, all-gathers ahead
-//   OptimizerLane   optimizer_lane.h    chunk updates in order, the step's inputs
-//   PublishLane     publish_lane.h      a host optimizer's new values taken to the device
-//   ActivationStash activation_stash.h  checkpointed units' saved inputs in the tier manager
-// Impl's methods, by file: engine.cc (the facade, unit discovery, reports), engine_init.cc (Init
-// and its named steps), unit_protocol.cc (micro-steps, BeginUnit/EndUnit, forward),
-// chunk_gathers.cc (stage 3's gathers, releases and prefetching), gather_lane.cc (what to gather
-// ahead), gradient_reducer.cc (gradient hooks, reductions, Backward), chunk_update.cc (one chunk's
-// update), engine_step.cc (Step), engine_checkpoint.cc, param_state.cc (writable gathers),
-// state_offload.cc (offload_states).
+// Engine::Impl: the engine facade's wiring and the compute thread's state. Each other room is a
+// class that owns its state (its header says what it owns, what it borrows and its thread rules):
+//   StepPlan           runtime/state/step_plan.h  the mode decisions, placements, state formats and
+//                                                 block sizes (a value, made once in Init)
+//   ChunkTable         chunk_table.h        each chunk's working copy and residency on the device
+//   UnitCoordinator    unit_coordinator.h   the units, the order they ran in, reuse and prefetch
+//   ChunkMaterializer  chunk_materializer.h stage 3's chunks installed, filled, held and dropped
+//   GatherLane         gather_lane.h        stage 3's shards copied into their chunks ahead of use
+//   GradientReducer    gradient_reducer.h   a complete chunk gradient's collective and hand-off
+//   ReduceLane         reduce_lane.h        the reducer's thread, all-gathers ahead in one queue
+//   ChunkUpdater       chunk_updater.h      one chunk's update, every optimizer and state layout
+//   OptimizerLane      optimizer_lane.h     chunk updates in order, the step's inputs
+//   PublishLane        publish_lane.h       a host optimizer's new values taken to the device
+//   ActivationStash    activation_stash.h   checkpointed units' saved inputs in the tier manager
+//   StepMeter          step_meter.h         one window's timing and byte counters, the lane trace
+//   ClientStepSession  client_step_session.h  one step of a client optimizer
+// Impl's own methods, by file: engine.cc (the facade, reports), engine_init.cc (Init and its
+// named steps), unit_discovery.cc (units by unit_rule.h, the partitioner, chunk maps),
+// initial_blocks.cc, unit_protocol.cc (micro-steps, BeginUnit/EndUnit, forward), backward.cc,
+// engine_step.cc (Step), client_step.cc, engine_checkpoint.cc, param_state.cc (per-parameter
+// reads and writes), state_offload.cc (offload_states).
 // Private to runtime/: nothing outside the engine includes it.
 #pragma once
 #include "runtime/engine/engine.h"

@@ -13,11 +13,20 @@ Status Engine::Impl::PlaceBuffers() {
   for (size_t c = 0; c < chunk_infos.size(); ++c)
     chunks_.SetPersistent(static_cast<int64_t>(c), chunk_infos[c].used_numel < z.stage3_param_persistence_threshold);
 
-  // Buffers live on the engine's device and start from rank 0's values too.
-  for (auto& [name, b] : buffers_) {
+  // Buffers live on the engine's device and start from rank 0's values too. Under 16-bit compute
+  // the floating ones take the compute dtype, and so do frozen parameters (which no unit
+  // manages): as DeepSpeed's module.half()/bfloat16() does, so that a frozen layer or a
+  // BatchNorm's running statistics meet 16-bit activations in their own type.
+  const torch::Dtype work = TorchDtype(plan_.compute_dtype());
+  std::vector<std::pair<std::string, torch::Tensor>> placed = buffers_;
+  for (const auto& item : model_.module->named_parameters(/*recurse=*/true))
+    if (!item.value().requires_grad()) placed.push_back({item.key(), item.value()});
+  for (auto& [name, b] : placed) {
     torch::NoGradGuard ng;
-    const torch::Device dev = DeviceOptions(b.scalar_type()).device();
-    if (b.device() != dev) b.set_data(b.to(dev));
+    const torch::Dtype dtype =
+        b.is_floating_point() && work != torch::kFloat32 ? work : b.scalar_type();
+    const torch::Device dev = DeviceOptions(dtype).device();
+    if (b.device() != dev || b.scalar_type() != dtype) b.set_data(b.to(dev, dtype));
     if (comm_->world_size() > 1 && b.numel() > 0) {
       torch::Tensor t = b.contiguous();
       ComputeFence::Mark(*device_).Wait();  // the move above and contiguous() are queued compute

@@ -3,6 +3,7 @@ activation checkpointing, optimizer objects and data loaders."""
 
 import copy
 import json
+import math
 
 import pytest
 import torch
@@ -327,3 +328,34 @@ def test_default_units_are_the_engines_rule():
     assert [n for n, _ in units] == ["embed", "blocks.0", "blocks.1", "heads.a.1"]
     assert units[2][1] is net.tied
     assert all(m is net.get_submodule(n) for n, m in units)
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_bf16_casts_frozen_parameters_and_buffers_as_deepspeed(stage, tmp_path):
+    # DeepSpeed's engine turns the whole module to bf16 (module.bfloat16()): a frozen layer and a
+    # BatchNorm's running statistics then meet bf16 activations in their own type. Strata casts
+    # what no unit manages the same way; before, both failed in forward with a dtype mismatch.
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16), torch.nn.ReLU(),
+                                torch.nn.Linear(16, 16), torch.nn.Linear(16, 4))
+    model[3].requires_grad_(False)  # frozen
+    frozen = model[3].weight.detach().clone()
+    engine, *_ = strata.initialize(model=model, config={
+        "train_micro_batch_size_per_gpu": 4, "bf16": {"enabled": True},
+        "zero_optimization": {"stage": stage, "offload_optimizer": {"device": "cpu"}},
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}})
+    assert model[1].running_mean.dtype == torch.bfloat16
+    assert model[3].weight.dtype == torch.bfloat16 and not model[3].weight.requires_grad
+    assert model[1].num_batches_tracked.dtype == torch.int64  # integers keep their type
+    losses = []
+    for step in range(4):
+        x = torch.randn(4, 8, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(step))
+        y = torch.randint(0, 4, (4,), generator=torch.Generator().manual_seed(100 + step))
+        loss = torch.nn.functional.cross_entropy(engine(x).float(), y)
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    assert all(math.isfinite(v) for v in losses), losses
+    assert torch.equal(model[3].weight.float(), frozen.to(torch.bfloat16).float())  # not trained
+    assert int(model[1].num_batches_tracked) == 4
+    engine.close()

@@ -76,122 +76,91 @@ struct Buffers {
   std::vector<float> grad;
 };
 
-int RunFormats(const FormatsArgs& a) {
-  if (a.n < 1 || a.threads < 0 || a.reps < 1) {
-    std::fprintf(stderr, "strata-swapbench formats: --n >= 1, --threads >= 0, --reps >= 1\n");
-    return 2;
-  }
-  const size_t n = static_cast<size_t>(a.n);
-  const int threads = a.threads > 0 ? a.threads : tbb::info::default_concurrency();
-  tbb::task_arena arena(threads);
-  std::vector<std::function<void()>> variants;
-  std::vector<std::unique_ptr<Buffers>> bufs;
-  std::vector<double> bytes_per_param;
-  optim::Isa isa = optim::Isa::kScalar;
-  int64_t step = 1;
-  for (const Layout& l : kLayouts) {
-    auto b = std::make_unique<Buffers>();
-    b->master.assign(optim::MasterBytes(l.master, n), 0);
-    b->m.assign(optim::MomentBytes(l.moments, n), 0);
-    b->v.assign(optim::MomentBytes(l.moments, n), 0);
-    b->grad.assign(n, 1e-3f);
-    bytes_per_param.push_back(static_cast<double>(2 * b->master.size() + 4 * n + 2 * b->m.size() +
-                                                  2 * b->v.size()) / static_cast<double>(n));
-    Buffers* raw = b.get();
-    const Layout layout = l;
-    variants.push_back([raw, layout, n, &arena, &isa, &step] {
-      optim::AdamParams p;
-      p.weight_decay = 0.01;
-      p.step = step++;
-      optim::AdamOptions o;
-      o.arena = &arena;
-      o.grad_check = optim::GradCheck::kCallerChecked;
-      const bool fast = layout.master == optim::MasterFormat::kFp32 &&
-                        layout.moments != optim::MomentFormat::kInt8;
-      StatusOr<optim::AdamResult> r = optim::AdamResult{};
-      if (fast) {
-        optim::AdamBuffers ab;
-        ab.master = reinterpret_cast<float*>(raw->master.data());
-        ab.grad = raw->grad.data();
-        ab.exp_avg = raw->m.data();
-        ab.exp_avg_sq = raw->v.data();
-        ab.state_dtype = layout.moments == optim::MomentFormat::kBf16 ? optim::DType::kBFloat16
-                                                                      : optim::DType::kFloat32;
-        ab.n = n;
-        r = optim::AdamStep(p, ab, 1.0f, o);
-      } else {
-        optim::CompactAdamBuffers cb;
-        cb.master = raw->master.data();
-        cb.master_format = layout.master;
-        cb.grad = raw->grad.data();
-        cb.exp_avg = raw->m.data();
-        cb.exp_avg_sq = raw->v.data();
-        cb.moment_format = layout.moments;
-        cb.n = n;
-        cb.rounding_key = optim::RoundingKey(1, p.step);
-        r = optim::CompactAdamStep(p, cb, 1.0f, o);
-      }
-      if (r.ok()) isa = r->isa;
+// The Strata step of one layout: AdamStep's fast path for an fp32 master with fp32 or bf16
+// moments, CompactAdamStep otherwise.
+std::function<void()> StrataStep(Buffers* raw, Layout layout, size_t n, tbb::task_arena* arena,
+                                  optim::Isa* isa, int64_t* step) {
+  return [=] {
+    optim::AdamParams p;
+    p.weight_decay = 0.01;
+    p.step = (*step)++;
+    optim::AdamOptions o;
+    o.arena = arena;
+    o.grad_check = optim::GradCheck::kCallerChecked;
+    StatusOr<optim::AdamResult> r = optim::AdamResult{};
+    if (layout.master == optim::MasterFormat::kFp32 && layout.moments != optim::MomentFormat::kInt8) {
+      optim::AdamBuffers ab;
+      ab.master = reinterpret_cast<float*>(raw->master.data());
+      ab.grad = raw->grad.data();
+      ab.exp_avg = raw->m.data();
+      ab.exp_avg_sq = raw->v.data();
+      ab.state_dtype = layout.moments == optim::MomentFormat::kBf16 ? optim::DType::kBFloat16
+                                                                    : optim::DType::kFloat32;
+      ab.n = n;
+      r = optim::AdamStep(p, ab, 1.0f, o);
+    } else {
+      optim::CompactAdamBuffers cb;
+      cb.master = raw->master.data();
+      cb.master_format = layout.master;
+      cb.grad = raw->grad.data();
+      cb.exp_avg = raw->m.data();
+      cb.exp_avg_sq = raw->v.data();
+      cb.moment_format = layout.moments;
+      cb.n = n;
+      cb.rounding_key = optim::RoundingKey(1, p.step);
+      r = optim::CompactAdamStep(p, cb, 1.0f, o);
+    }
+    if (r.ok()) *isa = r->isa;
+  };
+}
+
+// The layout's roofline: the same blocks' bytes on the same threads, none of the arithmetic.
+std::function<void()> Roofline(Buffers* raw, size_t n, tbb::task_arena* arena) {
+  return [=] {
+    constexpr size_t kBlocksPerTask = 256;  // 64 Ki elements, as the kernels' grain
+    const size_t blocks = (n + optim::kInt8Block - 1) / optim::kInt8Block;
+    const size_t pb = raw->master.size() / n, sb = raw->m.size() / n;
+    arena->execute([&] {
+      tbb::parallel_for(
+          tbb::blocked_range<size_t>(0, (blocks + kBlocksPerTask - 1) / kBlocksPerTask, 1),
+          [&](const tbb::blocked_range<size_t>& br) {
+            for (size_t t = br.begin(); t < br.end(); ++t) {
+              const size_t b0 = t * kBlocksPerTask * optim::kInt8Block;
+              const size_t b1 = std::min(n, b0 + kBlocksPerTask * optim::kInt8Block);
+              StreamBlock(raw->master.data() + b0 * pb, (b1 - b0) * pb,
+                          reinterpret_cast<const uint32_t*>(raw->grad.data()) + b0, b1 - b0,
+                          raw->m.data() + b0 * sb, raw->v.data() + b0 * sb, (b1 - b0) * sb);
+            }
+          },
+          tbb::static_partitioner());
     });
-    // The roofline of this layout: the same blocks' bytes, on the same threads.
-    variants.push_back([raw, n, &arena] {
-      constexpr size_t kBlocksPerTask = 256;  // 64 Ki elements, as the kernels' grain
-      const size_t blocks = (n + optim::kInt8Block - 1) / optim::kInt8Block;
-      const size_t pb = raw->master.size() / n, sb = raw->m.size() / n;
-      const size_t tail_m = raw->m.size() - sb * n;  // 8-bit scales at the end
-      arena.execute([&] {
-        tbb::parallel_for(
-            tbb::blocked_range<size_t>(0, (blocks + kBlocksPerTask - 1) / kBlocksPerTask, 1),
-            [&](const tbb::blocked_range<size_t>& br) {
-              for (size_t t = br.begin(); t < br.end(); ++t) {
-                const size_t b0 = t * kBlocksPerTask * optim::kInt8Block;
-                const size_t b1 = std::min(n, b0 + kBlocksPerTask * optim::kInt8Block);
-                StreamBlock(raw->master.data() + b0 * pb, (b1 - b0) * pb,
-                            reinterpret_cast<const uint32_t*>(raw->grad.data()) + b0,
-                            b1 - b0, raw->m.data() + b0 * sb, raw->v.data() + b0 * sb,
-                            (b1 - b0) * sb);
-              }
-            },
-            tbb::static_partitioner());
-      });
-      if (tail_m > 0) {  // the scales: 4 bytes per block, read and written once
-        for (size_t i = sb * n; i < raw->m.size(); ++i) raw->m[i] = static_cast<uint8_t>(raw->m[i] + 1);
-        for (size_t i = sb * n; i < raw->v.size(); ++i) raw->v[i] = static_cast<uint8_t>(raw->v[i] + 1);
-      }
-    });
-    bufs.push_back(std::move(b));
-  }
-  // Best of reps, interleaved with rotation (the first round of each is a warm-up).
+    // The 8-bit scales after the codes: 4 bytes per block, read and written once.
+    for (size_t i = sb * n; i < raw->m.size(); ++i) raw->m[i] = static_cast<uint8_t>(raw->m[i] + 1);
+    for (size_t i = sb * n; i < raw->v.size(); ++i) raw->v[i] = static_cast<uint8_t>(raw->v[i] + 1);
+  };
+}
+
+// Best of `reps` timings each, the variants interleaved with their order rotated; the first
+// round is a warm-up.
+std::vector<double> BestInterleaved(const std::vector<std::function<void()>>& variants, int reps) {
   std::vector<double> best(variants.size(), 1e30);
-  const int rounds = a.reps + 1;
-  for (int r = 0; r < rounds; ++r) {
+  for (int r = 0; r <= reps; ++r) {
     for (size_t k = 0; k < variants.size(); ++k) {
       const size_t i = (k + static_cast<size_t>(r)) % variants.size();
       const double t = Seconds(variants[i]);
       if (r > 0) best[i] = std::min(best[i], t);
     }
   }
-  const double gp = static_cast<double>(n) / 1e9;
-  const double fp32_rate = gp / best[0];
-  nlohmann::json rows = nlohmann::json::array();
-  for (size_t l = 0; l < std::size(kLayouts); ++l) {
-    const double rate = gp / best[2 * l], roof = gp / best[2 * l + 1];
-    rows.push_back({{"layout", kLayouts[l].name},
-                    {"master", optim::MasterFormatName(kLayouts[l].master)},
-                    {"moments", optim::MomentFormatName(kLayouts[l].moments)},
-                    {"bytes_per_param_moved", bytes_per_param[l]},
-                    {"gparams_s", rate},
-                    {"gbps", rate * bytes_per_param[l]},
-                    {"roofline_gparams_s", roof},
-                    {"vs_roofline", rate / roof},
-                    {"vs_fp32", rate / fp32_rate}});
-  }
+  return best;
+}
+
+void Report(const FormatsArgs& a, int threads, optim::Isa isa, const nlohmann::json& rows) {
   const std::string host = HostDescription();
   if (a.json) {
     nlohmann::json j{{"host", host}, {"isa", optim::IsaName(isa)}, {"threads", threads},
                      {"n", a.n}, {"layouts", rows}};
     std::printf("%s\n", j.dump(2).c_str());
-    return 0;
+    return;
   }
   std::printf("CPU Adam by optimizer-state layout: %s, isa %s, %d thread(s), n = %lld\n\n",
               host.c_str(), optim::IsaName(isa), threads, static_cast<long long>(a.n));
@@ -206,6 +175,49 @@ int RunFormats(const FormatsArgs& a) {
   std::printf("\nB moved: bytes read and written per parameter (master and moments read and "
               "written, the fp32 gradient read).\nroofline: a loop moving the layout's bytes with "
               "none of its arithmetic, on the same threads.\n");
+}
+
+int RunFormats(const FormatsArgs& a) {
+  if (a.n < 1 || a.threads < 0 || a.reps < 1) {
+    std::fprintf(stderr, "strata-swapbench formats: --n >= 1, --threads >= 0, --reps >= 1\n");
+    return 2;
+  }
+  const size_t n = static_cast<size_t>(a.n);
+  const int threads = a.threads > 0 ? a.threads : tbb::info::default_concurrency();
+  tbb::task_arena arena(threads);
+  std::vector<std::function<void()>> variants;  // per layout: Strata's step, then its roofline
+  std::vector<std::unique_ptr<Buffers>> bufs;
+  std::vector<double> bytes_per_param;
+  optim::Isa isa = optim::Isa::kScalar;
+  int64_t step = 1;
+  for (const Layout& l : kLayouts) {
+    auto b = std::make_unique<Buffers>();
+    b->master.assign(optim::MasterBytes(l.master, n), 0);
+    b->m.assign(optim::MomentBytes(l.moments, n), 0);
+    b->v.assign(optim::MomentBytes(l.moments, n), 0);
+    b->grad.assign(n, 1e-3f);
+    bytes_per_param.push_back(static_cast<double>(2 * b->master.size() + 4 * n + 2 * b->m.size() +
+                                                  2 * b->v.size()) / static_cast<double>(n));
+    variants.push_back(StrataStep(b.get(), l, n, &arena, &isa, &step));
+    variants.push_back(Roofline(b.get(), n, &arena));
+    bufs.push_back(std::move(b));
+  }
+  const std::vector<double> best = BestInterleaved(variants, a.reps);
+  const double gp = static_cast<double>(n) / 1e9;
+  nlohmann::json rows = nlohmann::json::array();
+  for (size_t l = 0; l < std::size(kLayouts); ++l) {
+    const double rate = gp / best[2 * l], roof = gp / best[2 * l + 1];
+    rows.push_back({{"layout", kLayouts[l].name},
+                    {"master", optim::MasterFormatName(kLayouts[l].master)},
+                    {"moments", optim::MomentFormatName(kLayouts[l].moments)},
+                    {"bytes_per_param_moved", bytes_per_param[l]},
+                    {"gparams_s", rate},
+                    {"gbps", rate * bytes_per_param[l]},
+                    {"roofline_gparams_s", roof},
+                    {"vs_roofline", rate / roof},
+                    {"vs_fp32", rate * best[0] / gp}});
+  }
+  Report(a, threads, isa, rows);
   return 0;
 }
 

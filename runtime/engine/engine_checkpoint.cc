@@ -292,11 +292,11 @@ Status Engine::Impl::CheckManifestFits(const checkpoint::Manifest& m, const std:
   if (m.stage != config_.zero_optimization.stage)
     return mismatch("zero_optimization.stage", std::to_string(m.stage),
                     std::to_string(config_.zero_optimization.stage), "use the config it was saved with");
-  if (m.dtype != optim::DTypeName(plan_.compute_dtype()) || m.state_dtype != plan_.StateLayoutName())
-    return mismatch("precision", m.dtype + "/" + m.state_dtype,
-                    std::string(optim::DTypeName(plan_.compute_dtype())) + "/" + plan_.StateLayoutName(),
-                    "use the bf16/fp16, bf16_master_weights_and_grads and optimizer_state_dtype "
-                    "settings it was saved with");
+  if (m.dtype != optim::DTypeName(plan_.compute_dtype()))
+    return mismatch("precision", m.dtype, optim::DTypeName(plan_.compute_dtype()),
+                    "use the bf16/fp16 settings it was saved with");
+  // Another optimizer-state layout is converted while loading (ReadSavedBlocks).
+  STRATA_RETURN_IF_ERROR(StateLayout::Parse(m.state_dtype).status().WithContext(dir));
   std::vector<int64_t> ours;
   for (const ChunkInfo& ci : partitioner_->chunks()) ours.push_back(ci.shard_numel);
   if (m.parameters != num_params() || m.shard_numel != ours)
@@ -333,13 +333,23 @@ Status Engine::Impl::ReadSavedBlocks(int fd, const std::string& bin, const check
     STRATA_ASSIGN_OR_RETURN(StateKind k, KindFromName(e.state));
     entries[{e.chunk, k}] = &e;
   }
+  // Note [compact layouts]: a checkpoint saved under another layout (fp32 states loaded into an
+  // 8-bit run, or back) has its master and moments converted through fp32, and says so.
+  STRATA_ASSIGN_OR_RETURN(const StateLayout saved, StateLayout::Parse(m.state_dtype));
+  const StateLayout now = plan_.layout();
+  if (saved != now)
+    STRATA_LOG(WARN) << mpath << ": saved with optimizer-state layout " << saved.Name()
+                     << "; converting its master and moments to this run's " << now.Name();
   for (size_t c = 0; c < chunks_.size(); ++c) {
     for (StateKind kind : kSavedKinds) {
       if (weights_only && kind != StateKind::kMaster32) continue;  // the optimizer keeps its own
       if (!plan_.HoldsState(kind)) continue;  // a state this optimizer does not keep is not read
       const int64_t c64 = static_cast<int64_t>(c);
       auto it = entries.find({c64, kind});
-      const uint64_t bytes = SavedBytes(c64, kind);
+      const int64_t n = partitioner_->chunks()[c].shard_numel;
+      const bool layout_kind = kind == StateKind::kMaster32 || kind == StateKind::kExpAvg ||
+                               kind == StateKind::kExpAvgSq;
+      const uint64_t bytes = layout_kind ? saved.Bytes(kind, n) : SavedBytes(c64, kind);
       if (it == entries.end() || it->second->bytes != bytes)
         return DataLoss(StrCat(mpath, ": ", BlockName({c64, kind}), " is missing or has the wrong size"));
       // Read into a scratch buffer first: a damaged file must not overwrite the live state.
@@ -347,9 +357,17 @@ Status Engine::Impl::ReadSavedBlocks(int fd, const std::string& bin, const check
       STRATA_RETURN_IF_ERROR(checkpoint::ReadChecked(fd, bin, it->second->offset, bytes,
                                                      it->second->crc32c, BlockName({c64, kind}),
                                                      buf.data()));
+      const bool converted = kind == StateKind::kMaster32 ? saved.bf16_master != now.bf16_master
+                                                          : layout_kind && saved.moments != now.moments;
+      if (converted) {
+        std::vector<float> values(static_cast<size_t>(n));
+        saved.Decode(kind, buf.data(), n, values.data());
+        buf.assign(now.Bytes(kind, n), 0);
+        now.Encode(kind, values.data(), n, buf.data());
+      }
       const BlockKey key = kind == StateKind::kMaster32 ? plan_.MasterKey(c64) : BlockKey{c64, kind};
       STRATA_ASSIGN_OR_RETURN(void* dst, store_->Acquire(key, Access::kWrite));
-      Status s = WriteBlockBytes(dst, buf.data(), bytes, plan_.PlacementOf(key.kind));
+      Status s = WriteBlockBytes(dst, buf.data(), buf.size(), plan_.PlacementOf(key.kind));
       Status r = store_->Release(key, true);
       STRATA_RETURN_IF_ERROR(s);
       STRATA_RETURN_IF_ERROR(r);

@@ -171,18 +171,11 @@ uint64_t StepPlan::BlockBytes(StateKind kind, int64_t shard_numel) const {
   switch (kind) {
     case StateKind::kParam16: return n * optim::DTypeSize(compute_dtype_);
     case StateKind::kGrad: return n * 4;
-    case StateKind::kMaster32: return optim::MasterBytes(master_format_, n);
+    case StateKind::kMaster32:
     case StateKind::kExpAvg:
-    case StateKind::kExpAvgSq:
-      return moment_format_ == optim::MomentFormat::kInt8 ? optim::MomentBytes(moment_format_, n)
-                                                          : n * optim::DTypeSize(state_dtype_);
+    case StateKind::kExpAvgSq: return layout().Bytes(kind, shard_numel);
     default: return 0;
   }
-}
-
-std::string StepPlan::StateLayoutName() const {
-  return StrCat(moment_format_ == optim::MomentFormat::kInt8 ? "int8" : optim::DTypeName(state_dtype_),
-                master_format_ == optim::MasterFormat::kFp32 ? "" : "+bf16_master");
 }
 
 // Note [compact layouts]: which master and moment formats, and where they can run.

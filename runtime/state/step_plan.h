@@ -22,6 +22,7 @@
 #include "runtime/base/status.h"
 #include "runtime/state/block_store.h"
 #include "runtime/state/partitioner.h"
+#include "runtime/state/state_layout.h"
 
 namespace strata {
 
@@ -74,9 +75,12 @@ class StepPlan {
   // dtype, the moments in their format). Every allocation, checkpoint entry and tier budget
   // asks here.
   uint64_t BlockBytes(StateKind kind, int64_t shard_numel) const;
-  // The saved states' layout, as checkpoints record it (their "state_dtype"): the moments'
-  // format ("fp32", "bf16", "int8"), with "+bf16_master" when the master is bf16.
-  std::string StateLayoutName() const;
+  // How the master and moments are stored (state_layout.h); its Name() is what checkpoints
+  // record as their "state_dtype".
+  StateLayout layout() const {
+    return {master_format_ != optim::MasterFormat::kFp32, moment_format_};
+  }
+  std::string StateLayoutName() const { return layout().Name(); }
   // fp16, or EngineOptions::loss_scaling: the loss is scaled and a step with a non-finite
   // gradient is skipped, so no update may start before the step's overflow flag is known.
   bool loss_scaling() const { return loss_scaling_; }

@@ -93,10 +93,24 @@ def test_stochastic_master_does_not_depend_on_the_chunk_size(tmp_path):
     assert a == b and all(torch.equal(x, y) for x, y in zip(ma, mb))
 
 
-def test_a_checkpoint_of_another_layout_is_refused_naming_both(tmp_path):
-    _train(_cfg(tmp_path, moments="int8"), steps=1, save=tmp_path / "ckpt")
-    with pytest.raises(strata.StrataError, match="int8.*bf16_master_weights_and_grads"):
-        _train(_cfg(tmp_path, master=True), steps=1, resume=tmp_path / "ckpt")
+def test_a_checkpoint_of_another_layout_converts_and_says_so(tmp_path, capfd):
+    # fp32 states saved, loaded into a bf16-master, 8-bit-moment run: the master arrives rounded
+    # to nearest bf16 (the moments quantized), training goes on; and the way back.
+    plain = _cfg(tmp_path, stage=3, optim="cpu", param="cpu")
+    compact = _cfg(tmp_path, stage=3, optim="cpu", param="cpu", master=True, moments="int8")
+    _, saved = _train(plain, steps=3, save=tmp_path / "fp32")
+    capfd.readouterr()
+    _, loaded = _train(compact, steps=0, resume=tmp_path / "fp32")
+    assert "converting its master and moments to this run's int8+bf16_master" in capfd.readouterr().err
+    assert all(torch.equal(x, y.to(torch.bfloat16).float()) for x, y in zip(loaded, saved))
+    more, _ = _train(compact, steps=2, resume=tmp_path / "fp32", first=3)
+    want, _ = _train(plain, steps=2, resume=tmp_path / "fp32", first=3)
+    for got, ref in zip(more, want):
+        assert abs(got - ref) <= 0.02 * abs(ref), (more, want)
+    # Back: a compact checkpoint into fp32 states (bf16 values are exact in fp32).
+    _, compact_saved = _train(compact, steps=2, save=tmp_path / "compact")
+    _, back = _train(plain, steps=0, resume=tmp_path / "compact")
+    assert all(torch.equal(x, y) for x, y in zip(back, compact_saved))
 
 
 def test_bad_combinations_are_refused_naming_the_keys(tmp_path):

@@ -2,6 +2,9 @@
 // worked out by hand from the rules in the header, plus the refusals and the tier sizes.
 #include "runtime/state/step_plan.h"
 
+#include <cmath>
+#include <vector>
+
 #include <gtest/gtest.h>
 
 #include "tests/test_util.h"
@@ -212,6 +215,38 @@ TEST(StepPlanCompactLayouts, FormatsBlockBytesAndRefusals) {
                 "offload_optimizer.device to cpu or nvme");
   ExpectRefused(MakeWith(gpu, DeviceKind::kCpu, true, 1, true, false, optim::DType::kBFloat16),
                 "client optimizer");
+}
+
+// StateLayout (runtime/state/state_layout.h): names as checkpoints record them, block sizes, and
+// a conversion through fp32 that keeps what the narrower format can hold.
+TEST(StateLayout, NamesSizesAndConversions) {
+  for (const char* name : {"fp32", "bf16", "int8", "fp32+bf16_master", "int8+bf16_master"}) {
+    ASSERT_OK_AND_ASSIGN(StateLayout l, StateLayout::Parse(name));
+    EXPECT_EQ(l.Name(), name);
+  }
+  EXPECT_FALSE(StateLayout::Parse("fp16").ok());
+  EXPECT_FALSE(StateLayout::Parse("+bf16_master").ok());
+  ASSERT_OK_AND_ASSIGN(StateLayout compact, StateLayout::Parse("int8+bf16_master"));
+  EXPECT_EQ(compact.Bytes(StateKind::kMaster32, 1000), 2000u);
+  EXPECT_EQ(compact.Bytes(StateKind::kExpAvgSq, 1000), 1000u + 16u);  // 4 scales
+  const StateLayout plain;
+  std::vector<float> x(1000);
+  for (size_t i = 0; i < x.size(); ++i) x[i] = std::sin(0.37f * static_cast<float>(i)) * 1e-3f;
+  std::vector<char> block(compact.Bytes(StateKind::kExpAvg, 1000));
+  compact.Encode(StateKind::kExpAvg, x.data(), 1000, block.data());
+  std::vector<float> back(1000);
+  compact.Decode(StateKind::kExpAvg, block.data(), 1000, back.data());
+  for (size_t i = 0; i < x.size(); ++i)
+    EXPECT_NEAR(back[i], x[i], optim::DynamicMapMaxError(true) * 1e-3f * 1.0001f) << i;
+  std::vector<char> master(compact.Bytes(StateKind::kMaster32, 1000));
+  compact.Encode(StateKind::kMaster32, x.data(), 1000, master.data());
+  std::vector<float> m16(1000), m32(1000);
+  compact.Decode(StateKind::kMaster32, master.data(), 1000, m16.data());
+  std::vector<char> fp32(plain.Bytes(StateKind::kMaster32, 1000));
+  plain.Encode(StateKind::kMaster32, m16.data(), 1000, fp32.data());
+  plain.Decode(StateKind::kMaster32, fp32.data(), 1000, m32.data());
+  EXPECT_EQ(m16, m32);  // a bf16 master is exact in fp32
+  for (size_t i = 0; i < x.size(); ++i) EXPECT_EQ(m16[i], optim::Bf16ToFloat(optim::FloatToBf16(x[i])));
 }
 
 }  // namespace

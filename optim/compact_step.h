@@ -24,7 +24,11 @@
 #include <vector>
 
 #include "optim/compact_formats.h"
+#include "optim/blockwise.h"
+#include "optim/cpu_adagrad.h"
 #include "optim/cpu_adam.h"
+#include "optim/cpu_lion.h"
+#include "optim/cpu_sgd.h"
 
 namespace strata::optim {
 
@@ -75,6 +79,24 @@ struct AdamRun {
 // narrowed once. Elements in no run keep their values (a block with no run is not touched).
 StatusOr<AdamResult> CompactAdamStep(const std::vector<AdamRun>& runs, const CompactAdamBuffers& bufs,
                                      float grad_scale = 1.0f, const AdamOptions& options = {});
+
+// SGD (momentum in exp_avg), Adagrad (its sum in exp_avg_sq) and Lion (its momentum in exp_avg)
+// over the compact layouts, the same way: each block widened, the optimizer's own fp32 block
+// function (cpu_sgd.h, cpu_adagrad.h, cpu_lion.h) on each run's part, then narrowed. The buffer
+// the optimizer does not use may be null (and is for SGD without momentum); the gradient is fp32.
+// The 16-bit copy (param16, fp32 master only) is written from the new master.
+enum class ElementwiseKind : uint8_t { kSgd, kAdagrad, kLion };
+struct ElementwiseRun {
+  size_t begin = 0;
+  size_t size = 0;
+  uint64_t index_base = 0;
+  SgdParams sgd;          // kSgd
+  AdagradParams adagrad;  // kAdagrad
+  LionParams lion;        // kLion
+};
+StatusOr<Isa> CompactElementwiseStep(ElementwiseKind kind, const std::vector<ElementwiseRun>& runs,
+                                     const CompactAdamBuffers& bufs, float grad_scale = 1.0f,
+                                     const ElementwiseOptions& options = {});
 
 // One update (cpu_adam.h's formula) of `bufs`. Errors as AdamStep's, plus INVALID_ARGUMENT for a
 // param16 beside a bf16 master (the master is the 16-bit copy). GradCheck::kScanFirst skips the

@@ -115,13 +115,6 @@ Status StepPlan::ChoosePlacement(const Inputs& in) {
     return FailedPrecondition(StrCat("communicator ", in.comm_backend,
                                      " moves host memory but the device is ", in.device_name,
                                      "; use the nccl backend with CUDA"));
-  if (const OptimizerType t = c.optimizer.type;
-      t == OptimizerType::kSGD || t == OptimizerType::kAdagrad || t == OptimizerType::kLion) {
-    if (state_dtype_ != optim::DType::kFloat32)
-      return InvalidArgument(StrCat("optimizer.type=", OptimizerTypeName(t),
-                                    " keeps its state in fp32: remove "
-                                    "strata.optimizer_state_dtype=bf16"));
-  }
   if (c.fp16.enabled && in.device_kind == DeviceKind::kCpu && !in.fp16_ops_in_fp32)
     return InvalidArgument(
         "fp16.enabled=true on the cpu device for a LibTorch model: LibTorch has no fp16 CPU "
@@ -187,19 +180,22 @@ Status StepPlan::ChooseLayout(const Inputs& in) {
   if (c.bf16.bf16_master_weights_and_grads)
     master_format_ = c.strata.stochastic_rounding ? optim::MasterFormat::kBf16Stochastic
                                                   : optim::MasterFormat::kBf16Nearest;
+  adam_ = c.optimizer.type == OptimizerType::kAdam || c.optimizer.type == OptimizerType::kAdamW;
   if (!compact_optimizer()) return Status::Ok();
   const std::string layout = StrCat(
       master_format_ != optim::MasterFormat::kFp32 ? "bf16.bf16_master_weights_and_grads" : "",
-      master_format_ != optim::MasterFormat::kFp32 && moment_format_ == optim::MomentFormat::kInt8 ? " with " : "",
-      moment_format_ == optim::MomentFormat::kInt8 ? "strata.optimizer_state_dtype=int8" : "");
+      master_format_ != optim::MasterFormat::kFp32 && moment_format_ != optim::MomentFormat::kFp32 ? " with " : "",
+      moment_format_ != optim::MomentFormat::kFp32
+          ? StrCat("strata.optimizer_state_dtype=", optim::MomentFormatName(moment_format_))
+          : std::string());
   if (master_format_ != optim::MasterFormat::kFp32 && compute_dtype_ != optim::DType::kBFloat16)
     return InvalidArgument(StrCat(layout, " keeps the master as the bf16 working copy, but this run "
                                   "computes in ", optim::DTypeName(compute_dtype_),
                                   "; set bf16.enabled=true"));
   const OptimizerType t = c.optimizer.type;
-  if (t != OptimizerType::kAdam && t != OptimizerType::kAdamW)
-    return InvalidArgument(StrCat(layout, " runs with Adam and AdamW only so far; optimizer.type=",
-                                  OptimizerTypeName(t), " keeps fp32 states: remove it or use AdamW"));
+  if (t == OptimizerType::kSGD && !in.sgd_momentum && moment_format_ != optim::MomentFormat::kFp32)
+    return InvalidArgument(StrCat("strata.optimizer_state_dtype=", optim::MomentFormatName(moment_format_),
+                                  ": SGD without momentum keeps no optimizer state; remove it"));
   if (client_optimizer_)
     return InvalidArgument(StrCat(layout, " is Strata's own optimizer's layout; a client optimizer "
                                   "(zero_allow_untested_optimizer) keeps its own states"));

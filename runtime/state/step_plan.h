@@ -60,11 +60,13 @@ class StepPlan {
   // Note [compact layouts]: bf16.bf16_master_weights_and_grads keeps the master as bf16 (rounded
   // stochastically unless strata.stochastic_rounding is false); strata.optimizer_state_dtype
   // int8 keeps the moments as 8-bit blocks. Either runs the optimizer through
-  // optim::CompactAdamStep (Adam and AdamW, on the host optimizer or the CPU device's).
+  // optim::CompactAdamStep / CompactElementwiseStep (on the host optimizer or the CPU device's).
   optim::MasterFormat master_format() const { return master_format_; }
   optim::MomentFormat moment_format() const { return moment_format_; }
+  // SGD, Adagrad and Lion run every non-fp32 state through it too (their fast kernels are fp32).
   bool compact_optimizer() const {
-    return master_format_ != optim::MasterFormat::kFp32 || moment_format_ == optim::MomentFormat::kInt8;
+    return master_format_ != optim::MasterFormat::kFp32 || moment_format_ == optim::MomentFormat::kInt8 ||
+           (!adam_ && moment_format_ == optim::MomentFormat::kBf16);
   }
   // The master's element type: fp32, or bf16 in the compact layouts.
   optim::DType master_dtype() const {
@@ -157,6 +159,7 @@ class StepPlan {
   optim::DType state_dtype_ = optim::DType::kFloat32;
   optim::MasterFormat master_format_ = optim::MasterFormat::kFp32;
   optim::MomentFormat moment_format_ = optim::MomentFormat::kFp32;
+  bool adam_ = true;  // Adam or AdamW (the other optimizers' states go through the compact path)
   bool loss_scaling_ = false;
   bool client_optimizer_ = false;
   Placement param_placement_ = Placement::kDevice;

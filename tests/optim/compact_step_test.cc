@@ -362,6 +362,73 @@ TEST(CompactAdamStep, RunsWithTheirOwnHyperparametersShareBlocks) {
   }
 }
 
+// SGD with momentum, Adagrad and Lion through the same walk: every layout and ISA equals widening,
+// the optimizer's own fp32 step (scalar), and narrowing by the scalar rules, for three steps.
+TEST(CompactElementwiseStep, EveryOptimizerLayoutAndIsaEqualsTheReference) {
+  const size_t n = 700;
+  for (ElementwiseKind kind : {ElementwiseKind::kSgd, ElementwiseKind::kAdagrad, ElementwiseKind::kLion}) {
+    for (MasterFormat mf : {MasterFormat::kFp32, MasterFormat::kBf16Nearest, MasterFormat::kBf16Stochastic}) {
+      for (MomentFormat of : {MomentFormat::kFp32, MomentFormat::kBf16, MomentFormat::kInt8}) {
+        State want = Initial(mf, of, n);
+        // Adagrad's sum must not be negative: its state is the unsigned one (exp_avg_sq).
+        std::vector<State> got(Isas().size(), want);
+        for (int t = 1; t <= 3; ++t) {
+          ElementwiseRun run;
+          run.size = n;
+          run.index_base = 11;
+          run.sgd.lr = 0.05;
+          run.sgd.momentum = 0.9;
+          run.sgd.weight_decay = 0.01;
+          run.sgd.first = t == 1;
+          run.adagrad.lr = 0.05;
+          run.adagrad.weight_decay = 0.01;
+          run.adagrad.step = t;
+          run.lion.lr = 1e-3;
+          run.lion.weight_decay = 0.1;
+          const std::vector<float> g = Grads(n, 10 + t);
+          const uint32_t key = RoundingKey(3, t);
+          // The reference.
+          std::vector<float> p(n), m(n), v(n);
+          for (size_t i = 0; i < n; ++i) {
+            p[i] = ReadMaster(want, i);
+            m[i] = ReadMoment(want, want.m, i, true);
+            v[i] = ReadMoment(want, want.v, i, false);
+          }
+          ElementwiseOptions o;
+          o.isa = Isa::kScalar;
+          if (kind == ElementwiseKind::kSgd)
+            ASSERT_TRUE(SgdStep(run.sgd, {p.data(), g.data(), m.data(), nullptr, DType::kBFloat16, n}, 1.0f, o).ok());
+          if (kind == ElementwiseKind::kAdagrad)
+            ASSERT_TRUE(AdagradStep(run.adagrad, {p.data(), g.data(), v.data(), nullptr, DType::kBFloat16, n}, 1.0f, o).ok());
+          if (kind == ElementwiseKind::kLion)
+            ASSERT_TRUE(LionStep(run.lion, {p.data(), g.data(), m.data(), nullptr, DType::kBFloat16, n}, 1.0f, o).ok());
+          WriteMaster(want, p, key, 11);
+          if (kind != ElementwiseKind::kAdagrad) WriteMoment(want, want.m, m, true);
+          if (kind == ElementwiseKind::kAdagrad) WriteMoment(want, want.v, v, false);
+          for (size_t k = 0; k < got.size(); ++k) {
+            CompactAdamBuffers b;
+            b.master = got[k].master.data();
+            b.master_format = mf;
+            b.grad = g.data();
+            b.exp_avg = kind == ElementwiseKind::kAdagrad ? nullptr : got[k].m.data();
+            b.exp_avg_sq = kind == ElementwiseKind::kAdagrad ? got[k].v.data() : nullptr;
+            b.moment_format = of;
+            b.n = n;
+            b.rounding_key = key;
+            ElementwiseOptions eo;
+            eo.isa = Isas()[k];
+            eo.grain = 256;
+            ASSERT_TRUE(CompactElementwiseStep(kind, {run}, b, 1.0f, eo).ok());
+            ASSERT_TRUE(got[k] == want) << static_cast<int>(kind) << " " << MasterFormatName(mf)
+                                        << "/" << MomentFormatName(of) << " isa "
+                                        << IsaName(Isas()[k]) << " step " << t;
+          }
+        }
+      }
+    }
+  }
+}
+
 TEST(CompactAdamStep, RefusesParam16BesideABf16MasterAndSkipsNonFiniteGrads) {
   State s = Initial(MasterFormat::kBf16Nearest, MomentFormat::kInt8, 300);
   const State before = s;

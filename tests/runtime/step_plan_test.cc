@@ -201,12 +201,13 @@ TEST(StepPlanCompactLayouts, FormatsBlockBytesAndRefusals) {
   ASSERT_OK_AND_ASSIGN(StepPlan n, MakeWith(c, DeviceKind::kCpu, false, 1, true, false,
                                             optim::DType::kBFloat16));
   EXPECT_EQ(n.master_format(), optim::MasterFormat::kBf16Nearest);
-  // Refused: a bf16 master without bf16 compute; SGD; the GPU's own optimizer; a client's.
+  // Refused: a bf16 master without bf16 compute; SGD without momentum; the GPU's own optimizer;
+  // a client's.
   ExpectRefused(MakeWith(c), "set bf16.enabled=true");
   Config sgd = c;
-  sgd.optimizer.type = OptimizerType::kSGD;
+  sgd.optimizer.type = OptimizerType::kSGD;  // without momentum: no state for int8 to hold
   ExpectRefused(MakeWith(sgd, DeviceKind::kCpu, false, 1, true, false, optim::DType::kBFloat16),
-                "Adam and AdamW only");
+                "SGD without momentum keeps no optimizer state");
   Config gpu = c;
   gpu.zero_optimization.stage = 2;
   gpu.zero_optimization.offload_param.device = OffloadDevice::kNone;

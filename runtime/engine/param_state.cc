@@ -37,6 +37,7 @@ namespace {
 struct StateBlock {
   BlockKey key;
   optim::DType dtype;
+  bool blocks8 = false;  // 8-bit moments: decoded and encoded through the run's StateLayout
 };
 
 StatusOr<StateBlock> BlockOf(const StepPlan& plan, int64_t c, StateKind kind) {
@@ -53,12 +54,7 @@ StatusOr<StateBlock> BlockOf(const StepPlan& plan, int64_t c, StateKind kind) {
       if (!plan.HoldsState(kind))
         return FailedPrecondition(StrCat("the optimizer keeps no ", StateKindName(kind),
                                          " state (Note [states the optimizer uses])"));
-      if (plan.moment_format() == optim::MomentFormat::kInt8)
-        return FailedPrecondition(StrCat(
-            "per-parameter access to ", StateKindName(kind), " is not available with "
-            "strata.optimizer_state_dtype=int8 yet (the moments are 8-bit blocks); save a "
-            "checkpoint, or train with fp32 or bf16 moments to read them"));
-      return StateBlock{{c, kind}, plan.state_dtype()};
+      return StateBlock{{c, kind}, plan.state_dtype(), plan.moment_format() == optim::MomentFormat::kInt8};
     default:
       return InvalidArgument(StrCat("no per-parameter access to the ", StateKindName(kind),
                                     " state"));
@@ -90,12 +86,16 @@ void FromFloat(const float* src, optim::DType dtype, int64_t n, void* dst) {
 Status Engine::Impl::ReadShard(int64_t c, StateKind kind, float* out) {
   STRATA_ASSIGN_OR_RETURN(StateBlock b, BlockOf(plan_, c, kind));
   const int64_t n = partitioner_->chunks()[c].shard_numel;
-  std::vector<char> raw(n * optim::DTypeSize(b.dtype));
+  std::vector<char> raw(b.blocks8 ? plan_.BlockBytes(kind, n) : n * optim::DTypeSize(b.dtype));
   STRATA_ASSIGN_OR_RETURN(void* block, store_->Acquire(b.key, Access::kRead));
   Status read = ReadBlockBytes(raw.data(), block, raw.size(), plan_.PlacementOf(b.key.kind));
   STRATA_RETURN_IF_ERROR(store_->Release(b.key, false));
   STRATA_RETURN_IF_ERROR(read.WithContext(StrCat("reading chunk ", c, "'s ", StateKindName(kind))));
-  ToFloat(raw.data(), b.dtype, n, out);
+  if (b.blocks8) {
+    plan_.layout().Decode(kind, raw.data(), n, out);
+  } else {
+    ToFloat(raw.data(), b.dtype, n, out);
+  }
   return Status::Ok();
 }
 
@@ -107,11 +107,16 @@ Status Engine::Impl::PatchShard(int64_t c, StateKind kind,
   const int64_t n = partitioner_->chunks()[c].shard_numel;
   const Placement where = plan_.PlacementOf(b.key.kind);
   std::vector<float> shard(n);
-  std::vector<char> raw(n * optim::DTypeSize(b.dtype));
+  std::vector<char> raw(b.blocks8 ? plan_.BlockBytes(kind, n) : n * optim::DTypeSize(b.dtype));
   STRATA_ASSIGN_OR_RETURN(void* block, store_->Acquire(b.key, Access::kReadWrite));
   Status s = ReadBlockBytes(raw.data(), block, raw.size(), where);
   if (s.ok()) {
-    ToFloat(raw.data(), b.dtype, n, shard.data());
+    // 8-bit moments: the shard is decoded and encoded whole (a write requantizes its blocks).
+    if (b.blocks8) {
+      plan_.layout().Decode(kind, raw.data(), n, shard.data());
+    } else {
+      ToFloat(raw.data(), b.dtype, n, shard.data());
+    }
     for (const auto& [pid, value] : values) {
       const ParamLocation& loc = partitioner_->location(pid);
       const int64_t from = std::max(lo, loc.offset), to = std::min(lo + n, loc.offset + loc.numel);
@@ -119,7 +124,11 @@ Status Engine::Impl::PatchShard(int64_t c, StateKind kind,
         std::memcpy(shard.data() + (from - lo), value.data_ptr<float>() + (from - loc.offset),
                     (to - from) * sizeof(float));
     }
-    FromFloat(shard.data(), b.dtype, n, raw.data());
+    if (b.blocks8) {
+      plan_.layout().Encode(kind, shard.data(), n, raw.data());
+    } else {
+      FromFloat(shard.data(), b.dtype, n, raw.data());
+    }
     s = WriteBlockBytes(block, raw.data(), raw.size(), where);
   }
   Status r = store_->Release(b.key, s.ok());

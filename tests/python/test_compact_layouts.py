@@ -151,3 +151,38 @@ def test_bad_combinations_are_refused_naming_the_keys(tmp_path):
     cfg["bf16"]["bf16_optimizer_states"] = True
     with pytest.raises(strata.InvalidArgumentError, match="two moment formats"):
         _train(cfg, steps=1)
+
+
+def test_per_parameter_access_reads_and_writes_8bit_moments(tmp_path):
+    # safe_get/set_full_optimizer_state on 8-bit moments decode and encode the shard's blocks.
+    # After one step both runs hold m = (1 - beta1) g of the same gradient, so the 8-bit one
+    # reads within the format's bound of fp32's: 0.0070 of its block's scale, which a block
+    # shared by several parameters takes from the largest of them (bounded here by the model's
+    # largest |m|).
+    from strata import param_state
+
+    def one_step(moments):
+        torch.manual_seed(0)
+        model = harness.MODELS["gpt2"]()
+        cfg = _cfg(tmp_path, stage=3, optim="cpu", param="cpu", moments=moments)
+        engine, *_ = strata.initialize(model=model, model_parameters=model.parameters(),
+                                       config=copy.deepcopy(cfg))
+        harness.run_steps(engine, "gpt2", 0, 1)
+        return engine, model
+
+    plain, plain_model = one_step("fp32")
+    want = {n: param_state.safe_get_full_optimizer_state(p, "exp_avg").clone()
+            for n, p in plain_model.named_parameters()}
+    plain.close()
+    engine, model = one_step("int8")
+    bound = 0.0071 * max(w.abs().max().item() for w in want.values())
+    for name, p in model.named_parameters():
+        got = param_state.safe_get_full_optimizer_state(p, "exp_avg")
+        assert (got - want[name]).abs().max().item() <= bound, name
+        assert not torch.equal(got, want[name]) or want[name].abs().max() == 0  # really 8-bit
+    name, p = next(iter(model.named_parameters()))
+    value = torch.linspace(-1e-3, 1e-3, p.numel()).view_as(p)
+    param_state.safe_set_full_optimizer_state(p, value, "exp_avg")
+    back = param_state.safe_get_full_optimizer_state(p, "exp_avg")
+    assert (back - value).abs().max().item() <= 0.0071 * 1e-3
+    engine.close()

@@ -67,7 +67,6 @@ StatusOr<StepPlan> StepPlan::Make(const Inputs& in) {
   if (p.host_budget_ > 0) {
     uint64_t nvme_total = 0, largest = 0;
     for (const ChunkInfo& ci : in.partitioner->chunks()) {
-      const uint64_t n = static_cast<uint64_t>(ci.shard_numel);
       auto add = [&](uint64_t bytes, Placement where) {
         if (where == Placement::kNvme) nvme_total += PoolClass(bytes), largest = std::max(largest, PoolClass(bytes));
       };

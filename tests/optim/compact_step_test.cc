@@ -396,12 +396,15 @@ TEST(CompactElementwiseStep, EveryOptimizerLayoutAndIsaEqualsTheReference) {
           }
           ElementwiseOptions o;
           o.isa = Isa::kScalar;
-          if (kind == ElementwiseKind::kSgd)
-            ASSERT_TRUE(SgdStep(run.sgd, {p.data(), g.data(), m.data(), nullptr, DType::kBFloat16, n}, 1.0f, o).ok());
-          if (kind == ElementwiseKind::kAdagrad)
-            ASSERT_TRUE(AdagradStep(run.adagrad, {p.data(), g.data(), v.data(), nullptr, DType::kBFloat16, n}, 1.0f, o).ok());
-          if (kind == ElementwiseKind::kLion)
-            ASSERT_TRUE(LionStep(run.lion, {p.data(), g.data(), m.data(), nullptr, DType::kBFloat16, n}, 1.0f, o).ok());
+          bool stepped = false;
+          if (kind == ElementwiseKind::kSgd) {
+            stepped = SgdStep(run.sgd, {p.data(), g.data(), m.data(), nullptr, DType::kBFloat16, n}, 1.0f, o).ok();
+          } else if (kind == ElementwiseKind::kAdagrad) {
+            stepped = AdagradStep(run.adagrad, {p.data(), g.data(), v.data(), nullptr, DType::kBFloat16, n}, 1.0f, o).ok();
+          } else {
+            stepped = LionStep(run.lion, {p.data(), g.data(), m.data(), nullptr, DType::kBFloat16, n}, 1.0f, o).ok();
+          }
+          ASSERT_TRUE(stepped);
           WriteMaster(want, p, key, 11);
           if (kind != ElementwiseKind::kAdagrad) WriteMoment(want, want.m, m, true);
           if (kind == ElementwiseKind::kAdagrad) WriteMoment(want, want.v, v, false);

@@ -8,24 +8,15 @@
 #include <vector>
 
 #include "kernels/kernels.h"
-#include "optim/compact_step.h"
+#include "runtime/engine/optimizer_segment.h"
 #include "runtime/base/check.h"
 
 namespace strata {
 
 namespace {
 
-// One run of one parameter group inside a chunk, with each optimizer's view of its buffers.
-struct Segment {
-  optim::AdamParams ap;
-  optim::AdamBuffers bufs;  // Adam's view; the element-wise optimizers take their states from it
-  optim::SgdParams sp;
-  optim::AdagradParams gp;
-  optim::LionParams lp;
-};
-
-// SGD, Adagrad or Lion over an Adam segment's buffers (fp32 states: Init refuses bf16 ones for
-// them): SGD's momentum buffer and Lion's momentum live in exp_avg, Adagrad's sum in
+// SGD, Adagrad or Lion over an Adam segment's buffers (fp32 states; other formats go through
+// RunCompact): SGD's momentum buffer and Lion's momentum live in exp_avg, Adagrad's sum in
 // exp_avg_sq. kCpu runs in the caller's current arena; kCuda enqueues on `stream`.
 Status RunElementwise(OptimizerType type, const Segment& sg, float grad_scale,
                       kernels::Backend backend, void* stream) {
@@ -53,49 +44,9 @@ Status RunElementwise(OptimizerType type, const Segment& sg, float grad_scale,
   return Internal(StrCat("RunElementwise called for ", OptimizerTypeName(type)));
 }
 
-bool IsAdam(OptimizerType t) { return t == OptimizerType::kAdam || t == OptimizerType::kAdamW; }
-
-// Each optimizer's parameters for one segment of group hyperparameters `gh` at `step`.
-Segment MakeSegment(const OptimizerConfig& oc, const GroupHyperparameters& gh, int64_t step) {
-  const OptimizerType type = oc.type;
-  Segment sg;
-  sg.ap.lr = gh.lr;
-  sg.ap.beta1 = gh.beta1;
-  sg.ap.beta2 = gh.beta2;
-  sg.ap.eps = gh.eps;
-  sg.ap.weight_decay = gh.weight_decay;
-  sg.ap.adamw = type == OptimizerType::kAdamW;
-  sg.ap.bias_correction = oc.bias_correction;
-  sg.ap.step = step;
-  sg.sp.lr = gh.lr;
-  sg.sp.momentum = gh.momentum;
-  sg.sp.dampening = gh.dampening;
-  sg.sp.weight_decay = gh.weight_decay;
-  sg.sp.nesterov = oc.nesterov;
-  sg.sp.first = step == 1;
-  sg.gp.lr = gh.lr;
-  sg.gp.lr_decay = oc.lr_decay;
-  sg.gp.eps = gh.eps;
-  sg.gp.weight_decay = gh.weight_decay;
-  sg.gp.step = step;
-  sg.lp.lr = gh.lr;
-  sg.lp.beta1 = gh.beta1;
-  sg.lp.beta2 = gh.beta2;
-  sg.lp.weight_decay = gh.weight_decay;
-  return sg;
-}
 
 }  // namespace
 
-// What an update holds from its acquire to its release.
-struct ChunkUpdater::Held {
-  BlockKey keys[4];            // master, exp_avg, exp_avg_sq, grad
-  void* ptrs[4] = {};          // at their compute addresses; null for a state not kept
-  std::vector<BlockKey> held;  // acquired, to release
-  void* out = nullptr;         // where the new working values go
-  bool param_block_held = false;
-  int slot = -1;               // the staging slot taken
-};
 
 StatusOr<std::unique_ptr<ChunkUpdater>> ChunkUpdater::Create(Parts parts) {
   std::unique_ptr<ChunkUpdater> u(new ChunkUpdater(std::move(parts)));
@@ -291,63 +242,6 @@ Status ChunkUpdater::RunOnHost(const OptimizerLane::StepInputs& in, const Held& 
   if (s.ok() && p_.plan->compute_dtype() == optim::DType::kFloat32 && h.out != h.ptrs[0])
     std::memcpy(h.out, h.ptrs[0], n * 4);
   return s;
-}
-
-Status ChunkUpdater::RunCompact(const OptimizerLane::StepInputs& in, const Held& h, int64_t n) {
-  const int64_t c = h.keys[0].chunk;
-  const StepPlan& plan = *p_.plan;
-  const Partitioner& part = *p_.partitioner;
-  const int64_t lo = part.ShardOffset(c, plan.shard_rank());
-  // One run per parameter piece in the shard, with its group's hyperparameters.
-  std::vector<optim::AdamRun> runs;
-  std::vector<optim::ElementwiseRun> eruns;
-  for (int64_t pid : part.chunks()[c].params) {
-    const ParamLocation& loc = part.location(pid);
-    const int64_t from = std::max(lo, loc.offset), to = std::min(lo + n, loc.offset + loc.numel);
-    if (from >= to) continue;
-    const Segment sg = MakeSegment(*p_.optimizer, in.groups[p_.groups->of_param[pid]], in.step);
-    const auto begin = static_cast<size_t>(from - lo), size = static_cast<size_t>(to - from);
-    const uint64_t index = model_offset_[pid] + static_cast<uint64_t>(from - loc.offset);
-    runs.push_back({begin, size, sg.ap, index});
-    optim::ElementwiseRun er;
-    er.begin = begin;
-    er.size = size;
-    er.index_base = index;
-    er.sgd = sg.sp;
-    er.adagrad = sg.gp;
-    er.lion = sg.lp;
-    eruns.push_back(er);
-  }
-  optim::CompactAdamBuffers b;
-  b.master = h.ptrs[0];
-  b.master_format = plan.master_format();
-  b.grad = h.ptrs[3];
-  b.grad_dtype = optim::DType::kFloat32;
-  b.exp_avg = h.ptrs[1];
-  b.exp_avg_sq = h.ptrs[2];
-  b.moment_format = plan.moment_format();
-  b.n = static_cast<size_t>(n);
-  b.rounding_key = optim::RoundingKey(rounding_seed_, in.step);
-  // An fp32 master writes the working copy as it goes (param16); a bf16 master is copied after.
-  const bool bf16_master = plan.master_dtype() != optim::DType::kFloat32;
-  if (!bf16_master && plan.compute_dtype() != optim::DType::kFloat32) {
-    b.param16 = h.out;
-    b.param16_dtype = plan.compute_dtype();
-  }
-  const OptimizerType type = p_.optimizer->type;
-  if (IsAdam(type)) {
-    optim::AdamOptions ao;
-    ao.grad_check = optim::GradCheck::kCallerChecked;
-    STRATA_RETURN_IF_ERROR(optim::CompactAdamStep(runs, b, in.grad_scale, ao).status());
-  } else {
-    const optim::ElementwiseKind kind = type == OptimizerType::kSGD     ? optim::ElementwiseKind::kSgd
-                                        : type == OptimizerType::kAdagrad ? optim::ElementwiseKind::kAdagrad
-                                                                          : optim::ElementwiseKind::kLion;
-    STRATA_RETURN_IF_ERROR(optim::CompactElementwiseStep(kind, eruns, b, in.grad_scale).status());
-  }
-  if (h.out != h.ptrs[0] && (bf16_master || plan.compute_dtype() == optim::DType::kFloat32))
-    std::memcpy(h.out, h.ptrs[0], n * optim::DTypeSize(plan.compute_dtype()));
-  return Status::Ok();
 }
 
 Status ChunkUpdater::Finish(int64_t c, int64_t step, Status s, Held* h,

@@ -65,7 +65,15 @@ class ChunkUpdater {
   PublishLane* publish_lane() { return publish_.get(); }
 
  private:
-  struct Held;
+  // What an update holds from its acquire to its release.
+  struct Held {
+    BlockKey keys[4];            // master, exp_avg, exp_avg_sq, grad
+    void* ptrs[4] = {};          // at their compute addresses; null for a state not kept
+    std::vector<BlockKey> held;  // acquired, to release
+    void* out = nullptr;         // where the new working values go
+    bool param_block_held = false;
+    int slot = -1;               // the staging slot taken
+  };
   explicit ChunkUpdater(Parts parts) : p_(std::move(parts)) {}
   // Stages 0-2: this rank's shard of chunk c in the replicated working copy (device memory, at
   // its compute address), in the compute dtype.

@@ -122,17 +122,8 @@ CompactKernels CompactKernelsFor(Isa isa) {
 
 const uint8_t* BucketTable(bool is_signed) { return GetMap(is_signed).first.data(); }
 
-}  // namespace internal
-
-const float* DynamicMap(bool is_signed) { return GetMap(is_signed).values.data(); }
-const float* DynamicMapMidpoints(bool is_signed) { return GetMap(is_signed).mids.data(); }
-uint8_t DynamicMapZero(bool is_signed) { return GetMap(is_signed).zero; }
-float DynamicMapMaxError(bool is_signed) { return GetMap(is_signed).max_error; }
-
-void RoundToBf16Stochastic(const float* x, uint16_t* out, size_t n, uint32_t key,
-                           uint64_t index_base, Isa isa) {
-  const internal::CompactKernels k = internal::CompactKernelsFor(isa);
-  // Split where the index's upper 32 bits change, so each piece has one RoundingHigh.
+void RoundSrSplit(const CompactKernels& k, const float* x, uint16_t* out, size_t n, uint32_t key,
+                  uint64_t index_base) {
   while (n > 0) {
     const uint64_t to_wrap = (uint64_t{1} << 32) - (index_base & 0xffffffffu);
     const size_t piece = static_cast<size_t>(std::min<uint64_t>(n, to_wrap));
@@ -142,6 +133,18 @@ void RoundToBf16Stochastic(const float* x, uint16_t* out, size_t n, uint32_t key
     n -= piece;
     index_base += piece;
   }
+}
+
+}  // namespace internal
+
+const float* DynamicMap(bool is_signed) { return GetMap(is_signed).values.data(); }
+const float* DynamicMapMidpoints(bool is_signed) { return GetMap(is_signed).mids.data(); }
+uint8_t DynamicMapZero(bool is_signed) { return GetMap(is_signed).zero; }
+float DynamicMapMaxError(bool is_signed) { return GetMap(is_signed).max_error; }
+
+void RoundToBf16Stochastic(const float* x, uint16_t* out, size_t n, uint32_t key,
+                           uint64_t index_base, Isa isa) {
+  internal::RoundSrSplit(internal::CompactKernelsFor(isa), x, out, n, key, index_base);
 }
 
 void QuantizeBlock(const float* x, size_t n, bool is_signed, uint8_t* codes, float* scale,

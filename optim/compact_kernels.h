@@ -50,6 +50,10 @@ struct CompactKernels {
 // The kernels of `isa` (kAuto resolves; an unsupported one falls back to scalar).
 CompactKernels CompactKernelsFor(Isa isa);
 CompactKernels CompactKernelsScalar();
+// RoundToBf16Stochastic with kernels already resolved (split where the index's upper 32 bits
+// change, so each piece has one RoundingHigh).
+void RoundSrSplit(const CompactKernels& k, const float* x, uint16_t* out, size_t n, uint32_t key,
+                  uint64_t index_base);
 // The bucket table of a map (Note [fast 8-bit codes] in compact_formats.cc): one byte per
 // bucket, followed by 3 bytes of padding so that a 32-bit gather at any bucket stays inside.
 const uint8_t* BucketTable(bool is_signed);

@@ -177,7 +177,7 @@ void WalkBlocks(const std::vector<RunSpan>& runs, const CompactAdamBuffers& bufs
           kernels.narrow_bf16(master + lo, master16 + lo, hi - lo);
         } else {
           const uint64_t index = runs[r].index_base + (off + lo - runs[r].begin);
-          RoundToBf16Stochastic(master + lo, master16 + lo, hi - lo, bufs.rounding_key, index, isa);
+          internal::RoundSrSplit(kernels, master + lo, master16 + lo, hi - lo, bufs.rounding_key, index);
         }
         done = hi;
       }

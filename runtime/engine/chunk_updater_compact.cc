@@ -16,8 +16,10 @@ Status ChunkUpdater::RunCompact(const OptimizerLane::StepInputs& in, const Held&
   const Partitioner& part = *p_.partitioner;
   const int64_t lo = part.ShardOffset(c, plan.shard_rank());
   // One run per parameter piece in the shard, with its group's hyperparameters.
-  std::vector<optim::AdamRun> runs;
-  std::vector<optim::ElementwiseRun> eruns;
+  const OptimizerType type = p_.optimizer->type;
+  const bool adam = IsAdam(type);
+  std::vector<optim::AdamRun> runs;          // Adam and AdamW
+  std::vector<optim::ElementwiseRun> eruns;  // SGD, Adagrad, Lion
   for (int64_t pid : part.chunks()[c].params) {
     const ParamLocation& loc = part.location(pid);
     const int64_t from = std::max(lo, loc.offset), to = std::min(lo + n, loc.offset + loc.numel);
@@ -25,7 +27,10 @@ Status ChunkUpdater::RunCompact(const OptimizerLane::StepInputs& in, const Held&
     const Segment sg = MakeSegment(*p_.optimizer, in.groups[p_.groups->of_param[pid]], in.step);
     const auto begin = static_cast<size_t>(from - lo), size = static_cast<size_t>(to - from);
     const uint64_t index = model_offset_[pid] + static_cast<uint64_t>(from - loc.offset);
-    runs.push_back({begin, size, sg.ap, index});
+    if (adam) {
+      runs.push_back({begin, size, sg.ap, index});
+      continue;
+    }
     optim::ElementwiseRun er;
     er.begin = begin;
     er.size = size;
@@ -51,8 +56,7 @@ Status ChunkUpdater::RunCompact(const OptimizerLane::StepInputs& in, const Held&
     b.param16 = h.out;
     b.param16_dtype = plan.compute_dtype();
   }
-  const OptimizerType type = p_.optimizer->type;
-  if (IsAdam(type)) {
+  if (adam) {
     optim::AdamOptions ao;
     ao.grad_check = optim::GradCheck::kCallerChecked;
     STRATA_RETURN_IF_ERROR(optim::CompactAdamStep(runs, b, in.grad_scale, ao).status());

@@ -28,7 +28,8 @@ StatusOr<StateLayout> StateLayout::Parse(const std::string& name) {
 
 uint64_t StateLayout::Bytes(StateKind kind, int64_t n) const {
   const uint64_t u = static_cast<uint64_t>(n);
-  if (kind == StateKind::kMaster32) return bf16_master ? 2 * u : 4 * u;
+  if (kind == StateKind::kMaster32)
+    return optim::MasterBytes(bf16_master ? optim::MasterFormat::kBf16Nearest : optim::MasterFormat::kFp32, u);
   if (kind == StateKind::kExpAvg || kind == StateKind::kExpAvgSq) return optim::MomentBytes(moments, u);
   return 0;
 }

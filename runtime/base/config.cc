@@ -43,7 +43,7 @@ const KeyTable<OffloadParamConfig>& OffloadParamKeys() {
       StringListKey("nvme_path", &C::nvme_path),
       IntKey("buffer_count", &C::buffer_count, 1, 1024),
       IntKey("buffer_size", &C::buffer_size, 1, kMaxElems),
-      IntKey("max_in_cpu", &C::max_in_cpu, 0, kMaxElems),
+      OptionalIntKey("max_in_cpu", &C::max_in_cpu, 0, kMaxElems),
       BoolKey("pin_memory", &C::pin_memory),
   };
   return keys;
@@ -90,9 +90,6 @@ Status ParseOffloadParam(Section s, OffloadParamConfig* c) {
             "has no effect: parameters are staged through the host pool, sized by "
             "strata.host_memory_budget, not through a fixed number of buffers");
   s.Ignored("buffer_size", "has no effect: staging buffers are the host pool's chunk-sized blocks");
-  s.Ignored("max_in_cpu",
-            "has no effect: NVMe-homed parameters are cached in the host pool up to "
-            "strata.host_memory_budget");
   return s.Finish();
 }
 
@@ -114,10 +111,6 @@ Status ParseOffloadOptimizer(Section s, OffloadOptimizerConfig* c) {
     s.Warn(StrCat(s.Key("pipeline_read"), "/pipeline_write have no effect: Strata always prefetches "
                   "optimizer states ahead of use from the recorded trace and writes them behind "
                   "(strata.prefetch_lookahead sets how far)"));
-  if (c->ratio < 1.0)
-    s.Warn(StrCat(s.Key("ratio"), "=", c->ratio,
-                  " has no effect: partial optimizer offload is not implemented, every optimizer "
-                  "state is offloaded (as with ratio 1.0)"));
   return s.Finish();
 }
 
@@ -598,6 +591,7 @@ const KeyTable<StrataConfig>& StrataKeys() {
       EnumKey("checksums", &C::checksums,
               {{"crc32c", ChecksumKind::kCrc32c}, {"none", ChecksumKind::kNone}}),
       IntKey("prefetch_lookahead", &C::prefetch_lookahead, 0, 4096),
+      EnumKey("placement", &C::placement, {{"config", PlacementMode::kConfig}, {"auto", PlacementMode::kAuto}}),
       EnumKey("optimizer_state_dtype", &C::optimizer_state_dtype,
               {{"fp32", StateDtype::kFp32}, {"bf16", StateDtype::kBf16}, {"int8", StateDtype::kInt8}}),
       BoolKey("stochastic_rounding", &C::stochastic_rounding),

@@ -32,13 +32,19 @@ enum class OffloadDevice { kNone, kCpu, kNvme };
 enum class EvictionPolicy { kNextUse, kLru };
 enum class ChecksumKind { kNone, kCrc32c };
 enum class StateDtype { kFp32, kBf16, kInt8 };
+// strata.placement (runtime/state/placement_plan.h): the sections' tiers as written, or filled
+// under the measured budgets.
+enum class PlacementMode { kConfig, kAuto };
 
 struct OffloadParamConfig {
   OffloadDevice device = OffloadDevice::kNone;
   std::vector<std::string> nvme_path;  // one or more directories; several are striped
   int64_t buffer_count = 5;
   int64_t buffer_size = 100000000;     // elements
-  int64_t max_in_cpu = 1000000000;     // elements
+  // Elements of this rank's working shards kept in host memory under device nvme; the rest go to
+  // NVMe. -1: absent, every shard on NVMe (DeepSpeed's default of 1e9 would keep every shard of a
+  // model below a billion elements in host memory, which is not what device nvme asks for).
+  int64_t max_in_cpu = -1;
   bool pin_memory = true;
 };
 
@@ -185,6 +191,7 @@ struct StrataConfig {
   uint64_t host_memory_budget = 0;    // bytes; 0: half of physical memory
   uint64_t nvme_capacity = 0;         // bytes per rank; 0: what the filesystem has free
   uint64_t chunk_size = 64ull << 20;  // bytes per chunk before sharding
+  PlacementMode placement = PlacementMode::kConfig;
   EvictionPolicy eviction = EvictionPolicy::kNextUse;
   bool overlap_optimizer = true;      // run CPU Adam per chunk during backward
   ChecksumKind checksums = ChecksumKind::kCrc32c;

@@ -80,6 +80,17 @@ ConfigKey<C> IntKey(const char* name, T C::*m, int64_t lo, int64_t hi) {
           [=](const C& c, json* j) { (*j)[name] = c.*m; }};
 }
 
+// A whole number in [lo, hi] whose field holds -1 while the key is absent (DeepSpeed's default
+// would act where Strata's absence does not); written back only when set.
+template <typename C>
+ConfigKey<C> OptionalIntKey(const char* name, int64_t C::*m, int64_t lo, int64_t hi) {
+  ConfigKey<C> key = IntKey(name, m, lo, hi);
+  key.write = [=](const C& c, json* j) {
+    if (c.*m >= 0) (*j)[name] = c.*m;
+  };
+  return key;
+}
+
 template <typename C>
 ConfigKey<C> DoubleKey(const char* name, double C::*m, double lo, double hi, bool hi_open = false,
                        bool lo_open = false) {

@@ -5,6 +5,7 @@
 
 #include <hwloc.h>
 #include <sys/stat.h>
+#include <sys/statvfs.h>
 #include <sys/sysmacros.h>
 #include <unistd.h>
 
@@ -112,6 +113,22 @@ int ChooseOptimizerThreads(int cores, int compute_threads, int configured, bool 
   }
   if (why) *why = reason;
   return n;
+}
+
+uint64_t FreeDiskBytes(const std::string& path) {
+  std::string at = path.empty() ? "." : path;
+  struct statvfs st;
+  while (::statvfs(at.c_str(), &st) != 0) {
+    const size_t slash = at.find_last_of('/');
+    if (slash == std::string::npos) at = ".";
+    else if (slash == 0) at = "/";
+    else at.resize(slash);
+    if (at == "/" || at == ".") {
+      if (::statvfs(at.c_str(), &st) != 0) return 0;
+      break;
+    }
+  }
+  return static_cast<uint64_t>(st.f_bavail) * st.f_frsize;
 }
 
 HostMemory ReadHostMemory() {

@@ -39,6 +39,10 @@ struct HostMemory {
 };
 HostMemory ReadHostMemory();
 
+// Bytes free to an unprivileged writer on the filesystem holding `path` (its nearest existing
+// ancestor when it does not exist yet); 0 when it cannot be read.
+uint64_t FreeDiskBytes(const std::string& path);
+
 // ReadHostInfo().native_bf16: whether bf16 matmuls run at full speed on this CPU.
 bool CpuHasNativeBf16();
 

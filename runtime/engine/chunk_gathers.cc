@@ -34,7 +34,7 @@ void Engine::Impl::PrefetchUnits(size_t pos, int direction) {
     if (budget <= 0) return false;
     for (int64_t c : units_[u].chunks) {
       if (chunks_.installed(c)) continue;
-      if (plan_.param_placement() != Placement::kDevice) store_->Prefetch({c, StateKind::kParam16});
+      if (plan_.ParamPlacement(c) != Placement::kDevice) store_->Prefetch({c, StateKind::kParam16});
       if (distance == 1) next.push_back(c);
       budget -= partitioner_->chunks()[c].shard_numel;
     }

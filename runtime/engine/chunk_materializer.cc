@@ -50,7 +50,7 @@ Status ChunkMaterializer::MakeLanes(GradientReducer* reducer, OptimizerLane* opt
                      to.dst = static_cast<char*>(chunks_[c].buffer) +
                               partitioner_->ShardOffset(c, plan_.shard_rank()) * esize;
                      to.bytes = partitioner_->chunks()[c].shard_numel * esize;
-                     to.kind = plan_.param_placement() == Placement::kDevice ? CopyKind::kDeviceToDevice
+                     to.kind = plan_.ParamPlacement(c) == Placement::kDevice ? CopyKind::kDeviceToDevice
                                                                              : CopyKind::kHostToDevice;
                      return to;
                    },
@@ -151,7 +151,7 @@ Status ChunkMaterializer::CopyShardIn(int64_t c) {
     STRATA_ASSIGN_OR_RETURN(src, store_->Acquire(key, Access::kRead));
   }
   LaneTimer t(&meter_.copy_s, &meter_.trace, Lane::kCopy, "shard to device", trace_step(), c);
-  CopyKind kind = plan_.param_placement() == Placement::kDevice ? CopyKind::kDeviceToDevice
+  CopyKind kind = plan_.ParamPlacement(c) == Placement::kDevice ? CopyKind::kDeviceToDevice
                                                          : CopyKind::kHostToDevice;
   Status s = streams_.copy->MemcpyAsync(dst, src, bytes, kind);
   if (s.ok()) s = streams_.copy->Synchronize();

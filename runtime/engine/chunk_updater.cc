@@ -53,9 +53,11 @@ StatusOr<std::unique_ptr<ChunkUpdater>> ChunkUpdater::Create(Parts parts) {
   // A host optimizer's new values for device-resident parameters go through the staging slots.
   // Sized once, here: growing them later would free and allocate page-locked memory, which on a
   // GPU waits for the device.
-  if (u->p_.plan->staged_publish()) {
+  if (u->p_.plan->any_staged_publish()) {
     int64_t most = 0;
-    for (const ChunkInfo& ci : u->p_.partitioner->chunks()) most = std::max(most, ci.shard_numel);
+    const auto& chunks = u->p_.partitioner->chunks();
+    for (size_t c = 0; c < chunks.size(); ++c)
+      if (u->p_.plan->StagedPublish(static_cast<int64_t>(c))) most = std::max(most, chunks[c].shard_numel);
     ChunkUpdater* self = u.get();
     u->publish_ = std::make_unique<PublishLane>(
         u->p_.device, u->p_.streams->publish.get(), u->p_.trace,
@@ -86,10 +88,10 @@ Status ChunkUpdater::Update(int64_t c, const OptimizerLane::StepInputs& in,
   Status s = ChooseOutput(c, in.step, &held, slot_wait_s);
   if (s.ok()) {
     const int64_t n = p_.partitioner->chunks()[c].shard_numel;
-    if (p_.plan->compact_optimizer() && !p_.plan->device_optimizer()) {
+    if (p_.plan->compact_optimizer() && !p_.plan->DeviceOptimizer(c)) {
       p_.streams->arena->execute([&] { s = RunCompact(in, held, n); });
     } else {
-      s = p_.plan->device_optimizer() ? RunOnDevice(in, held, n) : RunOnHost(in, held, n);
+      s = p_.plan->DeviceOptimizer(c) ? RunOnDevice(in, held, n) : RunOnHost(in, held, n);
     }
   }
   return Finish(c, in.step, std::move(s), &held, publish);
@@ -126,20 +128,20 @@ Status ChunkUpdater::AcquireStates(int64_t c, Held* h) {
 // takes.
 Status ChunkUpdater::ChooseOutput(int64_t c, int64_t step, Held* h, double* slot_wait_s) {
   const StepPlan& plan = *p_.plan;
-  if (plan.master_is_param()) {
+  if (plan.MasterIsParam(c)) {
     h->out = h->ptrs[0];  // Note [shared master]: the update writes the working shard in place
   } else if (plan.stage3()) {
-    if (plan.param_placement() != Placement::kDevice || plan.device_optimizer()) {
+    if (plan.ParamPlacement(c) != Placement::kDevice || plan.DeviceOptimizer(c)) {
       auto got = p_.store->Acquire({c, StateKind::kParam16}, Access::kWrite);
       if (!got.ok()) return got.status();
       h->out = p_.device->ComputeAddress(*got);
       h->param_block_held = true;
     }
-  } else if (plan.device_optimizer()) {
+  } else if (plan.DeviceOptimizer(c)) {
     h->out = WorkingShard(c);
   }
   if (!h->out) {
-    STRATA_DCHECK(plan.staged_publish(), "chunk ", c, ": new values need the staging slots");
+    STRATA_DCHECK(plan.StagedPublish(c), "chunk ", c, ": new values need the staging slots");
     h->slot = publish_->AcquireSlot(step, slot_wait_s);
     h->out = publish_->SlotData(h->slot);
   }
@@ -309,7 +311,7 @@ Status ChunkUpdater::PublishParams(int64_t c, const void* shard_values, optim::D
   } else {
     dst = WorkingShard(c);
   }
-  if (held && p_.plan->param_placement() != Placement::kDevice) {  // a host buffer: no device copy
+  if (held && p_.plan->ParamPlacement(c) != Placement::kDevice) {  // a host buffer: no device copy
     std::memcpy(dst, shard_values, bytes);
     return p_.store->Release({c, StateKind::kParam16}, true);
   }

@@ -139,7 +139,7 @@ Status Engine::Impl::WriteStateFile(const std::string& bin, checkpoint::Manifest
       }
       // A device block reaches the file through a host copy (Note [device blocks]).
       const void* bytes_at = *data;
-      if (plan_.PlacementOf(key.kind) == Placement::kDevice) {
+      if (plan_.PlacementOf(c64, key.kind) == Placement::kDevice) {
         staging.resize(bytes);
         s = ReadBlockBytes(staging.data(), *data, bytes, Placement::kDevice);
         bytes_at = staging.data();
@@ -261,9 +261,10 @@ StatusOr<nlohmann::json> Engine::Impl::Load(const std::string& path, bool weight
     for (size_t i = 0; i < buffer_values.size(); ++i) buffers_[i].second.copy_(buffer_values[i]);
   }
   // The working copy is the master rounded to the working precision, exactly what Adam writes.
-  if (!plan_.master_is_param()) {  // shared: already there
+  {
     for (size_t c = 0; c < chunks_.size(); ++c) {
       const int64_t c64 = static_cast<int64_t>(c);
+      if (plan_.MasterIsParam(c64)) continue;  // shared: already there
       std::vector<float> master(partitioner_->chunks()[c].shard_numel);
       STRATA_RETURN_IF_ERROR(ReadShard(c64, StateKind::kMaster32, master.data()));
       STRATA_RETURN_IF_ERROR(PublishMaster(c64, master));
@@ -367,7 +368,7 @@ Status Engine::Impl::ReadSavedBlocks(int fd, const std::string& bin, const check
       }
       const BlockKey key = kind == StateKind::kMaster32 ? plan_.MasterKey(c64) : BlockKey{c64, kind};
       STRATA_ASSIGN_OR_RETURN(void* dst, store_->Acquire(key, Access::kWrite));
-      Status s = WriteBlockBytes(dst, buf.data(), buf.size(), plan_.PlacementOf(key.kind));
+      Status s = WriteBlockBytes(dst, buf.data(), buf.size(), plan_.PlacementOf(c64, key.kind));
       Status r = store_->Release(key, true);
       STRATA_RETURN_IF_ERROR(s);
       STRATA_RETURN_IF_ERROR(r);

@@ -223,6 +223,7 @@ class Engine::Impl {
   Status MakePlan(const EngineOptions& options, optim::DType compute_dtype);
   Status StartStreamsAndArena();
   Status OpenNvmeTier(const EngineOptions& options);
+  std::vector<std::string> NvmePaths(const EngineOptions& options) const;
   Status OpenBlockStore();
   Status PlaceBuffers();
   Status WriteInitialBlocks();

@@ -29,11 +29,14 @@ Status Engine::Impl::Init(Engine* owner, const EngineOptions& options) {
   STRATA_LOG(INFO) << "engine stage=" << config_.zero_optimization.stage << " world=" << comm_->world_size()
                    << " params=" << partitioner_->param_numel() << " units=" << units_.size()
                    << " chunks=" << chunk_infos.size()
-                   << " param_placement=" << PlacementName(plan_.param_placement())
-                   << " optimizer_placement=" << PlacementName(plan_.optim_placement())
+                   << " param_placement=" << PlacementName(plan_.param_section())
+                   << " optimizer_placement=" << PlacementName(plan_.optim_section())
                    << " dtype=" << optim::DTypeName(plan_.compute_dtype())
                    << " optimizer_overlap=" << plan_.OptimizerOverlapName()
-                   << " master=" << (plan_.master_is_param() ? "param16" : "master32");
+                   << " master=" << (plan_.MasterIsParam(0) ? "param16" : "master32");
+  // The placement plan, one line per tier (how to read it: the README's "Placement").
+  for (const std::string& line : plan_.placement().Lines())
+    STRATA_LOG(INFO) << "placement (" << PlacementModeName(config_.strata.placement) << ") " << line;
   return Status::Ok();
 }
 
@@ -71,6 +74,13 @@ Status Engine::Impl::MakePlan(const EngineOptions& options, optim::DType compute
   in.sgd_momentum = std::any_of(groups_.hyper.begin(), groups_.hyper.end(),
                                 [](const GroupHyperparameters& g) { return g.momentum != 0; });
   in.partitioner = &*partitioner_;
+  in.nvme_path_given = !NvmePaths(options).empty();
+  if (config_.strata.placement == PlacementMode::kAuto) {
+    // strata.placement auto fills the tiers under what this machine has now.
+    in.device_capacity = device_->capacity() - std::min(device_->capacity(), device_->allocated());
+    in.host_available = ReadHostMemory().available_bytes;
+    if (in.nvme_path_given) in.disk_free = FreeDiskBytes(NvmePaths(options).front());
+  }
   STRATA_ASSIGN_OR_RETURN(plan_, StepPlan::Make(in));
   if (plan_.loss_scaling()) {
     STRATA_ASSIGN_OR_RETURN(auto s, optim::DynamicLossScaler::FromConfig(config_.fp16));
@@ -145,15 +155,22 @@ Status Engine::Impl::GroupParameters(const EngineOptions& options) {
   return Status::Ok();
 }
 
+// Where NVMe-homed blocks go: the caller's paths, else the section that offloads to NVMe.
+std::vector<std::string> Engine::Impl::NvmePaths(const EngineOptions& options) const {
+  const auto& z = config_.zero_optimization;
+  if (!options.nvme_path.empty()) return options.nvme_path;
+  if (z.offload_optimizer.device == OffloadDevice::kNvme && !z.offload_optimizer.nvme_path.empty())
+    return z.offload_optimizer.nvme_path;
+  if (z.offload_param.device == OffloadDevice::kNvme && !z.offload_param.nvme_path.empty())
+    return z.offload_param.nvme_path;
+  return {};
+}
+
 // The NVMe tier, when anything is placed there, sized to this rank's NVMe-placed shards.
 Status Engine::Impl::OpenNvmeTier(const EngineOptions& options) {
-  const auto& z = config_.zero_optimization;
   // NVMe tier for whatever is placed there.
-  if (plan_.param_placement() == Placement::kNvme || plan_.optim_placement() == Placement::kNvme) {
-    std::vector<std::string> paths = options.nvme_path;
-    if (paths.empty())
-      paths = plan_.optim_placement() == Placement::kNvme ? z.offload_optimizer.nvme_path
-                                                   : z.offload_param.nvme_path;
+  if (plan_.placement().Any(Placement::kNvme)) {
+    std::vector<std::string> paths = NvmePaths(options);
     if (paths.empty())
       return InvalidArgument(
           "NVMe offload is configured but no nvme_path is set; set "

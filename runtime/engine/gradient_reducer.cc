@@ -80,7 +80,7 @@ void GradientReducer::BeginStatePrefetch(std::vector<int64_t> order) {
 // half the host budget.
 void GradientReducer::PrefetchStates() {
   const StepPlan& plan = *p_.plan;
-  if (plan.optim_placement() != Placement::kNvme) return;
+  if (!plan.placement().AnyOptimIn(Placement::kNvme)) return;
   if (prefetch_next_ < prefetch_order_.size()) {
     const int64_t c = prefetch_order_[prefetch_next_];
     const uint64_t bytes = 3ull * p_.partitioner->chunks()[c].shard_numel * 4;
@@ -93,6 +93,7 @@ void GradientReducer::PrefetchStates() {
   // earlier chunks too (a no-op for blocks already read or on their way).
   for (size_t i = 0; i < prefetch_next_; ++i) {
     const int64_t c = prefetch_order_[i];
+    if (plan.PlacementOf(c, StateKind::kMaster32) != Placement::kNvme) continue;
     p_.store->Prefetch(plan.MasterKey(c));
     for (StateKind k : {StateKind::kExpAvg, StateKind::kExpAvgSq})
       if (plan.HoldsState(k)) p_.store->Prefetch({c, k});
@@ -152,23 +153,23 @@ Status GradientReducer::HandOff(ReduceJob& job, const torch::Tensor& shard, bool
     LaneTimer t(&out->copy_s, p_.trace, Lane::kCopy, "gradient to host", job.step, c);
     torch::Tensor host = torch::from_blob(
         dst, {ci.shard_numel},
-        p_.plan->optim_placement() == Placement::kDevice
+        p_.plan->DeviceOptimizer(c)
             ? torch::TensorOptions().dtype(torch::kFloat32).device(TorchDevice(*p_.device))
             : torch::TensorOptions().dtype(torch::kFloat32));
     if (job.first_micro) host.copy_(shard);
     else host.add_(shard.to(host.device()));
-    if (p_.device->kind() != DeviceKind::kCpu && p_.plan->optim_placement() != Placement::kDevice)
+    if (p_.device->kind() != DeviceKind::kCpu && !p_.plan->DeviceOptimizer(c))
       out->bytes_d2h += ci.shard_numel * 4;
     // Into device memory the copy is queued work: the optimizer lane reads the block only after
     // it has run. (A copy to host memory has finished when copy_ returns.)
-    if (p_.plan->gpu_optimizer()) ComputeFence::Mark(*p_.device).Wait();
+    if (p_.plan->GpuOptimizer(c)) ComputeFence::Mark(*p_.device).Wait();
   }
   if (job.last_micro) {
     // This chunk's part of the step's global norm and overflow check, while the shard is hot
     // (Note [deferred optimizer]). Updates that start in backward need neither, but the norm is
     // reported (engine.get_global_grad_norm) whatever the mode.
     const double inv = *p_.scaler ? (*p_.scaler)->inv_scale() : 1.0;
-    auto st = p_.plan->gpu_optimizer()
+    auto st = p_.plan->GpuOptimizer(c)
                   ? kernels::UnscaleCheckNorm(kernels::Backend::kCuda, dst, optim::DType::kFloat32,
                                               ci.shard_numel, static_cast<float>(inv),
                                               p_.streams->side->handle())

@@ -84,19 +84,18 @@ Status Engine::Impl::WriteInitialBlocks() {
                                ? shard32
                                : work.narrow(0, partitioner_->ShardOffset(c64, plan_.shard_rank()), n)
                                      .contiguous();
-    if (!plan_.master_is_param())
+    if (plan_.Stored(c64, StateKind::kMaster32))
       STRATA_RETURN_IF_ERROR(put(StateKind::kMaster32, plan_.BlockBytes(StateKind::kMaster32, n),
-                                 plan_.optim_placement(), master.data_ptr()));
+                                 plan_.PlacementOf(c64, StateKind::kMaster32), master.data_ptr()));
     // Zero bytes are zero moments in every format (an 8-bit block with scale 0).
-    for (StateKind k : {StateKind::kExpAvg, StateKind::kExpAvgSq})
-      if (plan_.HoldsState(k))
-        STRATA_RETURN_IF_ERROR(put(k, plan_.BlockBytes(k, n), plan_.optim_placement(), nullptr));
-    STRATA_RETURN_IF_ERROR(put(StateKind::kGrad, plan_.BlockBytes(StateKind::kGrad, n), plan_.optim_placement(), nullptr));
+    for (StateKind k : {StateKind::kExpAvg, StateKind::kExpAvgSq, StateKind::kGrad})
+      if (plan_.Stored(c64, k))
+        STRATA_RETURN_IF_ERROR(put(k, plan_.BlockBytes(k, n), plan_.PlacementOf(c64, k), nullptr));
     torch::NoGradGuard ng;
     if (stage == 3) {
       torch::Tensor shard16 =
           work.narrow(0, partitioner_->ShardOffset(c64, plan_.shard_rank()), n).contiguous();
-      STRATA_RETURN_IF_ERROR(put(StateKind::kParam16, n * esize, plan_.param_placement(), shard16.data_ptr()));
+      STRATA_RETURN_IF_ERROR(put(StateKind::kParam16, n * esize, plan_.ParamPlacement(c64), shard16.data_ptr()));
       // The parameters become views of the chunk's storage for good; its memory comes and goes.
       ChunkTable::Chunk& cs = chunks_[c];
       const torch::Device dev = DeviceOptions(tdtype).device();

@@ -88,7 +88,7 @@ Status Engine::Impl::ReadShard(int64_t c, StateKind kind, float* out) {
   const int64_t n = partitioner_->chunks()[c].shard_numel;
   std::vector<char> raw(b.blocks8 ? plan_.BlockBytes(kind, n) : n * optim::DTypeSize(b.dtype));
   STRATA_ASSIGN_OR_RETURN(void* block, store_->Acquire(b.key, Access::kRead));
-  Status read = ReadBlockBytes(raw.data(), block, raw.size(), plan_.PlacementOf(b.key.kind));
+  Status read = ReadBlockBytes(raw.data(), block, raw.size(), plan_.PlacementOf(c, b.key.kind));
   STRATA_RETURN_IF_ERROR(store_->Release(b.key, false));
   STRATA_RETURN_IF_ERROR(read.WithContext(StrCat("reading chunk ", c, "'s ", StateKindName(kind))));
   if (b.blocks8) {
@@ -105,7 +105,7 @@ Status Engine::Impl::PatchShard(int64_t c, StateKind kind,
   STRATA_ASSIGN_OR_RETURN(StateBlock b, BlockOf(plan_, c, kind));
   const int64_t lo = partitioner_->ShardOffset(c, plan_.shard_rank());
   const int64_t n = partitioner_->chunks()[c].shard_numel;
-  const Placement where = plan_.PlacementOf(b.key.kind);
+  const Placement where = plan_.PlacementOf(c, b.key.kind);
   std::vector<float> shard(n);
   std::vector<char> raw(b.blocks8 ? plan_.BlockBytes(kind, n) : n * optim::DTypeSize(b.dtype));
   STRATA_ASSIGN_OR_RETURN(void* block, store_->Acquire(b.key, Access::kReadWrite));
@@ -152,7 +152,7 @@ Status Engine::Impl::WriteMasters(
     // rounded to the working precision, as after an update.
     std::vector<float> master;
     STRATA_RETURN_IF_ERROR(PatchShard(c, StateKind::kMaster32, written, &master));
-    if (!plan_.master_is_param()) STRATA_RETURN_IF_ERROR(PublishMaster(c, master));
+    if (!plan_.MasterIsParam(c)) STRATA_RETURN_IF_ERROR(PublishMaster(c, master));
   }
   // Every rank's shards to the others (replicated working copies), and what is gathered now
   // refreshed from them, as after an optimizer step.

@@ -22,10 +22,11 @@ StatusOr<uint64_t> Engine::Impl::OffloadStates(const std::vector<StateKind>& kin
   STRATA_RETURN_IF_ERROR(FinishUpdates());
   uint64_t moved = 0;
   for (StateKind kind : kinds) {
-    if (kind == StateKind::kMaster32 && plan_.master_is_param()) continue;  // the param16 block is it
-    if (plan_.PlacementOf(kind) != Placement::kDevice || !plan_.HoldsState(kind)) continue;
+    if (!plan_.HoldsState(kind)) continue;
     for (size_t c = 0; c < chunks_.size(); ++c) {
       const BlockKey key{static_cast<int64_t>(c), kind};
+      // A shared master is the param16 block; host- and NVMe-homed blocks are off the device.
+      if (!plan_.Stored(key.chunk, kind) || plan_.PlacementOf(key.chunk, kind) != Placement::kDevice) continue;
       if (std::any_of(parked_.begin(), parked_.end(), [&](const ParkedBlock& p) { return p.key == key; }))
         continue;  // offloaded already (DeepSpeed allows a second call)
       const uint64_t n = static_cast<uint64_t>(partitioner_->chunks()[c].shard_numel);

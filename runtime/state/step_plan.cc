@@ -8,6 +8,7 @@
 
 #include "runtime/base/check.h"
 #include "runtime/base/units.h"
+#include "tiers/host/pinned_pool.h"
 
 namespace strata {
 namespace {
@@ -19,11 +20,7 @@ Placement PlacementOfDevice(OffloadDevice d) {
 }
 
 // The pinned pool rounds each block to a power-of-two class of at least 4 KiB.
-uint64_t PoolClass(uint64_t bytes) {
-  uint64_t c = 4096;
-  while (c < bytes) c <<= 1;
-  return c;
-}
+uint64_t PoolClass(uint64_t bytes) { return PoolClassBytes(bytes); }
 
 }  // namespace
 
@@ -40,14 +37,14 @@ StatusOr<StepPlan> StepPlan::Make(const Inputs& in) {
                                                                        : optim::DType::kFloat32;
   p.loss_scaling_ = c.fp16.enabled || in.loss_scaling_option;
   p.client_optimizer_ = in.client_optimizer;
-  STRATA_RETURN_IF_ERROR(p.ChoosePlacement(in));
-  STRATA_RETURN_IF_ERROR(p.ChooseLayout(in));
   // Note [states the optimizer uses]: an SGD group may not gain momentum later
   // (SetGroupHyperparameters refuses it).
   const OptimizerType type = c.optimizer.type;
   p.holds_exp_avg_ = type != OptimizerType::kAdagrad && (type != OptimizerType::kSGD || in.sgd_momentum);
   p.holds_exp_avg_sq_ = type != OptimizerType::kSGD && type != OptimizerType::kLion;
   if (p.client_optimizer_) p.holds_exp_avg_ = p.holds_exp_avg_sq_ = false;  // the client's own
+  STRATA_RETURN_IF_ERROR(p.ChooseLayout(in));
+  STRATA_RETURN_IF_ERROR(p.ChoosePlacement(in));
   p.immediate_ = c.strata.overlap_optimizer && c.gradient_clipping == 0 && !p.loss_scaling_ &&
                  !p.client_optimizer_;
   p.defer_ = c.strata.overlap_optimizer && !p.immediate_ && p.stage3();
@@ -66,15 +63,16 @@ StatusOr<StepPlan> StepPlan::Make(const Inputs& in) {
   // The host pool must hold the host-placed blocks and a working set of NVMe blocks.
   if (p.host_budget_ > 0) {
     uint64_t nvme_total = 0, largest = 0;
-    for (const ChunkInfo& ci : in.partitioner->chunks()) {
-      auto add = [&](uint64_t bytes, Placement where) {
-        if (where == Placement::kNvme) nvme_total += PoolClass(bytes), largest = std::max(largest, PoolClass(bytes));
-      };
-      add(p.BlockBytes(StateKind::kMaster32, ci.shard_numel), p.optim_placement_);
-      add(p.BlockBytes(StateKind::kGrad, ci.shard_numel), p.optim_placement_);
-      if (p.holds_exp_avg_) add(p.BlockBytes(StateKind::kExpAvg, ci.shard_numel), p.optim_placement_);
-      if (p.holds_exp_avg_sq_) add(p.BlockBytes(StateKind::kExpAvgSq, ci.shard_numel), p.optim_placement_);
-      if (p.stage3()) add(p.BlockBytes(StateKind::kParam16, ci.shard_numel), p.param_placement_);
+    const auto& chunks = in.partitioner->chunks();
+    for (size_t ci = 0; ci < chunks.size(); ++ci) {
+      const int64_t c = static_cast<int64_t>(ci);
+      for (int k = 0; k < kNumStateKinds; ++k) {
+        const StateKind kind = static_cast<StateKind>(k);
+        if (!p.Stored(c, kind) || p.PlacementOf(c, kind) != Placement::kNvme) continue;
+        const uint64_t cls = PoolClass(p.BlockBytes(kind, chunks[ci].shard_numel));
+        nvme_total += cls;
+        largest = std::max(largest, cls);
+      }
     }
     const uint64_t need = p.host_only_bytes_ + std::min(nvme_total, 8 * largest);
     if (p.host_budget_ < need)
@@ -87,25 +85,22 @@ StatusOr<StepPlan> StepPlan::Make(const Inputs& in) {
   return p;
 }
 
-// Where each state kind lives, with the combinations the device cannot run refused.
+// Where each block lives (the placement plan), with the combinations the device cannot run
+// refused.
 Status StepPlan::ChoosePlacement(const Inputs& in) {
   const Config& c = *in.config;
   const auto& z = c.zero_optimization;
-  param_placement_ = PlacementOfDevice(z.offload_param.device);
-  optim_placement_ = PlacementOfDevice(z.offload_optimizer.device);
-  if (client_optimizer_ && (z.stage == 3 || param_placement_ != Placement::kDevice ||
-                            optim_placement_ != Placement::kDevice))
+  param_section_ = PlacementOfDevice(z.offload_param.device);
+  optim_section_ = PlacementOfDevice(z.offload_optimizer.device);
+  if (client_optimizer_ && (z.stage == 3 || param_section_ != Placement::kDevice ||
+                            optim_section_ != Placement::kDevice ||
+                            c.strata.placement == PlacementMode::kAuto || z.offload_optimizer.ratio < 1))
     return InvalidArgument(StrCat(
         "a client optimizer (zero_allow_untested_optimizer) runs on the device's memory: it needs "
         "zero_optimization.stage 0-2 (this config: ", z.stage, ") with offload_param.device and "
-        "offload_optimizer.device none (this config: ", PlacementName(param_placement_), ", ",
-        PlacementName(optim_placement_), "); use one of Strata's optimizers (Adam, AdamW, SGD, "
-        "Adagrad, Lion) for stage 3 and offload"));
-  if (device_optimizer() && param_placement_ != Placement::kDevice)
-    return InvalidArgument(StrCat(
-        "offload_param.device offloads the parameters but offload_optimizer.device=none keeps the "
-        "optimizer on the device (", in.device_name, "); offload the optimizer too "
-        "(offload_optimizer.device: cpu or nvme), as DeepSpeed requires"));
+        "offload_optimizer.device none (this config: ", PlacementName(param_section_), ", ",
+        PlacementName(optim_section_), ") and strata.placement config; use one of Strata's "
+        "optimizers (Adam, AdamW, SGD, Adagrad, Lion) for stage 3 and offload"));
   if (in.device_kind == DeviceKind::kCuda && !in.device_usable)
     return FailedPrecondition(StrCat(
         "the device is ", in.device_name, " but this LibTorch has no CUDA (or sees no GPU); "
@@ -120,7 +115,83 @@ Status StepPlan::ChoosePlacement(const Inputs& in) {
         "kernels for LayerNorm and matmul; use bf16.enabled=true instead (same memory, no loss "
         "scaling needed), run on a GPU, or train from Python (import deepspeed or strata), whose "
         "frontend computes fp16 operators in fp32");
+  // The compact layouts run on the CPU optimizer only: a GPU keeps no optimizer group.
+  const bool device_can_update = !(compact_optimizer() && device_kind_ == DeviceKind::kCuda);
+  if (!device_can_update && optim_section_ == Placement::kDevice)
+    return InvalidArgument(StrCat(LayoutKeys(), " runs on the CPU optimizer so far: set "
+                                  "zero_optimization.offload_optimizer.device to cpu or nvme"));
+  PlacementPlan::Inputs pin;
+  for (const ChunkInfo& ci : in.partitioner->chunks()) pin.shard_numel.push_back(ci.shard_numel);
+  pin.block_bytes = [this](StateKind k, int64_t n) { return BlockBytes(k, n); };
+  pin.stage3 = stage3();
+  pin.kept[static_cast<int>(StateKind::kGrad)] = pin.kept[static_cast<int>(StateKind::kMaster32)] = true;
+  pin.kept[static_cast<int>(StateKind::kExpAvg)] = holds_exp_avg_;
+  pin.kept[static_cast<int>(StateKind::kExpAvgSq)] = holds_exp_avg_sq_;
+  pin.master_shares_param = stage3() && compute_dtype_ == master_dtype();
+  pin.param_floor = param_section_;
+  pin.optim_floor = optim_section_;
+  pin.mode = c.strata.placement;
+  pin.ratio = z.offload_optimizer.ratio;
+  pin.max_in_cpu = z.offload_param.max_in_cpu;
+  pin.device_optimizer_allowed = device_can_update;
+  pin.nvme_available = in.nvme_path_given;
+  if (pin.mode == PlacementMode::kAuto) STRATA_RETURN_IF_ERROR(AutoBudgets(in, &pin));
+  STRATA_ASSIGN_OR_RETURN(placement_, PlacementPlan::Make(pin));
+  for (int64_t ch = 0; ch < placement_.num_chunks(); ++ch) any_staged_publish_ |= StagedPublish(ch);
   return Status::Ok();
+}
+
+// strata.placement auto: what each tier may hold of this rank's state. The device keeps a
+// quarter of its memory (at least eight of the largest chunks) for compute: gathered chunks,
+// activations and workspace. The host keeps an eighth of what is available (at least 2 GiB)
+// for the process itself; the disk keeps 1 GiB.
+Status StepPlan::AutoBudgets(const Inputs& in, PlacementPlan::Inputs* pin) const {
+  const StrataConfig& s = in.config->strata;
+  int64_t largest = 0;
+  for (const ChunkInfo& ci : in.partitioner->chunks()) largest = std::max(largest, ci.numel);
+  const uint64_t device = s.device_memory_budget ? s.device_memory_budget : in.device_capacity;
+  pin->device_budget_source = s.device_memory_budget ? StrCat("strata.device_memory_budget=", FormatBytes(device))
+                                                     : StrCat("the device's ", FormatBytes(device));
+  const uint64_t reserve = std::max<uint64_t>(device / 4, 8ull * largest * optim::DTypeSize(compute_dtype_));
+  pin->device_budget = device > reserve ? device - reserve : 0;
+  if (s.host_memory_budget) {
+    if (in.host_available && s.host_memory_budget > in.host_available)
+      return InvalidArgument(StrCat("strata.host_memory_budget=", FormatBytes(s.host_memory_budget),
+                                    " is more than this host has available (", FormatBytes(in.host_available),
+                                    "); lower it, or set it to 0 for strata.placement auto to size it"));
+    pin->host_budget = s.host_memory_budget;
+    pin->host_budget_source = StrCat("strata.host_memory_budget=", FormatBytes(s.host_memory_budget));
+  } else {
+    const uint64_t margin = std::max<uint64_t>(in.host_available / 8, 2ull << 30);
+    pin->host_budget = in.host_available > margin ? in.host_available - margin : 0;
+    pin->host_budget_source = StrCat("available host memory ", FormatBytes(in.host_available), " less ",
+                                     FormatBytes(margin));
+  }
+  if (s.nvme_capacity) {
+    if (in.disk_free && s.nvme_capacity > in.disk_free)
+      return InvalidArgument(StrCat("strata.nvme_capacity=", FormatBytes(s.nvme_capacity),
+                                    " is more than the NVMe path has free (", FormatBytes(in.disk_free),
+                                    "); lower it, free disk space, or set it to 0 for strata.placement "
+                                    "auto to use what is free"));
+    pin->nvme_budget = s.nvme_capacity;
+    pin->nvme_budget_source = StrCat("strata.nvme_capacity=", FormatBytes(s.nvme_capacity));
+  } else {
+    pin->nvme_budget = in.disk_free > (1ull << 30) ? in.disk_free - (1ull << 30) : 0;
+    pin->nvme_budget_source = StrCat("free disk at the nvme_path ", FormatBytes(in.disk_free), " less 1 GiB");
+  }
+  if (pin->optim_floor != Placement::kNvme && pin->param_floor != Placement::kNvme) pin->nvme_available = false;
+  return Status::Ok();
+}
+
+bool StepPlan::Stored(int64_t c, StateKind kind) const {
+  switch (kind) {
+    case StateKind::kParam16: return stage3();
+    case StateKind::kMaster32: return !MasterIsParam(c);
+    case StateKind::kGrad: return true;
+    case StateKind::kExpAvg:
+    case StateKind::kExpAvgSq: return HoldsState(kind);
+    default: return false;
+  }
 }
 
 // The host pool's budget and the NVMe bytes, from this rank's blocks.
@@ -128,24 +199,21 @@ void StepPlan::SizeTiers(const Inputs& in) {
   const Config& c = *in.config;
   uint64_t host_only = 0, nvme_total = 0, largest = 0, nvme_bytes = 0;
   auto round = [](uint64_t b) { return (b + 4095) / 4096 * 4096; };
-  for (const ChunkInfo& ci : in.partitioner->chunks()) {
-    const int64_t n = ci.shard_numel;
-    const uint64_t master = BlockBytes(StateKind::kMaster32, n), grad = BlockBytes(StateKind::kGrad, n);
-    const uint64_t m = BlockBytes(StateKind::kExpAvg, n), v = BlockBytes(StateKind::kExpAvgSq, n);
-    const uint64_t work = BlockBytes(StateKind::kParam16, n);
-    // master and grad, the moments the optimizer keeps, and at stage 3 the param16 shard.
-    std::vector<std::pair<uint64_t, Placement>> blocks = {{master, optim_placement_}, {grad, optim_placement_}};
-    if (holds_exp_avg_) blocks.push_back({m, optim_placement_});
-    if (holds_exp_avg_sq_) blocks.push_back({v, optim_placement_});
-    if (stage3()) blocks.push_back({work, param_placement_});
-    for (auto [bytes, where] : blocks) {
+  const auto& chunks = in.partitioner->chunks();
+  for (size_t ci = 0; ci < chunks.size(); ++ci) {
+    const int64_t ch = static_cast<int64_t>(ci);
+    for (int k = 0; k < kNumStateKinds; ++k) {
+      const StateKind kind = static_cast<StateKind>(k);
+      if (!Stored(ch, kind)) continue;
+      const uint64_t bytes = BlockBytes(kind, chunks[ci].shard_numel);
+      const Placement where = PlacementOf(ch, kind);
       if (where == Placement::kHost) host_only += PoolClass(bytes);
-      if (where == Placement::kNvme) nvme_total += PoolClass(bytes), largest = std::max(largest, PoolClass(bytes));
+      if (where == Placement::kNvme) {
+        nvme_total += PoolClass(bytes);
+        largest = std::max(largest, PoolClass(bytes));
+        nvme_bytes += round(bytes);
+      }
     }
-    // On disk: grad, master (unless the working copy is it) and two moments; the param16 shard.
-    if (optim_placement_ == Placement::kNvme)
-      nvme_bytes += round(grad) + (master_is_param() ? 0 : round(master)) + round(m) + round(v);
-    if (param_placement_ == Placement::kNvme && stage3()) nvme_bytes += round(work);
   }
   nvme_bytes_ = nvme_bytes;
   host_only_bytes_ = host_only;
@@ -181,12 +249,7 @@ Status StepPlan::ChooseLayout(const Inputs& in) {
                                                   : optim::MasterFormat::kBf16Nearest;
   adam_ = c.optimizer.type == OptimizerType::kAdam || c.optimizer.type == OptimizerType::kAdamW;
   if (!compact_optimizer()) return Status::Ok();
-  const std::string layout = StrCat(
-      master_format_ != optim::MasterFormat::kFp32 ? "bf16.bf16_master_weights_and_grads" : "",
-      master_format_ != optim::MasterFormat::kFp32 && moment_format_ != optim::MomentFormat::kFp32 ? " with " : "",
-      moment_format_ != optim::MomentFormat::kFp32
-          ? StrCat("strata.optimizer_state_dtype=", optim::MomentFormatName(moment_format_))
-          : std::string());
+  const std::string layout = LayoutKeys();
   if (master_format_ != optim::MasterFormat::kFp32 && compute_dtype_ != optim::DType::kBFloat16)
     return InvalidArgument(StrCat(layout, " keeps the master as the bf16 working copy, but this run "
                                   "computes in ", optim::DTypeName(compute_dtype_),
@@ -198,10 +261,17 @@ Status StepPlan::ChooseLayout(const Inputs& in) {
   if (client_optimizer_)
     return InvalidArgument(StrCat(layout, " is Strata's own optimizer's layout; a client optimizer "
                                   "(zero_allow_untested_optimizer) keeps its own states"));
-  if (device_optimizer() && device_kind_ == DeviceKind::kCuda)
-    return InvalidArgument(StrCat(layout, " runs on the CPU optimizer so far: set "
-                                  "zero_optimization.offload_optimizer.device to cpu or nvme"));
   return Status::Ok();
+}
+
+// The keys that chose a compact layout, for messages.
+std::string StepPlan::LayoutKeys() const {
+  return StrCat(
+      master_format_ != optim::MasterFormat::kFp32 ? "bf16.bf16_master_weights_and_grads" : "",
+      master_format_ != optim::MasterFormat::kFp32 && moment_format_ != optim::MomentFormat::kFp32 ? " with " : "",
+      moment_format_ != optim::MomentFormat::kFp32
+          ? StrCat("strata.optimizer_state_dtype=", optim::MomentFormatName(moment_format_))
+          : std::string());
 }
 
 const char* StepPlan::OptimizerOverlapName() const {

@@ -22,6 +22,7 @@
 #include "runtime/base/status.h"
 #include "runtime/state/block_store.h"
 #include "runtime/state/partitioner.h"
+#include "runtime/state/placement_plan.h"
 #include "runtime/state/state_layout.h"
 
 namespace strata {
@@ -43,6 +44,11 @@ class StepPlan {
     bool sgd_momentum = false;           // some parameter group has momentum
     bool fp16_ops_in_fp32 = false;       // EngineOptions::fp16_ops_in_fp32
     const Partitioner* partitioner = nullptr;  // finalized: the chunks
+    // strata.placement auto: what this machine has (0: unknown), measured by the caller.
+    uint64_t device_capacity = 0;  // the device's memory for this rank (Device::capacity)
+    uint64_t host_available = 0;   // MemAvailable
+    uint64_t disk_free = 0;        // free bytes at the NVMe path
+    bool nvme_path_given = false;  // an nvme_path (section or EngineOptions) exists
   };
   // Refuses (INVALID_ARGUMENT, FAILED_PRECONDITION) what cannot run, naming the settings.
   static StatusOr<StepPlan> Make(const Inputs& in);
@@ -89,12 +95,15 @@ class StepPlan {
   // EngineOptions::client_optimizer: the caller's optimizer steps the lent shards.
   bool client_optimizer() const { return client_optimizer_; }
 
-  Placement param_placement() const { return param_placement_; }
-  Placement optim_placement() const { return optim_placement_; }
-  // The param16 shard lives with the parameters, every other state with the optimizer.
-  Placement PlacementOf(StateKind kind) const {
-    return kind == StateKind::kParam16 ? param_placement_ : optim_placement_;
-  }
+  // Where each (chunk, state) block lives (placement_plan.h): the sections' tiers, split by
+  // offload_optimizer.ratio and offload_param.max_in_cpu, or filled under the budgets
+  // (strata.placement: auto).
+  const PlacementPlan& placement() const { return placement_; }
+  Placement PlacementOf(int64_t c, StateKind kind) const { return placement_.Of(c, kind); }
+  Placement ParamPlacement(int64_t c) const { return placement_.ParamOf(c); }
+  // The sections as written (the floors of the placement plan), for reports.
+  Placement param_section() const { return param_section_; }
+  Placement optim_section() const { return optim_section_; }
   // Note [states the optimizer uses]: the master, param16 and grad always; exp_avg for Adam,
   // AdamW, Lion and SGD with momentum; exp_avg_sq for Adam, AdamW and Adagrad; neither with a
   // client optimizer. A state not kept has no blocks: no memory, no NVMe traffic, not in
@@ -103,25 +112,31 @@ class StepPlan {
     return k == StateKind::kExpAvg ? holds_exp_avg_ : k == StateKind::kExpAvgSq ? holds_exp_avg_sq_ : true;
   }
 
-  // The optimizer is the device's own compute, on states in device memory (offload_optimizer:
-  // none): the GPU kernels on CUDA, the CPU kernels on the CPU device's stream.
-  bool device_optimizer() const { return optim_placement_ == Placement::kDevice; }
-  bool gpu_optimizer() const { return device_optimizer() && device_kind_ == DeviceKind::kCuda; }
-  // A host optimizer's new values for device-resident parameters go through the staging slots
-  // and the publish lane (Note [pipelined publish]).
-  bool staged_publish() const { return !device_optimizer() && param_placement_ == Placement::kDevice; }
+  // Chunk c's optimizer is the device's own compute, on states in device memory: the GPU kernels
+  // on CUDA, the CPU kernels on the CPU device's stream. Other chunks update on the host
+  // optimizer (the optimizer lane), from host or NVMe homes.
+  bool DeviceOptimizer(int64_t c) const { return placement_.OptimOf(c) == Placement::kDevice; }
+  bool GpuOptimizer(int64_t c) const { return DeviceOptimizer(c) && device_kind_ == DeviceKind::kCuda; }
+  bool any_device_optimizer() const { return placement_.AnyOptimIn(Placement::kDevice); }
+  bool any_gpu_optimizer() const { return any_device_optimizer() && device_kind_ == DeviceKind::kCuda; }
+  // A host optimizer's new values for a device-resident working copy go through the staging
+  // slots and the publish lane (Note [pipelined publish]).
+  bool StagedPublish(int64_t c) const {
+    return !DeviceOptimizer(c) && (!stage3() || ParamPlacement(c) == Placement::kDevice);
+  }
+  bool any_staged_publish() const { return any_staged_publish_; }
   // Note [shared master]: under stage 3 with fp32 compute the working shard (param16) holds the
   // same bits as the fp32 master, so when both live in the same host or NVMe tier the master is
   // not stored twice: the param16 block is the master, which saves a chunk's worth of write-back
   // and read per update. The checkpoint format is unchanged (its "master32" entries are read from
   // and written to this block).
   // A bf16 master (Note [compact layouts]) is likewise the bf16 working shard itself.
-  bool master_is_param() const {
-    return stage3() && compute_dtype_ == master_dtype() && param_placement_ == optim_placement_ &&
-           param_placement_ != Placement::kDevice;
-  }
+  bool MasterIsParam(int64_t c) const { return placement_.MasterSharesParam(c); }
+  // Chunk c has a block of `kind`: param16 under stage 3, the master unless it is the param16
+  // block, the moments the optimizer keeps, the gradient always.
+  bool Stored(int64_t c, StateKind kind) const;
   BlockKey MasterKey(int64_t c) const {
-    return {c, master_is_param() ? StateKind::kParam16 : StateKind::kMaster32};
+    return {c, MasterIsParam(c) ? StateKind::kParam16 : StateKind::kMaster32};
   }
   // Updates run during backward: nothing global (clipping, loss scaling) gates them.
   bool immediate_optimizer() const { return immediate_; }
@@ -150,6 +165,8 @@ class StepPlan {
 
  private:
   Status ChoosePlacement(const Inputs& in);
+  Status AutoBudgets(const Inputs& in, PlacementPlan::Inputs* pin) const;
+  std::string LayoutKeys() const;
   Status ChooseLayout(const Inputs& in);
   void SizeTiers(const Inputs& in);
 
@@ -162,8 +179,10 @@ class StepPlan {
   bool adam_ = true;  // Adam or AdamW (the other optimizers' states go through the compact path)
   bool loss_scaling_ = false;
   bool client_optimizer_ = false;
-  Placement param_placement_ = Placement::kDevice;
-  Placement optim_placement_ = Placement::kDevice;
+  Placement param_section_ = Placement::kDevice;
+  Placement optim_section_ = Placement::kDevice;
+  PlacementPlan placement_;
+  bool any_staged_publish_ = false;
   bool holds_exp_avg_ = true, holds_exp_avg_sq_ = true;
   bool immediate_ = false, defer_ = false;
   StagePlan stage_plan_;

@@ -70,7 +70,9 @@ TEST(Config, DefaultsMatchDeepSpeed) {
   EXPECT_EQ(z.offload_param.device, OffloadDevice::kNone);
   EXPECT_EQ(z.offload_param.buffer_count, 5);
   EXPECT_EQ(z.offload_param.buffer_size, 100000000);
-  EXPECT_EQ(z.offload_param.max_in_cpu, 1000000000);
+  // Strata's one departure: DeepSpeed's 1e9 would keep every shard of a smaller model in host
+  // memory under device nvme; absent, the key keeps none there.
+  EXPECT_EQ(z.offload_param.max_in_cpu, -1);
   EXPECT_TRUE(z.offload_param.pin_memory);
   EXPECT_EQ(z.offload_optimizer.buffer_count, 4);
   EXPECT_FALSE(z.offload_optimizer.pipeline_read);
@@ -97,8 +99,8 @@ TEST(Config, KeysWithoutEffectSaySoOnce) {
   ASSERT_OK_AND_ASSIGN(Config c, Config::FromJsonText(kFullConfig));
   const std::vector<std::string> silent = {
       "wall_clock_breakdown", "contiguous_gradients", "sub_group_size",
-      "offload_param.buffer_count", "offload_param.buffer_size", "offload_param.max_in_cpu",
-      "offload_optimizer.buffer_count", "pipeline_read", "ratio"};
+      "offload_param.buffer_count", "offload_param.buffer_size",
+      "offload_optimizer.buffer_count", "pipeline_read"};
   for (const std::string& key : silent) {
     int hits = 0;
     for (const std::string& w : c.warnings) hits += w.find(key) != std::string::npos;
@@ -202,7 +204,8 @@ TEST(Config, RoundTripThroughNormalizedJson) {
 std::optional<json> Changed(const std::string& key, const json& v) {
   static const std::map<std::string, json> strings = {
       {"device", "cpu"}, {"eviction", "lru"}, {"checksums", "none"},
-      {"optimizer_state_dtype", "bf16"}, {"comm_backend", "gloo"}, {"warmup_type", "linear"}};
+      {"optimizer_state_dtype", "bf16"}, {"comm_backend", "gloo"}, {"warmup_type", "linear"},
+      {"placement", "auto"}};
   if (v.is_boolean()) return !v.get<bool>();
   if (key == "stage") return v.get<int>() == 3 ? 2 : 3;
   if (v.is_number_integer()) return v.get<int64_t>() > 0 ? v.get<int64_t>() * 2 : 1;
@@ -322,6 +325,11 @@ TEST(Config, OutOfRange) {
   ExpectError(R"({"zero_optimization": {"stage": 4}})", {"zero_optimization.stage=4", "0..3"});
   ExpectError(R"({"zero_optimization": {"offload_optimizer": {"ratio": 1.5}}})",
               {"ratio=1.5", "[0, 1]"});
+  ExpectError(R"({"zero_optimization": {"offload_optimizer": {"ratio": -0.1}}})",
+              {"ratio=-0.1", "[0, 1]"});
+  ExpectError(R"({"zero_optimization": {"offload_param": {"max_in_cpu": -1}}})",
+              {"offload_param.max_in_cpu=-1"});
+  ExpectError(R"({"strata": {"placement": "fill"}})", {"strata.placement", "auto"});
   ExpectError(R"({"optimizer": {"params": {"eps": 0}}})", {"optimizer.params.eps=0", "(0, 1]"});
   ExpectError(R"({"optimizer": {"params": {"betas": [0.9, 1.0]}}})", {"[0, 1)"});
   ExpectError(R"({"train_micro_batch_size_per_gpu": 2.5})", {"whole number"});

@@ -1,5 +1,6 @@
 // The most important test: training through the engine gives the same results as plain LibTorch
 // training with the same seed, under every placement and stage.
+#include <cctype>
 #include <cmath>
 #include <chrono>
 #include <cstdlib>
@@ -47,7 +48,37 @@ struct Case {
   // as its block is done (threshold and reuse distance 0), exercising gather/release fully.
   bool release = true;
   int64_t max_live = 1000000000;
+  // Split placements (runtime/state/placement_plan.h): offload_optimizer.ratio,
+  // offload_param.max_in_cpu, or strata.placement auto under a device budget and an NVMe capacity;
+  // `tiers` lists the tiers the plan must use ("DHN": device, host and NVMe all hold state).
+  double ratio = 1.0;
+  int64_t max_in_cpu = -1;
+  bool auto_placement = false;
+  uint64_t device_budget = 0;
+  const char* tiers = "";
 };
+
+// A split placement: the fields above the split's own left as they are for most cases.
+Case Split(const char* name, int stage, OffloadDevice param, OffloadDevice optim, int accumulation,
+           double clipping, const char* tiers) {
+  Case k{name, stage, param, optim, accumulation, clipping};
+  k.tiers = tiers;
+  return k;
+}
+Case WithRatio(Case k, double ratio) {
+  k.ratio = ratio;
+  return k;
+}
+Case WithMaxInCpu(Case k, int64_t elements) {
+  k.max_in_cpu = elements;
+  return k;
+}
+Case WithAuto(Case k, uint64_t device_budget, uint64_t host_budget) {
+  k.auto_placement = true;
+  k.device_budget = device_budget;
+  k.host_budget = host_budget;
+  return k;
+}
 
 class Equivalence : public ::testing::TestWithParam<Case> {};
 
@@ -64,11 +95,24 @@ void ExpectEquivalent(const Case& k, int delay_us) {
     c.zero_optimization.stage3_max_reuse_distance = 0;
   }
   c.zero_optimization.stage3_max_live_parameters = k.max_live;
+  c.zero_optimization.offload_optimizer.ratio = k.ratio;
+  c.zero_optimization.offload_param.max_in_cpu = k.max_in_cpu;
+  if (k.auto_placement) {
+    c.strata.placement = PlacementMode::kAuto;
+    c.strata.device_memory_budget = k.device_budget;
+    c.strata.chunk_size = 4 << 10;  // many small blocks: the NVMe working set is a few of them
+  }
   testing::TempDir dir;
   EngineOptions opts;
   if (k.param == OffloadDevice::kNvme || k.optim == OffloadDevice::kNvme) opts.nvme_path = {dir.path()};
   TrainRun ref = Reference(c);
   TrainRun got = ThroughEngine(c, opts, nullptr, delay_us);
+  // The plan used exactly the tiers the case names.
+  for (const char* tier : {"device", "host", "nvme"}) {
+    if (!*k.tiers || got.placement.is_null()) break;
+    const bool want = std::string(k.tiers).find(static_cast<char>(std::toupper(tier[0]))) != std::string::npos;
+    EXPECT_EQ(got.placement[tier]["total"].get<uint64_t>() > 0, want) << tier << ": " << got.placement.dump();
+  }
   // The loss falls, and both runs agree to float rounding (the SIMD Adam fuses a multiply-add
   // that torch rounds twice).
   ASSERT_LT(ref.losses.back(), ref.losses.front());
@@ -102,7 +146,22 @@ const Case kCases[] = {
         Case{"nvme_offload_clip_accum", 3, OffloadDevice::kNvme, OffloadDevice::kNvme, 2, 0.5},
         // A host budget of a few blocks: every step evicts to NVMe and reads back.
         Case{"nvme_offload_evicting", 3, OffloadDevice::kNvme, OffloadDevice::kNvme, 1, 1.0,
-             256 << 10}};
+             256 << 10},
+        // offload_optimizer.ratio: the first chunks update on the device's optimizer, the rest on
+        // the host's, in one step.
+        WithRatio(Split("ratio_stage1", 1, OffloadDevice::kNone, OffloadDevice::kCpu, 2, 0.0, "DH"), 0.5),
+        WithRatio(Split("ratio_stage2_clip", 2, OffloadDevice::kNone, OffloadDevice::kCpu, 1, 1.0, "DH"), 0.5),
+        WithRatio(Split("ratio_stage3_backward", 3, OffloadDevice::kNone, OffloadDevice::kCpu, 1, 0.0, "DH"), 0.3),
+        WithRatio(Split("ratio_stage3_nvme_clip_accum", 3, OffloadDevice::kNvme, OffloadDevice::kNvme, 2, 0.5,
+                        "DN"), 0.6),
+        // offload_param.max_in_cpu: the first shards stay in host memory, the rest on NVMe.
+        WithMaxInCpu(Split("max_in_cpu", 3, OffloadDevice::kNvme, OffloadDevice::kNvme, 1, 0.0, "HN"), 12000),
+        // strata.placement auto: a device budget and a host pool too small for the state spread
+        // it over all three tiers.
+        WithAuto(Split("auto_three_tiers", 3, OffloadDevice::kNvme, OffloadDevice::kNvme, 2, 0.5, "DHN"),
+                 320 << 10, 320 << 10),
+        WithAuto(Split("auto_stage2", 2, OffloadDevice::kNone, OffloadDevice::kNvme, 1, 0.0, "DHN"),
+                 320 << 10, 320 << 10)};
 
 INSTANTIATE_TEST_SUITE_P(
     Placements, Equivalence, ::testing::ValuesIn(kCases),

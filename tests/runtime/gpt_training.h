@@ -79,6 +79,7 @@ struct TrainRun {
   // backward ran with.
   std::vector<bool> skipped;
   std::vector<double> scales;
+  nlohmann::json placement;  // the engine's placement plan (ThroughEngine), PlacementPlan::ToJson
 };
 
 // Rewrites a micro-step's loss before it goes backward (the overflow tests poison some steps).
@@ -318,6 +319,7 @@ inline TrainRun ThroughEngine(const Config& c, const EngineOptions& opts_in = {}
   auto params = engine->GatherMasterParams();
   EXPECT_TRUE(params.ok()) << params.status();
   if (params.ok()) run.params = *params;
+  run.placement = engine->Describe()["placement"];
   return run;
 }
 

@@ -82,17 +82,17 @@ TEST_P(StepPlanTable, DecisionsAreTheRulesOnes) {
   in.sgd_momentum = r.sgd_momentum;
   in.partitioner = &part;
   ASSERT_OK_AND_ASSIGN(StepPlan p, StepPlan::Make(in));
-  EXPECT_EQ(p.param_placement(), r.want_param);
-  EXPECT_EQ(p.optim_placement(), r.want_optim);
+  EXPECT_EQ(p.ParamPlacement(1), r.want_param);
+  EXPECT_EQ(p.PlacementOf(1, StateKind::kGrad), r.want_optim);
   EXPECT_STREQ(p.OptimizerOverlapName(), r.want_overlap);
-  EXPECT_EQ(p.master_is_param(), r.want_master_is_param);
-  EXPECT_EQ(p.staged_publish(), r.want_staged_publish);
+  EXPECT_EQ(p.MasterIsParam(1), r.want_master_is_param);
+  EXPECT_EQ(p.StagedPublish(1), r.want_staged_publish);
   EXPECT_EQ(p.HoldsState(StateKind::kExpAvg), r.want_exp_avg);
   EXPECT_EQ(p.HoldsState(StateKind::kExpAvgSq), r.want_exp_avg_sq);
   EXPECT_EQ(p.full_gradients(), r.want_full_grads);
   EXPECT_EQ(p.MasterKey(1).kind, r.want_master_is_param ? StateKind::kParam16 : StateKind::kMaster32);
-  EXPECT_EQ(p.device_optimizer(), r.want_optim == Placement::kDevice);
-  EXPECT_FALSE(p.gpu_optimizer());
+  EXPECT_EQ(p.DeviceOptimizer(1), r.want_optim == Placement::kDevice);
+  EXPECT_FALSE(p.GpuOptimizer(1));
 }
 
 INSTANTIATE_TEST_SUITE_P(Rows, StepPlanTable, ::testing::ValuesIn(kRows),
@@ -144,14 +144,13 @@ TEST(StepPlanRefusals, NameTheSettings) {
   ASSERT_OK_AND_ASSIGN(StepPlan g, MakeWith(f, DeviceKind::kCuda));
   EXPECT_TRUE(g.loss_scaling());
   EXPECT_FALSE(g.immediate_optimizer());
-  EXPECT_TRUE(g.gpu_optimizer());
+  EXPECT_TRUE(g.GpuOptimizer(1));
 }
 
 // Tier sizes for stage 3 with everything on NVMe: per chunk (1024 elements), on disk grad 4 KiB,
-// two moments 4 KiB each and param16 4 KiB (the master is the working copy); in the pool's
-// classes every block is 4 KiB (master32 and grad counted both, as the pool may hold both), and
-// the default budget is the host-only bytes (none) plus all of the NVMe blocks (less than 16 x
-// the largest).
+// two moments 4 KiB each and param16 4 KiB (the master is the working copy, so it has no block);
+// in the pool's classes every block is 4 KiB, and the default budget is the host-only bytes
+// (none) plus all of the NVMe blocks (less than 16 x the largest).
 TEST(StepPlanSizes, NvmeBytesAndTheDefaultHostBudget) {
   Config c;
   c.zero_optimization.stage = 3;
@@ -159,10 +158,10 @@ TEST(StepPlanSizes, NvmeBytesAndTheDefaultHostBudget) {
   c.zero_optimization.offload_optimizer.device = OffloadDevice::kNvme;
   ASSERT_OK_AND_ASSIGN(StepPlan p, MakeWith(c));
   ASSERT_EQ(Chunks().chunks().size(), 3u);
-  EXPECT_TRUE(p.master_is_param());
+  EXPECT_TRUE(p.MasterIsParam(1));
   EXPECT_EQ(p.nvme_bytes(), 3u * (4096 + 2 * 4096 + 4096));
   EXPECT_EQ(p.host_only_bytes(), 0u);
-  EXPECT_EQ(p.host_budget(), 3u * 5 * 4096);
+  EXPECT_EQ(p.host_budget(), 3u * 4 * 4096);
   // A budget too small for a working set is refused by its key.
   c.strata.host_memory_budget = 4096;
   ExpectRefused(MakeWith(c), "strata.host_memory_budget=");
@@ -188,7 +187,7 @@ TEST(StepPlanCompactLayouts, FormatsBlockBytesAndRefusals) {
   EXPECT_EQ(p.master_format(), optim::MasterFormat::kBf16Stochastic);
   EXPECT_EQ(p.moment_format(), optim::MomentFormat::kInt8);
   EXPECT_TRUE(p.compact_optimizer());
-  EXPECT_TRUE(p.master_is_param());
+  EXPECT_TRUE(p.MasterIsParam(1));
   EXPECT_EQ(p.BlockBytes(StateKind::kMaster32, 1024), 2048u);
   EXPECT_EQ(p.BlockBytes(StateKind::kExpAvg, 1024), 1040u);
   EXPECT_EQ(p.BlockBytes(StateKind::kParam16, 1024), 2048u);

@@ -61,6 +61,14 @@ struct PinnedPoolOptions {
 };
 
 // How the arena's memory is held.
+// The pool bytes a block of `bytes` occupies: its power-of-two size class (at least the default
+// min_block), as the planners that size the pool count it.
+inline uint64_t PoolClassBytes(uint64_t bytes) {
+  uint64_t c = 4096;
+  while (c < bytes) c <<= 1;
+  return c;
+}
+
 enum class PinnedBacking { kCudaHost, kMlock, kPageable };
 std::string_view PinnedBackingName(PinnedBacking b);
 

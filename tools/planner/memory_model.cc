@@ -11,6 +11,7 @@
 #include "runtime/base/units.h"
 #include "runtime/state/partitioner.h"
 #include "runtime/state/step_plan.h"
+#include "tiers/host/pinned_pool.h"
 
 namespace strata::planner {
 
@@ -26,18 +27,8 @@ const char* MemTierName(MemTier t) {
 
 namespace {
 
-MemTier TierOf(OffloadDevice d) {
-  return d == OffloadDevice::kNone  ? MemTier::kHbm
-         : d == OffloadDevice::kCpu ? MemTier::kHostPinned
-                                    : MemTier::kNvme;
-}
-
-// The pinned pool's size class of a block (runtime/engine/engine.cc sizes the pool with the same rule).
-uint64_t PoolClass(uint64_t bytes) {
-  uint64_t c = 4096;
-  while (c < bytes) c <<= 1;
-  return c;
-}
+// The pinned pool's size class of a block (StepPlan sizes the pool with the same rule).
+uint64_t PoolClass(uint64_t bytes) { return PoolClassBytes(bytes); }
 
 uint64_t Round(uint64_t bytes, uint64_t to) { return (std::max<uint64_t>(bytes, 1) + to - 1) / to * to; }
 
@@ -84,8 +75,6 @@ StatusOr<MemoryEstimate> EstimateMemory(const Config& config, const ModelSpec& m
   const uint64_t esize = (config.bf16.enabled || config.fp16.enabled) ? 2 : 4;
   const uint64_t ssize = config.strata.optimizer_state_dtype == StateDtype::kBf16 ? 2 : 4;
   const int shard_world = z.stage == 0 ? 1 : options.world_size;
-  const MemTier optim_tier = TierOf(z.offload_optimizer.device);
-  const MemTier param_tier = z.stage == 3 ? TierOf(z.offload_param.device) : MemTier::kHbm;
 
   PartitionerOptions po;
   po.chunk_size = config.strata.chunk_size;
@@ -122,10 +111,10 @@ StatusOr<MemoryEstimate> EstimateMemory(const Config& config, const ModelSpec& m
     MemTier tier;
     uint64_t bytes = 0;
   };
-  std::map<std::string, StateSum> states;
+  std::map<std::pair<std::string, MemTier>, StateSum> states;
   uint64_t nvme_classes = 0, largest_class = 0;
   auto add_state = [&](const std::string& name, MemTier tier, uint64_t raw) {
-    auto& s = states.try_emplace(name, StateSum{tier, 0}).first->second;
+    auto& s = states.try_emplace({name, tier}, StateSum{tier, 0}).first->second;
     s.bytes += tier == MemTier::kHbm ? Round(raw, dev_round) : tier == MemTier::kHostPinned ? PoolClass(raw) : raw;
     if (tier == MemTier::kNvme) {
       nvme_classes += PoolClass(raw);
@@ -151,12 +140,30 @@ StatusOr<MemoryEstimate> EstimateMemory(const Config& config, const ModelSpec& m
   pin.sgd_momentum = config.optimizer.momentum != 0;
   pin.fp16_ops_in_fp32 = true;  // the Python front end runs fp16 on the CPU device
   pin.partitioner = &part;
+  pin.nvme_path_given = !z.offload_optimizer.nvme_path.empty() || !z.offload_param.nvme_path.empty() ||
+                        options.assume_nvme_path;
+  pin.device_capacity = options.device_capacity ? options.device_capacity
+                        : config.strata.device_memory_budget ? config.strata.device_memory_budget
+                                                             : (cpu_device ? 4ull << 30 : 0);
+  pin.host_available = options.host_available;
+  pin.disk_free = options.disk_free;
   STRATA_ASSIGN_OR_RETURN(const StepPlan plan, StepPlan::Make(pin));
+  est.placement = plan.placement().ToJson();
+  est.placement_lines = plan.placement().Lines();
+  auto tier_of = [&](int64_t c, StateKind k) {
+    const Placement p = plan.PlacementOf(c, k);
+    return p == Placement::kDevice ? MemTier::kHbm : p == Placement::kHost ? MemTier::kHostPinned : MemTier::kNvme;
+  };
+
   uint64_t nvme_need = 0, max_shard = 0, state_bytes = 0;
-  for (const ChunkInfo& ci : chunks) {
+  for (size_t ch = 0; ch < chunks.size(); ++ch) {
+    const ChunkInfo& ci = chunks[ch];
+    const int64_t c = static_cast<int64_t>(ch);
     const int64_t n = ci.shard_numel;
     max_shard = std::max(max_shard, static_cast<uint64_t>(n));
-    const uint64_t master = plan.master_is_param() ? 0 : plan.BlockBytes(StateKind::kMaster32, n);
+    const MemTier optim_tier = tier_of(c, StateKind::kGrad);
+    const MemTier param_tier = z.stage == 3 ? tier_of(c, StateKind::kParam16) : MemTier::kHbm;
+    const uint64_t master = plan.Stored(c, StateKind::kMaster32) ? plan.BlockBytes(StateKind::kMaster32, n) : 0;
     const uint64_t m = keeps_exp_avg ? plan.BlockBytes(StateKind::kExpAvg, n) : 0;
     const uint64_t v = keeps_exp_avg_sq ? plan.BlockBytes(StateKind::kExpAvgSq, n) : 0;
     const uint64_t grad = plan.BlockBytes(StateKind::kGrad, n);
@@ -166,7 +173,7 @@ StatusOr<MemoryEstimate> EstimateMemory(const Config& config, const ModelSpec& m
     if (keeps_exp_avg) add_state("exp_avg", optim_tier, m);
     if (keeps_exp_avg_sq) add_state("exp_avg_sq", optim_tier, v);
     add_state("grad", optim_tier, grad);
-    add_state("param16", z.stage == 3 ? param_tier : MemTier::kHbm, work);
+    add_state("param16", param_tier, work);
     state_bytes += master + m + v + grad + plan.BlockBytes(StateKind::kParam16, n);
     if (optim_tier == MemTier::kNvme)
       nvme_need += Round(grad, 4096) + Round(master, 4096) + Round(m, 4096) + Round(v, 4096);
@@ -181,7 +188,8 @@ StatusOr<MemoryEstimate> EstimateMemory(const Config& config, const ModelSpec& m
                                                                                 : "fp32";
   const char* master_name = plan.master_dtype() == optim::DType::kFloat32 ? "fp32" : "bf16";
   uint64_t device_resident = 0, host_resident = 0;
-  for (const auto& [name, s] : states) {
+  for (const auto& [key, s] : states) {
+    const std::string& name = key.first;
     MemoryItem it;
     it.what = name;
     it.tier = s.tier;
@@ -401,7 +409,7 @@ StatusOr<MemoryEstimate> EstimateMemory(const Config& config, const ModelSpec& m
 
   // Host memory outside the block store.
   uint64_t host_other = 0;
-  if (!cpu_device && (z.stage < 3 || param_tier == MemTier::kHbm)) {
+  if (!cpu_device && plan.any_staged_publish()) {
     host_other = max_shard * esize;
     est.items.push_back({"optimizer output staging", MemTier::kHostPageable, host_other, "", true,
                          "new working values copied to the device by the optimizer lane"});
@@ -449,10 +457,6 @@ StatusOr<MemoryEstimate> EstimateMemory(const Config& config, const ModelSpec& m
                                "; where mlock is refused it stays pageable (logged once)"));
   if (cpu_device)
     est.notes.push_back("device=cpu: 'hbm' is host DRAM bounded by strata.device_memory_budget");
-  if (z.offload_optimizer.ratio != 1.0)
-    est.notes.push_back(StrCat("offload_optimizer.ratio=", z.offload_optimizer.ratio,
-                               " is not applied by the engine (all optimizer states follow "
-                               "offload_optimizer.device); estimated as 1.0"));
   if (z.stage < 3 && z.offload_param.device != OffloadDevice::kNone)
     est.notes.push_back(StrCat("offload_param applies to stage 3 only; stage ", z.stage,
                                " keeps the working copy on the device"));
@@ -493,6 +497,7 @@ nlohmann::json MemoryEstimate::ToJson() const {
           {"shard_numel", shard_numel},
           {"per_state", per_state},
           {"breakdown", items_j},
+          {"placement", placement},
           {"notes", notes}};
 }
 
@@ -507,7 +512,10 @@ std::string MemoryEstimate::ToTable() const {
          std::snprintf(b, sizeof b, "%.2f", bytes_per_param);
          return std::string(b);
        }()
-    << " bytes per parameter over all tiers and ranks\n\n";
+    << " bytes per parameter over all tiers and ranks\n";
+  o << "placement plan (as the engine logs it at start):\n";
+  for (const auto& l : placement_lines) o << "  " << l << "\n";
+  o << "\n";
   std::snprintf(line, sizeof line, "%-32s %-14s %12s  %-18s %s\n", "what", "tier", "bytes",
                 "engine counter", "note");
   o << line;

@@ -24,7 +24,7 @@
 #include <string>
 #include <vector>
 
-#include <nlohmann/json_fwd.hpp>
+#include <nlohmann/json.hpp>
 
 #include "runtime/base/config.h"
 #include "runtime/base/status.h"
@@ -51,6 +51,12 @@ struct EstimateOptions {
   // "cpu" or "cuda": sets the device allocator's rounding and whether host staging copies exist.
   // Empty: from config.strata.device ("auto" reads as cpu: no GPU is needed to estimate).
   std::string device;
+  // strata.placement auto: what the tiers may hold (0: the config's budgets; the host and the
+  // disk then count as empty). strata-estimate fills them from this machine or its flags.
+  uint64_t device_capacity = 0;
+  uint64_t host_available = 0;
+  uint64_t disk_free = 0;
+  bool assume_nvme_path = false;  // plan as if an nvme_path were set (--largest)
 };
 
 struct MemoryEstimate {
@@ -85,6 +91,10 @@ struct MemoryEstimate {
   std::string device;
   std::vector<MemoryItem> items;
   std::vector<std::string> notes;
+  // The engine's placement plan (runtime/state/placement_plan.h): bytes per tier and state, and
+  // its lines as the engine logs them.
+  nlohmann::json placement;
+  std::vector<std::string> placement_lines;
 
   nlohmann::json ToJson() const;
   std::string ToTable() const;  // human-readable, one line per item plus per-tier totals

@@ -592,6 +592,7 @@ const KeyTable<StrataConfig>& StrataKeys() {
               {{"crc32c", ChecksumKind::kCrc32c}, {"none", ChecksumKind::kNone}}),
       IntKey("prefetch_lookahead", &C::prefetch_lookahead, 0, 4096),
       EnumKey("placement", &C::placement, {{"config", PlacementMode::kConfig}, {"auto", PlacementMode::kAuto}}),
+      BytesKey("device_reserve", &C::device_reserve, 0, kMaxBytes),
       EnumKey("optimizer_state_dtype", &C::optimizer_state_dtype,
               {{"fp32", StateDtype::kFp32}, {"bf16", StateDtype::kBf16}, {"int8", StateDtype::kInt8}}),
       BoolKey("stochastic_rounding", &C::stochastic_rounding),

@@ -192,6 +192,10 @@ struct StrataConfig {
   uint64_t nvme_capacity = 0;         // bytes per rank; 0: what the filesystem has free
   uint64_t chunk_size = 64ull << 20;  // bytes per chunk before sharding
   PlacementMode placement = PlacementMode::kConfig;
+  // placement auto: device memory kept for compute (gathered chunks, gradient buffers,
+  // activations); 0: a quarter of the device, at least eight of the largest chunks.
+  // strata-estimate --largest sets it from its replay of the step.
+  uint64_t device_reserve = 0;
   EvictionPolicy eviction = EvictionPolicy::kNextUse;
   bool overlap_optimizer = true;      // run CPU Adam per chunk during backward
   ChecksumKind checksums = ChecksumKind::kCrc32c;

@@ -125,6 +125,7 @@ class Filler {
       if (param_[c] == Placement::kNvme) nvme += p_bytes_[c];
       if (optim_[c] == Placement::kNvme) nvme += GroupBytes(c, Placement::kNvme);
     }
+    nvme_need_ = nvme;
     if (nvme > 0 && (!in_.nvme_available || nvme > in_.nvme_budget)) return Refuse();
     return Status::Ok();
   }
@@ -157,12 +158,14 @@ class Filler {
                    "to nvme with an nvme_path, so that ",
                    FormatBytes(total > have ? total - have : 0), " or more can spill there");
     } else {
-      fix = StrCat("raise ", in_.nvme_budget_source, " by ", FormatBytes(total > have ? total - have : 1),
-                   " (more disk), or shrink the state: bf16 moments (strata.optimizer_state_dtype: "
-                   "bf16) or bf16.bf16_master_weights_and_grads");
+      const uint64_t short_by = nvme_need_ > in_.nvme_budget ? nvme_need_ - in_.nvme_budget : 0;
+      const bool keyed = in_.nvme_budget_source.rfind("strata.", 0) == 0;
+      fix = StrCat(keyed ? "raise strata.nvme_capacity" : "free more disk at the nvme_path", " by ",
+                   FormatBytes(short_by), ", or shrink the state: bf16 moments "
+                   "(strata.optimizer_state_dtype: bf16) or bf16.bf16_master_weights_and_grads");
     }
     return ResourceExhausted(StrCat(
-        "strata.placement=auto: this rank's ", params, " elements of state need ", FormatBytes(total),
+        "strata.placement=auto: the state of this rank's ", params, " elements needs ", FormatBytes(total),
         " but the tiers hold device ", FormatBytes(in_.device_budget), " (", in_.device_budget_source,
         "), host ", FormatBytes(in_.host_budget), " (", in_.host_budget_source, ", less a working "
         "set for NVMe blocks), nvme ", in_.nvme_available ? FormatBytes(in_.nvme_budget) : "none",
@@ -175,7 +178,7 @@ class Filler {
   std::vector<uint64_t> p_bytes_, o_bytes_, master_bytes_;  // raw: the device and NVMe
   std::vector<uint64_t> p_class_, o_class_, master_class_;  // the pool's classes: the host
   uint64_t largest_class_ = 0;
-  uint64_t device_must_ = 0, host_must_ = 0;
+  uint64_t device_must_ = 0, host_must_ = 0, nvme_need_ = 0;
 };
 
 }  // namespace

@@ -141,9 +141,9 @@ Status StepPlan::ChoosePlacement(const Inputs& in) {
   return Status::Ok();
 }
 
-// strata.placement auto: what each tier may hold of this rank's state. The device keeps a
-// quarter of its memory (at least eight of the largest chunks) for compute: gathered chunks,
-// activations and workspace. The host keeps an eighth of what is available (at least 2 GiB)
+// strata.placement auto: what each tier may hold of this rank's state. The device keeps
+// strata.device_reserve for compute (gathered chunks, gradient buffers, activations and
+// workspace), by default a quarter of its memory and at least eight of the largest chunks. The host keeps an eighth of what is available (at least 2 GiB)
 // for the process itself; the disk keeps 1 GiB.
 Status StepPlan::AutoBudgets(const Inputs& in, PlacementPlan::Inputs* pin) const {
   const StrataConfig& s = in.config->strata;
@@ -152,7 +152,8 @@ Status StepPlan::AutoBudgets(const Inputs& in, PlacementPlan::Inputs* pin) const
   const uint64_t device = s.device_memory_budget ? s.device_memory_budget : in.device_capacity;
   pin->device_budget_source = s.device_memory_budget ? StrCat("strata.device_memory_budget=", FormatBytes(device))
                                                      : StrCat("the device's ", FormatBytes(device));
-  const uint64_t reserve = std::max<uint64_t>(device / 4, 8ull * largest * optim::DTypeSize(compute_dtype_));
+  const uint64_t reserve = s.device_reserve ? s.device_reserve
+                                            : std::max<uint64_t>(device / 4, 8ull * largest * optim::DTypeSize(compute_dtype_));
   pin->device_budget = device > reserve ? device - reserve : 0;
   if (s.host_memory_budget) {
     if (in.host_available && s.host_memory_budget > in.host_available)

@@ -26,7 +26,18 @@ struct RankCase {
   // Stage 3 drops every chunk once its unit is done (persistence threshold and reuse distance
   // 0), so each unit is gathered, and the next one gathered ahead, every time it runs.
   bool release = false;
+  // Split placements (runtime/state/placement_plan.h): offload_optimizer.ratio, or
+  // strata.placement auto under a 320 KiB device budget and host pool (small chunks), which
+  // spreads each rank's shards over device, host and NVMe.
+  double ratio = 1.0;
+  bool auto_placement = false;
 };
+
+RankCase Split(RankCase k, double ratio, bool auto_placement) {
+  k.ratio = ratio;
+  k.auto_placement = auto_placement;
+  return k;
+}
 
 // One process group for the whole binary: the rendezvous store lives on a fixed port, and ranks
 // must not race to re-create it between tests.
@@ -73,6 +84,12 @@ TEST_P(MultiRank, MatchesSingleProcessLibTorch) {
     c.zero_optimization.stage3_param_persistence_threshold = 0;
     c.zero_optimization.stage3_max_reuse_distance = 0;
   }
+  c.zero_optimization.offload_optimizer.ratio = k.ratio;
+  if (k.auto_placement) {
+    c.strata.placement = PlacementMode::kAuto;
+    c.strata.device_memory_budget = c.strata.host_memory_budget = 320 << 10;
+    c.strata.chunk_size = 4 << 10;
+  }
   testing::TempDir dir;
   EngineOptions opts;
   if (k.param == OffloadDevice::kNvme || k.optim == OffloadDevice::kNvme) opts.nvme_path = {dir.path()};
@@ -95,7 +112,14 @@ INSTANTIATE_TEST_SUITE_P(
                       RankCase{"stage3_accum_delays", 3, OffloadDevice::kNone, OffloadDevice::kNone,
                                0.0, 2, 2000, true},
                       RankCase{"stage3_cpu_clip_delays", 3, OffloadDevice::kCpu, OffloadDevice::kCpu,
-                               1.0, 1, 2000, true}),
+                               1.0, 1, 2000, true},
+                      // Half of each rank's optimizer states update on the device, half on the
+                      // host; then every tier at once, with accumulation and clipping.
+                      Split(RankCase{"stage2_cpu_ratio", 2, OffloadDevice::kNone, OffloadDevice::kCpu, 1.0},
+                            0.5, false),
+                      Split(RankCase{"stage3_auto_three_tiers", 3, OffloadDevice::kNvme, OffloadDevice::kNvme,
+                                     0.5, 2},
+                            1.0, true)),
     [](const auto& info) { return std::string(info.param.name); });
 
 // fp16's overflow with one rank's gradients only: the step is skipped on every rank, and the

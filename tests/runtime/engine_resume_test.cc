@@ -124,6 +124,56 @@ INSTANTIATE_TEST_SUITE_P(Placements, Resume,
                                            std::make_tuple(2, OffloadDevice::kCpu),
                                            std::make_tuple(3, OffloadDevice::kNvme)));
 
+// A placement split over device, host and NVMe (strata.placement auto under small budgets)
+// resumes bit-exact, and so does a resume under another placement: everything on NVMe, or more
+// device memory. The update is the same IEEE operations wherever a chunk's group lives, and the
+// checkpoint does not record where.
+TEST(ResumeAcrossPlacements, SplitPlacementsResumeBitExactUnderAnyPlacement) {
+  auto split = [](uint64_t device_budget) {
+    Config c = ResumeConfig(3, OffloadDevice::kNvme);
+    c.strata.placement = PlacementMode::kAuto;
+    c.strata.device_memory_budget = device_budget;
+    c.strata.host_memory_budget = 320 << 10;
+    c.strata.chunk_size = 4 << 10;
+    return c;
+  };
+  const Config three_tiers = split(320 << 10);
+  Config all_nvme = three_tiers;
+  all_nvme.strata.placement = PlacementMode::kConfig;
+  all_nvme.strata.host_memory_budget = 0;
+  const Config more_device = split(1 << 20);
+  constexpr int kN = 3;
+  testing::TempDir dir;
+  const std::string ckpt = dir.path() + "/ckpt";
+  auto swap = [&](const std::string& name) {
+    const std::string d = dir.path() + "/" + name;
+    fs::create_directories(d);
+    return d;
+  };
+  Trainer straight(three_tiers, swap("straight"));
+  const nlohmann::json plan = straight.engine->Describe()["placement"];
+  for (const char* tier : {"device", "host", "nvme"})
+    ASSERT_GT(plan[tier]["total"].get<uint64_t>(), 0u) << tier << ": " << plan.dump();
+  std::vector<double> ref = straight.Train(0, 2 * kN);
+  auto ref_params = straight.engine->GatherMasterParams().value();
+  std::vector<double> first_losses;
+  {
+    Trainer first(three_tiers, swap("first"));
+    first_losses = first.Train(0, kN);
+    ASSERT_OK(first.engine->SaveCheckpoint(ckpt, {{"next_step", kN}}));
+  }
+  int i = 0;
+  for (const Config& then : {three_tiers, all_nvme, more_device}) {
+    Trainer second(then, swap("second" + std::to_string(i++)));
+    ASSERT_TRUE(second.engine->LoadCheckpoint(ckpt).ok());
+    std::vector<double> resumed = first_losses;
+    for (double l : second.Train(kN, 2 * kN)) resumed.push_back(l);
+    ASSERT_EQ(resumed.size(), ref.size());
+    for (size_t s = 0; s < ref.size(); ++s) EXPECT_EQ(resumed[s], ref[s]) << "placement " << i << " step " << s;
+    ExpectBitwiseEqual(second.engine->GatherMasterParams().value(), ref_params);
+  }
+}
+
 TEST(ResumeErrors, MismatchesAndDamageAreClearAndOverwriteNothing) {
   testing::TempDir dir;
   Config c = ResumeConfig(2, OffloadDevice::kCpu);

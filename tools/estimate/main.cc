@@ -2,13 +2,20 @@
 // and pageable host memory, NVMe), per rank, before launching it. The figures follow what
 // strata::Engine allocates (tools/planner/memory_model.h), and the breakdown says which engine
 // counter (StepReport.peak_device_bytes / peak_host_bytes) each line shows up in.
+#include <cstdio>
+#include <iomanip>
 #include <iostream>
+#include <optional>
 #include <string>
 
 #include <nlohmann/json.hpp>
 
 #include "runtime/base/config.h"
+#include "runtime/base/host_info.h"
+#include "runtime/base/units.h"
 #include "tools/planner/cli_util.h"
+#include "tools/planner/cost_model.h"
+#include "tools/planner/largest.h"
 #include "tools/planner/memory_model.h"
 
 namespace {
@@ -23,6 +30,114 @@ StatusOr<OffloadDevice> ParseOffload(const std::string& flag, const std::string&
   return InvalidArgument(StrCat(flag, "=", v, ": must be none, cpu or nvme"));
 }
 
+StatusOr<uint64_t> BytesFlag(const std::string& flag, const std::string& v) {
+  auto b = ParseBytes(v);
+  if (!b.ok() || *b == 0)
+    return InvalidArgument(StrCat(flag, "=", v, ": must be a size such as 80GiB or 512MiB"));
+  return *b;
+}
+
+// --largest: the machine's budgets (flags, else this machine), the search, and its report.
+int RunLargest(const Config& config, const std::string& device, const std::string& hbm,
+               const std::string& host, const std::string& disk, std::string nvme_path,
+               const std::string& profile_path, int world, bool json) {
+  auto fail = [](const Status& s) {
+    std::cerr << "strata-estimate: " << s.message() << "\nRun `strata-estimate --help` for the options.\n";
+    return 2;
+  };
+  LargestOptions o;
+  o.device = device.empty() ? (config.strata.device == "cuda" ? "cuda" : "cpu") : device;
+  o.world_size = world;
+  if (nvme_path.empty())
+    nvme_path = !config.zero_optimization.offload_optimizer.nvme_path.empty()
+                    ? config.zero_optimization.offload_optimizer.nvme_path.front()
+                    : "/var/tmp/strata-nvme";
+  o.nvme_path = nvme_path;
+  std::string source;
+  if (!hbm.empty()) {
+    auto b = BytesFlag("--hbm", hbm);
+    if (!b.ok()) return fail(b.status());
+    o.device_bytes = *b;
+  } else if (config.strata.device_memory_budget) {
+    o.device_bytes = config.strata.device_memory_budget;
+  } else if (o.device == "cpu") {
+    o.device_bytes = 4ull << 30;  // the CPU device's default budget
+  } else {
+    return fail(InvalidArgument("--largest on cuda needs the GPU's memory: pass --hbm (e.g. --hbm 80GiB)"));
+  }
+  if (!host.empty()) {
+    auto b = BytesFlag("--host", host);
+    if (!b.ok()) return fail(b.status());
+    o.host_bytes = *b;
+  } else {
+    o.host_bytes = ReadHostMemory().available_bytes;
+    source += " host from MemAvailable;";
+  }
+  if (!disk.empty()) {
+    auto b = BytesFlag("--disk", disk);
+    if (!b.ok()) return fail(b.status());
+    o.disk_bytes = *b;
+  } else {
+    o.disk_bytes = FreeDiskBytes(nvme_path);
+    source += StrCat(" disk free at ", nvme_path, ";");
+  }
+  auto r = FindLargest(config, o);
+  if (!r.ok()) return fail(r.status());
+  // The lane that bounds the step, when a measured profile is given.
+  std::optional<StepPrediction> pred;
+  std::string lane;
+  if (!profile_path.empty()) {
+    auto prof = HardwareProfile::FromFile(profile_path);
+    if (!prof.ok()) return fail(prof.status());
+    auto rates = RatesFromProfile(*prof, o.device, 0, !r->config.bf16.enabled && !r->config.fp16.enabled);
+    if (!rates.ok()) return fail(rates.status());
+    auto spec = GptModelSpec(r->shape);
+    if (!spec.ok()) return fail(spec.status());
+    auto p = PredictStep(r->config, *spec, r->estimate, *rates, o.device, world);
+    if (!p.ok()) return fail(p.status());
+    pred = *p;
+    const std::pair<const char*, double> lanes[] = {{"compute thread", p->main_s}, {"optimizer lane", p->lane_s},
+                                                    {"nvme", p->nvme_s}, {"copy", p->copy_s}};
+    double most = -1;
+    for (const auto& [name, t] : lanes)
+      if (t > most) most = t, lane = name;
+  }
+  const auto& m = r->shape;
+  if (json) {
+    nlohmann::json j = {{"largest", r->ToJson()},
+                        {"bytes_per_param", r->estimate.bytes_per_param},
+                        {"budgets", {{"device", o.device}, {"device_bytes", o.device_bytes},
+                                     {"host_bytes", o.host_bytes}, {"disk_bytes", o.disk_bytes}}}};
+    if (pred) j["prediction"] = pred->ToJson(), j["bounding_lane"] = lane;
+    std::cout << j.dump(2) << "\n";
+    return 0;
+  }
+  std::cout << "largest GPT that trains on " << o.device << " " << FormatBytes(o.device_bytes) << ", host "
+            << FormatBytes(o.host_bytes) << ", disk " << FormatBytes(o.disk_bytes)
+            << (source.empty() ? "" : " (" + source.substr(1, source.size() - 2) + ")") << ":\n  "
+            << m.n_layers << " layers x d_model " << m.d_model << " (" << m.n_heads << " heads), "
+            << std::fixed << std::setprecision(2) << r->params / 1e9 << std::defaultfloat << "B parameters; seq " << m.seq_len << ", micro-batch "
+            << r->config.train_micro_batch_size_per_gpu << ", "
+            << (r->config.bf16.enabled ? "bf16" : r->config.fp16.enabled ? "fp16" : "fp32")
+            << ", activation checkpointing\n";
+  std::printf("  %.2f bytes per parameter over every tier\n", r->estimate.bytes_per_param);
+  std::cout << "placement plan (strata.placement auto):\n";
+  for (const auto& l : r->estimate.placement_lines) std::cout << "  " << l << "\n";
+  std::cout << "per rank at the step's peak: device " << FormatBytes(r->estimate.hbm_bytes) << ", host pinned "
+            << FormatBytes(r->estimate.host_pinned_bytes) << ", nvme " << FormatBytes(r->estimate.nvme_bytes) << "\n";
+  if (pred)
+    std::printf("cost model: step %.3g s bound by the %s (compute thread %.3g s, optimizer lane %.3g s, "
+                "nvme %.3g s, copy %.3g s)\n",
+                pred->step_s, lane.c_str(), pred->main_s, pred->lane_s, pred->nvme_s, pred->copy_s);
+  else
+    std::cout << "bounding lane: pass --profile (a `strata-swapbench profile --json` report) to predict it\n";
+  std::cout << "one layer more does not fit: " << r->next_refused << "\n";
+  std::cout << "for the engine to run this plan, give its config \"strata\": {\"placement\": \"auto\", "
+               "\"device_reserve\": "
+            << r->config.strata.device_reserve << "} (the replay's compute working set on the device)\n";
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -33,11 +148,14 @@ int main(int argc, char** argv) {
       "section) the activations of one micro-batch.\n\n"
       "Examples:\n"
       "  strata-estimate --config configs/gpt_small.json --world-size 2\n"
-      "  strata-estimate --params 1.3e9 --largest-layer 5e7 --stage 3 --offload-optimizer nvme --json",
+      "  strata-estimate --params 1.3e9 --largest-layer 5e7 --stage 3 --offload-optimizer nvme --json\n"
+      "  strata-estimate --largest                      # the largest GPT this machine trains\n"
+      "  strata-estimate --largest --device cuda --hbm 80GiB --host 128GiB --disk 64GiB --profile p.json",
       "strata-estimate"};
   std::string config_path, params, largest, device, stage_s, off_param, off_optim;
   std::string world_s = "1";
-  bool json = false;
+  bool json = false, largest_mode = false;
+  std::string hbm, host, disk, nvme_path, profile_path;
   app.add_option("--config", config_path,
                  "DeepSpeed-style config (strata-train's); its \"model\" section describes the GPT");
   app.add_option("--params", params, "model size in elements, instead of a \"model\" section (e.g. 1.3e9)");
@@ -47,6 +165,15 @@ int main(int argc, char** argv) {
   app.add_option("--stage", stage_s, "override zero_optimization.stage (0..3)");
   app.add_option("--offload-param", off_param, "override offload_param.device: none|cpu|nvme");
   app.add_option("--offload-optimizer", off_optim, "override offload_optimizer.device: none|cpu|nvme");
+  app.add_flag("--largest", largest_mode,
+               "find the largest GPT (GPT-3 widths, any layer count) that trains under the budgets, "
+               "placed over device, host and NVMe by strata.placement auto; the config (optional) "
+               "gives seq_len, micro-batch, dtype and chunk size");
+  app.add_option("--hbm", hbm, "with --largest: device memory per rank (default: strata.device_memory_budget; cpu 4GiB)");
+  app.add_option("--host", host, "with --largest: host memory (default: this machine's MemAvailable)");
+  app.add_option("--disk", disk, "with --largest: free disk for NVMe offload (default: free at --nvme-path)");
+  app.add_option("--nvme-path", nvme_path, "with --largest: where NVMe state would go (default: the config's, else /var/tmp/strata-nvme)");
+  app.add_option("--profile", profile_path, "with --largest: a `strata-swapbench profile --json` report, to predict the bounding lane");
   app.add_flag("--json", json, "print JSON (hbm_bytes, host_pinned_bytes, host_pageable_bytes, nvme_bytes, "
                                "per_state, breakdown, notes, bytes_per_param: the model state per parameter over every "
                                "tier and rank) instead of a table");
@@ -90,12 +217,22 @@ int main(int argc, char** argv) {
     if (!d.ok()) return fail(d.status(), 2);
     config.zero_optimization.offload_optimizer.device = *d;
   }
+  if (largest_mode)
+    return RunLargest(config, device, hbm, host, disk, nvme_path, profile_path, static_cast<int>(*world), json);
   auto model = ModelFromArgs(have_raw ? &raw : nullptr, config, params, largest);
   if (!model.ok()) return fail(model.status(), 2);
   EstimateOptions eo;
   eo.world_size = static_cast<int>(*world);
   eo.device = device;
-  auto est = EstimateMemory(config, *model, eo);
+  if (config.strata.placement == PlacementMode::kAuto) {
+    // The plan fills the tiers under what this machine has, as the engine would at start.
+    eo.host_available = ReadHostMemory().available_bytes;
+    const auto& paths = config.zero_optimization.offload_optimizer.nvme_path.empty()
+                            ? config.zero_optimization.offload_param.nvme_path
+                            : config.zero_optimization.offload_optimizer.nvme_path;
+    if (!paths.empty()) eo.disk_free = FreeDiskBytes(paths.front());
+  }
+  auto est = EstimateAutoReserve(config, *model, eo);
   if (!est.ok()) return fail(est.status(), 2);
   if (json) {
     std::cout << est->ToJson().dump(2) << "\n";

@@ -76,8 +76,18 @@ StatusOr<StepPrediction> PredictStep(const Config& config, const ModelSpec& mode
   const bool cuda = device == "cuda";
   const bool immediate = config.strata.overlap_optimizer && config.gradient_clipping == 0 &&
                          !config.fp16.enabled;
-  const OffloadDevice pdev = z.stage == 3 ? z.offload_param.device : OffloadDevice::kNone;
-  const OffloadDevice odev = z.offload_optimizer.device;
+  // Elements of this rank's shards per tier, from the placement plan the estimate carries:
+  // working shards (param16, stage 3) and optimizer groups (counted by their fp32 gradient).
+  auto tier_elems = [&](const char* tier, const char* kind, double size) {
+    if (!mem.placement.is_object() || !mem.placement.contains(tier)) return 0.0;
+    return mem.placement[tier].value(kind, uint64_t{0}) / size;
+  };
+  const double Pd = z.stage == 3 ? tier_elems("device", "param16", e) : 0;
+  const double Ph = z.stage == 3 ? tier_elems("host", "param16", e) : 0;
+  const double Pn = z.stage == 3 ? tier_elems("nvme", "param16", e) : 0;
+  const double Od = tier_elems("device", "grad", 4), Oh = tier_elems("host", "grad", 4);
+  const double On = tier_elems("nvme", "grad", 4);
+  const double Ooff = Oh + On;
 
   StepPrediction p;
   auto copy_t = [&](double bytes) { return bytes / (r.copy_gbps * 1e9); };
@@ -92,27 +102,15 @@ StatusOr<StepPrediction> PredictStep(const Config& config, const ModelSpec& mode
   // Main thread, per micro-step: parameter fetches (forward + backward) and gradient hand-off.
   double param_io = 0, grad_io = 0, grad_io_first = 0;
   if (z.stage == 3) {
-    const double b = 2 * S * e;
-    if (pdev == OffloadDevice::kNone) param_io = d2d_t(b);
-    if (pdev == OffloadDevice::kCpu) { param_io = copy_t(b); copy_bytes += acc * b; }
-    if (pdev == OffloadDevice::kNvme) {
-      param_io = copy_t(b) + rd_t(b);
-      copy_bytes += acc * b;
-      nvme_r += acc * b;
-    }
+    param_io = d2d_t(2 * Pd * e) + copy_t(2 * (Ph + Pn) * e) + rd_t(2 * Pn * e);
+    copy_bytes += acc * 2 * (Ph + Pn) * e;
+    nvme_r += acc * 2 * Pn * e;
   }
-  if (odev == OffloadDevice::kNone) {
-    grad_io = grad_io_first = d2d_t(S * 4);
-  } else {
-    grad_io = grad_io_first = copy_t(S * 4);
-    copy_bytes += acc * S * 4;
-    if (odev == OffloadDevice::kNvme) {
-      grad_io_first += wr_t(S * 4);
-      grad_io += wr_t(S * 4) + rd_t(S * 4);  // accumulating micro-steps read the shard back
-      nvme_w += acc * S * 4;
-      nvme_r += (acc - 1) * S * 4;
-    }
-  }
+  grad_io = grad_io_first = d2d_t(Od * 4) + copy_t(Ooff * 4) + wr_t(On * 4);
+  grad_io += rd_t(On * 4);  // accumulating micro-steps read the shard back
+  copy_bytes += acc * Ooff * 4;
+  nvme_w += acc * On * 4;
+  nvme_r += (acc - 1) * On * 4;
   // Collectives: ring all-gather / reduce-scatter move (W-1) shards per rank.
   const double W = static_cast<double>(std::max(1, world_size));
   if (W > 1 && r.comm_busbw_gbps <= 0)
@@ -134,27 +132,22 @@ StatusOr<StepPrediction> PredictStep(const Config& config, const ModelSpec& mode
   const double last_micro_forward = compute_micro / 3 + param_io / 2;
   const double before_last = acc > 1 ? main_first + (acc - 2) * main_next : 0;
 
-  // Optimizer lane.
-  p.optimizer_s = S / (r.adam_gelems * 1e9);
-  double lane_io = 0;
-  if (odev == OffloadDevice::kNvme) {
-    lane_io += rd_t(S * (4 + 2 * ss + 4)) + wr_t(S * (4 + 2 * ss));
-    nvme_r += S * (4 + 2 * ss + 4);
-    nvme_w += S * (4 + 2 * ss);
-  }
-  if (pdev == OffloadDevice::kNvme) {
-    lane_io += wr_t(S * e);
-    nvme_w += S * e;
-  }
-  // A host optimizer publishes new values to device-resident parameters: one copy from its
+  // Optimizer lane: the host optimizer's groups; a GPU updates its own groups in far less time
+  // than the lane (HBM-bound), while the CPU device's optimizer shares the host's cores.
+  p.optimizer_s = (cuda ? Ooff : S) / (r.adam_gelems * 1e9);
+  double lane_io = rd_t(On * (4 + 2 * ss + 4)) + wr_t(On * (4 + 2 * ss));
+  nvme_r += On * (4 + 2 * ss + 4);
+  nvme_w += On * (4 + 2 * ss);
+  lane_io += wr_t(Pn * e);
+  nvme_w += Pn * e;
+  // A host optimizer publishes new values to device-resident working copies: one copy from its
   // staging buffer per shard, over PCIe on a GPU and a memcpy on the CPU device.
-  if (odev != OffloadDevice::kNone && (z.stage < 3 || pdev == OffloadDevice::kNone)) {
-    if (cuda) {
-      lane_io += copy_t(S * e);
-      copy_bytes += S * e;
-    } else {
-      lane_io += d2d_t(S * e);
-    }
+  const double staged = z.stage == 3 ? std::max(0.0, Pd - Od) : Ooff;
+  if (cuda) {
+    lane_io += copy_t(staged * e);
+    copy_bytes += staged * e;
+  } else {
+    lane_io += d2d_t(staged * e);
   }
   p.lane_s = p.optimizer_s + lane_io;
 
@@ -169,9 +162,9 @@ StatusOr<StepPrediction> PredictStep(const Config& config, const ModelSpec& mode
     p.step_s = std::max(p.main_s, before_last + last_micro_forward + p.lane_s);
   } else {
     double scan = S * 4 / (r.dram_gbps * 1e9);
-    if (odev == OffloadDevice::kNvme) {
-      scan += rd_t(S * 4);
-      nvme_r += S * 4;
+    if (On > 0) {
+      scan += rd_t(On * 4);
+      nvme_r += On * 4;
       p.bytes_nvme_read = static_cast<uint64_t>(nvme_r);
       p.nvme_s = rd_t(nvme_r) + wr_t(nvme_w);
     }

@@ -463,6 +463,32 @@ StatusOr<MemoryEstimate> EstimateMemory(const Config& config, const ModelSpec& m
   return est;
 }
 
+StatusOr<MemoryEstimate> EstimateAutoReserve(const Config& config, const ModelSpec& model,
+                                             const EstimateOptions& options) {
+  if (config.strata.placement != PlacementMode::kAuto || config.strata.device_reserve != 0)
+    return EstimateMemory(config, model, options);
+  Config c = config;
+  STRATA_ASSIGN_OR_RETURN(MemoryEstimate est, EstimateMemory(c, model, options));
+  const uint64_t budget = c.strata.device_memory_budget ? c.strata.device_memory_budget : options.device_capacity;
+  for (int round = 0; round < 4; ++round) {
+    const uint64_t states = est.placement["device"].value("total", uint64_t{0});
+    const uint64_t transient = est.hbm_bytes > states ? est.hbm_bytes - states : 0;
+    const uint64_t reserve = transient + transient / 20;
+    if (reserve == c.strata.device_reserve || (budget && reserve >= budget)) break;
+    c.strata.device_reserve = reserve;
+    auto next = EstimateMemory(c, model, options);
+    if (!next.ok()) break;  // keep the last plan that placed everything
+    est = *next;
+    est.device_reserve = reserve;
+    if (round > 0 && (!budget || est.hbm_bytes <= budget)) break;
+  }
+  if (est.device_reserve)
+    est.notes.push_back(StrCat("strata.placement auto: set strata.device_reserve to ", est.device_reserve,
+                               " (", FormatBytes(est.device_reserve), ", the replay's compute working set) "
+                               "for the engine to run this plan; its default keeps a quarter of the device"));
+  return est;
+}
+
 nlohmann::json MemoryEstimate::ToJson() const {
   nlohmann::json items_j = nlohmann::json::array();
   nlohmann::json per_state = nlohmann::json::object();
@@ -498,6 +524,7 @@ nlohmann::json MemoryEstimate::ToJson() const {
           {"per_state", per_state},
           {"breakdown", items_j},
           {"placement", placement},
+          {"device_reserve", device_reserve},
           {"notes", notes}};
 }
 

@@ -95,6 +95,9 @@ struct MemoryEstimate {
   // its lines as the engine logs them.
   nlohmann::json placement;
   std::vector<std::string> placement_lines;
+  // strata.placement auto: the strata.device_reserve the plan was made with (EstimateAutoReserve
+  // sets it from the replay; the engine runs the same plan when its config says the same).
+  uint64_t device_reserve = 0;
 
   nlohmann::json ToJson() const;
   std::string ToTable() const;  // human-readable, one line per item plus per-tier totals
@@ -104,5 +107,12 @@ struct MemoryEstimate {
 // size, a model without parameters, world_size < 1).
 StatusOr<MemoryEstimate> EstimateMemory(const Config& config, const ModelSpec& model,
                                         const EstimateOptions& options = {});
+
+// EstimateMemory, and under strata.placement auto with no strata.device_reserve set, the reserve
+// the step needs: what the replay keeps on the device beside the device-homed states (gathered
+// chunks, gradient buffers, activations) plus 5 %, refined until it settles, so that the plan
+// leaves the compute room. MemoryEstimate::device_reserve and a note give it for the config.
+StatusOr<MemoryEstimate> EstimateAutoReserve(const Config& config, const ModelSpec& model,
+                                             const EstimateOptions& options = {});
 
 }  // namespace strata::planner

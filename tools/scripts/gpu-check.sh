@@ -12,9 +12,12 @@
 #   bench    the 404M bench config (configs/bench-nvme.json) under none/cpu/nvme x fp32/bf16,
 #            every lane reported; PyTorch FSDP2 with CPUOffloadPolicy on the same model beside it;
 #            the ceilings (NVMe through io_uring and fio, host<->device copies, DRAM, CPU Adam)
-#   scale    the largest GPT this machine trains: 1.3B, 2.7B, 6.7B, 13B; bf16, activation
-#            checkpointing, cpu then nvme offload, 3 steps each; TFLOPS (6·params·tokens/step),
-#            the lane that bounds the step, peak device, host and disk bytes
+#   scale    the largest GPT this machine trains: 1.3B, 2.7B, 6.7B, 13B, 20B; bf16, activation
+#            checkpointing, strata.placement auto (device, host and NVMe filled under what the
+#            machine has) with fp32 states, then with the compact layouts (bf16 master with
+#            stochastic rounding, 8-bit moments), 3 steps each; each size's placement plan beside
+#            TFLOPS (6·params·tokens/step), the lane that bounds the step, peak device, host and
+#            disk bytes. SCALE_PLACEMENTS="cpu nvme" runs the sections-as-written placements instead
 #   report   one markdown table from the phases' JSON
 #
 #   tools/scripts/gpu-check.sh PHASE [--device cuda|cpu] [--quick] [--sizes 1.3b,2.7b] [--steps N]
@@ -24,7 +27,7 @@
 # share build-gpu/ on a warm machine: run them in order, `build` first.
 #   --device cpu   the dry run on a machine without a GPU: the same steps on the CPU device
 #   --quick        the dry run's shapes: small models, fewer steps (the pipeline, not the figures)
-#   --sizes LIST   scale: the sizes to try, in order (default 1.3b,2.7b,6.7b,13b)
+#   --sizes LIST   scale: the sizes to try, in order (default 1.3b,2.7b,6.7b,13b,20b)
 #   --steps N      bench: steps per run (default 6; quick 3)
 # Environment: PYTHON (a python3 with torch; default: the first of python3, /usr/bin/python3 that
 # imports torch), PEER_PYTHON (the FSDP2 peer's python, torch >= 2.6; default PYTHON),
@@ -46,7 +49,7 @@ case "$phase" in
   "") usage >&2; echo "gpu-check: name a phase: build, pip, test, bench, scale or report" >&2; exit 2 ;;
   *) echo "gpu-check: unknown phase '$phase': build, pip, test, bench, scale or report" >&2; exit 2 ;;
 esac
-device=""; quick=0; sizes="1.3b,2.7b,6.7b,13b"; steps=""
+device=""; quick=0; sizes="1.3b,2.7b,6.7b,13b,20b"; steps=""
 while [ $# -gt 0 ]; do
   case "$1" in
     --device) device=${2:-}; shift 2 ;;
@@ -535,24 +538,39 @@ phase_bench() {
 phase_scale() {
   need_build
   local base="$ROOT/configs/bench-nvme.json" seq=2048 micro=8 n=3
-  [ "$quick" = 1 ] && { seq=128; micro=2; [ "$sizes" = "1.3b,2.7b,6.7b,13b" ] && sizes="tiny,small"; }
+  [ "$quick" = 1 ] && { seq=128; micro=2; [ "$sizes" = "1.3b,2.7b,6.7b,13b,20b" ] && sizes="tiny,small"; }
   local host="$(( $(mem_gib) * 3 / 4 ))GiB"
   local runs="$WORK/runs.jsonl"; : >"$runs"
   local size place largest="" shape cfg
   for size in ${sizes//,/ }; do
     shape=$("$UPY" "$UTIL" size "$size") || { say "unknown size $size"; continue; }
     local trained=""
-    # cpu, then nvme, then nvme with bf16 Adam moments (2 bytes less per parameter each).
-    for place in cpu nvme nvme-bf16states; do
+    # placement auto with fp32 states (18 bytes per parameter), then with the compact layouts
+    # (a bf16 master rounded stochastically and 8-bit moments: about 8); SCALE_PLACEMENTS picks
+    # others (cpu, nvme, nvme-bf16states: each state kind wholly in its section's tier).
+    for place in ${SCALE_PLACEMENTS:-auto auto-compact}; do
       cfg="$WORK/cfg-$size-$place.json"
-      local states=()
+      local states=() budget=(--host-budget "$host")
       [ "$place" = nvme-bf16states ] && states=(--state-dtype bf16)
+      [ "$place" = auto-compact ] && states=(--state-dtype int8 --bf16-master)
+      [ "${place%%-*}" = auto ] && budget=()   # auto measures the host itself
       "$UPY" "$UTIL" config "$base" "$cfg" --placement "${place%%-*}" --dtype bf16 --device "$device" \
-        --nvme-path "$NVME" --host-budget "$host" --model "$shape,$seq" --micro-batch "$micro" \
+        --nvme-path "$NVME" "${budget[@]}" --model "$shape,$seq" --micro-batch "$micro" \
         --checkpoint-activations --chunk-size 64MiB "${states[@]}"
-      # Preflight: the estimator's bytes per tier against this machine's memory and disk.
+      # Preflight: the estimator's bytes per tier against this machine's memory and disk; under
+      # auto its replay also gives the device reserve the plan must leave for compute.
       local est fits
       est=$("$CM/bin/strata-estimate" --config "$cfg" --device "$device" --json 2>"$WORK/est.err" || true)
+      local reserve
+      reserve=$("$UPY" -c 'import json,sys
+try: print(json.loads(sys.argv[1]).get("device_reserve", 0))
+except Exception: print(0)' "$est")
+      if [ "${place%%-*}" = auto ] && [ "${reserve:-0}" != 0 ]; then
+        "$UPY" "$UTIL" config "$base" "$cfg" --placement auto --dtype bf16 --device "$device" \
+          --nvme-path "$NVME" --model "$shape,$seq" --micro-batch "$micro" --checkpoint-activations \
+          --chunk-size 64MiB --device-reserve "$reserve" "${states[@]}"
+      fi
+      echo "$est" >"$WORK/est-$size-$place.json"
       mkdir -p "$NVME"
       fits=$("$UPY" - "$est" "$NVME" <<'EOF'
 import json, os, sys
@@ -584,12 +602,18 @@ EOF
       train_run "$name" "$cfg" "$n" || true
       kill "$sampler" 2>/dev/null || true
       local disk; disk=$(cat "$WORK/disk-peak" 2>/dev/null || echo 0)
-      "$UPY" - "$WORK/train-$name.jsonl" "$WORK/train-$name.err" "$size" "$place" "$micro" "$seq" "$disk" "$UTIL" >>"$runs" <<'EOF'
+      "$UPY" - "$WORK/train-$name.jsonl" "$WORK/train-$name.err" "$size" "$place" "$micro" "$seq" "$disk" "$UTIL" "$WORK/est-$size-$place.json" >>"$runs" <<'EOF'
 import importlib.util, json, sys
 spec = importlib.util.spec_from_file_location("u", sys.argv[8]); u = importlib.util.module_from_spec(spec); spec.loader.exec_module(u)
 jsonl, err, size, place, micro, seq, disk = sys.argv[1:8]
 r = u.summarize_train(jsonl)
 r.update(size=size, placement=place, disk_bytes=int(disk))
+try:  # the plan's bytes per tier (the engine logs the same lines at start)
+    est = json.load(open(sys.argv[9]))
+    r["plan"] = {t: est["placement"][t]["total"] for t in ("device", "host", "nvme")}
+    r["bytes_per_param"] = est.get("bytes_per_param")
+except (OSError, ValueError, KeyError, TypeError):
+    pass
 if r.get("ok") and r.get("step_s") and r.get("params"):
     r["tflops"] = 6 * r["params"] * int(micro) * int(seq) / r["step_s"] / 1e12
     r["result"] = "trained"

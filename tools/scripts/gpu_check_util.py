@@ -23,6 +23,8 @@ SCALE_SIZES = {
     "2.7b": (32, 2560, 32),
     "6.7b": (32, 4096, 32),
     "13b": (40, 5120, 40),
+    # Beyond GPT-3's table: 44 blocks of width 6144 (19.9B), the compact layouts' target.
+    "20b": (44, 6144, 48),
     # For the CPU dry run: the same pipeline on shapes a 2-core box trains in seconds.
     "tiny": (2, 128, 4),
     "small": (4, 256, 4),
@@ -35,9 +37,14 @@ def make_config(a):
     z = cfg.setdefault("zero_optimization", {})
     z["stage"] = 3
     st = cfg.setdefault("strata", {})
+    if a.placement == "auto":
+        # Every tier allowed (the sections are floors); the plan fills device, host and NVMe.
+        st["placement"] = "auto"
+        if a.device_reserve:
+            st["device_reserve"] = int(a.device_reserve)
     for key in ("offload_param", "offload_optimizer"):
-        section = {"device": a.placement}
-        if a.placement == "nvme":
+        section = {"device": "nvme" if a.placement == "auto" else a.placement}
+        if section["device"] == "nvme":
             section["nvme_path"] = a.nvme_path
         z[key] = section
     cfg["bf16"] = {"enabled": a.dtype == "bf16"}
@@ -52,6 +59,8 @@ def make_config(a):
         st["device_memory_budget"] = 0
     if a.state_dtype:
         st["optimizer_state_dtype"] = a.state_dtype
+    if a.bf16_master:
+        cfg["bf16"]["bf16_master_weights_and_grads"] = True
     if a.chunk_size:
         st["chunk_size"] = a.chunk_size
     st["device"] = a.device
@@ -330,13 +339,15 @@ def main(argv=None):
     c = sub.add_parser("config", help="write a training config derived from BASE")
     c.add_argument("base")
     c.add_argument("out")
-    c.add_argument("--placement", choices=["none", "cpu", "nvme"], required=True)
+    c.add_argument("--placement", choices=["none", "cpu", "nvme", "auto"], required=True)
+    c.add_argument("--device-reserve", help="strata.device_reserve (placement auto), in bytes")
+    c.add_argument("--bf16-master", action="store_true", help="bf16.bf16_master_weights_and_grads")
     c.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
     c.add_argument("--device", choices=["cuda", "cpu", "auto"], default="auto")
     c.add_argument("--nvme-path", default="/var/tmp/strata-gpu-nvme")
     c.add_argument("--host-budget")
     c.add_argument("--device-budget")
-    c.add_argument("--state-dtype", choices=["fp32", "bf16"])
+    c.add_argument("--state-dtype", choices=["fp32", "bf16", "int8"])
     c.add_argument("--chunk-size")
     c.add_argument("--model", help="layers,d_model,heads,seq_len")
     c.add_argument("--micro-batch", type=int)

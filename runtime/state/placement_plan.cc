@@ -77,11 +77,22 @@ class Filler {
     }
     device_must_ = dev;
     if (dev > in_.device_budget) return Refuse();
-    for (size_t c = 0; c < n; ++c)
-      if (param_[c] != Placement::kDevice && dev + p_bytes_[c] <= in_.device_budget) {
+    // Note [whole chunks]: where the master can be the working shard (Note [shared master]),
+    // lifting a shard without its group would store the master a second time below it, and a
+    // master costs what the shard saves; there chunks move up whole.
+    const bool whole = in_.master_shares_param;
+    for (size_t c = 0; c < n; ++c) {
+      if (param_[c] == Placement::kDevice) continue;
+      if (whole && optim_[c] != Placement::kDevice) {
+        if (in_.device_optimizer_allowed && dev + p_bytes_[c] + o_bytes_[c] <= in_.device_budget) {
+          param_[c] = optim_[c] = Placement::kDevice;
+          dev += p_bytes_[c] + o_bytes_[c];
+        }
+      } else if (dev + p_bytes_[c] <= in_.device_budget) {
         param_[c] = Placement::kDevice;
         dev += p_bytes_[c];
       }
+    }
     if (in_.device_optimizer_allowed)
       for (size_t c = 0; c < n; ++c)
         if (param_[c] == Placement::kDevice && optim_[c] != Placement::kDevice &&
@@ -109,11 +120,22 @@ class Filler {
     uint64_t host = host_must;
     host_must_ = host_must;
     if (host > host_room) return Refuse();
-    for (size_t c = 0; c < n; ++c)
-      if (param_[c] == Placement::kNvme && host + p_class_[c] <= host_room) {
+    for (size_t c = 0; c < n; ++c) {
+      if (param_[c] != Placement::kNvme) continue;
+      if (whole && optim_[c] == Placement::kNvme) {  // Note [whole chunks]
+        param_[c] = Placement::kHost;
+        const uint64_t both = p_class_[c] + GroupBytes(c, Placement::kHost);
+        if (host + both <= host_room) {
+          optim_[c] = Placement::kHost;
+          host += both;
+        } else {
+          param_[c] = Placement::kNvme;
+        }
+      } else if (host + p_class_[c] <= host_room) {
         param_[c] = Placement::kHost;
         host += p_class_[c];
       }
+    }
     for (size_t c = 0; c < n; ++c)
       if (optim_[c] == Placement::kNvme && host + GroupBytes(c, Placement::kHost) <= host_room) {
         optim_[c] = Placement::kHost;
@@ -133,9 +155,10 @@ class Filler {
  private:
   // One message with every tier's need and capacity and the smallest change that would fit.
   Status Refuse() const {
+    // The least the state takes: with every master that can be its working shard shared.
     uint64_t total = 0, params = 0;
     for (size_t c = 0; c < p_bytes_.size(); ++c) {
-      total += p_bytes_[c] + o_bytes_[c];
+      total += p_bytes_[c] + o_bytes_[c] - (in_.master_shares_param ? master_bytes_[c] : 0);
       params += in_.shard_numel[c];
     }
     const uint64_t nvme_cap = in_.nvme_available ? in_.nvme_budget : 0;

@@ -19,7 +19,9 @@
 // - kAuto: the tiers fill from the top under the budgets, most used first. The device takes the
 //   working shards in chunk order, then the optimizer groups of chunks whose shard it holds; the
 //   host takes the rest of the shards, then the rest of the groups (leaving a working set of
-//   pool memory for NVMe-homed blocks when any are); NVMe takes what remains. A group never goes
+//   pool memory for NVMe-homed blocks when any are); NVMe takes what remains. Where the master
+//   can be the working shard (below), a shard moves up only with its group (Note [whole
+//   chunks] in placement_plan.cc): alone it would leave a master block behind. A group never goes
 //   below its floor, nor above the device when the device cannot run the optimizer.
 // Make refuses a plan that does not fit (auto mode), naming every tier's need and capacity and
 // the smallest change that would fit.

@@ -137,6 +137,33 @@ TEST(PlacementPlan, SharedMasterTakesNoBytes) {
   EXPECT_EQ(p.Lines().size(), 2u);
 }
 
+// Note [whole chunks]: where the master can be the working shard, auto lifts a chunk's shard
+// only with its group. The device (1.5 GiB) takes chunk 0 whole (1.125 GiB); the host (6 GiB,
+// everything below fits) takes the rest whole, where the masters are the shards.
+TEST(PlacementPlan, AutoMovesWholeChunksWhereTheMasterIsTheShard) {
+  PlacementPlan::Inputs in = Base();
+  in.master_shares_param = true;
+  in.mode = PlacementMode::kAuto;
+  in.param_floor = in.optim_floor = Placement::kNvme;
+  in.device_budget = 1536 * kMiB;
+  in.host_budget = 6 * kGiB;
+  in.nvme_budget = 100 * kGiB;
+  in.nvme_available = true;
+  ASSERT_OK_AND_ASSIGN(PlacementPlan p, PlacementPlan::Make(in));
+  EXPECT_EQ(Tiers(p, true), "DHHH");
+  EXPECT_EQ(Tiers(p, false), "DHHH");
+  EXPECT_EQ(p.Bytes(Placement::kHost, StateKind::kMaster32), 0u);
+  EXPECT_EQ(p.Bytes(Placement::kDevice, StateKind::kMaster32), 256 * kMiB);
+  // Eight chunks and a host with room for two whole ones (896 MiB each) after the 4 GiB NVMe
+  // working set: whole chunks or none, the others on NVMe, sharing there.
+  in.shard_numel.assign(8, kChunk);
+  in.host_budget = 4 * kGiB + 2 * 896 * kMiB;
+  ASSERT_OK_AND_ASSIGN(PlacementPlan q, PlacementPlan::Make(in));
+  EXPECT_EQ(Tiers(q, true), "DHHNNNNN");
+  EXPECT_EQ(Tiers(q, false), "DHHNNNNN");
+  EXPECT_EQ(q.Bytes(Placement::kNvme, StateKind::kMaster32), 0u);
+}
+
 void ExpectRefused(const StatusOr<PlacementPlan>& p, std::initializer_list<const char*> pieces) {
   ASSERT_FALSE(p.ok());
   for (const char* piece : pieces)

@@ -249,5 +249,50 @@ TEST(StateLayout, NamesSizesAndConversions) {
   for (size_t i = 0; i < x.size(); ++i) EXPECT_EQ(m16[i], optim::Bf16ToFloat(optim::FloatToBf16(x[i])));
 }
 
+// strata.placement auto measures the machine (the inputs' capacities); budgets set above what it
+// has, and NVMe needed without a path, are refused by their keys.
+TEST(StepPlanAutoPlacement, BudgetsBeyondTheMachineAndAMissingPathAreNamed) {
+  static Partitioner part = Chunks();
+  auto make = [](const Config& c, uint64_t host_available, uint64_t disk_free, bool path) {
+    StepPlan::Inputs in;
+    in.config = &c;
+    in.device_kind = DeviceKind::kCpu;
+    in.device_name = "cpu";
+    in.partitioner = &part;
+    in.device_capacity = 4 << 20;
+    in.host_available = host_available;
+    in.disk_free = disk_free;
+    in.nvme_path_given = path;
+    return StepPlan::Make(in);
+  };
+  Config c;
+  c.zero_optimization.stage = 3;
+  c.zero_optimization.offload_param.device = OffloadDevice::kNvme;
+  c.zero_optimization.offload_optimizer.device = OffloadDevice::kNvme;
+  c.strata.placement = PlacementMode::kAuto;
+  c.strata.host_memory_budget = 8ull << 30;
+  ExpectRefused(make(c, 4ull << 30, 1ull << 40, true), "strata.host_memory_budget=8.00 GiB is more than");
+  c.strata.host_memory_budget = 0;
+  c.strata.nvme_capacity = 2ull << 40;
+  ExpectRefused(make(c, 4ull << 30, 1ull << 40, true), "strata.nvme_capacity=2.00 TiB is more than");
+  // Nothing fits the device (budget 4 KiB, all reserved) nor the host (4 KiB above the 2 GiB
+  // margin kept for the process): NVMe is needed, and there is no path.
+  c.strata.nvme_capacity = 0;
+  c.strata.device_memory_budget = 4096;
+  const uint64_t tight = (2ull << 30) + 4096;
+  ExpectRefused(make(c, tight, 1ull << 40, false), "no nvme_path");
+  // With a path it plans, every block on NVMe, and sizes the disk for them.
+  ASSERT_OK_AND_ASSIGN(StepPlan p, make(c, tight, 1ull << 40, true));
+  EXPECT_EQ(p.PlacementOf(0, StateKind::kGrad), Placement::kNvme);
+  EXPECT_EQ(p.nvme_bytes(), p.placement().TierBytes(Placement::kNvme));
+  // A client optimizer keeps everything on the device: auto is refused for it.
+  ExpectRefused(MakeWith([] {
+                  Config a;
+                  a.strata.placement = PlacementMode::kAuto;
+                  return a;
+                }(), DeviceKind::kCpu, /*client=*/true),
+                "strata.placement config");
+}
+
 }  // namespace
 }  // namespace strata

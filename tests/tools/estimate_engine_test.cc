@@ -75,6 +75,7 @@ TEST(GptSpecTest, MatchesTheBuiltModelInRegistrationOrder) {
 
 struct Measured {
   uint64_t device = 0, host = 0;
+  nlohmann::json describe;  // Engine::Describe after the steps: the placement, the tier manager
 };
 
 Measured TrainAndMeasure(const Config& c, const std::string& nvme_dir = "") {
@@ -104,6 +105,7 @@ Measured TrainAndMeasure(const Config& c, const std::string& nvme_dir = "") {
     m.device = std::max(m.device, rep->peak_device_bytes);
     m.host = std::max(m.host, rep->peak_host_bytes);
   }
+  m.describe = (*engine)->Describe();
   return m;
 }
 
@@ -239,6 +241,61 @@ TEST(EstimateVsEngineTest, OptimizersWithFewerStates) {
         EXPECT_LT(e.engine_host_peak_bytes, full.engine_host_peak_bytes);
       }
     }
+  }
+}
+
+}  // namespace
+}  // namespace strata::planner
+
+namespace strata::planner {
+namespace {
+
+// Note [one plan]: under split placements (offload_optimizer.ratio, offload_param.max_in_cpu,
+// strata.placement auto) the estimator's plan is the engine's, block for block, and the bytes it
+// puts on each tier are what the engine measures: the device allocator's peak (states plus the
+// step's transients, within the replay's bounds), the pinned pool's peak, and the NVMe regions
+// the swap store reserved (the plan's NVMe bytes rounded to 4 KiB blocks).
+TEST(EstimateVsEngineTest, SplitPlacementsThePlanIsTheEnginesAndItsBytesAreMeasured) {
+  struct Split {
+    const char* name;
+    Config c;
+  };
+  std::vector<Split> splits;
+  Config ratio = SmallConfig();
+  ratio.zero_optimization.stage = 2;
+  ratio.zero_optimization.offload_optimizer.device = OffloadDevice::kCpu;
+  ratio.zero_optimization.offload_optimizer.ratio = 0.5;
+  splits.push_back({"ratio", ratio});
+  Config max_in_cpu = SmallConfig();
+  max_in_cpu.zero_optimization.stage = 3;
+  max_in_cpu.gradient_clipping = 1.0;
+  max_in_cpu.zero_optimization.offload_param.device = OffloadDevice::kNvme;
+  max_in_cpu.zero_optimization.offload_optimizer.device = OffloadDevice::kNvme;
+  max_in_cpu.zero_optimization.offload_param.max_in_cpu = 60000;
+  splits.push_back({"max_in_cpu", max_in_cpu});
+  Config automatic = max_in_cpu;
+  automatic.zero_optimization.offload_param.max_in_cpu = -1;
+  automatic.strata.placement = PlacementMode::kAuto;
+  automatic.strata.chunk_size = 16 << 10;
+  automatic.strata.device_memory_budget = 1 << 20;
+  automatic.strata.host_memory_budget = 1 << 20;
+  automatic.strata.nvme_capacity = 64 << 20;
+  splits.push_back({"auto", automatic});
+  for (const Split& sp : splits) {
+    SCOPED_TRACE(sp.name);
+    ASSERT_OK_AND_ASSIGN(ModelSpec spec, GptModelSpec(sp.c.model));
+    EstimateOptions eo;
+    eo.assume_nvme_path = true;  // the engine gets its path from EngineOptions below
+    ASSERT_OK_AND_ASSIGN(MemoryEstimate e, EstimateMemory(sp.c, spec, eo));
+    strata::testing::TempDir dir;
+    Measured m = TrainAndMeasure(sp.c, dir.path());
+    EXPECT_EQ(e.placement, m.describe["placement"]);
+    int tiers = 0;
+    for (const char* t : {"device", "host", "nvme"}) tiers += e.placement[t]["total"].get<uint64_t>() > 0;
+    EXPECT_GE(tiers, 2) << e.placement.dump();
+    ExpectDevicePeak(e, m.device);
+    ExpectWithin(e.engine_host_peak_bytes, m.host, "peak_host_bytes");
+    EXPECT_EQ(e.nvme_bytes, m.describe["tier_manager"]["nvme"]["reserved_bytes"].get<uint64_t>());
   }
 }
 

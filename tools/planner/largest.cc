@@ -7,9 +7,12 @@ namespace {
 
 // Why `est` does not fit the machine, or "" when it does.
 std::string Overflows(const MemoryEstimate& est, const LargestOptions& o) {
-  if (est.hbm_bytes > o.device_bytes)
-    return StrCat("device peak ", FormatBytes(est.hbm_bytes), " > ", FormatBytes(o.device_bytes));
-  const uint64_t host = est.host_pinned_bytes + est.host_pageable_bytes;
+  const uint64_t device = DeviceBudgetPeak(est);
+  if (device > o.device_bytes)
+    return StrCat("device peak ", FormatBytes(device), " > ", FormatBytes(o.device_bytes));
+  // On the CPU device the activations are host memory too.
+  const uint64_t host = est.host_pinned_bytes + est.host_pageable_bytes +
+                        (est.device == "cpu" ? est.hbm_bytes - est.engine_device_peak_bytes : 0);
   if (host > o.host_bytes) return StrCat("host ", FormatBytes(host), " > ", FormatBytes(o.host_bytes));
   if (est.nvme_bytes > o.disk_bytes)
     return StrCat("nvme ", FormatBytes(est.nvme_bytes), " > ", FormatBytes(o.disk_bytes));

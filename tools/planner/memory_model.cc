@@ -149,6 +149,7 @@ StatusOr<MemoryEstimate> EstimateMemory(const Config& config, const ModelSpec& m
   pin.disk_free = options.disk_free;
   STRATA_ASSIGN_OR_RETURN(const StepPlan plan, StepPlan::Make(pin));
   est.placement = plan.placement().ToJson();
+  est.device_reserve = config.strata.device_reserve;
   est.placement_lines = plan.placement().Lines();
   auto tier_of = [&](int64_t c, StateKind k) {
     const Placement p = plan.PlacementOf(c, k);
@@ -463,6 +464,10 @@ StatusOr<MemoryEstimate> EstimateMemory(const Config& config, const ModelSpec& m
   return est;
 }
 
+uint64_t DeviceBudgetPeak(const MemoryEstimate& est) {
+  return est.device == "cpu" ? est.engine_device_peak_bytes : est.hbm_bytes;
+}
+
 StatusOr<MemoryEstimate> EstimateAutoReserve(const Config& config, const ModelSpec& model,
                                              const EstimateOptions& options) {
   if (config.strata.placement != PlacementMode::kAuto || config.strata.device_reserve != 0)
@@ -472,15 +477,17 @@ StatusOr<MemoryEstimate> EstimateAutoReserve(const Config& config, const ModelSp
   const uint64_t budget = c.strata.device_memory_budget ? c.strata.device_memory_budget : options.device_capacity;
   for (int round = 0; round < 4; ++round) {
     const uint64_t states = est.placement["device"].value("total", uint64_t{0});
-    const uint64_t transient = est.hbm_bytes > states ? est.hbm_bytes - states : 0;
-    const uint64_t reserve = transient + transient / 20;
-    if (reserve == c.strata.device_reserve || (budget && reserve >= budget)) break;
+    const uint64_t peak = DeviceBudgetPeak(est);
+    const uint64_t transient = peak > states ? peak - states : 0;
+    // At most the whole device: then no state is homed there and the peak is the step's own.
+    const uint64_t reserve = budget ? std::min(transient + transient / 20, budget) : transient + transient / 20;
+    if (reserve == c.strata.device_reserve) break;
     c.strata.device_reserve = reserve;
     auto next = EstimateMemory(c, model, options);
     if (!next.ok()) break;  // keep the last plan that placed everything
     est = *next;
     est.device_reserve = reserve;
-    if (round > 0 && (!budget || est.hbm_bytes <= budget)) break;
+    if (round > 0 && (!budget || DeviceBudgetPeak(est) <= budget)) break;
   }
   if (est.device_reserve)
     est.notes.push_back(StrCat("strata.placement auto: set strata.device_reserve to ", est.device_reserve,

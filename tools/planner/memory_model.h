@@ -112,6 +112,11 @@ StatusOr<MemoryEstimate> EstimateMemory(const Config& config, const ModelSpec& m
 // the step needs: what the replay keeps on the device beside the device-homed states (gathered
 // chunks, gradient buffers, activations) plus 5 %, refined until it settles, so that the plan
 // leaves the compute room. MemoryEstimate::device_reserve and a note give it for the config.
+// The device peak a device budget bounds: on the CPU device the engine's own allocations
+// (LibTorch's activations live in host memory there, outside the budget), on a GPU everything
+// on it (hbm_bytes: activations included).
+uint64_t DeviceBudgetPeak(const MemoryEstimate& est);
+
 StatusOr<MemoryEstimate> EstimateAutoReserve(const Config& config, const ModelSpec& model,
                                              const EstimateOptions& options = {});
 

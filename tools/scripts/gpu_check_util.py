@@ -38,8 +38,11 @@ def make_config(a):
     z["stage"] = 3
     st = cfg.setdefault("strata", {})
     if a.placement == "auto":
-        # Every tier allowed (the sections are floors); the plan fills device, host and NVMe.
+        # Every tier allowed (the sections are floors); the plan fills device, host and NVMe
+        # under what the machine has: the base's budgets (sized for its own placement) go.
         st["placement"] = "auto"
+        st.pop("device_memory_budget", None)
+        st.pop("host_memory_budget", None)
         if a.device_reserve:
             st["device_reserve"] = int(a.device_reserve)
     for key in ("offload_param", "offload_optimizer"):

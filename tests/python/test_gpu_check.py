@@ -110,6 +110,23 @@ def test_configs_place_every_state_as_asked(tmp_path):
         assert c["strata"]["device_memory_budget"] == want
 
 
+def test_auto_configs_let_the_plan_fill_every_tier(tmp_path):
+    # placement auto: both sections at nvme (the floors), no budgets from the base (the plan
+    # measures the machine), the device reserve and the compact layout when asked.
+    base = os.path.join(ROOT, "configs", "bench-nvme.json")
+    out = tmp_path / "auto.json"
+    util.main(["config", base, str(out), "--placement", "auto", "--dtype", "bf16", "--device", "cuda",
+               "--nvme-path", "/scratch/swap", "--model", "44,6144,48,2048", "--device-reserve", "123456",
+               "--state-dtype", "int8", "--bf16-master"])
+    c = json.loads(out.read_text())
+    z, st = c["zero_optimization"], c["strata"]
+    assert z["offload_param"] == z["offload_optimizer"] == {"device": "nvme", "nvme_path": "/scratch/swap"}
+    assert st["placement"] == "auto" and st["device_reserve"] == 123456
+    assert "device_memory_budget" not in st and "host_memory_budget" not in st
+    assert st["optimizer_state_dtype"] == "int8"
+    assert c["bf16"] == {"enabled": True, "bf16_master_weights_and_grads": True}
+
+
 def test_scale_sizes_are_the_gpt3_shapes():
     # 12·L·d² parameters in the blocks: 1.2B, 2.5B, 6.4B, 12.6B.
     expected = {"1.3b": 1.2e9, "2.7b": 2.5e9, "6.7b": 6.4e9, "13b": 12.6e9}

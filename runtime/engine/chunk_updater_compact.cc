@@ -44,7 +44,7 @@ Status ChunkUpdater::RunCompact(const OptimizerLane::StepInputs& in, const Held&
   b.master = h.ptrs[0];
   b.master_format = plan.master_format();
   b.grad = h.ptrs[3];
-  b.grad_dtype = optim::DType::kFloat32;
+  b.grad_dtype = p_.plan->grad_dtype();
   b.exp_avg = h.ptrs[1];
   b.exp_avg_sq = h.ptrs[2];
   b.moment_format = plan.moment_format();

@@ -7,6 +7,7 @@
 
 #include "kernels/kernels.h"
 #include "optim/cpu_adam.h"
+#include "runtime/engine/compute_dtype.h"
 #include "runtime/engine/engine.h"
 
 namespace strata {
@@ -151,15 +152,18 @@ Status GradientReducer::HandOff(ReduceJob& job, const torch::Tensor& shard, bool
   dst = p_.device->ComputeAddress(dst);
   {
     LaneTimer t(&out->copy_s, p_.trace, Lane::kCopy, "gradient to host", job.step, c);
+    // The block's dtype is the plan's (bf16 under bf16_master_weights_and_grads: the fp32
+    // shard rounds to nearest into it, and later micro-steps add to it in bf16).
+    const torch::Dtype gdtype = TorchDtype(p_.plan->grad_dtype());
     torch::Tensor host = torch::from_blob(
         dst, {ci.shard_numel},
         p_.plan->DeviceOptimizer(c)
-            ? torch::TensorOptions().dtype(torch::kFloat32).device(TorchDevice(*p_.device))
-            : torch::TensorOptions().dtype(torch::kFloat32));
+            ? torch::TensorOptions().dtype(gdtype).device(TorchDevice(*p_.device))
+            : torch::TensorOptions().dtype(gdtype));
     if (job.first_micro) host.copy_(shard);
     else host.add_(shard.to(host.device()));
     if (p_.device->kind() != DeviceKind::kCpu && !p_.plan->DeviceOptimizer(c))
-      out->bytes_d2h += ci.shard_numel * 4;
+      out->bytes_d2h += ci.shard_numel * optim::DTypeSize(p_.plan->grad_dtype());
     // Into device memory the copy is queued work: the optimizer lane reads the block only after
     // it has run. (A copy to host memory has finished when copy_ returns.)
     if (p_.plan->GpuOptimizer(c)) ComputeFence::Mark(*p_.device).Wait();
@@ -170,10 +174,10 @@ Status GradientReducer::HandOff(ReduceJob& job, const torch::Tensor& shard, bool
     // reported (engine.get_global_grad_norm) whatever the mode.
     const double inv = *p_.scaler ? (*p_.scaler)->inv_scale() : 1.0;
     auto st = p_.plan->GpuOptimizer(c)
-                  ? kernels::UnscaleCheckNorm(kernels::Backend::kCuda, dst, optim::DType::kFloat32,
+                  ? kernels::UnscaleCheckNorm(kernels::Backend::kCuda, dst, p_.plan->grad_dtype(),
                                               ci.shard_numel, static_cast<float>(inv),
                                               p_.streams->side->handle())
-                  : optim::UnscaleCheckNorm(dst, optim::DType::kFloat32, ci.shard_numel,
+                  : optim::UnscaleCheckNorm(dst, p_.plan->grad_dtype(), ci.shard_numel,
                                             static_cast<float>(inv));
     if (!st.ok()) {
       p_.store->Release(key, true).IgnoreError();

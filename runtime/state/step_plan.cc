@@ -231,7 +231,7 @@ uint64_t StepPlan::BlockBytes(StateKind kind, int64_t shard_numel) const {
   const uint64_t n = static_cast<uint64_t>(shard_numel);
   switch (kind) {
     case StateKind::kParam16: return n * optim::DTypeSize(compute_dtype_);
-    case StateKind::kGrad: return n * 4;
+    case StateKind::kGrad: return n * optim::DTypeSize(grad_dtype());
     case StateKind::kMaster32:
     case StateKind::kExpAvg:
     case StateKind::kExpAvgSq: return layout().Bytes(kind, shard_numel);

@@ -74,13 +74,21 @@ class StepPlan {
     return master_format_ != optim::MasterFormat::kFp32 || moment_format_ == optim::MomentFormat::kInt8 ||
            (!adam_ && moment_format_ == optim::MomentFormat::kBf16);
   }
+  // The gradient blocks' element type. DeepSpeed's bf16_master_weights_and_grads keeps them in
+  // bf16 (each micro-step's fp32 shard rounded to nearest, accumulated in bf16) for Adam and
+  // AdamW, whose kernels read bf16 gradients; SGD, Adagrad and Lion keep fp32 gradients (their
+  // kernels take fp32). fp32 otherwise.
+  optim::DType grad_dtype() const {
+    return master_format_ != optim::MasterFormat::kFp32 && adam_ ? optim::DType::kBFloat16
+                                                                 : optim::DType::kFloat32;
+  }
   // The master's element type: fp32, or bf16 in the compact layouts.
   optim::DType master_dtype() const {
     return master_format_ == optim::MasterFormat::kFp32 ? optim::DType::kFloat32 : optim::DType::kBFloat16;
   }
   // The one rule for a state block's size: bytes of `kind` for a shard of `shard_numel`
-  // elements (the working copy in the compute dtype, the gradient in fp32, the master in its
-  // dtype, the moments in their format). Every allocation, checkpoint entry and tier budget
+  // elements (the working copy in the compute dtype, the gradient in grad_dtype, the master in
+  // its dtype, the moments in their format). Every allocation, checkpoint entry and tier budget
   // asks here.
   uint64_t BlockBytes(StateKind kind, int64_t shard_numel) const;
   // How the master and moments are stored (state_layout.h); its Name() is what checkpoints

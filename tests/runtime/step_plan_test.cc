@@ -191,10 +191,18 @@ TEST(StepPlanCompactLayouts, FormatsBlockBytesAndRefusals) {
   EXPECT_EQ(p.BlockBytes(StateKind::kMaster32, 1024), 2048u);
   EXPECT_EQ(p.BlockBytes(StateKind::kExpAvg, 1024), 1040u);
   EXPECT_EQ(p.BlockBytes(StateKind::kParam16, 1024), 2048u);
-  EXPECT_EQ(p.BlockBytes(StateKind::kGrad, 1024), 4096u);
+  // DeepSpeed's key keeps the gradients in bf16 too, for Adam(W); SGD's kernels take fp32.
+  EXPECT_EQ(p.grad_dtype(), optim::DType::kBFloat16);
+  EXPECT_EQ(p.BlockBytes(StateKind::kGrad, 1024), 2048u);
+  Config sgd_master = c;
+  sgd_master.optimizer.type = OptimizerType::kSGD;
+  sgd_master.strata.optimizer_state_dtype = StateDtype::kFp32;
+  ASSERT_OK_AND_ASSIGN(StepPlan m, MakeWith(sgd_master, DeviceKind::kCpu, false, 1, true, false,
+                                            optim::DType::kBFloat16));
+  EXPECT_EQ(m.grad_dtype(), optim::DType::kFloat32);
   EXPECT_EQ(p.StateLayoutName(), "int8+bf16_master");
-  // On disk per chunk: grad 4 KiB, two 1040-byte moments rounded to 4 KiB, the bf16 working
-  // shard 2048 B rounded to 4 KiB (it is the master).
+  // On disk per chunk: grad 2 KiB, two 1040-byte moments and the bf16 working shard (it is the
+  // master), 2048 B, each rounded to 4 KiB.
   EXPECT_EQ(p.nvme_bytes(), 3u * (4096 + 2 * 4096 + 4096));
   c.strata.stochastic_rounding = false;
   ASSERT_OK_AND_ASSIGN(StepPlan n, MakeWith(c, DeviceKind::kCpu, false, 1, true, false,

@@ -124,7 +124,7 @@ Status Engine::Impl::WriteBlockBytes(void* block, const void* src, size_t bytes,
 
 uint64_t Engine::Impl::model_state_bytes() const {
   const int64_t n = num_params();
-  // working copy + fp32 grad + an fp32 master (a bf16 master is the working copy) + the moments kept
+  // working copy + gradient + an fp32 master (a bf16 master is the working copy) + the moments kept
   uint64_t bytes = plan_.BlockBytes(StateKind::kParam16, n) + plan_.BlockBytes(StateKind::kGrad, n);
   if (plan_.master_dtype() == optim::DType::kFloat32) bytes += plan_.BlockBytes(StateKind::kMaster32, n);
   for (StateKind k : {StateKind::kExpAvg, StateKind::kExpAvgSq})

@@ -253,8 +253,8 @@ namespace {
 // Note [one plan]: under split placements (offload_optimizer.ratio, offload_param.max_in_cpu,
 // strata.placement auto) the estimator's plan is the engine's, block for block, and the bytes it
 // puts on each tier are what the engine measures: the device allocator's peak (states plus the
-// step's transients, within the replay's bounds), the pinned pool's peak, and the NVMe regions
-// the swap store reserved (the plan's NVMe bytes rounded to 4 KiB blocks).
+// step's transients, within the replay's bounds), the pinned pool's peak, and the bytes of the
+// NVMe regions the swap store reserved.
 TEST(EstimateVsEngineTest, SplitPlacementsThePlanIsTheEnginesAndItsBytesAreMeasured) {
   struct Split {
     const char* name;
@@ -281,6 +281,13 @@ TEST(EstimateVsEngineTest, SplitPlacementsThePlanIsTheEnginesAndItsBytesAreMeasu
   automatic.strata.host_memory_budget = 1 << 20;
   automatic.strata.nvme_capacity = 64 << 20;
   splits.push_back({"auto", automatic});
+  // The compact layout (bf16 master and gradients, 8-bit moments) split by auto too.
+  Config compact = automatic;
+  compact.bf16.bf16_master_weights_and_grads = true;
+  compact.strata.optimizer_state_dtype = StateDtype::kInt8;
+  compact.strata.device_memory_budget = 512 << 10;
+  compact.strata.host_memory_budget = 512 << 10;
+  splits.push_back({"compact", compact});
   for (const Split& sp : splits) {
     SCOPED_TRACE(sp.name);
     ASSERT_OK_AND_ASSIGN(ModelSpec spec, GptModelSpec(sp.c.model));
@@ -295,7 +302,15 @@ TEST(EstimateVsEngineTest, SplitPlacementsThePlanIsTheEnginesAndItsBytesAreMeasu
     EXPECT_GE(tiers, 2) << e.placement.dump();
     ExpectDevicePeak(e, m.device);
     ExpectWithin(e.engine_host_peak_bytes, m.host, "peak_host_bytes");
-    EXPECT_EQ(e.nvme_bytes, m.describe["tier_manager"]["nvme"]["reserved_bytes"].get<uint64_t>());
+    // The swap store reserves each NVMe-homed block's bytes; the disk need rounds each to 4 KiB.
+    const uint64_t reserved = m.describe["tier_manager"]["nvme"]["reserved_bytes"].get<uint64_t>();
+    EXPECT_EQ(e.placement["nvme"]["total"].get<uint64_t>(), reserved);
+    EXPECT_GE(e.nvme_bytes, reserved);
+    EXPECT_LT(e.nvme_bytes, reserved + 4096 * 4 * static_cast<uint64_t>(e.chunks));
+    // Gradients take 2 bytes an element under bf16_master_weights_and_grads, 4 otherwise.
+    uint64_t grad = 0;
+    for (const char* t : {"device", "host", "nvme"}) grad += e.placement[t]["grad"].get<uint64_t>();
+    EXPECT_EQ(grad, static_cast<uint64_t>(e.shard_numel) * (sp.c.bf16.bf16_master_weights_and_grads ? 2 : 4));
   }
 }
 

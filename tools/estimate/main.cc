@@ -30,6 +30,16 @@ StatusOr<OffloadDevice> ParseOffload(const std::string& flag, const std::string&
   return InvalidArgument(StrCat(flag, "=", v, ": must be none, cpu or nvme"));
 }
 
+// strata.placement auto: the plan fills the tiers under what this machine has, as the engine
+// would at start.
+void MeasureForAuto(const Config& config, EstimateOptions* eo) {
+  if (config.strata.placement != PlacementMode::kAuto) return;
+  eo->host_available = ReadHostMemory().available_bytes;
+  const auto& z = config.zero_optimization;
+  const auto& paths = z.offload_optimizer.nvme_path.empty() ? z.offload_param.nvme_path : z.offload_optimizer.nvme_path;
+  if (!paths.empty()) eo->disk_free = FreeDiskBytes(paths.front());
+}
+
 StatusOr<uint64_t> BytesFlag(const std::string& flag, const std::string& v) {
   auto b = ParseBytes(v);
   if (!b.ok() || *b == 0)
@@ -224,14 +234,7 @@ int main(int argc, char** argv) {
   EstimateOptions eo;
   eo.world_size = static_cast<int>(*world);
   eo.device = device;
-  if (config.strata.placement == PlacementMode::kAuto) {
-    // The plan fills the tiers under what this machine has, as the engine would at start.
-    eo.host_available = ReadHostMemory().available_bytes;
-    const auto& paths = config.zero_optimization.offload_optimizer.nvme_path.empty()
-                            ? config.zero_optimization.offload_param.nvme_path
-                            : config.zero_optimization.offload_optimizer.nvme_path;
-    if (!paths.empty()) eo.disk_free = FreeDiskBytes(paths.front());
-  }
+  MeasureForAuto(config, &eo);
   auto est = EstimateAutoReserve(config, *model, eo);
   if (!est.ok()) return fail(est.status(), 2);
   if (json) {

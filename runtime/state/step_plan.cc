@@ -62,19 +62,7 @@ StatusOr<StepPlan> StepPlan::Make(const Inputs& in) {
   p.SizeTiers(in);
   // The host pool must hold the host-placed blocks and a working set of NVMe blocks.
   if (p.host_budget_ > 0) {
-    uint64_t nvme_total = 0, largest = 0;
-    const auto& chunks = in.partitioner->chunks();
-    for (size_t ci = 0; ci < chunks.size(); ++ci) {
-      const int64_t c = static_cast<int64_t>(ci);
-      for (int k = 0; k < kNumStateKinds; ++k) {
-        const StateKind kind = static_cast<StateKind>(k);
-        if (!p.Stored(c, kind) || p.PlacementOf(c, kind) != Placement::kNvme) continue;
-        const uint64_t cls = PoolClass(p.BlockBytes(kind, chunks[ci].shard_numel));
-        nvme_total += cls;
-        largest = std::max(largest, cls);
-      }
-    }
-    const uint64_t need = p.host_only_bytes_ + std::min(nvme_total, 8 * largest);
+    const uint64_t need = p.host_only_bytes_ + std::min(p.nvme_pool_bytes_, 8 * p.largest_nvme_class_);
     if (p.host_budget_ < need)
       return InvalidArgument(StrCat(
           "strata.host_memory_budget=", FormatBytes(p.host_budget_), " cannot hold the ",
@@ -218,6 +206,8 @@ void StepPlan::SizeTiers(const Inputs& in) {
   }
   nvme_bytes_ = nvme_bytes;
   host_only_bytes_ = host_only;
+  nvme_pool_bytes_ = nvme_total;
+  largest_nvme_class_ = largest;
   // Unset, the budget holds every host-placed block plus a working set of NVMe blocks: the
   // optimizer lane pins five blocks of a chunk while the compute lane pins two more.
   const uint64_t working = std::min(nvme_total, std::max<uint64_t>(16 * largest, 512ull << 20));

@@ -195,6 +195,8 @@ class StepPlan {
   bool immediate_ = false, defer_ = false;
   StagePlan stage_plan_;
   uint64_t host_budget_ = 0, host_only_bytes_ = 0, nvme_bytes_ = 0;
+  // The NVMe-homed blocks in the pool's classes, and the largest (SizeTiers; Make's check).
+  uint64_t nvme_pool_bytes_ = 0, largest_nvme_class_ = 0;
 };
 
 }  // namespace strata

@@ -6,6 +6,7 @@
 #include <iomanip>
 #include <iostream>
 #include <optional>
+#include <tuple>
 #include <string>
 
 #include <nlohmann/json.hpp>
@@ -75,21 +76,18 @@ int RunLargest(const Config& config, const std::string& device, const std::strin
   } else {
     return fail(InvalidArgument("--largest on cuda needs the GPU's memory: pass --hbm (e.g. --hbm 80GiB)"));
   }
-  if (!host.empty()) {
-    auto b = BytesFlag("--host", host);
+  // A flag's size, else what this machine has (and the report says where it came from).
+  for (auto [flag, text, out, measured, from] :
+       {std::tuple{"--host", &host, &o.host_bytes, ReadHostMemory().available_bytes, std::string(" host from MemAvailable;")},
+        std::tuple{"--disk", &disk, &o.disk_bytes, FreeDiskBytes(nvme_path), StrCat(" disk free at ", nvme_path, ";")}}) {
+    if (text->empty()) {
+      *out = measured;
+      source += from;
+      continue;
+    }
+    auto b = BytesFlag(flag, *text);
     if (!b.ok()) return fail(b.status());
-    o.host_bytes = *b;
-  } else {
-    o.host_bytes = ReadHostMemory().available_bytes;
-    source += " host from MemAvailable;";
-  }
-  if (!disk.empty()) {
-    auto b = BytesFlag("--disk", disk);
-    if (!b.ok()) return fail(b.status());
-    o.disk_bytes = *b;
-  } else {
-    o.disk_bytes = FreeDiskBytes(nvme_path);
-    source += StrCat(" disk free at ", nvme_path, ";");
+    *out = *b;
   }
   auto r = FindLargest(config, o);
   if (!r.ok()) return fail(r.status());
@@ -176,7 +174,7 @@ int main(int argc, char** argv) {
   app.add_option("--offload-param", off_param, "override offload_param.device: none|cpu|nvme");
   app.add_option("--offload-optimizer", off_optim, "override offload_optimizer.device: none|cpu|nvme");
   app.add_flag("--largest", largest_mode,
-               "find the largest GPT (GPT-3 widths, any layer count) that trains under the budgets, "
+               "find the largest GPT (GPT-3 widths, up to d_model/32 layers) that trains under the budgets, "
                "placed over device, host and NVMe by strata.placement auto; the config (optional) "
                "gives seq_len, micro-batch, dtype and chunk size");
   app.add_option("--hbm", hbm, "with --largest: device memory per rank (default: strata.device_memory_budget; cpu 4GiB)");

@@ -106,10 +106,9 @@ Status Engine::Impl::AddUnit(const std::string& name, std::shared_ptr<torch::nn:
 
 Status Engine::Impl::DiscoverUnits(const EngineOptions& options, optim::DType compute_dtype) {
   STRATA_ASSIGN_OR_RETURN(auto found, UnitModules(options));
-  PartitionerOptions po;
-  po.chunk_size = config_.strata.chunk_size;
-  po.world_size = config_.zero_optimization.stage == 0 ? 1 : comm_->world_size();
-  po.element_size = static_cast<int>(optim::DTypeSize(compute_dtype));
+  const PartitionerOptions po =
+      StepPlan::ChunkLayout(config_, config_.zero_optimization.stage == 0 ? 1 : comm_->world_size(),
+                            static_cast<int>(optim::DTypeSize(compute_dtype)));
   STRATA_ASSIGN_OR_RETURN(Partitioner part, Partitioner::Create(po));
   std::map<const c10::TensorImpl*, int64_t> seen;
   // The root's own parameters first: one more unit, gathered for the engine's life.

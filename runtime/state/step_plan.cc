@@ -217,6 +217,14 @@ void StepPlan::SizeTiers(const Inputs& in) {
   host_budget_ = budget;
 }
 
+PartitionerOptions StepPlan::ChunkLayout(const Config& config, int shard_world, int element_size) {
+  PartitionerOptions po;
+  po.chunk_size = config.strata.chunk_size;
+  po.world_size = shard_world;
+  po.element_size = element_size;
+  return po;
+}
+
 uint64_t StepPlan::BlockBytes(StateKind kind, int64_t shard_numel) const {
   const uint64_t n = static_cast<uint64_t>(shard_numel);
   switch (kind) {

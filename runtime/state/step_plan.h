@@ -52,6 +52,10 @@ class StepPlan {
   };
   // Refuses (INVALID_ARGUMENT, FAILED_PRECONDITION) what cannot run, naming the settings.
   static StatusOr<StepPlan> Make(const Inputs& in);
+  // The chunk layout of a run of `config` whose states are sharded over `shard_world` ranks and
+  // whose working copy takes `element_size` bytes an element: the engine and the estimator
+  // partition with it, so their chunks are the same.
+  static PartitionerOptions ChunkLayout(const Config& config, int shard_world, int element_size);
 
   int stage() const { return stage_; }
   bool stage3() const { return stage_ == 3; }

@@ -21,7 +21,7 @@ def _cfg(tmp_path, stage=2, optim="cpu", param="none", master=False, sr=True, mo
     z = {"stage": stage, "offload_optimizer": {"device": optim},
          "offload_param": {"device": param}}
     if "nvme" in (optim, param):
-        (tmp_path / "nvme").mkdir(exist_ok=True)
+        (tmp_path / "nvme").mkdir(parents=True, exist_ok=True)
         z["offload_optimizer"]["nvme_path"] = str(tmp_path / "nvme")
         z["offload_param"]["nvme_path"] = str(tmp_path / "nvme")
     return {"train_micro_batch_size_per_gpu": 2, "zero_optimization": z,
@@ -186,3 +186,59 @@ def test_per_parameter_access_reads_and_writes_8bit_moments(tmp_path):
     back = param_state.safe_get_full_optimizer_state(p, "exp_avg")
     assert (back - value).abs().max().item() <= 0.0071 * 1e-3
     engine.close()
+
+
+RANK_CASES = [
+    ("bf16_sr_master_stage2_cpu", dict(stage=2, optim="cpu", master=True)),
+    ("bf16_sr_master_bf16_moments_stage3_nvme", dict(stage=3, optim="nvme", param="nvme",
+                                                     master=True, moments="bf16")),
+    ("bf16_sr_master_int8_stage2_cpu", dict(stage=2, optim="cpu", master=True, moments="int8")),
+]
+
+
+def _full_state(cfg, steps):
+    """One rank: the loss per step and each parameter's full master and moments, as the
+    two-rank worker reads them."""
+    from strata import param_state
+    torch.manual_seed(0)
+    model = harness.MODELS["gpt2"]()
+    engine, *_ = strata.initialize(model=model, model_parameters=model.parameters(),
+                                   config=copy.deepcopy(cfg))
+    result = {"loss": harness.run_steps(engine, "gpt2", 0, steps), "master": {}, "exp_avg": {},
+              "exp_avg_sq": {}}
+    for name, p in model.named_parameters():
+        result["master"][name] = param_state.safe_get_full_fp32_param(p).flatten().tolist()
+        for key in ("exp_avg", "exp_avg_sq"):
+            result[key][name] = param_state.safe_get_full_optimizer_state(p, key).flatten().tolist()
+    engine.close()
+    return result
+
+
+@pytest.mark.skipif(not harness.have_gloo(),
+                    reason="this build has no c10d Gloo (its headers were missing at build time)")
+@pytest.mark.parametrize("case", RANK_CASES, ids=[c[0] for c in RANK_CASES])
+def test_compact_layouts_on_two_ranks_and_another_chunk_size(case, tmp_path):
+    # Two ranks fed the same micro-batch reduce to exactly one rank's gradient ((g + g) / 2 = g),
+    # and the two-rank run uses a chunk size 64 times smaller than the one-rank run. A bf16
+    # stochastic master must come out bit-identical: its rounding bits follow the model's
+    # element index, not the shard or chunk an element lands in. 8-bit moments are blocks from
+    # each shard's start (compact_step.h), so a block's scale, and the run, follow the chunk
+    # layout: there the two runs are compared by loss (within 1 %).
+    import json
+    steps = 4
+    one = _full_state(_cfg(tmp_path / "one", chunk="1MiB", **case[1]), steps)
+    cfg = _cfg(tmp_path / "two", chunk="16KiB", **case[1])
+    spec = tmp_path / "spec.json"
+    spec.write_text(json.dumps({"config": cfg, "steps": steps}))
+    ranks = harness.launch_two_ranks("compact_rank_worker.py", [spec], tmp_path)
+    for rank, got in enumerate(ranks):
+        if case[1].get("moments") == "int8":
+            # The blocks moved with the layout, so the masters did too.
+            assert any(got["master"][n] != w for n, w in one["master"].items())
+            for a, b in zip(got["loss"], one["loss"]):
+                assert abs(a - b) <= 0.01 * abs(b), (rank, got["loss"], one["loss"])
+            continue
+        assert got["loss"] == one["loss"], (rank, got["loss"], one["loss"])
+        for key in ("master", "exp_avg", "exp_avg_sq"):
+            for name, want in one[key].items():
+                assert got[key][name] == want, f"rank {rank}: {key} of {name} differs"

@@ -76,11 +76,8 @@ StatusOr<MemoryEstimate> EstimateMemory(const Config& config, const ModelSpec& m
   const uint64_t ssize = config.strata.optimizer_state_dtype == StateDtype::kBf16 ? 2 : 4;
   const int shard_world = z.stage == 0 ? 1 : options.world_size;
 
-  PartitionerOptions po;
-  po.chunk_size = config.strata.chunk_size;
-  po.world_size = shard_world;
-  po.element_size = static_cast<int>(esize);
-  STRATA_ASSIGN_OR_RETURN(Partitioner part, Partitioner::Create(po));
+  STRATA_ASSIGN_OR_RETURN(Partitioner part,
+                          Partitioner::Create(StepPlan::ChunkLayout(config, shard_world, static_cast<int>(esize))));
   for (const auto& p : model.params) STRATA_RETURN_IF_ERROR(part.AddParam(p.name, p.numel).status());
   STRATA_RETURN_IF_ERROR(part.Finalize());
   const auto& chunks = part.chunks();

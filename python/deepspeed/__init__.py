@@ -3,7 +3,7 @@ scripts written for DeepSpeed run unchanged. Turned on by `source <build>/deepsp
 (README, "DeepSpeed scripts"); it never shadows a real DeepSpeed installation.
 
 Every module here is a thin name map onto the `strata` package, which holds the implementation.
-What Strata does not implement (pipeline parallelism, MoE, compression, inference, ...) imports
+What Strata does not implement (MoE, compression, inference, ...) imports
 but refuses at the call, naming the feature and what to use instead.
 """
 
@@ -25,7 +25,7 @@ __strata__ = True  # a script can tell Strata's deepspeed from DeepSpeed's
 
 init_inference = _unsupported.refused_function("deepspeed.init_inference", "inference")
 tp_model_init = _unsupported.refused_function("deepspeed.tp_model_init", "tensor_parallel")
-PipelineModule = _unsupported.refused_class("PipelineModule", "pipe")
+from strata.pipe import PipelineEngine, PipelineModule  # noqa: E402  (every stage on each rank)
 
 
 def is_compile_supported():
@@ -39,4 +39,4 @@ def add_tuning_arguments(parser):
 
 __all__ = ["initialize", "init_distributed", "add_config_arguments", "DeepSpeedEngine", "zero",
            "checkpointing", "comm", "accelerator", "ops", "runtime", "utils", "StrataError",
-           "InvalidArgumentError", "init_inference", "PipelineModule"]
+           "InvalidArgumentError", "init_inference", "PipelineModule", "PipelineEngine"]

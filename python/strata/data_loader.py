@@ -40,8 +40,9 @@ def make_loader(engine, dataset, batch_size=None, route=ROUTE_TRAIN, pin_memory=
         batch_size = engine.train_micro_batch_size_per_gpu()
     if data_sampler is None and is_map_style_dataset(dataset):
         if engine.world_size > 1 or "LOCAL_RANK" in os.environ:
+            # Over the data-parallel ranks: all of them, but a pipeline's groups (strata/pipe.py).
             data_sampler = torch.utils.data.distributed.DistributedSampler(
-                dataset, num_replicas=engine.world_size, rank=engine.global_rank,
+                dataset, num_replicas=engine.dp_world_size, rank=engine.get_data_parallel_rank(),
                 shuffle=route == ROUTE_TRAIN)
         elif route == ROUTE_TRAIN:
             data_sampler = torch.utils.data.RandomSampler(dataset)

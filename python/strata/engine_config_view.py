@@ -159,7 +159,7 @@ class ConfigView:
 
     def train_batch_size(self):
         return (self.train_micro_batch_size_per_gpu() * self.gradient_accumulation_steps() *
-                self.world_size)
+                self.dp_world_size)
 
     def get_batch_info(self):
         """As DeepSpeed: the three batch-size getters themselves (bound methods, not values)."""

@@ -268,7 +268,7 @@ SECTIONS["Attributes"] = [
     Row("data_parallel_group", "attribute", SAME, "the world group"),
     Row("seq_data_parallel_group", "attribute", SAME, "data_parallel_group"),
     Row("mpu", "attribute", SAME, "None: initialize refuses an mpu"),
-    Row("pipeline_parallelism", "attribute", SAME, "False"),
+    Row("pipeline_parallelism", "attribute", SAME, "False; True on a PipelineModule's engine"),
     Row("has_moe_layers", "attribute", SAME, "False"),
     Row("param_names", "attribute", SAME, "parameter -> its name in the model"),
     Row("dont_change_device", "attribute", SAME, "False"),

@@ -8,9 +8,6 @@ class NotSupportedError(NotImplementedError):
 
 # feature key -> (what it is, what to do instead)
 FEATURES = {
-    "pipe": ("pipeline parallelism (deepspeed.pipe)",
-             "train the model as one module with ZeRO stage 3 and offload, which Strata runs on "
-             "any number of ranks"),
     "moe": ("mixture of experts (deepspeed.moe)",
             "build the experts as ordinary torch modules; expert parallelism is not available"),
     "compression": ("model compression (deepspeed.compression)",

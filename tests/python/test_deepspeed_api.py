@@ -64,8 +64,6 @@ def test_submodules_resolve():
 
 
 @pytest.mark.parametrize("call, words", [
-    (lambda: __import__("deepspeed.pipe", fromlist=["x"]).PipelineModule(layers=[]),
-     "pipeline parallelism"),
     (lambda: __import__("deepspeed.moe.layer", fromlist=["x"]).MoE(hidden_size=4),
      "mixture of experts"),
     (lambda: __import__("deepspeed.compression.compress", fromlist=["x"]).init_compression(None, ""),

@@ -1,0 +1,429 @@
+"""deepspeed.pipe over Strata: DeepSpeed's pipeline API (PipelineModule, LayerSpec, TiedLayerSpec,
+ProcessTopology and the engine's train_batch / eval_batch) with every stage on each rank.
+
+Note [pipelines on one rank]
+DeepSpeed splits a PipelineModule's layers into num_stages stages, one per rank of a pipeline
+group, and streams micro-batches through them; the world is num_stages x dp ranks, and the dp
+pipeline groups split the batch. Strata is a data-parallel engine with offload: it runs the
+whole layer list on each rank, and gives the script DeepSpeed's numbers.
+
+  - The ranks of one pipeline group (ranks r with the same r % dp, as DeepSpeed's
+    PipeDataParallelTopology numbers them) read the same micro-batches: the loader's sampler is
+    over the dp groups, not the ranks. Their gradients are equal, so the engine's all-rank mean
+    is DeepSpeed's mean over the dp groups.
+  - train_batch() runs gradient_accumulation_steps micro-batches (forward, loss_fn, backward),
+    then the step, and returns the micro-batches' mean loss averaged over the dp groups, on every
+    rank, as DeepSpeed broadcasts it.
+  - train_batch_size() is micro x accumulation x dp (DeepSpeed's); dp_world_size, stage_id,
+    num_stages, is_first_stage() and is_last_stage() are what DeepSpeed's topology gives.
+
+What differs, on purpose: each rank holds every layer, so a pipeline does not spread a model
+that does not fit one device (ZeRO stage 3 with offload does that; ZeRO 1-3 run with a
+PipelineModule here, where DeepSpeed refuses 2 and 3). Layers are built in order in one process,
+so a pipeline of several stages draws other initial weights than DeepSpeed's per-stage builds
+unless seed_layers is set. initialize warns once with the stage count.
+"""
+
+import functools
+import warnings
+
+import torch
+
+from . import checkpointing as _checkpointing
+from ._strata import InvalidArgumentError
+from .engine import StrataEngine
+from .runtime_utils import RepeatingLoader
+
+
+class LayerSpec:
+    """A layer to build later: typename(*module_args, **module_kwargs)."""
+
+    def __init__(self, typename, *module_args, **module_kwargs):
+        if not (isinstance(typename, type) and issubclass(typename, torch.nn.Module)):
+            raise InvalidArgumentError(f"LayerSpec({typename!r}): the type must be a "
+                                       "torch.nn.Module subclass")
+        self.typename = typename
+        self.module_args = module_args
+        self.module_kwargs = module_kwargs
+
+    def __repr__(self):
+        args = [repr(a) for a in self.module_args] + \
+            [f"{k}={v!r}" for k, v in self.module_kwargs.items()]
+        return f"{self.typename.__name__}({', '.join(args)})"
+
+    def build(self, log=False):
+        return self.typename(*self.module_args, **self.module_kwargs)
+
+
+class TiedLayerSpec(LayerSpec):
+    """A layer shared by every spec with the same key (built once); forward_fn(module, x), when
+    given, replaces the module's forward at this position."""
+
+    def __init__(self, key, typename, *module_args, forward_fn=None, tied_weight_attr=("weight",),
+                 **module_kwargs):
+        super().__init__(typename, *module_args, **module_kwargs)
+        self.key = key
+        self.forward_fn = forward_fn
+        self.tied_weight_attr = [tied_weight_attr] if isinstance(tied_weight_attr, str) \
+            else list(tied_weight_attr)
+
+
+class ProcessTopology:
+    """A grid of ranks over named axes (the last axis varies fastest), as DeepSpeed's."""
+
+    def __init__(self, axes, dims):
+        if len(axes) != len(dims) or any(int(d) < 1 for d in dims):
+            raise InvalidArgumentError(f"ProcessTopology(axes={axes}, dims={dims}): one positive "
+                                       "size per axis")
+        self.axes = list(axes)
+        self.dims = [int(d) for d in dims]
+
+    def get_dim(self, axis):
+        return self.dims[self.axes.index(axis)] if axis in self.axes else 1
+
+    def world_size(self):
+        n = 1
+        for d in self.dims:
+            n *= d
+        return n
+
+    def get_coord(self, rank):
+        coord = {}
+        for axis, dim in reversed(list(zip(self.axes, self.dims))):
+            coord[axis] = rank % dim
+            rank //= dim
+        return coord
+
+    def get_rank(self, **coord):
+        rank = 0
+        for axis, dim in zip(self.axes, self.dims):
+            rank = rank * dim + int(coord.get(axis, 0))
+        return rank
+
+
+class PipeDataParallelTopology(ProcessTopology):
+    def __init__(self, num_pp, num_dp):
+        super().__init__(axes=["pipe", "data"], dims=[num_pp, num_dp])
+
+
+class PipeModelDataParallelTopology(ProcessTopology):
+    def __init__(self, num_pp, num_mp, num_dp):
+        if int(num_mp) != 1:
+            raise InvalidArgumentError(f"PipeModelDataParallelTopology(num_mp={num_mp}): Strata "
+                                       "has no tensor (model) parallelism; use num_mp=1")
+        super().__init__(axes=["pipe", "data", "model"], dims=[num_pp, num_dp, num_mp])
+
+
+def _world():
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_world_size(), torch.distributed.get_rank()
+    import os
+    return int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
+
+
+class PipelineModule(torch.nn.Module):
+    """DeepSpeed's PipelineModule: `layers` (nn.Modules, LayerSpecs, TiedLayerSpecs or plain
+    callables) run in order, the output of one the input of the next; loss_fn(outputs, labels)
+    gives train_batch's loss. Every layer is built here (Note [pipelines on one rank]); layer i is
+    registered as submodule str(i), tied layers under tied_modules.<key>, as DeepSpeed names
+    them, so state dicts carry DeepSpeed's keys."""
+
+    def __init__(self, layers, num_stages=None, topology=None, loss_fn=None, seed_layers=False,
+                 seed_fn=None, base_seed=1234, partition_method="parameters",
+                 activation_checkpoint_interval=0,
+                 activation_checkpoint_func=_checkpointing.checkpoint, checkpointable_layers=None,
+                 dynamic_shape=False, **ignored):
+        super().__init__()
+        if num_stages is None and topology is None:
+            raise InvalidArgumentError("PipelineModule: give num_stages or topology")
+        world, rank = _world()
+        if topology is not None:
+            num_stages = topology.get_dim("pipe")
+            if topology.world_size() != world:
+                raise InvalidArgumentError(
+                    f"PipelineModule: the topology has {topology.world_size()} ranks but the "
+                    f"world has {world}")
+        num_stages = int(num_stages)
+        if num_stages < 1 or world % num_stages != 0:
+            raise InvalidArgumentError(
+                f"PipelineModule(num_stages={num_stages}): the world of {world} rank(s) must be "
+                "a multiple of num_stages (num_stages x data-parallel ranks)")
+        self.num_stages = num_stages
+        self.dp_world_size = world // num_stages
+        self._topo = topology or PipeDataParallelTopology(num_stages, self.dp_world_size)
+        self.global_rank = rank
+        self.stage_id = rank // self.dp_world_size
+        self.loss_fn = loss_fn
+        self.seed_layers = seed_layers
+        self.seed_fn = seed_fn
+        self.base_seed = base_seed
+        self.partition_method = partition_method
+        self.activation_checkpoint_interval = int(activation_checkpoint_interval)
+        self.activation_checkpoint_func = activation_checkpoint_func
+        self.checkpointable_layers = checkpointable_layers
+        self.micro_offset = 0
+        self._layer_specs = list(layers)
+        self.forward_funcs = []
+        self.fwd_map = {}
+        self.tied_modules = torch.nn.ModuleDict()
+        self.tied_weight_attrs = {}
+        for idx, layer in enumerate(self._layer_specs):
+            if seed_layers:
+                (seed_fn or torch.manual_seed)(base_seed + idx)
+            if isinstance(layer, PipelineModule):
+                raise InvalidArgumentError(f"PipelineModule: layer {idx} is a PipelineModule; "
+                                           "nest its layers in the list instead")
+            if isinstance(layer, torch.nn.Module):
+                self._add(str(idx), layer)
+            elif isinstance(layer, TiedLayerSpec):
+                if layer.key not in self.tied_modules:
+                    self.tied_modules[layer.key] = layer.build()
+                    self.tied_weight_attrs[layer.key] = layer.tied_weight_attr
+                module = self.tied_modules[layer.key]
+                self.forward_funcs.append(module if layer.forward_fn is None
+                                          else functools.partial(layer.forward_fn, module))
+            elif isinstance(layer, LayerSpec):
+                self._add(str(idx), layer.build())
+            elif callable(layer):
+                self.forward_funcs.append(layer)
+            else:
+                raise InvalidArgumentError(
+                    f"PipelineModule: layer {idx} is a {type(layer).__name__}; each layer is an "
+                    "nn.Module, a LayerSpec, a TiedLayerSpec or a callable")
+
+    def _add(self, name, module):
+        self.forward_funcs.append(module)
+        self.fwd_map[name] = len(self.forward_funcs) - 1
+        self.add_module(name, module)
+
+    def _run(self, start, end):
+        def run(*inputs):
+            x = inputs[0] if len(inputs) == 1 else inputs  # one tensor travels unwrapped
+            for idx in range(start, end):
+                if self.seed_layers:
+                    (self.seed_fn or torch.manual_seed)(self.base_seed * (self.micro_offset + 1) + idx)
+                x = self.forward_funcs[idx](x)
+            return x
+        return run
+
+    def _checkpointable(self, funcs):
+        if self.checkpointable_layers is not None:
+            return any(type(f).__name__ in self.checkpointable_layers for f in funcs)
+        return any(len(list(f.parameters())) > 0 for f in funcs if isinstance(f, torch.nn.Module))
+
+    def forward(self, forward_input):
+        self.micro_offset += 1
+        n = len(self.forward_funcs)
+        interval = self.activation_checkpoint_interval
+        if interval == 0 or not torch.is_grad_enabled():
+            return self._run(0, n)(forward_input)
+        x = forward_input
+        for start in range(0, n, interval):
+            end = min(start + interval, n)
+            if not isinstance(x, tuple):
+                x = (x,)
+            if self._checkpointable(self.forward_funcs[start:end]):
+                x = self.activation_checkpoint_func(self._run(start, end), *x)
+            else:
+                x = self._run(start, end)(*x)
+        return x
+
+    def topology(self):
+        return self._topo
+
+    def num_pipeline_stages(self):
+        return self.num_stages
+
+    def partitions(self):
+        """Where each stage's layers begin (and the end), balanced by layer count: the layers
+        all run on each rank here, so this only reports a split."""
+        n = len(self.forward_funcs)
+        return [n * s // self.num_stages for s in range(self.num_stages + 1)]
+
+    def get_tied_weights_and_groups(self):
+        return []
+
+    def allreduce_tied_weight_gradients(self):
+        """Tied layers are one module here: their gradient is already summed."""
+
+
+def engine_config(cfg, model, world):
+    """The config the engine runs for `model` over `world` ranks: under a PipelineModule the
+    ranks of one pipeline group repeat each other's micro-batches, so a train_batch_size given in
+    DeepSpeed's terms (micro x accumulation x dp) is scaled to the ranks that compute it."""
+    if not isinstance(model, PipelineModule) or "train_batch_size" not in cfg:
+        return cfg
+    out = dict(cfg)
+    out["train_batch_size"] = int(cfg["train_batch_size"]) * (world // model.dp_world_size)
+    return out
+
+
+class PipelineEngine(StrataEngine):
+    """DeepSpeed's PipelineEngine over a PipelineModule (Note [pipelines on one rank]):
+    train_batch and eval_batch drive the micro-batches; forward, backward and step alone are
+    refused, as DeepSpeed refuses them in pipeline mode."""
+
+    def __init__(self, cpp, model, units):
+        super().__init__(cpp, model, units)
+        self.pipeline_parallelism = True
+        self.num_stages = model.num_stages
+        self.stage_id = model.stage_id
+        self._dp = model.dp_world_size
+        self.is_pipe_parallel = model.num_stages > 1
+        self.is_data_parallel = self._dp > 1
+        self.micro_batches = self.gradient_accumulation_steps()
+        self.data_iterator = None
+        self.batch_fn = None
+        self.agg_train_loss = None
+        self.total_loss = None
+        if model.num_stages > 1:
+            warnings.warn(
+                f"deepspeed.pipe: Strata runs all {model.num_stages} stages of this "
+                f"PipelineModule on each rank; the {model.num_stages} ranks of each pipeline "
+                "group compute the same micro-batches, so results are DeepSpeed's but the model "
+                "is not split across them (ZeRO stage 3 with offload spreads a model that does "
+                "not fit)")
+
+    # --- DeepSpeed's data-parallel view: dp groups, not ranks --------------------------------
+    @property
+    def dp_world_size(self):
+        return self._dp
+
+    @property
+    def seq_dp_world_size(self):
+        return self._dp
+
+    def get_data_parallel_rank(self):
+        return self.global_rank % self._dp
+
+    def get_pipeline_parallel_rank(self):
+        return self.stage_id
+
+    def is_first_stage(self):
+        return self.stage_id == 0
+
+    def is_last_stage(self):
+        return self.stage_id == self.num_stages - 1
+
+    # --- data ----------------------------------------------------------------------------------
+    def _loader_for(self, training_data, collate_fn):
+        loader = super()._loader_for(training_data, collate_fn)
+        if loader is not None:
+            self.set_dataloader(loader)
+        return loader
+
+    def set_dataloader(self, loader):
+        self.training_dataloader = loader
+        self.data_iterator = iter(RepeatingLoader(loader))
+
+    def set_dataiterator(self, iterator):
+        self.data_iterator = iterator
+
+    def set_batch_fn(self, fn):
+        self.batch_fn = fn
+
+    def reset_activation_shape(self):
+        """Activations do not travel between ranks here: nothing to reset."""
+
+    def set_has_attention_mask(self, value):
+        self.has_attention_mask = bool(value)
+
+    def _next_micro_batch(self):
+        if self.data_iterator is None:
+            raise InvalidArgumentError(
+                "train_batch/eval_batch: no data; pass data_iter, or training_data to "
+                "deepspeed.initialize")
+        batch = next(self.data_iterator)
+        if self.batch_fn is not None:
+            batch = self.batch_fn(batch)
+        if not isinstance(batch, (tuple, list)) or len(batch) < 2:
+            raise InvalidArgumentError(
+                "a pipeline micro-batch is (inputs, labels), as DeepSpeed's PipelineEngine reads "
+                f"it; got a {type(batch).__name__}")
+        return self._to_device(batch[0]), self._to_device(batch[1])
+
+    def _to_device(self, value):
+        if isinstance(value, torch.Tensor):
+            return value.to(self.device)
+        if isinstance(value, (tuple, list)):
+            return type(value)(self._to_device(v) for v in value)
+        return value
+
+    def _mean_over_dp(self, value):
+        """The mean over the dp groups: over every rank, as a group's ranks hold equal values."""
+        if self.world_size > 1 and torch.distributed.is_initialized():
+            value = value.clone()
+            torch.distributed.all_reduce(value)
+            value /= self.world_size
+        return value
+
+    # --- the schedule --------------------------------------------------------------------------
+    def train_batch(self, data_iter=None):
+        """gradient_accumulation_steps micro-batches through forward, loss_fn and backward, then
+        the optimizer step; returns their mean loss (averaged over the dp groups)."""
+        if not torch.is_grad_enabled():
+            raise RuntimeError("train_batch() requires gradients enabled. Use eval_batch() "
+                               "instead.")
+        if data_iter is not None:
+            self.set_dataiterator(data_iter)
+        self.module.train()
+        total = None
+        for _ in range(self.micro_batches):
+            inputs, labels = self._next_micro_batch()
+            outputs = StrataEngine.forward(self, inputs)
+            loss = self.module.loss_fn(outputs, labels) if self.module.loss_fn is not None \
+                else outputs
+            StrataEngine.backward(self, loss)
+            total = loss.detach().float() if total is None else total + loss.detach().float()
+        StrataEngine.step(self)
+        self.total_loss = total
+        self.agg_train_loss = self._mean_over_dp(total / self.micro_batches)
+        every = self.steps_per_print()
+        if isinstance(every, int) and every > 0 and self.global_steps % every == 0 and \
+                self.global_rank == 0:
+            print(f"steps: {self.global_steps} loss: {self.agg_train_loss.item():0.4f}")
+        return self.agg_train_loss
+
+    def eval_batch(self, data_iter, return_logits=False, compute_loss=True, reduce_output="avg",
+                   bcast_loss=True, num_micro_batches=None):
+        """The model in eval mode over num_micro_batches (default gradient_accumulation_steps)
+        micro-batches without gradients; returns the mean loss (reduce_output='avg', over the
+        micro-batches and the dp groups) or the list of each micro-batch's (None), and with
+        return_logits the last micro-batch's outputs too."""
+        if reduce_output not in ("avg", None):
+            raise InvalidArgumentError(f"eval_batch(reduce_output={reduce_output!r}): 'avg' or "
+                                       "None")
+        training_iterator = self.data_iterator
+        self.set_dataiterator(data_iter)
+        self.module.eval()
+        results, outputs = [], None
+        try:
+            with torch.no_grad():
+                for _ in range(num_micro_batches or self.micro_batches):
+                    inputs, labels = self._next_micro_batch()
+                    outputs = StrataEngine.forward(self, inputs)
+                    results.append(self.module.loss_fn(outputs, labels)
+                                   if compute_loss and self.module.loss_fn is not None
+                                   else outputs)
+        finally:
+            self.set_dataiterator(training_iterator)
+        if reduce_output == "avg":
+            if all(isinstance(r, torch.Tensor) for r in results):
+                result = self._mean_over_dp(sum(r.float() for r in results) / len(results))
+            else:
+                result = [self._mean_over_dp(sum(r[i].float() for r in results) / len(results))
+                          for i in range(len(results[0]))]
+        else:
+            result = results
+        return (result, outputs) if return_logits else result
+
+    def forward(self, *args, **kwargs):
+        raise InvalidArgumentError("Only train_batch() is accessible in pipeline mode "
+                                   "(DeepSpeed's rule): call engine.train_batch(data_iter), or "
+                                   "engine.eval_batch(data_iter) to evaluate")
+
+    def backward(self, *args, **kwargs):
+        self.forward()
+
+    def step(self, *args, **kwargs):
+        self.forward()

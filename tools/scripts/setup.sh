@@ -12,6 +12,8 @@ PACKAGES=(
   fio fortunes fortunes-min
   python3-dev python3-setuptools python3-torch python3-torchvision python3-pybind11 python3-pytest
   python3-venv python3-pip
+  # What the public DeepSpeed scripts of tests/data/ds-scripts import besides torch.
+  python3-matplotlib python3-mpi4py python3-tqdm
   clang
 )
 # Extras for the by-hand jobs: `setup.sh --fuzz` adds clang's libFuzzer runtime.

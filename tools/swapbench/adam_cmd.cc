@@ -476,6 +476,7 @@ void RegisterAdamCommand(CLI::App& app, int* exit_code) {
       "torch::optim::AdamW, all in one run on the same n and threads. Each figure is the best of "
       "--reps runs. Exit status: 0 ok, 1 a step failed, 2 bad arguments.");
   cmd->add_option("--n", args->n, "Parameters per buffer, >= 1 (default 67108864 = 64M; needs ~6.5 GB)")
+      ->transform(CLI::AsSizeValue(false))  // "32M": 32 x 2^20, as the help writes it
       ->type_name("N");
   cmd->add_option("--threads", args->threads,
                   "Threads for Strata (a TBB arena of this width), the roofline and LibTorch; 0 = all "

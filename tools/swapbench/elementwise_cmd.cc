@@ -229,6 +229,7 @@ void Register(CLI::App& app, int* exit_code, Kind kind, const char* command) {
           torch_ref + ", in one run on the same n and threads; each the best of --reps runs. "
           "Exit status: 0 ok, 2 bad arguments.");
   cmd->add_option("--n", args->n, "Parameters, >= 1 (default 67108864 = 64M; needs ~2 GB)")
+      ->transform(CLI::AsSizeValue(false))  // "32M": 32 x 2^20, as the help writes it
       ->type_name("N");
   cmd->add_option("--threads", args->threads, "Threads, 0 = all cores (default 0)")->type_name("T");
   cmd->add_option("--reps", args->reps, "Timed repetitions; the best is reported (default 5)")

@@ -232,6 +232,7 @@ void RegisterFormatsCommand(CLI::App& app, int* exit_code) {
       "that layout's bytes (its roofline) and against fp32, in one run on the same n and "
       "threads; each the best of --reps runs, interleaved. Exit status: 0 ok, 2 bad arguments.");
   cmd->add_option("--n", args->n, "Parameters, >= 1 (default 33554432 = 32M; needs ~2.5 GB)")
+      ->transform(CLI::AsSizeValue(false))  // "32M": 32 x 2^20, as the help writes it
       ->type_name("N");
   cmd->add_option("--threads", args->threads, "Threads, 0 = all cores (default 0)")->type_name("T");
   cmd->add_option("--reps", args->reps, "Timed repetitions; the best is reported (default 5)")

@@ -4,6 +4,7 @@
 
 #include "runtime/base/remove_tree.h"
 #include "runtime/engine/engine_impl.h"
+#include "runtime/state/saved_state_reader.h"
 
 namespace strata {
 
@@ -253,7 +254,9 @@ StatusOr<nlohmann::json> Engine::Impl::Load(const std::string& path, bool weight
   // Buffers first, all read and checked before any state is overwritten.
   std::vector<torch::Tensor> buffer_values;
   Status s = ReadSavedBuffers(fd, bin, m, mpath, &buffer_values);
-  if (s.ok()) s = ReadSavedBlocks(fd, bin, m, mpath, weights_only);
+  if (s.ok())
+    s = SameChunks(m) ? ReadSavedBlocks(fd, bin, m, mpath, weights_only)
+                      : ReadRelaidBlocks(dir, m, weights_only);
   ::close(fd);
   STRATA_RETURN_IF_ERROR(s);
   {
@@ -300,10 +303,15 @@ Status Engine::Impl::CheckManifestFits(const checkpoint::Manifest& m, const std:
   STRATA_RETURN_IF_ERROR(StateLayout::Parse(m.state_dtype).status().WithContext(dir));
   std::vector<int64_t> ours;
   for (const ChunkInfo& ci : partitioner_->chunks()) ours.push_back(ci.shard_numel);
-  if (m.parameters != num_params() || m.shard_numel != ours)
+  if (m.parameters != num_params())
     return mismatch("a model of parameters", std::to_string(m.parameters), std::to_string(num_params()),
-                    "it belongs to another model (or chunk_size differs): use the same model and "
-                    "strata.chunk_size");
+                    "it belongs to another model: use the same model");
+  // Other chunks load parameter by parameter (ReadRelaidBlocks), given the layout section.
+  if (m.shard_numel != ours && m.layout.is_null())
+    return mismatch("chunks of shard sizes", StrCat(m.shard_numel.size(), " chunks"),
+                    StrCat(ours.size(), " chunks"),
+                    "it predates the manifests' layout section, so it loads only into the same "
+                    "chunks: use the strata.chunk_size and optimizer_state_dtype it was saved with");
   return Status::Ok();
 }
 
@@ -366,12 +374,94 @@ Status Engine::Impl::ReadSavedBlocks(int fd, const std::string& bin, const check
         buf.assign(now.Bytes(kind, n), 0);
         now.Encode(kind, values.data(), n, buf.data());
       }
-      const BlockKey key = kind == StateKind::kMaster32 ? plan_.MasterKey(c64) : BlockKey{c64, kind};
-      STRATA_ASSIGN_OR_RETURN(void* dst, store_->Acquire(key, Access::kWrite));
-      Status s = WriteBlockBytes(dst, buf.data(), buf.size(), plan_.PlacementOf(c64, key.kind));
-      Status r = store_->Release(key, true);
-      STRATA_RETURN_IF_ERROR(s);
-      STRATA_RETURN_IF_ERROR(r);
+      STRATA_RETURN_IF_ERROR(WriteLoadedBlock(c64, kind, buf));
+    }
+  }
+  return Status::Ok();
+}
+
+Status Engine::Impl::WriteLoadedBlock(int64_t c, StateKind kind, const std::vector<char>& bytes) {
+  const BlockKey key = kind == StateKind::kMaster32 ? plan_.MasterKey(c) : BlockKey{c, kind};
+  STRATA_ASSIGN_OR_RETURN(void* dst, store_->Acquire(key, Access::kWrite));
+  Status s = WriteBlockBytes(dst, bytes.data(), bytes.size(), plan_.PlacementOf(c, key.kind));
+  Status r = store_->Release(key, true);
+  STRATA_RETURN_IF_ERROR(s);
+  return r;
+}
+
+bool Engine::Impl::SameChunks(const checkpoint::Manifest& m) const {
+  for (size_t c = 0; c < chunks_.size(); ++c)
+    if (c >= m.shard_numel.size() || m.shard_numel[c] != partitioner_->chunks()[c].shard_numel) return false;
+  if (m.shard_numel.size() != chunks_.size()) return false;
+  if (m.layout.is_null() || !m.layout.contains("params")) return true;  // checked by shard sizes
+  const auto& saved = m.layout["params"];
+  if (saved.size() != params_.size()) return false;
+  for (size_t pid = 0; pid < params_.size(); ++pid) {
+    const ParamLocation& loc = partitioner_->location(static_cast<int64_t>(pid));
+    if (saved[pid].value("chunk", int64_t{-1}) != loc.chunk ||
+        saved[pid].value("offset", int64_t{-1}) != loc.offset)
+      return false;
+  }
+  return true;
+}
+
+Status Engine::Impl::ReadRelaidBlocks(const std::string& dir, const checkpoint::Manifest& m,
+                                      bool weights_only) {
+  STRATA_ASSIGN_OR_RETURN(SavedStateReader saved, SavedStateReader::Open(dir, m));
+  if (saved.params().size() != params_.size())
+    return InvalidArgument(StrCat(dir, " holds ", saved.params().size(), " parameters and this model ",
+                                  params_.size(), ": it belongs to another model"));
+  for (size_t pid = 0; pid < params_.size(); ++pid) {
+    const auto& sp = saved.params()[pid];
+    const int64_t numel = partitioner_->location(static_cast<int64_t>(pid)).numel;
+    const std::string name = partitioner_->param_name(static_cast<int64_t>(pid));
+    if (sp.name != name || sp.numel != numel)
+      return InvalidArgument(StrCat(dir, ": parameter ", pid, " is '", sp.name, "' of ", sp.numel,
+                                    " elements there and '", name, "' of ", numel,
+                                    " here: it belongs to another model"));
+  }
+  const StateLayout now = plan_.layout();
+  STRATA_LOG(WARN) << dir << ": saved in other chunks (another strata.chunk_size, or the parameter "
+                   << "alignment of 8-bit moments); loading its states parameter by parameter"
+                   << (saved.layout() != now ? StrCat(", saved with optimizer-state layout ", saved.layout().Name(),
+                                                      ", converting its master and moments to this run's ", now.Name())
+                                             : std::string());
+  for (StateKind kind : kSavedKinds) {
+    if (weights_only && kind != StateKind::kMaster32) continue;
+    if (!plan_.HoldsState(kind)) continue;
+    if (!saved.Has(kind))
+      return DataLoss(StrCat(dir, " holds no ", StateKindName(kind), ", which this run's optimizer keeps"));
+    // 8-bit blocks saved at parameter boundaries, as this run lays them out: copied as they are.
+    const bool copy_blocks = kind != StateKind::kMaster32 && saved.Int8BlocksAligned() &&
+                             now.moments == optim::MomentFormat::kInt8;
+    for (size_t c = 0; c < chunks_.size(); ++c) {
+      const int64_t c64 = static_cast<int64_t>(c);
+      const int64_t n = partitioner_->chunks()[c].shard_numel;
+      const int64_t lo = partitioner_->ShardOffset(c64, plan_.shard_rank());
+      if (copy_blocks) {
+        std::vector<char> buf(now.Bytes(kind, n), 0);  // blocks of no parameter: scale 0, all zero
+        auto* codes = reinterpret_cast<uint8_t*>(buf.data());
+        auto* scales = reinterpret_cast<float*>(buf.data() + optim::Int8ScaleOffset(static_cast<size_t>(n)));
+        for (int64_t pid : partitioner_->chunks()[c].params) {
+          const ParamLocation& loc = partitioner_->location(pid);
+          const int64_t from = std::max(lo, loc.offset), to = std::min(lo + n, loc.offset + loc.numel);
+          if (from >= to) continue;
+          STRATA_RETURN_IF_ERROR(saved.ReadInt8Blocks(kind, pid, from - loc.offset, to - from, codes + (from - lo),
+                                                      scales + (from - lo) / static_cast<int64_t>(optim::kInt8Block)));
+        }
+        STRATA_RETURN_IF_ERROR(WriteLoadedBlock(c64, kind, buf));
+        continue;
+      }
+      std::vector<float> values(static_cast<size_t>(n), 0.0f);  // padding stays zero
+      for (int64_t pid : partitioner_->chunks()[c].params) {
+        const ParamLocation& loc = partitioner_->location(pid);
+        const int64_t from = std::max(lo, loc.offset), to = std::min(lo + n, loc.offset + loc.numel);
+        if (from >= to) continue;
+        STRATA_RETURN_IF_ERROR(saved.Read(kind, pid, from - loc.offset, to - from, values.data() + (from - lo)));
+      }
+      std::vector<char> buf(now.Bytes(kind, n), 0);
+      now.Encode(kind, values.data(), n, buf.data());
+      STRATA_RETURN_IF_ERROR(WriteLoadedBlock(c64, kind, buf));
     }
   }
   return Status::Ok();

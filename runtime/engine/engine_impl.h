@@ -148,6 +148,12 @@ class Engine::Impl {
                           const std::string& mpath, std::vector<torch::Tensor>* out);
   Status ReadSavedBlocks(int fd, const std::string& bin, const checkpoint::Manifest& m,
                          const std::string& mpath, bool weights_only);
+  // Another chunk layout saved them (Note [loading another chunk layout]): each shard filled by
+  // parameter from every saving rank's file (SavedStateReader), then encoded in this layout.
+  bool SameChunks(const checkpoint::Manifest& m) const;
+  Status ReadRelaidBlocks(const std::string& dir, const checkpoint::Manifest& m, bool weights_only);
+  // A loaded master or moment block of chunk c, in this run's layout, into its home.
+  Status WriteLoadedBlock(int64_t c, StateKind kind, const std::vector<char>& bytes);
   uint64_t SavedBytes(int64_t c, StateKind kind) const;
 
   int64_t global_step() const { return step_.global_step; }

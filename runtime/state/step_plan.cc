@@ -222,6 +222,8 @@ PartitionerOptions StepPlan::ChunkLayout(const Config& config, int shard_world, 
   po.chunk_size = config.strata.chunk_size;
   po.world_size = shard_world;
   po.element_size = element_size;
+  if (config.strata.optimizer_state_dtype == StateDtype::kInt8)
+    po.param_alignment = std::max<uint64_t>(po.param_alignment, optim::kInt8Block * static_cast<uint64_t>(element_size));
   return po;
 }
 

@@ -54,7 +54,12 @@ class StepPlan {
   static StatusOr<StepPlan> Make(const Inputs& in);
   // The chunk layout of a run of `config` whose states are sharded over `shard_world` ranks and
   // whose working copy takes `element_size` bytes an element: the engine and the estimator
-  // partition with it, so their chunks are the same.
+  // partition with it, so their chunks are the same. Under 8-bit moments every parameter starts
+  // at an optim::kInt8Block boundary (shards are whole blocks already, 4 KiB): each 8-bit block
+  // then holds one parameter's elements at the same positions whatever the chunk size or rank
+  // count, so the blocks' scales, and the run, depend on neither; and no block mixes a small
+  // parameter with a large one's scale. (Checkpoints of other layouts load by parameter:
+  // SavedStateReader.)
   static PartitionerOptions ChunkLayout(const Config& config, int shard_world, int element_size);
 
   int stage() const { return stage_; }

@@ -1,0 +1,79 @@
+// SavedStateReader: a checkpoint's master and moment states read by parameter, as fp32, whatever
+// chunk layout wrote them. A run whose chunks differ from the saved ones (another
+// strata.chunk_size, or a parameter alignment the 8-bit moments ask for) loads through it: each
+// of its shards is filled parameter piece by parameter piece from the saved chunks, then encoded
+// in its own layout (Note [loading another chunk layout] in saved_state_reader.cc).
+//
+// The saved files of every rank of the saving run are read (a shard of a parameter may sit in
+// another rank's file), so the checkpoint folder must be complete and readable from this rank.
+// A value; no LibTorch. Thread safety: one thread.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "runtime/base/status.h"
+#include "runtime/state/checkpoint.h"
+#include "runtime/state/partitioner.h"
+#include "runtime/state/state_layout.h"
+
+namespace strata {
+
+class SavedStateReader {
+ public:
+  // Reads every rank's manifest in `dir`; `self` is the one this rank already read (its layout
+  // section names every parameter's saved chunk and offset). INVALID_ARGUMENT when the
+  // checkpoint predates the layout section, DATA_LOSS when a rank's manifest is missing or
+  // disagrees with `self`.
+  static StatusOr<SavedStateReader> Open(const std::string& dir, const checkpoint::Manifest& self);
+
+  // Parameters, in registration order, as saved: name, element count.
+  struct Param {
+    std::string name;
+    int64_t numel = 0;
+    int64_t chunk = 0;
+    int64_t offset = 0;
+  };
+  const std::vector<Param>& params() const { return params_; }
+  const StateLayout& layout() const { return layout_; }
+  // Whether `kind` was saved (a state the saving optimizer kept).
+  bool Has(StateKind kind) const;
+
+  // Elements [begin, begin + count) of parameter `pid`'s saved `kind` (kMaster32, kExpAvg,
+  // kExpAvgSq) as fp32 into `out`: the saved chunk is read from every rank's file that holds a
+  // shard of it, checked against its crc32c and decoded from the saved layout (kept until
+  // another chunk is asked for, so parameters read in chunk order read each chunk once).
+  Status Read(StateKind kind, int64_t pid, int64_t begin, int64_t count, float* out);
+
+  // The saved moments are 8-bit with every parameter at a block boundary (as StepPlan::ChunkLayout
+  // lays out 8-bit runs), so a parameter's blocks can be copied as they are: decoding and
+  // quantizing again is not exact (the signed map's lowest value is above -1, so a block whose
+  // largest |value| is negative would get a smaller scale).
+  bool Int8BlocksAligned() const { return int8_aligned_; }
+  // Int8BlocksAligned: the codes of elements [begin, begin + count) of parameter `pid`'s saved
+  // moment `kind`, rounded up to whole blocks (the padding after a parameter is in its last
+  // block), into `codes`, and their blocks' scales into `scales`. `begin` is a block boundary.
+  Status ReadInt8Blocks(StateKind kind, int64_t pid, int64_t begin, int64_t count, uint8_t* codes,
+                        float* scales);
+
+ private:
+  Status LoadChunk(StateKind kind, int64_t chunk);
+  Status Use(StateKind kind, int64_t chunk, bool decoded);
+
+  std::string dir_;
+  std::vector<checkpoint::Manifest> ranks_;  // by rank of the saving run
+  int shard_world_ = 1;                      // ranks a chunk is split over when saved
+  std::vector<int64_t> shard_numel_;         // per saved chunk
+  std::vector<Param> params_;
+  StateLayout layout_;
+  bool int8_aligned_ = false;
+  // The chunk last read: each saving rank's shard as stored, and decoded when asked.
+  StateKind cached_kind_ = StateKind::kMaster32;
+  int64_t cached_chunk_ = -1;
+  std::vector<std::vector<char>> raw_;  // by rank
+  bool decoded_ = false;
+  std::vector<float> cached_;
+};
+
+}  // namespace strata

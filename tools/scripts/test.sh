@@ -38,6 +38,9 @@ run_pass() {
   local t1=$(date +%s)
   echo "== test $dir"
   (cd "$dir" && ctest --output-on-failure -j "$jobs" "${gpu_label_args[@]}" ${STRATA_CTEST_ARGS:-})
+  # The DeepSpeed script corpus's counts (test_ds_corpus prints them; ctest keeps passing output
+  # in its log only).
+  grep -h "^corpus: .* scripts from" "$dir/Testing/Temporary/LastTest.log" 2>/dev/null || true
   local t2=$(date +%s)
   echo "== $dir: build $((t1 - t0)) s, tests $((t2 - t1)) s"
 }

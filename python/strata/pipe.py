@@ -340,13 +340,20 @@ class PipelineEngine(StrataEngine):
             raise InvalidArgumentError(
                 "a pipeline micro-batch is (inputs, labels), as DeepSpeed's PipelineEngine reads "
                 f"it; got a {type(batch).__name__}")
-        return self._to_device(batch[0]), self._to_device(batch[1])
+        # As DeepSpeed: with reentrant activation checkpointing the inputs' floating tensors
+        # require grad, or the first checkpointed segment would be cut off from autograd.
+        grads = self.module.activation_checkpoint_interval > 0 and \
+            getattr(self.module.activation_checkpoint_func, "__name__", "") != "non_reentrant_checkpoint"
+        return self._to_device(batch[0], grads), self._to_device(batch[1])
 
-    def _to_device(self, value):
+    def _to_device(self, value, requires_grad=False):
         if isinstance(value, torch.Tensor):
-            return value.to(self.device)
+            value = value.to(self.device)
+            if requires_grad and value.is_floating_point():
+                value = value.detach().clone().requires_grad_(True)
+            return value
         if isinstance(value, (tuple, list)):
-            return type(value)(self._to_device(v) for v in value)
+            return type(value)(self._to_device(v, requires_grad) for v in value)
         return value
 
     def _mean_over_dp(self, value):

@@ -37,10 +37,10 @@ def config():
             "zero_optimization": {"stage": 1}, "steps_per_print": 1}
 
 
-def pipeline_engine(stages):
+def pipeline_engine(stages, **module_kwargs):
     torch.manual_seed(0)
     model = pipe.PipelineModule(layers(), num_stages=stages,
-                                loss_fn=torch.nn.functional.cross_entropy)
+                                loss_fn=torch.nn.functional.cross_entropy, **module_kwargs)
     engine, _, loader, _ = strata.initialize(model=model, model_parameters=model.parameters(),
                                              training_data=dataset(), config=config())
     return engine, loader
@@ -105,6 +105,17 @@ def test_train_batch_matches_pytorch_and_eval_batch_reads_without_training(capsy
         engine(batches[0][0])
     with pytest.raises(strata.InvalidArgumentError, match="Only train_batch"):
         engine.backward(loss)
+    engine.close()
+
+
+def test_activation_checkpoint_intervals_train_the_same():
+    # Every two layers recomputed in backward (DeepSpeed's default checkpoint function,
+    # strata.checkpointing's here): the same losses as plain PyTorch.
+    engine, _ = pipeline_engine(1, activation_checkpoint_interval=2)
+    batches = list(torch.utils.data.DataLoader(dataset(), batch_size=MICRO))
+    it = iter(batches)
+    got = [engine.train_batch(data_iter=it).item() for _ in range(STEPS)]
+    harness.assert_close(got, reference(lambda s: batches[s * GAS:(s + 1) * GAS]))
     engine.close()
 
 

@@ -57,26 +57,24 @@ inline __m256i Buckets(__m256i bits) {
   return _mm256_add_epi32(_mm256_slli_epi32(row, kBucketMantissaBits), mant);
 }
 
-void Quantize(const float* x, size_t n, float scale, const float* mids, const uint8_t* first,
+void Quantize(const float* x, size_t n, float scale, const float* mids, const uint32_t* buckets,
               uint8_t* codes) {
+  static_assert(kBucketProbes == 1, "the bucket entry holds one midpoint");
   const __m256 vscale = _mm256_set1_ps(scale);
+  const __m256i low16 = _mm256_set1_epi32(0xffff);
   size_t i = 0;
   for (; i + kW <= n; i += kW) {
-    const __m256 y = _mm256_div_ps(_mm256_loadu_ps(x + i), vscale);
-    // A 32-bit gather at byte offsets, low byte kept (the table is padded for it).
-    const __m256i c0 = _mm256_and_si256(
-        _mm256_i32gather_epi32(reinterpret_cast<const int*>(first), Buckets(_mm256_castps_si256(y)), 1),
-        _mm256_set1_epi32(0xff));
-    __m256i idx = c0;
-    for (int k = 0; k < kBucketProbes; ++k) {
-      const __m256 mid = _mm256_i32gather_ps(mids, _mm256_add_epi32(c0, _mm256_set1_epi32(k)), 4);
-      const __m256i below = _mm256_castps_si256(_mm256_cmp_ps(mid, y, _CMP_LT_OQ));
-      idx = _mm256_sub_epi32(idx, below);  // below is -1 where true
-    }
+    const __m256i bits = _mm256_castps_si256(_mm256_div_ps(_mm256_loadu_ps(x + i), vscale));
+    // One gather: the count below the bucket and the threshold of its midpoint (BucketCode).
+    const __m256i entry = _mm256_i32gather_epi32(reinterpret_cast<const int*>(buckets), Buckets(bits), 4);
+    const __m256i low = _mm256_xor_si256(_mm256_and_si256(bits, low16),
+                                         _mm256_and_si256(_mm256_srai_epi32(bits, 31), low16));
+    const __m256i above = _mm256_cmpgt_epi32(low, _mm256_srli_epi32(entry, 8));  // both < 2^16
+    const __m256i idx = _mm256_sub_epi32(_mm256_and_si256(entry, _mm256_set1_epi32(0xff)), above);
     const __m128i w = _mm_packus_epi32(_mm256_castsi256_si128(idx), _mm256_extracti128_si256(idx, 1));
     _mm_storel_epi64(reinterpret_cast<__m128i*>(codes + i), _mm_packus_epi16(w, w));
   }
-  CompactKernelsScalar().quantize(x + i, n - i, scale, mids, first, codes + i);
+  CompactKernelsScalar().quantize(x + i, n - i, scale, mids, buckets, codes + i);
 }
 
 void Dequantize(const uint8_t* codes, float scale, size_t n, const float* map, float* out) {

@@ -59,21 +59,21 @@ inline __m512i Buckets(__m512i bits) {
   return _mm512_add_epi32(_mm512_slli_epi32(row, kBucketMantissaBits), mant);
 }
 
-void Quantize(const float* x, size_t n, float scale, const float* mids, const uint8_t* first,
+void Quantize(const float* x, size_t n, float scale, const float*, const uint32_t* buckets,
               uint8_t* codes) {
+  static_assert(kBucketProbes == 1, "the bucket entry holds one midpoint");
   const __m512 vscale = _mm512_set1_ps(scale);
+  const __m512i low16 = _mm512_set1_epi32(0xffff);
   for (size_t i = 0; i < n; i += kW) {
     const __mmask16 k = Tail(n - i);
-    const __m512 y = _mm512_div_ps(_mm512_maskz_loadu_ps(k, x + i), vscale);
-    // A 32-bit gather at byte offsets, low byte kept (the table is padded for it).
-    const __m512i c0 = _mm512_and_si512(_mm512_i32gather_epi32(Buckets(_mm512_castps_si512(y)), first, 1),
-                                        _mm512_set1_epi32(0xff));
-    __m512i idx = c0;
-    for (int p = 0; p < kBucketProbes; ++p) {
-      const __m512 mid = _mm512_i32gather_ps(_mm512_add_epi32(c0, _mm512_set1_epi32(p)), mids, 4);
-      const __mmask16 below = _mm512_cmp_ps_mask(mid, y, _CMP_LT_OQ);
-      idx = _mm512_mask_add_epi32(idx, below, idx, _mm512_set1_epi32(1));
-    }
+    const __m512i bits = _mm512_castps_si512(_mm512_div_ps(_mm512_maskz_loadu_ps(k, x + i), vscale));
+    // One gather: the count below the bucket and the threshold of its midpoint (BucketCode).
+    const __m512i entry = _mm512_i32gather_epi32(Buckets(bits), buckets, 4);
+    const __m512i low = _mm512_xor_si512(_mm512_and_si512(bits, low16),
+                                         _mm512_and_si512(_mm512_srai_epi32(bits, 31), low16));
+    const __mmask16 above = _mm512_cmpgt_epu32_mask(low, _mm512_srli_epi32(entry, 8));
+    const __m512i c0 = _mm512_and_si512(entry, _mm512_set1_epi32(0xff));
+    const __m512i idx = _mm512_mask_add_epi32(c0, above, c0, _mm512_set1_epi32(1));
     _mm_mask_storeu_epi8(codes + i, k, _mm512_cvtepi32_epi8(idx));
   }
 }

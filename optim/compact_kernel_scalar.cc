@@ -21,7 +21,7 @@ inline uint8_t Code(float y, const float* mids) {
   return static_cast<uint8_t>(idx);
 }
 
-void Quantize(const float* x, size_t n, float scale, const float* mids, const uint8_t*,
+void Quantize(const float* x, size_t n, float scale, const float* mids, const uint32_t*,
               uint8_t* codes) {
   for (size_t i = 0; i < n; ++i) codes[i] = Code(x[i] / scale, mids);
 }

@@ -12,8 +12,9 @@
 namespace strata::optim::internal {
 
 // The quantizer's bucket table (Note [fast 8-bit codes] in compact_formats.cc): for a value's
-// sign, exponent and top mantissa bits, the count of midpoints below the bucket, so that the code
-// is that count plus at most kBucketProbes comparisons.
+// sign, exponent and top mantissa bits (the upper 16 bits of a float), the count of midpoints
+// below the bucket and the one midpoint that may fall inside it, so that the code is that count
+// plus at most kBucketProbes (one) comparison.
 inline constexpr int kBucketMantissaBits = 7;
 inline constexpr uint32_t kBucketMinExponent = 103;  // 2^-24; smaller magnitudes share one bucket
 inline constexpr int kBucketProbes = 1;
@@ -33,10 +34,9 @@ struct CompactKernels {
   // lo + n does not wrap (indices of one call share their upper 32 bits), and passes
   // high = RoundingHigh(key, index_base), lo = low 32 bits of index_base.
   void (*round_sr)(const float* x, uint16_t* out, size_t n, uint32_t high, uint32_t lo);
-  // codes[i] = #{k < 255 : mids[k] < x[i] / scale} for scale > 0; `first` is the bucket table
-  // of the same map (count of midpoints below each bucket), `mids` padded with kBucketProbes
-  // copies of +inf after its 255 values.
-  void (*quantize)(const float* x, size_t n, float scale, const float* mids, const uint8_t* first,
+  // codes[i] = #{k < 255 : mids[k] < x[i] / scale} for scale > 0; `buckets` is the bucket table
+  // of the same map (BucketEntry), `mids` its 255 midpoints.
+  void (*quantize)(const float* x, size_t n, float scale, const float* mids, const uint32_t* buckets,
                    uint8_t* codes);
   // out[i] = map[codes[i]] * scale.
   void (*dequantize)(const uint8_t* codes, float scale, size_t n, const float* map, float* out);
@@ -54,9 +54,15 @@ CompactKernels CompactKernelsScalar();
 // change, so each piece has one RoundingHigh).
 void RoundSrSplit(const CompactKernels& k, const float* x, uint16_t* out, size_t n, uint32_t key,
                   uint64_t index_base);
-// The bucket table of a map (Note [fast 8-bit codes] in compact_formats.cc): one byte per
-// bucket, followed by 3 bytes of padding so that a 32-bit gather at any bucket stays inside.
-const uint8_t* BucketTable(bool is_signed);
+// The bucket table of a map (Note [fast 8-bit codes] in compact_formats.cc), one entry per
+// bucket: bits 0-7 the count of midpoints below the bucket; bits 8-23 a threshold T on the low
+// 16 bits of y (their complement, 0xffff - low, for a negative y): the code is the count plus
+// one when they exceed T. T is 0xffff when no midpoint falls inside the bucket.
+const uint32_t* BucketTable(bool is_signed);
+inline uint32_t BucketCode(uint32_t entry, uint32_t bits) {
+  const uint32_t low = (bits & 0xffffu) ^ ((bits >> 31) ? 0xffffu : 0u);
+  return (entry & 0xffu) + (low > (entry >> 8) ? 1u : 0u);
+}
 CompactKernels CompactKernelsAvx2();
 CompactKernels CompactKernelsAvx512();
 

@@ -102,7 +102,7 @@ class MomentView {
   const internal::CompactKernels& k_;
   const float* map_;
   const float* mids_;
-  const uint8_t* first_;
+  const uint32_t* first_;
   alignas(64) float scratch_[kInt8Block];
 };
 

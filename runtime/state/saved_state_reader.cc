@@ -125,10 +125,10 @@ Status SavedStateReader::Use(StateKind kind, int64_t chunk, bool decoded) {
 Status SavedStateReader::ReadInt8Blocks(StateKind kind, int64_t pid, int64_t begin, int64_t count,
                                         uint8_t* codes, float* scales) {
   constexpr auto kBlock = static_cast<int64_t>(optim::kInt8Block);
-  STRATA_CHECK(int8_aligned_ && kind != StateKind::kMaster32, "8-bit blocks of a ", StateKindName(kind));
-  STRATA_CHECK(pid >= 0 && pid < static_cast<int64_t>(params_.size()), "parameter ", pid);
+  STRATA_DCHECK(int8_aligned_ && kind != StateKind::kMaster32, "8-bit blocks of a ", StateKindName(kind));
+  STRATA_DCHECK(pid >= 0 && pid < static_cast<int64_t>(params_.size()), "parameter ", pid);
   const Param& p = params_[pid];
-  STRATA_CHECK(begin % kBlock == 0 && count >= 0 && begin + count <= p.numel, "elements ", begin,
+  STRATA_DCHECK(begin % kBlock == 0 && count >= 0 && begin + count <= p.numel, "elements ", begin,
                "+", count, " of '", p.name, "'");
   STRATA_RETURN_IF_ERROR(Use(kind, p.chunk, /*decoded=*/false));
   const int64_t n = shard_numel_[p.chunk];  // a multiple of the block: no block spans two ranks
@@ -144,9 +144,9 @@ Status SavedStateReader::ReadInt8Blocks(StateKind kind, int64_t pid, int64_t beg
 }
 
 Status SavedStateReader::Read(StateKind kind, int64_t pid, int64_t begin, int64_t count, float* out) {
-  STRATA_CHECK(pid >= 0 && pid < static_cast<int64_t>(params_.size()), "parameter ", pid);
+  STRATA_DCHECK(pid >= 0 && pid < static_cast<int64_t>(params_.size()), "parameter ", pid);
   const Param& p = params_[pid];
-  STRATA_CHECK(begin >= 0 && count >= 0 && begin + count <= p.numel, "elements ", begin, "+", count,
+  STRATA_DCHECK(begin >= 0 && count >= 0 && begin + count <= p.numel, "elements ", begin, "+", count,
                " of '", p.name, "' (", p.numel, ")");
   STRATA_RETURN_IF_ERROR(Use(kind, p.chunk, /*decoded=*/true));
   std::copy_n(cached_.data() + p.offset + begin, count, out);

@@ -153,7 +153,7 @@ StatusOr<MemoryEstimate> EstimateMemory(const Config& config, const ModelSpec& m
     return p == Placement::kDevice ? MemTier::kHbm : p == Placement::kHost ? MemTier::kHostPinned : MemTier::kNvme;
   };
 
-  uint64_t nvme_need = 0, max_shard = 0, state_bytes = 0;
+  uint64_t max_shard = 0, state_bytes = 0;
   for (size_t ch = 0; ch < chunks.size(); ++ch) {
     const ChunkInfo& ci = chunks[ch];
     const int64_t c = static_cast<int64_t>(ch);
@@ -173,9 +173,6 @@ StatusOr<MemoryEstimate> EstimateMemory(const Config& config, const ModelSpec& m
     add_state("grad", optim_tier, grad);
     add_state("param16", param_tier, work);
     state_bytes += master + m + v + grad + plan.BlockBytes(StateKind::kParam16, n);
-    if (optim_tier == MemTier::kNvme)
-      nvme_need += Round(grad, 4096) + Round(master, 4096) + Round(m, 4096) + Round(v, 4096);
-    if (param_tier == MemTier::kNvme) nvme_need += Round(work, 4096);
   }
   // Every tier summed, per parameter of the model (the working copy counted once per rank's
   // shard, as ZeRO-3 stores it; below stage 3 each rank keeps the whole copy on the device).
@@ -440,6 +437,8 @@ StatusOr<MemoryEstimate> EstimateMemory(const Config& config, const ModelSpec& m
   est.hbm_bytes = est.engine_device_peak_bytes + torch_dev;
   est.host_pageable_bytes = host_other;
   est.host_pinned_bytes = pool;
+  // The plan's own sum (each NVMe-homed block rounded to 4 KiB), which the swap store reserves.
+  const uint64_t nvme_need = plan.nvme_bytes();
   est.nvme_bytes = nvme_need;
   if (nvme_need > 0 && config.strata.nvme_capacity > 0 && config.strata.nvme_capacity < nvme_need)
     est.notes.push_back(StrCat("strata.nvme_capacity=", config.strata.nvme_capacity, " is below the ",

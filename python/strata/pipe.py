@@ -24,6 +24,7 @@ so a pipeline of several stages draws other initial weights than DeepSpeed's per
 unless seed_layers is set. initialize warns once with the stage count.
 """
 
+import collections
 import functools
 import warnings
 
@@ -77,6 +78,7 @@ class ProcessTopology:
                                        "size per axis")
         self.axes = list(axes)
         self.dims = [int(d) for d in dims]
+        self.ProcessCoord = collections.namedtuple("ProcessCoord", self.axes)
 
     def get_dim(self, axis):
         return self.dims[self.axes.index(axis)] if axis in self.axes else 1
@@ -88,11 +90,12 @@ class ProcessTopology:
         return n
 
     def get_coord(self, rank):
+        """The rank's coordinate as a namedtuple over the axes (coord.pipe, coord.data)."""
         coord = {}
         for axis, dim in reversed(list(zip(self.axes, self.dims))):
             coord[axis] = rank % dim
             rank //= dim
-        return coord
+        return self.ProcessCoord(**coord)
 
     def get_rank(self, **coord):
         rank = 0

@@ -61,6 +61,17 @@ def test_submodules_resolve():
     assert callable(clone_tensors_for_torch_save) and callable(get_fp32_state_dict_from_zero_checkpoint)
     assert issubclass(DeepSpeedCPUAdam, torch.optim.Optimizer)
     assert issubclass(FusedAdam, torch.optim.Optimizer)
+    # The pipeline names, where DeepSpeed's scripts import them from (strata/pipe.py).
+    from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
+    from deepspeed.runtime.pipe.engine import PipelineEngine
+    from deepspeed.runtime.pipe.module import PipelineModule as ModulePipelineModule
+    from deepspeed.runtime.pipe.topology import PipeDataParallelTopology
+
+    assert PipelineModule is ModulePipelineModule is deepspeed.PipelineModule
+    assert issubclass(TiedLayerSpec, LayerSpec) and issubclass(PipelineEngine, strata.StrataEngine)
+    coord = PipeDataParallelTopology(2, 3).get_coord(4)
+    assert (coord.pipe, coord.data) == (1, 1)
+    assert PipeDataParallelTopology(2, 3).get_rank(pipe=1, data=1) == 4
 
 
 @pytest.mark.parametrize("call, words", [

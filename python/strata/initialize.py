@@ -218,6 +218,8 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     engine_class = _pipe.PipelineEngine if isinstance(model, _pipe.PipelineModule) else StrataEngine
     engine = engine_class(cpp, model, units)
     engine._user_config = user_cfg
+    if isinstance(engine, _pipe.PipelineEngine):
+        engine.configure_pipeline(user_cfg.get("pipeline"))
     _param_state.attach(engine)  # ZeRO-3's ds_* attributes (stage 3)
     if engine.fp16_enabled() and engine.device.type == "cpu":
         _cpu_half.enable()  # fp16 operators in fp32, from here on (python/strata/cpu_half.py)

@@ -253,11 +253,14 @@ class PipelineModule(torch.nn.Module):
 def engine_config(cfg, model, world):
     """The config the engine runs for `model` over `world` ranks: under a PipelineModule the
     ranks of one pipeline group repeat each other's micro-batches, so a train_batch_size given in
-    DeepSpeed's terms (micro x accumulation x dp) is scaled to the ranks that compute it."""
-    if not isinstance(model, PipelineModule) or "train_batch_size" not in cfg:
+    DeepSpeed's terms (micro x accumulation x dp) is scaled to the ranks that compute it; and
+    the "pipeline" section is the PipelineEngine's (configure_pipeline), not the engine's."""
+    if not isinstance(model, PipelineModule):
         return cfg
     out = dict(cfg)
-    out["train_batch_size"] = int(cfg["train_batch_size"]) * (world // model.dp_world_size)
+    out.pop("pipeline", None)
+    if "train_batch_size" in cfg:
+        out["train_batch_size"] = int(cfg["train_batch_size"]) * (world // model.dp_world_size)
     return out
 
 
@@ -286,6 +289,23 @@ class PipelineEngine(StrataEngine):
                 "group compute the same micro-batches, so results are DeepSpeed's but the model "
                 "is not split across them (ZeRO stage 3 with offload spreads a model that does "
                 "not fit)")
+
+    def configure_pipeline(self, section):
+        """The config's "pipeline" section, as DeepSpeed's engine reads it: a positive
+        activation_checkpoint_interval replaces the module's. use_reentrant false asks DeepSpeed
+        for its non-reentrant checkpoint; Strata's checkpoint function serves both (the same
+        results), with a warning. The partitioning keys (stages, partition, pipe_partitioned,
+        grad_partitioned) have nothing to act on: every stage runs here."""
+        section = dict(section or {})
+        interval = section.get("activation_checkpoint_interval", 0)
+        if not isinstance(interval, int) or isinstance(interval, bool) or interval < 0:
+            raise InvalidArgumentError(f"pipeline.activation_checkpoint_interval={interval!r}: a "
+                                       "whole number of layers, 0 for none")
+        if interval > 0:
+            self.module.activation_checkpoint_interval = interval
+        if section.get("use_reentrant") is False:
+            warnings.warn("pipeline.use_reentrant=false: Strata checkpoints activations with its "
+                          "own function, reentrant; the results are the same")
 
     # --- DeepSpeed's data-parallel view: dp groups, not ranks --------------------------------
     @property

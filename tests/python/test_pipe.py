@@ -119,6 +119,23 @@ def test_activation_checkpoint_intervals_train_the_same():
     engine.close()
 
 
+def test_the_configs_pipeline_section_sets_the_checkpoint_interval(recwarn, capfd):
+    torch.manual_seed(0)
+    model = pipe.PipelineModule(layers(), num_stages=1, loss_fn=torch.nn.functional.cross_entropy)
+    cfg = dict(config(), pipeline={"activation_checkpoint_interval": 3, "use_reentrant": False,
+                                   "pipe_partitioned": True})
+    engine, *_ = strata.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+    assert model.activation_checkpoint_interval == 3
+    assert "use_reentrant=false" in " ".join(str(w.message) for w in recwarn)
+    assert "pipeline is accepted" not in capfd.readouterr().err  # the engine's log: not its key
+    engine.close()
+    cfg["pipeline"] = {"activation_checkpoint_interval": -1}
+    torch.manual_seed(0)
+    model = pipe.PipelineModule(layers(), num_stages=1, loss_fn=torch.nn.functional.cross_entropy)
+    with pytest.raises(strata.InvalidArgumentError, match="activation_checkpoint_interval=-1"):
+        strata.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+
+
 def test_state_dict_keys_are_deepspeeds_and_bad_layers_are_refused():
     model = pipe.PipelineModule(layers(), num_stages=1)
     keys = set(model.state_dict())

@@ -8,9 +8,13 @@ pipeline groups split the batch. Strata is a data-parallel engine with offload: 
 whole layer list on each rank, and gives the script DeepSpeed's numbers.
 
   - The ranks of one pipeline group (ranks r with the same r % dp, as DeepSpeed's
-    PipeDataParallelTopology numbers them) read the same micro-batches: the loader's sampler is
-    over the dp groups, not the ranks. Their gradients are equal, so the engine's all-rank mean
-    is DeepSpeed's mean over the dp groups.
+    PipeDataParallelTopology numbers them) read the same micro-batches: the loader is
+    DeepSpeed's pipeline loader, the data in order over the dp groups, repeating. Their
+    gradients are equal, so the engine's all-rank mean is DeepSpeed's mean over the dp groups.
+  - The weights are DeepSpeed's: each stage's layers are built from the random state DeepSpeed's
+    stage ranks build them from (Note [the weights of a pipeline]), with its stage boundaries.
+    Against DeepSpeed 0.19.6 on one and on two stages, train_batch returned the same losses to
+    every printed digit.
   - train_batch() runs gradient_accumulation_steps micro-batches (forward, loss_fn, backward),
     then the step, and returns the micro-batches' mean loss averaged over the dp groups, on every
     rank, as DeepSpeed broadcasts it.
@@ -19,13 +23,13 @@ whole layer list on each rank, and gives the script DeepSpeed's numbers.
 
 What differs, on purpose: each rank holds every layer, so a pipeline does not spread a model
 that does not fit one device (ZeRO stage 3 with offload does that; ZeRO 1-3 run with a
-PipelineModule here, where DeepSpeed refuses 2 and 3). Layers are built in order in one process,
-so a pipeline of several stages draws other initial weights than DeepSpeed's per-stage builds
-unless seed_layers is set. initialize warns once with the stage count.
+PipelineModule here, where DeepSpeed refuses 2 and 3). initialize warns once with the stage
+count.
 """
 
 import collections
 import functools
+import re
 import warnings
 
 import torch
@@ -33,7 +37,7 @@ import torch
 from . import checkpointing as _checkpointing
 from ._strata import InvalidArgumentError
 from .engine import StrataEngine
-from .runtime_utils import RepeatingLoader
+from .runtime_utils import RepeatingLoader, set_random_seed
 
 
 class LayerSpec:
@@ -117,6 +121,53 @@ class PipeModelDataParallelTopology(ProcessTopology):
         super().__init__(axes=["pipe", "data", "model"], dims=[num_pp, num_dp, num_mp])
 
 
+def _layer_name(layer):
+    if isinstance(layer, LayerSpec):
+        return layer.typename.__name__
+    if isinstance(layer, torch.nn.Module):
+        return type(layer).__name__
+    return getattr(layer, "__name__", "")
+
+
+def _uniform_parts(n, parts):
+    """Stage boundaries for n layers, as even as can be (the first n % parts stages one more)."""
+    if n <= parts:
+        return [min(p, n) for p in range(parts + 1)]
+    size, extra = divmod(n, parts)
+    return [p * size + min(p, extra) for p in range(parts + 1)]
+
+
+def _balanced_parts(weights, parts):
+    """Stage boundaries that split `weights` into `parts` contiguous runs whose largest and
+    smallest sums are closest (the linear partition problem, by dynamic programming, as
+    DeepSpeed's partition_balanced solves it; among equally good splits the last run starts as
+    late as possible). The boundaries decide which layers a stage builds from the same random
+    state (Note [the weights of a pipeline]), so they are DeepSpeed's."""
+    n = len(weights)
+    if n <= parts:
+        return _uniform_parts(n, parts)
+    inf = float("inf")
+    prefix = [0.0]
+    for w in weights:
+        prefix.append(prefix[-1] + float(w))
+    cost = [[inf] * (parts + 1) for _ in range(n + 1)]
+    high = [[inf] * (parts + 1) for _ in range(n + 1)]
+    low = [[inf] * (parts + 1) for _ in range(n + 1)]
+    cut = [[0] * (parts + 1) for _ in range(n + 1)]
+    cost[0][0], high[0][0] = 0.0, 0.0
+    for i in range(1, n + 1):
+        for j in range(1, min(i, parts) + 1):
+            for k in range(i):
+                run = prefix[i] - prefix[k]
+                hi, lo = max(high[k][j - 1], run), min(low[k][j - 1], run)
+                if cost[i][j] >= hi - lo:
+                    cost[i][j], high[i][j], low[i][j], cut[i][j] = hi - lo, hi, lo, k
+    bounds = [n]
+    for j in range(parts, 0, -1):
+        bounds.append(cut[bounds[-1]][j])
+    return bounds[::-1]
+
+
 def _world():
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         return torch.distributed.get_world_size(), torch.distributed.get_rank()
@@ -166,33 +217,84 @@ class PipelineModule(torch.nn.Module):
         self.checkpointable_layers = checkpointable_layers
         self.micro_offset = 0
         self._layer_specs = list(layers)
+        self.parts = self._partition(str(partition_method).lower())
         self.forward_funcs = []
         self.fwd_map = {}
         self.tied_modules = torch.nn.ModuleDict()
         self.tied_weight_attrs = {}
         for idx, layer in enumerate(self._layer_specs):
-            if seed_layers:
-                (seed_fn or torch.manual_seed)(base_seed + idx)
             if isinstance(layer, PipelineModule):
                 raise InvalidArgumentError(f"PipelineModule: layer {idx} is a PipelineModule; "
                                            "nest its layers in the list instead")
-            if isinstance(layer, torch.nn.Module):
-                self._add(str(idx), layer)
-            elif isinstance(layer, TiedLayerSpec):
-                if layer.key not in self.tied_modules:
-                    self.tied_modules[layer.key] = layer.build()
-                    self.tied_weight_attrs[layer.key] = layer.tied_weight_attr
-                module = self.tied_modules[layer.key]
-                self.forward_funcs.append(module if layer.forward_fn is None
-                                          else functools.partial(layer.forward_fn, module))
-            elif isinstance(layer, LayerSpec):
-                self._add(str(idx), layer.build())
-            elif callable(layer):
-                self.forward_funcs.append(layer)
-            else:
+            if not isinstance(layer, (torch.nn.Module, LayerSpec)) and not callable(layer):
                 raise InvalidArgumentError(
                     f"PipelineModule: layer {idx} is a {type(layer).__name__}; each layer is an "
                     "nn.Module, a LayerSpec, a TiedLayerSpec or a callable")
+        # Note [the weights of a pipeline]: DeepSpeed builds each stage's layers on that
+        # stage's rank, every rank from the generator's state after the partitioning, and gives
+        # a tied module the weights of its first stage. Built stage by stage from that same
+        # state here, the layers get DeepSpeed's weights for any number of stages; this rank's
+        # generator ends where its own stage's build leaves it, as under DeepSpeed.
+        start = torch.random.get_rng_state()
+        own = start
+        for stage in range(self.num_stages):
+            torch.random.set_rng_state(start)
+            tied_here = set()
+            for idx in range(self.parts[stage], self.parts[stage + 1]):
+                self._build_layer(idx, tied_here)
+            if stage == self.stage_id:
+                own = torch.random.get_rng_state()
+        torch.random.set_rng_state(own)
+
+    def _build_layer(self, idx, tied_here):
+        layer = self._layer_specs[idx]
+        if self.seed_layers:
+            (self.seed_fn or set_random_seed)(self.base_seed + idx)
+        if isinstance(layer, torch.nn.Module):
+            self._add(str(idx), layer)
+        elif isinstance(layer, TiedLayerSpec):
+            if layer.key not in tied_here:  # each stage holding the key builds its copy
+                tied_here.add(layer.key)
+                copy = layer.build()
+                if layer.key not in self.tied_modules:  # the first stage's weights are kept
+                    self.tied_modules[layer.key] = copy
+                    self.tied_weight_attrs[layer.key] = layer.tied_weight_attr
+            module = self.tied_modules[layer.key]
+            self.forward_funcs.append(module if layer.forward_fn is None
+                                      else functools.partial(layer.forward_fn, module))
+        elif isinstance(layer, LayerSpec):
+            self._add(str(idx), layer.build())
+        else:
+            self.forward_funcs.append(layer)
+
+    def _partition(self, method):
+        """Where each stage's layers would begin (and the end), by DeepSpeed's methods. Every
+        layer runs on each rank here, so the split is only reported (partitions()); but
+        "parameters", DeepSpeed's default, counts each LayerSpec's parameters by building it
+        once, as DeepSpeed does, which draws from the random generator before the real build:
+        done here too, so a one-stage pipeline starts from DeepSpeed's weights."""
+        n = len(self._layer_specs)
+        if method == "uniform":
+            weights = None
+        elif method == "parameters":
+            weights = []
+            for layer in self._layer_specs:
+                module = layer.build() if isinstance(layer, LayerSpec) else layer
+                weights.append(sum(p.numel() for p in module.parameters() if p.requires_grad)
+                               if isinstance(module, torch.nn.Module) else 0)
+        elif method.startswith("type:"):
+            pattern = re.compile(method.split(":", 1)[1], re.IGNORECASE)
+            weights = [1 if pattern.search(_layer_name(layer)) else 0 for layer in self._layer_specs]
+            if not any(weights):
+                raise InvalidArgumentError(f"PipelineModule(partition_method={method!r}): no layer's "
+                                           "type matches; name one of the layers' classes")
+        else:
+            raise InvalidArgumentError(f"PipelineModule(partition_method={method!r}): "
+                                       "'parameters', 'uniform' or 'type:<regex>', as DeepSpeed "
+                                       "implements")
+        if method == "uniform":
+            return _uniform_parts(n, self.num_stages)
+        return _balanced_parts(weights, self.num_stages)
 
     def _add(self, name, module):
         self.forward_funcs.append(module)
@@ -238,10 +340,9 @@ class PipelineModule(torch.nn.Module):
         return self.num_stages
 
     def partitions(self):
-        """Where each stage's layers begin (and the end), balanced by layer count: the layers
-        all run on each rank here, so this only reports a split."""
-        n = len(self.forward_funcs)
-        return [n * s // self.num_stages for s in range(self.num_stages + 1)]
+        """Where each stage's layers would begin, and the end (by partition_method); the layers
+        all run on each rank here."""
+        return list(self.parts)
 
     def get_tied_weights_and_groups(self):
         return []
@@ -330,14 +431,25 @@ class PipelineEngine(StrataEngine):
 
     # --- data ----------------------------------------------------------------------------------
     def _loader_for(self, training_data, collate_fn):
-        loader = super()._loader_for(training_data, collate_fn)
-        if loader is not None:
-            self.set_dataloader(loader)
-        return loader
+        """As DeepSpeed's pipeline engine: the data in order (no shuffle) over the dp groups,
+        repeating; that loader is what initialize returns and what train_batch reads."""
+        if training_data is None:
+            return None
+        self.training_data, self.collate_fn = training_data, collate_fn
+        loader = training_data
+        if not isinstance(training_data, torch.utils.data.IterableDataset):
+            sampler = torch.utils.data.distributed.DistributedSampler(
+                training_data, num_replicas=self.dp_world_size,
+                rank=self.get_data_parallel_rank(), shuffle=False)
+            loader = self.deepspeed_io(training_data, data_sampler=sampler)
+        else:
+            loader = self.deepspeed_io(training_data)
+        self.set_dataloader(RepeatingLoader(loader))
+        return self.training_dataloader
 
     def set_dataloader(self, loader):
         self.training_dataloader = loader
-        self.data_iterator = iter(RepeatingLoader(loader))
+        self.data_iterator = iter(loader)
 
     def set_dataiterator(self, iterator):
         self.data_iterator = iterator

@@ -37,26 +37,41 @@ def config():
             "zero_optimization": {"stage": 1}, "steps_per_print": 1}
 
 
-def pipeline_engine(stages, **module_kwargs):
+def pipeline_engine(stages, initial=None, **module_kwargs):
+    """A PipelineModule of layers() trained by a Strata engine; `initial` (a dict) receives its
+    starting weights by name."""
     torch.manual_seed(0)
     model = pipe.PipelineModule(layers(), num_stages=stages,
                                 loss_fn=torch.nn.functional.cross_entropy, **module_kwargs)
+    if initial is not None:
+        initial.update({n: p.detach().clone() for n, p in model.named_parameters()})
     engine, _, loader, _ = strata.initialize(model=model, model_parameters=model.parameters(),
                                              training_data=dataset(), config=config())
     return engine, loader
 
 
-def reference(micro_batches_of_step):
-    """Plain PyTorch: the same layers built in the same order (so the same weights), AdamW,
-    each step the mean gradient of its micro-batches; returns the mean loss per step."""
+def reference(micro_batches_of_step, initial=None):
+    """Plain PyTorch: the same layers built in the same order (so a one-stage pipeline's
+    weights) or given `initial` weights by DeepSpeed's names, AdamW, each step the mean gradient
+    of its micro-batches; returns the mean loss per step."""
     torch.manual_seed(0)
-    built, tied = [], {}
-    for spec in layers():
+    for spec in layers():  # DeepSpeed's "parameters" partitioning builds each spec once first
+        if isinstance(spec, pipe.LayerSpec):
+            spec.build()
+    built, tied, names = [], {}, []
+    for idx, spec in enumerate(layers()):
+        names.append(f"tied_modules.{spec.key}." if isinstance(spec, pipe.TiedLayerSpec) else f"{idx}.")
         if isinstance(spec, pipe.TiedLayerSpec):  # built once per key, shared by its positions
             if spec.key not in tied:
                 tied[spec.key] = spec.build()
             spec = tied[spec.key]
         built.append(spec.build() if isinstance(spec, pipe.LayerSpec) else spec)
+    if initial is not None:
+        with torch.no_grad():
+            for prefix, m in zip(names, built):
+                if isinstance(m, torch.nn.Module):
+                    for name, p in m.named_parameters():
+                        p.copy_(torch.tensor(initial[prefix + name]).view_as(p))
     params = {id(p): p for m in built if isinstance(m, torch.nn.Module) for p in m.parameters()}
     opt = torch.optim.AdamW(list(params.values()), lr=1e-2, weight_decay=0.01)
 
@@ -79,8 +94,9 @@ def reference(micro_batches_of_step):
 
 
 def _sampled(replicas, rank):
+    # DeepSpeed's pipeline loader: the data in order over the dp groups.
     sampler = torch.utils.data.distributed.DistributedSampler(dataset(), num_replicas=replicas,
-                                                              rank=rank, shuffle=True)
+                                                              rank=rank, shuffle=False)
     return list(torch.utils.data.DataLoader(dataset(), batch_size=MICRO, sampler=sampler))
 
 
@@ -136,6 +152,27 @@ def test_the_configs_pipeline_section_sets_the_checkpoint_interval(recwarn, capf
         strata.initialize(model=model, model_parameters=model.parameters(), config=cfg)
 
 
+# Stage boundaries DeepSpeed 0.19.6's partition_balanced and partition_uniform return for these
+# inputs (run in the peer root, ../shared/peers/deepspeed-cpu): they decide which layers a stage
+# builds from the same random state, so they must be DeepSpeed's.
+BALANCED = [([1, 2, 3, 4, 5, 6, 7, 8], 3, [0, 4, 6, 8]), ([5, 5, 5, 5], 3, [0, 2, 3, 4]),
+            ([10, 1, 1, 1, 1, 10], 2, [0, 3, 6]), ([0, 0, 7, 0], 2, [0, 3, 4]),
+            ([3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5], 4, [0, 5, 7, 9, 11]), ([208, 0, 85], 2, [0, 2, 3]),
+            ([1, 1], 3, [0, 1, 2, 2])]
+
+
+def test_stage_boundaries_are_deepspeeds():
+    for weights, parts, want in BALANCED:
+        assert pipe._balanced_parts(weights, parts) == want, (weights, parts)
+    assert pipe._uniform_parts(10, 3) == [0, 4, 7, 10] and pipe._uniform_parts(2, 3) == [0, 1, 2, 2]
+    by_type = pipe.PipelineModule(layers(), num_stages=1, partition_method="type:linear")
+    assert by_type.partitions() == [0, 6]
+    with pytest.raises(strata.InvalidArgumentError, match="no layer's type matches"):
+        pipe.PipelineModule(layers(), num_stages=1, partition_method="type:Conv2d")
+    with pytest.raises(strata.InvalidArgumentError, match="'parameters', 'uniform' or 'type:"):
+        pipe.PipelineModule(layers(), num_stages=1, partition_method="profile")
+
+
 def test_state_dict_keys_are_deepspeeds_and_bad_layers_are_refused():
     model = pipe.PipelineModule(layers(), num_stages=1)
     keys = set(model.state_dict())
@@ -158,8 +195,13 @@ def test_two_stages_on_two_ranks_repeat_one_rank(tmp_path):
     assert ranks[0]["train_batch_size"] == MICRO * GAS
     assert ranks[0]["batches"] == SAMPLES // MICRO
     assert ranks[0]["loss"] == ranks[1]["loss"]
+    # Each stage's layers were built from the same random state, as on DeepSpeed's stage ranks
+    # (Note [the weights of a pipeline]), so the weights are not one process's sequence: the
+    # reference starts from them.
+    assert ranks[0]["initial"] == ranks[1]["initial"]
     order = _sampled(1, 0)
-    harness.assert_close(ranks[0]["loss"], reference(lambda s: order[s * GAS:(s + 1) * GAS]))
+    harness.assert_close(ranks[0]["loss"], reference(lambda s: order[s * GAS:(s + 1) * GAS],
+                                                     ranks[0]["initial"]))
 
 
 @pytest.mark.skipif(not harness.have_gloo(),
@@ -172,5 +214,6 @@ def test_one_stage_on_two_ranks_splits_the_batch(tmp_path):
     assert ranks[0]["batches"] == SAMPLES // MICRO // 2
     assert ranks[0]["loss"] == ranks[1]["loss"]  # the dp mean, on every rank
     halves = [_sampled(2, 0), _sampled(2, 1)]
-    want = reference(lambda s: halves[0][s * GAS:(s + 1) * GAS] + halves[1][s * GAS:(s + 1) * GAS])
+    want = reference(lambda s: halves[0][s * GAS:(s + 1) * GAS] + halves[1][s * GAS:(s + 1) * GAS],
+                     ranks[0]["initial"])
     harness.assert_close(ranks[0]["loss"], want)

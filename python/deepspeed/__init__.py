@@ -25,7 +25,8 @@ __strata__ = True  # a script can tell Strata's deepspeed from DeepSpeed's
 
 init_inference = _unsupported.refused_function("deepspeed.init_inference", "inference")
 tp_model_init = _unsupported.refused_function("deepspeed.tp_model_init", "tensor_parallel")
-from strata.pipe import PipelineEngine, PipelineModule  # noqa: E402  (every stage on each rank)
+from strata.pipe import PipelineModule  # noqa: E402  (every stage on each rank)
+from strata.pipe_engine import PipelineEngine  # noqa: E402
 
 
 def is_compile_supported():

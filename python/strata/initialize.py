@@ -14,6 +14,7 @@ from . import cpu_half as _cpu_half
 from . import engine as _engine_mod
 from . import param_state as _param_state
 from . import pipe as _pipe
+from . import pipe_engine as _pipe_engine
 from . import units as _units
 from ._strata import InvalidArgumentError
 from .engine import StrataEngine
@@ -208,17 +209,18 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
         os.environ["MASTER_PORT"] = str(port)  # Note [two rendezvous] in strata/comm.py
     try:
         # A PipelineModule's pipeline groups repeat each other's batches (strata/pipe.py).
-        engine_cfg = _pipe.engine_config(cfg, model, _comm.get_world_size())
+        engine_cfg = _pipe_engine.engine_config(cfg, model, _comm.get_world_size())
         cpp = _strata.Engine(model, [m for _, m in units], json.dumps(engine_cfg), source, hints,
                              _engine_groups(optimizer, model_parameters, cfg),
                              client_optimizer=client_runs_itself)
     finally:
         if port is not None:
             os.environ["MASTER_PORT"] = saved_port
-    engine_class = _pipe.PipelineEngine if isinstance(model, _pipe.PipelineModule) else StrataEngine
+    engine_class = _pipe_engine.PipelineEngine if isinstance(model, _pipe.PipelineModule) \
+        else StrataEngine
     engine = engine_class(cpp, model, units)
     engine._user_config = user_cfg
-    if isinstance(engine, _pipe.PipelineEngine):
+    if isinstance(engine, _pipe_engine.PipelineEngine):
         engine.configure_pipeline(user_cfg.get("pipeline"))
     _param_state.attach(engine)  # ZeRO-3's ds_* attributes (stage 3)
     if engine.fp16_enabled() and engine.device.type == "cpu":

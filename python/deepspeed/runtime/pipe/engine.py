@@ -1,2 +1,2 @@
 """deepspeed.runtime.pipe.engine: the engine initialize returns for a PipelineModule."""
-from strata.pipe import PipelineEngine  # noqa: F401
+from strata.pipe_engine import PipelineEngine  # noqa: F401

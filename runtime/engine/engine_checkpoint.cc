@@ -390,9 +390,9 @@ Status Engine::Impl::WriteLoadedBlock(int64_t c, StateKind kind, const std::vect
 }
 
 bool Engine::Impl::SameChunks(const checkpoint::Manifest& m) const {
-  for (size_t c = 0; c < chunks_.size(); ++c)
-    if (c >= m.shard_numel.size() || m.shard_numel[c] != partitioner_->chunks()[c].shard_numel) return false;
   if (m.shard_numel.size() != chunks_.size()) return false;
+  for (size_t c = 0; c < chunks_.size(); ++c)
+    if (m.shard_numel[c] != partitioner_->chunks()[c].shard_numel) return false;
   if (m.layout.is_null() || !m.layout.contains("params")) return true;  // checked by shard sizes
   const auto& saved = m.layout["params"];
   if (saved.size() != params_.size()) return false;
@@ -437,30 +437,17 @@ Status Engine::Impl::ReadRelaidBlocks(const std::string& dir, const checkpoint::
     for (size_t c = 0; c < chunks_.size(); ++c) {
       const int64_t c64 = static_cast<int64_t>(c);
       const int64_t n = partitioner_->chunks()[c].shard_numel;
-      const int64_t lo = partitioner_->ShardOffset(c64, plan_.shard_rank());
-      if (copy_blocks) {
-        std::vector<char> buf(now.Bytes(kind, n), 0);  // blocks of no parameter: scale 0, all zero
-        auto* codes = reinterpret_cast<uint8_t*>(buf.data());
-        auto* scales = reinterpret_cast<float*>(buf.data() + optim::Int8ScaleOffset(static_cast<size_t>(n)));
-        for (int64_t pid : partitioner_->chunks()[c].params) {
-          const ParamLocation& loc = partitioner_->location(pid);
-          const int64_t from = std::max(lo, loc.offset), to = std::min(lo + n, loc.offset + loc.numel);
-          if (from >= to) continue;
-          STRATA_RETURN_IF_ERROR(saved.ReadInt8Blocks(kind, pid, from - loc.offset, to - from, codes + (from - lo),
-                                                      scales + (from - lo) / static_cast<int64_t>(optim::kInt8Block)));
-        }
-        STRATA_RETURN_IF_ERROR(WriteLoadedBlock(c64, kind, buf));
-        continue;
+      std::vector<char> buf(now.Bytes(kind, n), 0);  // blocks of no parameter: scale 0, all zero
+      auto* codes = reinterpret_cast<uint8_t*>(buf.data());
+      auto* scales = reinterpret_cast<float*>(buf.data() + optim::Int8ScaleOffset(static_cast<size_t>(n)));
+      std::vector<float> values(copy_blocks ? 0 : static_cast<size_t>(n), 0.0f);  // padding stays zero
+      for (const auto& pc : partitioner_->ShardPieces(c64, plan_.shard_rank())) {
+        STRATA_RETURN_IF_ERROR(
+            copy_blocks ? saved.ReadInt8Blocks(kind, pc.param, pc.in_param, pc.size, codes + pc.in_shard,
+                                               scales + pc.in_shard / static_cast<int64_t>(optim::kInt8Block))
+                        : saved.Read(kind, pc.param, pc.in_param, pc.size, values.data() + pc.in_shard));
       }
-      std::vector<float> values(static_cast<size_t>(n), 0.0f);  // padding stays zero
-      for (int64_t pid : partitioner_->chunks()[c].params) {
-        const ParamLocation& loc = partitioner_->location(pid);
-        const int64_t from = std::max(lo, loc.offset), to = std::min(lo + n, loc.offset + loc.numel);
-        if (from >= to) continue;
-        STRATA_RETURN_IF_ERROR(saved.Read(kind, pid, from - loc.offset, to - from, values.data() + (from - lo)));
-      }
-      std::vector<char> buf(now.Bytes(kind, n), 0);
-      now.Encode(kind, values.data(), n, buf.data());
+      if (!copy_blocks) now.Encode(kind, values.data(), n, buf.data());
       STRATA_RETURN_IF_ERROR(WriteLoadedBlock(c64, kind, buf));
     }
   }

@@ -103,7 +103,6 @@ Status Engine::Impl::PatchShard(int64_t c, StateKind kind,
                                 const std::vector<std::pair<int64_t, torch::Tensor>>& values,
                                 std::vector<float>* shard_out) {
   STRATA_ASSIGN_OR_RETURN(StateBlock b, BlockOf(plan_, c, kind));
-  const int64_t lo = partitioner_->ShardOffset(c, plan_.shard_rank());
   const int64_t n = partitioner_->chunks()[c].shard_numel;
   const Placement where = plan_.PlacementOf(c, b.key.kind);
   std::vector<float> shard(n);
@@ -118,11 +117,8 @@ Status Engine::Impl::PatchShard(int64_t c, StateKind kind,
       ToFloat(raw.data(), b.dtype, n, shard.data());
     }
     for (const auto& [pid, value] : values) {
-      const ParamLocation& loc = partitioner_->location(pid);
-      const int64_t from = std::max(lo, loc.offset), to = std::min(lo + n, loc.offset + loc.numel);
-      if (from < to)
-        std::memcpy(shard.data() + (from - lo), value.data_ptr<float>() + (from - loc.offset),
-                    (to - from) * sizeof(float));
+      const Partitioner::ShardPiece pc = partitioner_->PieceOf(pid, plan_.shard_rank());
+      std::memcpy(shard.data() + pc.in_shard, value.data_ptr<float>() + pc.in_param, pc.size * sizeof(float));
     }
     if (b.blocks8) {
       plan_.layout().Encode(kind, shard.data(), n, raw.data());
@@ -224,14 +220,12 @@ StatusOr<std::vector<torch::Tensor>> Engine::Impl::LocalParamState(
   QuietLanes();
   std::vector<torch::Tensor> out;
   for (int64_t pid : ids) {
-    const ParamLocation& loc = partitioner_->location(pid);
-    const int64_t lo = partitioner_->ShardOffset(loc.chunk, plan_.shard_rank());
-    const int64_t n = partitioner_->chunks()[loc.chunk].shard_numel;
-    const int64_t from = std::max(lo, loc.offset), to = std::min(lo + n, loc.offset + loc.numel);
-    std::vector<float> shard(n);
-    STRATA_RETURN_IF_ERROR(ReadShard(loc.chunk, kind, shard.data()));
-    torch::Tensor part = torch::empty({std::max<int64_t>(0, to - from)}, torch::kFloat32);
-    if (from < to) std::memcpy(part.data_ptr<float>(), shard.data() + (from - lo), (to - from) * 4);
+    const int64_t chunk = partitioner_->location(pid).chunk;
+    const Partitioner::ShardPiece pc = partitioner_->PieceOf(pid, plan_.shard_rank());
+    std::vector<float> shard(partitioner_->chunks()[chunk].shard_numel);
+    STRATA_RETURN_IF_ERROR(ReadShard(chunk, kind, shard.data()));
+    torch::Tensor part = torch::empty({pc.size}, torch::kFloat32);
+    std::memcpy(part.data_ptr<float>(), shard.data() + pc.in_shard, pc.size * sizeof(float));
     out.push_back(kind == StateKind::kParam16 ? part.to(TorchDtype(b.dtype)) : part);
   }
   return out;

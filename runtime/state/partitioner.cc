@@ -130,6 +130,23 @@ int64_t Partitioner::ShardOffset(int64_t chunk, int rank) const {
   return chunks_[chunk].shard_numel * rank;
 }
 
+Partitioner::ShardPiece Partitioner::PieceOf(int64_t param, int rank) const {
+  const ParamLocation& loc = location(param);
+  const int64_t lo = ShardOffset(loc.chunk, rank), hi = lo + chunks_[loc.chunk].shard_numel;
+  const int64_t from = std::max(lo, loc.offset), to = std::min(hi, loc.offset + loc.numel);
+  if (from >= to) return {param, 0, 0, 0};
+  return {param, from - lo, from - loc.offset, to - from};
+}
+
+std::vector<Partitioner::ShardPiece> Partitioner::ShardPieces(int64_t chunk, int rank) const {
+  std::vector<ShardPiece> out;
+  for (int64_t p : chunks_[chunk].params) {
+    const ShardPiece piece = PieceOf(p, rank);
+    if (piece.size > 0) out.push_back(piece);
+  }
+  return out;
+}
+
 int64_t Partitioner::total_numel() const {
   int64_t sum = 0;
   for (const ChunkInfo& c : chunks_) sum += c.numel;

@@ -94,6 +94,17 @@ class Partitioner {
   int OwnerOf(int64_t chunk, int64_t offset) const;
   // First element of `rank`'s shard of `chunk` (shard length: chunks()[chunk].shard_numel).
   int64_t ShardOffset(int64_t chunk, int rank) const;
+  // A parameter's part of one rank's shard of its chunk: `size` elements (0: none) from element
+  // `in_shard` of the shard, which are elements `in_param`.. of the parameter.
+  struct ShardPiece {
+    int64_t param = 0;
+    int64_t in_shard = 0;
+    int64_t in_param = 0;
+    int64_t size = 0;
+  };
+  ShardPiece PieceOf(int64_t param, int rank) const;
+  // The non-empty pieces of `rank`'s shard of `chunk`, in the chunk's parameter order.
+  std::vector<ShardPiece> ShardPieces(int64_t chunk, int rank) const;
 
   // Elements over all chunks, padding included, and per rank (sum of shard_numel).
   int64_t total_numel() const;

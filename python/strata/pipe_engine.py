@@ -220,12 +220,16 @@ class PipelineEngine(StrataEngine):
         return (result, outputs) if return_logits else result
 
     def forward(self, *args, **kwargs):
-        raise InvalidArgumentError("Only train_batch() is accessible in pipeline mode "
-                                   "(DeepSpeed's rule): call engine.train_batch(data_iter), or "
-                                   "engine.eval_batch(data_iter) to evaluate")
+        raise _only_train_batch("forward")
 
     def backward(self, *args, **kwargs):
-        self.forward()
+        raise _only_train_batch("backward")
 
     def step(self, *args, **kwargs):
-        self.forward()
+        raise _only_train_batch("step")
+
+
+def _only_train_batch(name):
+    return InvalidArgumentError(f"engine.{name}(): Only train_batch() is accessible in pipeline "
+                                "mode (DeepSpeed's rule): call engine.train_batch(data_iter), or "
+                                "engine.eval_batch(data_iter) to evaluate")

@@ -5,19 +5,23 @@
 // rounding differs from the host reference:
 // - fp32 -> bf16/fp16 rounding is done with integer operations mirroring optim/dtype.h. The
 //   cvt.rn instructions (__float2bfloat16_rn, __float2half_rn) round finite values the same
-//   way but return a canonical NaN, where the reference keeps the NaN's sign and payload.
+//   way but return a canonical NaN, where the reference keeps the NaN's sign and payload
+//   (kernels/cuda_convert.cuh).
 // - The Adam update uses the same IEEE operations per element as optim's AdamElement: fmaf,
 //   sqrtf and '/' (correctly rounded: this target never uses --use_fast_math, and is compiled
 //   with --fmad=false so nvcc does not fuse a multiply and an add on its own, the device twin
-//   of optim's -ffp-contract=off).
+//   of optim's -ffp-contract=off; kernels/cuda_adam_element.cuh).
 // - SGD, Adagrad and Lion run the per-element rules of optim/elementwise_rules.h themselves
 //   (unfused multiply and add, correctly rounded sqrtf and division).
 // - The gradient statistics use the reduction layout of Note [stats order] (internal.h).
+// The compact layouts' update has its own file, cuda_compact_kernels.cu.
 #include <cuda_runtime.h>
 
 #include <cstddef>
 #include <cstdint>
 
+#include "kernels/cuda_adam_element.cuh"
+#include "kernels/cuda_convert.cuh"
 #include "kernels/internal.h"
 #include "runtime/base/cuda_check.h"
 
@@ -40,73 +44,6 @@ unsigned int BlocksFor(size_t n) {
 cudaStream_t AsStream(void* stream) { return static_cast<cudaStream_t>(stream); }
 
 Status LaunchStatus(const char* what) { return CudaToStatus(cudaGetLastError(), what); }
-
-// ---- Conversions (integer twins of optim/dtype.h) ----
-
-__device__ __forceinline__ uint16_t DevFloatToBf16(float f) {
-  const uint32_t u = __float_as_uint(f);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x0040u);
-  const uint32_t rounded = u + 0x7fffu + ((u >> 16) & 1u);
-  return static_cast<uint16_t>(rounded >> 16);
-}
-
-__device__ __forceinline__ uint16_t DevFloatToHalf(float f) {
-  const uint32_t u = __float_as_uint(f);
-  const uint16_t sign = static_cast<uint16_t>((u >> 16) & 0x8000u);
-  const uint32_t a = u & 0x7fffffffu;
-  if (a > 0x7f800000u) return static_cast<uint16_t>(sign | 0x7e00u | ((a >> 13) & 0x3ffu));
-  if (a >= 0x477ff000u) return static_cast<uint16_t>(sign | 0x7c00u);
-  if (a >= 0x38800000u) {
-    const uint32_t rebased = a - 0x38000000u;
-    return static_cast<uint16_t>(sign | ((rebased + 0xfffu + ((rebased >> 13) & 1u)) >> 13));
-  }
-  if (a <= 0x33000000u) return sign;
-  const uint32_t mant = (a & 0x7fffffu) | 0x800000u;
-  const uint32_t shift = 126u - (a >> 23);  // 14..24
-  uint32_t q = mant >> shift;
-  const uint32_t rem = mant & ((1u << shift) - 1u);
-  const uint32_t half = 1u << (shift - 1u);
-  if (rem > half || (rem == half && (q & 1u))) ++q;
-  return static_cast<uint16_t>(sign | q);
-}
-
-__device__ __forceinline__ float DevBf16ToFloat(uint16_t h) {
-  return __uint_as_float(static_cast<uint32_t>(h) << 16);
-}
-
-// Exact for all inputs, NaN payloads included (cvt.f32.f16 would canonicalize NaNs).
-__device__ __forceinline__ float DevHalfToFloat(uint16_t h) {
-  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
-  const uint32_t exp = (h >> 10) & 0x1fu;
-  const uint32_t mant = h & 0x3ffu;
-  if (exp == 0x1f) return __uint_as_float(sign | 0x7f800000u | (mant << 13));
-  if (exp != 0) return __uint_as_float(sign | ((exp + 112u) << 23) | (mant << 13));
-  // Zero or subnormal: mant * 2^-24, exact in fp32 (both factors and the product are exact).
-  const float magnitude = static_cast<float>(mant) * 5.9604644775390625e-8f;
-  return __uint_as_float(sign | __float_as_uint(magnitude));
-}
-
-template <DType T>
-__device__ __forceinline__ float Load(const void* base, size_t i) {
-  if constexpr (T == DType::kFloat32) {
-    return static_cast<const float*>(base)[i];
-  } else if constexpr (T == DType::kBFloat16) {
-    return DevBf16ToFloat(static_cast<const uint16_t*>(base)[i]);
-  } else {
-    return DevHalfToFloat(static_cast<const uint16_t*>(base)[i]);
-  }
-}
-
-template <DType T>
-__device__ __forceinline__ void Store(void* base, size_t i, float x) {
-  if constexpr (T == DType::kFloat32) {
-    static_cast<float*>(base)[i] = x;
-  } else if constexpr (T == DType::kBFloat16) {
-    static_cast<uint16_t*>(base)[i] = DevFloatToBf16(x);
-  } else {
-    static_cast<uint16_t*>(base)[i] = DevFloatToHalf(x);
-  }
-}
 
 __device__ __forceinline__ size_t GlobalThread() {
   return static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x;
@@ -187,14 +124,7 @@ __global__ void AdamKernel(AdamConsts c, float* __restrict__ master, const void*
     float p = master[i];
     float m = Load<S>(exp_avg, i);
     float v = Load<S>(exp_avg_sq, i);
-    // optim::internal::AdamElement, operation for operation.
-    float g = Load<G>(grad, i) * c.grad_scale;
-    if (c.has_l2) g = fmaf(c.l2, p, g);
-    if (c.has_decay) p = p * c.decay;
-    m = fmaf(c.beta1, m, c.one_minus_beta1 * g);
-    v = fmaf(c.beta2, v, c.one_minus_beta2 * (g * g));
-    const float denom = fmaf(sqrtf(v), c.inv_sqrt_bc2, c.eps);
-    p = fmaf(c.neg_step_size, m / denom, p);
+    DevAdamElement(c, p, Load<G>(grad, i), m, v);
     master[i] = p;
     Store<S>(exp_avg, i, m);
     Store<S>(exp_avg_sq, i, v);

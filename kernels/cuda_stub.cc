@@ -38,6 +38,7 @@ Status CudaElementwiseStep(const ElementwiseLaunch&, void*) {
   return NoCuda("SgdStep/AdagradStep/LionStep");
 }
 Status CudaCopySegments(const CopySegment*, size_t, void*) { return NoCuda("PackChunk/UnpackChunk"); }
+Status CudaCompactStep(const CompactLaunch&, void*) { return NoCuda("CompactAdamStep/CompactElementwiseStep"); }
 
 }  // namespace internal
 }  // namespace strata::kernels

@@ -90,6 +90,47 @@ struct ElementwiseLaunch {
   size_t n;
 };
 
+// ---- Compact layouts (optim/compact_step.h) ----
+// One update of a shard in a compact layout, as optim::CompactAdamStep / CompactElementwiseStep
+// run it on the CPU: the shard in blocks of kCompactBlock elements (optim::kInt8Block, checked
+// in kernels.cc), each block's runs updated with their own constants, every held state of a
+// block with a run narrowed back into its format. The formats are optim's enums' values.
+inline constexpr size_t kCompactBlock = 256;
+enum class CompactRule : int { kAdam = 0, kSgd = 1, kAdagrad = 2, kLion = 3 };
+struct CompactRun {
+  uint64_t begin;       // first element of the run in the shard
+  uint64_t size;
+  uint64_t index_base;  // the model-wide index of element `begin` (the rounding bits' counter)
+  AdamConsts adam;
+  optim::internal::SgdConsts sgd;
+  optim::internal::AdagradConsts adagrad;
+  optim::internal::LionConsts lion;
+};
+struct CompactLaunch {
+  CompactRule rule;
+  int master_format;  // optim::MasterFormat: 0 fp32, 1 bf16 nearest, 2 bf16 stochastic
+  int moment_format;  // optim::MomentFormat: 0 fp32, 1 bf16, 2 int8
+  void* master;
+  const void* grad;
+  DType grad_dtype;
+  void* exp_avg;      // null where the optimizer keeps no such state
+  void* exp_avg_sq;
+  void* param16;      // null: none (fp32 master only)
+  DType param16_dtype;
+  size_t n;
+  size_t int8_scale_offset;  // optim::Int8ScaleOffset(n): where an 8-bit state's scales start
+  uint32_t rounding_key;
+  // Host memory, read before the launcher returns: the runs (sorted, disjoint), and for 8-bit
+  // moments the dynamic maps and midpoints ([0] signed for exp_avg, [1] unsigned for exp_avg_sq)
+  // with the code of zero of each.
+  const CompactRun* runs;
+  size_t num_runs;
+  const float* maps[2];
+  const float* mids[2];
+  uint8_t zero_code[2];
+  const GradStatsAccumulator* skip_if_nonfinite;  // null: never skip
+};
+
 // ---- Chunks ----
 // One contiguous byte copy; src == nullptr means "fill with zero bytes". PackChunk and
 // UnpackChunk are planned on the host (kernels.cc) into a list of these, then executed.
@@ -125,5 +166,8 @@ Status CudaFreeAccumulator(GradStatsAccumulator* acc, void* stream);
 Status CudaAdamStep(const AdamLaunch& launch, void* stream);
 Status CudaElementwiseStep(const ElementwiseLaunch& launch, void* stream);
 Status CudaCopySegments(const CopySegment* segs, size_t count, void* stream);
+// cuda_compact_kernels.cu: copies the runs (and maps) into stream-ordered device memory, launches
+// one kernel and frees the copy after it, all on `stream`.
+Status CudaCompactStep(const CompactLaunch& launch, void* stream);
 
 }  // namespace strata::kernels::internal

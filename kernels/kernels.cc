@@ -9,6 +9,7 @@
 #include <numeric>
 
 #include "kernels/internal.h"
+#include "optim/compact_formats.h"
 #include "runtime/base/check.h"
 
 namespace strata::kernels {
@@ -324,6 +325,106 @@ Status LionStep(Backend backend, const optim::LionParams& params, const optim::L
                          bufs.param16, bufs.param16_dtype, bufs.n);
   a.lion = optim::internal::MakeLionConsts(params, grad_scale);
   return internal::CudaElementwiseStep(a, stream);
+}
+
+namespace {
+
+static_assert(internal::kCompactBlock == optim::kInt8Block, "the GPU walks optim's 8-bit blocks");
+static_assert(static_cast<int>(optim::MasterFormat::kBf16Stochastic) == 2 &&
+                  static_cast<int>(optim::MomentFormat::kInt8) == 2,
+              "CompactLaunch carries optim's format values");
+
+// What both compact launches share: the buffers, the formats and the maps.
+internal::CompactLaunch CompactLaunchOf(internal::CompactRule rule, const optim::CompactAdamBuffers& b) {
+  internal::CompactLaunch a{};
+  a.rule = rule;
+  a.master_format = static_cast<int>(b.master_format);
+  a.moment_format = static_cast<int>(b.moment_format);
+  a.master = b.master;
+  a.grad = b.grad;
+  a.grad_dtype = b.grad_dtype;
+  a.exp_avg = b.exp_avg;
+  a.exp_avg_sq = b.exp_avg_sq;
+  a.param16 = b.param16;
+  a.param16_dtype = b.param16_dtype;
+  a.n = b.n;
+  a.int8_scale_offset = optim::Int8ScaleOffset(b.n);
+  a.rounding_key = b.rounding_key;
+  for (int s = 0; s < 2; ++s) {
+    a.maps[s] = optim::DynamicMap(s == 0);
+    a.mids[s] = optim::DynamicMapMidpoints(s == 0);
+    a.zero_code[s] = optim::DynamicMapZero(s == 0);
+  }
+  return a;
+}
+
+// The scalar ISA for validation only: the GPU runs no CPU kernel, so the CPU's ISA must not
+// refuse a GPU update.
+optim::AdamOptions CheckOnlyAdam() {
+  optim::AdamOptions o;
+  o.isa = optim::Isa::kScalar;
+  o.grad_check = optim::GradCheck::kCallerChecked;
+  return o;
+}
+
+}  // namespace
+
+Status CompactAdamStep(Backend backend, const std::vector<optim::AdamRun>& runs,
+                       const optim::CompactAdamBuffers& bufs, float grad_scale,
+                       const GradStatsAccumulator* skip_if_nonfinite, StreamHandle stream) {
+  STRATA_RETURN_IF_ERROR(CheckBackend(backend));
+  STRATA_RETURN_IF_ERROR(optim::CheckCompactAdam(runs, bufs, grad_scale, CheckOnlyAdam()).status());
+  if (bufs.n == 0 || runs.empty()) return Status::Ok();
+  if (backend == Backend::kCpu) {
+    if (skip_if_nonfinite != nullptr && skip_if_nonfinite->found_nonfinite != 0) return Status::Ok();
+    optim::AdamOptions o;
+    o.grad_check = optim::GradCheck::kCallerChecked;
+    return optim::CompactAdamStep(runs, bufs, grad_scale, o).status();
+  }
+  internal::CompactLaunch a = CompactLaunchOf(internal::CompactRule::kAdam, bufs);
+  std::vector<internal::CompactRun> dev(runs.size());
+  for (size_t i = 0; i < runs.size(); ++i) {
+    dev[i].begin = runs[i].begin;
+    dev[i].size = runs[i].size;
+    dev[i].index_base = runs[i].index_base;
+    dev[i].adam = optim::internal::MakeAdamConsts(runs[i].params, grad_scale);
+  }
+  a.runs = dev.data();
+  a.num_runs = dev.size();
+  a.skip_if_nonfinite = skip_if_nonfinite;
+  return internal::CudaCompactStep(a, stream);
+}
+
+Status CompactElementwiseStep(Backend backend, optim::ElementwiseKind kind,
+                              const std::vector<optim::ElementwiseRun>& runs,
+                              const optim::CompactAdamBuffers& bufs, float grad_scale,
+                              StreamHandle stream) {
+  STRATA_RETURN_IF_ERROR(CheckBackend(backend));
+  optim::ElementwiseOptions check;
+  check.isa = optim::Isa::kScalar;
+  STRATA_RETURN_IF_ERROR(optim::CheckCompactElementwise(kind, runs, bufs, grad_scale, check).status());
+  if (bufs.n == 0 || runs.empty()) return Status::Ok();
+  if (backend == Backend::kCpu) return optim::CompactElementwiseStep(kind, runs, bufs, grad_scale).status();
+  const internal::CompactRule rule = kind == optim::ElementwiseKind::kSgd       ? internal::CompactRule::kSgd
+                                     : kind == optim::ElementwiseKind::kAdagrad ? internal::CompactRule::kAdagrad
+                                                                                : internal::CompactRule::kLion;
+  internal::CompactLaunch a = CompactLaunchOf(rule, bufs);
+  std::vector<internal::CompactRun> dev(runs.size());
+  for (size_t i = 0; i < runs.size(); ++i) {
+    dev[i].begin = runs[i].begin;
+    dev[i].size = runs[i].size;
+    dev[i].index_base = runs[i].index_base;
+    switch (kind) {
+      case optim::ElementwiseKind::kSgd: dev[i].sgd = optim::internal::MakeSgdConsts(runs[i].sgd, grad_scale); break;
+      case optim::ElementwiseKind::kAdagrad:
+        dev[i].adagrad = optim::internal::MakeAdagradConsts(runs[i].adagrad, grad_scale);
+        break;
+      case optim::ElementwiseKind::kLion: dev[i].lion = optim::internal::MakeLionConsts(runs[i].lion, grad_scale); break;
+    }
+  }
+  a.runs = dev.data();
+  a.num_runs = dev.size();
+  return internal::CudaCompactStep(a, stream);
 }
 
 }  // namespace strata::kernels

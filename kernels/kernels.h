@@ -8,6 +8,8 @@
 //   AccumulateGradStats           fused unscale + inf/NaN flag + squared L2 norm, read-only
 //   AdamStep                      Adam/AdamW on states kept in the backend's memory
 //   SgdStep / AdagradStep / LionStep   the element-wise optimizers, fp32 states
+//   CompactAdamStep / CompactElementwiseStep   the same optimizers over the compact layouts
+//                                 (bf16 master, bf16 or 8-bit moments: optim/compact_step.h)
 //   PackChunk / UnpackChunk       gather tensors into a flat, zero-padded chunk and scatter back
 //
 // Backends, memory and ordering:
@@ -39,6 +41,11 @@
 //   same IEEE operations per element (fmaf, correctly rounded sqrtf and division; compiled with
 //   --fmad=false so nvcc fuses nothing on its own) on constants computed the same way. NaN
 //   results are NaN on both, but their payload bits may differ (GPUs return a canonical NaN).
+// - CompactAdamStep / CompactElementwiseStep: bit-identical to optim's for finite results, the
+//   stochastic rounding and the 8-bit codes and scales included: the same per-element update,
+//   the counter-based rounding bits of optim/rounding_bits.h, the same block absmax (a maximum,
+//   whatever the order), the same IEEE division by the scale and the same binary search over
+//   the map's midpoints.
 //
 // Thread safety: calls on disjoint buffers may run concurrently from any thread. Calls that
 // share a GradStatsAccumulator must be ordered (one stream, or events): they share its
@@ -50,6 +57,7 @@
 #include <vector>
 
 #include "kernels/grad_stats.h"
+#include "optim/compact_step.h"
 #include "optim/cpu_adagrad.h"
 #include "optim/cpu_adam.h"
 #include "optim/cpu_lion.h"
@@ -144,6 +152,23 @@ Status AdagradStep(Backend backend, const optim::AdagradParams& params,
                    StreamHandle stream = nullptr);
 Status LionStep(Backend backend, const optim::LionParams& params, const optim::LionBuffers& bufs,
                 float grad_scale = 1.0f, StreamHandle stream = nullptr);
+
+// ---- Compact layouts ----------------------------------------------------------------------
+
+// optim::CompactAdamStep (GradCheck::kCallerChecked) and optim::CompactElementwiseStep on the
+// backend: `runs` and the formats as there, every buffer of `bufs` in the backend's memory
+// (8-bit states laid out as optim::Int8StateBytes says, their scales after the codes). With
+// `skip_if_nonfinite` (CompactAdamStep only) the update writes nothing when that accumulator's
+// flag is set when it runs, as AdamStep above. Errors (INVALID_ARGUMENT, nothing written): those
+// of optim::CheckCompactAdam / CheckCompactElementwise, in their words.
+Status CompactAdamStep(Backend backend, const std::vector<optim::AdamRun>& runs,
+                       const optim::CompactAdamBuffers& bufs, float grad_scale = 1.0f,
+                       const GradStatsAccumulator* skip_if_nonfinite = nullptr,
+                       StreamHandle stream = nullptr);
+Status CompactElementwiseStep(Backend backend, optim::ElementwiseKind kind,
+                              const std::vector<optim::ElementwiseRun>& runs,
+                              const optim::CompactAdamBuffers& bufs, float grad_scale = 1.0f,
+                              StreamHandle stream = nullptr);
 
 // ---- Chunk pack / unpack --------------------------------------------------------------------
 

@@ -13,9 +13,7 @@
 // The random bits are a counter-based function of (seed, step, element index), not a stream:
 // the same element at the same step gets the same bits whatever the chunk size, the thread
 // count, the rank count or the device, so runs that split the work differently stay equal.
-// Hash32 is a 32-bit integer mixer (xorshift-multiply, two rounds; constants from Chris
-// Wellons' hash prospector, "lowbias32"); every operation has a 32-bit SIMD form on AVX2 and
-// AVX-512 and in CUDA.
+// Hash32 and the bits' recipe live in optim/rounding_bits.h, which the CUDA kernels share.
 //
 // Note [8-bit moments]
 // exp_avg and exp_avg_sq stored as one byte per element in blocks of kInt8Block elements, each
@@ -40,45 +38,15 @@
 
 #include "optim/cpu_adam.h"
 #include "optim/dtype.h"
+#include "optim/rounding_bits.h"
 
 namespace strata::optim {
 
 // --- stochastic rounding ---------------------------------------------------------------------
 
-inline uint32_t Hash32(uint32_t x) {
-  x ^= x >> 16;
-  x *= 0x7feb352du;
-  x ^= x >> 15;
-  x *= 0x846ca68bu;
-  x ^= x >> 16;
-  return x;
-}
-
-// The per-step key: a mix of the run's seed and the optimizer step.
-inline uint32_t RoundingKey(uint64_t seed, int64_t step) {
-  const uint64_t s = static_cast<uint64_t>(step);
-  uint32_t k = Hash32(static_cast<uint32_t>(seed) ^ 0x9e3779b9u);
-  k = Hash32(k ^ static_cast<uint32_t>(seed >> 32));
-  k = Hash32(k ^ static_cast<uint32_t>(s));
-  return Hash32(k ^ static_cast<uint32_t>(s >> 32));
-}
-
-// The upper-index part of RoundingBits, constant over 2^32 consecutive indices (the vector
-// paths compute it once per block).
-inline uint32_t RoundingHigh(uint32_t key, uint64_t index) {
-  return Hash32(static_cast<uint32_t>(index >> 32) ^ key);
-}
-
-// 32 random bits for element `index` under `key`.
-inline uint32_t RoundingBits(uint32_t key, uint64_t index) {
-  return Hash32(static_cast<uint32_t>(index) ^ RoundingHigh(key, index));
-}
-
 // fp32 -> bf16 rounded stochastically with `bits` (its low 16 are used).
 inline uint16_t FloatToBf16Stochastic(float f, uint32_t bits) {
-  const uint32_t u = FloatBits(f);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x0040u);
-  return static_cast<uint16_t>((u + (bits & 0xffffu)) >> 16);
+  return Bf16StochasticOfBits(FloatBits(f), bits);
 }
 
 // Writes out[i] = FloatToBf16Stochastic(x[i], RoundingBits(key, index_base + i)) for i < n.

@@ -201,8 +201,8 @@ Status CheckRuns(const std::vector<RunSpan>& runs, size_t n) {
 
 }  // namespace
 
-StatusOr<AdamResult> CompactAdamStep(const std::vector<AdamRun>& runs, const CompactAdamBuffers& bufs,
-                                     float grad_scale, const AdamOptions& options) {
+StatusOr<AdamResult> CheckCompactAdam(const std::vector<AdamRun>& runs, const CompactAdamBuffers& bufs,
+                                      float grad_scale, const AdamOptions& options) {
   STRATA_RETURN_IF_ERROR(Validate(bufs));
   std::vector<RunSpan> spans;
   for (const AdamRun& r : runs) spans.push_back({r.begin, r.size, r.index_base});
@@ -214,9 +214,19 @@ StatusOr<AdamResult> CompactAdamStep(const std::vector<AdamRun>& runs, const Com
   AdamOptions resolve = options;
   resolve.grad_check = GradCheck::kCallerChecked;
   AdamResult result;
-  std::vector<internal::AdamConsts> consts;
   for (const AdamRun& r : runs) {
     STRATA_ASSIGN_OR_RETURN(result, AdamStep(r.params, none, grad_scale, resolve));
+  }
+  return result;
+}
+
+StatusOr<AdamResult> CompactAdamStep(const std::vector<AdamRun>& runs, const CompactAdamBuffers& bufs,
+                                     float grad_scale, const AdamOptions& options) {
+  STRATA_ASSIGN_OR_RETURN(AdamResult result, CheckCompactAdam(runs, bufs, grad_scale, options));
+  std::vector<RunSpan> spans;
+  std::vector<internal::AdamConsts> consts;
+  for (const AdamRun& r : runs) {
+    spans.push_back({r.begin, r.size, r.index_base});
     consts.push_back(internal::MakeAdamConsts(r.params, grad_scale));
   }
   if (bufs.n == 0 || runs.empty()) return result;
@@ -248,9 +258,9 @@ StatusOr<AdamResult> CompactAdamStep(const std::vector<AdamRun>& runs, const Com
   return result;
 }
 
-StatusOr<Isa> CompactElementwiseStep(ElementwiseKind kind, const std::vector<ElementwiseRun>& runs,
-                                     const CompactAdamBuffers& bufs, float grad_scale,
-                                     const ElementwiseOptions& options) {
+StatusOr<Isa> CheckCompactElementwise(ElementwiseKind kind, const std::vector<ElementwiseRun>& runs,
+                                      const CompactAdamBuffers& bufs, float grad_scale,
+                                      const ElementwiseOptions& options) {
   STRATA_RETURN_IF_ERROR(Validate(bufs, /*need_exp_avg=*/kind != ElementwiseKind::kAdagrad &&
                                            !(kind == ElementwiseKind::kSgd && bufs.exp_avg == nullptr),
                                   /*need_exp_avg_sq=*/kind == ElementwiseKind::kAdagrad));
@@ -261,29 +271,42 @@ StatusOr<Isa> CompactElementwiseStep(ElementwiseKind kind, const std::vector<Ele
   STRATA_RETURN_IF_ERROR(CheckRuns(spans, bufs.n));
   // Each optimizer's own step with no elements checks the run's hyperparameters and the ISA.
   Isa isa = Isa::kScalar;
-  std::vector<internal::SgdConsts> sgd;
-  std::vector<internal::AdagradConsts> adagrad;
-  std::vector<internal::LionConsts> lion;
   for (const ElementwiseRun& r : runs) {
     switch (kind) {
       case ElementwiseKind::kSgd: {
         SgdBuffers none;
         STRATA_ASSIGN_OR_RETURN(isa, SgdStep(r.sgd, none, grad_scale, options));
-        sgd.push_back(internal::MakeSgdConsts(r.sgd, grad_scale));
         break;
       }
       case ElementwiseKind::kAdagrad: {
         AdagradBuffers none;
         STRATA_ASSIGN_OR_RETURN(isa, AdagradStep(r.adagrad, none, grad_scale, options));
-        adagrad.push_back(internal::MakeAdagradConsts(r.adagrad, grad_scale));
         break;
       }
       case ElementwiseKind::kLion: {
         LionBuffers none;
         STRATA_ASSIGN_OR_RETURN(isa, LionStep(r.lion, none, grad_scale, options));
-        lion.push_back(internal::MakeLionConsts(r.lion, grad_scale));
         break;
       }
+    }
+  }
+  return isa;
+}
+
+StatusOr<Isa> CompactElementwiseStep(ElementwiseKind kind, const std::vector<ElementwiseRun>& runs,
+                                     const CompactAdamBuffers& bufs, float grad_scale,
+                                     const ElementwiseOptions& options) {
+  STRATA_ASSIGN_OR_RETURN(const Isa isa, CheckCompactElementwise(kind, runs, bufs, grad_scale, options));
+  std::vector<RunSpan> spans;
+  std::vector<internal::SgdConsts> sgd;
+  std::vector<internal::AdagradConsts> adagrad;
+  std::vector<internal::LionConsts> lion;
+  for (const ElementwiseRun& r : runs) {
+    spans.push_back({r.begin, r.size, r.index_base});
+    switch (kind) {
+      case ElementwiseKind::kSgd: sgd.push_back(internal::MakeSgdConsts(r.sgd, grad_scale)); break;
+      case ElementwiseKind::kAdagrad: adagrad.push_back(internal::MakeAdagradConsts(r.adagrad, grad_scale)); break;
+      case ElementwiseKind::kLion: lion.push_back(internal::MakeLionConsts(r.lion, grad_scale)); break;
     }
   }
   if (bufs.n == 0 || runs.empty()) return isa;

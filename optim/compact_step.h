@@ -98,6 +98,16 @@ StatusOr<Isa> CompactElementwiseStep(ElementwiseKind kind, const std::vector<Ele
                                      const CompactAdamBuffers& bufs, float grad_scale = 1.0f,
                                      const ElementwiseOptions& options = {});
 
+// The checks CompactAdamStep and CompactElementwiseStep make before they write anything: the
+// buffers, the runs, each run's hyperparameters, the scale and the ISA. For callers that run the
+// update elsewhere (kernels/: the GPU) and must refuse in the same words. They return what the
+// step would (the ISA it would run).
+StatusOr<AdamResult> CheckCompactAdam(const std::vector<AdamRun>& runs, const CompactAdamBuffers& bufs,
+                                      float grad_scale = 1.0f, const AdamOptions& options = {});
+StatusOr<Isa> CheckCompactElementwise(ElementwiseKind kind, const std::vector<ElementwiseRun>& runs,
+                                      const CompactAdamBuffers& bufs, float grad_scale = 1.0f,
+                                      const ElementwiseOptions& options = {});
+
 // One update (cpu_adam.h's formula) of `bufs`. Errors as AdamStep's, plus INVALID_ARGUMENT for a
 // param16 beside a bf16 master (the master is the 16-bit copy). GradCheck::kScanFirst skips the
 // step (nothing written) on a non-finite scaled gradient, as AdamStep.

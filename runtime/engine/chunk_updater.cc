@@ -89,7 +89,9 @@ Status ChunkUpdater::Update(int64_t c, const OptimizerLane::StepInputs& in,
   if (s.ok()) {
     const int64_t n = p_.partitioner->chunks()[c].shard_numel;
     if (p_.plan->compact_optimizer() && !p_.plan->DeviceOptimizer(c)) {
-      p_.streams->arena->execute([&] { s = RunCompact(in, held, n); });
+      p_.streams->arena->execute([&] { s = RunCompact(in, held, n, kernels::Backend::kCpu, nullptr); });
+      if (s.ok() && CompactCopiesMaster(held))
+        std::memcpy(held.out, held.ptrs[0], n * optim::DTypeSize(p_.plan->compute_dtype()));
     } else {
       s = p_.plan->DeviceOptimizer(c) ? RunOnDevice(in, held, n) : RunOnHost(in, held, n);
     }
@@ -181,14 +183,19 @@ std::vector<Segment> Segments(const OptimizerConfig& oc, const StepPlan& plan,
 // update and the copy into the working shard queued behind it; the blocks stay pinned until then.
 // The gradient's hand-off already waited for the compute that wrote it.
 Status ChunkUpdater::RunOnDevice(const OptimizerLane::StepInputs& in, const Held& h, int64_t n) {
-  if (p_.plan->compact_optimizer()) {  // the CPU device only (StepPlan refuses CUDA)
+  if (p_.plan->compact_optimizer()) {
+    const bool cuda = p_.device->kind() == DeviceKind::kCuda;
     Stream* stream = p_.streams->publish.get();
     tbb::task_arena* arena = p_.streams->arena.get();
-    Status s = stream->LaunchKernel([this, &in, &h, n, arena](void*) {
+    Status s = stream->LaunchKernel([this, &in, &h, n, arena, cuda](void* native) {
+      if (cuda) return RunCompact(in, h, n, kernels::Backend::kCuda, native);
       Status r;
-      arena->execute([&] { r = RunCompact(in, h, n); });
+      arena->execute([&] { r = RunCompact(in, h, n, kernels::Backend::kCpu, nullptr); });
       return r;
     });
+    if (s.ok() && CompactCopiesMaster(h))
+      s = stream->MemcpyAsync(h.out, h.ptrs[0], n * optim::DTypeSize(p_.plan->compute_dtype()),
+                              CopyKind::kDeviceToDevice);
     Status w = stream->Synchronize();
     return s.ok() ? w : s;
   }

@@ -26,11 +26,16 @@
 #include "runtime/engine/chunk_table.h"
 #include "runtime/engine/engine_state.h"
 #include "runtime/engine/lane_trace.h"
+#include "kernels/kernels.h"
 #include "runtime/engine/optimizer_lane.h"
 #include "runtime/engine/publish_lane.h"
 #include "runtime/state/block_store.h"
 #include "runtime/state/partitioner.h"
 #include "runtime/state/step_plan.h"
+
+namespace strata::kernels {
+enum class Backend : uint8_t;  // kernels/kernels.h
+}  // namespace strata::kernels
 
 namespace strata {
 
@@ -84,11 +89,16 @@ class ChunkUpdater {
   Status ChooseOutput(int64_t c, int64_t step, Held* held, double* slot_wait_s);
   Status RunOnDevice(const OptimizerLane::StepInputs& in, const Held& held, int64_t n);
   Status RunOnHost(const OptimizerLane::StepInputs& in, const Held& held, int64_t n);
-  // Note [compact layouts] (step_plan.h): optim::CompactAdamStep over the shard, one run per
-  // parameter piece, each drawing its rounding bits at the parameter's model-wide index; then
-  // the new working values to `out` when the master is not the working shard. In the caller's
-  // arena.
-  Status RunCompact(const OptimizerLane::StepInputs& in, const Held& held, int64_t n);
+  // Note [compact layouts] (step_plan.h): the compact step (kernels::CompactAdamStep or
+  // CompactElementwiseStep) over the shard on `backend`, one run per parameter piece, each
+  // drawing its rounding bits at the parameter's model-wide index. kCpu runs in the caller's
+  // arena and has finished on return; kCuda is queued on `native` (a cudaStream_t).
+  Status RunCompact(const OptimizerLane::StepInputs& in, const Held& held, int64_t n,
+                    kernels::Backend backend, void* native);
+  // Whether the new working values must be copied from the master to `out` after a compact
+  // step: the master is not the working shard, and is in the working dtype (a bf16 master;
+  // fp32 compute). An fp32 master under 16-bit compute writes `out` itself (param16).
+  bool CompactCopiesMaster(const Held& held) const;
   // Releases what the update held (written when `updated`) and starts the slot's copy.
   Status Finish(int64_t c, int64_t step, Status s, Held* held, std::optional<PublishLane::Copy>* publish);
   Status StartPublish(int64_t c, int slot, int64_t step, PublishLane::Copy* copy);

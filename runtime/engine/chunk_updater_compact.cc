@@ -1,16 +1,18 @@
 // ChunkUpdater::RunCompact (chunk_updater.h): a chunk's update in the compact layouts (Note
-// [compact layouts] in runtime/state/step_plan.h), one run per parameter piece of the shard.
+// [compact layouts] in runtime/state/step_plan.h), one run per parameter piece of the shard, on
+// the host's CPU kernels or the GPU's (kernels/kernels.h: the same bits either way).
 #include <algorithm>
-#include <cstring>
 #include <vector>
 
+#include "kernels/kernels.h"
 #include "optim/compact_step.h"
 #include "runtime/engine/chunk_updater.h"
 #include "runtime/engine/optimizer_segment.h"
 
 namespace strata {
 
-Status ChunkUpdater::RunCompact(const OptimizerLane::StepInputs& in, const Held& h, int64_t n) {
+Status ChunkUpdater::RunCompact(const OptimizerLane::StepInputs& in, const Held& h, int64_t n,
+                               kernels::Backend backend, void* native) {
   const int64_t c = h.keys[0].chunk;
   const StepPlan& plan = *p_.plan;
   const Partitioner& part = *p_.partitioner;
@@ -50,25 +52,24 @@ Status ChunkUpdater::RunCompact(const OptimizerLane::StepInputs& in, const Held&
   b.moment_format = plan.moment_format();
   b.n = static_cast<size_t>(n);
   b.rounding_key = optim::RoundingKey(rounding_seed_, in.step);
-  // An fp32 master writes the working copy as it goes (param16); a bf16 master is copied after.
+  // An fp32 master writes the working copy as it goes (param16); a bf16 master is copied after
+  // (CompactCopiesMaster).
   const bool bf16_master = plan.master_dtype() != optim::DType::kFloat32;
   if (!bf16_master && plan.compute_dtype() != optim::DType::kFloat32) {
     b.param16 = h.out;
     b.param16_dtype = plan.compute_dtype();
   }
-  if (adam) {
-    optim::AdamOptions ao;
-    ao.grad_check = optim::GradCheck::kCallerChecked;
-    STRATA_RETURN_IF_ERROR(optim::CompactAdamStep(runs, b, in.grad_scale, ao).status());
-  } else {
-    const optim::ElementwiseKind kind = type == OptimizerType::kSGD     ? optim::ElementwiseKind::kSgd
-                                        : type == OptimizerType::kAdagrad ? optim::ElementwiseKind::kAdagrad
-                                                                          : optim::ElementwiseKind::kLion;
-    STRATA_RETURN_IF_ERROR(optim::CompactElementwiseStep(kind, eruns, b, in.grad_scale).status());
-  }
-  if (h.out != h.ptrs[0] && (bf16_master || plan.compute_dtype() == optim::DType::kFloat32))
-    std::memcpy(h.out, h.ptrs[0], n * optim::DTypeSize(plan.compute_dtype()));
-  return Status::Ok();
+  if (adam) return kernels::CompactAdamStep(backend, runs, b, in.grad_scale, nullptr, native);
+  const optim::ElementwiseKind kind = type == OptimizerType::kSGD       ? optim::ElementwiseKind::kSgd
+                                      : type == OptimizerType::kAdagrad ? optim::ElementwiseKind::kAdagrad
+                                                                        : optim::ElementwiseKind::kLion;
+  return kernels::CompactElementwiseStep(backend, kind, eruns, b, in.grad_scale, native);
+}
+
+bool ChunkUpdater::CompactCopiesMaster(const Held& h) const {
+  const StepPlan& plan = *p_.plan;
+  return h.out != h.ptrs[0] &&
+         (plan.master_dtype() != optim::DType::kFloat32 || plan.compute_dtype() == optim::DType::kFloat32);
 }
 
 }  // namespace strata

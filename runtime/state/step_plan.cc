@@ -103,11 +103,6 @@ Status StepPlan::ChoosePlacement(const Inputs& in) {
         "kernels for LayerNorm and matmul; use bf16.enabled=true instead (same memory, no loss "
         "scaling needed), run on a GPU, or train from Python (import deepspeed or strata), whose "
         "frontend computes fp16 operators in fp32");
-  // The compact layouts run on the CPU optimizer only: a GPU keeps no optimizer group.
-  const bool device_can_update = !(compact_optimizer() && device_kind_ == DeviceKind::kCuda);
-  if (!device_can_update && optim_section_ == Placement::kDevice)
-    return InvalidArgument(StrCat(LayoutKeys(), " runs on the CPU optimizer so far: set "
-                                  "zero_optimization.offload_optimizer.device to cpu or nvme"));
   PlacementPlan::Inputs pin;
   for (const ChunkInfo& ci : in.partitioner->chunks()) pin.shard_numel.push_back(ci.shard_numel);
   pin.block_bytes = [this](StateKind k, int64_t n) { return BlockBytes(k, n); };
@@ -121,7 +116,6 @@ Status StepPlan::ChoosePlacement(const Inputs& in) {
   pin.mode = c.strata.placement;
   pin.ratio = z.offload_optimizer.ratio;
   pin.max_in_cpu = z.offload_param.max_in_cpu;
-  pin.device_optimizer_allowed = device_can_update;
   pin.nvme_available = in.nvme_path_given;
   if (pin.mode == PlacementMode::kAuto) STRATA_RETURN_IF_ERROR(AutoBudgets(in, &pin));
   STRATA_ASSIGN_OR_RETURN(placement_, PlacementPlan::Make(pin));

@@ -75,7 +75,8 @@ class StepPlan {
   // Note [compact layouts]: bf16.bf16_master_weights_and_grads keeps the master as bf16 (rounded
   // stochastically unless strata.stochastic_rounding is false); strata.optimizer_state_dtype
   // int8 keeps the moments as 8-bit blocks. Either runs the optimizer through
-  // optim::CompactAdamStep / CompactElementwiseStep (on the host optimizer or the CPU device's).
+  // kernels::CompactAdamStep / CompactElementwiseStep: on the host optimizer, the CPU device's, or
+  // the GPU's own kernels (the same bits on each).
   optim::MasterFormat master_format() const { return master_format_; }
   optim::MomentFormat moment_format() const { return moment_format_; }
   // SGD, Adagrad and Lion run every non-fp32 state through it too (their fast kernels are fp32).

@@ -10,6 +10,8 @@
 #include <vector>
 
 #include "kernels/kernels.h"
+#include "optim/compact_formats.h"
+#include "optim/compact_step.h"
 #include "optim/cpu_adam.h"
 #include "optim/dtype.h"
 #include "runtime/base/device.h"
@@ -493,6 +495,75 @@ TEST(KernelsCpuChunk, RejectsBadSlotsWithoutWriting) {
   EXPECT_EQ(chunk[31], 0);
 }
 
+// ---- Compact layouts ----
+
+// The kernels' compact step on the CPU is optim's, behind the shared validation: a set
+// non-finite flag writes nothing (as AdamStep's), and both backends refuse bad arguments in
+// optim's words before anything runs.
+TEST(KernelsCpuCompact, SkipFlagAndValidationOnBothBackends) {
+  const size_t n = 600;
+  std::vector<uint16_t> master(n);
+  const std::vector<float> w = RandomFloats(n, 3, 0.1f, 4);
+  for (size_t i = 0; i < n; ++i) master[i] = optim::FloatToBf16(w[i]);
+  const std::vector<float> grad = RandomFloats(n, 4, 1e-2f, 4);
+  std::vector<uint8_t> m(optim::Int8StateBytes(n), 0), v(optim::Int8StateBytes(n), 0);
+  optim::CompactAdamBuffers b;
+  b.master = master.data();
+  b.master_format = optim::MasterFormat::kBf16Stochastic;
+  b.grad = grad.data();
+  b.exp_avg = m.data();
+  b.exp_avg_sq = v.data();
+  b.moment_format = optim::MomentFormat::kInt8;
+  b.n = n;
+  b.rounding_key = optim::RoundingKey(1, 1);
+  const std::vector<optim::AdamRun> runs = {{0, 300, {}, 0}, {300, 300, {}, 300}};
+  const std::vector<uint16_t> before = master;
+  GradStatsAccumulator acc{};
+  acc.found_nonfinite = 1;
+  ASSERT_OK(CompactAdamStep(kCpu, runs, b, 1.0f, &acc));
+  EXPECT_EQ(master, before);
+  acc.found_nonfinite = 0;
+  ASSERT_OK(CompactAdamStep(kCpu, runs, b, 1.0f, &acc));
+  // Exactly optim's step from the same start.
+  std::vector<uint16_t> want = before;
+  std::vector<uint8_t> wm(optim::Int8StateBytes(n), 0), wv(optim::Int8StateBytes(n), 0);
+  optim::CompactAdamBuffers wb = b;
+  wb.master = want.data();
+  wb.exp_avg = wm.data();
+  wb.exp_avg_sq = wv.data();
+  ASSERT_OK(optim::CompactAdamStep(runs, wb, 1.0f).status());
+  EXPECT_EQ(master, want);
+  EXPECT_EQ(m, wm);
+  EXPECT_EQ(v, wv);
+
+  // Refusals: a bad lr, overlapping runs, a param16 beside a bf16 master; nothing written.
+  const std::vector<uint16_t> kept = master;
+  std::vector<optim::AdamRun> bad_lr = runs;
+  bad_lr[1].params.lr = -1;
+  const std::vector<optim::AdamRun> overlap = {{0, 300, {}, 0}, {200, 300, {}, 200}};
+  std::vector<uint16_t> p16(n);
+  optim::CompactAdamBuffers with_p16 = b;
+  with_p16.param16 = p16.data();
+  for (Backend backend : {kCpu, Backend::kCuda}) {
+    SCOPED_TRACE(BackendName(backend));
+    const Status lr = CompactAdamStep(backend, bad_lr, b);
+    EXPECT_EQ(lr.code(), StatusCode::kInvalidArgument);
+    EXPECT_NE(lr.message().find("lr=-1"), std::string::npos) << lr.message();
+    const Status ov = CompactAdamStep(backend, overlap, b);
+    EXPECT_EQ(ov.code(), StatusCode::kInvalidArgument);
+    EXPECT_NE(ov.message().find("overlaps"), std::string::npos) << ov.message();
+    const Status pp = CompactAdamStep(backend, runs, with_p16);
+    EXPECT_EQ(pp.code(), StatusCode::kInvalidArgument);
+    EXPECT_NE(pp.message().find("param16"), std::string::npos) << pp.message();
+    optim::ElementwiseRun er;
+    er.size = n;
+    er.sgd.lr = -2;
+    const Status sgd = CompactElementwiseStep(backend, optim::ElementwiseKind::kSgd, {er}, b);
+    EXPECT_EQ(sgd.code(), StatusCode::kInvalidArgument) << sgd.ToString();
+    EXPECT_EQ(master, kept);
+  }
+}
+
 // ---- The CUDA backend where it cannot run ----
 
 TEST(KernelsCudaUnavailable, FailsCleanlyWithoutBuildOrDevice) {
@@ -511,6 +582,18 @@ TEST(KernelsCudaUnavailable, FailsCleanlyWithoutBuildOrDevice) {
   GradStatsAccumulator acc{};
   EXPECT_FALSE(AccumulateGradStats(Backend::kCuda, src.data(), DType::kFloat32, 64, 1.0f, &acc).ok());
   EXPECT_FALSE(UnscaleCheckNorm(Backend::kCuda, src.data(), DType::kFloat32, 64, 1.0f).ok());
+  // The compact step too (its launcher allocates on the stream first).
+  std::vector<uint16_t> master(64, 0);
+  optim::CompactAdamBuffers b;
+  b.master = master.data();
+  b.master_format = optim::MasterFormat::kBf16Stochastic;
+  b.grad = src.data();
+  b.exp_avg = b.exp_avg_sq = src.data();
+  b.n = 64;
+  const Status compact = CompactAdamStep(Backend::kCuda, {{0, 64, {}, 0}}, b);
+  EXPECT_FALSE(compact.ok());
+  EXPECT_EQ(compact.code(), CudaKernelsBuilt() ? StatusCode::kUnavailable : StatusCode::kUnimplemented)
+      << compact.ToString();
   // Validation still comes first: a bad argument is INVALID_ARGUMENT on every build.
   EXPECT_EQ(CastFp32To16(Backend::kCuda, src.data(), dst.data(), DType::kFloat32, 64).code(),
             StatusCode::kInvalidArgument);

@@ -208,8 +208,7 @@ TEST(StepPlanCompactLayouts, FormatsBlockBytesAndRefusals) {
   ASSERT_OK_AND_ASSIGN(StepPlan n, MakeWith(c, DeviceKind::kCpu, false, 1, true, false,
                                             optim::DType::kBFloat16));
   EXPECT_EQ(n.master_format(), optim::MasterFormat::kBf16Nearest);
-  // Refused: a bf16 master without bf16 compute; SGD without momentum; the GPU's own optimizer;
-  // a client's.
+  // Refused: a bf16 master without bf16 compute; SGD without momentum; a client optimizer.
   ExpectRefused(MakeWith(c), "set bf16.enabled=true");
   Config sgd = c;
   sgd.optimizer.type = OptimizerType::kSGD;  // without momentum: no state for int8 to hold
@@ -219,8 +218,11 @@ TEST(StepPlanCompactLayouts, FormatsBlockBytesAndRefusals) {
   gpu.zero_optimization.stage = 2;
   gpu.zero_optimization.offload_param.device = OffloadDevice::kNone;
   gpu.zero_optimization.offload_optimizer.device = OffloadDevice::kNone;
-  ExpectRefused(MakeWith(gpu, DeviceKind::kCuda, false, 1, true, false, optim::DType::kBFloat16),
-                "offload_optimizer.device to cpu or nvme");
+  // A GPU updates a compact layout with its own kernels (kernels/cuda_compact_kernels.cu).
+  ASSERT_OK_AND_ASSIGN(StepPlan g, MakeWith(gpu, DeviceKind::kCuda, false, 1, true, false,
+                                            optim::DType::kBFloat16));
+  EXPECT_TRUE(g.compact_optimizer());
+  EXPECT_TRUE(g.GpuOptimizer(0));
   ExpectRefused(MakeWith(gpu, DeviceKind::kCpu, true, 1, true, false, optim::DType::kBFloat16),
                 "client optimizer");
 }

@@ -280,7 +280,7 @@ phase_build() {
     all) ;;
     lease) targets=(--target strata-train strata-swapbench strata-estimate strata-launch
                     engine_equivalence_test engine_multirank_test)
-           [ "$device" = cuda ] && targets+=(kernels_gpu_test cuda_device_test nccl_communicator_test)
+           [ "$device" = cuda ] && targets+=(kernels_gpu_test compact_gpu_test cuda_device_test nccl_communicator_test)
            [ "$pymod" = on ] && targets+=(strata_python) ;;
     *) read -r -a targets <<<"$STRATA_GPU_TARGETS"; targets=(--target "${targets[@]}") ;;
   esac

@@ -1,9 +1,11 @@
 """The compact layouts through the engine (Note [compact layouts] in runtime/state/step_plan.h):
 bf16.bf16_master_weights_and_grads (a bf16 master, stochastic or nearest rounding) and
 strata.optimizer_state_dtype int8 (8-bit blockwise moments), with the cpu and nvme offload of the
-optimizer and the CPU device's own optimizer. Each is deterministic, resumes bit-exact from a
-checkpoint, trains close to the fp32 layout, and a bf16 stochastic master is independent of the
-chunk size (its rounding bits follow the model's element index)."""
+optimizer and the device's own optimizer (the CPU device's here; a GPU's CUDA kernels where the
+suite runs on one). Each is deterministic, resumes bit-exact from a checkpoint, trains close to
+the fp32 layout, gives the same bits on the device's optimizer as on the host's, and a bf16
+stochastic master is independent of the chunk size (its rounding bits follow the model's element
+index)."""
 
 import copy
 
@@ -288,3 +290,13 @@ def test_a_damaged_checkpoint_is_refused_when_loading_into_other_chunks(tmp_path
     (step_dir / "rank-00000.bin").write_bytes(bytes(data))
     with pytest.raises(strata.StrataError, match="fails its crc32c check"):
         _train(_cfg(tmp_path, chunk="1MiB", moments="int8"), steps=0, resume=tmp_path / "ckpt")
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=[l[0] for l in LAYOUTS])
+def test_device_optimizer_equals_host_optimizer_bit_for_bit(layout, tmp_path):
+    # The device's own compact step (the CUDA kernels on a GPU, the CPU kernels on the CPU
+    # device) and the host optimizer's give the same bits: same gradients in, same masters out.
+    on_device, md = _train(_cfg(tmp_path, stage=1, optim="none", **layout[1]))
+    on_host, mh = _train(_cfg(tmp_path, stage=1, optim="cpu", **layout[1]))
+    assert on_device == on_host
+    assert all(torch.equal(x, y) for x, y in zip(md, mh))

@@ -97,7 +97,8 @@ __device__ __forceinline__ void StoreMoment(void* base, size_t i, size_t blk, bo
   } else if constexpr (F == kBf16) {
     if (live) static_cast<uint16_t*>(base)[i] = DevFloatToBf16(x);
   } else {
-    const float scale = BlockMax(live ? fabsf(x) : 0.0f, red);
+    // fmaxf(0, NaN) is 0: a NaN is skipped, as the CPU's std::fmax skips it.
+    const float scale = BlockMax(live ? fmaxf(0.0f, fabsf(x)) : 0.0f, red);
     if (live) {
       static_cast<uint8_t*>(base)[i] =
           scale == 0.0f ? zero_code : static_cast<uint8_t>(CodeOf(x / scale, mids));
@@ -119,8 +120,9 @@ __device__ __forceinline__ float BlockScale(const void* base, const CompactLaunc
 template <CompactRule R, int F>
 __global__ void __launch_bounds__(kT)
     CompactKernel(CompactLaunch a, const Tables* __restrict__ tables, const CompactRun* __restrict__ runs) {
-  // The flag was written by earlier work on this stream; every thread reads the same value.
-  if (a.skip_if_nonfinite != nullptr && a.skip_if_nonfinite->found_nonfinite != 0) return;
+  // The flag was written by earlier work on this stream. One vote per block, so that no thread
+  // can leave while others wait at a barrier, whatever it read.
+  if (__syncthreads_or(a.skip_if_nonfinite != nullptr && a.skip_if_nonfinite->found_nonfinite != 0)) return;
   __shared__ float map_s[2][kMapSize];
   __shared__ float mid_s[2][kMapSize];
   __shared__ float red[kT / 32];

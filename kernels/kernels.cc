@@ -382,13 +382,17 @@ Status CompactAdamStep(Backend backend, const std::vector<optim::AdamRun>& runs,
     return optim::CompactAdamStep(runs, bufs, grad_scale, o).status();
   }
   internal::CompactLaunch a = CompactLaunchOf(internal::CompactRule::kAdam, bufs);
-  std::vector<internal::CompactRun> dev(runs.size());
-  for (size_t i = 0; i < runs.size(); ++i) {
-    dev[i].begin = runs[i].begin;
-    dev[i].size = runs[i].size;
-    dev[i].index_base = runs[i].index_base;
-    dev[i].adam = optim::internal::MakeAdamConsts(runs[i].params, grad_scale);
+  std::vector<internal::CompactRun> dev;
+  for (const optim::AdamRun& r : runs) {
+    if (r.size == 0) continue;  // as on the CPU: it touches no block
+    internal::CompactRun d{};
+    d.begin = r.begin;
+    d.size = r.size;
+    d.index_base = r.index_base;
+    d.adam = optim::internal::MakeAdamConsts(r.params, grad_scale);
+    dev.push_back(d);
   }
+  if (dev.empty()) return Status::Ok();
   a.runs = dev.data();
   a.num_runs = dev.size();
   a.skip_if_nonfinite = skip_if_nonfinite;
@@ -409,19 +413,21 @@ Status CompactElementwiseStep(Backend backend, optim::ElementwiseKind kind,
                                      : kind == optim::ElementwiseKind::kAdagrad ? internal::CompactRule::kAdagrad
                                                                                 : internal::CompactRule::kLion;
   internal::CompactLaunch a = CompactLaunchOf(rule, bufs);
-  std::vector<internal::CompactRun> dev(runs.size());
-  for (size_t i = 0; i < runs.size(); ++i) {
-    dev[i].begin = runs[i].begin;
-    dev[i].size = runs[i].size;
-    dev[i].index_base = runs[i].index_base;
+  std::vector<internal::CompactRun> dev;
+  for (const optim::ElementwiseRun& r : runs) {
+    if (r.size == 0) continue;  // as on the CPU: it touches no block
+    internal::CompactRun d{};
+    d.begin = r.begin;
+    d.size = r.size;
+    d.index_base = r.index_base;
     switch (kind) {
-      case optim::ElementwiseKind::kSgd: dev[i].sgd = optim::internal::MakeSgdConsts(runs[i].sgd, grad_scale); break;
-      case optim::ElementwiseKind::kAdagrad:
-        dev[i].adagrad = optim::internal::MakeAdagradConsts(runs[i].adagrad, grad_scale);
-        break;
-      case optim::ElementwiseKind::kLion: dev[i].lion = optim::internal::MakeLionConsts(runs[i].lion, grad_scale); break;
+      case optim::ElementwiseKind::kSgd: d.sgd = optim::internal::MakeSgdConsts(r.sgd, grad_scale); break;
+      case optim::ElementwiseKind::kAdagrad: d.adagrad = optim::internal::MakeAdagradConsts(r.adagrad, grad_scale); break;
+      case optim::ElementwiseKind::kLion: d.lion = optim::internal::MakeLionConsts(r.lion, grad_scale); break;
     }
+    dev.push_back(d);
   }
+  if (dev.empty()) return Status::Ok();
   a.runs = dev.data();
   a.num_runs = dev.size();
   return internal::CudaCompactStep(a, stream);

@@ -72,8 +72,10 @@ const float* DynamicMapMidpoints(bool is_signed);
 // The code of 0.
 uint8_t DynamicMapZero(bool is_signed);
 
-// Quantizes one block (n <= kInt8Block values, finite): *scale = max |x|, codes[i] = the
-// nearest map value's index for x[i] / *scale (all zero codes when the scale is 0).
+// Quantizes one block (n <= kInt8Block values): *scale = max |x| over the values that are not
+// NaN, codes[i] = the nearest map value's index for x[i] / *scale (all zero codes when the scale
+// is 0). A NaN (x[i] NaN, or an infinite scale over an infinite x[i]) gets code 0; every ISA gives
+// the same bytes for those too.
 void QuantizeBlock(const float* x, size_t n, bool is_signed, uint8_t* codes, float* scale,
                    Isa isa = Isa::kAuto);
 // out[i] = map[codes[i]] * scale for one block.

@@ -64,7 +64,11 @@ void Quantize(const float* x, size_t n, float scale, const float* mids, const ui
   const __m256i low16 = _mm256_set1_epi32(0xffff);
   size_t i = 0;
   for (; i + kW <= n; i += kW) {
-    const __m256i bits = _mm256_castps_si256(_mm256_div_ps(_mm256_loadu_ps(x + i), vscale));
+    const __m256 y = _mm256_div_ps(_mm256_loadu_ps(x + i), vscale);
+    // A NaN (a NaN or infinite moment) counts no midpoint below it, as in the scalar search; as
+    // -1 it does the same and stays inside the bucket table.
+    const __m256i bits = _mm256_castps_si256(
+        _mm256_blendv_ps(y, _mm256_set1_ps(-1.0f), _mm256_cmp_ps(y, y, _CMP_UNORD_Q)));
     // One gather: the count below the bucket and the threshold of its midpoint (BucketCode).
     const __m256i entry = _mm256_i32gather_epi32(reinterpret_cast<const int*>(buckets), Buckets(bits), 4);
     const __m256i low = _mm256_xor_si256(_mm256_and_si256(bits, low16),
@@ -92,7 +96,8 @@ float Absmax(const float* x, size_t n) {
   const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
   __m256 m = _mm256_setzero_ps();
   size_t i = 0;
-  for (; i + kW <= n; i += kW) m = _mm256_max_ps(m, _mm256_and_ps(_mm256_loadu_ps(x + i), abs_mask));
+  // max(|x|, m) takes m when |x| is NaN: NaNs are skipped, as std::fmax does in the scalar path.
+  for (; i + kW <= n; i += kW) m = _mm256_max_ps(_mm256_and_ps(_mm256_loadu_ps(x + i), abs_mask), m);
   alignas(32) float lanes[kW];
   _mm256_store_ps(lanes, m);
   float r = CompactKernelsScalar().absmax(x + i, n - i);

@@ -66,7 +66,11 @@ void Quantize(const float* x, size_t n, float scale, const float*, const uint32_
   const __m512i low16 = _mm512_set1_epi32(0xffff);
   for (size_t i = 0; i < n; i += kW) {
     const __mmask16 k = Tail(n - i);
-    const __m512i bits = _mm512_castps_si512(_mm512_div_ps(_mm512_maskz_loadu_ps(k, x + i), vscale));
+    const __m512 y = _mm512_div_ps(_mm512_maskz_loadu_ps(k, x + i), vscale);
+    // A NaN (a NaN or infinite moment) counts no midpoint below it, as in the scalar search; as
+    // -1 it does the same and stays inside the bucket table.
+    const __m512i bits = _mm512_castps_si512(
+        _mm512_mask_mov_ps(y, _mm512_cmp_ps_mask(y, y, _CMP_UNORD_Q), _mm512_set1_ps(-1.0f)));
     // One gather: the count below the bucket and the threshold of its midpoint (BucketCode).
     const __m512i entry = _mm512_i32gather_epi32(Buckets(bits), buckets, 4);
     const __m512i low = _mm512_xor_si512(_mm512_and_si512(bits, low16),
@@ -91,7 +95,8 @@ void Dequantize(const uint8_t* codes, float scale, size_t n, const float* map, f
 float Absmax(const float* x, size_t n) {
   __m512 m = _mm512_setzero_ps();
   for (size_t i = 0; i < n; i += kW)
-    m = _mm512_max_ps(m, _mm512_abs_ps(_mm512_maskz_loadu_ps(Tail(n - i), x + i)));
+    // max(|x|, m) takes m when |x| is NaN: NaNs are skipped, as std::fmax does in the scalar path.
+    m = _mm512_max_ps(_mm512_abs_ps(_mm512_maskz_loadu_ps(Tail(n - i), x + i)), m);
   return _mm512_reduce_max_ps(m);
 }
 

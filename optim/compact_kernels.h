@@ -34,13 +34,14 @@ struct CompactKernels {
   // lo + n does not wrap (indices of one call share their upper 32 bits), and passes
   // high = RoundingHigh(key, index_base), lo = low 32 bits of index_base.
   void (*round_sr)(const float* x, uint16_t* out, size_t n, uint32_t high, uint32_t lo);
-  // codes[i] = #{k < 255 : mids[k] < x[i] / scale} for scale > 0; `buckets` is the bucket table
-  // of the same map (BucketEntry), `mids` its 255 midpoints.
+  // codes[i] = #{k < 255 : mids[k] < x[i] / scale} for scale > 0 (0 for a NaN quotient: the
+  // vector paths look it up as -1, inside the table); `buckets` is the bucket table of the same
+  // map (BucketEntry), `mids` its 255 midpoints.
   void (*quantize)(const float* x, size_t n, float scale, const float* mids, const uint32_t* buckets,
                    uint8_t* codes);
   // out[i] = map[codes[i]] * scale.
   void (*dequantize)(const uint8_t* codes, float scale, size_t n, const float* map, float* out);
-  // max |x[i]| (x finite).
+  // max |x[i]| over the x[i] that are not NaN (std::fmax's rule), 0 for none.
   float (*absmax)(const float* x, size_t n);
   // out[i] = Bf16ToFloat(h[i]); out[i] = FloatToBf16(x[i]) (nearest even, dtype.h's rule).
   void (*widen_bf16)(const uint16_t* h, float* out, size_t n);

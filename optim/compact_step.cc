@@ -226,10 +226,11 @@ StatusOr<AdamResult> CompactAdamStep(const std::vector<AdamRun>& runs, const Com
   std::vector<RunSpan> spans;
   std::vector<internal::AdamConsts> consts;
   for (const AdamRun& r : runs) {
+    if (r.size == 0) continue;  // it touches no block
     spans.push_back({r.begin, r.size, r.index_base});
     consts.push_back(internal::MakeAdamConsts(r.params, grad_scale));
   }
-  if (bufs.n == 0 || runs.empty()) return result;
+  if (bufs.n == 0 || spans.empty()) return result;
   if (options.grad_check == GradCheck::kScanFirst) {
     AdamOptions scan = options;
     scan.isa = result.isa;
@@ -270,6 +271,11 @@ StatusOr<Isa> CheckCompactElementwise(ElementwiseKind kind, const std::vector<El
   for (const ElementwiseRun& r : runs) spans.push_back({r.begin, r.size, r.index_base});
   STRATA_RETURN_IF_ERROR(CheckRuns(spans, bufs.n));
   // Each optimizer's own step with no elements checks the run's hyperparameters and the ISA.
+  if (kind == ElementwiseKind::kSgd && bufs.n > 0 && bufs.exp_avg == nullptr)
+    for (const ElementwiseRun& r : runs)
+      if (r.sgd.momentum != 0)
+        return InvalidArgument(StrCat("CompactElementwiseStep: SGD momentum=", r.sgd.momentum,
+                                      " needs its buffer (exp_avg), which is null"));
   Isa isa = Isa::kScalar;
   for (const ElementwiseRun& r : runs) {
     switch (kind) {
@@ -302,6 +308,7 @@ StatusOr<Isa> CompactElementwiseStep(ElementwiseKind kind, const std::vector<Ele
   std::vector<internal::AdagradConsts> adagrad;
   std::vector<internal::LionConsts> lion;
   for (const ElementwiseRun& r : runs) {
+    if (r.size == 0) continue;  // it touches no block
     spans.push_back({r.begin, r.size, r.index_base});
     switch (kind) {
       case ElementwiseKind::kSgd: sgd.push_back(internal::MakeSgdConsts(r.sgd, grad_scale)); break;
@@ -309,7 +316,7 @@ StatusOr<Isa> CompactElementwiseStep(ElementwiseKind kind, const std::vector<Ele
       case ElementwiseKind::kLion: lion.push_back(internal::MakeLionConsts(r.lion, grad_scale)); break;
     }
   }
-  if (bufs.n == 0 || runs.empty()) return isa;
+  if (bufs.n == 0 || spans.empty()) return isa;
   auto* sgd_block = internal::PickBlock(isa, &internal::SgdBlockScalar, &internal::SgdBlockAvx2,
                                         &internal::SgdBlockAvx512);
   auto* adagrad_block = internal::PickBlock(isa, &internal::AdagradBlockScalar,

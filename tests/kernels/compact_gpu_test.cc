@@ -34,25 +34,30 @@ using testing::RandomFloats;
 constexpr Backend kCpu = Backend::kCpu;
 constexpr Backend kCuda = Backend::kCuda;
 
-// Five 8-bit blocks and a partial sixth. Runs: two that meet inside block 0, one inside blocks
-// 2-3 that leaves gaps on both sides, none in block 4, and one to the end whose rounding counter
-// crosses 2^32.
+// Five 8-bit blocks and a partial sixth (elements 1280-1356). Runs: two that meet inside block
+// 0 (elements 0-255); one inside block 2 that leaves gaps on both sides; an empty one, which
+// touches nothing; none in block 3; one from block 4 into the last block, stopping 10 short of
+// its end, whose rounding counter crosses 2^32. Block 4's gradient and moments are zero, so its
+// 8-bit scales are 0 before and after.
 constexpr size_t kN = 5 * 256 + 77;
+constexpr size_t kZeroBlock = 4;
 struct Span {
   size_t begin, size;
   uint64_t index_base;
 };
-const Span kSpans[] = {{0, 100, 0}, {100, 200, 100}, {530, 170, 5000}, {1030, kN - 1030, (1ull << 32) - 100}};
+const Span kSpans[] = {{0, 100, 0},     {100, 200, 100},
+                       {530, 170, 5000}, {800, 0, 9000},
+                       {1030, kN - 1030 - 10, (1ull << 32) - 100}};
 
-// A valid moment state of n elements in `f`: 8-bit ones quantized block by block, with one
-// all-zero block (scale 0).
+// A valid moment state of n elements in `f`: 8-bit ones quantized block by block; block 4 is
+// zero.
 std::vector<uint8_t> MomentState(MomentFormat f, bool is_signed, uint32_t seed) {
   std::vector<float> x = RandomFloats(kN, seed, 1e-3f, 4);
   if (!is_signed)
     for (float& e : x) e = e * e;
+  for (size_t i = kZeroBlock * 256; i < (kZeroBlock + 1) * 256; ++i) x[i] = 0.0f;
   if (f == MomentFormat::kFp32) return Encode(x, DType::kFloat32);
   if (f == MomentFormat::kBf16) return Encode(x, DType::kBFloat16);
-  for (size_t i = 512; i < 768; ++i) x[i] = 0.0f;
   std::vector<uint8_t> out(optim::Int8StateBytes(kN));
   auto* scales = reinterpret_cast<float*>(out.data() + optim::Int8ScaleOffset(kN));
   for (size_t b = 0; b * 256 < kN; ++b) {
@@ -63,7 +68,9 @@ std::vector<uint8_t> MomentState(MomentFormat f, bool is_signed, uint32_t seed) 
 }
 
 struct Case {
-  int rule;  // 0 Adam (L2), 1 AdamW, 2 SGD momentum, 3 SGD nesterov, 4 Adagrad, 5 Lion
+  // 0 Adam (L2), 1 AdamW, 2 SGD momentum, 3 SGD nesterov, 4 Adagrad, 5 Lion, 6 SGD without
+  // momentum (no state)
+  int rule;
   MasterFormat master;
   MomentFormat moments;
   DType grad;
@@ -85,7 +92,7 @@ class Shard {
     const std::vector<float> w = RandomFloats(kN, 11, 0.1f, 4);
     master_ = Encode(w, fp32_master ? DType::kFloat32 : DType::kBFloat16);
     const bool adam = c.rule <= 1, adagrad = c.rule == 4;
-    if (!adagrad) m_ = MomentState(c.moments, true, 12);
+    if (!adagrad && c.rule != 6) m_ = MomentState(c.moments, true, 12);
     if (adam || adagrad) v_ = MomentState(c.moments, false, 13);
     if (c.p16 != 0) p16_.assign(2 * kN, 0);
     d_master_ = std::make_unique<DevBuf>(master_);
@@ -138,7 +145,9 @@ void RunCase(const Case& c, cudaStream_t stream) {
   SCOPED_TRACE(Name(c));
   Shard shard(c);
   for (int64_t step = 1; step <= 3; ++step) {
-    const std::vector<uint8_t> grad = Encode(RandomFloats(kN, 100 + static_cast<uint32_t>(step), 1e-2f, 4), c.grad);
+    std::vector<float> g = RandomFloats(kN, 100 + static_cast<uint32_t>(step), 1e-2f, 4);
+    for (size_t i = kZeroBlock * 256; i < (kZeroBlock + 1) * 256; ++i) g[i] = 0.0f;
+    const std::vector<uint8_t> grad = Encode(g, c.grad);
     DevBuf d_grad(grad);
     const float grad_scale = 0.5f;
     if (c.rule <= 1) {
@@ -148,13 +157,14 @@ void RunCase(const Case& c, cudaStream_t stream) {
         ap.lr = 1e-3 * static_cast<double>(r + 1);
         ap.weight_decay = 0.01 * static_cast<double>(r);
         ap.adamw = c.rule == 1;
+        ap.bias_correction = r != 1;
         ap.step = step;
         runs.push_back({kSpans[r].begin, kSpans[r].size, ap, kSpans[r].index_base});
       }
       ASSERT_OK(CompactAdamStep(kCuda, runs, shard.Buffers(true, d_grad.get(), step), grad_scale, nullptr, stream));
       ASSERT_OK(CompactAdamStep(kCpu, runs, shard.Buffers(false, grad.data(), step), grad_scale));
     } else {
-      const ElementwiseKind kind = c.rule <= 3 ? ElementwiseKind::kSgd
+      const ElementwiseKind kind = c.rule <= 3 || c.rule == 6 ? ElementwiseKind::kSgd
                                    : c.rule == 4 ? ElementwiseKind::kAdagrad
                                                  : ElementwiseKind::kLion;
       std::vector<optim::ElementwiseRun> runs;
@@ -164,7 +174,7 @@ void RunCase(const Case& c, cudaStream_t stream) {
         er.size = kSpans[r].size;
         er.index_base = kSpans[r].index_base;
         er.sgd.lr = 1e-2 * static_cast<double>(r + 1);
-        er.sgd.momentum = 0.9;
+        er.sgd.momentum = c.rule == 6 ? 0.0 : 0.9;
         er.sgd.dampening = c.rule == 2 ? 0.1 : 0.0;
         er.sgd.nesterov = c.rule == 3;
         er.sgd.weight_decay = 1e-3 * static_cast<double>(r);
@@ -195,10 +205,10 @@ TEST_F(KernelsGpu, CompactAdamMatchesCpuBitForBitInEveryLayout) {
 }
 
 TEST_F(KernelsGpu, CompactSgdAdagradLionMatchCpuBitForBitInEveryLayout) {
-  for (int rule : {2, 3, 4, 5})
+  for (int rule : {2, 3, 4, 5, 6})
     for (MasterFormat mf : {MasterFormat::kFp32, MasterFormat::kBf16Nearest, MasterFormat::kBf16Stochastic})
       for (MomentFormat f : {MomentFormat::kFp32, MomentFormat::kBf16, MomentFormat::kInt8})
-        for (int p16 = 0; p16 < (mf == MasterFormat::kFp32 ? 2 : 1); ++p16)
+        for (int p16 = 0; p16 < (mf == MasterFormat::kFp32 ? 3 : 1); ++p16)
           RunCase({rule, mf, f, DType::kFloat32, p16}, stream_);
 }
 

@@ -238,6 +238,44 @@ TEST(Int8Blocks, VectorCodesEqualTheBinarySearchAtEveryBoundary) {
   }
 }
 
+TEST(Int8Blocks, NonFiniteValuesGiveTheScalarCodesOnEveryIsa) {
+  // A diverged run can hand the quantizer NaN or infinite moments. Every ISA must give the
+  // scalar reference's bytes (its scale skips NaNs, a NaN counts no midpoint below it) and stay
+  // inside the bucket table (an unchecked NaN's bucket lies past its end).
+  const float nan = std::numeric_limits<float>::quiet_NaN(), inf = std::numeric_limits<float>::infinity();
+  std::mt19937 rng(5);
+  std::uniform_real_distribution<float> u(-1e-3f, 1e-3f);
+  for (bool is_signed : {true, false}) {
+    for (int pattern = 0; pattern < 5; ++pattern) {
+      std::vector<float> x(kInt8Block);
+      for (float& v : x) v = is_signed ? u(rng) : std::fabs(u(rng));
+      if (pattern == 0) x[3] = nan, x[200] = -nan;  // NaNs beside finite values
+      if (pattern == 1) x[17] = inf;                 // the scale becomes inf
+      if (pattern == 2)
+        for (float& v : x) v = nan;  // nothing but NaN: scale 0
+      if (pattern == 3) x[0] = nan, x[255] = is_signed ? -inf : inf;
+      if (pattern == 4) x[128] = nan, x[129] = 0.0f;
+      std::vector<uint8_t> want(kInt8Block);
+      float want_scale = -1;
+      QuantizeBlock(x.data(), x.size(), is_signed, want.data(), &want_scale, Isa::kScalar);
+      if (pattern == 2) {
+        EXPECT_EQ(want_scale, 0.0f);
+      }
+      if (pattern == 0 || pattern == 4) {
+        EXPECT_TRUE(std::isfinite(want_scale));
+        EXPECT_EQ(want[pattern == 0 ? 3 : 128], 0);  // no midpoint lies below a NaN
+      }
+      for (Isa isa : Isas()) {
+        std::vector<uint8_t> got(kInt8Block, 77);
+        float scale = -1;
+        QuantizeBlock(x.data(), x.size(), is_signed, got.data(), &scale, isa);
+        EXPECT_EQ(std::memcmp(&scale, &want_scale, 4), 0) << IsaName(isa) << " pattern " << pattern;
+        EXPECT_EQ(got, want) << IsaName(isa) << " pattern " << pattern;
+      }
+    }
+  }
+}
+
 TEST(Int8Blocks, StateBytesHoldCodesAndScales) {
   EXPECT_EQ(Int8StateBytes(256), 256u + 4u);
   EXPECT_EQ(Int8StateBytes(257), 260u + 8u);

@@ -33,6 +33,9 @@ struct Map {
 // gather per value instead of eight (a second gather, of the midpoint, waited for the first and
 // took about a fifth of the 8-bit step). The table, 26 KB, stays in L1. BuildBuckets checks the
 // bound, and that each midpoint lies in its bucket, for every bucket of both maps.
+// A NaN quotient (from a NaN or infinite moment) has an exponent past the table's rows; the
+// vector paths clamp its bucket to the last one, [-2, -1.992), which holds no midpoint and has
+// none below it: code 0, what the binary search gives a NaN (every comparison false).
 void BuildBuckets(Map* m) {
   const int exps = 128 - static_cast<int>(internal::kBucketMinExponent) + 1;
   const int per = 1 << internal::kBucketMantissaBits;

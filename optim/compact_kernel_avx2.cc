@@ -64,13 +64,12 @@ void Quantize(const float* x, size_t n, float scale, const float* mids, const ui
   const __m256i low16 = _mm256_set1_epi32(0xffff);
   size_t i = 0;
   for (; i + kW <= n; i += kW) {
-    const __m256 y = _mm256_div_ps(_mm256_loadu_ps(x + i), vscale);
-    // A NaN (a NaN or infinite moment) counts no midpoint below it, as in the scalar search; as
-    // -1 it does the same and stays inside the bucket table.
-    const __m256i bits = _mm256_castps_si256(
-        _mm256_blendv_ps(y, _mm256_set1_ps(-1.0f), _mm256_cmp_ps(y, y, _CMP_UNORD_Q)));
+    const __m256i bits = _mm256_castps_si256(_mm256_div_ps(_mm256_loadu_ps(x + i), vscale));
     // One gather: the count below the bucket and the threshold of its midpoint (BucketCode).
-    const __m256i entry = _mm256_i32gather_epi32(reinterpret_cast<const int*>(buckets), Buckets(bits), 4);
+    // Only a NaN quotient (a NaN or infinite moment) has a bucket past the table: clamped to the
+    // last one, it gets code 0, the scalar search's for NaN (Note [fast 8-bit codes]).
+    const __m256i bucket = _mm256_min_epu32(Buckets(bits), _mm256_set1_epi32(kBucketCount - 1));
+    const __m256i entry = _mm256_i32gather_epi32(reinterpret_cast<const int*>(buckets), bucket, 4);
     const __m256i low = _mm256_xor_si256(_mm256_and_si256(bits, low16),
                                          _mm256_and_si256(_mm256_srai_epi32(bits, 31), low16));
     const __m256i above = _mm256_cmpgt_epi32(low, _mm256_srli_epi32(entry, 8));  // both < 2^16

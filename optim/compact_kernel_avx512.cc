@@ -66,13 +66,12 @@ void Quantize(const float* x, size_t n, float scale, const float*, const uint32_
   const __m512i low16 = _mm512_set1_epi32(0xffff);
   for (size_t i = 0; i < n; i += kW) {
     const __mmask16 k = Tail(n - i);
-    const __m512 y = _mm512_div_ps(_mm512_maskz_loadu_ps(k, x + i), vscale);
-    // A NaN (a NaN or infinite moment) counts no midpoint below it, as in the scalar search; as
-    // -1 it does the same and stays inside the bucket table.
-    const __m512i bits = _mm512_castps_si512(
-        _mm512_mask_mov_ps(y, _mm512_cmp_ps_mask(y, y, _CMP_UNORD_Q), _mm512_set1_ps(-1.0f)));
+    const __m512i bits = _mm512_castps_si512(_mm512_div_ps(_mm512_maskz_loadu_ps(k, x + i), vscale));
     // One gather: the count below the bucket and the threshold of its midpoint (BucketCode).
-    const __m512i entry = _mm512_i32gather_epi32(Buckets(bits), buckets, 4);
+    // Only a NaN quotient (a NaN or infinite moment) has a bucket past the table: clamped to the
+    // last one, it gets code 0, the scalar search's for NaN (Note [fast 8-bit codes]).
+    const __m512i bucket = _mm512_min_epu32(Buckets(bits), _mm512_set1_epi32(kBucketCount - 1));
+    const __m512i entry = _mm512_i32gather_epi32(bucket, buckets, 4);
     const __m512i low = _mm512_xor_si512(_mm512_and_si512(bits, low16),
                                          _mm512_and_si512(_mm512_srai_epi32(bits, 31), low16));
     const __mmask16 above = _mm512_cmpgt_epu32_mask(low, _mm512_srli_epi32(entry, 8));

@@ -35,8 +35,8 @@ struct CompactKernels {
   // high = RoundingHigh(key, index_base), lo = low 32 bits of index_base.
   void (*round_sr)(const float* x, uint16_t* out, size_t n, uint32_t high, uint32_t lo);
   // codes[i] = #{k < 255 : mids[k] < x[i] / scale} for scale > 0 (0 for a NaN quotient: the
-  // vector paths look it up as -1, inside the table); `buckets` is the bucket table of the same
-  // map (BucketEntry), `mids` its 255 midpoints.
+  // vector paths clamp its bucket to the table's last, [-2, -1.992), which holds no midpoint);
+  // `buckets` is the bucket table of the same map (BucketEntry), `mids` its 255 midpoints.
   void (*quantize)(const float* x, size_t n, float scale, const float* mids, const uint32_t* buckets,
                    uint8_t* codes);
   // out[i] = map[codes[i]] * scale.

@@ -300,3 +300,23 @@ def test_device_optimizer_equals_host_optimizer_bit_for_bit(layout, tmp_path):
     on_host, mh = _train(_cfg(tmp_path, stage=1, optim="cpu", **layout[1]))
     assert on_device == on_host
     assert all(torch.equal(x, y) for x, y in zip(md, mh))
+
+
+@pytest.mark.parametrize("placement", PLACEMENTS, ids=[p[0] for p in PLACEMENTS])
+def test_a_nan_gradient_reaches_8bit_moments_without_a_crash(placement, tmp_path):
+    # Without clipping or loss scaling nothing gates the updates, so they run during backward
+    # and a NaN loss's gradients reach the optimizer. The 8-bit quantizer once read past its
+    # bucket table on a NaN moment (a segfault on AVX2 and AVX-512); now the step completes and
+    # the NaN shows in the master, as it does with fp32 states.
+    cfg = _cfg(tmp_path, **placement[1], master=True, moments="int8")
+    torch.manual_seed(0)
+    model = harness.MODELS["gpt2"]()
+    engine, *_ = strata.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+    for step in range(3):
+        x, y = harness.batch("gpt2", step, 0, 1, 2)
+        loss = harness.loss_of("gpt2", engine, x, y)
+        engine.backward(loss * float("nan") if step == 1 else loss)
+        engine.step()
+    masters = [p.detach().clone() for p in engine.master_parameters()]
+    engine.close()
+    assert any(torch.isnan(m).any() for m in masters)

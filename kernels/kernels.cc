@@ -367,6 +367,27 @@ optim::AdamOptions CheckOnlyAdam() {
   return o;
 }
 
+// The GPU's record of each non-empty run (an empty one touches no block, on the CPU either),
+// its constants set by `consts(run, &record)`; then one launch, unless no run is left.
+template <class Run, class Consts>
+Status LaunchCompact(internal::CompactLaunch a, const std::vector<Run>& runs, const Consts& consts,
+                     StreamHandle stream) {
+  std::vector<internal::CompactRun> dev;
+  for (const Run& r : runs) {
+    if (r.size == 0) continue;
+    internal::CompactRun d{};
+    d.begin = r.begin;
+    d.size = r.size;
+    d.index_base = r.index_base;
+    consts(r, &d);
+    dev.push_back(d);
+  }
+  if (dev.empty()) return Status::Ok();
+  a.runs = dev.data();
+  a.num_runs = dev.size();
+  return internal::CudaCompactStep(a, stream);
+}
+
 }  // namespace
 
 Status CompactAdamStep(Backend backend, const std::vector<optim::AdamRun>& runs,
@@ -382,21 +403,10 @@ Status CompactAdamStep(Backend backend, const std::vector<optim::AdamRun>& runs,
     return optim::CompactAdamStep(runs, bufs, grad_scale, o).status();
   }
   internal::CompactLaunch a = CompactLaunchOf(internal::CompactRule::kAdam, bufs);
-  std::vector<internal::CompactRun> dev;
-  for (const optim::AdamRun& r : runs) {
-    if (r.size == 0) continue;  // as on the CPU: it touches no block
-    internal::CompactRun d{};
-    d.begin = r.begin;
-    d.size = r.size;
-    d.index_base = r.index_base;
-    d.adam = optim::internal::MakeAdamConsts(r.params, grad_scale);
-    dev.push_back(d);
-  }
-  if (dev.empty()) return Status::Ok();
-  a.runs = dev.data();
-  a.num_runs = dev.size();
   a.skip_if_nonfinite = skip_if_nonfinite;
-  return internal::CudaCompactStep(a, stream);
+  return LaunchCompact(a, runs, [grad_scale](const optim::AdamRun& r, internal::CompactRun* d) {
+    d->adam = optim::internal::MakeAdamConsts(r.params, grad_scale);
+  }, stream);
 }
 
 Status CompactElementwiseStep(Backend backend, optim::ElementwiseKind kind,
@@ -412,25 +422,16 @@ Status CompactElementwiseStep(Backend backend, optim::ElementwiseKind kind,
   const internal::CompactRule rule = kind == optim::ElementwiseKind::kSgd       ? internal::CompactRule::kSgd
                                      : kind == optim::ElementwiseKind::kAdagrad ? internal::CompactRule::kAdagrad
                                                                                 : internal::CompactRule::kLion;
-  internal::CompactLaunch a = CompactLaunchOf(rule, bufs);
-  std::vector<internal::CompactRun> dev;
-  for (const optim::ElementwiseRun& r : runs) {
-    if (r.size == 0) continue;  // as on the CPU: it touches no block
-    internal::CompactRun d{};
-    d.begin = r.begin;
-    d.size = r.size;
-    d.index_base = r.index_base;
-    switch (kind) {
-      case optim::ElementwiseKind::kSgd: d.sgd = optim::internal::MakeSgdConsts(r.sgd, grad_scale); break;
-      case optim::ElementwiseKind::kAdagrad: d.adagrad = optim::internal::MakeAdagradConsts(r.adagrad, grad_scale); break;
-      case optim::ElementwiseKind::kLion: d.lion = optim::internal::MakeLionConsts(r.lion, grad_scale); break;
-    }
-    dev.push_back(d);
-  }
-  if (dev.empty()) return Status::Ok();
-  a.runs = dev.data();
-  a.num_runs = dev.size();
-  return internal::CudaCompactStep(a, stream);
+  return LaunchCompact(CompactLaunchOf(rule, bufs), runs,
+                       [kind, grad_scale](const optim::ElementwiseRun& r, internal::CompactRun* d) {
+                         switch (kind) {
+                           case optim::ElementwiseKind::kSgd: d->sgd = optim::internal::MakeSgdConsts(r.sgd, grad_scale); break;
+                           case optim::ElementwiseKind::kAdagrad:
+                             d->adagrad = optim::internal::MakeAdagradConsts(r.adagrad, grad_scale);
+                             break;
+                           case optim::ElementwiseKind::kLion: d->lion = optim::internal::MakeLionConsts(r.lion, grad_scale); break;
+                         }
+                       }, stream);
 }
 
 }  // namespace strata::kernels

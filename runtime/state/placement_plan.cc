@@ -56,7 +56,7 @@ class Filler {
   // Bytes chunk c's optimizer group takes in `tier` (in the pool's classes on the host), given
   // where its shard is.
   uint64_t GroupBytes(size_t c, Placement tier) const {
-    const bool shared = in_.master_shares_param && tier != Placement::kDevice && param_[c] == tier;
+    const bool shared = in_.master_shares_param && param_[c] == tier;
     if (tier == Placement::kHost) return o_class_[c] - (shared ? master_class_[c] : 0);
     return o_bytes_[c] - (shared ? master_bytes_[c] : 0);
   }
@@ -73,7 +73,7 @@ class Filler {
     uint64_t dev = 0;
     for (size_t c = 0; c < n; ++c) {
       if (param_[c] == Placement::kDevice) dev += p_bytes_[c];
-      if (optim_[c] == Placement::kDevice) dev += o_bytes_[c];
+      if (optim_[c] == Placement::kDevice) dev += GroupBytes(c, Placement::kDevice);
     }
     device_must_ = dev;
     if (dev > in_.device_budget) return Refuse();
@@ -84,9 +84,10 @@ class Filler {
     for (size_t c = 0; c < n; ++c) {
       if (param_[c] == Placement::kDevice) continue;
       if (whole && optim_[c] != Placement::kDevice) {
-        if (in_.device_optimizer_allowed && dev + p_bytes_[c] + o_bytes_[c] <= in_.device_budget) {
+        const uint64_t both = p_bytes_[c] + o_bytes_[c] - master_bytes_[c];  // the master shared
+        if (in_.device_optimizer_allowed && dev + both <= in_.device_budget) {
           param_[c] = optim_[c] = Placement::kDevice;
-          dev += p_bytes_[c] + o_bytes_[c];
+          dev += both;
         }
       } else if (dev + p_bytes_[c] <= in_.device_budget) {
         param_[c] = Placement::kDevice;
@@ -96,9 +97,9 @@ class Filler {
     if (in_.device_optimizer_allowed)
       for (size_t c = 0; c < n; ++c)
         if (param_[c] == Placement::kDevice && optim_[c] != Placement::kDevice &&
-            dev + o_bytes_[c] <= in_.device_budget) {
+            dev + GroupBytes(c, Placement::kDevice) <= in_.device_budget) {
           optim_[c] = Placement::kDevice;
-          dev += o_bytes_[c];
+          dev += GroupBytes(c, Placement::kDevice);
         }
     // The host: if everything below the device fits, it all goes there (no NVMe working set).
     uint64_t below = 0, host_must = 0;

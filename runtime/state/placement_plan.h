@@ -27,8 +27,9 @@
 // the smallest change that would fit.
 //
 // Note [shared master]: when the master and the working shard have the same dtype under stage 3
-// and both are homed in one tier off the device, the master is the working shard's block: it
-// takes no bytes of its own (the engine's StepPlan::master_is_param).
+// and both are homed in one tier, the master is the working shard's block: it takes no bytes of
+// its own (the engine's StepPlan::MasterIsParam). On the device too: the device's optimizer then
+// updates the working shard in place, as a host optimizer does a host-homed one.
 //
 // A value: no LibTorch, no device access; Make is a pure function of its inputs (the table in
 // tests/runtime/placement_plan_test.cc). Thread-safety: const after Make.
@@ -85,7 +86,7 @@ class PlacementPlan {
   bool Any(Placement tier) const { return AnyParamIn(tier) || AnyOptimIn(tier); }
   // Note [shared master] for chunk c.
   bool MasterSharesParam(int64_t chunk) const {
-    return shares_ && param_[chunk] == optim_[chunk] && param_[chunk] != Placement::kDevice;
+    return shares_ && param_[chunk] == optim_[chunk];
   }
   // Bytes of `kind` homed in `tier`, summed over chunks (a shared master counts nothing).
   uint64_t Bytes(Placement tier, StateKind kind) const {

@@ -46,14 +46,15 @@ def test_offloaded_states_free_the_device_and_come_back_bit_for_bit(tmp_path):
     before = acc.memory_allocated()
     assert before == engine._cpp.device_bytes_in_use > 0
     n = engine._cpp.num_parameters
-    # fp32 stage 3 on the device: param16 (fp32 here), master, both moments and the grad shard.
+    # fp32 stage 3 on the device: param16 (fp32 here, and the master too: Note [shared master]),
+    # both moments and the grad shard.
     engine.offload_states(device=OffloadDeviceEnum.cpu)
     after = acc.memory_allocated()
-    assert before - after >= 5 * 4 * n
+    assert before - after >= 4 * 4 * n
     with pytest.raises(InvalidArgumentError, match="reload_states"):
         harness.run_steps(engine, "gpt2", 2, 1, accum)
     engine.reload_states()
-    assert acc.memory_allocated() >= after + 5 * 4 * n
+    assert acc.memory_allocated() >= after + 4 * 4 * n
     got += harness.run_steps(engine, "gpt2", 2, 2, accum)
     assert got == want  # bit for bit
     for a, b in zip(engine.master_parameters(), want_params):

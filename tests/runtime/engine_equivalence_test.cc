@@ -454,7 +454,7 @@ TEST(SharedMaster, OnlyWhereTheWorkingShardHoldsTheSameBits) {
   EXPECT_EQ(where(3, OffloadDevice::kCpu, OffloadDevice::kCpu, false), "param16 (shared)");
   EXPECT_EQ(where(3, OffloadDevice::kNvme, OffloadDevice::kNvme, true), "master32");
   EXPECT_EQ(where(3, OffloadDevice::kCpu, OffloadDevice::kNvme, false), "master32");
-  EXPECT_EQ(where(3, OffloadDevice::kNone, OffloadDevice::kNone, false), "master32");
+  EXPECT_EQ(where(3, OffloadDevice::kNone, OffloadDevice::kNone, false), "param16 (shared)");
   EXPECT_EQ(where(2, OffloadDevice::kNone, OffloadDevice::kCpu, false), "master32");
 }
 

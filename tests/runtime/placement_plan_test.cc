@@ -122,24 +122,33 @@ TEST_P(PlacementTable, TiersAreTheRulesOnes) {
 INSTANTIATE_TEST_SUITE_P(Rows, PlacementTable, ::testing::ValuesIn(kRows),
                          [](const auto& info) { return std::string(info.param.name); });
 
-// Note [shared master]: a chunk whose shard and group share a tier off the device stores no
-// master block; on the device, or split across tiers, it does.
+// Note [shared master]: a chunk whose shard and group share a tier stores no master block; split
+// across tiers, it does.
 TEST(PlacementPlan, SharedMasterTakesNoBytes) {
   PlacementPlan::Inputs in = Base();
   in.master_shares_param = true;
   in.param_floor = in.optim_floor = Placement::kHost;
   in.ratio = 0.5;
   ASSERT_OK_AND_ASSIGN(PlacementPlan p, PlacementPlan::Make(in));
-  EXPECT_FALSE(p.MasterSharesParam(0));  // on the device
-  EXPECT_TRUE(p.MasterSharesParam(3));
-  EXPECT_EQ(p.Bytes(Placement::kDevice, StateKind::kMaster32), 2 * 256 * kMiB);
+  EXPECT_TRUE(p.MasterSharesParam(0));  // shard and group on the device
+  EXPECT_TRUE(p.MasterSharesParam(3));  // both on the host
+  EXPECT_EQ(p.Bytes(Placement::kDevice, StateKind::kMaster32), 0u);
   EXPECT_EQ(p.Bytes(Placement::kHost, StateKind::kMaster32), 0u);
+  EXPECT_EQ(p.Bytes(Placement::kDevice, StateKind::kExpAvg), 2 * 256 * kMiB);
   EXPECT_EQ(p.Lines().size(), 2u);
+  // Shards on the host, groups on NVMe: every master is a block of its own.
+  in.optim_floor = Placement::kNvme;
+  in.ratio = 1;
+  in.nvme_available = true;
+  ASSERT_OK_AND_ASSIGN(PlacementPlan q, PlacementPlan::Make(in));
+  EXPECT_FALSE(q.MasterSharesParam(0));
+  EXPECT_EQ(q.Bytes(Placement::kNvme, StateKind::kMaster32), 4 * 256 * kMiB);
 }
 
 // Note [whole chunks]: where the master can be the working shard, auto lifts a chunk's shard
-// only with its group. The device (1.5 GiB) takes chunk 0 whole (1.125 GiB); the host (6 GiB,
-// everything below fits) takes the rest whole, where the masters are the shards.
+// only with its group. The device (1.5 GiB) takes chunk 0 whole (896 MiB: its master is its
+// shard), not chunk 1 too (1.75 GiB); the host (6 GiB, everything below fits) takes the rest
+// whole, where the masters are the shards as well.
 TEST(PlacementPlan, AutoMovesWholeChunksWhereTheMasterIsTheShard) {
   PlacementPlan::Inputs in = Base();
   in.master_shares_param = true;
@@ -153,7 +162,8 @@ TEST(PlacementPlan, AutoMovesWholeChunksWhereTheMasterIsTheShard) {
   EXPECT_EQ(Tiers(p, true), "DHHH");
   EXPECT_EQ(Tiers(p, false), "DHHH");
   EXPECT_EQ(p.Bytes(Placement::kHost, StateKind::kMaster32), 0u);
-  EXPECT_EQ(p.Bytes(Placement::kDevice, StateKind::kMaster32), 256 * kMiB);
+  EXPECT_EQ(p.Bytes(Placement::kDevice, StateKind::kMaster32), 0u);
+  EXPECT_EQ(p.Bytes(Placement::kDevice, StateKind::kExpAvg), 256 * kMiB);
   // Eight chunks and a host with room for two whole ones (896 MiB each) after the 4 GiB NVMe
   // working set: whole chunks or none, the others on NVMe, sharing there.
   in.shard_numel.assign(8, kChunk);

@@ -25,9 +25,9 @@ SCALE_SIZES = {
     "13b": (40, 5120, 40),
     # Beyond GPT-3's table: 44 blocks of width 6144 (19.9B), the compact layouts' target.
     "20b": (44, 6144, 48),
-    # 37 blocks of width 8192 (29.8B): what `strata-estimate --largest` plans for the H100
+    # 38 blocks of width 8192 (30.6B): what `strata-estimate --largest` plans for the H100
     # machine's budgets with a bf16 master and 8-bit moments.
-    "30b": (37, 8192, 64),
+    "30b": (38, 8192, 64),
     # For the CPU dry run: the same pipeline on shapes a 2-core box trains in seconds.
     "tiny": (2, 128, 4),
     "small": (4, 256, 4),

@@ -658,7 +658,11 @@ class StrataEngine(ConfigView, torch.nn.Module):
         bit for bit, and the engine refuses to train until then. States already off the device
         (cpu/nvme offload) stay where they are. Only device="cpu" is supported, as in DeepSpeed;
         the host copies are ordinary (pageable) memory whatever pin_memory says, and the copy is
-        complete when the call returns (non_blocking is accepted and has no effect)."""
+        complete when the call returns (non_blocking is accepted and has no effect). Where the
+        master is the working shard itself (fp32 compute or a bf16 master, shard and optimizer
+        group in one tier), hp_params has no block of its own: it moves with lp_params, and
+        until reload_states() reading or writing either (checkpoints, parameter state) is
+        refused."""
         self._check_live()
         where = getattr(device, "value", device)
         if where != "cpu":

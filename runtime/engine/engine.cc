@@ -123,12 +123,18 @@ Status Engine::Impl::WriteBlockBytes(void* block, const void* src, size_t bytes,
 }
 
 uint64_t Engine::Impl::model_state_bytes() const {
-  const int64_t n = num_params();
-  // working copy + gradient + an fp32 master (a bf16 master is the working copy) + the moments kept
-  uint64_t bytes = plan_.BlockBytes(StateKind::kParam16, n) + plan_.BlockBytes(StateKind::kGrad, n);
-  if (plan_.master_dtype() == optim::DType::kFloat32) bytes += plan_.BlockBytes(StateKind::kMaster32, n);
-  for (StateKind k : {StateKind::kExpAvg, StateKind::kExpAvgSq})
-    if (plan_.HoldsState(k)) bytes += plan_.BlockBytes(k, n);
+  // Per chunk, its parameters' elements in each kind it stores: the working copy, the gradient,
+  // the master unless it is the working shard (Note [shared master]), the moments kept.
+  uint64_t bytes = 0;
+  for (size_t ch = 0; ch < partitioner_->chunks().size(); ++ch) {
+    const int64_t c = static_cast<int64_t>(ch);
+    int64_t n = 0;
+    for (int64_t pid : partitioner_->chunks()[ch].params) n += partitioner_->location(pid).numel;
+    bytes += plan_.BlockBytes(StateKind::kParam16, n) + plan_.BlockBytes(StateKind::kGrad, n);
+    if (plan_.Stored(c, StateKind::kMaster32)) bytes += plan_.BlockBytes(StateKind::kMaster32, n);
+    for (StateKind k : {StateKind::kExpAvg, StateKind::kExpAvgSq})
+      if (plan_.HoldsState(k)) bytes += plan_.BlockBytes(k, n);
+  }
   return bytes;
 }
 
@@ -145,7 +151,7 @@ nlohmann::json Engine::Impl::Describe() const {
           {"optimizer_placement", PlacementName(plan_.optim_section())},
           {"placement", plan_.placement().ToJson()},
           {"optimizer_overlap", plan_.OptimizerOverlapName()},
-          {"master_storage", plan_.MasterIsParam(0) ? "param16 (shared)" : "master32"},
+          {"master_storage", plan_.MasterStorageName()},
           {"model_state_bytes", model_state_bytes()},
           {"host_budget", plan_.host_budget()},
           {"tier_manager", store_->StatsJson()},

@@ -50,6 +50,7 @@ Status Engine::Impl::Save(const std::string& root, const nlohmann::json& extra,
   namespace fs = std::filesystem;
   if (step_.step_open)
     return FailedPrecondition("SaveCheckpoint during a step: save after Step() returns");
+  STRATA_RETURN_IF_ERROR(CheckStatesResident("SaveCheckpoint"));
   STRATA_RETURN_IF_ERROR(FinishUpdates());
   const std::string name = checkpoint::StepDirName(step_.global_step);
   const fs::path final_dir = fs::path(root) / name;
@@ -236,6 +237,7 @@ StatusOr<std::string> Engine::Impl::ReadClientFile(const std::string& path) {
 StatusOr<nlohmann::json> Engine::Impl::Load(const std::string& path, bool weights_only) {
   namespace fs = std::filesystem;
   if (step_.step_open) return FailedPrecondition("LoadCheckpoint during a step");
+  STRATA_RETURN_IF_ERROR(CheckStatesResident("LoadCheckpoint"));
   STRATA_RETURN_IF_ERROR(FinishUpdates());
   STRATA_ASSIGN_OR_RETURN(std::string dir, checkpoint::ResolveCheckpointDir(path));
   const std::string stem = checkpoint::RankFileStem(comm_->rank());

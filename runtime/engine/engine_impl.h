@@ -117,6 +117,8 @@ class Engine::Impl {
   StatusOr<uint64_t> OffloadStates(const std::vector<StateKind>& kinds);
   StatusOr<uint64_t> ReloadStates();
   Status CheckStatesResident(const char* what) const;
+  // FAILED_PRECONDITION when `key` (read or written as `wanted`) is offloaded.
+  Status CheckBlockResident(const BlockKey& key, StateKind wanted) const;
   // Per-parameter state (param_state.cc).
   StatusOr<std::vector<torch::Tensor>> GatherMasterParams();
   StatusOr<std::vector<torch::Tensor>> GatherParamState(StateKind kind,

@@ -33,7 +33,7 @@ Status Engine::Impl::Init(Engine* owner, const EngineOptions& options) {
                    << " optimizer_placement=" << PlacementName(plan_.optim_section())
                    << " dtype=" << optim::DTypeName(plan_.compute_dtype())
                    << " optimizer_overlap=" << plan_.OptimizerOverlapName()
-                   << " master=" << (plan_.MasterIsParam(0) ? "param16" : "master32");
+                   << " master=" << plan_.MasterStorageName();
   // The placement plan, one line per tier (how to read it: the README's "Placement").
   for (const std::string& line : plan_.placement().Lines())
     STRATA_LOG(INFO) << "placement (" << PlacementModeName(config_.strata.placement) << ") " << line;

@@ -85,6 +85,7 @@ void FromFloat(const float* src, optim::DType dtype, int64_t n, void* dst) {
 
 Status Engine::Impl::ReadShard(int64_t c, StateKind kind, float* out) {
   STRATA_ASSIGN_OR_RETURN(StateBlock b, BlockOf(plan_, c, kind));
+  STRATA_RETURN_IF_ERROR(CheckBlockResident(b.key, kind));
   const int64_t n = partitioner_->chunks()[c].shard_numel;
   std::vector<char> raw(b.blocks8 ? plan_.BlockBytes(kind, n) : n * optim::DTypeSize(b.dtype));
   STRATA_ASSIGN_OR_RETURN(void* block, store_->Acquire(b.key, Access::kRead));
@@ -103,6 +104,7 @@ Status Engine::Impl::PatchShard(int64_t c, StateKind kind,
                                 const std::vector<std::pair<int64_t, torch::Tensor>>& values,
                                 std::vector<float>* shard_out) {
   STRATA_ASSIGN_OR_RETURN(StateBlock b, BlockOf(plan_, c, kind));
+  STRATA_RETURN_IF_ERROR(CheckBlockResident(b.key, kind));
   const int64_t n = partitioner_->chunks()[c].shard_numel;
   const Placement where = plan_.PlacementOf(c, b.key.kind);
   std::vector<float> shard(n);

@@ -83,4 +83,16 @@ Status Engine::Impl::CheckStatesResident(const char* what) const {
                                    "reload_states() first"));
 }
 
+// A parameter-state read or write needs its block on the device. Where the master is the
+// working shard (Note [shared master]), offloading lp_params took the master along.
+Status Engine::Impl::CheckBlockResident(const BlockKey& key, StateKind wanted) const {
+  for (const ParkedBlock& p : parked_)
+    if (p.key == key)
+      return FailedPrecondition(StrCat(
+          "chunk ", key.chunk, "'s ", StateKindName(wanted), " is offloaded to host memory (",
+          key.kind == wanted ? "" : StrCat("it is the ", StateKindName(key.kind), " block, "),
+          "moved by offload_states): call reload_states() first"));
+  return Status::Ok();
+}
+
 }  // namespace strata

@@ -27,7 +27,7 @@ uint64_t NvmeWorkingSet(uint64_t largest_class, uint64_t nvme_total) {
 class Filler {
  public:
   Filler(const PlacementPlan::Inputs& in, std::vector<Placement>* param, std::vector<Placement>* optim)
-      : in_(in), param_(*param), optim_(*optim) {
+      : in_(in), shares_(in.master_shares_param && in.stage3), param_(*param), optim_(*optim) {
     const size_t n = in.shard_numel.size();
     p_bytes_.resize(n);
     o_bytes_.resize(n);
@@ -56,7 +56,7 @@ class Filler {
   // Bytes chunk c's optimizer group takes in `tier` (in the pool's classes on the host), given
   // where its shard is.
   uint64_t GroupBytes(size_t c, Placement tier) const {
-    const bool shared = in_.master_shares_param && param_[c] == tier;
+    const bool shared = shares_ && param_[c] == tier;
     if (tier == Placement::kHost) return o_class_[c] - (shared ? master_class_[c] : 0);
     return o_bytes_[c] - (shared ? master_bytes_[c] : 0);
   }
@@ -80,7 +80,7 @@ class Filler {
     // Note [whole chunks]: where the master can be the working shard (Note [shared master]),
     // lifting a shard without its group would store the master a second time below it, and a
     // master costs what the shard saves; there chunks move up whole.
-    const bool whole = in_.master_shares_param;
+    const bool whole = shares_;
     for (size_t c = 0; c < n; ++c) {
       if (param_[c] == Placement::kDevice) continue;
       if (whole && optim_[c] != Placement::kDevice) {
@@ -159,7 +159,7 @@ class Filler {
     // The least the state takes: with every master that can be its working shard shared.
     uint64_t total = 0, params = 0;
     for (size_t c = 0; c < p_bytes_.size(); ++c) {
-      total += p_bytes_[c] + o_bytes_[c] - (in_.master_shares_param ? master_bytes_[c] : 0);
+      total += p_bytes_[c] + o_bytes_[c] - (shares_ ? master_bytes_[c] : 0);
       params += in_.shard_numel[c];
     }
     const uint64_t nvme_cap = in_.nvme_available ? in_.nvme_budget : 0;
@@ -197,6 +197,7 @@ class Filler {
   }
 
   const PlacementPlan::Inputs& in_;
+  const bool shares_;  // Note [shared master]: a chunk homed whole in one tier stores no master
   std::vector<Placement>& param_;
   std::vector<Placement>& optim_;
   std::vector<uint64_t> p_bytes_, o_bytes_, master_bytes_;  // raw: the device and NVMe

@@ -269,6 +269,15 @@ std::string StepPlan::LayoutKeys() const {
           : std::string());
 }
 
+std::string StepPlan::MasterStorageName() const {
+  int64_t shared = 0;
+  const int64_t n = placement_.num_chunks();
+  for (int64_t c = 0; c < n; ++c) shared += MasterIsParam(c) ? 1 : 0;
+  if (shared == n && n > 0) return "param16 (shared)";
+  if (shared == 0) return "master32";
+  return StrCat("mixed (", shared, " of ", n, " chunks share)");
+}
+
 const char* StepPlan::OptimizerOverlapName() const {
   return immediate_ ? "backward" : defer_ ? "next-forward" : "in-step";
 }

@@ -144,12 +144,15 @@ class StepPlan {
   }
   bool any_staged_publish() const { return any_staged_publish_; }
   // Note [shared master]: under stage 3 with fp32 compute the working shard (param16) holds the
-  // same bits as the fp32 master, so when both live in the same host or NVMe tier the master is
-  // not stored twice: the param16 block is the master, which saves a chunk's worth of write-back
-  // and read per update. The checkpoint format is unchanged (its "master32" entries are read from
-  // and written to this block).
+  // same bits as the fp32 master, so when both live in the same tier the master is not stored
+  // twice: the param16 block is the master, which saves a chunk's worth of memory (on the device
+  // too) and, off the device, of write-back and read per update. The checkpoint format is
+  // unchanged (its "master32" entries are read from and written to this block).
   // A bf16 master (Note [compact layouts]) is likewise the bf16 working shard itself.
   bool MasterIsParam(int64_t c) const { return placement_.MasterSharesParam(c); }
+  // Where the masters live, for logs: "param16 (shared)", "master32", or "mixed (k of n chunks
+  // share)".
+  std::string MasterStorageName() const;
   // Chunk c has a block of `kind`: param16 under stage 3, the master unless it is the param16
   // block, the moments the optimizer keeps, the gradient always.
   bool Stored(int64_t c, StateKind kind) const;

@@ -101,3 +101,23 @@ def test_what_deepspeed_refuses_is_refused_by_name(tmp_path):
     with pytest.raises(InvalidArgumentError, match="unknown state type"):
         engine.offload_states(include=["optimizer"])
     engine.close()
+
+
+def test_a_master_that_is_the_working_shard_moves_with_lp_params(tmp_path):
+    # fp32 stage 3 on the device: the master is the param16 block (Note [shared master]), so
+    # offloading lp_params takes it along. Reading it or saving a checkpoint is refused, naming
+    # reload_states, until the states are back; then both work and training goes on.
+    engine, accum = _engine("stage3", tmp_path)
+    harness.run_steps(engine, "gpt2", 0, 1, accum)
+    want = [p.clone() for p in engine.master_parameters()]
+    engine.offload_states(include=[OffloadStateTypeEnum.lp_params])
+    with pytest.raises(strata.StrataError, match="reload_states"):
+        engine.master_parameters()
+    with pytest.raises(strata.StrataError, match="reload_states"):
+        engine.save_checkpoint(str(tmp_path / "ckpt"))
+    engine.reload_states()
+    got = engine.master_parameters()
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    engine.save_checkpoint(str(tmp_path / "ckpt"))
+    harness.run_steps(engine, "gpt2", 1, 1, accum)
+    engine.close()

@@ -71,23 +71,30 @@ StatusOr<StepPrediction> PredictStep(const Config& config, const ModelSpec& mode
   const auto& z = config.zero_optimization;
   const double S = static_cast<double>(mem.shard_numel);
   const double e = (config.bf16.enabled || config.fp16.enabled) ? 2 : 4;
-  const double ss = config.strata.optimizer_state_dtype == StateDtype::kBf16 ? 2 : 4;
   const int acc = static_cast<int>(std::max<int64_t>(1, config.gradient_accumulation_steps));
   const bool cuda = device == "cuda";
   const bool immediate = config.strata.overlap_optimizer && config.gradient_clipping == 0 &&
                          !config.fp16.enabled;
-  // Elements of this rank's shards per tier, from the placement plan the estimate carries:
-  // working shards (param16, stage 3) and optimizer groups (counted by their fp32 gradient).
-  auto tier_elems = [&](const char* tier, const char* kind, double size) {
+  // Bytes of one state kind in one tier, from the placement plan the estimate carries.
+  auto tier_bytes = [&](const char* tier, const char* kind) {
     if (!mem.placement.is_object() || !mem.placement.contains(tier)) return 0.0;
-    return mem.placement[tier].value(kind, uint64_t{0}) / size;
+    return static_cast<double>(mem.placement[tier].value(kind, uint64_t{0}));
   };
-  const double Pd = z.stage == 3 ? tier_elems("device", "param16", e) : 0;
-  const double Ph = z.stage == 3 ? tier_elems("host", "param16", e) : 0;
-  const double Pn = z.stage == 3 ? tier_elems("nvme", "param16", e) : 0;
-  const double Od = tier_elems("device", "grad", 4), Oh = tier_elems("host", "grad", 4);
-  const double On = tier_elems("nvme", "grad", 4);
+  // The gradient block's bytes per element: 4, or 2 under a bf16 master (its grads are bf16).
+  const double grad_all = tier_bytes("device", "grad") + tier_bytes("host", "grad") + tier_bytes("nvme", "grad");
+  const double g = S > 0 && grad_all > 0 ? grad_all / S : 4;
+  // Elements of this rank's shards per tier: working shards (param16, stage 3) and optimizer
+  // groups (counted by their gradient).
+  const double Pd = z.stage == 3 ? tier_bytes("device", "param16") / e : 0;
+  const double Ph = z.stage == 3 ? tier_bytes("host", "param16") / e : 0;
+  const double Pn = z.stage == 3 ? tier_bytes("nvme", "param16") / e : 0;
+  const double Od = tier_bytes("device", "grad") / g, Oh = tier_bytes("host", "grad") / g;
+  const double On = tier_bytes("nvme", "grad") / g;
   const double Ooff = Oh + On;
+  // An NVMe-homed group's update reads its gradient and states and writes the states back: the
+  // master (none where it is the working shard), the moments in their format.
+  const double nvme_states = tier_bytes("nvme", "master32") + tier_bytes("nvme", "exp_avg") +
+                             tier_bytes("nvme", "exp_avg_sq");
 
   StepPrediction p;
   auto copy_t = [&](double bytes) { return bytes / (r.copy_gbps * 1e9); };
@@ -106,11 +113,11 @@ StatusOr<StepPrediction> PredictStep(const Config& config, const ModelSpec& mode
     copy_bytes += acc * 2 * (Ph + Pn) * e;
     nvme_r += acc * 2 * Pn * e;
   }
-  grad_io = grad_io_first = d2d_t(Od * 4) + copy_t(Ooff * 4) + wr_t(On * 4);
-  grad_io += rd_t(On * 4);  // accumulating micro-steps read the shard back
-  copy_bytes += acc * Ooff * 4;
-  nvme_w += acc * On * 4;
-  nvme_r += (acc - 1) * On * 4;
+  grad_io = grad_io_first = d2d_t(Od * g) + copy_t(Ooff * g) + wr_t(On * g);
+  grad_io += rd_t(On * g);  // accumulating micro-steps read the shard back
+  copy_bytes += acc * Ooff * g;
+  nvme_w += acc * On * g;
+  nvme_r += (acc - 1) * On * g;
   // Collectives: ring all-gather / reduce-scatter move (W-1) shards per rank.
   const double W = static_cast<double>(std::max(1, world_size));
   if (W > 1 && r.comm_busbw_gbps <= 0)
@@ -135,9 +142,9 @@ StatusOr<StepPrediction> PredictStep(const Config& config, const ModelSpec& mode
   // Optimizer lane: the host optimizer's groups; a GPU updates its own groups in far less time
   // than the lane (HBM-bound), while the CPU device's optimizer shares the host's cores.
   p.optimizer_s = (cuda ? Ooff : S) / (r.adam_gelems * 1e9);
-  double lane_io = rd_t(On * (4 + 2 * ss + 4)) + wr_t(On * (4 + 2 * ss));
-  nvme_r += On * (4 + 2 * ss + 4);
-  nvme_w += On * (4 + 2 * ss);
+  double lane_io = rd_t(On * g + nvme_states) + wr_t(nvme_states);
+  nvme_r += On * g + nvme_states;
+  nvme_w += nvme_states;
   lane_io += wr_t(Pn * e);
   nvme_w += Pn * e;
   // A host optimizer publishes new values to device-resident working copies: one copy from its
@@ -161,10 +168,10 @@ StatusOr<StepPrediction> PredictStep(const Config& config, const ModelSpec& mode
   if (immediate) {
     p.step_s = std::max(p.main_s, before_last + last_micro_forward + p.lane_s);
   } else {
-    double scan = S * 4 / (r.dram_gbps * 1e9);
+    double scan = S * g / (r.dram_gbps * 1e9);
     if (On > 0) {
-      scan += rd_t(On * 4);
-      nvme_r += On * 4;
+      scan += rd_t(On * g);
+      nvme_r += On * g;
       p.bytes_nvme_read = static_cast<uint64_t>(nvme_r);
       p.nvme_s = rd_t(nvme_r) + wr_t(nvme_w);
     }

@@ -275,6 +275,41 @@ TEST(CostModelTest, NvmeBandwidthDrivesTheNvmePlacement) {
   EXPECT_GE(slow.step_s, slow.nvme_s);
 }
 
+// A bf16 master with 8-bit moments on NVMe: the lane moves the blocks' own sizes (a bf16
+// gradient, a bf16 master, about a byte per moment), not fp32's 16 bytes, and the optimizer runs
+// at the profile's rate for that layout, or at the fp32 rate with a note where the profile has
+// none.
+TEST(CostModelTest, CompactLayoutsMoveTheirBytesAtTheirRate) {
+  Config c = TuneConfig();
+  c.zero_optimization.offload_optimizer.device = OffloadDevice::kNvme;
+  c.bf16.bf16_master_weights_and_grads = true;
+  c.strata.optimizer_state_dtype = StateDtype::kInt8;
+  ASSERT_OK_AND_ASSIGN(ModelSpec spec, GptModelSpec(c.model));
+  ASSERT_OK_AND_ASSIGN(MemoryEstimate mem, EstimateMemory(c, spec));
+  EXPECT_EQ(mem.state_layout, "int8+bf16_master");
+  const double n = static_cast<double>(mem.shard_numel);
+  HardwareProfile h = SyntheticProfile(1.0);
+  ASSERT_OK_AND_ASSIGN(Rates fp32_only, RatesFromProfile(h, "cpu", 0));
+  fp32_only.nvme_read_gbps = fp32_only.nvme_write_gbps = 1.0;
+  ASSERT_OK_AND_ASSIGN(StepPrediction guessed, PredictStep(c, spec, mem, fp32_only, "cpu"));
+  ASSERT_EQ(guessed.notes.size(), 1u);
+  EXPECT_NE(guessed.notes[0].find("int8+bf16_master"), std::string::npos) << guessed.notes[0];
+  EXPECT_NEAR(guessed.optimizer_s, n / 1e9, 1e-12);  // the fp32 rate, 1 G elements/s
+  h.adam_layout_gelems_per_s["int8+bf16_master"] = 0.25;
+  ASSERT_OK_AND_ASSIGN(HardwareProfile back, HardwareProfile::FromJson(h.ToJson()));
+  ASSERT_OK_AND_ASSIGN(Rates r, RatesFromProfile(back, "cpu", 0));
+  r.nvme_read_gbps = r.nvme_write_gbps = 1.0;
+  ASSERT_OK_AND_ASSIGN(StepPrediction p, PredictStep(c, spec, mem, r, "cpu"));
+  EXPECT_TRUE(p.notes.empty());
+  EXPECT_NEAR(p.optimizer_s, 4 * n / 1e9, 1e-12);
+  // Per element: the bf16 gradient (2), the bf16 master (2; its shard is on the device, so it
+  // is a block of its own) and two 8-bit moments (1 + 4/256 each, the shard a whole number of
+  // 256-element blocks here). Read: gradient and states; written: states and the gradient.
+  const double states = n * (2 + 2 * (1 + 4.0 / 256));
+  EXPECT_NEAR(static_cast<double>(p.bytes_nvme_read), n * 2 + states, 64);
+  EXPECT_NEAR(static_cast<double>(p.bytes_nvme_write), n * 2 + states, 64);
+}
+
 // With W ranks, ring collectives move (W-1) shards per rank: per micro-step a reduce-scatter of
 // fp32 gradients and, under stage 3, a parameter all-gather in forward and in backward; below
 // stage 3 one all-gather of the updated parameters per step. Expected values are written here

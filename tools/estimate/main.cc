@@ -137,7 +137,9 @@ int RunLargest(const Config& config, const std::string& device, const std::strin
     std::printf("cost model: step %.3g s bound by the %s (compute thread %.3g s, optimizer lane %.3g s, "
                 "nvme %.3g s, copy %.3g s)\n",
                 pred->step_s, lane.c_str(), pred->main_s, pred->lane_s, pred->nvme_s, pred->copy_s);
-  else
+  if (pred)
+    for (const std::string& note : pred->notes) std::cout << "  note: " << note << "\n";
+  if (!pred)
     std::cout << "bounding lane: pass --profile (a `strata-swapbench profile --json` report) to predict it\n";
   std::cout << "one layer more does not fit: " << r->next_refused << "\n";
   std::cout << "for the engine to run this plan, give its config \"strata\": {\"placement\": \"auto\", "

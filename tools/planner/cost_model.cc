@@ -28,7 +28,7 @@ nlohmann::json StepPrediction::ToJson() const {
           {"optimizer_s", optimizer_s}, {"comm_s", comm_s}, {"main_s", main_s},
           {"lane_s", lane_s},       {"bytes_nvme_read", bytes_nvme_read},
           {"bytes_nvme_write", bytes_nvme_write}, {"bytes_copy", bytes_copy},
-          {"bytes_comm", bytes_comm}, {"flops", flops}};
+          {"bytes_comm", bytes_comm}, {"flops", flops}, {"notes", notes}};
 }
 
 StatusOr<Rates> RatesFromProfile(const HardwareProfile& p, const std::string& device,
@@ -49,6 +49,7 @@ StatusOr<Rates> RatesFromProfile(const HardwareProfile& p, const std::string& de
   if (p.adam_gelems_per_s <= 0)
     return InvalidArgument("the profile has no adam.gelems_per_s; rerun `strata-swapbench profile`");
   r.adam_gelems = p.adam_gelems_per_s;
+  r.adam_layout_gelems = p.adam_layout_gelems_per_s;
   const double h2d = p.CopyGbps(device, "h2d"), d2h = p.CopyGbps(device, "d2h");
   if (h2d > 0 && d2h > 0) {
     r.copy_gbps = std::min(h2d, d2h);
@@ -141,7 +142,17 @@ StatusOr<StepPrediction> PredictStep(const Config& config, const ModelSpec& mode
 
   // Optimizer lane: the host optimizer's groups; a GPU updates its own groups in far less time
   // than the lane (HBM-bound), while the CPU device's optimizer shares the host's cores.
-  p.optimizer_s = (cuda ? Ooff : S) / (r.adam_gelems * 1e9);
+  // The host optimizer's rate in this run's state layout; a profile without that layout's
+  // figure (older profiles) leaves the fp32 rate, which the compact layouts do not reach.
+  double adam = r.adam_gelems;
+  if (mem.state_layout != "fp32") {
+    const auto it = r.adam_layout_gelems.find(mem.state_layout);
+    if (it != r.adam_layout_gelems.end() && it->second > 0) adam = it->second;
+    else p.notes.push_back(StrCat("the profile has no CPU Adam figure for the ", mem.state_layout,
+                                  " optimizer states (rerun `strata-swapbench profile`): the optimizer "
+                                  "lane uses the fp32 rate, faster than that layout's"));
+  }
+  p.optimizer_s = (cuda ? Ooff : S) / (adam * 1e9);
   double lane_io = rd_t(On * g + nvme_states) + wr_t(nvme_states);
   nvme_r += On * g + nvme_states;
   nvme_w += nvme_states;

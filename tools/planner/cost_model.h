@@ -20,6 +20,7 @@
 #pragma once
 
 #include <cstdint>
+#include <map>
 #include <string>
 #include <vector>
 
@@ -49,6 +50,8 @@ struct StepPrediction {
   uint64_t bytes_copy = 0;
   uint64_t bytes_comm = 0;  // bytes each rank sends (ring: (W-1)/W of each full buffer)
   double flops = 0;
+  // What the prediction had to assume (a layout's rate missing from the profile).
+  std::vector<std::string> notes;
   nlohmann::json ToJson() const;
 };
 
@@ -57,7 +60,8 @@ struct Rates {
   double gflops = 0;          // compute
   double copy_gbps = 0;       // host<->device
   double dram_gbps = 0;       // host memory streaming (gradient-norm scan, device-to-device on cpu)
-  double adam_gelems = 0;     // CPU Adam elements per second / 1e9
+  double adam_gelems = 0;     // CPU Adam elements per second / 1e9 (fp32 states)
+  std::map<std::string, double> adam_layout_gelems;  // other state layouts, by StateLayout::Name()
   double nvme_read_gbps = 0;  // at the chosen aio setting
   double nvme_write_gbps = 0;
   double comm_busbw_gbps = 0; // collectives' bus bandwidth (bytes each rank moves / time); world > 1

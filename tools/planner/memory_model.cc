@@ -146,6 +146,7 @@ StatusOr<MemoryEstimate> EstimateMemory(const Config& config, const ModelSpec& m
   pin.disk_free = options.disk_free;
   STRATA_ASSIGN_OR_RETURN(const StepPlan plan, StepPlan::Make(pin));
   est.placement = plan.placement().ToJson();
+  est.state_layout = plan.StateLayoutName();
   est.device_reserve = config.strata.device_reserve;
   est.placement_lines = plan.placement().Lines();
   auto tier_of = [&](int64_t c, StateKind k) {

@@ -60,6 +60,9 @@ struct EstimateOptions {
 };
 
 struct MemoryEstimate {
+  // The optimizer-state layout (StateLayout::Name(): "fp32", "int8+bf16_master", ...), which
+  // picks the optimizer lane's rate in the cost model.
+  std::string state_layout = "fp32";
   // SUM: bytes per rank on each tier at the step's peak (resident + transient), activations
   // included in hbm when known.
   uint64_t hbm_bytes = 0;

@@ -73,8 +73,10 @@ nlohmann::json HardwareProfile::ToJson() const {
       cs.push_back({{"device", c.device}, {"memory", c.memory}, {"direction", c.direction}, {"gbps", c.gbps}});
     j["copies"] = cs;
   }
-  if (adam_gelems_per_s > 0)
+  if (adam_gelems_per_s > 0) {
     j["adam"] = {{"elements", adam_elements}, {"gelems_per_s", adam_gelems_per_s}, {"isa", adam_isa}};
+    for (const auto& [layout, rate] : adam_layout_gelems_per_s) j["adam"]["layouts"][layout] = rate;
+  }
   if (comm_busbw_gbps > 0)
     j["comm"] = {{"backend", comm_backend}, {"world_size", comm_world_size}, {"busbw_gbps", comm_busbw_gbps}};
   if (compute_gflops > 0) {
@@ -161,6 +163,15 @@ StatusOr<HardwareProfile> HardwareProfile::FromJson(const nlohmann::json& j) {
     if (j["adam"].contains("elements")) STRATA_RETURN_IF_ERROR(Num(j["adam"], "adam", "elements", &n));
     if (j["adam"].contains("isa")) STRATA_RETURN_IF_ERROR(Str(j["adam"], "adam", "isa", &h.adam_isa));
     h.adam_elements = static_cast<int64_t>(n);
+    if (j["adam"].contains("layouts")) {
+      const nlohmann::json& ls = j["adam"]["layouts"];
+      if (!ls.is_object()) return InvalidArgument("profile: adam.layouts must be an object of rates by layout name");
+      for (auto it = ls.begin(); it != ls.end(); ++it) {
+        double rate = 0;
+        STRATA_RETURN_IF_ERROR(Num(ls, "adam.layouts", it.key().c_str(), &rate));
+        h.adam_layout_gelems_per_s[it.key()] = rate;
+      }
+    }
   }
   if (j.contains("compute")) {
     STRATA_RETURN_IF_ERROR(Num(j["compute"], "compute", "gflops", &h.compute_gflops));

@@ -10,7 +10,9 @@
 //    "dram": {"copy_gbps": x},
 //    "copies": [{"device": "cpu"|"cuda", "memory": "pinned"|"pageable",
 //                "direction": "h2d"|"d2h", "gbps": x}, ...],
-//    "adam": {"elements": N, "gelems_per_s": x, "isa": "avx512"},
+//    "adam": {"elements": N, "gelems_per_s": x, "isa": "avx512",
+//             "layouts": {"int8+bf16_master": x, ...} (optional: the rate of each optimizer-state
+//             layout other than fp32, keyed by StateLayout::Name())},
 //    "compute": {"dtype": "bf16"|"fp32", "gflops": x, "fp32_gflops": y (optional)},
 //    "comm": {"backend": "gloo", "world_size": N, "busbw_gbps": x} (strata-commbench --profile),
 //    "recommended_aio": {"block_size": B, "queue_depth": Q, "intra_op_parallelism": P}}
@@ -54,7 +56,10 @@ struct HardwareProfile {
   double dram_gbps = 0;    // streaming copy (the ceiling for host copies)
   std::vector<CopyFigure> copies;
   int64_t adam_elements = 0;
-  double adam_gelems_per_s = 0;
+  double adam_gelems_per_s = 0;  // fp32 master and moments
+  // The other optimizer-state layouts' rates, by StateLayout::Name() ("bf16", "int8",
+  // "bf16+bf16_master", "int8+bf16_master"); a layout missing here has no figure.
+  std::map<std::string, double> adam_layout_gelems_per_s;
   std::string adam_isa;
   std::string compute_dtype;      // dtype of compute_gflops ("bf16" when measured by profile)
   double compute_gflops = 0;

@@ -33,11 +33,14 @@
 #include <nlohmann/json.hpp>
 #include <torch/torch.h>
 
+#include "optim/compact_formats.h"
+#include "optim/compact_step.h"
 #include "optim/cpu_adam.h"
 #include "runtime/base/config.h"
 #include "runtime/base/device.h"
 #include "runtime/base/host_info.h"
 #include "runtime/base/units.h"
+#include "runtime/state/state_layout.h"
 #include "tiers/hbm/device_factory.h"
 #include "tiers/host/cuda_host_alloc.h"
 #include "tiers/nvme/io_engine.h"
@@ -322,6 +325,61 @@ Status MeasureCopies(Device& device, size_t bytes, int reps, HardwareProfile* h,
   return device.Free(dmem);
 }
 
+// The other optimizer-state layouts (Note [compact layouts]), each by the call the engine makes:
+// AdamStep for bf16 moments beside an fp32 master, CompactAdamStep for 8-bit moments or a bf16
+// master. Keyed by StateLayout::Name(), so that the cost model finds a config's layout.
+Status MeasureAdamLayouts(int64_t n, int reps, HardwareProfile* h) {
+  struct Case {
+    optim::MasterFormat master;
+    optim::MomentFormat moments;
+  };
+  const Case cases[] = {{optim::MasterFormat::kFp32, optim::MomentFormat::kBf16},
+                        {optim::MasterFormat::kFp32, optim::MomentFormat::kInt8},
+                        {optim::MasterFormat::kBf16Stochastic, optim::MomentFormat::kBf16},
+                        {optim::MasterFormat::kBf16Stochastic, optim::MomentFormat::kInt8}};
+  const size_t un = static_cast<size_t>(n);
+  std::vector<float> grad(un, 0.01f);
+  for (const Case& c : cases) {
+    std::vector<uint8_t> master(optim::MasterBytes(c.master, un), 0);
+    std::vector<uint8_t> m(optim::MomentBytes(c.moments, un), 0), v(optim::MomentBytes(c.moments, un), 0);
+    optim::AdamParams ap;
+    optim::AdamOptions ao;
+    ao.grad_check = optim::GradCheck::kCallerChecked;
+    double best = 0;
+    for (int r = 0; r < reps; ++r) {
+      ap.step = r + 1;
+      auto t0 = Clock::now();
+      if (c.master == optim::MasterFormat::kFp32 && c.moments == optim::MomentFormat::kBf16) {
+        optim::AdamBuffers b;
+        b.master = reinterpret_cast<float*>(master.data());
+        b.grad = grad.data();
+        b.exp_avg = m.data();
+        b.exp_avg_sq = v.data();
+        b.state_dtype = optim::DType::kBFloat16;
+        b.n = un;
+        STRATA_RETURN_IF_ERROR(optim::AdamStep(ap, b, 1.0f, ao).status());
+      } else {
+        optim::CompactAdamBuffers b;
+        b.master = master.data();
+        b.master_format = c.master;
+        b.grad = grad.data();
+        b.exp_avg = m.data();
+        b.exp_avg_sq = v.data();
+        b.moment_format = c.moments;
+        b.n = un;
+        b.rounding_key = optim::RoundingKey(1, ap.step);
+        STRATA_RETURN_IF_ERROR(optim::CompactAdamStep(ap, b, 1.0f, ao).status());
+      }
+      best = std::max(best, static_cast<double>(n) / Since(t0) / 1e9);
+    }
+    StateLayout layout;
+    layout.moments = c.moments;
+    layout.bf16_master = c.master != optim::MasterFormat::kFp32;
+    h->adam_layout_gelems_per_s[layout.Name()] = best;
+  }
+  return Status::Ok();
+}
+
 Status MeasureAdam(int64_t n, int reps, HardwareProfile* h) {
   std::vector<float> master(n, 0.5f), grad(n, 0.01f), m(n, 0.f), v(n, 0.f);
   std::vector<uint16_t> p16(n);
@@ -346,7 +404,7 @@ Status MeasureAdam(int64_t n, int reps, HardwareProfile* h) {
   }
   h->adam_elements = n;
   h->adam_gelems_per_s = best;
-  return Status::Ok();
+  return MeasureAdamLayouts(n, reps, h);
 }
 
 double MatmulGflops(torch::Dtype dtype, int64_t n, int reps) {
@@ -527,6 +585,8 @@ void PrintProfile(const ProfileArgs& a, const HardwareProfile& h, const StatusOr
   for (const auto& c : h.copies)
     row(StrCat(c.device, " ", c.memory, " ", c.direction, " (Device stream)"), c.gbps, h.dram_gbps);
   std::printf("%-44s %10.3f G elements/s (%s)\n", "CPU Adam, 16M elements", h.adam_gelems_per_s, h.adam_isa.c_str());
+  for (const auto& [layout, rate] : h.adam_layout_gelems_per_s)
+    std::printf("%-44s %10.3f G elements/s\n", StrCat("  optimizer states ", layout).c_str(), rate);
   std::printf("%-44s %10.1f GFLOP/s bf16, %.1f fp32\n", "matmul (LibTorch, cpu)", h.compute_gflops,
               h.compute_fp32_gflops);
   if (best.ok())

@@ -121,6 +121,10 @@ void PrintRanking(const TuneResult& res, size_t top) {
                 FormatBytes(c.memory.nvme_bytes).c_str(), c.feasible ? "" : ("(" + c.why_not + ")").c_str());
   }
   for (const auto& a : res.assumptions) std::printf("assumed: %s\n", a.c_str());
+  // A prediction's own assumption (a layout's optimizer rate missing from the profile) is the
+  // same for every candidate: said once.
+  if (!res.candidates.empty())
+    for (const auto& note : res.candidates.front().prediction.notes) std::printf("assumed: %s\n", note.c_str());
 }
 
 // --verify: the chosen placement run through the engine, predicted against measured lane by

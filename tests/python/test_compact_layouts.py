@@ -87,6 +87,17 @@ def test_layout_resumes_bit_exact(layout, tmp_path):
     assert all(torch.equal(x, y) for x, y in zip(ms, mw))
 
 
+def test_device_homed_shared_master_resumes_bit_exact(tmp_path):
+    # Stage 3 with everything on the device: the bf16 master is the device's working shard
+    # (Note [shared master]), saved and loaded through host copies.
+    cfg = _cfg(tmp_path, stage=3, optim="none", param="none", master=True, moments="int8")
+    whole, mw = _train(cfg, steps=STEPS)
+    first, _ = _train(cfg, steps=3, save=tmp_path / "ckpt")
+    second, ms = _train(cfg, steps=STEPS - 3, resume=tmp_path / "ckpt", first=3)
+    assert first + second == whole
+    assert all(torch.equal(x, y) for x, y in zip(ms, mw))
+
+
 def test_stochastic_master_does_not_depend_on_the_chunk_size(tmp_path):
     small = _cfg(tmp_path, master=True, chunk="16KiB")
     large = _cfg(tmp_path, master=True, chunk="1MiB")
@@ -195,6 +206,9 @@ RANK_CASES = [
                                                      master=True, moments="bf16")),
     ("bf16_sr_master_int8_stage2_cpu", dict(stage=2, optim="cpu", master=True, moments="int8")),
     ("int8_moments_stage3_nvme", dict(stage=3, optim="nvme", param="nvme", moments="int8")),
+    # The device's own optimizer, the bf16 master being the device-homed working shard.
+    ("bf16_sr_master_int8_stage3_device", dict(stage=3, optim="none", param="none", master=True,
+                                               moments="int8")),
 ]
 
 

@@ -193,9 +193,11 @@ def test_per_parameter_access_reads_and_writes_8bit_moments(tmp_path):
         assert (got - want[name]).abs().max().item() <= bound, name
         assert not torch.equal(got, want[name]) or want[name].abs().max() == 0  # really 8-bit
     name, p = next(iter(model.named_parameters()))
-    value = torch.linspace(-1e-3, 1e-3, p.numel()).view_as(p)
+    # The read comes back on the engine's device (a GPU where the suite runs on one).
+    value = torch.linspace(-1e-3, 1e-3, p.numel(), device=engine.device).view_as(p)
     param_state.safe_set_full_optimizer_state(p, value, "exp_avg")
     back = param_state.safe_get_full_optimizer_state(p, "exp_avg")
+    assert back.device == value.device
     assert (back - value).abs().max().item() <= 0.0071 * 1e-3
     engine.close()
 

@@ -34,14 +34,15 @@
 # STRATA_NVME_DIR (swap directory; default /var/tmp/strata-gpu-nvme), STRATA_GPU_BUILD,
 # STRATA_PHASE_SECONDS (the phase's own time limit; default 530), STRATA_GPU_TARGETS (build: the
 # targets to build, default all; `lease` names the ones test, bench and scale run, for a short
-# lease where the whole test tree does not fit), STRATA_GPU_PYTHON_TESTS (test: a ctest -R regex
-# of the Python suites to run; pip: a pytest -k expression; default all).
+# lease where the whole test tree does not fit), STRATA_GPU_TEST_PARTS (test: which of "probe
+# trainer" run besides ctest -L gpu and the Python suite; default both), STRATA_GPU_PYTHON_TESTS
+# (test: a ctest -R regex of the Python suites to run; pip: a pytest -k expression; default all).
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
 cd "$ROOT"
 UTIL="$ROOT/tools/scripts/gpu_check_util.py"
 
-usage() { sed -n '2,33p' "$0" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '2,/^set -/p' "$0" | grep '^#' | sed 's/^# \{0,1\}//'; }
 phase=${1:-}
 case "$phase" in
   build|pip|test|bench|scale|report) shift ;;
@@ -424,7 +425,7 @@ native_backtrace() {
 ctest_line() { grep -E 'tests passed|No tests were found' "$1" | tail -1; }
 phase_test() {
   need_build
-  local ok=true suites=() line
+  local ok=true suites=() line parts=${STRATA_GPU_TEST_PARTS:-probe trainer}
   say "ctest -L gpu"
   (cd "$CM" && timeout "$(( $(left) / 4 ))" ctest -L gpu --output-on-failure -j 2) >"$WORK/ctest-gpu.log" 2>&1 || ok=false
   line=$(ctest_line "$WORK/ctest-gpu.log"); echo "  $line"
@@ -434,6 +435,9 @@ phase_test() {
   if [ -d "$CM/python/strata" ] || compgen -G "$CM/python/*strata*" >/dev/null; then
     # One small engine per case, each in its own process: where the module fails on this device,
     # with native frames for a crash (tools/scripts/gpu_python_probe.py).
+    if [[ " $parts " != *" probe "* ]]; then
+      suites+=("probe=not run (STRATA_GPU_TEST_PARTS=$parts)")
+    else
     say "the Python module, case by case (gpu_python_probe.py)"
     if PYTHONPATH="$CM/python" STRATA_BIN="$CM/bin" timeout "$(( $(left) / 4 ))" \
          "$PY" "$ROOT/tools/scripts/gpu_python_probe.py" --out "$WORK/probe" --timeout 45 2>&1 | tee "$WORK/probe.log"; then
@@ -441,10 +445,13 @@ phase_test() {
     else
       ok=false; suites+=("probe=$(grep -c FAILED "$WORK/probe.log" || true) cases failed (work/test/probe)")
     fi
+    fi
     # The Trainer test before the whole suite: it is the one nothing else covers, and a short
     # lease may end during the suite.
     local trainer="$ROOT/tests/python/test_hf_trainer.py"
-    if [ -f "$trainer" ]; then
+    if [[ " $parts " != *" trainer "* ]]; then
+      suites+=("trainer=not run (STRATA_GPU_TEST_PARTS=$parts)")
+    elif [ -f "$trainer" ]; then
       say "the Trainer test"
       if PYTHONPATH="$CM/python:$CM/deepspeed-compat" STRATA_BIN="$CM/bin" \
            STRATA_DS_COMPAT="$CM/deepspeed-compat" timeout "$(( $(left) / 2 ))" \

@@ -159,7 +159,8 @@ struct Bf16Config {
 };
 
 // DeepSpeed's activation_checkpointing section, with its keys and defaults. Parsed and validated;
-// the engine does not checkpoint activations yet, so a section that enables anything warns once.
+// the engine acts on cpu_checkpointing (CheckpointUnit stashes its inputs on the host); the other
+// switches have no effect and warn once (config.cc says why).
 struct ActivationCheckpointingConfig {
   bool partition_activations = false;
   bool cpu_checkpointing = false;

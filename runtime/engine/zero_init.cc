@@ -21,6 +21,7 @@ class Init::Impl {
   std::string path;
   uint64_t end = 0;  // bytes written so far
   int64_t params = 0;
+  torch::Dtype staged_dtype = torch::kFloat32;  // floating-point parameters are written as this
 };
 
 namespace {
@@ -74,13 +75,17 @@ void SetBuildingMallocPolicy(int delta) {
 
 }  // namespace
 
-StatusOr<std::unique_ptr<Init>> Init::Create(const std::string& dir) {
+StatusOr<std::unique_ptr<Init>> Init::Create(const std::string& dir, torch::Dtype staged_dtype) {
+  if (staged_dtype != torch::kFloat32 && staged_dtype != torch::kBFloat16)
+    return InvalidArgument(StrCat("zero::Init stages parameters as fp32 or bf16, not ",
+                                  c10::toString(staged_dtype)));
   if (current)
     return FailedPrecondition("a zero::Init is already current on this thread; destroy it first");
   std::error_code ec;
   std::filesystem::create_directories(dir, ec);
   if (ec) return ErrnoToStatus(ec.value(), StrCat("create zero::Init directory ", dir));
   auto impl = std::make_unique<Impl>();
+  impl->staged_dtype = staged_dtype;
   std::string tmpl = (std::filesystem::path(dir) / "strata-zero-init.XXXXXX").string();
   std::vector<char> name(tmpl.begin(), tmpl.end());
   name.push_back('\0');
@@ -130,12 +135,14 @@ void Partition(torch::nn::Module& unit) {
       if (Registry().count(p.unsafeGetTensorImpl())) continue;  // tied: staged with its first unit
     }
     torch::Tensor host = p.detach().to(torch::kCPU).contiguous();
+    if (host.is_floating_point() && host.scalar_type() != init->staged_dtype)
+      host = host.to(init->staged_dtype);
     const uint64_t bytes = host.nbytes();
     Status s = PwriteAll(init->fd, host.data_ptr(), bytes, init->end, init->path);
     if (!s.ok()) throw std::runtime_error(s.ToString());
     {
       std::lock_guard<std::mutex> l(Mu());
-      Registry()[p.unsafeGetTensorImpl()] = {init, init->end, p.numel(), p.scalar_type()};
+      Registry()[p.unsafeGetTensorImpl()] = {init, init->end, p.numel(), host.scalar_type()};
     }
     init->end += bytes;
     ++init->params;

@@ -6,7 +6,7 @@
 //   init.reset();          // the staging file goes
 //
 // While an Init is current on the thread, Partition(unit) writes the unit's freshly initialized
-// trainable parameters to a staging file in the Init's directory and leaves each of them with its
+// trainable parameters (in fp32, or bf16 where the run's master is bf16; see Create) to a staging file in the Init's directory and leaves each of them with its
 // shape and dtype but no memory, so the full model never exists in DRAM: at most one unit does.
 // Engine::Create reads the staged values chunk by chunk as it writes the shards to their tiers.
 // Without a current Init, Partition does nothing (the same model code builds normally). A
@@ -34,8 +34,14 @@ namespace strata::zero {
 class Init {
  public:
   // Creates the staging file (removed by the destructor, and unlinked at once so that a crash
-  // leaves nothing behind) and makes this Init current on the calling thread.
-  static StatusOr<std::unique_ptr<Init>> Create(const std::string& dir);
+  // leaves nothing behind) and makes this Init current on the calling thread. Partition stages
+  // floating-point parameters as `staged_dtype` (kFloat32 or kBFloat16), converting with
+  // LibTorch's round-to-nearest-even. kBFloat16 halves the file for a run whose master is the
+  // bf16 working copy (bf16.bf16_master_weights_and_grads): the engine rounds the fp32 values to
+  // nearest bf16 at start anyway, so it keeps the same master and working copy either way (a
+  // bf16 value converts to fp32 and back unchanged). Other runs keep kFloat32.
+  static StatusOr<std::unique_ptr<Init>> Create(const std::string& dir,
+                                                torch::Dtype staged_dtype = torch::kFloat32);
   ~Init();
   Init(const Init&) = delete;
   Init& operator=(const Init&) = delete;

@@ -422,13 +422,20 @@ StatusOr<MemoryEstimate> EstimateMemory(const Config& config, const ModelSpec& m
                        "LibTorch's gradients of the block in backward, before the engine takes them"});
   torch_dev += block_grads;
   if (model.gpt) {
+    const bool on_host = config.activation_checkpointing.cpu_checkpointing;
     ActivationEstimate a = GptActivations(*model.gpt, config.train_micro_batch_size_per_gpu,
-                                          static_cast<int>(esize));
+                                          static_cast<int>(esize), on_host);
     est.activation_bytes = a.saved_bytes;
+    std::string how =
+        a.checkpointed
+            ? StrCat("checkpointed: ", model.gpt->n_layers, " block inputs (", FormatBytes(a.kept_inputs_bytes),
+                     on_host ? ", stashed on the host by cpu_checkpointing, not counted here" : "",
+                     "), one block recomputed in backward (", FormatBytes(a.per_block_bytes), "), ")
+            : StrCat(FormatBytes(a.per_block_bytes), " per block, ");
     est.items.push_back({"activations saved for backward", MemTier::kHbm, a.saved_bytes, "", true,
                          StrCat("one micro-batch of ", config.train_micro_batch_size_per_gpu,
-                                " x ", model.gpt->seq_len, " tokens (", FormatBytes(a.per_block_bytes),
-                                " per block, ", FormatBytes(a.head_bytes), " head + loss)")});
+                                " x ", model.gpt->seq_len, " tokens (", how, FormatBytes(a.head_bytes),
+                                " head + loss)")});
     torch_dev += a.saved_bytes;
   } else {
     est.notes.push_back("activations: unknown for a model given by --params; add them (or pass --config "

@@ -98,9 +98,19 @@ StatusOr<ModelSpec> SyntheticModelSpec(int64_t params, int64_t largest_layer) {
 //   => 16·T·d·e + h·T·T·e + 16·T bytes, plus with dropout > 0 one byte per element of the
 //      attention probabilities and of the two residual branches (h·T·T + 2·T·d).
 // Head: ln input + stats, lm input (2·T·d·e + 8·T); the logits (T·V·e) are kept by the caller
-// for the loss, which casts them to fp32 and saves log_softmax's fp32 output (T·V·4).
+// for the loss, which casts them to fp32 and saves log_softmax's fp32 output (T·V·4; in an fp32
+// run the cast is the logits themselves).
 // Embedding: the token ids (T·8).
-ActivationEstimate GptActivations(const ModelConfig& c, int64_t micro_batch, int elem_size) {
+//
+// Note [checkpointed activations]
+// With model.checkpoint_activations each block runs under CheckpointUnit (runtime/engine/
+// run_unit.cc): forward records nothing inside the block and keeps only its input x (B·T·d·e;
+// block i's output is block i+1's input, one tensor). Backward reruns one block at a time with
+// autograd on, so at its peak the device holds every block's kept input, one block's full
+// activations as counted above, and the gradient arriving at that block's output (B·T·d·e).
+// Forward's peak (one block's working set without autograd) is below that.
+ActivationEstimate GptActivations(const ModelConfig& c, int64_t micro_batch, int elem_size,
+                                  bool inputs_on_host) {
   const uint64_t B = static_cast<uint64_t>(std::max<int64_t>(micro_batch, 0));
   const uint64_t T = static_cast<uint64_t>(c.seq_len), d = static_cast<uint64_t>(c.d_model),
                  h = static_cast<uint64_t>(c.n_heads), V = static_cast<uint64_t>(c.vocab_size);
@@ -109,8 +119,17 @@ ActivationEstimate GptActivations(const ModelConfig& c, int64_t micro_batch, int
   uint64_t block = 16 * T * d * e + h * T * T * e + 16 * T;
   if (c.dropout > 0) block += h * T * T + 2 * T * d;
   a.per_block_bytes = B * block;
-  a.head_bytes = B * (2 * T * d * e + 8 * T + T * V * e + T * V * 4);
-  a.saved_bytes = a.per_block_bytes * static_cast<uint64_t>(c.n_layers) + a.head_bytes + B * T * 8;
+  // fp32 logits are their own fp32 copy (.to(kFloat32) returns the same tensor).
+  a.head_bytes = B * (2 * T * d * e + 8 * T + T * V * e + (e == 4 ? 0 : T * V * 4));
+  const uint64_t L = static_cast<uint64_t>(c.n_layers), ids = B * T * 8;
+  if (!c.checkpoint_activations) {
+    a.saved_bytes = a.per_block_bytes * L + a.head_bytes + ids;
+    return a;
+  }
+  a.checkpointed = true;
+  a.kept_inputs_bytes = B * T * d * e * L;
+  a.saved_bytes = (inputs_on_host ? 0 : a.kept_inputs_bytes) + a.per_block_bytes + B * T * d * e +
+                  a.head_bytes + ids;
   return a;
 }
 

@@ -54,14 +54,19 @@ StatusOr<ModelSpec> SyntheticModelSpec(int64_t params, int64_t largest_layer);
 // through the GPT, with activations of `elem_size` bytes (2 for bf16/fp16, 4 for fp32).
 // Counted per block: LayerNorm inputs and fp32 mean/rstd, each linear's input, the q/k/v
 // projection output, the softmax output [B,h,T,T], the GELU input; dropout masks when
-// dropout > 0; the head's logits and the fp32 log-softmax of the loss. See memory_model.cc
-// Note [activation count].
+// dropout > 0; the head's logits and the fp32 log-softmax of the loss. See model_spec.cc
+// Note [activation count]. With c.checkpoint_activations the blocks keep only their inputs and
+// backward recomputes one block at a time (Note [checkpointed activations]); `inputs_on_host`
+// (activation_checkpointing.cpu_checkpointing) moves those kept inputs off the device.
 struct ActivationEstimate {
-  uint64_t saved_bytes = 0;        // SUM: everything saved for backward, all blocks
-  uint64_t per_block_bytes = 0;    // one transformer block
+  uint64_t saved_bytes = 0;        // SUM: the device's peak of activations, all blocks
+  uint64_t per_block_bytes = 0;    // one transformer block's full activations
   uint64_t head_bytes = 0;         // head + loss
+  uint64_t kept_inputs_bytes = 0;  // checkpointing: every block's saved input (0 without it)
+  bool checkpointed = false;
 };
-ActivationEstimate GptActivations(const ModelConfig& c, int64_t micro_batch, int elem_size);
+ActivationEstimate GptActivations(const ModelConfig& c, int64_t micro_batch, int elem_size,
+                                  bool inputs_on_host = false);
 
 // FLOPs of one micro-batch forward + backward of the GPT: 6 per parameter per token for the
 // matmuls (2 forward, 4 backward) plus the attention score and value matmuls (12·L·T²·d per

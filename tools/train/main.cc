@@ -175,7 +175,12 @@ class Trainer {
       const std::string nvme_dir = NvmeDirForHost();
       if (c_.zero_optimization.stage == 3 && !nvme_dir.empty() &&
           c_.zero_optimization.offload_param.device == OffloadDevice::kNvme) {
-        STRATA_ASSIGN_OR_RETURN(init, zero::Init::Create(nvme_dir));
+        // A bf16 master is the bf16 working copy the engine rounds to nearest at start: staging
+        // in bf16 gives it the same bits from half the disk (zero_init.h).
+        STRATA_ASSIGN_OR_RETURN(
+            init, zero::Init::Create(nvme_dir, c_.bf16.enabled && c_.bf16.bf16_master_weights_and_grads
+                                                   ? torch::kBFloat16
+                                                   : torch::kFloat32));
       }
       models::Gpt model{nullptr};
       try {

@@ -16,6 +16,10 @@ std::string Overflows(const MemoryEstimate& est, const LargestOptions& o) {
   if (host > o.host_bytes) return StrCat("host ", FormatBytes(host), " > ", FormatBytes(o.host_bytes));
   if (est.nvme_bytes > o.disk_bytes)
     return StrCat("nvme ", FormatBytes(est.nvme_bytes), " > ", FormatBytes(o.disk_bytes));
+  // The start's disk peak: zero::Init's staging file beside the blocks written so far.
+  if (est.init_disk_peak_bytes > o.disk_bytes)
+    return StrCat("disk at start (zero::Init staging + NVMe blocks) ", FormatBytes(est.init_disk_peak_bytes),
+                  " > ", FormatBytes(o.disk_bytes));
   return "";
 }
 

@@ -451,9 +451,40 @@ StatusOr<MemoryEstimate> EstimateMemory(const Config& config, const ModelSpec& m
   if (nvme_need > 0 && config.strata.nvme_capacity > 0 && config.strata.nvme_capacity < nvme_need)
     est.notes.push_back(StrCat("strata.nvme_capacity=", config.strata.nvme_capacity, " is below the ",
                                FormatBytes(nvme_need), " the NVMe-placed shards need: raise it or set 0"));
-  est.notes.push_back(StrCat("engine init (Engine::Create) also holds the model's fp32 parameters plus one "
-                             "chunk's fp32 and working copies: about ", FormatBytes(init_bytes),
-                             " of pageable host memory, freed before training"));
+  // Note [init disk peak]: strata-train builds a stage-3 model with NVMe parameter offload under
+  // zero::Init (tools/train/main.cc): the whole model goes to a staging file in the NVMe
+  // directory first, then Engine::Create fills chunk by chunk, reading the chunk's parameters
+  // back (punching them out of the file) and writing its NVMe-placed blocks. The disk holds the
+  // unread rest of the file beside the blocks written so far; its peak is at the start or after
+  // some chunk.
+  const bool staged = z.stage == 3 && z.offload_param.device == OffloadDevice::kNvme &&
+                      (!z.offload_param.nvme_path.empty() || options.assume_nvme_path);
+  if (staged) {
+    const uint64_t stage_esize = config.bf16.enabled && config.bf16.bf16_master_weights_and_grads ? 2 : 4;
+    uint64_t left = 0;
+    for (const ChunkInfo& ci : chunks) left += static_cast<uint64_t>(ci.numel) * stage_esize;
+    est.staged_bytes = left;
+    uint64_t peak = left, written = 0;
+    for (size_t ch = 0; ch < chunks.size(); ++ch) {
+      const int64_t c = static_cast<int64_t>(ch);
+      left -= static_cast<uint64_t>(chunks[ch].numel) * stage_esize;
+      for (StateKind k : {StateKind::kParam16, StateKind::kGrad, StateKind::kMaster32, StateKind::kExpAvg,
+                          StateKind::kExpAvgSq}) {
+        if (!plan.Stored(c, k) || plan.PlacementOf(c, k) != Placement::kNvme) continue;
+        written += (plan.BlockBytes(k, chunks[ch].shard_numel) + 4095) / 4096 * 4096;
+      }
+      peak = std::max(peak, left + written);
+    }
+    est.init_disk_peak_bytes = peak;
+    est.notes.push_back(StrCat("engine init reads the model from zero::Init's staging file (",
+                               FormatBytes(est.staged_bytes), stage_esize == 2 ? " of bf16" : " of fp32",
+                               " in the NVMe directory) while it writes the NVMe blocks: the disk peaks at ",
+                               FormatBytes(peak), " during the start"));
+  } else {
+    est.notes.push_back(StrCat("engine init (Engine::Create) also holds the model's fp32 parameters plus one "
+                               "chunk's fp32 and working copies: about ", FormatBytes(init_bytes),
+                               " of pageable host memory, freed before training"));
+  }
   if (pool > 0)
     est.notes.push_back(StrCat("host_pinned is the tier manager's pool, reserved and locked whole at start: ",
                                FormatBytes(pool), config.strata.host_memory_budget
@@ -518,6 +549,8 @@ nlohmann::json MemoryEstimate::ToJson() const {
           {"host_pinned_bytes", host_pinned_bytes},
           {"host_pageable_bytes", host_pageable_bytes},
           {"nvme_bytes", nvme_bytes},
+          {"init_disk_peak_bytes", init_disk_peak_bytes},
+          {"staged_bytes", staged_bytes},
           {"engine_device_peak_bytes", engine_device_peak_bytes},
           {"engine_device_peak_min_bytes", engine_device_peak_min_bytes},
           {"engine_host_peak_bytes", engine_host_peak_bytes},

@@ -78,6 +78,11 @@ struct MemoryEstimate {
   uint64_t engine_device_peak_min_bytes = 0;
   uint64_t engine_host_peak_bytes = 0;
   uint64_t activation_bytes = 0;  // 0 when the model is not a GPT
+  // zero::Init (strata-train's stage 3 with offload_param nvme): the disk the start needs at its
+  // peak, the staging file (fp32, or bf16 for a bf16 master) plus the NVMe blocks written while
+  // the engine reads the file back chunk by chunk, punching what it has read. 0 without staging.
+  uint64_t init_disk_peak_bytes = 0;
+  uint64_t staged_bytes = 0;  // the staging file when the model is built
   uint64_t host_pool_bytes = 0;   // the pinned pool the engine reserves (== host_pinned_bytes)
   // The least strata.host_memory_budget the engine accepts: host-placed blocks plus 8 NVMe blocks.
   uint64_t host_min_bytes = 0;

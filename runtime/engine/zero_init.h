@@ -46,7 +46,10 @@ class Init {
   Init(const Init&) = delete;
   Init& operator=(const Init&) = delete;
 
-  uint64_t staged_bytes() const;
+  uint64_t staged_bytes() const;  // the staged values' bytes (the file adds alignment padding)
+  // Partition writes with O_DIRECT (Note [direct staging] in zero_init.cc); false where the
+  // file system refused it and the page cache takes the writes.
+  bool direct_io() const;
   int64_t staged_params() const;
 
   class Impl;
@@ -79,5 +82,8 @@ StatusOr<bool> ReadStaged(const torch::Tensor& param, float* dst);
 
 // True when `param` has been staged and not yet read (it has a shape but no memory).
 bool IsStaged(const torch::Tensor& param);
+// Tests only: false makes Inits created afterwards stage through the page cache, as on a file
+// system that refuses O_DIRECT (Note [direct staging]).
+void SetDirectStagingForTest(bool enabled);
 
 }  // namespace strata::zero

@@ -66,6 +66,42 @@ TEST(ZeroInit, TrainsLikeTheModelBuiltNormally) {
   ExpectMatch(ref, got, 1e-5, 2e-5);
 }
 
+// Note [direct staging]: on a disk file system the staging file is written and read with
+// O_DIRECT, where the file system refuses it through the page cache; either way each parameter
+// reads back as the value the model was built with.
+void ExpectStagedValuesReadBack(const std::string& dir, bool want_direct) {
+  Config c = BaseConfig();
+  c.model.d_model = 96;  // parameters of odd byte counts: 96*3 floats is not a multiple of 4 KiB
+  auto plain = models::BuildGpt(c.model);
+  std::vector<torch::Tensor> want;
+  for (const auto& p : models::UniqueParameters(*plain)) want.push_back(p.detach().reshape({-1}).clone());
+  ASSERT_OK_AND_ASSIGN(auto init, zero::Init::Create(dir));
+  EXPECT_EQ(init->direct_io(), want_direct);
+  auto staged = models::BuildGpt(c.model);
+  auto params = models::UniqueParameters(*staged);
+  ASSERT_EQ(params.size(), want.size());
+  // Read in reverse order: each read stands on its own offset.
+  for (size_t i = params.size(); i-- > 0;) {
+    torch::Tensor got = torch::empty({params[i].numel()}, torch::kFloat32);
+    ASSERT_OK_AND_ASSIGN(bool was_staged, zero::ReadStaged(params[i], got.data_ptr<float>()));
+    ASSERT_TRUE(was_staged) << i;
+    EXPECT_TRUE(torch::equal(got, want[i])) << i;
+    EXPECT_FALSE(zero::IsStaged(params[i]));
+  }
+}
+
+TEST(ZeroInit, DirectStagingReadsBackEveryValue) {
+  testing::TempDir dir;
+  ExpectStagedValuesReadBack(dir.path(), /*want_direct=*/true);
+}
+
+TEST(ZeroInit, BufferedStagingWhereODirectIsRefused) {
+  testing::TempDir dir;
+  zero::SetDirectStagingForTest(false);  // as on a file system that refuses O_DIRECT
+  ExpectStagedValuesReadBack(dir.path(), /*want_direct=*/false);
+  zero::SetDirectStagingForTest(true);
+}
+
 // A bf16 master (bf16_master_weights_and_grads): staging in bf16 halves the file and trains
 // bit for bit like the model built normally, since the engine rounds the fp32 values to nearest
 // bf16 at start either way. fp32 staging of the same run gives the same bits too.

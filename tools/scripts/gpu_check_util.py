@@ -25,9 +25,13 @@ SCALE_SIZES = {
     "13b": (40, 5120, 40),
     # Beyond GPT-3's table: 44 blocks of width 6144 (19.9B), the compact layouts' target.
     "20b": (44, 6144, 48),
-    # 38 blocks of width 8192 (30.6B): what `strata-estimate --largest` plans for the H100
-    # machine's budgets with a bf16 master and 8-bit moments.
+    # 38 blocks of width 8192 (30.6B), GPT-3's widest shape near the compact layouts' limit.
     "30b": (38, 8192, 64),
+    # 107 blocks of width 5120 (33.7B): what `strata-estimate --largest` plans for the H100
+    # machine (80 GiB device, 126 GiB host, 63 GiB free disk) with a bf16 master and 8-bit
+    # moments at the scale phase's micro-batch 8 x 2048; one layer more overflows the disk at
+    # start (zero::Init's staging file beside the NVMe blocks).
+    "34b": (107, 5120, 40),
     # For the CPU dry run: the same pipeline on shapes a 2-core box trains in seconds.
     "tiny": (2, 128, 4),
     "small": (4, 256, 4),

@@ -195,7 +195,7 @@ StatusOr<MemoryEstimate> EstimateMemory(const Config& config, const ModelSpec& m
                              : StrCat("full ", dtype_name, " working copy of every chunk (stage ",
                                       z.stage, " keeps it on the device)");
     else if (name == "master32" || name == "grad")
-      it.note = StrCat(name == "grad" ? "fp32" : master_name, " shard",
+      it.note = StrCat(name == "grad" ? optim::DTypeName(plan.grad_dtype()) : master_name, " shard",
                        shard_world > 1 ? " (1/world of each chunk)" : "");
     else
       it.note = StrCat(sdtype_name, " Adam moment shard");

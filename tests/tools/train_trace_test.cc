@@ -121,5 +121,42 @@ TEST(TrainTraceTest, TraceHasEveryLaneAndTheJsonLinesTheOverlap) {
   EXPECT_GT(adam_chunks.size(), 1u);  // one span per chunk's update
 }
 
+// strata.placement auto without strata.device_reserve: strata-train takes the reserve from the
+// estimator's replay of its model's step. With the engine's own default (a quarter of the device)
+// this model's plan leaves compute too little and the allocator refuses it; with the replay's
+// reserve it trains, its log names the reserve, and its JSON summary has three steps.
+TEST(TrainAutoReserveTest, PlacementAutoTakesTheReplaysReserve) {
+  testing::TempDir dir;
+  auto config = [&](const std::string& reserve) {
+    const std::string path = dir.path() + "/c" + reserve + ".json";
+    std::ofstream(path) << R"({
+      "train_micro_batch_size_per_gpu": 2, "gradient_clipping": 1.0,
+      "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
+      "bf16": {"enabled": true, "bf16_master_weights_and_grads": true},
+      "zero_optimization": {"stage": 3, "offload_param": {"device": "nvme"},
+                            "offload_optimizer": {"device": "nvme"}},
+      "strata": {"chunk_size": "4MiB", "device": "cpu", "placement": "auto",
+                 "device_memory_budget": "96MiB", "host_memory_budget": "256MiB",
+                 "optimizer_state_dtype": "int8")"
+                        << (reserve.empty() ? "" : ", \"device_reserve\": " + reserve) << R"(},
+      "model": {"n_layers": 4, "d_model": 512, "n_heads": 8, "seq_len": 64, "vocab_size": 256,
+                "checkpoint_activations": true}
+    })";
+    return path;
+  };
+  auto run = [&](const std::string& cfg) {
+    return testing::RunCommand(std::string(STRATA_TRAIN_BIN) + " --config " + cfg + " --nvme-path " +
+                                   dir.path() + " --steps 3 --eval-batches 0 --plot ''",
+                               /*with_stderr=*/true);
+  };
+  auto quarter = run(config(std::to_string(96 << 20 >> 2)));
+  EXPECT_NE(quarter.rc, 0) << quarter.out;
+  EXPECT_NE(quarter.out.find("RESOURCE_EXHAUSTED"), std::string::npos) << quarter.out;
+  auto replay = run(config(""));
+  ASSERT_EQ(replay.rc, 0) << replay.out;
+  EXPECT_NE(replay.out.find("placement auto keeps"), std::string::npos) << replay.out;
+  EXPECT_NE(replay.out.find("step     3/3"), std::string::npos) << replay.out;
+}
+
 }  // namespace
 }  // namespace strata

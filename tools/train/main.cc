@@ -3,6 +3,7 @@
 #include <sys/resource.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cerrno>
 #include <cstdlib>
@@ -30,6 +31,8 @@
 #include "runtime/engine/zero_init.h"
 #include "runtime/state/checkpoint.h"
 #include "tiers/hbm/device_factory.h"
+#include "tools/planner/memory_model.h"
+#include "tools/planner/model_spec.h"
 #include "tools/train/embedded_config.h"
 #include "tools/train/gpt.h"
 #include "tools/train/plot.h"
@@ -168,6 +171,7 @@ class Trainer {
     // A step time means little without its machine (figures are compared across sessions).
     host_ = HostDescription(NvmeDirForHost());
     if (leader() && !f_.json) std::fprintf(stderr, "strata-train: on %s\n", host_.c_str());
+    STRATA_RETURN_IF_ERROR(ReserveForCompute());
     {
       // Stage 3 with NVMe offload: build the model under zero::Init, unit by unit into a staging
       // file on the NVMe directory, so the whole fp32 model never sits in DRAM.
@@ -425,6 +429,39 @@ class Trainer {
     if (comm_->rank() > 0) path += StrCat(".rank", comm_->rank());
     STRATA_RETURN_IF_ERROR(checkpoint::WriteFileAtomic(path, engine_->TraceJson().dump()));
     if (leader()) std::fprintf(stderr, "strata-train: lane trace written to %s\n", path.c_str());
+    return Status::Ok();
+  }
+
+  // strata.placement auto without strata.device_reserve: the engine alone would keep a quarter
+  // of the device for compute, a rule of thumb a wide model outgrows (the allocator then refuses
+  // a gather in step 2). strata-train knows its model, so it asks the estimator's replay of the
+  // step (strata-estimate's) for what gathered chunks, gradient buffers and activations need,
+  // under the capacities the engine will see. A replay that fails leaves the engine's default.
+  Status ReserveForCompute() {
+    if (c_.strata.placement != PlacementMode::kAuto || c_.strata.device_reserve != 0) return Status::Ok();
+    auto spec = planner::GptModelSpec(c_.model);
+    if (!spec.ok()) return Status::Ok();  // the engine reports a bad model itself
+    planner::EstimateOptions eo;
+    eo.world_size = comm_->world_size();
+    eo.device = DeviceKindName(device_->kind());
+    eo.device_capacity = device_->capacity() - std::min(device_->capacity(), device_->allocated());
+    eo.host_available = ReadHostMemory().available_bytes;
+    const std::string nvme = NvmeDirForHost();
+    eo.assume_nvme_path = !f_.nvme_path.empty();
+    if (!nvme.empty()) eo.disk_free = FreeDiskBytes(nvme);
+    auto est = planner::EstimateAutoReserve(c_, *spec, eo);
+    if (!est.ok() || est->device_reserve == 0) {
+      if (leader() && !f_.json)
+        std::fprintf(stderr, "strata-train: placement auto keeps the engine's default device reserve (%s)\n",
+                     est.ok() ? "the replay found none" : est.status().ToString().c_str());
+      return Status::Ok();
+    }
+    c_.strata.device_reserve = est->device_reserve;
+    if (leader() && !f_.json)
+      std::fprintf(stderr,
+                   "strata-train: placement auto keeps %s of the device for compute (the replay of this "
+                   "model's step, as strata-estimate gives it; strata.device_reserve overrides)\n",
+                   FormatBytes(est->device_reserve).c_str());
     return Status::Ok();
   }
 

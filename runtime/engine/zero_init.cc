@@ -5,6 +5,7 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cerrno>
 #include <cstdlib>
@@ -25,7 +26,8 @@ namespace strata::zero {
 // allows it: each parameter at a 4 KiB-aligned offset, through an aligned bounce buffer, its tail
 // padded; ReadStaged reads it back the same way. StageMapped's parameters are mapped, so they
 // keep the buffered descriptor (the kernel keeps the two views coherent). Where O_DIRECT is
-// refused (tmpfs) or an aligned write fails with EINVAL, the buffered path takes over.
+// refused (tmpfs before Linux 6.6, some network file systems) or the first aligned write fails
+// with EINVAL, the buffered path takes over.
 constexpr uint64_t kDirectAlign = 4096;
 constexpr size_t kBounceBytes = 8u << 20;
 uint64_t AlignUp(uint64_t v) { return (v + kDirectAlign - 1) / kDirectAlign * kDirectAlign; }
@@ -112,13 +114,15 @@ StatusOr<bool> WriteDirect(Init::Impl& init, const void* data, uint64_t bytes, u
   return true;
 }
 
-// Reads `bytes` written by WriteDirect at `offset` into `dst` through an aligned buffer.
-Status ReadDirect(const Init::Impl& init, void* dst, uint64_t bytes, uint64_t offset) {
-  const uint64_t len = AlignUp(bytes);
+// Reads `numel` values of `dtype` written by WriteDirect at `offset` straight into an aligned
+// tensor (its storage rounded up to the alignment), so a large parameter is held once.
+StatusOr<torch::Tensor> ReadDirect(const Init::Impl& init, int64_t numel, torch::Dtype dtype, uint64_t offset) {
+  const uint64_t len = AlignUp(static_cast<uint64_t>(numel) * c10::elementSize(dtype));
   void* buf = nullptr;
-  if (::posix_memalign(&buf, kDirectAlign, len) != 0)
+  if (::posix_memalign(&buf, kDirectAlign, std::max<uint64_t>(len, kDirectAlign)) != 0)
     return ResourceExhausted(StrCat("allocating ", len, " bytes to read zero::Init staging file ", init.path));
-  std::unique_ptr<void, void (*)(void*)> hold(buf, std::free);
+  torch::Tensor t = torch::from_blob(buf, {numel}, [](void* p) { std::free(p); },
+                                     torch::TensorOptions().dtype(dtype));
   for (uint64_t r = 0; r < len;) {
     ssize_t got = ::pread(init.dfd, static_cast<char*>(buf) + r, len - r, static_cast<off_t>(offset + r));
     if (got < 0 && errno == EINTR) continue;
@@ -127,8 +131,7 @@ Status ReadDirect(const Init::Impl& init, void* dst, uint64_t bytes, uint64_t of
                      : DataLoss(StrCat("zero::Init staging file ", init.path, " is truncated"));
     r += static_cast<uint64_t>(got);
   }
-  std::memcpy(dst, buf, bytes);
-  return Status::Ok();
+  return t;
 }
 
 // Counts live Inits; the first switches glibc to the building policy, the last switches back.
@@ -288,15 +291,16 @@ StatusOr<bool> ReadStaged(const torch::Tensor& param, float* dst) {
     st = it->second;
     Registry().erase(it);
   }
-  torch::Tensor host = torch::empty({st.numel}, torch::TensorOptions().dtype(st.dtype));
-  char* p = static_cast<char*>(host.data_ptr());
-  size_t left = host.nbytes();
-  uint64_t off = st.offset;
+  torch::Tensor host;
   if (st.direct) {
     // The direct descriptor lives as long as its Init once anything went through it.
-    STRATA_RETURN_IF_ERROR(ReadDirect(*st.owner, p, left, off));
-    left = 0;
+    STRATA_ASSIGN_OR_RETURN(host, ReadDirect(*st.owner, st.numel, st.dtype, st.offset));
+  } else {
+    host = torch::empty({st.numel}, torch::TensorOptions().dtype(st.dtype));
   }
+  char* p = static_cast<char*>(host.data_ptr());
+  size_t left = st.direct ? 0 : host.nbytes();
+  uint64_t off = st.offset;
   while (left > 0) {
     ssize_t r = ::pread(st.owner->fd, p, left, static_cast<off_t>(off));
     if (r < 0 && errno == EINTR) continue;

@@ -1,6 +1,9 @@
 // zero::Init: a model built under it never holds its full fp32 parameters in DRAM (measured by
 // the OS: the process's peak RSS while building), and trains exactly like the same model built
 // normally.
+#include <signal.h>
+#include <sys/resource.h>
+
 #include <fstream>
 #include <string>
 
@@ -100,6 +103,38 @@ TEST(ZeroInit, BufferedStagingWhereODirectIsRefused) {
   zero::SetDirectStagingForTest(false);  // as on a file system that refuses O_DIRECT
   ExpectStagedValuesReadBack(dir.path(), /*want_direct=*/false);
   zero::SetDirectStagingForTest(true);
+}
+
+// A disk that fills while staging (RLIMIT_FSIZE stands in for it: writes past the limit fail
+// with EFBIG, SIGXFSZ ignored): the unit's construction throws an error naming the staging file,
+// on the O_DIRECT path and the buffered one, and nothing crashes.
+TEST(ZeroInit, AFullDiskIsAnErrorNamingTheFile) {
+  for (bool direct : {true, false}) {
+    SCOPED_TRACE(direct ? "O_DIRECT" : "buffered");
+    testing::TempDir dir;
+    zero::SetDirectStagingForTest(direct);
+    auto init = zero::Init::Create(dir.path());
+    ASSERT_TRUE(init.ok()) << init.status();
+    struct rlimit old {};
+    ASSERT_EQ(::getrlimit(RLIMIT_FSIZE, &old), 0);
+    auto* previous = ::signal(SIGXFSZ, SIG_IGN);
+    struct rlimit small = old;
+    small.rlim_cur = 256 << 10;  // a few of the model's parameters fit, then the disk is "full"
+    ASSERT_EQ(::setrlimit(RLIMIT_FSIZE, &small), 0);
+    std::string what;
+    try {
+      Config c = BaseConfig();
+      c.model.d_model = 128;
+      auto model = models::BuildGpt(c.model);
+    } catch (const std::exception& e) {
+      what = e.what();
+    }
+    ::setrlimit(RLIMIT_FSIZE, &old);
+    ::signal(SIGXFSZ, previous);
+    zero::SetDirectStagingForTest(true);
+    EXPECT_NE(what.find("write zero::Init staging file"), std::string::npos) << what;
+    EXPECT_NE(what.find(dir.path()), std::string::npos) << what;
+  }
 }
 
 // A bf16 master (bf16_master_weights_and_grads): staging in bf16 halves the file and trains

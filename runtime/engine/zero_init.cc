@@ -3,6 +3,7 @@
 #include <fcntl.h>
 #include <malloc.h>
 #include <sys/mman.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -28,9 +29,15 @@ namespace strata::zero {
 // keep the buffered descriptor (the kernel keeps the two views coherent). Where O_DIRECT is
 // refused (tmpfs before Linux 6.6, some network file systems) or the first aligned write fails
 // with EINVAL, the buffered path takes over.
-constexpr uint64_t kDirectAlign = 4096;
-constexpr size_t kBounceBytes = 8u << 20;
-uint64_t AlignUp(uint64_t v) { return (v + kDirectAlign - 1) / kDirectAlign * kDirectAlign; }
+// The alignment: O_DIRECT's 4 KiB, or the page where pages are larger, so that a directly
+// written parameter never shares a page with a StageMapped one (whose dirty page's writeback
+// would cover it).
+uint64_t DirectAlign() {
+  static const uint64_t align = std::max<uint64_t>(4096, static_cast<uint64_t>(::sysconf(_SC_PAGESIZE)));
+  return align;
+}
+constexpr size_t kBounceBytes = 8u << 20;  // a multiple of any page size
+uint64_t AlignUp(uint64_t v) { return (v + DirectAlign() - 1) / DirectAlign() * DirectAlign(); }
 
 class Init::Impl {
  public:
@@ -40,7 +47,7 @@ class Init::Impl {
   }
   int fd = -1;
   int dfd = -1;  // the same file opened with O_DIRECT, or -1 (Note [direct staging])
-  void* bounce = nullptr;  // kBounceBytes, kDirectAlign-aligned: Partition's writes through dfd
+  void* bounce = nullptr;  // kBounceBytes, DirectAlign()-aligned: Partition's writes through dfd
   bool any_direct = false;  // something was written through dfd: it stays open for the reads
   std::string path;
   uint64_t end = 0;      // the file's end: the bytes written so far, with alignment padding
@@ -88,7 +95,7 @@ Status PwriteAll(int fd, const void* data, size_t n, uint64_t off, const std::st
 // Writes `bytes` at the aligned `offset` through the O_DIRECT descriptor, in bounce-buffer
 // pieces, the last one zero-padded to the alignment. Returns false, having closed the direct
 // descriptor, when the file system refuses the first aligned O_DIRECT write (EINVAL): the caller
-// writes buffered instead. Later errors, and other errors, are returned.
+// writes buffered instead. Other errors are returned.
 StatusOr<bool> WriteDirect(Init::Impl& init, const void* data, uint64_t bytes, uint64_t offset) {
   const char* src = static_cast<const char*>(data);
   for (uint64_t done = 0; done < bytes;) {
@@ -100,10 +107,21 @@ StatusOr<bool> WriteDirect(Init::Impl& init, const void* data, uint64_t bytes, u
       ssize_t r = ::pwrite(init.dfd, static_cast<char*>(init.bounce) + w, len - w,
                            static_cast<off_t>(offset + done + w));
       if (r < 0 && errno == EINTR) continue;
-      if (r < 0 && errno == EINVAL && !init.any_direct) {
+      if (r < 0 && errno == EINVAL && !init.any_direct && w == 0) {
         ::close(init.dfd);
         init.dfd = -1;
         return false;
+      }
+      // EINVAL once direct writes have worked, or after a short one: the kernel cut the request
+      // to an unaligned length (a full disk, a file size limit). The same bytes through the
+      // buffered descriptor either land (the kernel keeps the two views coherent) or fail with
+      // the real cause, which is what the caller should see.
+      if ((r < 0 && errno == EINVAL) ||
+          (r >= 0 && static_cast<uint64_t>(r) < len - w && static_cast<uint64_t>(r) % DirectAlign() != 0)) {
+        const uint64_t from = r > 0 ? w + static_cast<uint64_t>(r) : w;
+        STRATA_RETURN_IF_ERROR(PwriteAll(init.fd, static_cast<char*>(init.bounce) + from, len - from,
+                                         offset + done + from, init.path));
+        break;
       }
       if (r < 0) return ErrnoToStatus(errno, StrCat("write zero::Init staging file ", init.path));
       w += static_cast<uint64_t>(r);
@@ -119,16 +137,19 @@ StatusOr<bool> WriteDirect(Init::Impl& init, const void* data, uint64_t bytes, u
 StatusOr<torch::Tensor> ReadDirect(const Init::Impl& init, int64_t numel, torch::Dtype dtype, uint64_t offset) {
   const uint64_t len = AlignUp(static_cast<uint64_t>(numel) * c10::elementSize(dtype));
   void* buf = nullptr;
-  if (::posix_memalign(&buf, kDirectAlign, std::max<uint64_t>(len, kDirectAlign)) != 0)
+  if (::posix_memalign(&buf, DirectAlign(), std::max<uint64_t>(len, DirectAlign())) != 0)
     return ResourceExhausted(StrCat("allocating ", len, " bytes to read zero::Init staging file ", init.path));
   torch::Tensor t = torch::from_blob(buf, {numel}, [](void* p) { std::free(p); },
                                      torch::TensorOptions().dtype(dtype));
   for (uint64_t r = 0; r < len;) {
     ssize_t got = ::pread(init.dfd, static_cast<char*>(buf) + r, len - r, static_cast<off_t>(offset + r));
     if (got < 0 && errno == EINTR) continue;
-    if (got <= 0)
-      return got < 0 ? ErrnoToStatus(errno, StrCat("read zero::Init staging file ", init.path))
-                     : DataLoss(StrCat("zero::Init staging file ", init.path, " is truncated"));
+    // The file ends aligned (every direct write is padded): a short or unaligned read means it
+    // was cut.
+    if (got == 0 || (got > 0 && static_cast<uint64_t>(got) % DirectAlign() != 0 &&
+                     static_cast<uint64_t>(got) < len - r))
+      return DataLoss(StrCat("zero::Init staging file ", init.path, " is truncated"));
+    if (got < 0) return ErrnoToStatus(errno, StrCat("read zero::Init staging file ", init.path));
     r += static_cast<uint64_t>(got);
   }
   return t;
@@ -169,10 +190,16 @@ StatusOr<std::unique_ptr<Init>> Init::Create(const std::string& dir, torch::Dtyp
   if (impl->fd < 0) return ErrnoToStatus(errno, StrCat("create a staging file in ", dir));
   impl->path = name.data();
   impl->dfd = direct_staging.load() ? ::open(impl->path.c_str(), O_RDWR | O_DIRECT | O_CLOEXEC) : -1;
-  if (impl->dfd >= 0 && ::posix_memalign(&impl->bounce, kDirectAlign, kBounceBytes) != 0) {
-    ::close(impl->dfd);
-    impl->dfd = -1;
-    impl->bounce = nullptr;
+  if (impl->dfd >= 0) {
+    // The path was reopened: it must still be the file mkostemp made (a shared directory).
+    struct stat a {}, b {};
+    const bool same = ::fstat(impl->fd, &a) == 0 && ::fstat(impl->dfd, &b) == 0 && a.st_dev == b.st_dev &&
+                      a.st_ino == b.st_ino;
+    if (!same || ::posix_memalign(&impl->bounce, DirectAlign(), kBounceBytes) != 0) {
+      ::close(impl->dfd);
+      impl->dfd = -1;
+      impl->bounce = nullptr;
+    }
   }
   ::unlink(impl->path.c_str());  // the open descriptor keeps it; nothing survives a crash
   // glibc raises its mmap threshold each time a large mmapped block is freed, after which

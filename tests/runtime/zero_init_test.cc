@@ -79,8 +79,10 @@ void ExpectStagedValuesReadBack(const std::string& dir, bool want_direct) {
   std::vector<torch::Tensor> want;
   for (const auto& p : models::UniqueParameters(*plain)) want.push_back(p.detach().reshape({-1}).clone());
   ASSERT_OK_AND_ASSIGN(auto init, zero::Init::Create(dir));
-  EXPECT_EQ(init->direct_io(), want_direct);
+  if (want_direct && !init->direct_io()) GTEST_SKIP() << dir << "'s file system refuses O_DIRECT";
   auto staged = models::BuildGpt(c.model);
+  // After the writes: a refused first write would have fallen back (and closed the descriptor).
+  EXPECT_EQ(init->direct_io(), want_direct);
   auto params = models::UniqueParameters(*staged);
   ASSERT_EQ(params.size(), want.size());
   // Read in reverse order: each read stands on its own offset.
@@ -115,11 +117,14 @@ TEST(ZeroInit, AFullDiskIsAnErrorNamingTheFile) {
     zero::SetDirectStagingForTest(direct);
     auto init = zero::Init::Create(dir.path());
     ASSERT_TRUE(init.ok()) << init.status();
+    if (direct && !(*init)->direct_io()) continue;  // the file system refuses O_DIRECT
     struct rlimit old {};
     ASSERT_EQ(::getrlimit(RLIMIT_FSIZE, &old), 0);
     auto* previous = ::signal(SIGXFSZ, SIG_IGN);
     struct rlimit small = old;
-    small.rlim_cur = 256 << 10;  // a few of the model's parameters fit, then the disk is "full"
+    // A few of the model's parameters fit, then the disk is "full", in the middle of a page:
+    // the direct path's short write must still read as a full disk.
+    small.rlim_cur = (256 << 10) + 1000;
     ASSERT_EQ(::setrlimit(RLIMIT_FSIZE, &small), 0);
     std::string what;
     try {
@@ -133,6 +138,7 @@ TEST(ZeroInit, AFullDiskIsAnErrorNamingTheFile) {
     ::signal(SIGXFSZ, previous);
     zero::SetDirectStagingForTest(true);
     EXPECT_NE(what.find("write zero::Init staging file"), std::string::npos) << what;
+    EXPECT_EQ(what.find("Invalid argument"), std::string::npos) << what;
     EXPECT_NE(what.find(dir.path()), std::string::npos) << what;
   }
 }

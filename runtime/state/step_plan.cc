@@ -177,14 +177,24 @@ bool StepPlan::Stored(int64_t c, StateKind kind) const {
   }
 }
 
+uint64_t StepPlan::ChunkNvmeBytes(int64_t c, int64_t shard_numel) const {
+  uint64_t total = 0;
+  for (int k = 0; k < kNumStateKinds; ++k) {
+    const StateKind kind = static_cast<StateKind>(k);
+    if (Stored(c, kind) && PlacementOf(c, kind) == Placement::kNvme)
+      total += (BlockBytes(kind, shard_numel) + 4095) / 4096 * 4096;
+  }
+  return total;
+}
+
 // The host pool's budget and the NVMe bytes, from this rank's blocks.
 void StepPlan::SizeTiers(const Inputs& in) {
   const Config& c = *in.config;
   uint64_t host_only = 0, nvme_total = 0, largest = 0, nvme_bytes = 0;
-  auto round = [](uint64_t b) { return (b + 4095) / 4096 * 4096; };
   const auto& chunks = in.partitioner->chunks();
   for (size_t ci = 0; ci < chunks.size(); ++ci) {
     const int64_t ch = static_cast<int64_t>(ci);
+    nvme_bytes += ChunkNvmeBytes(ch, chunks[ci].shard_numel);
     for (int k = 0; k < kNumStateKinds; ++k) {
       const StateKind kind = static_cast<StateKind>(k);
       if (!Stored(ch, kind)) continue;
@@ -194,7 +204,6 @@ void StepPlan::SizeTiers(const Inputs& in) {
       if (where == Placement::kNvme) {
         nvme_total += PoolClass(bytes);
         largest = std::max(largest, PoolClass(bytes));
-        nvme_bytes += round(bytes);
       }
     }
   }

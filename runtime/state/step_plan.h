@@ -180,6 +180,8 @@ class StepPlan {
   // Bytes this rank's NVMe-placed blocks need on disk (0: nothing on NVMe), before the
   // activation stash's share.
   uint64_t nvme_bytes() const { return nvme_bytes_; }
+  // Chunk c's share of nvme_bytes(): its NVMe-placed blocks, each rounded to 4 KiB.
+  uint64_t ChunkNvmeBytes(int64_t c, int64_t shard_numel) const;
 
   // Per state kind: sharded, and the bytes this rank keeps.
   nlohmann::json ToJson() const;

@@ -468,11 +468,7 @@ StatusOr<MemoryEstimate> EstimateMemory(const Config& config, const ModelSpec& m
     for (size_t ch = 0; ch < chunks.size(); ++ch) {
       const int64_t c = static_cast<int64_t>(ch);
       left -= static_cast<uint64_t>(chunks[ch].numel) * stage_esize;
-      for (StateKind k : {StateKind::kParam16, StateKind::kGrad, StateKind::kMaster32, StateKind::kExpAvg,
-                          StateKind::kExpAvgSq}) {
-        if (!plan.Stored(c, k) || plan.PlacementOf(c, k) != Placement::kNvme) continue;
-        written += (plan.BlockBytes(k, chunks[ch].shard_numel) + 4095) / 4096 * 4096;
-      }
+      written += plan.ChunkNvmeBytes(c, chunks[ch].shard_numel);
       peak = std::max(peak, left + written);
     }
     est.init_disk_peak_bytes = peak;

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "runtime/base/check.h"
+#include "runtime/base/cpu_features.h"
 
 #include "optim/compact_kernels.h"
 
@@ -16,6 +17,7 @@ namespace {
 
 struct Map {
   std::array<float, 256> values;
+  alignas(64) std::array<uint8_t, 4 * 256> planes;  // the values' bytes by plane
   // The 255 midpoints, then +inf padding (a count of 255 still names a slot).
   std::array<float, 255 + internal::kBucketProbes> mids;
   std::array<uint32_t, internal::kBucketCount> buckets;  // Note [fast 8-bit codes]
@@ -110,12 +112,22 @@ Map BuildMap(bool is_signed) {
   }
   if (is_signed) m.max_error = std::max(m.max_error, m.values[0] + 1.0f);  // -1 to the lowest
   BuildBuckets(&m);
+  // The VBMI path's byte planes (Note [8-bit values by byte permutes]).
+  for (int c = 0; c < 256; ++c) {
+    uint32_t bits;
+    std::memcpy(&bits, &m.values[c], sizeof bits);
+    for (int j = 0; j < 4; ++j) m.planes[256 * j + c] = static_cast<uint8_t>(bits >> (8 * j));
+  }
   return m;
 }
 
 const Map& GetMap(bool is_signed) {
   static const Map s = BuildMap(true), u = BuildMap(false);
   return is_signed ? s : u;
+}
+
+internal::CodeTables TablesOf(const Map& m) {
+  return {m.values.data(), m.mids.data(), m.buckets.data(), m.planes.data()};
 }
 
 }  // namespace
@@ -127,7 +139,7 @@ CompactKernels CompactKernelsFor(Isa isa) {
   switch (isa) {
     case Isa::kAvx512:
     case Isa::kAvx512Bf16:
-      if (IsaSupported(isa)) return CompactKernelsAvx512();
+      if (IsaSupported(isa)) return CompactKernelsAvx512(Cpu().avx512vbmi);
       break;
     case Isa::kAvx2:
       if (IsaSupported(isa)) return CompactKernelsAvx2();
@@ -138,7 +150,10 @@ CompactKernels CompactKernelsFor(Isa isa) {
   return CompactKernelsScalar();
 }
 
-const uint32_t* BucketTable(bool is_signed) { return GetMap(is_signed).buckets.data(); }
+const CodeTables& CodeTablesOf(bool is_signed) {
+  static const CodeTables s = TablesOf(GetMap(true)), u = TablesOf(GetMap(false));
+  return is_signed ? s : u;
+}
 
 void RoundSrSplit(const CompactKernels& k, const float* x, uint16_t* out, size_t n, uint32_t key,
                   uint64_t index_base) {
@@ -173,12 +188,12 @@ void QuantizeBlock(const float* x, size_t n, bool is_signed, uint8_t* codes, flo
     std::fill(codes, codes + n, DynamicMapZero(is_signed));
     return;
   }
-  k.quantize(x, n, *scale, DynamicMapMidpoints(is_signed), internal::BucketTable(is_signed), codes);
+  k.quantize(x, n, *scale, internal::CodeTablesOf(is_signed), codes);
 }
 
 void DequantizeBlock(const uint8_t* codes, float scale, size_t n, bool is_signed, float* out,
                      Isa isa) {
-  internal::CompactKernelsFor(isa).dequantize(codes, scale, n, DynamicMap(is_signed), out);
+  internal::CompactKernelsFor(isa).dequantize(codes, scale, n, internal::CodeTablesOf(is_signed), out);
 }
 
 }  // namespace strata::optim

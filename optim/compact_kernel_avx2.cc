@@ -57,8 +57,7 @@ inline __m256i Buckets(__m256i bits) {
   return _mm256_add_epi32(_mm256_slli_epi32(row, kBucketMantissaBits), mant);
 }
 
-void Quantize(const float* x, size_t n, float scale, const float* mids, const uint32_t* buckets,
-              uint8_t* codes) {
+void Quantize(const float* x, size_t n, float scale, const CodeTables& t, uint8_t* codes) {
   static_assert(kBucketProbes == 1, "the bucket entry holds one midpoint");
   const __m256 vscale = _mm256_set1_ps(scale);
   const __m256i low16 = _mm256_set1_epi32(0xffff);
@@ -69,7 +68,7 @@ void Quantize(const float* x, size_t n, float scale, const float* mids, const ui
     // Only a NaN quotient (a NaN or infinite moment) has a bucket past the table: clamped to the
     // last one, it gets code 0, the scalar search's for NaN (Note [fast 8-bit codes]).
     const __m256i bucket = _mm256_min_epu32(Buckets(bits), _mm256_set1_epi32(kBucketCount - 1));
-    const __m256i entry = _mm256_i32gather_epi32(reinterpret_cast<const int*>(buckets), bucket, 4);
+    const __m256i entry = _mm256_i32gather_epi32(reinterpret_cast<const int*>(t.buckets), bucket, 4);
     const __m256i low = _mm256_xor_si256(_mm256_and_si256(bits, low16),
                                          _mm256_and_si256(_mm256_srai_epi32(bits, 31), low16));
     const __m256i above = _mm256_cmpgt_epi32(low, _mm256_srli_epi32(entry, 8));  // both < 2^16
@@ -77,18 +76,18 @@ void Quantize(const float* x, size_t n, float scale, const float* mids, const ui
     const __m128i w = _mm_packus_epi32(_mm256_castsi256_si128(idx), _mm256_extracti128_si256(idx, 1));
     _mm_storel_epi64(reinterpret_cast<__m128i*>(codes + i), _mm_packus_epi16(w, w));
   }
-  CompactKernelsScalar().quantize(x + i, n - i, scale, mids, buckets, codes + i);
+  CompactKernelsScalar().quantize(x + i, n - i, scale, t, codes + i);
 }
 
-void Dequantize(const uint8_t* codes, float scale, size_t n, const float* map, float* out) {
+void Dequantize(const uint8_t* codes, float scale, size_t n, const CodeTables& t, float* out) {
   const __m256 vscale = _mm256_set1_ps(scale);
   size_t i = 0;
   for (; i + kW <= n; i += kW) {
     const __m256i idx =
         _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + i)));
-    _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_i32gather_ps(map, idx, 4), vscale));
+    _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_i32gather_ps(t.values, idx, 4), vscale));
   }
-  CompactKernelsScalar().dequantize(codes + i, scale, n - i, map, out + i);
+  CompactKernelsScalar().dequantize(codes + i, scale, n - i, t, out + i);
 }
 
 float Absmax(const float* x, size_t n) {

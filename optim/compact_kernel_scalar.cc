@@ -21,13 +21,12 @@ inline uint8_t Code(float y, const float* mids) {
   return static_cast<uint8_t>(idx);
 }
 
-void Quantize(const float* x, size_t n, float scale, const float* mids, const uint32_t*,
-              uint8_t* codes) {
-  for (size_t i = 0; i < n; ++i) codes[i] = Code(x[i] / scale, mids);
+void Quantize(const float* x, size_t n, float scale, const CodeTables& t, uint8_t* codes) {
+  for (size_t i = 0; i < n; ++i) codes[i] = Code(x[i] / scale, t.mids);
 }
 
-void Dequantize(const uint8_t* codes, float scale, size_t n, const float* map, float* out) {
-  for (size_t i = 0; i < n; ++i) out[i] = map[codes[i]] * scale;
+void Dequantize(const uint8_t* codes, float scale, size_t n, const CodeTables& t, float* out) {
+  for (size_t i = 0; i < n; ++i) out[i] = t.values[codes[i]] * scale;
 }
 
 float Absmax(const float* x, size_t n) {

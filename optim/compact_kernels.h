@@ -29,18 +29,26 @@ inline uint32_t BucketOf(uint32_t bits) {
              (1u << kBucketMantissaBits) + mant;
 }
 
+// One 8-bit map's tables, as the block functions read them. Built once per map
+// (compact_formats.cc) and never freed.
+struct CodeTables {
+  const float* values;      // the 256 map values
+  const float* mids;        // the 255 midpoints, then +inf (the scalar binary search)
+  const uint32_t* buckets;  // the bucket table (AVX2 and AVX-512; BucketCode)
+  const uint8_t* planes;    // byte j of values[c] at planes[256 * j + c] (AVX-512 VBMI), 64-aligned
+};
+const CodeTables& CodeTablesOf(bool is_signed);
+
 struct CompactKernels {
   // out[i] = FloatToBf16Stochastic(x[i], Hash32(lo + i ^ high)): the caller guarantees that
   // lo + n does not wrap (indices of one call share their upper 32 bits), and passes
   // high = RoundingHigh(key, index_base), lo = low 32 bits of index_base.
   void (*round_sr)(const float* x, uint16_t* out, size_t n, uint32_t high, uint32_t lo);
-  // codes[i] = #{k < 255 : mids[k] < x[i] / scale} for scale > 0 (0 for a NaN quotient: the
-  // vector paths clamp its bucket to the table's last, [-2, -1.992), which holds no midpoint);
-  // `buckets` is the bucket table of the same map (BucketEntry), `mids` its 255 midpoints.
-  void (*quantize)(const float* x, size_t n, float scale, const float* mids, const uint32_t* buckets,
-                   uint8_t* codes);
-  // out[i] = map[codes[i]] * scale.
-  void (*dequantize)(const uint8_t* codes, float scale, size_t n, const float* map, float* out);
+  // codes[i] = #{k < 255 : t.mids[k] < x[i] / scale} for scale > 0 (0 for a NaN quotient: the
+  // vector paths clamp its bucket to the table's last, [-2, -1.992), which holds no midpoint).
+  void (*quantize)(const float* x, size_t n, float scale, const CodeTables& t, uint8_t* codes);
+  // out[i] = t.values[codes[i]] * scale.
+  void (*dequantize)(const uint8_t* codes, float scale, size_t n, const CodeTables& t, float* out);
   // max |x[i]| over the x[i] that are not NaN (std::fmax's rule), 0 for none.
   float (*absmax)(const float* x, size_t n);
   // out[i] = Bf16ToFloat(h[i]); out[i] = FloatToBf16(x[i]) (nearest even, dtype.h's rule).
@@ -55,16 +63,16 @@ CompactKernels CompactKernelsScalar();
 // change, so each piece has one RoundingHigh).
 void RoundSrSplit(const CompactKernels& k, const float* x, uint16_t* out, size_t n, uint32_t key,
                   uint64_t index_base);
-// The bucket table of a map (Note [fast 8-bit codes] in compact_formats.cc), one entry per
-// bucket: bits 0-7 the count of midpoints below the bucket; bits 8-23 a threshold T on the low
-// 16 bits of y (their complement, 0xffff - low, for a negative y): the code is the count plus
-// one when they exceed T. T is 0xffff when no midpoint falls inside the bucket.
-const uint32_t* BucketTable(bool is_signed);
+// A bucket table entry (Note [fast 8-bit codes] in compact_formats.cc), one per bucket: bits 0-7
+// the count of midpoints below the bucket; bits 8-23 a threshold T on the low 16 bits of y
+// (their complement, 0xffff - low, for a negative y): the code is the count plus one when they
+// exceed T. T is 0xffff when no midpoint falls inside the bucket.
 inline uint32_t BucketCode(uint32_t entry, uint32_t bits) {
   const uint32_t low = (bits & 0xffffu) ^ ((bits >> 31) ? 0xffffu : 0u);
   return (entry & 0xffu) + (low > (entry >> 8) ? 1u : 0u);
 }
 CompactKernels CompactKernelsAvx2();
-CompactKernels CompactKernelsAvx512();
+// vbmi: dequantize by byte permutes (AVX512_VBMI, which this CPU must have) instead of gathers.
+CompactKernels CompactKernelsAvx512(bool vbmi);
 
 }  // namespace strata::optim::internal

@@ -49,8 +49,7 @@ class MomentView {
   MomentView(void* base, MomentFormat format, size_t n, bool is_signed,
              const internal::CompactKernels& k)
       : base_(base), format_(format), n_(n), signed_(is_signed), k_(k),
-        map_(DynamicMap(is_signed)), mids_(DynamicMapMidpoints(is_signed)),
-        first_(internal::BucketTable(is_signed)) {}
+        tables_(internal::CodeTablesOf(is_signed)) {}
 
   // fp32 values of [off, off + len) (off a multiple of kInt8Block), valid until Store; null for a
   // state the optimizer does not keep (no buffer).
@@ -63,7 +62,7 @@ class MomentView {
         k_.widen_bf16(static_cast<const uint16_t*>(base_) + off, scratch_, len);
         return scratch_;
       case MomentFormat::kInt8:
-        k_.dequantize(Codes() + off, Scales()[off / kInt8Block], len, map_, scratch_);
+        k_.dequantize(Codes() + off, Scales()[off / kInt8Block], len, tables_, scratch_);
         return scratch_;
     }
     return nullptr;
@@ -84,7 +83,7 @@ class MomentView {
         if (scale == 0.0f) {
           std::fill(Codes() + off, Codes() + off + len, DynamicMapZero(signed_));
         } else {
-          k_.quantize(scratch_, len, scale, mids_, first_, Codes() + off);
+          k_.quantize(scratch_, len, scale, tables_, Codes() + off);
         }
         return;
       }
@@ -100,9 +99,7 @@ class MomentView {
   size_t n_;
   bool signed_;
   const internal::CompactKernels& k_;
-  const float* map_;
-  const float* mids_;
-  const uint32_t* first_;
+  const internal::CodeTables& tables_;
   alignas(64) float scratch_[kInt8Block];
 };
 

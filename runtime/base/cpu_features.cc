@@ -37,6 +37,7 @@ CpuFeatures Read() {
   f.avx512dq = zmm && (b & (1u << 17)) != 0;
   f.avx512bw = zmm && (b & (1u << 30)) != 0;
   f.avx512vl = zmm && (b & (1u << 31)) != 0;
+  f.avx512vbmi = zmm && (c & (1u << 1)) != 0;
   if (max_sub >= 1) {
     __cpuid_count(7, 1, a, b, c, d);
     f.avx512_bf16 = f.avx512f && (a & (1u << 5)) != 0;

@@ -11,6 +11,7 @@ struct CpuFeatures {
   bool avx2 = false, fma = false, f16c = false;
   bool avx512f = false, avx512bw = false, avx512vl = false, avx512dq = false;
   bool avx512_bf16 = false;
+  bool avx512vbmi = false;  // byte permutes across a whole register (vpermb, vpermi2b)
 };
 
 const CpuFeatures& Cpu();

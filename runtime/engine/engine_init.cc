@@ -2,7 +2,12 @@
 // the lanes' threads (engine_impl.h maps the rooms).
 #include "runtime/engine/engine_impl.h"
 
+#include <chrono>
+#include <cstdio>
+#include <string>
 #include <unordered_map>
+#include <utility>
+#include <vector>
 
 namespace strata {
 
@@ -13,18 +18,42 @@ using namespace engine_detail;
 Status Engine::Impl::Init(Engine* owner, const EngineOptions& options) {
   owner_ = owner;
   if (options.test_hooks) hooks_ = *options.test_hooks;
+  // Each step's wall time, logged as one line at the end: a large model's start takes minutes,
+  // and which step took them (pinning the host pool, reading staged parameters, writing the
+  // first blocks) is what a slow start needs named.
+  std::vector<std::pair<const char*, double>> took;
+  const auto timed = [&took](const char* name, auto&& step) -> Status {
+    const auto t0 = std::chrono::steady_clock::now();
+    Status s = step();
+    took.emplace_back(name, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+    return s;
+  };
   const ComputeDtypeChoice dtype = ChooseDtype();
-  STRATA_RETURN_IF_ERROR(DiscoverUnits(options, dtype.dtype));  // units and partitioner (engine.cc)
-  STRATA_RETURN_IF_ERROR(GroupParameters(options));
-  STRATA_RETURN_IF_ERROR(MakePlan(options, dtype.dtype));
-  STRATA_RETURN_IF_ERROR(StartStreamsAndArena());
-  STRATA_RETURN_IF_ERROR(OpenNvmeTier(options));
-  STRATA_RETURN_IF_ERROR(OpenBlockStore());
-  STRATA_RETURN_IF_ERROR(PlaceBuffers());
-  STRATA_RETURN_IF_ERROR(WriteInitialBlocks());
-  STRATA_RETURN_IF_ERROR(MakeLanes());
-  STRATA_RETURN_IF_ERROR(HookModel());
+  // Units and partitioner (engine.cc).
+  STRATA_RETURN_IF_ERROR(timed("units", [&] { return DiscoverUnits(options, dtype.dtype); }));
+  STRATA_RETURN_IF_ERROR(timed("groups", [&] { return GroupParameters(options); }));
+  STRATA_RETURN_IF_ERROR(timed("plan", [&] { return MakePlan(options, dtype.dtype); }));
+  STRATA_RETURN_IF_ERROR(timed("streams", [&] { return StartStreamsAndArena(); }));
+  STRATA_RETURN_IF_ERROR(timed("nvme", [&] { return OpenNvmeTier(options); }));
+  STRATA_RETURN_IF_ERROR(timed("host pool", [&] { return OpenBlockStore(); }));
+  STRATA_RETURN_IF_ERROR(timed("buffers", [&] { return PlaceBuffers(); }));
+  STRATA_RETURN_IF_ERROR(timed("initial blocks", [&] { return WriteInitialBlocks(); }));
+  STRATA_RETURN_IF_ERROR(timed("lanes", [&] { return MakeLanes(); }));
+  STRATA_RETURN_IF_ERROR(timed("hooks", [&] { return HookModel(); }));
   StartLanes();
+  const auto secs_text = [](double secs) {
+    char buf[32];
+    std::snprintf(buf, sizeof buf, "%.1f s", secs);
+    return std::string(buf);
+  };
+  double total = 0;
+  std::string steps;
+  for (const auto& [name, secs] : took) {
+    total += secs;
+    if (secs >= 0.05) steps += StrCat(steps.empty() ? "" : ", ", name, " ", secs_text(secs));
+  }
+  STRATA_LOG(INFO) << "engine start: " << secs_text(total) << (steps.empty() ? "" : " (") << steps
+                   << (steps.empty() ? "" : ")");
   const auto& chunk_infos = partitioner_->chunks();
   STRATA_LOG(INFO) << "engine stage=" << config_.zero_optimization.stage << " world=" << comm_->world_size()
                    << " params=" << partitioner_->param_numel() << " units=" << units_.size()

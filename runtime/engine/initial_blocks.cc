@@ -2,6 +2,8 @@
 // registered and written, and the parameters turned into views of their chunks.
 #include "runtime/engine/engine_impl.h"
 
+#include <algorithm>
+
 namespace strata {
 
 using namespace engine_detail;
@@ -39,27 +41,49 @@ Status Engine::Impl::PlaceBuffers() {
   return Status::Ok();
 }
 
+// Note [initial block buffers]
+// Each chunk's values are gathered in one fp32 and one working-dtype buffer, allocated once for
+// the largest chunk and reused: a fresh pair per chunk faulted in (and zeroed) six bytes a
+// parameter anew, as a model built under zero::Init runs with glibc's mmap threshold at 1 MiB;
+// on a 20B model, 120 GB of page faults. A bf16 master on one rank needs no fp32 values at all:
+// they are read straight into the working dtype (LibTorch rounds to nearest even, as the fp32
+// detour did). Every block's write copies out of the buffers before the next chunk refills them
+// (WriteBlockBytes waits for a device copy).
+
 // Every block registered and written, and the parameters turned into views of their chunks.
 Status Engine::Impl::WriteInitialBlocks() {
   const auto& z = config_.zero_optimization;
   const auto& chunk_infos = partitioner_->chunks();
-  // Register every block and write its initial contents, chunk by chunk, so that at most one
-  // chunk's full fp32 values exist at a time besides the model.
+  // Register every block and write its initial contents, chunk by chunk.
   const int stage = z.stage;
   const size_t esize = optim::DTypeSize(plan_.compute_dtype());
   const torch::Dtype tdtype = TorchDtype(plan_.compute_dtype());
+  // One chunk's values at a time, in buffers allocated once for the largest chunk (Note
+  // [initial block buffers]).
+  int64_t max_numel = 0;
+  for (const ChunkInfo& ci : chunk_infos) max_numel = std::max(max_numel, ci.numel);
+  torch::Tensor buf32, buf16;
   for (size_t c = 0; c < chunk_infos.size(); ++c) {
     const ChunkInfo& ci = chunk_infos[c];
     const int64_t n = ci.shard_numel;
     const int64_t c64 = static_cast<int64_t>(c);
-    // The chunk's initial fp32 values: from the parameters, or from zero::Init's staging file
-    // for a model built there (it has shapes but no memory).
-    torch::Tensor full32 = torch::zeros({ci.numel}, torch::kFloat32);
+    // The chunk's initial values: from the parameters, or from zero::Init's staging file for a
+    // model built there (it has shapes but no memory). In fp32 where an fp32 master keeps them
+    // or ranks broadcast them; otherwise straight in the working dtype, which is what the fp32
+    // values would round to (round to nearest even either way).
+    const bool need32 = comm_->world_size() > 1 || plan_.Stored(c64, StateKind::kMaster32) ||
+                        tdtype == torch::kFloat32;
+    if (need32 && !buf32.defined()) buf32 = torch::empty({max_numel}, torch::kFloat32);
+    if (tdtype != torch::kFloat32 && !buf16.defined()) buf16 = torch::empty({max_numel}, tdtype);
+    torch::Tensor full32 = need32 ? buf32.narrow(0, 0, ci.numel) : torch::Tensor();
+    torch::Tensor work = tdtype == torch::kFloat32 ? full32 : buf16.narrow(0, 0, ci.numel);
+    torch::Tensor read_into = need32 ? full32 : work;
+    read_into.zero_();  // the chunk's padding
     for (int64_t pid : ci.params) {
       const ParamLocation& loc = partitioner_->location(pid);
-      torch::Tensor dst = full32.narrow(0, loc.offset, loc.numel);
-      STRATA_ASSIGN_OR_RETURN(bool staged, zero::ReadStaged(params_[pid].tensor, dst.data_ptr<float>()));
-      if (!staged) dst.copy_(params_[pid].tensor.detach().reshape({-1}).to(torch::kFloat32));
+      torch::Tensor dst = read_into.narrow(0, loc.offset, loc.numel);
+      STRATA_ASSIGN_OR_RETURN(bool staged, zero::ReadStaged(params_[pid].tensor, dst));
+      if (!staged) dst.copy_(params_[pid].tensor.detach().reshape({-1}));
     }
     // Every rank starts from rank 0's initial values.
     if (comm_->world_size() > 1)
@@ -67,8 +91,10 @@ Status Engine::Impl::WriteInitialBlocks() {
           OnCommMemory(full32, [&](void* p) {
             return comm_->Broadcast(p, ci.numel, strata::DType::kF32, 0);
           }).WithContext(StrCat("broadcasting chunk ", c, "'s initial values")));
+    if (need32 && tdtype != torch::kFloat32) work.copy_(full32);
     torch::Tensor shard32 =
-        full32.narrow(0, partitioner_->ShardOffset(c64, plan_.shard_rank()), n).contiguous();
+        need32 ? full32.narrow(0, partitioner_->ShardOffset(c64, plan_.shard_rank()), n).contiguous()
+               : torch::Tensor();
     auto put = [&](StateKind kind, uint64_t bytes, Placement where, const void* src) -> Status {
       BlockKey key{c64, kind};
       STRATA_RETURN_IF_ERROR(store_->Register(key, bytes, where));
@@ -77,7 +103,6 @@ Status Engine::Impl::WriteInitialBlocks() {
       Status released = store_->Release(key, /*dirty=*/true);
       return written.ok() ? released : written;
     };
-    torch::Tensor work = full32.to(tdtype);
     // The master: the fp32 values, or a bf16 master's bits (the working copy's own: Note
     // [compact layouts] in step_plan.h).
     torch::Tensor master = plan_.master_dtype() == optim::DType::kFloat32

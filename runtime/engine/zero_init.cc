@@ -44,6 +44,7 @@ class Init::Impl {
   ~Impl() {
     if (dfd >= 0) ::close(dfd);
     std::free(bounce);
+    std::free(read_buf);
   }
   int fd = -1;
   int dfd = -1;  // the same file opened with O_DIRECT, or -1 (Note [direct staging])
@@ -54,6 +55,12 @@ class Init::Impl {
   uint64_t payload = 0;  // the staged values' bytes
   int64_t params = 0;
   torch::Dtype staged_dtype = torch::kFloat32;  // floating-point parameters are written as this
+  // ReadStaged's buffer, DirectAlign()-aligned and grown to the largest parameter read: one
+  // buffer whose pages fault in once, where a fresh allocation per parameter faulted them in
+  // again for every one (Note [staged reads]).
+  std::mutex read_mu;
+  void* read_buf = nullptr;
+  uint64_t read_cap = 0;
 };
 
 namespace {
@@ -92,15 +99,23 @@ Status PwriteAll(int fd, const void* data, size_t n, uint64_t off, const std::st
   return Status::Ok();
 }
 
-// Writes `bytes` at the aligned `offset` through the O_DIRECT descriptor, in bounce-buffer
-// pieces, the last one zero-padded to the alignment. Returns false, having closed the direct
-// descriptor, when the file system refuses the first aligned O_DIRECT write (EINVAL): the caller
-// writes buffered instead. Other errors are returned.
-StatusOr<bool> WriteDirect(Init::Impl& init, const void* data, uint64_t bytes, uint64_t offset) {
-  const char* src = static_cast<const char*>(data);
+// Writes `values` (a flat CPU tensor, converted on the way to the staged dtype) at the aligned
+// `offset` through the O_DIRECT descriptor, in bounce-buffer pieces, the last one zero-padded
+// to the alignment. Each piece is converted straight into the bounce buffer (LibTorch's copy_,
+// on its intra-op threads), with no staged-dtype copy of the whole parameter in between.
+// Returns false, having closed the direct descriptor, when the file system refuses the first
+// aligned O_DIRECT write (EINVAL): the caller writes buffered instead. Other errors are
+// returned.
+StatusOr<bool> WriteDirect(Init::Impl& init, const torch::Tensor& values, uint64_t offset) {
+  const int64_t esize = static_cast<int64_t>(c10::elementSize(init.staged_dtype));
+  const int64_t per_piece = static_cast<int64_t>(kBounceBytes) / esize;
+  const uint64_t bytes = static_cast<uint64_t>(values.numel() * esize);
   for (uint64_t done = 0; done < bytes;) {
-    const uint64_t n = std::min<uint64_t>(kBounceBytes, bytes - done);
-    std::memcpy(init.bounce, src + done, n);
+    const int64_t first = static_cast<int64_t>(done) / esize;
+    const int64_t count = std::min<int64_t>(per_piece, values.numel() - first);
+    const uint64_t n = static_cast<uint64_t>(count * esize);
+    torch::from_blob(init.bounce, {count}, torch::TensorOptions().dtype(init.staged_dtype))
+        .copy_(values.narrow(0, first, count));
     const uint64_t len = AlignUp(n);
     std::memset(static_cast<char*>(init.bounce) + n, 0, len - n);
     for (uint64_t w = 0; w < len;) {
@@ -132,15 +147,8 @@ StatusOr<bool> WriteDirect(Init::Impl& init, const void* data, uint64_t bytes, u
   return true;
 }
 
-// Reads `numel` values of `dtype` written by WriteDirect at `offset` straight into an aligned
-// tensor (its storage rounded up to the alignment), so a large parameter is held once.
-StatusOr<torch::Tensor> ReadDirect(const Init::Impl& init, int64_t numel, torch::Dtype dtype, uint64_t offset) {
-  const uint64_t len = AlignUp(static_cast<uint64_t>(numel) * c10::elementSize(dtype));
-  void* buf = nullptr;
-  if (::posix_memalign(&buf, DirectAlign(), std::max<uint64_t>(len, DirectAlign())) != 0)
-    return ResourceExhausted(StrCat("allocating ", len, " bytes to read zero::Init staging file ", init.path));
-  torch::Tensor t = torch::from_blob(buf, {numel}, [](void* p) { std::free(p); },
-                                     torch::TensorOptions().dtype(dtype));
+// Reads `len` (aligned) bytes written by WriteDirect at `offset` into `buf`.
+Status ReadDirect(const Init::Impl& init, void* buf, uint64_t len, uint64_t offset) {
   for (uint64_t r = 0; r < len;) {
     ssize_t got = ::pread(init.dfd, static_cast<char*>(buf) + r, len - r, static_cast<off_t>(offset + r));
     if (got < 0 && errno == EINTR) continue;
@@ -152,7 +160,23 @@ StatusOr<torch::Tensor> ReadDirect(const Init::Impl& init, int64_t numel, torch:
     if (got < 0) return ErrnoToStatus(errno, StrCat("read zero::Init staging file ", init.path));
     r += static_cast<uint64_t>(got);
   }
-  return t;
+  return Status::Ok();
+}
+
+// Reads `len` bytes written through the buffered descriptor at `offset` into `buf`.
+Status ReadBuffered(const Init::Impl& init, void* buf, uint64_t len, uint64_t offset) {
+  char* p = static_cast<char*>(buf);
+  while (len > 0) {
+    ssize_t r = ::pread(init.fd, p, len, static_cast<off_t>(offset));
+    if (r < 0 && errno == EINTR) continue;
+    if (r <= 0)
+      return r < 0 ? ErrnoToStatus(errno, StrCat("read zero::Init staging file ", init.path))
+                   : DataLoss(StrCat("zero::Init staging file ", init.path, " is truncated"));
+    p += r;
+    len -= static_cast<uint64_t>(r);
+    offset += static_cast<uint64_t>(r);
+  }
+  return Status::Ok();
 }
 
 // Counts live Inits; the first switches glibc to the building policy, the last switches back.
@@ -244,26 +268,26 @@ void Partition(torch::nn::Module& unit) {
       std::lock_guard<std::mutex> l(Mu());
       if (Registry().count(p.unsafeGetTensorImpl())) continue;  // tied: staged with its first unit
     }
-    torch::Tensor host = p.detach().to(torch::kCPU).contiguous();
-    if (host.is_floating_point() && host.scalar_type() != init->staged_dtype)
-      host = host.to(init->staged_dtype);
-    const uint64_t bytes = host.nbytes();
+    const torch::Tensor flat = p.detach().to(torch::kCPU).contiguous().view({-1});
+    const torch::Dtype dtype = flat.is_floating_point() ? init->staged_dtype : flat.scalar_type();
+    const uint64_t bytes = static_cast<uint64_t>(flat.numel()) * c10::elementSize(dtype);
     uint64_t offset = init->end;
     bool direct = false;
-    if (init->dfd >= 0) {
+    if (init->dfd >= 0 && dtype == init->staged_dtype) {
       offset = AlignUp(init->end);
-      StatusOr<bool> wrote = WriteDirect(*init, host.data_ptr(), bytes, offset);
+      StatusOr<bool> wrote = WriteDirect(*init, flat, offset);
       if (!wrote.ok()) throw std::runtime_error(wrote.status().ToString());
       direct = *wrote;
       if (!direct) offset = init->end;  // O_DIRECT refused: buffered from here on
     }
     if (!direct) {
+      const torch::Tensor host = flat.to(dtype);
       Status s = PwriteAll(init->fd, host.data_ptr(), bytes, offset, init->path);
       if (!s.ok()) throw std::runtime_error(s.ToString());
     }
     {
       std::lock_guard<std::mutex> l(Mu());
-      Registry()[p.unsafeGetTensorImpl()] = {init, offset, p.numel(), host.scalar_type(), direct};
+      Registry()[p.unsafeGetTensorImpl()] = {init, offset, p.numel(), dtype, direct};
     }
     init->end = offset + (direct ? AlignUp(bytes) : bytes);
     init->payload += bytes;
@@ -307,7 +331,16 @@ bool IsStaged(const torch::Tensor& param) {
   return Registry().count(param.unsafeGetTensorImpl()) > 0;
 }
 
-StatusOr<bool> ReadStaged(const torch::Tensor& param, float* dst) {
+// Note [staged reads]
+// Each staged parameter comes back through the Init's one read buffer (aligned for O_DIRECT,
+// grown to the largest parameter), converted into the caller's tensor, then its file range is
+// punched. While an Init lives glibc's mmap threshold is 1 MiB, so a fresh buffer per parameter
+// was a fresh mapping whose pages all faulted in (and were zeroed) again: on a 20B model that is
+// tens of GB of page faults for nothing.
+StatusOr<bool> ReadStaged(const torch::Tensor& param, torch::Tensor dst) {
+  if (!dst.device().is_cpu() || !dst.is_contiguous() || dst.numel() != param.numel())
+    return InvalidArgument(StrCat("ReadStaged: the destination must be a contiguous CPU tensor of ",
+                                  param.numel(), " elements, not ", dst.toString(), " ", dst.sizes()));
   Staged st;
   {
     // Reading consumes the entry: the engine reads each parameter once, and from then on the
@@ -318,33 +351,28 @@ StatusOr<bool> ReadStaged(const torch::Tensor& param, float* dst) {
     st = it->second;
     Registry().erase(it);
   }
-  torch::Tensor host;
-  if (st.direct) {
-    // The direct descriptor lives as long as its Init once anything went through it.
-    STRATA_ASSIGN_OR_RETURN(host, ReadDirect(*st.owner, st.numel, st.dtype, st.offset));
-  } else {
-    host = torch::empty({st.numel}, torch::TensorOptions().dtype(st.dtype));
+  Init::Impl& init = *st.owner;
+  const uint64_t bytes = static_cast<uint64_t>(st.numel) * c10::elementSize(st.dtype);
+  const uint64_t len = st.direct ? AlignUp(bytes) : bytes;
+  std::lock_guard<std::mutex> l(init.read_mu);
+  if (len > init.read_cap) {
+    std::free(init.read_buf);
+    init.read_buf = nullptr;
+    init.read_cap = 0;
+    if (::posix_memalign(&init.read_buf, DirectAlign(), std::max<uint64_t>(len, DirectAlign())) != 0)
+      return ResourceExhausted(StrCat("allocating ", len, " bytes to read zero::Init staging file ", init.path));
+    init.read_cap = std::max<uint64_t>(len, DirectAlign());
   }
-  char* p = static_cast<char*>(host.data_ptr());
-  size_t left = st.direct ? 0 : host.nbytes();
-  uint64_t off = st.offset;
-  while (left > 0) {
-    ssize_t r = ::pread(st.owner->fd, p, left, static_cast<off_t>(off));
-    if (r < 0 && errno == EINTR) continue;
-    if (r <= 0)
-      return r < 0 ? ErrnoToStatus(errno, StrCat("read zero::Init staging file ", st.owner->path))
-                   : DataLoss(StrCat("zero::Init staging file ", st.owner->path, " is truncated"));
-    p += r;
-    left -= static_cast<size_t>(r);
-    off += static_cast<uint64_t>(r);
-  }
+  // The direct descriptor lives as long as its Init once anything went through it.
+  STRATA_RETURN_IF_ERROR(st.direct ? ReadDirect(init, init.read_buf, len, st.offset)
+                                   : ReadBuffered(init, init.read_buf, len, st.offset));
   // Read once: give the disk space back (the staging file shrinks as the tiers fill, so the
   // disk holds the model about once) and drop the pages from the cache. Both are best effort.
-  ::fallocate(st.owner->fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, static_cast<off_t>(st.offset),
-              static_cast<off_t>(st.direct ? AlignUp(host.nbytes()) : host.nbytes()));
-  ::posix_fadvise(st.owner->fd, static_cast<off_t>(st.offset), static_cast<off_t>(host.nbytes()),
-                  POSIX_FADV_DONTNEED);
-  torch::from_blob(dst, {st.numel}, torch::kFloat32).copy_(host);
+  ::fallocate(init.fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, static_cast<off_t>(st.offset),
+              static_cast<off_t>(len));
+  ::posix_fadvise(init.fd, static_cast<off_t>(st.offset), static_cast<off_t>(bytes), POSIX_FADV_DONTNEED);
+  torch::NoGradGuard ng;
+  dst.view({-1}).copy_(torch::from_blob(init.read_buf, {st.numel}, torch::TensorOptions().dtype(st.dtype)));
   return true;
 }
 

@@ -74,11 +74,12 @@ void Partition(torch::nn::Module& unit);
 // Throws std::runtime_error on an I/O or mapping error, naming the file.
 void StageMapped(const torch::Tensor& param);
 
-// For the engine: when `param` was staged by a live Init, reads its values converted to fp32
-// into `dst` (param.numel() floats), frees their space in the staging file and returns true;
-// a parameter is read once (then it is no longer staged). Returns false for a parameter not
-// staged. An I/O error is returned as a Status.
-StatusOr<bool> ReadStaged(const torch::Tensor& param, float* dst);
+// For the engine: when `param` was staged by a live Init, reads its values converted to dst's
+// dtype into `dst` (a contiguous CPU tensor of param.numel() elements), frees their space in the
+// staging file and returns true; a parameter is read once (then it is no longer staged).
+// Returns false for a parameter not staged. An I/O error is returned as a Status, and so is a
+// destination of another size or not contiguous on the CPU (INVALID_ARGUMENT).
+StatusOr<bool> ReadStaged(const torch::Tensor& param, torch::Tensor dst);
 
 // True when `param` has been staged and not yet read (it has a shape but no memory).
 bool IsStaged(const torch::Tensor& param);

@@ -85,12 +85,18 @@ void ExpectStagedValuesReadBack(const std::string& dir, bool want_direct) {
   EXPECT_EQ(init->direct_io(), want_direct);
   auto params = models::UniqueParameters(*staged);
   ASSERT_EQ(params.size(), want.size());
-  // Read in reverse order: each read stands on its own offset.
+  // A destination of the wrong size is refused and consumes nothing.
+  torch::Tensor small = torch::empty({params[0].numel() - 1}, torch::kFloat32);
+  EXPECT_EQ(zero::ReadStaged(params[0], small).status().code(), StatusCode::kInvalidArgument);
+  EXPECT_TRUE(zero::IsStaged(params[0]));
+  // Read in reverse order: each read stands on its own offset. Every other one into bf16, which
+  // must be the fp32 value rounded to nearest even (what the engine's bf16 path relies on).
   for (size_t i = params.size(); i-- > 0;) {
-    torch::Tensor got = torch::empty({params[i].numel()}, torch::kFloat32);
-    ASSERT_OK_AND_ASSIGN(bool was_staged, zero::ReadStaged(params[i], got.data_ptr<float>()));
+    const torch::Dtype dtype = i % 2 ? torch::kBFloat16 : torch::kFloat32;
+    torch::Tensor got = torch::empty({params[i].numel()}, dtype);
+    ASSERT_OK_AND_ASSIGN(bool was_staged, zero::ReadStaged(params[i], got));
     ASSERT_TRUE(was_staged) << i;
-    EXPECT_TRUE(torch::equal(got, want[i])) << i;
+    EXPECT_TRUE(torch::equal(got, want[i].to(dtype))) << i;
     EXPECT_FALSE(zero::IsStaged(params[i]));
   }
 }

@@ -8,15 +8,27 @@
 
 #include "runtime/engine/run_unit.h"
 #include "runtime/engine/zero_init.h"
+#include "tools/train/parallel_init.h"
 
 namespace strata::models {
 namespace {
 
+// A Linear with weights from N(0, 0.02^2) and zero bias. A large one (parallel_init.h) is the
+// same stock layer built at 1 x 1, so that its constructor's serial kaiming_uniform_ draws two
+// values instead of in x out, then given its shape and filled by ParallelNormal on every core.
 torch::nn::Linear MakeLinear(int64_t in, int64_t out) {
-  torch::nn::Linear l(torch::nn::LinearOptions(in, out));
   torch::NoGradGuard ng;
-  l->weight.normal_(0.0, 0.02);
-  l->bias.zero_();
+  if (in * out < kParallelInitMinNumel) {
+    torch::nn::Linear l(torch::nn::LinearOptions(in, out));
+    l->weight.normal_(0.0, 0.02);
+    l->bias.zero_();
+    return l;
+  }
+  torch::nn::Linear l(torch::nn::LinearOptions(1, 1));
+  l->options.in_features(in).out_features(out);
+  l->weight.set_data(torch::empty({out, in}));
+  l->bias.set_data(torch::zeros({out}));
+  ParallelNormal(l->weight, 0.0, 0.02, DrawInitKey());
   return l;
 }
 

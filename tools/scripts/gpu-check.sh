@@ -489,8 +489,11 @@ train_run() {  # train_run NAME CONFIG STEPS: strata-train --json into WORK/trai
   [ "${RUN_SHARE:-1}" -gt 1 ] && t=$(( t / RUN_SHARE + 20 ))
   say "strata-train $name ($n steps)"
   rm -rf "$NVME"; mkdir -p "$NVME"
+  # No validation: the figures are the steps'. On the 2026-11-27 lease a 6.45B run wrote its 3
+  # steps and its summary, then ran past its timeout in the final validation (8 batches, each
+  # gathering every parameter again over the copy lane) and left the next size no time.
   if timeout "$((t - 20))" "$CM/bin/strata-train" --config "$cfg" --steps "$n" --json --device "$device" \
-       --eval-every 0 --plot "$WORK/train-$name.svg" >"$WORK/train-$name.jsonl" 2>"$WORK/train-$name.err"; then
+       --eval-every 0 --eval-batches 0 --plot "$WORK/train-$name.svg" >"$WORK/train-$name.jsonl" 2>"$WORK/train-$name.err"; then
     "$UPY" "$UTIL" train-summary "$WORK/train-$name.jsonl" | cut -c1-300
   else
     echo "  failed: $(grep -v '^\s*$' "$WORK/train-$name.err" | tail -1)"

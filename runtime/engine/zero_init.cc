@@ -55,6 +55,7 @@ class Init::Impl {
   uint64_t payload = 0;  // the staged values' bytes
   int64_t params = 0;
   torch::Dtype staged_dtype = torch::kFloat32;  // floating-point parameters are written as this
+  StageMode mode = StageMode::kValues;
   // ReadStaged's buffer, DirectAlign()-aligned and grown to the largest parameter read: one
   // buffer whose pages fault in once, where a fresh allocation per parameter faulted them in
   // again for every one (Note [staged reads]).
@@ -71,6 +72,7 @@ struct Staged {
   int64_t numel;
   torch::Dtype dtype;
   bool direct;  // written through O_DIRECT at an aligned offset: read back the same way
+  bool dropped;  // StageMode::kShapesOnly: nothing was written; reads give zeros
 };
 
 std::mutex& Mu() {
@@ -196,12 +198,21 @@ void SetBuildingMallocPolicy(int delta) {
 
 }  // namespace
 
-StatusOr<std::unique_ptr<Init>> Init::Create(const std::string& dir, torch::Dtype staged_dtype) {
+StatusOr<std::unique_ptr<Init>> Init::Create(const std::string& dir, torch::Dtype staged_dtype,
+                                             StageMode mode) {
   if (staged_dtype != torch::kFloat32 && staged_dtype != torch::kBFloat16)
     return InvalidArgument(StrCat("zero::Init stages parameters as fp32 or bf16, not ",
                                   c10::toString(staged_dtype)));
   if (current)
     return FailedPrecondition("a zero::Init is already current on this thread; destroy it first");
+  if (mode == StageMode::kShapesOnly) {
+    auto impl = std::make_unique<Impl>();
+    impl->staged_dtype = staged_dtype;
+    impl->mode = mode;
+    SetBuildingMallocPolicy(+1);
+    current = impl.get();
+    return std::unique_ptr<Init>(new Init(std::move(impl)));
+  }
   std::error_code ec;
   std::filesystem::create_directories(dir, ec);
   if (ec) return ErrnoToStatus(ec.value(), StrCat("create zero::Init directory ", dir));
@@ -255,8 +266,21 @@ Init::~Init() {
 }
 
 uint64_t Init::staged_bytes() const { return impl_->payload; }
+StageMode Init::mode() const { return impl_->mode; }
 bool Init::direct_io() const { return impl_->dfd >= 0; }
 int64_t Init::staged_params() const { return impl_->params; }
+
+namespace {
+
+// Keeps the parameter's shape and dtype, drops its memory: an empty storage with its sizes.
+void DropMemory(torch::Tensor& p) {
+  const std::vector<int64_t> shape = p.sizes().vec();
+  torch::Tensor empty = torch::empty({0}, p.options());
+  empty.unsafeGetTensorImpl()->set_sizes_contiguous(shape);
+  p.set_data(empty);
+}
+
+}  // namespace
 
 void Partition(torch::nn::Module& unit) {
   Init::Impl* init = current;
@@ -267,6 +291,15 @@ void Partition(torch::nn::Module& unit) {
     {
       std::lock_guard<std::mutex> l(Mu());
       if (Registry().count(p.unsafeGetTensorImpl())) continue;  // tied: staged with its first unit
+    }
+    if (init->mode == StageMode::kShapesOnly) {
+      {
+        std::lock_guard<std::mutex> l(Mu());
+        Registry()[p.unsafeGetTensorImpl()] = {init, 0, p.numel(), p.scalar_type(), false, true};
+      }
+      ++init->params;
+      DropMemory(p);
+      continue;
     }
     const torch::Tensor flat = p.detach().to(torch::kCPU).contiguous().view({-1});
     const torch::Dtype dtype = flat.is_floating_point() ? init->staged_dtype : flat.scalar_type();
@@ -287,22 +320,18 @@ void Partition(torch::nn::Module& unit) {
     }
     {
       std::lock_guard<std::mutex> l(Mu());
-      Registry()[p.unsafeGetTensorImpl()] = {init, offset, p.numel(), dtype, direct};
+      Registry()[p.unsafeGetTensorImpl()] = {init, offset, p.numel(), dtype, direct, false};
     }
     init->end = offset + (direct ? AlignUp(bytes) : bytes);
     init->payload += bytes;
     ++init->params;
-    // Keep the shape and dtype, drop the memory: an empty storage with the parameter's sizes.
-    const std::vector<int64_t> shape = p.sizes().vec();
-    torch::Tensor empty = torch::empty({0}, p.options());
-    empty.unsafeGetTensorImpl()->set_sizes_contiguous(shape);
-    p.set_data(empty);
+    DropMemory(p);
   }
 }
 
 void StageMapped(const torch::Tensor& param) {
   Init::Impl* init = current;
-  if (!init || param.numel() == 0) return;
+  if (!init || param.numel() == 0 || init->mode == StageMode::kShapesOnly) return;
   torch::NoGradGuard ng;
   torch::Tensor host = param.detach().to(torch::kCPU).contiguous();
   const uint64_t bytes = host.nbytes();
@@ -350,6 +379,10 @@ StatusOr<bool> ReadStaged(const torch::Tensor& param, torch::Tensor dst) {
     if (it == Registry().end()) return false;
     st = it->second;
     Registry().erase(it);
+  }
+  if (st.dropped) {
+    dst.zero_();
+    return true;
   }
   Init::Impl& init = *st.owner;
   const uint64_t bytes = static_cast<uint64_t>(st.numel) * c10::elementSize(st.dtype);

@@ -31,6 +31,15 @@
 
 namespace strata::zero {
 
+// What Partition keeps of each parameter.
+enum class StageMode {
+  kValues,  // its values, in the staging file
+  // Nothing: the parameter keeps its shape and dtype, no file is made, and ReadStaged fills
+  // zeros. For a rank whose initial values come from rank 0 (Engine::Create broadcasts every
+  // chunk's on several ranks), so that ranks sharing a disk stage the model once, not once each.
+  kShapesOnly,
+};
+
 class Init {
  public:
   // Creates the staging file (removed by the destructor, and unlinked at once so that a crash
@@ -40,13 +49,17 @@ class Init {
   // bf16 working copy (bf16.bf16_master_weights_and_grads): the engine rounds the fp32 values to
   // nearest bf16 at start anyway, so it keeps the same master and working copy either way (a
   // bf16 value converts to fp32 and back unchanged). Other runs keep kFloat32.
+  // With StageMode::kShapesOnly, `dir` is not touched and StageMapped does nothing (the
+  // parameter keeps its memory).
   static StatusOr<std::unique_ptr<Init>> Create(const std::string& dir,
-                                                torch::Dtype staged_dtype = torch::kFloat32);
+                                                torch::Dtype staged_dtype = torch::kFloat32,
+                                                StageMode mode = StageMode::kValues);
   ~Init();
   Init(const Init&) = delete;
   Init& operator=(const Init&) = delete;
 
   uint64_t staged_bytes() const;  // the staged values' bytes (the file adds alignment padding)
+  StageMode mode() const;
   // Partition writes with O_DIRECT (Note [direct staging] in zero_init.cc); false where the
   // file system refused it and the page cache takes the writes.
   bool direct_io() const;

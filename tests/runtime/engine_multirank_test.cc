@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include "runtime/comm/backends.h"
+#include "runtime/engine/zero_init.h"
 #include "tests/runtime/gpt_training.h"
 #include "tests/runtime/model_zoo.h"
 #include "tiers/hbm/device_factory.h"
@@ -31,7 +32,16 @@ struct RankCase {
   // spreads each rank's shards over device, host and NVMe.
   double ratio = 1.0;
   bool auto_placement = false;
+  // The model built under zero::Init as strata-train builds it: rank 0 stages its values, the
+  // other ranks build shapes only (zero::StageMode::kShapesOnly) and take rank 0's values from
+  // Engine::Create's broadcast.
+  bool zero_init = false;
 };
+
+RankCase UnderZeroInit(RankCase k) {
+  k.zero_init = true;
+  return k;
+}
 
 RankCase Split(RankCase k, double ratio, bool auto_placement) {
   k.ratio = ratio;
@@ -95,7 +105,24 @@ TEST_P(MultiRank, MatchesSingleProcessLibTorch) {
   if (k.param == OffloadDevice::kNvme || k.optim == OffloadDevice::kNvme) opts.nvme_path = {dir.path()};
   TrainRun ref = Reference(c);
   Config per_rank = c;
-  TrainRun got = ThroughEngine(per_rank, opts, comm, k.delay_us);
+  testing::TempDir staging;
+  std::unique_ptr<zero::Init> init;
+  if (k.zero_init) {
+    auto created = zero::Init::Create(staging.path(), torch::kFloat32,
+                                      comm->rank() == 0 ? zero::StageMode::kValues
+                                                        : zero::StageMode::kShapesOnly);
+    ASSERT_TRUE(created.ok()) << created.status();
+    init = std::move(created).value();
+  }
+  TrainRun got = ThroughEngine(per_rank, opts, comm, k.delay_us);  // builds under `init`
+  if (init) {
+    EXPECT_GT(init->staged_params(), 0);
+    if (comm->rank() == 0) {
+      EXPECT_GT(init->staged_bytes(), 0u);
+    } else {
+      EXPECT_EQ(init->staged_bytes(), 0u) << "rank " << comm->rank() << " staged values";
+    }
+  }
   const double f = TestDeviceSpec() == "cpu" ? 1.0 : kGpuToleranceFactor;
   ExpectMatch(ref, got, 1e-5 * f, 2e-5 * f);
 }
@@ -107,6 +134,8 @@ INSTANTIATE_TEST_SUITE_P(
                       RankCase{"stage2_cpu", 2, OffloadDevice::kNone, OffloadDevice::kCpu, 1.0},
                       RankCase{"stage3", 3, OffloadDevice::kNone, OffloadDevice::kNone, 0.0},
                       RankCase{"stage3_nvme_clip", 3, OffloadDevice::kNvme, OffloadDevice::kNvme, 0.5},
+                      UnderZeroInit(RankCase{"stage3_nvme_zero_init", 3, OffloadDevice::kNvme,
+                                             OffloadDevice::kNvme, 0.5}),
                       // The reduce lane's collectives (reduce-scatters, all-gathers issued
                       // ahead) late by different amounts on each rank: they must still pair up.
                       RankCase{"stage3_accum_delays", 3, OffloadDevice::kNone, OffloadDevice::kNone,

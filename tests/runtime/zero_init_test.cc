@@ -4,6 +4,7 @@
 #include <signal.h>
 #include <sys/resource.h>
 
+#include <filesystem>
 #include <fstream>
 #include <string>
 
@@ -52,6 +53,34 @@ TEST(ZeroInit, ParametersKeepTheirShapeButNoMemory) {
   // Without a current Init, Partition leaves a module alone.
   auto plain = models::BuildGpt(c.model);
   for (const auto& p : models::UniqueParameters(*plain)) EXPECT_GT(p.storage().nbytes(), 0u);
+}
+
+// StageMode::kShapesOnly (a rank > 0's Init): the same shapes with no memory, nothing written
+// to the directory, and reads that give zeros (the engine broadcasts rank 0's values over them).
+TEST(ZeroInit, ShapesOnlyWritesNothingAndReadsZeros) {
+  testing::TempDir dir;
+  Config c = BaseConfig();
+  ASSERT_OK_AND_ASSIGN(auto init, zero::Init::Create(dir.path(), torch::kFloat32, zero::StageMode::kShapesOnly));
+  EXPECT_EQ(init->mode(), zero::StageMode::kShapesOnly);
+  auto model = models::BuildGpt(c.model);
+  const auto params = models::UniqueParameters(*model);
+  for (const auto& p : params) {
+    EXPECT_EQ(p.storage().nbytes(), 0u);
+    EXPECT_TRUE(zero::IsStaged(p));
+  }
+  EXPECT_EQ(init->staged_params(), static_cast<int64_t>(params.size()));
+  EXPECT_EQ(init->staged_bytes(), 0u);
+  EXPECT_TRUE(std::filesystem::is_empty(dir.path())) << "a shapes-only Init makes no staging file";
+  torch::Tensor got = torch::full({params[0].numel()}, 7.0f);
+  ASSERT_OK_AND_ASSIGN(bool staged, zero::ReadStaged(params[0], got));
+  EXPECT_TRUE(staged);
+  EXPECT_EQ(got.count_nonzero().item<int64_t>(), 0);
+  EXPECT_FALSE(zero::IsStaged(params[0]));
+  // StageMapped keeps the parameter as it is.
+  torch::Tensor t = torch::ones({1000});
+  zero::StageMapped(t);
+  EXPECT_EQ(t.sum().item<float>(), 1000.0f);
+  EXPECT_TRUE(std::filesystem::is_empty(dir.path()));
 }
 
 TEST(ZeroInit, TrainsLikeTheModelBuiltNormally) {

@@ -456,7 +456,8 @@ StatusOr<MemoryEstimate> EstimateMemory(const Config& config, const ModelSpec& m
   // directory first, then Engine::Create fills chunk by chunk, reading the chunk's parameters
   // back (punching them out of the file) and writing its NVMe-placed blocks. The disk holds the
   // unread rest of the file beside the blocks written so far; its peak is at the start or after
-  // some chunk.
+  // some chunk. Only rank 0 stages (the others build shapes and take rank 0's values by
+  // broadcast), so this is rank 0's peak.
   const bool staged = z.stage == 3 && z.offload_param.device == OffloadDevice::kNvme &&
                       (!z.offload_param.nvme_path.empty() || options.assume_nvme_path);
   if (staged) {
@@ -475,7 +476,8 @@ StatusOr<MemoryEstimate> EstimateMemory(const Config& config, const ModelSpec& m
     est.notes.push_back(StrCat("engine init reads the model from zero::Init's staging file (",
                                FormatBytes(est.staged_bytes), stage_esize == 2 ? " of bf16" : " of fp32",
                                " in the NVMe directory) while it writes the NVMe blocks: the disk peaks at ",
-                               FormatBytes(peak), " during the start"));
+                               FormatBytes(peak), " during the start",
+                               options.world_size > 1 ? " (on rank 0; the other ranks stage nothing)" : ""));
   } else {
     est.notes.push_back(StrCat("engine init (Engine::Create) also holds the model's fp32 parameters plus one "
                                "chunk's fp32 and working copies: about ", FormatBytes(init_bytes),

@@ -81,6 +81,8 @@ struct MemoryEstimate {
   // zero::Init (strata-train's stage 3 with offload_param nvme): the disk the start needs at its
   // peak, the staging file (fp32, or bf16 for a bf16 master) plus the NVMe blocks written while
   // the engine reads the file back chunk by chunk, punching what it has read. 0 without staging.
+  // Rank 0's: the other ranks build shapes only (zero::StageMode::kShapesOnly) and write their
+  // own NVMe blocks.
   uint64_t init_disk_peak_bytes = 0;
   uint64_t staged_bytes = 0;  // the staging file when the model is built
   uint64_t host_pool_bytes = 0;   // the pinned pool the engine reserves (== host_pinned_bytes)

@@ -180,11 +180,16 @@ class Trainer {
       if (c_.zero_optimization.stage == 3 && !nvme_dir.empty() &&
           c_.zero_optimization.offload_param.device == OffloadDevice::kNvme) {
         // A bf16 master is the bf16 working copy the engine rounds to nearest at start: staging
-        // in bf16 gives it the same bits from half the disk (zero_init.h).
+        // in bf16 gives it the same bits from half the disk (zero_init.h). Only rank 0 keeps
+        // values: Engine::Create broadcasts its chunks to the others, which build shapes only,
+        // so ranks sharing a disk stage the model once.
         STRATA_ASSIGN_OR_RETURN(
-            init, zero::Init::Create(nvme_dir, c_.bf16.enabled && c_.bf16.bf16_master_weights_and_grads
-                                                   ? torch::kBFloat16
-                                                   : torch::kFloat32));
+            init, zero::Init::Create(nvme_dir,
+                                     c_.bf16.enabled && c_.bf16.bf16_master_weights_and_grads
+                                         ? torch::kBFloat16
+                                         : torch::kFloat32,
+                                     comm_->rank() == 0 ? zero::StageMode::kValues
+                                                        : zero::StageMode::kShapesOnly));
       }
       models::Gpt model{nullptr};
       try {

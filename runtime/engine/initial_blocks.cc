@@ -3,6 +3,7 @@
 #include "runtime/engine/engine_impl.h"
 
 #include <algorithm>
+#include <chrono>
 
 namespace strata {
 
@@ -63,7 +64,18 @@ Status Engine::Impl::WriteInitialBlocks() {
   int64_t max_numel = 0;
   for (const ChunkInfo& ci : chunk_infos) max_numel = std::max(max_numel, ci.numel);
   torch::Tensor buf32, buf16;
+  // A line every 10 s on rank 0: a large model's blocks take minutes to write.
+  const auto t0 = std::chrono::steady_clock::now();
+  auto reported = t0;
   for (size_t c = 0; c < chunk_infos.size(); ++c) {
+    if (const auto now = std::chrono::steady_clock::now();
+        comm_->rank() == 0 && now - reported >= std::chrono::seconds(10)) {
+      reported = now;
+      STRATA_LOG(INFO) << "engine start: initial blocks of " << c << " of " << chunk_infos.size()
+                       << " chunks written ("
+                       << static_cast<int>(100.0 * static_cast<double>(c) / static_cast<double>(chunk_infos.size()))
+                       << "%), " << static_cast<int>(std::chrono::duration<double>(now - t0).count()) << " s";
+    }
     const ChunkInfo& ci = chunk_infos[c];
     const int64_t n = ci.shard_numel;
     const int64_t c64 = static_cast<int64_t>(c);

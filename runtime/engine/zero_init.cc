@@ -52,7 +52,8 @@ class Init::Impl {
   bool any_direct = false;  // something was written through dfd: it stays open for the reads
   std::string path;
   uint64_t end = 0;      // the file's end: the bytes written so far, with alignment padding
-  uint64_t payload = 0;  // the staged values' bytes
+  // The staged values' bytes: written by the building thread, read by a progress reporter.
+  std::atomic<uint64_t> payload{0};
   int64_t params = 0;
   torch::Dtype staged_dtype = torch::kFloat32;  // floating-point parameters are written as this
   StageMode mode = StageMode::kValues;

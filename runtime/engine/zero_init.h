@@ -58,7 +58,9 @@ class Init {
   Init(const Init&) = delete;
   Init& operator=(const Init&) = delete;
 
-  uint64_t staged_bytes() const;  // the staged values' bytes (the file adds alignment padding)
+  // The staged values' bytes (the file adds alignment padding); safe to read from another thread
+  // while the model is built, to report progress.
+  uint64_t staged_bytes() const;
   StageMode mode() const;
   // Partition writes with O_DIRECT (Note [direct staging] in zero_init.cc); false where the
   // file system refused it and the page cache takes the writes.

@@ -8,12 +8,15 @@
 #include <cerrno>
 #include <cstdlib>
 #include <chrono>
+#include <condition_variable>
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
 #include <iostream>
 #include <memory>
+#include <mutex>
 #include <string>
+#include <thread>
 
 #include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
@@ -60,6 +63,48 @@ std::atomic<bool> g_stop{false};
 void OnSignal(int) { g_stop.store(true); }
 
 constexpr int kExitUsage = 2;
+
+// A line every 10 s while a large model is built (minutes, before the engine logs anything):
+// under zero::Init the share of the model staged so far, else the time it has taken.
+class BuildProgress {
+ public:
+  BuildProgress(const zero::Init* init, uint64_t total_bytes, bool enabled)
+      : t0_(std::chrono::steady_clock::now()) {
+    if (!enabled) return;
+    thread_ = std::thread([this, init, total_bytes] {
+      std::unique_lock<std::mutex> l(mu_);
+      while (!cv_.wait_for(l, std::chrono::seconds(10), [this] { return done_; })) {
+        const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0_).count();
+        if (init != nullptr && init->mode() == zero::StageMode::kValues && total_bytes > 0) {
+          const uint64_t staged = init->staged_bytes();
+          std::fprintf(stderr, "strata-train: building the model: %s of %s staged (%.0f%%), %.0f s\n",
+                       FormatBytes(staged).c_str(), FormatBytes(total_bytes).c_str(),
+                       100.0 * static_cast<double>(staged) / static_cast<double>(total_bytes), secs);
+        } else {
+          std::fprintf(stderr, "strata-train: building the model: %.0f s\n", secs);
+        }
+      }
+    });
+  }
+  ~BuildProgress() {
+    if (!thread_.joinable()) return;
+    {
+      std::lock_guard<std::mutex> l(mu_);
+      done_ = true;
+    }
+    cv_.notify_all();
+    thread_.join();
+  }
+  BuildProgress(const BuildProgress&) = delete;
+  BuildProgress& operator=(const BuildProgress&) = delete;
+
+ private:
+  const std::chrono::steady_clock::time_point t0_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  bool done_ = false;
+  std::thread thread_;
+};
 
 
 
@@ -193,6 +238,11 @@ class Trainer {
       }
       models::Gpt model{nullptr};
       try {
+        const uint64_t staged_esize = init && init->mode() == zero::StageMode::kValues
+                                          ? (c_.bf16.enabled && c_.bf16.bf16_master_weights_and_grads ? 2 : 4)
+                                          : 0;
+        BuildProgress progress(init.get(), static_cast<uint64_t>(models::GptParameterCount(c_.model)) * staged_esize,
+                               leader() && !f_.json);
         model = models::BuildGpt(c_.model);
       } catch (const std::exception& e) {
         return Internal(StrCat("building the model: ", e.what()));

@@ -97,7 +97,7 @@ __device__ __forceinline__ void StoreMoment(void* base, size_t i, size_t blk, bo
   } else if constexpr (F == kBf16) {
     if (live) static_cast<uint16_t*>(base)[i] = DevFloatToBf16(x);
   } else {
-    // fmaxf(0, NaN) is 0: a NaN is skipped, as the CPU's std::fmax skips it.
+    // fmaxf(0, NaN) is 0: a NaN is skipped, as the CPU's absmax skips it.
     const float scale = BlockMax(live ? fmaxf(0.0f, fabsf(x)) : 0.0f, red);
     if (live) {
       static_cast<uint8_t*>(base)[i] =

@@ -94,7 +94,7 @@ float Absmax(const float* x, size_t n) {
   const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
   __m256 m = _mm256_setzero_ps();
   size_t i = 0;
-  // max(|x|, m) takes m when |x| is NaN: NaNs are skipped, as std::fmax does in the scalar path.
+  // max(|x|, m) takes m when |x| is NaN: NaNs are skipped, as in the scalar path.
   for (; i + kW <= n; i += kW) m = _mm256_max_ps(_mm256_and_ps(_mm256_loadu_ps(x + i), abs_mask), m);
   alignas(32) float lanes[kW];
   _mm256_store_ps(lanes, m);

@@ -184,7 +184,7 @@ __attribute__((target("avx512vbmi"))) void DequantizeVbmi(const uint8_t* codes, 
 float Absmax(const float* x, size_t n) {
   __m512 m = _mm512_setzero_ps();
   ForVectors(n, [&](auto full, size_t i, __mmask16 k) {
-    // max(|x|, m) takes m when |x| is NaN: NaNs are skipped, as std::fmax does in the scalar path.
+    // max(|x|, m) takes m when |x| is NaN: NaNs are skipped, as in the scalar path.
     m = _mm512_max_ps(_mm512_abs_ps(_mm512_castsi512_ps(LoadBits<full>(x + i, k))), m);
   });
   return _mm512_reduce_max_ps(m);

@@ -31,7 +31,14 @@ void Dequantize(const uint8_t* codes, float scale, size_t n, const CodeTables& t
 
 float Absmax(const float* x, size_t n) {
   float m = 0.0f;
-  for (size_t i = 0; i < n; ++i) m = std::fmax(m, std::fabs(x[i]));
+  // A NaN, quiet or signalling, is skipped: no comparison with it holds. (std::fmax skips a
+  // quiet NaN but may return NaN for a signalling one, and the next value then replaced the
+  // running maximum: a block's scale below its largest value, which the vector paths, the GPU
+  // and this loop now all keep.)
+  for (size_t i = 0; i < n; ++i) {
+    const float a = std::fabs(x[i]);
+    if (a > m) m = a;
+  }
   return m;
 }
 

@@ -49,7 +49,7 @@ struct CompactKernels {
   void (*quantize)(const float* x, size_t n, float scale, const CodeTables& t, uint8_t* codes);
   // out[i] = t.values[codes[i]] * scale.
   void (*dequantize)(const uint8_t* codes, float scale, size_t n, const CodeTables& t, float* out);
-  // max |x[i]| over the x[i] that are not NaN (std::fmax's rule), 0 for none.
+  // max |x[i]| over the x[i] that are not NaN (quiet or signalling), 0 for none.
   float (*absmax)(const float* x, size_t n);
   // out[i] = Bf16ToFloat(h[i]); out[i] = FloatToBf16(x[i]) (nearest even, dtype.h's rule).
   void (*widen_bf16)(const uint16_t* h, float* out, size_t n);

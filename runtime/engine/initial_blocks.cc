@@ -82,9 +82,11 @@ Status Engine::Impl::WriteInitialBlocks() {
     // The chunk's initial values: from the parameters, or from zero::Init's staging file for a
     // model built there (it has shapes but no memory). In fp32 where an fp32 master keeps them
     // or ranks broadcast them; otherwise straight in the working dtype, which is what the fp32
-    // values would round to (round to nearest even either way).
-    const bool need32 = comm_->world_size() > 1 || plan_.Stored(c64, StateKind::kMaster32) ||
-                        tdtype == torch::kFloat32;
+    // values would round to (round to nearest even either way); a bf16 master stored apart
+    // from the working copy takes the working copy's bits.
+    const bool fp32_master =
+        plan_.Stored(c64, StateKind::kMaster32) && plan_.master_dtype() == optim::DType::kFloat32;
+    const bool need32 = comm_->world_size() > 1 || tdtype == torch::kFloat32 || fp32_master;
     if (need32 && !buf32.defined()) buf32 = torch::empty({max_numel}, torch::kFloat32);
     if (tdtype != torch::kFloat32 && !buf16.defined()) buf16 = torch::empty({max_numel}, tdtype);
     torch::Tensor full32 = need32 ? buf32.narrow(0, 0, ci.numel) : torch::Tensor();

@@ -297,26 +297,39 @@ TEST(CompactKernels, EveryVectorPathEqualsTheScalarOneAtEveryLength) {
   }
   if (paths.empty()) GTEST_SKIP() << "this CPU has no vector path";
   const internal::CompactKernels ref = internal::CompactKernelsScalar();
+  const float nan = std::numeric_limits<float>::quiet_NaN(), inf = std::numeric_limits<float>::infinity();
+  uint32_t snan_bits = 0x7f800001u;  // a signalling NaN: narrowing must quiet it
+  float snan;
+  std::memcpy(&snan, &snan_bits, sizeof snan);
+  constexpr size_t kGuard = 80;  // elements past n that no path may write
   std::mt19937 rng(11);
   for (size_t n = 0; n <= 300; ++n) {
-    const std::vector<float> mixed = MixedValues(n + 1, static_cast<uint32_t>(n));
-    const float* x = mixed.data() + 1;  // 4 bytes past the vector's alignment
+    std::vector<float> mixed = MixedValues(n + 1, static_cast<uint32_t>(n));
+    float* x = mixed.data() + 1;  // 4 bytes past the vector's alignment
+    // Specials inside even the shortest inputs: NaN (absmax skips it, its code is 0), a
+    // signalling NaN, infinities, a subnormal, a negative zero.
+    const float specials[] = {nan, snan, inf, -inf, 1e-40f, -0.0f};
+    for (size_t j = 0; j < std::size(specials) && n > 0; ++j) x[(n * (j + 1)) / 7 % n] = specials[j];
     std::vector<uint16_t> halves(n + 1);
     std::vector<uint8_t> codes(n + 1);
     for (size_t i = 0; i <= n; ++i) halves[i] = static_cast<uint16_t>(rng()), codes[i] = static_cast<uint8_t>(rng());
-    std::vector<uint16_t> want16(n), got16(n);
-    std::vector<float> want(n), got(n);
-    std::vector<uint8_t> want8(n), got8(n);
+    std::vector<uint16_t> want16(n + kGuard, 0xdead), got16(n + kGuard);
+    std::vector<float> want(n + kGuard, -7.0f), got(n + kGuard);
+    std::vector<uint8_t> want8(n + kGuard, 77), got8(n + kGuard);
     for (const Path& p : paths) {
       SCOPED_TRACE(testing::Message() << p.name << " n=" << n);
       ref.narrow_bf16(x, want16.data(), n);
       std::fill(got16.begin(), got16.end(), 0xdead);
       p.k.narrow_bf16(x, got16.data(), n);
       ASSERT_EQ(got16, want16);
+      ref.round_sr(x, want16.data(), n, 0x9e3779b9u, 0x7ffffff0u);  // lo + i crosses 2^31
+      std::fill(got16.begin(), got16.end(), 0xdead);
+      p.k.round_sr(x, got16.data(), n, 0x9e3779b9u, 0x7ffffff0u);
+      ASSERT_EQ(got16, want16);
       ref.widen_bf16(halves.data() + 1, want.data(), n);
       std::fill(got.begin(), got.end(), -7.0f);
       p.k.widen_bf16(halves.data() + 1, got.data(), n);
-      ASSERT_EQ(0, std::memcmp(got.data(), want.data(), n * sizeof(float)));
+      ASSERT_EQ(0, std::memcmp(got.data(), want.data(), got.size() * sizeof(float)));
       const float absmax = ref.absmax(x, n), got_absmax = p.k.absmax(x, n);
       ASSERT_EQ(0, std::memcmp(&absmax, &got_absmax, sizeof absmax));
       for (bool is_signed : {true, false}) {
@@ -324,8 +337,8 @@ TEST(CompactKernels, EveryVectorPathEqualsTheScalarOneAtEveryLength) {
         ref.dequantize(codes.data() + 1, 0.37f, n, t, want.data());
         std::fill(got.begin(), got.end(), -7.0f);
         p.k.dequantize(codes.data() + 1, 0.37f, n, t, got.data());
-        ASSERT_EQ(0, std::memcmp(got.data(), want.data(), n * sizeof(float))) << is_signed;
-        // Quantize what the block holds once its infinities are gone (a finite scale).
+        ASSERT_EQ(0, std::memcmp(got.data(), want.data(), got.size() * sizeof(float))) << is_signed;
+        // Quantize what the block holds once its infinities are gone (a finite scale; NaNs stay).
         std::vector<float> y(x, x + n);
         for (float& v : y)
           if (std::isinf(v)) v = 0.5f;

@@ -33,7 +33,7 @@ double Expected(int64_t e, int64_t n, uint64_t key, double mean, double std) {
   z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
   z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
   z ^= z >> 31;
-  const double u1 = (static_cast<double>(z >> 40) + 0.5) / 16777216.0;
+  const double u1 = (static_cast<double>(z >> 41) + 0.5) / 8388608.0;
   const double u2 = static_cast<double>((z >> 16) & 0xffffff) / 16777216.0;
   const double r = std::sqrt(-2.0 * std::log(u1));
   return mean + std * r * (use_sin ? std::sin(2 * M_PI * u2) : std::cos(2 * M_PI * u2));
@@ -80,7 +80,7 @@ TEST(ParallelNormal, HasTheMomentsAndTailsOfANormal) {
   EXPECT_NEAR(share(1.0), 0.682689, 0.002);
   EXPECT_NEAR(share(2.0), 0.954500, 0.001);
   EXPECT_NEAR(share(3.0), 0.997300, 0.0003);
-  EXPECT_LE(x.abs().max().item<double>(), 5.9);  // 24-bit uniforms bound the tail
+  EXPECT_LE(x.abs().max().item<double>(), 5.8);  // the 23-bit u1 bounds the tail at 5.77
 }
 
 TEST(ParallelNormal, LargeGptLayersTakeItAndSmallOnesKeepLibTorchsDraws) {
@@ -97,7 +97,8 @@ TEST(ParallelNormal, LargeGptLayersTakeItAndSmallOnesKeepLibTorchsDraws) {
   EXPECT_EQ(a->out->weight.sizes(), (std::vector<int64_t>{2048, 8192}));
   EXPECT_TRUE(torch::equal(a->fc->weight, b->fc->weight)) << "the seed decides the parallel draw";
   EXPECT_TRUE(torch::equal(a->out->weight, b->out->weight));
-  EXPECT_FALSE(torch::equal(a->fc->weight.narrow(0, 0, 2048), a->out->weight.narrow(1, 0, 2048)))
+  EXPECT_FALSE(torch::equal(a->fc->weight.view({-1}).narrow(0, 0, 1 << 20),
+                            a->out->weight.view({-1}).narrow(0, 0, 1 << 20)))
       << "each large layer has its own key";
   EXPECT_EQ(a->fc->bias.count_nonzero().item<int64_t>(), 0);
   EXPECT_NEAR(a->fc->weight.std().item<double>(), 0.02, 0.0002);

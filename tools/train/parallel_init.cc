@@ -11,8 +11,8 @@ namespace {
 // Note [parallel normal]
 // The values are made in blocks of 2K elements (K = 32768: a block and its temporaries, about
 // 768 KB, stay in L2; 8192 left the per-op overhead at a third of the time): pair i of block b is the 64-bit
-// SplitMix64 mix of key + (b * K + i + 1) * golden ratio, whose top 24 bits give u1 in (0, 1)
-// and next 24 bits u2 in [0, 1); Box-Muller turns them into r cos(2 pi u2) at element 2Kb + i
+// SplitMix64 mix of key + (b * K + i + 1) * golden ratio, whose top 23 bits give u1 in (0, 1)
+// and bits 16-39 u2 in [0, 1); Box-Muller turns them into r cos(2 pi u2) at element 2Kb + i
 // and r sin(2 pi u2) at element 2Kb + K + i, r = sqrt(-2 ln u1). The uniforms are written into
 // the destination itself and transformed in place by LibTorch's vectorized log, sqrt, cos and
 // sin (inside at::parallel_for they stay on the calling thread). Blocks run on LibTorch's
@@ -30,10 +30,11 @@ inline uint64_t Mix64(uint64_t z) {
 }
 
 inline void Uniforms(uint64_t key, int64_t pair, float* u1, float* u2) {
-  constexpr float kScale = 1.0f / 16777216.0f;  // 2^-24
   const uint64_t h = Mix64(key + static_cast<uint64_t>(pair + 1) * 0x9e3779b97f4a7c15ull);
-  *u1 = (static_cast<float>(h >> 40) + 0.5f) * kScale;  // in (0, 1): its log is finite
-  *u2 = static_cast<float>((h >> 16) & 0xffffffu) * kScale;
+  // u1 from the top 23 bits plus one half: exact in float (24 significant bits), so strictly
+  // inside (0, 1) and its log finite; u2 from the 24 bits below them.
+  *u1 = (static_cast<float>(h >> 41) + 0.5f) * (1.0f / 8388608.0f);  // 2^-23
+  *u2 = static_cast<float>((h >> 16) & 0xffffffu) * (1.0f / 16777216.0f);  // 2^-24
 }
 
 // One block of n values whose first pair is `first_pair`: n / 2 pairs (cos then sin halves), and

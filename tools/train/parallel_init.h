@@ -21,8 +21,8 @@ namespace strata::models {
 inline constexpr int64_t kParallelInitMinNumel = int64_t{1} << 24;
 
 // Fills `w` (contiguous fp32 on the CPU) with values of N(mean, std^2), drawn by Box-Muller from
-// 24-bit uniforms (so within about 5.9 std of the mean), a function of `key` and each element's
-// index only. Independent of LibTorch's generator and of the number of threads.
+// a 23-bit and a 24-bit uniform (so within about 5.8 std of the mean), a function of `key` and
+// each element's index only. Independent of LibTorch's generator and of the number of threads.
 void ParallelNormal(torch::Tensor w, double mean, double std, uint64_t key);
 
 // A key for ParallelNormal from LibTorch's default CPU generator (one 63-bit draw), so that

@@ -37,6 +37,8 @@ enum class StageMode {
   // Nothing: the parameter keeps its shape and dtype, no file is made, and ReadStaged fills
   // zeros. For a rank whose initial values come from rank 0 (Engine::Create broadcasts every
   // chunk's on several ranks), so that ranks sharing a disk stage the model once, not once each.
+  // The model's constructors still run (and draw from the generator as rank 0's do, which keeps
+  // the ranks' generators in step); only the disk is spared.
   kShapesOnly,
 };
 

@@ -226,5 +226,17 @@ TEST(ProfileCliTest, BadArgumentsExitTwo) {
   EXPECT_EQ(r.rc, 2) << r.out;
 }
 
+TEST(FormatsCliTest, IsaPicksTheKernelsAndABadOneExitsTwo) {
+  Result r = Exec(std::string(STRATA_SWAPBENCH_BIN) + " formats --isa avx1024 --n 1024 --reps 1");
+  EXPECT_EQ(r.rc, 2) << r.out;
+  EXPECT_NE(r.out.find("avx1024"), std::string::npos) << r.out;
+  r = Exec(std::string(STRATA_SWAPBENCH_BIN) + " formats --isa scalar --n 4096 --reps 1 --threads 1 --json");
+  ASSERT_EQ(r.rc, 0) << r.out;
+  const nlohmann::json j = nlohmann::json::parse(r.out.substr(r.out.find('{')));
+  EXPECT_EQ(j["isa"], "scalar");
+  ASSERT_EQ(j["layouts"].size(), 6u) << r.out;
+  for (const auto& row : j["layouts"]) EXPECT_GT(row["gparams_s"].get<double>(), 0.0) << row.dump();
+}
+
 }  // namespace
 }  // namespace strata

@@ -34,6 +34,7 @@ struct FormatsArgs {
   int64_t n = 32 << 20;
   int threads = 0;
   int reps = 5;
+  std::string isa = "auto";
   bool json = false;
 };
 
@@ -79,13 +80,14 @@ struct Buffers {
 // The Strata step of one layout: AdamStep's fast path for an fp32 master with fp32 or bf16
 // moments, CompactAdamStep otherwise.
 std::function<void()> StrataStep(Buffers* raw, Layout layout, size_t n, tbb::task_arena* arena,
-                                  optim::Isa* isa, int64_t* step) {
+                                  optim::Isa want, optim::Isa* isa, int64_t* step) {
   return [=] {
     optim::AdamParams p;
     p.weight_decay = 0.01;
     p.step = (*step)++;
     optim::AdamOptions o;
     o.arena = arena;
+    o.isa = want;
     o.grad_check = optim::GradCheck::kCallerChecked;
     StatusOr<optim::AdamResult> r = optim::AdamResult{};
     if (layout.master == optim::MasterFormat::kFp32 && layout.moments != optim::MomentFormat::kInt8) {
@@ -182,6 +184,16 @@ int RunFormats(const FormatsArgs& a) {
     std::fprintf(stderr, "strata-swapbench formats: --n >= 1, --threads >= 0, --reps >= 1\n");
     return 2;
   }
+  const StatusOr<optim::Isa> want = optim::ParseIsa(a.isa.c_str());
+  if (!want.ok()) {
+    std::fprintf(stderr, "strata-swapbench formats: --%s\n", std::string(want.status().message()).c_str());
+    return 2;
+  }
+  if (!optim::IsaSupported(*want)) {
+    std::fprintf(stderr, "strata-swapbench formats: --isa=%s: this CPU cannot run it; the best it has is %s\n",
+                 a.isa.c_str(), optim::IsaName(optim::DetectIsa()));
+    return 2;
+  }
   const size_t n = static_cast<size_t>(a.n);
   const int threads = a.threads > 0 ? a.threads : tbb::info::default_concurrency();
   tbb::task_arena arena(threads);
@@ -198,7 +210,7 @@ int RunFormats(const FormatsArgs& a) {
     b->grad.assign(n, 1e-3f);
     bytes_per_param.push_back(static_cast<double>(2 * b->master.size() + 4 * n + 2 * b->m.size() +
                                                   2 * b->v.size()) / static_cast<double>(n));
-    variants.push_back(StrataStep(b.get(), l, n, &arena, &isa, &step));
+    variants.push_back(StrataStep(b.get(), l, n, &arena, *want, &isa, &step));
     variants.push_back(Roofline(b.get(), n, &arena));
     bufs.push_back(std::move(b));
   }
@@ -237,6 +249,9 @@ void RegisterFormatsCommand(CLI::App& app, int* exit_code) {
   cmd->add_option("--threads", args->threads, "Threads, 0 = all cores (default 0)")->type_name("T");
   cmd->add_option("--reps", args->reps, "Timed repetitions; the best is reported (default 5)")
       ->type_name("R");
+  cmd->add_option("--isa", args->isa,
+                  "Kernels: auto, scalar, avx2, avx512, avx512_bf16 (default auto: the best this CPU has)")
+      ->type_name("ISA");
   cmd->add_flag("--json", args->json, "Print one JSON object with every figure and the ratios");
   cmd->callback([args, exit_code] { *exit_code = RunFormats(*args); });
 }

@@ -12,6 +12,25 @@ namespace {
 
 constexpr size_t kW = 8;
 
+// Stores value(i) (eight lanes whose low 16 bits are the results) at out + i for every whole
+// vector of [0, n), sixteen values per 256-bit store where it can: two vectors pack in one
+// instruction (per 128-bit lane, hence the qword permute that puts the lanes in order). Returns
+// where the whole vectors end; the caller finishes the tail.
+template <class Value>
+inline size_t StoreHalves(uint16_t* out, size_t n, const Value& value) {
+  size_t i = 0;
+  for (; i + 2 * kW <= n; i += 2 * kW) {
+    const __m256i packed = _mm256_packus_epi32(value(i), value(i + kW));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i), _mm256_permute4x64_epi64(packed, 0xd8));
+  }
+  for (; i + kW <= n; i += kW) {
+    const __m256i r = value(i);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i),
+                     _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1)));
+  }
+  return i;
+}
+
 inline __m256i Hash32x8(__m256i x) {
   x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 16));
   x = _mm256_mullo_epi32(x, _mm256_set1_epi32(static_cast<int>(0x7feb352du)));
@@ -37,17 +56,7 @@ void RoundSr(const float* x, uint16_t* out, size_t n, uint32_t high, uint32_t lo
     const __m256i kept = _mm256_or_si256(_mm256_srli_epi32(u, 16), quiet);
     return _mm256_blendv_epi8(rounded, kept, nan);
   };
-  size_t i = 0;
-  // Sixteen at a time, packed and stored as one 256-bit write (as NarrowBf16).
-  for (; i + 2 * kW <= n; i += 2 * kW) {
-    const __m256i packed = _mm256_packus_epi32(round(i), round(i + kW));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i), _mm256_permute4x64_epi64(packed, 0xd8));
-  }
-  for (; i + kW <= n; i += kW) {
-    const __m256i r = round(i);
-    const __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i), packed);
-  }
+  const size_t i = StoreHalves(out, n, round);
   CompactKernelsScalar().round_sr(x + i, out + i, n - i, high, lo + static_cast<uint32_t>(i));
 }
 
@@ -125,26 +134,15 @@ void WidenBf16(const uint16_t* h, float* out, size_t n) {
 void NarrowBf16(const float* x, uint16_t* out, size_t n) {
   const __m256i abs_mask = _mm256_set1_epi32(0x7fffffff), inf = _mm256_set1_epi32(0x7f800000);
   const __m256i one = _mm256_set1_epi32(1), bias = _mm256_set1_epi32(0x7fff);
-  const auto narrow = [&](const float* p) {
-    const __m256i u = _mm256_castps_si256(_mm256_loadu_ps(p));
+  const auto narrow = [&](size_t i) {
+    const __m256i u = _mm256_castps_si256(_mm256_loadu_ps(x + i));
     const __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(u, abs_mask), inf);
     const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), one);
     const __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(bias, lsb)), 16);
     const __m256i kept = _mm256_or_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(0x40));
     return _mm256_blendv_epi8(rounded, kept, nan);
   };
-  size_t i = 0;
-  // Sixteen at a time: the two vectors pack in one instruction (per 128-bit lane, hence the
-  // qword permute that puts the lanes in order) and store as one 256-bit write.
-  for (; i + 2 * kW <= n; i += 2 * kW) {
-    const __m256i packed = _mm256_packus_epi32(narrow(x + i), narrow(x + i + kW));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i), _mm256_permute4x64_epi64(packed, 0xd8));
-  }
-  for (; i + kW <= n; i += kW) {
-    const __m256i r = narrow(x + i);
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i),
-                     _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1)));
-  }
+  const size_t i = StoreHalves(out, n, narrow);
   CompactKernelsScalar().narrow_bf16(x + i, out + i, n - i);
 }
 

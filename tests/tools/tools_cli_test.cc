@@ -3,6 +3,7 @@
 
 #include <cstdio>
 #include <fstream>
+#include <map>
 #include <string>
 
 #include <gtest/gtest.h>
@@ -76,6 +77,53 @@ TEST(EstimateCliTest, JsonHasEveryTier) {
     EXPECT_TRUE(j.contains(k)) << k;
   EXPECT_GT(j["hbm_bytes"].get<uint64_t>(), 0u);
   EXPECT_EQ(j["world_size"], 2);
+}
+
+// --hbm, --host and --disk plan placement auto for another machine: a large device takes every
+// block, a tiny one leaves the optimizer groups to a large host, and with no host room they go
+// to NVMe; the plan's tiers always hold the whole state. A config placed by its sections refuses the
+// flags, and a bad size names the flag.
+TEST(EstimateCliTest, AnotherMachinesBudgetsPlanPlacementAuto) {
+  testing::TempDir dir;
+  auto cfg = nlohmann::json::parse(kConfig);
+  cfg["strata"]["placement"] = "auto";
+  cfg["zero_optimization"]["offload_optimizer"] = {{"device", "nvme"}, {"nvme_path", {dir.path()}}};
+  cfg["zero_optimization"]["offload_param"] = {{"device", "nvme"}, {"nvme_path", {dir.path()}}};
+  Write(dir.path() + "/auto.json", cfg.dump());
+  const std::string base = std::string(STRATA_ESTIMATE_BIN) + " --json --config " + dir.path() + "/auto.json";
+  auto plan = [&](const std::string& flags) {
+    Result r = Exec(base + " " + flags);
+    EXPECT_EQ(r.rc, 0) << flags << ": " << r.out;
+    auto j = nlohmann::json::parse(r.out, nullptr, false);
+    std::map<std::string, uint64_t> t;
+    if (j.is_discarded() || !j.contains("placement")) {
+      ADD_FAILURE() << flags << ": " << r.out;
+      return t;
+    }
+    for (const char* tier : {"device", "host", "nvme"}) t[tier] = j["placement"][tier]["total"].get<uint64_t>();
+    return t;
+  };
+  auto all_device = plan("--hbm 4GiB --host 64GiB --disk 64GiB");
+  auto all_host = plan("--hbm 1MiB --host 64GiB --disk 64GiB");
+  auto all_nvme = plan("--hbm 1MiB --host 2GiB --disk 64GiB");  // an eighth, at least 2 GiB, is kept
+  const uint64_t total = all_device["device"] + all_device["host"] + all_device["nvme"];
+  EXPECT_GT(total, 0u);
+  EXPECT_EQ(all_device["device"], total);
+  // A 1 MiB device keeps the working shards (under 1 MiB here), not the optimizer groups.
+  EXPECT_LT(all_host["device"], 1u << 20);
+  EXPECT_EQ(all_host["device"] + all_host["host"], total);
+  EXPECT_GT(all_host["host"], total / 2);
+  EXPECT_EQ(all_nvme["device"], all_host["device"]);
+  EXPECT_EQ(all_nvme["host"], 0u);
+  EXPECT_EQ(all_nvme["nvme"], all_host["host"]);
+  // Sections as written: the flags would not change anything, so they are refused.
+  Write(dir.path() + "/c.json", kConfig);
+  Result r = Exec(std::string(STRATA_ESTIMATE_BIN) + " --config " + dir.path() + "/c.json --hbm 80GiB");
+  EXPECT_EQ(r.rc, 2) << r.out;
+  EXPECT_NE(r.out.find("placement"), std::string::npos) << r.out;
+  r = Exec(base + " --host lots");
+  EXPECT_EQ(r.rc, 2) << r.out;
+  EXPECT_NE(r.out.find("--host=lots"), std::string::npos) << r.out;
 }
 
 TEST(TuneCliTest, BadArgumentsExitTwo) {

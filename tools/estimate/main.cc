@@ -160,7 +160,8 @@ int main(int argc, char** argv) {
       "  strata-estimate --config configs/gpt_small.json --world-size 2\n"
       "  strata-estimate --params 1.3e9 --largest-layer 5e7 --stage 3 --offload-optimizer nvme --json\n"
       "  strata-estimate --largest                      # the largest GPT this machine trains\n"
-      "  strata-estimate --largest --device cuda --hbm 80GiB --host 128GiB --disk 64GiB --profile p.json",
+      "  strata-estimate --largest --device cuda --hbm 80GiB --host 128GiB --disk 64GiB --profile p.json\n"
+      "  strata-estimate --config run.json --device cuda --hbm 80GiB --host 120GiB   # placement auto's plan there",
       "strata-estimate"};
   std::string config_path, params, largest, device, stage_s, off_param, off_optim;
   std::string world_s = "1";
@@ -179,9 +180,12 @@ int main(int argc, char** argv) {
                "find the largest GPT (GPT-3 widths, up to d_model/32 layers) that trains under the budgets, "
                "placed over device, host and NVMe by strata.placement auto; the config (optional) "
                "gives seq_len, micro-batch, dtype and chunk size");
-  app.add_option("--hbm", hbm, "with --largest: device memory per rank (default: strata.device_memory_budget; cpu 4GiB)");
-  app.add_option("--host", host, "with --largest: host memory (default: this machine's MemAvailable)");
-  app.add_option("--disk", disk, "with --largest: free disk for NVMe offload (default: free at --nvme-path)");
+  app.add_option("--hbm", hbm, "device memory per rank of the machine to plan for (default: strata.device_memory_budget; cpu 4GiB); "
+                               "with --largest, or under strata.placement auto");
+  app.add_option("--host", host, "host memory available on the machine to plan for (default: this machine's MemAvailable); "
+                                 "with --largest, or under strata.placement auto");
+  app.add_option("--disk", disk, "free disk for NVMe offload on the machine to plan for (default: free at --nvme-path); "
+                                 "with --largest, or under strata.placement auto");
   app.add_option("--nvme-path", nvme_path, "with --largest: where NVMe state would go (default: the config's, else /var/tmp/strata-nvme)");
   app.add_option("--profile", profile_path, "with --largest: a `strata-swapbench profile --json` report, to predict the bounding lane");
   app.add_flag("--json", json, "print JSON (hbm_bytes, host_pinned_bytes, host_pageable_bytes, nvme_bytes, "
@@ -235,6 +239,21 @@ int main(int argc, char** argv) {
   eo.world_size = static_cast<int>(*world);
   eo.device = device;
   MeasureForAuto(config, &eo);
+  // Another machine's budgets: the plan placement auto would make there.
+  if (!hbm.empty() || !host.empty() || !disk.empty()) {
+    if (config.strata.placement != PlacementMode::kAuto)
+      return fail(InvalidArgument("--hbm, --host and --disk size the tiers of strata.placement auto (or --largest); "
+                                  "this config places each state by its offload section. Set \"strata\": "
+                                  "{\"placement\": \"auto\"} or drop the flags"), 2);
+    for (auto [flag, text, out] : {std::tuple{"--hbm", &hbm, &eo.device_capacity},
+                                   std::tuple{"--host", &host, &eo.host_available},
+                                   std::tuple{"--disk", &disk, &eo.disk_free}}) {
+      if (text->empty()) continue;
+      auto b = BytesFlag(flag, *text);
+      if (!b.ok()) return fail(b.status(), 2);
+      *out = *b;
+    }
+  }
   auto est = EstimateAutoReserve(config, *model, eo);
   if (!est.ok()) return fail(est.status(), 2);
   if (json) {

@@ -247,6 +247,7 @@ Status Engine::Impl::OpenBlockStore() {
           "set strata.optimizer_state_dtype to bf16"));
     TierManagerOptions tmo = TierManagerOptions::FromConfig(config_.strata, budget);
     tmo.host_budget = budget;
+    tmo.resident_bytes = host_only;  // the host-placed blocks, each at its size
     // DeepSpeed's offload pin_memory: false in a section that offloads keeps the host pool
     // pageable (slower transfers, no locked memory).
     const bool unpinned = (z.offload_param.device != OffloadDevice::kNone && !z.offload_param.pin_memory) ||

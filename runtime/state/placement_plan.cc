@@ -37,23 +37,26 @@ class Filler {
     master_class_.resize(n);
     for (size_t c = 0; c < n; ++c) {
       const int64_t e = in.shard_numel[c];
+      // On the host a block takes its exact size in the pool's resident region; the NVMe
+      // working set is counted in the arena's classes (Note [resident region] in
+      // tiers/host/pinned_pool.cc).
       if (in.stage3) {
         p_bytes_[c] = in.block_bytes(StateKind::kParam16, e);
-        p_class_[c] = PoolClassBytes(p_bytes_[c]);
-        largest_class_ = std::max(largest_class_, p_class_[c]);
+        p_class_[c] = PoolResidentBytes(p_bytes_[c]);
+        largest_class_ = std::max(largest_class_, PoolClassBytes(p_bytes_[c]));
       }
       for (StateKind k : kOptimKinds) {
         if (!in.kept[static_cast<int>(k)]) continue;
         const uint64_t b = in.block_bytes(k, e);
         o_bytes_[c] += b;
-        o_class_[c] += PoolClassBytes(b);
+        o_class_[c] += PoolResidentBytes(b);
         largest_class_ = std::max(largest_class_, PoolClassBytes(b));
-        if (k == StateKind::kMaster32) master_bytes_[c] = b, master_class_[c] = PoolClassBytes(b);
+        if (k == StateKind::kMaster32) master_bytes_[c] = b, master_class_[c] = PoolResidentBytes(b);
       }
     }
   }
 
-  // Bytes chunk c's optimizer group takes in `tier` (in the pool's classes on the host), given
+  // Bytes chunk c's optimizer group takes in `tier` (in the pool's resident region on the host), given
   // where its shard is.
   uint64_t GroupBytes(size_t c, Placement tier) const {
     const bool shared = shares_ && param_[c] == tier;
@@ -201,7 +204,7 @@ class Filler {
   std::vector<Placement>& param_;
   std::vector<Placement>& optim_;
   std::vector<uint64_t> p_bytes_, o_bytes_, master_bytes_;  // raw: the device and NVMe
-  std::vector<uint64_t> p_class_, o_class_, master_class_;  // the pool's classes: the host
+  std::vector<uint64_t> p_class_, o_class_, master_class_;  // PoolResidentBytes: the host
   uint64_t largest_class_ = 0;
   uint64_t device_must_ = 0, host_must_ = 0, nvme_need_ = 0;
 };

@@ -19,7 +19,8 @@ Placement PlacementOfDevice(OffloadDevice d) {
                                     : Placement::kNvme;
 }
 
-// The pinned pool rounds each block to a power-of-two class of at least 4 KiB.
+// The pinned pool rounds each NVMe block to a power-of-two class of at least 4 KiB; host-placed
+// blocks take their exact size in its resident region.
 uint64_t PoolClass(uint64_t bytes) { return PoolClassBytes(bytes); }
 
 }  // namespace
@@ -200,7 +201,7 @@ void StepPlan::SizeTiers(const Inputs& in) {
       if (!Stored(ch, kind)) continue;
       const uint64_t bytes = BlockBytes(kind, chunks[ci].shard_numel);
       const Placement where = PlacementOf(ch, kind);
-      if (where == Placement::kHost) host_only += PoolClass(bytes);
+      if (where == Placement::kHost) host_only += PoolResidentBytes(bytes);
       if (where == Placement::kNvme) {
         nvme_total += PoolClass(bytes);
         largest = std::max(largest, PoolClass(bytes));

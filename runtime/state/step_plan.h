@@ -174,7 +174,8 @@ class StepPlan {
   const StagePlan& stage_plan() const { return stage_plan_; }
 
   // The pinned host pool: its budget (0: no pool), of which the host-placed blocks take
-  // host_only_bytes (power-of-two classes, as the pool rounds them).
+  // host_only_bytes, the pool's resident region (PoolResidentBytes each: Note [resident region]
+  // in tiers/host/pinned_pool.cc); the rest is the arena for NVMe blocks (power-of-two classes).
   uint64_t host_budget() const { return host_budget_; }
   uint64_t host_only_bytes() const { return host_only_bytes_; }
   // Bytes this rank's NVMe-placed blocks need on disk (0: nothing on NVMe), before the

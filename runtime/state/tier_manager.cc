@@ -147,6 +147,7 @@ StatusOr<std::unique_ptr<TierManager>> TierManager::Create(const TierManagerOpti
   STRATA_CHECK(options.acquire_timeout.count() >= 0, "tier manager acquire_timeout must be >= 0");
   TierManagerOptions o = options;
   o.pool.budget = options.host_budget;
+  o.pool.resident_bytes = options.resident_bytes;
   if (nvme != nullptr) {
     const uint64_t a = nvme->alignment();
     STRATA_CHECK(a != 0 && (a & (a - 1)) == 0, "nvme tier alignment ", a, " is not a power of two");
@@ -156,7 +157,7 @@ StatusOr<std::unique_ptr<TierManager>> TierManager::Create(const TierManagerOpti
   STRATA_ASSIGN_OR_RETURN(m->pool_, PinnedPool::Create(o.pool));
   {
     MutexLock l(&m->mu_);
-    m->stats_.host_budget = m->pool_->arena_bytes();
+    m->stats_.host_budget = m->pool_->arena_bytes() + m->pool_->resident_bytes();
   }
   return m;
 }
@@ -194,17 +195,20 @@ Status TierManager::Register(BlockId id, uint64_t bytes, BlockHome home) {
   if (Find(id) != nullptr) return Status(StatusCode::kAlreadyExists, StrCat(name, " is already registered"));
   const uint64_t cls = pool_->ClassBytes(bytes);
   const uint64_t arena = pool_->arena_bytes();
-  if (cls > pool_->max_allocation())
+  auto too_large = [&] {
     return InvalidArgument(StrCat(
         "registering ", name, " of ", FormatBytes(bytes), ": it needs a ", FormatBytes(cls),
         " slot in the pinned host pool, whose largest possible slot is ", FormatBytes(pool_->max_allocation()),
-        " (strata.host_memory_budget=", FormatBytes(arena), "); raise strata.host_memory_budget to at least ",
-        FormatBytes(cls), " (several times that for prefetch) or lower strata.chunk_size"));
+        " (strata.host_memory_budget=", FormatBytes(arena + pool_->resident_bytes()),
+        "); raise strata.host_memory_budget to at least ", FormatBytes(cls),
+        " (several times that for prefetch) or lower strata.chunk_size"));
+  };
   auto b = std::make_unique<Block>();
   b->id = id;
   b->bytes = bytes;
   b->home = home;
   if (home == BlockHome::kNvme) {
+    if (cls > pool_->max_allocation()) return too_large();
     if (nvme_ == nullptr)
       return FailedPrecondition(StrCat("registering ", name, " with an NVMe home, but this tier manager has no "
                                        "NVMe tier; register it host-only or configure offload to nvme"));
@@ -223,23 +227,35 @@ Status TierManager::Register(BlockId id, uint64_t bytes, BlockHome home) {
     stats_.nvme_bytes_reserved += bytes;
     largest_nvme_class_ = std::max(largest_nvme_class_, cls);
   } else {
-    if (host_only_class_bytes_ + cls + largest_nvme_class_ > arena)
-      return ResourceExhausted(StrCat(
-          "registering host-only ", name, " (", FormatBytes(cls), "): with ", FormatBytes(host_only_class_bytes_),
-          " of host-only blocks already there, the ", FormatBytes(arena),
-          " host pool would have no room left for the largest NVMe-backed block (",
-          FormatBytes(largest_nvme_class_), "); raise strata.host_memory_budget"));
-    StatusOr<PinnedBlock> mem = MakeRoom(bytes, name, Clock::time_point::max());
-    if (!mem.ok()) return mem.status();
+    // Exactly its size in the resident region where the plan set room apart (Note [resident
+    // region] in tiers/host/pinned_pool.cc); otherwise a class of the arena, as any block.
+    StatusOr<PinnedBlock> mem = pool_->AllocateResident(bytes);
+    const bool resident = mem.ok();
+    if (resident) {
+      stats_.host_bytes_resident += mem->class_bytes;
+      resident_region_bytes_ += mem->class_bytes;
+      NoteHostBytes();
+    } else {
+      if (cls > pool_->max_allocation()) return too_large();
+      if (host_only_class_bytes_ + cls + largest_nvme_class_ > arena)
+        return ResourceExhausted(StrCat(
+            "registering host-only ", name, " (", FormatBytes(cls), "): with ", FormatBytes(host_only_class_bytes_),
+            " of host-only blocks already there, the ", FormatBytes(arena),
+            " host pool would have no room left for the largest NVMe-backed block (",
+            FormatBytes(largest_nvme_class_), "); raise strata.host_memory_budget"));
+      mem = MakeRoom(bytes, name, Clock::time_point::max());
+      if (!mem.ok()) return mem.status();
+    }
     if (Find(id) != nullptr) {  // registered by another thread while we made room
       pool_->Free(*mem);
       stats_.host_bytes_resident -= mem->class_bytes;
+      if (resident) resident_region_bytes_ -= mem->class_bytes;
       return Status(StatusCode::kAlreadyExists, StrCat(name, " is already registered"));
     }
     std::memset(mem->ptr, 0, bytes);
     b->mem = *mem;
     b->host = HostResidency::kClean;
-    host_only_class_bytes_ += cls;
+    if (!resident) host_only_class_bytes_ += cls;
   }
   blocks_.emplace(id.key(), std::move(b));
   return Status::Ok();
@@ -259,7 +275,9 @@ Status TierManager::Unregister(BlockId id) {
       pool_->Free(b->mem);
       stats_.host_bytes_resident -= b->mem.class_bytes;
     }
-    if (b->home == BlockHome::kHostOnly) {
+    if (b->home == BlockHome::kHostOnly && pool_->IsResident(b->mem)) {
+      resident_region_bytes_ -= b->mem.class_bytes;
+    } else if (b->home == BlockHome::kHostOnly) {
       host_only_class_bytes_ -= pool_->ClassBytes(b->bytes);
     } else {
       if (b->nvme == NvmeResidency::kResident) stats_.nvme_bytes_resident -= b->bytes;
@@ -580,7 +598,7 @@ StatusOr<PinnedBlock> TierManager::MakeRoom(uint64_t bytes, const std::string& f
                            " (the block stays dirty in host memory; a later call retries)"),
                     last_write_error_.sys_errno());
     // Write-backs already in flight may free enough: wait for them rather than evict more.
-    const uint64_t free_bytes = pool_->arena_bytes() - stats_.host_bytes_resident;
+    const uint64_t free_bytes = pool_->arena_bytes() - ArenaBytesInUse();
     if (reclaiming_bytes_ == 0 || free_bytes + reclaiming_bytes_ < need) {
       if (Block* v = PickVictim(nullptr)) {
         if (v->host == HostResidency::kClean) {
@@ -682,7 +700,7 @@ void TierManager::Pump(std::vector<IoAction>* io) {
   // will be evicted next (if it is dirty) so that its eviction becomes a drop and the write
   // overlaps the reads instead of standing in front of them. Only under pressure: with room
   // to spare, nothing needs evicting soon. See Note [prefetch and eviction].
-  if (writes_inflight_ == 0 && pool_->arena_bytes() - stats_.host_bytes_resident < pool_->max_allocation()) {
+  if (writes_inflight_ == 0 && pool_->arena_bytes() - ArenaBytesInUse() < pool_->max_allocation()) {
     Block* v = PickVictim(&window);
     if (v != nullptr && v->host == HostResidency::kDirty) StartWriteBack(v, /*evict=*/false, io);
   }

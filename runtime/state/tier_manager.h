@@ -17,7 +17,9 @@
 // - Register(id, bytes, home) plans the block: it fails at once, naming the block and the knob
 //   to change, when the block can never fit (its size class exceeds the host pool, host-only
 //   blocks would leave no room for it, or the NVMe capacity is used up). Nothing fails later for
-//   lack of capacity: requests wait instead (back-pressure).
+//   lack of capacity: requests wait instead (back-pressure). A host-only block takes exactly
+//   PoolResidentBytes(bytes) of the resident region while it has room (options.resident_bytes),
+//   else a size class of the arena.
 // - Acquire(id, access) returns a host pointer to the block's bytes (>= bytes, 4 KiB-aligned,
 //   in the pinned pool), pinned until the matching Release. Pins count: a block may be acquired
 //   several times, by several threads. kRead/kReadWrite deliver the block's current contents
@@ -124,6 +126,10 @@ struct TierManagerOptions {
   // 0: Acquire waits for room as long as it takes; otherwise DEADLINE_EXCEEDED after this long.
   std::chrono::milliseconds acquire_timeout{0};
   PinnedPoolOptions pool;  // its budget is replaced by host_budget
+  // Bytes of host_budget set apart for host-only blocks at their exact size (the sum of
+  // PoolResidentBytes over them: StepPlan::host_only_bytes); host-only blocks that do not fit
+  // there take a class of the buddy arena. 0: every block takes a class.
+  uint64_t resident_bytes = 0;
 
   // host_budget, eviction and prefetch_lookahead from the config; `resolved_host_budget` is used
   // when the config says 0 (the caller decides what "half of physical memory" is).
@@ -259,6 +265,8 @@ class TierManager {
   // Waits for a change (cv_) until `deadline`, counted as a stall; sets *timed_out past it.
   void Wait(std::chrono::steady_clock::time_point deadline, bool* timed_out) REQUIRES(mu_);
   void NoteHostBytes() REQUIRES(mu_);
+  // Bytes of the pool's buddy arena held by blocks (the resident region's are not in it).
+  uint64_t ArenaBytesInUse() const REQUIRES(mu_) { return stats_.host_bytes_resident - resident_region_bytes_; }
   std::string PinnedSummary() const REQUIRES(mu_);
 
   const TierManagerOptions options_;
@@ -268,7 +276,8 @@ class TierManager {
   mutable Mutex mu_;
   CondVar cv_;  // any block state change, pin release or completion
   std::unordered_map<uint64_t, std::unique_ptr<Block>> blocks_ GUARDED_BY(mu_);
-  uint64_t host_only_class_bytes_ GUARDED_BY(mu_) = 0;
+  uint64_t host_only_class_bytes_ GUARDED_BY(mu_) = 0;  // host-only blocks in the buddy arena
+  uint64_t resident_region_bytes_ GUARDED_BY(mu_) = 0;  // host-only blocks in the resident region
   uint64_t largest_nvme_class_ GUARDED_BY(mu_) = 0;
   uint64_t inflight_ GUARDED_BY(mu_) = 0;           // I/O issued or about to be
   uint64_t reclaiming_bytes_ GUARDED_BY(mu_) = 0;   // class bytes of write-backs that evict

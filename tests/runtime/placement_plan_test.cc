@@ -15,6 +15,7 @@ namespace strata {
 namespace {
 
 constexpr uint64_t kMiB = 1ull << 20, kGiB = 1ull << 30;
+constexpr uint64_t kPage = 4096;  // a host-placed block here takes one page more (PoolResidentBytes)
 constexpr int64_t kChunk = int64_t{1} << 26;  // elements per chunk shard
 
 // Four chunks of 64 Mi elements; a 16-bit working shard (128 MiB) and four fp32 optimizer
@@ -82,9 +83,12 @@ const Row kRows[] = {
     {"auto_floor_cpu", PlacementMode::kAuto, Placement::kHost, Placement::kHost, 1.0, -1, 1 * kGiB, 8 * kGiB, 0,
      "DDDD", "HHHH"},
     // No device room, and 4.5 GiB below it: the host keeps a 4 GiB working set for NVMe blocks
-    // and fills the 0.25 GiB left in chunk order, shards first.
+    // and fills the 0.25 GiB (and a page per block) left in chunk order, shards first.
     {"auto_host_only", PlacementMode::kAuto, Placement::kNvme, Placement::kNvme, 1.0, -1, 0,
-     4 * kGiB + 256 * kMiB, 100 * kGiB, "HHNN", "NNNN"},
+     4 * kGiB + 256 * kMiB + 2 * kPage, 100 * kGiB, "HHNN", "NNNN"},
+    // The same less one byte: the second shard no longer fits.
+    {"auto_host_only_a_byte_less", PlacementMode::kAuto, Placement::kNvme, Placement::kNvme, 1.0, -1, 0,
+     4 * kGiB + 256 * kMiB + 2 * kPage - 1, 100 * kGiB, "HNNN", "NNNN"},
 };
 
 class PlacementTable : public ::testing::TestWithParam<Row> {};
@@ -164,14 +168,35 @@ TEST(PlacementPlan, AutoMovesWholeChunksWhereTheMasterIsTheShard) {
   EXPECT_EQ(p.Bytes(Placement::kHost, StateKind::kMaster32), 0u);
   EXPECT_EQ(p.Bytes(Placement::kDevice, StateKind::kMaster32), 0u);
   EXPECT_EQ(p.Bytes(Placement::kDevice, StateKind::kExpAvg), 256 * kMiB);
-  // Eight chunks and a host with room for two whole ones (896 MiB each) after the 4 GiB NVMe
-  // working set: whole chunks or none, the others on NVMe, sharing there.
+  // Eight chunks and a host with room for two whole ones (896 MiB and a page per block each)
+  // after the 4 GiB NVMe working set: whole chunks or none, the others on NVMe, sharing there.
   in.shard_numel.assign(8, kChunk);
-  in.host_budget = 4 * kGiB + 2 * 896 * kMiB;
+  in.host_budget = 4 * kGiB + 2 * (896 * kMiB + 4 * kPage);
   ASSERT_OK_AND_ASSIGN(PlacementPlan q, PlacementPlan::Make(in));
   EXPECT_EQ(Tiers(q, true), "DHHNNNNN");
   EXPECT_EQ(Tiers(q, false), "DHHNNNNN");
   EXPECT_EQ(q.Bytes(Placement::kNvme, StateKind::kMaster32), 0u);
+}
+
+// Note [resident region] in tiers/host/pinned_pool.cc: on the host a block takes its size and a
+// page, not a power-of-two class. Chunks of 48 Mi elements have 96 MiB shards and 192 MiB fp32
+// blocks (classes 128 and 256 MiB): a host of exactly their sizes holds all of them, where the
+// classes would have held three chunks of four.
+TEST(PlacementPlan, HostBlocksTakeTheirSizeNotAClass) {
+  PlacementPlan::Inputs in = Base();
+  in.shard_numel.assign(4, 3 * (int64_t{1} << 24));
+  in.mode = PlacementMode::kAuto;
+  in.param_floor = in.optim_floor = Placement::kNvme;
+  in.device_budget = 0;
+  in.nvme_budget = 100 * kGiB;
+  in.nvme_available = true;
+  const uint64_t chunk = 96 * kMiB + 4 * 192 * kMiB + 5 * kPage;
+  in.host_budget = 4 * chunk;
+  ASSERT_OK_AND_ASSIGN(PlacementPlan p, PlacementPlan::Make(in));
+  EXPECT_EQ(Tiers(p, true), "HHHH");
+  EXPECT_EQ(Tiers(p, false), "HHHH");
+  EXPECT_EQ(p.TierBytes(Placement::kHost), 4 * (96 * kMiB + 4 * 192 * kMiB));
+  EXPECT_EQ(in.host_budget / (128 * kMiB + 4 * 256 * kMiB), 3u);  // chunks the classes would hold
 }
 
 void ExpectRefused(const StatusOr<PlacementPlan>& p, std::initializer_list<const char*> pieces) {

@@ -530,6 +530,39 @@ TEST(TierManagerTest, UnregisterFreesBothTiers) {
   ASSERT_OK(m->Register(B(2), 64_KiB, BlockHome::kNvme));
 }
 
+// Note [resident region] in tiers/host/pinned_pool.cc: host-only blocks take their size in the
+// resident region the options set apart, leaving the arena whole for NVMe blocks; once the region
+// is full they take classes of the arena as before; unregistering gives the bytes back.
+TEST(TierManagerTest, HostOnlyBlocksFillTheResidentRegionAtTheirSize) {
+  MemoryTier nvme("nvme", 1_MiB);
+  TierManagerOptions o = Opts(64_KiB + 2 * PoolResidentBytes(36_KiB));
+  o.resident_bytes = 2 * PoolResidentBytes(36_KiB);  // two 36 KiB blocks: 88 KiB, not 128
+  ASSERT_OK_AND_ASSIGN(auto m, TierManager::Create(o, &nvme));
+  EXPECT_EQ(m->host_pool().arena_bytes(), 64_KiB);
+  ASSERT_OK(m->Register(B(0, StateKind::kMaster32), 36_KiB, BlockHome::kHostOnly));
+  ASSERT_OK(m->Register(B(1, StateKind::kMaster32), 36_KiB, BlockHome::kHostOnly));
+  EXPECT_EQ(m->host_pool().stats().resident_in_use, 2 * PoolResidentBytes(36_KiB));
+  EXPECT_EQ(m->host_pool().stats().bytes_in_use, 0u) << "the arena is untouched";
+  // The whole arena is still there for a 64 KiB NVMe block, next to both host-only ones.
+  ASSERT_OK(m->Register(B(2), 64_KiB, BlockHome::kNvme));
+  ASSERT_OK(WriteVersion(*m, B(2), 64_KiB, 7));
+  ASSERT_OK(WriteVersion(*m, B(0, StateKind::kMaster32), 36_KiB, 8));
+  ASSERT_OK(WriteVersion(*m, B(1, StateKind::kMaster32), 36_KiB, 9));
+  ASSERT_OK(ReadAndCheck(*m, B(2), Bytes(64_KiB, 7)));
+  ASSERT_OK(ReadAndCheck(*m, B(0, StateKind::kMaster32), Bytes(36_KiB, 8)));
+  ASSERT_OK(ReadAndCheck(*m, B(1, StateKind::kMaster32), Bytes(36_KiB, 9)));
+  // The region is full: a third host-only block would take the arena's 64 KiB class, which the
+  // NVMe block needs, and is refused as before.
+  EXPECT_EQ(m->Register(B(3, StateKind::kMaster32), 36_KiB, BlockHome::kHostOnly).code(),
+            StatusCode::kResourceExhausted);
+  // Unregistering one gives its range back, and the next host-only block takes it.
+  ASSERT_OK(m->Unregister(B(0, StateKind::kMaster32)));
+  EXPECT_EQ(m->host_pool().stats().resident_in_use, PoolResidentBytes(36_KiB));
+  ASSERT_OK(m->Register(B(3, StateKind::kMaster32), 30_KiB, BlockHome::kHostOnly));
+  EXPECT_EQ(m->host_pool().stats().bytes_in_use, 64_KiB) << "only the NVMe block's class";
+  EXPECT_EQ(m->stats().host_bytes_resident, 64_KiB + PoolResidentBytes(36_KiB) + PoolResidentBytes(30_KiB));
+}
+
 TEST(TierManagerTest, StatsJsonHasEveryTier) {
   MemoryTier nvme("nvme", 1_MiB);
   ASSERT_OK_AND_ASSIGN(auto m, TierManager::Create(Opts(64_KiB), &nvme));

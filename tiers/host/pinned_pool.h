@@ -1,6 +1,8 @@
-// PinnedPool: the host tier's memory — one arena of page-locked DRAM carved into power-of-two
-// size classes, so that NVMe reads and host<->device copies land in pinned memory with no bounce
-// copy.
+// PinnedPool: the host tier's memory — one mapping of page-locked DRAM holding a buddy arena
+// carved into power-of-two size classes (blocks that come and go: NVMe blocks cached on the
+// host), and optionally a resident region of exact-size blocks (state that lives on the host for
+// the whole run), so that NVMe reads and host<->device copies land in pinned memory with no
+// bounce copy.
 //
 // Backing (chosen once, at Create; see Note [pinned fallback] in pinned_pool.cc)
 // - cudaHostAlloc (portable) when the build has CUDA and a GPU is present;
@@ -10,12 +12,17 @@
 // - whatever could not be pinned stays pageable, announced by exactly one warning per pool.
 //   `force_pageable` skips pinning on purpose (tests, machines where locking memory is unwanted).
 //
-// Budget. The arena is the budget rounded down to min_block and is reserved (and pinned) whole
-// at Create: the pool never holds more host memory than its budget, and no later allocation can
-// fail for lack of pinnable memory. Allocations never exceed the arena.
+// Budget. The mapping is the budget: `resident_bytes` of it (rounded up to 4 KiB) is the resident
+// region, the rest rounded down to min_block is the buddy arena. Both are reserved (and pinned)
+// whole at Create: the pool never holds more host memory than its budget, and no later
+// allocation can fail for lack of pinnable memory.
 //
-// Size classes. A request takes the smallest power of two >= max(bytes, min_block) (a buddy
-// system over the arena); a block's offset in the buddy space is a multiple of its class.
+// Size classes. Allocate takes the smallest power of two >= max(bytes, min_block) from the arena
+// (a buddy system); a block's offset in the buddy space is a multiple of its class. A class wastes
+// up to half its block, which for long-lived state of awkward sizes is most of the cost: a 302 MB
+// shard (a 6144 x 24576 bf16 weight) takes 512 MiB. AllocateResident therefore takes exactly
+// PoolResidentBytes(bytes) from the resident region, first fit, freed ranges merged with their
+// neighbours (Note [resident region] in pinned_pool.cc).
 //
 // Colouring (see Note [block colouring] in pinned_pool.cc). A block at buddy offset `off` lives at
 // address base + off + (off / colour_granule) * colour_step: every colour_granule of buddy space
@@ -26,10 +33,12 @@
 // multiple of 4 KiB and the base is 2 MiB-aligned (mmap) or page-aligned (cudaHostAlloc), so every
 // block stays 4 KiB-aligned, as O_DIRECT needs. The shifts add colour_bytes() =
 // (arena / colour_granule) * colour_step to the mapping (1/256 of the arena by default), reserved
-// and pinned like the rest; colour_step = 0 turns colouring off. Freed blocks merge with their free buddy at once,
-// so fragmentation cannot accumulate: a run of frees always restores the largest blocks the
-// live allocations allow. The price is internal waste for sizes that are not powers of two (at
-// most half a block; stats().bytes_in_use counts class bytes, bytes_requested what was asked).
+// and pinned like the rest; colour_step = 0 turns colouring off. Resident blocks get the same
+// effect from a gap of a page or two after each one (PoolResidentBytes). Freed blocks merge with their free
+// buddy at once, so fragmentation cannot accumulate: a run of frees always restores the largest
+// blocks the live allocations allow. The price is internal waste for sizes that are not powers
+// of two (at most half a block; stats().bytes_in_use counts class bytes, bytes_requested what
+// was asked).
 //
 // Thread safety: every method may be called from any thread.
 #pragma once
@@ -58,6 +67,9 @@ struct PinnedPoolOptions {
   int numa_node = -1;            // -1: the node of the calling thread's CPU when there are several
   uint64_t colour_step = 4096;   // address shift added per colour_granule; multiple of 4096, 0 = off
   uint64_t colour_granule = 1 << 20;  // buddy bytes per colour step; a power of two >= min_block
+  // Bytes of the budget set apart for AllocateResident (rounded up to 4 KiB; at most the budget).
+  // 0: no resident region, everything comes from the buddy arena.
+  uint64_t resident_bytes = 0;
 };
 
 // How the arena's memory is held.
@@ -67,6 +79,15 @@ inline uint64_t PoolClassBytes(uint64_t bytes) {
   uint64_t c = 4096;
   while (c < bytes) c <<= 1;
   return c;
+}
+
+// The pool bytes a block of `bytes` occupies in the resident region: whole 4 KiB pages (O_DIRECT's
+// alignment) and one or two more, so that the count is odd. Equal blocks allocated one after
+// another then start 4 KiB x odd apart, so up to 16 of them fall at 16 different addresses modulo
+// any power of two from 64 KiB up (Note [block colouring] in pinned_pool.cc).
+inline uint64_t PoolResidentBytes(uint64_t bytes) {
+  const uint64_t pages = (bytes + 4095) / 4096 + 1;
+  return (pages % 2 == 1 ? pages : pages + 1) * 4096;
 }
 
 enum class PinnedBacking { kCudaHost, kMlock, kPageable };
@@ -88,13 +109,15 @@ struct PinnedPoolStats {
   uint64_t allocations = 0;          // COUNT: successful Allocate calls
   uint64_t failed_allocations = 0;   // COUNT: Allocate calls answered RESOURCE_EXHAUSTED
   uint64_t largest_free_block = 0;   // GAUGE: bytes of the largest block Allocate could return now
+  uint64_t resident_bytes = 0;       // GAUGE: bytes of the resident region
+  uint64_t resident_in_use = 0;      // GAUGE: bytes of it held by live AllocateResident blocks
 };
 
 // A block handed out by the pool.
 struct PinnedBlock {
   void* ptr = nullptr;
   uint64_t size = 0;         // bytes requested
-  uint64_t class_bytes = 0;  // bytes of the size class actually held (>= size)
+  uint64_t class_bytes = 0;  // bytes actually held (>= size): the size class, or PoolResidentBytes
 };
 
 class PinnedPool {
@@ -113,14 +136,21 @@ class PinnedPool {
   // the class exists right now (the caller frees or waits and retries), INVALID_ARGUMENT when the
   // class is larger than the arena could ever provide (see max_allocation()).
   StatusOr<PinnedBlock> Allocate(uint64_t bytes);
-  // Returns a block from Allocate. Freeing anything else is a bug and aborts.
+  // A block of exactly PoolResidentBytes(bytes) from the resident region, never waiting:
+  // RESOURCE_EXHAUSTED when no free range of the region is that large (the caller may Allocate
+  // from the arena instead).
+  StatusOr<PinnedBlock> AllocateResident(uint64_t bytes);
+  // Returns a block from Allocate or AllocateResident. Freeing anything else is a bug and aborts.
   void Free(const PinnedBlock& block);
+  // True for a block from AllocateResident.
+  bool IsResident(const PinnedBlock& block) const;
 
   // The class bytes a request of `bytes` occupies.
   uint64_t ClassBytes(uint64_t bytes) const;
   // The largest class the arena can ever hold (with nothing else allocated).
   uint64_t max_allocation() const { return max_class_; }
   uint64_t arena_bytes() const { return arena_bytes_; }
+  uint64_t resident_bytes() const { return resident_bytes_; }
   // Bytes the colour shifts add to the mapping (see Colouring above).
   uint64_t colour_bytes() const { return colour_bytes_; }
   // The address shift of the block at buddy offset `off`.
@@ -148,7 +178,8 @@ class PinnedPool {
   char* base_ = nullptr;
   uint64_t arena_bytes_ = 0;    // buddy space
   uint64_t colour_bytes_ = 0;   // extra bytes the colour shifts need after the buddy space
-  uint64_t extent_bytes_ = 0;   // arena_bytes_ + colour_bytes_: what is reserved
+  uint64_t resident_bytes_ = 0;  // the resident region, after the arena and its colour shifts
+  uint64_t extent_bytes_ = 0;   // arena_bytes_ + colour_bytes_ + resident_bytes_: what is reserved
   uint64_t map_bytes_ = 0;      // bytes mmap'd (== extent_bytes_ on the mmap path)
   uint64_t pinned_bytes_ = 0;
   uint64_t max_class_ = 0;
@@ -162,6 +193,10 @@ class PinnedPool {
   std::vector<std::set<uint64_t>> free_;                // GUARDED_BY(mu_)
   std::unordered_map<uint64_t, std::pair<uint64_t, int>> live_;  // GUARDED_BY(mu_): address offset -> (buddy offset, order)
   std::unordered_map<uint64_t, uint64_t> requested_;   // GUARDED_BY(mu_): address offset -> bytes
+  // The resident region's free ranges (mapping offset -> bytes, neighbours merged) and live
+  // blocks (mapping offset -> bytes held).
+  std::map<uint64_t, uint64_t> resident_free_;          // GUARDED_BY(mu_)
+  std::unordered_map<uint64_t, uint64_t> resident_live_;  // GUARDED_BY(mu_)
   PinnedPoolStats stats_;                               // GUARDED_BY(mu_)
 };
 

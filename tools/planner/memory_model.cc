@@ -27,7 +27,8 @@ const char* MemTierName(MemTier t) {
 
 namespace {
 
-// The pinned pool's size class of a block (StepPlan sizes the pool with the same rule).
+// The pinned pool's size class of an NVMe block cached on the host (StepPlan sizes the pool with
+// the same rule).
 uint64_t PoolClass(uint64_t bytes) { return PoolClassBytes(bytes); }
 
 uint64_t Round(uint64_t bytes, uint64_t to) { return (std::max<uint64_t>(bytes, 1) + to - 1) / to * to; }
@@ -36,8 +37,9 @@ uint64_t Round(uint64_t bytes, uint64_t to) { return (std::max<uint64_t>(bytes, 
 
 // Note [host pool]
 // Host- and NVMe-placed blocks live in one pinned pool owned by the tier manager
-// (tiers/host/pinned_pool.h): each block takes a power-of-two class of at least 4 KiB; the pool is
-// reserved and locked whole at start, sized strata.host_memory_budget or, when that is 0, every
+// (tiers/host/pinned_pool.h): a host-placed block takes its size in whole pages plus one (the
+// resident region), an NVMe block a power-of-two class of at least 4 KiB while it is cached on the
+// host (the arena); the pool is reserved and locked whole at start, sized strata.host_memory_budget or, when that is 0, every
 // host-placed block plus a working set of NVMe blocks (all of them up to max(16 largest, 512 MiB));
 // NVMe blocks stay cached in it after use until evicted, so the resident peak is the host blocks
 // plus as many NVMe blocks as fit.
@@ -112,7 +114,9 @@ StatusOr<MemoryEstimate> EstimateMemory(const Config& config, const ModelSpec& m
   uint64_t nvme_classes = 0, largest_class = 0;
   auto add_state = [&](const std::string& name, MemTier tier, uint64_t raw) {
     auto& s = states.try_emplace({name, tier}, StateSum{tier, 0}).first->second;
-    s.bytes += tier == MemTier::kHbm ? Round(raw, dev_round) : tier == MemTier::kHostPinned ? PoolClass(raw) : raw;
+    s.bytes += tier == MemTier::kHbm        ? Round(raw, dev_round)
+               : tier == MemTier::kHostPinned ? PoolResidentBytes(raw)
+                                              : raw;
     if (tier == MemTier::kNvme) {
       nvme_classes += PoolClass(raw);
       largest_class = std::max(largest_class, PoolClass(raw));
@@ -204,7 +208,7 @@ StatusOr<MemoryEstimate> EstimateMemory(const Config& config, const ModelSpec& m
       device_resident += s.bytes;
     } else if (s.tier == MemTier::kHostPinned) {
       it.measured_by = "peak_host_bytes";
-      it.note += " (pinned pool, power-of-two classes)";
+      it.note += " (pinned pool, its resident region)";
       host_resident += s.bytes;
     } else {
       it.note += "; cached in the pinned pool while in use";

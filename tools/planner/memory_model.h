@@ -13,7 +13,8 @@
 //   chunk's last block finished backward. The peak is found by replaying the engine's
 //   forward/backward order (Note [device replay] in memory_model.cc).
 // - Host-placed blocks and the host copies of NVMe-placed blocks live in the tier manager's
-//   pinned pool (power-of-two classes), reserved whole at start (Note [host pool] in
+//   pinned pool (host-placed blocks at their size, NVMe blocks in power-of-two classes),
+//   reserved whole at start (Note [host pool] in
 //   memory_model.cc).
 // Activations (LibTorch's own allocations, outside the engine's device accounting) are added to
 // the HBM total when the model is a GPT, and listed apart.

@@ -9,6 +9,7 @@
 #include <fstream>
 #include <map>
 #include <random>
+#include <set>
 #include <string>
 #include <thread>
 #include <vector>
@@ -102,6 +103,94 @@ TEST(PinnedPoolTest, SizeClassesAreAlignedPowersOfTwo) {
   for (auto& b : live) req += b.size;
   EXPECT_EQ(pool->stats().bytes_requested, req);
   for (auto& b : live) pool->Free(b);
+}
+
+// Note [resident region]: blocks of the resident region take exactly PoolResidentBytes (whole
+// pages and one or two more, an odd count), first fit; freed ranges merge with their neighbours,
+// so freeing everything gives the whole region back as one range; the arena beside it is
+// untouched.
+TEST(PinnedPoolTest, ResidentBlocksTakeTheirSizeAndMerge) {
+  EXPECT_EQ(PoolResidentBytes(1), 3 * 4096u);
+  EXPECT_EQ(PoolResidentBytes(4096), 3 * 4096u);
+  EXPECT_EQ(PoolResidentBytes(4097), 3 * 4096u);
+  EXPECT_EQ(PoolResidentBytes(3 * 4096), 5 * 4096u);
+  EXPECT_EQ(PoolResidentBytes(2_MiB), 2_MiB + 4096);
+  // 302 bytes short of three quarters of a MiB: 193 pages (772 KiB) in the region, not a 1 MiB
+  // class.
+  const uint64_t odd = 768_KiB - 4096 - 302;
+  const uint64_t held = PoolResidentBytes(odd);
+  EXPECT_EQ(held, 193 * 4096u);
+  PinnedPoolOptions o = Pageable(8_MiB);
+  o.resident_bytes = 4 * held + 1;  // rounded up to a page
+  ASSERT_OK_AND_ASSIGN(auto pool, PinnedPool::Create(o));
+  EXPECT_EQ(pool->resident_bytes(), 4 * held + 4096);
+  EXPECT_EQ(pool->arena_bytes(), 8_MiB - 4 * held - 4096);
+  EXPECT_EQ(pool->max_allocation(), 4_MiB);
+  std::vector<PinnedBlock> res;
+  for (int i = 0; i < 4; ++i) {
+    ASSERT_OK_AND_ASSIGN(PinnedBlock b, pool->AllocateResident(odd));
+    EXPECT_EQ(b.size, odd);
+    EXPECT_EQ(b.class_bytes, held);
+    EXPECT_TRUE(pool->IsResident(b));
+    EXPECT_EQ(reinterpret_cast<uintptr_t>(b.ptr) % 4096, 0u) << "O_DIRECT alignment";
+    std::memset(b.ptr, 0xA0 + i, b.size);
+    res.push_back(b);
+  }
+  // Side by side, an odd number of pages apart: all four at different addresses modulo 64 KiB
+  // and modulo 1 MiB (Note [block colouring]).
+  for (uint64_t m : {64_KiB, 1_MiB}) {
+    std::set<uint64_t> residues;
+    for (int i = 0; i < 4; ++i) residues.insert(Offset(*pool, res[i].ptr) % m);
+    EXPECT_EQ(residues.size(), 4u) << "modulo " << m;
+  }
+  for (int i = 1; i < 4; ++i) EXPECT_EQ(Offset(*pool, res[i].ptr), Offset(*pool, res[i - 1].ptr) + held);
+  // The region holds four; the fifth does not fit, and says so without touching the arena.
+  auto full = pool->AllocateResident(odd);
+  ASSERT_FALSE(full.ok());
+  EXPECT_EQ(full.status().code(), StatusCode::kResourceExhausted);
+  EXPECT_NE(full.status().message().find("resident region"), std::string::npos) << full.status();
+  // The arena is the rest of the mapping, and blocks there never overlap the region.
+  ASSERT_OK_AND_ASSIGN(PinnedBlock a, pool->Allocate(4_MiB));
+  EXPECT_FALSE(pool->IsResident(a));
+  std::memset(a.ptr, 0x11, a.size);
+  for (int i = 0; i < 4; ++i)
+    EXPECT_EQ(static_cast<uint8_t*>(res[i].ptr)[odd - 1], 0xA0 + i) << "an arena block overlapped block " << i;
+  PinnedPoolStats st = pool->stats();
+  EXPECT_EQ(st.resident_bytes, 4 * held + 4096);
+  EXPECT_EQ(st.resident_in_use, 4 * held);
+  EXPECT_EQ(st.bytes_in_use, 4_MiB);
+  EXPECT_EQ(st.bytes_requested, 4 * odd + 4_MiB);
+  EXPECT_EQ(st.live_allocations, 5u);
+  // Free the middle two: one merged range of two blocks, which a block larger than either
+  // then fits at the first one's address...
+  pool->Free(res[1]);
+  pool->Free(res[2]);
+  ASSERT_OK_AND_ASSIGN(PinnedBlock big, pool->AllocateResident(2 * held - 3 * 4096));
+  EXPECT_EQ(Offset(*pool, big.ptr), Offset(*pool, res[1].ptr)) << "first fit in the merged range";
+  pool->Free(big);
+  // ...and freeing everything gives back the whole region as one range.
+  pool->Free(res[0]);
+  pool->Free(res[3]);
+  ASSERT_OK_AND_ASSIGN(PinnedBlock all, pool->AllocateResident(4 * held + 4096 - 2 * 4096));
+  EXPECT_EQ(all.class_bytes, 4 * held + 4096);
+  EXPECT_EQ(Offset(*pool, all.ptr), Offset(*pool, res[0].ptr));
+  pool->Free(all);
+  pool->Free(a);
+  st = pool->stats();
+  EXPECT_EQ(st.resident_in_use, 0u);
+  EXPECT_EQ(st.bytes_in_use, 0u);
+  EXPECT_EQ(st.bytes_requested, 0u);
+  EXPECT_EQ(st.live_allocations, 0u);
+  // A region that takes the whole budget leaves no arena: Allocate can never succeed there.
+  o.resident_bytes = 8_MiB;
+  ASSERT_OK_AND_ASSIGN(auto only, PinnedPool::Create(o));
+  EXPECT_EQ(only->arena_bytes(), 0u);
+  EXPECT_EQ(only->max_allocation(), 0u);
+  EXPECT_EQ(only->Allocate(4096).status().code(), StatusCode::kInvalidArgument);
+  ASSERT_OK_AND_ASSIGN(PinnedBlock whole, only->AllocateResident(8_MiB - 2 * 4096));
+  EXPECT_EQ(whole.class_bytes, 8_MiB - 4096) << "2047 pages: odd";
+  EXPECT_EQ(only->AllocateResident(1).status().code(), StatusCode::kResourceExhausted);
+  only->Free(whole);
 }
 
 // Note [block colouring]: the equal-sized blocks one Adam call streams over must not all sit at

@@ -36,7 +36,10 @@
 # targets to build, default all; `lease` names the ones test, bench and scale run, for a short
 # lease where the whole test tree does not fit), STRATA_GPU_TEST_PARTS (test: which of "probe
 # trainer" run besides ctest -L gpu and the Python suite; default both), STRATA_GPU_PYTHON_TESTS
-# (test: a ctest -R regex of the Python suites to run; pip: a pytest -k expression; default all).
+# (test: a ctest -R regex of the Python suites to run; pip: a pytest -k expression; default all),
+# SCALE_PLACEMENTS (scale: the placements to try per size; default "auto auto-compact"),
+# SCALE_RESERVE_MARGIN (scale on a GPU: device memory kept free beyond the estimator's reserve, as
+# a fraction of it, at least 2 GiB; default 0.10).
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
 cd "$ROOT"
@@ -551,6 +554,15 @@ phase_scale() {
   [ "$quick" = 1 ] && { seq=128; micro=2; [ "$sizes" = "1.3b,2.7b,6.7b,13b,20b" ] && sizes="tiny,small"; }
   local host="$(( $(mem_gib) * 3 / 4 ))GiB"
   local runs="$WORK/runs.jsonl"; : >"$runs"
+  # The GPU's free memory, less the 1 GiB the run's own CUDA context and libraries take before
+  # the engine measures what is free: the estimate's device, as the engine will see it (without
+  # it a cuda estimate plans no device tier at all).
+  local hbm=()
+  if [ "$device" = cuda ] && command -v nvidia-smi >/dev/null; then
+    local free_mib
+    free_mib=$(nvidia-smi --query-gpu=memory.free --format=csv,noheader,nounits -i 0 2>/dev/null | head -1 | tr -dc 0-9)
+    [ "${free_mib:-0}" -gt 2048 ] && hbm=(--hbm "$(( free_mib - 1024 ))MiB")
+  fi
   local size place largest="" shape cfg
   for size in ${sizes//,/ }; do
     shape=$("$UPY" "$UTIL" size "$size") || { say "unknown size $size"; continue; }
@@ -560,7 +572,8 @@ phase_scale() {
     # others (cpu, nvme, nvme-bf16states: each state kind wholly in its section's tier).
     for place in ${SCALE_PLACEMENTS:-auto auto-compact}; do
       cfg="$WORK/cfg-$size-$place.json"
-      local states=() budget=(--host-budget "$host")
+      local states=() budget=(--host-budget "$host") hbm_p=()
+      [ "${place%%-*}" = auto ] && hbm_p=("${hbm[@]}")  # --hbm plans placement auto only
       [ "$place" = nvme-bf16states ] && states=(--state-dtype bf16)
       [ "$place" = auto-compact ] && states=(--state-dtype int8 --bf16-master)
       [ "${place%%-*}" = auto ] && budget=()   # auto measures the host itself
@@ -570,15 +583,26 @@ phase_scale() {
       # Preflight: the estimator's bytes per tier against this machine's memory and disk; under
       # auto its replay also gives the device reserve the plan must leave for compute.
       local est fits
-      est=$("$CM/bin/strata-estimate" --config "$cfg" --device "$device" --json 2>"$WORK/est.err" || true)
+      est=$("$CM/bin/strata-estimate" --config "$cfg" --device "$device" "${hbm_p[@]}" --json 2>"$WORK/est.err" || true)
       local reserve
       reserve=$("$UPY" -c 'import json,sys
 try: print(json.loads(sys.argv[1]).get("device_reserve", 0))
 except Exception: print(0)' "$est")
+      # On a GPU the replay counts LibTorch's activations as allocated, not as its caching
+      # allocator holds them (whole segments, kept until the step ends) beside the engine's own
+      # pool: keep SCALE_RESERVE_MARGIN more of the device free (default 10 %, at least 2 GiB),
+      # so the largest sizes do not hinge on that gap. The run's peak use, sampled from
+      # nvidia-smi below, says how much of the margin was needed.
+      if [ "$device" = cuda ] && [ "${reserve:-0}" != 0 ]; then
+        reserve=$("$UPY" -c 'import sys; r = int(sys.argv[1]); f = float(sys.argv[2])
+print(r + max(int(r * f), 2 << 30))' "$reserve" "${SCALE_RESERVE_MARGIN:-0.10}")
+      fi
       if [ "${place%%-*}" = auto ] && [ "${reserve:-0}" != 0 ]; then
         "$UPY" "$UTIL" config "$base" "$cfg" --placement auto --dtype bf16 --device "$device" \
           --nvme-path "$NVME" --model "$shape,$seq" --micro-batch "$micro" --checkpoint-activations \
           --chunk-size 64MiB --device-reserve "$reserve" "${states[@]}"
+        # The plan with that reserve: what the preflight checks and the report shows.
+        est=$("$CM/bin/strata-estimate" --config "$cfg" --device "$device" "${hbm_p[@]}" --json 2>"$WORK/est.err" || true)
       fi
       echo "$est" >"$WORK/est-$size-$place.json"
       mkdir -p "$NVME"
@@ -609,16 +633,29 @@ EOF
       ( peak=0; while sleep 2; do u=$(du -sb "$NVME" 2>/dev/null | cut -f1); [ "${u:-0}" -gt "$peak" ] && peak=$u && echo "$peak" >"$WORK/disk-peak"; done ) &
       local sampler=$!
       echo 0 >"$WORK/disk-peak"
+      # The device's memory in use (every allocator and the context), sampled every 200 ms.
+      local gsampler=""
+      echo 0 >"$WORK/gpu-mem-peak"
+      if [ "$device" = cuda ] && command -v nvidia-smi >/dev/null; then
+        ( gpeak=0; while sleep 0.2; do
+            g=$(nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -i 0 2>/dev/null | head -1 | tr -dc 0-9)
+            [ "${g:-0}" -gt "$gpeak" ] && gpeak=$g && echo "$gpeak" >"$WORK/gpu-mem-peak"
+          done ) &
+        gsampler=$!
+      fi
       local name="$size-$place"
       train_run "$name" "$cfg" "$n" || true
       kill "$sampler" 2>/dev/null || true
+      [ -n "$gsampler" ] && kill "$gsampler" 2>/dev/null || true
       local disk; disk=$(cat "$WORK/disk-peak" 2>/dev/null || echo 0)
-      "$UPY" - "$WORK/train-$name.jsonl" "$WORK/train-$name.err" "$size" "$place" "$micro" "$seq" "$disk" "$UTIL" "$WORK/est-$size-$place.json" >>"$runs" <<'EOF'
+      local gmem; gmem=$(cat "$WORK/gpu-mem-peak" 2>/dev/null || echo 0)
+      "$UPY" - "$WORK/train-$name.jsonl" "$WORK/train-$name.err" "$size" "$place" "$micro" "$seq" "$disk" "$UTIL" "$WORK/est-$size-$place.json" "$reserve" "$gmem" >>"$runs" <<'EOF'
 import importlib.util, json, sys
 spec = importlib.util.spec_from_file_location("u", sys.argv[8]); u = importlib.util.module_from_spec(spec); spec.loader.exec_module(u)
 jsonl, err, size, place, micro, seq, disk = sys.argv[1:8]
 r = u.summarize_train(jsonl)
-r.update(size=size, placement=place, disk_bytes=int(disk))
+r.update(size=size, placement=place, disk_bytes=int(disk), device_reserve=int(sys.argv[10] or 0),
+         gpu_mem_peak_bytes=int(sys.argv[11] or 0) << 20)
 try:  # the plan's bytes per tier (the engine logs the same lines at start)
     est = json.load(open(sys.argv[9]))
     r["plan"] = {t: est["placement"][t]["total"] for t in ("device", "host", "nvme")}

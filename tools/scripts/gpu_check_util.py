@@ -295,13 +295,17 @@ def report(a):
             lines.append(f"\n{k}: {fmt(v)}")
     s = phases.get("scale")
     if s:
+        # peak device: the engine's own allocations; GPU in use: nvidia-smi's peak (every
+        # allocator and the context) beside the reserve the plan kept for compute.
         lines += ["", "## scale", "", "| size | placement | params | step s | TFLOPS | bound by | "
-                  "peak device | peak host | disk | result |", "|---|---|---|---|---|---|---|---|---|---|"]
+                  "peak device | GPU in use | reserve | peak host | disk | result |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in s.get("runs", []):
             lines.append(
                 f"| {r.get('size')} | {r.get('placement')} | {fmt(r.get('params'))} | "
                 f"{fmt(r.get('step_s'))} | {fmt(r.get('tflops'))} | {r.get('bound_by') or '–'} | "
-                f"{fmt_bytes(r.get('peak_device_bytes'))} | {fmt_bytes(r.get('peak_host_bytes'))} | "
+                f"{fmt_bytes(r.get('peak_device_bytes'))} | {fmt_bytes(r.get('gpu_mem_peak_bytes'))} | "
+                f"{fmt_bytes(r.get('device_reserve'))} | {fmt_bytes(r.get('peak_host_bytes'))} | "
                 f"{fmt_bytes(r.get('disk_bytes'))} | {r.get('result', '')} |")
         if s.get("largest"):
             lines.append(f"\nLargest trained: {s['largest']}.")

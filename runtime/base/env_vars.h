@@ -112,6 +112,11 @@ inline constexpr EnvVar kEnvGpuBuild{"STRATA_GPU_BUILD", "scripts",
                                      "gpu-check.sh and gpu-lease.sh: the GPU build folder"};
 inline constexpr EnvVar kEnvGpuTargets{"STRATA_GPU_TARGETS", "scripts",
                                        "gpu-check.sh: the targets to build (default all)"};
+inline constexpr EnvVar kEnvScalePlacements{
+    "SCALE_PLACEMENTS", "scripts", "gpu-check.sh scale: the placements per size (default auto auto-compact)"};
+inline constexpr EnvVar kEnvScaleReserveMargin{
+    "SCALE_RESERVE_MARGIN", "scripts",
+    "gpu-check.sh scale on a GPU: device memory kept beyond the estimated reserve, a fraction of it (default 0.10, at least 2 GiB)"};
 inline constexpr EnvVar kEnvGpuPythonTests{
     "STRATA_GPU_PYTHON_TESTS", "scripts", "gpu-check.sh: a -k / -R filter for the GPU test run"};
 inline constexpr EnvVar kEnvGpuPack{"STRATA_GPU_PACK", "scripts",
@@ -144,7 +149,8 @@ inline constexpr EnvVar kEnvVars[] = {
     kEnvCxx,          kEnvFakeData,     kEnvSeed,             kEnvTestDevice,
     kEnvDsCompat,     kEnvBin,          kEnvPipVenv,          kEnvVenv,
     kEnvCtestArgs,    kEnvTestCudaOff,  kEnvNice,             kEnvFuzzBuild,
-    kEnvFuzzTargets,  kEnvGpuBuild,     kEnvGpuTargets,       kEnvGpuPythonTests,
+    kEnvFuzzTargets,  kEnvGpuBuild,     kEnvGpuTargets,       kEnvScalePlacements,
+    kEnvScaleReserveMargin, kEnvGpuPythonTests,
     kEnvGpuPack,      kEnvNvmeDir,      kEnvPhaseSeconds,     kEnvTrixieDir,
     kEnvDebianMirror, kEnvPeerRoot,     kEnvPython,           kEnvPeerPython,
     kEnvCi};

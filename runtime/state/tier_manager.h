@@ -162,8 +162,8 @@ struct TierManagerStats {
   // Stalls. SUM: seconds Acquire and Flush callers spent waiting; COUNT: waits.
   double stall_seconds = 0;
   uint64_t stalls = 0;
-  // Residency. GAUGE / MAX: pool class bytes held by blocks (in flight included), and bytes of
-  // valid NVMe copies.
+  // Residency. GAUGE / MAX: pool bytes held by blocks (an arena block's class, a resident block's
+  // PoolResidentBytes; in flight included), and bytes of valid NVMe copies.
   uint64_t host_bytes_resident = 0;
   uint64_t peak_host_bytes_resident = 0;
   uint64_t nvme_bytes_resident = 0;

@@ -200,7 +200,10 @@ Status TierManager::Register(BlockId id, uint64_t bytes, BlockHome home) {
         "registering ", name, " of ", FormatBytes(bytes), ": it needs a ", FormatBytes(cls),
         " slot in the pinned host pool, whose largest possible slot is ", FormatBytes(pool_->max_allocation()),
         " (strata.host_memory_budget=", FormatBytes(arena + pool_->resident_bytes()),
-        "); raise strata.host_memory_budget to at least ", FormatBytes(cls),
+        pool_->resident_bytes() ? StrCat(", of which ", FormatBytes(pool_->resident_bytes()),
+                                         " is the resident region for host-placed state")
+                                : std::string(),
+        "); raise strata.host_memory_budget to at least ", FormatBytes(pool_->resident_bytes() + cls),
         " (several times that for prefetch) or lower strata.chunk_size"));
   };
   auto b = std::make_unique<Block>();
@@ -242,7 +245,12 @@ Status TierManager::Register(BlockId id, uint64_t bytes, BlockHome home) {
             "registering host-only ", name, " (", FormatBytes(cls), "): with ", FormatBytes(host_only_class_bytes_),
             " of host-only blocks already there, the ", FormatBytes(arena),
             " host pool would have no room left for the largest NVMe-backed block (",
-            FormatBytes(largest_nvme_class_), "); raise strata.host_memory_budget"));
+            FormatBytes(largest_nvme_class_), ")",
+            pool_->resident_bytes() ? StrCat(", and its resident region has no free ", FormatBytes(PoolResidentBytes(bytes)),
+                                             " range (", FormatBytes(resident_region_bytes_), " of ",
+                                             FormatBytes(pool_->resident_bytes()), " in use)")
+                                    : std::string(),
+            "; raise strata.host_memory_budget"));
       mem = MakeRoom(bytes, name, Clock::time_point::max());
       if (!mem.ok()) return mem.status();
     }
@@ -314,17 +322,18 @@ void TierManager::Wait(Clock::time_point deadline, bool* timed_out) {
 }
 
 std::string TierManager::PinnedSummary() const {
+  // The arena's blocks only: the resident region's host-only blocks never need room made.
   uint64_t pinned = 0, pinned_bytes = 0, writing = 0, reading = 0;
   for (const auto& [k, b] : blocks_) {
-    if (b->pins > 0 && b->host != HostResidency::kAbsent) {
+    if (b->pins > 0 && b->host != HostResidency::kAbsent && !pool_->IsResident(b->mem)) {
       ++pinned;
       pinned_bytes += b->mem.class_bytes;
     }
     writing += b->host == HostResidency::kWriting;
     reading += b->host == HostResidency::kReading;
   }
-  return StrCat(pinned, " blocks pinned holding ", FormatBytes(pinned_bytes), " of the ",
-                FormatBytes(pool_->arena_bytes()), " host pool, ", reading, " reads and ", writing,
+  return StrCat(pinned, " blocks pinned holding ", FormatBytes(pinned_bytes), " of the host pool's ",
+                FormatBytes(pool_->arena_bytes()), " arena, ", reading, " reads and ", writing,
                 " write-backs in flight");
 }
 
@@ -1001,7 +1010,9 @@ nlohmann::json TierManager::StatsJson() const {
                  {"numa_node", p.numa_node},
                  {"peak_bytes_in_use", p.peak_bytes_in_use},
                  {"bytes_requested", p.bytes_requested},
-                 {"bytes_in_use", p.bytes_in_use}}}};
+                 {"bytes_in_use", p.bytes_in_use},
+                 {"resident_bytes", p.resident_bytes},
+                 {"resident_in_use", p.resident_in_use}}}};
   j["nvme"] = {{"capacity_bytes", s.nvme_capacity},
                {"reserved_bytes", s.nvme_bytes_reserved},
                {"resident_bytes", s.nvme_bytes_resident},

@@ -168,7 +168,7 @@ struct TierManagerStats {
   uint64_t peak_host_bytes_resident = 0;
   uint64_t nvme_bytes_resident = 0;
   uint64_t peak_nvme_bytes_resident = 0;
-  uint64_t host_budget = 0;      // bytes (the pool's arena)
+  uint64_t host_budget = 0;      // bytes (the pool's arena and resident region)
   uint64_t nvme_capacity = 0;    // bytes (the NVMe tier's capacity; 0 without one)
   uint64_t nvme_bytes_reserved = 0;  // GAUGE: bytes of NVMe regions reserved by Register
   // Trace.

@@ -553,14 +553,20 @@ TEST(TierManagerTest, HostOnlyBlocksFillTheResidentRegionAtTheirSize) {
   ASSERT_OK(ReadAndCheck(*m, B(1, StateKind::kMaster32), Bytes(36_KiB, 9)));
   // The region is full: a third host-only block would take the arena's 64 KiB class, which the
   // NVMe block needs, and is refused as before.
-  EXPECT_EQ(m->Register(B(3, StateKind::kMaster32), 36_KiB, BlockHome::kHostOnly).code(),
-            StatusCode::kResourceExhausted);
+  Status refused = m->Register(B(3, StateKind::kMaster32), 36_KiB, BlockHome::kHostOnly);
+  EXPECT_EQ(refused.code(), StatusCode::kResourceExhausted);
+  EXPECT_NE(refused.message().find("resident region"), std::string::npos) << refused;
+  EXPECT_EQ(m->host_pool().stats().failed_allocations, 0u) << "falling back is routine";
   // Unregistering one gives its range back, and the next host-only block takes it.
   ASSERT_OK(m->Unregister(B(0, StateKind::kMaster32)));
   EXPECT_EQ(m->host_pool().stats().resident_in_use, PoolResidentBytes(36_KiB));
   ASSERT_OK(m->Register(B(3, StateKind::kMaster32), 30_KiB, BlockHome::kHostOnly));
   EXPECT_EQ(m->host_pool().stats().bytes_in_use, 64_KiB) << "only the NVMe block's class";
   EXPECT_EQ(m->stats().host_bytes_resident, 64_KiB + PoolResidentBytes(36_KiB) + PoolResidentBytes(30_KiB));
+  const nlohmann::json pool = m->StatsJson()["host"]["pool"];
+  EXPECT_EQ(pool["resident_bytes"].get<uint64_t>(), 2 * PoolResidentBytes(36_KiB));
+  EXPECT_EQ(pool["resident_in_use"].get<uint64_t>(), PoolResidentBytes(36_KiB) + PoolResidentBytes(30_KiB));
+  EXPECT_EQ(m->stats().host_budget, 64_KiB + 2 * PoolResidentBytes(36_KiB));
 }
 
 TEST(TierManagerTest, StatsJsonHasEveryTier) {

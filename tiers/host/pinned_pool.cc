@@ -326,14 +326,11 @@ StatusOr<PinnedBlock> PinnedPool::AllocateResident(uint64_t bytes) {
     resident_free_.erase(it);
     if (rest > 0) resident_free_[addr + need] = rest;
     resident_live_[addr] = need;
-    requested_[addr] = bytes;
     stats_.resident_in_use += need;
-    stats_.bytes_requested += bytes;
     ++stats_.live_allocations;
     ++stats_.allocations;
     return PinnedBlock{base_ + addr, bytes, need};
   }
-  ++stats_.failed_allocations;
   return ResourceExhausted(StrCat("host pool: no free ", FormatBytes(need), " range in the resident region (",
                                   FormatBytes(stats_.resident_in_use), " of ", FormatBytes(resident_bytes_),
                                   " in use)"));
@@ -353,9 +350,6 @@ void PinnedPool::Free(const PinnedBlock& block) {
     STRATA_DCHECK(it != resident_live_.end(), "host pool: double free or foreign block at offset ", addr);
     uint64_t start = addr, len = it->second;
     resident_live_.erase(it);
-    auto rq = requested_.find(addr);
-    stats_.bytes_requested -= rq->second;
-    requested_.erase(rq);
     stats_.resident_in_use -= len;
     --stats_.live_allocations;
     // Merge with the free ranges on either side.

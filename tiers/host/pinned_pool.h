@@ -103,11 +103,13 @@ struct PinnedPoolStats {
   bool huge_pages = false;           // MADV_HUGEPAGE accepted for the arena
   int numa_node = -1;                // node the arena is bound to, -1 when not bound
   uint64_t bytes_in_use = 0;         // GAUGE: class bytes of live allocations
-  uint64_t bytes_requested = 0;      // GAUGE: bytes asked for by live allocations
+  uint64_t bytes_requested = 0;      // GAUGE: bytes asked for by live arena blocks (Allocate)
   uint64_t peak_bytes_in_use = 0;    // MAX: highest bytes_in_use seen
-  uint64_t live_allocations = 0;     // GAUGE: blocks handed out and not freed
-  uint64_t allocations = 0;          // COUNT: successful Allocate calls
-  uint64_t failed_allocations = 0;   // COUNT: Allocate calls answered RESOURCE_EXHAUSTED
+  uint64_t live_allocations = 0;     // GAUGE: blocks handed out and not freed (both kinds)
+  uint64_t allocations = 0;          // COUNT: successful Allocate and AllocateResident calls
+  // COUNT: Allocate calls answered RESOURCE_EXHAUSTED (a full resident region is a routine
+  // fallback to the arena, not counted).
+  uint64_t failed_allocations = 0;
   uint64_t largest_free_block = 0;   // GAUGE: bytes of the largest block Allocate could return now
   uint64_t resident_bytes = 0;       // GAUGE: bytes of the resident region
   uint64_t resident_in_use = 0;      // GAUGE: bytes of it held by live AllocateResident blocks
@@ -138,7 +140,7 @@ class PinnedPool {
   StatusOr<PinnedBlock> Allocate(uint64_t bytes);
   // A block of exactly PoolResidentBytes(bytes) from the resident region, never waiting:
   // RESOURCE_EXHAUSTED when no free range of the region is that large (the caller may Allocate
-  // from the arena instead).
+  // from the arena instead; not counted in failed_allocations).
   StatusOr<PinnedBlock> AllocateResident(uint64_t bytes);
   // Returns a block from Allocate or AllocateResident. Freeing anything else is a bug and aborts.
   void Free(const PinnedBlock& block);
@@ -159,7 +161,7 @@ class PinnedPool {
   }
   PinnedBacking backing() const { return backing_; }
 
-  // The mapping (arena and colour shifts) as ranges of at most 1 GiB (io_uring's limit per registered buffer), for
+  // The mapping (arena, colour shifts and resident region) as ranges of at most 1 GiB (io_uring's limit per registered buffer), for
   // IoEngine::RegisterBuffers / SwapStore::RegisterBuffers.
   std::vector<iovec> IoRanges() const;
   // True when [p, p+len) lies inside the mapping.

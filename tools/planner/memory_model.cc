@@ -37,8 +37,8 @@ uint64_t Round(uint64_t bytes, uint64_t to) { return (std::max<uint64_t>(bytes, 
 
 // Note [host pool]
 // Host- and NVMe-placed blocks live in one pinned pool owned by the tier manager
-// (tiers/host/pinned_pool.h): a host-placed block takes its size in whole pages plus one (the
-// resident region), an NVMe block a power-of-two class of at least 4 KiB while it is cached on the
+// (tiers/host/pinned_pool.h): a host-placed block takes its size in whole pages plus one or two
+// (the resident region), an NVMe block a power-of-two class of at least 4 KiB while it is cached on the
 // host (the arena); the pool is reserved and locked whole at start, sized strata.host_memory_budget or, when that is 0, every
 // host-placed block plus a working set of NVMe blocks (all of them up to max(16 largest, 512 MiB));
 // NVMe blocks stay cached in it after use until evicted, so the resident peak is the host blocks

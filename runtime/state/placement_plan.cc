@@ -32,9 +32,9 @@ class Filler {
     p_bytes_.resize(n);
     o_bytes_.resize(n);
     master_bytes_.resize(n);
-    p_class_.resize(n);
-    o_class_.resize(n);
-    master_class_.resize(n);
+    p_host_.resize(n);
+    o_host_.resize(n);
+    master_host_.resize(n);
     for (size_t c = 0; c < n; ++c) {
       const int64_t e = in.shard_numel[c];
       // On the host a block takes its exact size in the pool's resident region; the NVMe
@@ -42,16 +42,16 @@ class Filler {
       // tiers/host/pinned_pool.cc).
       if (in.stage3) {
         p_bytes_[c] = in.block_bytes(StateKind::kParam16, e);
-        p_class_[c] = PoolResidentBytes(p_bytes_[c]);
+        p_host_[c] = PoolResidentBytes(p_bytes_[c]);
         largest_class_ = std::max(largest_class_, PoolClassBytes(p_bytes_[c]));
       }
       for (StateKind k : kOptimKinds) {
         if (!in.kept[static_cast<int>(k)]) continue;
         const uint64_t b = in.block_bytes(k, e);
         o_bytes_[c] += b;
-        o_class_[c] += PoolResidentBytes(b);
+        o_host_[c] += PoolResidentBytes(b);
         largest_class_ = std::max(largest_class_, PoolClassBytes(b));
-        if (k == StateKind::kMaster32) master_bytes_[c] = b, master_class_[c] = PoolResidentBytes(b);
+        if (k == StateKind::kMaster32) master_bytes_[c] = b, master_host_[c] = PoolResidentBytes(b);
       }
     }
   }
@@ -60,7 +60,7 @@ class Filler {
   // where its shard is.
   uint64_t GroupBytes(size_t c, Placement tier) const {
     const bool shared = shares_ && param_[c] == tier;
-    if (tier == Placement::kHost) return o_class_[c] - (shared ? master_class_[c] : 0);
+    if (tier == Placement::kHost) return o_host_[c] - (shared ? master_host_[c] : 0);
     return o_bytes_[c] - (shared ? master_bytes_[c] : 0);
   }
 
@@ -108,11 +108,11 @@ class Filler {
     uint64_t below = 0, host_must = 0;
     for (size_t c = 0; c < n; ++c) {
       if (param_[c] != Placement::kDevice) {
-        below += p_class_[c];
-        if (param_[c] == Placement::kHost) host_must += p_class_[c];
+        below += p_host_[c];
+        if (param_[c] == Placement::kHost) host_must += p_host_[c];
       }
       if (optim_[c] != Placement::kDevice) {
-        below += o_class_[c];
+        below += o_host_[c];
         if (optim_[c] == Placement::kHost) host_must += GroupBytes(c, Placement::kHost);
       }
     }
@@ -128,16 +128,16 @@ class Filler {
       if (param_[c] != Placement::kNvme) continue;
       if (whole && optim_[c] == Placement::kNvme) {  // Note [whole chunks]
         param_[c] = Placement::kHost;
-        const uint64_t both = p_class_[c] + GroupBytes(c, Placement::kHost);
+        const uint64_t both = p_host_[c] + GroupBytes(c, Placement::kHost);
         if (host + both <= host_room) {
           optim_[c] = Placement::kHost;
           host += both;
         } else {
           param_[c] = Placement::kNvme;
         }
-      } else if (host + p_class_[c] <= host_room) {
+      } else if (host + p_host_[c] <= host_room) {
         param_[c] = Placement::kHost;
-        host += p_class_[c];
+        host += p_host_[c];
       }
     }
     for (size_t c = 0; c < n; ++c)
@@ -204,7 +204,7 @@ class Filler {
   std::vector<Placement>& param_;
   std::vector<Placement>& optim_;
   std::vector<uint64_t> p_bytes_, o_bytes_, master_bytes_;  // raw: the device and NVMe
-  std::vector<uint64_t> p_class_, o_class_, master_class_;  // PoolResidentBytes: the host
+  std::vector<uint64_t> p_host_, o_host_, master_host_;  // PoolResidentBytes: the host
   uint64_t largest_class_ = 0;
   uint64_t device_must_ = 0, host_must_ = 0, nvme_need_ = 0;
 };

@@ -19,10 +19,6 @@ Placement PlacementOfDevice(OffloadDevice d) {
                                     : Placement::kNvme;
 }
 
-// The pinned pool rounds each NVMe block to a power-of-two class of at least 4 KiB; host-placed
-// blocks take their exact size in its resident region.
-uint64_t PoolClass(uint64_t bytes) { return PoolClassBytes(bytes); }
-
 }  // namespace
 
 StatusOr<StepPlan> StepPlan::Make(const Inputs& in) {
@@ -203,8 +199,8 @@ void StepPlan::SizeTiers(const Inputs& in) {
       const Placement where = PlacementOf(ch, kind);
       if (where == Placement::kHost) host_only += PoolResidentBytes(bytes);
       if (where == Placement::kNvme) {
-        nvme_total += PoolClass(bytes);
-        largest = std::max(largest, PoolClass(bytes));
+        nvme_total += PoolClassBytes(bytes);
+        largest = std::max(largest, PoolClassBytes(bytes));
       }
     }
   }

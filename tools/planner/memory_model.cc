@@ -27,10 +27,6 @@ const char* MemTierName(MemTier t) {
 
 namespace {
 
-// The pinned pool's size class of an NVMe block cached on the host (StepPlan sizes the pool with
-// the same rule).
-uint64_t PoolClass(uint64_t bytes) { return PoolClassBytes(bytes); }
-
 uint64_t Round(uint64_t bytes, uint64_t to) { return (std::max<uint64_t>(bytes, 1) + to - 1) / to * to; }
 
 }  // namespace
@@ -118,8 +114,8 @@ StatusOr<MemoryEstimate> EstimateMemory(const Config& config, const ModelSpec& m
                : tier == MemTier::kHostPinned ? PoolResidentBytes(raw)
                                               : raw;
     if (tier == MemTier::kNvme) {
-      nvme_classes += PoolClass(raw);
-      largest_class = std::max(largest_class, PoolClass(raw));
+      nvme_classes += PoolClassBytes(raw);
+      largest_class = std::max(largest_class, PoolClassBytes(raw));
     }
   };
   // The moments the optimizer keeps, as the engine decides (Note [states the optimizer uses] in

@@ -88,7 +88,7 @@ class Filler {
       if (param_[c] == Placement::kDevice) continue;
       if (whole && optim_[c] != Placement::kDevice) {
         const uint64_t both = p_bytes_[c] + o_bytes_[c] - master_bytes_[c];  // the master shared
-        if (in_.device_optimizer_allowed && dev + both <= in_.device_budget) {
+        if (dev + both <= in_.device_budget) {
           param_[c] = optim_[c] = Placement::kDevice;
           dev += both;
         }
@@ -97,13 +97,12 @@ class Filler {
         dev += p_bytes_[c];
       }
     }
-    if (in_.device_optimizer_allowed)
-      for (size_t c = 0; c < n; ++c)
-        if (param_[c] == Placement::kDevice && optim_[c] != Placement::kDevice &&
-            dev + GroupBytes(c, Placement::kDevice) <= in_.device_budget) {
-          optim_[c] = Placement::kDevice;
-          dev += GroupBytes(c, Placement::kDevice);
-        }
+    for (size_t c = 0; c < n; ++c)
+      if (param_[c] == Placement::kDevice && optim_[c] != Placement::kDevice &&
+          dev + GroupBytes(c, Placement::kDevice) <= in_.device_budget) {
+        optim_[c] = Placement::kDevice;
+        dev += GroupBytes(c, Placement::kDevice);
+      }
     // The host: if everything below the device fits, it all goes there (no NVMe working set).
     uint64_t below = 0, host_must = 0;
     for (size_t c = 0; c < n; ++c) {
@@ -236,10 +235,6 @@ StatusOr<PlacementPlan> PlacementPlan::Make(const Inputs& in) {
     for (int64_t e : in.shard_numel) total += e;
     // ratio: the first chunks' groups, up to (1 - ratio) of the elements, stay on the device.
     if (in.ratio < 1 && in.optim_floor != Placement::kDevice) {
-      if (!in.device_optimizer_allowed)
-        return InvalidArgument(StrCat("zero_optimization.offload_optimizer.ratio=", in.ratio,
-                                      " keeps optimizer states on the device, whose optimizer cannot "
-                                      "run this layout; set ratio to 1"));
       const double keep = (1.0 - in.ratio) * static_cast<double>(total);
       int64_t kept = 0;
       for (size_t c = 0; c < n && static_cast<double>(kept + in.shard_numel[c]) <= keep + 0.5; ++c) {

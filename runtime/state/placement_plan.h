@@ -64,7 +64,6 @@ class PlacementPlan {
     PlacementMode mode = PlacementMode::kConfig;
     double ratio = 1.0;        // offload_optimizer.ratio
     int64_t max_in_cpu = -1;   // offload_param.max_in_cpu; < 0: not set
-    bool device_optimizer_allowed = true;  // the device can run the optimizer on its groups
     // Auto mode: bytes each tier may hold of this rank's state (device: after its reserve for
     // compute; host: the pinned pool, before the NVMe working set; nvme: the disk's room).
     uint64_t device_budget = 0, host_budget = 0, nvme_budget = 0;

@@ -230,12 +230,9 @@ TEST(PlacementPlan, RefusalsNameTheTiersAndTheFix) {
   h.param_floor = h.optim_floor = Placement::kHost;
   h.host_budget = 1 * kGiB;
   ExpectRefused(PlacementPlan::Make(h), {"device is cpu", "raise strata.host_memory_budget"});
-  // ratio where the device cannot run the optimizer, and outside [0, 1].
+  // ratio outside [0, 1].
   PlacementPlan::Inputs r = Base();
   r.optim_floor = Placement::kHost;
-  r.ratio = 0.5;
-  r.device_optimizer_allowed = false;
-  ExpectRefused(PlacementPlan::Make(r), {"offload_optimizer.ratio=0.5", "set ratio to 1"});
   r.ratio = 1.5;
   ExpectRefused(PlacementPlan::Make(r), {"ratio=1.5", "[0, 1]"});
   // A device optimizer with offloaded parameters.

@@ -48,6 +48,17 @@ void StepReport::FillOverlap() {
   compute_idle_share = step_time_s > 0 ? std::clamp(1.0 - compute_s / step_time_s, 0.0, 1.0) : 0;
 }
 
+namespace {
+
+// The tensor's storage has memory for all its elements (a chunk not reached by a setup that
+// failed, or a zero::Init parameter, has sizes without memory).
+bool HoldsItsElements(const torch::Tensor& t) {
+  if (!t.has_storage() || t.storage().data() == nullptr) return false;
+  return t.storage().nbytes() >= static_cast<size_t>(t.storage_offset() + t.numel()) * t.element_size();
+}
+
+}  // namespace
+
 Engine::Impl::~Impl() {
   // The lanes in the order ~Impl's members note: each may still hand work to the next.
   if (reducer_) reducer_->Stop();
@@ -64,10 +75,11 @@ Engine::Impl::~Impl() {
   }
   // Stages 0-2: the parameters are views of chunks the device allocated, and the model outlives
   // the engine (and maybe the device): give them their own copy of the working values.
-  if (!plan_.stage3()) {
+  if (params_on_device_chunks_) {
     torch::NoGradGuard ng;
     for (auto& p : params_)
-      if (p.tensor.defined() && p.tensor.numel() > 0) p.tensor.set_data(p.tensor.detach().clone());
+      if (p.tensor.defined() && p.tensor.numel() > 0 && HoldsItsElements(p.tensor))
+        p.tensor.set_data(p.tensor.detach().clone());
   }
 }
 

@@ -98,6 +98,29 @@ TEST(ZeroInit, TrainsLikeTheModelBuiltNormally) {
   ExpectMatch(ref, got, 1e-5, 2e-5);
 }
 
+// A setup that fails after the model was staged returns its error: the engine gives copies
+// back only to parameters it made views of device chunks, not to staged ones, which have sizes
+// but no memory (cloning them read from nowhere: a segfault that hid the error).
+TEST(ZeroInit, AFailedSetupReturnsItsErrorAndLeavesStagedParameters) {
+  testing::TempDir dir, swap;
+  Config c = BaseConfig();
+  c.zero_optimization.stage = 3;
+  c.zero_optimization.offload_param.device = OffloadDevice::kNvme;
+  c.zero_optimization.offload_optimizer.device = OffloadDevice::kNone;  // refused with nvme params
+  ASSERT_OK_AND_ASSIGN(auto init, zero::Init::Create(dir.path()));
+  auto model = models::BuildGpt(c.model);
+  ASSERT_GT(init->staged_params(), 0);
+  std::unique_ptr<Communicator> comm = CreateSingleCommunicator();
+  std::unique_ptr<Device> device = CreateDevice(TestDeviceSpec(), 256 << 20).value();
+  EngineOptions o;
+  o.nvme_path = {swap.path()};
+  auto engine = Engine::Create(model, c, comm.get(), device.get(), o);
+  ASSERT_FALSE(engine.ok());
+  EXPECT_NE(engine.status().message().find("offload_optimizer.device=none"), std::string::npos)
+      << engine.status();
+  for (const auto& p : models::UniqueParameters(*model)) EXPECT_TRUE(zero::IsStaged(p));
+}
+
 // Note [direct staging]: on a disk file system the staging file is written and read with
 // O_DIRECT, where the file system refuses it through the page cache; either way each parameter
 // reads back as the value the model was built with.

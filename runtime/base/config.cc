@@ -808,13 +808,31 @@ Status ParseRoot(const json& given_root, Config* c) {
 
 }  // namespace
 
+// Note [config limits]
+// A config is a few KiB nested four deep. The parser itself keeps its own stack, but writing a
+// value into an error message recurses once per level, so a value nested tens of thousands deep
+// overflowed the stack on the way to saying it was wrong. Values deeper than kMaxConfigDepth are
+// discarded while parsing and the file refused; FromFile reads at most kMaxConfigBytes (a
+// device such as /dev/zero never ends).
+constexpr int kMaxConfigDepth = 64;
+constexpr size_t kMaxConfigBytes = size_t{64} << 20;
+
 StatusOr<Config> Config::FromJsonText(const std::string& text, const std::string& source) {
   json root;
+  bool too_deep = false;
+  const json::parser_callback_t limit_depth = [&too_deep](int depth, json::parse_event_t, json&) {
+    if (depth <= kMaxConfigDepth) return true;
+    too_deep = true;
+    return false;  // discard it, and what it holds
+  };
   try {
-    root = json::parse(text, nullptr, /*allow_exceptions=*/true, /*ignore_comments=*/true);
+    root = json::parse(text, limit_depth, /*allow_exceptions=*/true, /*ignore_comments=*/true);
   } catch (const json::exception& e) {  // parse_error, and out_of_range for numbers like 1e400
     return InvalidArgument(StrCat(source, ": not valid JSON: ", e.what()));
   }
+  if (too_deep)
+    return InvalidArgument(StrCat(source, ": a value is nested more than ", kMaxConfigDepth,
+                                  " levels deep; a DeepSpeed config nests four"));
   Config c;
   Status s = ParseRoot(root, &c);
   if (!s.ok()) return s.WithContext(source);
@@ -827,10 +845,16 @@ StatusOr<Config> Config::FromFile(const std::string& path) {
   if (!in) {
     return ErrnoToStatus(errno, StrCat("cannot open config ", path));
   }
-  std::stringstream ss;
-  ss << in.rdbuf();
+  std::string text;
+  char buf[1 << 16];
+  while (in.read(buf, sizeof buf) || in.gcount() > 0) {
+    text.append(buf, static_cast<size_t>(in.gcount()));
+    if (text.size() > kMaxConfigBytes)
+      return InvalidArgument(StrCat("config ", path, " is larger than ", kMaxConfigBytes >> 20,
+                                    " MiB; a DeepSpeed config is a few KiB (Note [config limits])"));
+  }
   if (in.bad()) return ErrnoToStatus(errno, StrCat("cannot read config ", path));
-  return FromJsonText(ss.str(), path);
+  return FromJsonText(text, path);
 }
 
 namespace {

@@ -440,6 +440,26 @@ TEST(Config, FromFileNamesThePath) {
       << bad.status().message();
 }
 
+// Note [config limits]: a value nested 100,000 deep used to overflow the stack while its error
+// message was written; an endless file was read until memory ran out.
+TEST(Config, DeepNestingAndEndlessFilesAreRefused) {
+  const int depth = 100000;
+  const std::string deep = "{\"train_batch_size\": " + std::string(depth, '[') + std::string(depth, ']') + "}";
+  auto nested = Config::FromJsonText(deep, "deep.json");
+  ASSERT_FALSE(nested.ok());
+  EXPECT_EQ(nested.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(nested.status().message().find("deep.json: a value is nested more than 64 levels"),
+            std::string::npos) << nested.status();
+  // Within the limit the value reaches its key's check, which names it.
+  const std::string shallow = "{\"train_batch_size\": " + std::string(60, '[') + std::string(60, ']') + "}";
+  auto typed = Config::FromJsonText(shallow, "shallow.json");
+  ASSERT_FALSE(typed.ok());
+  EXPECT_NE(typed.status().message().find("train_batch_size"), std::string::npos) << typed.status();
+  auto endless = Config::FromFile("/dev/zero");
+  ASSERT_FALSE(endless.ok());
+  EXPECT_NE(endless.status().message().find("larger than 64 MiB"), std::string::npos) << endless.status();
+}
+
 TEST(Config, ShippedConfigsParseWithoutWarnings) {
   int seen = 0;
   for (const auto& entry :

@@ -4,7 +4,11 @@
 #include <filesystem>
 #include <fstream>
 #include <iterator>
+#include <new>
 #include <random>
+
+#include "runtime/base/host_info.h"
+#include "runtime/base/units.h"
 
 namespace strata::train {
 
@@ -29,11 +33,35 @@ StatusOr<TextData> LoadText(const std::string& path, int64_t seq_len, double hol
   }
   TextData data;
   std::vector<uint8_t> all;
-  for (const auto& f : files) {
-    std::ifstream in(f, std::ios::binary);
-    if (!in) return ErrnoToStatus(errno, StrCat("cannot read --data file ", f.string()));
-    all.insert(all.end(), std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
-    data.files.push_back(f.string());
+  // The corpus is held in memory, and copied once into its two splits: an eighth of what the
+  // host has free leaves room for both and for a growing buffer's doubling (a device such as
+  // /dev/zero has no size to check first, and never ends).
+  const uint64_t available = ReadHostMemory().available_bytes;
+  const uint64_t limit = available > 0 ? available / 8 : uint64_t{1} << 40;
+  const auto too_large = [&] {
+    return ResourceExhausted(StrCat("--data ", path, " holds more than ", FormatBytes(limit),
+                                    ", an eighth of the host's available memory; strata-train holds "
+                                    "its corpus whole, so pass a part of it"));
+  };
+  uint64_t sized = 0;
+  for (const auto& f : files)
+    if (fs::is_regular_file(f, ec)) sized += fs::file_size(f, ec);
+  if (sized > limit) return too_large();
+  try {
+    all.reserve(sized);
+    for (const auto& f : files) {
+      std::ifstream in(f, std::ios::binary);
+      if (!in) return ErrnoToStatus(errno, StrCat("cannot read --data file ", f.string()));
+      char buf[1 << 16];
+      while (in.read(buf, sizeof buf) || in.gcount() > 0) {
+        all.insert(all.end(), buf, buf + in.gcount());
+        if (all.size() > limit) return too_large();
+      }
+      if (in.bad()) return ErrnoToStatus(errno, StrCat("cannot read --data file ", f.string()));
+      data.files.push_back(f.string());
+    }
+  } catch (const std::bad_alloc&) {
+    return too_large();
   }
   const int64_t window = seq_len + 1;
   if (static_cast<int64_t>(all.size()) < 4 * window)

@@ -286,5 +286,31 @@ TEST(FormatsCliTest, IsaPicksTheKernelsAndABadOneExitsTwo) {
   for (const auto& row : j["layouts"]) EXPECT_GT(row["gparams_s"].get<double>(), 0.0) << row.dump();
 }
 
+// Flags a fuzzing pass found unchecked: each now exits 2 with a message naming the flag and the
+// value (before: a crash in TBB or std::vector, an int overflow that printed zeros and exit 0,
+// NaN or an empty string taken as "not given", CLI11's own exit codes 104/105).
+TEST(CliFlagsTest, OutOfRangeValuesExitTwoNamingTheFlag) {
+  const std::string swapbench = STRATA_SWAPBENCH_BIN, train = STRATA_TRAIN_BIN;
+  const std::string launch = STRATA_LAUNCH_BIN, commbench = STRATA_COMMBENCH_BIN;
+  const std::pair<std::string, std::string> cases[] = {
+      {swapbench + " sgd --n 4294967296 --reps 1", "--n=4294967296"},
+      {swapbench + " lion --n 4096 --reps 1000000000", "--reps=1000000000"},
+      {swapbench + " formats --n 4096 --reps 1 --threads 100000", "--threads=100000"},
+      {launch + " --nproc 1 --grace nan -- true", "--grace=nan"},
+      {launch + " --nproc 0 -- true", "--nproc"},
+      {commbench + " --timeout abc", "--timeout"},
+      {commbench + " --bytes 3b --iters 1", "--bytes=3b"},
+      {commbench + " --bucket -1 --iters 1", "--bucket=-1"},
+      {train + " --lr nan --steps 1", "--lr"},
+      {train + " --resume '' --steps 1", "--resume=''"},
+      {train + " --nvme-path '' --steps 1", "--nvme-path=''"},
+  };
+  for (const auto& [cmd, want] : cases) {
+    const Result r = Exec(cmd);
+    EXPECT_EQ(r.rc, 2) << cmd << "\n" << r.out;
+    EXPECT_NE(r.out.find(want), std::string::npos) << cmd << "\n" << r.out;
+  }
+}
+
 }  // namespace
 }  // namespace strata

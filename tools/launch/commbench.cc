@@ -68,6 +68,11 @@ Status WriteToProfile(const std::string& path, const std::string& backend, int w
 Status Run(const std::string& bytes_text, int iters, int warmup, const std::string& backend,
            double timeout_s, int64_t bucket, const std::string& profile) {
   STRATA_ASSIGN_OR_RETURN(uint64_t bytes, strata::ParseBytes(bytes_text));
+  // One fp32 element per rank at the least; below that the collective moves rounding, not data.
+  if (bytes < 4 || bytes > (uint64_t{1} << 40))
+    return strata::InvalidArgument(strata::StrCat("--bytes=", bytes_text, ": must be 4 B .. 1 TiB"));
+  if (bucket < 0)
+    return strata::InvalidArgument(strata::StrCat("--bucket=", bucket, ": must be >= 0 elements (0: the default)"));
   strata::CommOptions opts;
   opts.backend = backend;
   opts.timeout_s = timeout_s;
@@ -149,11 +154,18 @@ int main(int argc, char** argv) {
   app.add_option("--profile", profile,
                  "add the measured bus bandwidth as \"comm\" to this profile JSON (strata-tune reads it "
                  "for --world-size > 1); created when missing");
-  CLI11_PARSE(app, argc, argv);
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    // Help exits 0; a bad flag is a bad argument, 2, as in every Strata tool (CLI11's own codes
+    // differ by error kind).
+    const int rc = app.exit(e);
+    return rc == 0 ? 0 : 2;
+  }
   const Status s = Run(bytes, iters, warmup, backend, timeout_s, bucket, profile);
   if (!s.ok()) {
     std::fprintf(stderr, "strata-commbench: %s\n", s.ToString().c_str());
-    return 1;
+    return s.code() == strata::StatusCode::kInvalidArgument ? 2 : 1;
   }
   return 0;
 }

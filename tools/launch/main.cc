@@ -20,6 +20,7 @@
 
 #include <cerrno>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <cstring>
 #include <string>
@@ -350,7 +351,12 @@ int main(int argc, char** argv) {
   try {
     app.parse(own_argc, argv);
   } catch (const CLI::ParseError& e) {
-    return app.exit(e);
+    const int rc = app.exit(e);  // help: 0; a bad flag: 2 (not CLI11's per-kind codes)
+    return rc == 0 ? 0 : 2;
+  }
+  if (!std::isfinite(grace_s)) {  // NaN passes CLI::Range: no comparison with it fails
+    std::fprintf(stderr, "strata-launch: --grace=%g: must be a number of seconds in [0, 3600]\n", grace_s);
+    return 2;
   }
   if (cmd.empty()) {
     std::fprintf(stderr, "strata-launch: no command given: put it after '--', e.g. "

@@ -130,9 +130,8 @@ void Report(const BenchArgs& a, size_t n, int threads, optim::Isa isa, double st
 
 int RunBench(const BenchArgs& a) {
   const char* name = NameOf(a.kind);
-  if (a.n < 1 || a.reps < 1 || a.threads < 0) {
-    std::cerr << "strata-swapbench " << name
-              << ": --n and --reps must be >= 1 and --threads >= 0\n";
+  if (Status s = CheckKernelBenchSizes(a.n, a.threads, a.reps); !s.ok()) {
+    std::cerr << "strata-swapbench " << name << ": " << s.message() << "\n";
     return 2;
   }
   const size_t n = static_cast<size_t>(a.n);

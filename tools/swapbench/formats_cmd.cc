@@ -180,8 +180,8 @@ void Report(const FormatsArgs& a, int threads, optim::Isa isa, const nlohmann::j
 }
 
 int RunFormats(const FormatsArgs& a) {
-  if (a.n < 1 || a.threads < 0 || a.reps < 1) {
-    std::fprintf(stderr, "strata-swapbench formats: --n >= 1, --threads >= 0, --reps >= 1\n");
+  if (Status s = CheckKernelBenchSizes(a.n, a.threads, a.reps); !s.ok()) {
+    std::fprintf(stderr, "strata-swapbench formats: %s\n", std::string(s.message()).c_str());
     return 2;
   }
   const StatusOr<optim::Isa> want = optim::ParseIsa(a.isa.c_str());

@@ -608,7 +608,13 @@ int main(int argc, char** argv) {
       ->check(strata::train::WholeAtLeast(1));
   app.add_option("--lr", f.lr, "learning rate, used where the config says optimizer.params.lr: \"auto\" "
                                "(default 1e-3)")
-      ->check(CLI::PositiveNumber);
+      ->check(CLI::Validator(
+          [](std::string& v) -> std::string {
+            const double x = std::strtod(v.c_str(), nullptr);
+            // NaN passes a range check (no comparison with it holds); the config's own range.
+            return std::isfinite(x) && x > 0 && x <= 10 ? "" : "must be a number in (0, 10]";
+          },
+          "(0, 10]"));
   app.add_flag("--print-config", f.print_config,
                "print the effective config (defaults filled in, \"auto\" values resolved for this "
                "machine and WORLD_SIZE) and exit; stderr lists the keys that were \"auto\" and "
@@ -620,6 +626,14 @@ int main(int argc, char** argv) {
   } catch (const CLI::ParseError& e) {
     std::fprintf(stderr, "strata-train: %s\nRun with --help for the options.\n", e.what());
     return 2;
+  }
+  // An empty value would read as "not given" and the run go on without it.
+  for (const char* flag : {"--config", "--data", "--nvme-path", "--save", "--resume", "--device", "--trace"}) {
+    const CLI::Option* o = app.get_option(flag);
+    if (o->count() > 0 && o->as<std::string>().empty()) {
+      std::fprintf(stderr, "strata-train: %s='': needs a value (leave the flag out for the default)\n", flag);
+      return 2;
+    }
   }
 
   auto config = f.config.empty()

@@ -64,11 +64,20 @@ class Fp32Checkpoint:
         self.manifests = []
         for path in paths:
             with open(path, encoding="utf-8") as f:
-                m = json.load(f)
-            if m.get("format") != "strata-checkpoint":
+                try:
+                    m = json.load(f)
+                except ValueError as e:  # JSONDecodeError, and bad UTF-8
+                    raise CheckpointError(f"{path}: not valid JSON ({e}); the manifest is "
+                                          "damaged") from None
+            if not isinstance(m, dict) or m.get("format") != "strata-checkpoint":
                 raise CheckpointError(f"{path}: not a Strata checkpoint manifest")
             self.manifests.append(m)
-        world = self.manifests[0]["world_size"]
+        if not self.manifests:
+            raise CheckpointError(f"{step_dir}: no rank-*.json manifest")
+        world = self.manifests[0].get("world_size")
+        if not isinstance(world, int) or world < 1:
+            raise CheckpointError(f"{paths[0]}: world_size={world!r} is not a rank count; the "
+                                  "manifest is damaged")
         ranks = sorted(m["rank"] for m in self.manifests)
         if ranks != list(range(world)):
             raise CheckpointError(f"{step_dir}: has the manifests of ranks {ranks} of a world of "
@@ -96,6 +105,18 @@ class Fp32Checkpoint:
         return full
 
     def state_dict(self):
+        """Every parameter and persistent buffer; a manifest whose fields are missing, of the
+        wrong type or out of range raises CheckpointError naming the directory (the engine's own
+        loader refuses such manifests too)."""
+        try:
+            return self._state_dict()
+        except CheckpointError:
+            raise
+        except (KeyError, IndexError, TypeError, ValueError, RuntimeError) as e:
+            raise CheckpointError(f"{self.dir}: a manifest is damaged ({type(e).__name__}: {e}); "
+                                  "it does not describe the rank files") from None
+
+    def _state_dict(self):
         out = collections.OrderedDict()
         by_chunk = collections.defaultdict(list)
         for p in self.layout["params"]:

@@ -418,6 +418,29 @@ def test_zero_to_fp32_refuses_a_damaged_shard_naming_the_file(tmp_path):
             get_fp32_state_dict_from_zero_checkpoint(bad)
         assert "rank-00000.bin" in str(e.value)
         assert ("crc32c" if damage == "flip" else "is truncated") in str(e.value), str(e.value)
+    # A damaged manifest is a CheckpointError too (the command line's exit 2), not a traceback
+    # from json, KeyError or IndexError: cut short, a field gone, a field out of range.
+    text = open(os.path.join(step_dir, "rank-00000.json")).read()
+    edits = {
+        "cut": lambda m: None,
+        "no_world": lambda m: m.pop("world_size"),
+        "chunk_99": lambda m: m["layout"]["params"][0].__setitem__("chunk", 99),
+        "negative_numel": lambda m: m["layout"]["chunk_numel"].__setitem__(0, -5),
+        "no_params": lambda m: m["layout"].pop("params"),
+    }
+    for name, edit in edits.items():
+        bad = tmp_path / f"manifest-{name}"
+        shutil.copytree(tmp_path / "ck", bad)
+        path = glob.glob(str(bad / "**" / "rank-00000.json"), recursive=True)[0]
+        if name == "cut":
+            open(path, "w").write(text[:1000])
+        else:
+            m = json.loads(text)
+            edit(m)
+            open(path, "w").write(json.dumps(m))
+        with pytest.raises(CheckpointError) as e:
+            get_fp32_state_dict_from_zero_checkpoint(bad)
+        assert "rank-00000.json" in str(e.value) or "manifest" in str(e.value), (name, str(e.value))
     assert get_fp32_state_dict_from_zero_checkpoint(tmp_path / "ck")  # the original still loads
 
 

@@ -398,7 +398,9 @@ Status ParseAdamParams(Section& p, OptimizerConfig* c, bool named_adamw) {
     p.Get("adam_w_mode");
   }
   p.Ignored("amsgrad", "is not supported (amsgrad=true is rejected)");
-  if (const json* a = p.Get("amsgrad"); a && a->is_boolean() && a->get<bool>())
+  if (const json* a = p.Get("amsgrad"); a && !a->is_boolean())
+    return InvalidArgument(StrCat(p.Key("amsgrad"), "=", Describe(*a), ": must be true or false"));
+  if (const json* a = p.Get("amsgrad"); a && a->get<bool>())
     return InvalidArgument(StrCat(p.Key("amsgrad"), "=true: AMSGrad is not supported; remove it"));
   return Status::Ok();
 }

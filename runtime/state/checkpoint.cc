@@ -4,6 +4,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstdio>
 #include <filesystem>
@@ -144,8 +145,20 @@ StatusOr<std::string> ResolveCheckpointDir(const std::string& path) {
   if (fs::exists(fs::path(path) / (RankFileStem(0) + ".json"), ec)) return path;
   fs::path latest = fs::path(path) / "latest";
   if (fs::exists(latest, ec)) {
+    // It holds one directory name (save_checkpoint writes a tag or step-N): anything longer than
+    // a name can be, or with control bytes, is damage, and is not echoed into the message
+    // (bytes from 0x80 up stay allowed: a UTF-8 tag).
+    if (!fs::is_regular_file(latest, ec) || fs::file_size(latest, ec) > 256)
+      return DataLoss(StrCat(latest.string(), " is not a one-line file naming a checkpoint"));
     STRATA_ASSIGN_OR_RETURN(std::string name, ReadFile(latest.string()));
     while (!name.empty() && (name.back() == '\n' || name.back() == ' ')) name.pop_back();
+    const bool printable = std::all_of(name.begin(), name.end(), [](char ch) {
+      const auto b = static_cast<unsigned char>(ch);
+      return b >= 0x20 && b != 0x7f;
+    });
+    if (!printable)
+      return DataLoss(StrCat(latest.string(), " holds ", name.size(),
+                             " bytes that are not a directory name; it does not name a checkpoint"));
     if (name.empty() || name.find('/') != std::string::npos)
       return DataLoss(StrCat(latest.string(), " does not name a checkpoint"));
     fs::path dir = fs::path(path) / name;

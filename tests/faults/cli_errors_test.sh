@@ -93,5 +93,17 @@ if [ "$(cd "$work/bad-ckpt" && find . -type f -print0 | sort -z | xargs -0 sha25
   echo "FAIL [corrupted manifest]: the run wrote into the checkpoint it could not load"; failures=$((failures + 1))
 fi
 
+# A `latest` of random bytes: refused without echoing them (they reached the terminal raw).
+cp -r "$work/ckpt" "$work/noise-ckpt"
+head -c 200 /dev/urandom | tr -d '\n' | sed 's/^/\x01/' >"$work/noise-ckpt/latest"
+out=$("$train" --config "$work/good.json" "${common[@]}" --resume "$work/noise-ckpt" 2>&1); rc=$?
+if [ $rc -eq 0 ] || ! grep -qF "are not a directory name" <<<"$out"; then
+  echo "FAIL [latest of random bytes]: exit $rc:"; echo "$out" | tail -3 | cat -v; failures=$((failures + 1))
+elif LC_ALL=C grep -q '[^[:print:][:space:]]' <<<"$out"; then
+  echo "FAIL [latest of random bytes]: the message carries unprintable bytes"; failures=$((failures + 1))
+else
+  echo "ok   [latest of random bytes] exit $rc"
+fi
+
 if [ $failures -ne 0 ]; then echo "$failures failure(s)"; exit 1; fi
 echo "all CLI error cases passed"

@@ -317,6 +317,9 @@ TEST(Config, WrongTypes) {
               {"nvme_path=3", "list of strings"});
   ExpectError(R"([1, 2])", {"must be a JSON object"});
   ExpectError(R"({"aio": )", {"not valid JSON"});
+  ExpectError(R"({"optimizer": {"type": "Adam", "params": {"amsgrad": "x"}}})",
+              {"optimizer.params.amsgrad=\"x\"", "true or false"});
+  ExpectError(R"({"optimizer": {"type": "Adam", "params": {"amsgrad": true}}})", {"AMSGrad is not supported"});
 }
 
 TEST(Config, OutOfRange) {

@@ -144,6 +144,25 @@ TEST(TuneCliTest, BadArgumentsExitTwo) {
   r = Exec(base + " --profile " + dir.path() + "/bad.json");
   EXPECT_EQ(r.rc, 2);
   EXPECT_NE(r.out.find("nvme.points[0].op"), std::string::npos) << r.out;
+  // Figures no machine has, which the ranking used as given: infinite compute, a point no aio
+  // config can run (block size 0, queue depth 0), a rate of 0.
+  for (const char* flag : {"--gflops inf", "--gflops 1e30", "--comm-gbps 1e30"}) {
+    r = Exec(base + " --profile " + dir.path() + "/p.json " + flag);
+    EXPECT_EQ(r.rc, 2) << flag << "\n" << r.out;
+    EXPECT_NE(r.out.find(std::string(flag).substr(0, std::string(flag).find(' '))), std::string::npos) << r.out;
+  }
+  const std::pair<const char*, const char*> points[] = {
+      {R"("block_size": 0, "queue_depth": 32, "gbps": 1)", "block_size=0"},
+      {R"("block_size": 4097, "queue_depth": 32, "gbps": 1)", "block_size=4097"},
+      {R"("block_size": 4096, "queue_depth": 0, "gbps": 1)", "queue_depth=0"},
+      {R"("block_size": 4096, "queue_depth": 32, "gbps": 0)", "gbps=0"},
+  };
+  for (const auto& [point, want] : points) {
+    Write(dir.path() + "/bad.json", StrCat(R"({"nvme": {"points": [{"op": "read", )", point, "}]}}"));
+    r = Exec(base + " --profile " + dir.path() + "/bad.json");
+    EXPECT_EQ(r.rc, 2) << point << "\n" << r.out;
+    EXPECT_NE(r.out.find(StrCat("nvme.points[0].", want)), std::string::npos) << r.out;
+  }
 }
 
 TEST(TuneCliTest, WritesAConfigThatParsesAndKeepsOtherKeys) {

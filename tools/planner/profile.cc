@@ -1,5 +1,6 @@
 #include "tools/planner/profile.h"
 
+#include <cmath>
 #include <fstream>
 #include <sstream>
 
@@ -93,7 +94,20 @@ Status Num(const nlohmann::json& j, const std::string& where, const char* key, d
   if (!j.contains(key) || !j[key].is_number())
     return InvalidArgument(StrCat("profile: ", where, ".", key, " is missing or not a number"));
   *out = j[key].get<double>();
-  if (!(*out >= 0)) return InvalidArgument(StrCat("profile: ", where, ".", key, "=", *out, ": must be >= 0"));
+  if (!(*out >= 0) || !std::isfinite(*out))
+    return InvalidArgument(StrCat("profile: ", where, ".", key, "=", *out, ": must be a finite number >= 0"));
+  return Status::Ok();
+}
+
+// Reads j[key] as a whole number in [lo, hi], naming the path on failure.
+Status Whole(const nlohmann::json& j, const std::string& where, const char* key, int64_t lo, int64_t hi,
+             int64_t* out) {
+  double v = 0;
+  STRATA_RETURN_IF_ERROR(Num(j, where, key, &v));
+  if (v != std::floor(v) || v < static_cast<double>(lo) || v > static_cast<double>(hi))
+    return InvalidArgument(StrCat("profile: ", where, ".", key, "=", v, ": must be a whole number in ", lo,
+                                  "..", hi));
+  *out = static_cast<int64_t>(v);
   return Status::Ok();
 }
 
@@ -110,14 +124,17 @@ Status Point(const nlohmann::json& p, const std::string& where, NvmePoint* out) 
   if (op != "read" && op != "write")
     return InvalidArgument(StrCat("profile: ", where, ".op=\"", op, "\": must be read or write"));
   out->write = op == "write";
-  double bs = 0, qd = 0, par = 1;
-  STRATA_RETURN_IF_ERROR(Num(p, where, "block_size", &bs));
-  STRATA_RETURN_IF_ERROR(Num(p, where, "queue_depth", &qd));
-  if (p.contains("intra_op_parallelism")) STRATA_RETURN_IF_ERROR(Num(p, where, "intra_op_parallelism", &par));
+  // The ranges the aio config accepts: a point outside them is one no run could use.
+  STRATA_RETURN_IF_ERROR(Whole(p, where, "block_size", 4096, int64_t{1} << 30, &out->block_size));
+  if (out->block_size % 4096 != 0)
+    return InvalidArgument(StrCat("profile: ", where, ".block_size=", out->block_size,
+                                  ": must be a multiple of 4096 (O_DIRECT)"));
+  STRATA_RETURN_IF_ERROR(Whole(p, where, "queue_depth", 1, 4096, &out->queue_depth));
+  out->parallelism = 1;
+  if (p.contains("intra_op_parallelism"))
+    STRATA_RETURN_IF_ERROR(Whole(p, where, "intra_op_parallelism", 1, 256, &out->parallelism));
   STRATA_RETURN_IF_ERROR(Num(p, where, "gbps", &out->gbps));
-  out->block_size = static_cast<int64_t>(bs);
-  out->queue_depth = static_cast<int64_t>(qd);
-  out->parallelism = static_cast<int64_t>(par);
+  if (out->gbps <= 0) return InvalidArgument(StrCat("profile: ", where, ".gbps=0: a measured rate is > 0"));
   return Status::Ok();
 }
 

@@ -229,14 +229,15 @@ StatusOr<TuneOptions> MakeTuneOptions(Args* a, const Config& config, const Hardw
   if (!a->gflops_s.empty()) {
     char* end = nullptr;
     to.gflops_override = std::strtod(a->gflops_s.c_str(), &end);
-    if (*end != '\0' || !(to.gflops_override > 0))
-      return InvalidArgument(StrCat("--gflops=", a->gflops_s, ": must be a positive number"));
+    // 1e7 GFLOP/s is ten PFLOP/s, beyond any one device: a larger figure is a typo (or inf).
+    if (*end != '\0' || !(to.gflops_override > 0) || !(to.gflops_override <= 1e7))
+      return InvalidArgument(StrCat("--gflops=", a->gflops_s, ": must be a number in (0, 1e7] GFLOP/s"));
   }
   if (!a->comm_s.empty()) {
     char* end = nullptr;
     to.comm_gbps_override = std::strtod(a->comm_s.c_str(), &end);
-    if (*end != '\0' || !(to.comm_gbps_override > 0))
-      return InvalidArgument(StrCat("--comm-gbps=", a->comm_s, ": must be a positive number"));
+    if (*end != '\0' || !(to.comm_gbps_override > 0) || !(to.comm_gbps_override <= 1e5))
+      return InvalidArgument(StrCat("--comm-gbps=", a->comm_s, ": must be a number in (0, 1e5] GB/s"));
   }
   if (a->nvme_path.empty()) {
     const auto& z = config.zero_optimization;

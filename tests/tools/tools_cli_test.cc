@@ -323,12 +323,32 @@ TEST(CliFlagsTest, OutOfRangeValuesExitTwoNamingTheFlag) {
       {train + " --lr nan --steps 1", "--lr"},
       {train + " --resume '' --steps 1", "--resume=''"},
       {train + " --nvme-path '' --steps 1", "--nvme-path=''"},
+      {train + " --micro-batch 16777217 --steps 1", "--micro-batch"},
   };
   for (const auto& [cmd, want] : cases) {
     const Result r = Exec(cmd);
     EXPECT_EQ(r.rc, 2) << cmd << "\n" << r.out;
     EXPECT_NE(r.out.find(want), std::string::npos) << cmd << "\n" << r.out;
   }
+}
+
+// A micro-batch whose activations alone exceed the host's available memory is refused before
+// the model is built, naming the figure and the keys that lower it (it was killed by the kernel,
+// or failed in LibTorch's allocator with no word of the micro-batch).
+TEST(CliFlagsTest, AMicroBatchBeyondMemoryIsRefusedBeforeTheModelIsBuilt) {
+  testing::TempDir dir;
+  Write(dir.path() + "/c.json", R"({
+    "train_micro_batch_size_per_gpu": "auto",
+    "zero_optimization": {"stage": 2},
+    "strata": {"chunk_size": "1MiB", "device": "cpu"},
+    "model": {"n_layers": 2, "d_model": 64, "n_heads": 4, "seq_len": 128, "vocab_size": 256}
+  })");
+  const Result r = Exec(std::string(STRATA_TRAIN_BIN) + " --config " + dir.path() +
+                        "/c.json --micro-batch 4000000 --steps 1 --plot ''");
+  EXPECT_EQ(r.rc, 1) << r.out;
+  EXPECT_NE(r.out.find("one micro-batch of 4000000 x 128 tokens keeps"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("the host has available"), std::string::npos) << r.out;
+  EXPECT_EQ(r.out.find("building the model"), std::string::npos) << r.out;
 }
 
 }  // namespace

@@ -217,6 +217,7 @@ class Trainer {
     host_ = HostDescription(NvmeDirForHost());
     if (leader() && !f_.json) std::fprintf(stderr, "strata-train: on %s\n", host_.c_str());
     STRATA_RETURN_IF_ERROR(ReserveForCompute());
+    STRATA_RETURN_IF_ERROR(CheckActivationsFit());
     {
       // Stage 3 with NVMe offload: build the model under zero::Init, unit by unit into a staging
       // file on the NVMe directory, so the whole fp32 model never sits in DRAM.
@@ -520,6 +521,27 @@ class Trainer {
     return Status::Ok();
   }
 
+  // One micro-batch's activations (strata-estimate's count, Note [activation count]) against
+  // all the memory they can live in: the host's available memory on the CPU device, the GPU's
+  // on CUDA. Beyond it the forward can only fail, after the model is built: the kernel kills the
+  // process, or LibTorch reports a failed allocation that names neither the micro-batch nor the
+  // model's size. Only a definite failure is refused: the engine's own state comes on top.
+  Status CheckActivationsFit() const {
+    const int64_t micro = c_.train_micro_batch_size_per_gpu;
+    const int esize = c_.bf16.enabled || c_.fp16.enabled ? 2 : 4;
+    const planner::ActivationEstimate a = planner::GptActivations(
+        c_.model, micro, esize, c_.activation_checkpointing.cpu_checkpointing);
+    const bool on_host = device_->kind() == DeviceKind::kCpu;
+    const uint64_t room = on_host ? ReadHostMemory().available_bytes : device_->capacity();
+    if (room == 0 || a.saved_bytes <= room) return Status::Ok();
+    return ResourceExhausted(StrCat(
+        "one micro-batch of ", micro, " x ", c_.model.seq_len, " tokens keeps ~", FormatBytes(a.saved_bytes),
+        " of activations for backward (d_model ", c_.model.d_model, ", ", c_.model.n_layers, " layers",
+        a.checkpointed ? ", checkpointed" : "", "), more than the ", FormatBytes(room), " the ",
+        on_host ? "host has available" : "device has", "; lower train_micro_batch_size_per_gpu (--micro-batch)",
+        a.checkpointed ? "" : " or set model.checkpoint_activations", " (strata-estimate --config shows the figure)"));
+  }
+
   // The directory NVMe swap goes to, if any (for the disk in the host line).
   std::string NvmeDirForHost() const {
     if (!f_.nvme_path.empty()) return f_.nvme_path;
@@ -605,7 +627,7 @@ int main(int argc, char** argv) {
   app.add_option("--micro-batch", f.micro_batch,
                  "micro-batch size per rank, used where the config says "
                  "train_micro_batch_size_per_gpu: \"auto\" (default 1)")
-      ->check(strata::train::WholeAtLeast(1));
+      ->check(CLI::Range(int64_t{1}, int64_t{1} << 24));  // the config key's range
   app.add_option("--lr", f.lr, "learning rate, used where the config says optimizer.params.lr: \"auto\" "
                                "(default 1e-3)")
       ->check(CLI::Validator(

@@ -52,7 +52,8 @@ void BuildBuckets(Map* m) {
         // The magnitudes of the bucket: [lo, hi); the lowest exponent row holds [0, 2^-24).
         double lo, hi;
         if (e == 0) {
-          if (j != 0) continue;  // BucketOf maps every tiny magnitude to mantissa bucket 0
+          // Every tiny magnitude: BucketOf maps them to mantissa bucket 0, the vector paths'
+          // clamped index (Note [bucket index]) to any bucket of this row; all hold the same.
           lo = 0, hi = std::ldexp(1.0, static_cast<int>(internal::kBucketMinExponent) - 127);
         } else {
           const double base = std::ldexp(1.0, e + static_cast<int>(internal::kBucketMinExponent) - 1 - 127);
@@ -104,7 +105,6 @@ Map BuildMap(bool is_signed) {
   Map m;
   for (size_t i = 0; i < 256; ++i) m.values[i] = static_cast<float>(v[i]);
   m.mids.fill(std::numeric_limits<float>::infinity());
-  m.buckets.fill(0xffff00u);  // unused buckets (tiny magnitudes beyond mantissa 0): no midpoint
   for (size_t i = 0; i < 255; ++i) {
     m.mids[i] = static_cast<float>((static_cast<double>(m.values[i]) + m.values[i + 1]) / 2);
     m.max_error = std::max(m.max_error, (m.values[i + 1] - m.values[i]) / 2);

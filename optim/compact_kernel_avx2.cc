@@ -60,18 +60,15 @@ void RoundSr(const float* x, uint16_t* out, size_t n, uint32_t high, uint32_t lo
   CompactKernelsScalar().round_sr(x + i, out + i, n - i, high, lo + static_cast<uint32_t>(i));
 }
 
-// The bucket of each lane (compact_kernels.h, BucketOf) with integer operations.
+// The bucket of each lane from its upper 16 bits (Note [bucket index] in compact_kernel_avx512.cc).
 inline __m256i Buckets(__m256i bits) {
-  const __m256i sign = _mm256_srli_epi32(bits, 31);
-  __m256i e = _mm256_and_si256(_mm256_srli_epi32(bits, 23), _mm256_set1_epi32(0xff));
-  __m256i mant = _mm256_and_si256(_mm256_srli_epi32(bits, 23 - kBucketMantissaBits),
-                                  _mm256_set1_epi32((1 << kBucketMantissaBits) - 1));
-  const __m256i tiny = _mm256_cmpgt_epi32(_mm256_set1_epi32(kBucketMinExponent), e);
-  e = _mm256_max_epi32(e, _mm256_set1_epi32(kBucketMinExponent - 1));
-  mant = _mm256_andnot_si256(tiny, mant);
-  const __m256i row = _mm256_add_epi32(_mm256_mullo_epi32(sign, _mm256_set1_epi32(128 - kBucketMinExponent + 1)),
-                                       _mm256_sub_epi32(e, _mm256_set1_epi32(kBucketMinExponent - 1)));
-  return _mm256_add_epi32(_mm256_slli_epi32(row, kBucketMantissaBits), mant);
+  const __m256i row_bits = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(0x7fff));
+  const __m256i idx = _mm256_max_epi32(
+      _mm256_sub_epi32(row_bits, _mm256_set1_epi32((kBucketMinExponent - 1) << kBucketMantissaBits)),
+      _mm256_setzero_si256());
+  const __m256i half = _mm256_and_si256(_mm256_srai_epi32(bits, 31),
+                                        _mm256_set1_epi32((128 - kBucketMinExponent + 1) << kBucketMantissaBits));
+  return _mm256_add_epi32(idx, half);
 }
 
 void Quantize(const float* x, size_t n, float scale, const CodeTables& t, uint8_t* codes) {

@@ -86,18 +86,21 @@ void RoundSr(const float* x, uint16_t* out, size_t n, uint32_t high, uint32_t lo
   });
 }
 
-// The bucket of each lane (compact_kernels.h, BucketOf) with integer operations.
+// Note [bucket index]
+// A bucket is y's sign, exponent and top seven mantissa bits, which are y's upper 16 bits: with
+// the sign dropped they count the rows from exponent 0, so subtracting the tiny row's start and
+// clamping at 0 (every smaller exponent) gives the row and mantissa bucket at once, and the sign
+// adds one half of the table. The tiny row's buckets all hold the same entry (BuildBuckets), so
+// the clamp needs no mantissa cleared. Against the field-by-field form (shifts, masks, a compare,
+// a multiply) the quantizer went from 0.525 to 0.455 ns per value here and from 0.67 to 0.50 on
+// AVX2 (AMD Zen 5, one thread, L1-resident blocks, absmax included).
 inline __m512i Buckets(__m512i bits) {
-  const __m512i sign = _mm512_srli_epi32(bits, 31);
-  __m512i e = _mm512_and_si512(_mm512_srli_epi32(bits, 23), _mm512_set1_epi32(0xff));
-  __m512i mant = _mm512_and_si512(_mm512_srli_epi32(bits, 23 - kBucketMantissaBits),
-                                  _mm512_set1_epi32((1 << kBucketMantissaBits) - 1));
-  const __mmask16 tiny = _mm512_cmplt_epu32_mask(e, _mm512_set1_epi32(kBucketMinExponent));
-  e = _mm512_max_epu32(e, _mm512_set1_epi32(kBucketMinExponent - 1));
-  mant = _mm512_maskz_mov_epi32(static_cast<__mmask16>(~tiny), mant);
-  const __m512i row = _mm512_add_epi32(_mm512_mullo_epi32(sign, _mm512_set1_epi32(128 - kBucketMinExponent + 1)),
-                                       _mm512_sub_epi32(e, _mm512_set1_epi32(kBucketMinExponent - 1)));
-  return _mm512_add_epi32(_mm512_slli_epi32(row, kBucketMantissaBits), mant);
+  const __m512i row_bits = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(0x7fff));
+  const __m512i idx = _mm512_max_epi32(
+      _mm512_sub_epi32(row_bits, _mm512_set1_epi32((kBucketMinExponent - 1) << kBucketMantissaBits)),
+      _mm512_setzero_si512());
+  return _mm512_mask_add_epi32(idx, _mm512_movepi32_mask(bits), idx,
+                               _mm512_set1_epi32((128 - kBucketMinExponent + 1) << kBucketMantissaBits));
 }
 
 // Note [8-bit codes on AVX-512]

@@ -19,7 +19,10 @@ inline constexpr int kBucketMantissaBits = 7;
 inline constexpr uint32_t kBucketMinExponent = 103;  // 2^-24; smaller magnitudes share one bucket
 inline constexpr int kBucketProbes = 1;
 inline constexpr size_t kBucketCount = 2u * (128 - kBucketMinExponent + 1) << kBucketMantissaBits;
-// The bucket of y (finite, |y| <= 1), as every path computes it.
+// The bucket of y (finite, |y| < 2), as the scalar code computes it. The vector paths compute
+// the same bucket from y's upper 16 bits in three operations (Note [bucket index] in
+// compact_kernel_avx512.cc), except that a tiny magnitude may land in any bucket of the tiny row,
+// which BuildBuckets fills alike.
 inline uint32_t BucketOf(uint32_t bits) {
   const uint32_t sign = bits >> 31;
   uint32_t e = (bits >> 23) & 0xffu;

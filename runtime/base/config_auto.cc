@@ -4,6 +4,7 @@
 #include <set>
 #include <sstream>
 #include <string>
+#include <utility>
 
 #include "runtime/base/config.h"
 
@@ -27,6 +28,9 @@ namespace {
 // fix the rest through train = micro x accumulation x world.
 Status ResolveBatchSizes(const AutoContext& ctx, Config* c) {
   const int64_t world = ctx.world_size;
+  // 0 is the field's "not given"; written in the file it is DeepSpeed's error too.
+  if (c->train_batch_size_given && c->train_batch_size < 1)
+    return InvalidArgument(StrCat("train_batch_size=", c->train_batch_size, ": must be at least 1"));
   bool micro_known = c->micro_batch_given, accum_known = c->accumulation_given;
   if (!micro_known && ctx.micro_batch > 0) c->train_micro_batch_size_per_gpu = ctx.micro_batch, micro_known = true;
   if (!accum_known && ctx.accumulation > 0) c->gradient_accumulation_steps = ctx.accumulation, accum_known = true;
@@ -50,6 +54,14 @@ Status ResolveBatchSizes(const AutoContext& ctx, Config* c) {
   } else if (!c->train_batch_size_given) {
     c->train_batch_size = c->train_micro_batch_size_per_gpu * c->gradient_accumulation_steps * world;
   }
+  // A value derived from train_batch_size keeps its own key's range (1..2^24, as if written).
+  for (const auto& [key, v] : {std::pair<const char*, int64_t>{"train_micro_batch_size_per_gpu",
+                                                               c->train_micro_batch_size_per_gpu},
+                               {"gradient_accumulation_steps", c->gradient_accumulation_steps}})
+    if (v < 1 || v > (int64_t{1} << 24))
+      return InvalidArgument(StrCat(key, "=", v, " (from train_batch_size=", c->train_batch_size,
+                                    " and world size ", world, "): must be in 1..", int64_t{1} << 24,
+                                    "; give train_batch_size that divides into such values"));
   return Status::Ok();
 }
 

@@ -117,6 +117,11 @@ Status Engine::Impl::ReduceChunk(int64_t c) {
 // Backward opens the micro-step itself when the loss has a graph. Only the forward's compute time
 // goes unmeasured (it ran before the micro-step began).
 Status Engine::Impl::Backward(const torch::Tensor& loss) {
+  if (step_.boundary_reached)
+    return FailedPrecondition(StrCat(
+        "Backward after the last micro-step of step ", step_.global_step + 1, " (gradient_accumulation_steps=",
+        config_.gradient_accumulation_steps, ") without Step: call step() first, or raise "
+        "gradient_accumulation_steps to accumulate more micro-batches into one step"));
   if ((!step_.step_open || !step_.micro_open) && loss.defined() && loss.requires_grad() && !step_.in_backward) {
     if (!parked_.empty()) return CheckStatesResident("a training forward");
     OpenMicroStep();
@@ -185,6 +190,7 @@ Status Engine::Impl::Backward(const torch::Tensor& loss) {
       return Internal(StrCat("chunk ", c, " still waits for ", chunks_[c].pending,
                              " parameter(s) after backward"));
   ++step_.micro_step;
+  step_.boundary_reached = step_.micro_step % config_.gradient_accumulation_steps == 0;
   return Status::Ok();
 }
 

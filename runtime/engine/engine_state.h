@@ -47,6 +47,10 @@ struct StepState {
   bool step_open = false;   // the step's first training forward ran; its Step has not
   bool micro_open = false;  // a training forward has begun and its Backward not yet run
   bool in_backward = false;
+  // The last Backward ended an accumulation (micro_step a multiple of the accumulation steps)
+  // and no Step has run since: the next Backward would begin the following step's updates over
+  // those still pending, so it is refused until Step.
+  bool boundary_reached = false;
   // A tier-manager iteration (BeginIteration) is open. It brackets what repeats each step: with
   // deferred updates that is from one Step's end to the next, so the trace the tier manager
   // records (the second step's) holds the updates interleaved with the forward.

@@ -194,6 +194,7 @@ StatusOr<StepReport> Engine::Impl::CompleteStep(StepReport rep, bool overflow) {
   rep.FillOverlap();
   chunks_.CheckInvariants();
   step_.step_open = false;
+  step_.boundary_reached = false;
   ResetLanes();  // the next window starts now: deferred updates run in it
   return rep;
 }

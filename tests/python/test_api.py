@@ -191,6 +191,26 @@ def test_plain_loss_backward_is_refused_with_the_fix(tmp_path):
     engine.close()
 
 
+@pytest.mark.parametrize("stage", [0, 3])
+def test_a_second_backward_before_step_is_refused_and_training_goes_on(stage, tmp_path):
+    """With gradient_accumulation_steps=1 a backward after the step's last micro-step, before
+    step(), would start the next step's updates over pending ones: the engine aborted the
+    process. It is refused naming the fix, and the engine then steps and trains as usual."""
+    cfg = harness.config_for(STAGE3_RELEASE if stage == 3 else STAGE2_CPU, tmp_path)
+    if stage == 0:
+        cfg["zero_optimization"] = {"stage": 0}
+    engine = _engine("gpt2", cfg)
+    x, y = harness.batch("gpt2", 0)
+    engine.backward(engine(x, targets=y))
+    with pytest.raises(RuntimeError, match=r"without Step: call step\(\) first"):
+        engine.backward(engine(x, targets=y))
+    engine.step()
+    losses = _run(engine, "gpt2", 1, 2)
+    assert engine.global_steps == 3
+    assert all(math.isfinite(v) for v in losses)
+    engine.close()
+
+
 def test_the_training_loader_is_deepspeeds(tmp_path, monkeypatch):
     # Under a launcher (LOCAL_RANK set) DeepSpeed's loader deals the data out through a
     # DistributedSampler (a shuffle seeded with 0) and keeps the last partial batch unless the

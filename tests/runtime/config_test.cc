@@ -563,6 +563,17 @@ TEST(ConfigAuto, BatchSizesFollowDeepSpeedsRules) {
   three.world_size = 3;
   s = bad.ResolveAuto(three);
   EXPECT_NE(s.message().find("train_batch_size=10 is not divisible by the world size 3"), std::string::npos) << s;
+  // 0 written in the file, and a train batch whose derived micro batch leaves its key's range
+  // (0 resolved to accumulation 0, which divided by zero in the Python engine's backward).
+  AutoContext one;
+  ASSERT_OK_AND_ASSIGN(Config zero, Config::FromJsonText(R"({"train_batch_size": 0})"));
+  s = zero.ResolveAuto(one);
+  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message().find("train_batch_size=0: must be at least 1"), std::string::npos) << s;
+  ASSERT_OK_AND_ASSIGN(Config huge, Config::FromJsonText(R"({"train_batch_size": 1099511627776})"));
+  s = huge.ResolveAuto(one);
+  EXPECT_NE(s.message().find("train_micro_batch_size_per_gpu=1099511627776 (from train_batch_size"),
+            std::string::npos) << s;
 }
 
 // Note [Adam means AdamW]: DeepSpeed's "Adam" is decoupled unless adam_w_mode is false.

@@ -103,6 +103,11 @@ def _owner_of(model):
 
 def _check_parameters_have_memory(model):
     for name, p in model.named_parameters():
+        if p.is_meta:
+            raise InvalidArgumentError(
+                f"initialize: parameter {name!r} is on the meta device (no values): materialize "
+                "the model first (to_empty() then its initializers, or load its weights), or "
+                "build it under deepspeed.zero.Init")
         if p.numel() > 0 and p.data_ptr() == 0:
             raise InvalidArgumentError(
                 f"initialize: parameter {name!r} has no memory: the model belonged to a ZeRO-3 "
@@ -142,6 +147,11 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     if config is None:
         config = _arguments.config_from_args(args)
     cfg, source = _config.load(config)
+    if model_parameters is not None and (isinstance(model_parameters, (torch.Tensor, dict)) or
+                                         not hasattr(model_parameters, "__iter__")):
+        raise InvalidArgumentError(
+            f"model_parameters={type(model_parameters).__name__}: must be an iterable of "
+            "parameters or of parameter-group dicts (e.g. model.parameters())")
     if model_parameters is not None and not isinstance(model_parameters, (list, tuple)):
         # A generator (model.parameters()) is read more than once below: by an optimizer
         # callable and by the checks.
@@ -183,8 +193,22 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
                       "the client scheduler wins, as with DeepSpeed")
     if model_parameters is not None:
         # Read twice below (the check, the groups): generators become lists, groups' too.
-        model_parameters = [dict(g, params=list(g["params"])) if isinstance(g, dict) else g
-                            for g in model_parameters]
+        # Frozen parameters among them are left out, as DeepSpeed's optimizer never steps them
+        # (model.parameters() with some frozen is the usual call); so is a group left empty.
+        groups = []
+        for g in model_parameters:
+            if isinstance(g, dict):
+                if "params" not in g:
+                    raise InvalidArgumentError(f"model_parameters: a group without 'params': "
+                                               f"{sorted(g)}")
+                params = g["params"]
+                params = [params] if isinstance(params, torch.Tensor) else list(params)
+                kept = [p for p in params if getattr(p, "requires_grad", True)]
+                if kept or not params:
+                    groups.append(dict(g, params=kept))
+            elif getattr(g, "requires_grad", True):
+                groups.append(g)
+        model_parameters = groups
     _check_model_parameters(model, model_parameters)
 
     owner = _owner_of(model)

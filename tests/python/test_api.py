@@ -211,6 +211,39 @@ def test_a_second_backward_before_step_is_refused_and_training_goes_on(stage, tm
     engine.close()
 
 
+def test_model_parameters_may_hold_frozen_ones_as_deepspeed_takes_them(tmp_path):
+    """model.parameters() with some frozen is DeepSpeed's usual call: the frozen ones are left
+    out (a group of nothing but frozen ones too), and only the trainable ones change. Bad
+    model_parameters and a meta-device model are refused naming what is wrong."""
+    cfg = harness.config_for(STAGE2_CPU, tmp_path)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8))
+    model[0].requires_grad_(False)
+    frozen = model[0].weight.detach().clone()
+    groups = [{"params": model[0].parameters()}, {"params": model[1].parameters(), "lr": 1e-2}]
+    for given in (model.parameters(), groups):
+        m = copy.deepcopy(model)
+        if isinstance(given, list):
+            given = [{"params": m[0].parameters()}, {"params": m[1].parameters(), "lr": 1e-2}]
+        else:
+            given = m.parameters()
+        before = m[1].weight.detach().clone()
+        engine, *_ = strata.initialize(model=m, model_parameters=given, config=copy.deepcopy(cfg))
+        for _ in range(2):
+            engine.backward(engine(torch.randn(2, 8)).square().sum())
+            engine.step()
+        engine.destroy()
+        assert torch.equal(m[0].weight, frozen)
+        assert not torch.equal(m[1].weight, before)
+    for bad, want in ((5, "model_parameters=int"), ([{"lr": 1.0}], "a group without 'params'")):
+        with pytest.raises(ValueError, match=want):
+            strata.initialize(model=copy.deepcopy(model), model_parameters=bad, config=copy.deepcopy(cfg))
+    meta = torch.nn.Linear(8, 8, device="meta") if hasattr(torch.nn.Linear(1, 1), "to_empty") else None
+    if meta is not None:
+        with pytest.raises(ValueError, match="meta device"):
+            strata.initialize(model=meta, config=copy.deepcopy(cfg))
+
+
 def test_the_training_loader_is_deepspeeds(tmp_path, monkeypatch):
     # Under a launcher (LOCAL_RANK set) DeepSpeed's loader deals the data out through a
     # DistributedSampler (a shuffle seeded with 0) and keeps the last partial batch unless the

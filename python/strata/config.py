@@ -127,13 +127,22 @@ def _group_hyperparameters(group):
 
 def group_hyperparameters(group, defaults):
     """(lr, beta1, beta2, eps, weight_decay) of one parameter group, `defaults` (the effective
-    config's optimizer params) filling what the group does not set."""
+    config's optimizer params) filling what the group does not set. A value that is not a
+    number (or betas that are not two) is refused naming the group's key."""
+    def number(key, fallback):
+        v = group.get(key, defaults.get(key, fallback))
+        try:
+            return float(v)
+        except (TypeError, ValueError):
+            raise InvalidArgumentError(f"parameter group {key}={v!r}: must be a number") from None
     betas = group.get("betas", defaults.get("betas", (0.9, 0.999)))
-    return [float(group.get("lr", defaults.get("lr", 1e-3))), float(betas[0]), float(betas[1]),
-            float(group.get("eps", defaults.get("eps", 1e-8))),
-            float(group.get("weight_decay", defaults.get("weight_decay", 0.0))),
-            float(group.get("momentum", defaults.get("momentum", 0.0))),
-            float(group.get("dampening", defaults.get("dampening", 0.0)))]
+    try:
+        b1, b2 = (float(b) for b in betas)
+    except (TypeError, ValueError):
+        raise InvalidArgumentError(f"parameter group betas={betas!r}: must be two numbers, "
+                                   "e.g. (0.9, 0.999)") from None
+    return [number("lr", 1e-3), b1, b2, number("eps", 1e-8), number("weight_decay", 0.0),
+            number("momentum", 0.0), number("dampening", 0.0)]
 
 
 def _sgd_section(optimizer):

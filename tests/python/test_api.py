@@ -235,9 +235,14 @@ def test_model_parameters_may_hold_frozen_ones_as_deepspeed_takes_them(tmp_path)
         engine.destroy()
         assert torch.equal(m[0].weight, frozen)
         assert not torch.equal(m[1].weight, before)
-    for bad, want in ((5, "model_parameters=int"), ([{"lr": 1.0}], "a group without 'params'")):
+    bads = ((lambda m: 5, "model_parameters=int"),
+            (lambda m: [{"lr": 1.0}], "a group without 'params'"),
+            (lambda m: [{"params": m[1].parameters(), "betas": (0.9,)}], r"betas=\(0.9,\): must be two"),
+            (lambda m: [{"params": m[1].parameters(), "lr": "x"}], "lr='x': must be a number"))
+    for bad, want in bads:
+        m = copy.deepcopy(model)
         with pytest.raises(ValueError, match=want):
-            strata.initialize(model=copy.deepcopy(model), model_parameters=bad, config=copy.deepcopy(cfg))
+            strata.initialize(model=m, model_parameters=bad(m), config=copy.deepcopy(cfg))
     meta = torch.nn.Linear(8, 8, device="meta") if hasattr(torch.nn.Linear(1, 1), "to_empty") else None
     if meta is not None:
         with pytest.raises(ValueError, match="meta device"):

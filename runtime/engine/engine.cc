@@ -74,8 +74,11 @@ Engine::Impl::~Impl() {
     materializer_->ReapFrees(/*wait=*/true);
   }
   // Stages 0-2: the parameters are views of chunks the device allocated, and the model outlives
-  // the engine (and maybe the device): give them their own copy of the working values.
-  if (params_on_device_chunks_) {
+  // the engine (and maybe the device): give them their own copy of the working values. Only
+  // parameters whose storage holds them: stage 3's chunks were freed just above, and a setup
+  // that failed may leave zero::Init's parameters, which have sizes but no memory (the plan,
+  // and so the stage, may not even be known then).
+  {
     torch::NoGradGuard ng;
     for (auto& p : params_)
       if (p.tensor.defined() && p.tensor.numel() > 0 && HoldsItsElements(p.tensor))

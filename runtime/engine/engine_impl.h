@@ -334,10 +334,6 @@ class Engine::Impl {
   StepState step_;  // engine_state.h
 
   std::vector<ParamInfo> params_;
-  // Stages 0-2: the parameters were made views of device chunks (initial_blocks.cc), so ~Impl
-  // gives them a copy back. Not before: a setup that failed earlier leaves them as it found them
-  // (under zero::Init, sized tensors without memory).
-  bool params_on_device_chunks_ = false;
   // The units and the order they ran in (unit_coordinator.h).
   UnitCoordinator units_;
   std::vector<std::pair<std::string, torch::Tensor>> buffers_;  // unique, in registration order

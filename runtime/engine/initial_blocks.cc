@@ -151,7 +151,6 @@ Status Engine::Impl::WriteInitialBlocks() {
       // Stages 0-2 keep the whole working copy on the device for the whole run.
       STRATA_ASSIGN_OR_RETURN(chunks_[c].full, DeviceTensor(ci.numel, tdtype));
       chunks_[c].full.copy_(work);
-      params_on_device_chunks_ = true;
       for (int64_t pid : ci.params) {
         const ParamLocation& loc = partitioner_->location(pid);
         params_[pid].tensor.set_data(

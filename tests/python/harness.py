@@ -317,6 +317,20 @@ def train_strata(model_name, cfg, steps, rank=0, world=1, engine_out=None):
     return losses
 
 
+def without_key_bias(name, t):
+    """`t`, the value of parameter `name` of the gpt2 model (flat or shaped), less the key third
+    of an attention block's qkv bias. That bias adds the same q·b to every score of a query,
+    which softmax cancels: its gradient is 0 in exact arithmetic and rounding noise in fp32, and
+    Adam's m/sqrt(v) turns the noise into ±lr steps whose signs depend on summation order
+    (machine- and BLAS-dependent). It cannot change the model's outputs, so an element-wise
+    comparison with another implementation leaves it out; the query and value biases stay."""
+    if not name.endswith("qkv.bias"):
+        return t
+    flat = t.reshape(-1)
+    d = flat.numel() // 3
+    return torch.cat([flat[:d], flat[2 * d:]])
+
+
 def assert_close(got, want, rel=None, what="loss"):
     rel = REL if rel is None else rel
     assert len(got) == len(want)

@@ -98,7 +98,9 @@ def main():
     micro = engine.train_micro_batch_size_per_gpu()
     accum = engine.gradient_accumulation_steps()
     if leader:
-        n = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+        # Under stage 3 a released parameter has 0 elements; ds_numel counts it (as in DeepSpeed).
+        n = sum(getattr(p, "ds_numel", p.numel())
+                for p in {id(p): p for p in model.parameters()}.values())
         print(f"train_gpt2: GPT-2-style, {n / 1e6:.3g} M params, {engine.world_size} rank(s), "
               f"ZeRO stage {engine.zero_optimization_stage()}, micro-batch {micro} x {accum}, "
               f"{len(text) / 1e6:.1f} MB of text; on {engine.device}, {deepspeed.host_description()}",

@@ -6,8 +6,8 @@ engine (runtime/engine/engine.h).
     engine.step()                 # the optimizer step at each accumulation boundary
 
 The engine owns the model's trainable parameters from initialize on: under stage 3 a unit's
-parameters have no memory outside its forward and backward (use strata.zero.GatheredParameters
-to read them), gradients never accumulate in .grad, and the optimizer states live in the
+parameters have no memory (and 0 elements) outside its forward and backward (use
+strata.zero.GatheredParameters to read them), gradients never accumulate in .grad, and the optimizer states live in the
 configured tiers.
 """
 
@@ -160,6 +160,14 @@ class StrataEngine(ConfigView, torch.nn.Module):
         self._check_live()
         self._check_states_resident("step()")
         micro = self._cpp.micro_step
+        if micro == self._stepped_at and any(p.grad is not None for p in self.module.parameters()
+                                             if p.requires_grad):
+            # The engine moves every gradient out of .grad inside engine.backward: one left
+            # there came from a backward it never saw. (Under stage 3 that backward itself fails.)
+            raise InvalidArgumentError(
+                "engine.step(): the model's parameters hold gradients from loss.backward(), "
+                "which the engine does not see; call engine.backward(loss) instead, which "
+                "reduces the gradients into the optimizer's shards")
         if micro == self._stepped_at or not self.is_gradient_accumulation_boundary():
             return
         gas = self.gradient_accumulation_steps()
@@ -293,7 +301,8 @@ class StrataEngine(ConfigView, torch.nn.Module):
     def get_global_grad_norm(self):
         """The global L2 norm of the gradients of the last optimizer step, before clipping (what
         torch.nn.utils.clip_grad_norm_ returns); None before the first step or after an fp16
-        overflow."""
+        overflow; NaN when a non-finite gradient was applied (fp32/bf16 without clipping, where
+        each update runs as its gradient arrives)."""
         if self.last_report is None or self.last_report.skipped:
             return None
         return self.last_report.grad_norm
@@ -696,7 +705,7 @@ class StrataEngine(ConfigView, torch.nn.Module):
         keeps no trained values afterwards (under stage 3 its parameters are empty): save a
         checkpoint first, or call destroy(), which gives the model its weights back."""
         self._hooks.remove()
-        _param_state.detach(self)
+        _param_state.detach(self, keep_shapes=self.zero_optimization_stage() >= 3)
         self._cpp.close()
         _live_engines.pop(id(self), None)
         if self._replaced_by is None:
@@ -713,7 +722,7 @@ class StrataEngine(ConfigView, torch.nn.Module):
         self.close()
         with torch.no_grad():
             for p, v in zip(params, values):
-                p.data = v.to(self._device).view(p.shape)
+                _param_state.give_values_back(p, v.to(self._device))
 
     def _module_keys(self):
         """How the module's state_dict names map onto the checkpoint's entries, for

@@ -108,7 +108,7 @@ def _check_parameters_have_memory(model):
                 f"initialize: parameter {name!r} is on the meta device (no values): materialize "
                 "the model first (to_empty() then its initializers, or load its weights), or "
                 "build it under deepspeed.zero.Init")
-        if p.numel() > 0 and p.data_ptr() == 0:
+        if _param_state.emptied_by_a_closed_engine(p) or (p.numel() > 0 and p.data_ptr() == 0):
             raise InvalidArgumentError(
                 f"initialize: parameter {name!r} has no memory: the model belonged to a ZeRO-3 "
                 "engine that was closed; call engine.destroy() instead of close() to give the "
@@ -146,6 +146,11 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
         config = config_params
     if config is None:
         config = _arguments.config_from_args(args)
+    if config is None:
+        # As DeepSpeed: a run without a config is a mistake more often than a wish for defaults.
+        raise InvalidArgumentError(
+            "initialize: no config: pass config= (a dict or the path of a DeepSpeed JSON file), "
+            "or args parsed with --deepspeed_config; config={} runs on the defaults")
     cfg, source = _config.load(config)
     if model_parameters is not None and (isinstance(model_parameters, (torch.Tensor, dict)) or
                                          not hasattr(model_parameters, "__iter__")):
@@ -231,6 +236,7 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     saved_port = os.environ.get("MASTER_PORT")
     if port is not None:
         os.environ["MASTER_PORT"] = str(port)  # Note [two rendezvous] in strata/comm.py
+    shapes = _param_state.shapes_of(model)  # stage 3 empties the parameters it partitions
     try:
         # A PipelineModule's pipeline groups repeat each other's batches (strata/pipe.py).
         engine_cfg = _pipe_engine.engine_config(cfg, model, _comm.get_world_size())
@@ -246,7 +252,7 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     engine._user_config = user_cfg
     if isinstance(engine, _pipe_engine.PipelineEngine):
         engine.configure_pipeline(user_cfg.get("pipeline"))
-    _param_state.attach(engine)  # ZeRO-3's ds_* attributes (stage 3)
+    _param_state.attach(engine, shapes)  # ZeRO-3's ds_* attributes (stage 3)
     if engine.fp16_enabled() and engine.device.type == "cpu":
         _cpu_half.enable()  # fp16 operators in fp32, from here on (python/strata/cpu_half.py)
     trainable = [p for p in model.parameters() if p.requires_grad]

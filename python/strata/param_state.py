@@ -11,12 +11,15 @@
     engine when read: ds_status (is its chunk gathered on this rank now) and ds_tensor (a copy
     of this rank's shard of its working copy, flat; writing to it changes nothing).
 
-Unlike DeepSpeed's stage 3, a Strata parameter keeps its full shape and numel while it is not
-gathered, so `p.numel()` counts it right; what tells the state is ds_status.
+As in DeepSpeed's stage 3, a parameter whose chunk is not gathered has 0 elements (reading it
+gives an empty result); ds_shape and ds_numel keep its real shape, and ds_status tells whether it
+is gathered. After the engine is closed every such parameter stays empty and keeps ds_shape and
+ds_numel (engine.destroy() gives it its values back).
 """
 
 import enum
 import itertools
+import math
 import weakref
 
 import torch
@@ -153,12 +156,13 @@ safe_set_local_optimizer_state = _refused("safe_set_local_optimizer_state", *_LO
 
 
 def _checked(param, value):
+    shape = tuple(getattr(param, "ds_shape", param.shape))  # stage 3: it may have 0 elements now
     if not isinstance(value, torch.Tensor):
-        raise InvalidArgumentError(f"a value for a parameter of shape {tuple(param.shape)} must "
-                                   f"be a tensor, not {type(value).__name__}")
-    if value.numel() != param.numel():
+        raise InvalidArgumentError(f"a value for a parameter of shape {shape} must be a tensor, "
+                                   f"not {type(value).__name__}")
+    if value.numel() != math.prod(shape):
         raise InvalidArgumentError(f"a value of shape {tuple(value.shape)} for a parameter of "
-                                   f"shape {tuple(param.shape)}")
+                                   f"shape {shape}")
     return value.detach()
 
 
@@ -200,8 +204,14 @@ def _zero_class(base):
     return _classes[base]
 
 
-def attach(engine):
-    """Under stage 3: each parameter the engine trains gets DeepSpeed's ds_* attributes."""
+def shapes_of(model):
+    """Each trainable parameter's shape, by id, taken before an engine partitions the model."""
+    return {id(p): p.shape for p in model.parameters() if p.requires_grad}
+
+
+def attach(engine, shapes):
+    """Under stage 3: each parameter the engine trains gets DeepSpeed's ds_* attributes.
+    shapes: shapes_of(model) from before the engine (its parameters may now have 0 elements)."""
     if engine.zero_optimization_stage() < 3:
         return
     seen = set()
@@ -210,19 +220,37 @@ def attach(engine):
             continue
         seen.add(id(p))
         p.ds_id = next(_ids)
-        p.ds_shape = p.shape
-        p.ds_numel = p.numel()
+        p.ds_shape = shapes[id(p)]
+        p.ds_numel = shapes[id(p)].numel()
         p.ds_param_type = ZeroParamType.PARTITIONED
         p._strata_engine = weakref.ref(engine)
         p.__class__ = _zero_class(type(p))
 
 
-def detach(engine):
-    """The engine ended: its parameters become what they were (their class, no ds_* left)."""
+def detach(engine, keep_shapes):
+    """The engine ends: its parameters get their own class back and lose the attributes that
+    ask it. With keep_shapes (a closed stage-3 engine leaves them with 0 elements) ds_shape and
+    ds_numel stay, as DeepSpeed leaves them, to tell the real shape; otherwise they go too."""
     for p in engine.module.parameters():
         ref = p.__dict__.get("_strata_engine")
         if ref is None or ref() is not engine:
             continue
-        for name in ("ds_id", "ds_shape", "ds_numel", "ds_param_type", "_strata_engine"):
+        names = ("ds_id", "ds_param_type", "_strata_engine")
+        if not keep_shapes:
+            names += ("ds_shape", "ds_numel")
+        for name in names:
             p.__dict__.pop(name, None)
         p.__class__ = type(p)._strata_base
+
+
+def emptied_by_a_closed_engine(p):
+    """Whether `p` is a parameter a closed stage-3 engine left without its values."""
+    return p.numel() == 0 and p.__dict__.get("ds_numel", 0) > 0
+
+
+def give_values_back(p, value):
+    """destroy(): `value` (flat or shaped) becomes p's data, in p's real shape, and the shape
+    attributes detach left go."""
+    shape = p.__dict__.pop("ds_shape", None)
+    p.__dict__.pop("ds_numel", None)
+    p.data = value.view(shape if shape is not None else p.shape)

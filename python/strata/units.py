@@ -56,7 +56,8 @@ class UnitHooks:
     def __init__(self, cpp, units):
         """units: (the C++ engine's index of the unit, module) pairs."""
         self._cpp = cpp
-        self.open = []
+        self.open = []  # units whose forward runs; None for one a GatheredParameters block holds
+        self.held = {}  # unit -> how many GatheredParameters blocks hold it (strata/zero.py)
         self._handles = []
         for index, module in units:
             self._handles.append(module.register_forward_pre_hook(self._pre(index)))
@@ -64,15 +65,21 @@ class UnitHooks:
 
     def _pre(self, index):
         def hook(module, args):
-            self._cpp.begin_unit(index, thread_state.checkpoint_depth > 0)
+            checkpointed = thread_state.checkpoint_depth > 0
+            if self.held.get(index, 0) > 0 and not torch.is_grad_enabled() and not checkpointed:
+                # An evaluation forward inside a GatheredParameters block over this unit: the
+                # block keeps it gathered, and nothing is recorded for backward.
+                self.open.append(None)
+                return
+            self._cpp.begin_unit(index, checkpointed)
             self.open.append(index)
 
         return hook
 
     def _post(self, index):
         def hook(module, args, output):
-            self.open.pop()
-            self._cpp.end_unit(index, flatten_tensors(output))
+            if self.open.pop() is not None:
+                self._cpp.end_unit(index, flatten_tensors(output))
 
         return hook
 
@@ -80,6 +87,8 @@ class UnitHooks:
         """After an exception inside forward: releases what the failed forward gathered."""
         while self.open:
             index = self.open.pop()
+            if index is None:
+                continue
             try:
                 self._cpp.end_unit(index, [])
             except Exception:  # noqa: BLE001 - the forward's own error is the one to report

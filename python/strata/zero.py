@@ -56,11 +56,19 @@ class GatheredParameters:
                     f"{world} rank(s)")
         if self._engine is None or self._engine.zero_optimization_stage() < 3:
             return self
+        # A unit already gathered by an enclosing block, or whose forward is running (a model
+        # that gathers its own weights inside forward), is not begun again: the outermost holder
+        # keeps it until it ends.
+        held = self._engine._hooks.held
         with torch.no_grad():
             try:
                 for u in sorted(units):
-                    self._engine._cpp.begin_unit(u, False)
-                    self._open.append(u)
+                    if held.get(u, 0) == 0 and u not in self._engine._hooks.open:
+                        self._engine._cpp.begin_unit(u, False)
+                        self._open.append((u, True))
+                    else:
+                        self._open.append((u, False))
+                    held[u] = held.get(u, 0) + 1
             except BaseException:
                 self.__exit__(None, None, None)
                 raise
@@ -73,7 +81,10 @@ class GatheredParameters:
         finally:
             with torch.no_grad():
                 while self._open:
-                    self._engine._cpp.end_unit(self._open.pop(), [])
+                    u, began = self._open.pop()
+                    self._engine._hooks.held[u] -= 1
+                    if began:
+                        self._engine._cpp.end_unit(u, [])
         return False
 
     def _write_back(self):

@@ -32,14 +32,34 @@ class GradArrived : public torch::autograd::FunctionPostHook {
 }  // namespace
 
 Status Engine::Impl::HookGradients() {
-  for (size_t pid = 0; pid < params_.size(); ++pid) {
+  // An AccumulateGrad node keeps the shape its parameter had when the node was made, and
+  // autograd checks every gradient against it: a released stage-3 parameter (0 elements, Note
+  // [released parameters]) gets its shape back for that moment, over a storage of its own
+  // without memory (LibTorch makes no view beyond a storage's bytes). Nothing reads it.
+  std::vector<int64_t> released;
+  if (plan_.stage3())
+    for (size_t c = 0; c < chunks_.size(); ++c)
+      if (!chunks_.installed(static_cast<int64_t>(c))) released.push_back(static_cast<int64_t>(c));
+  for (int64_t c : released) {
+    for (int64_t pid : partitioner_->chunks()[c].params) {
+      torch::Tensor shaped = torch::empty({0}, params_[pid].tensor.options());
+      shaped.unsafeGetTensorImpl()->set_sizes_contiguous(params_[pid].shape);
+      params_[pid].tensor.set_data(shaped);
+    }
+  }
+  Status s;
+  for (size_t pid = 0; pid < params_.size() && s.ok(); ++pid) {
     auto& p = params_[pid];
     p.acc = torch::autograd::impl::grad_accumulator(p.tensor);
-    if (!p.acc) return Internal(StrCat("parameter ", pid, " has no gradient accumulator"));
+    if (!p.acc) {
+      s = Internal(StrCat("parameter ", pid, " has no gradient accumulator"));
+      break;
+    }
     const int64_t id = static_cast<int64_t>(pid);
     p.acc->add_post_hook(std::make_unique<GradArrived>([this, id] { OnParamGrad(id); }));
   }
-  return Status::Ok();
+  for (int64_t c : released) ShowChunkParams(c, /*gathered=*/false);
+  return s;
 }
 
 void Engine::Impl::OnParamGrad(int64_t pid) {

@@ -18,12 +18,33 @@ namespace strata {
 ChunkMaterializer::ChunkMaterializer(Parts p)
     : config_(*p.config), plan_(*p.plan), comm_(p.comm), device_(p.device), streams_(*p.streams),
       store_(p.store), partitioner_(p.partitioner), chunks_(*p.chunks), meter_(*p.meter),
-      step_(p.step), hooks_(*p.hooks), wait_updated_(std::move(p.wait_updated)) {}
+      step_(p.step), hooks_(*p.hooks), wait_updated_(std::move(p.wait_updated)),
+      show_params_(std::move(p.show_params)) {}
 
-ChunkMaterializer::~ChunkMaterializer() {
+ChunkMaterializer::~ChunkMaterializer() { Close(); }
+
+namespace {
+// The deleter of a closed chunk's empty storage: never called (the storage holds no pointer), it
+// only marks the storage.
+void ClosedChunkStorage(void*) {}
+}  // namespace
+
+void ChunkMaterializer::Close() {
   StopLane();
   for (size_t c = 0; c < chunks_.size(); ++c) FreeChunkMemory(static_cast<int64_t>(c));
   ReapFrees(/*wait=*/true);
+  show_params_ = nullptr;
+  for (size_t c = 0; c < chunks_.size(); ++c) {
+    c10::Storage& st = chunks_[c].storage;
+    if (st.unsafeGetStorageImpl() == nullptr) continue;  // stages 0-2, or not reached by setup
+    st.unsafeGetStorageImpl()->set_data_ptr_noswap(
+        c10::DataPtr(nullptr, nullptr, &ClosedChunkStorage, TorchDev()));
+  }
+}
+
+bool ChunkMaterializer::ViewsClosedChunk(const torch::Tensor& t) {
+  return t.defined() && t.has_storage() &&
+         t.storage().data_ptr().get_deleter() == &ClosedChunkStorage;
 }
 
 torch::Device ChunkMaterializer::TorchDev() const { return TorchDevice(*device_); }
@@ -94,17 +115,20 @@ Status ChunkMaterializer::InstallChunk(int64_t c) {
       c10::DataPtr(device_->ComputeAddress(p), TorchDev()));
   impl->set_nbytes(bytes);
   chunks_.Installed(c, p);
+  if (show_params_) show_params_(c, true);
   return Status::Ok();
 }
 
 void ChunkMaterializer::FreeChunkMemory(int64_t c) {
   ChunkTable::Chunk& cs = chunks_[c];
   if (!cs.buffer) return;
-  // Leave the storage empty first: every view (the parameters, what autograd saved) now reads
-  // as unallocated instead of pointing at freed memory.
+  // Leave the storage empty first: every view (what autograd saved) now reads as unallocated
+  // instead of pointing at freed memory, and the parameters get 0 elements (Note [released
+  // parameters]).
   c10::StorageImpl* impl = cs.storage.unsafeGetStorageImpl();
   impl->set_data_ptr_noswap(c10::DataPtr(nullptr, TorchDev()));
   impl->set_nbytes(0);
+  if (show_params_) show_params_(c, false);
   {
     MutexLock l(&frees_mu_);
     pending_frees_.push_back({cs.buffer, ComputeFence::Mark(*device_)});

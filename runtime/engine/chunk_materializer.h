@@ -55,18 +55,28 @@ class ChunkMaterializer {
     const EngineTestHooks* hooks = nullptr;
     // The compute thread waits for chunk c's pending update (counted as its stall).
     std::function<Status(int64_t c)> wait_updated;
+    // Gives chunk c's parameters their shapes over its memory (gathered) or 0 elements (dropped):
+    // Note [released parameters].
+    std::function<void(int64_t c, bool gathered)> show_params;
   };
   explicit ChunkMaterializer(Parts parts);
-  ~ChunkMaterializer();  // every chunk's memory back to the device (the lanes stopped first)
+  ~ChunkMaterializer();  // Close(), if the engine did not
 
   // The lanes it works with, once made; at stage 3 its own gather lane too.
   Status MakeLanes(GradientReducer* reducer, OptimizerLane* opt_lane);
   void StartLane();
   void StopLane();
 
-  // Installs memory in chunk c's storage (the device allocator's), and gives it back.
+  // Installs memory in chunk c's storage (the device allocator's), and gives it back; the
+  // chunk's parameters follow (show_params).
   Status InstallChunk(int64_t c);
   void FreeChunkMemory(int64_t c);
+  // The engine ends: the lanes stop, every chunk's memory goes back to the device, and each
+  // chunk's storage is marked, so that a parameter left viewing it can be told from one that
+  // simply has 0 elements (ViewsClosedChunk). Idempotent; show_params is not called after it.
+  void Close();
+  // Whether `t` views the storage of a chunk whose engine was closed.
+  static bool ViewsClosedChunk(const torch::Tensor& t);
   // Frees the pending chunk memory whose compute has finished; all of it when `wait`.
   void ReapFrees(bool wait) EXCLUDES(frees_mu_);
   // Holds chunk c, gathering it when it is not (stage 3).
@@ -127,6 +137,7 @@ class ChunkMaterializer {
   const StepState* step_;
   const EngineTestHooks& hooks_;
   std::function<Status(int64_t)> wait_updated_;
+  std::function<void(int64_t, bool)> show_params_;
   GradientReducer* reducer_ = nullptr;
   OptimizerLane* opt_lane_ = nullptr;
 

@@ -69,15 +69,12 @@ Engine::Impl::~Impl() {
   if (owner_) unit_detail::UnregisterEngine(owner_);
   for (auto& p : params_)
     if (p.acc) p.acc->post_hooks().clear();
-  if (materializer_) {
-    for (size_t c = 0; c < chunks_.size(); ++c) materializer_->FreeChunkMemory(static_cast<int64_t>(c));
-    materializer_->ReapFrees(/*wait=*/true);
-  }
+  if (materializer_) materializer_->Close();  // stage 3's parameters left with 0 elements
   // Stages 0-2: the parameters are views of chunks the device allocated, and the model outlives
   // the engine (and maybe the device): give them their own copy of the working values. Only
-  // parameters whose storage holds them: stage 3's chunks were freed just above, and a setup
-  // that failed may leave zero::Init's parameters, which have sizes but no memory (the plan,
-  // and so the stage, may not even be known then).
+  // parameters whose storage holds them: stage 3's have 0 elements now, and a setup that failed
+  // may leave zero::Init's parameters, which have sizes but no memory (the plan, and so the
+  // stage, may not even be known then).
   {
     torch::NoGradGuard ng;
     for (auto& p : params_)

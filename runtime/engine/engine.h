@@ -101,7 +101,8 @@ struct StepReport {
   bool skipped = false;         // fp16 overflow: no update this step
   double lr = 0;
   double loss_scale = 1;
-  double grad_norm = 0;         // global L2 norm of the unscaled gradients (0 when not computed)
+  double grad_norm = 0;         // global L2 norm of the unscaled gradients (0 on a skipped step;
+                                // NaN when a non-finite gradient was applied, with no overflow check)
   // Wall time of the step's window: from the end of the previous Step (for the first step, its
   // first training forward) to the end of this one. It includes whatever the caller did between
   // steps, and deferred optimizer work runs inside it (Note [deferred optimizer]).

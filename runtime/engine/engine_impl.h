@@ -272,6 +272,9 @@ class Engine::Impl {
   // moving it to the head of the queue first; returns the lane's error if an update failed.
   // The wait counts as the compute lane's stall unless `waited` (another lane's) is given.
   Status WaitChunkUpdated(int64_t c, double* waited = nullptr);
+  // Stage 3: chunk c's parameters get their shapes (gathered) or 0 elements (Note [released
+  // parameters]); the materializer calls it as it installs and drops the chunk.
+  void ShowChunkParams(int64_t c, bool gathered);
 
   // Reduce lane (Note [reduce lane]; the lane itself: reduce_lane.h).
   // The same wait outside a micro-step (Step, checkpoints, master values), before a collective

@@ -273,6 +273,7 @@ Status Engine::Impl::OpenBlockStore() {
   mp.step = &step_;
   mp.hooks = &hooks_;
   mp.wait_updated = [this](int64_t c) { return WaitChunkUpdated(c); };
+  mp.show_params = [this](int64_t c, bool gathered) { ShowChunkParams(c, gathered); };
   materializer_ = std::make_unique<ChunkMaterializer>(std::move(mp));
   stash_ = std::make_unique<ActivationStash>(
       store_.get(), nvme_ != nullptr,

@@ -134,7 +134,9 @@ StatusOr<StepReport> Engine::Impl::Step() {
   STRATA_RETURN_IF_ERROR(GlobalGradStats(&norm, &nonfinite));
   if (plan_.immediate_optimizer()) {
     rep.lr = opt_lane_->inputs().lr;
-    rep.grad_norm = norm;  // reported only: nothing waits on it
+    // Reported only: nothing waits on it. Non-finite gradients (the updates already took them,
+    // as a plain optimizer does) make the norm NaN, as torch's clip_grad_norm_ reports it.
+    rep.grad_norm = nonfinite ? std::numeric_limits<double>::quiet_NaN() : norm;
   } else {
     overflow = nonfinite;
     rep.grad_norm = overflow ? 0.0 : norm;

@@ -142,11 +142,8 @@ Status Engine::Impl::WriteInitialBlocks() {
                                 /*allocator=*/nullptr, /*resizable=*/false);
       STRATA_RETURN_IF_ERROR(materializer_->InstallChunk(c64));
       cs.full = torch::empty({0}, DeviceOptions(tdtype)).set_(cs.storage, 0, {ci.numel}, {1});
-      for (int64_t pid : ci.params) {
-        const ParamLocation& loc = partitioner_->location(pid);
-        params_[pid].tensor.set_data(cs.full.narrow(0, loc.offset, loc.numel).view(params_[pid].shape));
-      }
-      materializer_->DropChunk(c64);
+      ShowChunkParams(c64, /*gathered=*/true);
+      materializer_->DropChunk(c64);  // and 0 elements until gathered (Note [released parameters])
     } else {
       // Stages 0-2 keep the whole working copy on the device for the whole run.
       STRATA_ASSIGN_OR_RETURN(chunks_[c].full, DeviceTensor(ci.numel, tdtype));

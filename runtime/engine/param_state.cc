@@ -169,7 +169,15 @@ Status Engine::Impl::WriteParameters(const std::vector<torch::Tensor>& tensors) 
   for (size_t i = 0; i < tensors.size(); ++i) {
     const torch::Tensor& t = tensors[i];
     const int64_t pid = ids[i];
-    if (t.numel() != partitioner_->location(pid).numel || (t.numel() > 0 && !t.has_storage()) ||
+    const ParamLocation& loc = partitioner_->location(pid);
+    const bool gathered = !plan_.stage3() || chunks_.installed(loc.chunk);
+    if (gathered && t.numel() != loc.numel) {
+      return InvalidArgument(StrCat(
+          "parameter '", partitioner_->param_name(pid), "' of shape ", c10::IntArrayRef(params_[pid].shape),
+          " now holds ", t.numel(), " elements (shape ", t.sizes(), "): write values into it "
+          "(p.data.copy_(v), p[...] = v) instead of assigning a tensor of another shape"));
+    }
+    if (t.numel() != loc.numel || (t.numel() > 0 && !t.has_storage()) ||
         (t.numel() > 0 && t.data_ptr() == nullptr)) {
       return FailedPrecondition(StrCat("parameter '", partitioner_->param_name(pid),
                                        "' is not gathered: write it inside GatheredParameters"));

@@ -84,10 +84,12 @@ Status Engine::Impl::AddUnit(const std::string& name, std::shared_ptr<torch::nn:
       if (std::find(info.params.begin(), info.params.end(), id) != info.params.end()) continue;
     } else {
       const std::string full_name = name.empty() ? pname : name + "." + pname;
-      // A stage-3 engine leaves its parameters as views of storage it frees; reading one would
-      // touch freed memory, so a model whose engine was closed is refused here. (A parameter
-      // staged by zero::Init has no memory either, by design: its values are in the file.)
-      if (p.numel() > 0 && (!p.has_storage() || p.data_ptr() == nullptr) && !zero::IsStaged(p))
+      // A closed stage-3 engine leaves its parameters with 0 elements, viewing storage it
+      // marked (ChunkMaterializer::Close); training them would train nothing, so such a model
+      // is refused here, as is any parameter with elements but no memory. (A parameter staged
+      // by zero::Init has none either, by design: its values are in the file.)
+      if (ChunkMaterializer::ViewsClosedChunk(p) ||
+          (p.numel() > 0 && (!p.has_storage() || p.data_ptr() == nullptr) && !zero::IsStaged(p)))
         return FailedPrecondition(StrCat(
             "parameter '", full_name, "' has no memory: the model belongs to a ZeRO-3 engine "
             "that was closed; call engine.destroy() (it gives the model its weights back) "

@@ -60,6 +60,11 @@ void Engine::Impl::BeginUnit(int64_t u, bool checkpointed) {
   // checkpointed forward runs without grad but is training.
   const bool training = torch::GradMode::is_enabled() || checkpointed;
   if (training && !step_.micro_open) OpenMicroStep();
+  if (plan_.stage3())  // an evaluation forward or GatheredParameters reads the parked shards too
+    for (int64_t c : unit.chunks)
+      if (!chunks_.installed(c))
+        if (Status r = CheckBlockResident({c, StateKind::kParam16}, StateKind::kParam16); !r.ok())
+          Throw(r.WithContext(StrCat("gathering unit '", unit.name, "'")));
   Status s = GatherUnit(u);
   if (!s.ok()) Throw(s.WithContext(StrCat("gathering unit '", unit.name, "' for forward")));
   ++unit.forward_depth;
@@ -121,8 +126,9 @@ torch::Tensor Engine::Impl::Forward(const torch::Tensor& input) {
 
 void Engine::Impl::OnUnitBackwardReach(int64_t u) {
   if (!step_.in_backward)
-    Throw(FailedPrecondition("backward reached a unit outside Engine::Backward: call "
-                             "engine->Backward(loss) instead of loss.backward()"));
+    Throw(FailedPrecondition("backward reached a unit outside the engine's backward: call "
+                             "engine.backward(loss) (Python) or Engine::Backward (C++) instead "
+                             "of loss.backward()"));
   if (!step_.backward_error.ok()) return;
   UnitCoordinator::Unit& unit = units_[u];
   if (unit.backward_held || unit.grads_pending == 0) return;

@@ -147,6 +147,128 @@ def test_gathered_parameters_reads_released_units(tmp_path):
     engine.close()
 
 
+def test_a_released_stage3_parameter_is_empty_as_in_deepspeed(tmp_path):
+    """Between forwards a stage-3 parameter whose unit is released has 0 elements, as DeepSpeed's
+    partitioned parameters do, with ds_shape and ds_numel telling its real shape: reading it gives
+    an empty result instead of a read of address 0 (norm() segfaulted). After close() it stays
+    empty, keeps ds_shape, and initialize on that model is refused; destroy() gives the values
+    back in their shapes."""
+    from strata.param_state import ZeroParamStatus  # deepspeed's, re-exported there
+
+    cfg = harness.config_for(STAGE3_RELEASE, tmp_path)
+    torch.manual_seed(0)
+    model = harness.MODELS["gpt2"]()
+    shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
+    engine = _engine("gpt2", cfg, model=model)
+    w = model.blocks[1].fc.weight
+    assert {name: tuple(p.ds_shape) for name, p in model.named_parameters()} == shapes
+    assert w.ds_numel == math.prod(shapes["blocks.1.fc.weight"])
+    _run(engine, "gpt2", 0, 2)
+    assert w.ds_status == ZeroParamStatus.NOT_AVAILABLE
+    assert w.shape == (0,) and w.numel() == 0
+    assert w.norm().item() == 0.0 and w.sum().item() == 0.0 and w.clone().numel() == 0
+    assert engine.module.state_dict()["blocks.1.fc.weight"].numel() == 0
+    masters = dict(zip([n for n, p in model.named_parameters() if p.requires_grad],
+                       engine.master_parameters()))
+    with strata.zero.GatheredParameters([w]):
+        assert tuple(w.shape) == shapes["blocks.1.fc.weight"]
+        assert torch.equal(w.detach(), masters["blocks.1.fc.weight"].view_as(w))
+    assert w.numel() == 0
+    # The engine's own reads never depended on the parameters' shapes.
+    sd = engine.module_state_dict()
+    assert {k: tuple(v.shape) for k, v in sd.items() if k in shapes} == shapes
+    engine.close()
+    assert w.numel() == 0 and tuple(w.ds_shape) == shapes["blocks.1.fc.weight"]
+    assert w.norm().item() == 0.0
+    with pytest.raises(ValueError, match="has no memory"):
+        strata.initialize(model=model, config=copy.deepcopy(cfg))
+
+    again = _engine("gpt2", cfg)
+    _run(again, "gpt2", 0, 1)
+    trained = again.master_parameters()
+    again.destroy()
+    params = [p for p in again.module.parameters() if p.requires_grad]
+    assert [tuple(p.shape) for p in again.module.parameters()] == list(shapes.values())
+    assert all(torch.equal(p.detach(), t.view_as(p)) for p, t in zip(params, trained))
+    assert not any(hasattr(p, "ds_shape") for p in params)
+
+
+def test_gathered_parameters_nest_and_name_what_is_wrong(tmp_path):
+    """Nested GatheredParameters over the same parameter (DeepSpeed allows it) keep it gathered
+    until the outermost block ends, and an evaluation forward may run inside one; a tensor of another shape assigned inside a writable block,
+    and a gather after offload_states(), are refused naming the cause."""
+    # Parameters on the device (offload_states moves their shards) and released after each unit.
+    cfg = harness.config_for(("stage3_device_release", 3, "none", "none", 1, 0.0, False),
+                             tmp_path)
+    engine = _engine("gpt2", cfg)
+    _run(engine, "gpt2", 0, 1)
+    w = engine.module.blocks[1].fc.weight
+    with strata.zero.GatheredParameters([w]):
+        with strata.zero.GatheredParameters([w, engine.module.blocks[0].fc.weight]):
+            assert tuple(w.shape) == tuple(w.ds_shape)
+        assert tuple(w.shape) == tuple(w.ds_shape)  # the outer block still holds it
+        value = w.detach().clone()
+    assert w.numel() == 0
+    # An evaluation forward inside a block over every parameter: the blocks hold the units.
+    x, y = harness.batch("gpt2", 7)
+    with torch.no_grad():
+        before = harness.loss_of("gpt2", engine, x, y).item()
+        with strata.zero.GatheredParameters(list(engine.module.parameters())):
+            assert harness.loss_of("gpt2", engine, x, y).item() == before
+    assert w.numel() == 0
+    with pytest.raises(ValueError, match=r"instead of assigning a tensor of another shape"):
+        with strata.zero.GatheredParameters([w], modifier_rank=0):
+            w.data = torch.zeros(3)
+    with strata.zero.GatheredParameters([w]):
+        assert torch.equal(w.detach(), value)  # nothing was written
+    engine.offload_states()
+    with pytest.raises(RuntimeError, match=r"offload.*reload_states\(\)"):
+        with strata.zero.GatheredParameters([w]):
+            pass
+    engine.reload_states()
+    with strata.zero.GatheredParameters([w]):
+        assert torch.equal(w.detach(), value)
+    assert all(math.isfinite(v) for v in _run(engine, "gpt2", 1, 1))
+    engine.close()
+
+
+def test_loss_backward_then_step_and_a_missing_config_are_refused(tmp_path):
+    """loss.backward() bypasses the engine: at stage 0-2 step() used to do nothing silently, now
+    it names engine.backward (stage 3's backward itself refuses it). initialize without any
+    config is refused, as DeepSpeed refuses it; config={} runs on the defaults."""
+    cfg = harness.config_for(STAGE2_CPU, tmp_path)
+    cfg["zero_optimization"] = {"stage": 0}
+    engine = _engine("gpt2", cfg)
+    x, y = harness.batch("gpt2", 0)
+    engine(x, targets=y).backward()
+    with pytest.raises(ValueError, match=r"loss.backward\(\).*engine.backward\(loss\)"):
+        engine.step()
+    engine.close()
+    engine = _engine("gpt2", harness.config_for(STAGE3_RELEASE, tmp_path))
+    with pytest.raises(RuntimeError, match=r"engine.backward\(loss\)"):
+        engine(x, targets=y).backward()
+    engine.close()
+    with pytest.raises(ValueError, match="no config"):
+        strata.initialize(model=harness.kwargs_net())
+    engine, *_ = strata.initialize(model=harness.kwargs_net(), config={})
+    engine.close()
+
+
+def test_a_non_finite_gradient_reports_a_nan_norm(tmp_path):
+    """fp32 without clipping applies each update as its gradient arrives: a NaN gradient is
+    applied (as a plain torch optimizer would) and the reported norm is NaN, not 0."""
+    cfg = harness.config_for(STAGE2_CPU, tmp_path)
+    cfg.pop("gradient_clipping", None)
+    cfg.pop("fp16", None)
+    cfg.pop("bf16", None)
+    engine = _engine("gpt2", cfg)
+    x, y = harness.batch("gpt2", 0)
+    engine.backward(engine(x, targets=y) * float("nan"))
+    engine.step()
+    assert math.isnan(engine.get_global_grad_norm())
+    engine.close()
+
+
 @pytest.mark.parametrize("case, cpu_checkpointing", [(STAGE3_RELEASE, False), (STAGE3_NVME, True)],
                          ids=["stage3", "stage3_nvme_cpu_checkpointing"])
 def test_activation_checkpointing_matches_plain_training(case, cpu_checkpointing, tmp_path):

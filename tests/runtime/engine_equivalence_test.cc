@@ -608,5 +608,66 @@ TEST(PlacementErrors, OffloadedParamsNeedAnOffloadedOptimizer) {
   }
 }
 
+// Note [released parameters]: between forwards a stage-3 parameter whose chunk is not gathered
+// has 0 elements (reading it gives an empty result, not a read of address 0); inside its unit it
+// has its shape and the working values; after the engine ends every one is empty, and a new
+// engine on that model is refused instead of training nothing.
+TEST(Stage3Parameters, EmptyOutsideTheirUnitsAndAClosedModelIsRefused) {
+  Config c = BaseConfig();
+  c.zero_optimization.stage = 3;
+  c.zero_optimization.stage3_param_persistence_threshold = 0;  // nothing stays gathered
+  c.zero_optimization.stage3_max_reuse_distance = 0;
+  std::unique_ptr<Communicator> comm = CreateSingleCommunicator();
+  std::unique_ptr<Device> device = CreateDevice(TestDeviceSpec(), 256 << 20).value();
+  const torch::Device on = TorchDevice(*device);
+  auto model = models::BuildGpt(c.model);
+  std::vector<torch::Tensor> params = models::UniqueParameters(*model);
+  std::vector<std::vector<int64_t>> shapes;
+  for (const auto& p : params) shapes.push_back(p.sizes().vec());
+  ASSERT_OK_AND_ASSIGN(auto engine, Engine::Create(model, c, comm.get(), device.get()));
+  TrainWithEngine(*engine, c, comm.get(), 1, [&](int s, int m) {
+    torch::Tensor b = Batch(c, s, m).to(on);
+    return models::LanguageModelLoss(engine->Forward(b.narrow(1, 0, c.model.seq_len)),
+                                     b.narrow(1, 1, c.model.seq_len));
+  });
+  ASSERT_OK_AND_ASSIGN(auto masters, engine->GatherParamState(StateKind::kMaster32, params));
+  ASSERT_EQ(masters.size(), params.size());
+  ASSERT_OK_AND_ASSIGN(auto residency, engine->ParamResidency(params));
+  int released = 0;
+  for (size_t i = 0; i < params.size(); ++i) {
+    EXPECT_EQ(masters[i].sizes().vec(), shapes[i]) << i;  // the engine keeps every shape
+    if (residency[i] == Engine::Residency::kAvailable) {
+      EXPECT_EQ(params[i].sizes().vec(), shapes[i]) << i;
+      continue;
+    }
+    ++released;
+    EXPECT_EQ(params[i].numel(), 0) << i;
+    EXPECT_EQ(params[i].norm().item<float>(), 0.0f) << i;  // an empty result, read from nothing
+  }
+  EXPECT_GT(released, 0);
+  // Inside a unit: the unit's parameters have their shapes and the working values.
+  const int64_t u = engine->num_units() - 1;
+  {
+    torch::NoGradGuard ng;
+    engine->BeginUnit(u);
+    ASSERT_OK_AND_ASSIGN(auto inside, engine->ParamResidency(params));
+    int seen = 0;
+    for (size_t i = 0; i < params.size(); ++i) {
+      if (inside[i] != Engine::Residency::kAvailable) continue;
+      ++seen;
+      ASSERT_EQ(params[i].sizes().vec(), shapes[i]) << i;
+      EXPECT_LT((params[i].detach().to(torch::kFloat32).cpu() - masters[i]).abs().max().item<float>(),
+                1e-6) << i;
+    }
+    EXPECT_GT(seen, 0);
+    engine->EndUnit(u, {});
+  }
+  engine.reset();
+  for (size_t i = 0; i < params.size(); ++i) EXPECT_EQ(params[i].numel(), 0) << i;
+  auto again = Engine::Create(model, c, comm.get(), device.get());
+  ASSERT_FALSE(again.ok());
+  EXPECT_NE(again.status().message().find("that was closed"), std::string::npos) << again.status();
+}
+
 }  // namespace
 }  // namespace strata

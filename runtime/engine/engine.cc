@@ -51,7 +51,7 @@ void StepReport::FillOverlap() {
 namespace {
 
 // The tensor's storage has memory for all its elements (a chunk not reached by a setup that
-// failed, or a zero::Init parameter, has sizes without memory).
+// failed has sizes without memory).
 bool HoldsItsElements(const torch::Tensor& t) {
   if (!t.has_storage() || t.storage().data() == nullptr) return false;
   return t.storage().nbytes() >= static_cast<size_t>(t.storage_offset() + t.numel()) * t.element_size();
@@ -72,9 +72,8 @@ Engine::Impl::~Impl() {
   if (materializer_) materializer_->Close();  // stage 3's parameters left with 0 elements
   // Stages 0-2: the parameters are views of chunks the device allocated, and the model outlives
   // the engine (and maybe the device): give them their own copy of the working values. Only
-  // parameters whose storage holds them: stage 3's have 0 elements now, and a setup that failed
-  // may leave zero::Init's parameters, which have sizes but no memory (the plan, and so the
-  // stage, may not even be known then).
+  // parameters whose storage holds them: stage 3's and zero::Init's staged ones have 0 elements
+  // (the plan, and so the stage, may not even be known after a setup that failed).
   {
     torch::NoGradGuard ng;
     for (auto& p : params_)

@@ -80,7 +80,7 @@ Status Engine::Impl::WriteInitialBlocks() {
     const int64_t n = ci.shard_numel;
     const int64_t c64 = static_cast<int64_t>(c);
     // The chunk's initial values: from the parameters, or from zero::Init's staging file for a
-    // model built there (it has shapes but no memory). In fp32 where an fp32 master keeps them
+    // model built there (its parameters have 0 elements). In fp32 where an fp32 master keeps them
     // or ranks broadcast them; otherwise straight in the working dtype, which is what the fp32
     // values would round to (round to nearest even either way); a bf16 master stored apart
     // from the working copy takes the working copy's bits.

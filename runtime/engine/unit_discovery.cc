@@ -86,17 +86,19 @@ Status Engine::Impl::AddUnit(const std::string& name, std::shared_ptr<torch::nn:
       const std::string full_name = name.empty() ? pname : name + "." + pname;
       // A closed stage-3 engine leaves its parameters with 0 elements, viewing storage it
       // marked (ChunkMaterializer::Close); training them would train nothing, so such a model
-      // is refused here, as is any parameter with elements but no memory. (A parameter staged
-      // by zero::Init has none either, by design: its values are in the file.)
+      // is refused here, as is any parameter with elements but no memory.
       if (ChunkMaterializer::ViewsClosedChunk(p) ||
-          (p.numel() > 0 && (!p.has_storage() || p.data_ptr() == nullptr) && !zero::IsStaged(p)))
+          (p.numel() > 0 && (!p.has_storage() || p.data_ptr() == nullptr)))
         return FailedPrecondition(StrCat(
             "parameter '", full_name, "' has no memory: the model belongs to a ZeRO-3 engine "
             "that was closed; call engine.destroy() (it gives the model its weights back) "
             "instead of close(), or load a checkpoint into a new model"));
-      STRATA_ASSIGN_OR_RETURN(id, part.AddParam(full_name, p.numel()));
+      // A parameter staged by zero::Init has 0 elements; its staged shape is its own.
+      std::vector<int64_t> shape = zero::StagedShape(p).value_or(p.sizes().vec());
+      const int64_t numel = c10::multiply_integers(shape);
+      STRATA_ASSIGN_OR_RETURN(id, part.AddParam(full_name, numel));
       STRATA_DCHECK(id == static_cast<int64_t>(params_.size()));
-      params_.push_back({p, p.sizes().vec(), {}, nullptr});
+      params_.push_back({p, std::move(shape), {}, nullptr});
       seen.emplace(p.unsafeGetTensorImpl(), id);
     }
     params_[id].units.push_back(u);

@@ -14,6 +14,7 @@
 #include <filesystem>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <stdexcept>
 #include <unordered_map>
 #include <vector>
@@ -74,6 +75,7 @@ struct Staged {
   torch::Dtype dtype;
   bool direct;  // written through O_DIRECT at an aligned offset: read back the same way
   bool dropped;  // StageMode::kShapesOnly: nothing was written; reads give zeros
+  std::vector<int64_t> shape;  // the parameter's own, which now has 0 elements
 };
 
 std::mutex& Mu() {
@@ -273,13 +275,10 @@ int64_t Init::staged_params() const { return impl_->params; }
 
 namespace {
 
-// Keeps the parameter's shape and dtype, drops its memory: an empty storage with its sizes.
-void DropMemory(torch::Tensor& p) {
-  const std::vector<int64_t> shape = p.sizes().vec();
-  torch::Tensor empty = torch::empty({0}, p.options());
-  empty.unsafeGetTensorImpl()->set_sizes_contiguous(shape);
-  p.set_data(empty);
-}
+// Drops the parameter's memory: it keeps its dtype and has 0 elements, as a released stage-3
+// parameter does (Note [released parameters]); its shape is in its Registry entry. Sizes over a
+// storage without memory would make any op that reads it read from address 0.
+void DropMemory(torch::Tensor& p) { p.set_data(torch::empty({0}, p.options())); }
 
 }  // namespace
 
@@ -296,7 +295,8 @@ void Partition(torch::nn::Module& unit) {
     if (init->mode == StageMode::kShapesOnly) {
       {
         std::lock_guard<std::mutex> l(Mu());
-        Registry()[p.unsafeGetTensorImpl()] = {init, 0, p.numel(), p.scalar_type(), false, true};
+        Registry()[p.unsafeGetTensorImpl()] = {init, 0, p.numel(), p.scalar_type(), false, true,
+                                               p.sizes().vec()};
       }
       ++init->params;
       DropMemory(p);
@@ -321,7 +321,8 @@ void Partition(torch::nn::Module& unit) {
     }
     {
       std::lock_guard<std::mutex> l(Mu());
-      Registry()[p.unsafeGetTensorImpl()] = {init, offset, p.numel(), dtype, direct, false};
+      Registry()[p.unsafeGetTensorImpl()] = {init, offset, p.numel(), dtype, direct, false,
+                                             p.sizes().vec()};
     }
     init->end = offset + (direct ? AlignUp(bytes) : bytes);
     init->payload += bytes;
@@ -367,10 +368,14 @@ bool IsStaged(const torch::Tensor& param) {
 // punched. While an Init lives glibc's mmap threshold is 1 MiB, so a fresh buffer per parameter
 // was a fresh mapping whose pages all faulted in (and were zeroed) again: on a 20B model that is
 // tens of GB of page faults for nothing.
+std::optional<std::vector<int64_t>> StagedShape(const torch::Tensor& param) {
+  std::lock_guard<std::mutex> l(Mu());
+  auto it = Registry().find(param.unsafeGetTensorImpl());
+  if (it == Registry().end()) return std::nullopt;
+  return it->second.shape;
+}
+
 StatusOr<bool> ReadStaged(const torch::Tensor& param, torch::Tensor dst) {
-  if (!dst.device().is_cpu() || !dst.is_contiguous() || dst.numel() != param.numel())
-    return InvalidArgument(StrCat("ReadStaged: the destination must be a contiguous CPU tensor of ",
-                                  param.numel(), " elements, not ", dst.toString(), " ", dst.sizes()));
   Staged st;
   {
     // Reading consumes the entry: the engine reads each parameter once, and from then on the
@@ -378,6 +383,10 @@ StatusOr<bool> ReadStaged(const torch::Tensor& param, torch::Tensor dst) {
     std::lock_guard<std::mutex> l(Mu());
     auto it = Registry().find(param.unsafeGetTensorImpl());
     if (it == Registry().end()) return false;
+    if (!dst.device().is_cpu() || !dst.is_contiguous() || dst.numel() != it->second.numel)
+      return InvalidArgument(StrCat("ReadStaged: the destination must be a contiguous CPU tensor of ",
+                                    it->second.numel, " elements, not ", dst.toString(), " ",
+                                    dst.sizes()));
     st = it->second;
     Registry().erase(it);
   }

@@ -6,8 +6,10 @@
 //   init.reset();          // the staging file goes
 //
 // While an Init is current on the thread, Partition(unit) writes the unit's freshly initialized
-// trainable parameters (in fp32, or bf16 where the run's master is bf16; see Create) to a staging file in the Init's directory and leaves each of them with its
-// shape and dtype but no memory, so the full model never exists in DRAM: at most one unit does.
+// trainable parameters (in fp32, or bf16 where the run's master is bf16; see Create) to a staging
+// file in the Init's directory and leaves each of them with its dtype but no memory and 0
+// elements (its shape is kept beside its staged values: StagedShape), so the full model never
+// exists in DRAM: at most one unit does.
 // Engine::Create reads the staged values chunk by chunk as it writes the shards to their tiers.
 // Without a current Init, Partition does nothing (the same model code builds normally). A
 // parameter shared by several units (tied) is staged once.
@@ -23,7 +25,9 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
+#include <vector>
 
 #include <torch/torch.h>
 
@@ -34,7 +38,7 @@ namespace strata::zero {
 // What Partition keeps of each parameter.
 enum class StageMode {
   kValues,  // its values, in the staging file
-  // Nothing: the parameter keeps its shape and dtype, no file is made, and ReadStaged fills
+  // Nothing: the parameter keeps its dtype (0 elements, as kValues), no file is made, and ReadStaged fills
   // zeros. For a rank whose initial values come from rank 0 (Engine::Create broadcasts every
   // chunk's on several ranks), so that ranks sharing a disk stage the model once, not once each.
   // The model's constructors still run (and draw from the generator as rank 0's do, which keeps
@@ -92,14 +96,16 @@ void Partition(torch::nn::Module& unit);
 void StageMapped(const torch::Tensor& param);
 
 // For the engine: when `param` was staged by a live Init, reads its values converted to dst's
-// dtype into `dst` (a contiguous CPU tensor of param.numel() elements), frees their space in the
-// staging file and returns true; a parameter is read once (then it is no longer staged).
+// dtype into `dst` (a contiguous CPU tensor of the staged shape's elements), frees their space in
+// the staging file and returns true; a parameter is read once (then it is no longer staged).
 // Returns false for a parameter not staged. An I/O error is returned as a Status, and so is a
-// destination of another size or not contiguous on the CPU (INVALID_ARGUMENT).
+// destination of another size or not contiguous on the CPU (INVALID_ARGUMENT; nothing is read).
 StatusOr<bool> ReadStaged(const torch::Tensor& param, torch::Tensor dst);
 
-// True when `param` has been staged and not yet read (it has a shape but no memory).
+// True when `param` has been staged and not yet read (it has 0 elements, StagedShape its shape).
 bool IsStaged(const torch::Tensor& param);
+// The shape `param` had when it was staged; nullopt when it is not staged (or was read).
+std::optional<std::vector<int64_t>> StagedShape(const torch::Tensor& param);
 // Tests only: false makes Inits created afterwards stage through the page cache, as on a file
 // system that refuses O_DIRECT (Note [direct staging]).
 void SetDirectStagingForTest(bool enabled);

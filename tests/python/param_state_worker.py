@@ -40,7 +40,8 @@ def main():
         if hasattr(p, "ds_tensor"):
             result["ds_tensor"][name] = p.ds_tensor.float().cpu().tolist()
     name = "blocks.0.fc.weight"
-    value = torch.linspace(-1, 1, params[name].numel()).view(params[name].shape)
+    shape = getattr(params[name], "ds_shape", params[name].shape)  # stage 3: may be empty now
+    value = torch.linspace(-1, 1, shape.numel()).view(shape)
     param_state.safe_set_full_fp32_param(params[name], value)
     result["after_set"] = param_state.safe_get_full_fp32_param(params[name]).cpu().flatten().tolist()
     with strata.zero.GatheredParameters([params[name]]):

@@ -762,6 +762,21 @@ class StrataEngine(ConfigView, torch.nn.Module):
         return self._cpp.master_params()
 
 
+def _refused_on_the_class(name):
+    def refused(self):
+        raise _surface.refusal(name)
+
+    return property(refused)
+
+
+# A refused name that torch.nn.Module has itself (compile, from torch 2.2 on) is found on the class
+# before __getattr__ is asked: it would compile the engine's forward around the unit hooks. The
+# engine's class refuses it instead, with the same error (an AttributeError: hasattr is False).
+for _name in _surface.REFUSED_NAMES:
+    if hasattr(torch.nn.Module, _name):
+        setattr(StrataEngine, _name, _refused_on_the_class(_name))
+
+
 # Engines alive in this process, for strata.zero.GatheredParameters; an engine nobody holds any
 # more leaves by itself.
 _live_engines = weakref.WeakValueDictionary()

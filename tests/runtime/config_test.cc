@@ -213,7 +213,8 @@ std::optional<json> Changed(const std::string& key, const json& v) {
   if (v.is_string()) {
     auto it = strings.find(key);
     if (it == strings.end()) return std::nullopt;
-    return it->second != v ? it->second : json("auto");
+    // make_optional: GCC 16 finds a json -> optional<json> conversion ambiguous.
+    return std::make_optional<json>(it->second != v ? it->second : json("auto"));
   }
   if (v.is_array() && key == "nvme_path") return json::array({"/x"});
   if (v.is_array() && key == "betas") return json::array({0.5, 0.75});

@@ -7,8 +7,8 @@ engine (runtime/engine/engine.h).
 
 The engine owns the model's trainable parameters from initialize on: under stage 3 a unit's
 parameters have no memory (and 0 elements) outside its forward and backward (use
-strata.zero.GatheredParameters to read them), gradients never accumulate in .grad, and the optimizer states live in the
-configured tiers.
+strata.zero.GatheredParameters to read them), gradients never accumulate in .grad, and the
+optimizer states live in the configured tiers.
 """
 
 import base64

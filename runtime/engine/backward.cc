@@ -48,7 +48,7 @@ Status Engine::Impl::HookGradients() {
     }
   }
   Status s;
-  for (size_t pid = 0; pid < params_.size() && s.ok(); ++pid) {
+  for (size_t pid = 0; pid < params_.size(); ++pid) {
     auto& p = params_[pid];
     p.acc = torch::autograd::impl::grad_accumulator(p.tensor);
     if (!p.acc) {

@@ -60,7 +60,8 @@ void Engine::Impl::BeginUnit(int64_t u, bool checkpointed) {
   // checkpointed forward runs without grad but is training.
   const bool training = torch::GradMode::is_enabled() || checkpointed;
   if (training && !step_.micro_open) OpenMicroStep();
-  if (plan_.stage3())  // an evaluation forward or GatheredParameters reads the parked shards too
+  // An evaluation forward or GatheredParameters reads the shards offload_states parked too.
+  if (plan_.stage3() && !parked_.empty())
     for (int64_t c : unit.chunks)
       if (!chunks_.installed(c))
         if (Status r = CheckBlockResident({c, StateKind::kParam16}, StateKind::kParam16); !r.ok())

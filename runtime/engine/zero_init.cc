@@ -56,6 +56,9 @@ class Init::Impl {
   // The staged values' bytes: written by the building thread, read by a progress reporter.
   std::atomic<uint64_t> payload{0};
   int64_t params = 0;
+  // StageGenerated's parameters: their bytes in the staged dtype (nothing in the file) and count.
+  std::atomic<uint64_t> generated{0};
+  int64_t generated_params = 0;
   torch::Dtype staged_dtype = torch::kFloat32;  // floating-point parameters are written as this
   StageMode mode = StageMode::kValues;
   // ReadStaged's buffer, DirectAlign()-aligned and grown to the largest parameter read: one
@@ -76,6 +79,7 @@ struct Staged {
   bool direct;  // written through O_DIRECT at an aligned offset: read back the same way
   bool dropped;  // StageMode::kShapesOnly: nothing was written; reads give zeros
   std::vector<int64_t> shape;  // the parameter's own, which now has 0 elements
+  Fill fill;  // StageGenerated: the values are drawn when read, nothing is in the file
 };
 
 std::mutex& Mu() {
@@ -269,6 +273,8 @@ Init::~Init() {
 }
 
 uint64_t Init::staged_bytes() const { return impl_->payload; }
+uint64_t Init::generated_bytes() const { return impl_->generated; }
+int64_t Init::generated_params() const { return impl_->generated_params; }
 StageMode Init::mode() const { return impl_->mode; }
 bool Init::direct_io() const { return impl_->dfd >= 0; }
 int64_t Init::staged_params() const { return impl_->params; }
@@ -296,7 +302,7 @@ void Partition(torch::nn::Module& unit) {
       {
         std::lock_guard<std::mutex> l(Mu());
         Registry()[p.unsafeGetTensorImpl()] = {init, 0, p.numel(), p.scalar_type(), false, true,
-                                               p.sizes().vec()};
+                                               p.sizes().vec(), nullptr};
       }
       ++init->params;
       DropMemory(p);
@@ -322,13 +328,52 @@ void Partition(torch::nn::Module& unit) {
     {
       std::lock_guard<std::mutex> l(Mu());
       Registry()[p.unsafeGetTensorImpl()] = {init, offset, p.numel(), dtype, direct, false,
-                                             p.sizes().vec()};
+                                             p.sizes().vec(), nullptr};
     }
     init->end = offset + (direct ? AlignUp(bytes) : bytes);
     init->payload += bytes;
     ++init->params;
     DropMemory(p);
   }
+}
+
+// Note [generated parameters]
+// The staging file held the whole model at start, and a disk that could hold the run's NVMe
+// state could not always hold that file too: on the H100 machine's 64 GiB disk it stopped three
+// of the compact layouts' largest models (fp32 staging at 17 B parameters). Most of a large
+// model's bytes are its big matrices, and strata-train draws those from a counter-based
+// generator (ParallelNormal): their values are a function of a key, a mean and a std. So such
+// a parameter is registered with that function instead of its values, and ReadStaged draws it
+// when the engine reads it, chunk by chunk: the matrices never touch the disk, and the work of
+// drawing them moves from the build to the engine's start, where it replaces a write and a read
+// of the same bytes. The values pass through the staged dtype on the way (fp32 -> bf16 -> dst
+// for a bf16 staging file), so the engine starts from exactly the bits the file would have held.
+bool StageGenerated(const torch::Tensor& param, std::vector<int64_t> shape, Fill fill) {
+  Init::Impl* init = current;
+  if (!init) return false;
+  if (!param.is_floating_point())
+    throw std::invalid_argument(StrCat("zero::StageGenerated: a floating-point parameter, not ",
+                                       c10::toString(param.scalar_type())));
+  int64_t numel = 1;
+  for (int64_t d : shape) {
+    if (d < 0) throw std::invalid_argument("zero::StageGenerated: a shape with a negative size");
+    numel *= d;
+  }
+  const bool dropped = init->mode == StageMode::kShapesOnly;
+  {
+    std::lock_guard<std::mutex> l(Mu());
+    Registry()[param.unsafeGetTensorImpl()] = {init,  0,     numel, init->staged_dtype, false, dropped,
+                                               shape, dropped ? nullptr : std::move(fill)};
+  }
+  torch::Tensor p = param;  // set_data is not const; the change lands on the shared TensorImpl
+  DropMemory(p);
+  if (!dropped) {
+    init->generated += static_cast<uint64_t>(numel) * c10::elementSize(init->staged_dtype);
+    ++init->generated_params;
+  } else {
+    ++init->params;
+  }
+  return true;
 }
 
 void StageMapped(const torch::Tensor& param) {
@@ -375,6 +420,45 @@ std::optional<std::vector<int64_t>> StagedShape(const torch::Tensor& param) {
   return it->second.shape;
 }
 
+namespace {
+
+// Draws a StageGenerated parameter into `dst` through the staged dtype (Note [generated
+// parameters]): straight into an fp32 destination of an fp32 file, otherwise into the Init's
+// read buffer and converted from there, a piece at a time where it rounds twice.
+StatusOr<bool> ReadGenerated(Init::Impl& init, const Staged& st, torch::Tensor dst) {
+  torch::NoGradGuard ng;
+  torch::Tensor out = dst.view({-1});
+  if (out.scalar_type() == torch::kFloat32 && st.dtype == torch::kFloat32) {
+    st.fill(out);
+    return true;
+  }
+  const uint64_t bytes = static_cast<uint64_t>(st.numel) * sizeof(float);
+  std::lock_guard<std::mutex> l(init.read_mu);
+  if (bytes > init.read_cap) {
+    std::free(init.read_buf);
+    init.read_buf = nullptr;
+    init.read_cap = 0;
+    if (::posix_memalign(&init.read_buf, DirectAlign(), std::max<uint64_t>(bytes, DirectAlign())) != 0)
+      return ResourceExhausted(StrCat("allocating ", bytes, " bytes to draw a generated parameter"));
+    init.read_cap = std::max<uint64_t>(bytes, DirectAlign());
+  }
+  torch::Tensor drawn = torch::from_blob(init.read_buf, {st.numel}, torch::kFloat32);
+  st.fill(drawn);
+  if (st.dtype == torch::kFloat32 || out.scalar_type() == st.dtype) {
+    out.copy_(drawn);  // one rounding, as the file's write then a same-dtype read
+    return true;
+  }
+  // fp32 -> the staged dtype -> dst, in pieces small enough to come from the heap.
+  constexpr int64_t kPiece = int64_t{1} << 17;
+  for (int64_t i = 0; i < st.numel; i += kPiece) {
+    const int64_t n = std::min(kPiece, st.numel - i);
+    out.narrow(0, i, n).copy_(drawn.narrow(0, i, n).to(st.dtype));
+  }
+  return true;
+}
+
+}  // namespace
+
 StatusOr<bool> ReadStaged(const torch::Tensor& param, torch::Tensor dst) {
   Staged st;
   {
@@ -395,6 +479,7 @@ StatusOr<bool> ReadStaged(const torch::Tensor& param, torch::Tensor dst) {
     return true;
   }
   Init::Impl& init = *st.owner;
+  if (st.fill) return ReadGenerated(init, st, dst);
   const uint64_t bytes = static_cast<uint64_t>(st.numel) * c10::elementSize(st.dtype);
   const uint64_t len = st.direct ? AlignUp(bytes) : bytes;
   std::lock_guard<std::mutex> l(init.read_mu);

@@ -24,6 +24,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -42,7 +43,8 @@ enum class StageMode {
   // zeros. For a rank whose initial values come from rank 0 (Engine::Create broadcasts every
   // chunk's on several ranks), so that ranks sharing a disk stage the model once, not once each.
   // The model's constructors still run (and draw from the generator as rank 0's do, which keeps
-  // the ranks' generators in step); only the disk is spared.
+  // the ranks' generators in step); only the disk is spared, and StageGenerated's draws, which
+  // are never made there.
   kShapesOnly,
 };
 
@@ -67,6 +69,10 @@ class Init {
   // The staged values' bytes (the file adds alignment padding); safe to read from another thread
   // while the model is built, to report progress.
   uint64_t staged_bytes() const;
+  // The bytes, in the staged dtype, of the parameters StageGenerated registered (nothing is
+  // written for them); safe to read from another thread, as staged_bytes.
+  uint64_t generated_bytes() const;
+  int64_t generated_params() const;
   StageMode mode() const;
   // Partition writes with O_DIRECT (Note [direct staging] in zero_init.cc); false where the
   // file system refused it and the page cache takes the writes.
@@ -84,6 +90,24 @@ class Init {
 // std::runtime_error on an I/O error, naming the file.
 void Partition(torch::nn::Module& unit);
 
+// A parameter's initial values as a function: fills a contiguous fp32 CPU tensor of the
+// parameter's elements, with the same values on every call and on any thread.
+using Fill = std::function<void(torch::Tensor)>;
+
+// For a model whose large parameters' initial values are a function of a few numbers (a
+// counter-based draw: tools/train/parallel_init.h). Under the current Init, registers `param`
+// (a trainable floating-point parameter) as staged, with `shape` and `fill`, and writes nothing:
+// ReadStaged calls `fill` when the engine reads the parameter, rounding through the staged
+// dtype as a value written to the file would be, so the engine starts from the same bits. The
+// parameter is left with 0 elements, as Partition leaves one; Partition skips it. Under
+// StageMode::kShapesOnly `fill` is never called (the reads give zeros, as for every parameter
+// there). This takes the largest parameters out of the staging file, whose size bounded the
+// largest model a disk could start (Note [generated parameters] in zero_init.cc).
+// Returns false, registering nothing, when no Init is current: the caller fills the parameter
+// itself. Throws std::invalid_argument for a parameter that is not floating point or a shape
+// with a negative size.
+bool StageGenerated(const torch::Tensor& param, std::vector<int64_t> shape, Fill fill);
+
 // For front ends whose models write parameters after constructing their modules (PyTorch models
 // initialize weights in a pass at the end of the root's constructor): stages `param` under the
 // current Init but keeps it readable and writable. Its values go to the staging file and its
@@ -97,7 +121,7 @@ void StageMapped(const torch::Tensor& param);
 
 // For the engine: when `param` was staged by a live Init, reads its values converted to dst's
 // dtype into `dst` (a contiguous CPU tensor of the staged shape's elements), frees their space in
-// the staging file and returns true; a parameter is read once (then it is no longer staged).
+// the staging file (or draws them, for StageGenerated's) and returns true; a parameter is read once (then it is no longer staged).
 // Returns false for a parameter not staged. An I/O error is returned as a Status, and so is a
 // destination of another size or not contiguous on the CPU (INVALID_ARGUMENT; nothing is read).
 StatusOr<bool> ReadStaged(const torch::Tensor& param, torch::Tensor dst);

@@ -128,9 +128,9 @@ def test_auto_configs_let_the_plan_fill_every_tier(tmp_path):
 
 
 def test_scale_sizes_are_the_gpt3_shapes():
-    # 12·L·d² parameters in the blocks: 1.2B, 2.5B, 6.4B, 12.6B; then 19.9B, 30.6B and 33.7B.
+    # 12·L·d² parameters in the blocks: 1.2B, 2.5B, 6.4B, 12.6B; then 19.9B, 30.6B, 33.7B, 39.0B.
     expected = {"1.3b": 1.2e9, "2.7b": 2.5e9, "6.7b": 6.4e9, "13b": 12.6e9, "20b": 19.9e9,
-                "30b": 30.6e9, "34b": 33.7e9}
+                "30b": 30.6e9, "34b": 33.7e9, "39b": 39.0e9}
     for name, params in expected.items():
         layers, d, heads = util.SCALE_SIZES[name]
         assert 12 * layers * d * d == pytest.approx(params, rel=0.02)

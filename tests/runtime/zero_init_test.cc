@@ -252,6 +252,95 @@ TEST(ZeroInit, Bf16StagingHalvesTheFileAndKeepsABf16MasterRunExact) {
   EXPECT_FALSE(zero::Init::Create(dir.path(), torch::kFloat16).ok());  // fp32 or bf16 only
 }
 
+// Note [generated parameters]: a parameter registered with its draw takes no room in the file
+// and reads back as the draw would have been written: through the staged dtype. The reference
+// is the file path itself, a parameter holding the same values staged by Partition.
+TEST(ZeroInit, AGeneratedParameterIsDrawnWhenReadAsTheFileWouldHoldIt) {
+  // Values a bf16 rounding changes (1/3 steps), of an odd count.
+  const std::vector<int64_t> shape = {37, 101};
+  const int64_t numel = 37 * 101;
+  const torch::Tensor values = torch::arange(numel, torch::kFloat32).div_(3.0f).sub_(600.0f);
+  int draws = 0;
+  auto fill = [&](torch::Tensor w) {
+    ++draws;
+    w.copy_(values);
+  };
+  auto param = [] { return torch::empty({1, 1}).requires_grad_(); };
+  // Without a current Init nothing is registered: the caller fills the parameter.
+  torch::Tensor alone = param();
+  EXPECT_FALSE(zero::StageGenerated(alone, shape, fill));
+  EXPECT_EQ(alone.numel(), 1);
+  EXPECT_FALSE(zero::IsStaged(alone));
+  for (torch::Dtype staged : {torch::kFloat32, torch::kBFloat16}) {
+    SCOPED_TRACE(c10::toString(staged));
+    testing::TempDir dir;
+    ASSERT_OK_AND_ASSIGN(auto init, zero::Init::Create(dir.path(), staged));
+    draws = 0;
+    torch::Tensor gen = param();
+    ASSERT_TRUE(zero::StageGenerated(gen, shape, fill));
+    EXPECT_EQ(gen.numel(), 0);
+    EXPECT_EQ(gen.storage().nbytes(), 0u);
+    EXPECT_EQ(zero::StagedShape(gen).value_or(std::vector<int64_t>{}), shape);
+    EXPECT_EQ(init->staged_bytes(), 0u) << "nothing of it goes to the file";
+    EXPECT_EQ(init->generated_params(), 1);
+    EXPECT_EQ(init->generated_bytes(), static_cast<uint64_t>(numel) * c10::elementSize(staged));
+    // Partition skips it (it is registered), and stages a plain parameter beside it.
+    torch::nn::Module unit;
+    unit.register_parameter("gen", gen);
+    torch::Tensor filed = unit.register_parameter("filed", values.reshape(shape).clone());
+    zero::Partition(unit);
+    EXPECT_EQ(init->staged_bytes(), static_cast<uint64_t>(numel) * c10::elementSize(staged));
+    EXPECT_EQ(draws, 0) << "drawn when read, not when registered";
+    // A destination of the wrong size is refused before anything is drawn.
+    torch::Tensor small = torch::empty({numel - 1});
+    EXPECT_EQ(zero::ReadStaged(gen, small).status().code(), StatusCode::kInvalidArgument);
+    EXPECT_EQ(draws, 0);
+    // Each destination dtype: the generated values are the file's, bit for bit.
+    for (torch::Dtype dst_dtype : {torch::kFloat32, torch::kBFloat16}) {
+      SCOPED_TRACE(c10::toString(dst_dtype));
+      torch::Tensor g = param(), f = param();
+      torch::nn::Module u;
+      u.register_parameter("g", g);
+      f = u.register_parameter("f", values.reshape(shape).clone());
+      ASSERT_TRUE(zero::StageGenerated(g, shape, fill));
+      zero::Partition(u);
+      torch::Tensor got = torch::empty({numel}, dst_dtype), want = torch::empty({numel}, dst_dtype);
+      ASSERT_OK_AND_ASSIGN(bool g_staged, zero::ReadStaged(g, got));
+      ASSERT_OK_AND_ASSIGN(bool f_staged, zero::ReadStaged(f, want));
+      EXPECT_TRUE(g_staged && f_staged);
+      EXPECT_TRUE(torch::equal(got, want));
+      EXPECT_TRUE(torch::equal(got, values.to(staged).to(dst_dtype)));
+      EXPECT_FALSE(zero::IsStaged(g));
+    }
+    // The first parameters, read once each.
+    torch::Tensor got = torch::empty({numel});
+    ASSERT_OK_AND_ASSIGN(bool was, zero::ReadStaged(gen, got));
+    EXPECT_TRUE(was);
+    EXPECT_TRUE(torch::equal(got, values.to(staged).to(torch::kFloat32)));
+    ASSERT_OK_AND_ASSIGN(bool again, zero::ReadStaged(gen, got));
+    EXPECT_FALSE(again);
+    ASSERT_OK_AND_ASSIGN(bool filed_read, zero::ReadStaged(filed, got));
+    EXPECT_TRUE(filed_read);
+  }
+  // A shapes-only rank never draws: its reads give zeros, as every parameter's there.
+  testing::TempDir dir;
+  ASSERT_OK_AND_ASSIGN(auto init, zero::Init::Create(dir.path(), torch::kFloat32, zero::StageMode::kShapesOnly));
+  draws = 0;
+  torch::Tensor gen = param();
+  ASSERT_TRUE(zero::StageGenerated(gen, shape, fill));
+  torch::Tensor got = torch::full({numel}, 7.0f);
+  ASSERT_OK_AND_ASSIGN(bool was, zero::ReadStaged(gen, got));
+  EXPECT_TRUE(was);
+  EXPECT_EQ(got.count_nonzero().item<int64_t>(), 0);
+  EXPECT_EQ(draws, 0);
+  EXPECT_EQ(init->generated_params(), 0);
+  // Bad input is refused by name.
+  EXPECT_THROW(zero::StageGenerated(torch::zeros({2}, torch::kLong), {2}, fill), std::invalid_argument);
+  EXPECT_THROW(zero::StageGenerated(param(), {-1, 4}, fill), std::invalid_argument);
+}
+
+// gtest runs a file's tests in order: the tests that build larger models come after this one,
+// since a build that reuses the heap pages they freed raises no RSS.
 // The OS's view: building a 100 MB model under zero::Init raises the peak RSS by about one unit
 // (a block: 1/8 of the model), building it normally by the whole model. (The normal build runs
 // first, after zero::Init has fixed glibc's mmap threshold, so both see the same allocator.)
@@ -284,6 +373,40 @@ TEST(ZeroInit, PeakRssWhileBuildingIsOneUnitNotTheModel) {
               model_bytes / 1e6, normal / 1e6, staged / 1e6, block_bytes / 1e6);
   EXPECT_GE(normal, model_bytes * 9 / 10);
   EXPECT_LE(staged, 2 * block_bytes + (16u << 20));
+}
+
+// strata-train's GPT at a width whose fc and out weights are drawn by ParallelNormal
+// (kParallelInitMinNumel): under an Init they are registered with their draw, the file holds
+// the rest, and every parameter reads back as the model built normally holds it (through the
+// staged dtype).
+TEST(ZeroInit, TheGptsLargeMatricesAreDrawnNotStaged) {
+  Config c = BaseConfig();
+  c.model.n_layers = 1;
+  c.model.d_model = 2048;  // fc and out: 4 x 2048 x 2048 = 2^24 elements each
+  c.model.n_heads = 16;
+  auto plain = models::BuildGpt(c.model);
+  const auto want = models::UniqueParameters(*plain);
+  const int64_t generated_numel = 2 * 4 * c.model.d_model * c.model.d_model;
+  for (torch::Dtype staged : {torch::kFloat32, torch::kBFloat16}) {
+    SCOPED_TRACE(c10::toString(staged));
+    testing::TempDir dir;
+    ASSERT_OK_AND_ASSIGN(auto init, zero::Init::Create(dir.path(), staged));
+    auto model = models::BuildGpt(c.model);
+    const auto params = models::UniqueParameters(*model);
+    ASSERT_EQ(params.size(), want.size());
+    const uint64_t esize = c10::elementSize(staged);
+    EXPECT_EQ(init->generated_params(), 2);
+    EXPECT_EQ(init->generated_bytes(), static_cast<uint64_t>(generated_numel) * esize);
+    EXPECT_EQ(init->staged_bytes(),
+              static_cast<uint64_t>(models::GptParameterCount(c.model) - generated_numel) * esize);
+    for (size_t i = 0; i < params.size(); ++i) {
+      EXPECT_EQ(params[i].numel(), 0) << i;
+      torch::Tensor got = torch::empty({want[i].numel()});
+      ASSERT_OK_AND_ASSIGN(bool was, zero::ReadStaged(params[i], got));
+      ASSERT_TRUE(was) << i;
+      EXPECT_TRUE(torch::equal(got, want[i].detach().reshape({-1}).to(staged).to(torch::kFloat32))) << i;
+    }
+  }
 }
 
 }  // namespace

@@ -452,30 +452,42 @@ StatusOr<MemoryEstimate> EstimateMemory(const Config& config, const ModelSpec& m
     est.notes.push_back(StrCat("strata.nvme_capacity=", config.strata.nvme_capacity, " is below the ",
                                FormatBytes(nvme_need), " the NVMe-placed shards need: raise it or set 0"));
   // Note [init disk peak]: strata-train builds a stage-3 model with NVMe parameter offload under
-  // zero::Init (tools/train/main.cc): the whole model goes to a staging file in the NVMe
-  // directory first, then Engine::Create fills chunk by chunk, reading the chunk's parameters
-  // back (punching them out of the file) and writing its NVMe-placed blocks. The disk holds the
-  // unread rest of the file beside the blocks written so far; its peak is at the start or after
-  // some chunk. Only rank 0 stages (the others build shapes and take rank 0's values by
-  // broadcast), so this is rank 0's peak.
+  // zero::Init (tools/train/main.cc): the model goes to a staging file in the NVMe directory
+  // first, all but its generated weights (ParamSpec::generated, drawn as the engine reads them),
+  // then Engine::Create fills chunk by chunk, reading the chunk's parameters back (punching them
+  // out of the file) and writing its NVMe-placed blocks. The disk holds the unread rest of the
+  // file beside the blocks written so far; its peak is at the start or after some chunk. The
+  // file's alignment padding (under 4 KiB a parameter) is left out. Only rank 0 stages (the
+  // others build shapes and take rank 0's values by broadcast), so this is rank 0's peak.
   const bool staged = z.stage == 3 && z.offload_param.device == OffloadDevice::kNvme &&
                       (!z.offload_param.nvme_path.empty() || options.assume_nvme_path);
   if (staged) {
     const uint64_t stage_esize = config.bf16.enabled && config.bf16.bf16_master_weights_and_grads ? 2 : 4;
-    uint64_t left = 0;
-    for (const ChunkInfo& ci : chunks) left += static_cast<uint64_t>(ci.numel) * stage_esize;
+    std::vector<uint64_t> chunk_staged(chunks.size(), 0);
+    uint64_t left = 0, generated = 0;
+    for (size_t ch = 0; ch < chunks.size(); ++ch) {
+      for (int64_t pid : chunks[ch].params) {
+        const ParamSpec& ps = model.params[static_cast<size_t>(pid)];
+        (ps.generated ? generated : chunk_staged[ch]) += static_cast<uint64_t>(ps.numel) * stage_esize;
+      }
+      left += chunk_staged[ch];
+    }
     est.staged_bytes = left;
     uint64_t peak = left, written = 0;
     for (size_t ch = 0; ch < chunks.size(); ++ch) {
       const int64_t c = static_cast<int64_t>(ch);
-      left -= static_cast<uint64_t>(chunks[ch].numel) * stage_esize;
+      left -= chunk_staged[ch];
       written += plan.ChunkNvmeBytes(c, chunks[ch].shard_numel);
       peak = std::max(peak, left + written);
     }
     est.init_disk_peak_bytes = peak;
     est.notes.push_back(StrCat("engine init reads the model from zero::Init's staging file (",
                                FormatBytes(est.staged_bytes), stage_esize == 2 ? " of bf16" : " of fp32",
-                               " in the NVMe directory) while it writes the NVMe blocks: the disk peaks at ",
+                               " in the NVMe directory",
+                               generated > 0 ? StrCat("; the ", FormatBytes(generated),
+                                                      " of large matrices are drawn as it reads them")
+                                             : std::string(),
+                               ") while it writes the NVMe blocks: the disk peaks at ",
                                FormatBytes(peak), " during the start",
                                options.world_size > 1 ? " (on rank 0; the other ranks stage nothing)" : ""));
   } else {

@@ -2,6 +2,8 @@
 
 #include <algorithm>
 
+#include "tools/train/parallel_init_threshold.h"
+
 namespace strata::planner {
 
 int64_t ModelSpec::param_count() const {
@@ -29,6 +31,11 @@ StatusOr<ModelSpec> GptModelSpec(const ModelConfig& c) {
   m.gpt = c;
   int64_t block = 0;
   auto add = [&](std::string name, int64_t numel) { m.params.push_back({std::move(name), numel, block, {}}); };
+  // MakeLinear's large weights (gpt.cc): drawn when the engine reads them, never staged.
+  auto add_linear_weight = [&](std::string name, int64_t numel) {
+    add(std::move(name), numel);
+    m.params.back().generated = numel >= models::kParallelInitMinNumel;
+  };
   add("embed.pos", T * d);
   add("embed.tok.weight", V * d);
   const size_t tok = m.params.size() - 1;
@@ -42,13 +49,13 @@ StatusOr<ModelSpec> GptModelSpec(const ModelConfig& c) {
     add(p + "ln1.bias", d);
     add(p + "ln2.weight", d);
     add(p + "ln2.bias", d);
-    add(p + "qkv.weight", 3 * d * d);
+    add_linear_weight(p + "qkv.weight", 3 * d * d);
     add(p + "qkv.bias", 3 * d);
-    add(p + "proj.weight", d * d);
+    add_linear_weight(p + "proj.weight", d * d);
     add(p + "proj.bias", d);
-    add(p + "fc.weight", 4 * d * d);
+    add_linear_weight(p + "fc.weight", 4 * d * d);
     add(p + "fc.bias", 4 * d);
-    add(p + "out.weight", 4 * d * d);
+    add_linear_weight(p + "out.weight", 4 * d * d);
     add(p + "out.bias", d);
     // Forward uses ln1, qkv, proj, ln2, fc, out; backward delivers them in reverse, bias first.
     std::vector<int64_t> order;

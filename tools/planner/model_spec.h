@@ -23,6 +23,9 @@ struct ParamSpec {
   int64_t numel = 0;
   int64_t block = 0;  // engine unit the parameter belongs to (the first one holding it)
   std::vector<int64_t> also_in;  // later units sharing it (tied weights)
+  // Its initial values are a draw the engine makes as it reads it (zero::StageGenerated): a
+  // model built under zero::Init writes nothing of it to the staging file.
+  bool generated = false;
 };
 
 struct ModelSpec {

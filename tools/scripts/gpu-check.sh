@@ -27,7 +27,7 @@
 # share build-gpu/ on a warm machine: run them in order, `build` first.
 #   --device cpu   the dry run on a machine without a GPU: the same steps on the CPU device
 #   --quick        the dry run's shapes: small models, fewer steps (the pipeline, not the figures)
-#   --sizes LIST   scale: the sizes to try, in order (default 1.3b,2.7b,6.7b,13b,20b; also 30b, 34b)
+#   --sizes LIST   scale: the sizes to try, in order (default 1.3b,2.7b,6.7b,13b,20b; also 30b, 34b, 39b)
 #   --steps N      bench: steps per run (default 6; quick 3)
 # Environment: PYTHON (a python3 with torch; default: the first of python3, /usr/bin/python3 that
 # imports torch), PEER_PYTHON (the FSDP2 peer's python, torch >= 2.6; default PYTHON),

@@ -27,11 +27,15 @@ SCALE_SIZES = {
     "20b": (44, 6144, 48),
     # 38 blocks of width 8192 (30.6B), GPT-3's widest shape near the compact layouts' limit.
     "30b": (38, 8192, 64),
-    # 107 blocks of width 5120 (33.7B): what `strata-estimate --largest` plans for the H100
+    # 107 blocks of width 5120 (33.7B): what `strata-estimate --largest` planned for the H100
     # machine (80 GiB device, 126 GiB host, 63 GiB free disk) with a bf16 master and 8-bit
-    # moments at the scale phase's micro-batch 8 x 2048; one layer more overflows the disk at
-    # start (zero::Init's staging file beside the NVMe blocks).
+    # moments at the scale phase's micro-batch 8 x 2048 while zero::Init's staging file held the
+    # whole model at start.
     "34b": (107, 5120, 40),
+    # 124 blocks of width 5120 (39.0B): the same plan since the large matrices are drawn as the
+    # engine reads them instead of staged (Note [generated parameters] in zero_init.cc); one
+    # layer more overflows the device (87.2 GiB at the step's peak).
+    "39b": (124, 5120, 40),
     # For the CPU dry run: the same pipeline on shapes a 2-core box trains in seconds.
     "tiny": (2, 128, 4),
     "small": (4, 256, 4),

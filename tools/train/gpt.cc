@@ -15,7 +15,8 @@ namespace {
 
 // A Linear with weights from N(0, 0.02^2) and zero bias. A large one (parallel_init.h) is the
 // same stock layer built at 1 x 1, so that its constructor's serial kaiming_uniform_ draws two
-// values instead of in x out, then given its shape and filled by ParallelNormal on every core.
+// values instead of in x out, then given its shape and filled by ParallelNormal on every core
+// (or, under a zero::Init, when the engine reads it).
 torch::nn::Linear MakeLinear(int64_t in, int64_t out) {
   torch::NoGradGuard ng;
   if (in * out < kParallelInitMinNumel) {
@@ -26,9 +27,16 @@ torch::nn::Linear MakeLinear(int64_t in, int64_t out) {
   }
   torch::nn::Linear l(torch::nn::LinearOptions(1, 1));
   l->options.in_features(in).out_features(out);
-  l->weight.set_data(torch::empty({out, in}));
   l->bias.set_data(torch::zeros({out}));
-  ParallelNormal(l->weight, 0.0, 0.02, DrawInitKey());
+  const uint64_t key = DrawInitKey();
+  // Under a zero::Init the weight is registered with its draw instead of its values, and the
+  // engine draws it as it reads it (Note [generated parameters] in zero_init.cc): the model's
+  // largest tensors never go through the staging file.
+  if (!zero::StageGenerated(l->weight, {out, in},
+                            [key](torch::Tensor w) { ParallelNormal(w, 0.0, 0.02, key); })) {
+    l->weight.set_data(torch::empty({out, in}));
+    ParallelNormal(l->weight, 0.0, 0.02, key);
+  }
   return l;
 }
 

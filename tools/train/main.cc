@@ -65,7 +65,7 @@ void OnSignal(int) { g_stop.store(true); }
 constexpr int kExitUsage = 2;
 
 // A line every 10 s while a large model is built (minutes, before the engine logs anything):
-// under zero::Init the share of the model staged so far, else the time it has taken.
+// under zero::Init the share of the model built so far, else the time it has taken.
 class BuildProgress {
  public:
   BuildProgress(const zero::Init* init, uint64_t total_bytes, bool enabled)
@@ -76,8 +76,9 @@ class BuildProgress {
       while (!cv_.wait_for(l, std::chrono::seconds(10), [this] { return done_; })) {
         const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0_).count();
         if (init != nullptr && init->mode() == zero::StageMode::kValues && total_bytes > 0) {
-          const uint64_t staged = init->staged_bytes();
-          std::fprintf(stderr, "strata-train: building the model: %s of %s staged (%.0f%%), %.0f s\n",
+          // Generated parameters are built too: only their draw waits for the engine.
+          const uint64_t staged = init->staged_bytes() + init->generated_bytes();
+          std::fprintf(stderr, "strata-train: building the model: %s of %s built (%.0f%%), %.0f s\n",
                        FormatBytes(staged).c_str(), FormatBytes(total_bytes).c_str(),
                        100.0 * static_cast<double>(staged) / static_cast<double>(total_bytes), secs);
         } else {
@@ -220,7 +221,8 @@ class Trainer {
     STRATA_RETURN_IF_ERROR(CheckActivationsFit());
     {
       // Stage 3 with NVMe offload: build the model under zero::Init, unit by unit into a staging
-      // file on the NVMe directory, so the whole fp32 model never sits in DRAM.
+      // file on the NVMe directory, so the whole fp32 model never sits in DRAM; its large
+      // matrices are registered with their draw instead (MakeLinear in gpt.cc).
       std::unique_ptr<zero::Init> init;
       const std::string nvme_dir = NvmeDirForHost();
       if (c_.zero_optimization.stage == 3 && !nvme_dir.empty() &&
@@ -249,9 +251,12 @@ class Trainer {
         return Internal(StrCat("building the model: ", e.what()));
       }
       if (init && leader() && !f_.json)
-        std::fprintf(stderr, "strata-train: zero::Init staged %lld parameters (%s) in %s\n",
+        std::fprintf(stderr,
+                     "strata-train: zero::Init staged %lld parameters (%s) in %s; %lld more (%s) are "
+                     "drawn as the engine reads them\n",
                      (long long)init->staged_params(), FormatBytes(init->staged_bytes()).c_str(),
-                     nvme_dir.c_str());
+                     nvme_dir.c_str(), (long long)init->generated_params(),
+                     FormatBytes(init->generated_bytes()).c_str());
       STRATA_ASSIGN_OR_RETURN(engine_, Engine::Create(model, c_, comm_.get(), device_.get(), eo));
     }
     if (!f_.resume.empty()) {

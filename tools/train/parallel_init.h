@@ -12,13 +12,9 @@
 
 #include <torch/torch.h>
 
-namespace strata::models {
+#include "tools/train/parallel_init_threshold.h"
 
-// Weights with at least this many elements are initialized by ParallelNormal (MakeLinear in
-// gpt.cc); smaller ones keep LibTorch's generator, so that the models of the tests, the
-// convergence benchmark and the quick start draw exactly what they always drew. 2^24 is a
-// 4096 x 4096 matrix: the layers of models of about 6B parameters and up.
-inline constexpr int64_t kParallelInitMinNumel = int64_t{1} << 24;
+namespace strata::models {
 
 // Fills `w` (contiguous fp32 on the CPU) with values of N(mean, std^2), drawn by Box-Muller from
 // a 23-bit and a 24-bit uniform (so within about 5.8 std of the mean), a function of `key` and

@@ -64,6 +64,15 @@ void OnSignal(int) { g_stop.store(true); }
 
 constexpr int kExitUsage = 2;
 
+// A parameter count for the log: "51.0 M" below a billion, "2.13 B" from there (%g printed a
+// 2.1B model as "2.13e+03 M").
+std::string FormatParams(double n) {
+  char buf[32];
+  if (n < 1e9) std::snprintf(buf, sizeof(buf), "%.1f M", n / 1e6);
+  else std::snprintf(buf, sizeof(buf), "%.2f B", n / 1e9);
+  return buf;
+}
+
 // A line every 10 s while a large model is built (minutes, before the engine logs anything):
 // under zero::Init the share of the model built so far, else the time it has taken.
 class BuildProgress {
@@ -207,10 +216,11 @@ class Trainer {
     const int64_t params = models::GptParameterCount(c_.model);
     if (leader() && !f_.json)
       std::fprintf(stderr,
-                   "strata-train: GPT %lld layers, d_model %lld, %lld heads, seq %lld: %.3g M params "
+                   "strata-train: GPT %lld layers, d_model %lld, %lld heads, seq %lld: %s params "
                    "on %s, %zu rank(s); data %s (%s train, %s held out)\n",
                    (long long)c_.model.n_layers, (long long)c_.model.d_model,
-                   (long long)c_.model.n_heads, (long long)c_.model.seq_len, params / 1e6,
+                   (long long)c_.model.n_heads, (long long)c_.model.seq_len,
+                   FormatParams(static_cast<double>(params)).c_str(),
                    device_->name().c_str(), (size_t)comm_->world_size(), f_.data.c_str(),
                    FormatBytes(data_.train.size()).c_str(),
                    FormatBytes(data_.validation.size()).c_str());
@@ -470,12 +480,13 @@ class Trainer {
       return;
     }
     std::fprintf(stderr,
-                 "\nsummary: %lld steps, loss %.4f -> %.4f (%s), %.3g M params, "
+                 "\nsummary: %lld steps, loss %.4f -> %.4f (%s), %s params, "
                  "model state %s, mean step %.3f s, %.0f tokens/s, overlap %.2f, peak RSS %s%s%s\n",
                  (long long)engine_->global_step(), t.first_loss, t.last_loss,
                  std::isnan(t.last_val) ? "no validation"
                                         : StrCat("validation ", std::to_string(t.last_val).substr(0, 6)).c_str(),
-                 engine_->num_parameters() / 1e6, FormatBytes(engine_->model_state_bytes()).c_str(),
+                 FormatParams(static_cast<double>(engine_->num_parameters())).c_str(),
+                 FormatBytes(engine_->model_state_bytes()).c_str(),
                  t.measured ? t.time_sum / t.measured : NAN, wall > 0 ? t.tokens_total / wall : 0.0,
                  t.overlap_measured ? t.overlap_sum / t.overlap_measured : NAN,
                  FormatBytes(PeakRssBytes()).c_str(),

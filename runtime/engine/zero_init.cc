@@ -422,6 +422,20 @@ std::optional<std::vector<int64_t>> StagedShape(const torch::Tensor& param) {
 
 namespace {
 
+// Grows the Init's read buffer (Note [staged reads]) to at least `len` bytes; the caller holds
+// read_mu.
+Status GrowReadBuffer(Init::Impl& init, uint64_t len) {
+  if (len <= init.read_cap) return Status::Ok();
+  std::free(init.read_buf);
+  init.read_buf = nullptr;
+  init.read_cap = 0;
+  const uint64_t cap = std::max<uint64_t>(len, DirectAlign());
+  if (::posix_memalign(&init.read_buf, DirectAlign(), cap) != 0)
+    return ResourceExhausted(StrCat("allocating ", len, " bytes to read zero::Init staging file ", init.path));
+  init.read_cap = cap;
+  return Status::Ok();
+}
+
 // Draws a StageGenerated parameter into `dst` through the staged dtype (Note [generated
 // parameters]): straight into an fp32 destination of an fp32 file, otherwise into the Init's
 // read buffer and converted from there, a piece at a time where it rounds twice.
@@ -432,16 +446,8 @@ StatusOr<bool> ReadGenerated(Init::Impl& init, const Staged& st, torch::Tensor d
     st.fill(out);
     return true;
   }
-  const uint64_t bytes = static_cast<uint64_t>(st.numel) * sizeof(float);
   std::lock_guard<std::mutex> l(init.read_mu);
-  if (bytes > init.read_cap) {
-    std::free(init.read_buf);
-    init.read_buf = nullptr;
-    init.read_cap = 0;
-    if (::posix_memalign(&init.read_buf, DirectAlign(), std::max<uint64_t>(bytes, DirectAlign())) != 0)
-      return ResourceExhausted(StrCat("allocating ", bytes, " bytes to draw a generated parameter"));
-    init.read_cap = std::max<uint64_t>(bytes, DirectAlign());
-  }
+  STRATA_RETURN_IF_ERROR(GrowReadBuffer(init, static_cast<uint64_t>(st.numel) * sizeof(float)));
   torch::Tensor drawn = torch::from_blob(init.read_buf, {st.numel}, torch::kFloat32);
   st.fill(drawn);
   if (st.dtype == torch::kFloat32 || out.scalar_type() == st.dtype) {
@@ -483,14 +489,7 @@ StatusOr<bool> ReadStaged(const torch::Tensor& param, torch::Tensor dst) {
   const uint64_t bytes = static_cast<uint64_t>(st.numel) * c10::elementSize(st.dtype);
   const uint64_t len = st.direct ? AlignUp(bytes) : bytes;
   std::lock_guard<std::mutex> l(init.read_mu);
-  if (len > init.read_cap) {
-    std::free(init.read_buf);
-    init.read_buf = nullptr;
-    init.read_cap = 0;
-    if (::posix_memalign(&init.read_buf, DirectAlign(), std::max<uint64_t>(len, DirectAlign())) != 0)
-      return ResourceExhausted(StrCat("allocating ", len, " bytes to read zero::Init staging file ", init.path));
-    init.read_cap = std::max<uint64_t>(len, DirectAlign());
-  }
+  STRATA_RETURN_IF_ERROR(GrowReadBuffer(init, len));
   // The direct descriptor lives as long as its Init once anything went through it.
   STRATA_RETURN_IF_ERROR(st.direct ? ReadDirect(init, init.read_buf, len, st.offset)
                                    : ReadBuffered(init, init.read_buf, len, st.offset));

@@ -321,16 +321,23 @@ TEST(EstimateVsEngineTest, SplitPlacementsThePlanIsTheEnginesAndItsBytesAreMeasu
 // staging file. Its size, as the Init wrote it, is the estimate's (fp32, or bf16 for a bf16
 // master). The start's disk peak lies between the file alone and the file beside every NVMe
 // block, and the engine starts from that file.
+// SmallConfig at stage 3 with parameters and optimizer states on NVMe at `dir`, which makes
+// strata-train build its model under zero::Init.
+Config StagedConfig(bool bf16_master, const std::string& dir) {
+  Config c = SmallConfig();
+  c.zero_optimization.stage = 3;
+  c.zero_optimization.offload_param.device = OffloadDevice::kNvme;
+  c.zero_optimization.offload_optimizer.device = OffloadDevice::kNvme;
+  c.bf16.bf16_master_weights_and_grads = bf16_master;
+  c.zero_optimization.offload_param.nvme_path = {dir};
+  return c;
+}
+
 TEST(EstimateVsEngineTest, ZeroInitStagingFileIsTheEstimatesAndBoundsTheStartsDisk) {
   for (bool bf16_master : {false, true}) {
     SCOPED_TRACE(bf16_master ? "bf16 master" : "fp32 master");
-    Config c = SmallConfig();
-    c.zero_optimization.stage = 3;
-    c.zero_optimization.offload_param.device = OffloadDevice::kNvme;
-    c.zero_optimization.offload_optimizer.device = OffloadDevice::kNvme;
-    c.bf16.bf16_master_weights_and_grads = bf16_master;
     strata::testing::TempDir dir;
-    c.zero_optimization.offload_param.nvme_path = {dir.path()};
+    Config c = StagedConfig(bf16_master, dir.path());
     ASSERT_OK_AND_ASSIGN(ModelSpec spec, GptModelSpec(c.model));
     ASSERT_OK_AND_ASSIGN(MemoryEstimate e, EstimateMemory(c, spec));
     ASSERT_OK_AND_ASSIGN(auto init,
@@ -369,16 +376,11 @@ TEST(EstimateVsEngineTest, ZeroInitStagingFileIsTheEstimatesAndBoundsTheStartsDi
 TEST(EstimateVsEngineTest, TheStagingFileLeavesOutTheDrawnMatricesAsTheEstimateDoes) {
   for (bool bf16_master : {false, true}) {
     SCOPED_TRACE(bf16_master ? "bf16 master" : "fp32 master");
-    Config c = SmallConfig();
+    strata::testing::TempDir dir;
+    Config c = StagedConfig(bf16_master, dir.path());
     c.model.n_layers = 1;
     c.model.d_model = 2048;  // fc and out hold 2^24 elements each: drawn; qkv 0.75 x that: staged
     c.model.n_heads = 16;
-    c.zero_optimization.stage = 3;
-    c.zero_optimization.offload_param.device = OffloadDevice::kNvme;
-    c.zero_optimization.offload_optimizer.device = OffloadDevice::kNvme;
-    c.bf16.bf16_master_weights_and_grads = bf16_master;
-    strata::testing::TempDir dir;
-    c.zero_optimization.offload_param.nvme_path = {dir.path()};
     ASSERT_OK_AND_ASSIGN(ModelSpec spec, GptModelSpec(c.model));
     int generated = 0;
     for (const ParamSpec& p : spec.params) generated += p.generated;

@@ -437,13 +437,21 @@ Status GrowReadBuffer(Init::Impl& init, uint64_t len) {
 }
 
 // Draws a StageGenerated parameter into `dst` through the staged dtype (Note [generated
-// parameters]): straight into an fp32 destination of an fp32 file, otherwise into the Init's
-// read buffer and converted from there, a piece at a time where it rounds twice.
+// parameters]): straight into an fp32 destination (rounded there through a bf16 file's dtype),
+// otherwise into the Init's read buffer and converted from there, a piece at a time where it
+// rounds twice.
 StatusOr<bool> ReadGenerated(Init::Impl& init, const Staged& st, torch::Tensor dst) {
   torch::NoGradGuard ng;
   torch::Tensor out = dst.view({-1});
-  if (out.scalar_type() == torch::kFloat32 && st.dtype == torch::kFloat32) {
+  constexpr int64_t kPiece = int64_t{1} << 17;  // pieces small enough to come from the heap
+  if (out.scalar_type() == torch::kFloat32) {
+    // Drawn in place; a bf16 file's rounding is then applied in place, piece by piece.
     st.fill(out);
+    if (st.dtype != torch::kFloat32)
+      for (int64_t i = 0; i < st.numel; i += kPiece) {
+        torch::Tensor piece = out.narrow(0, i, std::min(kPiece, st.numel - i));
+        piece.copy_(piece.to(st.dtype));
+      }
     return true;
   }
   std::lock_guard<std::mutex> l(init.read_mu);
@@ -454,8 +462,7 @@ StatusOr<bool> ReadGenerated(Init::Impl& init, const Staged& st, torch::Tensor d
     out.copy_(drawn);  // one rounding, as the file's write then a same-dtype read
     return true;
   }
-  // fp32 -> the staged dtype -> dst, in pieces small enough to come from the heap.
-  constexpr int64_t kPiece = int64_t{1} << 17;
+  // fp32 -> the staged dtype -> dst (fp16 from a bf16 file), a piece at a time.
   for (int64_t i = 0; i < st.numel; i += kPiece) {
     const int64_t n = std::min(kPiece, st.numel - i);
     out.narrow(0, i, n).copy_(drawn.narrow(0, i, n).to(st.dtype));

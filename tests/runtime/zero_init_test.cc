@@ -284,7 +284,7 @@ TEST(ZeroInit, AGeneratedParameterIsDrawnWhenReadAsTheFileWouldHoldIt) {
     EXPECT_EQ(init->staged_bytes(), 0u) << "nothing of it goes to the file";
     EXPECT_EQ(init->generated_params(), 1);
     EXPECT_EQ(init->generated_bytes(), static_cast<uint64_t>(numel) * c10::elementSize(staged));
-    // Partition skips it (it is registered), and stages a plain parameter beside it.
+    // Partition skips it (it has 0 elements), and stages a plain parameter beside it.
     torch::nn::Module unit;
     unit.register_parameter("gen", gen);
     torch::Tensor filed = unit.register_parameter("filed", values.reshape(shape).clone());
@@ -296,7 +296,7 @@ TEST(ZeroInit, AGeneratedParameterIsDrawnWhenReadAsTheFileWouldHoldIt) {
     EXPECT_EQ(zero::ReadStaged(gen, small).status().code(), StatusCode::kInvalidArgument);
     EXPECT_EQ(draws, 0);
     // Each destination dtype: the generated values are the file's, bit for bit.
-    for (torch::Dtype dst_dtype : {torch::kFloat32, torch::kBFloat16}) {
+    for (torch::Dtype dst_dtype : {torch::kFloat32, torch::kBFloat16, torch::kFloat16}) {
       SCOPED_TRACE(c10::toString(dst_dtype));
       torch::Tensor g = param(), f = param();
       torch::nn::Module u;

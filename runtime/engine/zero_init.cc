@@ -436,37 +436,35 @@ Status GrowReadBuffer(Init::Impl& init, uint64_t len) {
   return Status::Ok();
 }
 
+// Copies flat `src` into `out` (which may be `src`) rounded through `dtype`, a piece at a time
+// so that each piece's temporary comes from the heap.
+void CopyThrough(torch::Tensor& out, const torch::Tensor& src, torch::Dtype dtype) {
+  constexpr int64_t kPiece = int64_t{1} << 17;
+  for (int64_t i = 0; i < src.numel(); i += kPiece) {
+    const int64_t n = std::min(kPiece, src.numel() - i);
+    out.narrow(0, i, n).copy_(src.narrow(0, i, n).to(dtype));
+  }
+}
+
 // Draws a StageGenerated parameter into `dst` through the staged dtype (Note [generated
 // parameters]): straight into an fp32 destination (rounded there through a bf16 file's dtype),
-// otherwise into the Init's read buffer and converted from there, a piece at a time where it
-// rounds twice.
+// otherwise into the Init's read buffer and converted from there.
 StatusOr<bool> ReadGenerated(Init::Impl& init, const Staged& st, torch::Tensor dst) {
   torch::NoGradGuard ng;
   torch::Tensor out = dst.view({-1});
-  constexpr int64_t kPiece = int64_t{1} << 17;  // pieces small enough to come from the heap
   if (out.scalar_type() == torch::kFloat32) {
-    // Drawn in place; a bf16 file's rounding is then applied in place, piece by piece.
     st.fill(out);
-    if (st.dtype != torch::kFloat32)
-      for (int64_t i = 0; i < st.numel; i += kPiece) {
-        torch::Tensor piece = out.narrow(0, i, std::min(kPiece, st.numel - i));
-        piece.copy_(piece.to(st.dtype));
-      }
+    if (st.dtype != torch::kFloat32) CopyThrough(out, out, st.dtype);
     return true;
   }
   std::lock_guard<std::mutex> l(init.read_mu);
   STRATA_RETURN_IF_ERROR(GrowReadBuffer(init, static_cast<uint64_t>(st.numel) * sizeof(float)));
   torch::Tensor drawn = torch::from_blob(init.read_buf, {st.numel}, torch::kFloat32);
   st.fill(drawn);
-  if (st.dtype == torch::kFloat32 || out.scalar_type() == st.dtype) {
+  if (st.dtype == torch::kFloat32 || out.scalar_type() == st.dtype)
     out.copy_(drawn);  // one rounding, as the file's write then a same-dtype read
-    return true;
-  }
-  // fp32 -> the staged dtype -> dst (fp16 from a bf16 file), a piece at a time.
-  for (int64_t i = 0; i < st.numel; i += kPiece) {
-    const int64_t n = std::min(kPiece, st.numel - i);
-    out.narrow(0, i, n).copy_(drawn.narrow(0, i, n).to(st.dtype));
-  }
+  else
+    CopyThrough(out, drawn, st.dtype);  // fp16 from a bf16 file: rounded twice, as the file's
   return true;
 }
 

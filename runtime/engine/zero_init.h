@@ -121,7 +121,8 @@ void StageMapped(const torch::Tensor& param);
 
 // For the engine: when `param` was staged by a live Init, reads its values converted to dst's
 // dtype into `dst` (a contiguous CPU tensor of the staged shape's elements), frees their space in
-// the staging file (or draws them, for StageGenerated's) and returns true; a parameter is read once (then it is no longer staged).
+// the staging file (or draws them, for StageGenerated's) and returns true; a parameter is read
+// once (then it is no longer staged).
 // Returns false for a parameter not staged. An I/O error is returned as a Status, and so is a
 // destination of another size or not contiguous on the CPU (INVALID_ARGUMENT; nothing is read).
 StatusOr<bool> ReadStaged(const torch::Tensor& param, torch::Tensor dst);

@@ -119,7 +119,17 @@ class Init:
 
     The staging directory is `nvme_path`, else the config's offload_param (then
     offload_optimizer) nvme_path, else the system's temporary directory. The file is unlinked at
-    once, so nothing is left behind by a crash."""
+    once, so nothing is left behind by a crash.
+
+    The parameters' dtype (`dtype`, DeepSpeed's argument): torch.float32, torch.bfloat16 or
+    torch.float16. Unset, it is torch.bfloat16 for a config with
+    bf16.bf16_master_weights_and_grads (the engine keeps only bf16 bits then, so fp32 would double
+    the staging file for nothing) and torch.float32 otherwise. DeepSpeed builds in the config's
+    bf16/fp16 dtype always; Strata keeps fp32 where the engine keeps an fp32 master, so that
+    master starts from the exact fp32 values. A 16-bit parameter is cast as its module's
+    constructor returns, so an initialization inside that constructor is fp32 rounded to nearest;
+    one that runs later (a parent's constructor, a post_init) runs on the 16-bit tensor, as it does
+    under DeepSpeed."""
 
     def __init__(self, module=None, data_parallel_group=None, mem_efficient_linear=True,
                  remote_device=None, pin_memory=False, config_dict_or_path=None, config=None,
@@ -129,13 +139,16 @@ class Init:
         if module is not None:
             raise InvalidArgumentError("zero.Init(module=...): converting an existing model is "
                                        "not supported; build the model inside the with block")
-        if dtype is not None and dtype != torch.float32:
-            raise InvalidArgumentError(f"zero.Init(dtype={dtype}): parameters are built in fp32; "
-                                       "set bf16.enabled in the config for bf16 compute")
+        if dtype is not None and dtype not in _INIT_DTYPES:
+            raise InvalidArgumentError(
+                f"zero.Init(dtype={dtype!r}): parameters are built as torch.float32, "
+                "torch.bfloat16 or torch.float16 (DeepSpeed's choices); leave dtype unset for the "
+                "config's")
+        cfg, _ = _config.load(config_dict_or_path if config_dict_or_path is not None else config)
+        self.dtype = dtype if dtype is not None else _default_dtype(cfg)
         self._enabled = enabled
         self._dir = nvme_path
         if self._dir is None:
-            cfg, _ = _config.load(config_dict_or_path if config_dict_or_path is not None else config)
             z = cfg.get("zero_optimization", {})
             for key in ("offload_param", "offload_optimizer"):
                 path = z.get(key, {}).get("nvme_path")
@@ -221,13 +234,29 @@ class Init:
     def _stage(self, module):
         if self._cpp is None:
             return
-        for p in module.parameters(recurse=False):
-            if p.requires_grad and id(p) not in self._staged:
-                self._cpp.stage(p)
-                self._staged.add(id(p))
+        with torch.no_grad():
+            for p in module.parameters(recurse=False):
+                # Only toward 16 bits: an fp32 Init leaves a parameter built in 16 bits as it is.
+                if self.dtype != torch.float32 and p.is_floating_point() and p.dtype != self.dtype:
+                    p.data = p.data.to(self.dtype)
+                if p.requires_grad and id(p) not in self._staged:
+                    self._cpp.stage(p)
+                    self._staged.add(id(p))
 
 
 _active_init = None
+_INIT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _default_dtype(cfg):
+    """bf16 where the config's master is the bf16 working copy (nothing of fp32 is kept), else
+    fp32. DeepSpeed accepts "bfloat16" as the section's other name; "auto" (Hugging Face's
+    unfilled value) is not true."""
+    section = cfg.get("bf16", cfg.get("bfloat16", {}))
+    if not isinstance(section, dict):
+        return torch.float32
+    master16 = section.get("enabled") is True and section.get("bf16_master_weights_and_grads") is True
+    return torch.bfloat16 if master16 else torch.float32
 
 
 def _module_classes():

@@ -1,9 +1,13 @@
 """strata.zero.Init: a model built inside it keeps about one module in anonymous memory (what the
 OS reports as RssAnon), has exactly the values a normal build has - initialization passes at the
-end of a constructor included - and trains exactly like it."""
+end of a constructor included - and trains exactly like it. Built in bf16 (a bf16 master's
+default, or DeepSpeed's dtype argument), its staging file is half the size and it trains as a
+normal model holding the same values."""
 
 import copy
+import os
 
+import pytest
 import torch
 import torchvision
 
@@ -80,3 +84,108 @@ def test_training_a_staged_model_equals_a_normal_one(tmp_path):
     got = harness.run_steps(engine, "gpt2", 0, 3, accum=2)
     engine.close()
     assert got == want
+
+
+def _bf16_master_config(nvme_dir):
+    return {"train_micro_batch_size_per_gpu": 2,
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+            "bf16": {"enabled": True, "bf16_master_weights_and_grads": True},
+            "zero_optimization": {"stage": 3,
+                                  "offload_param": {"device": "nvme", "nvme_path": str(nvme_dir)},
+                                  "offload_optimizer": {"device": "cpu"}}}
+
+
+def _staging_file_bytes(directory):
+    """The bytes the file system has allocated to the open (unlinked) staging file in
+    `directory`."""
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith(str(directory)) and target.endswith("(deleted)"):
+            return os.fstat(int(fd)).st_blocks * 512
+    raise AssertionError(f"no open staging file in {directory}")
+
+
+def _linears():
+    # Each weight is initialized by its own Linear's constructor, nothing after it.
+    return torch.nn.Sequential(*(torch.nn.Linear(512, 512) for _ in range(4)))
+
+
+def test_a_bf16_master_config_stages_bf16_in_half_the_file(tmp_path):
+    cfg = _bf16_master_config(tmp_path / "bf16")
+    torch.manual_seed(0)
+    want = _linears()
+    numel = sum(p.numel() for p in want.parameters())
+    allocated = {}
+    for name, kwargs in (("fp32", {"nvme_path": str(tmp_path / "fp32")}),
+                         ("bf16", {"config_dict_or_path": cfg})):
+        os.makedirs(tmp_path / name, exist_ok=True)
+        torch.manual_seed(0)
+        with strata.zero.Init(**kwargs) as init:
+            got = _linears()
+            allocated[name] = _staging_file_bytes(tmp_path / name)
+        assert init.staged_bytes == numel * (2 if name == "bf16" else 4), name
+    assert init.dtype == torch.bfloat16
+    # What the OS allocated: half, less one page of alignment per parameter.
+    assert allocated["bf16"] <= allocated["fp32"] / 2 + 8 * 4096, allocated
+    # A constructor's own initialization is fp32 rounded to nearest, as the engine would round it.
+    for (name, a), b in zip(want.named_parameters(), got.parameters()):
+        assert b.dtype == torch.bfloat16, name
+        assert torch.equal(a.detach().bfloat16(), b.detach()), name
+
+
+def test_a_bf16_staged_model_trains_as_a_normal_one_with_its_values(tmp_path):
+    cfg = _bf16_master_config(tmp_path)
+    torch.manual_seed(0)
+    with strata.zero.Init(config_dict_or_path=cfg):
+        staged = harness.gpt2()
+    # _linear's normal_ ran on the bf16 weights after Linear's constructor, as under DeepSpeed:
+    # different draws from an fp32 build, the same distribution.
+    assert {p.dtype for p in staged.parameters()} == {torch.bfloat16}
+    assert abs(float(staged.blocks[0].fc.weight.float().std()) - 0.02) < 2e-3
+    plain = harness.gpt2()
+    plain.load_state_dict({k: v.detach().clone() for k, v in staged.state_dict().items()})
+    losses = []
+    for model in (staged, plain):
+        engine, *_ = strata.initialize(model=model, config=copy.deepcopy(cfg))
+        losses.append(harness.run_steps(engine, "gpt2", 0, 3))
+        engine.close()
+    assert losses[0] == losses[1]
+
+
+def test_dtype_is_deepspeeds_argument(tmp_path):
+    # An fp32 config with dtype=torch.bfloat16: the fp32 master starts from the bf16 values.
+    case = next(c for c in harness.GRID if c[0] == "stage3_nvme_clip_accum")
+    cfg = harness.config_for(case, tmp_path / "nvme")
+    torch.manual_seed(0)
+    with strata.zero.Init(config_dict_or_path=cfg, dtype=torch.bfloat16) as init:
+        staged = harness.gpt2()
+    assert init.dtype == torch.bfloat16
+    assert {p.dtype for p in staged.parameters()} == {torch.bfloat16}
+    plain = harness.gpt2()
+    plain.load_state_dict({k: v.detach().clone() for k, v in staged.state_dict().items()})
+    losses = []
+    for model in (staged, plain):
+        engine, *_ = strata.initialize(model=model, config=copy.deepcopy(cfg))
+        losses.append(harness.run_steps(engine, "gpt2", 0, 3, accum=2))
+        engine.close()
+    assert losses[0] == losses[1]
+    with strata.zero.Init(nvme_path=str(tmp_path), dtype=torch.float16):
+        half = _linears()
+    assert {p.dtype for p in half.parameters()} == {torch.float16}
+
+
+def test_the_default_dtype_follows_the_master_and_bad_ones_are_refused(tmp_path):
+    def dtype_for(cfg):
+        return strata.zero.Init(config_dict_or_path=cfg, nvme_path=str(tmp_path)).dtype
+
+    assert dtype_for({}) == torch.float32
+    # bf16 compute with an fp32 master: built in fp32, so the master starts exact.
+    assert dtype_for({"bf16": {"enabled": True}}) == torch.float32
+    assert dtype_for({"bf16": {"enabled": "auto", "bf16_master_weights_and_grads": True}}) == torch.float32
+    assert dtype_for({"bfloat16": {"enabled": True, "bf16_master_weights_and_grads": True}}) == torch.bfloat16
+    for bad in (torch.float64, torch.int8, "bf16"):
+        with pytest.raises(strata.InvalidArgumentError, match=r"dtype=.*torch\.bfloat16"):
+            strata.zero.Init(nvme_path=str(tmp_path), dtype=bad)

@@ -67,6 +67,10 @@ class Init::Impl {
   std::mutex read_mu;
   void* read_buf = nullptr;
   uint64_t read_cap = 0;
+  // StageMapped's descriptor for giving a released mapping's space back: a dup of fd that its
+  // mappings share and that outlives the Init, closed with the last of them (Note [mapped
+  // release]).
+  std::shared_ptr<const int> mapped_fd;
 };
 
 namespace {
@@ -376,9 +380,27 @@ bool StageGenerated(const torch::Tensor& param, std::vector<int64_t> shape, Fill
   return true;
 }
 
+// Note [mapped release]
+// A StageMapped parameter's range of the file was held until the process dropped the whole
+// file, long after the engine had copied the values out and pointed the parameter at its own
+// memory: the start's disk peak was the whole staging file beside every NVMe block written. Each
+// mapping's deleter now punches its own page-aligned range (no other parameter shares those
+// pages) after unmapping it, which also drops its dirty pages unwritten. The file stays open
+// through a descriptor the mappings share, so a release after the Init has closed still finds
+// it; the last release closes it. Punching is best effort: a file system without holes keeps
+// the space until then, as before.
 void StageMapped(const torch::Tensor& param) {
   Init::Impl* init = current;
   if (!init || param.numel() == 0 || init->mode == StageMode::kShapesOnly) return;
+  if (!init->mapped_fd) {
+    const int dup_fd = ::fcntl(init->fd, F_DUPFD_CLOEXEC, 0);
+    if (dup_fd < 0)
+      throw std::runtime_error(ErrnoToStatus(errno, StrCat("duplicate zero::Init staging file ", init->path)).ToString());
+    init->mapped_fd = std::shared_ptr<const int>(new int(dup_fd), [](const int* fd) {
+      ::close(*fd);
+      delete fd;
+    });
+  }
   torch::NoGradGuard ng;
   torch::Tensor host = param.detach().to(torch::kCPU).contiguous();
   const uint64_t bytes = host.nbytes();
@@ -393,9 +415,16 @@ void StageMapped(const torch::Tensor& param) {
   init->payload += bytes;
   ++init->params;
   // The mapping keeps the (unlinked) file alive after the Init closes it; the last tensor using
-  // the memory unmaps it.
+  // the memory unmaps it and gives its range back (Note [mapped release]).
+  const uint64_t span = (bytes + page - 1) / page * page;
   torch::Tensor mapped = torch::from_blob(
-      m, param.sizes(), [bytes](void* p) { ::munmap(p, bytes); }, host.options());
+      m, param.sizes(),
+      [bytes, span, off, fd = init->mapped_fd](void* p) {
+        ::munmap(p, bytes);
+        ::fallocate(*fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, static_cast<off_t>(off),
+                    static_cast<off_t>(span));
+      },
+      host.options());
   torch::Tensor p = param;  // set_data is not const; the change lands on the shared TensorImpl
   p.set_data(mapped);
 }

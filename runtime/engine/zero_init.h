@@ -115,7 +115,8 @@ bool StageGenerated(const torch::Tensor& param, std::vector<int64_t> shape, Fill
 // kernel writes them back and drops them under memory pressure instead of holding them in
 // anonymous memory, and a model larger than DRAM can be built and then initialized in place.
 // The engine reads such a parameter like any other (through the mapping); the mapping goes when
-// the engine points the parameter at its own memory. Does nothing without a current Init.
+// the engine points the parameter at its own memory, and its space in the file goes with it.
+// Does nothing without a current Init.
 // Throws std::runtime_error on an I/O or mapping error, naming the file.
 void StageMapped(const torch::Tensor& param);
 

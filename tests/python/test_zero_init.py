@@ -189,3 +189,30 @@ def test_the_default_dtype_follows_the_master_and_bad_ones_are_refused(tmp_path)
     for bad in (torch.float64, torch.int8, "bf16"):
         with pytest.raises(strata.InvalidArgumentError, match=r"dtype=.*torch\.bfloat16"):
             strata.zero.Init(nvme_path=str(tmp_path), dtype=bad)
+
+
+def test_a_released_parameter_gives_its_staging_space_back(tmp_path):
+    with strata.zero.Init(nvme_path=str(tmp_path)):
+        model = Wide()  # 16 weights of 16 MiB
+    full = _staging_file_bytes(tmp_path)  # the Init is closed; the mappings keep the file open
+    assert full >= 256 << 20
+    for layer in model.layers[:8]:
+        layer.weight.data = torch.zeros(1)  # what the engine's re-pointing does to a mapping
+    after = _staging_file_bytes(tmp_path)
+    assert after <= full - (128 << 20), (full, after)
+    assert all(abs(float(l.weight.std()) - 0.02) < 1e-3 for l in model.layers[8:])
+    del model, layer  # the loop's variable holds the last released layer (and its bias)
+    with pytest.raises(AssertionError, match="no open staging file"):
+        _staging_file_bytes(tmp_path)
+
+
+def test_the_staging_file_is_gone_once_the_engine_has_the_model(tmp_path):
+    case = next(c for c in harness.GRID if c[0] == "stage3_nvme_clip_accum")
+    cfg = harness.config_for(case, tmp_path / "nvme")
+    with strata.zero.Init(config_dict_or_path=cfg):
+        model = harness.gpt2()
+    assert _staging_file_bytes(tmp_path / "nvme") > 0
+    engine, *_ = strata.initialize(model=model, config=copy.deepcopy(cfg))
+    with pytest.raises(AssertionError, match="no open staging file"):
+        _staging_file_bytes(tmp_path / "nvme")
+    engine.close()

@@ -215,4 +215,6 @@ def test_the_staging_file_is_gone_once_the_engine_has_the_model(tmp_path):
     engine, *_ = strata.initialize(model=model, config=copy.deepcopy(cfg))
     with pytest.raises(AssertionError, match="no open staging file"):
         _staging_file_bytes(tmp_path / "nvme")
+    assert os.listdir(tmp_path / "nvme") == ["strata-rank0.swap"]
     engine.close()
+    assert os.listdir(tmp_path / "nvme") == []  # the engine's swap file goes with it

@@ -39,7 +39,8 @@ NvmeTierOptions NvmeTierOptionsFromConfig(const Config& config, uint32_t rank);
 
 class NvmeTier final : public Tier {
  public:
-  // Starts with an empty swap store (any earlier index for this rank is discarded).
+  // Starts with an empty swap store (any earlier index for this rank is discarded) and removes its
+  // files when destroyed (SwapStoreOptions::remove_on_close).
   static StatusOr<std::unique_ptr<NvmeTier>> Create(const NvmeTierOptions& options);
   ~NvmeTier() override;
 

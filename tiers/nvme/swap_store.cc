@@ -197,6 +197,7 @@ StatusOr<std::unique_ptr<SwapStore>> SwapStore::Open(const SwapStoreOptions& opt
   const uint64_t n = options.paths.size();
   const std::string& first = options.paths[0];
   s->index_path_ = StrCat(first, first.back() == '/' ? "" : "/", "strata-rank", options.rank, ".index");
+  s->remove_on_close_ = options.remove_on_close;
 
   STRATA_ASSIGN_OR_RETURN(std::optional<SwapIndex> index, ReadIndex(options, s->index_path_));
   if (index) {
@@ -382,7 +383,7 @@ Status SwapStore::Close() {
   const auto dir = std::filesystem::path(index_path_).parent_path();
   if (opened_ && !dir.empty() && !std::filesystem::exists(dir, gone)) {
     STRATA_LOG(INFO) << "nvme swap store: " << dir.string() << " was removed; no index written";
-  } else if (opened_) {
+  } else if (opened_ && !remove_on_close_) {
     result = SaveIndexLocked();
   }
   closed_ = true;
@@ -401,6 +402,15 @@ Status SwapStore::Close() {
     if (f.fd >= 0 && close(f.fd) != 0 && result.ok())
       result = ErrnoToStatus(errno, StrCat("closing swap file ", f.path));
     f.fd = -1;
+  }
+  // Only a store that opened (and so locked) its files removes them: one whose Open failed may
+  // have met another process's.
+  if (opened_ && remove_on_close_) {
+    for (const auto& f : files_)
+      if (::unlink(f.path.c_str()) != 0 && errno != ENOENT && result.ok())
+        result = ErrnoToStatus(errno, StrCat("removing swap file ", f.path));
+    if (::unlink(index_path_.c_str()) != 0 && errno != ENOENT && result.ok())
+      result = ErrnoToStatus(errno, StrCat("removing swap index ", index_path_));
   }
   return result;
 }

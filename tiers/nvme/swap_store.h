@@ -65,6 +65,11 @@ struct SwapStoreOptions {
   AioConfig aio;
   ChecksumKind checksums = ChecksumKind::kCrc32c;  // ignored on reopen: the index's kind wins
   SwapOpenMode mode = SwapOpenMode::kCreate;
+  // A scratch store, whose contents nobody reopens (the engine's: it always starts empty and
+  // keeps its state in checkpoints): Close writes no index and removes the swap files, so a
+  // finished run leaves nothing on the disk. After a crash the files stay, and the next kCreate
+  // store on the same paths takes them over.
+  bool remove_on_close = false;
   bool force_fallback = false;     // pread/pwrite engine even where io_uring works (tests)
   IoFaultHook fault_hook;          // test-only, see io_engine.h
   IoSubmitFaultHook submit_fault_hook;  // test-only, see io_engine.h
@@ -97,8 +102,9 @@ class SwapStore {
   // Closes (see Close) and logs a failure, which it cannot return.
   ~SwapStore();
 
-  // Drains I/O, saves the index, closes and unlocks the files. Idempotent; after it every other
-  // call fails with FAILED_PRECONDITION.
+  // Drains I/O, saves the index (or, with remove_on_close, removes the files and the index),
+  // closes and unlocks the files. Idempotent; after it every other call fails with
+  // FAILED_PRECONDITION.
   Status Close();
 
   // Reserves space for a block of `bytes` under the caller's `key`. ALREADY_EXISTS for a used
@@ -172,6 +178,7 @@ class SwapStore {
   ChecksumKind checksums_ = ChecksumKind::kCrc32c;
   bool direct_ = false;
   bool opened_ = false;  // Open() completed; only then may Close() write the index
+  bool remove_on_close_ = false;  // SwapStoreOptions::remove_on_close
   std::unique_ptr<IoEngine> engine_;  // reset by Close() under mu_
   std::atomic<uint64_t> checksum_failures_{0};
 

@@ -4,6 +4,7 @@
 #include <atomic>
 #include <cstdlib>
 #include <cstring>
+#include <filesystem>
 #include <random>
 #include <thread>
 #include <vector>
@@ -40,6 +41,10 @@ TEST(NvmeTierTest, BudgetIsEnforcedAndReturned) {
   EXPECT_EQ(tier->stats().peak_bytes_allocated, 600u << 10);
   ASSERT_OK(tier->Free(b));
   EXPECT_EQ(tier->stats().bytes_allocated, 0u);
+  // The tier's swap file and index go with it: nothing reopens them.
+  EXPECT_FALSE(std::filesystem::is_empty(t.path()));
+  tier.reset();
+  EXPECT_TRUE(std::filesystem::is_empty(t.path()));
   TempDir u;
   ASSERT_OK_AND_ASSIGN(auto whole, NvmeTier::Create(Options(u.path(), 0)));
   EXPECT_GT(whole->capacity(), 1u << 20);  // the free space of the file system

@@ -17,6 +17,7 @@
 #include <fstream>
 #include <future>
 #include <set>
+#include <filesystem>
 #include <random>
 #include <thread>
 #include <string>
@@ -210,6 +211,38 @@ TEST_P(SwapStoreTest, IndexSurvivesARestartInAnotherProcess) {
   ASSERT_OK_AND_ASSIGN(auto r5, store->Lookup(5));
   ASSERT_OK_AND_ASSIGN(auto r10, store->Lookup(10));
   EXPECT_TRUE(r10.offset >= r5.offset + data.size() || r10.offset + 50000 <= r5.offset);
+}
+
+TEST_P(SwapStoreTest, AScratchStoreLeavesNothingBehind) {
+  TempDir second;
+  auto o = Opts({dir_.path(), second.path()}, fallback());
+  o.remove_on_close = true;
+  ASSERT_OK_AND_ASSIGN(auto store, SwapStore::Open(o));
+  auto data = Pattern(300000, 7);
+  ASSERT_OK(store->Allocate(1, data.size()));
+  ASSERT_OK(store->Write(1, data.data()));
+  auto names = [](const std::string& dir) {
+    std::vector<std::string> v;
+    for (const auto& e : std::filesystem::directory_iterator(dir)) v.push_back(e.path().filename());
+    return v;
+  };
+  EXPECT_EQ(names(dir_.path()), std::vector<std::string>{"strata-rank0.swap"});
+  EXPECT_EQ(names(second.path()), std::vector<std::string>{"strata-rank0.swap"});
+  // A second store on the same files is refused, and its failed open removes nothing of the
+  // first's.
+  EXPECT_EQ(SwapStore::Open(o).status().code(), StatusCode::kFailedPrecondition);
+  std::vector<char> back(data.size());
+  ASSERT_OK(store->Read(1, back.data()));
+  EXPECT_EQ(back, data);
+  ASSERT_OK(store->Close());
+  EXPECT_TRUE(names(dir_.path()).empty()) << names(dir_.path())[0];
+  EXPECT_TRUE(names(second.path()).empty());
+  ASSERT_OK(store->Close());  // idempotent: nothing left to remove is no error
+  // Without the option the same store keeps its files and writes its index for a reopen.
+  o.remove_on_close = false;
+  ASSERT_OK_AND_ASSIGN(auto kept, SwapStore::Open(o));
+  ASSERT_OK(kept->Close());
+  EXPECT_EQ(names(dir_.path()).size(), 2u);
 }
 
 TEST_P(SwapStoreTest, CorruptedOrTruncatedIndexIsRejected) {

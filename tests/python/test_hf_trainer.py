@@ -155,6 +155,35 @@ with open(os.path.join(out, f"result-rank{rank}.json"), "w") as f:
 '''
 
 
+# One process, a bf16 master: from_config under zero.Init builds the model in bf16 (Strata's
+# default for that master, DeepSpeed's for every bf16 config), transformers initialises it in
+# bf16, and deepspeed.initialize trains it.
+BF16_MASTER_RUNNER = PRELUDE + r'''
+import deepspeed
+from transformers import AutoModelForCausalLM
+from transformers.integrations import HfDeepSpeedConfig
+
+keep = HfDeepSpeedConfig(ds)  # while it lives, from_config builds under zero.Init
+torch.manual_seed(0)
+model = AutoModelForCausalLM.from_config(small_gpt2_config())
+dtypes = sorted({str(p.dtype) for p in model.parameters()})
+with deepspeed.zero.GatheredParameters(list(model.parameters())):
+    torch.save({n: p.detach().float().clone() for n, p in model.named_parameters()},
+               os.path.join(out, "init.pt"))
+engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                       config=ds)
+data = torch.randint(0, 256, (2 * steps, 32), generator=torch.Generator().manual_seed(1))
+losses = {}
+for step in range(steps):
+    x = data[2 * step: 2 * step + 2].to(engine.device)
+    loss = engine(input_ids=x, labels=x).loss
+    engine.backward(loss)
+    engine.step()
+    losses[step + 1] = loss.item()
+with open(os.path.join(out, "result.json"), "w") as f:
+    json.dump({"losses": losses, "dtypes": dtypes}, f)
+'''
+
 def free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -331,3 +360,36 @@ def test_two_ranks_build_under_zero_init_initialise_on_rank_0_and_train_as_one_b
         opt.step()
         got = (losses[0][step] + losses[1][step]) / 2
         assert got == pytest.approx(loss.item(), rel=1e-4), f"step {step + 1}"
+
+
+def test_a_bf16_master_config_builds_in_bf16_under_zero_init_and_trains(tmp_path):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    ds = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
+          "bf16": {"enabled": True, "bf16_master_weights_and_grads": True},
+          "zero_optimization": {"stage": 3},
+          "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.01}},
+          "strata": {"chunk_size": "64KiB", "stochastic_rounding": False}}
+    r = run(tmp_path, "bf16", ds, runner=BF16_MASTER_RUNNER)
+    assert r["dtypes"] == ["torch.bfloat16"]  # what DeepSpeed's bf16 zero.Init gives too
+    init = torch.load(r["dir"] / "init.pt")
+    # transformers' GPT-2 init, drawn in bf16: embeddings ~ N(0, 0.02), norms at 1.
+    assert 0.015 < init["transformer.wte.weight"].std().item() < 0.025
+    assert torch.equal(init["transformer.ln_f.weight"], torch.ones(64))
+    # The reference: plain fp32 torch from the same initial values. bf16 compute and a bf16
+    # master with nearest rounding follow it to bf16's precision.
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=256, n_positions=32, n_embd=64, n_layer=2,
+                                       n_head=4, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            p.copy_(init[n])
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
+    data = torch.randint(0, 256, (2 * STEPS, 32), generator=torch.Generator().manual_seed(1))
+    for step in range(STEPS):
+        x = data[2 * step: 2 * step + 2]
+        loss = model(input_ids=x, labels=x).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        assert r["losses"][step + 1] == pytest.approx(loss.item(), rel=2e-2), f"step {step + 1}"

@@ -322,9 +322,30 @@ def run_two_ranks(out, ds):
     return losses
 
 
-def test_two_ranks_build_under_zero_init_initialise_on_rank_0_and_train_as_one_batch(tmp_path):
+def plain_losses(init, rows):
+    """Plain fp32 torch, no DeepSpeed: the small GPT-2 from the values `init`, trained with AdamW
+    (lr 1e-3, weight decay 0.01) on `rows` rows of the runners' data per step; each step's loss."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=256, n_positions=32, n_embd=64, n_layer=2,
+                                       n_head=4, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            p.copy_(init[n])
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
+    data = torch.randint(0, 256, (rows * STEPS, 32), generator=torch.Generator().manual_seed(1))
+    losses = []
+    for step in range(STEPS):
+        x = data[rows * step: rows * step + rows]
+        loss = model(input_ids=x, labels=x).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+def test_two_ranks_build_under_zero_init_initialise_on_rank_0_and_train_as_one_batch(tmp_path):
     if not os.path.isdir(os.environ.get("STRATA_DS_COMPAT", "")):
         pytest.fail("STRATA_DS_COMPAT does not name the build's deepspeed-compat folder")
     ds = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
@@ -344,27 +365,12 @@ def test_two_ranks_build_under_zero_init_initialise_on_rank_0_and_train_as_one_b
 
     # The reference: one process, plain torch, rank 0's init, each step's 4 rows at once (the mean
     # of the two ranks' losses over 2 rows each is the mean over 4: every row has 31 labels).
-    torch.manual_seed(0)
-    model = GPT2LMHeadModel(GPT2Config(vocab_size=256, n_positions=32, n_embd=64, n_layer=2,
-                                       n_head=4, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
-    with torch.no_grad():
-        for n, p in model.named_parameters():
-            p.copy_(init[0][n])
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
-    data = torch.randint(0, 256, (4 * STEPS, 32), generator=torch.Generator().manual_seed(1))
-    for step in range(STEPS):
-        x = data[4 * step: 4 * step + 4]
-        loss = model(input_ids=x, labels=x).loss
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
+    for step, want in enumerate(plain_losses(init[0], 4)):
         got = (losses[0][step] + losses[1][step]) / 2
-        assert got == pytest.approx(loss.item(), rel=1e-4), f"step {step + 1}"
+        assert got == pytest.approx(want, rel=1e-4), f"step {step + 1}"
 
 
 def test_a_bf16_master_config_builds_in_bf16_under_zero_init_and_trains(tmp_path):
-    from transformers import GPT2Config, GPT2LMHeadModel
-
     ds = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
           "bf16": {"enabled": True, "bf16_master_weights_and_grads": True},
           "zero_optimization": {"stage": 3},
@@ -378,18 +384,5 @@ def test_a_bf16_master_config_builds_in_bf16_under_zero_init_and_trains(tmp_path
     assert torch.equal(init["transformer.ln_f.weight"], torch.ones(64))
     # The reference: plain fp32 torch from the same initial values. bf16 compute and a bf16
     # master with nearest rounding follow it to bf16's precision.
-    torch.manual_seed(0)
-    model = GPT2LMHeadModel(GPT2Config(vocab_size=256, n_positions=32, n_embd=64, n_layer=2,
-                                       n_head=4, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
-    with torch.no_grad():
-        for n, p in model.named_parameters():
-            p.copy_(init[n])
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
-    data = torch.randint(0, 256, (2 * STEPS, 32), generator=torch.Generator().manual_seed(1))
-    for step in range(STEPS):
-        x = data[2 * step: 2 * step + 2]
-        loss = model(input_ids=x, labels=x).loss
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        assert r["losses"][step + 1] == pytest.approx(loss.item(), rel=2e-2), f"step {step + 1}"
+    for step, want in enumerate(plain_losses(init, 2)):
+        assert r["losses"][step + 1] == pytest.approx(want, rel=2e-2), f"step {step + 1}"

@@ -144,7 +144,10 @@ class Init:
                 f"zero.Init(dtype={dtype!r}): parameters are built as torch.float32, "
                 "torch.bfloat16 or torch.float16 (DeepSpeed's choices); leave dtype unset for the "
                 "config's")
-        cfg, _ = _config.load(config_dict_or_path if config_dict_or_path is not None else config)
+        # The config is read only for what it decides: the dtype, and the staging directory.
+        cfg = {}
+        if enabled and (dtype is None or nvme_path is None):
+            cfg, _ = _config.load(config_dict_or_path if config_dict_or_path is not None else config)
         self.dtype = dtype if dtype is not None else _default_dtype(cfg)
         self._enabled = enabled
         self._dir = nvme_path
@@ -236,7 +239,8 @@ class Init:
             return
         with torch.no_grad():
             for p in module.parameters(recurse=False):
-                # Only toward 16 bits: an fp32 Init leaves a parameter built in 16 bits as it is.
+                # An fp32 Init casts nothing (a parameter built in 16 bits stays so); a 16-bit
+                # one casts every floating-point parameter, frozen ones too, as DeepSpeed does.
                 if self.dtype != torch.float32 and p.is_floating_point() and p.dtype != self.dtype:
                     p.data = p.data.to(self.dtype)
                 if p.requires_grad and id(p) not in self._staged:

@@ -384,11 +384,13 @@ bool StageGenerated(const torch::Tensor& param, std::vector<int64_t> shape, Fill
 // A StageMapped parameter's range of the file was held until the process dropped the whole
 // file, long after the engine had copied the values out and pointed the parameter at its own
 // memory: the start's disk peak was the whole staging file beside every NVMe block written. Each
-// mapping's deleter now punches its own page-aligned range (no other parameter shares those
-// pages) after unmapping it, which also drops its dirty pages unwritten. The file stays open
-// through a descriptor the mappings share, so a release after the Init has closed still finds
-// it; the last release closes it. Punching is best effort: a file system without holes keeps
-// the space until then, as before.
+// mapping's deleter now punches its own range after unmapping it, which also drops its dirty
+// pages unwritten. The range is whole pages, and the file's end moves past its last one, so no
+// parameter staged after it (mapped, or written by Partition) shares a page with it. The file
+// stays open through a descriptor the mappings share, so a release after the Init has closed
+// still finds it; the last release closes it. A forked child inherits the mappings and that
+// descriptor but not the file's use: its releases do not punch. Punching is best effort: a file
+// system without holes keeps the space until then, as before.
 void StageMapped(const torch::Tensor& param) {
   Init::Impl* init = current;
   if (!init || param.numel() == 0 || init->mode == StageMode::kShapesOnly) return;
@@ -411,18 +413,21 @@ void StageMapped(const torch::Tensor& param) {
   void* m = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, init->fd, static_cast<off_t>(off));
   if (m == MAP_FAILED)
     throw std::runtime_error(ErrnoToStatus(errno, StrCat("map zero::Init staging file ", init->path)).ToString());
-  init->end = off + bytes;
+  // The range this parameter owns: whole pages, none shared with a later one (Note [mapped
+  // release]).
+  const uint64_t span = (bytes + page - 1) / page * page;
+  init->end = off + span;
   init->payload += bytes;
   ++init->params;
   // The mapping keeps the (unlinked) file alive after the Init closes it; the last tensor using
-  // the memory unmaps it and gives its range back (Note [mapped release]).
-  const uint64_t span = (bytes + page - 1) / page * page;
+  // the memory unmaps it and gives its range back.
   torch::Tensor mapped = torch::from_blob(
       m, param.sizes(),
-      [bytes, span, off, fd = init->mapped_fd](void* p) {
+      [bytes, span, off, fd = init->mapped_fd, owner = ::getpid()](void* p) {
         ::munmap(p, bytes);
-        ::fallocate(*fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, static_cast<off_t>(off),
-                    static_cast<off_t>(span));
+        if (::getpid() == owner)
+          ::fallocate(*fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, static_cast<off_t>(off),
+                      static_cast<off_t>(span));
       },
       host.options());
   torch::Tensor p = param;  // set_data is not const; the change lands on the shared TensorImpl

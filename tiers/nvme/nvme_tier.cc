@@ -30,7 +30,7 @@ StatusOr<std::unique_ptr<NvmeTier>> NvmeTier::Create(const NvmeTierOptions& opti
   so.aio = options.aio;
   so.checksums = options.checksums;
   so.mode = SwapOpenMode::kCreate;
-  so.remove_on_close = true;  // nothing reopens an engine's store; a finished run leaves no files
+  so.remove_on_close = options.remove_on_close;
   so.force_fallback = options.force_fallback;
   so.fault_hook = options.fault_hook;
   std::unique_ptr<NvmeTier> t(new NvmeTier);

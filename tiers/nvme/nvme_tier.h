@@ -29,6 +29,9 @@ struct NvmeTierOptions {
   AioConfig aio;
   ChecksumKind checksums = ChecksumKind::kCrc32c;
   bool force_fallback = false;
+  // SwapStoreOptions::remove_on_close: the engine's tier is scratch; strata-swapbench tiers
+  // --keep leaves its files.
+  bool remove_on_close = true;
   IoFaultHook fault_hook;  // test-only
 };
 
@@ -39,8 +42,8 @@ NvmeTierOptions NvmeTierOptionsFromConfig(const Config& config, uint32_t rank);
 
 class NvmeTier final : public Tier {
  public:
-  // Starts with an empty swap store (any earlier index for this rank is discarded) and removes its
-  // files when destroyed (SwapStoreOptions::remove_on_close).
+  // Starts with an empty swap store (any earlier index for this rank is discarded) and, unless
+  // options.remove_on_close is false, removes its files when destroyed.
   static StatusOr<std::unique_ptr<NvmeTier>> Create(const NvmeTierOptions& options);
   ~NvmeTier() override;
 

@@ -395,6 +395,16 @@ Status SwapStore::Close() {
     // threads under mu_ cannot deadlock, and stats() never sees a half-destroyed engine.
     engine_.reset();
   }
+  // Removed while still locked: a store opening the same path waits on the lock, and must not
+  // get it for a file whose name is about to go. Only a store that opened (and so locked) its
+  // files removes them: one whose Open failed may have met another process's.
+  if (opened_ && remove_on_close_) {
+    for (const auto& f : files_)
+      if (f.fd >= 0 && ::unlink(f.path.c_str()) != 0 && errno != ENOENT && result.ok())
+        result = ErrnoToStatus(errno, StrCat("removing swap file ", f.path));
+    if (::unlink(index_path_.c_str()) != 0 && errno != ENOENT && result.ok())
+      result = ErrnoToStatus(errno, StrCat("removing swap index ", index_path_));
+  }
   for (auto& f : files_) {
     // Unlock explicitly: io_uring tears a ring down asynchronously and its registered-file
     // references would keep the lock alive for a moment after close(), failing a prompt reopen.
@@ -402,15 +412,6 @@ Status SwapStore::Close() {
     if (f.fd >= 0 && close(f.fd) != 0 && result.ok())
       result = ErrnoToStatus(errno, StrCat("closing swap file ", f.path));
     f.fd = -1;
-  }
-  // Only a store that opened (and so locked) its files removes them: one whose Open failed may
-  // have met another process's.
-  if (opened_ && remove_on_close_) {
-    for (const auto& f : files_)
-      if (::unlink(f.path.c_str()) != 0 && errno != ENOENT && result.ok())
-        result = ErrnoToStatus(errno, StrCat("removing swap file ", f.path));
-    if (::unlink(index_path_.c_str()) != 0 && errno != ENOENT && result.ok())
-      result = ErrnoToStatus(errno, StrCat("removing swap index ", index_path_));
   }
   return result;
 }

@@ -73,6 +73,7 @@ struct Settings {
   int iterations = 0;
   int64_t lookahead = 0;
   AioConfig aio;
+  bool keep = false;  // --keep: the tier leaves its swap file and index
 };
 
 StatusOr<int64_t> ParseInt(const std::string& flag, const std::string& text, int64_t lo, int64_t hi) {
@@ -100,6 +101,7 @@ std::string DefaultBase() {
 
 StatusOr<Settings> Validate(const TiersArgs& a) {
   Settings s;
+  s.keep = a.keep;
   STRATA_ASSIGN_OR_RETURN(int64_t chunks, ParseInt("--chunks", a.chunks, 2, 1 << 20));
   s.chunks = static_cast<uint32_t>(chunks);
   STRATA_ASSIGN_OR_RETURN(s.chunk, ParseSize("--chunk-size", a.chunk_size));
@@ -329,6 +331,7 @@ StatusOr<RunResult> RunTrace(const Settings& s, EvictionPolicy policy, int64_t l
   no.paths = {s.dir};
   no.capacity = s.total + (measure_raw ? raw_region * raw_count : 0) + 64_MiB;
   no.aio = s.aio;
+  no.remove_on_close = !s.keep;
   STRATA_ASSIGN_OR_RETURN(std::unique_ptr<nvme::NvmeTier> tier, nvme::NvmeTier::Create(no));
 
   TierManagerOptions mo;

@@ -231,6 +231,8 @@ TEST_P(SwapStoreTest, AScratchStoreLeavesNothingBehind) {
   // A second store on the same files is refused, and its failed open removes nothing of the
   // first's.
   EXPECT_EQ(SwapStore::Open(o).status().code(), StatusCode::kFailedPrecondition);
+  EXPECT_EQ(names(dir_.path()), std::vector<std::string>{"strata-rank0.swap"});
+  EXPECT_EQ(names(second.path()), std::vector<std::string>{"strata-rank0.swap"});
   std::vector<char> back(data.size());
   ASSERT_OK(store->Read(1, back.data()));
   EXPECT_EQ(back, data);

@@ -135,12 +135,14 @@ void DefEngine(py::module_& m) {
 void DefZeroInit(py::module_& m) {
   // zero::Init for strata.zero.Init: current on the creating thread until close().
   py::class_<strata::zero::Init>(m, "ZeroInit")
-      .def(py::init([](const std::string& dir) {
-             auto init = strata::zero::Init::Create(dir);
+      .def(py::init([](const std::string& dir, bool shapes_only) {
+             auto init = strata::zero::Init::Create(
+                 dir, torch::kFloat32,
+                 shapes_only ? strata::zero::StageMode::kShapesOnly : strata::zero::StageMode::kValues);
              strata::python::ThrowIfError(init.status());
              return std::move(*init);
            }),
-           py::arg("dir"))
+           py::arg("dir"), py::arg("shapes_only") = false)
       .def("stage", [](strata::zero::Init&, const torch::Tensor& t) { strata::zero::StageMapped(t); })
       .def_property_readonly("staged_bytes", &strata::zero::Init::staged_bytes)
       .def_property_readonly("staged_params", &strata::zero::Init::staged_params);

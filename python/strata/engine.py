@@ -72,6 +72,9 @@ class StrataEngine(ConfigView, torch.nn.Module):
             for p in module.parameters():
                 self._param_units.setdefault(id(p), set()).add(index)
         self._model_params = {id(p) for p in model.parameters()}
+        for p in model.parameters():
+            # The engine holds rank 0's values on every rank now: no longer zero.Init's scratch.
+            p.__dict__.pop("_strata_rank0_values", None)
         self.last_report = None  # the last step's _strata.StepReport (attributes, or a mapping)
         # DeepSpeed's plain attributes (python/ENGINE_SURFACE.md); initialize sets the first ones.
         self.client_lr_scheduler = None

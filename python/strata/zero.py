@@ -54,6 +54,7 @@ class GatheredParameters:
                 raise InvalidArgumentError(
                     f"GatheredParameters(modifier_rank={self._modifier_rank}): the world has "
                     f"{world} rank(s)")
+        self._fill_scratch()
         if self._engine is None or self._engine.zero_optimization_stage() < 3:
             return self
         # A unit already gathered by an enclosing block, or whose forward is running (a model
@@ -87,11 +88,35 @@ class GatheredParameters:
                         self._engine._cpp.end_unit(u, [])
         return False
 
+    def _fill_scratch(self):
+        """A zero.Init's parameters on ranks > 0 are scratch until an engine has them (Init's
+        docstring). A block that reads them (modifier_rank=None) or keeps another rank's writes
+        (modifier_rank > 0) first gives them rank 0's values, in memory of their own, which they
+        keep until the engine's start. modifier_rank=0 needs nothing: only rank 0's writes count,
+        and the engine's start gives them to every rank."""
+        if self._modifier_rank == 0 or _world_size() == 1:
+            return
+        rank = torch.distributed.get_rank()
+        with torch.no_grad():
+            for p in self._params:
+                if p.numel() == 0 or not _scratch(p):
+                    continue
+                if rank > 0:
+                    p.data = torch.empty_like(p.data, memory_format=torch.contiguous_format)
+                torch.distributed.broadcast(p.data, src=0)
+
     def _write_back(self):
         params = [p for p in self._params if p.numel() > 0]
         with torch.no_grad():
             if _world_size() > 1:
                 for p in params:
+                    # Built under a zero.Init of several ranks and not yet an engine's: the
+                    # engine's start takes rank 0's values on every rank, and the other ranks
+                    # hold scratch memory (Init's docstring), so a broadcast now would move the
+                    # model for nothing. Every rank built the same parameters, so every rank
+                    # skips the same ones.
+                    if self._modifier_rank == 0 and _scratch(p):
+                        continue
                     torch.distributed.broadcast(p.data, src=self._modifier_rank)
             if self._engine is not None:
                 self._engine._cpp.write_params(
@@ -101,6 +126,24 @@ class GatheredParameters:
 def _world_size():
     dist = torch.distributed
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def _rank_and_world():
+    """This process's rank and the world's size. A launcher's world of several ranks gets its
+    process group here, as DeepSpeed's zero.Init sets it up (comm.init_distributed; strata.initialize
+    later finds it made)."""
+    from . import comm as _comm
+
+    if os.environ.get("WORLD_SIZE", "1") not in ("", "1"):
+        _comm.init_distributed()
+    return _comm.get_rank(), _comm.get_world_size()
+
+
+def _scratch(p):
+    """Whether `p` is a zero.Init parameter of several ranks that no engine has taken yet:
+    scratch memory on ranks > 0, rank 0's values on rank 0 (Init's docstring). The engine clears
+    the mark when it takes the model."""
+    return getattr(p, "_strata_rank0_values", False)
 
 
 class Init:
@@ -120,6 +163,16 @@ class Init:
     The staging directory is `nvme_path`, else the config's offload_param (then
     offload_optimizer) nvme_path, else the system's temporary directory. The file is unlinked at
     once, so nothing is left behind by a crash.
+
+    On several ranks only rank 0 stages: the engine's start gives every rank rank 0's values, so
+    the others' are never read. Their parameters keep their shapes and stay writable (the model's
+    own initialization code runs on every rank unchanged), but all of them share one 32 MiB
+    scratch region of memory, so those ranks hold neither the model nor a file of it (Note
+    [scratch parameters] in runtime/engine/zero_init.cc). Their values are meaningless until
+    strata.initialize; under DeepSpeed they would be empty partitions there. Tools that show RSS
+    count the region once per 32 MiB of parameters written; the memory used (PSS, the cgroup's
+    charge) is the region's. GatheredParameters(modifier_rank=0) on such parameters, before the
+    engine has them, broadcasts nothing: rank 0's writes reach every rank at the engine's start.
 
     The parameters' dtype (`dtype`, DeepSpeed's argument): torch.float32, torch.bfloat16 or
     torch.float16. Unset, it is torch.bfloat16 for a config with
@@ -174,7 +227,9 @@ class Init:
             return self
         if _active_init is not None:
             raise InvalidArgumentError("zero.Init blocks do not nest")
-        self._cpp = _ZeroInit(os.fspath(self._dir))
+        rank, world = _rank_and_world()
+        self._several_ranks = world > 1
+        self._cpp = _ZeroInit(os.fspath(self._dir), shapes_only=rank > 0)
         _active_init = self
         for cls in _module_classes():
             self._wrap(cls)
@@ -246,6 +301,8 @@ class Init:
                 if p.requires_grad and id(p) not in self._staged:
                     self._cpp.stage(p)
                     self._staged.add(id(p))
+                    if self._several_ranks:
+                        p._strata_rank0_values = True
 
 
 _active_init = None

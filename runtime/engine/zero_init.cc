@@ -19,6 +19,8 @@
 #include <unordered_map>
 #include <vector>
 
+#include "runtime/base/logging.h"
+
 namespace strata::zero {
 
 // Note [direct staging]
@@ -44,6 +46,7 @@ class Init::Impl {
  public:
   ~Impl() {
     if (dfd >= 0) ::close(dfd);
+    if (scratch_fd >= 0) ::close(scratch_fd);
     std::free(bounce);
     std::free(read_buf);
   }
@@ -71,6 +74,9 @@ class Init::Impl {
   // mappings share and that outlives the Init, closed with the last of them (Note [mapped
   // release]).
   std::shared_ptr<const int> mapped_fd;
+  // StageMode::kShapesOnly: the memory file every scratch parameter's windows map, or -1 before
+  // the first (Note [scratch parameters]); its mappings keep it alive after this closes it.
+  int scratch_fd = -1;
 };
 
 namespace {
@@ -391,9 +397,79 @@ bool StageGenerated(const torch::Tensor& param, std::vector<int64_t> shape, Fill
 // still finds it; the last release closes it. A forked child inherits the mappings and that
 // descriptor but not the file's use: its releases do not punch. Punching is best effort: a file
 // system without holes keeps the space until then, as before.
+namespace {
+
+// Note [scratch parameters]
+// A rank > 0's Python Init (StageMode::kShapesOnly) stages nothing: the engine's start
+// broadcasts rank 0's values over every chunk, so what the other ranks build is never read.
+// Those ranks must still hold writable parameters of their full shapes while the model is built,
+// because models write them (the init pass at the end of a constructor, transformers'
+// initialize_weights inside GatheredParameters on every rank) and read their shapes. Kept as
+// they were built, the whole model sat in each such rank's anonymous memory; staged to a file as
+// on rank 0, each rank sharing a disk wrote the model once more. So their memory is a window of
+// kScratchBytes repeated: one memory file of that size, mapped shared over each parameter's
+// address range window by window. Every write lands in the same 32 MiB, whatever the model's
+// size; what a read gives is whatever some parameter wrote last. The address space is reserved
+// (PROT_NONE, no swap reserved) and costs nothing. A model of P bytes takes about P / 32 MiB
+// mappings, well inside the kernel's default of 65530 up to a terabyte; where a mapping fails
+// the parameter keeps its own memory, as before.
+constexpr uint64_t kScratchBytes = uint64_t{32} << 20;  // a multiple of any page size
+
+// `span` bytes (whole pages) of address space whose every kScratchBytes window maps the scratch
+// file; nullptr when the kernel refuses (no memfd, or no mappings left).
+void* MapScratch(Init::Impl& init, uint64_t span) {
+  if (init.scratch_fd < 0) {
+    const int fd = ::memfd_create("strata-zero-init-scratch", MFD_CLOEXEC);
+    if (fd < 0) return nullptr;
+    if (::ftruncate(fd, static_cast<off_t>(kScratchBytes)) != 0) {
+      ::close(fd);
+      return nullptr;
+    }
+    init.scratch_fd = fd;
+  }
+  void* base = ::mmap(nullptr, span, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+  if (base == MAP_FAILED) return nullptr;
+  for (uint64_t at = 0; at < span; at += kScratchBytes) {
+    void* want = static_cast<char*>(base) + at;
+    void* got = ::mmap(want, std::min(kScratchBytes, span - at), PROT_READ | PROT_WRITE,
+                       MAP_SHARED | MAP_FIXED, init.scratch_fd, 0);
+    if (got != want) {
+      ::munmap(base, span);
+      return nullptr;
+    }
+  }
+  return base;
+}
+
+// StageMapped under StageMode::kShapesOnly (Note [scratch parameters]).
+void StageScratch(Init::Impl& init, const torch::Tensor& param) {
+  static const uint64_t page = static_cast<uint64_t>(::sysconf(_SC_PAGESIZE));
+  const uint64_t bytes = param.nbytes();
+  if (bytes < page) return;  // a mapping to save less than a page: it keeps its memory
+  const uint64_t span = (bytes + page - 1) / page * page;
+  void* m = MapScratch(init, span);
+  if (m == nullptr) {
+    STRATA_LOG_ONCE(WARN) << "zero::Init on a rank > 0: a parameter could not be mapped onto the "
+                             "scratch region (errno "
+                          << errno << "); such parameters keep their memory";
+    return;
+  }
+  ++init.params;
+  torch::Tensor scratch = torch::from_blob(
+      m, param.sizes(), [span](void* p) { ::munmap(p, span); }, torch::TensorOptions().dtype(param.dtype()));
+  torch::Tensor p = param;  // set_data is not const; the change lands on the shared TensorImpl
+  p.set_data(scratch);
+}
+
+}  // namespace
+
 void StageMapped(const torch::Tensor& param) {
   Init::Impl* init = current;
-  if (!init || param.numel() == 0 || init->mode == StageMode::kShapesOnly) return;
+  if (!init || param.numel() == 0) return;
+  if (init->mode == StageMode::kShapesOnly) {
+    StageScratch(*init, param);
+    return;
+  }
   if (!init->mapped_fd) {
     const int dup_fd = ::fcntl(init->fd, F_DUPFD_CLOEXEC, 0);
     if (dup_fd < 0)

@@ -44,7 +44,7 @@ enum class StageMode {
   // chunk's on several ranks), so that ranks sharing a disk stage the model once, not once each.
   // The model's constructors still run (and draw from the generator as rank 0's do, which keeps
   // the ranks' generators in step); only the disk is spared, and StageGenerated's draws, which
-  // are never made there.
+  // are never made there. StageMapped's parameters keep their shapes over scratch memory.
   kShapesOnly,
 };
 
@@ -57,8 +57,8 @@ class Init {
   // bf16 working copy (bf16.bf16_master_weights_and_grads): the engine rounds the fp32 values to
   // nearest bf16 at start anyway, so it keeps the same master and working copy either way (a
   // bf16 value converts to fp32 and back unchanged). Other runs keep kFloat32.
-  // With StageMode::kShapesOnly, `dir` is not touched and StageMapped does nothing (the
-  // parameter keeps its memory).
+  // With StageMode::kShapesOnly, `dir` is not touched and StageMapped gives the parameter
+  // scratch memory (see StageMapped).
   static StatusOr<std::unique_ptr<Init>> Create(const std::string& dir,
                                                 torch::Dtype staged_dtype = torch::kFloat32,
                                                 StageMode mode = StageMode::kValues);
@@ -117,6 +117,12 @@ bool StageGenerated(const torch::Tensor& param, std::vector<int64_t> shape, Fill
 // The engine reads such a parameter like any other (through the mapping); the mapping goes when
 // the engine points the parameter at its own memory, and its space in the file goes with it.
 // Does nothing without a current Init.
+// Under StageMode::kShapesOnly nothing is written: the parameter (of a page or more) keeps its
+// shape and stays writable, but its memory becomes a window onto a 32 MiB scratch region that
+// every such parameter shares, so a rank whose values are overwritten by rank 0's at the
+// engine's start holds neither the model nor a file of it (Note [scratch parameters] in
+// zero_init.cc). Its values are meaningless from then on. Where the kernel refuses the mapping
+// the parameter keeps its memory and values.
 // Throws std::runtime_error on an I/O or mapping error, naming the file.
 void StageMapped(const torch::Tensor& param);
 

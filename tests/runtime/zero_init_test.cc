@@ -92,11 +92,72 @@ TEST(ZeroInit, ShapesOnlyWritesNothingAndReadsZeros) {
   EXPECT_TRUE(staged);
   EXPECT_EQ(got.count_nonzero().item<int64_t>(), 0);
   EXPECT_FALSE(zero::IsStaged(params[0]));
-  // StageMapped keeps the parameter as it is.
+  // StageMapped keeps a parameter under a page as it is.
   torch::Tensor t = torch::ones({1000});
   zero::StageMapped(t);
   EXPECT_EQ(t.sum().item<float>(), 1000.0f);
   EXPECT_TRUE(std::filesystem::is_empty(dir.path()));
+}
+
+// This process's proportional memory (anonymous and shared, /proc/self/smaps_rollup) in bytes:
+// a page mapped at several addresses counts once, where RSS counts it at each.
+uint64_t PssAnonShmem() {
+  std::ifstream f("/proc/self/smaps_rollup");
+  std::string line;
+  uint64_t total = 0;
+  while (std::getline(f, line))
+    if (line.rfind("Pss_Anon:", 0) == 0 || line.rfind("Pss_Shmem:", 0) == 0)
+      total += std::stoull(line.substr(line.find(':') + 1)) * 1024;
+  return total;
+}
+
+// Whether this process maps the scratch region (its memory file's name in /proc/self/maps).
+bool MapsScratch() {
+  std::ifstream f("/proc/self/maps");
+  std::string line;
+  while (std::getline(f, line))
+    if (line.find("strata-zero-init-scratch") != std::string::npos) return true;
+  return false;
+}
+
+// A rank > 0's Python parameters (StageMapped under kShapesOnly, Note [scratch parameters]):
+// 384 MiB of them keep their shapes and take writes everywhere, while the process's memory (as
+// the OS counts it: proportional set, anonymous and shared) grows by the 32 MiB region, not by
+// the parameters, and nothing reaches the directory. (RSS counts the region once per window
+// written: 384 MiB here, of pages that exist once.) The region is what every one of them maps: a write through one
+// is read through another. The mappings go with the last parameter.
+TEST(ZeroInit, ShapesOnlyMappedParametersShareOneScratchRegion) {
+  testing::TempDir dir;
+  ASSERT_OK_AND_ASSIGN(auto init, zero::Init::Create(dir.path(), torch::kFloat32, zero::StageMode::kShapesOnly));
+  const uint64_t before = PssAnonShmem();
+  ASSERT_GT(before, 0u) << "no /proc/self/smaps_rollup";
+  std::vector<torch::Tensor> params;
+  constexpr int64_t kRows = 3 * 1024, kCols = 8 * 1024;  // 96 MiB each, three windows
+  for (int i = 0; i < 4; ++i) {
+    params.push_back(torch::empty({kRows, kCols}));  // never touched: no memory until staged
+    zero::StageMapped(params.back());
+    ASSERT_EQ(params.back().sizes().vec(), (std::vector<int64_t>{kRows, kCols}));
+    params.back().fill_(static_cast<float>(i + 1));  // every element written, as an init pass does
+  }
+  EXPECT_EQ(init->staged_params(), 4);
+  EXPECT_EQ(init->staged_bytes(), 0u);
+  const uint64_t grown = PssAnonShmem() - before;
+  EXPECT_LE(grown, uint64_t{48} << 20) << "384 MiB of parameters written; the region is 32 MiB";
+  EXPECT_GE(grown, uint64_t{30} << 20) << "the region's pages are resident once written";
+  // The last fill is what every window of every parameter reads.
+  const int64_t window = (int64_t{32} << 20) / 4;  // elements per 32 MiB
+  EXPECT_EQ(params[0].view({-1})[0].item<float>(), 4.0f);
+  params[3].view({-1})[2 * window + 5] = 9.0f;
+  EXPECT_EQ(params[0].view({-1})[5].item<float>(), 9.0f);
+  EXPECT_EQ(params[1].view({-1})[window + 5].item<float>(), 9.0f);
+  EXPECT_TRUE(std::filesystem::is_empty(dir.path()));
+  EXPECT_TRUE(MapsScratch());
+  init.reset();  // the parameters outlive their Init
+  // Its three windows hold the one 9 each.
+  EXPECT_EQ(params[2].sum(torch::kFloat64).item<double>(),
+            3 * 9.0 + 4.0 * (static_cast<double>(kRows * kCols) - 3.0));
+  params.clear();
+  EXPECT_FALSE(MapsScratch()) << "the last parameter's release unmaps the region";
 }
 
 TEST(ZeroInit, TrainsLikeTheModelBuiltNormally) {

@@ -254,36 +254,49 @@ Status SwapStore::OpenFiles(const SwapStoreOptions& options, bool create, uint64
     auto do_open = [&](int fl) {
       return options.open_file ? options.open_file(f.path, fl, 0600) : open(f.path.c_str(), fl, 0600);
     };
-    f.fd = do_open(flags | O_DIRECT);
-    if (f.fd < 0 && errno == EINVAL) {
-      // The file system refuses O_DIRECT (tmpfs before Linux 6.6): Note [swap durability].
-      all_direct = false;
-      f.fd = do_open(flags | O_DSYNC);
-    }
-    if (f.fd < 0) {
-      int err = errno;
-      if (err == ENOENT && !create)
-        return NotFound(StrCat("swap file ", f.path, " named by index ", index_path_,
-                               " is missing; the swap store cannot be reopened (delete the index "
-                               "to start empty)"));
-      return ErrnoToStatus(err, StrCat(create ? "creating" : "opening", " swap file ", f.path));
-    }
-    files_.push_back(f);  // closed by the destructor from here on
-    // A process that died holding the lock releases it only when the kernel tears down its
-    // io_uring (registered files keep the file open), which happens asynchronously after exit.
-    // A restart right after a crash must not fail on that: wait up to 3 s for the lock.
-    int lock_rc = -1;
-    for (int attempt = 0; attempt < 150; ++attempt) {
-      lock_rc = flock(f.fd, LOCK_EX | LOCK_NB);
-      if (lock_rc == 0 || errno != EWOULDBLOCK) break;
-      usleep(20000);
-    }
-    if (lock_rc != 0) {
-      int err = errno;
-      if (err == EWOULDBLOCK)
-        return FailedPrecondition(StrCat("swap file ", f.path, " is in use by another process "
-                                         "(locked); give each rank and job its own rank or path"));
-      return ErrnoToStatus(err, StrCat("locking swap file ", f.path));
+    // Note [removed while locking]: a file whose last name went while this waited for its lock
+    // is opened again by name.
+    for (int opened = 1;; ++opened) {
+      f.fd = do_open(flags | O_DIRECT);
+      if (f.fd < 0 && errno == EINVAL) {
+        // The file system refuses O_DIRECT (tmpfs before Linux 6.6): Note [swap durability].
+        all_direct = false;
+        f.fd = do_open(flags | O_DSYNC);
+      }
+      if (f.fd < 0) {
+        int err = errno;
+        if (err == ENOENT && !create)
+          return NotFound(StrCat("swap file ", f.path, " named by index ", index_path_,
+                                 " is missing; the swap store cannot be reopened (delete the index "
+                                 "to start empty)"));
+        return ErrnoToStatus(err, StrCat(create ? "creating" : "opening", " swap file ", f.path));
+      }
+      files_.push_back(f);  // closed by the destructor from here on
+      // A process that died holding the lock releases it only when the kernel tears down its
+      // io_uring (registered files keep the file open), which happens asynchronously after exit.
+      // A restart right after a crash must not fail on that: wait up to 3 s for the lock.
+      int lock_rc = -1;
+      for (int attempt = 0; attempt < 150; ++attempt) {
+        lock_rc = flock(f.fd, LOCK_EX | LOCK_NB);
+        if (lock_rc == 0 || errno != EWOULDBLOCK) break;
+        usleep(20000);
+      }
+      if (lock_rc != 0) {
+        int err = errno;
+        if (err == EWOULDBLOCK)
+          return FailedPrecondition(StrCat("swap file ", f.path, " is in use by another process "
+                                           "(locked); give each rank and job its own rank or path"));
+        return ErrnoToStatus(err, StrCat("locking swap file ", f.path));
+      }
+      struct stat st;
+      if (fstat(f.fd, &st) != 0) return ErrnoToStatus(errno, StrCat("stat swap file ", f.path));
+      if (st.st_nlink > 0) break;
+      if (opened == 3)
+        return Unavailable(StrCat("swap file ", f.path, " was removed each time it was locked (",
+                                  opened, " times): another process keeps recreating and removing "
+                                  "it; give each job its own path"));
+      close(f.fd);
+      files_.pop_back();
     }
     if (create) {
       if (ftruncate(f.fd, 0) != 0) return ErrnoToStatus(errno, StrCat("truncating swap file ", f.path));
@@ -301,6 +314,14 @@ Status SwapStore::OpenFiles(const SwapStoreOptions& options, bool create, uint64
   }
   return Status::Ok();
 }
+
+// Note [removed while locking]
+// A scratch store (remove_on_close) unlinks its files while it still holds their locks, so that
+// no store that locks one afterwards finds it about to lose its name. A store opening the same
+// path meanwhile may hold a descriptor of the old file, and get its lock once the closing store
+// lets go: it would then run on a file with no name, which nobody else can see or lock, while a
+// third store made a fresh one under the path. So a locked file with no links left is dropped
+// and the path opened again (created again, for kCreate; for a reopen it is then missing).
 
 // Note [preallocation]
 // Swap files are preallocated with fallocate so that a write never meets ENOSPC and the

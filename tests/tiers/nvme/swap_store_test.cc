@@ -417,6 +417,44 @@ TEST(SwapStoreEnvTest, DirectoryRefusingODirectUsesTheFallback) {
   ExpectRoundTrip(*store);
 }
 
+// Note [removed while locking]: the file this store opened loses its name (a scratch store
+// closing it) before this store locks it. The store must not run on the nameless file: it opens
+// the path again, and its blocks are in the file that bears the name.
+TEST(SwapStoreEnvTest, AFileRemovedWhileOpeningIsOpenedAgainByName) {
+  TempDir t;
+  auto o = Opts({t.path()}, false, 1 << 20);
+  int opens = 0;
+  o.open_file = [&](const std::string& path, int flags, mode_t mode) {
+    const int fd = open(path.c_str(), flags, mode);
+    if (fd >= 0 && ++opens == 1) unlink(path.c_str());  // the first one loses its name at once
+    return fd;
+  };
+  ASSERT_OK_AND_ASSIGN(auto store, SwapStore::Open(o));
+  EXPECT_EQ(opens, 2);
+  auto data = Pattern(200000, 3);
+  ASSERT_OK(store->Allocate(1, data.size()));
+  ASSERT_OK(store->Write(1, data.data()));
+  // The named file holds the block: read it back through the path, not through the store.
+  const std::string path = t.path() + "/strata-rank0.swap";
+  const int fd = open(path.c_str(), O_RDONLY);
+  ASSERT_GE(fd, 0) << path;
+  std::vector<char> back(data.size());
+  EXPECT_EQ(pread(fd, back.data(), back.size(), 0), static_cast<ssize_t>(back.size()));
+  close(fd);
+  EXPECT_EQ(back, data);
+  // A path that keeps losing its file is given up on, naming it.
+  TempDir u;
+  auto always = Opts({u.path()}, false, 1 << 20);
+  always.open_file = [](const std::string& path, int flags, mode_t mode) {
+    const int fd = open(path.c_str(), flags, mode);
+    if (fd >= 0) unlink(path.c_str());
+    return fd;
+  };
+  auto refused = SwapStore::Open(always);
+  EXPECT_EQ(refused.status().code(), StatusCode::kUnavailable) << refused.status();
+  EXPECT_NE(refused.status().message().find("strata-rank0.swap"), std::string::npos) << refused.status();
+}
+
 TEST(SwapStoreEnvTest, MissingDirectoryNamesThePath) {
   TempDir t;
   const std::string missing = t.path() + "/no/such/dir";

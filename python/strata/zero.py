@@ -2,6 +2,7 @@
 
 import functools
 import os
+import re
 
 import torch
 
@@ -161,7 +162,9 @@ class Init:
     Hugging Face's post_init) work unchanged. strata.initialize then reads them into the tiers.
 
     The staging directory is `nvme_path`, else the config's offload_param (then
-    offload_optimizer) nvme_path, else the system's temporary directory. The file is unlinked at
+    offload_optimizer) nvme_path, else the system's temporary directory; where that is kept in
+    memory (tmpfs: Debian 13's /tmp) and TMPDIR does not name it, /var/tmp. A directory in memory
+    would hold the model in DRAM, so one given there is warned about. The file is unlinked at
     once, so nothing is left behind by a crash.
 
     On several ranks only rank 0 stages: the engine's start gives every rank rank 0's values, so
@@ -212,9 +215,14 @@ class Init:
                     self._dir = path[0] if isinstance(path, list) else path
                     break
         if self._dir is None:
-            import tempfile
+            self._dir = _default_staging_dir()
+        if enabled and _memory_backed(self._dir):
+            import warnings
 
-            self._dir = tempfile.gettempdir()
+            warnings.warn(f"zero.Init: the staging directory {self._dir} is kept in memory "
+                          "(tmpfs), so the model built there stays in DRAM; give nvme_path (or "
+                          "the config's offload nvme_path, or TMPDIR) a directory on a disk",
+                          stacklevel=2)
         self._cpp = None
         self._patched = []
         self._staged = set()
@@ -303,6 +311,42 @@ class Init:
                     self._staged.add(id(p))
                     if self._several_ranks:
                         p._strata_rank0_values = True
+
+
+def _memory_backed(path):
+    """Whether `path` lies on a file system kept in memory (tmpfs, ramfs), by the longest mount
+    point above it in /proc/self/mountinfo; False when that cannot be read."""
+    real = os.path.realpath(path)
+    best, fstype = "", None
+    try:
+        with open("/proc/self/mountinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                fields, _, rest = line.partition(" - ")
+                parts = fields.split()
+                if len(parts) < 5 or not rest:
+                    continue
+                # Spaces and the like are octal escapes there (\040).
+                point = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), parts[4])
+                inside = real == point or real.startswith(point.rstrip("/") + "/")
+                if inside and len(point) >= len(best):
+                    best, fstype = point, rest.split()[0]
+    except OSError:
+        return False
+    return fstype in ("tmpfs", "ramfs")
+
+
+def _default_staging_dir():
+    """The system's temporary directory, unless it is kept in memory and TMPDIR does not ask for
+    it (Debian 13 mounts /tmp as tmpfs): then /var/tmp, which stays on disk, where the FHS puts
+    large temporary files. A staging file in memory would hold the model in DRAM, which is what
+    zero.Init is for avoiding."""
+    import tempfile
+
+    tmp = tempfile.gettempdir()
+    if (_memory_backed(tmp) and not os.environ.get("TMPDIR") and os.access("/var/tmp", os.W_OK)
+            and not _memory_backed("/var/tmp")):
+        return "/var/tmp"
+    return tmp
 
 
 _active_init = None

@@ -246,3 +246,27 @@ def test_only_rank_0_stages_and_every_rank_starts_from_its_values(tmp_path):
         assert r["init_row3"] == r["plain_row3"] == r0["plain_row3"]
         assert all(abs(v - 0.25) < 0.01 for v in r["init_row3"])  # 0.25, then 3 steps of 1e-3
     assert r0["init"] != r1["init"]  # each rank trained on its own micro-batches
+
+
+@pytest.mark.skipif(not os.path.isdir("/dev/shm") or not os.access("/dev/shm", os.W_OK),
+                    reason="no writable /dev/shm")
+def test_a_temporary_directory_in_memory_is_not_where_it_stages(tmp_path, monkeypatch):
+    from strata import zero
+
+    # By the mount table: /dev/shm is tmpfs, and what lies under it too; /proc is not.
+    assert zero._memory_backed("/dev/shm") and zero._memory_backed("/dev/shm/a/b")
+    assert not zero._memory_backed("/proc")
+    # The system's temporary directory in memory (Debian 13's /tmp), TMPDIR unset: /var/tmp.
+    monkeypatch.delenv("TMPDIR", raising=False)
+    monkeypatch.setattr("tempfile.tempdir", "/dev/shm")
+    if not zero._memory_backed("/var/tmp"):
+        with strata.zero.Init() as init:
+            torch.nn.Linear(64, 64)
+        assert init._dir == "/var/tmp"
+    # Asked for by TMPDIR, or given, it is used, with a warning that names it.
+    monkeypatch.setenv("TMPDIR", "/dev/shm")
+    with pytest.warns(UserWarning, match="staging directory /dev/shm is kept in memory"):
+        init = strata.zero.Init()
+    assert init._dir == "/dev/shm"
+    with pytest.warns(UserWarning, match="/dev/shm/x is kept in memory"):
+        strata.zero.Init(nvme_path="/dev/shm/x")

@@ -187,8 +187,8 @@ class Filler {
       const uint64_t short_by = nvme_need_ > in_.nvme_budget ? nvme_need_ - in_.nvme_budget : 0;
       const bool keyed = in_.nvme_budget_source.rfind("strata.", 0) == 0;
       fix = StrCat(keyed ? "raise strata.nvme_capacity" : "free more disk at the nvme_path", " by ",
-                   FormatBytes(short_by), ", or shrink the state: bf16 moments "
-                   "(strata.optimizer_state_dtype: bf16) or bf16.bf16_master_weights_and_grads");
+                   FormatBytes(short_by),
+                   in_.shrink_hint.empty() ? std::string() : StrCat(", or shrink the state: ", in_.shrink_hint));
     }
     return ResourceExhausted(StrCat(
         "strata.placement=auto: the state of this rank's ", params, " elements needs ", FormatBytes(total),

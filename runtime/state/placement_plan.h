@@ -70,6 +70,9 @@ class PlacementPlan {
     bool nvme_available = false;  // a path exists for NVMe-homed blocks
     // Auto mode: how the budgets were set, for the refusal ("strata.host_memory_budget=8 GiB").
     std::string device_budget_source, host_budget_source, nvme_budget_source;
+    // The settings that would shrink this run's state further, for the refusal ("bf16 moments
+    // (strata.optimizer_state_dtype: bf16)"); empty when its layout is already the smallest.
+    std::string shrink_hint;
   };
   static StatusOr<PlacementPlan> Make(const Inputs& in);
 

@@ -114,10 +114,28 @@ Status StepPlan::ChoosePlacement(const Inputs& in) {
   pin.ratio = z.offload_optimizer.ratio;
   pin.max_in_cpu = z.offload_param.max_in_cpu;
   pin.nvme_available = in.nvme_path_given;
+  pin.shrink_hint = ShrinkHint();
   if (pin.mode == PlacementMode::kAuto) STRATA_RETURN_IF_ERROR(AutoBudgets(in, &pin));
   STRATA_ASSIGN_OR_RETURN(placement_, PlacementPlan::Make(pin));
   for (int64_t ch = 0; ch < placement_.num_chunks(); ++ch) any_staged_publish_ |= StagedPublish(ch);
   return Status::Ok();
+}
+
+// What is left to shrink of this run's layout (Note [compact layouts]): moments narrower than
+// they are, where the optimizer keeps any, and a bf16 master where the master is fp32.
+std::string StepPlan::ShrinkHint() const {
+  std::vector<std::string> ways;
+  if (holds_exp_avg_ || holds_exp_avg_sq_) {
+    const optim::MomentFormat m = layout().moments;
+    if (m == optim::MomentFormat::kFp32)
+      ways.push_back("8-bit or bf16 moments (strata.optimizer_state_dtype: int8 or bf16)");
+    else if (m == optim::MomentFormat::kBf16)
+      ways.push_back("8-bit moments (strata.optimizer_state_dtype: int8)");
+  }
+  if (!layout().bf16_master) ways.push_back("a bf16 master (bf16.bf16_master_weights_and_grads)");
+  std::string out;
+  for (size_t i = 0; i < ways.size(); ++i) out += (i ? " or " : "") + ways[i];
+  return out;
 }
 
 // strata.placement auto: what each tier may hold of this rank's state. The device keeps

@@ -107,6 +107,10 @@ class StepPlan {
     return {master_format_ != optim::MasterFormat::kFp32, moment_format_};
   }
   std::string StateLayoutName() const { return layout().Name(); }
+  // The settings that would shrink this layout further, joined by "or" (narrower moments where
+  // the optimizer keeps any, a bf16 master where it is fp32); empty for the smallest. The
+  // placement's refusal offers them (PlacementPlan::Inputs::shrink_hint).
+  std::string ShrinkHint() const;
   // fp16, or EngineOptions::loss_scaling: the loss is scaled and a step with a non-finite
   // gradient is skipped, so no update may start before the step's overflow flag is known.
   bool loss_scaling() const { return loss_scaling_; }

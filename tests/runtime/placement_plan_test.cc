@@ -213,9 +213,16 @@ TEST(PlacementPlan, RefusalsNameTheTiersAndTheFix) {
   in.host_budget = 1 * kGiB;
   in.nvme_budget = 1 * kGiB;
   in.nvme_available = true;
-  // 4.5 GiB of state against 3 GiB of tiers: more disk is the fix.
+  // 4.5 GiB of state against 3 GiB of tiers: more disk is the fix, or what the layout has left
+  // to shrink; a layout with nothing left offers only the disk.
+  in.shrink_hint = "8-bit moments (strata.optimizer_state_dtype: int8)";
   ExpectRefused(PlacementPlan::Make(in), {"4.50 GiB", "device 1.00 GiB", "host 1.00 GiB",
-                                          "nvme 1.00 GiB", "raise strata.nvme_capacity", "bf16"});
+                                          "nvme 1.00 GiB", "raise strata.nvme_capacity",
+                                          "or shrink the state: 8-bit moments"});
+  in.shrink_hint.clear();
+  const auto smallest = PlacementPlan::Make(in);
+  ExpectRefused(smallest, {"raise strata.nvme_capacity by"});
+  EXPECT_EQ(smallest.status().message().find("shrink"), std::string::npos) << smallest.status().message();
   in.nvme_available = false;
   ExpectRefused(PlacementPlan::Make(in), {"no nvme_path"});
   // Device floors that do not fit the device.

@@ -201,6 +201,22 @@ TEST(StepPlanCompactLayouts, FormatsBlockBytesAndRefusals) {
                                             optim::DType::kBFloat16));
   EXPECT_EQ(m.grad_dtype(), optim::DType::kFloat32);
   EXPECT_EQ(p.StateLayoutName(), "int8+bf16_master");
+  // The smallest layout has nothing left to offer a refusal; the others name what would shrink
+  // them, and nothing about moments for an optimizer that keeps none.
+  EXPECT_EQ(p.ShrinkHint(), "");
+  EXPECT_EQ(m.ShrinkHint(), "");  // SGD without momentum keeps no moments; its master is bf16
+  Config wide = c;
+  wide.bf16.bf16_master_weights_and_grads = false;
+  ASSERT_OK_AND_ASSIGN(StepPlan w, MakeWith(wide));
+  EXPECT_EQ(w.ShrinkHint(), "a bf16 master (bf16.bf16_master_weights_and_grads)");
+  wide.strata.optimizer_state_dtype = StateDtype::kBf16;
+  ASSERT_OK_AND_ASSIGN(StepPlan wb, MakeWith(wide));
+  EXPECT_EQ(wb.ShrinkHint(), "8-bit moments (strata.optimizer_state_dtype: int8) or a bf16 master "
+                             "(bf16.bf16_master_weights_and_grads)");
+  wide.strata.optimizer_state_dtype = StateDtype::kFp32;
+  ASSERT_OK_AND_ASSIGN(StepPlan wf, MakeWith(wide));
+  EXPECT_EQ(wf.ShrinkHint(), "8-bit or bf16 moments (strata.optimizer_state_dtype: int8 or bf16) or "
+                             "a bf16 master (bf16.bf16_master_weights_and_grads)");
   // On disk per chunk: grad 2 KiB, two 1040-byte moments and the bf16 working shard (it is the
   // master), 2048 B, each rounded to 4 KiB.
   EXPECT_EQ(p.nvme_bytes(), 3u * (4096 + 2 * 4096 + 4096));

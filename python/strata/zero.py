@@ -224,6 +224,7 @@ class Init:
                           "the config's offload nvme_path, or TMPDIR) a directory on a disk",
                           stacklevel=2)
         self._cpp = None
+        self._several_ranks = False  # set by __enter__: parameters are then marked rank 0's
         self._patched = []
         self._staged = set()
         self.staged_bytes = 0

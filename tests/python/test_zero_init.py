@@ -248,25 +248,42 @@ def test_only_rank_0_stages_and_every_rank_starts_from_its_values(tmp_path):
     assert r0["init"] != r1["init"]  # each rank trained on its own micro-batches
 
 
-@pytest.mark.skipif(not os.path.isdir("/dev/shm") or not os.access("/dev/shm", os.W_OK),
-                    reason="no writable /dev/shm")
+def _fs_type(path):
+    """The file system type coreutils' stat reports for `path` ("tmpfs", "ext2/ext3", ...)."""
+    import subprocess
+
+    run = subprocess.run(["stat", "-f", "-c", "%T", path], capture_output=True, text=True)
+    return run.stdout.strip() if run.returncode == 0 else None
+
+
+def _tmpfs_dir():
+    for path in ("/dev/shm", "/run", "/tmp"):
+        if os.path.isdir(path) and os.access(path, os.W_OK) and _fs_type(path) == "tmpfs":
+            return path
+    return None
+
+
+@pytest.mark.skipif(_tmpfs_dir() is None, reason="no writable tmpfs directory here")
 def test_a_temporary_directory_in_memory_is_not_where_it_stages(tmp_path, monkeypatch):
     from strata import zero
 
-    # By the mount table: /dev/shm is tmpfs, and what lies under it too; /proc is not.
-    assert zero._memory_backed("/dev/shm") and zero._memory_backed("/dev/shm/a/b")
+    shm = _tmpfs_dir()
+    # The mount table's answer agrees with statfs's (coreutils' stat) on a tmpfs, below it, and
+    # on this test's directory and /proc.
+    assert zero._memory_backed(shm) and zero._memory_backed(os.path.join(shm, "a", "b"))
+    assert zero._memory_backed(str(tmp_path)) == (_fs_type(str(tmp_path)) == "tmpfs")
     assert not zero._memory_backed("/proc")
     # The system's temporary directory in memory (Debian 13's /tmp), TMPDIR unset: /var/tmp.
     monkeypatch.delenv("TMPDIR", raising=False)
-    monkeypatch.setattr("tempfile.tempdir", "/dev/shm")
+    monkeypatch.setattr("tempfile.tempdir", shm)
     if not zero._memory_backed("/var/tmp"):
         with strata.zero.Init() as init:
             torch.nn.Linear(64, 64)
         assert init._dir == "/var/tmp"
     # Asked for by TMPDIR, or given, it is used, with a warning that names it.
-    monkeypatch.setenv("TMPDIR", "/dev/shm")
-    with pytest.warns(UserWarning, match="staging directory /dev/shm is kept in memory"):
+    monkeypatch.setenv("TMPDIR", shm)
+    with pytest.warns(UserWarning, match=f"staging directory {shm} is kept in memory"):
         init = strata.zero.Init()
-    assert init._dir == "/dev/shm"
-    with pytest.warns(UserWarning, match="/dev/shm/x is kept in memory"):
-        strata.zero.Init(nvme_path="/dev/shm/x")
+    assert init._dir == shm
+    with pytest.warns(UserWarning, match=f"{shm}/x is kept in memory"):
+        strata.zero.Init(nvme_path=f"{shm}/x")

@@ -9,6 +9,8 @@
 #include <algorithm>
 #include <atomic>
 #include <cerrno>
+#include <chrono>
+#include <condition_variable>
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
@@ -16,10 +18,12 @@
 #include <mutex>
 #include <optional>
 #include <stdexcept>
+#include <thread>
 #include <unordered_map>
 #include <vector>
 
 #include "runtime/base/logging.h"
+#include "runtime/base/units.h"
 
 namespace strata::zero {
 
@@ -45,6 +49,7 @@ uint64_t AlignUp(uint64_t v) { return (v + DirectAlign() - 1) / DirectAlign() * 
 class Init::Impl {
  public:
   ~Impl() {
+    StopReporter();
     if (dfd >= 0) ::close(dfd);
     if (scratch_fd >= 0) ::close(scratch_fd);
     std::free(bounce);
@@ -58,10 +63,10 @@ class Init::Impl {
   uint64_t end = 0;      // the file's end: the bytes written so far, with alignment padding
   // The staged values' bytes: written by the building thread, read by a progress reporter.
   std::atomic<uint64_t> payload{0};
-  int64_t params = 0;
+  std::atomic<int64_t> params{0};
   // StageGenerated's parameters: their bytes in the staged dtype (nothing in the file) and count.
   std::atomic<uint64_t> generated{0};
-  int64_t generated_params = 0;
+  std::atomic<int64_t> generated_params{0};
   torch::Dtype staged_dtype = torch::kFloat32;  // floating-point parameters are written as this
   StageMode mode = StageMode::kValues;
   // ReadStaged's buffer, DirectAlign()-aligned and grown to the largest parameter read: one
@@ -77,7 +82,69 @@ class Init::Impl {
   // StageMode::kShapesOnly: the memory file every scratch parameter's windows map, or -1 before
   // the first (Note [scratch parameters]); its mappings keep it alive after this closes it.
   int scratch_fd = -1;
+
+  // Note [build progress]: a line every ProgressInterval() while the build stages something.
+  void StartReporter();
+  void StopReporter();
+  std::mutex report_mu;
+  std::condition_variable report_cv;
+  bool stopping = false;  // guarded by report_mu
+  std::thread reporter;
 };
+
+namespace {
+
+std::atomic<int64_t> progress_interval_ms{10000};  // SetProgressIntervalForTest
+
+}  // namespace
+
+// Note [build progress]
+// A model built under an Init takes minutes at the sizes it is for (LibTorch's initializers draw
+// a 20 B model's values on the CPU), and nothing else is printed meanwhile: the engine's own
+// progress starts with Engine::Create. So a thread of the Init logs what has been staged every
+// ten seconds, as the engine's start does, while the count grows; an interval in which nothing
+// was staged (the model's code is busy elsewhere, or the build is over) prints nothing, and a
+// build that printed ends with its totals when the Init goes. A rank that builds shapes only
+// stages nothing and starts no thread.
+void Init::Impl::StartReporter() {
+  reporter = std::thread([this] {
+    const auto t0 = std::chrono::steady_clock::now();
+    const std::string dir = std::filesystem::path(path).parent_path().string();
+    uint64_t last = 0;
+    bool said = false;
+    auto say = [&] {
+      const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      STRATA_LOG(INFO) << "zero::Init: " << FormatBytes(payload.load()) << " of " << params.load()
+                       << " parameters staged in " << dir
+                       << (generated_params.load() > 0
+                               ? StrCat(", ", FormatBytes(generated.load()), " of ", generated_params.load(),
+                                        " more to draw at the engine's start")
+                               : std::string())
+                       << ", " << static_cast<int>(secs) << " s";
+    };
+    std::unique_lock<std::mutex> l(report_mu);
+    while (!report_cv.wait_for(l, std::chrono::milliseconds(progress_interval_ms.load()),
+                               [this] { return stopping; })) {
+      const uint64_t bytes = payload.load() + generated.load();
+      if (bytes == last) continue;
+      last = bytes;
+      said = true;
+      say();
+    }
+    // A build long enough to report ends with its totals.
+    if (said && payload.load() + generated.load() != last) say();
+  });
+}
+
+void Init::Impl::StopReporter() {
+  if (!reporter.joinable()) return;
+  {
+    std::lock_guard<std::mutex> l(report_mu);
+    stopping = true;
+  }
+  report_cv.notify_all();
+  reporter.join();
+}
 
 namespace {
 
@@ -90,7 +157,18 @@ struct Staged {
   bool dropped;  // StageMode::kShapesOnly: nothing was written; reads give zeros
   std::vector<int64_t> shape;  // the parameter's own, which now has 0 elements
   Fill fill;  // StageGenerated: the values are drawn when read, nothing is in the file
+  // Note [registry keys]: keeps the key's address from being reused while the entry lives.
+  c10::weak_intrusive_ptr<c10::TensorImpl> self{c10::intrusive_ptr<c10::TensorImpl>()};
 };
+
+// Note [registry keys]
+// Entries are keyed by the parameter's TensorImpl address. A staged parameter can die before the
+// engine reads it (a module built under the Init and dropped), and the allocator may then hand
+// its address to a parameter built later: that one was skipped as "tied, staged already", and
+// the engine would have read the dead one's values in its place. Each entry holds a weak
+// reference to its TensorImpl, which keeps the object's memory (not its data) allocated while
+// the entry lives, so no other TensorImpl can take the address; the Init's destructor drops the
+// entries, and with them those references.
 
 std::mutex& Mu() {
   static std::mutex mu;
@@ -101,6 +179,9 @@ std::unordered_map<const c10::TensorImpl*, Staged>& Registry() {
   return r;
 }
 thread_local Init::Impl* current = nullptr;
+c10::weak_intrusive_ptr<c10::TensorImpl> WeakOf(const torch::Tensor& t) {
+  return c10::weak_intrusive_ptr<c10::TensorImpl>(t.getIntrusivePtr());
+}
 std::atomic<bool> direct_staging{true};  // SetDirectStagingForTest
 
 Status PwriteAll(int fd, const void* data, size_t n, uint64_t off, const std::string& path) {
@@ -263,6 +344,7 @@ StatusOr<std::unique_ptr<Init>> Init::Create(const std::string& dir, torch::Dtyp
   // The last Init to go sets the ceiling glibc's own adaptive threshold would reach (32 MiB, trim
   // at 64 MiB), so training reuses heap memory again.
   SetBuildingMallocPolicy(+1);
+  impl->StartReporter();
   current = impl.get();
   return std::unique_ptr<Init>(new Init(std::move(impl)));
 }
@@ -312,7 +394,7 @@ void Partition(torch::nn::Module& unit) {
       {
         std::lock_guard<std::mutex> l(Mu());
         Registry()[p.unsafeGetTensorImpl()] = {init, 0, p.numel(), p.scalar_type(), false, true,
-                                               p.sizes().vec(), nullptr};
+                                               p.sizes().vec(), nullptr, WeakOf(p)};
       }
       ++init->params;
       DropMemory(p);
@@ -338,7 +420,7 @@ void Partition(torch::nn::Module& unit) {
     {
       std::lock_guard<std::mutex> l(Mu());
       Registry()[p.unsafeGetTensorImpl()] = {init, offset, p.numel(), dtype, direct, false,
-                                             p.sizes().vec(), nullptr};
+                                             p.sizes().vec(), nullptr, WeakOf(p)};
     }
     init->end = offset + (direct ? AlignUp(bytes) : bytes);
     init->payload += bytes;
@@ -373,7 +455,7 @@ bool StageGenerated(const torch::Tensor& param, std::vector<int64_t> shape, Fill
   {
     std::lock_guard<std::mutex> l(Mu());
     Registry()[param.unsafeGetTensorImpl()] = {init,  0,     numel, init->staged_dtype, false, dropped,
-                                               shape, dropped ? nullptr : std::move(fill)};
+                                               shape, dropped ? nullptr : std::move(fill), WeakOf(param)};
   }
   torch::Tensor p = param;  // set_data is not const; the change lands on the shared TensorImpl
   DropMemory(p);
@@ -511,6 +593,7 @@ void StageMapped(const torch::Tensor& param) {
 }
 
 void SetDirectStagingForTest(bool enabled) { direct_staging.store(enabled); }
+void SetProgressIntervalForTest(int64_t ms) { progress_interval_ms.store(ms); }
 
 bool IsStaged(const torch::Tensor& param) {
   std::lock_guard<std::mutex> l(Mu());

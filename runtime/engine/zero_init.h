@@ -19,6 +19,9 @@
 // set to 32 MiB, the ceiling of glibc's adaptive threshold, because a 1 MiB threshold makes every
 // activation a fresh mapping during training (zero_init.cc says why).
 //
+// While an Init that stages values lives, a thread of it logs the bytes staged so far every
+// 10 s in which that grew (Note [build progress] in zero_init.cc).
+//
 // Thread-safety: Partition and the engine's reads may run on any thread; an Init is current only
 // on the thread that created it.
 #pragma once
@@ -141,5 +144,8 @@ std::optional<std::vector<int64_t>> StagedShape(const torch::Tensor& param);
 // Tests only: false makes Inits created afterwards stage through the page cache, as on a file
 // system that refuses O_DIRECT (Note [direct staging]).
 void SetDirectStagingForTest(bool enabled);
+// Tests only: the interval of the build's progress lines (Note [build progress] in
+// zero_init.cc) for Inits created afterwards; 10 s otherwise.
+void SetProgressIntervalForTest(int64_t ms);
 
 }  // namespace strata::zero

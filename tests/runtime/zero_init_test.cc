@@ -4,9 +4,12 @@
 #include <signal.h>
 #include <sys/resource.h>
 
+#include <algorithm>
+#include <chrono>
 #include <filesystem>
 #include <fstream>
 #include <string>
+#include <thread>
 
 #include <gtest/gtest.h>
 #include <torch/torch.h>
@@ -109,6 +112,72 @@ uint64_t PssAnonShmem() {
     if (line.rfind("Pss_Anon:", 0) == 0 || line.rfind("Pss_Shmem:", 0) == 0)
       total += std::stoull(line.substr(line.find(':') + 1)) * 1024;
   return total;
+}
+
+// Note [registry keys]: a staged unit dropped before the engine reads it leaves its entry, and
+// units built after it (whose parameters the allocator would gladly put at its addresses) are
+// staged with their own values, each read back as itself.
+TEST(ZeroInit, ADroppedStagedUnitLendsItsAddressToNoOne) {
+  testing::TempDir dir;
+  ASSERT_OK_AND_ASSIGN(auto init, zero::Init::Create(dir.path()));
+  std::vector<torch::nn::Linear> kept;
+  for (int i = 0; i < 6; ++i) {
+    auto unit = torch::nn::Linear(64, 64);
+    {
+      torch::NoGradGuard ng;
+      unit->weight.fill_(static_cast<float>(i));
+      unit->bias.fill_(static_cast<float>(-i));
+    }
+    zero::Partition(*unit);
+    if (i % 2 == 1) kept.push_back(unit);  // the even ones die here, staged
+  }
+  EXPECT_EQ(init->staged_params(), 12);
+  for (size_t k = 0; k < kept.size(); ++k) {
+    const float want = static_cast<float>(2 * k + 1);
+    ASSERT_TRUE(zero::IsStaged(kept[k]->weight)) << k;
+    ASSERT_TRUE(zero::IsStaged(kept[k]->bias)) << k;
+    torch::Tensor w = torch::empty({64 * 64}), b = torch::empty({64});
+    ASSERT_OK_AND_ASSIGN(bool sw, zero::ReadStaged(kept[k]->weight, w));
+    ASSERT_OK_AND_ASSIGN(bool sb, zero::ReadStaged(kept[k]->bias, b));
+    EXPECT_TRUE(sw && sb);
+    EXPECT_TRUE(w.eq(want).all().item<bool>()) << k;
+    EXPECT_TRUE(b.eq(-want).all().item<bool>()) << k;
+  }
+}
+
+// Note [build progress]: while a build stages, its Init logs how far it is; an Init whose build
+// is idle, or that builds shapes only, says nothing.
+TEST(ZeroInit, ABuildThatStagesReportsItsProgress) {
+  testing::TempDir dir;
+  zero::SetProgressIntervalForTest(40);
+  ::testing::internal::CaptureStderr();
+  {
+    ASSERT_OK_AND_ASSIGN(auto init, zero::Init::Create(dir.path()));
+    for (int i = 0; i < 4; ++i) {
+      auto unit = torch::nn::Linear(256, 256);
+      zero::Partition(*unit);
+      std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    }
+  }
+  const std::string staging = ::testing::internal::GetCapturedStderr();
+  ::testing::internal::CaptureStderr();
+  {
+    ASSERT_OK_AND_ASSIGN(auto idle, zero::Init::Create(dir.path()));
+    std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  }
+  {
+    ASSERT_OK_AND_ASSIGN(auto shapes, zero::Init::Create(dir.path(), torch::kFloat32, zero::StageMode::kShapesOnly));
+    auto unit = torch::nn::Linear(256, 256);
+    zero::Partition(*unit);
+    std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  }
+  const std::string quiet = ::testing::internal::GetCapturedStderr();
+  zero::SetProgressIntervalForTest(10000);
+  // Four units of 257 KiB, lines as they go, and the totals when the Init goes.
+  EXPECT_GE(std::count(staging.begin(), staging.end(), '\n'), 2) << staging;
+  EXPECT_NE(staging.find("parameters staged in " + dir.path()), std::string::npos) << staging;
+  EXPECT_NE(staging.find("of 8 parameters staged"), std::string::npos) << staging;
+  EXPECT_EQ(quiet.find("zero::Init:"), std::string::npos) << quiet;
 }
 
 // Whether this process maps the scratch region (its memory file's name in /proc/self/maps).

@@ -104,7 +104,7 @@ class GatheredParameters:
                     continue
                 if rank > 0:
                     p.data = torch.empty_like(p.data, memory_format=torch.contiguous_format)
-                torch.distributed.broadcast(p.data, src=0)
+                _broadcast(p.data, 0)
 
     def _write_back(self):
         params = [p for p in self._params if p.numel() > 0]
@@ -118,7 +118,7 @@ class GatheredParameters:
                     # skips the same ones.
                     if self._modifier_rank == 0 and _scratch(p):
                         continue
-                    torch.distributed.broadcast(p.data, src=self._modifier_rank)
+                    _broadcast(p.data, self._modifier_rank)
             if self._engine is not None:
                 self._engine._cpp.write_params(
                     [p for p in params if self._engine._units_of_param(p) is not None])
@@ -127,6 +127,18 @@ class GatheredParameters:
 def _world_size():
     dist = torch.distributed
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def _broadcast(t, src):
+    """torch.distributed.broadcast of `t` from `src`. A host tensor (a parameter not yet an
+    engine's) goes through the GPU where the group is NCCL's, which moves only device memory."""
+    dist = torch.distributed
+    if t.device.type == "cpu" and dist.get_backend() == "nccl":
+        staged = t.to(f"cuda:{torch.cuda.current_device()}")
+        dist.broadcast(staged, src=src)
+        t.copy_(staged)
+    else:
+        dist.broadcast(t, src=src)
 
 
 def _rank_and_world():
@@ -176,6 +188,9 @@ class Init:
     count the region once per 32 MiB of parameters written; the memory used (PSS, the cgroup's
     charge) is the region's. GatheredParameters(modifier_rank=0) on such parameters, before the
     engine has them, broadcasts nothing: rank 0's writes reach every rank at the engine's start.
+    So a parameter built here that no engine takes (a reference copy kept outside the model the
+    engine trains) keeps meaningless values on ranks > 0 even after such a block; give it
+    modifier_rank=None's or another rank's block to read rank 0's values there.
 
     The parameters' dtype (`dtype`, DeepSpeed's argument): torch.float32, torch.bfloat16 or
     torch.float16. Unset, it is torch.bfloat16 for a config with
@@ -216,13 +231,6 @@ class Init:
                     break
         if self._dir is None:
             self._dir = _default_staging_dir()
-        if enabled and _memory_backed(self._dir):
-            import warnings
-
-            warnings.warn(f"zero.Init: the staging directory {self._dir} is kept in memory "
-                          "(tmpfs), so the model built there stays in DRAM; give nvme_path (or "
-                          "the config's offload nvme_path, or TMPDIR) a directory on a disk",
-                          stacklevel=2)
         self._cpp = None
         self._several_ranks = False  # set by __enter__: parameters are then marked rank 0's
         self._patched = []
@@ -238,6 +246,13 @@ class Init:
             raise InvalidArgumentError("zero.Init blocks do not nest")
         rank, world = _rank_and_world()
         self._several_ranks = world > 1
+        if rank == 0 and _memory_backed(self._dir):  # the other ranks stage nothing
+            import warnings
+
+            warnings.warn(f"zero.Init: the staging directory {self._dir} is kept in memory "
+                          "(tmpfs), so the model built there stays in DRAM; give nvme_path (or "
+                          "the config's offload nvme_path, or TMPDIR) a directory on a disk",
+                          stacklevel=2)
         self._cpp = _ZeroInit(os.fspath(self._dir), shapes_only=rank > 0)
         _active_init = self
         for cls in _module_classes():
@@ -315,7 +330,7 @@ class Init:
 
 
 def _memory_backed(path):
-    """Whether `path` lies on a file system kept in memory (tmpfs, ramfs), by the longest mount
+    """Whether `path` lies on a file system kept in memory (tmpfs, ramfs, devtmpfs), by the longest mount
     point above it in /proc/self/mountinfo; False when that cannot be read."""
     real = os.path.realpath(path)
     best, fstype = "", None
@@ -333,18 +348,19 @@ def _memory_backed(path):
                     best, fstype = point, rest.split()[0]
     except OSError:
         return False
-    return fstype in ("tmpfs", "ramfs")
+    return fstype in ("tmpfs", "ramfs", "devtmpfs")
 
 
 def _default_staging_dir():
-    """The system's temporary directory, unless it is kept in memory and TMPDIR does not ask for
-    it (Debian 13 mounts /tmp as tmpfs): then /var/tmp, which stays on disk, where the FHS puts
+    """The system's temporary directory, unless it is kept in memory and TMPDIR (or TEMP, TMP)
+    does not ask for it (Debian 13 mounts /tmp as tmpfs): then /var/tmp, which stays on disk, where the FHS puts
     large temporary files. A staging file in memory would hold the model in DRAM, which is what
     zero.Init is for avoiding."""
     import tempfile
 
     tmp = tempfile.gettempdir()
-    if (_memory_backed(tmp) and not os.environ.get("TMPDIR") and os.access("/var/tmp", os.W_OK)
+    asked = any(os.environ.get(v) for v in ("TMPDIR", "TEMP", "TMP"))  # tempfile's order
+    if (_memory_backed(tmp) and not asked and os.access("/var/tmp", os.W_OK)
             and not _memory_backed("/var/tmp")):
         return "/var/tmp"
     return tmp

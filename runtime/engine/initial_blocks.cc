@@ -31,12 +31,18 @@ Status Engine::Impl::PlaceBuffers() {
     const torch::Device dev = DeviceOptions(dtype).device();
     if (b.device() != dev || b.scalar_type() != dtype) b.set_data(b.to(dev, dtype));
     if (comm_->world_size() > 1 && b.numel() > 0) {
-      torch::Tensor t = b.contiguous();
+      // Rank 0 sends its own values. The others receive into memory of the tensor's own, which
+      // then replaces theirs: a frozen parameter built under a Python zero.Init of several ranks
+      // is a window onto a scratch region that every such parameter shares (Note [scratch
+      // parameters] in zero_init.cc), and receiving in place would leave each holding the last
+      // one received.
+      torch::Tensor t = comm_->rank() == 0 ? b.contiguous() : torch::empty_like(b, at::MemoryFormat::Contiguous);
       ComputeFence::Mark(*device_).Wait();  // the move above and contiguous() are queued compute
       STRATA_RETURN_IF_ERROR(comm_->Broadcast(t.data_ptr(), static_cast<int64_t>(t.nbytes()),
                                               strata::DType::kU8, 0)
                                  .WithContext(StrCat("broadcasting buffer ", name)));
-      if (!t.is_same(b)) b.copy_(t);
+      if (comm_->rank() != 0) b.set_data(t);
+      else if (!t.is_same(b)) b.copy_(t);
     }
   }
   return Status::Ok();

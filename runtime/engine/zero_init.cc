@@ -492,9 +492,12 @@ namespace {
 // kScratchBytes repeated: one memory file of that size, mapped shared over each parameter's
 // address range window by window. Every write lands in the same 32 MiB, whatever the model's
 // size; what a read gives is whatever some parameter wrote last. The address space is reserved
-// (PROT_NONE, no swap reserved) and costs nothing. A model of P bytes takes about P / 32 MiB
-// mappings, well inside the kernel's default of 65530 up to a terabyte; where a mapping fails
-// the parameter keeps its own memory, as before.
+// (PROT_NONE, no swap reserved) and costs nothing. Each parameter of a page or more takes
+// ceil(its bytes / 32 MiB) mappings: a model of P bytes in N such parameters takes at most
+// N + P / 32 MiB, inside the kernel's default of 65530 for models of thousands of parameters up
+// to a terabyte; where a mapping fails the parameter keeps its own memory, as before. The
+// engine gives trainable parameters memory of its own, and receives frozen ones into fresh
+// memory (PlaceBuffers), so no rank reads a window after the start.
 constexpr uint64_t kScratchBytes = uint64_t{32} << 20;  // a multiple of any page size
 
 // `span` bytes (whole pages) of address space whose every kScratchBytes window maps the scratch

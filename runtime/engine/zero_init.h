@@ -145,7 +145,7 @@ std::optional<std::vector<int64_t>> StagedShape(const torch::Tensor& param);
 // system that refuses O_DIRECT (Note [direct staging]).
 void SetDirectStagingForTest(bool enabled);
 // Tests only: the interval of the build's progress lines (Note [build progress] in
-// zero_init.cc) for Inits created afterwards; 10 s otherwise.
+// zero_init.cc), from each reporter's next wait on; 10 s otherwise.
 void SetProgressIntervalForTest(int64_t ms);
 
 }  // namespace strata::zero

@@ -122,8 +122,10 @@ Status StepPlan::ChoosePlacement(const Inputs& in) {
 }
 
 // What is left to shrink of this run's layout (Note [compact layouts]): moments narrower than
-// they are, where the optimizer keeps any, and a bf16 master where the master is fp32.
+// they are, where the optimizer keeps any, and a bf16 master where the master is fp32 (with bf16
+// compute, which it needs); nothing for a client optimizer, which keeps its own states.
 std::string StepPlan::ShrinkHint() const {
+  if (client_optimizer_) return "";  // the compact layouts are Strata's optimizers' own
   std::vector<std::string> ways;
   if (holds_exp_avg_ || holds_exp_avg_sq_) {
     const optim::MomentFormat m = layout().moments;
@@ -132,7 +134,11 @@ std::string StepPlan::ShrinkHint() const {
     else if (m == optim::MomentFormat::kBf16)
       ways.push_back("8-bit moments (strata.optimizer_state_dtype: int8)");
   }
-  if (!layout().bf16_master) ways.push_back("a bf16 master (bf16.bf16_master_weights_and_grads)");
+  if (!layout().bf16_master)
+    ways.push_back(compute_dtype_ == optim::DType::kBFloat16
+                       ? "a bf16 master (bf16.bf16_master_weights_and_grads)"
+                       : "bf16 compute with a bf16 master (bf16.enabled and "
+                         "bf16.bf16_master_weights_and_grads)");
   std::string out;
   for (size_t i = 0; i < ways.size(); ++i) out += (i ? " or " : "") + ways[i];
   return out;

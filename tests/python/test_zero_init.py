@@ -273,8 +273,10 @@ def test_a_temporary_directory_in_memory_is_not_where_it_stages(tmp_path, monkey
     assert zero._memory_backed(shm) and zero._memory_backed(os.path.join(shm, "a", "b"))
     assert zero._memory_backed(str(tmp_path)) == (_fs_type(str(tmp_path)) == "tmpfs")
     assert not zero._memory_backed("/proc")
-    # The system's temporary directory in memory (Debian 13's /tmp), TMPDIR unset: /var/tmp.
-    monkeypatch.delenv("TMPDIR", raising=False)
+    # The system's temporary directory in memory (Debian 13's /tmp), none of TMPDIR, TEMP and
+    # TMP set: /var/tmp.
+    for var in ("TMPDIR", "TEMP", "TMP"):
+        monkeypatch.delenv(var, raising=False)
     monkeypatch.setattr("tempfile.tempdir", shm)
     if not zero._memory_backed("/var/tmp"):
         with strata.zero.Init() as init:
@@ -283,7 +285,9 @@ def test_a_temporary_directory_in_memory_is_not_where_it_stages(tmp_path, monkey
     # Asked for by TMPDIR, or given, it is used, with a warning that names it.
     monkeypatch.setenv("TMPDIR", shm)
     with pytest.warns(UserWarning, match=f"staging directory {shm} is kept in memory"):
-        init = strata.zero.Init()
+        with strata.zero.Init() as init:
+            pass
     assert init._dir == shm
     with pytest.warns(UserWarning, match=f"{shm}/x is kept in memory"):
-        strata.zero.Init(nvme_path=f"{shm}/x")
+        with strata.zero.Init(nvme_path=f"{shm}/x"):
+            pass

@@ -1,8 +1,8 @@
 """One rank of test_zero_init's two-rank case. Builds a 256 MiB model under zero.Init and records
 what this rank holds of it (its proportional memory, its staging file) and what two
-GatheredParameters blocks give; then trains gpt2 at stage 3 (NVMe, clipping, accumulation) from
-a normal build and from a zero.Init build, each after rank 0 writes an embedding row through
-GatheredParameters(modifier_rank=0). Writes the figures and both runs' losses to
+GatheredParameters blocks give; then trains gpt2 at stage 3 (NVMe, clipping, accumulation), two
+of its weights frozen, from a normal build and from a zero.Init build, each after rank 0 writes
+an embedding row through GatheredParameters(modifier_rank=0). Writes the figures and both runs' losses to
 <out>.rank<R>.json."""
 
 import copy
@@ -49,6 +49,10 @@ def train(cfg, rank, world, under_init):
             model = harness.gpt2()
     else:
         model = harness.gpt2()
+    # Two weights frozen after the build: the engine keeps them as they are, from rank 0, on
+    # every rank (on rank 1 they were windows onto one scratch region).
+    for frozen in (model.blocks[0].fc.weight, model.blocks[1].out.weight):
+        frozen.requires_grad_(False)
     row = model.embed.tok.weight
     with strata.zero.GatheredParameters([row], modifier_rank=0), torch.no_grad():
         row[3] = 0.25 if rank == 0 else -1.0  # rank 0's write is the one that counts

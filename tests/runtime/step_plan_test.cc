@@ -207,16 +207,28 @@ TEST(StepPlanCompactLayouts, FormatsBlockBytesAndRefusals) {
   EXPECT_EQ(m.ShrinkHint(), "");  // SGD without momentum keeps no moments; its master is bf16
   Config wide = c;
   wide.bf16.bf16_master_weights_and_grads = false;
-  ASSERT_OK_AND_ASSIGN(StepPlan w, MakeWith(wide));
+  const auto bf16 = [](const Config& k) {
+    return MakeWith(k, DeviceKind::kCpu, false, 1, true, false, optim::DType::kBFloat16);
+  };
+  ASSERT_OK_AND_ASSIGN(StepPlan w, bf16(wide));
   EXPECT_EQ(w.ShrinkHint(), "a bf16 master (bf16.bf16_master_weights_and_grads)");
   wide.strata.optimizer_state_dtype = StateDtype::kBf16;
-  ASSERT_OK_AND_ASSIGN(StepPlan wb, MakeWith(wide));
+  ASSERT_OK_AND_ASSIGN(StepPlan wb, bf16(wide));
   EXPECT_EQ(wb.ShrinkHint(), "8-bit moments (strata.optimizer_state_dtype: int8) or a bf16 master "
                              "(bf16.bf16_master_weights_and_grads)");
   wide.strata.optimizer_state_dtype = StateDtype::kFp32;
-  ASSERT_OK_AND_ASSIGN(StepPlan wf, MakeWith(wide));
+  ASSERT_OK_AND_ASSIGN(StepPlan wf, bf16(wide));
   EXPECT_EQ(wf.ShrinkHint(), "8-bit or bf16 moments (strata.optimizer_state_dtype: int8 or bf16) or "
                              "a bf16 master (bf16.bf16_master_weights_and_grads)");
+  // fp32 compute: the bf16 master needs bf16 compute too. A client optimizer: nothing of Strata's.
+  ASSERT_OK_AND_ASSIGN(StepPlan f32, MakeWith(wide));
+  EXPECT_EQ(f32.ShrinkHint(), "8-bit or bf16 moments (strata.optimizer_state_dtype: int8 or bf16) or "
+                              "bf16 compute with a bf16 master (bf16.enabled and "
+                              "bf16.bf16_master_weights_and_grads)");
+  Config client;  // nothing offloaded: a client optimizer runs where the partition lives
+  client.zero_allow_untested_optimizer = true;
+  ASSERT_OK_AND_ASSIGN(StepPlan cl, MakeWith(client, DeviceKind::kCpu, /*client=*/true));
+  EXPECT_EQ(cl.ShrinkHint(), "");
   // On disk per chunk: grad 2 KiB, two 1040-byte moments and the bf16 working shard (it is the
   // master), 2048 B, each rounded to 4 KiB.
   EXPECT_EQ(p.nvme_bytes(), 3u * (4096 + 2 * 4096 + 4096));

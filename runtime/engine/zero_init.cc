@@ -83,7 +83,7 @@ class Init::Impl {
   // the first (Note [scratch parameters]); its mappings keep it alive after this closes it.
   int scratch_fd = -1;
 
-  // Note [build progress]: a line every ProgressInterval() while the build stages something.
+  // Note [build progress]: a line every 10 s in which the build staged something.
   void StartReporter();
   void StopReporter();
   std::mutex report_mu;
@@ -468,17 +468,6 @@ bool StageGenerated(const torch::Tensor& param, std::vector<int64_t> shape, Fill
   return true;
 }
 
-// Note [mapped release]
-// A StageMapped parameter's range of the file was held until the process dropped the whole
-// file, long after the engine had copied the values out and pointed the parameter at its own
-// memory: the start's disk peak was the whole staging file beside every NVMe block written. Each
-// mapping's deleter now punches its own range after unmapping it, which also drops its dirty
-// pages unwritten. The range is whole pages, and the file's end moves past its last one, so no
-// parameter staged after it (mapped, or written by Partition) shares a page with it. The file
-// stays open through a descriptor the mappings share, so a release after the Init has closed
-// still finds it; the last release closes it. A forked child inherits the mappings and that
-// descriptor but not the file's use: its releases do not punch. Punching is best effort: a file
-// system without holes keeps the space until then, as before.
 namespace {
 
 // Note [scratch parameters]
@@ -507,7 +496,9 @@ void* MapScratch(Init::Impl& init, uint64_t span) {
     const int fd = ::memfd_create("strata-zero-init-scratch", MFD_CLOEXEC);
     if (fd < 0) return nullptr;
     if (::ftruncate(fd, static_cast<off_t>(kScratchBytes)) != 0) {
+      const int err = errno;
       ::close(fd);
+      errno = err;
       return nullptr;
     }
     init.scratch_fd = fd;
@@ -519,7 +510,9 @@ void* MapScratch(Init::Impl& init, uint64_t span) {
     void* got = ::mmap(want, std::min(kScratchBytes, span - at), PROT_READ | PROT_WRITE,
                        MAP_SHARED | MAP_FIXED, init.scratch_fd, 0);
     if (got != want) {
+      const int err = errno;
       ::munmap(base, span);
+      errno = err;
       return nullptr;
     }
   }
@@ -548,6 +541,17 @@ void StageScratch(Init::Impl& init, const torch::Tensor& param) {
 
 }  // namespace
 
+// Note [mapped release]
+// A StageMapped parameter's range of the file was held until the process dropped the whole
+// file, long after the engine had copied the values out and pointed the parameter at its own
+// memory: the start's disk peak was the whole staging file beside every NVMe block written. Each
+// mapping's deleter now punches its own range after unmapping it, which also drops its dirty
+// pages unwritten. The range is whole pages, and the file's end moves past its last one, so no
+// parameter staged after it (mapped, or written by Partition) shares a page with it. The file
+// stays open through a descriptor the mappings share, so a release after the Init has closed
+// still finds it; the last release closes it. A forked child inherits the mappings and that
+// descriptor but not the file's use: its releases do not punch. Punching is best effort: a file
+// system without holes keeps the space until then, as before.
 void StageMapped(const torch::Tensor& param) {
   Init::Impl* init = current;
   if (!init || param.numel() == 0) return;

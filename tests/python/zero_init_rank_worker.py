@@ -14,7 +14,7 @@ import torch
 
 import harness
 import strata
-from test_zero_init import Wide
+from test_zero_init import Wide, _staging_file_bytes
 
 STEPS = 3
 
@@ -30,16 +30,12 @@ def pss_mib():
 
 
 def staging_bytes(directory):
-    """The bytes the file system holds for this process's open, unlinked files in `directory`."""
-    total = 0
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            target = os.readlink(f"/proc/self/fd/{fd}")
-        except OSError:
-            continue
-        if target.startswith(directory) and target.endswith("(deleted)"):
-            total += os.fstat(int(fd)).st_blocks * 512
-    return total
+    """The bytes the file system holds for this process's open staging file in `directory`, 0
+    without one."""
+    try:
+        return _staging_file_bytes(directory)
+    except AssertionError:
+        return 0
 
 
 def train(cfg, rank, world, under_init):

@@ -245,6 +245,29 @@ Status SwapStore::StartEngine(const SwapStoreOptions& options) {
   return engine_->SetFiles(std::move(io_files));
 }
 
+namespace {
+
+// An exclusive lock on the swap file `fd`. A process that died holding it releases it only when
+// the kernel tears down its io_uring (registered files keep the file open), which happens
+// asynchronously after exit. A restart right after a crash must not fail on that: this waits up
+// to 3 s for the lock.
+Status LockSwapFile(int fd, const std::string& path) {
+  int lock_rc = -1;
+  for (int attempt = 0; attempt < 150; ++attempt) {
+    lock_rc = flock(fd, LOCK_EX | LOCK_NB);
+    if (lock_rc == 0 || errno != EWOULDBLOCK) break;
+    usleep(20000);
+  }
+  if (lock_rc == 0) return Status::Ok();
+  const int err = errno;
+  if (err == EWOULDBLOCK)
+    return FailedPrecondition(StrCat("swap file ", path, " is in use by another process "
+                                     "(locked); give each rank and job its own rank or path"));
+  return ErrnoToStatus(err, StrCat("locking swap file ", path));
+}
+
+}  // namespace
+
 Status SwapStore::OpenFiles(const SwapStoreOptions& options, bool create, uint64_t per_file) {
   bool all_direct = true;
   for (const auto& dir : options.paths) {
@@ -272,22 +295,7 @@ Status SwapStore::OpenFiles(const SwapStoreOptions& options, bool create, uint64
         return ErrnoToStatus(err, StrCat(create ? "creating" : "opening", " swap file ", f.path));
       }
       files_.push_back(f);  // closed by the destructor from here on
-      // A process that died holding the lock releases it only when the kernel tears down its
-      // io_uring (registered files keep the file open), which happens asynchronously after exit.
-      // A restart right after a crash must not fail on that: wait up to 3 s for the lock.
-      int lock_rc = -1;
-      for (int attempt = 0; attempt < 150; ++attempt) {
-        lock_rc = flock(f.fd, LOCK_EX | LOCK_NB);
-        if (lock_rc == 0 || errno != EWOULDBLOCK) break;
-        usleep(20000);
-      }
-      if (lock_rc != 0) {
-        int err = errno;
-        if (err == EWOULDBLOCK)
-          return FailedPrecondition(StrCat("swap file ", f.path, " is in use by another process "
-                                           "(locked); give each rank and job its own rank or path"));
-        return ErrnoToStatus(err, StrCat("locking swap file ", f.path));
-      }
+      STRATA_RETURN_IF_ERROR(LockSwapFile(f.fd, f.path));
       struct stat st;
       if (fstat(f.fd, &st) != 0) return ErrnoToStatus(errno, StrCat("stat swap file ", f.path));
       if (st.st_nlink > 0) break;

@@ -109,8 +109,7 @@ class StepPlan {
   std::string StateLayoutName() const { return layout().Name(); }
   // The settings that would shrink this layout further, joined by "or" (narrower moments where
   // the optimizer keeps any, a bf16 master where it is fp32); empty for the smallest and for a
-  // client optimizer. The
-  // placement's refusal offers them (PlacementPlan::Inputs::shrink_hint).
+  // client optimizer. The placement's refusal offers them (PlacementPlan::Inputs::shrink_hint).
   std::string ShrinkHint() const;
   // fp16, or EngineOptions::loss_scaling: the loss is scaled and a step with a non-finite
   // gradient is skipped, so no update may start before the step's overflow flag is known.

@@ -177,8 +177,8 @@ TEST(TunerTest, TinyHostBudgetChoosesNvme) {
   all_nvme.zero_optimization.offload_optimizer.device = OffloadDevice::kNvme;
   ASSERT_OK_AND_ASSIGN(MemoryEstimate floor, EstimateMemory(all_nvme, spec));
   TuneOptions o;
-  o.device_budget = floor.hbm_bytes + 1024;
-  o.host_budget = floor.host_min_bytes + 1024;
+  o.device_budget = DeviceBudgetPeak(floor) + 1024;
+  o.host_budget = floor.host_min_bytes + floor.host_pageable_bytes + HostTorchBytes(floor) + 1024;
   ASSERT_LT(o.host_budget, static_cast<uint64_t>(floor.shard_numel) * 16);
   ASSERT_OK_AND_ASSIGN(TuneResult r, Tune(c, spec, SyntheticProfile(0.001), o));
   const Candidate& best = r.candidates.front();
@@ -237,6 +237,115 @@ TEST(TunerTest, AppliedConfigKeepsOtherKeysAndParses) {
   EXPECT_EQ(parsed.zero_optimization.reduce_bucket_size, 50000000);
   EXPECT_EQ(parsed.train_micro_batch_size_per_gpu, 2);
   EXPECT_TRUE(parsed.warnings.empty());
+}
+
+// The sum of what a state placement puts in each tier: its plan's per-tier totals.
+uint64_t TierTotal(const MemoryEstimate& m, const char* tier) {
+  return m.placement.contains(tier) ? m.placement[tier].value("total", uint64_t{0}) : 0;
+}
+
+// The device holds the working shards and about half the optimizer groups, the host the other
+// half, and there is no NVMe: no section as written fits, the per-chunk fill does.
+TEST(TunerTest, AutoPlacementSplitsWhatNoSingleTierHolds) {
+  Config c = TuneConfig();
+  ASSERT_OK_AND_ASSIGN(ModelSpec spec, GptModelSpec(c.model));
+  Config on_device = c;  // everything on the (cpu) device
+  ASSERT_OK_AND_ASSIGN(MemoryEstimate all_dev, EstimateMemory(on_device, spec));
+  Config split = c;  // working shards on the device, optimizer groups on the host
+  split.zero_optimization.offload_optimizer.device = OffloadDevice::kCpu;
+  ASSERT_OK_AND_ASSIGN(MemoryEstimate groups_host, EstimateMemory(split, spec));
+  const uint64_t groups = TierTotal(groups_host, "host");
+  ASSERT_GT(groups, 0u);
+  TuneOptions o;
+  o.nvme_allowed = false;
+  o.device_budget = DeviceBudgetPeak(all_dev) - groups / 2;
+  o.host_budget = groups_host.host_pageable_bytes + HostTorchBytes(groups_host) + groups * 3 / 4;
+  ASSERT_OK_AND_ASSIGN(TuneResult r, Tune(c, spec, SyntheticProfile(1.0), o));
+  for (const Candidate& cand : r.candidates) {
+    if (cand.mode == PlacementMode::kConfig) {
+      EXPECT_FALSE(cand.feasible) << cand.Describe();
+    }
+  }
+  const Candidate& best = r.candidates.front();
+  ASSERT_TRUE(best.feasible) << best.Describe() << ": " << best.why_not;
+  EXPECT_EQ(best.mode, PlacementMode::kAuto);
+  EXPECT_EQ(best.optimizer, OffloadDevice::kCpu);
+  EXPECT_FALSE(best.uses_nvme);
+  // Some optimizer groups on each side, as the budgets force.
+  const auto& dev = best.memory.placement["device"];
+  const auto& host = best.memory.placement["host"];
+  EXPECT_GT(dev.value("exp_avg", uint64_t{0}), 0u) << best.memory.placement.dump();
+  EXPECT_GT(host.value("exp_avg", uint64_t{0}), 0u) << best.memory.placement.dump();
+  EXPECT_EQ(TierTotal(best.memory, "nvme"), 0u);
+  EXPECT_LE(DeviceBudgetPeak(best.memory), o.device_budget);
+  EXPECT_LE(best.memory.host_min_bytes + best.memory.host_pageable_bytes + HostTorchBytes(best.memory),
+            o.host_budget);
+  // The pool the plan was made with, which the written config carries.
+  EXPECT_GE(best.host_pool, TierTotal(best.memory, "host"));
+  EXPECT_LE(best.host_pool, o.host_budget);
+  // Without auto nothing fits, and the search says so rather than failing.
+  o.try_auto = false;
+  ASSERT_OK_AND_ASSIGN(TuneResult config_only, Tune(c, spec, SyntheticProfile(1.0), o));
+  EXPECT_FALSE(config_only.candidates.front().feasible);
+}
+
+// A config the plan refuses is one candidate that does not fit, not the search's error: with the
+// input at placement auto and a host budget that cannot hold the optimizer groups, the search
+// once stopped at its first candidate (everything on the device).
+TEST(TunerTest, ARefusedPlanIsAnInfeasibleCandidateNotAnError) {
+  Config c = TuneConfig();
+  ASSERT_OK_AND_ASSIGN(ModelSpec spec, GptModelSpec(c.model));
+  Config split = c;
+  split.zero_optimization.offload_optimizer.device = OffloadDevice::kCpu;
+  ASSERT_OK_AND_ASSIGN(MemoryEstimate groups_host, EstimateMemory(split, spec));
+  c.strata.placement = PlacementMode::kAuto;
+  c.strata.host_memory_budget = TierTotal(groups_host, "host") / 4 / 4096 * 4096;
+  TuneOptions o;
+  o.device_budget = TierTotal(groups_host, "device") + (8u << 20);
+  o.host_budget = 1ull << 30;
+  o.disk_free = 64ull << 30;
+  ASSERT_OK_AND_ASSIGN(TuneResult r, Tune(c, spec, SyntheticProfile(2.0), o));
+  size_t refused = 0;
+  for (const Candidate& cand : r.candidates) {
+    if (cand.planned) continue;
+    ++refused;
+    EXPECT_FALSE(cand.feasible);
+    EXPECT_FALSE(cand.why_not.empty()) << cand.Describe();
+  }
+  EXPECT_GT(refused, 0u);
+  const Candidate& best = r.candidates.front();
+  ASSERT_TRUE(best.feasible) << best.Describe() << ": " << best.why_not;
+  EXPECT_GT(best.prediction.step_s, 0);
+}
+
+TEST(TunerTest, AppliedCandidateNamesItsPlacementMode) {
+  Candidate automatic;
+  automatic.mode = PlacementMode::kAuto;
+  automatic.param = OffloadDevice::kNvme;
+  automatic.optimizer = OffloadDevice::kNvme;
+  automatic.uses_nvme = true;
+  automatic.aio = {false, 1 << 20, 16, 1, 1.0};
+  nlohmann::json plain = {{"zero_optimization", {{"stage", 3}}}};
+  ApplyCandidate(automatic, "/var/tmp/x", &plain);
+  EXPECT_EQ(plain["strata"]["placement"], "auto");
+  EXPECT_EQ(plain["zero_optimization"]["offload_param"]["device"], "nvme");
+  EXPECT_EQ(plain["zero_optimization"]["offload_optimizer"]["nvme_path"], "/var/tmp/x");
+  EXPECT_EQ(automatic.Describe(), "auto param>=nvme optimizer>=nvme aio=1.00 MiBxQD16x1");
+  // A config candidate on an input that asked for auto must say config: the engine would
+  // otherwise re-plan the chunks it was predicted for.
+  Candidate written;
+  written.optimizer = OffloadDevice::kCpu;
+  nlohmann::json was_auto = {{"zero_optimization", {{"stage", 2}}}, {"strata", {{"placement", "auto"}}}};
+  ApplyCandidate(written, "", &was_auto);
+  EXPECT_EQ(was_auto["strata"]["placement"], "config");
+  nlohmann::json unset = {{"zero_optimization", {{"stage", 2}}}};
+  ApplyCandidate(written, "", &unset);
+  EXPECT_FALSE(unset.contains("strata")) << unset.dump();
+  Config parsed;
+  parsed.strata.placement = PlacementMode::kAuto;
+  ApplyCandidate(written, &parsed);
+  EXPECT_EQ(parsed.strata.placement, PlacementMode::kConfig);
+  EXPECT_EQ(parsed.zero_optimization.offload_optimizer.device, OffloadDevice::kCpu);
 }
 
 TEST(ProfileTest, RoundTripsAndNamesBadKeys) {

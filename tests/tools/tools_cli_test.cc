@@ -1,10 +1,14 @@
 // The planner CLIs end to end: exit codes and messages for bad arguments, strata-estimate's JSON
 // keys, strata-tune writing a config that parses, from a synthetic profile.
 
+#include <sys/stat.h>
+
 #include <cstdio>
 #include <fstream>
 #include <map>
+#include <sstream>
 #include <string>
+#include <vector>
 
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
@@ -209,6 +213,62 @@ TEST(TuneCliTest, VerifyReportsEveryLane) {
   // persistent chunks) once made this small model's compute read 0 on a loaded machine.
   EXPECT_GT(lanes["compute"]["measured_s"].get<double>(), 0);
   EXPECT_EQ(lanes["comm"]["predicted_s"].get<double>(), 0);  // one rank
+}
+
+// A config at strata.placement auto whose host budget holds a third of the optimizer groups:
+// every section as written is refused or spills wholly to NVMe; the per-chunk fill splits the
+// groups between device, host and NVMe, wins, and the engine that --verify starts makes the
+// same plan, line for line. (The search once stopped at its first candidate with the plan's
+// refusal.)
+TEST(TuneCliTest, AutoPlacementIsSearchedAndTheEngineMakesTheSamePlan) {
+  testing::TempDir dir;
+  Write(dir.path() + "/c.json", R"({
+    "train_micro_batch_size_per_gpu": 2,
+    "bf16": {"enabled": true},
+    "zero_optimization": {"stage": 3},
+    "strata": {"chunk_size": "64KiB", "device": "cpu", "placement": "auto", "host_memory_budget": "6MiB"},
+    "model": {"n_layers": 4, "d_model": 128, "n_heads": 4, "seq_len": 32, "vocab_size": 128}
+  })");
+  Write(dir.path() + "/p.json", Profile(1.0));
+  ASSERT_EQ(::mkdir((dir.path() + "/nv").c_str(), 0755), 0);
+  const std::string out = dir.path() + "/tuned.json";
+  const std::string base = std::string(STRATA_TUNE_BIN) + " --config " + dir.path() + "/c.json --profile " +
+                           dir.path() + "/p.json --no-calibrate --device-budget 4MiB --nvme-path " + dir.path() +
+                           "/nv --top 20";
+  Result r = Exec(base + " --out " + out + " --verify --verify-steps 2");
+  ASSERT_EQ(r.rc, 0) << r.out;
+  EXPECT_NE(r.out.find("chose auto param>=nvme optimizer>=nvme"), std::string::npos) << r.out;
+  // Sections as written that the plan refuses are listed as not fitting, with the reason.
+  EXPECT_NE(r.out.find("param=none optimizer=cpu"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("cannot hold"), std::string::npos) << r.out;
+  // The tuner's plan and the engine's, tier by tier.
+  std::vector<std::string> tuned_lines, engine_lines;
+  std::istringstream lines(r.out);
+  const std::string tag = "placement (auto) ";
+  for (std::string line; std::getline(lines, line);) {
+    const size_t at = line.find(tag);
+    if (at == 0) tuned_lines.push_back(line.substr(tag.size()));
+    else if (at != std::string::npos && line.find("engine_init.cc") != std::string::npos)
+      engine_lines.push_back(line.substr(at + tag.size()));
+  }
+  ASSERT_EQ(tuned_lines.size(), 3u) << r.out;  // device, host and NVMe all hold state
+  EXPECT_EQ(tuned_lines, engine_lines) << r.out;
+  ASSERT_OK_AND_ASSIGN(Config c, Config::FromFile(out));
+  EXPECT_EQ(c.strata.placement, PlacementMode::kAuto);
+  EXPECT_EQ(c.zero_optimization.offload_optimizer.device, OffloadDevice::kNvme);
+  EXPECT_GT(c.strata.device_reserve, 0u);
+  EXPECT_EQ(c.strata.device_memory_budget, 4u << 20);
+  // Sections as written only: the optimizer goes wholly to NVMe, and the config written from an
+  // input at auto says config, or the engine would re-plan what was predicted.
+  r = Exec(base + " --placement config --out " + out);
+  ASSERT_EQ(r.rc, 0) << r.out;
+  EXPECT_NE(r.out.find("chose param="), std::string::npos) << r.out;
+  ASSERT_OK_AND_ASSIGN(c, Config::FromFile(out));
+  EXPECT_EQ(c.strata.placement, PlacementMode::kConfig);
+  EXPECT_EQ(c.zero_optimization.offload_optimizer.device, OffloadDevice::kNvme);
+  r = Exec(base + " --placement sideways --dry-run");
+  EXPECT_EQ(r.rc, 2) << r.out;
+  EXPECT_NE(r.out.find("--placement=sideways"), std::string::npos) << r.out;
 }
 
 // Several ranks: the collectives' bandwidth comes from --comm-gbps or the profile's comm section.

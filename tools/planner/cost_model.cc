@@ -10,6 +10,7 @@
 #include <nlohmann/json.hpp>
 
 #include "runtime/base/units.h"
+#include "runtime/state/placement_plan.h"
 
 namespace strata::planner {
 
@@ -194,8 +195,11 @@ StatusOr<StepPrediction> PredictStep(const Config& config, const ModelSpec& mode
 }
 
 std::string Candidate::Describe() const {
-  std::string s = StrCat("param=", OffloadName(param), " optimizer=", OffloadName(optimizer));
-  if (uses_nvme)
+  const bool automatic = mode == PlacementMode::kAuto;
+  const char* rel = automatic ? ">=" : "=";
+  std::string s = StrCat(automatic ? "auto " : "", "param", rel, OffloadName(param), " optimizer", rel,
+                         OffloadName(optimizer));
+  if (uses_nvme && aio.block_size > 0)
     s += StrCat(" aio=", FormatBytes(static_cast<uint64_t>(aio.block_size)), "xQD", aio.queue_depth, "x",
                 aio.parallelism);
   return s;
@@ -221,16 +225,40 @@ void SetBudgets(const Config& config, const TuneOptions& o, TuneResult* res) {
   res->nvme_budget = o.nvme_budget ? o.nvme_budget : config.strata.nvme_capacity;
 }
 
-// Why a placement does not fit the budgets, or "" when it does.
+// Why a placement does not fit the budgets, or "" when it does. The device budget bounds what
+// the engine's does (DeviceBudgetPeak: on the CPU device LibTorch's activations are host
+// memory, counted against the host budget), as strata-estimate --largest counts.
 std::string WhyNot(const MemoryEstimate& mem, const TuneResult& res) {
-  if (res.device_budget && mem.hbm_bytes > res.device_budget)
-    return StrCat("device ", FormatBytes(mem.hbm_bytes), " > budget ", FormatBytes(res.device_budget));
-  if (mem.host_min_bytes + mem.host_pageable_bytes > res.host_budget)
-    return StrCat("host ", FormatBytes(mem.host_min_bytes + mem.host_pageable_bytes),
-                  " > budget ", FormatBytes(res.host_budget));
+  if (res.device_budget && DeviceBudgetPeak(mem) > res.device_budget)
+    return StrCat("device ", FormatBytes(DeviceBudgetPeak(mem)), " > budget ", FormatBytes(res.device_budget));
+  const uint64_t host = mem.host_min_bytes + mem.host_pageable_bytes + HostTorchBytes(mem);
+  if (host > res.host_budget)
+    return StrCat("host ", FormatBytes(host), " > budget ", FormatBytes(res.host_budget));
   if (res.nvme_budget && mem.nvme_bytes > res.nvme_budget)
     return StrCat("nvme ", FormatBytes(mem.nvme_bytes), " > budget ", FormatBytes(res.nvme_budget));
   return "";
+}
+
+// An auto candidate's estimate, its tiers holding the tuner's budgets (Note [tuning auto
+// placement]); sets them in *c, which then is the config the prediction reads.
+StatusOr<MemoryEstimate> EstimateAutoCandidate(const TuneResult& res, uint64_t disk_free,
+                                               const ModelSpec& model, const EstimateOptions& eo,
+                                               Config* c) {
+  if (res.device_budget) c->strata.device_memory_budget = res.device_budget;
+  constexpr uint64_t kGiB = 1ull << 30;
+  c->strata.nvme_capacity = res.nvme_budget     ? res.nvme_budget
+                            : disk_free > kGiB ? disk_free - kGiB
+                            : disk_free        ? 0
+                                               : uint64_t{1} << 60;  // unknown: unlimited
+  c->strata.host_memory_budget = res.host_budget;
+  StatusOr<MemoryEstimate> mem = EstimateAutoReserve(*c, model, eo);
+  // The pool holds the plan's host share; what the run needs beside it comes off the budget.
+  const auto beside = [](const MemoryEstimate& m) { return m.host_pageable_bytes + HostTorchBytes(m); };
+  if (mem.ok() && mem->host_min_bytes + beside(*mem) > res.host_budget && beside(*mem) < res.host_budget) {
+    c->strata.host_memory_budget = res.host_budget - beside(*mem);
+    mem = EstimateAutoReserve(*c, model, eo);
+  }
+  return mem;
 }
 
 // Feasible first; then faster; near-ties (1 %) go to less NVMe traffic, then less host memory.
@@ -286,51 +314,96 @@ StatusOr<TuneResult> Tune(const Config& config, const ModelSpec& model, const Ha
   if (!o.nvme_allowed) res.assumptions.push_back("NVMe placements skipped: no nvme_path (pass --nvme-path)");
   else if (aios.empty()) res.assumptions.push_back("NVMe placements skipped: the profile has no NVMe points");
 
-  std::vector<OffloadDevice> params = {OffloadDevice::kNone};
-  if (config.zero_optimization.stage == 3) params = {OffloadDevice::kNone, OffloadDevice::kCpu, OffloadDevice::kNvme};
-  std::vector<OffloadDevice> optims = {OffloadDevice::kCpu, OffloadDevice::kNvme};
-  // Device-resident optimizer states only on the CPU device: the cost model has no rate for the
-  // GPU Adam (adam_gelems is the CPU Adam's).
-  if (cpu) optims.insert(optims.begin(), OffloadDevice::kNone);
+  const bool stage3 = config.zero_optimization.stage == 3;
+  // (mode, param floor or device, optimizer floor or device) to try.
+  std::vector<std::tuple<PlacementMode, OffloadDevice, OffloadDevice>> shapes;
+  if (o.try_config) {
+    std::vector<OffloadDevice> params = {OffloadDevice::kNone};
+    if (stage3) params = {OffloadDevice::kNone, OffloadDevice::kCpu, OffloadDevice::kNvme};
+    std::vector<OffloadDevice> optims = {OffloadDevice::kCpu, OffloadDevice::kNvme};
+    // Device-resident optimizer states only on the CPU device: the cost model has no rate for the
+    // GPU Adam (adam_gelems is the CPU Adam's).
+    if (cpu) optims.insert(optims.begin(), OffloadDevice::kNone);
+    for (OffloadDevice pd : params)
+      for (OffloadDevice od : optims)
+        // The engine refuses offloaded parameters with the optimizer on the device.
+        if (od != OffloadDevice::kNone || pd == OffloadDevice::kNone)
+          shapes.emplace_back(PlacementMode::kConfig, pd, od);
+  }
+  // Note [tuning auto placement]
+  // Under strata.placement auto the sections' devices are floors and the plan fills the tiers from
+  // the top, so one candidate per set of floors covers every split of the chunks between tiers:
+  // the lowest floors give the plan the most room, and a higher one only narrows it. Two are
+  // tried: floors at the host (NVMe unused) and, where NVMe is allowed, floors at NVMe with each
+  // measured aio setting. The tiers hold the tuner's budgets: the device budget (less the
+  // replay's compute working set, EstimateAutoReserve), the host budget less the pageable memory
+  // the run needs beside the pool, and the NVMe budget (else the free disk at the path, less the
+  // 1 GiB the engine leaves). A GPU without a device budget has no capacity to fill: auto is
+  // skipped there, and says so.
+  const bool auto_ok = o.try_auto && (res.device_budget > 0 || cpu);
+  if (o.try_auto && !auto_ok)
+    res.assumptions.push_back("strata.placement auto skipped: it fills the device up to a budget; pass "
+                              "--device-budget (the GPU's memory) to try it");
+  if (auto_ok) {
+    const OffloadDevice host_floor = stage3 ? OffloadDevice::kCpu : OffloadDevice::kNone;
+    shapes.emplace_back(PlacementMode::kAuto, host_floor, OffloadDevice::kCpu);
+    if (nvme_ok)
+      shapes.emplace_back(PlacementMode::kAuto, stage3 ? OffloadDevice::kNvme : OffloadDevice::kNone,
+                          OffloadDevice::kNvme);
+  }
 
-  for (OffloadDevice pd : params) {
-    for (OffloadDevice od : optims) {
-      // The engine refuses offloaded parameters with the optimizer on the device.
-      if (od == OffloadDevice::kNone && pd != OffloadDevice::kNone) continue;
-      const bool nv = pd == OffloadDevice::kNvme || od == OffloadDevice::kNvme;
-      if (nv && !nvme_ok) continue;
-      Config c = config;
-      c.zero_optimization.offload_param.device = pd;
-      c.zero_optimization.offload_optimizer.device = od;
-      EstimateOptions eo;
-      eo.world_size = o.world_size;
-      eo.device = o.device;
-      STRATA_ASSIGN_OR_RETURN(MemoryEstimate mem, EstimateMemory(c, model, eo));
-      std::vector<NvmePoint> settings = nv ? aios : std::vector<NvmePoint>{NvmePoint{}};
-      for (const NvmePoint& a : settings) {
-        Candidate cand;
-        cand.param = pd;
-        cand.optimizer = od;
-        cand.uses_nvme = nv;
-        cand.aio = a;
-        cand.memory = mem;
-        Rates r = base;
-        if (nv) {
-          c.aio.block_size = a.block_size;
-          c.aio.queue_depth = a.queue_depth;
-          c.aio.intra_op_parallelism = a.parallelism;
-          r.nvme_read_gbps = a.gbps;
-          auto w = profile.NvmeGbps(true, a.block_size, a.queue_depth, a.parallelism);
-          r.nvme_write_gbps = w.ok() ? *w : best_write;
-          if (r.nvme_write_gbps <= 0) r.nvme_write_gbps = a.gbps;
-        }
-        STRATA_ASSIGN_OR_RETURN(cand.prediction, PredictStep(c, model, mem, r, o.device, o.world_size));
-        cand.why_not = WhyNot(mem, res);
-        cand.feasible = cand.why_not.empty();
-        res.candidates.push_back(std::move(cand));
+  EstimateOptions eo;
+  eo.world_size = o.world_size;
+  eo.device = o.device;
+  for (const auto& [mode, pd, od] : shapes) {
+    const bool nv = pd == OffloadDevice::kNvme || od == OffloadDevice::kNvme;
+    if (nv && !nvme_ok) continue;
+    Candidate shape;
+    shape.mode = mode;
+    shape.param = pd;
+    shape.optimizer = od;
+    shape.uses_nvme = nv;
+    Config c = config;
+    ApplyCandidate(shape, &c);
+    eo.assume_nvme_path = nv;  // the written config gets the path (ApplyCandidate's JSON form)
+    StatusOr<MemoryEstimate> mem = mode == PlacementMode::kAuto
+                                       ? EstimateAutoCandidate(res, o.disk_free, model, eo, &c)
+                                       : EstimateMemory(c, model, eo);
+    if (!mem.ok()) {
+      shape.planned = false;
+      shape.why_not = std::string(mem.status().message());
+      res.candidates.push_back(std::move(shape));
+      continue;
+    }
+    std::vector<NvmePoint> settings = nv ? aios : std::vector<NvmePoint>{NvmePoint{}};
+    for (const NvmePoint& a : settings) {
+      Candidate cand = shape;
+      if (mode == PlacementMode::kAuto) cand.host_pool = c.strata.host_memory_budget;
+      cand.aio = a;
+      cand.memory = *mem;
+      Rates r = base;
+      if (nv) {
+        c.aio.block_size = a.block_size;
+        c.aio.queue_depth = a.queue_depth;
+        c.aio.intra_op_parallelism = a.parallelism;
+        r.nvme_read_gbps = a.gbps;
+        auto w = profile.NvmeGbps(true, a.block_size, a.queue_depth, a.parallelism);
+        r.nvme_write_gbps = w.ok() ? *w : best_write;
+        if (r.nvme_write_gbps <= 0) r.nvme_write_gbps = a.gbps;
       }
+      STRATA_ASSIGN_OR_RETURN(cand.prediction, PredictStep(c, model, *mem, r, o.device, o.world_size));
+      cand.why_not = WhyNot(*mem, res);
+      cand.feasible = cand.why_not.empty();
+      res.candidates.push_back(std::move(cand));
     }
   }
+  // One refusal for every shape is the input's fault, not a placement's: said as an error.
+  const bool none_planned = std::none_of(res.candidates.begin(), res.candidates.end(),
+                                         [](const Candidate& c) { return c.planned; });
+  if (!res.candidates.empty() && none_planned &&
+      std::all_of(res.candidates.begin(), res.candidates.end(),
+                  [&](const Candidate& c) { return c.why_not == res.candidates.front().why_not; }))
+    return InvalidArgument(res.candidates.front().why_not);
   RankCandidates(&res.candidates);
   return res;
 }
@@ -346,6 +419,15 @@ void ApplyCandidate(const Candidate& c, const std::string& nvme_path, nlohmann::
   };
   if (z.value("stage", 0) == 3 || c.param != OffloadDevice::kNone) set("offload_param", c.param);
   set("offload_optimizer", c.optimizer);
+  // The mode the candidate was predicted under; an input's "auto" would otherwise re-plan a
+  // config candidate at start.
+  const bool has_mode = cfg->contains("strata") && (*cfg)["strata"].is_object() &&
+                        (*cfg)["strata"].contains("placement");
+  if (c.mode == PlacementMode::kAuto || has_mode) (*cfg)["strata"]["placement"] = PlacementModeName(c.mode);
+  // The compute room the plan left on the device (EstimateAutoReserve's replay), which the
+  // engine alone would otherwise take as a quarter of the device.
+  if (c.mode == PlacementMode::kAuto && c.memory.device_reserve)
+    (*cfg)["strata"]["device_reserve"] = c.memory.device_reserve;
   if (c.uses_nvme) {
     nlohmann::json& a = (*cfg)["aio"];
     a["block_size"] = c.aio.block_size;
@@ -353,6 +435,20 @@ void ApplyCandidate(const Candidate& c, const std::string& nvme_path, nlohmann::
     // DeepSpeed's old spelling would make the config carry two keys for one knob.
     a.erase("thread_count");
     a["intra_op_parallelism"] = c.aio.parallelism;
+  }
+}
+
+void ApplyCandidate(const Candidate& c, Config* config) {
+  auto& z = config->zero_optimization;
+  z.offload_param.device = c.param;
+  z.offload_optimizer.device = c.optimizer;
+  config->strata.placement = c.mode;
+  if (c.mode == PlacementMode::kAuto && c.memory.device_reserve)
+    config->strata.device_reserve = c.memory.device_reserve;
+  if (c.uses_nvme) {
+    config->aio.block_size = c.aio.block_size;
+    config->aio.queue_depth = c.aio.queue_depth;
+    config->aio.intra_op_parallelism = c.aio.parallelism;
   }
 }
 

@@ -93,18 +93,33 @@ struct TuneOptions {
   double gflops_override = 0;
   std::string gflops_source = "--gflops";  // what set gflops_override, for the assumption line
   double comm_gbps_override = 0;  // bus bandwidth for world_size > 1; 0: the profile's "comm"
+  // Which placement modes to search (Note [tuning auto placement] in cost_model.cc): the
+  // sections' devices as written (strata.placement config), the per-chunk fill (auto), or both.
+  bool try_config = true, try_auto = true;
+  // Auto candidates with no nvme_budget: the free disk at the NVMe path (0: unknown, then NVMe
+  // is unlimited there too).
+  uint64_t disk_free = 0;
 };
 
 struct Candidate {
+  // kConfig: each state kind in its section's device. kAuto: the sections' devices are floors
+  // and the placement plan fills device, host and NVMe per chunk under the budgets.
+  PlacementMode mode = PlacementMode::kConfig;
   OffloadDevice param = OffloadDevice::kNone;      // stage 3 only
   OffloadDevice optimizer = OffloadDevice::kCpu;
-  bool uses_nvme = false;
+  bool uses_nvme = false;                          // NVMe may be used (a section's device is nvme)
   NvmePoint aio;                                   // meaningful when uses_nvme
+  bool planned = true;  // false: the placement plan refused it (why_not says why; no figures)
+  // kAuto: the host tier's capacity the plan was made with (the host budget less the memory the
+  // run needs beside the pool), which strata.host_memory_budget must say for the engine to make
+  // the same plan.
+  uint64_t host_pool = 0;
   MemoryEstimate memory;
   StepPrediction prediction;
   bool feasible = false;
   std::string why_not;                             // when !feasible: the budget it breaks
-  std::string Describe() const;                    // "param=cpu optimizer=nvme aio=8MiBxQD32x1"
+  // "param=cpu optimizer=nvme aio=8MiBxQD32x1"; "auto param>=nvme optimizer>=nvme ..." for kAuto.
+  std::string Describe() const;
 };
 
 struct TuneResult {
@@ -113,16 +128,23 @@ struct TuneResult {
   std::vector<std::string> assumptions;
 };
 
-// Enumerates placements (offload_param x offload_optimizer devices, and for NVMe every measured
-// aio setting), estimates memory and step time for each, and ranks them. Fails when the model is
-// not a GPT or the profile lacks a figure every candidate needs.
+// Enumerates placements (offload_param x offload_optimizer devices as written, the per-chunk
+// auto fill over the lowest floors, and for NVMe every measured aio setting), estimates memory
+// and step time for each, and ranks them. A placement the plan refuses is an infeasible
+// candidate, not an error. Fails when the model is not a GPT or the profile lacks a figure every
+// candidate needs.
 StatusOr<TuneResult> Tune(const Config& config, const ModelSpec& model, const HardwareProfile& profile,
                           const TuneOptions& options);
 
 // Applies a candidate to a config JSON in place, touching only the keys it decides:
 // zero_optimization.offload_param.device / offload_optimizer.device (+ nvme_path when NVMe is
-// chosen and none is set) and, with NVMe, aio.block_size / queue_depth / intra_op_parallelism.
+// chosen and none is set), strata.placement ("auto" for an auto candidate; "config" where the
+// input names a mode and the candidate is not auto), an auto candidate's strata.device_reserve
+// (the compute room its plan left) and, with NVMe, aio.block_size / queue_depth /
+// intra_op_parallelism.
 void ApplyCandidate(const Candidate& c, const std::string& nvme_path, nlohmann::json* config);
+// The same keys on a parsed Config (what --verify runs and what Tune estimates).
+void ApplyCandidate(const Candidate& c, Config* config);
 
 const char* OffloadName(OffloadDevice d);  // "none", "cpu", "nvme"
 

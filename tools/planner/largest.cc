@@ -11,8 +11,7 @@ std::string Overflows(const MemoryEstimate& est, const LargestOptions& o) {
   if (device > o.device_bytes)
     return StrCat("device peak ", FormatBytes(device), " > ", FormatBytes(o.device_bytes));
   // On the CPU device the activations are host memory too.
-  const uint64_t host = est.host_pinned_bytes + est.host_pageable_bytes +
-                        (est.device == "cpu" ? est.hbm_bytes - est.engine_device_peak_bytes : 0);
+  const uint64_t host = est.host_pinned_bytes + est.host_pageable_bytes + HostTorchBytes(est);
   if (host > o.host_bytes) return StrCat("host ", FormatBytes(host), " > ", FormatBytes(o.host_bytes));
   if (est.nvme_bytes > o.disk_bytes)
     return StrCat("nvme ", FormatBytes(est.nvme_bytes), " > ", FormatBytes(o.disk_bytes));

@@ -513,6 +513,10 @@ uint64_t DeviceBudgetPeak(const MemoryEstimate& est) {
   return est.device == "cpu" ? est.engine_device_peak_bytes : est.hbm_bytes;
 }
 
+uint64_t HostTorchBytes(const MemoryEstimate& est) {
+  return est.device == "cpu" ? est.hbm_bytes - est.engine_device_peak_bytes : 0;
+}
+
 StatusOr<MemoryEstimate> EstimateAutoReserve(const Config& config, const ModelSpec& model,
                                              const EstimateOptions& options) {
   if (config.strata.placement != PlacementMode::kAuto || config.strata.device_reserve != 0)

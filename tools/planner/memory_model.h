@@ -127,6 +127,9 @@ StatusOr<MemoryEstimate> EstimateMemory(const Config& config, const ModelSpec& m
 // (LibTorch's activations live in host memory there, outside the budget), on a GPU everything
 // on it (hbm_bytes: activations included).
 uint64_t DeviceBudgetPeak(const MemoryEstimate& est);
+// What of hbm_bytes is host memory outside every budget: on the CPU device LibTorch's activations
+// and block gradients (hbm_bytes less the engine's peak), on a GPU nothing.
+uint64_t HostTorchBytes(const MemoryEstimate& est);
 
 StatusOr<MemoryEstimate> EstimateAutoReserve(const Config& config, const ModelSpec& model,
                                              const EstimateOptions& options = {});

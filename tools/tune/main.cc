@@ -19,6 +19,7 @@
 #include "runtime/base/config.h"
 #include "runtime/base/host_info.h"
 #include "runtime/base/units.h"
+#include "runtime/state/placement_plan.h"
 #include "tools/planner/cli_util.h"
 #include "tools/planner/cost_model.h"
 #include "tools/tune/calibrate.h"
@@ -98,6 +99,8 @@ nlohmann::json RankingJson(const TuneResult& res, size_t top) {
   for (size_t i = 0; i < res.candidates.size() && i < top; ++i) {
     const Candidate& c = res.candidates[i];
     cands.push_back({{"placement", c.Describe()},
+                     {"mode", PlacementModeName(c.mode)},
+                     {"planned", c.planned},
                      {"feasible", c.feasible},
                      {"why_not", c.why_not},
                      {"predicted", c.prediction.ToJson()},
@@ -108,12 +111,23 @@ nlohmann::json RankingJson(const TuneResult& res, size_t top) {
   return cands;
 }
 
+// A refusal's first clause: the table keeps one line per candidate (PrintInfeasible and the
+// JSON carry the whole text).
+std::string FirstClause(const std::string& why) {
+  const size_t cut = why.find(';');
+  return cut == std::string::npos ? why : why.substr(0, cut);
+}
+
 void PrintRanking(const TuneResult& res, size_t top) {
-  std::printf("%-3s %-44s %10s %9s %9s %9s %9s %9s %10s %10s %10s\n", "#", "placement", "step_s",
+  std::printf("%-3s %-52s %10s %9s %9s %9s %9s %9s %10s %10s %10s\n", "#", "placement", "step_s",
               "compute", "copy", "nvme", "adam", "comm", "hbm", "host", "nvme_B");
   for (size_t i = 0; i < res.candidates.size() && i < top; ++i) {
     const Candidate& c = res.candidates[i];
-    std::printf("%-3zu %-44s %10.4f %9.4f %9.4f %9.4f %9.4f %9.4f %10s %10s %10s %s\n", i + 1,
+    if (!c.planned) {
+      std::printf("%-3zu %-52s %10s (%s)\n", i + 1, c.Describe().c_str(), "-", FirstClause(c.why_not).c_str());
+      continue;
+    }
+    std::printf("%-3zu %-52s %10.4f %9.4f %9.4f %9.4f %9.4f %9.4f %10s %10s %10s %s\n", i + 1,
                 c.Describe().c_str(), c.prediction.step_s, c.prediction.compute_s, c.prediction.copy_s,
                 c.prediction.nvme_s, c.prediction.optimizer_s, c.prediction.comm_s,
                 FormatBytes(c.memory.hbm_bytes).c_str(),
@@ -135,13 +149,10 @@ int Verify(const Config& config, const TuneOptions& to, const Candidate& best,
   Config chosen = config;
   if (to.host_budget) chosen.strata.host_memory_budget = to.host_budget;
   if (to.device_budget) chosen.strata.device_memory_budget = to.device_budget;
-  chosen.zero_optimization.offload_param.device = best.param;
-  chosen.zero_optimization.offload_optimizer.device = best.optimizer;
-  if (best.uses_nvme) {
-    chosen.aio.block_size = best.aio.block_size;
-    chosen.aio.queue_depth = best.aio.queue_depth;
-    chosen.aio.intra_op_parallelism = best.aio.parallelism;
-  }
+  if (to.nvme_budget) chosen.strata.nvme_capacity = to.nvme_budget;
+  ApplyCandidate(best, &chosen);
+  if (best.mode == PlacementMode::kAuto && (to.host_budget || config.strata.host_memory_budget))
+    chosen.strata.host_memory_budget = best.host_pool;
   auto v = tune::VerifyConfig(chosen, to.device, best.uses_nvme ? nvme_path : "", steps);
   if (!v.ok()) {
     std::cerr << "strata-tune: --verify: " << v.status().message() << "\n";
@@ -177,6 +188,7 @@ int Verify(const Config& config, const TuneOptions& to, const Candidate& best,
 struct Args {
   std::string config_path, profile_path, out_path, device = "", world_s = "1", top_s = "5";
   std::string dev_budget, host_budget, nvme_budget, nvme_path, gflops_s, comm_s, steps_s = "4";
+  std::string placement = "both";
   bool json = false, verify = false, dry_run = false, no_calibrate = false;
 };
 
@@ -191,6 +203,10 @@ void AddOptions(CLI::App* app, Args* a) {
   app->add_option("--nvme-budget", a->nvme_budget, "NVMe bytes per rank (default: strata.nvme_capacity, else unlimited)");
   app->add_option("--nvme-path", a->nvme_path, "NVMe directory for candidates that use NVMe (default: the config's, "
                                            "else the profile's)");
+  app->add_option("--placement", a->placement,
+                  "placement modes to search: config (each state kind wholly in its section's device), "
+                  "auto (strata.placement auto: the sections' devices are floors and each chunk's "
+                  "state fills device, host and NVMe under the budgets), or both (default)");
   app->add_option("--gflops", a->gflops_s, "compute rate to assume instead of the profile's compute.gflops "
                                        "(turns calibration off)");
   app->add_option("--comm-gbps", a->comm_s, "collectives' bus bandwidth (GB/s) for --world-size > 1, instead "
@@ -246,6 +262,11 @@ StatusOr<TuneOptions> MakeTuneOptions(Args* a, const Config& config, const Hardw
     else a->nvme_path = profile.nvme_path;
   }
   to.nvme_allowed = !a->nvme_path.empty();
+  if (to.nvme_allowed) to.disk_free = FreeDiskBytes(a->nvme_path);
+  if (a->placement != "both" && a->placement != "config" && a->placement != "auto")
+    return InvalidArgument(StrCat("--placement=", a->placement, ": must be config, auto or both"));
+  to.try_config = a->placement != "auto";
+  to.try_auto = a->placement != "config";
   return to;
 }
 
@@ -254,7 +275,8 @@ StatusOr<TuneOptions> MakeTuneOptions(Args* a, const Config& config, const Hardw
 int main(int argc, char** argv) {
   CLI::App app{
       "strata-tune: searches the placement of parameters and optimizer states over device memory, "
-      "host memory and NVMe (zero_optimization.offload_param / offload_optimizer devices, aio "
+      "host memory and NVMe (zero_optimization.offload_param / offload_optimizer devices as written, "
+      "and strata.placement auto, which fills each chunk's state into the tiers under the budgets; aio "
       "block_size / queue_depth / intra_op_parallelism) with a cost model of the step's lanes "
       "(compute from FLOPs and the measured FLOP rate, NVMe bytes / NVMe bandwidth at each measured "
       "aio setting, host<->device bytes / copy bandwidth, Adam elements / Adam throughput), keeps the "
@@ -320,6 +342,12 @@ int main(int argc, char** argv) {
   // Budgets given here bind the engine too: its pinned pool and device allocator read them.
   if (to.host_budget) tuned["strata"]["host_memory_budget"] = to.host_budget;
   if (to.device_budget) tuned["strata"]["device_memory_budget"] = to.device_budget;
+  if (to.nvme_budget) tuned["strata"]["nvme_capacity"] = to.nvme_budget;
+  // An auto plan was made with the host budget less the run's pageable memory as its host tier:
+  // the engine plans with the same pool. Without a budget (half of RAM assumed) the engine
+  // measures the host at start, which only leaves more to it.
+  if (best.mode == PlacementMode::kAuto && (to.host_budget || config->strata.host_memory_budget))
+    tuned["strata"]["host_memory_budget"] = best.host_pool;
   if (a.out_path.empty()) a.out_path = DefaultOut(a.config_path);
 
   nlohmann::json report = {{"host", host},
@@ -338,6 +366,11 @@ int main(int argc, char** argv) {
     if (!check.ok()) return fail(check.status().WithContext("the tuned config does not parse (a bug)"), 1);
     if (!a.json) std::printf("chose %s; wrote %s\n", best.Describe().c_str(), a.out_path.c_str());
   }
+  // The chosen plan, tier by tier, as the engine logs it at start.
+  if (!a.json)
+    for (const auto& line : best.memory.placement_lines)
+      std::printf("placement (%s) %s\n", PlacementModeName(best.mode), line.c_str());
+  report["chosen_placement"] = best.memory.placement;
   const int rc = a.verify ? Verify(*config, to, best, a.nvme_path, static_cast<int>(*steps), a.json, &report)
                         : 0;
   if (a.json) std::cout << report.dump(2) << "\n";

@@ -348,6 +348,81 @@ TEST(TunerTest, AppliedCandidateNamesItsPlacementMode) {
   EXPECT_EQ(parsed.zero_optimization.offload_optimizer.device, OffloadDevice::kCpu);
 }
 
+// A layout other than the config's changes the numerics: searched only when asked, and then
+// the smaller state fits where the config's does not.
+TEST(TunerTest, LayoutsAreSearchedOnlyWhenAsked) {
+  Config c = TuneConfig();
+  ASSERT_OK_AND_ASSIGN(ModelSpec spec, GptModelSpec(c.model));
+  Config split = c;
+  split.zero_optimization.offload_optimizer.device = OffloadDevice::kCpu;
+  ASSERT_OK_AND_ASSIGN(MemoryEstimate groups_host, EstimateMemory(split, spec));
+  TuneOptions o;
+  o.nvme_allowed = false;
+  o.device_budget = DeviceBudgetPeak(groups_host) + (64u << 10);
+  // Half the fp32 optimizer groups: the 6-byte layout's fit, the 18-byte one's do not.
+  o.host_budget =
+      groups_host.host_pageable_bytes + HostTorchBytes(groups_host) + TierTotal(groups_host, "host") / 2;
+  ASSERT_OK_AND_ASSIGN(TuneResult own, Tune(c, spec, SyntheticProfile(1.0), o));
+  for (const Candidate& cand : own.candidates) {
+    EXPECT_FALSE(cand.layout_searched);
+    EXPECT_EQ(cand.layout, StateLayout{});
+  }
+  EXPECT_FALSE(own.candidates.front().feasible) << own.candidates.front().Describe();
+  o.layouts = AllLayouts();
+  ASSERT_EQ(o.layouts.size(), 6u);
+  EXPECT_EQ(o.layouts.front(), StateLayout{});
+  EXPECT_EQ(o.layouts.back(), (StateLayout{true, optim::MomentFormat::kInt8}));
+  ASSERT_OK_AND_ASSIGN(TuneResult all, Tune(c, spec, SyntheticProfile(1.0), o));
+  const Candidate& best = all.candidates.front();
+  ASSERT_TRUE(best.feasible) << best.Describe() << ": " << best.why_not;
+  EXPECT_TRUE(best.layout_searched);
+  EXPECT_NE(best.layout, StateLayout{});
+  EXPECT_EQ(best.memory.state_layout, best.layout.Name());
+  EXPECT_LT(best.memory.bytes_per_param, 10.0);
+  EXPECT_NE(best.Describe().find("[" + best.layout.Name() + "]"), std::string::npos) << best.Describe();
+  for (const Candidate& cand : all.candidates) {
+    if (cand.layout == StateLayout{}) {
+      EXPECT_FALSE(cand.feasible) << cand.Describe();
+    }
+  }
+  // fp32 compute: a bf16 master cannot be its working copy; those layouts are skipped, by name.
+  c.bf16.enabled = false;
+  ASSERT_OK_AND_ASSIGN(TuneResult fp32, Tune(c, spec, SyntheticProfile(1.0), o));
+  for (const Candidate& cand : fp32.candidates) EXPECT_FALSE(cand.layout.bf16_master) << cand.Describe();
+  const std::string said = ::testing::PrintToString(fp32.assumptions);
+  EXPECT_NE(said.find("layout int8+bf16_master skipped: a bf16 master"), std::string::npos) << said;
+  // Nothing asked for can run: an error, not an empty ranking.
+  o.layouts = {StateLayout{true, optim::MomentFormat::kInt8}};
+  auto none = Tune(c, spec, SyntheticProfile(1.0), o);
+  ASSERT_FALSE(none.ok());
+  EXPECT_NE(std::string(none.status().message()).find("bf16.enabled"), std::string::npos) << none.status();
+}
+
+TEST(TunerTest, AppliedLayoutWritesItsKeysOnly) {
+  Candidate cand;
+  cand.optimizer = OffloadDevice::kCpu;
+  cand.layout_searched = true;
+  cand.layout = StateLayout{true, optim::MomentFormat::kInt8};
+  // DeepSpeed's other name for the section is kept, and its bf16_optimizer_states, which would
+  // contradict int8 moments, goes.
+  nlohmann::json raw = {{"zero_optimization", {{"stage", 2}}},
+                        {"bfloat16", {{"enabled", true}, {"bf16_optimizer_states", true}}}};
+  ApplyCandidate(cand, "", &raw);
+  EXPECT_FALSE(raw.contains("bf16")) << raw.dump();
+  EXPECT_EQ(raw["bfloat16"]["bf16_master_weights_and_grads"], true);
+  EXPECT_FALSE(raw["bfloat16"].contains("bf16_optimizer_states")) << raw.dump();
+  EXPECT_EQ(raw["strata"]["optimizer_state_dtype"], "int8");
+  ASSERT_OK_AND_ASSIGN(Config parsed, Config::FromJsonText(raw.dump()));
+  EXPECT_EQ(ConfigLayout(parsed), cand.layout);
+  // Not searched: the config's layout stays as written.
+  cand.layout_searched = false;
+  nlohmann::json kept = {{"zero_optimization", {{"stage", 2}}},
+                         {"bf16", {{"enabled", true}, {"bf16_optimizer_states", true}}}};
+  ApplyCandidate(cand, "", &kept);
+  EXPECT_EQ(kept["bf16"]["bf16_optimizer_states"], true);
+  EXPECT_FALSE(kept["bf16"].contains("bf16_master_weights_and_grads"));
+}
+
 TEST(ProfileTest, RoundTripsAndNamesBadKeys) {
   HardwareProfile h = SyntheticProfile(1.5);
   h.has_fio = true;

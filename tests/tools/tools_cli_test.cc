@@ -271,6 +271,44 @@ TEST(TuneCliTest, AutoPlacementIsSearchedAndTheEngineMakesTheSamePlan) {
   EXPECT_NE(r.out.find("--placement=sideways"), std::string::npos) << r.out;
 }
 
+// 14.3 MiB of fp32 state against 4 MiB of device, 8 of host and 2 of NVMe: nothing fits as
+// written. The answer names the smaller layouts that fit, without choosing one; asked for, one
+// is chosen and its keys written.
+TEST(TuneCliTest, SmallerLayoutsAreNamedWhenNothingFitsAndChosenWhenAsked) {
+  testing::TempDir dir;
+  Write(dir.path() + "/c.json", R"({
+    "train_micro_batch_size_per_gpu": 2,
+    "bf16": {"enabled": true},
+    "zero_optimization": {"stage": 3},
+    "strata": {"chunk_size": "64KiB", "device": "cpu"},
+    "model": {"n_layers": 4, "d_model": 128, "n_heads": 4, "seq_len": 32, "vocab_size": 128}
+  })");
+  Write(dir.path() + "/p.json", Profile(1.0));
+  const std::string out = dir.path() + "/tuned.json";
+  const std::string base = std::string(STRATA_TUNE_BIN) + " --config " + dir.path() + "/c.json --profile " +
+                           dir.path() + "/p.json --no-calibrate --device-budget 4MiB --host-budget 8MiB " +
+                           "--nvme-budget 2MiB --nvme-path " + dir.path() + " --out " + out;
+  Result r = Exec(base);
+  EXPECT_EQ(r.rc, 1) << r.out;
+  EXPECT_NE(r.out.find("no placement fits"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("It fits with a smaller optimizer-state layout"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("int8+bf16_master ("), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("bytes per parameter"), std::string::npos) << r.out;
+  EXPECT_FALSE(std::ifstream(out).good());  // nothing chosen, nothing written
+  r = Exec(base + " --layouts int8+bf16_master");
+  ASSERT_EQ(r.rc, 0) << r.out;
+  EXPECT_NE(r.out.find("[int8+bf16_master]; wrote"), std::string::npos) << r.out;
+  ASSERT_OK_AND_ASSIGN(Config c, Config::FromFile(out));
+  EXPECT_TRUE(c.bf16.bf16_master_weights_and_grads);
+  EXPECT_EQ(c.strata.optimizer_state_dtype, StateDtype::kInt8);
+  EXPECT_EQ(c.model.d_model, 128);
+  for (const char* bad : {"--layouts fp16", "--layouts int8,,bf16", "--layouts ''"}) {
+    r = Exec(base + " " + bad);
+    EXPECT_EQ(r.rc, 2) << bad << "\n" << r.out;
+    EXPECT_NE(r.out.find("--layouts"), std::string::npos) << r.out;
+  }
+}
+
 // Several ranks: the collectives' bandwidth comes from --comm-gbps or the profile's comm section.
 TEST(TuneCliTest, WorldSizeTwoNeedsACommFigure) {
   testing::TempDir dir;

@@ -202,7 +202,47 @@ std::string Candidate::Describe() const {
   if (uses_nvme && aio.block_size > 0)
     s += StrCat(" aio=", FormatBytes(static_cast<uint64_t>(aio.block_size)), "xQD", aio.queue_depth, "x",
                 aio.parallelism);
+  if (layout_searched) s += StrCat(" [", layout.Name(), "]");
   return s;
+}
+
+StateLayout ConfigLayout(const Config& config) {
+  StateLayout l;
+  l.bf16_master = config.bf16.enabled && config.bf16.bf16_master_weights_and_grads;
+  l.moments = config.strata.optimizer_state_dtype == StateDtype::kInt8   ? optim::MomentFormat::kInt8
+              : config.strata.optimizer_state_dtype == StateDtype::kBf16 ? optim::MomentFormat::kBf16
+                                                                         : optim::MomentFormat::kFp32;
+  return l;
+}
+
+std::string LayoutRefusal(const StateLayout& layout, const Config& config) {
+  if (layout == StateLayout{}) return "";
+  if (config.zero_allow_untested_optimizer)
+    return "a client optimizer (zero_allow_untested_optimizer) keeps its own states";
+  if (layout.bf16_master && !config.bf16.enabled)
+    return "a bf16 master is the bf16 working copy: it needs bf16 compute (bf16.enabled)";
+  if (layout.moments != optim::MomentFormat::kFp32 && config.optimizer.type == OptimizerType::kSGD &&
+      config.optimizer.momentum == 0)
+    return "SGD without momentum keeps no moments";
+  return "";
+}
+
+std::vector<StateLayout> AllLayouts() {
+  std::vector<StateLayout> out;
+  for (bool master : {false, true})
+    for (auto m : {optim::MomentFormat::kFp32, optim::MomentFormat::kBf16, optim::MomentFormat::kInt8})
+      out.push_back(StateLayout{master, m});
+  std::stable_sort(out.begin(), out.end(), [](const StateLayout& a, const StateLayout& b) {
+    return LayoutStateBytes(a) > LayoutStateBytes(b);
+  });
+  return out;
+}
+
+double LayoutStateBytes(const StateLayout& layout) {
+  constexpr int64_t kN = 1 << 20;
+  return static_cast<double>(layout.Bytes(StateKind::kMaster32, kN) + layout.Bytes(StateKind::kExpAvg, kN) +
+                             layout.Bytes(StateKind::kExpAvgSq, kN)) /
+         kN;
 }
 
 namespace {
@@ -352,49 +392,69 @@ StatusOr<TuneResult> Tune(const Config& config, const ModelSpec& model, const Ha
                           OffloadDevice::kNvme);
   }
 
+  // The layouts: the config's as written, or each asked for that can run under it.
+  std::vector<StateLayout> layouts = o.layouts;
+  const bool searched = !layouts.empty();
+  if (!searched) layouts.push_back(ConfigLayout(config));
+  layouts.erase(std::remove_if(layouts.begin(), layouts.end(),
+                               [&](const StateLayout& l) {
+                                 const std::string why = searched ? LayoutRefusal(l, config) : "";
+                                 if (!why.empty())
+                                   res.assumptions.push_back(StrCat("layout ", l.Name(), " skipped: ", why));
+                                 return !why.empty();
+                               }),
+                layouts.end());
+  if (layouts.empty())
+    return InvalidArgument(StrCat("no layout asked for can run under this config (",
+                                  res.assumptions.back(), ")"));
+
   EstimateOptions eo;
   eo.world_size = o.world_size;
   eo.device = o.device;
-  for (const auto& [mode, pd, od] : shapes) {
-    const bool nv = pd == OffloadDevice::kNvme || od == OffloadDevice::kNvme;
-    if (nv && !nvme_ok) continue;
-    Candidate shape;
-    shape.mode = mode;
-    shape.param = pd;
-    shape.optimizer = od;
-    shape.uses_nvme = nv;
-    Config c = config;
-    ApplyCandidate(shape, &c);
-    eo.assume_nvme_path = nv;  // the written config gets the path (ApplyCandidate's JSON form)
-    StatusOr<MemoryEstimate> mem = mode == PlacementMode::kAuto
-                                       ? EstimateAutoCandidate(res, o.disk_free, model, eo, &c)
-                                       : EstimateMemory(c, model, eo);
-    if (!mem.ok()) {
-      shape.planned = false;
-      shape.why_not = std::string(mem.status().message());
-      res.candidates.push_back(std::move(shape));
-      continue;
-    }
-    std::vector<NvmePoint> settings = nv ? aios : std::vector<NvmePoint>{NvmePoint{}};
-    for (const NvmePoint& a : settings) {
-      Candidate cand = shape;
-      if (mode == PlacementMode::kAuto) cand.host_pool = c.strata.host_memory_budget;
-      cand.aio = a;
-      cand.memory = *mem;
-      Rates r = base;
-      if (nv) {
-        c.aio.block_size = a.block_size;
-        c.aio.queue_depth = a.queue_depth;
-        c.aio.intra_op_parallelism = a.parallelism;
-        r.nvme_read_gbps = a.gbps;
-        auto w = profile.NvmeGbps(true, a.block_size, a.queue_depth, a.parallelism);
-        r.nvme_write_gbps = w.ok() ? *w : best_write;
-        if (r.nvme_write_gbps <= 0) r.nvme_write_gbps = a.gbps;
+  for (const StateLayout& layout : layouts) {
+    for (const auto& [mode, pd, od] : shapes) {
+      const bool nv = pd == OffloadDevice::kNvme || od == OffloadDevice::kNvme;
+      if (nv && !nvme_ok) continue;
+      Candidate shape;
+      shape.mode = mode;
+      shape.param = pd;
+      shape.optimizer = od;
+      shape.uses_nvme = nv;
+      shape.layout_searched = searched;
+      shape.layout = layout;
+      Config c = config;
+      ApplyCandidate(shape, &c);
+      eo.assume_nvme_path = nv;  // the written config gets the path (ApplyCandidate's JSON form)
+      StatusOr<MemoryEstimate> mem = mode == PlacementMode::kAuto
+                                         ? EstimateAutoCandidate(res, o.disk_free, model, eo, &c)
+                                         : EstimateMemory(c, model, eo);
+      if (!mem.ok()) {
+        shape.planned = false;
+        shape.why_not = std::string(mem.status().message());
+        res.candidates.push_back(std::move(shape));
+        continue;
       }
-      STRATA_ASSIGN_OR_RETURN(cand.prediction, PredictStep(c, model, *mem, r, o.device, o.world_size));
-      cand.why_not = WhyNot(*mem, res);
-      cand.feasible = cand.why_not.empty();
-      res.candidates.push_back(std::move(cand));
+      std::vector<NvmePoint> settings = nv ? aios : std::vector<NvmePoint>{NvmePoint{}};
+      for (const NvmePoint& a : settings) {
+        Candidate cand = shape;
+        if (mode == PlacementMode::kAuto) cand.host_pool = c.strata.host_memory_budget;
+        cand.aio = a;
+        cand.memory = *mem;
+        Rates r = base;
+        if (nv) {
+          c.aio.block_size = a.block_size;
+          c.aio.queue_depth = a.queue_depth;
+          c.aio.intra_op_parallelism = a.parallelism;
+          r.nvme_read_gbps = a.gbps;
+          auto w = profile.NvmeGbps(true, a.block_size, a.queue_depth, a.parallelism);
+          r.nvme_write_gbps = w.ok() ? *w : best_write;
+          if (r.nvme_write_gbps <= 0) r.nvme_write_gbps = a.gbps;
+        }
+        STRATA_ASSIGN_OR_RETURN(cand.prediction, PredictStep(c, model, *mem, r, o.device, o.world_size));
+        cand.why_not = WhyNot(*mem, res);
+        cand.feasible = cand.why_not.empty();
+        res.candidates.push_back(std::move(cand));
+      }
     }
   }
   // One refusal for every shape is the input's fault, not a placement's: said as an error.
@@ -428,6 +488,13 @@ void ApplyCandidate(const Candidate& c, const std::string& nvme_path, nlohmann::
   // engine alone would otherwise take as a quarter of the device.
   if (c.mode == PlacementMode::kAuto && c.memory.device_reserve)
     (*cfg)["strata"]["device_reserve"] = c.memory.device_reserve;
+  if (c.layout_searched) {
+    // DeepSpeed's section has two names; the config keeps the one it uses.
+    const char* bf16 = cfg->contains("bfloat16") && !cfg->contains("bf16") ? "bfloat16" : "bf16";
+    (*cfg)[bf16]["bf16_master_weights_and_grads"] = c.layout.bf16_master;
+    (*cfg)[bf16].erase("bf16_optimizer_states");
+    (*cfg)["strata"]["optimizer_state_dtype"] = optim::MomentFormatName(c.layout.moments);
+  }
   if (c.uses_nvme) {
     nlohmann::json& a = (*cfg)["aio"];
     a["block_size"] = c.aio.block_size;
@@ -443,6 +510,13 @@ void ApplyCandidate(const Candidate& c, Config* config) {
   z.offload_param.device = c.param;
   z.offload_optimizer.device = c.optimizer;
   config->strata.placement = c.mode;
+  if (c.layout_searched) {
+    config->bf16.bf16_master_weights_and_grads = c.layout.bf16_master;
+    config->bf16.bf16_optimizer_states = false;
+    config->strata.optimizer_state_dtype = c.layout.moments == optim::MomentFormat::kInt8   ? StateDtype::kInt8
+                                           : c.layout.moments == optim::MomentFormat::kBf16 ? StateDtype::kBf16
+                                                                                            : StateDtype::kFp32;
+  }
   if (c.mode == PlacementMode::kAuto && c.memory.device_reserve)
     config->strata.device_reserve = c.memory.device_reserve;
   if (c.uses_nvme) {

@@ -28,6 +28,7 @@
 
 #include "runtime/base/config.h"
 #include "runtime/base/status.h"
+#include "runtime/state/state_layout.h"
 #include "tools/planner/memory_model.h"
 #include "tools/planner/model_spec.h"
 #include "tools/planner/profile.h"
@@ -99,7 +100,21 @@ struct TuneOptions {
   // Auto candidates with no nvme_budget: the free disk at the NVMe path (0: unknown, then NVMe
   // is unlimited there too).
   uint64_t disk_free = 0;
+  // Optimizer-state layouts to search (runtime/state/state_layout.h); empty: the config's own,
+  // left as written. Any other changes the optimizer's numerics (README, "Compact layouts").
+  std::vector<StateLayout> layouts;
 };
+
+// The config's optimizer-state layout (bf16.bf16_master_weights_and_grads,
+// strata.optimizer_state_dtype).
+StateLayout ConfigLayout(const Config& config);
+// Why `layout` cannot run under `config` (a bf16 master without bf16 compute, moments for SGD
+// without momentum, a client optimizer's states), or "".
+std::string LayoutRefusal(const StateLayout& layout, const Config& config);
+// The six layouts, largest first (fp32 ... int8+bf16_master).
+std::vector<StateLayout> AllLayouts();
+// Bytes per parameter of a layout's master and moments (the gradient and working copy aside).
+double LayoutStateBytes(const StateLayout& layout);
 
 struct Candidate {
   // kConfig: each state kind in its section's device. kAuto: the sections' devices are floors
@@ -109,6 +124,10 @@ struct Candidate {
   OffloadDevice optimizer = OffloadDevice::kCpu;
   bool uses_nvme = false;                          // NVMe may be used (a section's device is nvme)
   NvmePoint aio;                                   // meaningful when uses_nvme
+  // The optimizer-state layout, when the search covered a list of them (TuneOptions::layouts);
+  // otherwise the config's own, which is left as written.
+  bool layout_searched = false;
+  StateLayout layout;
   bool planned = true;  // false: the placement plan refused it (why_not says why; no figures)
   // kAuto: the host tier's capacity the plan was made with (the host budget less the memory the
   // run needs beside the pool), which strata.host_memory_budget must say for the engine to make
@@ -118,7 +137,8 @@ struct Candidate {
   StepPrediction prediction;
   bool feasible = false;
   std::string why_not;                             // when !feasible: the budget it breaks
-  // "param=cpu optimizer=nvme aio=8MiBxQD32x1"; "auto param>=nvme optimizer>=nvme ..." for kAuto.
+  // "param=cpu optimizer=nvme aio=8MiBxQD32x1"; "auto param>=nvme optimizer>=nvme ..." for kAuto;
+  // "... [int8+bf16_master]" when layouts were searched.
   std::string Describe() const;
 };
 
@@ -140,8 +160,9 @@ StatusOr<TuneResult> Tune(const Config& config, const ModelSpec& model, const Ha
 // zero_optimization.offload_param.device / offload_optimizer.device (+ nvme_path when NVMe is
 // chosen and none is set), strata.placement ("auto" for an auto candidate; "config" where the
 // input names a mode and the candidate is not auto), an auto candidate's strata.device_reserve
-// (the compute room its plan left) and, with NVMe, aio.block_size / queue_depth /
-// intra_op_parallelism.
+// (the compute room its plan left), a searched layout's bf16.bf16_master_weights_and_grads and
+// strata.optimizer_state_dtype (bf16_optimizer_states dropped: the dtype says it) and, with
+// NVMe, aio.block_size / queue_depth / intra_op_parallelism.
 void ApplyCandidate(const Candidate& c, const std::string& nvme_path, nlohmann::json* config);
 // The same keys on a parsed Config (what --verify runs and what Tune estimates).
 void ApplyCandidate(const Candidate& c, Config* config);

@@ -12,6 +12,7 @@
 #include <cstdlib>
 #include <tuple>
 #include <iostream>
+#include <sstream>
 #include <string>
 
 #include <nlohmann/json.hpp>
@@ -93,6 +94,39 @@ void PrintInfeasible(const TuneResult& res) {
   std::cerr << "Raise a budget, use more ranks (--world-size), or allow NVMe (--nvme-path).\n";
 }
 
+// Nothing fits in the config's own layout: the fastest placement of each smaller layout that
+// does, so the answer says what a compact layout would buy without choosing one (it changes the
+// optimizer's numerics, which is the user's call).
+void SuggestSmallerLayouts(const Config& config, const ModelSpec& model, const HardwareProfile& profile,
+                           TuneOptions to) {
+  const StateLayout own = ConfigLayout(config);
+  for (const StateLayout& l : AllLayouts())
+    if (LayoutStateBytes(l) < LayoutStateBytes(own) && LayoutRefusal(l, config).empty()) to.layouts.push_back(l);
+  if (to.layouts.empty()) return;
+  auto res = Tune(config, model, profile, to);
+  if (!res.ok()) return;
+  std::vector<std::string> fits;
+  for (const StateLayout& l : to.layouts) {
+    for (const Candidate& c : res->candidates) {  // ranked: the first feasible one is the fastest
+      if (!c.feasible || c.layout != l) continue;
+      char figures[96];
+      std::snprintf(figures, sizeof figures, " (%.2f bytes per parameter): ", c.memory.bytes_per_param);
+      char step[48];
+      std::snprintf(step, sizeof step, ", %.4g s a step", c.prediction.step_s);
+      fits.push_back(StrCat(l.Name(), figures, c.Describe(), step));
+      break;
+    }
+  }
+  if (fits.empty()) {
+    std::cerr << "No smaller optimizer-state layout fits either.\n";
+    return;
+  }
+  std::cerr << "It fits with a smaller optimizer-state layout, which changes the optimizer's numerics "
+               "(README, \"Compact layouts\": their measured convergence):\n";
+  for (const auto& f : fits) std::cerr << "  " << f << "\n";
+  std::cerr << "Rerun with --layouts <name> (or --layouts all) to choose among them.\n";
+}
+
 // The first `top` candidates, as the report's JSON and as the table.
 nlohmann::json RankingJson(const TuneResult& res, size_t top) {
   nlohmann::json cands = nlohmann::json::array();
@@ -100,6 +134,8 @@ nlohmann::json RankingJson(const TuneResult& res, size_t top) {
     const Candidate& c = res.candidates[i];
     cands.push_back({{"placement", c.Describe()},
                      {"mode", PlacementModeName(c.mode)},
+                     {"layout", c.layout.Name()},
+                     {"bytes_per_param", c.memory.bytes_per_param},
                      {"planned", c.planned},
                      {"feasible", c.feasible},
                      {"why_not", c.why_not},
@@ -119,15 +155,19 @@ std::string FirstClause(const std::string& why) {
 }
 
 void PrintRanking(const TuneResult& res, size_t top) {
-  std::printf("%-3s %-52s %10s %9s %9s %9s %9s %9s %10s %10s %10s\n", "#", "placement", "step_s",
+  int width = 44;  // the placement column fits the longest description printed
+  for (size_t i = 0; i < res.candidates.size() && i < top; ++i)
+    width = std::max(width, static_cast<int>(res.candidates[i].Describe().size()));
+  std::printf("%-3s %-*s %10s %9s %9s %9s %9s %9s %10s %10s %10s\n", "#", width, "placement", "step_s",
               "compute", "copy", "nvme", "adam", "comm", "hbm", "host", "nvme_B");
   for (size_t i = 0; i < res.candidates.size() && i < top; ++i) {
     const Candidate& c = res.candidates[i];
     if (!c.planned) {
-      std::printf("%-3zu %-52s %10s (%s)\n", i + 1, c.Describe().c_str(), "-", FirstClause(c.why_not).c_str());
+      std::printf("%-3zu %-*s %10s (%s)\n", i + 1, width, c.Describe().c_str(), "-",
+                  FirstClause(c.why_not).c_str());
       continue;
     }
-    std::printf("%-3zu %-52s %10.4f %9.4f %9.4f %9.4f %9.4f %9.4f %10s %10s %10s %s\n", i + 1,
+    std::printf("%-3zu %-*s %10.4f %9.4f %9.4f %9.4f %9.4f %9.4f %10s %10s %10s %s\n", i + 1, width,
                 c.Describe().c_str(), c.prediction.step_s, c.prediction.compute_s, c.prediction.copy_s,
                 c.prediction.nvme_s, c.prediction.optimizer_s, c.prediction.comm_s,
                 FormatBytes(c.memory.hbm_bytes).c_str(),
@@ -188,7 +228,7 @@ int Verify(const Config& config, const TuneOptions& to, const Candidate& best,
 struct Args {
   std::string config_path, profile_path, out_path, device = "", world_s = "1", top_s = "5";
   std::string dev_budget, host_budget, nvme_budget, nvme_path, gflops_s, comm_s, steps_s = "4";
-  std::string placement = "both";
+  std::string placement = "both", layouts = "config";
   bool json = false, verify = false, dry_run = false, no_calibrate = false;
 };
 
@@ -207,6 +247,12 @@ void AddOptions(CLI::App* app, Args* a) {
                   "placement modes to search: config (each state kind wholly in its section's device), "
                   "auto (strata.placement auto: the sections' devices are floors and each chunk's "
                   "state fills device, host and NVMe under the budgets), or both (default)");
+  app->add_option("--layouts", a->layouts,
+                  "optimizer-state layouts to search: config (default: the config's own, as written), "
+                  "all, or a comma list of fp32, bf16, int8, fp32+bf16_master, bf16+bf16_master, "
+                  "int8+bf16_master (moments, then a bf16 master: README, \"Compact layouts\"). A layout "
+                  "other than the config's changes the optimizer's numerics; when nothing fits, the "
+                  "answer names the smaller layouts that would");
   app->add_option("--gflops", a->gflops_s, "compute rate to assume instead of the profile's compute.gflops "
                                        "(turns calibration off)");
   app->add_option("--comm-gbps", a->comm_s, "collectives' bus bandwidth (GB/s) for --world-size > 1, instead "
@@ -267,6 +313,17 @@ StatusOr<TuneOptions> MakeTuneOptions(Args* a, const Config& config, const Hardw
     return InvalidArgument(StrCat("--placement=", a->placement, ": must be config, auto or both"));
   to.try_config = a->placement != "auto";
   to.try_auto = a->placement != "config";
+  if (a->layouts == "all") {
+    to.layouts = AllLayouts();
+  } else if (a->layouts != "config") {
+    std::stringstream list(a->layouts);
+    for (std::string name; std::getline(list, name, ',');) {
+      auto l = StateLayout::Parse(name);
+      if (!l.ok()) return InvalidArgument(StrCat("--layouts=", a->layouts, ": ", l.status().message()));
+      to.layouts.push_back(*l);
+    }
+    if (to.layouts.empty()) return InvalidArgument("--layouts is empty: name one, or all, or config");
+  }
   return to;
 }
 
@@ -334,6 +391,7 @@ int main(int argc, char** argv) {
   if (!res.ok()) return fail(res.status(), 2);
   if (res->candidates.empty() || !res->candidates.front().feasible) {
     PrintInfeasible(*res);
+    if (to.layouts.empty()) SuggestSmallerLayouts(*config, *model, *profile, to);
     return 1;
   }
   const Candidate& best = res->candidates.front();

@@ -165,6 +165,10 @@ Status StepPlan::AutoBudgets(const Inputs& in, PlacementPlan::Inputs* pin) const
                                     "); lower it, or set it to 0 for strata.placement auto to size it"));
     pin->host_budget = s.host_memory_budget;
     pin->host_budget_source = StrCat("strata.host_memory_budget=", FormatBytes(s.host_memory_budget));
+  } else if (in.host_capacity) {
+    pin->host_budget = in.host_capacity;
+    pin->host_budget_source = StrCat("the host budget planned for, ", FormatBytes(in.host_capacity),
+                                     " beside the run's own memory");
   } else {
     const uint64_t margin = std::max<uint64_t>(in.host_available / 8, 2ull << 30);
     pin->host_budget = in.host_available > margin ? in.host_available - margin : 0;

@@ -47,6 +47,9 @@ class StepPlan {
     // strata.placement auto: what this machine has (0: unknown), measured by the caller.
     uint64_t device_capacity = 0;  // the device's memory for this rank (Device::capacity)
     uint64_t host_available = 0;   // MemAvailable
+    // A planner's host tier, used as is where strata.host_memory_budget is 0 (strata-tune's
+    // budget, less what its run needs beside the pool); 0: MemAvailable less its margin.
+    uint64_t host_capacity = 0;
     uint64_t disk_free = 0;        // free bytes at the NVMe path
     bool nvme_path_given = false;  // an nvme_path (section or EngineOptions) exists
   };

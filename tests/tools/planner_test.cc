@@ -318,6 +318,25 @@ TEST(TunerTest, ARefusedPlanIsAnInfeasibleCandidateNotAnError) {
   EXPECT_GT(best.prediction.step_s, 0);
 }
 
+// Without a host budget the tuner assumes half of RAM as the host tier, and the pool is the
+// plan's need (the engine sizes it so without strata.host_memory_budget), not that half.
+TEST(TunerTest, AutoWithoutAHostBudgetSizesThePoolToThePlan) {
+  Config c = TuneConfig();
+  ASSERT_OK_AND_ASSIGN(ModelSpec spec, GptModelSpec(c.model));
+  TuneOptions o;
+  o.device_budget = 1u << 20;
+  o.nvme_allowed = false;
+  o.try_config = false;
+  ASSERT_OK_AND_ASSIGN(TuneResult r, Tune(c, spec, SyntheticProfile(1.0), o));
+  const Candidate& best = r.candidates.front();
+  ASSERT_TRUE(best.feasible) << best.Describe() << ": " << best.why_not;
+  EXPECT_EQ(best.mode, PlacementMode::kAuto);
+  EXPECT_EQ(best.host_pool, 0u);
+  EXPECT_GT(TierTotal(best.memory, "host"), 0u);
+  EXPECT_GE(best.memory.host_pinned_bytes, TierTotal(best.memory, "host"));
+  EXPECT_LT(best.memory.host_pinned_bytes, r.host_budget / 64) << r.host_budget;
+}
+
 TEST(TunerTest, AppliedCandidateNamesItsPlacementMode) {
   Candidate automatic;
   automatic.mode = PlacementMode::kAuto;

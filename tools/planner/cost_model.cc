@@ -280,23 +280,28 @@ std::string WhyNot(const MemoryEstimate& mem, const TuneResult& res) {
 }
 
 // An auto candidate's estimate, its tiers holding the tuner's budgets (Note [tuning auto
-// placement]); sets them in *c, which then is the config the prediction reads.
-StatusOr<MemoryEstimate> EstimateAutoCandidate(const TuneResult& res, uint64_t disk_free,
-                                               const ModelSpec& model, const EstimateOptions& eo,
-                                               Config* c) {
+// placement]); sets them in *c, which then is the config the prediction reads. A host budget the
+// user gave is the pool, as strata.host_memory_budget (which the written config then carries);
+// half of RAM, assumed, is only the host tier's capacity, and the pool is sized to the plan's
+// need, as the engine sizes it without a budget.
+StatusOr<MemoryEstimate> EstimateAutoCandidate(const TuneResult& res, const TuneOptions& o,
+                                               const ModelSpec& model, EstimateOptions eo, Config* c) {
   if (res.device_budget) c->strata.device_memory_budget = res.device_budget;
-  constexpr uint64_t kGiB = 1ull << 30;
-  c->strata.nvme_capacity = res.nvme_budget     ? res.nvme_budget
-                            : disk_free > kGiB ? disk_free - kGiB
-                            : disk_free        ? 0
-                                               : uint64_t{1} << 60;  // unknown: unlimited
-  c->strata.host_memory_budget = res.host_budget;
-  StatusOr<MemoryEstimate> mem = EstimateAutoReserve(*c, model, eo);
-  // The pool holds the plan's host share; what the run needs beside it comes off the budget.
+  if (res.nvme_budget) c->strata.nvme_capacity = res.nvme_budget;
+  else eo.disk_free = o.disk_free ? o.disk_free : uint64_t{1} << 60;  // unknown: unlimited
+  const bool host_given = o.host_budget || c->strata.host_memory_budget;
+  auto estimate = [&](uint64_t host) {
+    if (host_given) c->strata.host_memory_budget = host;
+    else eo.host_capacity = host;
+    return EstimateAutoReserve(*c, model, eo);
+  };
+  StatusOr<MemoryEstimate> mem = estimate(res.host_budget);
+  // What the run needs beside the pool comes off the budget.
   const auto beside = [](const MemoryEstimate& m) { return m.host_pageable_bytes + HostTorchBytes(m); };
+  uint64_t host = res.host_budget;
   if (mem.ok() && mem->host_min_bytes + beside(*mem) > res.host_budget && beside(*mem) < res.host_budget) {
-    c->strata.host_memory_budget = res.host_budget - beside(*mem);
-    mem = EstimateAutoReserve(*c, model, eo);
+    host = res.host_budget - beside(*mem);
+    mem = estimate(host);
   }
   return mem;
 }
@@ -426,7 +431,7 @@ StatusOr<TuneResult> Tune(const Config& config, const ModelSpec& model, const Ha
       ApplyCandidate(shape, &c);
       eo.assume_nvme_path = nv;  // the written config gets the path (ApplyCandidate's JSON form)
       StatusOr<MemoryEstimate> mem = mode == PlacementMode::kAuto
-                                         ? EstimateAutoCandidate(res, o.disk_free, model, eo, &c)
+                                         ? EstimateAutoCandidate(res, o, model, eo, &c)
                                          : EstimateMemory(c, model, eo);
       if (!mem.ok()) {
         shape.planned = false;
@@ -437,7 +442,7 @@ StatusOr<TuneResult> Tune(const Config& config, const ModelSpec& model, const Ha
       std::vector<NvmePoint> settings = nv ? aios : std::vector<NvmePoint>{NvmePoint{}};
       for (const NvmePoint& a : settings) {
         Candidate cand = shape;
-        if (mode == PlacementMode::kAuto) cand.host_pool = c.strata.host_memory_budget;
+        if (mode == PlacementMode::kAuto) cand.host_pool = c.strata.host_memory_budget;  // 0: not given
         cand.aio = a;
         cand.memory = *mem;
         Rates r = base;

@@ -129,9 +129,9 @@ struct Candidate {
   bool layout_searched = false;
   StateLayout layout;
   bool planned = true;  // false: the placement plan refused it (why_not says why; no figures)
-  // kAuto: the host tier's capacity the plan was made with (the host budget less the memory the
-  // run needs beside the pool), which strata.host_memory_budget must say for the engine to make
-  // the same plan.
+  // kAuto with a host budget given: the pool the plan was made with (the budget less the memory
+  // the run needs beside it), which strata.host_memory_budget must say for the engine to make the
+  // same plan; 0 without one (the engine sizes its pool to the plan).
   uint64_t host_pool = 0;
   MemoryEstimate memory;
   StepPrediction prediction;

@@ -143,6 +143,7 @@ StatusOr<MemoryEstimate> EstimateMemory(const Config& config, const ModelSpec& m
                         : config.strata.device_memory_budget ? config.strata.device_memory_budget
                                                              : (cpu_device ? 4ull << 30 : 0);
   pin.host_available = options.host_available;
+  pin.host_capacity = options.host_capacity;
   pin.disk_free = options.disk_free;
   STRATA_ASSIGN_OR_RETURN(const StepPlan plan, StepPlan::Make(pin));
   est.placement = plan.placement().ToJson();

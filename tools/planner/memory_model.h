@@ -56,6 +56,7 @@ struct EstimateOptions {
   // disk then count as empty). strata-estimate fills them from this machine or its flags.
   uint64_t device_capacity = 0;
   uint64_t host_available = 0;
+  uint64_t host_capacity = 0;  // StepPlan::Inputs::host_capacity: a planned host tier, as is
   uint64_t disk_free = 0;
   bool assume_nvme_path = false;  // plan as if an nvme_path were set (--largest)
 };

@@ -403,7 +403,7 @@ int main(int argc, char** argv) {
   if (to.nvme_budget) tuned["strata"]["nvme_capacity"] = to.nvme_budget;
   // An auto plan was made with the host budget less the run's pageable memory as its host tier:
   // the engine plans with the same pool. Without a budget (half of RAM assumed) the engine
-  // measures the host at start, which only leaves more to it.
+  // measures the host at start instead (MemAvailable less an eighth).
   if (best.mode == PlacementMode::kAuto && (to.host_budget || config->strata.host_memory_budget))
     tuned["strata"]["host_memory_budget"] = best.host_pool;
   if (a.out_path.empty()) a.out_path = DefaultOut(a.config_path);

@@ -215,20 +215,23 @@ TEST(TuneCliTest, VerifyReportsEveryLane) {
   EXPECT_EQ(lanes["comm"]["predicted_s"].get<double>(), 0);  // one rank
 }
 
-// A config at strata.placement auto whose host budget holds a third of the optimizer groups:
-// every section as written is refused or spills wholly to NVMe; the per-chunk fill splits the
-// groups between device, host and NVMe, wins, and the engine that --verify starts makes the
-// same plan, line for line. (The search once stopped at its first candidate with the plan's
+// A 4 x 128 GPT at stage 3 (0.83 M parameters, 14.3 MiB of fp32 state), with more keys for
+// its "strata" section.
+std::string FourByOneTwentyEight(const std::string& strata_keys) {
+  return R"({"train_micro_batch_size_per_gpu": 2, "bf16": {"enabled": true}, "zero_optimization": {"stage": 3},
+    "strata": {"chunk_size": "64KiB", "device": "cpu")" +
+         strata_keys + R"(},
+    "model": {"n_layers": 4, "d_model": 128, "n_heads": 4, "seq_len": 32, "vocab_size": 128}})";
+}
+
+// A config at strata.placement auto whose host budget (6 MiB) cannot hold the optimizer groups
+// (13 MiB): every section as written is refused or spills wholly to NVMe; the per-chunk fill
+// splits the groups between device, host and NVMe, wins, and the engine that --verify starts
+// makes the same plan, line for line. (The search once stopped at its first candidate with the plan's
 // refusal.)
 TEST(TuneCliTest, AutoPlacementIsSearchedAndTheEngineMakesTheSamePlan) {
   testing::TempDir dir;
-  Write(dir.path() + "/c.json", R"({
-    "train_micro_batch_size_per_gpu": 2,
-    "bf16": {"enabled": true},
-    "zero_optimization": {"stage": 3},
-    "strata": {"chunk_size": "64KiB", "device": "cpu", "placement": "auto", "host_memory_budget": "6MiB"},
-    "model": {"n_layers": 4, "d_model": 128, "n_heads": 4, "seq_len": 32, "vocab_size": 128}
-  })");
+  Write(dir.path() + "/c.json", FourByOneTwentyEight(R"(, "placement": "auto", "host_memory_budget": "6MiB")"));
   Write(dir.path() + "/p.json", Profile(1.0));
   ASSERT_EQ(::mkdir((dir.path() + "/nv").c_str(), 0755), 0);
   const std::string out = dir.path() + "/tuned.json";
@@ -276,13 +279,7 @@ TEST(TuneCliTest, AutoPlacementIsSearchedAndTheEngineMakesTheSamePlan) {
 // is chosen and its keys written.
 TEST(TuneCliTest, SmallerLayoutsAreNamedWhenNothingFitsAndChosenWhenAsked) {
   testing::TempDir dir;
-  Write(dir.path() + "/c.json", R"({
-    "train_micro_batch_size_per_gpu": 2,
-    "bf16": {"enabled": true},
-    "zero_optimization": {"stage": 3},
-    "strata": {"chunk_size": "64KiB", "device": "cpu"},
-    "model": {"n_layers": 4, "d_model": 128, "n_heads": 4, "seq_len": 32, "vocab_size": 128}
-  })");
+  Write(dir.path() + "/c.json", FourByOneTwentyEight(""));
   Write(dir.path() + "/p.json", Profile(1.0));
   const std::string out = dir.path() + "/tuned.json";
   const std::string base = std::string(STRATA_TUNE_BIN) + " --config " + dir.path() + "/c.json --profile " +

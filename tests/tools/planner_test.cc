@@ -461,6 +461,84 @@ TEST(ProfileTest, RoundTripsAndNamesBadKeys) {
   EXPECT_FALSE(RatesFromProfile(empty, "cpu", 0).ok());
 }
 
+// A GPU's profile: its matmul and its free memory. Profiles made before these were measured
+// there read as a CPU matmul and no device memory, and a cuda tuning refuses the CPU's rate.
+TEST(ProfileTest, TheGpusMatmulAndMemoryRoundTripAndBadOnesAreNamed) {
+  HardwareProfile h = SyntheticProfile(1.0);
+  h.device = "cuda";
+  h.compute_device = "cuda";
+  h.device_name = "cuda:0 (Test GPU)";
+  h.device_capacity_bytes = 70ull << 30;
+  ASSERT_OK_AND_ASSIGN(HardwareProfile back, HardwareProfile::FromJson(h.ToJson()));
+  EXPECT_EQ(back.compute_device, "cuda");
+  EXPECT_EQ(back.device_name, "cuda:0 (Test GPU)");
+  EXPECT_EQ(back.device_capacity_bytes, 70ull << 30);
+  nlohmann::json old = h.ToJson();
+  old["compute"].erase("device");
+  old.erase("device_memory");
+  ASSERT_OK_AND_ASSIGN(HardwareProfile before, HardwareProfile::FromJson(old));
+  EXPECT_EQ(before.compute_device, "cpu");
+  EXPECT_EQ(before.device_capacity_bytes, 0u);
+  const std::pair<const char*, nlohmann::json> bad[] = {
+      {"compute.device", {{"compute", {{"gflops", 1.0}, {"device", "tpu"}}}}},
+      {"device_memory.capacity_bytes", {{"device_memory", {{"capacity_bytes", 1.5}}}}},
+      {"device_memory.capacity_bytes", {{"device_memory", {{"capacity_bytes", 1e300}}}}},
+      {"adam.elements", {{"adam", {{"gelems_per_s", 1.0}, {"elements", -4}}}}},
+      {"comm.world_size", {{"comm", {{"busbw_gbps", 1.0}, {"world_size", 1e12}}}}},
+  };
+  for (const auto& [key, j] : bad) {
+    auto r = HardwareProfile::FromJson(j);
+    ASSERT_FALSE(r.ok()) << j.dump();
+    EXPECT_NE(r.status().message().find(key), std::string::npos) << r.status().message();
+  }
+}
+
+TEST(TunerTest, ACudaTuningTakesTheProfilesGpuRateAndMemory) {
+  Config c = TuneConfig();
+  ASSERT_OK_AND_ASSIGN(ModelSpec spec, GptModelSpec(c.model));
+  HardwareProfile h = SyntheticProfile(1.0);
+  h.device = "cuda";
+  h.copies = {{"cuda", "pinned", "h2d", 20}, {"cuda", "pinned", "d2h", 20}};
+  TuneOptions o;
+  o.device = "cuda";
+  o.nvme_allowed = false;
+  // The matmul ran on the CPU: its rate is refused for a GPU's step, and --gflops is the way out.
+  auto refused = Tune(c, spec, h, o);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_NE(refused.status().message().find("measured on the cpu"), std::string::npos) << refused.status().message();
+  EXPECT_NE(refused.status().message().find("--gflops"), std::string::npos) << refused.status().message();
+  o.gflops_override = 1e5;
+  ASSERT_OK_AND_ASSIGN(TuneResult no_memory, Tune(c, spec, h, o));
+  EXPECT_EQ(no_memory.device_budget, 0u);
+  for (const Candidate& cand : no_memory.candidates) EXPECT_EQ(cand.mode, PlacementMode::kConfig);
+  // Measured on the GPU, with the GPU's memory: the budget is that memory, said so, and the
+  // auto fill is searched under it.
+  o.gflops_override = 0;
+  h.compute_device = "cuda";
+  h.compute_gflops = 1e5;
+  h.device_name = "cuda:0 (Test GPU)";
+  EstimateOptions on_gpu;
+  on_gpu.device = "cuda";
+  ASSERT_OK_AND_ASSIGN(MemoryEstimate everything, EstimateMemory(c, spec, on_gpu));
+  h.device_capacity_bytes = DeviceBudgetPeak(everything) / 2;  // too small to hold it all
+  ASSERT_OK_AND_ASSIGN(TuneResult r, Tune(c, spec, h, o));
+  EXPECT_EQ(r.device_budget, h.device_capacity_bytes);
+  EXPECT_TRUE(std::any_of(r.assumptions.begin(), r.assumptions.end(), [](const std::string& a) {
+    return a.find("cuda:0 (Test GPU)'s free memory") != std::string::npos;
+  })) << nlohmann::json(r.assumptions).dump();
+  bool auto_searched = false;
+  for (const Candidate& cand : r.candidates) {
+    auto_searched |= cand.mode == PlacementMode::kAuto;
+    if (cand.feasible) EXPECT_LE(DeviceBudgetPeak(cand.memory), r.device_budget) << cand.Describe();
+  }
+  EXPECT_TRUE(auto_searched);
+  ASSERT_TRUE(r.candidates.front().feasible) << r.candidates.front().Describe();
+  // A budget given still wins over the profile's.
+  o.device_budget = h.device_capacity_bytes / 2;
+  ASSERT_OK_AND_ASSIGN(TuneResult given, Tune(c, spec, h, o));
+  EXPECT_EQ(given.device_budget, o.device_budget);
+}
+
 TEST(CostModelTest, NvmeBandwidthDrivesTheNvmePlacement) {
   Config c = TuneConfig();
   c.zero_optimization.offload_optimizer.device = OffloadDevice::kNvme;

@@ -370,12 +370,23 @@ TEST(TuneCliTest, CalibratesComputeOnTheCpuUnlessTold) {
     cuda_profile["copies"].push_back(
         {{"device", "cuda"}, {"memory", "pinned"}, {"direction", dir_name}, {"gbps", 20.0}});
   Write(dir.path() + "/cuda.json", cuda_profile.dump());
-  r = Exec(std::string(STRATA_TUNE_BIN) + " --config " + dir.path() + "/c.json --profile " + dir.path() +
-           "/cuda.json --dry-run --json --device cuda --device-budget 1GiB");
+  const std::string on_cuda = std::string(STRATA_TUNE_BIN) + " --config " + dir.path() + "/c.json --profile " +
+                              dir.path() + "/cuda.json --dry-run --json --device cuda";
+  // Its matmul ran on the CPU: not a GPU's rate.
+  r = Exec(on_cuda);
+  EXPECT_EQ(r.rc, 2) << r.out;
+  EXPECT_NE(r.out.find("measured on the cpu"), std::string::npos) << r.out;
+  // Profiled on the GPU: its rate, and its free memory as the device budget.
+  cuda_profile["compute"]["device"] = "cuda";
+  cuda_profile["device_memory"] = {{"name", "cuda:0 (Test GPU)"}, {"capacity_bytes", 1ull << 30}};
+  Write(dir.path() + "/cuda.json", cuda_profile.dump());
+  r = Exec(on_cuda);
   ASSERT_EQ(r.rc, 0) << r.out;
   j = report(r);
   ASSERT_TRUE(j["calibration"].contains("skipped")) << r.out;
   EXPECT_NE(j["calibration"]["skipped"].get<std::string>().find("CPU only"), std::string::npos);
+  EXPECT_EQ(j["device_budget"].get<uint64_t>(), 1ull << 30) << j.dump(2);
+  EXPECT_NE(j["assumptions"].dump().find("cuda:0 (Test GPU)'s free memory"), std::string::npos) << j.dump(2);
 }
 
 TEST(ProfileCliTest, BadArgumentsExitTwo) {

@@ -42,6 +42,12 @@ StatusOr<Rates> RatesFromProfile(const HardwareProfile& p, const std::string& de
   if (r.gflops <= 0)
     return InvalidArgument("the profile has no compute figure (compute.gflops) and --gflops was not given; "
                            "rerun `strata-swapbench profile` or pass --gflops");
+  // A CPU's matmul rate for a GPU's step (or the reverse) is off by orders of magnitude.
+  if (gflops_override <= 0 && p.compute_device != device)
+    return InvalidArgument(StrCat("the profile's compute rate (", r.gflops, " GFLOP/s) was measured on the ",
+                                  p.compute_device, ", and this prediction is for the ", device,
+                                  ": profile on the machine that trains (`strata-swapbench profile`; on a GPU "
+                                  "it needs a LibTorch with CUDA), or pass --gflops"));
   if (gflops_override > 0)
     r.assumptions.push_back(StrCat("compute rate ", gflops_override, " GFLOP/s (", override_source, ")"));
   if (p.dram_gbps <= 0)
@@ -248,12 +254,20 @@ double LayoutStateBytes(const StateLayout& layout) {
 namespace {
 
 // The budgets the candidates must fit: the flags', else the config's, else the device's (4 GiB
-// on the CPU device; unlimited on a GPU), half the RAM, and unlimited NVMe.
-void SetBudgets(const Config& config, const TuneOptions& o, TuneResult* res) {
+// on the CPU device; on a GPU the free memory the profile measured, else unlimited), half the
+// RAM, and unlimited NVMe.
+void SetBudgets(const Config& config, const HardwareProfile& profile, const TuneOptions& o, TuneResult* res) {
   const bool cpu = o.device == "cpu";
   res->device_budget = o.device_budget ? o.device_budget
                        : config.strata.device_memory_budget ? config.strata.device_memory_budget
                        : cpu ? (4ull << 30) : 0;
+  if (res->device_budget == 0 && profile.device_capacity_bytes > 0) {
+    res->device_budget = profile.device_capacity_bytes;
+    res->assumptions.push_back(StrCat("device budget ", FormatBytes(res->device_budget), ": ",
+                                      profile.device_name.empty() ? "the GPU" : profile.device_name,
+                                      "'s free memory when profiled, as the engine takes it at start "
+                                      "(--device-budget to change)"));
+  }
   if (o.host_budget) {
     res->host_budget = o.host_budget;
   } else if (config.strata.host_memory_budget) {
@@ -346,7 +360,7 @@ StatusOr<TuneResult> Tune(const Config& config, const ModelSpec& model, const Ha
     }
   }
   const bool cpu = o.device == "cpu";
-  SetBudgets(config, o, &res);
+  SetBudgets(config, profile, o, &res);
   // aio settings to try: every measured read point (write figure at the same setting, or the
   // best write when that setting was not measured for writes).
   std::vector<NvmePoint> aios;
@@ -383,12 +397,12 @@ StatusOr<TuneResult> Tune(const Config& config, const ModelSpec& model, const Ha
   // measured aio setting. The tiers hold the tuner's budgets: the device budget (less the
   // replay's compute working set, EstimateAutoReserve), the host budget less the pageable memory
   // the run needs beside the pool, and the NVMe budget (else the free disk at the path, less the
-  // 1 GiB the engine leaves). A GPU without a device budget has no capacity to fill: auto is
-  // skipped there, and says so.
+  // 1 GiB the engine leaves). A GPU without a device budget (none given, none in the profile)
+  // has no capacity to fill: auto is skipped there, and says so.
   const bool auto_ok = o.try_auto && (res.device_budget > 0 || cpu);
   if (o.try_auto && !auto_ok)
     res.assumptions.push_back("strata.placement auto skipped: it fills the device up to a budget; pass "
-                              "--device-budget (the GPU's memory) to try it");
+                              "--device-budget (the GPU's memory), or profile on the GPU machine, to try it");
   if (auto_ok) {
     const OffloadDevice host_floor = stage3 ? OffloadDevice::kCpu : OffloadDevice::kNone;
     shapes.emplace_back(PlacementMode::kAuto, host_floor, OffloadDevice::kCpu);

@@ -71,7 +71,8 @@ struct Rates {
 
 // Fills Rates from a profile for `device` ("cpu"/"cuda"). The compute rate is
 // `gflops_override` when > 0, else the profile's figure for the working dtype (`fp32`: the fp32
-// figure when measured); a figure the profile lacks fails naming the section.
+// figure when measured), which must have been measured on `device`; a figure the profile lacks
+// fails naming the section.
 // `override_source` names where an override came from in the assumption line.
 StatusOr<Rates> RatesFromProfile(const HardwareProfile& profile, const std::string& device,
                                  double gflops_override, bool fp32 = false,
@@ -87,7 +88,9 @@ StatusOr<StepPrediction> PredictStep(const Config& config, const ModelSpec& mode
 struct TuneOptions {
   int world_size = 1;
   std::string device = "cpu";
-  uint64_t device_budget = 0;  // bytes; 0: config's strata.device_memory_budget, then 4 GiB (cpu)
+  // bytes; 0: config's strata.device_memory_budget, then 4 GiB (cpu) or the profile's
+  // device_memory (cuda)
+  uint64_t device_budget = 0;
   uint64_t host_budget = 0;    // bytes; 0: config's strata.host_memory_budget, then half of RAM
   uint64_t nvme_budget = 0;    // bytes; 0: config's strata.nvme_capacity, then unlimited
   bool nvme_allowed = true;    // false when no nvme_path is known

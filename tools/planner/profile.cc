@@ -81,9 +81,11 @@ nlohmann::json HardwareProfile::ToJson() const {
   if (comm_busbw_gbps > 0)
     j["comm"] = {{"backend", comm_backend}, {"world_size", comm_world_size}, {"busbw_gbps", comm_busbw_gbps}};
   if (compute_gflops > 0) {
-    j["compute"] = {{"dtype", compute_dtype}, {"gflops", compute_gflops}};
+    j["compute"] = {{"device", compute_device}, {"dtype", compute_dtype}, {"gflops", compute_gflops}};
     if (compute_fp32_gflops > 0) j["compute"]["fp32_gflops"] = compute_fp32_gflops;
   }
+  if (device_capacity_bytes > 0)
+    j["device_memory"] = {{"name", device_name}, {"capacity_bytes", device_capacity_bytes}};
   return j;
 }
 
@@ -175,11 +177,10 @@ StatusOr<HardwareProfile> HardwareProfile::FromJson(const nlohmann::json& j) {
     }
   }
   if (j.contains("adam")) {
-    double n = 0;
     STRATA_RETURN_IF_ERROR(Num(j["adam"], "adam", "gelems_per_s", &h.adam_gelems_per_s));
-    if (j["adam"].contains("elements")) STRATA_RETURN_IF_ERROR(Num(j["adam"], "adam", "elements", &n));
+    if (j["adam"].contains("elements"))
+      STRATA_RETURN_IF_ERROR(Whole(j["adam"], "adam", "elements", 0, int64_t{1} << 50, &h.adam_elements));
     if (j["adam"].contains("isa")) STRATA_RETURN_IF_ERROR(Str(j["adam"], "adam", "isa", &h.adam_isa));
-    h.adam_elements = static_cast<int64_t>(n);
     if (j["adam"].contains("layouts")) {
       const nlohmann::json& ls = j["adam"]["layouts"];
       if (!ls.is_object()) return InvalidArgument("profile: adam.layouts must be an object of rates by layout name");
@@ -196,11 +197,23 @@ StatusOr<HardwareProfile> HardwareProfile::FromJson(const nlohmann::json& j) {
       STRATA_RETURN_IF_ERROR(Num(j["compute"], "compute", "fp32_gflops", &h.compute_fp32_gflops));
     if (j["compute"].contains("dtype"))
       STRATA_RETURN_IF_ERROR(Str(j["compute"], "compute", "dtype", &h.compute_dtype));
+    if (j["compute"].contains("device"))
+      STRATA_RETURN_IF_ERROR(Str(j["compute"], "compute", "device", &h.compute_device));
+    if (h.compute_device != "cpu" && h.compute_device != "cuda")
+      return InvalidArgument(StrCat("profile: compute.device=\"", h.compute_device, "\": must be cpu or cuda"));
+  }
+  if (j.contains("device_memory")) {
+    int64_t cap = 0;
+    STRATA_RETURN_IF_ERROR(Whole(j["device_memory"], "device_memory", "capacity_bytes", 0, int64_t{1} << 60, &cap));
+    if (j["device_memory"].contains("name"))
+      STRATA_RETURN_IF_ERROR(Str(j["device_memory"], "device_memory", "name", &h.device_name));
+    h.device_capacity_bytes = static_cast<uint64_t>(cap);
   }
   if (j.contains("comm")) {
-    double w = 0;
+    int64_t w = 0;
     STRATA_RETURN_IF_ERROR(Num(j["comm"], "comm", "busbw_gbps", &h.comm_busbw_gbps));
-    if (j["comm"].contains("world_size")) STRATA_RETURN_IF_ERROR(Num(j["comm"], "comm", "world_size", &w));
+    if (j["comm"].contains("world_size"))
+      STRATA_RETURN_IF_ERROR(Whole(j["comm"], "comm", "world_size", 0, 1 << 20, &w));
     if (j["comm"].contains("backend")) STRATA_RETURN_IF_ERROR(Str(j["comm"], "comm", "backend", &h.comm_backend));
     h.comm_world_size = static_cast<int>(w);
   }

@@ -13,7 +13,11 @@
 //    "adam": {"elements": N, "gelems_per_s": x, "isa": "avx512",
 //             "layouts": {"int8+bf16_master": x, ...} (optional: the rate of each optimizer-state
 //             layout other than fp32, keyed by StateLayout::Name())},
-//    "compute": {"dtype": "bf16"|"fp32", "gflops": x, "fp32_gflops": y (optional)},
+//    "compute": {"device": "cpu"|"cuda", "dtype": "bf16"|"fp32", "gflops": x,
+//                "fp32_gflops": y (optional)} (a matmul on the profile's device; "device" missing
+//                reads as "cpu", where profiles before it measured),
+//    "device_memory": {"name": "cuda:0 (...)", "capacity_bytes": N} (cuda only: the memory the
+//                engine's device would have, the GPU's free memory when profiled),
 //    "comm": {"backend": "gloo", "world_size": N, "busbw_gbps": x} (strata-commbench --profile),
 //    "recommended_aio": {"block_size": B, "queue_depth": Q, "intra_op_parallelism": P}}
 // Sections may be missing (a profile without --path has no "nvme"); readers say what is missing
@@ -61,9 +65,14 @@ struct HardwareProfile {
   // "bf16+bf16_master", "int8+bf16_master"); a layout missing here has no figure.
   std::map<std::string, double> adam_layout_gelems_per_s;
   std::string adam_isa;
+  std::string compute_device = "cpu";  // where the matmul ran: the profile's device
   std::string compute_dtype;      // dtype of compute_gflops ("bf16" when measured by profile)
   double compute_gflops = 0;
   double compute_fp32_gflops = 0;  // optional: fp32 matmul rate (for configs without bf16/fp16)
+  // cuda only: the device as the engine would open it (its name, and its capacity: the free
+  // memory when profiled); 0 when not measured.
+  std::string device_name;
+  uint64_t device_capacity_bytes = 0;
   // Optional: collectives' bus bandwidth (the slower of all-gather and reduce-scatter), measured
   // by strata-commbench on comm_world_size ranks; strata-tune needs it for --world-size > 1.
   std::string comm_backend;

@@ -7,7 +7,9 @@
 // - host<->device copies through Device streams, pinned and pageable, both directions, on the
 //   CPU device and on CUDA when a GPU is present;
 // - CPU Adam (optim::AdamStep, fp32 states, bf16 working copy — the engine's call) on 16M elements;
-// - a matmul FLOP rate (bf16 and fp32) for the compute lane.
+// - a matmul FLOP rate (bf16 and fp32) for the compute lane, on the GPU where there is one (and
+//   LibTorch has CUDA), else on the CPU; and the GPU's memory, the device budget strata-tune
+//   assumes there.
 // Output: a table (or --json, the schema of tools/planner/profile.h), SVG plots with --out, the
 // recommended aio block, and --apply CONFIG writes it into a config (atomically).
 #include <fcntl.h>
@@ -31,6 +33,7 @@
 #include <vector>
 
 #include <nlohmann/json.hpp>
+#include <torch/cuda.h>
 #include <torch/torch.h>
 
 #include "optim/compact_formats.h"
@@ -407,14 +410,22 @@ Status MeasureAdam(int64_t n, int reps, HardwareProfile* h) {
   return MeasureAdamLayouts(n, reps, h);
 }
 
-double MatmulGflops(torch::Dtype dtype, int64_t n, int reps) {
+// n x n matmuls on `device` (CPU, or a CUDA GPU: timed to the stream's end); the best of reps.
+double MatmulGflops(torch::Dtype dtype, int64_t n, int reps, torch::Device device) {
   torch::NoGradGuard ng;
-  torch::Tensor a = torch::randn({n, n}).to(dtype), b = torch::randn({n, n}).to(dtype);
-  torch::Tensor c = torch::matmul(a, b);  // warm-up (thread pools, packing)
+  const auto opts = torch::TensorOptions().dtype(dtype).device(device);
+  torch::Tensor a = torch::randn({n, n}, opts), b = torch::randn({n, n}, opts);
+  const bool cuda = device.is_cuda();
+  auto sync = [&] {
+    if (cuda) torch::cuda::synchronize(device.index());
+  };
+  torch::Tensor c = torch::matmul(a, b);  // warm-up (thread pools, packing; cuBLAS handles)
+  sync();
   double best = 0;
   for (int r = 0; r < reps; ++r) {
     auto t0 = Clock::now();
     c = torch::matmul(a, b);
+    sync();
     best = std::max(best, 2.0 * n * n * n / Since(t0) / 1e9);
   }
   return best;
@@ -587,8 +598,11 @@ void PrintProfile(const ProfileArgs& a, const HardwareProfile& h, const StatusOr
   std::printf("%-44s %10.3f G elements/s (%s)\n", "CPU Adam, 16M elements", h.adam_gelems_per_s, h.adam_isa.c_str());
   for (const auto& [layout, rate] : h.adam_layout_gelems_per_s)
     std::printf("%-44s %10.3f G elements/s\n", StrCat("  optimizer states ", layout).c_str(), rate);
-  std::printf("%-44s %10.1f GFLOP/s bf16, %.1f fp32\n", "matmul (LibTorch, cpu)", h.compute_gflops,
-              h.compute_fp32_gflops);
+  std::printf("%-44s %10.1f GFLOP/s bf16, %.1f fp32\n", StrCat("matmul (LibTorch, ", h.compute_device, ")").c_str(),
+              h.compute_gflops, h.compute_fp32_gflops);
+  if (h.device_capacity_bytes > 0)
+    std::printf("%-44s %10s\n", StrCat("device memory, ", h.device_name).c_str(),
+                FormatBytes(h.device_capacity_bytes).c_str());
   if (best.ok())
     std::printf("\nrecommended aio: {\"block_size\": %lld, \"queue_depth\": %lld, \"intra_op_parallelism\": %lld}\n",
                 static_cast<long long>(best->block_size), static_cast<long long>(best->queue_depth),
@@ -636,6 +650,10 @@ int RunProfile(const ProfileArgs& a) {
   progress.Step("cpu device copies");
   if (cuda) {
     auto dev = CreateDevice("cuda", 0);
+    if (dev.ok()) {  // before the copies allocate: the capacity the engine's device would have
+      h.device_name = (*dev)->name();
+      h.device_capacity_bytes = (*dev)->capacity();
+    }
     Status s = dev.ok() ? MeasureCopies(**dev, copy_bytes, full ? 8 : 4, &h, &notes) : dev.status();
     if (!s.ok()) notes.push_back(StrCat("cuda copies: ", s.message()));
     progress.Step("cuda copies");
@@ -646,11 +664,19 @@ int RunProfile(const ProfileArgs& a) {
     return 1;
   }
   progress.Step("CPU Adam 16M elements");
-  const int64_t mm = full ? 2048 : 1024;
+  // The compute rate is the training device's: a GPU's matmul where the engine would compute on
+  // one, which is three orders of magnitude above the CPU's.
+  const bool cuda_matmul = cuda && torch::cuda::is_available();
+  if (cuda && !cuda_matmul)
+    notes.push_back("this LibTorch has no CUDA: the matmul figure is the CPU's, not the GPU's "
+                    "(strata-tune --device cuda then needs --gflops)");
+  const int64_t mm = cuda_matmul ? 8192 : full ? 2048 : 1024;
+  const torch::Device mm_device = cuda_matmul ? torch::Device(torch::kCUDA, 0) : torch::Device(torch::kCPU);
+  h.compute_device = cuda_matmul ? "cuda" : "cpu";
   h.compute_dtype = "bf16";
-  h.compute_gflops = MatmulGflops(torch::kBFloat16, mm, full ? 5 : 3);
-  h.compute_fp32_gflops = MatmulGflops(torch::kFloat32, mm, full ? 5 : 3);
-  progress.Step("matmul bf16/fp32 (cpu)");
+  h.compute_gflops = MatmulGflops(torch::kBFloat16, mm, full ? 5 : 3, mm_device);
+  h.compute_fp32_gflops = MatmulGflops(torch::kFloat32, mm, full ? 5 : 3, mm_device);
+  progress.Step(StrCat("matmul bf16/fp32 (", h.compute_device, ")"));
 
   nlohmann::json j = h.ToJson();
   j["mode"] = full ? "full" : "quick";
@@ -698,8 +724,8 @@ void RegisterProfileCommand(CLI::App& app, int* exit_code) {
       "Measures everything strata-tune needs: NVMe read/write over aio block_size x queue_depth x "
       "intra_op_parallelism (fio beside it when installed), DRAM streaming copy, host<->device "
       "copies (pinned and pageable, both directions) through Device streams, CPU Adam on 16M "
-      "elements and a matmul FLOP rate. Prints a table (or --json for strata-tune --profile), "
-      "writes SVG plots with --out, recommends an aio block and writes it with --apply.");
+      "elements, a matmul FLOP rate (on the GPU when there is one) and the GPU's free memory. "
+      "Prints a table (or --json for strata-tune --profile), writes SVG plots with --out, recommends an aio block and writes it with --apply.");
   cmd->add_flag("--quick", args->quick, "a small sweep (2 block sizes x 2 queue depths, 256 MiB file): under a minute");
   cmd->add_flag("--full", args->full, "the full sweep (4 block sizes x 4 queue depths x 2 rings, 1 GiB file)");
   cmd->add_option("--path", args->path, "directory on the NVMe drive to measure (a 256 MiB/1 GiB file is created and "

@@ -238,7 +238,8 @@ void AddOptions(CLI::App* app, Args* a) {
   app->add_option("--out", a->out_path, "where to write the tuned config (default: <config>.tuned.json)");
   app->add_option("--world-size", a->world_s, "ranks (default 1)");
   app->add_option("--device", a->device, "cpu or cuda (default: the config's strata.device; auto reads as cpu)");
-  app->add_option("--device-budget", a->dev_budget, "device memory per rank, e.g. 40GiB (default: strata.device_memory_budget; cpu: 4GiB)");
+  app->add_option("--device-budget", a->dev_budget, "device memory per rank, e.g. 40GiB (default: strata.device_memory_budget; cpu: 4GiB; "
+                  "cuda: the GPU's free memory in the profile)");
   app->add_option("--host-budget", a->host_budget, "host memory per rank (default: strata.host_memory_budget, else half of RAM)");
   app->add_option("--nvme-budget", a->nvme_budget, "NVMe bytes per rank (default: strata.nvme_capacity, else unlimited)");
   app->add_option("--nvme-path", a->nvme_path, "NVMe directory for candidates that use NVMe (default: the config's, "

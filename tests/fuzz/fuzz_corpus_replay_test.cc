@@ -1,6 +1,6 @@
 // Replays the committed fuzz corpora (tests/fuzz/corpus/<target>/) and a few thousand
-// deterministic mutations of them through the three untrusted-input readers: the config parser,
-// the swap-store index reader and the checkpoint manifest reader. Built with any compiler (CI uses
+// deterministic mutations of them through the untrusted-input readers: the config parser, the
+// swap-store index reader, the checkpoint manifest reader and the hardware profile reader. Built with any compiler (CI uses
 // g++, which has no libFuzzer): a short, reproducible stand-in for tools/scripts/fuzz.sh.
 //
 // Every input must either parse and round-trip, or be rejected with a non-OK Status carrying a
@@ -229,6 +229,7 @@ void ReplayTarget(const std::string& target, const Entry& entry) {
 TEST(FuzzCorpusReplay, Config) { ReplayTarget("config", FuzzConfig); }
 TEST(FuzzCorpusReplay, SwapIndex) { ReplayTarget("swap_index", FuzzSwapIndex); }
 TEST(FuzzCorpusReplay, Manifest) { ReplayTarget("manifest", FuzzManifest); }
+TEST(FuzzCorpusReplay, Profile) { ReplayTarget("profile", FuzzProfile); }
 
 TEST(FuzzCorpusReplay, WriteGeneratedSeeds) {
   const char* dir = std::getenv("STRATA_FUZZ_WRITE_SEEDS");

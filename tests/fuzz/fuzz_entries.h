@@ -1,4 +1,4 @@
-// The three untrusted-input readers as fuzz entry points, shared by the libFuzzer targets
+// The untrusted-input readers as fuzz entry points, shared by the libFuzzer targets
 // (built with -DSTRATA_FUZZ=ON and clang) and by fuzz_corpus_replay_test (always built, g++ too).
 //
 // Each entry parses `bytes` and checks what must hold for any input:
@@ -16,6 +16,8 @@
 #include "runtime/base/status.h"
 #include "runtime/state/checkpoint.h"
 #include "tiers/nvme/swap_index.h"
+#include "tools/planner/cost_model.h"
+#include "tools/planner/profile.h"
 
 namespace strata::fuzz {
 
@@ -87,6 +89,40 @@ inline Status FuzzManifest(std::string_view bytes, std::string* bug) {
     return Status();
   } catch (const std::exception& e) {
     *bug = std::string("exception escaped ParseManifest: ") + e.what();
+    return Internal(*bug);
+  }
+}
+
+// The hardware profile strata-tune and strata-estimate read (--profile): besides the parse, the
+// readers of an accepted profile (the rates for either device, the recommended aio setting) must
+// answer with a value or a Status.
+inline Status FuzzProfile(std::string_view bytes, std::string* bug) {
+  bug->clear();
+  try {
+    auto h = planner::HardwareProfile::FromJsonText(bytes, "<fuzz>");
+    if (!h.ok()) {
+      internal::CheckRejection(h.status(), bug);
+      return h.status();
+    }
+    for (const char* device : {"cpu", "cuda"}) {
+      auto r = planner::RatesFromProfile(*h, device, 0);
+      if (!r.ok()) internal::CheckRejection(r.status(), bug);
+    }
+    auto best = h->BestAio();
+    if (!best.ok()) internal::CheckRejection(best.status(), bug);
+    auto again = planner::HardwareProfile::FromJsonText(h->ToJson().dump(), "<fuzz:round-trip>");
+    if (!again.ok()) {
+      *bug = "an accepted profile writes JSON that does not read back: " + again.status().ToString();
+    } else if (again->nvme.size() != h->nvme.size() || again->copies.size() != h->copies.size() ||
+               again->dram_gbps != h->dram_gbps || again->adam_gelems_per_s != h->adam_gelems_per_s ||
+               again->compute_gflops != h->compute_gflops ||
+               again->device_capacity_bytes != h->device_capacity_bytes ||
+               (h->compute_gflops > 0 && again->compute_device != h->compute_device)) {
+      *bug = "an accepted profile does not survive a write/read round trip";
+    }
+    return Status();
+  } catch (const std::exception& e) {
+    *bug = std::string("exception escaped HardwareProfile::FromJsonText: ") + e.what();
     return Internal(*bug);
   }
 }

@@ -226,10 +226,14 @@ StatusOr<HardwareProfile> HardwareProfile::FromFile(const std::string& path) {
                                   path, "`)"));
   std::stringstream ss;
   ss << in.rdbuf();
-  auto j = nlohmann::json::parse(ss.str(), nullptr, /*allow_exceptions=*/false);
-  if (j.is_discarded()) return InvalidArgument(StrCat("profile ", path, ": not valid JSON"));
+  return FromJsonText(ss.str(), path);
+}
+
+StatusOr<HardwareProfile> HardwareProfile::FromJsonText(std::string_view text, const std::string& source) {
+  auto j = nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);
+  if (j.is_discarded()) return InvalidArgument(StrCat("profile ", source, ": not valid JSON"));
   auto h = FromJson(j);
-  if (!h.ok()) return h.status().WithContext(path);
+  if (!h.ok()) return h.status().WithContext(source);
   return h;
 }
 

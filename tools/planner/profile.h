@@ -27,6 +27,7 @@
 #include <cstdint>
 #include <map>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include <nlohmann/json_fwd.hpp>
@@ -91,6 +92,8 @@ struct HardwareProfile {
   nlohmann::json ToJson() const;
   // Fails with the key that is malformed (missing sections are allowed).
   static StatusOr<HardwareProfile> FromJson(const nlohmann::json& j);
+  // The same from JSON text; `source` (the file's path) names it in messages.
+  static StatusOr<HardwareProfile> FromJsonText(std::string_view text, const std::string& source);
   static StatusOr<HardwareProfile> FromFile(const std::string& path);
 };
 

@@ -17,7 +17,7 @@ seconds="${1:-60}"
 jobs="${STRATA_JOBS:-$(nproc)}"
 nice_level="${STRATA_NICE:-0}"
 dir="${STRATA_FUZZ_BUILD:-build-fuzz}"
-read -r -a targets <<<"${STRATA_FUZZ_TARGETS:-config swap_index manifest}"
+read -r -a targets <<<"${STRATA_FUZZ_TARGETS:-config swap_index manifest profile}"
 
 bash tools/scripts/setup.sh --fuzz
 if ! command -v clang++ >/dev/null 2>&1; then

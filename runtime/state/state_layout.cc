@@ -5,6 +5,15 @@
 
 namespace strata {
 
+optim::MomentFormat StateLayout::MomentsOf(StateDtype dtype) {
+  switch (dtype) {
+    case StateDtype::kFp32: return optim::MomentFormat::kFp32;
+    case StateDtype::kBf16: return optim::MomentFormat::kBf16;
+    case StateDtype::kInt8: return optim::MomentFormat::kInt8;
+  }
+  return optim::MomentFormat::kFp32;
+}
+
 std::string StateLayout::Name() const {
   return StrCat(optim::MomentFormatName(moments), bf16_master ? "+bf16_master" : "");
 }

@@ -10,6 +10,7 @@
 #include <string>
 
 #include "optim/compact_step.h"
+#include "runtime/base/config.h"
 #include "runtime/base/status.h"
 #include "runtime/state/partitioner.h"
 
@@ -32,6 +33,9 @@ struct StateLayout {
   // rounded to nearest.
   void Decode(StateKind kind, const void* block, int64_t n, float* out) const;
   void Encode(StateKind kind, const float* values, int64_t n, void* block) const;
+
+  // The moments' format strata.optimizer_state_dtype names.
+  static optim::MomentFormat MomentsOf(StateDtype dtype);
 
   bool operator==(const StateLayout& o) const { return bf16_master == o.bf16_master && moments == o.moments; }
   bool operator!=(const StateLayout& o) const { return !(*this == o); }

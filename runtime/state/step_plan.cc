@@ -270,9 +270,7 @@ uint64_t StepPlan::BlockBytes(StateKind kind, int64_t shard_numel) const {
 // Note [compact layouts]: which master and moment formats, and where they can run.
 Status StepPlan::ChooseLayout(const Inputs& in) {
   const Config& c = *in.config;
-  moment_format_ = c.strata.optimizer_state_dtype == StateDtype::kInt8   ? optim::MomentFormat::kInt8
-                   : c.strata.optimizer_state_dtype == StateDtype::kBf16 ? optim::MomentFormat::kBf16
-                                                                         : optim::MomentFormat::kFp32;
+  moment_format_ = StateLayout::MomentsOf(c.strata.optimizer_state_dtype);
   if (c.bf16.bf16_master_weights_and_grads)
     master_format_ = c.strata.stochastic_rounding ? optim::MasterFormat::kBf16Stochastic
                                                   : optim::MasterFormat::kBf16Nearest;

@@ -10,7 +10,7 @@
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   std::string bug;
-  strata::fuzz::FuzzConfig(std::string_view(reinterpret_cast<const char*>(data), size), &bug);
+  (void)strata::fuzz::FuzzConfig(std::string_view(reinterpret_cast<const char*>(data), size), &bug);
   if (!bug.empty()) {
     std::fprintf(stderr, "config_fuzz: %s\n", bug.c_str());
     std::abort();

@@ -10,7 +10,7 @@
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   std::string bug;
-  strata::fuzz::FuzzManifest(std::string_view(reinterpret_cast<const char*>(data), size), &bug);
+  (void)strata::fuzz::FuzzManifest(std::string_view(reinterpret_cast<const char*>(data), size), &bug);
   if (!bug.empty()) {
     std::fprintf(stderr, "manifest_fuzz: %s\n", bug.c_str());
     std::abort();

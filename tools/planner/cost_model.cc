@@ -215,9 +215,7 @@ std::string Candidate::Describe() const {
 StateLayout ConfigLayout(const Config& config) {
   StateLayout l;
   l.bf16_master = config.bf16.enabled && config.bf16.bf16_master_weights_and_grads;
-  l.moments = config.strata.optimizer_state_dtype == StateDtype::kInt8   ? optim::MomentFormat::kInt8
-              : config.strata.optimizer_state_dtype == StateDtype::kBf16 ? optim::MomentFormat::kBf16
-                                                                         : optim::MomentFormat::kFp32;
+  l.moments = StateLayout::MomentsOf(config.strata.optimizer_state_dtype);
   return l;
 }
 

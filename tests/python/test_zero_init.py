@@ -6,7 +6,9 @@ normal model holding the same values. On two ranks only rank 0 stages, and rank 
 parameters over a scratch region, yet both train exactly as a normal build."""
 
 import copy
+import json
 import os
+import subprocess
 
 import pytest
 import torch
@@ -291,3 +293,36 @@ def test_a_temporary_directory_in_memory_is_not_where_it_stages(tmp_path, monkey
     with pytest.warns(UserWarning, match=f"{shm}/x is kept in memory"):
         with strata.zero.Init(nvme_path=f"{shm}/x"):
             pass
+
+
+@pytest.mark.skipif("STRATA_BIN" not in os.environ, reason="needs the build's strata-estimate")
+def test_the_estimate_of_a_python_build_is_the_file_zero_init_writes(tmp_path):
+    """`strata-estimate --build python` counts the staging file this Init writes: every
+    parameter, the large matrices included (strata-train draws those instead of staging them),
+    at any stage and offload; in bf16 for a bf16 master."""
+    from gpt2_model import GPT2
+
+    shape = {"vocab_size": 256, "seq_len": 32, "d_model": 2048, "n_layers": 1, "n_heads": 16}
+    tool = os.path.join(os.environ["STRATA_BIN"], "strata-estimate")
+    for bf16_master in (False, True):
+        cfg = _bf16_master_config(tmp_path) if bf16_master else {
+            "train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+            "zero_optimization": {"stage": 2}}
+        cfg = dict(cfg, model=shape)
+        path = tmp_path / f"cfg-{bf16_master}.json"
+        path.write_text(json.dumps(cfg))
+        est = {}
+        for build in ("strata-train", "python"):
+            out = subprocess.run([tool, "--config", str(path), "--build", build, "--json"],
+                                 check=True, capture_output=True, text=True).stdout
+            est[build] = json.loads(out)
+        with strata.zero.Init(config_dict_or_path=cfg, nvme_path=str(tmp_path)) as init:
+            model = GPT2(**shape)
+        numel = sum(p.numel() for p in model.parameters())
+        assert init.staged_bytes == numel * (2 if bf16_master else 4)
+        assert est["python"]["staged_bytes"] == init.staged_bytes, (bf16_master, est["python"]["notes"])
+        assert est["python"]["init_disk_peak_bytes"] >= init.staged_bytes
+        # strata-train's build of the same config stages less: nothing below stage 3 without NVMe
+        # parameter offload, and at d_model 2048 not the two 2^24-element MLP matrices.
+        want_train = 0 if not bf16_master else init.staged_bytes - 2 * (1 << 24) * 2
+        assert est["strata-train"]["staged_bytes"] == want_train, est["strata-train"]["notes"]

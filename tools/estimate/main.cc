@@ -51,7 +51,7 @@ StatusOr<uint64_t> BytesFlag(const std::string& flag, const std::string& v) {
 // --largest: the machine's budgets (flags, else this machine), the search, and its report.
 int RunLargest(const Config& config, const std::string& device, const std::string& hbm,
                const std::string& host, const std::string& disk, std::string nvme_path,
-               const std::string& profile_path, int world, bool json) {
+               const std::string& profile_path, int world, EstimateOptions::Build build, bool json) {
   auto fail = [](const Status& s) {
     std::cerr << "strata-estimate: " << s.message() << "\nRun `strata-estimate --help` for the options.\n";
     return 2;
@@ -59,6 +59,7 @@ int RunLargest(const Config& config, const std::string& device, const std::strin
   LargestOptions o;
   o.device = device.empty() ? (config.strata.device == "cuda" ? "cuda" : "cpu") : device;
   o.world_size = world;
+  o.build = build;
   if (nvme_path.empty())
     nvme_path = !config.zero_optimization.offload_optimizer.nvme_path.empty()
                     ? config.zero_optimization.offload_optimizer.nvme_path.front()
@@ -166,7 +167,7 @@ int main(int argc, char** argv) {
   std::string config_path, params, largest, device, stage_s, off_param, off_optim;
   std::string world_s = "1";
   bool json = false, largest_mode = false;
-  std::string hbm, host, disk, nvme_path, profile_path;
+  std::string hbm, host, disk, nvme_path, profile_path, build_s = "strata-train";
   app.add_option("--config", config_path,
                  "DeepSpeed-style config (strata-train's); its \"model\" section describes the GPT");
   app.add_option("--params", params, "model size in elements, instead of a \"model\" section (e.g. 1.3e9)");
@@ -188,6 +189,11 @@ int main(int argc, char** argv) {
                                  "with --largest, or under strata.placement auto");
   app.add_option("--nvme-path", nvme_path, "with --largest: where NVMe state would go (default: the config's, else /var/tmp/strata-nvme)");
   app.add_option("--profile", profile_path, "with --largest: a `strata-swapbench profile --json` report, to predict the bounding lane");
+  app.add_option("--build", build_s,
+                 "how the model is built, which sets the disk it needs at start: strata-train (default; "
+                 "its zero::Init stages a stage-3 model with NVMe parameter offload, all but the large "
+                 "matrices it draws as the engine reads them) or python (a script's strata.zero.Init stages "
+                 "every parameter, whatever the stage and offload, in the NVMe directory, else /var/tmp)");
   app.add_flag("--json", json, "print JSON (hbm_bytes, host_pinned_bytes, host_pageable_bytes, nvme_bytes, "
                                "per_state, breakdown, notes, bytes_per_param: the model state per parameter over every "
                                "tier and rank) instead of a table");
@@ -231,13 +237,19 @@ int main(int argc, char** argv) {
     if (!d.ok()) return fail(d.status(), 2);
     config.zero_optimization.offload_optimizer.device = *d;
   }
+  if (build_s != "strata-train" && build_s != "python")
+    return fail(InvalidArgument(StrCat("--build=", build_s, ": must be strata-train or python")), 2);
+  const auto build = build_s == "python" ? EstimateOptions::Build::kPythonZeroInit
+                                         : EstimateOptions::Build::kStrataTrain;
   if (largest_mode)
-    return RunLargest(config, device, hbm, host, disk, nvme_path, profile_path, static_cast<int>(*world), json);
+    return RunLargest(config, device, hbm, host, disk, nvme_path, profile_path, static_cast<int>(*world), build,
+                      json);
   auto model = ModelFromArgs(have_raw ? &raw : nullptr, config, params, largest);
   if (!model.ok()) return fail(model.status(), 2);
   EstimateOptions eo;
   eo.world_size = static_cast<int>(*world);
   eo.device = device;
+  eo.build = build;
   MeasureForAuto(config, &eo);
   // Another machine's budgets: the plan placement auto would make there.
   if (!hbm.empty() || !host.empty() || !disk.empty()) {

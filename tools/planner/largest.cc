@@ -17,7 +17,7 @@ std::string Overflows(const MemoryEstimate& est, const LargestOptions& o) {
     return StrCat("nvme ", FormatBytes(est.nvme_bytes), " > ", FormatBytes(o.disk_bytes));
   // The start's disk peak: zero::Init's staging file beside the blocks written so far.
   if (est.init_disk_peak_bytes > o.disk_bytes)
-    return StrCat("disk at start (zero::Init staging + NVMe blocks) ", FormatBytes(est.init_disk_peak_bytes),
+    return StrCat("disk at start (the staging file + NVMe blocks) ", FormatBytes(est.init_disk_peak_bytes),
                   " > ", FormatBytes(o.disk_bytes));
   return "";
 }
@@ -46,6 +46,7 @@ Try Estimate(const Config& base, const LargestOptions& o, int64_t layers, int64_
   eo.device_capacity = o.device_bytes;
   eo.host_available = o.host_bytes;
   eo.disk_free = o.disk_bytes;
+  eo.build = o.build;
   auto est = EstimateAutoReserve(t.config, *spec, eo);
   if (!est.ok()) {
     t.why = est.status().message();

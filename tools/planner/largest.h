@@ -36,6 +36,7 @@ struct LargestOptions {
   uint64_t disk_bytes = 0;     // free disk at the NVMe path (0: no NVMe)
   std::string nvme_path;       // written into the configs tried
   int world_size = 1;
+  EstimateOptions::Build build = EstimateOptions::Build::kStrataTrain;  // whose staging bounds the disk
 };
 
 struct LargestResult {

@@ -460,8 +460,12 @@ StatusOr<MemoryEstimate> EstimateMemory(const Config& config, const ModelSpec& m
   // file beside the blocks written so far; its peak is at the start or after some chunk. The
   // file's alignment padding (under 4 KiB a parameter) is left out. Only rank 0 stages (the
   // others build shapes and take rank 0's values by broadcast), so this is rank 0's peak.
-  const bool staged = z.stage == 3 && z.offload_param.device == OffloadDevice::kNvme &&
-                      (!z.offload_param.nvme_path.empty() || options.assume_nvme_path);
+  // A Python script's strata.zero.Init (python/strata/zero.py) stages every parameter, in the
+  // same dtype by default, whatever the stage and offload: in the NVMe directory when the config
+  // names one, else in /var/tmp, which the estimate takes to be the same disk.
+  const bool python = options.build == EstimateOptions::Build::kPythonZeroInit;
+  const bool staged = python || (z.stage == 3 && z.offload_param.device == OffloadDevice::kNvme &&
+                                 (!z.offload_param.nvme_path.empty() || options.assume_nvme_path));
   if (staged) {
     const uint64_t stage_esize = config.bf16.enabled && config.bf16.bf16_master_weights_and_grads ? 2 : 4;
     std::vector<uint64_t> chunk_staged(chunks.size(), 0);
@@ -469,7 +473,7 @@ StatusOr<MemoryEstimate> EstimateMemory(const Config& config, const ModelSpec& m
     for (size_t ch = 0; ch < chunks.size(); ++ch) {
       for (int64_t pid : chunks[ch].params) {
         const ParamSpec& ps = model.params[static_cast<size_t>(pid)];
-        (ps.generated ? generated : chunk_staged[ch]) += static_cast<uint64_t>(ps.numel) * stage_esize;
+        (ps.generated && !python ? generated : chunk_staged[ch]) += static_cast<uint64_t>(ps.numel) * stage_esize;
       }
       left += chunk_staged[ch];
     }
@@ -482,14 +486,18 @@ StatusOr<MemoryEstimate> EstimateMemory(const Config& config, const ModelSpec& m
       peak = std::max(peak, left + written);
     }
     est.init_disk_peak_bytes = peak;
-    est.notes.push_back(StrCat("engine init reads the model from zero::Init's staging file (",
-                               FormatBytes(est.staged_bytes), stage_esize == 2 ? " of bf16" : " of fp32",
-                               " in the NVMe directory",
+    est.notes.push_back(StrCat("engine init reads the model from ", python ? "strata.zero.Init" : "zero::Init",
+                               "'s staging file (", FormatBytes(est.staged_bytes),
+                               stage_esize == 2 ? " of bf16" : " of fp32",
+                               python && z.offload_param.nvme_path.empty() && z.offload_optimizer.nvme_path.empty()
+                                   ? " in /var/tmp"
+                                   : " in the NVMe directory",
                                generated > 0 ? StrCat("; the ", FormatBytes(generated),
                                                       " of large matrices are drawn as it reads them")
                                              : std::string(),
-                               ") while it writes the NVMe blocks: the disk peaks at ",
-                               FormatBytes(peak), " during the start",
+                               written > 0 ? StrCat(") while it writes the NVMe blocks: the disk peaks at ",
+                                                    FormatBytes(peak), " during the start")
+                                           : std::string("), punching out what it has read"),
                                options.world_size > 1 ? " (on rank 0; the other ranks stage nothing)" : ""));
   } else {
     est.notes.push_back(StrCat("engine init (Engine::Create) also holds the model's fp32 parameters plus one "

@@ -59,6 +59,11 @@ struct EstimateOptions {
   uint64_t host_capacity = 0;  // StepPlan::Inputs::host_capacity: a planned host tier, as is
   uint64_t disk_free = 0;
   bool assume_nvme_path = false;  // plan as if an nvme_path were set (--largest)
+  // How the model is built (Note [init disk peak] in memory_model.cc): strata-train's zero::Init
+  // stages a stage-3 model with NVMe parameter offload, all but its generated weights; a Python
+  // script's strata.zero.Init stages every parameter, whatever the stage and offload.
+  enum class Build { kStrataTrain, kPythonZeroInit };
+  Build build = Build::kStrataTrain;
 };
 
 struct MemoryEstimate {

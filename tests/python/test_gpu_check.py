@@ -73,7 +73,7 @@ def test_bench_json_ratio_against_the_peer_and_failures_named(tmp_path):
                                    "fio": {"op": "read", "gbps": 6.8}},
         "dram": {"copy_gbps": 20.0},
         "copies": [{"device": "cuda", "memory": "pinned", "direction": "h2d", "gbps": 25.0}],
-        "adam": {"gelems_per_s": 1.5}, "compute": {"dtype": "bf16", "gflops": 700000.0}}))
+        "adam": {"gelems_per_s": 1.5}, "compute": {"device": "cuda", "dtype": "bf16", "gflops": 700000.0}}))
     out = tmp_path / "bench.json"
     with open(out, "w") as f:
         subprocess.run([sys.executable, util.__file__, "bench-json", str(tmp_path)], check=True, stdout=f)
@@ -85,6 +85,7 @@ def test_bench_json_ratio_against_the_peer_and_failures_named(tmp_path):
     c = b["ceilings"]
     assert c["nvme_read_gbps"] == 6.5 and c["fio_read_gbps"] == 6.8
     assert c["cuda_h2d_pinned_gbps"] == 25.0 and c["matmul_bf16_gflops"] == 700000.0
+    assert c["matmul_device"] == "cuda"
 
 
 def test_configs_place_every_state_as_asked(tmp_path):

@@ -172,6 +172,7 @@ def ceilings(profile_path):
     comp = prof.get("compute", {})
     if comp:
         out[f"matmul_{comp.get('dtype')}_gflops"] = comp.get("gflops")
+        out["matmul_device"] = comp.get("device", "cpu")  # profiles before 2026-11-28: the CPU's
         if comp.get("fp32_gflops"):
             out["matmul_fp32_gflops"] = comp["fp32_gflops"]
     return out

@@ -130,6 +130,46 @@ TEST(EstimateCliTest, AnotherMachinesBudgetsPlanPlacementAuto) {
   EXPECT_NE(r.out.find("--host=lots"), std::string::npos) << r.out;
 }
 
+// --largest on a GPU: without --hbm the device is the GPU's free memory a profile made there
+// measured, and the prediction has every lane, NVMe's at the profile's figures (the config's aio
+// setting was not measured, so at the best point, said so). Before, a cuda --largest needed
+// --hbm, and the NVMe lane was predicted at 0 s.
+TEST(EstimateCliTest, LargestOnCudaTakesTheProfilesGpuMemoryAndPredictsTheNvmeLane) {
+  strata::testing::TempDir dir;
+  nlohmann::json profile = nlohmann::json::parse(Profile(1.0));
+  profile["device"] = "cuda";
+  profile["copies"] = nlohmann::json::array();
+  for (const char* d : {"h2d", "d2h"})
+    profile["copies"].push_back({{"device", "cuda"}, {"memory", "pinned"}, {"direction", d}, {"gbps", 20.0}});
+  profile["compute"] = {{"device", "cuda"}, {"dtype", "bf16"}, {"gflops", 1e5}};
+  Write(dir.path() + "/p.json", profile.dump());
+  Write(dir.path() + "/c.json", R"({
+  "train_micro_batch_size_per_gpu": 1, "bf16": {"enabled": true},
+  "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}, "zero_optimization": {"stage": 3},
+  "strata": {"chunk_size": "16MiB"}, "model": {"seq_len": 128, "vocab_size": 256}
+})");
+  const std::string cmd = std::string(STRATA_ESTIMATE_BIN) + " --largest --config " + dir.path() +
+                          "/c.json --device cuda --host 4GiB --disk 8GiB --json --profile " + dir.path() + "/p.json";
+  // A profile without the GPU's memory gives no device size.
+  Result r = Exec(cmd);
+  EXPECT_EQ(r.rc, 2) << r.out;
+  EXPECT_NE(r.out.find("--hbm"), std::string::npos) << r.out;
+  profile["device_memory"] = {{"name", "cuda:0 (Test GPU)"}, {"capacity_bytes", 2ull << 30}};
+  Write(dir.path() + "/p.json", profile.dump());
+  r = Exec(cmd);
+  ASSERT_EQ(r.rc, 0) << r.out;
+  const nlohmann::json j = nlohmann::json::parse(r.out.substr(r.out.find('{')));
+  EXPECT_EQ(j["budgets"]["device_bytes"].get<uint64_t>(), 2ull << 30);
+  ASSERT_GT(j["largest"]["nvme_bytes"].get<uint64_t>(), 0u) << j.dump(2);  // the budgets push state to NVMe
+  const nlohmann::json& p = j["prediction"];
+  EXPECT_GT(p["bytes_nvme_read"].get<double>(), 0);
+  // 1 GB/s each way: the lane's time is its bytes at that rate.
+  EXPECT_NEAR(p["nvme_s"].get<double>(),
+              (p["bytes_nvme_read"].get<double>() + p["bytes_nvme_write"].get<double>()) / 1e9,
+              1e-6 * p["nvme_s"].get<double>());
+  EXPECT_NE(j["assumptions"].dump().find("best point"), std::string::npos) << j.dump(2);
+}
+
 TEST(TuneCliTest, BadArgumentsExitTwo) {
   testing::TempDir dir;
   Write(dir.path() + "/c.json", kConfig);

@@ -7,6 +7,7 @@
 #include <iostream>
 #include <optional>
 #include <tuple>
+#include <vector>
 #include <string>
 
 #include <nlohmann/json.hpp>
@@ -65,6 +66,12 @@ int RunLargest(const Config& config, const std::string& device, const std::strin
                     ? config.zero_optimization.offload_optimizer.nvme_path.front()
                     : "/var/tmp/strata-nvme";
   o.nvme_path = nvme_path;
+  std::optional<HardwareProfile> prof;
+  if (!profile_path.empty()) {
+    auto p = HardwareProfile::FromFile(profile_path);
+    if (!p.ok()) return fail(p.status());
+    prof = *p;
+  }
   std::string source;
   if (!hbm.empty()) {
     auto b = BytesFlag("--hbm", hbm);
@@ -74,8 +81,12 @@ int RunLargest(const Config& config, const std::string& device, const std::strin
     o.device_bytes = config.strata.device_memory_budget;
   } else if (o.device == "cpu") {
     o.device_bytes = 4ull << 30;  // the CPU device's default budget
+  } else if (prof && prof->device_capacity_bytes > 0) {
+    o.device_bytes = prof->device_capacity_bytes;
+    source += StrCat(" device: the free memory of ", prof->device_name, " in the profile;");
   } else {
-    return fail(InvalidArgument("--largest on cuda needs the GPU's memory: pass --hbm (e.g. --hbm 80GiB)"));
+    return fail(InvalidArgument("--largest on cuda needs the GPU's memory: pass --hbm (e.g. --hbm 80GiB), or a "
+                                "--profile made on the GPU machine"));
   }
   // A flag's size, else what this machine has (and the report says where it came from).
   for (auto [flag, text, out, measured, from] :
@@ -95,11 +106,17 @@ int RunLargest(const Config& config, const std::string& device, const std::strin
   // The lane that bounds the step, when a measured profile is given.
   std::optional<StepPrediction> pred;
   std::string lane;
-  if (!profile_path.empty()) {
-    auto prof = HardwareProfile::FromFile(profile_path);
-    if (!prof.ok()) return fail(prof.status());
+  std::vector<std::string> assumptions;  // the rates' (where a figure came from)
+  if (prof) {
     auto rates = RatesFromProfile(*prof, o.device, 0, !r->config.bf16.enabled && !r->config.fp16.enabled);
     if (!rates.ok()) return fail(rates.status());
+    SetNvmeRates(*prof, r->config.aio, &*rates);
+    rates->comm_busbw_gbps = prof->comm_busbw_gbps;
+    if (world > 1 && rates->comm_busbw_gbps <= 0)
+      return fail(InvalidArgument(StrCat("--world-size ", world, " with --profile needs the collectives' bandwidth: "
+                                         "run `strata-launch --nproc ", world, " -- strata-commbench --profile ",
+                                         profile_path, "` to add it")));
+    assumptions = rates->assumptions;
     auto spec = GptModelSpec(r->shape);
     if (!spec.ok()) return fail(spec.status());
     auto p = PredictStep(r->config, *spec, r->estimate, *rates, o.device, world);
@@ -117,7 +134,7 @@ int RunLargest(const Config& config, const std::string& device, const std::strin
                         {"bytes_per_param", r->estimate.bytes_per_param},
                         {"budgets", {{"device", o.device}, {"device_bytes", o.device_bytes},
                                      {"host_bytes", o.host_bytes}, {"disk_bytes", o.disk_bytes}}}};
-    if (pred) j["prediction"] = pred->ToJson(), j["bounding_lane"] = lane;
+    if (pred) j["prediction"] = pred->ToJson(), j["bounding_lane"] = lane, j["assumptions"] = assumptions;
     std::cout << j.dump(2) << "\n";
     return 0;
   }
@@ -138,8 +155,10 @@ int RunLargest(const Config& config, const std::string& device, const std::strin
     std::printf("cost model: step %.3g s bound by the %s (compute thread %.3g s, optimizer lane %.3g s, "
                 "nvme %.3g s, copy %.3g s)\n",
                 pred->step_s, lane.c_str(), pred->main_s, pred->lane_s, pred->nvme_s, pred->copy_s);
-  if (pred)
+  if (pred) {
+    for (const std::string& a : assumptions) std::cout << "  assumed: " << a << "\n";
     for (const std::string& note : pred->notes) std::cout << "  note: " << note << "\n";
+  }
   if (!pred)
     std::cout << "bounding lane: pass --profile (a `strata-swapbench profile --json` report) to predict it\n";
   std::cout << "one layer more does not fit: " << r->next_refused << "\n";
@@ -188,7 +207,8 @@ int main(int argc, char** argv) {
   app.add_option("--disk", disk, "free disk for NVMe offload on the machine to plan for (default: free at --nvme-path); "
                                  "with --largest, or under strata.placement auto");
   app.add_option("--nvme-path", nvme_path, "with --largest: where NVMe state would go (default: the config's, else /var/tmp/strata-nvme)");
-  app.add_option("--profile", profile_path, "with --largest: a `strata-swapbench profile --json` report, to predict the bounding lane");
+  app.add_option("--profile", profile_path, "with --largest: a `strata-swapbench profile --json` report, to predict the bounding lane "
+                                            "(and, on cuda without --hbm, the GPU's memory it measured)");
   app.add_option("--build", build_s,
                  "how the model is built, which sets the disk it needs at start: strata-train (default; "
                  "its zero::Init stages a stage-3 model with NVMe parameter offload, all but the large "

@@ -70,6 +70,28 @@ StatusOr<Rates> RatesFromProfile(const HardwareProfile& p, const std::string& de
   return r;
 }
 
+void SetNvmeRates(const HardwareProfile& profile, const AioConfig& aio, Rates* rates) {
+  auto read = profile.NvmeGbps(false, aio.block_size, aio.queue_depth, aio.intra_op_parallelism);
+  auto write = profile.NvmeGbps(true, aio.block_size, aio.queue_depth, aio.intra_op_parallelism);
+  if (read.ok() && write.ok()) {
+    rates->nvme_read_gbps = *read;
+    rates->nvme_write_gbps = *write;
+    return;
+  }
+  auto best = profile.BestAio();
+  if (!best.ok()) {
+    rates->assumptions.push_back("the profile has no NVMe points: the prediction has no NVMe lane "
+                                 "(profile with --path on the NVMe drive)");
+    return;
+  }
+  rates->nvme_read_gbps = read.ok() ? *read : best->gbps;
+  auto best_write = profile.NvmeGbps(true, best->block_size, best->queue_depth, best->parallelism);
+  rates->nvme_write_gbps = write.ok() ? *write : best_write.ok() ? *best_write : best->gbps;
+  rates->assumptions.push_back(StrCat("NVMe at the profile's best point (", FormatBytes(static_cast<uint64_t>(best->block_size)),
+                                      " x QD", best->queue_depth, " x", best->parallelism,
+                                      "): the config's aio setting was not measured"));
+}
+
 StatusOr<StepPrediction> PredictStep(const Config& config, const ModelSpec& model,
                                      const MemoryEstimate& mem, const Rates& r,
                                      const std::string& device, int world_size) {

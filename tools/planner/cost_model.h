@@ -78,6 +78,11 @@ StatusOr<Rates> RatesFromProfile(const HardwareProfile& profile, const std::stri
                                  double gflops_override, bool fp32 = false,
                                  const std::string& override_source = "--gflops");
 
+// Sets rates->nvme_read_gbps / nvme_write_gbps from the profile at `aio`'s setting where it was
+// measured, else at the best measured read point (said in rates->assumptions); leaves them 0
+// when the profile has no NVMe points (the prediction then has no NVMe lane, also said).
+void SetNvmeRates(const HardwareProfile& profile, const AioConfig& aio, Rates* rates);
+
 // Predicts one step of a GPT model on each of `world_size` ranks (the model must carry its
 // ModelConfig: FLOPs need shapes; `memory` must be estimated for the same world size). With more
 // than one rank rates.comm_busbw_gbps must be set.

@@ -188,3 +188,51 @@ def test_largest_is_the_trained_run_with_most_parameters(capsys):
     assert capsys.readouterr().out.strip() == "6.7b (6.40B params, nvme offload, 90.5 TFLOPS)"
     util.main(["largest", json.dumps(runs[1:2])])
     assert capsys.readouterr().out == ""
+
+
+@pytest.mark.skipif("STRATA_BIN" not in os.environ, reason="needs the build's strata-tune")
+def test_the_tuners_prediction_of_each_offloaded_row_is_matched_by_placement_and_aio(tmp_path):
+    """The bench phase runs strata-tune on the cpu row's config with the machine's profile; the
+    helper finds the candidate of each measured row (the nvme row's at its aio setting) in the
+    tuner's real output and sets the measured step beside the predicted one."""
+    work = tmp_path
+    cfgs = {}
+    for place in ("cpu", "nvme"):
+        out = work / f"cfg-{place}-bf16.json"
+        util.main(["config", os.path.join(ROOT, "configs", "bench-nvme.json"), str(out),
+                   "--placement", place, "--dtype", "bf16", "--device", "cpu",
+                   "--nvme-path", str(work / "nvme"), "--host-budget", "2GiB",
+                   "--model", "2,256,4,128", "--micro-batch", "2"])
+        cfgs[place] = json.loads(out.read_text())
+    aio = cfgs["nvme"]["aio"]
+    points = [{"op": op, "block_size": bs, "queue_depth": 32, "intra_op_parallelism": 1, "gbps": g}
+              for op, g in (("read", 2.0), ("write", 1.5)) for bs in (1 << 20, aio["block_size"])]
+    (work / "profile.json").write_text(json.dumps({
+        "device": "cpu", "nvme": {"path": str(work), "engine": "io_uring", "points": points},
+        "dram": {"copy_gbps": 10.0},
+        "copies": [{"device": "cpu", "memory": "pinned", "direction": d, "gbps": 8.0} for d in ("h2d", "d2h")],
+        "adam": {"gelems_per_s": 1.0}, "compute": {"device": "cpu", "dtype": "bf16", "gflops": 50.0}}))
+    tune = os.path.join(os.environ["STRATA_BIN"], "strata-tune")
+    with open(work / "tune-bf16.json", "w") as f:
+        subprocess.run([tune, "--config", str(work / "cfg-cpu-bf16.json"), "--profile", str(work / "profile.json"),
+                        "--device", "cpu", "--nvme-path", str(work / "nvme"), "--placement", "config",
+                        "--dry-run", "--json", "--top", "100", "--no-calibrate"], check=True, stdout=f)
+    runs = {"cpu-bf16": {"ok": True, "step_s": 0.5}, "nvme-bf16": {"ok": True, "step_s": 2.0}}
+    preds = util.tuner_predictions(str(work), runs)
+    assert set(preds) == {"cpu-bf16", "nvme-bf16"}, preds
+    assert preds["cpu-bf16"]["placement"] == "param=cpu optimizer=cpu"
+    assert f"QD{aio['queue_depth']}" in preds["nvme-bf16"]["placement"]
+    for name, p in preds.items():
+        assert p["predicted_s"] > 0
+        assert p["measured_over_predicted"] == pytest.approx(runs[name]["step_s"] / p["predicted_s"])
+    # NVMe at the profile's 2 and 1.5 GB/s is slower than the host's copies: predicted so.
+    assert preds["nvme-bf16"]["predicted_s"] > preds["cpu-bf16"]["predicted_s"]
+    # The report shows them under the bench table.
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "bench.json").write_text(json.dumps({"ok": True, "seconds": 60, "notes": "", "runs": {},
+                                                "predictions": preds}))
+    md = subprocess.run([sys.executable, util.__file__, "report", str(out)], check=True,
+                        capture_output=True, text=True).stdout
+    assert "strata-tune on this machine's profile" in md
+    assert f"| cpu-bf16 | param=cpu optimizer=cpu | {util.fmt(preds['cpu-bf16']['predicted_s'])} | 0.5 |" in md

@@ -11,7 +11,9 @@
 #            suite (on CUDA wherever a GPU is), the Trainer test
 #   bench    the 404M bench config (configs/bench-nvme.json) under none/cpu/nvme x fp32/bf16,
 #            every lane reported; PyTorch FSDP2 with CPUOffloadPolicy on the same model beside it;
-#            the ceilings (NVMe through io_uring and fio, host<->device copies, DRAM, CPU Adam)
+#            the ceilings (NVMe through io_uring and fio, host<->device copies, DRAM, CPU Adam,
+#            the matmul and free memory of the GPU); strata-tune's predicted step of the cpu and
+#            nvme rows from that profile, beside the measured one
 #   scale    the largest GPT this machine trains: 1.3B, 2.7B, 6.7B, 13B, 20B; bf16, activation
 #            checkpointing, strata.placement auto (device, host and NVMe filled under what the
 #            machine has) with fp32 states, then with the compact layouts (bf16 master with
@@ -541,6 +543,15 @@ phase_bench() {
         --nvme-path "$NVME" "${budget[@]}" "${model_args[@]}"
       RUN_SHARE=2 train_run "$place-$dtype" "$cfg" "$n" || true
     done
+  done
+  # strata-tune's prediction of the offloaded rows, from this machine's own profile (on a GPU its
+  # matmul and free memory are the GPU's): the cost model against the steps just measured.
+  local tdt
+  for tdt in fp32 bf16; do
+    [ -s "$WORK/profile.json" ] && [ -f "$WORK/cfg-cpu-$tdt.json" ] || continue
+    timeout 120 "$CM/bin/strata-tune" --config "$WORK/cfg-cpu-$tdt.json" --profile "$WORK/profile.json" \
+      --device "$device" --nvme-path "$NVME" --placement config --dry-run --json --top 100 \
+      >"$WORK/tune-$tdt.json" 2>"$WORK/tune-$tdt.err" || say "strata-tune ($tdt) failed: $(tail -1 "$WORK/tune-$tdt.err")"
   done
   "$UPY" "$UTIL" bench-json "$WORK" >"$WORK/bench.json"
   local ok; ok=$("$UPY" -c 'import json,sys; print("true" if json.load(open(sys.argv[1]))["ok"] else "false")' "$WORK/bench.json")

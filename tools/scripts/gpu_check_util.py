@@ -188,6 +188,41 @@ def err_tail(path):
     return tail[-1][:300] if tail else "no output"
 
 
+def tuner_predictions(work, runs):
+    """strata-tune's predicted step (tune-<dtype>.json, from this machine's profile) for each
+    offloaded row the bench measured, beside the measured step: the cost model checked on the
+    machine it was profiled on. The nvme row's candidate is the one at the row's aio setting."""
+    out = {}
+    for dtype in ("fp32", "bf16"):
+        try:
+            with open(os.path.join(work, f"tune-{dtype}.json"), encoding="utf-8") as f:
+                cands = json.load(f).get("candidates", [])
+        except (OSError, ValueError):
+            continue
+        for place in ("cpu", "nvme"):
+            name = f"{place}-{dtype}"
+            want = f"param={place} optimizer={place}"
+            if place == "nvme":
+                try:
+                    with open(os.path.join(work, f"cfg-{name}.json"), encoding="utf-8") as f:
+                        aio = json.load(f).get("aio", {})
+                    want += (f" aio={aio['block_size'] / 2**20:.2f} MiBxQD{aio['queue_depth']}"
+                             f"x{aio.get('intra_op_parallelism', 1)}")
+                except (OSError, ValueError, KeyError):
+                    continue
+            match = [c for c in cands if c.get("placement") == want and c.get("planned", True)]
+            if not match:
+                continue
+            entry = {"placement": want, "predicted_s": match[0]["predicted"]["step_s"],
+                     "feasible": match[0].get("feasible")}
+            measured = runs.get(name, {}).get("step_s")
+            if measured:
+                entry["measured_s"] = measured
+                entry["measured_over_predicted"] = measured / entry["predicted_s"]
+            out[name] = entry
+    return out
+
+
 def bench_json(a):
     """Everything the bench phase measured, from its work folder, as one object."""
     runs, peers = {}, {}
@@ -212,7 +247,8 @@ def bench_json(a):
             ratios[f"strata cpu / FSDP2 CPUOffload step ({dtype})"] = (
                 ours["step_s"] / theirs["mean_step_s"])
     out = {"runs": runs, "peers": peers, "ratios": ratios,
-           "ceilings": ceilings(os.path.join(a.work, "profile.json"))}
+           "ceilings": ceilings(os.path.join(a.work, "profile.json")),
+           "predictions": tuner_predictions(a.work, runs)}
     out["ok"] = bool(runs) and all(r.get("ok") for r in runs.values())
     print(json.dumps(out))
     return 0
@@ -298,6 +334,14 @@ def report(a):
                 lines.append(f"| {name} | not run: {r.get('error', '?')} |||||||||||")
         for k, v in b.get("ratios", {}).items():
             lines.append(f"\n{k}: {fmt(v)}")
+        preds = b.get("predictions", {})
+        if preds:
+            lines += ["", "strata-tune on this machine's profile, against the rows above:", "",
+                      "| run | placement | predicted s | measured s | measured / predicted |",
+                      "|---|---|---|---|---|"]
+            for name, p in preds.items():
+                lines.append(f"| {name} | {p['placement']} | {fmt(p['predicted_s'])} | "
+                             f"{fmt(p.get('measured_s'))} | {fmt(p.get('measured_over_predicted'), digits=2)} |")
     s = phases.get("scale")
     if s:
         # peak device: the engine's own allocations; GPU in use: nvidia-smi's peak (every

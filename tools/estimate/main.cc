@@ -6,9 +6,9 @@
 #include <iomanip>
 #include <iostream>
 #include <optional>
+#include <string>
 #include <tuple>
 #include <vector>
-#include <string>
 
 #include <nlohmann/json.hpp>
 
@@ -83,7 +83,8 @@ int RunLargest(const Config& config, const std::string& device, const std::strin
     o.device_bytes = 4ull << 30;  // the CPU device's default budget
   } else if (prof && prof->device_capacity_bytes > 0) {
     o.device_bytes = prof->device_capacity_bytes;
-    source += StrCat(" device: the free memory of ", prof->device_name, " in the profile;");
+    source += StrCat(" device: the free memory of ", prof->device_name.empty() ? "the GPU" : prof->device_name,
+                     " in the profile;");
   } else {
     return fail(InvalidArgument("--largest on cuda needs the GPU's memory: pass --hbm (e.g. --hbm 80GiB), or a "
                                 "--profile made on the GPU machine"));

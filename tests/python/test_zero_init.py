@@ -322,6 +322,7 @@ def test_the_estimate_of_a_python_build_is_the_file_zero_init_writes(tmp_path):
         assert init.staged_bytes == numel * (2 if bf16_master else 4)
         assert est["python"]["staged_bytes"] == init.staged_bytes, (bf16_master, est["python"]["notes"])
         assert est["python"]["init_disk_peak_bytes"] >= init.staged_bytes
+        assert est["python"]["init_disk_need_bytes"] == init.staged_bytes + est["python"]["nvme_bytes"]
         # strata-train's build of the same config stages less: nothing below stage 3 without NVMe
         # parameter offload, and at d_model 2048 not the two 2^24-element MLP matrices.
         want_train = 0 if not bf16_master else init.staged_bytes - 2 * (1 << 24) * 2

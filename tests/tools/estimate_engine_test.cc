@@ -320,7 +320,8 @@ TEST(EstimateVsEngineTest, SplitPlacementsThePlanIsTheEnginesAndItsBytesAreMeasu
 // Note [init disk peak]: a stage-3 run with NVMe parameter offload starts from zero::Init's
 // staging file. Its size, as the Init wrote it, is the estimate's (fp32, or bf16 for a bf16
 // master). The start's disk peak lies between the file alone and the file beside every NVMe
-// block, and the engine starts from that file.
+// block, and the engine starts from that file; its NVMe tier opens asking for its whole state
+// while the file is still whole, which is the start's need.
 // SmallConfig at stage 3 with parameters and optimizer states on NVMe at `dir`, which makes
 // strata-train build its model under zero::Init.
 Config StagedConfig(bool bf16_master, const std::string& dir) {
@@ -355,9 +356,15 @@ TEST(EstimateVsEngineTest, ZeroInitStagingFileIsTheEstimatesAndBoundsTheStartsDi
     strata::testing::TempDir swap;
     EngineOptions eo;
     eo.nvme_path = {swap.path()};
+    const uint64_t staged = init->staged_bytes();
     auto engine = Engine::Create(model, c, comm.get(), dev->get(), eo);
     ASSERT_TRUE(engine.ok()) << engine.status();
     for (const auto& p : model->parameters()) EXPECT_FALSE(zero::IsStaged(p));  // all read back
+    // The NVMe tier opened asking for its state beside the whole file: the start's need.
+    const uint64_t asked = (*engine)->Describe()["tier_manager"]["nvme"]["reserved_bytes"].get<uint64_t>();
+    EXPECT_GE(e.init_disk_need_bytes, staged + asked);
+    EXPECT_LT(e.init_disk_need_bytes, staged + asked + 4096 * 4 * static_cast<uint64_t>(e.chunks));
+    EXPECT_GE(e.init_disk_need_bytes, e.init_disk_peak_bytes);
   }
   // Without NVMe parameter offload nothing is staged.
   Config c = SmallConfig();

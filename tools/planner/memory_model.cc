@@ -460,6 +460,9 @@ StatusOr<MemoryEstimate> EstimateMemory(const Config& config, const ModelSpec& m
   // file beside the blocks written so far; its peak is at the start or after some chunk. The
   // file's alignment padding (under 4 KiB a parameter) is left out. Only rank 0 stages (the
   // others build shapes and take rank 0's values by broadcast), so this is rank 0's peak.
+  // The engine opens its NVMe tier, which checks the whole NVMe state against the free space,
+  // before it reads the file back: the start needs the file and the state side by side
+  // (init_disk_need_bytes), more than the peak the disk really holds.
   // A Python script's strata.zero.Init (python/strata/zero.py) stages every parameter, in the
   // same dtype by default, whatever the stage and offload: in the NVMe directory when the config
   // names one, else in /var/tmp, which the estimate takes to be the same disk.
@@ -486,6 +489,7 @@ StatusOr<MemoryEstimate> EstimateMemory(const Config& config, const ModelSpec& m
       peak = std::max(peak, left + written);
     }
     est.init_disk_peak_bytes = peak;
+    est.init_disk_need_bytes = est.staged_bytes + nvme_need;
     est.notes.push_back(StrCat("engine init reads the model from ", python ? "strata.zero.Init" : "zero::Init",
                                "'s staging file (", FormatBytes(est.staged_bytes),
                                stage_esize == 2 ? " of bf16" : " of fp32",
@@ -496,7 +500,10 @@ StatusOr<MemoryEstimate> EstimateMemory(const Config& config, const ModelSpec& m
                                                       " of large matrices are drawn as it reads them")
                                              : std::string(),
                                written > 0 ? StrCat(") while it writes the NVMe blocks: the disk peaks at ",
-                                                    FormatBytes(peak), " during the start")
+                                                    FormatBytes(peak), " during the start, and the NVMe tier "
+                                                    "asks for its whole ", FormatBytes(nvme_need),
+                                                    " free beside the file when it opens (",
+                                                    FormatBytes(est.init_disk_need_bytes), " in all)")
                                            : std::string("), punching out what it has read"),
                                options.world_size > 1 ? " (on rank 0; the other ranks stage nothing)" : ""));
   } else {
@@ -573,6 +580,7 @@ nlohmann::json MemoryEstimate::ToJson() const {
           {"host_pageable_bytes", host_pageable_bytes},
           {"nvme_bytes", nvme_bytes},
           {"init_disk_peak_bytes", init_disk_peak_bytes},
+          {"init_disk_need_bytes", init_disk_need_bytes},
           {"staged_bytes", staged_bytes},
           {"engine_device_peak_bytes", engine_device_peak_bytes},
           {"engine_device_peak_min_bytes", engine_device_peak_min_bytes},

@@ -92,6 +92,11 @@ struct MemoryEstimate {
   // own NVMe blocks.
   uint64_t init_disk_peak_bytes = 0;
   uint64_t staged_bytes = 0;  // the staging file when the model is built
+  // The free disk the start needs: the engine opens its NVMe tier, which checks that the whole
+  // NVMe state fits the free space, before it reads the staging file back, so the file and the
+  // state must fit side by side (staged_bytes + nvme_bytes >= init_disk_peak_bytes). 0 without
+  // staging.
+  uint64_t init_disk_need_bytes = 0;
   uint64_t host_pool_bytes = 0;   // the pinned pool the engine reserves (== host_pinned_bytes)
   // The least strata.host_memory_budget the engine accepts: host-placed blocks plus 8 NVMe blocks.
   uint64_t host_min_bytes = 0;

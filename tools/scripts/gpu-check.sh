@@ -629,7 +629,8 @@ st = os.statvfs(sys.argv[2]); disk = st.f_bavail * st.f_frsize
 host = max(e.get("host_min_bytes", 0), e.get("host_pinned_bytes", 0) + e.get("host_pageable_bytes", 0))
 if host > 0.9 * mem:
     print(f"host needs {host/2**30:.0f} GiB of {mem/2**30:.0f} GiB"); sys.exit()
-need = max(e.get("nvme_bytes", 0), e.get("init_disk_peak_bytes", 0))  # zero::Init staging at start
+# zero::Init's staging file beside the NVMe state, which the engine's NVMe tier checks at start.
+need = max(e.get("nvme_bytes", 0), e.get("init_disk_need_bytes", e.get("init_disk_peak_bytes", 0)))
 if need > disk:
     print(f"disk needs {need/2**30:.0f} GiB, {disk/2**30:.0f} GiB free"); sys.exit()
 print("ok")

@@ -214,7 +214,8 @@ int main(int argc, char** argv) {
                  "how the model is built, which sets the disk it needs at start: strata-train (default; "
                  "its zero::Init stages a stage-3 model with NVMe parameter offload, all but the large "
                  "matrices it draws as the engine reads them) or python (a script's strata.zero.Init stages "
-                 "every parameter, whatever the stage and offload, in the NVMe directory, else /var/tmp)");
+                 "every parameter, whatever the stage and offload, in the NVMe directory, else the temporary "
+                 "directory)");
   app.add_flag("--json", json, "print JSON (hbm_bytes, host_pinned_bytes, host_pageable_bytes, nvme_bytes, "
                                "per_state, breakdown, notes, bytes_per_param: the model state per parameter over every "
                                "tier and rank) instead of a table");

@@ -465,7 +465,8 @@ StatusOr<MemoryEstimate> EstimateMemory(const Config& config, const ModelSpec& m
   // (init_disk_need_bytes), more than the peak the disk really holds.
   // A Python script's strata.zero.Init (python/strata/zero.py) stages every parameter, in the
   // same dtype by default, whatever the stage and offload: in the NVMe directory when the config
-  // names one, else in /var/tmp, which the estimate takes to be the same disk.
+  // names one, else in the temporary directory (/var/tmp where /tmp is tmpfs), which the
+  // estimate takes to be the same disk.
   const bool python = options.build == EstimateOptions::Build::kPythonZeroInit;
   const bool staged = python || (z.stage == 3 && z.offload_param.device == OffloadDevice::kNvme &&
                                  (!z.offload_param.nvme_path.empty() || options.assume_nvme_path));
@@ -494,7 +495,7 @@ StatusOr<MemoryEstimate> EstimateMemory(const Config& config, const ModelSpec& m
                                "'s staging file (", FormatBytes(est.staged_bytes),
                                stage_esize == 2 ? " of bf16" : " of fp32",
                                python && z.offload_param.nvme_path.empty() && z.offload_optimizer.nvme_path.empty()
-                                   ? " in /var/tmp"
+                                   ? " in the temporary directory"
                                    : " in the NVMe directory",
                                generated > 0 ? StrCat("; the ", FormatBytes(generated),
                                                       " of large matrices are drawn as it reads them")

@@ -1,5 +1,6 @@
 #include "tests/test_util.h"
 
+#include <sys/mount.h>
 #include <sys/wait.h>
 
 #include <cstdio>
@@ -21,6 +22,14 @@ TempDir::TempDir() {
 }
 
 TempDir::~TempDir() { RemoveTree(path_).IgnoreError(); }  // runtime/base/remove_tree.h says why
+
+TmpfsMount::TmpfsMount(const std::string& dir, const char* opts) : dir_(dir) {
+  mounted_ = mount("tmpfs", dir.c_str(), "tmpfs", 0, opts) == 0;
+}
+
+TmpfsMount::~TmpfsMount() {
+  if (mounted_) umount2(dir_.c_str(), MNT_DETACH);
+}
 
 CommandResult RunCommand(const std::string& cmd, bool with_stderr) {
   CommandResult r;

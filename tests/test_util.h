@@ -38,6 +38,23 @@ class TempDir {
   std::string path_;
 };
 
+// A tmpfs of its own mounted over `dir` (mount options `opts`, e.g. "size=8M") for a test that
+// needs a file system of a known size; unmounted on destruction, lazily (MNT_DETACH), because a
+// closed io_uring ring may still hold a file on the mount for a moment. mounted() is false where
+// the process may not mount (not root, or a container without CAP_SYS_ADMIN); errno says why.
+class TmpfsMount {
+ public:
+  TmpfsMount(const std::string& dir, const char* opts);
+  ~TmpfsMount();
+  TmpfsMount(const TmpfsMount&) = delete;
+  TmpfsMount& operator=(const TmpfsMount&) = delete;
+  bool mounted() const { return mounted_; }
+
+ private:
+  std::string dir_;
+  bool mounted_ = false;
+};
+
 // Runs `cmd` through the shell and returns its exit status (-1 when it did not exit normally) and
 // its stdout, with stderr too when `with_stderr`.
 struct CommandResult {

@@ -2,6 +2,8 @@
 // the rooms).
 #include "runtime/engine/engine_impl.h"
 
+#include <unordered_set>
+
 namespace strata {
 
 using namespace engine_detail;
@@ -72,12 +74,20 @@ Engine::Impl::~Impl() {
   if (materializer_) materializer_->Close();  // stage 3's parameters left with 0 elements
   // Stages 0-2: the parameters are views of chunks the device allocated, and the model outlives
   // the engine (and maybe the device): give them their own copy of the working values. Only
-  // parameters whose storage holds them: stage 3's and zero::Init's staged ones have 0 elements
-  // (the plan, and so the stage, may not even be known after a setup that failed).
+  // parameters over a chunk's storage: stage 3's have 0 elements, and after a setup that failed
+  // before its chunks (the plan, and so the stage, may not even be known) the others still have
+  // the model's own memory -- for a Python zero.Init build, a mapping of the staging file, which
+  // a copy would pull into DRAM whole while it punched the file, so that a retry (more disk
+  // freed, another config) would start from a model larger than memory held in memory.
   {
+    std::unordered_set<const c10::StorageImpl*> chunk_storage;
+    for (size_t c = 0; c < chunks_.size(); ++c)
+      if (chunks_[static_cast<int64_t>(c)].full.defined() && chunks_[static_cast<int64_t>(c)].full.has_storage())
+        chunk_storage.insert(chunks_[static_cast<int64_t>(c)].full.storage().unsafeGetStorageImpl());
     torch::NoGradGuard ng;
     for (auto& p : params_)
-      if (p.tensor.defined() && p.tensor.numel() > 0 && HoldsItsElements(p.tensor))
+      if (p.tensor.defined() && p.tensor.numel() > 0 && HoldsItsElements(p.tensor) &&
+          chunk_storage.count(p.tensor.storage().unsafeGetStorageImpl()))
         p.tensor.set_data(p.tensor.detach().clone());
   }
 }

@@ -2,6 +2,8 @@
 // the lanes' threads (engine_impl.h maps the rooms).
 #include "runtime/engine/engine_impl.h"
 
+#include <sys/stat.h>
+
 #include <chrono>
 #include <cstdio>
 #include <string>
@@ -108,7 +110,13 @@ Status Engine::Impl::MakePlan(const EngineOptions& options, optim::DType compute
     // strata.placement auto fills the tiers under what this machine has now.
     in.device_capacity = device_->capacity() - std::min(device_->capacity(), device_->allocated());
     in.host_available = ReadHostMemory().available_bytes;
-    if (in.nvme_path_given) in.disk_free = FreeDiskBytes(NvmePaths(options).front());
+    if (in.nvme_path_given) {
+      const std::vector<std::string> paths = NvmePaths(options);
+      in.disk_free = FreeDiskBytes(paths.front());
+      // The staging file there comes back during the start (Note [start's disk]), whose check
+      // then holds the plan to the disk's real peak.
+      if (paths.size() == 1) in.disk_given_back = TotalOf(StagedSpaceOn(paths.front()));
+    }
   }
   STRATA_ASSIGN_OR_RETURN(plan_, StepPlan::Make(in));
   if (plan_.loss_scaling()) {
@@ -216,6 +224,17 @@ Status Engine::Impl::OpenNvmeTier(const EngineOptions& options) {
     // A disk too small for the state is refused now, naming the path and the bytes, not at the
     // first Allocate that meets ENOSPC (Note [preallocation] grows the files on demand).
     o.needed_bytes = std::min(need, o.capacity);
+    if (paths.size() == 1) {
+      const std::vector<StagedChunkSpace> staged = StagedSpaceOn(paths.front());
+      if (!staged.empty()) {
+        o.needed_free_bytes = StartDiskGrowth(staged, o.needed_bytes);
+        o.needed_free_why = "zero::Init's staging file gives back as the start reads it";
+        STRATA_LOG(INFO) << "nvme: the start reads " << FormatBytes(TotalOf(staged)) << " back from zero::Init's "
+                         << "staging file on the same file system as it writes the NVMe blocks, so "
+                         << FormatBytes(o.needed_free_bytes) << " of the " << FormatBytes(o.needed_bytes)
+                         << " NVMe state must be free now";
+      }
+    }
     o.aio = config_.aio;
     o.checksums = config_.strata.checksums;
     o.force_fallback = hooks_.force_fallback_io;
@@ -227,6 +246,61 @@ Status Engine::Impl::OpenNvmeTier(const EngineOptions& options) {
     });
   }
   return Status::Ok();
+}
+
+// Note [start's disk]
+// A model built under zero::Init starts from its staging file, which WriteInitialBlocks reads
+// back chunk by chunk while it registers (allocates) and writes the chunk's NVMe blocks. Each
+// parameter's range of the file is punched once it is read: Partition's inside ReadStaged, before
+// the chunk's blocks are allocated; StageMapped's (Python's) when the parameter's mapping goes,
+// once the chunk's parameters point at the engine's memory, after its blocks. So on the file's
+// file system the disk's use grows by at most
+//   max over chunks c of (NVMe bytes allocated through c - staged space given back by then),
+// and by the whole state less the whole file at the end, not by the whole state beside the whole
+// file, which is what the NVMe tier asked for when it opened (before the file is read). Asking for
+// the growth lets a disk hold a start whose real peak fits it. The swap files also hold their
+// first preallocation from the start (Note [preallocation]); the store adds that itself.
+std::vector<Engine::Impl::StagedChunkSpace> Engine::Impl::StagedSpaceOn(const std::string& nvme_path) const {
+  std::vector<StagedChunkSpace> staged;
+  struct stat st {};
+  if (::stat(nvme_path.c_str(), &st) != 0) return staged;  // the store names a bad path
+  const uint64_t disk = static_cast<uint64_t>(st.st_dev);
+  const auto& chunk_infos = partitioner_->chunks();
+  staged.resize(chunk_infos.size());
+  bool any = false;
+  for (size_t c = 0; c < chunk_infos.size(); ++c) {
+    for (int64_t pid : chunk_infos[c].params) {
+      const std::optional<zero::StagedSpace> space = zero::StagedDiskSpace(params_[pid].tensor);
+      if (!space || space->file_system != disk) continue;
+      (space->given_back_on_read ? staged[c].on_read : staged[c].after_blocks) += space->bytes;
+      any = true;
+    }
+  }
+  if (!any) staged.clear();
+  return staged;
+}
+
+uint64_t Engine::Impl::TotalOf(const std::vector<StagedChunkSpace>& staged) {
+  uint64_t total = 0;
+  for (const StagedChunkSpace& s : staged) total += s.on_read + s.after_blocks;
+  return total;
+}
+
+uint64_t Engine::Impl::StartDiskGrowth(const std::vector<StagedChunkSpace>& staged, uint64_t state_bytes) const {
+  const auto& chunk_infos = partitioner_->chunks();
+  const uint64_t stripe = static_cast<uint64_t>(std::max<int64_t>(config_.aio.block_size, 1));
+  uint64_t allocated = 0, given_back = 0, growth = 0;
+  for (size_t c = 0; c < staged.size(); ++c) {
+    given_back += staged[c].on_read;
+    allocated += plan_.ChunkNvmeBytes(static_cast<int64_t>(c), chunk_infos[c].shard_numel);
+    // The swap file holds whole stripes (aio.block_size) past the last block.
+    const uint64_t held = (allocated + stripe - 1) / stripe * stripe;
+    growth = std::max(growth, held > given_back ? held - given_back : 0);
+    given_back += staged[c].after_blocks;
+  }
+  // The state's slots made later (cpu_checkpointing's) come after the whole file is given back.
+  growth = std::max(growth, state_bytes > given_back ? state_bytes - given_back : 0);
+  return std::min(growth, state_bytes);
 }
 
 // The host budget and the tiered block store over the device, the pinned pool and NVMe.

@@ -37,6 +37,10 @@ struct EngineTestHooks {
   // tests/runtime/poisoning_store.h), so a test can show that nothing uses a block outside its
   // Acquire..Release window.
   std::function<std::unique_ptr<BlockStore>(std::unique_ptr<BlockStore>)> wrap_store;
+  // Runs on the caller's thread once Engine::Create has written a chunk's initial blocks and
+  // pointed its parameters at the engine's memory, so a test can measure the start's disk use
+  // chunk by chunk (Note [start's disk] in engine_init.cc).
+  std::function<void(int64_t chunk)> initial_chunk_hook;
   // Called at the engine's named crash points (the caller's thread): "checkpoint:before_publish"
   // (every file of a checkpoint written and synced, nothing published). A test exits the process
   // there to show what a crash at that moment leaves.

@@ -160,6 +160,7 @@ Status Engine::Impl::WriteInitialBlocks() {
             chunks_[c].full.narrow(0, loc.offset, loc.numel).view(params_[pid].shape));
       }
     }
+    if (hooks_.initial_chunk_hook) hooks_.initial_chunk_hook(c64);
   }
   return Status::Ok();
 }

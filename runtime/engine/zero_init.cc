@@ -60,6 +60,9 @@ class Init::Impl {
   void* bounce = nullptr;  // kBounceBytes, DirectAlign()-aligned: Partition's writes through dfd
   bool any_direct = false;  // something was written through dfd: it stays open for the reads
   std::string path;
+  uint64_t file_system = 0;  // the file's st_dev
+  uint64_t block_size = 4096;  // its st_blksize: a punch frees whole blocks
+  bool punches = false;      // the file system gives a punched range back (StagedDiskSpace)
   uint64_t end = 0;      // the file's end: the bytes written so far, with alignment padding
   // The staged values' bytes: written by the building thread, read by a progress reporter.
   std::atomic<uint64_t> payload{0};
@@ -177,6 +180,17 @@ std::mutex& Mu() {
 std::unordered_map<const c10::TensorImpl*, Staged>& Registry() {
   static std::unordered_map<const c10::TensorImpl*, Staged> r;
   return r;
+}
+// StageMapped's live mappings that hold space in a staging file, by their memory's address;
+// each entry goes with its mapping (Note [mapped release]). Apart from Registry(): the deleter
+// that erases one may run wherever a tensor dies, Mu() held or not.
+std::mutex& MappedMu() {
+  static std::mutex mu;
+  return mu;
+}
+std::unordered_map<const void*, StagedSpace>& Mapped() {
+  static std::unordered_map<const void*, StagedSpace> m;
+  return m;
 }
 thread_local Init::Impl* current = nullptr;
 c10::weak_intrusive_ptr<c10::TensorImpl> WeakOf(const torch::Tensor& t) {
@@ -335,6 +349,14 @@ StatusOr<std::unique_ptr<Init>> Init::Create(const std::string& dir, torch::Dtyp
     }
   }
   ::unlink(impl->path.c_str());  // the open descriptor keeps it; nothing survives a crash
+  // Whether ranges read back are given back to the disk: a punch of the still empty file fails
+  // (EOPNOTSUPP) where the file system has no holes.
+  struct stat st {};
+  if (::fstat(impl->fd, &st) == 0) {
+    impl->file_system = static_cast<uint64_t>(st.st_dev);
+    if (st.st_blksize > 0) impl->block_size = static_cast<uint64_t>(st.st_blksize);
+  }
+  impl->punches = ::fallocate(impl->fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, 0, 4096) == 0;
   // glibc raises its mmap threshold each time a large mmapped block is freed, after which
   // same-sized tensors come from the heap and their pages stay in the process when freed: a
   // model built unit by unit would still climb to several units' worth of RSS. While an Init is
@@ -586,9 +608,17 @@ void StageMapped(const torch::Tensor& param) {
   ++init->params;
   // The mapping keeps the (unlinked) file alive after the Init closes it; the last tensor using
   // the memory unmaps it and gives its range back.
+  if (init->punches) {
+    std::lock_guard<std::mutex> l(MappedMu());
+    Mapped()[m] = StagedSpace{span, init->file_system, /*given_back_on_read=*/false};
+  }
   torch::Tensor mapped = torch::from_blob(
       m, param.sizes(),
       [bytes, span, off, fd = init->mapped_fd, owner = ::getpid()](void* p) {
+        {
+          std::lock_guard<std::mutex> l(MappedMu());
+          Mapped().erase(p);
+        }
         ::munmap(p, bytes);
         if (::getpid() == owner)
           ::fallocate(*fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, static_cast<off_t>(off),
@@ -605,6 +635,29 @@ void SetProgressIntervalForTest(int64_t ms) { progress_interval_ms.store(ms); }
 bool IsStaged(const torch::Tensor& param) {
   std::lock_guard<std::mutex> l(Mu());
   return Registry().count(param.unsafeGetTensorImpl()) > 0;
+}
+
+std::optional<StagedSpace> StagedDiskSpace(const torch::Tensor& param) {
+  {
+    std::lock_guard<std::mutex> l(Mu());
+    auto it = Registry().find(param.unsafeGetTensorImpl());
+    if (it != Registry().end()) {
+      const Staged& st = it->second;
+      if (st.dropped || st.fill || !st.owner->punches) return std::nullopt;
+      const uint64_t bytes = static_cast<uint64_t>(st.numel) * c10::elementSize(st.dtype);
+      if (st.direct) return StagedSpace{AlignUp(bytes), st.owner->file_system, true};
+      // A buffered range need not be block-aligned: a punch frees only the whole blocks inside.
+      const uint64_t blk = st.owner->block_size;
+      const uint64_t first = (st.offset + blk - 1) / blk * blk, last = (st.offset + bytes) / blk * blk;
+      if (last <= first) return std::nullopt;
+      return StagedSpace{last - first, st.owner->file_system, true};
+    }
+  }
+  if (!param.has_storage() || param.storage().data() == nullptr) return std::nullopt;
+  std::lock_guard<std::mutex> l(MappedMu());
+  auto it = Mapped().find(param.storage().data());
+  if (it == Mapped().end()) return std::nullopt;
+  return it->second;
 }
 
 // Note [staged reads]

@@ -137,6 +137,22 @@ void StageMapped(const torch::Tensor& param);
 // destination of another size or not contiguous on the CPU (INVALID_ARGUMENT; nothing is read).
 StatusOr<bool> ReadStaged(const torch::Tensor& param, torch::Tensor dst);
 
+// The disk space a staged parameter holds in its Init's staging file until it is given back
+// (its range of the file, alignment padding included), and where. Engine::Create counts on it:
+// the space comes back chunk by chunk while the engine writes its NVMe blocks, so its NVMe tier
+// asks for less free space at open (Note [start's disk] in engine_init.cc).
+struct StagedSpace {
+  uint64_t bytes = 0;
+  uint64_t file_system = 0;  // st_dev of the staging file's file system
+  // Partition's parameters give their space back inside ReadStaged; StageMapped's when their
+  // mapping goes, i.e. once the engine has pointed the parameter at its own memory and nothing
+  // else holds the old one.
+  bool given_back_on_read = true;
+};
+// nullopt for a parameter that holds no space: not staged, read already, StageGenerated's, staged
+// under StageMode::kShapesOnly, or in a staging file whose file system cannot punch holes (its
+// space stays until the file goes).
+std::optional<StagedSpace> StagedDiskSpace(const torch::Tensor& param);
 // True when `param` has been staged and not yet read (it has 0 elements, StagedShape its shape).
 bool IsStaged(const torch::Tensor& param);
 // The shape `param` had when it was staged; nullopt when it is not staged (or was read).

@@ -176,16 +176,25 @@ Status StepPlan::AutoBudgets(const Inputs& in, PlacementPlan::Inputs* pin) const
                                      FormatBytes(margin));
   }
   if (s.nvme_capacity) {
-    if (in.disk_free && s.nvme_capacity > in.disk_free)
+    if (in.disk_free && s.nvme_capacity > in.disk_free + in.disk_given_back)
       return InvalidArgument(StrCat("strata.nvme_capacity=", FormatBytes(s.nvme_capacity),
                                     " is more than the NVMe path has free (", FormatBytes(in.disk_free),
+                                    in.disk_given_back ? StrCat(" and ", FormatBytes(in.disk_given_back),
+                                                                " of zero::Init's staging file")
+                                                       : std::string(),
                                     "); lower it, free disk space, or set it to 0 for strata.placement "
                                     "auto to use what is free"));
     pin->nvme_budget = s.nvme_capacity;
     pin->nvme_budget_source = StrCat("strata.nvme_capacity=", FormatBytes(s.nvme_capacity));
   } else {
-    pin->nvme_budget = in.disk_free > (1ull << 30) ? in.disk_free - (1ull << 30) : 0;
-    pin->nvme_budget_source = StrCat("free disk at the nvme_path ", FormatBytes(in.disk_free), " less 1 GiB");
+    const uint64_t disk = in.disk_free + in.disk_given_back;
+    pin->nvme_budget = disk > (1ull << 30) ? disk - (1ull << 30) : 0;
+    pin->nvme_budget_source =
+        StrCat("free disk at the nvme_path ", FormatBytes(in.disk_free),
+               in.disk_given_back ? StrCat(" and the ", FormatBytes(in.disk_given_back),
+                                           " of zero::Init's staging file that the start gives back")
+                                  : std::string(),
+               " less 1 GiB");
   }
   if (pin->optim_floor != Placement::kNvme && pin->param_floor != Placement::kNvme) pin->nvme_available = false;
   return Status::Ok();

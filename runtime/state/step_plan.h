@@ -51,6 +51,9 @@ class StepPlan {
     // budget, less what its run needs beside the pool); 0: MemAvailable less its margin.
     uint64_t host_capacity = 0;
     uint64_t disk_free = 0;        // free bytes at the NVMe path
+    // Of a staging file on that file system (zero::Init's), the bytes the engine's start gives
+    // back as it reads the file: the NVMe tier may take them too (Note [start's disk]).
+    uint64_t disk_given_back = 0;
     bool nvme_path_given = false;  // an nvme_path (section or EngineOptions) exists
   };
   // Refuses (INVALID_ARGUMENT, FAILED_PRECONDITION) what cannot run, naming the settings.

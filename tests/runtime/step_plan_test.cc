@@ -291,8 +291,10 @@ TEST(StateLayout, NamesSizesAndConversions) {
 // has, and NVMe needed without a path, are refused by their keys.
 TEST(StepPlanAutoPlacement, BudgetsBeyondTheMachineAndAMissingPathAreNamed) {
   static Partitioner part = Chunks();
-  auto make = [](const Config& c, uint64_t host_available, uint64_t disk_free, bool path) {
+  auto make = [](const Config& c, uint64_t host_available, uint64_t disk_free, bool path,
+                 uint64_t given_back = 0) {
     StepPlan::Inputs in;
+    in.disk_given_back = given_back;
     in.config = &c;
     in.device_kind = DeviceKind::kCpu;
     in.device_name = "cpu";
@@ -323,6 +325,17 @@ TEST(StepPlanAutoPlacement, BudgetsBeyondTheMachineAndAMissingPathAreNamed) {
   ASSERT_OK_AND_ASSIGN(StepPlan p, make(c, tight, 1ull << 40, true));
   EXPECT_EQ(p.PlacementOf(0, StateKind::kGrad), Placement::kNvme);
   EXPECT_EQ(p.nvme_bytes(), p.placement().TierBytes(Placement::kNvme));
+  // The disk's budget is what is free less 1 GiB, and a zero::Init staging file on it that the
+  // start gives back counts too (Note [start's disk] in runtime/engine/engine_init.cc): half the
+  // state free is refused naming the disk, and with the other half in the file it plans.
+  const uint64_t state = p.nvme_bytes();
+  ExpectRefused(make(c, tight, (1ull << 30) + state / 2, true), "free more disk at the nvme_path");
+  ASSERT_OK_AND_ASSIGN(StepPlan q, make(c, tight, (1ull << 30) + state / 2, true, state / 2 + (1 << 20)));
+  EXPECT_EQ(q.nvme_bytes(), state);
+  c.strata.nvme_capacity = state;
+  ExpectRefused(make(c, tight, state / 2, true, state / 4), "of zero::Init's staging file");
+  ASSERT_OK(make(c, tight, state / 2, true, state / 2).status());
+  c.strata.nvme_capacity = 0;
   // A client optimizer keeps everything on the device: auto is refused for it.
   ExpectRefused(MakeWith([] {
                   Config a;

@@ -131,8 +131,13 @@ StatusOr<std::optional<SwapIndex>> ReadIndex(const SwapStoreOptions& options,
 Status CheckFreeSpace(const SwapStoreOptions& options, uint64_t stripe_unit) {
   // Every path holds the same share of the striped space.
   const uint64_t n = options.paths.size();
-  const uint64_t stripes = (options.needed_bytes + stripe_unit - 1) / stripe_unit;
+  const bool given_back = options.needed_free_bytes > 0 && options.needed_free_bytes < options.needed_bytes;
+  if (given_back && n > 1)
+    return InvalidArgument(StrCat("needed_free_bytes applies to one nvme path, not ", n));
+  const uint64_t need = given_back ? options.needed_free_bytes : options.needed_bytes;
+  const uint64_t stripes = (need + stripe_unit - 1) / stripe_unit;
   const uint64_t share = (stripes + n - 1) / n * stripe_unit;
+
   for (const auto& p : options.paths) {
     struct statvfs vfs;
     if (statvfs(p.c_str(), &vfs) != 0) return ErrnoToStatus(errno, StrCat("statvfs ", p));
@@ -143,8 +148,12 @@ Status CheckFreeSpace(const SwapStoreOptions& options, uint64_t stripe_unit) {
     if (free_bytes < share)
       return ResourceExhausted(StrCat(
           "nvme path ", p, " has ", FormatBytes(free_bytes), " free but rank ", options.rank,
-          "'s NVMe-placed state needs ", FormatBytes(share), " there (", FormatBytes(options.needed_bytes),
-          " in whole aio.block_size stripes of ", FormatBytes(stripe_unit), " over ", n, " path",
+          "'s NVMe-placed state needs ", FormatBytes(share), " there (",
+          given_back ? StrCat(FormatBytes(options.needed_bytes), " of state, ",
+                              FormatBytes(options.needed_bytes - options.needed_free_bytes), " of it in space ",
+                              options.needed_free_why, "; ")
+                     : StrCat(FormatBytes(options.needed_bytes), " "),
+          "in whole aio.block_size stripes of ", FormatBytes(stripe_unit), " over ", n, " path",
           n > 1 ? "s" : "", "); free space there, add another nvme_path, set "
           "strata.optimizer_state_dtype to bf16, or offload less to nvme"));
   }
@@ -317,7 +326,11 @@ Status SwapStore::OpenFiles(const SwapStoreOptions& options, bool create, uint64
   }
   direct_ = all_direct;
   if (create) {
-    const uint64_t initial = std::min(per_file, kInitialPreallocation);
+    uint64_t initial = std::min(per_file, kInitialPreallocation);
+    // Space the caller gives back comes later: the first preallocation takes no more than the
+    // growth it asked to have free now.
+    if (options.needed_free_bytes > 0 && options.needed_free_bytes < options.needed_bytes)
+      initial = std::min(initial, RoundUp(options.needed_free_bytes, stripe_unit_));
     STRATA_RETURN_IF_ERROR(Preallocate(initial, initial));
   }
   return Status::Ok();

@@ -62,6 +62,12 @@ struct SwapStoreOptions {
   // than failing an Allocate hours into a run. A swap file the store will truncate counts as
   // free. Ranks that share a file system each check only their own share.
   uint64_t needed_bytes = 0;
+  // What must be free at open when the caller gives space back on the same file system while it
+  // writes those bytes (the engine's start punches zero::Init's staging file as it reads it):
+  // the most the disk's use grows by at any point, below needed_bytes; `needed_free_why` says
+  // where the rest comes from, in the refusal. 0: needed_bytes. One path only (INVALID_ARGUMENT).
+  uint64_t needed_free_bytes = 0;
+  std::string needed_free_why;
   AioConfig aio;
   ChecksumKind checksums = ChecksumKind::kCrc32c;  // ignored on reopen: the index's kind wins
   SwapOpenMode mode = SwapOpenMode::kCreate;

@@ -15,11 +15,11 @@ std::string Overflows(const MemoryEstimate& est, const LargestOptions& o) {
   if (host > o.host_bytes) return StrCat("host ", FormatBytes(host), " > ", FormatBytes(o.host_bytes));
   if (est.nvme_bytes > o.disk_bytes)
     return StrCat("nvme ", FormatBytes(est.nvme_bytes), " > ", FormatBytes(o.disk_bytes));
-  // The start's disk: the staging file beside the NVMe state, which the NVMe tier checks for
-  // when it opens, before the file is read back (MemoryEstimate::init_disk_need_bytes).
+  // The start's disk: the staging file and the NVMe blocks written while it is read back
+  // (MemoryEstimate::init_disk_need_bytes).
   if (est.init_disk_need_bytes > o.disk_bytes)
-    return StrCat("disk at start (the staging file + NVMe state) ", FormatBytes(est.init_disk_need_bytes),
-                  " > ", FormatBytes(o.disk_bytes));
+    return StrCat("disk at start (the staging file and the NVMe state written as it is read) ",
+                  FormatBytes(est.init_disk_need_bytes), " > ", FormatBytes(o.disk_bytes));
   return "";
 }
 

@@ -456,41 +456,50 @@ StatusOr<MemoryEstimate> EstimateMemory(const Config& config, const ModelSpec& m
   // zero::Init (tools/train/main.cc): the model goes to a staging file in the NVMe directory
   // first, all but its generated weights (ParamSpec::generated, drawn as the engine reads them),
   // then Engine::Create fills chunk by chunk, reading the chunk's parameters back (punching them
-  // out of the file) and writing its NVMe-placed blocks. The disk holds the unread rest of the
-  // file beside the blocks written so far; its peak is at the start or after some chunk. The
-  // file's alignment padding (under 4 KiB a parameter) is left out. Only rank 0 stages (the
-  // others build shapes and take rank 0's values by broadcast), so this is rank 0's peak.
-  // The engine opens its NVMe tier, which checks the whole NVMe state against the free space,
-  // before it reads the file back: the start needs the file and the state side by side
-  // (init_disk_need_bytes), more than the peak the disk really holds.
-  // A Python script's strata.zero.Init (python/strata/zero.py) stages every parameter, in the
-  // same dtype by default, whatever the stage and offload: in the NVMe directory when the config
-  // names one, else in the temporary directory (/var/tmp where /tmp is tmpfs), which the
-  // estimate takes to be the same disk.
+  // out of the file as it reads them) and writing its NVMe-placed blocks. A Python script's
+  // strata.zero.Init (python/strata/zero.py) stages every parameter, in the same dtype by default,
+  // whatever the stage and offload: in the NVMe directory when the config names one, else in the
+  // temporary directory (/var/tmp where /tmp is tmpfs), which the estimate takes to be the same
+  // disk; its parameters' space comes back once the engine has written their chunk's blocks.
+  // The disk holds the unread rest of the file beside the blocks written so far, in whole
+  // aio.block_size stripes of the swap file; its peak is at the start or after some chunk. The
+  // file's alignment padding (under 4 KiB a parameter) is left out, which errs high: the engine
+  // gets it back too. Only rank 0 stages (the others build shapes and take rank 0's values by
+  // broadcast), so this is rank 0's peak.
+  // The engine's NVMe tier opens before the file is read and asks for that growth free beside
+  // the file (Note [start's disk] in runtime/engine/engine_init.cc), so the peak is the start's
+  // need; with several nvme paths (a share on each) it asks for the whole state beside the file.
   const bool python = options.build == EstimateOptions::Build::kPythonZeroInit;
   const bool staged = python || (z.stage == 3 && z.offload_param.device == OffloadDevice::kNvme &&
                                  (!z.offload_param.nvme_path.empty() || options.assume_nvme_path));
   if (staged) {
     const uint64_t stage_esize = config.bf16.enabled && config.bf16.bf16_master_weights_and_grads ? 2 : 4;
     std::vector<uint64_t> chunk_staged(chunks.size(), 0);
-    uint64_t left = 0, generated = 0;
+    uint64_t generated = 0;
     for (size_t ch = 0; ch < chunks.size(); ++ch) {
       for (int64_t pid : chunks[ch].params) {
         const ParamSpec& ps = model.params[static_cast<size_t>(pid)];
         (ps.generated && !python ? generated : chunk_staged[ch]) += static_cast<uint64_t>(ps.numel) * stage_esize;
       }
-      left += chunk_staged[ch];
+      est.staged_bytes += chunk_staged[ch];
     }
-    est.staged_bytes = left;
-    uint64_t peak = left, written = 0;
+    const uint64_t stripe = static_cast<uint64_t>(std::max<int64_t>(config.aio.block_size, 1));
+    uint64_t written = 0, given_back = 0, growth = 0;
     for (size_t ch = 0; ch < chunks.size(); ++ch) {
-      const int64_t c = static_cast<int64_t>(ch);
-      left -= chunk_staged[ch];
-      written += plan.ChunkNvmeBytes(c, chunks[ch].shard_numel);
-      peak = std::max(peak, left + written);
+      if (!python) given_back += chunk_staged[ch];  // strata-train's: punched as it is read
+      written += plan.ChunkNvmeBytes(static_cast<int64_t>(ch), chunks[ch].shard_numel);
+      const uint64_t held = (written + stripe - 1) / stripe * stripe;
+      growth = std::max(growth, held > given_back ? held - given_back : 0);
+      if (python) given_back += chunk_staged[ch];  // Python's: once the chunk's blocks are written
     }
-    est.init_disk_peak_bytes = peak;
-    est.init_disk_need_bytes = est.staged_bytes + nvme_need;
+    growth = std::max(growth, nvme_need > given_back ? nvme_need - given_back : 0);
+    est.init_disk_peak_bytes = est.staged_bytes + std::min(growth, nvme_need);
+    const auto& opt_paths = z.offload_optimizer.nvme_path;
+    const size_t nvme_paths =
+        z.offload_optimizer.device == OffloadDevice::kNvme && !opt_paths.empty() ? opt_paths.size()
+        : !z.offload_param.nvme_path.empty()                                       ? z.offload_param.nvme_path.size()
+                                                                                   : 1;
+    est.init_disk_need_bytes = nvme_paths == 1 ? est.init_disk_peak_bytes : est.staged_bytes + nvme_need;
     est.notes.push_back(StrCat("engine init reads the model from ", python ? "strata.zero.Init" : "zero::Init",
                                "'s staging file (", FormatBytes(est.staged_bytes),
                                stage_esize == 2 ? " of bf16" : " of fp32",
@@ -500,11 +509,14 @@ StatusOr<MemoryEstimate> EstimateMemory(const Config& config, const ModelSpec& m
                                generated > 0 ? StrCat("; the ", FormatBytes(generated),
                                                       " of large matrices are drawn as it reads them")
                                              : std::string(),
-                               written > 0 ? StrCat(") while it writes the NVMe blocks: the disk peaks at ",
-                                                    FormatBytes(peak), " during the start, and the NVMe tier "
-                                                    "asks for its whole ", FormatBytes(nvme_need),
-                                                    " free beside the file when it opens (",
-                                                    FormatBytes(est.init_disk_need_bytes), " in all)")
+                               written > 0 ? StrCat(") while it writes the NVMe blocks, giving the file's space "
+                                                    "back as it goes: the disk peaks at ",
+                                                    FormatBytes(est.init_disk_peak_bytes), " during the start",
+                                                    nvme_paths == 1
+                                                        ? std::string()
+                                                        : StrCat(", but over ", nvme_paths, " nvme paths the NVMe "
+                                                                 "tier asks for its whole state beside the file (",
+                                                                 FormatBytes(est.init_disk_need_bytes), ")"))
                                            : std::string("), punching out what it has read"),
                                options.world_size > 1 ? " (on rank 0; the other ranks stage nothing)" : ""));
   } else {

@@ -85,17 +85,16 @@ struct MemoryEstimate {
   uint64_t engine_device_peak_min_bytes = 0;
   uint64_t engine_host_peak_bytes = 0;
   uint64_t activation_bytes = 0;  // 0 when the model is not a GPT
-  // zero::Init (strata-train's stage 3 with offload_param nvme): the disk the start needs at its
-  // peak, the staging file (fp32, or bf16 for a bf16 master) plus the NVMe blocks written while
-  // the engine reads the file back chunk by chunk, punching what it has read. 0 without staging.
-  // Rank 0's: the other ranks build shapes only (zero::StageMode::kShapesOnly) and write their
-  // own NVMe blocks.
+  // zero::Init (strata-train's stage 3 with offload_param nvme, or any Python build under
+  // strata.zero.Init): the disk the start holds at its peak, the staging file (fp32, or bf16 for
+  // a bf16 master) plus the NVMe blocks written while the engine reads the file back chunk by
+  // chunk, giving its space back as it goes. 0 without staging. Rank 0's: the other ranks build
+  // shapes only (zero::StageMode::kShapesOnly) and write their own NVMe blocks.
   uint64_t init_disk_peak_bytes = 0;
   uint64_t staged_bytes = 0;  // the staging file when the model is built
-  // The free disk the start needs: the engine opens its NVMe tier, which checks that the whole
-  // NVMe state fits the free space, before it reads the staging file back, so the file and the
-  // state must fit side by side (staged_bytes + nvme_bytes >= init_disk_peak_bytes). 0 without
-  // staging.
+  // The disk the start needs: its peak with one nvme path, where the NVMe tier asks for the
+  // growth beside the file (Note [start's disk] in runtime/engine/engine_init.cc); over several
+  // paths the file and the whole NVMe state side by side. 0 without staging.
   uint64_t init_disk_need_bytes = 0;
   uint64_t host_pool_bytes = 0;   // the pinned pool the engine reserves (== host_pinned_bytes)
   // The least strata.host_memory_budget the engine accepts: host-placed blocks plus 8 NVMe blocks.

@@ -341,6 +341,9 @@ class Engine::Impl {
   Device* device_;
   EngineStreams streams_;  // engine_state.h
   std::unique_ptr<nvme::NvmeTier> nvme_;
+  // The NVMe tier asked for less free disk than its state, counting on the staging file's space
+  // (OpenNvmeTier); WriteInitialBlocks then checks that the space comes back.
+  bool nvme_counts_on_staging_ = false;
   std::unique_ptr<BlockStore> store_;
   std::optional<Partitioner> partitioner_;
   // The step's mode decisions (runtime/state/step_plan.h), made once in Init.

@@ -229,6 +229,7 @@ Status Engine::Impl::OpenNvmeTier(const EngineOptions& options) {
       if (!staged.empty()) {
         o.needed_free_bytes = StartDiskGrowth(staged, o.needed_bytes);
         o.needed_free_why = "zero::Init's staging file gives back as the start reads it";
+        nvme_counts_on_staging_ = true;
         STRATA_LOG(INFO) << "nvme: the start reads " << FormatBytes(TotalOf(staged)) << " back from zero::Init's "
                          << "staging file on the same file system as it writes the NVMe blocks, so "
                          << FormatBytes(o.needed_free_bytes) << " of the " << FormatBytes(o.needed_bytes)

@@ -99,6 +99,15 @@ Status Engine::Impl::WriteInitialBlocks() {
     torch::Tensor work = tdtype == torch::kFloat32 ? full32 : buf16.narrow(0, 0, ci.numel);
     torch::Tensor read_into = need32 ? full32 : work;
     read_into.zero_();  // the chunk's padding
+    // StageMapped's parameters whose space the NVMe tier counted on getting back once this chunk
+    // is written (Note [start's disk] in engine_init.cc): by their mappings' addresses.
+    std::vector<std::pair<const void*, uint64_t>> mapped;
+    if (nvme_counts_on_staging_) {
+      for (int64_t pid : ci.params) {
+        const std::optional<zero::StagedSpace> space = zero::StagedDiskSpace(params_[pid].tensor);
+        if (space && !space->given_back_on_read) mapped.emplace_back(params_[pid].tensor.storage().data(), space->bytes);
+      }
+    }
     for (int64_t pid : ci.params) {
       const ParamLocation& loc = partitioner_->location(pid);
       torch::Tensor dst = read_into.narrow(0, loc.offset, loc.numel);
@@ -160,6 +169,15 @@ Status Engine::Impl::WriteInitialBlocks() {
             chunks_[c].full.narrow(0, loc.offset, loc.numel).view(params_[pid].shape));
       }
     }
+    uint64_t held = 0;
+    for (const auto& [data, bytes] : mapped)
+      if (zero::StagedMappingLive(data)) held += bytes;
+    if (held > 0)
+      STRATA_LOG_ONCE(WARN) << "engine start: " << FormatBytes(held) << " of zero::Init's staging file stays "
+                            << "on disk after chunk " << c << ": another tensor still shares a staged parameter's "
+                            << "memory (a .data or a view kept from before initialize). The NVMe tier counted on "
+                            << "that space coming back, so a disk near full may run out during the start; drop "
+                            << "such references before initialize";
     if (hooks_.initial_chunk_hook) hooks_.initial_chunk_hook(c64);
   }
   return Status::Ok();

@@ -660,6 +660,11 @@ std::optional<StagedSpace> StagedDiskSpace(const torch::Tensor& param) {
   return it->second;
 }
 
+bool StagedMappingLive(const void* data) {
+  std::lock_guard<std::mutex> l(MappedMu());
+  return Mapped().count(data) > 0;
+}
+
 // Note [staged reads]
 // Each staged parameter comes back through the Init's one read buffer (aligned for O_DIRECT,
 // grown to the largest parameter), converted into the caller's tensor, then its file range is

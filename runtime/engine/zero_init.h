@@ -153,6 +153,10 @@ struct StagedSpace {
 // under StageMode::kShapesOnly, or in a staging file whose file system cannot punch holes (its
 // space stays until the file goes).
 std::optional<StagedSpace> StagedDiskSpace(const torch::Tensor& param);
+// Whether StageMapped's mapping whose memory starts at `data` (a staged parameter's storage
+// address) still lives: after the engine has pointed the parameter at its own memory, true means
+// another tensor shares the mapping and its space is not back yet.
+bool StagedMappingLive(const void* data);
 // True when `param` has been staged and not yet read (it has 0 elements, StagedShape its shape).
 bool IsStaged(const torch::Tensor& param);
 // The shape `param` had when it was staged; nullopt when it is not staged (or was read).

@@ -405,3 +405,29 @@ def test_a_start_needs_free_only_what_it_grows_by_beside_the_staging_file(tmp_pa
             engine.close()
     finally:
         subprocess.run(["umount", "-l", str(disk)], check=False)
+
+
+def test_a_staged_parameter_held_elsewhere_is_named_at_the_start(tmp_path, capfd):
+    """The start's disk check counts on each staged parameter's space coming back once the engine
+    has its values. A tensor kept from before initialize that shares a parameter's memory (its
+    .data) keeps that space on disk: the start says so, and without such a tensor it says
+    nothing."""
+    from gpt2_model import GPT2
+
+    cfg = {"train_micro_batch_size_per_gpu": 2,
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+           "zero_optimization": {"stage": 3,
+                                 "offload_param": {"device": "nvme", "nvme_path": str(tmp_path)},
+                                 "offload_optimizer": {"device": "nvme", "nvme_path": str(tmp_path)}}}
+    shape = {"vocab_size": 256, "seq_len": 32, "d_model": 128, "n_layers": 2, "n_heads": 4}
+    for keep in (False, True):
+        with strata.zero.Init(config_dict_or_path=cfg):
+            model = GPT2(**shape)
+        kept = model.blocks[0].fc.weight.data if keep else None
+        capfd.readouterr()
+        engine, *_ = strata.initialize(model=model, config=copy.deepcopy(cfg))
+        err = capfd.readouterr().err
+        engine.close()
+        assert ("another tensor still shares a staged parameter's memory" in err) == keep, err
+        if keep:
+            assert kept.numel() == 128 * 512  # the kept tensor still reads the file

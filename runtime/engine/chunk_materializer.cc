@@ -24,12 +24,15 @@ ChunkMaterializer::ChunkMaterializer(Parts p)
 ChunkMaterializer::~ChunkMaterializer() { Close(); }
 
 namespace {
-// The deleter of a closed chunk's empty storage: never called (the storage holds no pointer), it
-// only marks the storage.
+// The deleters of a closed chunk's empty storage: never called (the storage holds no pointer),
+// they only mark the storage, the second for an engine whose start failed part-way.
 void ClosedChunkStorage(void*) {}
+void FailedStartChunkStorage(void*) {}
 }  // namespace
 
-void ChunkMaterializer::Close() {
+void ChunkMaterializer::Close(bool start_failed) {
+  if (closed_) return;  // the destructor's call after the engine's keeps the engine's mark
+  closed_ = true;
   StopLane();
   for (size_t c = 0; c < chunks_.size(); ++c) FreeChunkMemory(static_cast<int64_t>(c));
   ReapFrees(/*wait=*/true);
@@ -38,13 +41,16 @@ void ChunkMaterializer::Close() {
     c10::Storage& st = chunks_[c].storage;
     if (st.unsafeGetStorageImpl() == nullptr) continue;  // stages 0-2, or not reached by setup
     st.unsafeGetStorageImpl()->set_data_ptr_noswap(
-        c10::DataPtr(nullptr, nullptr, &ClosedChunkStorage, TorchDev()));
+        c10::DataPtr(nullptr, nullptr, start_failed ? &FailedStartChunkStorage : &ClosedChunkStorage, TorchDev()));
   }
 }
 
-bool ChunkMaterializer::ViewsClosedChunk(const torch::Tensor& t) {
-  return t.defined() && t.has_storage() &&
-         t.storage().data_ptr().get_deleter() == &ClosedChunkStorage;
+ChunkMaterializer::ClosedChunk ChunkMaterializer::ClosedChunkOf(const torch::Tensor& t) {
+  if (!t.defined() || !t.has_storage()) return ClosedChunk::kNone;
+  const c10::DeleterFnPtr d = t.storage().data_ptr().get_deleter();
+  return d == &ClosedChunkStorage ? ClosedChunk::kClosed
+         : d == &FailedStartChunkStorage ? ClosedChunk::kStartFailed
+                                         : ClosedChunk::kNone;
 }
 
 torch::Device ChunkMaterializer::TorchDev() const { return TorchDevice(*device_); }

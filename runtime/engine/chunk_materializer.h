@@ -73,10 +73,12 @@ class ChunkMaterializer {
   void FreeChunkMemory(int64_t c);
   // The engine ends: the lanes stop, every chunk's memory goes back to the device, and each
   // chunk's storage is marked, so that a parameter left viewing it can be told from one that
-  // simply has 0 elements (ViewsClosedChunk). Idempotent; show_params is not called after it.
-  void Close();
-  // Whether `t` views the storage of a chunk whose engine was closed.
-  static bool ViewsClosedChunk(const torch::Tensor& t);
+  // simply has 0 elements (ClosedChunkOf). `start_failed`: the engine's start failed part-way,
+  // which the mark records too. Idempotent; show_params is not called after it.
+  void Close(bool start_failed = false);
+  // Whether `t` views the storage of a chunk whose engine was closed, and how it ended.
+  enum class ClosedChunk { kNone, kClosed, kStartFailed };
+  static ClosedChunk ClosedChunkOf(const torch::Tensor& t);
   // Frees the pending chunk memory whose compute has finished; all of it when `wait`.
   void ReapFrees(bool wait) EXCLUDES(frees_mu_);
   // Holds chunk c, gathering it when it is not (stage 3).
@@ -124,6 +126,7 @@ class ChunkMaterializer {
   Status SettleFill(int64_t c);
   torch::Device TorchDev() const;
 
+  bool closed_ = false;  // Close ran (the caller's thread)
   // Borrowed (Parts), under the names the engine gives them.
   const Config& config_;
   const StepPlan& plan_;

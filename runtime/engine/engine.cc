@@ -71,7 +71,8 @@ Engine::Impl::~Impl() {
   if (owner_) unit_detail::UnregisterEngine(owner_);
   for (auto& p : params_)
     if (p.acc) p.acc->post_hooks().clear();
-  if (materializer_) materializer_->Close();  // stage 3's parameters left with 0 elements
+  // Stage 3's parameters are left with 0 elements, marked with how the engine ended.
+  if (materializer_) materializer_->Close(/*start_failed=*/!started_);
   // Stages 0-2: the parameters are views of chunks the device allocated, and the model outlives
   // the engine (and maybe the device): give them their own copy of the working values. Only
   // parameters over a chunk's storage: stage 3's have 0 elements, and after a setup that failed

@@ -332,6 +332,7 @@ class Engine::Impl {
 
   EngineModel model_;
   Engine* owner_ = nullptr;
+  bool started_ = false;  // Init went through: a failed start marks its chunks so (~Impl)
   EngineTestHooks hooks_;  // EngineOptions::test_hooks' (none outside tests)
   // EngineOptions::client_optimizer (client_step_session.h): the open step, made in
   // OpenBlockStore.

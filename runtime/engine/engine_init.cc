@@ -43,6 +43,7 @@ Status Engine::Impl::Init(Engine* owner, const EngineOptions& options) {
   STRATA_RETURN_IF_ERROR(timed("lanes", [&] { return MakeLanes(); }));
   STRATA_RETURN_IF_ERROR(timed("hooks", [&] { return HookModel(); }));
   StartLanes();
+  started_ = true;
   const auto secs_text = [](double secs) {
     char buf[32];
     std::snprintf(buf, sizeof buf, "%.1f s", secs);

@@ -73,6 +73,7 @@ Status Engine::Impl::WriteInitialBlocks() {
   // A line every 10 s on rank 0: a large model's blocks take minutes to write.
   const auto t0 = std::chrono::steady_clock::now();
   auto reported = t0;
+  bool warned_held = false;
   for (size_t c = 0; c < chunk_infos.size(); ++c) {
     if (const auto now = std::chrono::steady_clock::now();
         comm_->rank() == 0 && now - reported >= std::chrono::seconds(10)) {
@@ -172,12 +173,14 @@ Status Engine::Impl::WriteInitialBlocks() {
     uint64_t held = 0;
     for (const auto& [data, bytes] : mapped)
       if (zero::StagedMappingLive(data)) held += bytes;
-    if (held > 0)
-      STRATA_LOG_ONCE(WARN) << "engine start: " << FormatBytes(held) << " of zero::Init's staging file stays "
-                            << "on disk after chunk " << c << ": another tensor still shares a staged parameter's "
-                            << "memory (a .data or a view kept from before initialize). The NVMe tier counted on "
-                            << "that space coming back, so a disk near full may run out during the start; drop "
-                            << "such references before initialize";
+    if (held > 0 && !warned_held) {
+      warned_held = true;  // once a start
+      STRATA_LOG(WARN) << "engine start: " << FormatBytes(held) << " of zero::Init's staging file stays on disk "
+                       << "after chunk " << c << ": another tensor still shares a staged parameter's memory (a "
+                       << ".data or a view kept from before initialize). The NVMe tier counted on that space "
+                       << "coming back, so a disk near full may run out during the start; drop such references "
+                       << "before initialize";
+    }
     if (hooks_.initial_chunk_hook) hooks_.initial_chunk_hook(c64);
   }
   return Status::Ok();

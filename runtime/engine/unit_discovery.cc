@@ -87,7 +87,14 @@ Status Engine::Impl::AddUnit(const std::string& name, std::shared_ptr<torch::nn:
       // A closed stage-3 engine leaves its parameters with 0 elements, viewing storage it
       // marked (ChunkMaterializer::Close); training them would train nothing, so such a model
       // is refused here, as is any parameter with elements but no memory.
-      if (ChunkMaterializer::ViewsClosedChunk(p) ||
+      const ChunkMaterializer::ClosedChunk closed = ChunkMaterializer::ClosedChunkOf(p);
+      if (closed == ChunkMaterializer::ClosedChunk::kStartFailed)
+        return FailedPrecondition(StrCat(
+            "parameter '", full_name, "' has no values: an earlier engine start on this model failed "
+            "part-way (its error said why) after it had taken this parameter into its tiers, and they "
+            "went with it; build the model again (under zero.Init where it was) before starting an "
+            "engine on it"));
+      if (closed == ChunkMaterializer::ClosedChunk::kClosed ||
           (p.numel() > 0 && (!p.has_storage() || p.data_ptr() == nullptr)))
         return FailedPrecondition(StrCat(
             "parameter '", full_name, "' has no memory: the model belongs to a ZeRO-3 engine "

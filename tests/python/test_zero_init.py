@@ -431,3 +431,50 @@ def test_a_staged_parameter_held_elsewhere_is_named_at_the_start(tmp_path, capfd
         assert ("another tensor still shares a staged parameter's memory" in err) == keep, err
         if keep:
             assert kept.numel() == 128 * 512  # the kept tensor still reads the file
+
+
+@pytest.mark.skipif("STRATA_BIN" not in os.environ, reason="needs the build's strata-estimate")
+def test_a_start_that_fails_part_way_says_the_model_must_be_built_again(tmp_path, capfd):
+    """A stage-3 start that fails after it has taken some chunks into its tiers (here: the disk
+    fills because tensors kept from before initialize hold every staged parameter's space, which
+    the start warned about) takes those parameters' values with it. It fails with the disk's
+    error, and initialize on the same model then says the model must be built again, not that an
+    engine was closed."""
+    from gpt2_model import GPT2
+
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    if not _mount_tmpfs(disk, "192M"):
+        pytest.skip("cannot mount tmpfs")
+    try:
+        shape = {"vocab_size": 256, "seq_len": 32, "d_model": 256, "n_layers": 4, "n_heads": 4}
+        cfg = {"train_micro_batch_size_per_gpu": 2,
+               "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+               "bf16": {"enabled": True}, "aio": {"block_size": 65536},
+               "strata": {"chunk_size": 1 << 20},
+               "zero_optimization": {"stage": 3,
+                                     "offload_param": {"device": "nvme", "nvme_path": str(disk)},
+                                     "offload_optimizer": {"device": "nvme", "nvme_path": str(disk)}}}
+        path = tmp_path / "cfg.json"
+        path.write_text(json.dumps(dict(cfg, model=shape)))
+        tool = os.path.join(os.environ["STRATA_BIN"], "strata-estimate")
+        est = json.loads(subprocess.run([tool, "--config", str(path), "--build", "python", "--json"],
+                                        check=True, capture_output=True, text=True).stdout)
+        with pytest.warns(UserWarning, match="kept in memory"):
+            with strata.zero.Init(config_dict_or_path=cfg):
+                model = GPT2(**shape)
+        kept = [p.data for p in model.parameters()]
+        growth = est["init_disk_need_bytes"] - est["staged_bytes"]
+        with open(disk / "filler", "wb") as f:
+            os.posix_fallocate(f.fileno(), 0, _free_bytes(disk) - growth - (64 << 10))
+        capfd.readouterr()
+        with pytest.raises(strata.StrataError, match="No space left on device"):
+            strata.initialize(model=model, config=copy.deepcopy(cfg))
+        assert "another tensor still shares a staged parameter's memory" in capfd.readouterr().err
+        assert any(p.numel() == 0 for p in model.parameters())  # some went with the engine
+        del kept
+        (disk / "filler").unlink()
+        with pytest.raises(strata.StrataError, match="failed part-way .* build the model again"):
+            strata.initialize(model=model, config=copy.deepcopy(cfg))
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], check=False)

@@ -344,16 +344,13 @@ def _free_bytes(path):
     return v.f_bavail * v.f_frsize
 
 
-@pytest.mark.skipif("STRATA_BIN" not in os.environ, reason="needs the build's strata-estimate")
-def test_a_start_needs_free_only_what_it_grows_by_beside_the_staging_file(tmp_path):
-    """The engine's start gives the staging file's space back chunk by chunk as it writes the NVMe
-    blocks, so the disk needs free only the growth `strata-estimate --build python` names
-    (init_disk_need_bytes less the file), not the whole NVMe state beside the file. On a tmpfs of
-    its own filled to leave just that, less than the state, the script's start goes through and
-    trains; leaving less is refused before anything is read, and the same model starts once the
-    space is there."""
-    from gpt2_model import GPT2
-
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 192 MiB tmpfs of its own and a stage-3 config with everything on NVMe there, with the
+    GPT shape it trains and `strata-estimate --build python`'s JSON for them:
+    (disk, cfg, shape, estimate). Skips where this process may not mount."""
+    if "STRATA_BIN" not in os.environ:
+        pytest.skip("needs the build's strata-estimate")
     disk = tmp_path / "disk"
     disk.mkdir()
     if not _mount_tmpfs(disk, "192M"):
@@ -373,38 +370,51 @@ def test_a_start_needs_free_only_what_it_grows_by_beside_the_staging_file(tmp_pa
         tool = os.path.join(os.environ["STRATA_BIN"], "strata-estimate")
         est = json.loads(subprocess.run([tool, "--config", str(path), "--build", "python", "--json"],
                                         check=True, capture_output=True, text=True).stdout)
-        growth = est["init_disk_need_bytes"] - est["staged_bytes"]
-        assert growth + (1 << 20) < est["nvme_bytes"], est  # the whole state would not fit beside it
-        with pytest.warns(UserWarning, match="kept in memory"):
-            with strata.zero.Init(config_dict_or_path=cfg) as init:
-                torch.manual_seed(0)
-                model = GPT2(**shape)
-        assert init.staged_bytes == est["staged_bytes"]
-        filler = disk / "filler"
-        for leave, starts in ((growth - (2 << 20), False), (growth + (256 << 10), True)):
-            filler.unlink(missing_ok=True)
-            with open(filler, "wb") as f:
-                os.posix_fallocate(f.fileno(), 0, _free_bytes(disk) - leave)
-            assert abs(_free_bytes(disk) - leave) <= 4096
-            if not starts:
-                mapped = [p.data_ptr() for p in model.parameters()]
-                with pytest.raises(strata.StrataError, match="staging file gives back"):
-                    strata.initialize(model=model, config=copy.deepcopy(cfg))
-                # Nothing was read or copied: the parameters are still the file's mappings.
-                assert [p.data_ptr() for p in model.parameters()] == mapped
-                continue
-            engine, *_ = strata.initialize(model=model, config=copy.deepcopy(cfg))
-            tokens = torch.randint(0, shape["vocab_size"], (2, shape["seq_len"] + 1))
-            losses = []
-            for _ in range(3):
-                loss = engine(tokens[:, :-1], tokens[:, 1:])
-                engine.backward(loss)
-                engine.step()
-                losses.append(loss.item())
-            assert losses[-1] < losses[0], losses
-            engine.close()
+        yield disk, cfg, shape, est
     finally:
         subprocess.run(["umount", "-l", str(disk)], check=False)
+
+
+def test_a_start_needs_free_only_what_it_grows_by_beside_the_staging_file(small_disk):
+    """The engine's start gives the staging file's space back chunk by chunk as it writes the NVMe
+    blocks, so the disk needs free only the growth `strata-estimate --build python` names
+    (init_disk_need_bytes less the file), not the whole NVMe state beside the file. On a tmpfs of
+    its own filled to leave just that, less than the state, the script's start goes through and
+    trains; leaving less is refused before anything is read, and the same model starts once the
+    space is there."""
+    from gpt2_model import GPT2
+
+    disk, cfg, shape, est = small_disk
+    growth = est["init_disk_need_bytes"] - est["staged_bytes"]
+    assert growth + (1 << 20) < est["nvme_bytes"], est  # the whole state would not fit beside it
+    with pytest.warns(UserWarning, match="kept in memory"):
+        with strata.zero.Init(config_dict_or_path=cfg) as init:
+            torch.manual_seed(0)
+            model = GPT2(**shape)
+    assert init.staged_bytes == est["staged_bytes"]
+    filler = disk / "filler"
+    for leave, starts in ((growth - (2 << 20), False), (growth + (256 << 10), True)):
+        filler.unlink(missing_ok=True)
+        with open(filler, "wb") as f:
+            os.posix_fallocate(f.fileno(), 0, _free_bytes(disk) - leave)
+        assert abs(_free_bytes(disk) - leave) <= 4096
+        if not starts:
+            mapped = [p.data_ptr() for p in model.parameters()]
+            with pytest.raises(strata.StrataError, match="staging file gives back"):
+                strata.initialize(model=model, config=copy.deepcopy(cfg))
+            # Nothing was read or copied: the parameters are still the file's mappings.
+            assert [p.data_ptr() for p in model.parameters()] == mapped
+            continue
+        engine, *_ = strata.initialize(model=model, config=copy.deepcopy(cfg))
+        tokens = torch.randint(0, shape["vocab_size"], (2, shape["seq_len"] + 1))
+        losses = []
+        for _ in range(3):
+            loss = engine(tokens[:, :-1], tokens[:, 1:])
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+        assert losses[-1] < losses[0], losses
+        engine.close()
 
 
 def test_a_staged_parameter_held_elsewhere_is_named_at_the_start(tmp_path, capfd):
@@ -433,8 +443,7 @@ def test_a_staged_parameter_held_elsewhere_is_named_at_the_start(tmp_path, capfd
             assert kept.numel() == 128 * 512  # the kept tensor still reads the file
 
 
-@pytest.mark.skipif("STRATA_BIN" not in os.environ, reason="needs the build's strata-estimate")
-def test_a_start_that_fails_part_way_says_the_model_must_be_built_again(tmp_path, capfd):
+def test_a_start_that_fails_part_way_says_the_model_must_be_built_again(small_disk, capfd):
     """A stage-3 start that fails after it has taken some chunks into its tiers (here: the disk
     fills because tensors kept from before initialize hold every staged parameter's space, which
     the start warned about) takes those parameters' values with it. It fails with the disk's
@@ -442,39 +451,20 @@ def test_a_start_that_fails_part_way_says_the_model_must_be_built_again(tmp_path
     engine was closed."""
     from gpt2_model import GPT2
 
-    disk = tmp_path / "disk"
-    disk.mkdir()
-    if not _mount_tmpfs(disk, "192M"):
-        pytest.skip("cannot mount tmpfs")
-    try:
-        shape = {"vocab_size": 256, "seq_len": 32, "d_model": 256, "n_layers": 4, "n_heads": 4}
-        cfg = {"train_micro_batch_size_per_gpu": 2,
-               "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
-               "bf16": {"enabled": True}, "aio": {"block_size": 65536},
-               "strata": {"chunk_size": 1 << 20},
-               "zero_optimization": {"stage": 3,
-                                     "offload_param": {"device": "nvme", "nvme_path": str(disk)},
-                                     "offload_optimizer": {"device": "nvme", "nvme_path": str(disk)}}}
-        path = tmp_path / "cfg.json"
-        path.write_text(json.dumps(dict(cfg, model=shape)))
-        tool = os.path.join(os.environ["STRATA_BIN"], "strata-estimate")
-        est = json.loads(subprocess.run([tool, "--config", str(path), "--build", "python", "--json"],
-                                        check=True, capture_output=True, text=True).stdout)
-        with pytest.warns(UserWarning, match="kept in memory"):
-            with strata.zero.Init(config_dict_or_path=cfg):
-                model = GPT2(**shape)
-        kept = [p.data for p in model.parameters()]
-        growth = est["init_disk_need_bytes"] - est["staged_bytes"]
-        with open(disk / "filler", "wb") as f:
-            os.posix_fallocate(f.fileno(), 0, _free_bytes(disk) - growth - (64 << 10))
-        capfd.readouterr()
-        with pytest.raises(strata.StrataError, match="No space left on device"):
-            strata.initialize(model=model, config=copy.deepcopy(cfg))
-        assert "another tensor still shares a staged parameter's memory" in capfd.readouterr().err
-        assert any(p.numel() == 0 for p in model.parameters())  # some went with the engine
-        del kept
-        (disk / "filler").unlink()
-        with pytest.raises(strata.StrataError, match="failed part-way .* build the model again"):
-            strata.initialize(model=model, config=copy.deepcopy(cfg))
-    finally:
-        subprocess.run(["umount", "-l", str(disk)], check=False)
+    disk, cfg, shape, est = small_disk
+    with pytest.warns(UserWarning, match="kept in memory"):
+        with strata.zero.Init(config_dict_or_path=cfg):
+            model = GPT2(**shape)
+    kept = [p.data for p in model.parameters()]
+    growth = est["init_disk_need_bytes"] - est["staged_bytes"]
+    with open(disk / "filler", "wb") as f:
+        os.posix_fallocate(f.fileno(), 0, _free_bytes(disk) - growth - (64 << 10))
+    capfd.readouterr()
+    with pytest.raises(strata.StrataError, match="No space left on device"):
+        strata.initialize(model=model, config=copy.deepcopy(cfg))
+    assert "another tensor still shares a staged parameter's memory" in capfd.readouterr().err
+    assert any(p.numel() == 0 for p in model.parameters())  # some went with the engine
+    del kept
+    (disk / "filler").unlink()
+    with pytest.raises(strata.StrataError, match="failed part-way .* build the model again"):
+        strata.initialize(model=model, config=copy.deepcopy(cfg))

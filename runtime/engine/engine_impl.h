@@ -75,6 +75,7 @@
 #include "runtime/engine/step_meter.h"
 #include "runtime/engine/unit_coordinator.h"
 #include "runtime/engine/zero_init.h"
+#include "runtime/state/start_disk.h"
 #include "runtime/state/block_store.h"
 #include "runtime/state/checkpoint.h"
 #include "runtime/state/lr_schedule.h"
@@ -232,17 +233,10 @@ class Engine::Impl {
   Status StartStreamsAndArena();
   Status OpenNvmeTier(const EngineOptions& options);
   std::vector<std::string> NvmePaths(const EngineOptions& options) const;
-  // zero::Init's staged space on the file system of `nvme_path`, chunk by chunk: what the start
-  // gives back as it reads the chunk's parameters, and once it has written the chunk's blocks
-  // (Note [start's disk]). Empty when none is there.
-  struct StagedChunkSpace {
-    uint64_t on_read = 0;
-    uint64_t after_blocks = 0;
-  };
-  std::vector<StagedChunkSpace> StagedSpaceOn(const std::string& nvme_path) const;
-  static uint64_t TotalOf(const std::vector<StagedChunkSpace>& staged);
-  // The most the start's disk use grows by there while it writes `state_bytes` of NVMe blocks.
-  uint64_t StartDiskGrowth(const std::vector<StagedChunkSpace>& staged, uint64_t state_bytes) const;
+  // zero::Init's staged space on the file system of `nvme_path`, chunk by chunk, by when the
+  // start gives it back (Note [start's disk]). Empty when none is there.
+  std::vector<ChunkStaging> StagedSpaceOn(const std::string& nvme_path) const;
+  static uint64_t TotalOf(const std::vector<ChunkStaging>& staged);
   Status OpenBlockStore();
   Status PlaceBuffers();
   Status WriteInitialBlocks();

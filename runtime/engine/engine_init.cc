@@ -226,9 +226,11 @@ Status Engine::Impl::OpenNvmeTier(const EngineOptions& options) {
     // first Allocate that meets ENOSPC (Note [preallocation] grows the files on demand).
     o.needed_bytes = std::min(need, o.capacity);
     if (paths.size() == 1) {
-      const std::vector<StagedChunkSpace> staged = StagedSpaceOn(paths.front());
+      const std::vector<ChunkStaging> staged = StagedSpaceOn(paths.front());
       if (!staged.empty()) {
-        o.needed_free_bytes = StartDiskGrowth(staged, o.needed_bytes);
+        o.needed_free_bytes = StartDiskGrowth(plan_, partitioner_->chunks(), staged,
+                                              static_cast<uint64_t>(std::max<int64_t>(config_.aio.block_size, 1)),
+                                              o.needed_bytes);
         o.needed_free_why = "zero::Init's staging file gives back as the start reads it";
         nvme_counts_on_staging_ = true;
         STRATA_LOG(INFO) << "nvme: the start reads " << FormatBytes(TotalOf(staged)) << " back from zero::Init's "
@@ -262,8 +264,8 @@ Status Engine::Impl::OpenNvmeTier(const EngineOptions& options) {
 // file, which is what the NVMe tier asked for when it opened (before the file is read). Asking for
 // the growth lets a disk hold a start whose real peak fits it. The swap files also hold their
 // first preallocation from the start (Note [preallocation]); the store adds that itself.
-std::vector<Engine::Impl::StagedChunkSpace> Engine::Impl::StagedSpaceOn(const std::string& nvme_path) const {
-  std::vector<StagedChunkSpace> staged;
+std::vector<ChunkStaging> Engine::Impl::StagedSpaceOn(const std::string& nvme_path) const {
+  std::vector<ChunkStaging> staged;
   struct stat st {};
   if (::stat(nvme_path.c_str(), &st) != 0) return staged;  // the store names a bad path
   const uint64_t disk = static_cast<uint64_t>(st.st_dev);
@@ -282,27 +284,10 @@ std::vector<Engine::Impl::StagedChunkSpace> Engine::Impl::StagedSpaceOn(const st
   return staged;
 }
 
-uint64_t Engine::Impl::TotalOf(const std::vector<StagedChunkSpace>& staged) {
+uint64_t Engine::Impl::TotalOf(const std::vector<ChunkStaging>& staged) {
   uint64_t total = 0;
-  for (const StagedChunkSpace& s : staged) total += s.on_read + s.after_blocks;
+  for (const ChunkStaging& s : staged) total += s.on_read + s.after_blocks;
   return total;
-}
-
-uint64_t Engine::Impl::StartDiskGrowth(const std::vector<StagedChunkSpace>& staged, uint64_t state_bytes) const {
-  const auto& chunk_infos = partitioner_->chunks();
-  const uint64_t stripe = static_cast<uint64_t>(std::max<int64_t>(config_.aio.block_size, 1));
-  uint64_t allocated = 0, given_back = 0, growth = 0;
-  for (size_t c = 0; c < staged.size(); ++c) {
-    given_back += staged[c].on_read;
-    allocated += plan_.ChunkNvmeBytes(static_cast<int64_t>(c), chunk_infos[c].shard_numel);
-    // The swap file holds whole stripes (aio.block_size) past the last block.
-    const uint64_t held = (allocated + stripe - 1) / stripe * stripe;
-    growth = std::max(growth, held > given_back ? held - given_back : 0);
-    given_back += staged[c].after_blocks;
-  }
-  // The state's slots made later (cpu_checkpointing's) come after the whole file is given back.
-  growth = std::max(growth, state_bytes > given_back ? state_bytes - given_back : 0);
-  return std::min(growth, state_bytes);
 }
 
 // The host budget and the tiered block store over the device, the pinned pool and NVMe.

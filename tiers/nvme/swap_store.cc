@@ -137,7 +137,6 @@ Status CheckFreeSpace(const SwapStoreOptions& options, uint64_t stripe_unit) {
   const uint64_t need = given_back ? options.needed_free_bytes : options.needed_bytes;
   const uint64_t stripes = (need + stripe_unit - 1) / stripe_unit;
   const uint64_t share = (stripes + n - 1) / n * stripe_unit;
-
   for (const auto& p : options.paths) {
     struct statvfs vfs;
     if (statvfs(p.c_str(), &vfs) != 0) return ErrnoToStatus(errno, StrCat("statvfs ", p));

@@ -10,6 +10,7 @@
 
 #include "runtime/base/units.h"
 #include "runtime/state/partitioner.h"
+#include "runtime/state/start_disk.h"
 #include "runtime/state/step_plan.h"
 #include "tiers/host/pinned_pool.h"
 
@@ -474,26 +475,21 @@ StatusOr<MemoryEstimate> EstimateMemory(const Config& config, const ModelSpec& m
                                  (!z.offload_param.nvme_path.empty() || options.assume_nvme_path));
   if (staged) {
     const uint64_t stage_esize = config.bf16.enabled && config.bf16.bf16_master_weights_and_grads ? 2 : 4;
-    std::vector<uint64_t> chunk_staged(chunks.size(), 0);
+    // strata-train's space comes back as it is read (punched); Python's once the chunk's blocks
+    // are written (the mappings go with the parameters).
+    std::vector<ChunkStaging> chunk_staged(chunks.size());
     uint64_t generated = 0;
     for (size_t ch = 0; ch < chunks.size(); ++ch) {
+      uint64_t& staged_here = python ? chunk_staged[ch].after_blocks : chunk_staged[ch].on_read;
       for (int64_t pid : chunks[ch].params) {
         const ParamSpec& ps = model.params[static_cast<size_t>(pid)];
-        (ps.generated && !python ? generated : chunk_staged[ch]) += static_cast<uint64_t>(ps.numel) * stage_esize;
+        (ps.generated && !python ? generated : staged_here) += static_cast<uint64_t>(ps.numel) * stage_esize;
       }
-      est.staged_bytes += chunk_staged[ch];
+      est.staged_bytes += staged_here;
     }
-    const uint64_t stripe = static_cast<uint64_t>(std::max<int64_t>(config.aio.block_size, 1));
-    uint64_t written = 0, given_back = 0, growth = 0;
-    for (size_t ch = 0; ch < chunks.size(); ++ch) {
-      if (!python) given_back += chunk_staged[ch];  // strata-train's: punched as it is read
-      written += plan.ChunkNvmeBytes(static_cast<int64_t>(ch), chunks[ch].shard_numel);
-      const uint64_t held = (written + stripe - 1) / stripe * stripe;
-      growth = std::max(growth, held > given_back ? held - given_back : 0);
-      if (python) given_back += chunk_staged[ch];  // Python's: once the chunk's blocks are written
-    }
-    growth = std::max(growth, nvme_need > given_back ? nvme_need - given_back : 0);
-    est.init_disk_peak_bytes = est.staged_bytes + std::min(growth, nvme_need);
+    est.init_disk_peak_bytes =
+        est.staged_bytes + StartDiskGrowth(plan, chunks, chunk_staged,
+                                           static_cast<uint64_t>(config.aio.block_size), nvme_need);
     const auto& opt_paths = z.offload_optimizer.nvme_path;
     const size_t nvme_paths =
         z.offload_optimizer.device == OffloadDevice::kNvme && !opt_paths.empty() ? opt_paths.size()
@@ -509,15 +505,15 @@ StatusOr<MemoryEstimate> EstimateMemory(const Config& config, const ModelSpec& m
                                generated > 0 ? StrCat("; the ", FormatBytes(generated),
                                                       " of large matrices are drawn as it reads them")
                                              : std::string(),
-                               written > 0 ? StrCat(") while it writes the NVMe blocks, giving the file's space "
-                                                    "back as it goes: the disk peaks at ",
-                                                    FormatBytes(est.init_disk_peak_bytes), " during the start",
-                                                    nvme_paths == 1
-                                                        ? std::string()
-                                                        : StrCat(", but over ", nvme_paths, " nvme paths the NVMe "
-                                                                 "tier asks for its whole state beside the file (",
-                                                                 FormatBytes(est.init_disk_need_bytes), ")"))
-                                           : std::string("), punching out what it has read"),
+                               nvme_need > 0 ? StrCat(") while it writes the NVMe blocks, giving the file's space "
+                                                      "back as it goes: the disk peaks at ",
+                                                      FormatBytes(est.init_disk_peak_bytes), " during the start",
+                                                      nvme_paths == 1
+                                                          ? std::string()
+                                                          : StrCat(", but over ", nvme_paths, " nvme paths the NVMe "
+                                                                   "tier asks for its whole state beside the file (",
+                                                                   FormatBytes(est.init_disk_need_bytes), ")"))
+                                             : std::string("), punching out what it has read"),
                                options.world_size > 1 ? " (on rank 0; the other ranks stage nothing)" : ""));
   } else {
     est.notes.push_back(StrCat("engine init (Engine::Create) also holds the model's fp32 parameters plus one "

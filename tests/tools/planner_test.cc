@@ -7,6 +7,7 @@
 #include <nlohmann/json.hpp>
 
 #include "runtime/base/config.h"
+#include "runtime/base/units.h"
 #include "tests/test_util.h"
 #include "tools/planner/cli_util.h"
 #include "tools/planner/cost_model.h"
@@ -318,6 +319,65 @@ TEST(TunerTest, ARefusedPlanIsAnInfeasibleCandidateNotAnError) {
   EXPECT_GT(best.prediction.step_s, 0);
 }
 
+// A placement with NVMe is feasible only when the disk its start grows to is free at the path:
+// for a stage-3 build the staging file beside the NVMe blocks written while it is read back
+// (more than the NVMe state alone), which the engine checks before it reads anything.
+TEST(TunerTest, ACandidateWhoseStartOutgrowsTheFreeDiskIsInfeasible) {
+  Config c = TuneConfig();
+  ASSERT_OK_AND_ASSIGN(ModelSpec spec, GptModelSpec(c.model));
+  // The all-NVMe candidates, one per measured aio setting, with the free disk given.
+  const auto all_nvme_candidates = [&](uint64_t disk_free) {
+    TuneOptions o;
+    o.device_budget = 1ull << 30;
+    o.host_budget = 1ull << 30;
+    o.try_auto = false;
+    o.disk_free = disk_free;
+    std::vector<Candidate> out;
+    auto r = Tune(c, spec, SyntheticProfile(1.0), o);
+    EXPECT_TRUE(r.ok()) << r.status();
+    if (!r.ok()) return out;
+    for (const Candidate& cand : r->candidates)
+      if (cand.param == OffloadDevice::kNvme && cand.optimizer == OffloadDevice::kNvme) out.push_back(cand);
+    std::sort(out.begin(), out.end(), [](const Candidate& a, const Candidate& b) { return a.aio.block_size < b.aio.block_size; });
+    EXPECT_EQ(out.size(), 2u);
+    return out;
+  };
+  const std::vector<Candidate> unknown = all_nvme_candidates(0);  // free disk unknown: not checked
+  ASSERT_EQ(unknown.size(), 2u);
+  for (const Candidate& cand : unknown) {
+    EXPECT_TRUE(cand.feasible) << cand.why_not;
+    // Each candidate's start is estimated at its own aio block size (the stripes the start writes).
+    Config all_nvme = c;
+    all_nvme.zero_optimization.offload_param.device = OffloadDevice::kNvme;
+    all_nvme.zero_optimization.offload_optimizer.device = OffloadDevice::kNvme;
+    all_nvme.aio.block_size = cand.aio.block_size;
+    EstimateOptions eo;
+    eo.assume_nvme_path = true;
+    eo.device = "cpu";
+    ASSERT_OK_AND_ASSIGN(MemoryEstimate est, EstimateMemory(all_nvme, spec, eo));
+    ASSERT_GT(est.staged_bytes, 0u);
+    ASSERT_GT(est.init_disk_need_bytes, est.nvme_bytes);  // the premise: the start needs more than the state
+    EXPECT_EQ(cand.memory.init_disk_need_bytes, est.init_disk_need_bytes) << cand.Describe();
+  }
+  const uint64_t need = unknown[0].memory.init_disk_need_bytes;
+  EXPECT_TRUE(all_nvme_candidates(need)[0].feasible);
+  // Room for the NVMe state but not for the start: refused, naming both figures.
+  ASSERT_GT(need - 1, unknown[0].memory.nvme_bytes);
+  const Candidate short_of_it = all_nvme_candidates(need - 1)[0];
+  EXPECT_FALSE(short_of_it.feasible);
+  EXPECT_NE(short_of_it.why_not.find("disk at start " + FormatBytes(need) + " > free disk " + FormatBytes(need - 1)),
+            std::string::npos)
+      << short_of_it.why_not;
+  // A candidate without NVMe is not held to the disk.
+  TuneOptions o;
+  o.device_budget = 1ull << 30;
+  o.host_budget = 1ull << 30;
+  o.disk_free = 1;
+  ASSERT_OK_AND_ASSIGN(TuneResult r, Tune(c, spec, SyntheticProfile(1.0), o));
+  for (const Candidate& cand : r.candidates)
+    EXPECT_EQ(cand.feasible, !cand.uses_nvme) << cand.Describe() << ": " << cand.why_not;
+}
+
 // Without a host budget the tuner assumes half of RAM as the host tier, and the pool is the
 // plan's need (the engine sizes it so without strata.host_memory_budget), not that half.
 TEST(TunerTest, AutoWithoutAHostBudgetSizesThePoolToThePlan) {
@@ -529,7 +589,9 @@ TEST(TunerTest, ACudaTuningTakesTheProfilesGpuRateAndMemory) {
   bool auto_searched = false;
   for (const Candidate& cand : r.candidates) {
     auto_searched |= cand.mode == PlacementMode::kAuto;
-    if (cand.feasible) EXPECT_LE(DeviceBudgetPeak(cand.memory), r.device_budget) << cand.Describe();
+    if (cand.feasible) {
+      EXPECT_LE(DeviceBudgetPeak(cand.memory), r.device_budget) << cand.Describe();
+    }
   }
   EXPECT_TRUE(auto_searched);
   ASSERT_TRUE(r.candidates.front().feasible) << r.candidates.front().Describe();

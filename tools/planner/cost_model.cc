@@ -301,8 +301,12 @@ void SetBudgets(const Config& config, const HardwareProfile& profile, const Tune
 
 // Why a placement does not fit the budgets, or "" when it does. The device budget bounds what
 // the engine's does (DeviceBudgetPeak: on the CPU device LibTorch's activations are host
-// memory, counted against the host budget), as strata-estimate --largest counts.
-std::string WhyNot(const MemoryEstimate& mem, const TuneResult& res) {
+// memory, counted against the host budget), as strata-estimate --largest counts. A placement
+// with NVMe also needs the disk its start grows to (the staging file and the NVMe blocks the
+// start writes beside it, MemoryEstimate::init_disk_need_bytes; the state alone without a staging
+// file) free at the NVMe path, which the engine checks there before it reads anything: `disk_free`
+// (0: unknown, not checked).
+std::string WhyNot(const MemoryEstimate& mem, const TuneResult& res, bool uses_nvme, uint64_t disk_free) {
   if (res.device_budget && DeviceBudgetPeak(mem) > res.device_budget)
     return StrCat("device ", FormatBytes(DeviceBudgetPeak(mem)), " > budget ", FormatBytes(res.device_budget));
   const uint64_t host = mem.host_min_bytes + mem.host_pageable_bytes + HostTorchBytes(mem);
@@ -310,6 +314,10 @@ std::string WhyNot(const MemoryEstimate& mem, const TuneResult& res) {
     return StrCat("host ", FormatBytes(host), " > budget ", FormatBytes(res.host_budget));
   if (res.nvme_budget && mem.nvme_bytes > res.nvme_budget)
     return StrCat("nvme ", FormatBytes(mem.nvme_bytes), " > budget ", FormatBytes(res.nvme_budget));
+  const uint64_t disk = std::max(mem.init_disk_need_bytes, mem.nvme_bytes);
+  if (uses_nvme && disk_free && disk > disk_free)
+    return StrCat(mem.init_disk_need_bytes > mem.nvme_bytes ? "disk at start " : "nvme ", FormatBytes(disk),
+                  " > free disk ", FormatBytes(disk_free));
   return "";
 }
 
@@ -464,33 +472,36 @@ StatusOr<TuneResult> Tune(const Config& config, const ModelSpec& model, const Ha
       Config c = config;
       ApplyCandidate(shape, &c);
       eo.assume_nvme_path = nv;  // the written config gets the path (ApplyCandidate's JSON form)
-      StatusOr<MemoryEstimate> mem = mode == PlacementMode::kAuto
-                                         ? EstimateAutoCandidate(res, o, model, eo, &c)
-                                         : EstimateMemory(c, model, eo);
-      if (!mem.ok()) {
-        shape.planned = false;
-        shape.why_not = std::string(mem.status().message());
-        res.candidates.push_back(std::move(shape));
-        continue;
-      }
       std::vector<NvmePoint> settings = nv ? aios : std::vector<NvmePoint>{NvmePoint{}};
       for (const NvmePoint& a : settings) {
         Candidate cand = shape;
-        if (mode == PlacementMode::kAuto) cand.host_pool = c.strata.host_memory_budget;  // 0: not given
-        cand.aio = a;
-        cand.memory = *mem;
         Rates r = base;
         if (nv) {
+          // The estimate per setting: the NVMe blocks and the start's disk are whole stripes of
+          // aio.block_size.
           c.aio.block_size = a.block_size;
           c.aio.queue_depth = a.queue_depth;
           c.aio.intra_op_parallelism = a.parallelism;
+        }
+        StatusOr<MemoryEstimate> mem = mode == PlacementMode::kAuto ? EstimateAutoCandidate(res, o, model, eo, &c)
+                                                                    : EstimateMemory(c, model, eo);
+        if (!mem.ok()) {
+          cand.planned = false;
+          cand.why_not = std::string(mem.status().message());
+          res.candidates.push_back(std::move(cand));
+          continue;
+        }
+        if (mode == PlacementMode::kAuto) cand.host_pool = c.strata.host_memory_budget;  // 0: not given
+        cand.aio = a;
+        cand.memory = *mem;
+        if (nv) {
           r.nvme_read_gbps = a.gbps;
           auto w = profile.NvmeGbps(true, a.block_size, a.queue_depth, a.parallelism);
           r.nvme_write_gbps = w.ok() ? *w : best_write;
           if (r.nvme_write_gbps <= 0) r.nvme_write_gbps = a.gbps;
         }
         STRATA_ASSIGN_OR_RETURN(cand.prediction, PredictStep(c, model, *mem, r, o.device, o.world_size));
-        cand.why_not = WhyNot(*mem, res);
+        cand.why_not = WhyNot(*mem, res, nv, o.disk_free);
         cand.feasible = cand.why_not.empty();
         res.candidates.push_back(std::move(cand));
       }

@@ -105,8 +105,9 @@ struct TuneOptions {
   // Which placement modes to search (Note [tuning auto placement] in cost_model.cc): the
   // sections' devices as written (strata.placement config), the per-chunk fill (auto), or both.
   bool try_config = true, try_auto = true;
-  // Auto candidates with no nvme_budget: the free disk at the NVMe path (0: unknown, then NVMe
-  // is unlimited there too).
+  // The free disk at the NVMe path (0: unknown): auto candidates with no nvme_budget fill it (else
+  // NVMe is unlimited there), and a candidate with NVMe whose start needs more disk
+  // (init_disk_need_bytes, or its NVMe state) is infeasible.
   uint64_t disk_free = 0;
   // Optimizer-state layouts to search (runtime/state/state_layout.h); empty: the config's own,
   // left as written. Any other changes the optimizer's numerics (README, "Compact layouts").

@@ -329,6 +329,23 @@ def test_the_estimate_of_a_python_build_is_the_file_zero_init_writes(tmp_path):
         # parameter offload, and at d_model 2048 not the two 2^24-element MLP matrices.
         want_train = 0 if not bf16_master else init.staged_bytes - 2 * (1 << 24) * 2
         assert est["strata-train"]["staged_bytes"] == want_train, est["strata-train"]["notes"]
+        # A 16-bit build of the fp32 master's config (zero.Init(dtype=...)) is --init-dtype's.
+        if bf16_master:
+            continue
+        for dtype, name in ((torch.bfloat16, "bf16"), (torch.float16, "fp16")):
+            out = subprocess.run([tool, "--config", str(path), "--build", "python", "--init-dtype", name,
+                                  "--json"], check=True, capture_output=True, text=True).stdout
+            half = json.loads(out)
+            with strata.zero.Init(config_dict_or_path=cfg, nvme_path=str(tmp_path), dtype=dtype) as init:
+                GPT2(**shape)
+            assert init.staged_bytes == numel * 2
+            assert half["staged_bytes"] == init.staged_bytes, (name, half["notes"])
+            assert half["init_disk_need_bytes"] < est["python"]["init_disk_need_bytes"]
+    # --init-dtype is zero.Init's: refused for strata-train's build, and for a dtype it cannot take.
+    for args, said in ((["--init-dtype", "bf16"], "pass --build python"),
+                       (["--build", "python", "--init-dtype", "int8"], "must be fp32, bf16 or fp16")):
+        r = subprocess.run([tool, "--config", str(path)] + args, capture_output=True, text=True)
+        assert r.returncode == 2 and said in r.stderr, r.stderr
 
 
 def _mount_tmpfs(path, size):

@@ -52,7 +52,8 @@ StatusOr<uint64_t> BytesFlag(const std::string& flag, const std::string& v) {
 // --largest: the machine's budgets (flags, else this machine), the search, and its report.
 int RunLargest(const Config& config, const std::string& device, const std::string& hbm,
                const std::string& host, const std::string& disk, std::string nvme_path,
-               const std::string& profile_path, int world, EstimateOptions::Build build, bool json) {
+               const std::string& profile_path, int world, EstimateOptions::Build build, int init_element_bytes,
+               bool json) {
   auto fail = [](const Status& s) {
     std::cerr << "strata-estimate: " << s.message() << "\nRun `strata-estimate --help` for the options.\n";
     return 2;
@@ -61,6 +62,7 @@ int RunLargest(const Config& config, const std::string& device, const std::strin
   o.device = device.empty() ? (config.strata.device == "cuda" ? "cuda" : "cpu") : device;
   o.world_size = world;
   o.build = build;
+  o.init_element_bytes = init_element_bytes;
   if (nvme_path.empty())
     nvme_path = !config.zero_optimization.offload_optimizer.nvme_path.empty()
                     ? config.zero_optimization.offload_optimizer.nvme_path.front()
@@ -187,7 +189,7 @@ int main(int argc, char** argv) {
   std::string config_path, params, largest, device, stage_s, off_param, off_optim;
   std::string world_s = "1";
   bool json = false, largest_mode = false;
-  std::string hbm, host, disk, nvme_path, profile_path, build_s = "strata-train";
+  std::string hbm, host, disk, nvme_path, profile_path, build_s = "strata-train", init_dtype;
   app.add_option("--config", config_path,
                  "DeepSpeed-style config (strata-train's); its \"model\" section describes the GPT");
   app.add_option("--params", params, "model size in elements, instead of a \"model\" section (e.g. 1.3e9)");
@@ -216,6 +218,10 @@ int main(int argc, char** argv) {
                  "matrices it draws as the engine reads them) or python (a script's strata.zero.Init stages "
                  "every parameter, whatever the stage and offload, in the NVMe directory, else the temporary "
                  "directory)");
+  app.add_option("--init-dtype", init_dtype,
+                 "with --build python: the dtype the script's zero.Init(dtype=...) builds in, fp32, bf16 or fp16 "
+                 "(default: zero.Init's, bf16 with bf16.bf16_master_weights_and_grads, else fp32). A 16-bit "
+                 "build halves the staging file; an fp32 master then starts from the 16-bit values");
   app.add_flag("--json", json, "print JSON (hbm_bytes, host_pinned_bytes, host_pageable_bytes, nvme_bytes, "
                                "per_state, breakdown, notes, bytes_per_param: the model state per parameter over every "
                                "tier and rank) instead of a table");
@@ -263,15 +269,25 @@ int main(int argc, char** argv) {
     return fail(InvalidArgument(StrCat("--build=", build_s, ": must be strata-train or python")), 2);
   const auto build = build_s == "python" ? EstimateOptions::Build::kPythonZeroInit
                                          : EstimateOptions::Build::kStrataTrain;
+  int init_element_bytes = 0;
+  if (!init_dtype.empty()) {
+    if (build != EstimateOptions::Build::kPythonZeroInit)
+      return fail(InvalidArgument(StrCat("--init-dtype=", init_dtype, " is the dtype of a script's strata.zero.Init: "
+                                         "pass --build python with it (strata-train stages in its own dtype)")), 2);
+    if (init_dtype == "fp32") init_element_bytes = 4;
+    else if (init_dtype == "bf16" || init_dtype == "fp16") init_element_bytes = 2;
+    else return fail(InvalidArgument(StrCat("--init-dtype=", init_dtype, ": must be fp32, bf16 or fp16")), 2);
+  }
   if (largest_mode)
     return RunLargest(config, device, hbm, host, disk, nvme_path, profile_path, static_cast<int>(*world), build,
-                      json);
+                      init_element_bytes, json);
   auto model = ModelFromArgs(have_raw ? &raw : nullptr, config, params, largest);
   if (!model.ok()) return fail(model.status(), 2);
   EstimateOptions eo;
   eo.world_size = static_cast<int>(*world);
   eo.device = device;
   eo.build = build;
+  eo.init_element_bytes = init_element_bytes;
   MeasureForAuto(config, &eo);
   // Another machine's budgets: the plan placement auto would make there.
   if (!hbm.empty() || !host.empty() || !disk.empty()) {

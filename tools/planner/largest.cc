@@ -17,9 +17,17 @@ std::string Overflows(const MemoryEstimate& est, const LargestOptions& o) {
     return StrCat("nvme ", FormatBytes(est.nvme_bytes), " > ", FormatBytes(o.disk_bytes));
   // The start's disk: the staging file and the NVMe blocks written while it is read back
   // (MemoryEstimate::init_disk_need_bytes).
-  if (est.init_disk_need_bytes > o.disk_bytes)
+  if (est.init_disk_need_bytes > o.disk_bytes) {
+    // A script's fp32 build stages 4 bytes a parameter where 2 would do.
+    const bool fp32_file = o.build == EstimateOptions::Build::kPythonZeroInit &&
+                           est.staged_bytes >= 4 * static_cast<uint64_t>(est.param_numel);
     return StrCat("disk at start (the staging file and the NVMe state written as it is read) ",
-                  FormatBytes(est.init_disk_need_bytes), " > ", FormatBytes(o.disk_bytes));
+                  FormatBytes(est.init_disk_need_bytes), " > ", FormatBytes(o.disk_bytes),
+                  fp32_file ? StrCat("; the staging file holds fp32 values (", FormatBytes(est.staged_bytes),
+                                     "): zero.Init(dtype=torch.bfloat16) halves it (--init-dtype bf16), the fp32 "
+                                     "master then starting from the bf16 values")
+                            : std::string());
+  }
   return "";
 }
 
@@ -48,6 +56,7 @@ Try Estimate(const Config& base, const LargestOptions& o, int64_t layers, int64_
   eo.host_available = o.host_bytes;
   eo.disk_free = o.disk_bytes;
   eo.build = o.build;
+  eo.init_element_bytes = o.init_element_bytes;
   auto est = EstimateAutoReserve(t.config, *spec, eo);
   if (!est.ok()) {
     t.why = est.status().message();

@@ -37,6 +37,7 @@ struct LargestOptions {
   std::string nvme_path;       // written into the configs tried
   int world_size = 1;
   EstimateOptions::Build build = EstimateOptions::Build::kStrataTrain;  // whose staging bounds the disk
+  int init_element_bytes = 0;  // EstimateOptions::init_element_bytes
 };
 
 struct LargestResult {

@@ -474,7 +474,10 @@ StatusOr<MemoryEstimate> EstimateMemory(const Config& config, const ModelSpec& m
   const bool staged = python || (z.stage == 3 && z.offload_param.device == OffloadDevice::kNvme &&
                                  (!z.offload_param.nvme_path.empty() || options.assume_nvme_path));
   if (staged) {
-    const uint64_t stage_esize = config.bf16.enabled && config.bf16.bf16_master_weights_and_grads ? 2 : 4;
+    const uint64_t stage_esize =
+        python && options.init_element_bytes ? static_cast<uint64_t>(options.init_element_bytes)
+        : config.bf16.enabled && config.bf16.bf16_master_weights_and_grads ? 2
+                                                                            : 4;
     // strata-train's space comes back as it is read (punched); Python's once the chunk's blocks
     // are written (the mappings go with the parameters).
     std::vector<ChunkStaging> chunk_staged(chunks.size());
@@ -498,7 +501,9 @@ StatusOr<MemoryEstimate> EstimateMemory(const Config& config, const ModelSpec& m
     est.init_disk_need_bytes = nvme_paths == 1 ? est.init_disk_peak_bytes : est.staged_bytes + nvme_need;
     est.notes.push_back(StrCat("engine init reads the model from ", python ? "strata.zero.Init" : "zero::Init",
                                "'s staging file (", FormatBytes(est.staged_bytes),
-                               stage_esize == 2 ? " of bf16" : " of fp32",
+                               stage_esize == 4 ? " of fp32"
+                               : python && options.init_element_bytes ? " of 16-bit values"
+                                                                      : " of bf16",
                                python && z.offload_param.nvme_path.empty() && z.offload_optimizer.nvme_path.empty()
                                    ? " in the temporary directory"
                                    : " in the NVMe directory",

@@ -64,6 +64,10 @@ struct EstimateOptions {
   // script's strata.zero.Init stages every parameter, whatever the stage and offload.
   enum class Build { kStrataTrain, kPythonZeroInit };
   Build build = Build::kStrataTrain;
+  // kPythonZeroInit: the bytes of an element the script's zero.Init(dtype=...) stages, 4 (fp32)
+  // or 2 (bf16, fp16); 0: zero.Init's default, 2 with a bf16 master and 4 otherwise (as
+  // strata-train stages).
+  int init_element_bytes = 0;
 };
 
 struct MemoryEstimate {

@@ -653,6 +653,84 @@ TEST(CostModelTest, CompactLayoutsMoveTheirBytesAtTheirRate) {
   EXPECT_NEAR(static_cast<double>(p.bytes_nvme_write), n * 2 + states, 64);
 }
 
+// The optimizer lane runs on the threads the engine gives it (ChooseOptimizerThreads): where its
+// updates overlap compute, the physical cores compute leaves. Its rate is the profile's one-thread
+// figure times those threads, capped at the all-thread figure. Expected rates written from that
+// rule, and the thread count from the engine's own function's contract.
+TEST(CostModelTest, TheOptimizerLaneRunsAtItsOwnThreadsRate) {
+  Config c = TuneConfig();
+  c.zero_optimization.offload_optimizer.device = OffloadDevice::kCpu;
+  c.strata.optimizer_state_dtype = StateDtype::kInt8;
+  c.gradient_clipping = 1.0;  // stage 3 defers the updates to beside the next forward
+  c.strata.overlap_optimizer = true;
+  ASSERT_OK_AND_ASSIGN(ModelSpec spec, GptModelSpec(c.model));
+  ASSERT_OK_AND_ASSIGN(MemoryEstimate mem, EstimateMemory(c, spec));
+  ASSERT_EQ(mem.state_layout, "int8");
+  const double n = static_cast<double>(mem.shard_numel);
+  HardwareProfile h = SyntheticProfile(1.0);
+  h.adam_layout_gelems_per_s["int8"] = 0.8;  // on 4 threads
+  h.adam_threads = 4;
+  h.physical_cores = 4;
+  h.adam_one_thread_gelems_per_s = {{"fp32", 0.6}, {"int8", 0.25}};
+  ASSERT_OK_AND_ASSIGN(HardwareProfile back, HardwareProfile::FromJson(h.ToJson()));
+  EXPECT_EQ(back.adam_threads, 4);
+  EXPECT_EQ(back.physical_cores, 4);
+  EXPECT_EQ(back.adam_one_thread_gelems_per_s, h.adam_one_thread_gelems_per_s);
+  ASSERT_OK_AND_ASSIGN(Rates r, RatesFromProfile(back, "cpu", 0));
+  const auto lane_rate = [&](const Config& cfg, const Rates& rates, const std::string& device = "cpu") {
+    auto p = PredictStep(cfg, spec, mem, rates, device);
+    EXPECT_TRUE(p.ok()) << p.status();
+    return p.ok() ? n / p->optimizer_s / 1e9 : 0.0;
+  };
+  // Compute threads unknown: the profile's all-thread rate, as before.
+  EXPECT_NEAR(lane_rate(c, r), 0.8, 1e-9);
+  // 3 compute threads of 4 cores: one lane thread, 0.25; with 2, two threads, 0.5.
+  r.cpu_compute_threads = 3;
+  EXPECT_NEAR(lane_rate(c, r), 0.25, 1e-9);
+  r.cpu_compute_threads = 2;
+  EXPECT_NEAR(lane_rate(c, r), 0.5, 1e-9);
+  // One compute thread: three lane threads, 0.75, below the all-thread 0.8; the GPU's compute
+  // takes one thread whatever LibTorch's CPU pool holds.
+  r.cpu_compute_threads = 1;
+  EXPECT_NEAR(lane_rate(c, r), 0.75, 1e-9);
+  r.cpu_compute_threads = 3;
+  Config gpu = c;
+  gpu.strata.device = "cuda";
+  EXPECT_NEAR(lane_rate(gpu, r, "cuda"), 0.75, 1e-9);
+  // Updates that run alone in Step get every core: the all-thread figure.
+  Config alone = c;
+  alone.strata.overlap_optimizer = false;
+  EXPECT_NEAR(lane_rate(alone, r), 0.8, 1e-9);
+  // strata.optimizer_threads decides: 2 threads, 0.5; 8 (more than profiled), not extrapolated.
+  Config two = c;
+  two.strata.optimizer_threads = 2;
+  EXPECT_NEAR(lane_rate(two, r), 0.5, 1e-9);
+  two.strata.optimizer_threads = 8;
+  EXPECT_NEAR(lane_rate(two, r), 0.8, 1e-9);
+  // A memory-bound layout reaches its all-thread figure before it has every thread: capped.
+  Config fp32 = c;
+  fp32.strata.optimizer_state_dtype = StateDtype::kFp32;
+  ASSERT_OK_AND_ASSIGN(MemoryEstimate mem32, EstimateMemory(fp32, spec));
+  r.cpu_compute_threads = 2;
+  ASSERT_OK_AND_ASSIGN(StepPrediction p32, PredictStep(fp32, spec, mem32, r, "cpu"));
+  EXPECT_NEAR(static_cast<double>(mem32.shard_numel) / p32.optimizer_s / 1e9, 1.0, 1e-9);  // min(1.0, 2 x 0.6)
+  // Without a one-thread figure: the all-thread rate scaled by threads, and a note says so.
+  r.adam_one_thread.clear();
+  r.cpu_compute_threads = 3;
+  ASSERT_OK_AND_ASSIGN(StepPrediction scaled, PredictStep(c, spec, mem, r, "cpu"));
+  EXPECT_NEAR(n / scaled.optimizer_s / 1e9, 0.2, 1e-9);
+  ASSERT_EQ(scaled.notes.size(), 1u);
+  EXPECT_NE(scaled.notes[0].find("1 of the profile's 4 threads"), std::string::npos) << scaled.notes[0];
+  // Bad figures in a profile are named.
+  nlohmann::json bad = h.ToJson();
+  bad["adam"]["threads"] = 0;
+  EXPECT_NE(std::string(HardwareProfile::FromJson(bad).status().message()).find("adam.threads=0"), std::string::npos);
+  bad = h.ToJson();
+  bad["adam"]["one_thread"] = {{"int8", -1}};
+  EXPECT_NE(std::string(HardwareProfile::FromJson(bad).status().message()).find("adam.one_thread.int8=-1"),
+            std::string::npos);
+}
+
 // With W ranks, ring collectives move (W-1) shards per rank: per micro-step a reduce-scatter of
 // fp32 gradients and, under stage 3, a parameter all-gather in forward and in backward; below
 // stage 3 one all-gather of the updated parameters per step. Expected values are written here

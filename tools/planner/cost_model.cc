@@ -9,6 +9,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "runtime/base/host_info.h"
 #include "runtime/base/units.h"
 #include "runtime/state/placement_plan.h"
 
@@ -57,6 +58,9 @@ StatusOr<Rates> RatesFromProfile(const HardwareProfile& p, const std::string& de
     return InvalidArgument("the profile has no adam.gelems_per_s; rerun `strata-swapbench profile`");
   r.adam_gelems = p.adam_gelems_per_s;
   r.adam_layout_gelems = p.adam_layout_gelems_per_s;
+  r.adam_threads = p.adam_threads;
+  r.physical_cores = p.physical_cores;
+  r.adam_one_thread = p.adam_one_thread_gelems_per_s;
   const double h2d = p.CopyGbps(device, "h2d"), d2h = p.CopyGbps(device, "d2h");
   if (h2d > 0 && d2h > 0) {
     r.copy_gbps = std::min(h2d, d2h);
@@ -91,6 +95,35 @@ void SetNvmeRates(const HardwareProfile& profile, const AioConfig& aio, Rates* r
                                       " x QD", best->queue_depth, " x", best->parallelism,
                                       "): the config's aio setting was not measured"));
 }
+
+namespace {
+
+// Note [optimizer lane threads]
+// The profile times each layout's CPU Adam on every thread the machine gives a process, and on
+// one. The engine's optimizer lane gets ChooseOptimizerThreads' count: every physical core when
+// its updates run alone in Step, the cores LibTorch's compute leaves (at least one) when they
+// overlap compute, or strata.optimizer_threads. On 2 cores with one compute thread that is one
+// thread, and an 8-bit layout, arithmetic-bound, updates at half the profile's rate. The rate on
+// t threads is taken as the one-thread rate times t, capped at the all-thread figure (which a
+// memory-bound layout reaches with fewer threads); without the one-thread figure (older
+// profiles), the all-thread rate times t over the profile's threads. Never above the profile's
+// figure: more threads than it ran on are not extrapolated.
+double LaneAdamRate(const Rates& r, const std::string& layout, double all_threads, bool cuda, int64_t configured,
+                    bool beside_compute, std::vector<std::string>* notes) {
+  const int compute = cuda ? 1 : r.cpu_compute_threads;
+  if (r.adam_threads <= 0 || r.physical_cores <= 0 || (configured <= 0 && compute <= 0)) return all_threads;
+  const int lane = ChooseOptimizerThreads(r.physical_cores, compute, static_cast<int>(configured), beside_compute);
+  if (lane >= r.adam_threads) return all_threads;
+  const auto one = r.adam_one_thread.find(layout);
+  if (one != r.adam_one_thread.end() && one->second > 0)
+    return std::min(all_threads, one->second * lane);
+  notes->push_back(StrCat("the optimizer lane runs on ", lane, " of the profile's ", r.adam_threads,
+                          " threads; the profile has no one-thread CPU Adam figure (rerun `strata-swapbench "
+                          "profile`), so its rate is scaled by ", lane, "/", r.adam_threads));
+  return all_threads * lane / r.adam_threads;
+}
+
+}  // namespace
 
 StatusOr<StepPrediction> PredictStep(const Config& config, const ModelSpec& model,
                                      const MemoryEstimate& mem, const Rates& r,
@@ -174,13 +207,18 @@ StatusOr<StepPrediction> PredictStep(const Config& config, const ModelSpec& mode
   // The host optimizer's rate in this run's state layout; a profile without that layout's
   // figure (older profiles) leaves the fp32 rate, which the compact layouts do not reach.
   double adam = r.adam_gelems;
-  if (mem.state_layout != "fp32") {
-    const auto it = r.adam_layout_gelems.find(mem.state_layout);
+  const std::string layout = mem.state_layout.empty() ? "fp32" : mem.state_layout;
+  if (layout != "fp32") {
+    const auto it = r.adam_layout_gelems.find(layout);
     if (it != r.adam_layout_gelems.end() && it->second > 0) adam = it->second;
-    else p.notes.push_back(StrCat("the profile has no CPU Adam figure for the ", mem.state_layout,
+    else p.notes.push_back(StrCat("the profile has no CPU Adam figure for the ", layout,
                                   " optimizer states (rerun `strata-swapbench profile`): the optimizer "
                                   "lane uses the fp32 rate, faster than that layout's"));
   }
+  // Updates beside compute: during backward (immediate), or after Step beside the next forward
+  // (stage 3's deferred updates), as StepPlan decides.
+  const bool beside_compute = config.strata.overlap_optimizer && (immediate || z.stage == 3);
+  adam = LaneAdamRate(r, layout, adam, cuda, config.strata.optimizer_threads, beside_compute, &p.notes);
   p.optimizer_s = (cuda ? Ooff : S) / (adam * 1e9);
   double lane_io = rd_t(On * g + nvme_states) + wr_t(nvme_states);
   nvme_r += On * g + nvme_states;
@@ -370,6 +408,7 @@ StatusOr<TuneResult> Tune(const Config& config, const ModelSpec& model, const Ha
   STRATA_ASSIGN_OR_RETURN(Rates base, RatesFromProfile(profile, o.device, o.gflops_override,
                                                           !config.bf16.enabled && !config.fp16.enabled,
                                                           o.gflops_source));
+  base.cpu_compute_threads = o.cpu_compute_threads;
   TuneResult res;
   res.assumptions = base.assumptions;
   if (o.world_size > 1) {

@@ -63,6 +63,16 @@ struct Rates {
   double dram_gbps = 0;       // host memory streaming (gradient-norm scan, device-to-device on cpu)
   double adam_gelems = 0;     // CPU Adam elements per second / 1e9 (fp32 states)
   std::map<std::string, double> adam_layout_gelems;  // other state layouts, by StateLayout::Name()
+  // The threads those rates ran on (0: not recorded), the machine's physical cores, and each
+  // layout's rate on one thread ("fp32" too); from the profile. The optimizer lane runs on the
+  // threads the engine gives it (ChooseOptimizerThreads: fewer where updates overlap compute),
+  // and its rate is scaled to them (Note [optimizer lane threads] in cost_model.cc).
+  int adam_threads = 0;
+  int physical_cores = 0;
+  std::map<std::string, double> adam_one_thread;
+  // LibTorch's compute threads on the CPU device (torch::get_num_threads() where the run will
+  // train; 0: unknown, and the lane is taken at the profile's threads). A GPU's compute takes one.
+  int cpu_compute_threads = 0;
   double nvme_read_gbps = 0;  // at the chosen aio setting
   double nvme_write_gbps = 0;
   double comm_busbw_gbps = 0; // collectives' bus bandwidth (bytes each rank moves / time); world > 1
@@ -109,6 +119,8 @@ struct TuneOptions {
   // NVMe is unlimited there), and a candidate with NVMe whose start needs more disk
   // (init_disk_need_bytes, or its NVMe state) is infeasible.
   uint64_t disk_free = 0;
+  // LibTorch's compute threads where the run will train (Rates::cpu_compute_threads; 0: unknown).
+  int cpu_compute_threads = 0;
   // Optimizer-state layouts to search (runtime/state/state_layout.h); empty: the config's own,
   // left as written. Any other changes the optimizer's numerics (README, "Compact layouts").
   std::vector<StateLayout> layouts;

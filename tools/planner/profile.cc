@@ -77,6 +77,9 @@ nlohmann::json HardwareProfile::ToJson() const {
   if (adam_gelems_per_s > 0) {
     j["adam"] = {{"elements", adam_elements}, {"gelems_per_s", adam_gelems_per_s}, {"isa", adam_isa}};
     for (const auto& [layout, rate] : adam_layout_gelems_per_s) j["adam"]["layouts"][layout] = rate;
+    if (adam_threads > 0) j["adam"]["threads"] = adam_threads;
+    if (physical_cores > 0) j["adam"]["physical_cores"] = physical_cores;
+    for (const auto& [layout, rate] : adam_one_thread_gelems_per_s) j["adam"]["one_thread"][layout] = rate;
   }
   if (comm_busbw_gbps > 0)
     j["comm"] = {{"backend", comm_backend}, {"world_size", comm_world_size}, {"busbw_gbps", comm_busbw_gbps}};
@@ -188,6 +191,25 @@ StatusOr<HardwareProfile> HardwareProfile::FromJson(const nlohmann::json& j) {
         double rate = 0;
         STRATA_RETURN_IF_ERROR(Num(ls, "adam.layouts", it.key().c_str(), &rate));
         h.adam_layout_gelems_per_s[it.key()] = rate;
+      }
+    }
+    int64_t count = 0;
+    if (j["adam"].contains("threads")) {
+      STRATA_RETURN_IF_ERROR(Whole(j["adam"], "adam", "threads", 1, 1 << 16, &count));
+      h.adam_threads = static_cast<int>(count);
+    }
+    if (j["adam"].contains("physical_cores")) {
+      STRATA_RETURN_IF_ERROR(Whole(j["adam"], "adam", "physical_cores", 1, 1 << 16, &count));
+      h.physical_cores = static_cast<int>(count);
+    }
+    if (j["adam"].contains("one_thread")) {
+      const nlohmann::json& ls = j["adam"]["one_thread"];
+      if (!ls.is_object())
+        return InvalidArgument("profile: adam.one_thread must be an object of one-thread rates by layout name");
+      for (auto it = ls.begin(); it != ls.end(); ++it) {
+        double rate = 0;
+        STRATA_RETURN_IF_ERROR(Num(ls, "adam.one_thread", it.key().c_str(), &rate));
+        h.adam_one_thread_gelems_per_s[it.key()] = rate;
       }
     }
   }

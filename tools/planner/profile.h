@@ -12,7 +12,11 @@
 //                "direction": "h2d"|"d2h", "gbps": x}, ...],
 //    "adam": {"elements": N, "gelems_per_s": x, "isa": "avx512",
 //             "layouts": {"int8+bf16_master": x, ...} (optional: the rate of each optimizer-state
-//             layout other than fp32, keyed by StateLayout::Name())},
+//             layout other than fp32, keyed by StateLayout::Name()),
+//             "threads": T, "physical_cores": P (optional: the threads those rates ran on, and
+//             the machine's physical cores),
+//             "one_thread": {"fp32": x, "int8": y, ...} (optional: each layout's rate on one
+//             thread)},
 //    "compute": {"device": "cpu"|"cuda", "dtype": "bf16"|"fp32", "gflops": x,
 //                "fp32_gflops": y (optional)} (a matmul on the profile's device; "device" missing
 //                reads as "cpu", where profiles before it measured),
@@ -66,6 +70,12 @@ struct HardwareProfile {
   // "bf16+bf16_master", "int8+bf16_master"); a layout missing here has no figure.
   std::map<std::string, double> adam_layout_gelems_per_s;
   std::string adam_isa;
+  // Optional (0 or empty where a profile lacks them): the threads the rates above ran on, the
+  // physical cores, and each layout's rate on one thread ("fp32" and the layouts' names), from
+  // which the cost model scales the rate to the optimizer lane's own threads.
+  int adam_threads = 0;
+  int physical_cores = 0;
+  std::map<std::string, double> adam_one_thread_gelems_per_s;
   std::string compute_device = "cpu";  // where the matmul ran: the profile's device
   std::string compute_dtype;      // dtype of compute_gflops ("bf16" when measured by profile)
   double compute_gflops = 0;

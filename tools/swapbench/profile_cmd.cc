@@ -33,6 +33,7 @@
 #include <vector>
 
 #include <nlohmann/json.hpp>
+#include <tbb/task_arena.h>
 #include <torch/cuda.h>
 #include <torch/torch.h>
 
@@ -328,86 +329,88 @@ Status MeasureCopies(Device& device, size_t bytes, int reps, HardwareProfile* h,
   return device.Free(dmem);
 }
 
-// The other optimizer-state layouts (Note [compact layouts]), each by the call the engine makes:
-// AdamStep for bf16 moments beside an fp32 master, CompactAdamStep for 8-bit moments or a bf16
-// master. Keyed by StateLayout::Name(), so that the cost model finds a config's layout.
-Status MeasureAdamLayouts(int64_t n, int reps, HardwareProfile* h) {
+// The CPU Adam in every optimizer-state layout (Note [compact layouts]), each by the call the
+// engine makes: AdamStep for fp32 states (with the bf16 copy the device gets) and for bf16 moments
+// beside an fp32 master, CompactAdamStep for 8-bit moments or a bf16 master. Keyed by
+// StateLayout::Name() ("fp32" for the first), so that the cost model finds a config's layout.
+// Each runs on every thread oneTBB gives this process and again on one thread: the optimizer lane
+// gets fewer threads than the machine has where its updates overlap compute
+// (ChooseOptimizerThreads), and the cost model scales the rate between the two figures.
+Status MeasureAdam(int64_t n, int reps, HardwareProfile* h) {
   struct Case {
     optim::MasterFormat master;
     optim::MomentFormat moments;
   };
-  const Case cases[] = {{optim::MasterFormat::kFp32, optim::MomentFormat::kBf16},
+  const Case cases[] = {{optim::MasterFormat::kFp32, optim::MomentFormat::kFp32},
+                        {optim::MasterFormat::kFp32, optim::MomentFormat::kBf16},
                         {optim::MasterFormat::kFp32, optim::MomentFormat::kInt8},
                         {optim::MasterFormat::kBf16Stochastic, optim::MomentFormat::kBf16},
                         {optim::MasterFormat::kBf16Stochastic, optim::MomentFormat::kInt8}};
   const size_t un = static_cast<size_t>(n);
   std::vector<float> grad(un, 0.01f);
+  std::vector<uint16_t> p16(un);
+  tbb::task_arena one(1);
+  h->adam_threads = tbb::this_task_arena::max_concurrency();
+  h->physical_cores = PhysicalCoreCount();
   for (const Case& c : cases) {
-    std::vector<uint8_t> master(optim::MasterBytes(c.master, un), 0);
-    std::vector<uint8_t> m(optim::MomentBytes(c.moments, un), 0), v(optim::MomentBytes(c.moments, un), 0);
-    optim::AdamParams ap;
-    optim::AdamOptions ao;
-    ao.grad_check = optim::GradCheck::kCallerChecked;
-    double best = 0;
-    for (int r = 0; r < reps; ++r) {
-      ap.step = r + 1;
-      auto t0 = Clock::now();
-      if (c.master == optim::MasterFormat::kFp32 && c.moments == optim::MomentFormat::kBf16) {
-        optim::AdamBuffers b;
-        b.master = reinterpret_cast<float*>(master.data());
-        b.grad = grad.data();
-        b.exp_avg = m.data();
-        b.exp_avg_sq = v.data();
-        b.state_dtype = optim::DType::kBFloat16;
-        b.n = un;
-        STRATA_RETURN_IF_ERROR(optim::AdamStep(ap, b, 1.0f, ao).status());
-      } else {
-        optim::CompactAdamBuffers b;
-        b.master = master.data();
-        b.master_format = c.master;
-        b.grad = grad.data();
-        b.exp_avg = m.data();
-        b.exp_avg_sq = v.data();
-        b.moment_format = c.moments;
-        b.n = un;
-        b.rounding_key = optim::RoundingKey(1, ap.step);
-        STRATA_RETURN_IF_ERROR(optim::CompactAdamStep(ap, b, 1.0f, ao).status());
-      }
-      best = std::max(best, static_cast<double>(n) / Since(t0) / 1e9);
-    }
     StateLayout layout;
     layout.moments = c.moments;
     layout.bf16_master = c.master != optim::MasterFormat::kFp32;
-    h->adam_layout_gelems_per_s[layout.Name()] = best;
-  }
-  return Status::Ok();
-}
-
-Status MeasureAdam(int64_t n, int reps, HardwareProfile* h) {
-  std::vector<float> master(n, 0.5f), grad(n, 0.01f), m(n, 0.f), v(n, 0.f);
-  std::vector<uint16_t> p16(n);
-  optim::AdamParams ap;
-  optim::AdamBuffers b;
-  b.master = master.data();
-  b.grad = grad.data();
-  b.exp_avg = m.data();
-  b.exp_avg_sq = v.data();
-  b.param16 = p16.data();
-  b.param16_dtype = optim::DType::kBFloat16;
-  b.n = static_cast<size_t>(n);
-  optim::AdamOptions ao;
-  ao.grad_check = optim::GradCheck::kCallerChecked;  // as the engine calls it
-  double best = 0;
-  for (int r = 0; r < reps; ++r) {
-    ap.step = r + 1;
-    auto t0 = Clock::now();
-    STRATA_ASSIGN_OR_RETURN(auto res, optim::AdamStep(ap, b, 1.0f, ao));
-    best = std::max(best, static_cast<double>(n) / Since(t0) / 1e9);
-    h->adam_isa = optim::IsaName(res.isa);
+    std::vector<uint8_t> master(optim::MasterBytes(c.master, un), 0);
+    if (c.master == optim::MasterFormat::kFp32) {
+      std::fill_n(reinterpret_cast<float*>(master.data()), un, 0.5f);
+    }
+    std::vector<uint8_t> m(optim::MomentBytes(c.moments, un), 0), v(optim::MomentBytes(c.moments, un), 0);
+    optim::AdamParams ap;
+    for (tbb::task_arena* arena : {static_cast<tbb::task_arena*>(nullptr), &one}) {
+      optim::AdamOptions ao;
+      ao.grad_check = optim::GradCheck::kCallerChecked;  // as the engine calls it
+      ao.arena = arena;
+      double best = 0;
+      // One thread takes up to the machine's thread count times longer: fewer rounds of it.
+      const int rounds = arena == nullptr ? reps : std::min(reps, 2);
+      for (int r = 0; r < rounds; ++r) {
+        ap.step = r + 1;
+        auto t0 = Clock::now();
+        if (c.master == optim::MasterFormat::kFp32 && c.moments != optim::MomentFormat::kInt8) {
+          optim::AdamBuffers b;
+          b.master = reinterpret_cast<float*>(master.data());
+          b.grad = grad.data();
+          b.exp_avg = m.data();
+          b.exp_avg_sq = v.data();
+          b.state_dtype = c.moments == optim::MomentFormat::kBf16 ? optim::DType::kBFloat16 : optim::DType::kFloat32;
+          if (c.moments == optim::MomentFormat::kFp32) {
+            b.param16 = p16.data();
+            b.param16_dtype = optim::DType::kBFloat16;
+          }
+          b.n = un;
+          STRATA_ASSIGN_OR_RETURN(auto res, optim::AdamStep(ap, b, 1.0f, ao));
+          if (c.moments == optim::MomentFormat::kFp32) h->adam_isa = optim::IsaName(res.isa);
+        } else {
+          optim::CompactAdamBuffers b;
+          b.master = master.data();
+          b.master_format = c.master;
+          b.grad = grad.data();
+          b.exp_avg = m.data();
+          b.exp_avg_sq = v.data();
+          b.moment_format = c.moments;
+          b.n = un;
+          b.rounding_key = optim::RoundingKey(1, ap.step);
+          STRATA_RETURN_IF_ERROR(optim::CompactAdamStep(ap, b, 1.0f, ao).status());
+        }
+        best = std::max(best, static_cast<double>(n) / Since(t0) / 1e9);
+      }
+      if (arena != nullptr) {
+        h->adam_one_thread_gelems_per_s[layout.Name()] = best;
+      } else if (c.moments == optim::MomentFormat::kFp32 && c.master == optim::MasterFormat::kFp32) {
+        h->adam_gelems_per_s = best;
+      } else {
+        h->adam_layout_gelems_per_s[layout.Name()] = best;
+      }
+    }
   }
   h->adam_elements = n;
-  h->adam_gelems_per_s = best;
-  return MeasureAdamLayouts(n, reps, h);
+  return Status::Ok();
 }
 
 // n x n matmuls on `device` (CPU, or a CUDA GPU: timed to the stream's end); the best of reps.
@@ -595,9 +598,19 @@ void PrintProfile(const ProfileArgs& a, const HardwareProfile& h, const StatusOr
   row("DRAM streaming copy (memcpy)", h.dram_gbps, 0);
   for (const auto& c : h.copies)
     row(StrCat(c.device, " ", c.memory, " ", c.direction, " (Device stream)"), c.gbps, h.dram_gbps);
-  std::printf("%-44s %10.3f G elements/s (%s)\n", "CPU Adam, 16M elements", h.adam_gelems_per_s, h.adam_isa.c_str());
+  // Each layout on every thread, and on one where measured.
+  const auto one = [&](const std::string& layout) {
+    const auto it = h.adam_one_thread_gelems_per_s.find(layout);
+    if (it == h.adam_one_thread_gelems_per_s.end()) return std::string();
+    char text[64];
+    std::snprintf(text, sizeof text, ", %.3f on one thread", it->second);
+    return std::string(text);
+  };
+  std::printf("%-44s %10.3f G elements/s (%s, %d threads%s)\n", "CPU Adam, 16M elements", h.adam_gelems_per_s,
+              h.adam_isa.c_str(), h.adam_threads, one("fp32").c_str());
   for (const auto& [layout, rate] : h.adam_layout_gelems_per_s)
-    std::printf("%-44s %10.3f G elements/s\n", StrCat("  optimizer states ", layout).c_str(), rate);
+    std::printf("%-44s %10.3f G elements/s%s\n", StrCat("  optimizer states ", layout).c_str(), rate,
+                one(layout).c_str());
   std::printf("%-44s %10.1f GFLOP/s bf16, %.1f fp32\n", StrCat("matmul (LibTorch, ", h.compute_device, ")").c_str(),
               h.compute_gflops, h.compute_fp32_gflops);
   if (h.device_capacity_bytes > 0)

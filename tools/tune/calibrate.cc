@@ -11,6 +11,9 @@
 #include "tools/train/gpt.h"
 
 namespace strata::tune {
+
+int ComputeThreads() { return torch::get_num_threads(); }
+
 namespace {
 
 // The engine's rule for the compute dtype (runtime/engine/compute_dtype.cc), as a torch dtype.

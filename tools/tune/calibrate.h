@@ -38,6 +38,10 @@ struct ComputeCalibration {
   double gflops = 0;         // flops / micro_batch_s / 1e9: the rate the cost model should use
 };
 
+// LibTorch's intra-op threads in this process: what the calibration times compute on, and what
+// the engine's start takes compute to use when it sizes the optimizer lane beside it.
+int ComputeThreads();
+
 // The extrapolation alone (exposed for tests). Timing noise can make t2 <= t1 on a tiny model;
 // then nothing is attributed to the blocks and the micro-batch costs t1.
 void Extrapolate(double one_layer_s, double two_layer_s, int64_t n_layers, ComputeCalibration* c);

@@ -279,6 +279,7 @@ StatusOr<TuneOptions> MakeTuneOptions(Args* a, const Config& config, const Hardw
                                       int world) {
   TuneOptions to;
   to.world_size = world;
+  to.cpu_compute_threads = tune::ComputeThreads();
   to.device = a->device.empty() ? (config.strata.device == "cuda" ? "cuda" : "cpu") : a->device;
   if (to.device != "cpu" && to.device != "cuda")
     return InvalidArgument(StrCat("--device=", a->device, ": must be cpu or cuda"));

@@ -6,6 +6,7 @@
 
 #include <chrono>
 #include <cstdio>
+#include <map>
 #include <string>
 #include <unordered_map>
 #include <utility>
@@ -225,19 +226,29 @@ Status Engine::Impl::OpenNvmeTier(const EngineOptions& options) {
     // A disk too small for the state is refused now, naming the path and the bytes, not at the
     // first Allocate that meets ENOSPC (Note [preallocation] grows the files on demand).
     o.needed_bytes = std::min(need, o.capacity);
-    if (paths.size() == 1) {
-      const std::vector<ChunkStaging> staged = StagedSpaceOn(paths.front());
-      if (!staged.empty()) {
-        o.needed_free_bytes = StartDiskGrowth(plan_, partitioner_->chunks(), staged,
-                                              static_cast<uint64_t>(std::max<int64_t>(config_.aio.block_size, 1)),
-                                              o.needed_bytes);
-        o.needed_free_why = "zero::Init's staging file gives back as the start reads it";
-        nvme_counts_on_staging_ = true;
-        STRATA_LOG(INFO) << "nvme: the start reads " << FormatBytes(TotalOf(staged)) << " back from zero::Init's "
-                         << "staging file on the same file system as it writes the NVMe blocks, so "
-                         << FormatBytes(o.needed_free_bytes) << " of the " << FormatBytes(o.needed_bytes)
-                         << " NVMe state must be free now";
-      }
+    // Per file system of the paths: where a staging file lies too, the start gives its space back
+    // as it writes the blocks there (Note [start's disk]).
+    std::map<uint64_t, uint64_t> paths_on;  // st_dev -> how many of the paths lie on it
+    std::vector<std::pair<uint64_t, std::string>> first_path;  // each file system by its first path
+    for (const std::string& p : paths) {
+      struct stat st {};
+      if (::stat(p.c_str(), &st) != 0) continue;  // the store names a bad path
+      if (paths_on[static_cast<uint64_t>(st.st_dev)]++ == 0) first_path.emplace_back(st.st_dev, p);
+    }
+    for (const auto& [dev, path] : first_path) {
+      const std::vector<ChunkStaging> staged = StagedSpaceOn(path);
+      if (staged.empty()) continue;
+      const uint64_t growth =
+          StartDiskGrowth(plan_, partitioner_->chunks(), staged,
+                          static_cast<uint64_t>(std::max<int64_t>(config_.aio.block_size, 1)), o.needed_bytes,
+                          paths.size(), paths_on[dev]);
+      o.needed_free_on_device[dev] = growth;
+      o.needed_free_why = "zero::Init's staging file gives back as the start reads it";
+      nvme_counts_on_staging_ = true;
+      STRATA_LOG(INFO) << "nvme: the start reads " << FormatBytes(TotalOf(staged)) << " back from zero::Init's "
+                       << "staging file on the file system of " << path << " as it writes the NVMe blocks, so "
+                       << FormatBytes(growth) << " of the NVMe state's " << FormatBytes(o.needed_bytes)
+                       << " must be free there now";
     }
     o.aio = config_.aio;
     o.checksums = config_.strata.checksums;
@@ -262,8 +273,11 @@ Status Engine::Impl::OpenNvmeTier(const EngineOptions& options) {
 //   max over chunks c of (NVMe bytes allocated through c - staged space given back by then),
 // and by the whole state less the whole file at the end, not by the whole state beside the whole
 // file, which is what the NVMe tier asked for when it opened (before the file is read). Asking for
-// the growth lets a disk hold a start whose real peak fits it. The swap files also hold their
-// first preallocation from the start (Note [preallocation]); the store adds that itself.
+// the growth lets a disk hold a start whose real peak fits it. Over several nvme paths each swap
+// file holds its share of the stripes, and the growth is that of the files on the staging file's
+// file system; the store checks every file system for all the paths on it together. The swap
+// files also hold their first preallocation from the start (Note [preallocation]); the store adds
+// that itself.
 std::vector<ChunkStaging> Engine::Impl::StagedSpaceOn(const std::string& nvme_path) const {
   std::vector<ChunkStaging> staged;
   struct stat st {};

@@ -18,11 +18,13 @@ struct ChunkStaging {
   uint64_t after_blocks = 0;  // once they are written (a mapping that goes with the parameter)
 };
 
-// The most the disk's use grows by while the start allocates `plan`'s NVMe blocks chunk by chunk
-// (in whole `stripe` units of the swap file) and gets `staged` back (one entry per chunk of
-// `chunks`), and at the end `state_bytes` of NVMe state less the whole file; at most
-// `state_bytes`.
+// The most one file system's use grows by while the start allocates `plan`'s NVMe blocks chunk by
+// chunk and gets `staged` back there (one entry per chunk of `chunks`), and at the end its part of
+// the `state_bytes` of NVMe state less the whole file; at most that part. The blocks are striped
+// in whole `stripe` units over `files` swap files (one per nvme path), `files_here` of them on this
+// file system (the swap store's layout: each file holds whole stripes up to its share of the end).
 uint64_t StartDiskGrowth(const StepPlan& plan, const std::vector<ChunkInfo>& chunks,
-                         const std::vector<ChunkStaging>& staged, uint64_t stripe, uint64_t state_bytes);
+                         const std::vector<ChunkStaging>& staged, uint64_t stripe, uint64_t state_bytes,
+                         uint64_t files = 1, uint64_t files_here = 1);
 
 }  // namespace strata

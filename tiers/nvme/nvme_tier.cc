@@ -27,7 +27,7 @@ StatusOr<std::unique_ptr<NvmeTier>> NvmeTier::Create(const NvmeTierOptions& opti
   so.rank = options.rank;
   so.capacity = options.capacity;
   so.needed_bytes = options.needed_bytes;
-  so.needed_free_bytes = options.needed_free_bytes;
+  so.needed_free_on_device = options.needed_free_on_device;
   so.needed_free_why = options.needed_free_why;
   so.aio = options.aio;
   so.checksums = options.checksums;

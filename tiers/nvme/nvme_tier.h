@@ -10,6 +10,7 @@
 
 #include <chrono>
 #include <functional>
+#include <map>
 #include <memory>
 #include <string>
 #include <vector>
@@ -26,7 +27,7 @@ struct NvmeTierOptions {
   uint32_t rank = 0;
   uint64_t capacity = 0;  // bytes; 0: what the file systems have free at creation
   uint64_t needed_bytes = 0;  // SwapStoreOptions::needed_bytes: checked against free space at Create
-  uint64_t needed_free_bytes = 0;  // SwapStoreOptions::needed_free_bytes and its why
+  std::map<uint64_t, uint64_t> needed_free_on_device;  // SwapStoreOptions' and its why
   std::string needed_free_why;
   AioConfig aio;
   ChecksumKind checksums = ChecksumKind::kCrc32c;

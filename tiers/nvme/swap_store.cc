@@ -129,32 +129,56 @@ StatusOr<std::optional<SwapIndex>> ReadIndex(const SwapStoreOptions& options,
 }
 
 Status CheckFreeSpace(const SwapStoreOptions& options, uint64_t stripe_unit) {
-  // Every path holds the same share of the striped space.
+  // Every path holds the same share of the striped space; the paths on one file system draw on
+  // its free space together.
   const uint64_t n = options.paths.size();
-  const bool given_back = options.needed_free_bytes > 0 && options.needed_free_bytes < options.needed_bytes;
-  if (given_back && n > 1)
-    return InvalidArgument(StrCat("needed_free_bytes applies to one nvme path, not ", n));
-  const uint64_t need = given_back ? options.needed_free_bytes : options.needed_bytes;
-  const uint64_t stripes = (need + stripe_unit - 1) / stripe_unit;
+  const uint64_t stripes = (options.needed_bytes + stripe_unit - 1) / stripe_unit;
   const uint64_t share = (stripes + n - 1) / n * stripe_unit;
+  struct Disk {
+    std::vector<std::string> paths;
+    uint64_t free_bytes = 0;
+  };
+  std::map<uint64_t, Disk> disks;
+  std::vector<uint64_t> order;  // devices in the order of their first path
   for (const auto& p : options.paths) {
-    struct statvfs vfs;
-    if (statvfs(p.c_str(), &vfs) != 0) return ErrnoToStatus(errno, StrCat("statvfs ", p));
-    uint64_t free_bytes = uint64_t{vfs.f_bavail} * vfs.f_frsize;
+    struct stat dir;
+    if (stat(p.c_str(), &dir) != 0) return ErrnoToStatus(errno, StrCat("stat ", p));
+    const uint64_t dev = static_cast<uint64_t>(dir.st_dev);
+    Disk& d = disks[dev];
+    if (d.paths.empty()) {
+      struct statvfs vfs;
+      if (statvfs(p.c_str(), &vfs) != 0) return ErrnoToStatus(errno, StrCat("statvfs ", p));
+      d.free_bytes = uint64_t{vfs.f_bavail} * vfs.f_frsize;
+      order.push_back(dev);
+    }
+    d.paths.push_back(p);
     struct stat old_file;
     if (stat(SwapFileName(p, options.rank).c_str(), &old_file) == 0)
-      free_bytes += static_cast<uint64_t>(old_file.st_blocks) * 512;  // truncated below
-    if (free_bytes < share)
-      return ResourceExhausted(StrCat(
-          "nvme path ", p, " has ", FormatBytes(free_bytes), " free but rank ", options.rank,
-          "'s NVMe-placed state needs ", FormatBytes(share), " there (",
-          given_back ? StrCat(FormatBytes(options.needed_bytes), " of state, ",
-                              FormatBytes(options.needed_bytes - options.needed_free_bytes), " of it in space ",
-                              options.needed_free_why, "; ")
-                     : StrCat(FormatBytes(options.needed_bytes), " "),
-          "in whole aio.block_size stripes of ", FormatBytes(stripe_unit), " over ", n, " path",
-          n > 1 ? "s" : "", "); free space there, add another nvme_path, set "
-          "strata.optimizer_state_dtype to bf16, or offload less to nvme"));
+      d.free_bytes += static_cast<uint64_t>(old_file.st_blocks) * 512;  // truncated below
+  }
+  for (uint64_t dev : order) {
+    const Disk& d = disks[dev];
+    const uint64_t shares = share * d.paths.size();
+    const auto credit = options.needed_free_on_device.find(dev);
+    const bool given_back = credit != options.needed_free_on_device.end() && credit->second < shares;
+    const uint64_t need = given_back ? credit->second : shares;
+    if (d.free_bytes >= need) continue;
+    std::string where = StrCat("nvme path ", d.paths.front(), " has");
+    if (d.paths.size() > 1) {
+      where = "nvme paths ";
+      for (size_t i = 0; i < d.paths.size(); ++i) where += StrCat(i ? ", " : "", d.paths[i]);
+      where += " (one file system) have";
+    }
+    return ResourceExhausted(StrCat(
+        where, " ", FormatBytes(d.free_bytes), " free but rank ", options.rank, "'s NVMe-placed state needs ",
+        FormatBytes(need), " there (",
+        d.paths.size() > 1 ? StrCat(d.paths.size(), " shares of ", FormatBytes(share), " of ") : std::string(),
+        FormatBytes(options.needed_bytes), " ",
+        given_back ? StrCat("less ", FormatBytes(shares - need), " in space ", options.needed_free_why, ", ")
+                   : std::string(),
+        "in whole aio.block_size stripes of ", FormatBytes(stripe_unit), " over ", n, " path", n > 1 ? "s" : "",
+        "); free space there, add an nvme_path on another disk, set strata.optimizer_state_dtype to bf16, or "
+        "offload less to nvme"));
   }
   return Status::Ok();
 }
@@ -327,9 +351,9 @@ Status SwapStore::OpenFiles(const SwapStoreOptions& options, bool create, uint64
   if (create) {
     uint64_t initial = std::min(per_file, kInitialPreallocation);
     // Space the caller gives back comes later: the first preallocation takes no more than the
-    // growth it asked to have free now.
-    if (options.needed_free_bytes > 0 && options.needed_free_bytes < options.needed_bytes)
-      initial = std::min(initial, RoundUp(options.needed_free_bytes, stripe_unit_));
+    // growth it asked to have free now, on any file system where it asked (each path's part).
+    for (const auto& [dev, bytes] : options.needed_free_on_device)
+      initial = std::min(initial, RoundUp((bytes + options.paths.size() - 1) / options.paths.size(), stripe_unit_));
     STRATA_RETURN_IF_ERROR(Preallocate(initial, initial));
   }
   return Status::Ok();

@@ -59,14 +59,15 @@ struct SwapStoreOptions {
   // Bytes the caller will certainly write (the engine's NVMe-placed state for this rank); 0: not
   // known. A store that starts empty is refused up front (RESOURCE_EXHAUSTED, naming the path,
   // its free space and the need) when a path cannot hold its stripe share of these bytes, rather
-  // than failing an Allocate hours into a run. A swap file the store will truncate counts as
-  // free. Ranks that share a file system each check only their own share.
+  // than failing an Allocate hours into a run. Paths on one file system are checked together,
+  // against the sum of their shares. A swap file the store will truncate counts as free. Ranks
+  // that share a file system each check only their own share.
   uint64_t needed_bytes = 0;
-  // What must be free at open when the caller gives space back on the same file system while it
-  // writes those bytes (the engine's start punches zero::Init's staging file as it reads it):
-  // the most the disk's use grows by at any point, below needed_bytes; `needed_free_why` says
-  // where the rest comes from, in the refusal. 0: needed_bytes. One path only (INVALID_ARGUMENT).
-  uint64_t needed_free_bytes = 0;
+  // File systems (by st_dev) where the caller gives space back while it writes those bytes (the
+  // engine's start punches zero::Init's staging file as it reads it): the most the disk's use
+  // grows by there at any point, for every path on it, checked instead of their shares' sum when
+  // it is below that sum. `needed_free_why` says where the rest comes from, in the refusal.
+  std::map<uint64_t, uint64_t> needed_free_on_device;
   std::string needed_free_why;
   AioConfig aio;
   ChecksumKind checksums = ChecksumKind::kCrc32c;  // ignored on reopen: the index's kind wins

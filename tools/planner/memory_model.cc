@@ -1,5 +1,7 @@
 #include "tools/planner/memory_model.h"
 
+#include <sys/stat.h>
+
 #include <algorithm>
 #include <cstdio>
 #include <limits>
@@ -29,6 +31,19 @@ const char* MemTierName(MemTier t) {
 namespace {
 
 uint64_t Round(uint64_t bytes, uint64_t to) { return (std::max<uint64_t>(bytes, 1) + to - 1) / to * to; }
+
+// How many of `paths` lie on the file system of `first` (itself included); a path that cannot
+// be stat'ed here counts only when it is `first`.
+size_t PathsSharingFileSystem(const std::vector<std::string>& paths, const std::string& first) {
+  struct stat at {};
+  if (::stat(first.c_str(), &at) != 0) return 1;
+  size_t n = 0;
+  for (const std::string& p : paths) {
+    struct stat st {};
+    n += p == first || (::stat(p.c_str(), &st) == 0 && st.st_dev == at.st_dev);
+  }
+  return std::max<size_t>(n, 1);
+}
 
 }  // namespace
 
@@ -469,7 +484,8 @@ StatusOr<MemoryEstimate> EstimateMemory(const Config& config, const ModelSpec& m
   // broadcast), so this is rank 0's peak.
   // The engine's NVMe tier opens before the file is read and asks for that growth free beside
   // the file (Note [start's disk] in runtime/engine/engine_init.cc), so the peak is the start's
-  // need; with several nvme paths (a share on each) it asks for the whole state beside the file.
+  // need; with several nvme paths (a share of the stripes on each) that of the staging file's
+  // file system, which holds the swap files of the paths on it.
   const bool python = options.build == EstimateOptions::Build::kPythonZeroInit;
   const bool staged = python || (z.stage == 3 && z.offload_param.device == OffloadDevice::kNvme &&
                                  (!z.offload_param.nvme_path.empty() || options.assume_nvme_path));
@@ -490,15 +506,18 @@ StatusOr<MemoryEstimate> EstimateMemory(const Config& config, const ModelSpec& m
       }
       est.staged_bytes += staged_here;
     }
-    est.init_disk_peak_bytes =
-        est.staged_bytes + StartDiskGrowth(plan, chunks, chunk_staged,
-                                           static_cast<uint64_t>(config.aio.block_size), nvme_need);
     const auto& opt_paths = z.offload_optimizer.nvme_path;
-    const size_t nvme_paths =
-        z.offload_optimizer.device == OffloadDevice::kNvme && !opt_paths.empty() ? opt_paths.size()
-        : !z.offload_param.nvme_path.empty()                                       ? z.offload_param.nvme_path.size()
-                                                                                   : 1;
-    est.init_disk_need_bytes = nvme_paths == 1 ? est.init_disk_peak_bytes : est.staged_bytes + nvme_need;
+    const std::vector<std::string>& tier_paths =
+        z.offload_optimizer.device == OffloadDevice::kNvme && !opt_paths.empty() ? opt_paths : z.offload_param.nvme_path;
+    const size_t nvme_paths = std::max<size_t>(tier_paths.size(), 1);
+    // Over several paths the staging file lies on the first one's file system (the staging
+    // directory is the first nvme path), and so do the swap files of the other paths there, where
+    // they exist on this machine; a path that does not exist here counts as a file system of its own.
+    const size_t paths_here = nvme_paths == 1 ? 1 : PathsSharingFileSystem(tier_paths, tier_paths.front());
+    est.init_disk_peak_bytes =
+        est.staged_bytes + StartDiskGrowth(plan, chunks, chunk_staged, static_cast<uint64_t>(config.aio.block_size),
+                                           nvme_need, nvme_paths, paths_here);
+    est.init_disk_need_bytes = est.init_disk_peak_bytes;
     est.notes.push_back(StrCat("engine init reads the model from ", python ? "strata.zero.Init" : "zero::Init",
                                "'s staging file (", FormatBytes(est.staged_bytes),
                                stage_esize == 4 ? " of fp32"
@@ -515,9 +534,9 @@ StatusOr<MemoryEstimate> EstimateMemory(const Config& config, const ModelSpec& m
                                                       FormatBytes(est.init_disk_peak_bytes), " during the start",
                                                       nvme_paths == 1
                                                           ? std::string()
-                                                          : StrCat(", but over ", nvme_paths, " nvme paths the NVMe "
-                                                                   "tier asks for its whole state beside the file (",
-                                                                   FormatBytes(est.init_disk_need_bytes), ")"))
+                                                          : StrCat(" on the file system of ", tier_paths.front(),
+                                                                   " (", paths_here, " of the ", nvme_paths,
+                                                                   " nvme paths' swap files there)"))
                                              : std::string("), punching out what it has read"),
                                options.world_size > 1 ? " (on rank 0; the other ranks stage nothing)" : ""));
   } else {

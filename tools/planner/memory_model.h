@@ -96,9 +96,10 @@ struct MemoryEstimate {
   // shapes only (zero::StageMode::kShapesOnly) and write their own NVMe blocks.
   uint64_t init_disk_peak_bytes = 0;
   uint64_t staged_bytes = 0;  // the staging file when the model is built
-  // The disk the start needs: its peak with one nvme path, where the NVMe tier asks for the
-  // growth beside the file (Note [start's disk] in runtime/engine/engine_init.cc); over several
-  // paths the file and the whole NVMe state side by side. 0 without staging.
+  // The disk the start needs: its peak, since the NVMe tier asks for the growth beside the file
+  // (Note [start's disk] in runtime/engine/engine_init.cc). Over several nvme paths, on the first
+  // one's file system (the staging directory's), with the swap files of the paths that share it
+  // on this machine. 0 without staging.
   uint64_t init_disk_need_bytes = 0;
   uint64_t host_pool_bytes = 0;   // the pinned pool the engine reserves (== host_pinned_bytes)
   // The least strata.host_memory_budget the engine accepts: host-placed blocks plus 8 NVMe blocks.

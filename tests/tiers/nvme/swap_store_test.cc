@@ -562,32 +562,71 @@ TEST(SwapStoreEnvTest, NeededBytesPastTheFreeSpaceAreRefusedAtOpen) {
   ASSERT_OK_AND_ASSIGN(auto again, SwapStore::Open(o));
 }
 
-// A caller that gives space back on the same file system while it fills the store (the engine's
-// start punching zero::Init's staging file) asks for the most its use grows by: a store larger
+uint64_t DeviceOf(const std::string& path) {
+  struct stat st {};
+  EXPECT_EQ(stat(path.c_str(), &st), 0) << path;
+  return static_cast<uint64_t>(st.st_dev);
+}
+
+// A caller that gives space back on a file system while it fills the store (the engine's start
+// punching zero::Init's staging file) asks for the most its use grows by there: a store larger
 // than the free space then opens, and a growth past it is refused naming where the rest comes
-// from. Several paths have no single file system to give back on.
+// from. Space given back on another file system is no credit here.
 TEST(SwapStoreEnvTest, NeededFreeBytesBelowTheStateAreWhatIsCheckedAtOpen) {
   TempDir t;
   TmpfsMount tmpfs(t.path(), "size=8M");
   if (!tmpfs.mounted()) GTEST_SKIP() << "cannot mount tmpfs: " << std::strerror(errno);
   SwapStoreOptions o = Opts({t.path()}, false, 32 << 20);
   o.needed_bytes = 32 << 20;
-  o.needed_free_bytes = 9 << 20;
+  o.needed_free_on_device[DeviceOf(t.path())] = 9 << 20;
   o.needed_free_why = "the test frees";
   auto s = SwapStore::Open(o);
   ASSERT_FALSE(s.ok());
   EXPECT_EQ(s.status().code(), StatusCode::kResourceExhausted) << s.status();
-  EXPECT_NE(s.status().message().find("needs 9"), std::string::npos) << s.status();
-  EXPECT_NE(s.status().message().find("32.00 MiB of state, 23.00 MiB of it in space the test frees"),
+  EXPECT_NE(s.status().message().find("needs 9.00 MiB there (32.00 MiB less 23.00 MiB in space the test frees"),
             std::string::npos)
       << s.status();
-  o.needed_free_bytes = 6 << 20;
+  o.needed_free_on_device.begin()->second = 6 << 20;
   { ASSERT_OK_AND_ASSIGN(auto store, SwapStore::Open(o)); }
-  TempDir other;
-  o.paths.push_back(other.path());
+  TempDir elsewhere;  // not the tmpfs
+  o.needed_free_on_device = {{DeviceOf(elsewhere.path()), 6 << 20}};
   s = SwapStore::Open(o);
   ASSERT_FALSE(s.ok());
-  EXPECT_EQ(s.status().code(), StatusCode::kInvalidArgument) << s.status();
+  EXPECT_NE(s.status().message().find("needs 32.00 MiB there"), std::string::npos) << s.status();
+}
+
+// Paths on one file system draw on its free space together: two of them each with room for its
+// share alone, but not for both, are refused naming both (each path's own check let this open,
+// and the run met ENOSPC once the files grew). On two file systems the same shares open; a credit
+// on the shared one is for both paths' growth.
+TEST(SwapStoreEnvTest, PathsOnOneFileSystemAreCheckedTogether) {
+  TempDir t;
+  TmpfsMount tmpfs(t.path(), "size=8M");
+  if (!tmpfs.mounted()) GTEST_SKIP() << "cannot mount tmpfs: " << std::strerror(errno);
+  const std::string a = t.path() + "/a", b = t.path() + "/b";
+  ASSERT_EQ(mkdir(a.c_str(), 0700), 0);
+  ASSERT_EQ(mkdir(b.c_str(), 0700), 0);
+  SwapStoreOptions o = Opts({a, b}, false, 12 << 20);
+  o.needed_bytes = 12 << 20;  // 6 MiB a path, 12 MiB on the 8 MiB file system
+  auto s = SwapStore::Open(o);
+  ASSERT_FALSE(s.ok());
+  EXPECT_EQ(s.status().code(), StatusCode::kResourceExhausted) << s.status();
+  EXPECT_NE(s.status().message().find("nvme paths " + a + ", " + b + " (one file system) have"), std::string::npos)
+      << s.status();
+  EXPECT_NE(s.status().message().find("needs 12.00 MiB there (2 shares of 6.00 MiB of 12.00 MiB"), std::string::npos)
+      << s.status();
+  // A credit on that file system covers both paths' growth.
+  o.needed_free_on_device[DeviceOf(a)] = 7 << 20;
+  o.needed_free_why = "the test frees";
+  { ASSERT_OK_AND_ASSIGN(auto store, SwapStore::Open(o)); }
+  o.needed_free_on_device.clear();
+  std::filesystem::remove_all(b);  // its swap file, kept by the store above
+  TempDir u;
+  TmpfsMount other(u.path(), "size=8M");
+  ASSERT_TRUE(other.mounted());
+  o.paths = {a, u.path()};
+  ASSERT_OK_AND_ASSIGN(auto store, SwapStore::Open(o));
+  ASSERT_OK(store->Allocate(1, 12 << 20));
 }
 
 TEST(SwapStoreEnvTest, ReadOnlyFileSystemIsPermissionDenied) {

@@ -13,6 +13,7 @@
 #include <cerrno>
 #include <cmath>
 #include <cstring>
+#include <optional>
 #include <set>
 
 #include <gtest/gtest.h>
@@ -410,12 +411,13 @@ TEST(EstimateVsEngineTest, ZeroInitStagingFileIsTheEstimatesAndBoundsTheStartsDi
 
 // Note [start's disk] (engine_init.cc), against a file system of a known size: the staging file
 // is given back chunk by chunk while the start writes its NVMe blocks, so a start needs free only
-// the growth the estimate names, not the whole NVMe state beside the file. On a tmpfs of its own
+// the growth the estimate names, not the NVMe state beside the file. On a tmpfs of its own
 // (statvfs there sees nothing else) holding the staging file, a filler leaves just that growth
-// free, less than the NVMe state, which the start asked for before: the engine starts and trains,
+// free, less than the NVMe state (with one nvme path) or than this path's share of it (with a
+// second path on another tmpfs), which the start asked for before: the engine starts and trains,
 // and the disk's use measured after every chunk peaks within the estimate. Leaving less is refused
-// before anything is read, naming the state and the staging file, and the model stays staged for
-// a retry.
+// before anything is read, naming the path and the staging file, and the model stays staged for a
+// retry.
 uint64_t FreeBytes(const std::string& dir) {
   struct statvfs v {};
   EXPECT_EQ(statvfs(dir.c_str(), &v), 0);
@@ -423,147 +425,88 @@ uint64_t FreeBytes(const std::string& dir) {
 }
 
 TEST(EstimateVsEngineTest, AStartWhosePeakFitsTheFreeDiskStartsThere) {
-  for (bool fits : {true, false}) {
-    SCOPED_TRACE(fits ? "the growth free" : "less than the growth free");
-    strata::testing::TempDir dir;
-    strata::testing::TmpfsMount tmpfs(dir.path(), "size=192M");
-    if (!tmpfs.mounted()) GTEST_SKIP() << "cannot mount tmpfs: " << std::strerror(errno);
-    Config c = StagedConfig(false, dir.path());
-    c.model.n_layers = 4;
-    c.model.d_model = 256;
-    c.strata.chunk_size = 1 << 20;
-    c.aio.block_size = 64 << 10;
-    ASSERT_OK_AND_ASSIGN(ModelSpec spec, GptModelSpec(c.model));
-    ASSERT_OK_AND_ASSIGN(MemoryEstimate e, EstimateMemory(c, spec));
-    ASSERT_GT(e.chunks, 4);
-    const uint64_t growth = e.init_disk_need_bytes - e.staged_bytes;
-    // The premise: the whole state would not fit beside the file.
-    ASSERT_LT(growth + (1 << 20), e.nvme_bytes);
-    ASSERT_OK_AND_ASSIGN(auto init, zero::Init::Create(dir.path(), torch::kFloat32));
-    auto model = models::BuildGpt(c.model);
-    EXPECT_EQ(init->staged_bytes(), e.staged_bytes);
-    const uint64_t leave = fits ? growth + (256 << 10) : growth - (2 << 20);
-    {
-      const uint64_t free_now = FreeBytes(dir.path());
-      ASSERT_GT(free_now, leave);
-      const int fd = ::open((dir.path() + "/filler").c_str(), O_CREAT | O_WRONLY, 0600);
-      ASSERT_GE(fd, 0);
-      ASSERT_EQ(::fallocate(fd, 0, 0, static_cast<off_t>(free_now - leave)), 0) << std::strerror(errno);
-      ::close(fd);
+  for (bool two_paths : {false, true}) {
+    for (bool fits : {true, false}) {
+      SCOPED_TRACE(StrCat(two_paths ? "two nvme paths, " : "one nvme path, ",
+                          fits ? "the growth free" : "less than the growth free"));
+      strata::testing::TempDir dir, second;
+      strata::testing::TmpfsMount tmpfs(dir.path(), "size=192M");
+      if (!tmpfs.mounted()) GTEST_SKIP() << "cannot mount tmpfs: " << std::strerror(errno);
+      std::optional<strata::testing::TmpfsMount> other;
+      Config c = StagedConfig(false, dir.path());
+      if (two_paths) {
+        other.emplace(second.path(), "size=192M");
+        ASSERT_TRUE(other->mounted());
+        c.zero_optimization.offload_param.nvme_path = {dir.path(), second.path()};
+      }
+      c.model.n_layers = 4;
+      c.model.d_model = 256;
+      c.strata.chunk_size = 1 << 20;
+      c.aio.block_size = 64 << 10;
+      ASSERT_OK_AND_ASSIGN(ModelSpec spec, GptModelSpec(c.model));
+      ASSERT_OK_AND_ASSIGN(MemoryEstimate e, EstimateMemory(c, spec));
+      ASSERT_GT(e.chunks, 4);
+      const uint64_t growth = e.init_disk_need_bytes - e.staged_bytes;
+      // The premise: the state (over two paths, this path's share: half its 64 KiB stripes) would
+      // not fit beside the file.
+      const uint64_t stripes = (e.nvme_bytes + (64 << 10) - 1) / (64 << 10);
+      const uint64_t asked_before = two_paths ? (stripes + 1) / 2 * (64 << 10) : e.nvme_bytes;
+      ASSERT_LT(growth + (1 << 20), asked_before);
+      ASSERT_OK_AND_ASSIGN(auto init, zero::Init::Create(dir.path(), torch::kFloat32));
+      auto model = models::BuildGpt(c.model);
+      EXPECT_EQ(init->staged_bytes(), e.staged_bytes);
+      const uint64_t leave = fits ? growth + (256 << 10) : growth - (2 << 20);
+      {
+        const uint64_t free_now = FreeBytes(dir.path());
+        ASSERT_GT(free_now, leave);
+        const int fd = ::open((dir.path() + "/filler").c_str(), O_CREAT | O_WRONLY, 0600);
+        ASSERT_GE(fd, 0);
+        ASSERT_EQ(::fallocate(fd, 0, 0, static_cast<off_t>(free_now - leave)), 0) << std::strerror(errno);
+        ::close(fd);
+      }
+      const uint64_t free_at_start = FreeBytes(dir.path());
+      ASSERT_NEAR(static_cast<double>(free_at_start), static_cast<double>(leave), 4096.0);
+      auto hooks = std::make_shared<EngineTestHooks>();
+      uint64_t least_free = free_at_start;
+      int chunks_seen = 0;
+      hooks->initial_chunk_hook = [&](int64_t) {
+        least_free = std::min(least_free, FreeBytes(dir.path()));
+        ++chunks_seen;
+      };
+      auto dev = CreateDevice("cpu", 1ull << 30);
+      ASSERT_TRUE(dev.ok());
+      auto comm = CreateSingleCommunicator();
+      EngineOptions eo;
+      eo.test_hooks = hooks;
+      auto engine = Engine::Create(model, c, comm.get(), dev->get(), eo);
+      if (!fits) {
+        ASSERT_FALSE(engine.ok());
+        EXPECT_EQ(engine.status().code(), StatusCode::kResourceExhausted) << engine.status();
+        EXPECT_NE(engine.status().message().find("nvme path " + dir.path() + " has"), std::string::npos)
+            << engine.status();
+        EXPECT_NE(engine.status().message().find("staging file gives back"), std::string::npos) << engine.status();
+        EXPECT_EQ(chunks_seen, 0);
+        for (const auto& p : model->parameters()) EXPECT_TRUE(zero::IsStaged(p));  // nothing was read
+        continue;
+      }
+      ASSERT_TRUE(engine.ok()) << engine.status();
+      EXPECT_EQ(chunks_seen, e.chunks);
+      const uint64_t measured_growth = free_at_start - least_free;
+      // The estimate leaves out the file's alignment padding (which the engine gets back too) and
+      // counts whole stripes: it may err high by that much, never low.
+      EXPECT_LE(measured_growth, growth);
+      EXPECT_GE(measured_growth + (64 << 10) + 4096 * spec.params.size(), growth)
+          << "measured " << measured_growth << " B, estimated " << growth << " B";
+      torch::Tensor t = torch::randint(0, c.model.vocab_size,
+                                       {c.train_micro_batch_size_per_gpu, c.model.seq_len + 1}, torch::kLong);
+      for (int s = 0; s < 2; ++s) {
+        torch::Tensor logits = (*engine)->Forward(t.narrow(1, 0, c.model.seq_len));
+        ASSERT_OK((*engine)->Backward(models::LanguageModelLoss(logits, t.narrow(1, 1, c.model.seq_len))));
+        auto rep = (*engine)->Step();
+        ASSERT_TRUE(rep.ok()) << rep.status();
+      }
+      engine->reset();
     }
-    const uint64_t free_at_start = FreeBytes(dir.path());
-    ASSERT_NEAR(static_cast<double>(free_at_start), static_cast<double>(leave), 4096.0);
-    auto hooks = std::make_shared<EngineTestHooks>();
-    uint64_t least_free = free_at_start;
-    int chunks_seen = 0;
-    hooks->initial_chunk_hook = [&](int64_t) {
-      least_free = std::min(least_free, FreeBytes(dir.path()));
-      ++chunks_seen;
-    };
-    auto dev = CreateDevice("cpu", 1ull << 30);
-    ASSERT_TRUE(dev.ok());
-    auto comm = CreateSingleCommunicator();
-    EngineOptions eo;
-    eo.test_hooks = hooks;
-    auto engine = Engine::Create(model, c, comm.get(), dev->get(), eo);
-    if (!fits) {
-      ASSERT_FALSE(engine.ok());
-      EXPECT_EQ(engine.status().code(), StatusCode::kResourceExhausted) << engine.status();
-      EXPECT_NE(engine.status().message().find("staging file gives back"), std::string::npos) << engine.status();
-      EXPECT_EQ(chunks_seen, 0);
-      for (const auto& p : model->parameters()) EXPECT_TRUE(zero::IsStaged(p));  // nothing was read
-      continue;
-    }
-    ASSERT_TRUE(engine.ok()) << engine.status();
-    EXPECT_EQ(chunks_seen, e.chunks);
-    const uint64_t measured_growth = free_at_start - least_free;
-    // The estimate leaves out the file's alignment padding (which the engine gets back too) and
-    // counts whole stripes: it may err high by that much, never low.
-    EXPECT_LE(measured_growth, growth);
-    EXPECT_GE(measured_growth + (64 << 10) + 4096 * spec.params.size(), growth)
-        << "measured " << measured_growth << " B, estimated " << growth << " B";
-    torch::Tensor t = torch::randint(0, c.model.vocab_size,
-                                     {c.train_micro_batch_size_per_gpu, c.model.seq_len + 1}, torch::kLong);
-    for (int s = 0; s < 2; ++s) {
-      torch::Tensor logits = (*engine)->Forward(t.narrow(1, 0, c.model.seq_len));
-      ASSERT_OK((*engine)->Backward(models::LanguageModelLoss(logits, t.narrow(1, 1, c.model.seq_len))));
-      auto rep = (*engine)->Step();
-      ASSERT_TRUE(rep.ok()) << rep.status();
-    }
-    engine->reset();
-  }
-}
-
-// Over two nvme paths on two file systems (each swap file a share of the stripes), the one that
-// holds the staging file needs free only the growth the estimate names there, less than its
-// share, which the tier asked for beside the file before: with that much free (and 256 KiB) the
-// start writes every chunk and trains; with 2 MiB less it is refused before anything is read.
-TEST(EstimateVsEngineTest, OverTwoNvmePathsTheStagingFileSystemNeedsOnlyItsGrowth) {
-  for (bool fits : {true, false}) {
-    SCOPED_TRACE(fits ? "the growth free" : "less than the growth free");
-    strata::testing::TempDir dir, second;
-    strata::testing::TmpfsMount tmpfs(dir.path(), "size=192M");
-    if (!tmpfs.mounted()) GTEST_SKIP() << "cannot mount tmpfs: " << std::strerror(errno);
-    strata::testing::TmpfsMount other(second.path(), "size=192M");
-    ASSERT_TRUE(other.mounted());
-    Config c = StagedConfig(false, dir.path());
-    c.zero_optimization.offload_param.nvme_path = {dir.path(), second.path()};
-    c.model.n_layers = 4;
-    c.model.d_model = 256;
-    c.strata.chunk_size = 1 << 20;
-    c.aio.block_size = 64 << 10;
-    ASSERT_OK_AND_ASSIGN(ModelSpec spec, GptModelSpec(c.model));
-    ASSERT_OK_AND_ASSIGN(MemoryEstimate e, EstimateMemory(c, spec));
-    ASSERT_GT(e.chunks, 4);
-    // Each path's share: half the state's 64 KiB stripes.
-    const uint64_t stripes = (e.nvme_bytes + (64 << 10) - 1) / (64 << 10);
-    const uint64_t share = (stripes + 1) / 2 * (64 << 10);
-    const uint64_t growth = e.init_disk_need_bytes - e.staged_bytes;
-    ASSERT_LT(growth + (1 << 20), share);  // the premise: the share would not fit
-    ASSERT_OK_AND_ASSIGN(auto init, zero::Init::Create(dir.path(), torch::kFloat32));
-    auto model = models::BuildGpt(c.model);
-    EXPECT_EQ(init->staged_bytes(), e.staged_bytes);
-    const uint64_t leave = fits ? growth + (256 << 10) : growth - (2 << 20);
-    {
-      const uint64_t free_now = FreeBytes(dir.path());
-      ASSERT_GT(free_now, leave);
-      const int fd = ::open((dir.path() + "/filler").c_str(), O_CREAT | O_WRONLY, 0600);
-      ASSERT_GE(fd, 0);
-      ASSERT_EQ(::fallocate(fd, 0, 0, static_cast<off_t>(free_now - leave)), 0) << std::strerror(errno);
-      ::close(fd);
-    }
-    const uint64_t free_at_start = FreeBytes(dir.path());
-    ASSERT_NEAR(static_cast<double>(free_at_start), static_cast<double>(leave), 4096.0);
-    auto hooks = std::make_shared<EngineTestHooks>();
-    int chunks_seen = 0;
-    hooks->initial_chunk_hook = [&](int64_t) { ++chunks_seen; };
-    auto dev = CreateDevice("cpu", 1ull << 30);
-    ASSERT_TRUE(dev.ok());
-    auto comm = CreateSingleCommunicator();
-    EngineOptions eo;
-    eo.test_hooks = hooks;
-    auto engine = Engine::Create(model, c, comm.get(), dev->get(), eo);
-    if (!fits) {
-      ASSERT_FALSE(engine.ok());
-      EXPECT_EQ(engine.status().code(), StatusCode::kResourceExhausted) << engine.status();
-      EXPECT_NE(engine.status().message().find("nvme path " + dir.path() + " has"), std::string::npos)
-          << engine.status();
-      EXPECT_NE(engine.status().message().find("staging file gives back"), std::string::npos) << engine.status();
-      EXPECT_EQ(chunks_seen, 0);
-      for (const auto& p : model->parameters()) EXPECT_TRUE(zero::IsStaged(p));  // nothing was read
-      continue;
-    }
-    ASSERT_TRUE(engine.ok()) << engine.status();
-    EXPECT_EQ(chunks_seen, e.chunks);
-    torch::Tensor t = torch::randint(0, c.model.vocab_size,
-                                     {c.train_micro_batch_size_per_gpu, c.model.seq_len + 1}, torch::kLong);
-    for (int s = 0; s < 2; ++s) {
-      torch::Tensor logits = (*engine)->Forward(t.narrow(1, 0, c.model.seq_len));
-      ASSERT_OK((*engine)->Backward(models::LanguageModelLoss(logits, t.narrow(1, 1, c.model.seq_len))));
-      auto rep = (*engine)->Step();
-      ASSERT_TRUE(rep.ok()) << rep.status();
-    }
-    engine->reset();
   }
 }
 

@@ -113,11 +113,35 @@ Status Engine::Impl::MakePlan(const EngineOptions& options, optim::DType compute
     in.device_capacity = device_->capacity() - std::min(device_->capacity(), device_->allocated());
     in.host_available = ReadHostMemory().available_bytes;
     if (in.nvme_path_given) {
-      const std::vector<std::string> paths = NvmePaths(options);
-      in.disk_free = FreeDiskBytes(paths.front());
-      // The staging file there comes back during the start (Note [start's disk]), whose check
+      // Each of n paths holds 1/n of the striped state, so a file system with k of them takes
+      // k/n of it: the state fits when it is at most n x (free + given back) / k on every one.
+      // A staging file there comes back during the start (Note [start's disk]), whose check
       // then holds the plan to the disk's real peak.
-      if (paths.size() == 1) in.disk_given_back = TotalOf(StagedSpaceOn(paths.front()));
+      const std::vector<std::string> paths = NvmePaths(options);
+      struct FileSystem {
+        uint64_t paths = 0, free = 0, given_back = 0;
+      };
+      std::map<std::string, FileSystem> file_systems;  // by st_dev, or by path where stat fails
+      for (const std::string& p : paths) {
+        struct stat st {};
+        const std::string key = ::stat(p.c_str(), &st) == 0 ? StrCat("dev ", st.st_dev) : p;
+        FileSystem& f = file_systems[key];
+        if (f.paths++ == 0) {
+          f.free = FreeDiskBytes(p);
+          f.given_back = TotalOf(StagedSpaceOn(p));
+        }
+      }
+      const uint64_t n = paths.size();
+      bool first = true;
+      for (const auto& [key, f] : file_systems) {
+        const uint64_t free = n * f.free / f.paths, given_back = n * f.given_back / f.paths;
+        if (first || free + given_back < in.disk_free + in.disk_given_back) {
+          in.disk_free = free;
+          in.disk_given_back = given_back;
+          first = false;
+        }
+      }
+      in.nvme_paths = static_cast<int>(n);
     }
   }
   STRATA_ASSIGN_OR_RETURN(plan_, StepPlan::Make(in));

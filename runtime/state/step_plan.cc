@@ -178,7 +178,7 @@ Status StepPlan::AutoBudgets(const Inputs& in, PlacementPlan::Inputs* pin) const
   if (s.nvme_capacity) {
     if (in.disk_free && s.nvme_capacity > in.disk_free + in.disk_given_back)
       return InvalidArgument(StrCat("strata.nvme_capacity=", FormatBytes(s.nvme_capacity),
-                                    " is more than the NVMe path has free (", FormatBytes(in.disk_free),
+                                    " is more than ", in.nvme_paths > 1 ? StrCat("the ", in.nvme_paths, " NVMe paths' shares hold (") : std::string("the NVMe path has free ("), FormatBytes(in.disk_free),
                                     in.disk_given_back ? StrCat(" and ", FormatBytes(in.disk_given_back),
                                                                 " of zero::Init's staging file")
                                                        : std::string(),
@@ -190,7 +190,9 @@ Status StepPlan::AutoBudgets(const Inputs& in, PlacementPlan::Inputs* pin) const
     const uint64_t disk = in.disk_free + in.disk_given_back;
     pin->nvme_budget = disk > (1ull << 30) ? disk - (1ull << 30) : 0;
     pin->nvme_budget_source =
-        StrCat("free disk at the nvme_path ", FormatBytes(in.disk_free),
+        StrCat(in.nvme_paths > 1 ? StrCat("free disk for the ", in.nvme_paths, " nvme paths' shares ")
+                                 : std::string("free disk at the nvme_path "),
+               FormatBytes(in.disk_free),
                in.disk_given_back ? StrCat(" and the ", FormatBytes(in.disk_given_back),
                                            " of zero::Init's staging file that the start gives back")
                                   : std::string(),

@@ -50,7 +50,10 @@ class StepPlan {
     // A planner's host tier, used as is where strata.host_memory_budget is 0 (strata-tune's
     // budget, less what its run needs beside the pool); 0: MemAvailable less its margin.
     uint64_t host_capacity = 0;
-    uint64_t disk_free = 0;        // free bytes at the NVMe path
+    // Free bytes at the NVMe path; over several (striped) paths, what their shares can hold:
+    // nvme_paths x the least free per path over their file systems.
+    uint64_t disk_free = 0;
+    int nvme_paths = 1;
     // Of a staging file on that file system (zero::Init's), the bytes the engine's start gives
     // back as it reads the file: the NVMe tier may take them too (Note [start's disk]).
     uint64_t disk_given_back = 0;

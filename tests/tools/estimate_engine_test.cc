@@ -510,6 +510,44 @@ TEST(EstimateVsEngineTest, AStartWhosePeakFitsTheFreeDiskStartsThere) {
   }
 }
 
+// strata.placement auto over two nvme paths on two disks: each path holds half of the striped
+// state, so the NVMe budget is twice what the tighter disk has free (less the 1 GiB kept free),
+// not the first disk's free space. Two tmpfs of 1 GiB + 8 MiB: an NVMe state of tens of MiB
+// fits over both, and over the first alone the plan is refused naming its free disk.
+TEST(EstimateVsEngineTest, AutoPlacementOverTwoDisksHasBothDisksFreeSpace) {
+  for (bool two : {true, false}) {
+    SCOPED_TRACE(two ? "two disks" : "one disk");
+    strata::testing::TempDir a, b;
+    strata::testing::TmpfsMount ta(a.path(), "size=1032M");
+    if (!ta.mounted()) GTEST_SKIP() << "cannot mount tmpfs: " << std::strerror(errno);
+    strata::testing::TmpfsMount tb(b.path(), "size=1032M");
+    ASSERT_TRUE(tb.mounted());
+    Config c = StagedConfig(false, a.path());
+    c.zero_optimization.offload_param.nvme_path = two ? std::vector<std::string>{a.path(), b.path()}
+                                                      : std::vector<std::string>{a.path()};
+    c.model.n_layers = 4;
+    c.model.d_model = 256;
+    c.strata.chunk_size = 1 << 20;
+    c.aio.block_size = 64 << 10;
+    c.strata.placement = PlacementMode::kAuto;
+    c.strata.device_memory_budget = 24 << 20;
+    c.strata.host_memory_budget = 24 << 20;
+    auto model = models::BuildGpt(c.model);
+    auto dev = CreateDevice("cpu", 1ull << 30);
+    ASSERT_TRUE(dev.ok());
+    auto comm = CreateSingleCommunicator();
+    auto engine = Engine::Create(model, c, comm.get(), dev->get(), EngineOptions{});
+    if (!two) {
+      ASSERT_FALSE(engine.ok());
+      EXPECT_NE(engine.status().message().find("free disk at the nvme_path"), std::string::npos) << engine.status();
+      continue;
+    }
+    ASSERT_TRUE(engine.ok()) << engine.status();
+    const uint64_t nvme = (*engine)->Describe()["tier_manager"]["nvme"]["reserved_bytes"].get<uint64_t>();
+    EXPECT_GT(nvme, 8u << 20);  // more than the first disk alone could hold beside its 1 GiB
+  }
+}
+
 // Note [generated parameters] (zero_init.cc): at widths where strata-train draws its large
 // matrices with ParallelNormal they never reach the staging file, and the estimate leaves
 // exactly those out (ParamSpec::generated): the file the Init wrote is the estimate's, byte for

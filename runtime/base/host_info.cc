@@ -115,6 +115,20 @@ int ChooseOptimizerThreads(int cores, int compute_threads, int configured, bool 
   return n;
 }
 
+std::vector<FileSystemPaths> GroupByFileSystem(const std::vector<std::string>& paths) {
+  std::vector<FileSystemPaths> groups;
+  for (const std::string& p : paths) {
+    struct stat st {};
+    const bool known = ::stat(p.c_str(), &st) == 0;
+    const uint64_t device = known ? static_cast<uint64_t>(st.st_dev) : 0;
+    auto it = std::find_if(groups.begin(), groups.end(),
+                           [&](const FileSystemPaths& g) { return known && g.known && g.device == device; });
+    if (it == groups.end()) it = groups.insert(groups.end(), FileSystemPaths{device, known, {}});
+    it->paths.push_back(p);
+  }
+  return groups;
+}
+
 uint64_t FreeDiskBytes(const std::string& path) {
   std::string at = path.empty() ? "." : path;
   struct statvfs st;

@@ -5,6 +5,7 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 namespace strata {
 
@@ -42,6 +43,16 @@ HostMemory ReadHostMemory();
 // Bytes free to an unprivileged writer on the filesystem holding `path` (its nearest existing
 // ancestor when it does not exist yet); 0 when it cannot be read.
 uint64_t FreeDiskBytes(const std::string& path);
+
+// `paths` grouped by the file system they lie on (st_dev), in the order of each group's first
+// path: striped nvme paths on one file system draw on its free space together. A path that
+// cannot be stat'ed is a group of its own, with `known` false.
+struct FileSystemPaths {
+  uint64_t device = 0;
+  bool known = false;
+  std::vector<std::string> paths;
+};
+std::vector<FileSystemPaths> GroupByFileSystem(const std::vector<std::string>& paths);
 
 // ReadHostInfo().native_bf16: whether bf16 matmuls run at full speed on this CPU.
 bool CpuHasNativeBf16();

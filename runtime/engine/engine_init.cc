@@ -6,7 +6,6 @@
 
 #include <chrono>
 #include <cstdio>
-#include <map>
 #include <string>
 #include <unordered_map>
 #include <utility>
@@ -118,23 +117,12 @@ Status Engine::Impl::MakePlan(const EngineOptions& options, optim::DType compute
       // A staging file there comes back during the start (Note [start's disk]), whose check
       // then holds the plan to the disk's real peak.
       const std::vector<std::string> paths = NvmePaths(options);
-      struct FileSystem {
-        uint64_t paths = 0, free = 0, given_back = 0;
-      };
-      std::map<std::string, FileSystem> file_systems;  // by st_dev, or by path where stat fails
-      for (const std::string& p : paths) {
-        struct stat st {};
-        const std::string key = ::stat(p.c_str(), &st) == 0 ? StrCat("dev ", st.st_dev) : p;
-        FileSystem& f = file_systems[key];
-        if (f.paths++ == 0) {
-          f.free = FreeDiskBytes(p);
-          f.given_back = TotalOf(StagedSpaceOn(p));
-        }
-      }
       const uint64_t n = paths.size();
       bool first = true;
-      for (const auto& [key, f] : file_systems) {
-        const uint64_t free = n * f.free / f.paths, given_back = n * f.given_back / f.paths;
+      for (const FileSystemPaths& fs : GroupByFileSystem(paths)) {
+        const uint64_t k = fs.paths.size();
+        const uint64_t free = n * FreeDiskBytes(fs.paths.front()) / k;
+        const uint64_t given_back = n * TotalOf(StagedSpaceOn(fs.paths.front())) / k;
         if (first || free + given_back < in.disk_free + in.disk_given_back) {
           in.disk_free = free;
           in.disk_given_back = given_back;
@@ -252,25 +240,19 @@ Status Engine::Impl::OpenNvmeTier(const EngineOptions& options) {
     o.needed_bytes = std::min(need, o.capacity);
     // Per file system of the paths: where a staging file lies too, the start gives its space back
     // as it writes the blocks there (Note [start's disk]).
-    std::map<uint64_t, uint64_t> paths_on;  // st_dev -> how many of the paths lie on it
-    std::vector<std::pair<uint64_t, std::string>> first_path;  // each file system by its first path
-    for (const std::string& p : paths) {
-      struct stat st {};
-      if (::stat(p.c_str(), &st) != 0) continue;  // the store names a bad path
-      if (paths_on[static_cast<uint64_t>(st.st_dev)]++ == 0) first_path.emplace_back(st.st_dev, p);
-    }
-    for (const auto& [dev, path] : first_path) {
-      const std::vector<ChunkStaging> staged = StagedSpaceOn(path);
+    for (const FileSystemPaths& fs : GroupByFileSystem(paths)) {
+      if (!fs.known) continue;  // the store names a bad path
+      const std::vector<ChunkStaging> staged = StagedSpaceOn(fs.paths.front());
       if (staged.empty()) continue;
       const uint64_t growth =
           StartDiskGrowth(plan_, partitioner_->chunks(), staged,
                           static_cast<uint64_t>(std::max<int64_t>(config_.aio.block_size, 1)), o.needed_bytes,
-                          paths.size(), paths_on[dev]);
-      o.needed_free_on_device[dev] = growth;
+                          paths.size(), fs.paths.size());
+      o.needed_free_on_device[fs.device] = growth;
       o.needed_free_why = "zero::Init's staging file gives back as the start reads it";
       nvme_counts_on_staging_ = true;
       STRATA_LOG(INFO) << "nvme: the start reads " << FormatBytes(TotalOf(staged)) << " back from zero::Init's "
-                       << "staging file on the file system of " << path << " as it writes the NVMe blocks, so "
+                       << "staging file on the file system of " << fs.paths.front() << " as it writes the NVMe blocks, so "
                        << FormatBytes(growth) << " of the NVMe state's " << FormatBytes(o.needed_bytes)
                        << " must be free there now";
     }

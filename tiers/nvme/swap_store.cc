@@ -16,6 +16,7 @@
 #include <set>
 
 #include "runtime/base/check.h"
+#include "runtime/base/host_info.h"
 #include "runtime/base/logging.h"
 #include "runtime/base/units.h"
 #include "tiers/nvme/crc32c.h"
@@ -134,35 +135,25 @@ Status CheckFreeSpace(const SwapStoreOptions& options, uint64_t stripe_unit) {
   const uint64_t n = options.paths.size();
   const uint64_t stripes = (options.needed_bytes + stripe_unit - 1) / stripe_unit;
   const uint64_t share = (stripes + n - 1) / n * stripe_unit;
-  struct Disk {
-    std::vector<std::string> paths;
-    uint64_t free_bytes = 0;
-  };
-  std::map<uint64_t, Disk> disks;
-  std::vector<uint64_t> order;  // devices in the order of their first path
-  for (const auto& p : options.paths) {
-    struct stat dir;
-    if (stat(p.c_str(), &dir) != 0) return ErrnoToStatus(errno, StrCat("stat ", p));
-    const uint64_t dev = static_cast<uint64_t>(dir.st_dev);
-    Disk& d = disks[dev];
-    if (d.paths.empty()) {
-      struct statvfs vfs;
-      if (statvfs(p.c_str(), &vfs) != 0) return ErrnoToStatus(errno, StrCat("statvfs ", p));
-      d.free_bytes = uint64_t{vfs.f_bavail} * vfs.f_frsize;
-      order.push_back(dev);
+  for (const FileSystemPaths& d : GroupByFileSystem(options.paths)) {
+    struct statvfs vfs;
+    if (!d.known) {
+      struct stat st;
+      const int err = stat(d.paths.front().c_str(), &st) == 0 ? ENOENT : errno;  // gone and back: say so
+      return ErrnoToStatus(err, StrCat("stat ", d.paths.front()));
     }
-    d.paths.push_back(p);
-    struct stat old_file;
-    if (stat(SwapFileName(p, options.rank).c_str(), &old_file) == 0)
-      d.free_bytes += static_cast<uint64_t>(old_file.st_blocks) * 512;  // truncated below
-  }
-  for (uint64_t dev : order) {
-    const Disk& d = disks[dev];
+    if (statvfs(d.paths.front().c_str(), &vfs) != 0) return ErrnoToStatus(errno, StrCat("statvfs ", d.paths.front()));
+    uint64_t free_bytes = uint64_t{vfs.f_bavail} * vfs.f_frsize;
+    for (const auto& p : d.paths) {
+      struct stat old_file;
+      if (stat(SwapFileName(p, options.rank).c_str(), &old_file) == 0)
+        free_bytes += static_cast<uint64_t>(old_file.st_blocks) * 512;  // truncated below
+    }
     const uint64_t shares = share * d.paths.size();
-    const auto credit = options.needed_free_on_device.find(dev);
+    const auto credit = options.needed_free_on_device.find(d.device);
     const bool given_back = credit != options.needed_free_on_device.end() && credit->second < shares;
     const uint64_t need = given_back ? credit->second : shares;
-    if (d.free_bytes >= need) continue;
+    if (free_bytes >= need) continue;
     std::string where = StrCat("nvme path ", d.paths.front(), " has");
     if (d.paths.size() > 1) {
       where = "nvme paths ";
@@ -170,7 +161,7 @@ Status CheckFreeSpace(const SwapStoreOptions& options, uint64_t stripe_unit) {
       where += " (one file system) have";
     }
     return ResourceExhausted(StrCat(
-        where, " ", FormatBytes(d.free_bytes), " free but rank ", options.rank, "'s NVMe-placed state needs ",
+        where, " ", FormatBytes(free_bytes), " free but rank ", options.rank, "'s NVMe-placed state needs ",
         FormatBytes(need), " there (",
         d.paths.size() > 1 ? StrCat(d.paths.size(), " shares of ", FormatBytes(share), " of ") : std::string(),
         FormatBytes(options.needed_bytes), " ",

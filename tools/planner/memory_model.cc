@@ -1,7 +1,5 @@
 #include "tools/planner/memory_model.h"
 
-#include <sys/stat.h>
-
 #include <algorithm>
 #include <cstdio>
 #include <limits>
@@ -10,6 +8,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "runtime/base/host_info.h"
 #include "runtime/base/units.h"
 #include "runtime/state/partitioner.h"
 #include "runtime/state/start_disk.h"
@@ -31,19 +30,6 @@ const char* MemTierName(MemTier t) {
 namespace {
 
 uint64_t Round(uint64_t bytes, uint64_t to) { return (std::max<uint64_t>(bytes, 1) + to - 1) / to * to; }
-
-// How many of `paths` lie on the file system of `first` (itself included); a path that cannot
-// be stat'ed here counts only when it is `first`.
-size_t PathsSharingFileSystem(const std::vector<std::string>& paths, const std::string& first) {
-  struct stat at {};
-  if (::stat(first.c_str(), &at) != 0) return 1;
-  size_t n = 0;
-  for (const std::string& p : paths) {
-    struct stat st {};
-    n += p == first || (::stat(p.c_str(), &st) == 0 && st.st_dev == at.st_dev);
-  }
-  return std::max<size_t>(n, 1);
-}
 
 }  // namespace
 
@@ -513,7 +499,7 @@ StatusOr<MemoryEstimate> EstimateMemory(const Config& config, const ModelSpec& m
     // Over several paths the staging file lies on the first one's file system (the staging
     // directory is the first nvme path), and so do the swap files of the other paths there, where
     // they exist on this machine; a path that does not exist here counts as a file system of its own.
-    const size_t paths_here = nvme_paths == 1 ? 1 : PathsSharingFileSystem(tier_paths, tier_paths.front());
+    const size_t paths_here = nvme_paths == 1 ? 1 : GroupByFileSystem(tier_paths).front().paths.size();
     est.init_disk_peak_bytes =
         est.staged_bytes + StartDiskGrowth(plan, chunks, chunk_staged, static_cast<uint64_t>(config.aio.block_size),
                                            nvme_need, nvme_paths, paths_here);

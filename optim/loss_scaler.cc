@@ -40,6 +40,22 @@ DynamicLossScaler::DynamicLossScaler(const LossScalerOptions& options)
                                     : std::ldexp(1.0, static_cast<int>(options.initial_scale_power))),
       hysteresis_left_(options.hysteresis) {}
 
+Status DynamicLossScaler::Restore(const State& saved) {
+  if (!(std::isfinite(saved.scale) && saved.scale > 0) || saved.hysteresis_left < 1 ||
+      saved.iteration < 0 || saved.last_overflow_iteration < -1 ||
+      saved.last_overflow_iteration >= saved.iteration)
+    return InvalidArgument(StrCat("loss-scaler state (scale ", saved.scale, ", hysteresis left ",
+                                  saved.hysteresis_left, ", iteration ", saved.iteration,
+                                  ", last overflow at ", saved.last_overflow_iteration,
+                                  ") is not one a scaler can be in"));
+  if (dynamic()) scale_ = saved.scale;
+  // A config whose fp16.hysteresis was lowered since the save caps the budget.
+  hysteresis_left_ = std::min(saved.hysteresis_left, options_.hysteresis);
+  iter_ = saved.iteration;
+  last_overflow_iter_ = saved.last_overflow_iteration;
+  return Status::Ok();
+}
+
 Status DynamicLossScaler::Update(bool overflow) {
   Status status;
   if (!dynamic()) {

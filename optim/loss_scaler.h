@@ -53,6 +53,22 @@ class DynamicLossScaler {
   // Steps seen by Update, skipped ones included.
   int64_t iteration() const { return iter_; }
 
+  // What a checkpoint keeps so that a resumed run scales as the uninterrupted one would: the
+  // scale, the hysteresis budget, the step count and the last overflow's step.
+  struct State {
+    double scale = 1.0;
+    int64_t hysteresis_left = 1;
+    int64_t iteration = 0;
+    int64_t last_overflow_iteration = -1;
+  };
+  State state() const { return {scale_, hysteresis_left_, iter_, last_overflow_iter_}; }
+  // Takes a saved state. A static scaler keeps its configured scale and takes the counts only;
+  // a budget above this config's fp16.hysteresis is capped at it. INVALID_ARGUMENT, leaving the
+  // scaler as it was, when the state could not have come from a scaler (a scale that is not
+  // finite and positive, a budget below 1, an iteration below 0, a last overflow outside
+  // -1..iteration-1).
+  Status Restore(const State& saved);
+
   // Records the outcome of one step (overflow = inf/NaN found in the scaled grads, i.e. the
   // step was skipped) and adjusts the scale. Returns FAILED_PRECONDITION when an overflow
   // happens at min_loss_scale and fail_at_min_scale is set; the scaler's state is still updated.

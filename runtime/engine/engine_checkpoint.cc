@@ -114,7 +114,13 @@ checkpoint::Manifest Engine::Impl::NewManifest(const nlohmann::json& extra) cons
   for (const ChunkInfo& ci : partitioner_->chunks()) m.shard_numel.push_back(ci.shard_numel);
   m.global_step = step_.global_step;
   m.micro_step = step_.micro_step;
-  if (step_.scaler) m.scaler = {{"scale", step_.scaler->scale()}};
+  if (step_.scaler) {
+    const optim::DynamicLossScaler::State st = step_.scaler->state();
+    m.scaler = {{"scale", st.scale},
+                {"hysteresis_left", st.hysteresis_left},
+                {"iteration", st.iteration},
+                {"last_overflow_iteration", st.last_overflow_iteration}};
+  }
   m.extra = extra;
   m.layout = LayoutJson();
   return m;
@@ -250,6 +256,11 @@ StatusOr<nlohmann::json> Engine::Impl::Load(const std::string& path, bool weight
   STRATA_ASSIGN_OR_RETURN(std::string text, checkpoint::ReadFile(mpath));
   STRATA_ASSIGN_OR_RETURN(checkpoint::Manifest m, checkpoint::ParseManifest(text, mpath));
   STRATA_RETURN_IF_ERROR(CheckManifestFits(m, dir));
+  // The loss scaler's state, read before any state is overwritten (a bad one loads nothing).
+  std::optional<optim::DynamicLossScaler::State> scaler_state;
+  if (step_.scaler && !weights_only) {
+    STRATA_ASSIGN_OR_RETURN(scaler_state, SavedScalerState(m, mpath));
+  }
   const std::string bin = (fs::path(dir) / (stem + ".bin")).string();
   int fd = ::open(bin.c_str(), O_RDONLY | O_CLOEXEC);
   if (fd < 0) return ErrnoToStatus(errno, StrCat("open ", bin));
@@ -280,10 +291,46 @@ StatusOr<nlohmann::json> Engine::Impl::Load(const std::string& path, bool weight
   if (!weights_only) {
     step_.global_step = m.global_step;
     step_.micro_step = m.micro_step;
+    // Validated by SavedScalerState; a resumed fp16 run scales as the uninterrupted one would.
+    if (scaler_state) STRATA_RETURN_IF_ERROR(step_.scaler->Restore(*scaler_state).WithContext(mpath));
   }
   STRATA_LOG(INFO) << "checkpoint loaded dir=" << dir << " step=" << m.global_step
                    << (weights_only ? " (weights only)" : "");
   return m.extra;
+}
+
+// Note [a saved loss scale]
+// fp16's dynamic loss scale is training state: a run resumed at the initial 2^power skips steps
+// to overflows until the scale comes down again, and doubles on another schedule, so the resumed
+// run would not be the uninterrupted one. Checkpoints keep the scaler's whole state (scale,
+// hysteresis budget, step count, last overflow). Older ones kept the scale alone: it is taken,
+// with the counts of a scaler that saw global_step steps and no overflow. A checkpoint saved without fp16 has none,
+// and the scale starts at the config's.
+StatusOr<std::optional<optim::DynamicLossScaler::State>> Engine::Impl::SavedScalerState(
+    const checkpoint::Manifest& m, const std::string& mpath) const {
+  if (!m.scaler.is_object() || !m.scaler.contains("scale")) {
+    STRATA_LOG(WARN) << mpath << " was saved without fp16, so it holds no loss scale; this fp16 run "
+                     << "starts at the config's (" << step_.scaler->scale() << ")";
+    return std::optional<optim::DynamicLossScaler::State>();
+  }
+  optim::DynamicLossScaler::State st = step_.scaler->state();
+  st.iteration = m.global_step;
+  st.last_overflow_iteration = -1;
+  try {
+    st.scale = m.scaler.at("scale").get<double>();
+    if (m.scaler.contains("iteration")) {
+      st.hysteresis_left = m.scaler.at("hysteresis_left").get<int64_t>();
+      st.iteration = m.scaler.at("iteration").get<int64_t>();
+      st.last_overflow_iteration = m.scaler.at("last_overflow_iteration").get<int64_t>();
+    }
+  } catch (const nlohmann::json::exception& e) {
+    return DataLoss(StrCat(mpath, ": the loss scaler's state is malformed: ", e.what()));
+  }
+  // Checked here, before anything loads; Restore applies it once the states are in.
+  STRATA_ASSIGN_OR_RETURN(optim::DynamicLossScaler probe, optim::DynamicLossScaler::Create({}));
+  if (Status s = probe.Restore(st); !s.ok())
+    return DataLoss(StrCat(mpath, ": ", s.message(), "; the checkpoint is damaged"));
+  return std::optional<optim::DynamicLossScaler::State>(st);
 }
 
 Status Engine::Impl::CheckManifestFits(const checkpoint::Manifest& m, const std::string& dir) const {

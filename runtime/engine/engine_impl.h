@@ -34,6 +34,7 @@
 #include <limits>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <set>
 #include <stdexcept>
 #include <thread>
@@ -147,6 +148,10 @@ class Engine::Impl {
   Status WriteStateFile(const std::string& bin, checkpoint::Manifest* m, uint64_t* bytes_written);
   Status PublishSave(const std::string& root, const std::string& name);
   Status CheckManifestFits(const checkpoint::Manifest& m, const std::string& dir) const;
+  // The loss scaler's saved state, checked; none when the checkpoint was saved without fp16
+  // (Note [a saved loss scale]).
+  StatusOr<std::optional<optim::DynamicLossScaler::State>> SavedScalerState(
+      const checkpoint::Manifest& m, const std::string& mpath) const;
   Status ReadSavedBuffers(int fd, const std::string& bin, const checkpoint::Manifest& m,
                           const std::string& mpath, std::vector<torch::Tensor>* out);
   Status ReadSavedBlocks(int fd, const std::string& bin, const checkpoint::Manifest& m,

@@ -1,5 +1,8 @@
 #include "optim/loss_scaler.h"
 
+#include <cmath>
+#include <iterator>
+
 #include <gtest/gtest.h>
 
 #include "tests/test_util.h"
@@ -95,6 +98,55 @@ TEST(LossScalerTest, ClampsAtMinAndFailsWhenStuck) {
   ASSERT_OK(t.Update(true));
   ASSERT_OK(t.Update(true));
   EXPECT_EQ(t.scale(), 2.0);
+}
+
+// A scaler restored from another's state goes on exactly as the original: the same scale after
+// every later step, whatever mix of overflows follows (what a resumed fp16 run needs).
+TEST(LossScalerTest, ARestoredScalerGoesOnAsTheOriginal) {
+  const bool outcomes[] = {false, true, false, false, true, true, false, false, false, false, true,
+                           false, false, false, false, false};
+  for (size_t cut = 0; cut <= std::size(outcomes); ++cut) {
+    ASSERT_OK_AND_ASSIGN(DynamicLossScaler a, DynamicLossScaler::Create(Dynamic(12, 3, 2, 1)));
+    for (size_t i = 0; i < cut; ++i) ASSERT_OK(a.Update(outcomes[i]));
+    ASSERT_OK_AND_ASSIGN(DynamicLossScaler b, DynamicLossScaler::Create(Dynamic(12, 3, 2, 1)));
+    ASSERT_OK(b.Restore(a.state()));
+    for (size_t i = cut; i < std::size(outcomes); ++i) {
+      ASSERT_OK(a.Update(outcomes[i]));
+      ASSERT_OK(b.Update(outcomes[i]));
+      EXPECT_EQ(a.scale(), b.scale()) << "cut " << cut << ", step " << i;
+      EXPECT_EQ(a.hysteresis_left(), b.hysteresis_left()) << "cut " << cut << ", step " << i;
+    }
+    EXPECT_EQ(a.iteration(), b.iteration());
+  }
+  // A fresh scaler differs from the restored one after the first overflows (the check above
+  // could not pass with a Restore that did nothing).
+  ASSERT_OK_AND_ASSIGN(DynamicLossScaler a, DynamicLossScaler::Create(Dynamic(12, 3, 2, 1)));
+  for (bool o : {true, true, true}) ASSERT_OK(a.Update(o));
+  ASSERT_OK_AND_ASSIGN(DynamicLossScaler fresh, DynamicLossScaler::Create(Dynamic(12, 3, 2, 1)));
+  EXPECT_NE(fresh.scale(), a.scale());
+}
+
+TEST(LossScalerTest, RestoreRefusesAStateNoScalerCanBeIn) {
+  ASSERT_OK_AND_ASSIGN(DynamicLossScaler s, DynamicLossScaler::Create(Dynamic(12, 3, 2, 1)));
+  using State = DynamicLossScaler::State;
+  for (const State& bad : {State{0.0, 1, 4, 2}, State{-8.0, 1, 4, 2}, State{std::nan(""), 1, 4, 2},
+                           State{INFINITY, 1, 4, 2}, State{8.0, 0, 4, 2}, State{8.0, 1, -1, -1},
+                           State{8.0, 1, 4, 4}, State{8.0, 1, 4, -2}}) {
+    EXPECT_EQ(s.Restore(bad).code(), StatusCode::kInvalidArgument) << bad.scale << " " << bad.iteration;
+    EXPECT_EQ(s.scale(), 4096.0);  // left as it was
+    EXPECT_EQ(s.iteration(), 0);
+  }
+  // A budget above this config's hysteresis (lowered since the save) is capped.
+  ASSERT_OK(s.Restore({8.0, 5, 4, 2}));
+  EXPECT_EQ(s.hysteresis_left(), 2);
+  EXPECT_EQ(s.scale(), 8.0);
+  // A static scaler keeps its scale and takes the counts.
+  LossScalerOptions fixed;
+  fixed.loss_scale = 128;
+  ASSERT_OK_AND_ASSIGN(DynamicLossScaler st, DynamicLossScaler::Create(fixed));
+  ASSERT_OK(st.Restore({8.0, 1, 4, 2}));
+  EXPECT_EQ(st.scale(), 128.0);
+  EXPECT_EQ(st.iteration(), 4);
 }
 
 TEST(LossScalerTest, StaticScaleNeverChanges) {

@@ -174,6 +174,53 @@ def test_overflow_leaves_the_schedule_where_it_was(tmp_path):
     assert lrs[1] > lrs[0] and lrs[2] == lrs[1] and lrs[3] > lrs[2], lrs
 
 
+def _fp16_engine(case, tmp_path):
+    cfg = harness.config_for(case, tmp_path, fp16=copy.deepcopy(FP16))
+    torch.manual_seed(0)
+    model = harness.MODELS["kwargs"]()
+    engine, opt, _, _ = strata.initialize(model=model, model_parameters=model.parameters(),
+                                          config=cfg)
+    return engine, opt
+
+
+def _fp16_steps(engine, opt, steps, poison=()):
+    out = []
+    for step in steps:
+        x, y = inputs("kwargs", step)
+        loss = harness.loss_of("kwargs", engine, x, y)
+        out.append((loss.item(), opt.cur_scale))
+        engine.backward(loss * math.inf if step in poison else loss)
+        boundary = engine.is_gradient_accumulation_boundary()
+        engine.step()
+        if boundary:
+            out[-1] += (engine.was_step_applied(),)
+    return out
+
+
+@pytest.mark.parametrize("case", [CASES[0], CASES[-1]], ids=[CASES[0][0], CASES[-1][0]])
+def test_a_resumed_fp16_run_scales_as_the_uninterrupted_one(case, tmp_path):
+    """The loss scaler's state (scale, hysteresis, its step count and last overflow) is in the
+    checkpoint: after overflows have moved the scale, a resumed run sees the same scales, skips
+    the same steps and ends with the same master weights as the run that went on."""
+    # Micro-steps, in whole accumulation windows (the last case accumulates 2).
+    first, later = range(6), range(6, 6 + 4 * FP16["loss_scale_window"])
+    engine, opt = _fp16_engine(case, tmp_path / "a")
+    _fp16_steps(engine, opt, first, poison=(1, 2))
+    assert opt.cur_scale != 2.0 ** FP16["initial_scale_power"]  # the overflows moved it
+    engine.save_checkpoint(tmp_path / "ckpt")
+    want = _fp16_steps(engine, opt, later, poison=(8,))
+    want_master = [t.clone() for t in engine.master_parameters()]
+    engine.close()
+    engine, opt = _fp16_engine(case, tmp_path / "b")
+    engine.load_checkpoint(tmp_path / "ckpt")
+    got = _fp16_steps(engine, opt, later, poison=(8,))
+    got_master = [t.clone() for t in engine.master_parameters()]
+    engine.close()
+    assert [w[1] for w in want] != [want[0][1]] * len(want)  # the scale moves after the resume
+    assert got == want
+    assert all(torch.equal(g, w) for g, w in zip(got_master, want_master))
+
+
 def test_cpu_half_mode_keeps_views_and_running_statistics():
     cpu_half.enable()
     x = torch.arange(6, dtype=torch.float16)

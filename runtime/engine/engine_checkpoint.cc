@@ -114,6 +114,7 @@ checkpoint::Manifest Engine::Impl::NewManifest(const nlohmann::json& extra) cons
   for (const ChunkInfo& ci : partitioner_->chunks()) m.shard_numel.push_back(ci.shard_numel);
   m.global_step = step_.global_step;
   m.micro_step = step_.micro_step;
+  m.gradient_accumulation_steps = config_.gradient_accumulation_steps;
   if (step_.scaler) {
     const optim::DynamicLossScaler::State st = step_.scaler->state();
     m.scaler = {{"scale", st.scale},
@@ -246,16 +247,30 @@ StatusOr<nlohmann::json> Engine::Impl::Load(const std::string& path, bool weight
   STRATA_RETURN_IF_ERROR(CheckStatesResident("LoadCheckpoint"));
   STRATA_RETURN_IF_ERROR(FinishUpdates());
   STRATA_ASSIGN_OR_RETURN(std::string dir, checkpoint::ResolveCheckpointDir(path));
-  const std::string stem = checkpoint::RankFileStem(comm_->rank());
-  const std::string mpath = (fs::path(dir) / (stem + ".json")).string();
+  // This rank's manifest; rank 0's where the saving run had fewer ranks (Note [elastic resume]).
+  std::string stem = checkpoint::RankFileStem(comm_->rank());
   std::error_code ec;
-  if (!fs::exists(mpath, ec)) {
-    return NotFound(StrCat(dir, " has no ", stem, ".json: it was saved by fewer ranks than this run's ",
-                           comm_->world_size(), "; resume with the world size it was saved with"));
-  }
+  if (!fs::exists(fs::path(dir) / (stem + ".json"), ec)) stem = checkpoint::RankFileStem(0);
+  const std::string mpath = (fs::path(dir) / (stem + ".json")).string();
+  if (!fs::exists(mpath, ec))
+    return NotFound(StrCat(dir, " holds no ", checkpoint::RankFileStem(comm_->rank()),
+                           ".json and no ", stem,
+                           ".json: it is not a Strata checkpoint, or an incomplete one"));
   STRATA_ASSIGN_OR_RETURN(std::string text, checkpoint::ReadFile(mpath));
   STRATA_ASSIGN_OR_RETURN(checkpoint::Manifest m, checkpoint::ParseManifest(text, mpath));
+  if (m.rank != comm_->rank() && comm_->rank() < m.world_size)
+    return DataLoss(StrCat(dir, " was saved by ", m.world_size, " ranks but holds no ",
+                           checkpoint::RankFileStem(comm_->rank()),
+                           ".json: the checkpoint is incomplete; load an earlier one"));
   STRATA_RETURN_IF_ERROR(CheckManifestFits(m, dir));
+  if (m.world_size != comm_->world_size() || m.stage != config_.zero_optimization.stage ||
+      m.dtype != optim::DTypeName(plan_.compute_dtype()))
+    STRATA_LOG(WARN)
+        << dir << " was saved by " << m.world_size << " rank(s) at stage " << m.stage << " in "
+        << m.dtype << "; loading it into " << comm_->world_size() << " rank(s) at stage "
+        << config_.zero_optimization.stage << " in " << optim::DTypeName(plan_.compute_dtype())
+        << ": every master and moment value as saved, the working copy rounded from the master"
+        << " (Note [elastic resume])";
   // The loss scaler's state, read before any state is overwritten (a bad one loads nothing).
   std::optional<optim::DynamicLossScaler::State> scaler_state;
   if (step_.scaler && !weights_only) {
@@ -268,7 +283,7 @@ StatusOr<nlohmann::json> Engine::Impl::Load(const std::string& path, bool weight
   std::vector<torch::Tensor> buffer_values;
   Status s = ReadSavedBuffers(fd, bin, m, mpath, &buffer_values);
   if (s.ok())
-    s = SameChunks(m) ? ReadSavedBlocks(fd, bin, m, mpath, weights_only)
+    s = SameShards(m) ? ReadSavedBlocks(fd, bin, m, mpath, weights_only)
                       : ReadRelaidBlocks(dir, m, weights_only);
   ::close(fd);
   STRATA_RETURN_IF_ERROR(s);
@@ -290,7 +305,7 @@ StatusOr<nlohmann::json> Engine::Impl::Load(const std::string& path, bool weight
   STRATA_RETURN_IF_ERROR(materializer_->RefreshChunks());
   if (!weights_only) {
     step_.global_step = m.global_step;
-    step_.micro_step = m.micro_step;
+    step_.micro_step = ResumedMicroStep(m, mpath);
     // Validated by SavedScalerState; a resumed fp16 run scales as the uninterrupted one would.
     if (scaler_state) STRATA_RETURN_IF_ERROR(step_.scaler->Restore(*scaler_state).WithContext(mpath));
   }
@@ -316,16 +331,28 @@ StatusOr<std::optional<optim::DynamicLossScaler::State>> Engine::Impl::SavedScal
   optim::DynamicLossScaler::State st = step_.scaler->state();
   st.iteration = m.global_step;
   st.last_overflow_iteration = -1;
+  // Each field must be a number of its kind first: nlohmann's get<int64_t>() of a double that
+  // does not fit (1e300) is undefined behaviour.
+  auto integer = [&](const char* key, int64_t* out) {
+    const nlohmann::json& v = m.scaler.at(key);
+    if (!v.is_number_integer() || (v.is_number_unsigned() && v.get<uint64_t>() > INT64_MAX))
+      return false;
+    *out = v.get<int64_t>();
+    return true;
+  };
+  bool ok = false;
   try {
-    st.scale = m.scaler.at("scale").get<double>();
-    if (m.scaler.contains("iteration")) {
-      st.hysteresis_left = m.scaler.at("hysteresis_left").get<int64_t>();
-      st.iteration = m.scaler.at("iteration").get<int64_t>();
-      st.last_overflow_iteration = m.scaler.at("last_overflow_iteration").get<int64_t>();
-    }
-  } catch (const nlohmann::json::exception& e) {
-    return DataLoss(StrCat(mpath, ": the loss scaler's state is malformed: ", e.what()));
+    ok = m.scaler.at("scale").is_number();
+    if (ok) st.scale = m.scaler.at("scale").get<double>();
+    if (ok && m.scaler.contains("iteration"))
+      ok = integer("hysteresis_left", &st.hysteresis_left) && integer("iteration", &st.iteration) &&
+           integer("last_overflow_iteration", &st.last_overflow_iteration);
+  } catch (const nlohmann::json::exception&) {
+    ok = false;
   }
+  if (!ok)
+    return DataLoss(StrCat(mpath, ": the loss scaler's state is malformed (",
+                           m.scaler.dump().substr(0, 200), "); the checkpoint is damaged"));
   // Checked here, before anything loads; Restore applies it once the states are in.
   STRATA_ASSIGN_OR_RETURN(optim::DynamicLossScaler probe, optim::DynamicLossScaler::Create({}));
   if (Status s = probe.Restore(st); !s.ok())
@@ -333,21 +360,26 @@ StatusOr<std::optional<optim::DynamicLossScaler::State>> Engine::Impl::SavedScal
   return std::optional<optim::DynamicLossScaler::State>(st);
 }
 
+// Note [elastic resume]
+// A checkpoint loads into a run of another world size, ZeRO stage or precision. Every state it
+// keeps (the master, the moments) is a value per parameter element, and the manifests' layout
+// section says where each parameter sat; the loading run walks its own shards and takes each
+// parameter piece from whichever saving rank's file holds it (ReadRelaidBlocks, Note [loading
+// another chunk layout] in saved_state_reader.cc). So a run saved on 2 ranks at stage 3 resumes
+// on 1 rank at stage 2, or on 4, with every master and moment value as saved: the states are
+// bit-exact, what the run does next is not the same run (its batches are split over other
+// ranks). A rank the saving run did not have reads rank 0's manifest for the counters, the
+// buffers and the client state. The working copy is the master rounded to this run's precision
+// (the master is fp32 in every precision but bf16_master_weights_and_grads, which StateLayout
+// converts); fp16's loss scale comes along when both runs are fp16 (Note [a saved loss scale]).
+// The accumulation may differ too: the boundary count carries over (ResumedMicroStep).
+// What cannot follow is a client optimizer's state, which is per rank and opaque to the engine.
 Status Engine::Impl::CheckManifestFits(const checkpoint::Manifest& m, const std::string& dir) const {
   auto mismatch = [&](const std::string& what, const std::string& saved, const std::string& now,
                       const std::string& fix) {
     return InvalidArgument(StrCat(dir, " was saved with ", what, "=", saved, " but this run has ",
                                   what, "=", now, "; ", fix));
   };
-  if (m.world_size != comm_->world_size())
-    return mismatch("world_size", std::to_string(m.world_size), std::to_string(comm_->world_size()),
-                    "resume with the same number of ranks");
-  if (m.stage != config_.zero_optimization.stage)
-    return mismatch("zero_optimization.stage", std::to_string(m.stage),
-                    std::to_string(config_.zero_optimization.stage), "use the config it was saved with");
-  if (m.dtype != optim::DTypeName(plan_.compute_dtype()))
-    return mismatch("precision", m.dtype, optim::DTypeName(plan_.compute_dtype()),
-                    "use the bf16/fp16 settings it was saved with");
   // Another optimizer-state layout is converted while loading (ReadSavedBlocks).
   STRATA_RETURN_IF_ERROR(StateLayout::Parse(m.state_dtype).status().WithContext(dir));
   std::vector<int64_t> ours;
@@ -355,13 +387,52 @@ Status Engine::Impl::CheckManifestFits(const checkpoint::Manifest& m, const std:
   if (m.parameters != num_params())
     return mismatch("a model of parameters", std::to_string(m.parameters), std::to_string(num_params()),
                     "it belongs to another model: use the same model");
-  // Other chunks load parameter by parameter (ReadRelaidBlocks), given the layout section.
-  if (m.shard_numel != ours && m.layout.is_null())
-    return mismatch("chunks of shard sizes", StrCat(m.shard_numel.size(), " chunks"),
-                    StrCat(ours.size(), " chunks"),
-                    "it predates the manifests' layout section, so it loads only into the same "
-                    "chunks: use the strata.chunk_size and optimizer_state_dtype it was saved with");
+  const bool other_ranks =
+      m.world_size != comm_->world_size() || m.stage != config_.zero_optimization.stage;
+  if (m.layout.is_null()) {
+    // Older checkpoints load only into the shards that wrote them.
+    if (other_ranks)
+      return mismatch(
+          "world_size and zero_optimization.stage", StrCat(m.world_size, " and ", m.stage),
+          StrCat(comm_->world_size(), " and ", config_.zero_optimization.stage),
+          "it predates the manifests' layout section, so it loads only into the ranks and "
+          "stage that saved it");
+    // Other chunks load parameter by parameter (ReadRelaidBlocks), given the layout section.
+    if (m.shard_numel != ours)
+      return mismatch(
+          "chunks of shard sizes", StrCat(m.shard_numel.size(), " chunks"),
+          StrCat(ours.size(), " chunks"),
+          "it predates the manifests' layout section, so it loads only into the same "
+          "chunks: use the strata.chunk_size and optimizer_state_dtype it was saved with");
+  }
+  if (other_ranks && m.extra.is_object() && m.extra.contains(kClientFileKey))
+    return mismatch(
+        "world_size and zero_optimization.stage", StrCat(m.world_size, " and ", m.stage),
+        StrCat(comm_->world_size(), " and ", config_.zero_optimization.stage),
+        "its client optimizer's state is saved per rank, so it resumes only on the ranks "
+        "and stage that saved it; load_checkpoint(..., load_optimizer_states=False) takes "
+        "the weights alone");
   return Status::Ok();
+}
+
+bool Engine::Impl::SameShards(const checkpoint::Manifest& m) const {
+  const int saved_shard_world = m.stage == 0 ? 1 : m.world_size;
+  return saved_shard_world == plan_.shard_world() && SameChunks(m);
+}
+
+int64_t Engine::Impl::ResumedMicroStep(const checkpoint::Manifest& m,
+                                       const std::string& mpath) const {
+  const int64_t ga = config_.gradient_accumulation_steps;
+  const int64_t saved_ga = m.gradient_accumulation_steps;
+  if (saved_ga == ga || (saved_ga == 0 && m.micro_step % ga == 0)) return m.micro_step;
+  // Saves fall on boundaries, so the saved micro-steps are whole windows of the saved
+  // accumulation; this run's windows start from the same count of boundaries.
+  const int64_t boundaries = saved_ga > 0 ? m.micro_step / saved_ga : m.micro_step / ga;
+  STRATA_LOG(INFO) << mpath << " was saved after " << m.micro_step << " micro-steps"
+                   << (saved_ga > 0 ? StrCat(" of ", saved_ga, " per step") : std::string())
+                   << "; this run accumulates " << ga << ", so it goes on from micro-step "
+                   << boundaries * ga << " (" << boundaries << " steps, skipped ones included)";
+  return boundaries * ga;
 }
 
 Status Engine::Impl::ReadSavedBuffers(int fd, const std::string& bin, const checkpoint::Manifest& m,
@@ -373,13 +444,21 @@ Status Engine::Impl::ReadSavedBuffers(int fd, const std::string& bin, const chec
     for (const auto& be : m.buffers)
       if (be.name == name) e = &be;
     const std::string type(c10::toString(b.scalar_type()));
-    if (!e || e->bytes != b.nbytes() || e->dtype != type)
+    // A floating buffer takes the working precision (PlaceBuffers), so a run saved in another
+    // precision kept it in another floating type: read as saved, then converted.
+    torch::ScalarType saved = b.scalar_type();
+    if (e && e->dtype != type && b.is_floating_point())
+      for (torch::ScalarType t :
+           {torch::kFloat32, torch::kBFloat16, torch::kFloat16, torch::kFloat64})
+        if (e->dtype == c10::toString(t)) saved = t;
+    const uint64_t saved_bytes = static_cast<uint64_t>(b.numel()) * c10::elementSize(saved);
+    if (!e || e->bytes != saved_bytes || e->dtype != c10::toString(saved))
       return DataLoss(StrCat(mpath, ": buffer '", name, "' (", type, ", ", b.nbytes(),
                              " bytes) is missing or differs; the checkpoint belongs to another model"));
-    torch::Tensor host = torch::empty(b.sizes(), torch::TensorOptions().dtype(b.scalar_type()));
+    torch::Tensor host = torch::empty(b.sizes(), torch::TensorOptions().dtype(saved));
     STRATA_RETURN_IF_ERROR(checkpoint::ReadChecked(fd, bin, e->offset, e->bytes, e->crc32c,
                                                    StrCat("buffer '", name, "'"), host.data_ptr()));
-    out->push_back(host);
+    out->push_back(saved == b.scalar_type() ? host : host.to(b.scalar_type()));
   }
   return Status::Ok();
 }

@@ -159,6 +159,10 @@ class Engine::Impl {
   // Another chunk layout saved them (Note [loading another chunk layout]): each shard filled by
   // parameter from every saving rank's file (SavedStateReader), then encoded in this layout.
   bool SameChunks(const checkpoint::Manifest& m) const;
+  // SameChunks, sharded over as many ranks: this rank's file holds its shards as they are.
+  bool SameShards(const checkpoint::Manifest& m) const;
+  // The micro-step a run resumes at: the saved one, in this run's accumulation windows.
+  int64_t ResumedMicroStep(const checkpoint::Manifest& m, const std::string& mpath) const;
   Status ReadRelaidBlocks(const std::string& dir, const checkpoint::Manifest& m, bool weights_only);
   // A loaded master or moment block of chunk c, in this run's layout, into its home.
   Status WriteLoadedBlock(int64_t c, StateKind kind, const std::vector<char>& bytes);

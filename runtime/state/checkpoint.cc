@@ -51,6 +51,7 @@ std::string SerializeManifest(const Manifest& m) {
                       {"extra", m.extra},
                       {"blocks", blocks}};
   if (!m.layout.is_null()) j["layout"] = m.layout;
+  if (m.gradient_accumulation_steps > 0) j["gradient_accumulation_steps"] = m.gradient_accumulation_steps;
   if (!m.buffers.empty()) {
     nlohmann::json buffers = nlohmann::json::array();
     for (const auto& b : m.buffers)
@@ -102,6 +103,9 @@ StatusOr<Manifest> ParseManifest(std::string_view bytes, const std::string& sour
     for (const auto& v : j.at("shard_numel")) m.shard_numel.push_back(Int(v, "shard_numel", 0, kMax));
     m.global_step = Int(j.at("global_step"), "global_step", 0, kMax);
     m.micro_step = Int(j.at("micro_step"), "micro_step", 0, kMax);
+    if (j.contains("gradient_accumulation_steps"))
+      m.gradient_accumulation_steps =
+          Int(j.at("gradient_accumulation_steps"), "gradient_accumulation_steps", 1, kMax);
     m.scaler = j.at("scaler");
     m.extra = j.at("extra");
     if (j.contains("layout")) m.layout = j.at("layout");

@@ -54,6 +54,9 @@ struct Manifest {
   std::vector<int64_t> shard_numel;  // per chunk: identifies the model's layout
   int64_t global_step = 0;
   int64_t micro_step = 0;
+  // The accumulation the run saved with; 0 in checkpoints written before it was kept. A run
+  // that accumulates otherwise resumes at the same boundary count (Note [elastic resume]).
+  int64_t gradient_accumulation_steps = 0;
   nlohmann::json scaler;  // loss-scaler state (empty without fp16)
   nlohmann::json extra;   // the caller's state (data position, ...)
   // Where each parameter lives, for readers without the engine (strata.zero_to_fp32):

@@ -83,7 +83,9 @@ inline Status FuzzManifest(std::string_view bytes, std::string* bug) {
     if (!again.ok()) {
       *bug = "a parsed manifest serializes to bytes that do not parse: " + again.status().ToString();
     } else if (again->blocks.size() != m->blocks.size() || again->shard_numel != m->shard_numel ||
-               again->global_step != m->global_step) {
+               again->global_step != m->global_step ||
+               again->gradient_accumulation_steps != m->gradient_accumulation_steps ||
+               again->scaler != m->scaler) {
       *bug = "a parsed manifest does not survive a serialize/parse round trip";
     }
     return Status();

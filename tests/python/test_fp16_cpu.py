@@ -221,6 +221,38 @@ def test_a_resumed_fp16_run_scales_as_the_uninterrupted_one(case, tmp_path):
     assert all(torch.equal(g, w) for g, w in zip(got_master, want_master))
 
 
+def test_a_damaged_or_older_loss_scale_in_a_checkpoint(tmp_path):
+    """A malformed scaler state is refused before anything loads; a checkpoint that kept the
+    scale alone (as older ones did) restores that scale."""
+    import json
+    engine, opt = _fp16_engine(CASES[0], tmp_path / "a")
+    _fp16_steps(engine, opt, range(5), poison=(1, 2))
+    saved_scale = opt.cur_scale
+    assert saved_scale != 2.0 ** FP16["initial_scale_power"]
+    engine.save_checkpoint(tmp_path / "ckpt")
+    engine.close()
+    [manifest] = (tmp_path / "ckpt").glob("*/step-*/rank-00000.json")
+    m = json.loads(manifest.read_text())
+    assert set(m["scaler"]) == {"scale", "hysteresis_left", "iteration", "last_overflow_iteration"}
+    for bad in ({"scale": "big"}, {"scale": 8.0, "hysteresis_left": 1, "iteration": 1e300,
+                                   "last_overflow_iteration": -1},
+                {"scale": -8.0}, {"scale": 8.0, "hysteresis_left": 0, "iteration": 5,
+                                  "last_overflow_iteration": 2}):
+        manifest.write_text(json.dumps(dict(m, scaler=bad)))
+        engine, opt = _fp16_engine(CASES[0], tmp_path / "b")
+        before = [t.clone() for t in engine.master_parameters()]
+        with pytest.raises(strata.StrataError, match="loss scaler's state|the checkpoint is damaged"):
+            engine.load_checkpoint(tmp_path / "ckpt")
+        assert all(torch.equal(b, a) for b, a in zip(before, engine.master_parameters()))
+        assert opt.cur_scale == 2.0 ** FP16["initial_scale_power"]
+        engine.close()
+    manifest.write_text(json.dumps(dict(m, scaler={"scale": m["scaler"]["scale"]})))
+    engine, opt = _fp16_engine(CASES[0], tmp_path / "c")
+    engine.load_checkpoint(tmp_path / "ckpt")
+    assert opt.cur_scale == saved_scale
+    engine.close()
+
+
 def test_cpu_half_mode_keeps_views_and_running_statistics():
     cpu_half.enable()
     x = torch.arange(6, dtype=torch.float16)

@@ -70,6 +70,17 @@ StatusOr<StepPlan> StepPlan::Make(const Inputs& in) {
   return p;
 }
 
+Status StepPlan::CheckPrecisionOnDevice(const Config& c, DeviceKind device_kind,
+                                        bool fp16_ops_in_fp32) {
+  if (c.fp16.enabled && device_kind == DeviceKind::kCpu && !fp16_ops_in_fp32)
+    return InvalidArgument(
+        "fp16.enabled=true on the cpu device for a LibTorch model: LibTorch has no fp16 CPU "
+        "kernels for LayerNorm and matmul; use bf16.enabled=true instead (same memory, no loss "
+        "scaling needed), run on a GPU, or train from Python (import deepspeed or strata), whose "
+        "frontend computes fp16 operators in fp32");
+  return Status::Ok();
+}
+
 // Where each block lives (the placement plan), with the combinations the device cannot run
 // refused.
 Status StepPlan::ChoosePlacement(const Inputs& in) {
@@ -94,12 +105,7 @@ Status StepPlan::ChoosePlacement(const Inputs& in) {
     return FailedPrecondition(StrCat("communicator ", in.comm_backend,
                                      " moves host memory but the device is ", in.device_name,
                                      "; use the nccl backend with CUDA"));
-  if (c.fp16.enabled && in.device_kind == DeviceKind::kCpu && !in.fp16_ops_in_fp32)
-    return InvalidArgument(
-        "fp16.enabled=true on the cpu device for a LibTorch model: LibTorch has no fp16 CPU "
-        "kernels for LayerNorm and matmul; use bf16.enabled=true instead (same memory, no loss "
-        "scaling needed), run on a GPU, or train from Python (import deepspeed or strata), whose "
-        "frontend computes fp16 operators in fp32");
+  STRATA_RETURN_IF_ERROR(CheckPrecisionOnDevice(c, in.device_kind, in.fp16_ops_in_fp32));
   PlacementPlan::Inputs pin;
   for (const ChunkInfo& ci : in.partitioner->chunks()) pin.shard_numel.push_back(ci.shard_numel);
   pin.block_bytes = [this](StateKind k, int64_t n) { return BlockBytes(k, n); };

@@ -61,6 +61,11 @@ class StepPlan {
   };
   // Refuses (INVALID_ARGUMENT, FAILED_PRECONDITION) what cannot run, naming the settings.
   static StatusOr<StepPlan> Make(const Inputs& in);
+  // The part of Make's refusals that needs only the config and the device: fp16 on the cpu
+  // device without a frontend that computes fp16 operators in fp32. A tool checks it before it
+  // builds (or stages) a model that the engine would then refuse.
+  static Status CheckPrecisionOnDevice(const Config& config, DeviceKind device_kind,
+                                       bool fp16_ops_in_fp32);
   // The chunk layout of a run of `config` whose states are sharded over `shard_world` ranks and
   // whose working copy takes `element_size` bytes an element: the engine and the estimator
   // partition with it, so their chunks are the same. Under 8-bit moments every parameter starts

@@ -497,5 +497,45 @@ TEST(CliFlagsTest, AMicroBatchBeyondMemoryIsRefusedBeforeTheModelIsBuilt) {
   EXPECT_EQ(r.out.find("building the model"), std::string::npos) << r.out;
 }
 
+// What the engine would refuse only once the model is built and the engine started is refused
+// first: a --resume of another model size, of another data seed or of no checkpoint, and fp16
+// on the cpu device. The same checkpoint resumes under its own config.
+TEST(CliFlagsTest, ABadResumeOrFp16OnTheCpuIsRefusedBeforeTheModelIsBuilt) {
+  testing::TempDir dir;
+  const std::string model = R"("model": {"n_layers": 2, "d_model": 64, "n_heads": 4, "seq_len": 32,
+                                         "vocab_size": 256, "seed": 7})";
+  Write(dir.path() + "/c.json",
+        R"({"zero_optimization": {"stage": 2}, "strata": {"device": "cpu"}, )" + model + "}");
+  const std::string train = std::string(STRATA_TRAIN_BIN) + " --eval-batches 0 --plot '' ";
+  Result r =
+      Exec(train + "--config " + dir.path() + "/c.json --steps 1 --save " + dir.path() + "/ck");
+  ASSERT_EQ(r.rc, 0) << r.out;
+  r = Exec(train + "--config " + dir.path() + "/c.json --steps 2 --resume " + dir.path() + "/ck");
+  ASSERT_EQ(r.rc, 0) << r.out;
+  EXPECT_NE(r.out.find("resumed from"), std::string::npos) << r.out;
+
+  std::string wider = model;
+  wider.replace(wider.find("\"d_model\": 64"), 13, "\"d_model\": 96");
+  std::string reseeded = model;
+  reseeded.replace(reseeded.find("\"seed\": 7"), 9, "\"seed\": 8");
+  Write(dir.path() + "/wider.json", R"({"strata": {"device": "cpu"}, )" + wider + "}");
+  Write(dir.path() + "/reseeded.json", R"({"strata": {"device": "cpu"}, )" + reseeded + "}");
+  Write(dir.path() + "/fp16.json",
+        R"({"fp16": {"enabled": true}, "strata": {"device": "cpu"}, )" + model + "}");
+  const std::pair<std::string, std::string> cases[] = {
+      {"wider.json --resume " + dir.path() + "/ck",
+       "this config's model (its \"model\" section) has"},
+      {"reseeded.json --resume " + dir.path() + "/ck", "was trained with model.seed=7"},
+      {"c.json --resume " + dir.path() + "/none", "does not exist"},
+      {"fp16.json", "fp16.enabled=true on the cpu device"},
+  };
+  for (const auto& [args, want] : cases) {
+    r = Exec(train + "--steps 2 --config " + dir.path() + "/" + args);
+    EXPECT_EQ(r.rc, 2) << args << "\n" << r.out;
+    EXPECT_NE(r.out.find(want), std::string::npos) << args << "\n" << r.out;
+    EXPECT_EQ(r.out.find("GPT 2 layers"), std::string::npos) << args << ": refused after the model";
+  }
+}
+
 }  // namespace
 }  // namespace strata

@@ -1,30 +1,29 @@
 // strata-train: trains a decoder-only GPT on real text across device memory, host DRAM and NVMe.
 #include <signal.h>
 #include <sys/resource.h>
+#include <torch/torch.h>
 #include <unistd.h>
 
+#include <CLI/CLI.hpp>
 #include <algorithm>
 #include <atomic>
 #include <cerrno>
-#include <cstdlib>
 #include <chrono>
-#include <condition_variable>
 #include <cmath>
+#include <condition_variable>
 #include <cstdio>
+#include <cstdlib>
 #include <filesystem>
 #include <iostream>
 #include <memory>
 #include <mutex>
+#include <nlohmann/json.hpp>
 #include <string>
 #include <thread>
 
-#include <CLI/CLI.hpp>
-#include <nlohmann/json.hpp>
-#include <torch/torch.h>
-
 #include "runtime/base/config.h"
-#include "runtime/base/env_vars.h"
 #include "runtime/base/device.h"
+#include "runtime/base/env_vars.h"
 #include "runtime/base/host_info.h"
 #include "runtime/base/logging.h"
 #include "runtime/base/units.h"
@@ -33,6 +32,7 @@
 #include "runtime/engine/engine.h"
 #include "runtime/engine/zero_init.h"
 #include "runtime/state/checkpoint.h"
+#include "runtime/state/step_plan.h"
 #include "tiers/hbm/device_factory.h"
 #include "tools/planner/memory_model.h"
 #include "tools/planner/model_spec.h"
@@ -192,6 +192,45 @@ class Trainer {
   }
   bool leader() const { return comm_->rank() == 0; }
 
+  // A --resume that cannot load is refused before the model is built and the engine started
+  // (minutes for a large model): the checkpoint's manifest must parse, hold a model of this
+  // config's size (its layout section) and come from the same data seed. The engine's load
+  // checks the rest.
+  Status CheckResumable() const {
+    if (f_.resume.empty()) return Status::Ok();
+    namespace fs = std::filesystem;
+    STRATA_ASSIGN_OR_RETURN(std::string dir, checkpoint::ResolveCheckpointDir(f_.resume));
+    std::string path =
+        (fs::path(dir) / (checkpoint::RankFileStem(comm_->rank()) + ".json")).string();
+    std::error_code ec;
+    if (!fs::exists(path, ec))
+      path = (fs::path(dir) / (checkpoint::RankFileStem(0) + ".json")).string();
+    STRATA_ASSIGN_OR_RETURN(std::string text, checkpoint::ReadFile(path));
+    STRATA_ASSIGN_OR_RETURN(checkpoint::Manifest m, checkpoint::ParseManifest(text, path));
+    if (m.extra.is_object() && m.extra.contains("seed") && m.extra["seed"] != c_.model.seed)
+      return InvalidArgument(
+          StrCat("--resume ", f_.resume, " was trained with model.seed=", m.extra["seed"].dump(),
+                 "; this config has ", c_.model.seed, ": the data order would differ"));
+    if (m.layout.is_object() && m.layout.contains("params") && m.layout["params"].is_array()) {
+      // In double: the shapes are the file's, and a product of them may not fit an int64.
+      double saved = 0;
+      for (const auto& p : m.layout["params"]) {
+        double n = 1;
+        if (p.is_object() && p.contains("shape") && p["shape"].is_array())
+          for (const auto& d : p["shape"]) n *= d.is_number() ? d.get<double>() : 0.0;
+        saved += n;
+      }
+      const int64_t ours = models::GptParameterCount(c_.model);
+      if (saved != static_cast<double>(ours))
+        return InvalidArgument(StrCat(
+            "--resume ", f_.resume, " holds a model of ", FormatParams(saved),
+            " parameters but this config's model "
+            "(its \"model\" section) has ",
+            FormatParams(static_cast<double>(ours)), ": resume with the config it was saved with"));
+    }
+    return Status::Ok();
+  }
+
   Status Setup() {
     if (c_.model.vocab_size < 256)
       return InvalidArgument(StrCat("model.vocab_size=", c_.model.vocab_size,
@@ -210,6 +249,10 @@ class Trainer {
     if (leader() && !f_.json)
       for (const std::string& line : c_.auto_resolved) std::fprintf(stderr, "config: %s\n", line.c_str());
     STRATA_ASSIGN_OR_RETURN(device_, CreateDevice(c_.strata.device, c_.strata.device_memory_budget));
+    // What the engine would refuse only after the model is built (and, under NVMe, staged).
+    STRATA_RETURN_IF_ERROR(
+        StepPlan::CheckPrecisionOnDevice(c_, device_->kind(), /*fp16_ops_in_fp32=*/false));
+    STRATA_RETURN_IF_ERROR(CheckResumable());
     STRATA_ASSIGN_OR_RETURN(data_, LoadText(f_.data, c_.model.seq_len));
     EngineOptions eo;
     if (!f_.nvme_path.empty()) eo.nvme_path = {f_.nvme_path};
@@ -270,11 +313,8 @@ class Trainer {
       STRATA_ASSIGN_OR_RETURN(engine_, Engine::Create(model, c_, comm_.get(), device_.get(), eo));
     }
     if (!f_.resume.empty()) {
-      STRATA_ASSIGN_OR_RETURN(nlohmann::json extra, engine_->LoadCheckpoint(f_.resume));
-      if (extra.contains("seed") && extra["seed"] != c_.model.seed)
-        return InvalidArgument(StrCat("--resume ", f_.resume, " was trained with model.seed=",
-                                      extra["seed"].dump(), "; this config has ", c_.model.seed,
-                                      ": the data order would differ"));
+      STRATA_RETURN_IF_ERROR(
+          engine_->LoadCheckpoint(f_.resume).status());  // CheckResumable read it
       if (leader() && !f_.json)
         std::fprintf(stderr, "strata-train: resumed from %s at step %lld\n", f_.resume.c_str(),
                      (long long)engine_->global_step());

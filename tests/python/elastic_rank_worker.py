@@ -37,7 +37,8 @@ def main():
         engine.save_checkpoint(spec["checkpoint"])
     else:
         engine.load_checkpoint(spec["checkpoint"])
-    result = {"global_steps": engine.global_steps, "master": {}, "exp_avg": {}, "exp_avg_sq": {}}
+    result = {"global_steps": engine.global_steps, "master": {}, "exp_avg": {}, "exp_avg_sq": {},
+              "loss_scale": engine.optimizer.cur_scale if engine.fp16_enabled() else None}
     for name, p in model.named_parameters():
         result["master"][name] = param_state.safe_get_full_fp32_param(p).cpu().flatten().tolist()
         for key in ("exp_avg", "exp_avg_sq"):

@@ -650,11 +650,19 @@ void AcceptDeepSpeedSections(Section& s) {
                         "eigenvalue", "progressive_layer_drop", "pld", "graph_harvesting",
                         "use_data_before_expert_parallelism", "use_node_local_storage", "fp8",
                         "torch_autocast", "timers", "hybrid_engine", "pipeline", "nebula",
-                        "checkpoint", "dataloader_drop_last", "data_efficiency",
+                        "dataloader_drop_last", "data_efficiency",
                         "curriculum_learning", "tensor_parallel", "compile", "weight_quantization",
                         "steps_per_print_ranks", "disable_allgather", "cuda_visible_devices",
                         "_comment", "comment", "train_batch_size_per_gpu_eval"})
     s.Ignored(k, "has no effect in Strata");
+  // DeepSpeed's checkpoint section picks the universal format (load_universal, after a
+  // ds_to_universal conversion), node-local storage and parallel writes. Every Strata checkpoint
+  // loads on any world size, stage and precision as saved (Note [elastic resume]); the Python
+  // frontend reads tag_validation itself.
+  s.Ignored("checkpoint",
+            "only its tag_validation acts (in the Python frontend): a Strata checkpoint loads on "
+            "another world size, ZeRO stage or precision as saved, with no ds_to_universal "
+            "conversion and no load_universal");
   for (const char* k : {"prescale_gradients", "communication_data_type"}) {
     if (const json* v = s.Get(k); v && !(v->is_boolean() && !v->get<bool>()) && !v->is_null())
       s.Warn(StrCat(k, "=", Describe(*v), " has no effect: gradients are reduced in fp32 and "

@@ -8,11 +8,7 @@ import json
 import os
 import sys
 
-import torch
-
 import harness
-import strata
-from strata import param_state
 
 
 def main():
@@ -20,23 +16,9 @@ def main():
     rank = int(os.environ["RANK"])
     with open(cfg_path, encoding="utf-8") as f:
         spec = json.load(f)
-    cfg = spec["config"]
-    for section in ("offload_optimizer", "offload_param"):
-        sub = cfg["zero_optimization"].get(section, {})
-        if "nvme_path" in sub:  # each rank its own swap folder
-            sub["nvme_path"] = os.path.join(sub["nvme_path"], f"rank{rank}")
-            os.makedirs(sub["nvme_path"], exist_ok=True)
-    torch.manual_seed(0)
-    model = harness.MODELS["gpt2"]()
-    engine, _, _, _ = strata.initialize(model=model, model_parameters=model.parameters(),
-                                        config=cfg)
+    model, engine = harness.gpt2_on_this_rank(spec["config"], f"rank{rank}")
     losses = harness.run_steps(engine, "gpt2", 0, spec["steps"])  # rank 0's batches on each rank
-    result = {"loss": losses, "master": {}, "exp_avg": {}, "exp_avg_sq": {}}
-    for name, p in model.named_parameters():
-        result["master"][name] = param_state.safe_get_full_fp32_param(p).cpu().flatten().tolist()
-        for key in ("exp_avg", "exp_avg_sq"):
-            result[key][name] = \
-                param_state.safe_get_full_optimizer_state(p, key).cpu().flatten().tolist()
+    result = dict(harness.full_states(model), loss=losses)
     engine.close()
     with open(f"{out}.rank{rank}.json", "w", encoding="utf-8") as f:
         json.dump(result, f)

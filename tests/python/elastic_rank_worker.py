@@ -8,11 +8,7 @@ import json
 import os
 import sys
 
-import torch
-
 import harness
-import strata
-from strata import param_state
 
 
 def main():
@@ -21,15 +17,7 @@ def main():
     with open(spec_path, encoding="utf-8") as f:
         spec = json.load(f)
     cfg = spec["config"]
-    for section in ("offload_optimizer", "offload_param"):
-        sub = cfg["zero_optimization"].get(section, {})
-        if "nvme_path" in sub:  # each rank its own swap folder
-            sub["nvme_path"] = os.path.join(sub["nvme_path"], f"{spec['mode']}-rank{rank}")
-            os.makedirs(sub["nvme_path"], exist_ok=True)
-    torch.manual_seed(0)
-    model = harness.MODELS["gpt2"]()
-    engine, _, _, _ = strata.initialize(model=model, model_parameters=model.parameters(),
-                                        config=cfg)
+    model, engine = harness.gpt2_on_this_rank(cfg, f"{spec['mode']}-rank{rank}")
     accum, micro = cfg["gradient_accumulation_steps"], cfg["train_micro_batch_size_per_gpu"]
     first = spec["steps"]
     if spec["mode"] == "save":
@@ -37,13 +25,8 @@ def main():
         engine.save_checkpoint(spec["checkpoint"])
     else:
         engine.load_checkpoint(spec["checkpoint"])
-    result = {"global_steps": engine.global_steps, "master": {}, "exp_avg": {}, "exp_avg_sq": {},
-              "loss_scale": engine.optimizer.cur_scale if engine.fp16_enabled() else None}
-    for name, p in model.named_parameters():
-        result["master"][name] = param_state.safe_get_full_fp32_param(p).cpu().flatten().tolist()
-        for key in ("exp_avg", "exp_avg_sq"):
-            result[key][name] = \
-                param_state.safe_get_full_optimizer_state(p, key).cpu().flatten().tolist()
+    result = dict(harness.full_states(model), global_steps=engine.global_steps,
+                  loss_scale=engine.optimizer.cur_scale if engine.fp16_enabled() else None)
     result["loss"] = harness.run_steps(engine, "gpt2", first, spec["more"], accum, rank, world,
                                        micro)
     engine.close()

@@ -317,6 +317,35 @@ def train_strata(model_name, cfg, steps, rank=0, world=1, engine_out=None):
     return losses
 
 
+def gpt2_on_this_rank(cfg, swap_folder):
+    """A rank worker's gpt2 (seed 0) under strata.initialize(config=cfg), with each nvme_path
+    moved into a folder of this rank's own, <nvme_path>/<swap_folder>; returns (model, engine)."""
+    import strata
+    for section in ("offload_optimizer", "offload_param"):
+        sub = cfg["zero_optimization"].get(section, {})
+        if "nvme_path" in sub:
+            sub["nvme_path"] = os.path.join(sub["nvme_path"], swap_folder)
+            os.makedirs(sub["nvme_path"], exist_ok=True)
+    torch.manual_seed(0)
+    model = MODELS["gpt2"]()
+    engine, _, _, _ = strata.initialize(model=model, model_parameters=model.parameters(),
+                                        config=cfg)
+    return model, engine
+
+
+def full_states(model):
+    """Each parameter's whole fp32 master and moments, by name, as lists: DeepSpeed's collective
+    accessors (every rank calls it)."""
+    from strata import param_state
+    out = {"master": {}, "exp_avg": {}, "exp_avg_sq": {}}
+    for name, p in model.named_parameters():
+        out["master"][name] = param_state.safe_get_full_fp32_param(p).cpu().flatten().tolist()
+        for key in ("exp_avg", "exp_avg_sq"):
+            out[key][name] = \
+                param_state.safe_get_full_optimizer_state(p, key).cpu().flatten().tolist()
+    return out
+
+
 def without_key_bias(name, t):
     """`t`, the value of parameter `name` of the gpt2 model (flat or shaped), less the key third
     of an attention block's qkv bias. That bias adds the same q·b to every score of a query,

@@ -71,6 +71,18 @@ struct ZeroConfig {
   int64_t stage3_max_reuse_distance = 1000000000;       // elements
   OffloadParamConfig offload_param;
   OffloadOptimizerConfig offload_optimizer;
+
+  // The directories the NVMe tier stripes over: the optimizer section's when it offloads to
+  // nvme with a path, else the parameter section's likewise; none otherwise. The engine (unless
+  // EngineOptions::nvme_path overrides them) and the estimator both take these.
+  const std::vector<std::string>& NvmeTierPaths() const {
+    static const std::vector<std::string> kNone;
+    if (offload_optimizer.device == OffloadDevice::kNvme && !offload_optimizer.nvme_path.empty())
+      return offload_optimizer.nvme_path;
+    if (offload_param.device == OffloadDevice::kNvme && !offload_param.nvme_path.empty())
+      return offload_param.nvme_path;
+    return kNone;
+  }
 };
 
 // Drives the NVMe engine (tiers/nvme). Effects are documented in tiers/nvme/uring_engine.h.

@@ -129,6 +129,21 @@ std::vector<FileSystemPaths> GroupByFileSystem(const std::vector<std::string>& p
   return groups;
 }
 
+StripedDisk StripedFreeDisk(const std::vector<std::string>& paths,
+                            const std::function<uint64_t(const std::string&)>& given_back) {
+  StripedDisk tightest;
+  const uint64_t n = paths.size();
+  bool first = true;
+  for (const FileSystemPaths& fs : GroupByFileSystem(paths)) {
+    const uint64_t k = fs.paths.size();
+    const StripedDisk here{n * FreeDiskBytes(fs.paths.front()) / k,
+                           given_back ? n * given_back(fs.paths.front()) / k : 0};
+    if (first || here.free + here.given_back < tightest.free + tightest.given_back) tightest = here;
+    first = false;
+  }
+  return tightest;
+}
+
 uint64_t FreeDiskBytes(const std::string& path) {
   std::string at = path.empty() ? "." : path;
   struct statvfs st;

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -53,6 +54,19 @@ struct FileSystemPaths {
   std::vector<std::string> paths;
 };
 std::vector<FileSystemPaths> GroupByFileSystem(const std::vector<std::string>& paths);
+
+// The free disk a state striped over `paths` can fill, so that the engine's placement auto and
+// the estimator's plan budget the same. Each of the n paths holds 1/n of the state, so a file
+// system with k of them takes k/n of it: the state fits while it is at most n x (free + given
+// back) / k on every file system, and the tightest one bounds it. `given_back(path)`: bytes on
+// the file system of `path` that come back during the engine's start (a staging file); none
+// when empty. No paths: zero.
+struct StripedDisk {
+  uint64_t free = 0;
+  uint64_t given_back = 0;
+};
+StripedDisk StripedFreeDisk(const std::vector<std::string>& paths,
+                            const std::function<uint64_t(const std::string&)>& given_back = {});
 
 // ReadHostInfo().native_bf16: whether bf16 matmuls run at full speed on this CPU.
 bool CpuHasNativeBf16();

@@ -112,24 +112,14 @@ Status Engine::Impl::MakePlan(const EngineOptions& options, optim::DType compute
     in.device_capacity = device_->capacity() - std::min(device_->capacity(), device_->allocated());
     in.host_available = ReadHostMemory().available_bytes;
     if (in.nvme_path_given) {
-      // Each of n paths holds 1/n of the striped state, so a file system with k of them takes
-      // k/n of it: the state fits when it is at most n x (free + given back) / k on every one.
-      // A staging file there comes back during the start (Note [start's disk]), whose check
-      // then holds the plan to the disk's real peak.
+      // A staging file on a path's file system comes back during the start (Note [start's
+      // disk]), whose check then holds the plan to the disk's real peak.
       const std::vector<std::string> paths = NvmePaths(options);
-      const uint64_t n = paths.size();
-      bool first = true;
-      for (const FileSystemPaths& fs : GroupByFileSystem(paths)) {
-        const uint64_t k = fs.paths.size();
-        const uint64_t free = n * FreeDiskBytes(fs.paths.front()) / k;
-        const uint64_t given_back = n * TotalOf(StagedSpaceOn(fs.paths.front())) / k;
-        if (first || free + given_back < in.disk_free + in.disk_given_back) {
-          in.disk_free = free;
-          in.disk_given_back = given_back;
-          first = false;
-        }
-      }
-      in.nvme_paths = static_cast<int>(n);
+      const StripedDisk disk = StripedFreeDisk(
+          paths, [this](const std::string& p) { return TotalOf(StagedSpaceOn(p)); });
+      in.disk_free = disk.free;
+      in.disk_given_back = disk.given_back;
+      in.nvme_paths = static_cast<int>(paths.size());
     }
   }
   STRATA_ASSIGN_OR_RETURN(plan_, StepPlan::Make(in));
@@ -208,13 +198,8 @@ Status Engine::Impl::GroupParameters(const EngineOptions& options) {
 
 // Where NVMe-homed blocks go: the caller's paths, else the section that offloads to NVMe.
 std::vector<std::string> Engine::Impl::NvmePaths(const EngineOptions& options) const {
-  const auto& z = config_.zero_optimization;
   if (!options.nvme_path.empty()) return options.nvme_path;
-  if (z.offload_optimizer.device == OffloadDevice::kNvme && !z.offload_optimizer.nvme_path.empty())
-    return z.offload_optimizer.nvme_path;
-  if (z.offload_param.device == OffloadDevice::kNvme && !z.offload_param.nvme_path.empty())
-    return z.offload_param.nvme_path;
-  return {};
+  return config_.zero_optimization.NvmeTierPaths();
 }
 
 // The NVMe tier, when anything is placed there, sized to this rank's NVMe-placed shards.

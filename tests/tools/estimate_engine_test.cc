@@ -5,9 +5,11 @@
 // .grad tensors are LibTorch allocations the engine does not count, so they are not compared
 // here (the estimate lists them apart).
 #include <fcntl.h>
+#include <gtest/gtest.h>
 #include <malloc.h>
 #include <sys/stat.h>
 #include <sys/statvfs.h>
+#include <torch/torch.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -16,11 +18,9 @@
 #include <optional>
 #include <set>
 
-#include <gtest/gtest.h>
-#include <torch/torch.h>
-
 #include "runtime/base/config.h"
 #include "runtime/base/device.h"
+#include "runtime/base/host_info.h"
 #include "runtime/comm/communicator.h"
 #include "runtime/engine/engine.h"
 #include "runtime/engine/engine_test_hooks.h"
@@ -532,6 +532,13 @@ TEST(EstimateVsEngineTest, AutoPlacementOverTwoDisksHasBothDisksFreeSpace) {
     c.strata.placement = PlacementMode::kAuto;
     c.strata.device_memory_budget = 24 << 20;
     c.strata.host_memory_budget = 24 << 20;
+    // The estimator's plan, with the disk strata-estimate measures for it (StripedFreeDisk).
+    ASSERT_OK_AND_ASSIGN(ModelSpec spec, GptModelSpec(c.model));
+    EstimateOptions eo;
+    eo.host_available = ReadHostMemory().available_bytes;
+    eo.disk_free = StripedFreeDisk(c.zero_optimization.NvmeTierPaths()).free;
+    EXPECT_GT(eo.disk_free, two ? 2000ull << 20 : 1000ull << 20);
+    auto est = EstimateMemory(c, spec, eo);
     auto model = models::BuildGpt(c.model);
     auto dev = CreateDevice("cpu", 1ull << 30);
     ASSERT_TRUE(dev.ok());
@@ -540,11 +547,17 @@ TEST(EstimateVsEngineTest, AutoPlacementOverTwoDisksHasBothDisksFreeSpace) {
     if (!two) {
       ASSERT_FALSE(engine.ok());
       EXPECT_NE(engine.status().message().find("free disk at the nvme_path"), std::string::npos) << engine.status();
+      ASSERT_FALSE(est.ok());  // the estimator refuses it alike
+      EXPECT_NE(est.status().message().find("free disk at the nvme_path"), std::string::npos)
+          << est.status();
       continue;
     }
     ASSERT_TRUE(engine.ok()) << engine.status();
     const uint64_t nvme = (*engine)->Describe()["tier_manager"]["nvme"]["reserved_bytes"].get<uint64_t>();
     EXPECT_GT(nvme, 8u << 20);  // more than the first disk alone could hold beside its 1 GiB
+    // One plan: the estimator's over both disks is the engine's, block for block.
+    ASSERT_TRUE(est.ok()) << est.status();
+    EXPECT_EQ(est->placement, (*engine)->Describe()["placement"]);
   }
 }
 

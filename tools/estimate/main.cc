@@ -37,9 +37,9 @@ StatusOr<OffloadDevice> ParseOffload(const std::string& flag, const std::string&
 void MeasureForAuto(const Config& config, EstimateOptions* eo) {
   if (config.strata.placement != PlacementMode::kAuto) return;
   eo->host_available = ReadHostMemory().available_bytes;
-  const auto& z = config.zero_optimization;
-  const auto& paths = z.offload_optimizer.nvme_path.empty() ? z.offload_param.nvme_path : z.offload_optimizer.nvme_path;
-  if (!paths.empty()) eo->disk_free = FreeDiskBytes(paths.front());
+  // Over several nvme paths, what the striped tier can fill on their file systems, as the
+  // engine budgets it.
+  eo->disk_free = StripedFreeDisk(config.zero_optimization.NvmeTierPaths()).free;
 }
 
 StatusOr<uint64_t> BytesFlag(const std::string& flag, const std::string& v) {
@@ -207,8 +207,12 @@ int main(int argc, char** argv) {
                                "with --largest, or under strata.placement auto");
   app.add_option("--host", host, "host memory available on the machine to plan for (default: this machine's MemAvailable); "
                                  "with --largest, or under strata.placement auto");
-  app.add_option("--disk", disk, "free disk for NVMe offload on the machine to plan for (default: free at --nvme-path); "
-                                 "with --largest, or under strata.placement auto");
+  app.add_option(
+      "--disk", disk,
+      "free disk for NVMe offload on the machine to plan for (default: free at --nvme-path, or "
+      "under strata.placement auto at the config's nvme paths: over several, what the striped "
+      "state can fill, n x the tightest file system's free / its paths there); with --largest, "
+      "or under strata.placement auto, where over several paths it is that striped figure");
   app.add_option("--nvme-path", nvme_path, "with --largest: where NVMe state would go (default: the config's, else /var/tmp/strata-nvme)");
   app.add_option("--profile", profile_path, "with --largest: a `strata-swapbench profile --json` report, to predict the bounding lane "
                                             "(and, on cuda without --hbm, the GPU's memory it measured)");

@@ -146,7 +146,10 @@ StatusOr<MemoryEstimate> EstimateMemory(const Config& config, const ModelSpec& m
                                                              : (cpu_device ? 4ull << 30 : 0);
   pin.host_available = options.host_available;
   pin.host_capacity = options.host_capacity;
+  // disk_free is what the striped tier can fill over all its paths (StripedFreeDisk), as the
+  // engine budgets it; the count only words the refusals alike.
   pin.disk_free = options.disk_free;
+  pin.nvme_paths = static_cast<int>(std::max<size_t>(z.NvmeTierPaths().size(), 1));
   STRATA_ASSIGN_OR_RETURN(const StepPlan plan, StepPlan::Make(pin));
   est.placement = plan.placement().ToJson();
   est.state_layout = plan.StateLayoutName();
@@ -492,9 +495,7 @@ StatusOr<MemoryEstimate> EstimateMemory(const Config& config, const ModelSpec& m
       }
       est.staged_bytes += staged_here;
     }
-    const auto& opt_paths = z.offload_optimizer.nvme_path;
-    const std::vector<std::string>& tier_paths =
-        z.offload_optimizer.device == OffloadDevice::kNvme && !opt_paths.empty() ? opt_paths : z.offload_param.nvme_path;
+    const std::vector<std::string>& tier_paths = z.NvmeTierPaths();
     const size_t nvme_paths = std::max<size_t>(tier_paths.size(), 1);
     // Over several paths the staging file lies on the first one's file system (the staging
     // directory is the first nvme path), and so do the swap files of the other paths there, where

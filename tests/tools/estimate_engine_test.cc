@@ -5,11 +5,9 @@
 // .grad tensors are LibTorch allocations the engine does not count, so they are not compared
 // here (the estimate lists them apart).
 #include <fcntl.h>
-#include <gtest/gtest.h>
 #include <malloc.h>
 #include <sys/stat.h>
 #include <sys/statvfs.h>
-#include <torch/torch.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -17,6 +15,9 @@
 #include <cstring>
 #include <optional>
 #include <set>
+
+#include <gtest/gtest.h>
+#include <torch/torch.h>
 
 #include "runtime/base/config.h"
 #include "runtime/base/device.h"

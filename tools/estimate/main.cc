@@ -209,10 +209,10 @@ int main(int argc, char** argv) {
                                  "with --largest, or under strata.placement auto");
   app.add_option(
       "--disk", disk,
-      "free disk for NVMe offload on the machine to plan for (default: free at --nvme-path, or "
-      "under strata.placement auto at the config's nvme paths: over several, what the striped "
-      "state can fill, n x the tightest file system's free / its paths there); with --largest, "
-      "or under strata.placement auto, where over several paths it is that striped figure");
+      "free disk for NVMe offload on the machine to plan for; over several nvme paths, what the "
+      "striped state can fill, n x the tightest file system's free / its paths there (default: "
+      "measured at --nvme-path, or at the config's nvme paths); with --largest, or under "
+      "strata.placement auto");
   app.add_option("--nvme-path", nvme_path, "with --largest: where NVMe state would go (default: the config's, else /var/tmp/strata-nvme)");
   app.add_option("--profile", profile_path, "with --largest: a `strata-swapbench profile --json` report, to predict the bounding lane "
                                             "(and, on cuda without --hbm, the GPU's memory it measured)");

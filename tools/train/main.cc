@@ -1,25 +1,26 @@
 // strata-train: trains a decoder-only GPT on real text across device memory, host DRAM and NVMe.
 #include <signal.h>
 #include <sys/resource.h>
-#include <torch/torch.h>
 #include <unistd.h>
 
-#include <CLI/CLI.hpp>
 #include <algorithm>
 #include <atomic>
 #include <cerrno>
-#include <chrono>
-#include <cmath>
-#include <condition_variable>
-#include <cstdio>
 #include <cstdlib>
+#include <chrono>
+#include <condition_variable>
+#include <cmath>
+#include <cstdio>
 #include <filesystem>
 #include <iostream>
 #include <memory>
 #include <mutex>
-#include <nlohmann/json.hpp>
 #include <string>
 #include <thread>
+
+#include <CLI/CLI.hpp>
+#include <nlohmann/json.hpp>
+#include <torch/torch.h>
 
 #include "runtime/base/config.h"
 #include "runtime/base/device.h"

@@ -248,14 +248,8 @@ StatusOr<nlohmann::json> Engine::Impl::Load(const std::string& path, bool weight
   STRATA_RETURN_IF_ERROR(FinishUpdates());
   STRATA_ASSIGN_OR_RETURN(std::string dir, checkpoint::ResolveCheckpointDir(path));
   // This rank's manifest; rank 0's where the saving run had fewer ranks (Note [elastic resume]).
-  std::string stem = checkpoint::RankFileStem(comm_->rank());
-  std::error_code ec;
-  if (!fs::exists(fs::path(dir) / (stem + ".json"), ec)) stem = checkpoint::RankFileStem(0);
+  STRATA_ASSIGN_OR_RETURN(const std::string stem, checkpoint::LoadingStem(dir, comm_->rank()));
   const std::string mpath = (fs::path(dir) / (stem + ".json")).string();
-  if (!fs::exists(mpath, ec))
-    return NotFound(StrCat(dir, " holds no ", checkpoint::RankFileStem(comm_->rank()),
-                           ".json and no ", stem,
-                           ".json: it is not a Strata checkpoint, or an incomplete one"));
   STRATA_ASSIGN_OR_RETURN(std::string text, checkpoint::ReadFile(mpath));
   STRATA_ASSIGN_OR_RETURN(checkpoint::Manifest m, checkpoint::ParseManifest(text, mpath));
   if (m.rank != comm_->rank() && comm_->rank() < m.world_size)
@@ -353,8 +347,8 @@ StatusOr<std::optional<optim::DynamicLossScaler::State>> Engine::Impl::SavedScal
   if (!ok)
     return DataLoss(StrCat(mpath, ": the loss scaler's state is malformed (",
                            m.scaler.dump().substr(0, 200), "); the checkpoint is damaged"));
-  // Checked here, before anything loads; Restore applies it once the states are in.
-  STRATA_ASSIGN_OR_RETURN(optim::DynamicLossScaler probe, optim::DynamicLossScaler::Create({}));
+  // Checked here on a copy, before anything loads; Restore applies it once the states are in.
+  optim::DynamicLossScaler probe = *step_.scaler;
   if (Status s = probe.Restore(st); !s.ok())
     return DataLoss(StrCat(mpath, ": ", s.message(), "; the checkpoint is damaged"));
   return std::optional<optim::DynamicLossScaler::State>(st);

@@ -31,6 +31,15 @@ std::string RankFileStem(int rank) {
   return buf;
 }
 
+StatusOr<std::string> LoadingStem(const std::string& dir, int rank) {
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  for (const std::string& stem : {RankFileStem(rank), RankFileStem(0)})
+    if (fs::exists(fs::path(dir) / (stem + ".json"), ec)) return stem;
+  return NotFound(StrCat(dir, " holds no ", RankFileStem(rank), ".json and no ", RankFileStem(0),
+                         ".json: it is not a Strata checkpoint, or an incomplete one"));
+}
+
 std::string SerializeManifest(const Manifest& m) {
   nlohmann::json blocks = nlohmann::json::array();
   for (const auto& b : m.blocks)

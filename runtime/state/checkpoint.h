@@ -72,6 +72,10 @@ struct Manifest {
 
 std::string StepDirName(int64_t step);          // "step-00000010"
 std::string RankFileStem(int rank);             // "rank-00000"
+// The file stem whose manifest rank `rank` loads from checkpoint directory `dir`: its own, or
+// rank 0's where the saving run had fewer ranks (Note [elastic resume] in
+// runtime/engine/engine_checkpoint.cc). NOT_FOUND when neither manifest exists.
+StatusOr<std::string> LoadingStem(const std::string& dir, int rank);
 
 // Serializes / parses a manifest. Parse accepts any bytes and returns DATA_LOSS or
 // INVALID_ARGUMENT naming what is wrong for anything that is not a complete, valid manifest.

@@ -201,11 +201,8 @@ class Trainer {
     if (f_.resume.empty()) return Status::Ok();
     namespace fs = std::filesystem;
     STRATA_ASSIGN_OR_RETURN(std::string dir, checkpoint::ResolveCheckpointDir(f_.resume));
-    std::string path =
-        (fs::path(dir) / (checkpoint::RankFileStem(comm_->rank()) + ".json")).string();
-    std::error_code ec;
-    if (!fs::exists(path, ec))
-      path = (fs::path(dir) / (checkpoint::RankFileStem(0) + ".json")).string();
+    STRATA_ASSIGN_OR_RETURN(const std::string stem, checkpoint::LoadingStem(dir, comm_->rank()));
+    const std::string path = (fs::path(dir) / (stem + ".json")).string();
     STRATA_ASSIGN_OR_RETURN(std::string text, checkpoint::ReadFile(path));
     STRATA_ASSIGN_OR_RETURN(checkpoint::Manifest m, checkpoint::ParseManifest(text, path));
     if (m.extra.is_object() && m.extra.contains("seed") && m.extra["seed"] != c_.model.seed)

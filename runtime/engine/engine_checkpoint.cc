@@ -548,6 +548,7 @@ Status Engine::Impl::ReadRelaidBlocks(const std::string& dir, const checkpoint::
                    << (saved.layout() != now ? StrCat(", saved with optimizer-state layout ", saved.layout().Name(),
                                                       ", converting its master and moments to this run's ", now.Name())
                                              : std::string());
+  uint64_t saved_total = 0;
   for (StateKind kind : kSavedKinds) {
     if (weights_only && kind != StateKind::kMaster32) continue;
     if (!plan_.HoldsState(kind)) continue;
@@ -572,7 +573,12 @@ Status Engine::Impl::ReadRelaidBlocks(const std::string& dir, const checkpoint::
       if (!copy_blocks) now.Encode(kind, values.data(), n, buf.data());
       STRATA_RETURN_IF_ERROR(WriteLoadedBlock(c64, kind, buf));
     }
+    saved_total += saved.SavedBytes(kind);
   }
+  // What a rank reads is the shards its own overlap, not the checkpoint: said, as it is what a
+  // load over many ranks costs each.
+  STRATA_LOG(INFO) << dir << ": rank " << comm_->rank() << " read " << FormatBytes(saved.bytes_read())
+                   << " of the checkpoint's " << FormatBytes(saved_total) << " of the states it loads";
   return Status::Ok();
 }
 

@@ -157,7 +157,7 @@ class Engine::Impl {
   Status ReadSavedBlocks(int fd, const std::string& bin, const checkpoint::Manifest& m,
                          const std::string& mpath, bool weights_only);
   // Another chunk layout saved them (Note [loading another chunk layout]): each shard filled by
-  // parameter from every saving rank's file (SavedStateReader), then encoded in this layout.
+  // parameter from the saving ranks' files (SavedStateReader), then encoded in this layout.
   bool SameChunks(const checkpoint::Manifest& m) const;
   // SameChunks, sharded over as many ranks: this rank's file holds its shards as they are.
   bool SameShards(const checkpoint::Manifest& m) const;

@@ -12,20 +12,22 @@
 namespace strata {
 
 // Note [loading another chunk layout]
-// A checkpoint stores each rank's shard of each chunk, block after block, and its manifest's
-// layout section says where every parameter sat (chunk, offset). A run with other chunks (another
-// chunk_size; or 8-bit moments, which start each parameter at a 256-element boundary) cannot
-// take those blocks as they are, but every element of a master or a moment belongs to one
-// parameter and one position in it, and that is what both runs agree on. So the loader walks
-// its own shards; for each parameter piece in a shard it asks this reader for the same elements
-// of the same parameter, and the reader assembles the saved chunk holding them from the shards
-// of every saving rank (a chunk of a stage-0 run is whole in each file), decodes it to fp32 and
-// copies the piece. Padding stays zero. The result is encoded in the loading run's layout, so a
-// layout change (fp32 to 8-bit moments) and a chunk change happen in one pass, and every fp32
-// and bf16 value arrives exact. 8-bit moments saved by a run that started each parameter at a
-// block boundary (every 8-bit run does: StepPlan::ChunkLayout) are copied block by block,
-// codes and scale, so they arrive exact too; older 8-bit checkpoints are decoded and quantized
-// again, which moves a block's scale where its largest |value| was negative.
+// A checkpoint stores each rank's shard of each chunk, block after block, and its manifest's layout
+// section says where every parameter sat (chunk, offset). A run with other chunks (another
+// chunk_size; or 8-bit moments, which start each parameter at a 256-element boundary) cannot take
+// those blocks as they are, but every element of a master or a moment belongs to one parameter and
+// one position in it, and that is what both runs agree on. So the loader walks its own shards; for
+// each parameter piece in a shard it asks this reader for the same elements of the same parameter,
+// and the reader finds them in the saved chunk, reads the saving ranks' shards of it that hold them
+// (a chunk of a stage-0 run is whole in each file), decodes those to fp32 and copies the piece. A
+// shard is read whole (its crc32c covers it whole) and only when asked for, so each rank of a run
+// reads about its share of the checkpoint (the shards its own shards overlap), not every rank's.
+// Padding stays zero. The result is encoded in the loading run's layout, so a layout change (fp32
+// to 8-bit moments) and a chunk change happen in one pass, and every fp32 and bf16 value arrives
+// exact. 8-bit moments saved by a run that started each parameter at a block boundary (every 8-bit
+// run does: StepPlan::ChunkLayout) are copied block by block, codes and scale, so they arrive exact
+// too; older 8-bit checkpoints are decoded and quantized again, which moves a block's scale where
+// its largest |value| was negative.
 
 StatusOr<SavedStateReader> SavedStateReader::Open(const std::string& dir,
                                                   const checkpoint::Manifest& self) {
@@ -84,40 +86,54 @@ bool SavedStateReader::Has(StateKind kind) const {
   return false;
 }
 
-Status SavedStateReader::LoadChunk(StateKind kind, int64_t chunk) {
+uint64_t SavedStateReader::SavedBytes(StateKind kind) const {
+  uint64_t total = 0;
+  for (const checkpoint::Manifest& m : ranks_)
+    for (const auto& e : m.blocks)
+      if (e.state == StateKindName(kind)) total += e.bytes;
+  return total;
+}
+
+Status SavedStateReader::ReadShard(int rank) {
   namespace fs = std::filesystem;
-  const int64_t n = shard_numel_[chunk];
-  const uint64_t bytes = layout_.Bytes(kind, n);
-  cached_chunk_ = -1;
-  decoded_ = false;
-  raw_.assign(static_cast<size_t>(shard_world_), std::vector<char>(bytes));
-  for (int rank = 0; rank < shard_world_; ++rank) {
-    const checkpoint::BlockEntry* entry = nullptr;
-    for (const auto& e : ranks_[rank].blocks)
-      if (e.chunk == chunk && e.state == StateKindName(kind)) entry = &e;
-    const std::string bin = (fs::path(dir_) / (checkpoint::RankFileStem(rank) + ".bin")).string();
-    const std::string what = StrCat("chunk ", chunk, "'s ", StateKindName(kind));
-    if (entry == nullptr || entry->bytes != bytes)
-      return DataLoss(StrCat(bin, ": ", what, " is missing or has the wrong size"));
-    const int fd = ::open(bin.c_str(), O_RDONLY | O_CLOEXEC);
-    if (fd < 0) return ErrnoToStatus(errno, StrCat("open ", bin));
-    Status s = checkpoint::ReadChecked(fd, bin, entry->offset, bytes, entry->crc32c, what, raw_[rank].data());
-    ::close(fd);
-    STRATA_RETURN_IF_ERROR(s);
-  }
-  cached_kind_ = kind;
-  cached_chunk_ = chunk;
+  const StateKind kind = cached_kind_;
+  const int64_t chunk = cached_chunk_;
+  const uint64_t bytes = layout_.Bytes(kind, shard_numel_[chunk]);
+  const checkpoint::BlockEntry* entry = nullptr;
+  for (const auto& e : ranks_[rank].blocks)
+    if (e.chunk == chunk && e.state == StateKindName(kind)) entry = &e;
+  const std::string bin = (fs::path(dir_) / (checkpoint::RankFileStem(rank) + ".bin")).string();
+  const std::string what = StrCat("chunk ", chunk, "'s ", StateKindName(kind));
+  if (entry == nullptr || entry->bytes != bytes)
+    return DataLoss(StrCat(bin, ": ", what, " is missing or has the wrong size"));
+  std::vector<char> raw(bytes);
+  const int fd = ::open(bin.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return ErrnoToStatus(errno, StrCat("open ", bin));
+  Status s = checkpoint::ReadChecked(fd, bin, entry->offset, bytes, entry->crc32c, what, raw.data());
+  ::close(fd);
+  STRATA_RETURN_IF_ERROR(s);
+  bytes_read_ += bytes;
+  raw_[rank] = std::move(raw);  // only once it is whole and checked
   return Status::Ok();
 }
 
-Status SavedStateReader::Use(StateKind kind, int64_t chunk, bool decoded) {
-  if (cached_chunk_ != chunk || cached_kind_ != kind) STRATA_RETURN_IF_ERROR(LoadChunk(kind, chunk));
-  if (decoded && !decoded_) {
-    const int64_t n = shard_numel_[chunk];
-    cached_.assign(static_cast<size_t>(n * shard_world_), 0.0f);
-    for (int rank = 0; rank < shard_world_; ++rank)
+Status SavedStateReader::Use(StateKind kind, int64_t chunk, int64_t first, int64_t last, bool decoded) {
+  const int64_t n = shard_numel_[chunk];
+  if (cached_chunk_ != chunk || cached_kind_ != kind) {
+    cached_kind_ = kind;
+    cached_chunk_ = chunk;
+    raw_.assign(static_cast<size_t>(shard_world_), {});
+    decoded_.assign(static_cast<size_t>(shard_world_), false);
+    cached_.clear();
+  }
+  if (last <= first) return Status::Ok();
+  for (auto rank = static_cast<int>(first / n); rank <= static_cast<int>((last - 1) / n); ++rank) {
+    if (raw_[rank].empty()) STRATA_RETURN_IF_ERROR(ReadShard(rank));
+    if (decoded && !decoded_[rank]) {
+      if (cached_.empty()) cached_.assign(static_cast<size_t>(n * shard_world_), 0.0f);
       layout_.Decode(kind, raw_[rank].data(), n, cached_.data() + rank * n);
-    decoded_ = true;
+      decoded_[rank] = true;
+    }
   }
   return Status::Ok();
 }
@@ -130,9 +146,10 @@ Status SavedStateReader::ReadInt8Blocks(StateKind kind, int64_t pid, int64_t beg
   const Param& p = params_[pid];
   STRATA_DCHECK(begin % kBlock == 0 && count >= 0 && begin + count <= p.numel, "elements ", begin,
                "+", count, " of '", p.name, "'");
-  STRATA_RETURN_IF_ERROR(Use(kind, p.chunk, /*decoded=*/false));
   const int64_t n = shard_numel_[p.chunk];  // a multiple of the block: no block spans two ranks
-  for (int64_t b = 0; b * kBlock < count; ++b) {
+  const int64_t blocks = (count + kBlock - 1) / kBlock;
+  STRATA_RETURN_IF_ERROR(Use(kind, p.chunk, p.offset + begin, p.offset + begin + blocks * kBlock, /*decoded=*/false));
+  for (int64_t b = 0; b < blocks; ++b) {
     const int64_t at = p.offset + begin + b * kBlock;  // in the saved chunk
     const auto& raw = raw_[static_cast<size_t>(at / n)];
     const int64_t j = at % n;
@@ -148,7 +165,7 @@ Status SavedStateReader::Read(StateKind kind, int64_t pid, int64_t begin, int64_
   const Param& p = params_[pid];
   STRATA_DCHECK(begin >= 0 && count >= 0 && begin + count <= p.numel, "elements ", begin, "+", count,
                " of '", p.name, "' (", p.numel, ")");
-  STRATA_RETURN_IF_ERROR(Use(kind, p.chunk, /*decoded=*/true));
+  STRATA_RETURN_IF_ERROR(Use(kind, p.chunk, p.offset + begin, p.offset + begin + count, /*decoded=*/true));
   std::copy_n(cached_.data() + p.offset + begin, count, out);
   return Status::Ok();
 }

@@ -4,8 +4,10 @@
 // of its shards is filled parameter piece by parameter piece from the saved chunks, then encoded
 // in its own layout (Note [loading another chunk layout] in saved_state_reader.cc).
 //
-// The saved files of every rank of the saving run are read (a shard of a parameter may sit in
-// another rank's file), so the checkpoint folder must be complete and readable from this rank.
+// Every saving rank's manifest is read (a shard of a parameter may sit in another rank's file),
+// so the checkpoint folder must be complete and readable from this rank; of the saved states,
+// only the shards holding elements asked for are read (bytes_read() counts them), so a rank of a
+// larger run reads about its share of the checkpoint, not all of it.
 // A value; no LibTorch. Thread safety: one thread.
 #pragma once
 
@@ -41,9 +43,9 @@ class SavedStateReader {
   bool Has(StateKind kind) const;
 
   // Elements [begin, begin + count) of parameter `pid`'s saved `kind` (kMaster32, kExpAvg,
-  // kExpAvgSq) as fp32 into `out`: the saved chunk is read from every rank's file that holds a
-  // shard of it, checked against its crc32c and decoded from the saved layout (kept until
-  // another chunk is asked for, so parameters read in chunk order read each chunk once).
+  // kExpAvgSq) as fp32 into `out`: each saved shard holding some of them is read from its rank's
+  // file, checked against its crc32c and decoded from the saved layout (kept until another chunk
+  // or state is asked for, so parameters read in chunk order read each shard once).
   Status Read(StateKind kind, int64_t pid, int64_t begin, int64_t count, float* out);
 
   // The saved moments are 8-bit with every parameter at a block boundary (as StepPlan::ChunkLayout
@@ -57,9 +59,16 @@ class SavedStateReader {
   Status ReadInt8Blocks(StateKind kind, int64_t pid, int64_t begin, int64_t count, uint8_t* codes,
                         float* scales);
 
+  // Bytes of saved state read from the ranks' files so far, and the size of every saved block
+  // of `kind` over all ranks (what reading the whole checkpoint's `kind` would take).
+  uint64_t bytes_read() const { return bytes_read_; }
+  uint64_t SavedBytes(StateKind kind) const;
+
  private:
-  Status LoadChunk(StateKind kind, int64_t chunk);
-  Status Use(StateKind kind, int64_t chunk, bool decoded);
+  // Makes elements [first, last) of saved chunk `chunk` of `kind` available: the shards holding
+  // them read (raw_), and decoded into cached_ when `decoded`.
+  Status Use(StateKind kind, int64_t chunk, int64_t first, int64_t last, bool decoded);
+  Status ReadShard(int rank);
 
   std::string dir_;
   std::vector<checkpoint::Manifest> ranks_;  // by rank of the saving run
@@ -68,12 +77,13 @@ class SavedStateReader {
   std::vector<Param> params_;
   StateLayout layout_;
   bool int8_aligned_ = false;
-  // The chunk last read: each saving rank's shard as stored, and decoded when asked.
+  // The chunk last asked for: the saving ranks' shards read so far, as stored, and those decoded.
   StateKind cached_kind_ = StateKind::kMaster32;
   int64_t cached_chunk_ = -1;
-  std::vector<std::vector<char>> raw_;  // by rank
-  bool decoded_ = false;
-  std::vector<float> cached_;
+  std::vector<std::vector<char>> raw_;  // by rank; empty when not read
+  std::vector<bool> decoded_;           // by rank
+  std::vector<float> cached_;           // the whole saved chunk's elements, where decoded
+  uint64_t bytes_read_ = 0;
 };
 
 }  // namespace strata

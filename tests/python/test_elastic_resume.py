@@ -7,6 +7,7 @@ on, within the rounding of another reduction order. The global batch is the same
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -18,9 +19,12 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 STEPS, MORE = 3, 3
 
 
-def _config(stage, offload, micro, tmp_path, precision="fp32", state_dtype=None, accum=1):
+def _config(stage, offload, micro, tmp_path, precision="fp32", state_dtype=None, accum=1,
+            chunk_size=None):
     cfg = harness.config_for(("elastic", stage, offload if stage == 3 else "none", offload, accum,
                               1.0, True), tmp_path / "nvme", micro=micro)
+    if chunk_size:
+        cfg["strata"]["chunk_size"] = chunk_size
     if precision == "bf16":
         cfg["bf16"] = {"enabled": True}
     elif precision == "fp16":
@@ -56,15 +60,27 @@ def _mean_loss(ranks):
     return [sum(r["loss"][i] for r in ranks) / len(ranks) for i in range(MORE)]
 
 
-# (saving world, stage, offload, precision), (loading world, stage, offload, precision): the
-# micro-batch is 4 / world on each side.
+# (saving world, stage, offload, precision), (loading world, stage, offload, precision[, chunk
+# size]): the micro-batch is 4 / world on each side.
 CASES = [
     ("2r-s3-nvme_to_1r-s2-cpu", (2, 3, "nvme", "fp32"), (1, 2, "cpu", "fp32")),
     ("1r-s1_to_2r-s3-cpu", (1, 1, "none", "fp32"), (2, 3, "cpu", "fp32")),
     ("2r-s0_to_2r-s2", (2, 0, "none", "fp32"), (2, 2, "none", "fp32")),
     ("2r-s2-fp32_to_1r-s3-bf16", (2, 2, "cpu", "fp32"), (1, 3, "cpu", "bf16")),
     ("2r-s3-fp16_to_1r-s2-fp16", (2, 3, "cpu", "fp16"), (1, 2, "cpu", "fp16")),
+    # Other chunks on as many ranks: each rank reads the saved shards its own overlap.
+    ("2r-s3_to_2r-s3-other-chunks", (2, 3, "cpu", "fp32"), (2, 3, "cpu", "fp32", "12KiB")),
 ]
+
+_UNITS = {"B": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30}
+
+
+def _reads(log):
+    """Per loading rank, (bytes read, bytes of the states it loads) from the load's log line."""
+    found = {}
+    for m in re.finditer(r"rank (\d+) read ([\d.]+) (\w+) of the checkpoint's ([\d.]+) (\w+)", log):
+        found[int(m[1])] = (float(m[2]) * _UNITS[m[3]], float(m[4]) * _UNITS[m[5]])
+    return found
 
 
 @pytest.mark.skipif(not harness.have_gloo(),
@@ -72,10 +88,19 @@ CASES = [
 @pytest.mark.parametrize("name,saving,loading", CASES, ids=[c[0] for c in CASES])
 def test_a_checkpoint_resumes_on_other_ranks_stage_and_precision(name, saving, loading, tmp_path):
     sw, ss, so, sb = saving
-    lw, ls, lo, lb = loading
+    lw, ls, lo, lb, *chunk = loading
     saved, _ = _run("save", sw, _config(ss, so, 4 // sw, tmp_path, sb), tmp_path)
-    loaded, log = _run("load", lw, _config(ls, lo, 4 // lw, tmp_path, lb), tmp_path)
-    assert "Note [elastic resume]" in log  # the load said what it converted
+    loaded, log = _run("load", lw, _config(ls, lo, 4 // lw, tmp_path, lb, chunk_size=chunk and chunk[0]),
+                       tmp_path)
+    # The load said what it converted.
+    assert ("loading its states parameter by parameter" if chunk else "Note [elastic resume]") in log
+    if chunk:
+        # Loaded parameter by parameter on every rank, each reading well under the whole
+        # checkpoint (its share, and the saved shards that straddle its own).
+        reads = _reads(log)
+        assert sorted(reads) == list(range(lw)), log[-3000:]
+        for rank, (read, total) in reads.items():
+            assert 0 < read < 0.75 * total, f"rank {rank} read {read} of {total}"
     assert loaded[0]["global_steps"] == saved[0]["global_steps"] == STEPS
     # fp16: the loss scale comes along (it doubled from 2^8 over the saved steps).
     assert loaded[0]["loss_scale"] == saved[0]["loss_scale"]

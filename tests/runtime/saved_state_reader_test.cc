@@ -1,7 +1,8 @@
 // SavedStateReader (Note [loading another chunk layout]): a checkpoint of two ranks written by
-// hand, read back by parameter across the ranks' files, and the faults it must name: a
-// manifest from before the layout section, a missing rank, a parameter outside its chunk, a
-// flipped byte. The 8-bit blocks come back as they were stored, codes and scale.
+// hand, read back by parameter across the ranks' files (each shard read only when asked for),
+// and the faults it must name: a manifest from before the layout section, a missing rank, a
+// parameter outside its chunk, a flipped byte. The 8-bit blocks come back as they were stored,
+// codes and scale.
 #include "runtime/state/saved_state_reader.h"
 
 #include <gmock/gmock.h>
@@ -87,6 +88,48 @@ TEST(SavedStateReader, ReadsAParameterAcrossTheRanksFiles) {
   EXPECT_EQ(got[0], 768.0f);
   EXPECT_EQ(got[2], 770.0f);
   EXPECT_FALSE(r.Int8BlocksAligned());
+}
+
+// A rank reads the saved shards holding what it asks for, not the whole checkpoint: at scale,
+// each of N loading ranks reading every saving rank's file multiplies the load's reads by N.
+TEST(SavedStateReader, ReadsOnlyTheShardsHoldingWhatIsAskedFor) {
+  testing::TempDir dir;
+  std::vector<float> master(2 * kShard);
+  std::iota(master.begin(), master.end(), 0.0f);
+  const auto ms = WriteCheckpoint(dir.path(), "fp32", {{StateKind::kMaster32,
+                                                       {FloatBytes(master.data(), kShard),
+                                                        FloatBytes(master.data() + kShard, kShard)}}});
+  const uint64_t shard_bytes = kShard * sizeof(float);
+  ASSERT_OK_AND_ASSIGN(SavedStateReader r, SavedStateReader::Open(dir.path(), ms[0]));
+  EXPECT_EQ(r.SavedBytes(StateKind::kMaster32), 2 * shard_bytes);
+  EXPECT_EQ(r.SavedBytes(StateKind::kExpAvg), 0u);
+  EXPECT_EQ(r.bytes_read(), 0u);  // opening reads the manifests alone
+  // "b" lies in rank 1's shard: rank 0's file is not read.
+  std::vector<float> got(250);
+  ASSERT_OK(r.Read(StateKind::kMaster32, 1, 0, 250, got.data()));
+  EXPECT_EQ(got[249], 768.0f + 249);
+  EXPECT_EQ(r.bytes_read(), shard_bytes);
+  // The first 100 elements of "a" lie in rank 0's shard: read once, then kept.
+  ASSERT_OK(r.Read(StateKind::kMaster32, 0, 0, 100, got.data()));
+  ASSERT_OK(r.Read(StateKind::kMaster32, 0, 100, 100, got.data() + 100));
+  for (int i = 0; i < 200; ++i) ASSERT_EQ(got[i], static_cast<float>(i)) << i;
+  EXPECT_EQ(r.bytes_read(), 2 * shard_bytes);
+  ASSERT_OK(r.Read(StateKind::kMaster32, 0, 450, 200, got.data()));  // across both, both kept
+  EXPECT_EQ(got[199], 649.0f);
+  EXPECT_EQ(r.bytes_read(), 2 * shard_bytes);
+  // A damaged shard is refused by the reader that needs it; one that needs only the other
+  // shard reads its values whole and checked.
+  {
+    const std::string bin = (fs::path(dir.path()) / "rank-00000.bin").string();
+    std::fstream f(bin, std::ios::in | std::ios::out | std::ios::binary);
+    f.seekp(8);
+    f.put('\x7f');
+  }
+  ASSERT_OK_AND_ASSIGN(SavedStateReader fresh, SavedStateReader::Open(dir.path(), ms[1]));
+  ASSERT_OK(fresh.Read(StateKind::kMaster32, 1, 0, 250, got.data()));
+  EXPECT_EQ(got[0], 768.0f);
+  EXPECT_THAT(fresh.Read(StateKind::kMaster32, 0, 0, 10, got.data()).message(), HasSubstr("crc32c"));
+  EXPECT_EQ(fresh.bytes_read(), shard_bytes);  // the damaged shard is not counted as read
 }
 
 TEST(SavedStateReader, CopiesAligned8BitBlocksAsStored) {

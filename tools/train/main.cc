@@ -309,6 +309,7 @@ class Trainer {
                      nvme_dir.c_str(), (long long)init->generated_params(),
                      FormatBytes(init->generated_bytes()).c_str());
       STRATA_ASSIGN_OR_RETURN(engine_, Engine::Create(model, c_, comm_.get(), device_.get(), eo));
+      if (!reserve_note_.empty()) std::fputs(reserve_note_.c_str(), stderr);
     }
     if (!f_.resume.empty()) {
       STRATA_RETURN_IF_ERROR(
@@ -561,9 +562,11 @@ class Trainer {
     if (!nvme.empty()) eo.disk_free = FreeDiskBytes(nvme);
     auto est = planner::EstimateAutoReserve(c_, *spec, eo);
     if (!est.ok() || est->device_reserve == 0) {
+      // Said once the engine has started: a config the replay refuses, the engine refuses too,
+      // with its own error, which this line would only precede.
       if (leader() && !f_.json)
-        std::fprintf(stderr, "strata-train: placement auto keeps the engine's default device reserve (%s)\n",
-                     est.ok() ? "the replay found none" : est.status().ToString().c_str());
+        reserve_note_ = StrCat("strata-train: placement auto keeps the engine's default device reserve (",
+                               est.ok() ? "the replay found none" : est.status().ToString(), ")\n");
       return Status::Ok();
     }
     c_.strata.device_reserve = est->device_reserve;
@@ -610,6 +613,7 @@ class Trainer {
   Flags f_;
   Config c_;
   std::string host_;
+  std::string reserve_note_;  // ReserveForCompute's, said once the engine has started
   std::unique_ptr<Communicator> comm_;
   std::unique_ptr<Device> device_;
   std::unique_ptr<Engine> engine_;

@@ -16,6 +16,7 @@ import io
 import json
 import os
 import weakref
+from collections.abc import Mapping
 
 import torch
 
@@ -615,6 +616,16 @@ class StrataEngine(ConfigView, torch.nn.Module):
         absent under strict loading."""
         from .zero import GatheredParameters
         self._check_live()
+        # DeepSpeed's takes the checkpoint dict too; a bare state_dict there fails with
+        # KeyError('module'), which names neither the argument nor the fix.
+        if not isinstance(checkpoint, Mapping) or "module" not in checkpoint:
+            keys = list(checkpoint)[:3] if isinstance(checkpoint, Mapping) else None
+            raise InvalidArgumentError(
+                "load_module_state_dict takes a checkpoint dict whose 'module' entry is the "
+                "model's state_dict, as DeepSpeed's does; got "
+                + (f"a dict without 'module' (keys {keys}...)" if keys is not None
+                   else type(checkpoint).__name__)
+                + ": pass {'module': state_dict}")
         params = [p for p in self.module.parameters()]
         with GatheredParameters(params, modifier_rank=0):
             with torch.no_grad():

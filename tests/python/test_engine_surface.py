@@ -242,6 +242,13 @@ def test_module_state_dict_round_trip_reaches_the_master(tmp_path):
     after = engine.master_parameters()
     for name, b, a in zip(names, before, after):
         assert torch.allclose(a, b * 2, atol=1e-6), name
+    # A bare state_dict (DeepSpeed's takes the checkpoint dict too) is refused by name, with
+    # nothing loaded.
+    for wrong in (doubled, [1, 2]):
+        with pytest.raises(strata.InvalidArgumentError, match=r"pass \{'module': state_dict\}"):
+            engine.load_module_state_dict(wrong)
+    for name, b, a in zip(names, after, engine.master_parameters()):
+        assert torch.equal(a, b), name
     engine.close()
 
 

@@ -111,6 +111,8 @@ class StrataEngine(ConfigView, torch.nn.Module):
 
     # --- forward ------------------------------------------------------------------------------
     def forward(self, *args, **kwargs):
+        if self._replaced_by is not None:
+            self._check_forward_after_end()
         self._check_states_resident("forward")
         outer = _units.thread_state.engine
         _units.thread_state.engine = self
@@ -754,6 +756,20 @@ class StrataEngine(ConfigView, torch.nn.Module):
             else:
                 buffers.append(name)
         return {"aliases": aliases, "buffers": buffers}
+
+    def _check_forward_after_end(self):
+        """A forward through an engine that no longer trains runs the plain model, where the
+        model still has its weights (destroy(), or close() below stage 3). Under stage 3 close()
+        leaves the parameters empty, and PyTorch's own error ("'weight' must be 2-D") would name
+        neither; a model taken over by a later initialize belongs to that engine."""
+        if self._replaced_by != "it was closed":
+            raise InvalidArgumentError(f"engine.forward: this engine no longer trains "
+                                       f"({self._replaced_by}): call the new engine")
+        if any(p.numel() == 0 for p in self.module.parameters() if p.requires_grad):
+            raise InvalidArgumentError(
+                "engine.forward: this engine was closed, and under ZeRO stage 3 close() leaves "
+                "the model's parameters empty; call engine.destroy() instead of close() to give "
+                "the model its weights back, or load a checkpoint into a new engine")
 
     def _check_live(self):
         if self._replaced_by is not None:

@@ -182,6 +182,11 @@ def test_a_released_stage3_parameter_is_empty_as_in_deepspeed(tmp_path):
     assert w.norm().item() == 0.0
     with pytest.raises(ValueError, match="has no memory"):
         strata.initialize(model=model, config=copy.deepcopy(cfg))
+    # A forward through the closed engine names the cause (PyTorch's own error would be "'weight'
+    # must be 2-D").
+    x, y = harness.batch("gpt2", 0)
+    with pytest.raises(strata.InvalidArgumentError, match="call engine.destroy"):
+        engine(x, targets=y)
 
     again = _engine("gpt2", cfg)
     _run(again, "gpt2", 0, 1)
@@ -191,6 +196,13 @@ def test_a_released_stage3_parameter_is_empty_as_in_deepspeed(tmp_path):
     assert [tuple(p.shape) for p in again.module.parameters()] == list(shapes.values())
     assert all(torch.equal(p.detach(), t.view_as(p)) for p, t in zip(params, trained))
     assert not any(hasattr(p, "ds_shape") for p in params)
+    # After destroy() the model is plain PyTorch's again, and a forward through the engine runs
+    # it (as DeepSpeed's does).
+    torch.manual_seed(0)
+    plain = harness.MODELS["gpt2"]()
+    plain.load_state_dict(again.module.state_dict())
+    with torch.no_grad():
+        assert torch.equal(again(x, targets=y), plain(x, targets=y))
 
 
 def test_gathered_parameters_nest_and_name_what_is_wrong(tmp_path):

@@ -509,6 +509,10 @@ def test_second_initialize_with_another_config_hands_over(tmp_path):
         assert torch.equal(a, b)
     with pytest.raises(ValueError, match="no longer trains"):
         first.step()
+    # Its forward too: the model runs under the new engine's hooks now.
+    x, y = harness.batch("gpt2", 0)
+    with pytest.raises(ValueError, match="no longer trains .*call the new engine"):
+        first(x, targets=y)
     harness.run_steps(second, "gpt2", 2, 1)
     second.close()
 

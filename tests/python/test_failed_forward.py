@@ -3,7 +3,9 @@ convolution) leaves the engine and its device usable: the unit's gathered parame
 released, the same engine then trains exactly as plain PyTorch does, and closing it, or dropping
 it without close, frees everything with no copy or kernel left reading freed memory. On a GPU
 such a copy shows as an illegal address at the next CUDA call, which the end of each test makes
-(torch.cuda.synchronize)."""
+(torch.cuda.synchronize). A backward that autograd refuses (a second one through a freed graph)
+is the caller's error, named as such, and the window it was in goes on as if it had not been
+called."""
 
 import copy
 import gc
@@ -62,3 +64,28 @@ def test_an_engine_dropped_after_a_failed_forward_frees_cleanly(case, tmp_path):
     engine.close()
     _sync()
     assert all(torch.isfinite(torch.tensor(losses))), losses
+
+
+@pytest.mark.parametrize("case", [c for c in harness.GRID if c[4] == 2], ids=lambda c: c[0])
+def test_a_backward_autograd_refuses_is_named_and_the_window_goes_on(case, tmp_path):
+    want, _ = harness.train_reference("gpt2", 3, accum=2, clip=case[5])
+    torch.manual_seed(0)
+    model = harness.MODELS["gpt2"]()
+    engine, _, _, _ = strata.initialize(model=model, model_parameters=model.parameters(),
+                                        config=copy.deepcopy(harness.config_for(case, tmp_path / "nvme")))
+    first = 0.0
+    for m in range(2):
+        x, y = harness.batch("gpt2", m)
+        loss = engine(x, targets=y)
+        engine.backward(loss)
+        if m == 0:
+            # Mid-window, so not the engine's own "backward after the last micro-step" refusal.
+            with pytest.raises(strata.StrataError, match="FAILED_PRECONDITION: backward failed in "
+                                                         "autograd: Trying to backward through the graph"):
+                engine.backward(loss)
+        engine.step()
+        first += loss.item() / 2
+    got = [first] + harness.run_steps(engine, "gpt2", 1, 2, 2)
+    engine.close()
+    _sync()
+    harness.assert_close(got, want)

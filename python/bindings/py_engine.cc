@@ -80,6 +80,7 @@ PyEngine::PyEngine(py::handle model, const std::vector<py::handle>& units,
   // fp16 on the cpu device: initialize pushes python/strata/cpu_half.py's mode before the first
   // forward, so every operator on the model's fp16 tensors runs in fp32.
   eo.fp16_ops_in_fp32 = true;
+  eo.device_owner = device_;
   py::gil_scoped_release nogil;  // partitioning writes the shards to their tiers (and rank 0's broadcast)
   engine_ = ValueOrThrow(Engine::Create(mirror_.root, config_, comm_, device_.get(), eo));
 }

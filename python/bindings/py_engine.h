@@ -98,7 +98,9 @@ class PyEngine {
  private:
   Config config_;
   Communicator* comm_ = nullptr;  // the process's (ProcessCommunicator in py_engine.cc)
-  std::unique_ptr<Device> device_;
+  // Shared with the engine's tensors (EngineOptions::device_owner): a parameter view kept in an
+  // autograd graph may outlive this object.
+  std::shared_ptr<Device> device_;
   Mirror mirror_;
   std::unique_ptr<Engine> engine_;
 };

@@ -62,6 +62,7 @@ bool HoldsItsElements(const torch::Tensor& t) {
 }  // namespace
 
 Engine::Impl::~Impl() {
+  alive_.reset();  // graphs kept past the engine stop reaching it (EndUnit's hooks)
   // The lanes in the order ~Impl's members note: each may still hand work to the next.
   if (reducer_) reducer_->Stop();
   if (opt_lane_) opt_lane_->Stop();
@@ -107,10 +108,12 @@ StatusOr<torch::Tensor> Engine::Impl::DeviceTensor(int64_t numel, torch::Dtype d
   const size_t bytes = static_cast<size_t>(numel) * torch::elementSize(dtype);
   STRATA_ASSIGN_OR_RETURN(void* p, device_->Allocate(bytes));
   Device* dev = device_;
-  // The view is at the compute address; the deleter frees what Allocate returned.
+  // The view is at the compute address; the deleter frees what Allocate returned, and holds the
+  // device where the caller shares it: a chunk's parameter views may live on in an autograd
+  // graph after the engine, and the device, have otherwise ended.
   return torch::from_blob(
       device_->ComputeAddress(p), {numel},
-      [dev, p](void*) {
+      [dev, p, keep = device_owner_](void*) {
         ComputeFence::Mark(*dev).Wait();  // Note [ordered frees]
         dev->Free(p).IgnoreError();
       },

@@ -93,6 +93,11 @@ struct EngineOptions {
   // Python package's torch function mode, python/strata/cpu_half.py), so fp16.enabled may run on
   // the cpu device, where LibTorch has no fp16 kernels for matmul or LayerNorm. Off: refused.
   bool fp16_ops_in_fp32 = false;
+  // The device, when the caller shares its ownership: every tensor over the engine's device
+  // memory then keeps it alive. Such a tensor may outlive the engine (an autograd graph built by
+  // a forward before the engine ended holds the parameters' views of a chunk), and its memory
+  // goes back to the device when it dies. Null: the device must outlive every such tensor.
+  std::shared_ptr<Device> device_owner;
 };
 
 // One optimizer step, as seen by every lane.
@@ -137,8 +142,9 @@ struct StepReport {
 class Engine {
  public:
   // Takes over `model`'s parameters: they are partitioned, their full storage is freed, and from
-  // now on only the engine materializes them. `comm` and `device` must outlive the engine, and the
-  // model must outlive it too (the engine keeps a reference).
+  // now on only the engine materializes them. `comm` and `device` must outlive the engine (the
+  // device, also every tensor over its memory: EngineOptions::device_owner), and the model must
+  // outlive it too (the engine keeps a reference).
   static StatusOr<std::unique_ptr<Engine>> Create(std::shared_ptr<torch::nn::Module> model,
                                                   const Config& config, Communicator* comm,
                                                   Device* device, const EngineOptions& options = {});

@@ -33,6 +33,7 @@
 #include <filesystem>
 #include <limits>
 #include <map>
+#include <memory>
 #include <mutex>
 #include <optional>
 #include <set>
@@ -336,6 +337,10 @@ class Engine::Impl {
   EngineModel model_;
   Engine* owner_ = nullptr;
   bool started_ = false;  // Init went through: a failed start marks its chunks so (~Impl)
+  // Expires first thing in ~Impl. The hooks EndUnit leaves on a forward's outputs belong to its
+  // autograd graph, which the caller may keep past the engine: they hold this, weakly, and
+  // refuse a backward of an engine that has ended instead of calling into freed memory.
+  std::shared_ptr<const bool> alive_ = std::make_shared<const bool>(true);
   EngineTestHooks hooks_;  // EngineOptions::test_hooks' (none outside tests)
   // EngineOptions::client_optimizer (client_step_session.h): the open step, made in
   // OpenBlockStore.
@@ -343,6 +348,7 @@ class Engine::Impl {
   Config config_;
   Communicator* comm_;
   Device* device_;
+  std::shared_ptr<Device> device_owner_;  // EngineOptions::device_owner: kept by DeviceTensor's
   EngineStreams streams_;  // engine_state.h
   std::unique_ptr<nvme::NvmeTier> nvme_;
   // The NVMe tier asked for less free disk than its state, counting on the staging file's space

@@ -19,6 +19,9 @@ using namespace engine_detail;
 // engine's lanes start last, so no step races a lane thread.
 Status Engine::Impl::Init(Engine* owner, const EngineOptions& options) {
   owner_ = owner;
+  if (options.device_owner && options.device_owner.get() != device_)
+    return InvalidArgument("EngineOptions::device_owner holds another device than the engine's");
+  device_owner_ = options.device_owner;
   if (options.test_hooks) hooks_ = *options.test_hooks;
   // Each step's wall time, logged as one line at the end: a large model's start takes minutes,
   // and which step took them (pinning the host pool, reading staged parameters, writing the

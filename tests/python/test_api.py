@@ -4,6 +4,7 @@ activation checkpointing, optimizer objects and data loaders."""
 import copy
 import json
 import math
+import os
 
 import pytest
 import torch
@@ -203,6 +204,53 @@ def test_a_released_stage3_parameter_is_empty_as_in_deepspeed(tmp_path):
     plain.load_state_dict(again.module.state_dict())
     with torch.no_grad():
         assert torch.equal(again(x, targets=y), plain(x, targets=y))
+
+
+_KEPT_GRAPH = """
+import copy, gc, sys
+import torch, harness, strata
+stage, end = int(sys.argv[1]), sys.argv[2]
+cfg = harness.config_for(("kept", stage, "none", "none", 1, 0.0, True), sys.argv[3])
+torch.manual_seed(0)
+model = harness.MODELS["gpt2"]()
+engine, _, _, _ = strata.initialize(model=model, config=copy.deepcopy(cfg))
+x, y = harness.batch("gpt2", 0)
+loss = engine(x, targets=y)
+getattr(engine, end)()
+del engine
+gc.collect()
+try:
+    loss.backward()
+    print("backward ran")
+except RuntimeError as e:
+    print("refused:", e)
+del loss
+gc.collect()
+print("graph freed")
+"""
+
+
+@pytest.mark.parametrize("stage,end", [(1, "close"), (2, "destroy"), (3, "close"), (3, "destroy")])
+def test_a_graph_kept_past_the_engine_is_freed_or_refused_safely(stage, end, tmp_path):
+    """A loss whose graph outlives its engine (and, in Python, the engine's device): freeing it
+    frees chunk memory on that device, which its views keep alive until then (it was freed
+    through a dead device: a segfault), and a plain backward of it either runs on the views
+    (stages 0-2, whose graph holds the values) or, under stage 3, whose units' hooks reached
+    into the ended engine (a segfault, or a read of freed memory), is refused naming the cause.
+    In a child process, so that a crash fails this test alone."""
+    import subprocess
+    import sys
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [os.path.dirname(os.path.abspath(__file__)), os.environ.get("PYTHONPATH", "")]))
+    run = subprocess.run([sys.executable, "-c", _KEPT_GRAPH, str(stage), end, str(tmp_path)],
+                         capture_output=True, text=True, timeout=300, env=env)
+    assert run.returncode == 0, run.stdout + run.stderr[-3000:]
+    assert "graph freed" in run.stdout
+    if stage == 3:
+        assert "refused: FAILED_PRECONDITION: backward of a forward run by an engine that has " \
+               "since ended" in run.stdout, run.stdout
+    else:
+        assert "backward ran" in run.stdout, run.stdout
 
 
 def test_gathered_parameters_nest_and_name_what_is_wrong(tmp_path):

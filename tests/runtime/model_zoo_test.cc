@@ -252,6 +252,54 @@ TEST(ZooMemory, PlainBackwardIsRefusedWithTheFix) {
   }
 }
 
+// A loss whose graph outlives its engine: its stage-3 units' hooks refuse the backward instead
+// of calling into the ended engine, and at stage 1 the chunk memory the graph's parameter views
+// hold keeps the device (EngineOptions::device_owner) until the graph is freed, and then goes
+// back to it, after the caller's own references to the device have gone.
+TEST(ZooMemory, AGraphKeptPastTheEngineIsRefusedOrFreedSafely) {
+  for (int stage : {1, 3}) {
+    SCOPED_TRACE(stage);
+    Config c = zoo::ZooConfig();
+    c.zero_optimization.stage = stage;
+    torch::manual_seed(7);
+    zoo::ResMlp net;
+    auto comm = CreateSingleCommunicator();
+    std::shared_ptr<Device> device = CreateDevice("cpu", 64 << 20).value();
+    std::weak_ptr<Device> watch = device;
+    EngineOptions eo;
+    eo.device_owner = device;
+    ASSERT_OK_AND_ASSIGN(auto engine, Engine::Create(net.ptr(), c, comm.get(), device.get(), eo));
+    torch::Tensor loss = net->forward(torch::randn({8, 12})).pow(2).mean();
+    engine.reset();
+    device.reset();
+    eo.device_owner.reset();
+    if (stage == 3) {
+      // The engine emptied its chunks' storage as it closed: the graph holds none of the device.
+      EXPECT_TRUE(watch.expired());
+      try {
+        loss.backward();
+        FAIL() << "a backward through the ended engine's units went through";
+      } catch (const std::exception& e) {
+        EXPECT_NE(std::string(e.what()).find("an engine that has since ended"), std::string::npos) << e.what();
+      }
+    } else {
+      EXPECT_FALSE(watch.expired());  // the graph holds the chunks' memory, and so the device
+      loss.backward();                // the values are the graph's own: it runs
+    }
+    loss = torch::Tensor();
+    EXPECT_TRUE(watch.expired());  // the last view gone, the memory went back, then the device
+  }
+  // Another device than the engine's is refused.
+  Config c = zoo::ZooConfig();
+  zoo::ResMlp net;
+  auto comm = CreateSingleCommunicator();
+  auto device = CreateDevice("cpu", 64 << 20).value();
+  EngineOptions eo;
+  eo.device_owner = CreateDevice("cpu", 64 << 20).value();
+  const Status refused = Engine::Create(net.ptr(), c, comm.get(), device.get(), eo).status();
+  EXPECT_NE(refused.message().find("device_owner holds another device"), std::string::npos) << refused;
+}
+
 // Chunks under stage3_param_persistence_threshold stay gathered across steps: after each update
 // they are refilled in place once, instead of being gathered again for forward and for backward.
 // With every chunk persistent a step copies the model host -> device once; with the threshold at

@@ -71,7 +71,16 @@ class UnitHooks:
                 # block keeps it gathered, and nothing is recorded for backward.
                 self.open.append(None)
                 return
-            self._cpp.begin_unit(index, checkpointed)
+            try:
+                self._cpp.begin_unit(index, checkpointed)
+            except _strata.StrataError as e:
+                # Still open from a forward of the model called directly (not through the
+                # engine) that raised: nothing ended it. A unit never runs inside itself, so
+                # that forward is over; end what it left open, then begin.
+                if index not in self.open or "runs inside itself" not in str(e):
+                    raise
+                self._end_open_through(index)
+                self._cpp.begin_unit(index, checkpointed)
             self.open.append(index)
 
         return hook
@@ -85,14 +94,19 @@ class UnitHooks:
 
     def end_open_units(self):
         """After an exception inside forward: releases what the failed forward gathered."""
+        self._end_open_through(None)
+
+    def _end_open_through(self, last):
+        """Ends the open units from the innermost out, through `last` (all of them: None)."""
         while self.open:
             index = self.open.pop()
-            if index is None:
-                continue
-            try:
-                self._cpp.end_unit(index, [])
-            except Exception:  # noqa: BLE001 - the forward's own error is the one to report
-                pass
+            if index is not None:
+                try:
+                    self._cpp.end_unit(index, [])
+                except Exception:  # noqa: BLE001 - the forward's own error is the one to report
+                    pass
+            if last is not None and index == last:
+                return
 
     def remove(self):
         for h in self._handles:

@@ -52,6 +52,22 @@ def test_training_after_a_failed_forward_matches_pytorch(case, tmp_path):
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c[0])
+def test_training_after_a_failed_forward_of_the_model_itself_matches_pytorch(case, tmp_path):
+    """The same failure with the model called directly, as DeepSpeed allows (its hooks are on the
+    modules): nothing ends the units it opened (module hooks have no 'finally'), and every later
+    forward was refused ("unit 'conv_proj' runs inside itself"). The next forward ends them."""
+    want, _ = harness.train_reference("vit", 3, accum=case[4], clip=case[5])
+    engine = _engine(case, tmp_path)
+    x, y = harness.batch("vit", 0)
+    with pytest.raises(RuntimeError):
+        harness.loss_of("vit", engine.module, x.to(torch.float64), y)
+    got = harness.run_steps(engine, "vit", 0, 3, case[4])
+    engine.close()
+    _sync()
+    harness.assert_close(got, want)
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c[0])
 def test_an_engine_dropped_after_a_failed_forward_frees_cleanly(case, tmp_path):
     engine = _engine(case, tmp_path)
     _fail_once(engine)

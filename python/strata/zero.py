@@ -7,6 +7,7 @@ import re
 import torch
 
 from . import engine as _engine
+from . import param_state as _param_state
 from ._strata import InvalidArgumentError
 from ._strata import ZeroInit as _ZeroInit
 
@@ -49,6 +50,15 @@ class GatheredParameters:
                     self._engine = engine
                     units.update(found)
                     break
+            else:
+                # No engine holds it and it has no values: the block would show an empty tensor
+                # (and a forward in it fail on its shape) with no word of why.
+                if _param_state.emptied_by_a_closed_engine(p):
+                    raise InvalidArgumentError(
+                        f"GatheredParameters: a parameter of shape {tuple(p.ds_shape)} has no values "
+                        "to gather: its ZeRO-3 engine was closed, and close() leaves the "
+                        "parameters empty; call engine.destroy() instead (it gives the model its "
+                        "weights back), or load a checkpoint into a new engine")
         if self._modifier_rank is not None:
             world = self._engine.world_size if self._engine is not None else _world_size()
             if self._modifier_rank >= world:

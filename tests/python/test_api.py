@@ -188,6 +188,9 @@ def test_a_released_stage3_parameter_is_empty_as_in_deepspeed(tmp_path):
     x, y = harness.batch("gpt2", 0)
     with pytest.raises(strata.InvalidArgumentError, match="call engine.destroy"):
         engine(x, targets=y)
+    with pytest.raises(strata.InvalidArgumentError, match="has no values to gather"):
+        with strata.zero.GatheredParameters(list(model.parameters())):
+            pass
 
     again = _engine("gpt2", cfg)
     _run(again, "gpt2", 0, 1)

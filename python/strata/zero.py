@@ -55,8 +55,8 @@ class GatheredParameters:
                 # (and a forward in it fail on its shape) with no word of why.
                 if _param_state.emptied_by_a_closed_engine(p):
                     raise InvalidArgumentError(
-                        f"GatheredParameters: a parameter of shape {tuple(p.ds_shape)} has no values "
-                        "to gather: its ZeRO-3 engine was closed, and close() leaves the "
+                        f"GatheredParameters: a parameter of shape {tuple(p.ds_shape)} has no "
+                        "values to gather: its ZeRO-3 engine was closed, and close() leaves the "
                         "parameters empty; call engine.destroy() instead (it gives the model its "
                         "weights back), or load a checkpoint into a new engine")
         if self._modifier_rank is not None:

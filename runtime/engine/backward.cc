@@ -177,8 +177,9 @@ Status Engine::Impl::Backward(const torch::Tensor& loss) {
     // The engine's hooks record their own failures in backward_error; anything else is
     // autograd's refusal of the caller's graph (a second backward through it, a saved tensor
     // modified in place), which is not an engine fault.
-    result = step_.backward_error.ok() ? FailedPrecondition(StrCat("backward failed in autograd: ", e.what()))
-                                       : step_.backward_error;
+    result = step_.backward_error.ok()
+                 ? FailedPrecondition(StrCat("backward failed in autograd: ", e.what()))
+                 : step_.backward_error;
   }
   step_.in_backward = false;
   // Whatever leaves this function, the reduce lane is idle first (a throw below included).

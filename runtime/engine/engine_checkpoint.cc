@@ -577,8 +577,9 @@ Status Engine::Impl::ReadRelaidBlocks(const std::string& dir, const checkpoint::
   }
   // What a rank reads is the shards its own overlap, not the checkpoint: said, as it is what a
   // load over many ranks costs each.
-  STRATA_LOG(INFO) << dir << ": rank " << comm_->rank() << " read " << FormatBytes(saved.bytes_read())
-                   << " of the checkpoint's " << FormatBytes(saved_total) << " of the states it loads";
+  STRATA_LOG(INFO) << dir << ": rank " << comm_->rank() << " read "
+                   << FormatBytes(saved.bytes_read()) << " of the checkpoint's "
+                   << FormatBytes(saved_total) << " of the states it loads";
   return Status::Ok();
 }
 

@@ -95,9 +95,10 @@ void Engine::Impl::EndUnit(int64_t u, const std::vector<torch::Tensor>& outputs)
       torch::Tensor t = out;  // register_hook is not const; the hook lands on the shared node
       t.register_hook([this, u, alive = std::weak_ptr<const bool>(alive_)](const torch::Tensor&) {
         if (alive.expired())
-          Throw(FailedPrecondition("backward of a forward run by an engine that has since ended "
-                                   "(closed, destroyed or replaced): its graph reaches parameters "
-                                   "the engine no longer holds; run the forward again"));
+          Throw(
+              FailedPrecondition("backward of a forward run by an engine that has since ended "
+                                 "(closed, destroyed or replaced): its graph reaches parameters "
+                                 "the engine no longer holds; run the forward again"));
         OnUnitBackwardReach(u);
       });
     }

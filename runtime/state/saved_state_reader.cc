@@ -109,7 +109,8 @@ Status SavedStateReader::ReadShard(int rank) {
   std::vector<char> raw(bytes);
   const int fd = ::open(bin.c_str(), O_RDONLY | O_CLOEXEC);
   if (fd < 0) return ErrnoToStatus(errno, StrCat("open ", bin));
-  Status s = checkpoint::ReadChecked(fd, bin, entry->offset, bytes, entry->crc32c, what, raw.data());
+  Status s =
+      checkpoint::ReadChecked(fd, bin, entry->offset, bytes, entry->crc32c, what, raw.data());
   ::close(fd);
   STRATA_RETURN_IF_ERROR(s);
   bytes_read_ += bytes;
@@ -117,7 +118,8 @@ Status SavedStateReader::ReadShard(int rank) {
   return Status::Ok();
 }
 
-Status SavedStateReader::Use(StateKind kind, int64_t chunk, int64_t first, int64_t last, bool decoded) {
+Status SavedStateReader::Use(StateKind kind, int64_t chunk, int64_t first, int64_t last,
+                             bool decoded) {
   const int64_t n = shard_numel_[chunk];
   if (cached_chunk_ != chunk || cached_kind_ != kind) {
     cached_kind_ = kind;
@@ -145,10 +147,11 @@ Status SavedStateReader::ReadInt8Blocks(StateKind kind, int64_t pid, int64_t beg
   STRATA_DCHECK(pid >= 0 && pid < static_cast<int64_t>(params_.size()), "parameter ", pid);
   const Param& p = params_[pid];
   STRATA_DCHECK(begin % kBlock == 0 && count >= 0 && begin + count <= p.numel, "elements ", begin,
-               "+", count, " of '", p.name, "'");
+                "+", count, " of '", p.name, "'");
   const int64_t n = shard_numel_[p.chunk];  // a multiple of the block: no block spans two ranks
   const int64_t blocks = (count + kBlock - 1) / kBlock;
-  STRATA_RETURN_IF_ERROR(Use(kind, p.chunk, p.offset + begin, p.offset + begin + blocks * kBlock, /*decoded=*/false));
+  STRATA_RETURN_IF_ERROR(
+      Use(kind, p.chunk, p.offset + begin, p.offset + begin + blocks * kBlock, /*decoded=*/false));
   for (int64_t b = 0; b < blocks; ++b) {
     const int64_t at = p.offset + begin + b * kBlock;  // in the saved chunk
     const auto& raw = raw_[static_cast<size_t>(at / n)];
@@ -165,7 +168,8 @@ Status SavedStateReader::Read(StateKind kind, int64_t pid, int64_t begin, int64_
   const Param& p = params_[pid];
   STRATA_DCHECK(begin >= 0 && count >= 0 && begin + count <= p.numel, "elements ", begin, "+", count,
                " of '", p.name, "' (", p.numel, ")");
-  STRATA_RETURN_IF_ERROR(Use(kind, p.chunk, p.offset + begin, p.offset + begin + count, /*decoded=*/true));
+  STRATA_RETURN_IF_ERROR(
+      Use(kind, p.chunk, p.offset + begin, p.offset + begin + count, /*decoded=*/true));
   std::copy_n(cached_.data() + p.offset + begin, count, out);
   return Status::Ok();
 }

@@ -90,10 +90,11 @@ def test_a_checkpoint_resumes_on_other_ranks_stage_and_precision(name, saving, l
     sw, ss, so, sb = saving
     lw, ls, lo, lb, *chunk = loading
     saved, _ = _run("save", sw, _config(ss, so, 4 // sw, tmp_path, sb), tmp_path)
-    loaded, log = _run("load", lw, _config(ls, lo, 4 // lw, tmp_path, lb, chunk_size=chunk and chunk[0]),
-                       tmp_path)
+    loading = _config(ls, lo, 4 // lw, tmp_path, lb, chunk_size=chunk and chunk[0])
+    loaded, log = _run("load", lw, loading, tmp_path)
     # The load said what it converted.
-    assert ("loading its states parameter by parameter" if chunk else "Note [elastic resume]") in log
+    said = "loading its states parameter by parameter" if chunk else "Note [elastic resume]"
+    assert said in log
     if chunk:
         # Loaded parameter by parameter on every rank, each reading well under the whole
         # checkpoint (its share, and the saved shards that straddle its own).

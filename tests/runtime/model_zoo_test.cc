@@ -280,7 +280,8 @@ TEST(ZooMemory, AGraphKeptPastTheEngineIsRefusedOrFreedSafely) {
         loss.backward();
         FAIL() << "a backward through the ended engine's units went through";
       } catch (const std::exception& e) {
-        EXPECT_NE(std::string(e.what()).find("an engine that has since ended"), std::string::npos) << e.what();
+        EXPECT_NE(std::string(e.what()).find("an engine that has since ended"), std::string::npos)
+            << e.what();
       }
     } else {
       EXPECT_FALSE(watch.expired());  // the graph holds the chunks' memory, and so the device
@@ -297,7 +298,8 @@ TEST(ZooMemory, AGraphKeptPastTheEngineIsRefusedOrFreedSafely) {
   EngineOptions eo;
   eo.device_owner = CreateDevice("cpu", 64 << 20).value();
   const Status refused = Engine::Create(net.ptr(), c, comm.get(), device.get(), eo).status();
-  EXPECT_NE(refused.message().find("device_owner holds another device"), std::string::npos) << refused;
+  EXPECT_NE(refused.message().find("device_owner holds another device"), std::string::npos)
+      << refused;
 }
 
 // Chunks under stage3_param_persistence_threshold stay gathered across steps: after each update

@@ -96,9 +96,10 @@ TEST(SavedStateReader, ReadsOnlyTheShardsHoldingWhatIsAskedFor) {
   testing::TempDir dir;
   std::vector<float> master(2 * kShard);
   std::iota(master.begin(), master.end(), 0.0f);
-  const auto ms = WriteCheckpoint(dir.path(), "fp32", {{StateKind::kMaster32,
-                                                       {FloatBytes(master.data(), kShard),
-                                                        FloatBytes(master.data() + kShard, kShard)}}});
+  const auto ms = WriteCheckpoint(
+      dir.path(), "fp32",
+      {{StateKind::kMaster32,
+        {FloatBytes(master.data(), kShard), FloatBytes(master.data() + kShard, kShard)}}});
   const uint64_t shard_bytes = kShard * sizeof(float);
   ASSERT_OK_AND_ASSIGN(SavedStateReader r, SavedStateReader::Open(dir.path(), ms[0]));
   EXPECT_EQ(r.SavedBytes(StateKind::kMaster32), 2 * shard_bytes);
@@ -128,7 +129,8 @@ TEST(SavedStateReader, ReadsOnlyTheShardsHoldingWhatIsAskedFor) {
   ASSERT_OK_AND_ASSIGN(SavedStateReader fresh, SavedStateReader::Open(dir.path(), ms[1]));
   ASSERT_OK(fresh.Read(StateKind::kMaster32, 1, 0, 250, got.data()));
   EXPECT_EQ(got[0], 768.0f);
-  EXPECT_THAT(fresh.Read(StateKind::kMaster32, 0, 0, 10, got.data()).message(), HasSubstr("crc32c"));
+  EXPECT_THAT(fresh.Read(StateKind::kMaster32, 0, 0, 10, got.data()).message(),
+              HasSubstr("crc32c"));
   EXPECT_EQ(fresh.bytes_read(), shard_bytes);  // the damaged shard is not counted as read
 }
 

@@ -546,10 +546,11 @@ TEST(CliFlagsTest, AnInvalidAutoPlacedConfigIsRefusedOnceWithItsOwnError) {
         R"({"zero_optimization": {"stage": 1}, "optimizer": {"type": "SGD", "params": {"lr": 1e-3}},
             "strata": {"device": "cpu", "placement": "auto", "optimizer_state_dtype": "int8"},
             "model": {"n_layers": 2, "d_model": 64, "n_heads": 4, "seq_len": 32, "vocab_size": 256}})");
-  const Result r = Exec(std::string(STRATA_TRAIN_BIN) + " --eval-batches 0 --plot '' --steps 1 --config " +
-                        dir.path() + "/c.json");
+  const Result r = Exec(std::string(STRATA_TRAIN_BIN) +
+                        " --eval-batches 0 --plot '' --steps 1 --config " + dir.path() + "/c.json");
   EXPECT_EQ(r.rc, 2) << r.out;
-  EXPECT_NE(r.out.find("SGD without momentum keeps no optimizer state"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("SGD without momentum keeps no optimizer state"), std::string::npos)
+      << r.out;
   EXPECT_EQ(r.out.find("default device reserve"), std::string::npos) << r.out;
 }
 

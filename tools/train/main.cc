@@ -565,8 +565,9 @@ class Trainer {
       // Said once the engine has started: a config the replay refuses, the engine refuses too,
       // with its own error, which this line would only precede.
       if (leader() && !f_.json)
-        reserve_note_ = StrCat("strata-train: placement auto keeps the engine's default device reserve (",
-                               est.ok() ? "the replay found none" : est.status().ToString(), ")\n");
+        reserve_note_ =
+            StrCat("strata-train: placement auto keeps the engine's default device reserve (",
+                   est.ok() ? "the replay found none" : est.status().ToString(), ")\n");
       return Status::Ok();
     }
     c_.strata.device_reserve = est->device_reserve;

@@ -11,6 +11,7 @@ it and hooks the outputs, so that backward gathers the unit again before enterin
 are removed when the engine closes.
 """
 
+import sys
 import threading
 
 import torch
@@ -37,6 +38,21 @@ def flatten_tensors(value, out=None):
         for v in value.values():
             flatten_tensors(v, out)
     return out
+
+
+def _running(module):
+    """Whether `module`'s forward is running on this thread: a frame of its forward, or a second
+    frame of its call (the first is the one running this pre-hook)."""
+    calls = 0
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_locals.get("self") is module:
+            if frame.f_code.co_name == "forward":
+                return True
+            if frame.f_code.co_name == "_call_impl":  # torch 2's _wrapped_call_impl calls it
+                calls += 1
+        frame = frame.f_back
+    return calls > 1
 
 
 class _ThreadState(threading.local):
@@ -75,9 +91,11 @@ class UnitHooks:
                 self._cpp.begin_unit(index, checkpointed)
             except _strata.StrataError as e:
                 # Still open from a forward of the model called directly (not through the
-                # engine) that raised: nothing ended it. A unit never runs inside itself, so
-                # that forward is over; end what it left open, then begin.
-                if index not in self.open or "runs inside itself" not in str(e):
+                # engine) that raised: nothing ended it, and that forward is over unless the
+                # module's forward is still running (a module calling itself stays refused).
+                # End what it left open, then begin.
+                if index not in self.open or "runs inside itself" not in str(e) or \
+                        _running(module):
                     raise
                 self._end_open_through(index)
                 self._cpp.begin_unit(index, checkpointed)

@@ -67,6 +67,28 @@ def test_training_after_a_failed_forward_of_the_model_itself_matches_pytorch(cas
     harness.assert_close(got, want)
 
 
+class _CallsItself(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+
+    def forward(self, x, depth=1):
+        y = self.lin(x)
+        return self(y, depth - 1) if depth > 0 else y
+
+
+def test_a_unit_whose_forward_calls_itself_is_still_refused(tmp_path):
+    """The recovery above ends a unit left open by a forward that is over; a module whose forward
+    calls itself is still running, and stays refused (its unit cannot be gathered twice)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), _CallsItself())
+    cfg = harness.config_for(next(c for c in harness.GRID if c[0] == "stage3"), tmp_path / "nvme")
+    engine, _, _, _ = strata.initialize(model=model, config=copy.deepcopy(cfg))
+    with pytest.raises(strata.StrataError, match="runs inside itself"):
+        engine(torch.randn(2, 4)).sum()
+    engine.close()
+
+
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c[0])
 def test_an_engine_dropped_after_a_failed_forward_frees_cleanly(case, tmp_path):
     engine = _engine(case, tmp_path)

@@ -90,8 +90,8 @@ def test_a_checkpoint_resumes_on_other_ranks_stage_and_precision(name, saving, l
     sw, ss, so, sb = saving
     lw, ls, lo, lb, *chunk = loading
     saved, _ = _run("save", sw, _config(ss, so, 4 // sw, tmp_path, sb), tmp_path)
-    loading = _config(ls, lo, 4 // lw, tmp_path, lb, chunk_size=chunk and chunk[0])
-    loaded, log = _run("load", lw, loading, tmp_path)
+    load_cfg = _config(ls, lo, 4 // lw, tmp_path, lb, chunk_size=chunk and chunk[0])
+    loaded, log = _run("load", lw, load_cfg, tmp_path)
     # The load said what it converted.
     said = "loading its states parameter by parameter" if chunk else "Note [elastic resume]"
     assert said in log

@@ -28,6 +28,9 @@ from . import units as _units
 from ._strata import InvalidArgumentError, StrataError
 from .engine_config_view import ConfigView
 
+# _replaced_by of an engine that close() (or destroy()) ended.
+_CLOSED = "it was closed"
+
 
 class StrataEngine(ConfigView, torch.nn.Module):
     def __init__(self, cpp, model, units):
@@ -725,7 +728,7 @@ class StrataEngine(ConfigView, torch.nn.Module):
         self._cpp.close()
         _live_engines.pop(id(self), None)
         if self._replaced_by is None:
-            self._replaced_by = "it was closed"
+            self._replaced_by = _CLOSED
 
     def destroy(self):
         """Ends the engine and gives the model its trained fp32 weights back as ordinary
@@ -762,10 +765,10 @@ class StrataEngine(ConfigView, torch.nn.Module):
         model still has its weights (destroy(), or close() below stage 3). Under stage 3 close()
         leaves the parameters empty, and PyTorch's own error ("'weight' must be 2-D") would name
         neither; a model taken over by a later initialize belongs to that engine."""
-        if self._replaced_by != "it was closed":
+        if self._replaced_by != _CLOSED:
             raise InvalidArgumentError(f"engine.forward: this engine no longer trains "
                                        f"({self._replaced_by}): call the new engine")
-        if any(p.numel() == 0 for p in self.module.parameters() if p.requires_grad):
+        if any(_param_state.emptied_by_a_closed_engine(p) for p in self.module.parameters()):
             raise InvalidArgumentError(
                 "engine.forward: this engine was closed, and under ZeRO stage 3 close() leaves "
                 "the model's parameters empty; call engine.destroy() instead of close() to give "

@@ -94,10 +94,8 @@ uint64_t SavedStateReader::SavedBytes(StateKind kind) const {
   return total;
 }
 
-Status SavedStateReader::ReadShard(int rank) {
+Status SavedStateReader::ReadShard(StateKind kind, int64_t chunk, int rank) {
   namespace fs = std::filesystem;
-  const StateKind kind = cached_kind_;
-  const int64_t chunk = cached_chunk_;
   const uint64_t bytes = layout_.Bytes(kind, shard_numel_[chunk]);
   const checkpoint::BlockEntry* entry = nullptr;
   for (const auto& e : ranks_[rank].blocks)
@@ -130,7 +128,7 @@ Status SavedStateReader::Use(StateKind kind, int64_t chunk, int64_t first, int64
   }
   if (last <= first) return Status::Ok();
   for (auto rank = static_cast<int>(first / n); rank <= static_cast<int>((last - 1) / n); ++rank) {
-    if (raw_[rank].empty()) STRATA_RETURN_IF_ERROR(ReadShard(rank));
+    if (raw_[rank].empty()) STRATA_RETURN_IF_ERROR(ReadShard(kind, chunk, rank));
     if (decoded && !decoded_[rank]) {
       if (cached_.empty()) cached_.assign(static_cast<size_t>(n * shard_world_), 0.0f);
       layout_.Decode(kind, raw_[rank].data(), n, cached_.data() + rank * n);

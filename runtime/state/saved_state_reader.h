@@ -68,7 +68,8 @@ class SavedStateReader {
   // Makes elements [first, last) of saved chunk `chunk` of `kind` available: the shards holding
   // them read (raw_), and decoded into cached_ when `decoded`.
   Status Use(StateKind kind, int64_t chunk, int64_t first, int64_t last, bool decoded);
-  Status ReadShard(int rank);
+  // Reads and checks saving rank `rank`'s shard of `chunk`'s `kind` into raw_[rank].
+  Status ReadShard(StateKind kind, int64_t chunk, int rank);
 
   std::string dir_;
   std::vector<checkpoint::Manifest> ranks_;  // by rank of the saving run

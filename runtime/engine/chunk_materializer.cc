@@ -53,6 +53,16 @@ ChunkMaterializer::ClosedChunk ChunkMaterializer::ClosedChunkOf(const torch::Ten
                                          : ClosedChunk::kNone;
 }
 
+void ChunkMaterializer::MarkStartFailed(const torch::Tensor& param) {
+  c10::Storage marked(c10::Storage::use_byte_size_t(), 0,
+                      c10::DataPtr(nullptr, nullptr, &FailedStartChunkStorage, param.device()),
+                      /*allocator=*/nullptr, /*resizable=*/false);
+  torch::NoGradGuard ng;
+  torch::Tensor(param).set_data(
+      torch::empty({0}, torch::TensorOptions().dtype(param.dtype()).device(param.device()))
+          .set_(marked, 0, {0}, {1}));
+}
+
 torch::Device ChunkMaterializer::TorchDev() const { return TorchDevice(*device_); }
 
 Status ChunkMaterializer::MakeLanes(GradientReducer* reducer, OptimizerLane* opt_lane) {

@@ -79,6 +79,9 @@ class ChunkMaterializer {
   // Whether `t` views the storage of a chunk whose engine was closed, and how it ended.
   enum class ClosedChunk { kNone, kClosed, kStartFailed };
   static ClosedChunk ClosedChunkOf(const torch::Tensor& t);
+  // Leaves `param` with 0 elements over storage marked as a failed start's chunk (kStartFailed):
+  // for a parameter whose values a failed start took without pointing it at a chunk.
+  static void MarkStartFailed(const torch::Tensor& param);
   // Frees the pending chunk memory whose compute has finished; all of it when `wait`.
   void ReapFrees(bool wait) EXCLUDES(frees_mu_);
   // Holds chunk c, gathering it when it is not (stage 3).

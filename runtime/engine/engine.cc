@@ -72,26 +72,60 @@ Engine::Impl::~Impl() {
   if (owner_) unit_detail::UnregisterEngine(owner_);
   for (auto& p : params_)
     if (p.acc) p.acc->post_hooks().clear();
+  if (!started_) AbandonStart();
   // Stage 3's parameters are left with 0 elements, marked with how the engine ended.
-  if (materializer_) materializer_->Close(/*start_failed=*/!started_);
-  // Stages 0-2: the parameters are views of chunks the device allocated, and the model outlives
-  // the engine (and maybe the device): give them their own copy of the working values. Only
-  // parameters over a chunk's storage: stage 3's have 0 elements, and after a setup that failed
-  // before its chunks (the plan, and so the stage, may not even be known) the others still have
-  // the model's own memory -- for a Python zero.Init build, a mapping of the staging file, which
-  // a copy would pull into DRAM whole while it punched the file, so that a retry (more disk
-  // freed, another config) would start from a model larger than memory held in memory.
-  {
-    std::unordered_set<const c10::StorageImpl*> chunk_storage;
-    for (size_t c = 0; c < chunks_.size(); ++c)
-      if (chunks_[static_cast<int64_t>(c)].full.defined() && chunks_[static_cast<int64_t>(c)].full.has_storage())
-        chunk_storage.insert(chunks_[static_cast<int64_t>(c)].full.storage().unsafeGetStorageImpl());
-    torch::NoGradGuard ng;
-    for (auto& p : params_)
-      if (p.tensor.defined() && p.tensor.numel() > 0 && HoldsItsElements(p.tensor) &&
-          chunk_storage.count(p.tensor.storage().unsafeGetStorageImpl()))
-        p.tensor.set_data(p.tensor.detach().clone());
+  if (materializer_) materializer_->Close();
+  GiveChunkViewsTheirOwnMemory();
+}
+
+std::string Engine::Impl::AbandonStart() {
+  if (abandoned_) return "";
+  abandoned_ = true;
+  const bool took_any = rollback_.took_any();
+  const StartRollback::Outcome undone = rollback_.Undo();
+  if (materializer_) materializer_->Close(/*start_failed=*/true);
+  GiveChunkViewsTheirOwnMemory();
+  // A parameter whose values went with the start and that views no chunk (its staged values were
+  // read and given back, but its chunk never shown) is marked as a chunk's would be, so that the
+  // next start refuses it instead of training 0 elements.
+  int64_t lost = 0;
+  for (const torch::Tensor& p : undone.lost) {
+    if (ChunkMaterializer::ClosedChunkOf(p) == ChunkMaterializer::ClosedChunk::kNone &&
+        p.numel() == 0)
+      ChunkMaterializer::MarkStartFailed(p);
+    lost += ChunkMaterializer::ClosedChunkOf(p) == ChunkMaterializer::ClosedChunk::kStartFailed;
   }
+  if (!took_any) return "";
+  if (lost == 0)
+    return StrCat("the model is as the start found it (", undone.restored,
+                  " parameters and buffers have their own values back): start it again once the "
+                  "cause is fixed");
+  return StrCat("the values of ", lost,
+                " parameters went with the start: their zero::Init staging space was given back "
+                "as the start read it, because the disk could not hold the NVMe state beside the "
+                "whole staging file (free more disk to keep it); build the model again (under "
+                "zero.Init where it was) before starting an engine on it");
+}
+
+// Stages 0-2: the parameters are views of chunks the device allocated, and the model outlives
+// the engine (and maybe the device): give them their own copy of the working values. Only
+// parameters over a chunk's storage: stage 3's have 0 elements, and after a setup that failed
+// before its chunks (the plan, and so the stage, may not even be known) the others still have
+// the model's own memory -- for a Python zero.Init build, a mapping of the staging file, which
+// a copy would pull into DRAM whole while it punched the file, so that a retry (more disk
+// freed, another config) would start from a model larger than memory held in memory.
+void Engine::Impl::GiveChunkViewsTheirOwnMemory() {
+  std::unordered_set<const c10::StorageImpl*> chunk_storage;
+  for (size_t c = 0; c < chunks_.size(); ++c)
+    if (chunks_[static_cast<int64_t>(c)].full.defined() &&
+        chunks_[static_cast<int64_t>(c)].full.has_storage())
+      chunk_storage.insert(chunks_[static_cast<int64_t>(c)].full.storage().unsafeGetStorageImpl());
+  if (chunk_storage.empty()) return;
+  torch::NoGradGuard ng;
+  for (auto& p : params_)
+    if (p.tensor.defined() && p.tensor.numel() > 0 && HoldsItsElements(p.tensor) &&
+        chunk_storage.count(p.tensor.storage().unsafeGetStorageImpl()))
+      p.tensor.set_data(p.tensor.detach().clone());
 }
 
 torch::Device TorchDevice(const Device& device) {
@@ -217,7 +251,11 @@ StatusOr<std::unique_ptr<Engine>> Engine::Create(std::shared_ptr<torch::nn::Modu
   auto impl = std::make_unique<Impl>(std::move(model), resolved, comm, device);
   Impl* raw = impl.get();
   std::unique_ptr<Engine> engine(new Engine(std::move(impl)));
-  STRATA_RETURN_IF_ERROR(raw->Init(engine.get(), options));
+  if (Status s = raw->Init(engine.get(), options); !s.ok()) {
+    const std::string outcome = raw->AbandonStart();
+    return outcome.empty() ? s
+                           : Status(s.code(), StrCat(s.message(), "; ", outcome), s.sys_errno());
+  }
   return engine;
 }
 

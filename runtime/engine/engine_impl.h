@@ -74,6 +74,7 @@
 #include "runtime/engine/publish_lane.h"
 #include "runtime/engine/reduce_lane.h"
 #include "runtime/engine/run_unit.h"
+#include "runtime/engine/start_rollback.h"
 #include "runtime/engine/step_meter.h"
 #include "runtime/engine/unit_coordinator.h"
 #include "runtime/engine/zero_init.h"
@@ -108,6 +109,10 @@ class Engine::Impl {
   ~Impl();
 
   Status Init(Engine* owner, const EngineOptions& options);
+  // After a failed Init: gives the model back what the start took (StartRollback), marks the
+  // parameters whose values went with it, and says which happened, for the start's error ("" when
+  // the start had taken nothing). Idempotent; ~Impl calls it too.
+  std::string AbandonStart();
   torch::Tensor Forward(const torch::Tensor& input);
   void BeginUnit(int64_t u, bool checkpointed);
   void EndUnit(int64_t u, const std::vector<torch::Tensor>& outputs);
@@ -253,6 +258,8 @@ class Engine::Impl {
   Status MakeLanes();
   Status HookModel();
   void StartLanes();
+  // Stages 0-2: parameters still viewing a chunk get their own copy of its working values.
+  void GiveChunkViewsTheirOwnMemory();
   Status HookGradients();
   Status GatherUnit(int64_t u);
   void ReleaseUnit(int64_t u, int64_t reuse_distance);
@@ -337,6 +344,10 @@ class Engine::Impl {
   EngineModel model_;
   Engine* owner_ = nullptr;
   bool started_ = false;  // Init went through: a failed start marks its chunks so (~Impl)
+  // What a start that fails part-way gives back (start_rollback.h): filled by PlaceBuffers and
+  // WriteInitialBlocks, committed once Init went through.
+  StartRollback rollback_;
+  bool abandoned_ = false;  // AbandonStart ran
   // Expires first thing in ~Impl. The hooks EndUnit leaves on a forward's outputs belong to its
   // autograd graph, which the caller may keep past the engine: they hold this, weakly, and
   // refuse a backward of an engine that has ended instead of calling into freed memory.

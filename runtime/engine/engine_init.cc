@@ -47,6 +47,12 @@ Status Engine::Impl::Init(Engine* owner, const EngineOptions& options) {
   STRATA_RETURN_IF_ERROR(timed("hooks", [&] { return HookModel(); }));
   StartLanes();
   started_ = true;
+  // The model's own memory and zero::Init's staged space go now.
+  if (const uint64_t held = rollback_.Commit(); held > 0)
+    STRATA_LOG(WARN)
+        << "engine start: " << FormatBytes(held) << " of zero::Init's staging file stays on disk: "
+        << "another tensor still shares a staged parameter's memory (a .data or a view kept from "
+        << "before initialize); the space comes back when that tensor goes";
   const auto secs_text = [](double secs) {
     char buf[32];
     std::snprintf(buf, sizeof buf, "%.1f s", secs);
@@ -222,27 +228,48 @@ Status Engine::Impl::OpenNvmeTier(const EngineOptions& options) {
     // cpu_checkpointing puts saved inputs in NVMe-backed slots too: leave them an eighth more
     // (a block's input is B·T·d elements against its 12·d² weights).
     if (config_.activation_checkpointing.cpu_checkpointing) need += std::max<uint64_t>(need / 8, 64ull << 20);
+    // The start registers every NVMe-placed block: a capacity below them would fail part-way
+    // through it, after minutes of writing blocks, so it is refused before the first.
+    if (config_.strata.nvme_capacity > 0 && config_.strata.nvme_capacity < plan_.nvme_bytes())
+      return InvalidArgument(StrCat(
+          "strata.nvme_capacity is ", FormatBytes(config_.strata.nvme_capacity), " (",
+          config_.strata.nvme_capacity, " bytes) but rank ", comm_->rank(),
+          "'s NVMe-placed state needs ", FormatBytes(plan_.nvme_bytes()), " (", plan_.nvme_bytes(),
+          " bytes); raise it to at least that, or leave it unset "
+          "for what the disk has free"));
     o.capacity = config_.strata.nvme_capacity ? config_.strata.nvme_capacity : need;
     // A disk too small for the state is refused now, naming the path and the bytes, not at the
     // first Allocate that meets ENOSPC (Note [preallocation] grows the files on demand).
     o.needed_bytes = std::min(need, o.capacity);
     // Per file system of the paths: where a staging file lies too, the start gives its space back
     // as it writes the blocks there (Note [start's disk]).
+    // Where the disk holds the whole state beside the whole file, nothing is counted on: the start
+    // keeps the file until it has gone through, so that a failure gives the model back
+    // (start_rollback.h).
+    const uint64_t stripe = static_cast<uint64_t>(std::max<int64_t>(config_.aio.block_size, 1));
     for (const FileSystemPaths& fs : GroupByFileSystem(paths)) {
       if (!fs.known) continue;  // the store names a bad path
       const std::vector<ChunkStaging> staged = StagedSpaceOn(fs.paths.front());
       if (staged.empty()) continue;
-      const uint64_t growth =
-          StartDiskGrowth(plan_, partitioner_->chunks(), staged,
-                          static_cast<uint64_t>(std::max<int64_t>(config_.aio.block_size, 1)), o.needed_bytes,
-                          paths.size(), fs.paths.size());
+      const uint64_t whole =
+          StartDiskGrowth(plan_, partitioner_->chunks(), std::vector<ChunkStaging>(staged.size()),
+                          stripe, o.needed_bytes, paths.size(), fs.paths.size());
+      const uint64_t free_now = FreeDiskBytes(fs.paths.front());
+      if (free_now >= whole) continue;
+      const uint64_t growth = StartDiskGrowth(plan_, partitioner_->chunks(), staged, stripe,
+                                              o.needed_bytes, paths.size(), fs.paths.size());
       o.needed_free_on_device[fs.device] = growth;
       o.needed_free_why = "zero::Init's staging file gives back as the start reads it";
       nvme_counts_on_staging_ = true;
-      STRATA_LOG(INFO) << "nvme: the start reads " << FormatBytes(TotalOf(staged)) << " back from zero::Init's "
-                       << "staging file on the file system of " << fs.paths.front() << " as it writes the NVMe blocks, so "
-                       << FormatBytes(growth) << " of the NVMe state's " << FormatBytes(o.needed_bytes)
-                       << " must be free there now";
+      rollback_.CountsOnStagedSpace(fs.device);
+      STRATA_LOG(INFO)
+          << "nvme: the start reads " << FormatBytes(TotalOf(staged)) << " back from zero::Init's "
+          << "staging file on the file system of " << fs.paths.front()
+          << " as it writes the NVMe blocks, so " << FormatBytes(growth) << " of the NVMe state's "
+          << FormatBytes(o.needed_bytes)
+          << " must be free there now; with " << FormatBytes(free_now) << " free it cannot hold the "
+          << "state's " << FormatBytes(whole) << " beside the whole file, so a start that fails "
+          << "part-way loses the parameters it has read";
     }
     o.aio = config_.aio;
     o.checksums = config_.strata.checksums;

@@ -29,7 +29,10 @@ Status Engine::Impl::PlaceBuffers() {
     const torch::Dtype dtype =
         b.is_floating_point() && work != torch::kFloat32 ? work : b.scalar_type();
     const torch::Device dev = DeviceOptions(dtype).device();
-    if (b.device() != dev || b.scalar_type() != dtype) b.set_data(b.to(dev, dtype));
+    if (b.device() != dev || b.scalar_type() != dtype) {
+      rollback_.Take(b);
+      b.set_data(b.to(dev, dtype));
+    }
     if (comm_->world_size() > 1 && b.numel() > 0) {
       // Rank 0 sends its own values. The others receive into memory of the tensor's own, which
       // then replaces theirs: a frozen parameter built under a Python zero.Init of several ranks
@@ -41,8 +44,12 @@ Status Engine::Impl::PlaceBuffers() {
       STRATA_RETURN_IF_ERROR(comm_->Broadcast(t.data_ptr(), static_cast<int64_t>(t.nbytes()),
                                               strata::DType::kU8, 0)
                                  .WithContext(StrCat("broadcasting buffer ", name)));
-      if (comm_->rank() != 0) b.set_data(t);
-      else if (!t.is_same(b)) b.copy_(t);
+      if (comm_->rank() != 0) {
+        rollback_.Take(b);
+        b.set_data(t);
+      } else if (!t.is_same(b)) {
+        b.copy_(t);
+      }
     }
   }
   return Status::Ok();
@@ -112,7 +119,9 @@ Status Engine::Impl::WriteInitialBlocks() {
     for (int64_t pid : ci.params) {
       const ParamLocation& loc = partitioner_->location(pid);
       torch::Tensor dst = read_into.narrow(0, loc.offset, loc.numel);
-      STRATA_ASSIGN_OR_RETURN(bool staged, zero::ReadStaged(params_[pid].tensor, dst));
+      // Held until the start has gone through, so that a failure gives it back (start_rollback.h).
+      const zero::AfterRead after = rollback_.TakeParameter(params_[pid].tensor);
+      STRATA_ASSIGN_OR_RETURN(bool staged, zero::ReadStaged(params_[pid].tensor, dst, after));
       if (!staged) dst.copy_(params_[pid].tensor.detach().reshape({-1}));
     }
     // Every rank starts from rank 0's initial values.

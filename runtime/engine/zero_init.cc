@@ -728,11 +728,33 @@ StatusOr<bool> ReadGenerated(Init::Impl& init, const Staged& st, torch::Tensor d
 
 }  // namespace
 
-StatusOr<bool> ReadStaged(const torch::Tensor& param, torch::Tensor dst) {
+namespace {
+
+// The bytes of `st`'s range in its file (O_DIRECT's alignment included).
+uint64_t StagedFileBytes(const Staged& st) {
+  const uint64_t bytes = static_cast<uint64_t>(st.numel) * c10::elementSize(st.dtype);
+  return st.direct ? AlignUp(bytes) : bytes;
+}
+
+// Frees `st`'s range of its file (the staging file shrinks as the tiers fill, so the disk holds
+// the model about once) and drops its pages from the cache. Both are best effort.
+void GiveBackRange(const Staged& st) {
+  if (st.dropped || st.fill) return;
+  const Init::Impl& init = *st.owner;
+  ::fallocate(init.fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, static_cast<off_t>(st.offset),
+              static_cast<off_t>(StagedFileBytes(st)));
+  ::posix_fadvise(init.fd, static_cast<off_t>(st.offset),
+                  static_cast<off_t>(static_cast<uint64_t>(st.numel) * c10::elementSize(st.dtype)),
+                  POSIX_FADV_DONTNEED);
+}
+
+}  // namespace
+
+StatusOr<bool> ReadStaged(const torch::Tensor& param, torch::Tensor dst, AfterRead after) {
   Staged st;
   {
-    // Reading consumes the entry: the engine reads each parameter once, and from then on the
-    // parameter is the engine's.
+    // kGiveBack consumes the entry: from then on the parameter is the engine's. kKeep leaves it
+    // for GiveBackStaged, or for a read by the next start if this one fails.
     std::lock_guard<std::mutex> l(Mu());
     auto it = Registry().find(param.unsafeGetTensorImpl());
     if (it == Registry().end()) return false;
@@ -741,7 +763,7 @@ StatusOr<bool> ReadStaged(const torch::Tensor& param, torch::Tensor dst) {
                                     it->second.numel, " elements, not ", dst.toString(), " ",
                                     dst.sizes()));
     st = it->second;
-    Registry().erase(it);
+    if (after == AfterRead::kGiveBack) Registry().erase(it);
   }
   if (st.dropped) {
     dst.zero_();
@@ -749,21 +771,24 @@ StatusOr<bool> ReadStaged(const torch::Tensor& param, torch::Tensor dst) {
   }
   Init::Impl& init = *st.owner;
   if (st.fill) return ReadGenerated(init, st, dst);
-  const uint64_t bytes = static_cast<uint64_t>(st.numel) * c10::elementSize(st.dtype);
-  const uint64_t len = st.direct ? AlignUp(bytes) : bytes;
+  const uint64_t len = StagedFileBytes(st);
   std::lock_guard<std::mutex> l(init.read_mu);
   STRATA_RETURN_IF_ERROR(GrowReadBuffer(init, len));
   // The direct descriptor lives as long as its Init once anything went through it.
   STRATA_RETURN_IF_ERROR(st.direct ? ReadDirect(init, init.read_buf, len, st.offset)
                                    : ReadBuffered(init, init.read_buf, len, st.offset));
-  // Read once: give the disk space back (the staging file shrinks as the tiers fill, so the
-  // disk holds the model about once) and drop the pages from the cache. Both are best effort.
-  ::fallocate(init.fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, static_cast<off_t>(st.offset),
-              static_cast<off_t>(len));
-  ::posix_fadvise(init.fd, static_cast<off_t>(st.offset), static_cast<off_t>(bytes), POSIX_FADV_DONTNEED);
+  if (after == AfterRead::kGiveBack) GiveBackRange(st);
   torch::NoGradGuard ng;
   dst.view({-1}).copy_(torch::from_blob(init.read_buf, {st.numel}, torch::TensorOptions().dtype(st.dtype)));
   return true;
+}
+
+void GiveBackStaged(const torch::Tensor& param) {
+  std::lock_guard<std::mutex> l(Mu());  // held: the entry's Init cannot go meanwhile
+  auto it = Registry().find(param.unsafeGetTensorImpl());
+  if (it == Registry().end()) return;
+  GiveBackRange(it->second);
+  Registry().erase(it);
 }
 
 }  // namespace strata::zero

@@ -129,13 +129,23 @@ bool StageGenerated(const torch::Tensor& param, std::vector<int64_t> shape, Fill
 // Throws std::runtime_error on an I/O or mapping error, naming the file.
 void StageMapped(const torch::Tensor& param);
 
+// What ReadStaged leaves of a parameter it read.
+enum class AfterRead {
+  kGiveBack,  // nothing: the parameter is no longer staged, and its space in the file is freed
+  // Everything: the parameter stays staged, its values in the file, until GiveBackStaged (the
+  // engine's start, so that a start that fails part-way leaves the model as it found it).
+  kKeep,
+};
 // For the engine: when `param` was staged by a live Init, reads its values converted to dst's
-// dtype into `dst` (a contiguous CPU tensor of the staged shape's elements), frees their space in
-// the staging file (or draws them, for StageGenerated's) and returns true; a parameter is read
-// once (then it is no longer staged).
+// dtype into `dst` (a contiguous CPU tensor of the staged shape's elements), or draws them for
+// StageGenerated's, and returns true; with AfterRead::kGiveBack a parameter is read once.
 // Returns false for a parameter not staged. An I/O error is returned as a Status, and so is a
 // destination of another size or not contiguous on the CPU (INVALID_ARGUMENT; nothing is read).
-StatusOr<bool> ReadStaged(const torch::Tensor& param, torch::Tensor dst);
+StatusOr<bool> ReadStaged(const torch::Tensor& param, torch::Tensor dst,
+                          AfterRead after = AfterRead::kGiveBack);
+// Ends what ReadStaged(kKeep) kept: `param` is no longer staged, and its space in the staging
+// file is freed (best effort, as ReadStaged's). Nothing for a parameter not staged.
+void GiveBackStaged(const torch::Tensor& param);
 
 // The disk space a staged parameter holds in its Init's staging file until it is given back
 // (its range of the file, alignment padding included), and where. Engine::Create counts on it:

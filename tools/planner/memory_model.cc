@@ -473,8 +473,10 @@ StatusOr<MemoryEstimate> EstimateMemory(const Config& config, const ModelSpec& m
   // broadcast), so this is rank 0's peak.
   // The engine's NVMe tier opens before the file is read and asks for that growth free beside
   // the file (Note [start's disk] in runtime/engine/engine_init.cc), so the peak is the start's
-  // need; with several nvme paths (a share of the stripes on each) that of the staging file's
-  // file system, which holds the swap files of the paths on it.
+  // need (where the disk has room for the whole file beside the whole state, the engine keeps the
+  // file until the start is through instead: runtime/engine/start_rollback.h); with several nvme
+  // paths (a share of the stripes on each) that of the staging file's file system, which holds the
+  // swap files of the paths on it.
   const bool python = options.build == EstimateOptions::Build::kPythonZeroInit;
   const bool staged = python || (z.stage == 3 && z.offload_param.device == OffloadDevice::kNvme &&
                                  (!z.offload_param.nvme_path.empty() || options.assume_nvme_path));
@@ -505,27 +507,30 @@ StatusOr<MemoryEstimate> EstimateMemory(const Config& config, const ModelSpec& m
         est.staged_bytes + StartDiskGrowth(plan, chunks, chunk_staged, static_cast<uint64_t>(config.aio.block_size),
                                            nvme_need, nvme_paths, paths_here);
     est.init_disk_need_bytes = est.init_disk_peak_bytes;
-    est.notes.push_back(StrCat("engine init reads the model from ", python ? "strata.zero.Init" : "zero::Init",
-                               "'s staging file (", FormatBytes(est.staged_bytes),
-                               stage_esize == 4 ? " of fp32"
-                               : python && options.init_element_bytes ? " of 16-bit values"
-                                                                      : " of bf16",
-                               python && z.offload_param.nvme_path.empty() && z.offload_optimizer.nvme_path.empty()
-                                   ? " in the temporary directory"
-                                   : " in the NVMe directory",
-                               generated > 0 ? StrCat("; the ", FormatBytes(generated),
-                                                      " of large matrices are drawn as it reads them")
-                                             : std::string(),
-                               nvme_need > 0 ? StrCat(") while it writes the NVMe blocks, giving the file's space "
-                                                      "back as it goes: the disk peaks at ",
-                                                      FormatBytes(est.init_disk_peak_bytes), " during the start",
-                                                      nvme_paths == 1
-                                                          ? std::string()
-                                                          : StrCat(" on the file system of ", tier_paths.front(),
-                                                                   " (", paths_here, " of the ", nvme_paths,
-                                                                   " nvme paths' swap files there)"))
-                                             : std::string("), punching out what it has read"),
-                               options.world_size > 1 ? " (on rank 0; the other ranks stage nothing)" : ""));
+    est.notes.push_back(StrCat(
+        "engine init reads the model from ", python ? "strata.zero.Init" : "zero::Init",
+        "'s staging file (", FormatBytes(est.staged_bytes),
+        stage_esize == 4                       ? " of fp32"
+        : python && options.init_element_bytes ? " of 16-bit values"
+                                               : " of bf16",
+        python && z.offload_param.nvme_path.empty() && z.offload_optimizer.nvme_path.empty()
+            ? " in the temporary directory"
+            : " in the NVMe directory",
+        generated > 0 ? StrCat("; the ", FormatBytes(generated),
+                               " of large matrices are drawn as it reads them")
+                      : std::string(),
+        nvme_need > 0
+            ? StrCat(") while it writes the NVMe blocks: it needs ",
+                     FormatBytes(est.init_disk_peak_bytes), " of disk during the start",
+                     nvme_paths == 1
+                         ? std::string()
+                         : StrCat(" on the file system of ", tier_paths.front(), " (", paths_here,
+                                  " of the ", nvme_paths, " nvme paths' swap files there)"),
+                     ", giving the file's space back as it goes where the disk cannot hold the "
+                     "file beside the state (where it can, it keeps the file until the start is "
+                     "through, so that a failed start loses nothing)")
+            : std::string("), punching out what it has read"),
+        options.world_size > 1 ? " (on rank 0; the other ranks stage nothing)" : ""));
   } else {
     est.notes.push_back(StrCat("engine init (Engine::Create) also holds the model's fp32 parameters plus one "
                                "chunk's fp32 and working copies: about ", FormatBytes(init_bytes),

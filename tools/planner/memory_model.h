@@ -92,8 +92,10 @@ struct MemoryEstimate {
   // zero::Init (strata-train's stage 3 with offload_param nvme, or any Python build under
   // strata.zero.Init): the disk the start holds at its peak, the staging file (fp32, or bf16 for
   // a bf16 master) plus the NVMe blocks written while the engine reads the file back chunk by
-  // chunk, giving its space back as it goes. 0 without staging. Rank 0's: the other ranks build
-  // shapes only (zero::StageMode::kShapesOnly) and write their own NVMe blocks.
+  // chunk, giving its space back as it goes. That is the least it can start in; where the disk
+  // has room for the whole file beside the whole state the engine keeps the file until the start
+  // is through (runtime/engine/start_rollback.h). 0 without staging. Rank 0's: the other ranks
+  // build shapes only (zero::StageMode::kShapesOnly) and write their own NVMe blocks.
   uint64_t init_disk_peak_bytes = 0;
   uint64_t staged_bytes = 0;  // the staging file when the model is built
   // The disk the start needs: its peak, since the NVMe tier asks for the growth beside the file

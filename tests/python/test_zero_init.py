@@ -8,6 +8,7 @@ parameters over a scratch region, yet both train exactly as a normal build."""
 import copy
 import json
 import os
+import re
 import subprocess
 
 import pytest
@@ -477,7 +478,7 @@ def test_a_start_that_fails_part_way_says_the_model_must_be_built_again(small_di
     with open(disk / "filler", "wb") as f:
         os.posix_fallocate(f.fileno(), 0, _free_bytes(disk) - growth - (64 << 10))
     capfd.readouterr()
-    with pytest.raises(strata.StrataError, match="No space left on device"):
+    with pytest.raises(strata.StrataError, match="No space left on device.* went with the start"):
         strata.initialize(model=model, config=copy.deepcopy(cfg))
     assert "another tensor still shares a staged parameter's memory" in capfd.readouterr().err
     assert any(p.numel() == 0 for p in model.parameters())  # some went with the engine
@@ -485,3 +486,52 @@ def test_a_start_that_fails_part_way_says_the_model_must_be_built_again(small_di
     (disk / "filler").unlink()
     with pytest.raises(strata.StrataError, match="failed part-way .* build the model again"):
         strata.initialize(model=model, config=copy.deepcopy(cfg))
+
+
+def test_a_start_that_fails_part_way_gives_the_model_back(tmp_path):
+    """A stage-3 start that fails after it has taken some chunks (here a device budget too small
+    for the working set, met at a later chunk) gives every parameter back: a model in memory its
+    own tensors and values, a zero.Init build its mappings of the staging file, which the disk
+    could hold beside the state. The same model then starts with a budget that fits and trains
+    exactly as a fresh build."""
+    from gpt2_model import GPT2
+
+    shape = {"vocab_size": 256, "seq_len": 32, "d_model": 128, "n_layers": 2, "n_heads": 4}
+
+    def config(device_budget):
+        return {"train_micro_batch_size_per_gpu": 2,
+                "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+                "strata": {"device_memory_budget": device_budget, "chunk_size": 256 << 10},
+                "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}}}
+
+    def build(staged):
+        torch.manual_seed(0)
+        if not staged:
+            return GPT2(**shape)
+        with strata.zero.Init(config_dict_or_path=config(4 << 20), nvme_path=str(tmp_path)):
+            return GPT2(**shape)
+
+    def train(model):
+        engine, *_ = strata.initialize(model=model, config=config(4 << 20))
+        tokens = torch.randint(0, shape["vocab_size"], (2, shape["seq_len"] + 1),
+                               generator=torch.Generator().manual_seed(1))
+        losses = []
+        for _ in range(2):
+            loss = engine(tokens[:, :-1], tokens[:, 1:])
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+        engine.destroy()
+        return losses
+
+    for staged in (False, True):
+        model = build(staged)
+        before = [(p.data_ptr(), p.dtype, p.shape, p.detach().clone()) for p in model.parameters()]
+        with pytest.raises(strata.StrataError, match="cannot allocate") as failed:
+            strata.initialize(model=model, config=config(1 << 20))
+        given_back = re.search(r"the model is as the start found it \((\d+) ", str(failed.value))
+        assert given_back and int(given_back.group(1)) > 1, str(failed.value)  # parameters too
+        for p, (ptr, dtype, size, values) in zip(model.parameters(), before):
+            assert (p.data_ptr(), p.dtype, p.shape) == (ptr, dtype, size)
+            assert torch.equal(p.detach(), values)
+        assert train(model) == train(build(staged)), staged

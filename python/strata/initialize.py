@@ -249,29 +249,36 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     engine_class = _pipe_engine.PipelineEngine if isinstance(model, _pipe.PipelineModule) \
         else StrataEngine
     engine = engine_class(cpp, model, units)
-    engine._user_config = user_cfg
-    if isinstance(engine, _pipe_engine.PipelineEngine):
-        engine.configure_pipeline(user_cfg.get("pipeline"))
-    _param_state.attach(engine, shapes)  # ZeRO-3's ds_* attributes (stage 3)
-    if engine.fp16_enabled() and engine.device.type == "cpu":
-        _cpu_half.enable()  # fp16 operators in fp32, from here on (python/strata/cpu_half.py)
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    engine.optimizer = StrataOptimizer(engine, _torch_groups(model_parameters, trainable),
-                                       client=optimizer)
-    engine._client_optimizer = optimizer
-    if client_runs_itself:
-        engine._attach_client_optimizer(optimizer)
-    if lr_scheduler is None:
-        engine.lr_scheduler = ConfigSchedule(engine) if cfg.get("scheduler") else None
-    else:
-        if not hasattr(lr_scheduler, "step"):
-            lr_scheduler = lr_scheduler(engine.optimizer)  # DeepSpeed's callable form
+    try:
+        engine._user_config = user_cfg
+        if isinstance(engine, _pipe_engine.PipelineEngine):
+            engine.configure_pipeline(user_cfg.get("pipeline"))
+        _param_state.attach(engine, shapes)  # ZeRO-3's ds_* attributes (stage 3)
+        if engine.fp16_enabled() and engine.device.type == "cpu":
+            _cpu_half.enable()  # fp16 operators in fp32, from here on (python/strata/cpu_half.py)
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        engine.optimizer = StrataOptimizer(engine, _torch_groups(model_parameters, trainable),
+                                           client=optimizer)
+        engine._client_optimizer = optimizer
+        if client_runs_itself:
+            engine._attach_client_optimizer(optimizer)
+        if lr_scheduler is None:
+            engine.lr_scheduler = ConfigSchedule(engine) if cfg.get("scheduler") else None
+        else:
             if not hasattr(lr_scheduler, "step"):
-                raise InvalidArgumentError(
-                    "initialize: the lr_scheduler callable returned "
-                    f"{type(lr_scheduler).__name__}, not a scheduler (an object with step())")
-        engine.lr_scheduler = lr_scheduler  # the setter decides whose groups carry the lr
-    engine._publish_lr()
-    engine.client_lr_scheduler = lr_scheduler
-    return engine, engine.optimizer, engine._loader_for(training_data, collate_fn), \
-        engine.lr_scheduler
+                lr_scheduler = lr_scheduler(engine.optimizer)  # DeepSpeed's callable form
+                if not hasattr(lr_scheduler, "step"):
+                    raise InvalidArgumentError(
+                        "initialize: the lr_scheduler callable returned "
+                        f"{type(lr_scheduler).__name__}, not a scheduler (an object with step())")
+            engine.lr_scheduler = lr_scheduler  # the setter decides whose groups carry the lr
+        engine._publish_lr()
+        engine.client_lr_scheduler = lr_scheduler
+        loader = engine._loader_for(training_data, collate_fn)
+    except BaseException:
+        # The engine has started, and under stage 3 holds the model's weights: a setup that
+        # fails after it (a bad lr_scheduler, optimizer or training_data) gives them back, so
+        # that the model is as initialize found it and can be handed to it again.
+        engine.destroy()
+        raise
+    return engine, engine.optimizer, loader, engine.lr_scheduler

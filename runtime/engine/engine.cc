@@ -82,29 +82,36 @@ std::string Engine::Impl::AbandonStart() {
   if (abandoned_) return "";
   abandoned_ = true;
   const bool took_any = rollback_.took_any();
-  const StartRollback::Outcome undone = rollback_.Undo();
-  if (materializer_) materializer_->Close(/*start_failed=*/true);
-  GiveChunkViewsTheirOwnMemory();
-  // A parameter whose values went with the start and that views no chunk (its staged values were
-  // read and given back, but its chunk never shown) is marked as a chunk's would be, so that the
-  // next start refuses it instead of training 0 elements.
-  int64_t lost = 0;
-  for (const torch::Tensor& p : undone.lost) {
-    if (ChunkMaterializer::ClosedChunkOf(p) == ChunkMaterializer::ClosedChunk::kNone &&
-        p.numel() == 0)
-      ChunkMaterializer::MarkStartFailed(p);
-    lost += ChunkMaterializer::ClosedChunkOf(p) == ChunkMaterializer::ClosedChunk::kStartFailed;
+  const int64_t chunks = rollback_.chunks_taken();
+  try {
+    const StartRollback::Outcome undone = rollback_.Undo();
+    if (materializer_) materializer_->Close(/*start_failed=*/true);
+    GiveChunkViewsTheirOwnMemory();
+    // A parameter whose values went with the start and that views no chunk (its staged values
+    // were read and given back, but its chunk never shown) is marked as a chunk's would be, so
+    // that the next start refuses it instead of training 0 elements. Below stage 3 one that was
+    // shown now holds the working copy's values, not its own: lost all the same.
+    for (const torch::Tensor& p : undone.lost)
+      if (ChunkMaterializer::ClosedChunkOf(p) == ChunkMaterializer::ClosedChunk::kNone &&
+          p.numel() == 0)
+        ChunkMaterializer::MarkStartFailed(p);
+    if (!took_any) return "";
+    if (undone.lost.empty())
+      return StrCat("the model is as the start found it (", undone.restored,
+                    " parameters and buffers, ", chunks,
+                    " chunk(s) of them written, have their own values back): start it again once "
+                    "the cause is fixed");
+    const std::string others =
+        undone.restored > 0 ? StrCat(" (", undone.restored, " others have theirs back)") : "";
+    return StrCat("the values of ", undone.lost.size(), " parameters went with the start", others,
+                  ": their zero::Init staging space was given back as the start read it, which "
+                  "its NVMe tier counted on (the disk could not hold the state beside the whole "
+                  "file, or several ranks share it); build the model again (under zero.Init "
+                  "where it was) before starting an engine on it");
+  } catch (const std::exception& e) {
+    // Memory for a stage 0-2 copy, or for a marked storage, ran out: what was given back stays so.
+    return StrCat("giving the model back failed part-way (", e.what(), "): build it again");
   }
-  if (!took_any) return "";
-  if (lost == 0)
-    return StrCat("the model is as the start found it (", undone.restored,
-                  " parameters and buffers have their own values back): start it again once the "
-                  "cause is fixed");
-  return StrCat("the values of ", lost,
-                " parameters went with the start: their zero::Init staging space was given back "
-                "as the start read it, because the disk could not hold the NVMe state beside the "
-                "whole staging file (free more disk to keep it); build the model again (under "
-                "zero.Init where it was) before starting an engine on it");
 }
 
 // Stages 0-2: the parameters are views of chunks the device allocated, and the model outlives
@@ -251,7 +258,18 @@ StatusOr<std::unique_ptr<Engine>> Engine::Create(std::shared_ptr<torch::nn::Modu
   auto impl = std::make_unique<Impl>(std::move(model), resolved, comm, device);
   Impl* raw = impl.get();
   std::unique_ptr<Engine> engine(new Engine(std::move(impl)));
-  if (Status s = raw->Init(engine.get(), options); !s.ok()) {
+  Status s;
+  try {
+    s = raw->Init(engine.get(), options);
+  } catch (const std::exception& e) {
+    // LibTorch's own errors (a device out of memory in a buffer's move) end the start as any
+    // other failure does, so that the model is given back here and not in a destructor.
+    const std::string what = e.what();
+    s = Status(what.find("out of memory") != std::string::npos ? StatusCode::kResourceExhausted
+                                                               : StatusCode::kInternal,
+               StrCat("engine start: ", what.substr(0, what.find('\n'))));
+  }
+  if (!s.ok()) {
     const std::string outcome = raw->AbandonStart();
     return outcome.empty() ? s
                            : Status(s.code(), StrCat(s.message(), "; ", outcome), s.sys_errno());

@@ -245,7 +245,8 @@ Status Engine::Impl::OpenNvmeTier(const EngineOptions& options) {
     // as it writes the blocks there (Note [start's disk]).
     // Where the disk holds the whole state beside the whole file, nothing is counted on: the start
     // keeps the file until it has gone through, so that a failure gives the model back
-    // (start_rollback.h).
+    // (start_rollback.h). With several ranks the other ranks' blocks may share the disk, and this
+    // rank cannot see how much of it they take: their start counts on the file as before.
     const uint64_t stripe = static_cast<uint64_t>(std::max<int64_t>(config_.aio.block_size, 1));
     for (const FileSystemPaths& fs : GroupByFileSystem(paths)) {
       if (!fs.known) continue;  // the store names a bad path
@@ -255,21 +256,24 @@ Status Engine::Impl::OpenNvmeTier(const EngineOptions& options) {
           StartDiskGrowth(plan_, partitioner_->chunks(), std::vector<ChunkStaging>(staged.size()),
                           stripe, o.needed_bytes, paths.size(), fs.paths.size());
       const uint64_t free_now = FreeDiskBytes(fs.paths.front());
-      if (free_now >= whole) continue;
+      if (comm_->world_size() == 1 && free_now >= whole) continue;
       const uint64_t growth = StartDiskGrowth(plan_, partitioner_->chunks(), staged, stripe,
                                               o.needed_bytes, paths.size(), fs.paths.size());
       o.needed_free_on_device[fs.device] = growth;
       o.needed_free_why = "zero::Init's staging file gives back as the start reads it";
       nvme_counts_on_staging_ = true;
       rollback_.CountsOnStagedSpace(fs.device);
-      STRATA_LOG(INFO)
-          << "nvme: the start reads " << FormatBytes(TotalOf(staged)) << " back from zero::Init's "
-          << "staging file on the file system of " << fs.paths.front()
-          << " as it writes the NVMe blocks, so " << FormatBytes(growth) << " of the NVMe state's "
-          << FormatBytes(o.needed_bytes)
-          << " must be free there now; with " << FormatBytes(free_now) << " free it cannot hold the "
-          << "state's " << FormatBytes(whole) << " beside the whole file, so a start that fails "
-          << "part-way loses the parameters it has read";
+      const std::string why =
+          comm_->world_size() > 1
+              ? std::string("the ranks may share the disk")
+              : StrCat("with ", FormatBytes(free_now), " free it cannot hold the state's ",
+                       FormatBytes(whole), " beside the whole file");
+      STRATA_LOG(INFO) << "nvme: the start reads " << FormatBytes(TotalOf(staged))
+                       << " back from zero::Init's staging file on the file system of "
+                       << fs.paths.front() << " as it writes the NVMe blocks, so "
+                       << FormatBytes(growth) << " of the NVMe state's "
+                       << FormatBytes(o.needed_bytes) << " must be free there now; " << why
+                       << ", so a start that fails part-way loses the parameters it has read";
     }
     o.aio = config_.aio;
     o.checksums = config_.strata.checksums;

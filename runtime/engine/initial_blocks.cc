@@ -113,7 +113,8 @@ Status Engine::Impl::WriteInitialBlocks() {
     if (nvme_counts_on_staging_) {
       for (int64_t pid : ci.params) {
         const std::optional<zero::StagedSpace> space = zero::StagedDiskSpace(params_[pid].tensor);
-        if (space && !space->given_back_on_read) mapped.emplace_back(params_[pid].tensor.storage().data(), space->bytes);
+        if (space && !space->given_back_on_read && rollback_.Counts(space->file_system))
+          mapped.emplace_back(params_[pid].tensor.storage().data(), space->bytes);
       }
     }
     for (int64_t pid : ci.params) {
@@ -190,6 +191,7 @@ Status Engine::Impl::WriteInitialBlocks() {
                        << "coming back, so a disk near full may run out during the start; drop such references "
                        << "before initialize";
     }
+    rollback_.ChunkTaken();
     if (hooks_.initial_chunk_hook) hooks_.initial_chunk_hook(c64);
   }
   return Status::Ok();

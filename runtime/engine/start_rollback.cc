@@ -1,5 +1,10 @@
 #include "runtime/engine/start_rollback.h"
 
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <cstdint>
+
 namespace strata {
 
 void StartRollback::CountsOnStagedSpace(uint64_t file_system) {
@@ -27,6 +32,22 @@ void StartRollback::Take(const torch::Tensor& t) {
   taken_.push_back({t, t.variable_data(), false});
 }
 
+void StartRollback::ChunkTaken() {
+  ++chunks_taken_;
+  const uintptr_t page = static_cast<uintptr_t>(::sysconf(_SC_PAGESIZE));
+  for (; paged_out_ < taken_.size(); ++paged_out_) {
+    const Taken& t = taken_[paged_out_];
+    if (!t.mapping) continue;
+    // The whole pages inside the parameter's range: a shared file mapping's pages go back to the
+    // page cache, written back if dirty, and are read from the file again on the next access.
+    const uintptr_t from = reinterpret_cast<uintptr_t>(t.mapping);
+    const uintptr_t begin = (from + page - 1) / page * page;
+    const uintptr_t end = (from + t.data.nbytes()) / page * page;
+    if (end > begin)
+      ::madvise(reinterpret_cast<void*>(begin), end - begin, MADV_DONTNEED);  // best effort
+  }
+}
+
 uint64_t StartRollback::Commit() {
   if (done_) return 0;
   done_ = true;
@@ -50,8 +71,12 @@ StartRollback::Outcome StartRollback::Undo() {
   torch::NoGradGuard ng;
   std::set<const c10::TensorImpl*> restored;
   for (auto it = taken_.rbegin(); it != taken_.rend(); ++it) {
-    it->tensor.set_data(it->data);
-    restored.insert(it->tensor.unsafeGetTensorImpl());
+    try {
+      it->tensor.set_data(it->data);
+      restored.insert(it->tensor.unsafeGetTensorImpl());
+    } catch (const std::exception&) {
+      // Never expected (the data was the tensor's own); the others are given back all the same.
+    }
   }
   out.restored = static_cast<int64_t>(restored.size());
   // A parameter given up keeps its values while it is still staged (its read failed before it

@@ -46,6 +46,14 @@ class StartRollback {
   zero::AfterRead TakeParameter(const torch::Tensor& param);
   // Before the start replaces `t`'s data (a buffer or a frozen parameter it moves).
   void Take(const torch::Tensor& t);
+  // The start has written a chunk's blocks and pointed its parameters at the engine's memory. The
+  // StageMapped mappings held for them leave the process's memory (madvise; their pages stay in
+  // the file, which a restore maps again): a model larger than DRAM keeps no more of it resident
+  // than a start that gave each mapping up.
+  void ChunkTaken();
+  int64_t chunks_taken() const { return chunks_taken_; }
+  // Whether the NVMe tier counts on the staged space of `file_system` (CountsOnStagedSpace).
+  bool Counts(uint64_t file_system) const { return counted_file_systems_.count(file_system) > 0; }
 
   // The start succeeded: the data held goes, and the staged parameters' space in the staging file
   // with it. Returns the bytes of StageMapped mappings that stay on disk all the same, because
@@ -76,6 +84,8 @@ class StartRollback {
   std::set<uint64_t> counted_file_systems_;
   std::vector<Taken> taken_;
   std::vector<torch::Tensor> lost_;
+  size_t paged_out_ = 0;  // taken_[0, paged_out_) had their mappings' pages dropped
+  int64_t chunks_taken_ = 0;
   bool done_ = false;
 };
 

@@ -736,16 +736,22 @@ uint64_t StagedFileBytes(const Staged& st) {
   return st.direct ? AlignUp(bytes) : bytes;
 }
 
+// Drops `st`'s pages from the page cache (best effort): read once, or kept for a restore that
+// would read them again from the file, they need not crowd out the tiers' memory.
+void DropCachedRange(const Staged& st) {
+  if (st.dropped || st.fill) return;
+  ::posix_fadvise(st.owner->fd, static_cast<off_t>(st.offset),
+                  static_cast<off_t>(static_cast<uint64_t>(st.numel) * c10::elementSize(st.dtype)),
+                  POSIX_FADV_DONTNEED);
+}
+
 // Frees `st`'s range of its file (the staging file shrinks as the tiers fill, so the disk holds
 // the model about once) and drops its pages from the cache. Both are best effort.
 void GiveBackRange(const Staged& st) {
   if (st.dropped || st.fill) return;
-  const Init::Impl& init = *st.owner;
-  ::fallocate(init.fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, static_cast<off_t>(st.offset),
-              static_cast<off_t>(StagedFileBytes(st)));
-  ::posix_fadvise(init.fd, static_cast<off_t>(st.offset),
-                  static_cast<off_t>(static_cast<uint64_t>(st.numel) * c10::elementSize(st.dtype)),
-                  POSIX_FADV_DONTNEED);
+  ::fallocate(st.owner->fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE,
+              static_cast<off_t>(st.offset), static_cast<off_t>(StagedFileBytes(st)));
+  DropCachedRange(st);
 }
 
 }  // namespace
@@ -777,7 +783,11 @@ StatusOr<bool> ReadStaged(const torch::Tensor& param, torch::Tensor dst, AfterRe
   // The direct descriptor lives as long as its Init once anything went through it.
   STRATA_RETURN_IF_ERROR(st.direct ? ReadDirect(init, init.read_buf, len, st.offset)
                                    : ReadBuffered(init, init.read_buf, len, st.offset));
-  if (after == AfterRead::kGiveBack) GiveBackRange(st);
+  if (after == AfterRead::kGiveBack) {
+    GiveBackRange(st);
+  } else {
+    DropCachedRange(st);
+  }
   torch::NoGradGuard ng;
   dst.view({-1}).copy_(torch::from_blob(init.read_buf, {st.numel}, torch::TensorOptions().dtype(st.dtype)));
   return true;

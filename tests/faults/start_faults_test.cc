@@ -168,7 +168,12 @@ TEST(StartFaults, AFailedStartGivesAModelInMemoryBackAsItFoundIt) {
     Config c = NvmeConfig(dir.path(), stage);
     const auto build = [&c] {
       torch::manual_seed(c.model.seed);
-      return torch::nn::AnyModule(models::BuildGpt(c.model));
+      models::Gpt gpt = models::BuildGpt(c.model);
+      // A floating buffer and a frozen parameter, which the start moves to the compute dtype.
+      gpt->register_buffer("scale", torch::randn({7}));
+      for (auto& item : gpt->named_parameters())
+        if (item.key().find("pos") != std::string::npos) item.value().requires_grad_(false);
+      return torch::nn::AnyModule(gpt);
     };
     auto model = build();
     const Snapshot params = Take(model.ptr()->parameters());
@@ -180,6 +185,9 @@ TEST(StartFaults, AFailedStartGivesAModelInMemoryBackAsItFoundIt) {
     EXPECT_NE(failed.message().find("the model is as the start found it"), std::string::npos)
         << failed;
     EXPECT_GT(chunks, 0) << "the start failed before it took any chunk: " << failed;
+    EXPECT_NE(failed.message().find(std::to_string(chunks) + " chunk(s) of them written"),
+              std::string::npos)
+        << failed;
     std::printf("stage %d, failed after %d chunks: %s\n", stage, chunks, failed.ToString().c_str());
     ExpectAsBefore(model.ptr()->parameters(), params, "parameter");
     ExpectAsBefore(model.ptr()->buffers(), buffers, "buffer");

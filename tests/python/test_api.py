@@ -602,3 +602,24 @@ def test_bf16_casts_frozen_parameters_and_buffers_as_deepspeed(stage, tmp_path):
     assert torch.equal(model[3].weight.float(), frozen.to(torch.bfloat16).float())  # not trained
     assert int(model[1].num_batches_tracked) == 4
     engine.close()
+
+
+def test_a_setup_error_after_the_engine_started_gives_the_model_back(tmp_path):
+    """initialize starts the engine before it checks the scheduler and the training data: under
+    stage 3 the engine then holds the weights. A setup that fails there (a scheduler callable
+    that returns no scheduler) gives them back: the model holds its own values again, and
+    initialize on it then trains exactly as on a fresh model."""
+    cfg = harness.config_for(STAGE3_RELEASE, tmp_path)
+    torch.manual_seed(0)
+    model = harness.MODELS["gpt2"]()
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(strata.InvalidArgumentError, match="not a scheduler"):
+        strata.initialize(model=model, config=copy.deepcopy(cfg), lr_scheduler=lambda opt: 5)
+    after = list(model.parameters())
+    assert [p.shape for p in after] == [p.shape for p in before]
+    assert all(torch.equal(p.detach(), v) for p, v in zip(after, before))
+    again = _engine("gpt2", cfg, model=model)
+    fresh = _engine("gpt2", cfg)
+    assert _run(again, "gpt2", 0, 2) == _run(fresh, "gpt2", 0, 2)
+    again.close()
+    fresh.close()

@@ -18,8 +18,9 @@
 //   StageGenerated's registry entry, read with AfterRead::kKeep; StageMapped's mapping, held by
 //   its data) until Commit gives it back. Where the NVMe tier counted on that space coming back
 //   during the start (Note [start's disk] in engine_init.cc: the disk cannot hold the state beside
-//   the whole file), the file system is named with CountsOnStagedSpace, and the parameters staged
-//   there are given back as they are read, as before: a failure loses them, and Undo counts them.
+//   the whole file, or several ranks may share it), the file system is named with
+//   CountsOnStagedSpace, and the parameters staged there are given back as they are read, as
+//   before: a failure loses them, and Undo counts them.
 //
 // Not thread-safe: the start's thread calls it, and the engine's destructor.
 #pragma once

@@ -25,6 +25,7 @@
 #include <gtest/gtest.h>
 
 #include "runtime/engine/zero_init.h"
+#include "tests/runtime/forwarding_store.h"
 #include "tests/runtime/gpt_training.h"
 #include "tiers/hbm/device_factory.h"
 
@@ -52,31 +53,19 @@ Config NvmeConfig(const std::string& nvme_dir, int stage) {
 // The engine's block store on a disk that fills while the start runs (another writer took the
 // space): registering an NVMe-placed block after the first `after` fails with ENOSPC, as the swap
 // store's growth of its files then does.
-class FillingDiskStore final : public BlockStore {
+class FillingDiskStore final : public testing::ForwardingStore {
  public:
   FillingDiskStore(std::unique_ptr<BlockStore> inner, int after, std::atomic<int>* failed)
-      : inner_(std::move(inner)), after_(after), failed_(failed) {}
+      : ForwardingStore(std::move(inner)), after_(after), failed_(failed) {}
   Status Register(const BlockKey& key, uint64_t bytes, Placement placement) override {
     if (placement == Placement::kNvme && registered_++ >= after_) {
       failed_->fetch_add(1);
       return ErrnoToStatus(ENOSPC, "growing the swap file for a block (injected: the disk filled)");
     }
-    return inner_->Register(key, bytes, placement);
+    return ForwardingStore::Register(key, bytes, placement);
   }
-  StatusOr<void*> Acquire(const BlockKey& key, Access access) override {
-    return inner_->Acquire(key, access);
-  }
-  Status Release(const BlockKey& key, bool dirty) override { return inner_->Release(key, dirty); }
-  Status Unregister(const BlockKey& key) override { return inner_->Unregister(key); }
-  void Prefetch(const BlockKey& key) override { inner_->Prefetch(key); }
-  void BeginIteration() override { inner_->BeginIteration(); }
-  void EndIteration() override { inner_->EndIteration(); }
-  Status Flush() override { return inner_->Flush(); }
-  BlockStoreStats stats() const override { return inner_->stats(); }
-  nlohmann::json StatsJson() const override { return inner_->StatsJson(); }
 
  private:
-  std::unique_ptr<BlockStore> inner_;
   const int after_;
   int registered_ = 0;  // Register runs on the start's thread
   std::atomic<int>* failed_;

@@ -23,16 +23,16 @@
 #include <memory>
 #include <mutex>
 
-#include "runtime/state/block_store.h"
+#include "tests/runtime/forwarding_store.h"
 
 namespace strata::testing {
 
-class PoisoningStore final : public BlockStore {
+class PoisoningStore final : public ForwardingStore {
  public:
-  explicit PoisoningStore(std::unique_ptr<BlockStore> inner) : inner_(std::move(inner)) {}
+  explicit PoisoningStore(std::unique_ptr<BlockStore> inner) : ForwardingStore(std::move(inner)) {}
 
   Status Register(const BlockKey& key, uint64_t bytes, Placement placement) override {
-    STRATA_RETURN_IF_ERROR(inner_->Register(key, bytes, placement));
+    STRATA_RETURN_IF_ERROR(inner().Register(key, bytes, placement));
     if (placement == Placement::kDevice) return Status::Ok();
     auto b = std::make_shared<Block>(bytes);
     if (b->copy == nullptr) return ResourceExhausted("poisoning store: no memory for a copy");
@@ -43,11 +43,11 @@ class PoisoningStore final : public BlockStore {
 
   StatusOr<void*> Acquire(const BlockKey& key, Access access) override {
     std::shared_ptr<Block> b = Find(key);
-    if (!b) return inner_->Acquire(key, access);  // a device block
+    if (!b) return inner().Acquire(key, access);  // a device block
     // The block's own lock spans the inner pin too, so a nested pin never sees a copy that is
     // not filled yet.
     std::lock_guard<std::mutex> l(b->mu);
-    STRATA_ASSIGN_OR_RETURN(void* real, inner_->Acquire(key, access));
+    STRATA_ASSIGN_OR_RETURN(void* real, inner().Acquire(key, access));
     if (b->pins++ == 0) {
       b->real = real;
       b->wrote = false;
@@ -60,29 +60,22 @@ class PoisoningStore final : public BlockStore {
 
   Status Release(const BlockKey& key, bool dirty) override {
     std::shared_ptr<Block> b = Find(key);
-    if (!b) return inner_->Release(key, dirty);
+    if (!b) return inner().Release(key, dirty);
     std::lock_guard<std::mutex> l(b->mu);
     // The inner buffer is still pinned here: what was written goes back before the inner store
     // may write it out or evict it.
     if (b->pins > 0 && b->wrote) std::memcpy(b->real, b->copy, b->bytes);
-    STRATA_RETURN_IF_ERROR(inner_->Release(key, dirty));
+    STRATA_RETURN_IF_ERROR(inner().Release(key, dirty));
     if (b->pins > 0 && --b->pins == 0) std::memset(b->copy, 0xFF, b->bytes);
     return Status::Ok();
   }
 
   Status Unregister(const BlockKey& key) override {
-    STRATA_RETURN_IF_ERROR(inner_->Unregister(key));
+    STRATA_RETURN_IF_ERROR(inner().Unregister(key));
     std::lock_guard<std::mutex> l(mu_);
     blocks_.erase(key);
     return Status::Ok();
   }
-
-  void Prefetch(const BlockKey& key) override { inner_->Prefetch(key); }
-  void BeginIteration() override { inner_->BeginIteration(); }
-  void EndIteration() override { inner_->EndIteration(); }
-  Status Flush() override { return inner_->Flush(); }
-  BlockStoreStats stats() const override { return inner_->stats(); }
-  nlohmann::json StatsJson() const override { return inner_->StatsJson(); }
 
  private:
   struct Block {
@@ -105,7 +98,6 @@ class PoisoningStore final : public BlockStore {
     return it == blocks_.end() ? nullptr : it->second;
   }
 
-  std::unique_ptr<BlockStore> inner_;
   std::mutex mu_;
   std::map<BlockKey, std::shared_ptr<Block>> blocks_;  // GUARDED_BY(mu_)
 };

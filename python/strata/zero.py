@@ -183,8 +183,10 @@ class Init:
     initialization passes models run at the end of their constructor (torchvision's kaiming init,
     Hugging Face's post_init) work unchanged. strata.initialize then reads them into the tiers.
 
-    The staging directory is `nvme_path`, else the config's offload_param (then
-    offload_optimizer) nvme_path, else the system's temporary directory; where that is kept in
+    The staging directory is `nvme_path`, else the first directory of the config's NVMe tier
+    (offload_optimizer's nvme_path when it offloads to nvme, else offload_param's likewise: the
+    disk whose space the engine's start gets back as it writes its blocks), else either
+    section's nvme_path, else the system's temporary directory; where that is kept in
     memory (tmpfs: Debian 13's /tmp) and TMPDIR does not name it, /var/tmp. A directory in memory
     would hold the model in DRAM, so one given there is warned about. The file is unlinked at
     once, so nothing is left behind by a crash.
@@ -233,12 +235,7 @@ class Init:
         self._enabled = enabled
         self._dir = nvme_path
         if self._dir is None:
-            z = cfg.get("zero_optimization", {})
-            for key in ("offload_param", "offload_optimizer"):
-                path = z.get(key, {}).get("nvme_path")
-                if path:
-                    self._dir = path[0] if isinstance(path, list) else path
-                    break
+            self._dir = _staging_dir_of(cfg.get("zero_optimization", {}))
         if self._dir is None:
             self._dir = _default_staging_dir()
         self._cpp = None
@@ -359,6 +356,23 @@ def _memory_backed(path):
     except OSError:
         return False
     return fstype in ("tmpfs", "ramfs", "devtmpfs")
+
+
+def _staging_dir_of(zero_cfg):
+    """The staging directory a config names: the NVMe tier's first directory, as the engine
+    orders them (ZeroConfig::NvmeTierPaths: the optimizer section's when it offloads to nvme,
+    then the parameter section's), else either section's nvme_path (parameters first); None
+    when it names none."""
+    def paths(key):
+        path = zero_cfg.get(key, {}).get("nvme_path") or []
+        return path if isinstance(path, list) else [path]
+    for key in ("offload_optimizer", "offload_param"):
+        if zero_cfg.get(key, {}).get("device") == "nvme" and paths(key):
+            return paths(key)[0]
+    for key in ("offload_param", "offload_optimizer"):
+        if paths(key):
+            return paths(key)[0]
+    return None
 
 
 def _default_staging_dir():

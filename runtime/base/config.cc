@@ -909,4 +909,24 @@ std::string Config::ToJsonString(int indent) const { return ToJson().dump(indent
 
 bool operator==(const Config& a, const Config& b) { return a.ToJson() == b.ToJson(); }
 
+std::vector<std::string> ZeroConfig::NvmeTierPaths() const {
+  std::vector<std::string> paths;
+  if (offload_optimizer.device == OffloadDevice::kNvme) paths = offload_optimizer.nvme_path;
+  if (offload_param.device != OffloadDevice::kNvme) return paths;
+  // The parameter section's directories the optimizer's do not name already ("/nvme/" and
+  // "/nvme" are one). A directory listed twice in one section stays so: the swap store refuses
+  // it, naming the path.
+  const auto bare = [](std::string p) {
+    while (p.size() > 1 && p.back() == '/') p.pop_back();
+    return p;
+  };
+  const size_t optimizer_paths = paths.size();
+  for (const std::string& p : offload_param.nvme_path) {
+    const auto end = paths.begin() + static_cast<std::ptrdiff_t>(optimizer_paths);
+    if (std::none_of(paths.begin(), end, [&](const std::string& q) { return bare(q) == bare(p); }))
+      paths.push_back(p);
+  }
+  return paths;
+}
+
 }  // namespace strata

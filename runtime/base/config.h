@@ -72,17 +72,14 @@ struct ZeroConfig {
   OffloadParamConfig offload_param;
   OffloadOptimizerConfig offload_optimizer;
 
-  // The directories the NVMe tier stripes over: the optimizer section's when it offloads to
-  // nvme with a path, else the parameter section's likewise; none otherwise. The engine (unless
-  // EngineOptions::nvme_path overrides them) and the estimator both take these.
-  const std::vector<std::string>& NvmeTierPaths() const {
-    static const std::vector<std::string> kNone;
-    if (offload_optimizer.device == OffloadDevice::kNvme && !offload_optimizer.nvme_path.empty())
-      return offload_optimizer.nvme_path;
-    if (offload_param.device == OffloadDevice::kNvme && !offload_param.nvme_path.empty())
-      return offload_param.nvme_path;
-    return kNone;
-  }
+  // The directories the NVMe tier stripes over: the optimizer section's paths when it offloads
+  // to nvme, then the parameter section's likewise, each directory once (a trailing '/' aside);
+  // none when neither offloads to nvme with a path. DeepSpeed swaps parameters under
+  // offload_param's path and optimizer states under offload_optimizer's; Strata's one tier
+  // stripes every block over all of them, so two disks named there both serve all the state.
+  // The engine (unless EngineOptions::nvme_path overrides them), the estimator, and the staging
+  // directory of strata-train's and Python's zero.Init (the first of them) all take these.
+  std::vector<std::string> NvmeTierPaths() const;
 };
 
 // Drives the NVMe engine (tiers/nvme). Effects are documented in tiers/nvme/uring_engine.h.

@@ -241,12 +241,11 @@ Status Engine::Impl::OpenNvmeTier(const EngineOptions& options) {
     // A disk too small for the state is refused now, naming the path and the bytes, not at the
     // first Allocate that meets ENOSPC (Note [preallocation] grows the files on demand).
     o.needed_bytes = std::min(need, o.capacity);
-    // Per file system of the paths: where a staging file lies too, the start gives its space back
-    // as it writes the blocks there (Note [start's disk]).
-    // Where the disk holds the whole state beside the whole file, nothing is counted on: the start
-    // keeps the file until it has gone through, so that a failure gives the model back
-    // (start_rollback.h). With several ranks the other ranks' blocks may share the disk, and this
-    // rank cannot see how much of it they take: their start counts on the file as before.
+    // Per file system of the paths where a staging file lies too. Where the disk holds the whole
+    // state beside the whole file, nothing is counted on: the start keeps the file until it has
+    // gone through, so that a failure gives the model back (start_rollback.h). Otherwise the start
+    // gives the file's space back as it writes the blocks there (Note [start's disk]), and so it
+    // does with several ranks, whose blocks may share the disk in amounts one rank cannot see.
     const uint64_t stripe = static_cast<uint64_t>(std::max<int64_t>(config_.aio.block_size, 1));
     for (const FileSystemPaths& fs : GroupByFileSystem(paths)) {
       if (!fs.known) continue;  // the store names a bad path

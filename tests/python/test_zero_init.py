@@ -537,3 +537,41 @@ def test_a_start_that_fails_part_way_gives_the_model_back(tmp_path):
             assert (p.data_ptr(), p.dtype, p.shape) == (ptr, dtype, size)
             assert torch.equal(p.detach(), values)
         assert train(model) == train(build(staged)), staged
+
+
+def _open_deleted_files_under(directory):
+    found = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith(str(directory) + "/") and target.endswith("(deleted)"):
+            found.append(target)
+    return found
+
+
+def test_the_staging_file_lies_in_the_nvme_tiers_first_directory(tmp_path):
+    """With parameters and optimizer states offloaded to nvme under two directories, the engine
+    stripes over both, the optimizer's first; zero.Init stages in that first one, the disk whose
+    space the engine's start counts on getting back (as strata-train and strata-estimate do)."""
+    params_dir, optim_dir = tmp_path / "params", tmp_path / "optim"
+    params_dir.mkdir()
+    optim_dir.mkdir()
+    cfg = {"train_micro_batch_size_per_gpu": 2,
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+           "zero_optimization": {"stage": 3,
+                                 "offload_param": {"device": "nvme", "nvme_path": str(params_dir)},
+                                 "offload_optimizer": {"device": "nvme",
+                                                       "nvme_path": str(optim_dir)}}}
+    with strata.zero.Init(config_dict_or_path=cfg):
+        model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 8))
+        assert _open_deleted_files_under(optim_dir), "no staging file in the optimizer's directory"
+        assert not _open_deleted_files_under(params_dir)
+    engine, *_ = strata.initialize(model=model, config=copy.deepcopy(cfg))
+    for directory in (params_dir, optim_dir):  # the tier stripes over both
+        assert (directory / "strata-rank0.swap").exists(), directory
+    loss = engine(torch.randn(2, 64)).square().mean()
+    engine.backward(loss)
+    engine.step()
+    engine.close()

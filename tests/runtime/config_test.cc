@@ -189,6 +189,25 @@ TEST(Config, EveryKeyIsRead) {
   EXPECT_EQ(c.model.seed, 7u);
 }
 
+// One NVMe tier stripes over both sections' paths when both offload to nvme: the optimizer's
+// first (the staging directory of zero::Init is the first), each directory once.
+TEST(Config, TheNvmeTierStripesOverBothSectionsPaths) {
+  ZeroConfig z;
+  EXPECT_TRUE(z.NvmeTierPaths().empty());
+  z.offload_param.nvme_path = {"/p1", "/o1/"};
+  z.offload_optimizer.nvme_path = {"/o1", "/o2"};
+  EXPECT_TRUE(z.NvmeTierPaths().empty()) << "no section offloads to nvme";
+  z.offload_param.device = OffloadDevice::kNvme;
+  EXPECT_EQ(z.NvmeTierPaths(), (std::vector<std::string>{"/p1", "/o1/"}));
+  z.offload_optimizer.device = OffloadDevice::kNvme;
+  EXPECT_EQ(z.NvmeTierPaths(), (std::vector<std::string>{"/o1", "/o2", "/p1"}));
+  z.offload_param.device = OffloadDevice::kCpu;
+  EXPECT_EQ(z.NvmeTierPaths(), (std::vector<std::string>{"/o1", "/o2"}));
+  // A directory listed twice in one section stays twice, for the swap store to refuse by name.
+  z.offload_optimizer.nvme_path = {"/o1", "/o1"};
+  EXPECT_EQ(z.NvmeTierPaths(), (std::vector<std::string>{"/o1", "/o1"}));
+}
+
 TEST(Config, RoundTripThroughNormalizedJson) {
   for (const char* text : {"{}", kFullConfig}) {
     ASSERT_OK_AND_ASSIGN(Config a, Config::FromJsonText(text));

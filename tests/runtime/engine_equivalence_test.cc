@@ -4,6 +4,7 @@
 #include <cmath>
 #include <chrono>
 #include <cstdlib>
+#include <filesystem>
 #include <mutex>
 #include <random>
 #include <thread>
@@ -667,6 +668,29 @@ TEST(Stage3Parameters, EmptyOutsideTheirUnitsAndAClosedModelIsRefused) {
   auto again = Engine::Create(model, c, comm.get(), device.get());
   ASSERT_FALSE(again.ok());
   EXPECT_NE(again.status().message().find("that was closed"), std::string::npos) << again.status();
+}
+
+// Parameters on nvme under one directory and optimizer states under another (DeepSpeed's two
+// swap folders): the one NVMe tier stripes over both, each holding a swap file, and training is
+// the reference's.
+TEST(NvmePaths, TheParameterAndOptimizerSectionsDirectoriesBothHoldStripes) {
+  Config c = BaseConfig();
+  c.zero_optimization.stage = 3;
+  testing::TempDir params_dir, optim_dir;
+  c.zero_optimization.offload_param.device = OffloadDevice::kNvme;
+  c.zero_optimization.offload_param.nvme_path = {params_dir.path()};
+  c.zero_optimization.offload_optimizer.device = OffloadDevice::kNvme;
+  c.zero_optimization.offload_optimizer.nvme_path = {optim_dir.path()};
+  bool both = false;
+  EngineOptions opts;  // no nvme_path override: the config's directories
+  MutableHooks(&opts).initial_chunk_hook = [&](int64_t) {
+    both = std::filesystem::exists(params_dir.path() + "/strata-rank0.swap") &&
+           std::filesystem::exists(optim_dir.path() + "/strata-rank0.swap");
+  };
+  TrainRun ref = Reference(c);
+  TrainRun got = ThroughEngine(c, opts);
+  EXPECT_TRUE(both) << "a swap file is missing from one of the two directories";
+  ExpectMatch(ref, got, 1e-5, 2e-5);
 }
 
 }  // namespace

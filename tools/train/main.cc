@@ -601,14 +601,12 @@ class Trainer {
   }
 
   // The directory NVMe swap goes to, if any (for the disk in the host line).
+  // The NVMe tier's first directory, where zero::Init stages too: on the disk whose space the
+  // engine's start gets back as it writes its blocks there (Note [start's disk]).
   std::string NvmeDirForHost() const {
     if (!f_.nvme_path.empty()) return f_.nvme_path;
-    const auto& z = c_.zero_optimization;
-    if (z.offload_param.device == OffloadDevice::kNvme && !z.offload_param.nvme_path.empty())
-      return z.offload_param.nvme_path[0];
-    if (z.offload_optimizer.device == OffloadDevice::kNvme && !z.offload_optimizer.nvme_path.empty())
-      return z.offload_optimizer.nvme_path[0];
-    return "";
+    const std::vector<std::string> paths = c_.zero_optimization.NvmeTierPaths();
+    return paths.empty() ? "" : paths.front();
   }
 
   Flags f_;

@@ -60,10 +60,20 @@ CLI::Validator WholeAtLeast(int64_t lo) {
 
 namespace {
 
+// The first SIGINT or SIGTERM stops the run after its current step, which then saves as at the
+// end (--save); a second one ends the process at once, as the signal's default does (a start
+// of a large model takes minutes, and a user pressing Ctrl-C twice means it). Checkpoints are
+// written to a temporary name and renamed, so an end mid-save leaves the last whole one.
 std::atomic<bool> g_stop{false};
-void OnSignal(int) { g_stop.store(true); }
+void OnSignal(int sig) {
+  if (g_stop.exchange(true)) {
+    signal(sig, SIG_DFL);  // both async-signal-safe
+    raise(sig);
+  }
+}
 
 constexpr int kExitUsage = 2;
+constexpr int kMaxThreads = 1024;  // as strata-swapbench's --threads
 
 // A parameter count for the log: "51.0 M" below a billion, "2.13 B" from there (%g printed a
 // 2.1B model as "2.13e+03 M").
@@ -181,6 +191,10 @@ class Trainer {
   int Run() {
     Status s = Setup();
     if (!s.ok()) return Fail(s);
+    if (g_stop.load()) {
+      if (leader()) std::fprintf(stderr, "strata-train: interrupted during the start; nothing trained or saved\n");
+      return 130;
+    }
     s = Loop();
     if (!s.ok()) return Fail(s);
     return g_stop.load() ? 130 : 0;
@@ -234,6 +248,12 @@ class Trainer {
       return InvalidArgument(StrCat("model.vocab_size=", c_.model.vocab_size,
                                     ": strata-train uses byte tokens, so it must be at least 256"));
     if (!f_.device.empty()) c_.strata.device = f_.device;
+    // LibTorch starts an OS thread per compute thread, whatever the cores: tens of thousands
+    // took minutes and gigabytes before the first step.
+    if (f_.threads > kMaxThreads)
+      return InvalidArgument(StrCat("--threads ", f_.threads, " is more than ", kMaxThreads,
+                                    "; this machine has ", std::thread::hardware_concurrency(),
+                                    " logical CPUs (0 leaves the choice to LibTorch)"));
     if (f_.threads > 0) torch::set_num_threads(f_.threads);
     CommOptions co;
     co.backend = c_.strata.comm_backend;
@@ -518,16 +538,21 @@ class Trainer {
       std::cout << summary.dump() << std::endl;
       return;
     }
+    // The first step includes warm-up work and is not timed; a run of one step has no mean.
+    char timing[96] = "no step timed after the first (warm-up)";
+    if (t.measured) std::snprintf(timing, sizeof timing, "mean step %.3f s", t.time_sum / t.measured);
+    char overlap[32] = "";
+    if (t.overlap_measured)
+      std::snprintf(overlap, sizeof overlap, ", overlap %.2f", t.overlap_sum / t.overlap_measured);
     std::fprintf(stderr,
                  "\nsummary: %lld steps, loss %.4f -> %.4f (%s), %s params, "
-                 "model state %s, mean step %.3f s, %.0f tokens/s, overlap %.2f, peak RSS %s%s%s\n",
+                 "model state %s, %s, %.0f tokens/s%s, peak RSS %s%s%s\n",
                  (long long)engine_->global_step(), t.first_loss, t.last_loss,
                  std::isnan(t.last_val) ? "no validation"
                                         : StrCat("validation ", std::to_string(t.last_val).substr(0, 6)).c_str(),
                  FormatParams(static_cast<double>(engine_->num_parameters())).c_str(),
                  FormatBytes(engine_->model_state_bytes()).c_str(),
-                 t.measured ? t.time_sum / t.measured : NAN, wall > 0 ? t.tokens_total / wall : 0.0,
-                 t.overlap_measured ? t.overlap_sum / t.overlap_measured : NAN,
+                 timing, wall > 0 ? t.tokens_total / wall : 0.0, overlap,
                  FormatBytes(PeakRssBytes()).c_str(),
                  summary.contains("plot") ? ", plot " : "",
                  summary.contains("plot") ? f_.plot.c_str() : "");

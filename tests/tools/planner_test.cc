@@ -731,6 +731,63 @@ TEST(CostModelTest, TheOptimizerLaneRunsAtItsOwnThreadsRate) {
             std::string::npos);
 }
 
+// Note [deferred optimizer]: under stage 3, with a global condition (here gradient clipping) and
+// overlap, Step queues the updates and returns; they run beside the next step's first forward,
+// which waits for each chunk's update before it gathers that chunk, so only the lane time that
+// outlasts that forward adds to the step. Below stage 3, or without overlap, Step waits for the
+// updates. The norm is summed as the gradients land, so no mode pays a pass of its own over
+// them. Expected steps are written from that rule over the prediction's lanes; with the
+// parameters on a GPU the first forward is a third of one micro-step's compute.
+TEST(CostModelTest, DeferredUpdatesRunBesideTheNextForward) {
+  Config c = TuneConfig();
+  c.zero_optimization.offload_optimizer.device = OffloadDevice::kCpu;
+  c.gradient_clipping = 1.0;
+  c.gradient_accumulation_steps = 2;
+  ASSERT_TRUE(c.strata.overlap_optimizer);
+  ASSERT_OK_AND_ASSIGN(ModelSpec spec, GptModelSpec(c.model));
+  EstimateOptions on_gpu;
+  on_gpu.device = "cuda";
+  Rates r;
+  r.gflops = 1;
+  r.copy_gbps = 10;
+  r.dram_gbps = 10;
+  const auto predict = [&](const Config& cfg, double adam_gelems) {
+    r.adam_gelems = adam_gelems;
+    auto mem = EstimateMemory(cfg, spec, on_gpu);
+    EXPECT_TRUE(mem.ok()) << mem.status();
+    auto p = PredictStep(cfg, spec, *mem, r, "cuda");
+    EXPECT_TRUE(p.ok()) << p.status();
+    return p.ok() ? *p : StepPrediction{};
+  };
+  // A slow optimizer: the lane outlasts the forward, which hides a forward's worth of it.
+  StepPrediction slow = predict(c, 1e-4);
+  const double first_forward = slow.compute_s / 2 / 3;
+  ASSERT_GT(slow.lane_s, 10 * first_forward);
+  EXPECT_NEAR(slow.step_s, slow.main_s + slow.lane_s - first_forward, 1e-9 * slow.step_s);
+  // A fast one: hidden whole.
+  StepPrediction fast = predict(c, 1e3);
+  ASSERT_LT(fast.lane_s, first_forward);
+  EXPECT_NEAR(fast.step_s, fast.main_s, 1e-12);
+  // Step waits for the updates without overlap, and below stage 3.
+  Config in_step = c;
+  in_step.strata.overlap_optimizer = false;
+  StepPrediction waited = predict(in_step, 1e-4);
+  EXPECT_NEAR(waited.step_s, waited.main_s + waited.lane_s, 1e-9 * waited.step_s);
+  Config stage2 = c;
+  stage2.zero_optimization.stage = 2;
+  StepPrediction s2 = predict(stage2, 1e-4);
+  EXPECT_NEAR(s2.step_s, s2.main_s + s2.lane_s, 1e-9 * s2.step_s);
+  // NVMe-homed optimizer groups: the update reads each gradient once, clipped or not.
+  Config nvme = c;
+  nvme.zero_optimization.offload_optimizer.device = OffloadDevice::kNvme;
+  r.nvme_read_gbps = r.nvme_write_gbps = 1.0;
+  Config unclipped = nvme;
+  unclipped.gradient_clipping = 0;
+  const StepPrediction clipped_nvme = predict(nvme, 1e-4), unclipped_nvme = predict(unclipped, 1e-4);
+  EXPECT_GT(clipped_nvme.bytes_nvme_read, 0u);
+  EXPECT_EQ(clipped_nvme.bytes_nvme_read, unclipped_nvme.bytes_nvme_read);
+}
+
 // With W ranks, ring collectives move (W-1) shards per rank: per micro-step a reduce-scatter of
 // fp32 gradients and, under stage 3, a parameter all-gather in forward and in backward; below
 // stage 3 one all-gather of the updated parameters per step. Expected values are written here

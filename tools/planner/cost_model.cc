@@ -217,7 +217,8 @@ StatusOr<StepPrediction> PredictStep(const Config& config, const ModelSpec& mode
   }
   // Updates beside compute: during backward (immediate), or after Step beside the next forward
   // (stage 3's deferred updates), as StepPlan decides.
-  const bool beside_compute = config.strata.overlap_optimizer && (immediate || z.stage == 3);
+  const bool deferred = config.strata.overlap_optimizer && !immediate && z.stage == 3;
+  const bool beside_compute = immediate || deferred;
   adam = LaneAdamRate(r, layout, adam, cuda, config.strata.optimizer_threads, beside_compute, &p.notes);
   p.optimizer_s = (cuda ? Ooff : S) / (adam * 1e9);
   double lane_io = rd_t(On * g + nvme_states) + wr_t(nvme_states);
@@ -243,17 +244,18 @@ StatusOr<StepPrediction> PredictStep(const Config& config, const ModelSpec& mode
   p.bytes_copy = static_cast<uint64_t>(copy_bytes);
   p.nvme_s = rd_t(nvme_r) + wr_t(nvme_w);
   p.copy_s = copy_t(copy_bytes);
+  // The global norm adds no pass over the gradients: each chunk's part is summed while its
+  // reduced gradient is hot, in backward (Note [deferred optimizer] in optimizer_lane.cc).
   if (immediate) {
     p.step_s = std::max(p.main_s, before_last + last_micro_forward + p.lane_s);
+  } else if (deferred) {
+    // Step queues the updates and returns; the next step's first forward waits for each chunk's
+    // update just before it gathers that chunk, so the lane runs beside that forward and only
+    // what outlasts it adds to the step.
+    const double first_forward = compute_micro / 3 + param_io / 2;
+    p.step_s = p.main_s + std::max(0.0, p.lane_s - first_forward);
   } else {
-    double scan = S * g / (r.dram_gbps * 1e9);
-    if (On > 0) {
-      scan += rd_t(On * g);
-      nvme_r += On * g;
-      p.bytes_nvme_read = static_cast<uint64_t>(nvme_r);
-      p.nvme_s = rd_t(nvme_r) + wr_t(nvme_w);
-    }
-    p.step_s = p.main_s + scan + p.lane_s;
+    p.step_s = p.main_s + p.lane_s;  // Step waits for the updates
   }
   p.step_s += comm_t(comm_tail);  // Step shares the updated shards after the optimizer
   p.step_s = std::max({p.step_s, p.nvme_s, p.copy_s});

@@ -325,9 +325,12 @@ StatusOr<std::unique_ptr<Init>> Init::Create(const std::string& dir, torch::Dtyp
     current = impl.get();
     return std::unique_ptr<Init>(new Init(std::move(impl)));
   }
+  // The directory is the NVMe tier's (nvme_path), which the engine also refuses to create: a
+  // mistyped path would put a model's worth of staging on whatever disk holds the typo.
   std::error_code ec;
-  std::filesystem::create_directories(dir, ec);
-  if (ec) return ErrnoToStatus(ec.value(), StrCat("create zero::Init directory ", dir));
+  if (!std::filesystem::is_directory(dir, ec))
+    return InvalidArgument(StrCat("zero::Init directory ", dir, " does not exist or is not a directory: "
+                                  "create it, or fix the nvme_path"));
   auto impl = std::make_unique<Impl>();
   impl->staged_dtype = staged_dtype;
   std::string tmpl = (std::filesystem::path(dir) / "strata-zero-init.XXXXXX").string();

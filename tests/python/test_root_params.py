@@ -35,6 +35,7 @@ def test_under_zero_init_with_nvme_matches_pytorch(model_name, tmp_path):
     cfg = harness.config_for(case, tmp_path / "nvme")
     want, _ = harness.train_reference(model_name, STEPS, accum=case[4], clip=case[5])
     torch.manual_seed(0)
+    (tmp_path / "staged").mkdir()
     with strata.zero.Init(nvme_path=str(tmp_path / "staged")):
         model = harness.MODELS[model_name]()
     engine, _, _, _ = strata.initialize(model=model, model_parameters=model.parameters(),

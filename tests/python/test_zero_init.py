@@ -291,6 +291,7 @@ def test_a_temporary_directory_in_memory_is_not_where_it_stages(tmp_path, monkey
         with strata.zero.Init() as init:
             pass
     assert init._dir == shm
+    os.makedirs(f"{shm}/x", exist_ok=True)
     with pytest.warns(UserWarning, match=f"{shm}/x is kept in memory"):
         with strata.zero.Init(nvme_path=f"{shm}/x"):
             pass

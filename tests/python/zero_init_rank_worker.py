@@ -66,6 +66,7 @@ def main():
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     result = {}
     wide_dir = os.path.join(tmp, "wide")  # both ranks' staging directory
+    os.makedirs(wide_dir, exist_ok=True)
     before = pss_mib()
     with strata.zero.Init(nvme_path=wide_dir) as init:
         wide = Wide()  # its constructor draws every weight again after the Linears made them

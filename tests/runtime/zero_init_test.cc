@@ -74,6 +74,20 @@ TEST(ZeroInit, ParametersKeepTheirShapeButNoMemory) {
   for (const auto& p : models::UniqueParameters(*again)) EXPECT_GT(p.storage().nbytes(), 0u);
 }
 
+// The staging directory is the NVMe tier's: a missing one (a mistyped nvme_path) is refused, as
+// the engine refuses it, rather than created on whatever disk holds the typo.
+TEST(ZeroInit, AMissingDirectoryIsRefusedNotCreated) {
+  testing::TempDir dir;
+  const std::string typo = dir.path() + "/nvme-typo";
+  auto init = zero::Init::Create(typo);
+  ASSERT_FALSE(init.ok());
+  EXPECT_EQ(init.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(init.status().message().find(typo + " does not exist"), std::string::npos) << init.status();
+  EXPECT_FALSE(std::filesystem::exists(typo));
+  // Shapes-only ranks write nothing there, so they do not look at it.
+  EXPECT_TRUE(zero::Init::Create(typo, torch::kFloat32, zero::StageMode::kShapesOnly).ok());
+}
+
 // StageMode::kShapesOnly (a rank > 0's Init): the same shapes with no memory, nothing written
 // to the directory, and reads that give zeros (the engine broadcasts rank 0's values over them).
 TEST(ZeroInit, ShapesOnlyWritesNothingAndReadsZeros) {

@@ -7,6 +7,7 @@
 // and the baseline each run implies (RSS - estimate) must agree across placements. Then a whole
 // NVMe run must stay within its host budget plus that stated overhead.
 #include <cstdio>
+#include <filesystem>
 #include <fstream>
 #include <string>
 
@@ -78,6 +79,7 @@ Sizes Measure(const std::string& dir, const std::string& name, const std::string
 TEST(EstimateVsProcessTest, RssGrowthMatchesTheEstimate) {
   testing::TempDir dir;
   const std::string nvme = dir.path() + "/nvme";
+  std::filesystem::create_directories(nvme);  // an nvme_path must exist (the engine creates none)
   const std::pair<const char*, std::string> placements[] = {
       {"stage3", R"({"stage": 3})"},
       {"stage2_cpu", R"({"stage": 2, "offload_optimizer": {"device": "cpu"}})"},

@@ -263,7 +263,10 @@ class Section {
         if (d < best_d) best_d = d, best = k;
       }
       std::string msg = StrCat("unknown key ", Key(it.key()));
-      const bool close = !best.empty() && best_d <= std::max<size_t>(3, it.key().size() / 3);
+      // Close: a few edits, and fewer than half the longer spelling's letters ("foo" is not a
+      // misspelled "aio").
+      const bool close = !best.empty() && best_d <= std::max<size_t>(3, it.key().size() / 3) &&
+                         2 * best_d < std::max(it.key().size(), best.size());
       if (warn_only) {
         Warn(StrCat(msg, " is ignored (DeepSpeed ignores it too)",
                     close ? StrCat("; did you mean ", Key(best), "?") : std::string()));

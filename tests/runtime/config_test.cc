@@ -313,6 +313,13 @@ TEST(Config, UnknownKeysSuggestTheClosestSpelling) {
   ExpectError(R"({"strata": {"chunksize": 4096}})", {"did you mean strata.chunk_size?"});
   ExpectError(R"({"optimizer": {"params": {"zzzzzzzzzzzz": 1}}})",
               {"unknown key optimizer.params.zzzzzzzzzzzz", "valid keys here:"});
+  // Two edits of three letters is another word, not a misspelling: no suggestion.
+  ExpectError(R"({"strata": {"foo": 1}})", {"unknown key strata.foo", "valid keys here:"});
+  auto short_key = Config::FromJsonText(R"({"strata": {"foo": 1}})");
+  EXPECT_EQ(short_key.status().message().find("did you mean"), std::string::npos) << short_key.status();
+  ASSERT_OK_AND_ASSIGN(Config c, Config::FromJsonText(R"({"foo": 1})"));
+  ASSERT_EQ(c.warnings.size(), 1u);
+  EXPECT_EQ(c.warnings[0].find("did you mean"), std::string::npos) << c.warnings[0];
 }
 
 // DeepSpeed ignores unknown top-level keys, so a file with one must load; the key is named in a

@@ -486,7 +486,7 @@ class StrataEngine(ConfigView, torch.nn.Module):
         save_dir = os.fspath(save_dir)
         if tag is None:
             tag = f"global_step{self.global_steps}"
-        root = os.path.join(save_dir, str(tag))
+        root = os.path.join(save_dir, _checked_tag("save_checkpoint", tag))
         state = dict(client_state) if client_state is not None else {}
         if self.lr_scheduler is not None and hasattr(self.lr_scheduler, "state_dict"):
             state[_SCHEDULER_KEY] = self.lr_scheduler.state_dict()
@@ -827,18 +827,36 @@ def _logger():
     return logging.getLogger("strata")
 
 
+def _checked_tag(method, tag):
+    """A tag names one folder inside the checkpoint directory: os.path.join would take an absolute
+    tag, '..' or a path with separators outside it (over another run's checkpoints)."""
+    name = str(tag)
+    if name in ("", ".", "..") or "/" in name or os.sep in name or "\0" in name:
+        raise InvalidArgumentError(
+            f"{method}(tag={tag!r}): a tag is one folder name inside the checkpoint directory "
+            f"(such as 'global_step100'), without '/', not '.' or '..', and not empty")
+    return name
+
+
 def _resolve_checkpoint(load_dir, tag):
-    """The directory to load: load_dir/<tag>, or the tag `latest` names; None without one."""
+    """The directory to load: load_dir/<tag>, or the tag `latest` names, or load_dir itself when
+    it is one checkpoint (a step directory, as strata-train --resume takes); None, with a
+    warning as DeepSpeed gives, when it holds none."""
     if tag is None:
         latest = os.path.join(load_dir, "latest")
         if not os.path.exists(latest):
+            if os.path.isfile(os.path.join(load_dir, "rank-00000.json")):
+                return load_dir
+            _logger().warning(
+                "load_checkpoint: %s holds no 'latest' file and no checkpoint, so nothing was "
+                "loaded; pass the directory save_checkpoint wrote to, or an explicit tag", load_dir)
             return None
         with open(latest, encoding="utf-8") as f:
             name = f.read().strip()
         tagged = os.path.join(load_dir, name)
         # A tagged save keeps its own `latest`; an older untagged one is load_dir itself.
         return tagged if os.path.exists(os.path.join(tagged, "latest")) else load_dir
-    root = os.path.join(load_dir, str(tag))
+    root = os.path.join(load_dir, _checked_tag("load_checkpoint", tag))
     if not os.path.isdir(root):
         raise InvalidArgumentError(f"load_checkpoint: no checkpoint tagged '{tag}' in {load_dir}")
     return root

@@ -84,13 +84,25 @@ def _check_model_parameters(model, model_parameters):
             given.extend(p["params"])
         else:
             given.append(p)
-    trainable = {id(p) for p in model.parameters() if p.requires_grad}
-    ids = {id(p) for p in given}
-    if ids != trainable:
+    names = {id(p): n for n, p in model.named_parameters() if p.requires_grad}
+    seen = set()
+    for p in given:
+        if not isinstance(p, torch.Tensor):
+            raise InvalidArgumentError(
+                f"model_parameters holds a {type(p).__name__} ({p!r:.40}), not a parameter: pass "
+                "the model's trainable parameters or parameter-group dicts of them")
+        if id(p) not in names:
+            raise InvalidArgumentError(
+                f"model_parameters holds a tensor of shape {tuple(p.shape)} that is not a trainable "
+                "parameter of the model (another model's, a copy, or one with requires_grad=False)")
+        seen.add(id(p))  # one in two groups is refused with the groups' numbers, later
+    missing = [n for i, n in names.items() if i not in seen]
+    if missing:
+        shown = ", ".join(f"'{n}'" for n in missing[:3]) + (", ..." if len(missing) > 3 else "")
         raise InvalidArgumentError(
             "model_parameters must be the model's trainable parameters (those with "
-            f"requires_grad): got {len(ids)} of {len(trainable)}; to freeze some, set "
-            "requires_grad=False on them before initialize")
+            f"requires_grad): {len(missing)} of {len(names)} are missing ({shown}); to freeze "
+            "some, set requires_grad=False on them before initialize")
 
 
 def _owner_of(model):
@@ -152,8 +164,9 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
             "initialize: no config: pass config= (a dict or the path of a DeepSpeed JSON file), "
             "or args parsed with --deepspeed_config; config={} runs on the defaults")
     cfg, source = _config.load(config)
-    if model_parameters is not None and (isinstance(model_parameters, (torch.Tensor, dict)) or
-                                         not hasattr(model_parameters, "__iter__")):
+    if model_parameters is not None and (
+            isinstance(model_parameters, (torch.Tensor, dict, str, bytes)) or
+            not hasattr(model_parameters, "__iter__")):
         raise InvalidArgumentError(
             f"model_parameters={type(model_parameters).__name__}: must be an iterable of "
             "parameters or of parameter-group dicts (e.g. model.parameters())")

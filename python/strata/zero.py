@@ -30,7 +30,15 @@ class GatheredParameters:
     def __init__(self, params, modifier_rank=None, fwd_module=None, enabled=True):
         if isinstance(params, torch.Tensor):
             params = [params]
+        if isinstance(params, (str, bytes)):
+            raise InvalidArgumentError(f"GatheredParameters({params!r:.40}): pass a parameter or an "
+                                       "iterable of parameters (such as module.parameters())")
         self._params = list(params) if params is not None else []
+        for p in self._params:
+            if not isinstance(p, torch.Tensor):
+                raise InvalidArgumentError(
+                    f"GatheredParameters: a {type(p).__name__} ({p!r:.40}) among the parameters; "
+                    "pass parameters (torch.nn.Parameter) only")
         self._enabled = enabled
         self._open = []
         self._engine = None

@@ -72,7 +72,45 @@ def test_tagged_checkpoint_and_latest(tmp_path):
     assert path.endswith("first") and other.global_steps == 1
     with pytest.raises(ValueError, match="no checkpoint tagged 'third'"):
         other.load_checkpoint(tmp_path / "ck", tag="third")
+    # One checkpoint's own directory loads, as strata-train --resume takes it (it gave
+    # (None, None) and training started over); a directory with none says so, as DeepSpeed does.
+    step_dir = tmp_path / "ck" / "second" / "step-00000002"
+    assert (step_dir / "rank-00000.json").is_file()
+    path, client = other.load_checkpoint(step_dir)
+    assert path == str(step_dir) and client == {"k": 2} and other.global_steps == 2
+    with caplog_warnings() as records:
+        assert other.load_checkpoint(tmp_path / "nothing-here") == (None, None)
+    assert any("holds no 'latest' file" in r.getMessage() for r in records)
+    # A tag is one folder name inside the directory: '..' wrote over another run's `latest`, an
+    # absolute tag at the file system's root.
+    for tag in ("..", str(tmp_path / "abs"), "", ".", "a/b", "nul\0x"):
+        with pytest.raises(ValueError, match="a tag is one folder name"):
+            other.save_checkpoint(tmp_path / "ck", tag=tag)
+        with pytest.raises(ValueError, match="a tag is one folder name"):
+            other.load_checkpoint(tmp_path / "ck", tag=tag)
+    assert not (tmp_path / "abs").exists() and not (tmp_path / "latest").exists()
+    assert not (tmp_path / "ck" / "nul").exists()
+    assert (tmp_path / "ck" / "latest").read_text() == "second"
     other.close()
+
+
+class caplog_warnings:
+    """The 'strata' logger's records of WARNING and above inside the block."""
+
+    def __enter__(self):
+        import logging
+
+        self.records = []
+        self.handler = logging.Handler(logging.WARNING)
+        self.handler.emit = self.records.append
+        logging.getLogger("strata").addHandler(self.handler)
+        return self.records
+
+    def __exit__(self, *exc):
+        import logging
+
+        logging.getLogger("strata").removeHandler(self.handler)
+        return False
 
 
 @pytest.mark.parametrize("bad, words", [
@@ -291,6 +329,11 @@ def test_gathered_parameters_nest_and_name_what_is_wrong(tmp_path):
     engine.reload_states()
     with strata.zero.GatheredParameters([w]):
         assert torch.equal(w.detach(), value)
+    # What is not a parameter is named (it was an AttributeError from inside the gather).
+    with pytest.raises(ValueError, match="pass a parameter or an iterable of parameters"):
+        strata.zero.GatheredParameters("abc")
+    with pytest.raises(ValueError, match=r"a int \(3\) among the parameters"):
+        strata.zero.GatheredParameters([w, 3])
     assert all(math.isfinite(v) for v in _run(engine, "gpt2", 1, 1))
     engine.close()
 
@@ -423,7 +466,14 @@ def test_model_parameters_may_hold_frozen_ones_as_deepspeed_takes_them(tmp_path)
     bads = ((lambda m: 5, "model_parameters=int"),
             (lambda m: [{"lr": 1.0}], "a group without 'params'"),
             (lambda m: [{"params": m[1].parameters(), "betas": (0.9,)}], r"betas=\(0.9,\): must be two"),
-            (lambda m: [{"params": m[1].parameters(), "lr": "x"}], "lr='x': must be a number"))
+            (lambda m: [{"params": m[1].parameters(), "lr": "x"}], "lr='x': must be a number"),
+            (lambda m: "abc", "model_parameters=str"),
+            (lambda m: [m[1].weight, 3], r"holds a int \(3\), not a parameter"),
+            (lambda m: [{"params": [m[1].weight]}, {"params": [m[1].weight, m[1].bias]}],
+             "is in parameter groups 0 and 1"),
+            (lambda m: list(m[1].parameters()) + [torch.nn.Parameter(torch.zeros(3))],
+             r"shape \(3,\) that is not a trainable parameter"),
+            (lambda m: [m[1].weight], r"1 of 2 are missing \('1.bias'\)"))
     for bad, want in bads:
         m = copy.deepcopy(model)
         with pytest.raises(ValueError, match=want):

@@ -51,6 +51,7 @@ Status Engine::Impl::Save(const std::string& root, const nlohmann::json& extra,
   if (step_.step_open)
     return FailedPrecondition("SaveCheckpoint during a step: save after Step() returns");
   STRATA_RETURN_IF_ERROR(CheckStatesResident("SaveCheckpoint"));
+  STRATA_RETURN_IF_ERROR(checkpoint::CheckSaveRoot(root));
   STRATA_RETURN_IF_ERROR(FinishUpdates());
   const std::string name = checkpoint::StepDirName(step_.global_step);
   const fs::path final_dir = fs::path(root) / name;

@@ -36,8 +36,9 @@ StatusOr<std::string> LoadingStem(const std::string& dir, int rank) {
   std::error_code ec;
   for (const std::string& stem : {RankFileStem(rank), RankFileStem(0)})
     if (fs::exists(fs::path(dir) / (stem + ".json"), ec)) return stem;
-  return NotFound(StrCat(dir, " holds no ", RankFileStem(rank), ".json and no ", RankFileStem(0),
-                         ".json: it is not a Strata checkpoint, or an incomplete one"));
+  return NotFound(StrCat(dir, " holds no ", RankFileStem(rank), ".json",
+                         rank != 0 ? StrCat(" and no ", RankFileStem(0), ".json") : std::string(),
+                         ": it is not a Strata checkpoint, or an incomplete one"));
 }
 
 std::string SerializeManifest(const Manifest& m) {
@@ -148,6 +149,17 @@ StatusOr<Manifest> ParseManifest(std::string_view bytes, const std::string& sour
   } catch (const std::exception& e) {
     return bad(StrCat("a field is missing or has the wrong type (", e.what(), ")"));
   }
+}
+
+Status CheckSaveRoot(const std::string& root) {
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  if (!fs::exists(fs::path(root) / (RankFileStem(0) + ".json"), ec)) return Status::Ok();
+  fs::path step = fs::absolute(root, ec).lexically_normal();
+  if (!step.has_filename()) step = step.parent_path();  // a trailing '/'
+  return InvalidArgument(StrCat(root, " is one checkpoint (it holds ", RankFileStem(0),
+                                ".json), not a folder of them: save to the folder that holds it, ",
+                                step.parent_path().string()));
 }
 
 StatusOr<std::string> ResolveCheckpointDir(const std::string& path) {

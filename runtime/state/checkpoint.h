@@ -82,6 +82,10 @@ StatusOr<std::string> LoadingStem(const std::string& dir, int rank);
 std::string SerializeManifest(const Manifest& m);
 StatusOr<Manifest> ParseManifest(std::string_view bytes, const std::string& source);
 
+// INVALID_ARGUMENT, naming the folder to save to instead, when `root` is one checkpoint (a step
+// directory: it holds rank 0's manifest) rather than a save root. Saving into one would nest the
+// next checkpoint inside it, where neither its `latest` nor a resume from its root finds it.
+Status CheckSaveRoot(const std::string& root);
 // Resolves what a user passed to --resume: a save root (uses `latest`) or a step directory.
 // NOT_FOUND with the fix when neither holds a checkpoint.
 StatusOr<std::string> ResolveCheckpointDir(const std::string& path);

@@ -211,6 +211,16 @@ TEST(ResumeErrors, MismatchesAndDamageAreClearAndOverwriteNothing) {
   EXPECT_EQ(other_stage.engine->global_step(), 1);
   EXPECT_EQ(other_stage.engine->micro_step(), stage1.gradient_accumulation_steps);
 
+  // A step directory is one checkpoint, not a folder of them: a save into it (which went inside
+  // it, where no resume from the folder found it) is refused, naming the folder.
+  auto into_step = other_stage.engine->SaveCheckpoint(step_dir, {});
+  ASSERT_FALSE(into_step.ok());
+  EXPECT_EQ(into_step.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(into_step.message().find("save to the folder that holds it, " + fs::absolute(ckpt).string()),
+            std::string::npos)
+      << into_step;
+  EXPECT_FALSE(fs::exists(fs::path(step_dir) / "step-00000001"));
+
   // Flip one byte of the shard file: DATA_LOSS naming the block, and the live state is untouched.
   const std::string bin = step_dir + "/rank-00000.bin";
   std::string bytes = checkpoint::ReadFile(bin).value();

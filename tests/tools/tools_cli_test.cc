@@ -4,6 +4,7 @@
 #include <sys/stat.h>
 
 #include <cstdio>
+#include <filesystem>
 #include <fstream>
 #include <map>
 #include <sstream>
@@ -470,6 +471,7 @@ TEST(CliFlagsTest, OutOfRangeValuesExitTwoNamingTheFlag) {
       {train + " --resume '' --steps 1", "--resume=''"},
       {train + " --nvme-path '' --steps 1", "--nvme-path=''"},
       {train + " --micro-batch 16777217 --steps 1", "--micro-batch"},
+      {train + " --threads 100000 --steps 1", "--threads 100000 is more than 1024"},
   };
   for (const auto& [cmd, want] : cases) {
     const Result r = Exec(cmd);
@@ -535,6 +537,109 @@ TEST(CliFlagsTest, ABadResumeOrFp16OnTheCpuIsRefusedBeforeTheModelIsBuilt) {
     EXPECT_NE(r.out.find(want), std::string::npos) << args << "\n" << r.out;
     EXPECT_EQ(r.out.find("GPT 2 layers"), std::string::npos) << args << ": refused after the model";
   }
+}
+
+std::string ReadAll(const std::string& path) {
+  std::ifstream in(path);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+// Where strata-train writes is checked before the model is built: a --save that is a file, or
+// one checkpoint rather than the folder of them (the next save went inside it, where no resume
+// found it), a --trace or --plot over the config (they replaced it), a directory that does not
+// exist. Each is refused with exit 2, naming the flag, and the config is left as it was.
+TEST(CliFlagsTest, OutputPathsAreCheckedBeforeTheModelIsBuilt) {
+  testing::TempDir dir;
+  const std::string d = dir.path();
+  const std::string config = R"({"zero_optimization": {"stage": 2}, "strata": {"device": "cpu"},
+      "model": {"n_layers": 2, "d_model": 64, "n_heads": 4, "seq_len": 32, "vocab_size": 256}})";
+  Write(d + "/c.json", config);
+  Write(d + "/file", "x");
+  const std::string train = std::string(STRATA_TRAIN_BIN) + " --eval-batches 0 --config " + d + "/c.json ";
+  Result r = Exec(train + "--steps 1 --plot '' --save " + d + "/ck");
+  ASSERT_EQ(r.rc, 0) << r.out;
+  const std::string step = d + "/ck/step-00000001";
+  const std::pair<std::string, std::string> cases[] = {
+      {"--plot '' --save " + d + "/file", "--save " + d + "/file is a file"},
+      {"--plot '' --save " + step, "save to the folder that holds it, " + d + "/ck"},
+      {"--plot '' --save " + step + "/", "save to the folder that holds it, " + d + "/ck"},
+      {"--plot " + d + "/c.json", "--plot " + d + "/c.json is also --config"},
+      {"--plot '' --trace " + d + "/c.json", "--trace " + d + "/c.json is also --config"},
+      {"--plot '' --trace " + d + "/none/t.json", "its directory " + d + "/none does not exist"},
+      {"--plot " + d + "/ck", "--plot " + d + "/ck is a directory"},
+      {"--plot '' --save /proc/strata-ck", "--save /proc/strata-ck: cannot create it"},
+  };
+  for (const auto& [args, want] : cases) {
+    r = Exec(train + "--steps 1 " + args);
+    EXPECT_EQ(r.rc, 2) << args << "\n" << r.out;
+    EXPECT_NE(r.out.find(want), std::string::npos) << args << "\n" << r.out;
+    EXPECT_EQ(r.out.find("GPT 2 layers"), std::string::npos) << args << ": refused after the model";
+  }
+  EXPECT_EQ(ReadAll(d + "/c.json"), config);
+  EXPECT_FALSE(std::filesystem::exists(step + "/step-00000001")) << "a save went inside a checkpoint";
+  // The checks leave no probe files behind, and the checkpoint still resumes.
+  for (const auto& e : std::filesystem::directory_iterator(d + "/ck"))
+    EXPECT_EQ(e.path().filename().string().find(".strata-write-check"), std::string::npos) << e.path();
+  r = Exec(train + "--plot '' --steps 2 --resume " + step + " --save " + d + "/ck");
+  EXPECT_EQ(r.rc, 0) << r.out;
+  EXPECT_TRUE(std::filesystem::exists(d + "/ck/step-00000002/rank-00000.json")) << r.out;
+}
+
+// strata-tune's --out may not be its --profile or --config (it replaced the measured profile
+// with a config); strata-estimate's --gflops sets --largest's compute rate for a profile
+// without one, and is refused without --largest and --profile.
+TEST(TuneCliTest, OutMayNotReplaceAnInputAndEstimateTakesGflops) {
+  testing::TempDir dir;
+  const std::string d = dir.path();
+  Write(d + "/c.json", kConfig);
+  Write(d + "/p.json", Profile(1.0));
+  const std::string tune = std::string(STRATA_TUNE_BIN) + " --config " + d + "/c.json --profile " + d +
+                           "/p.json --no-calibrate --device-budget 1MiB --host-budget 1GiB --nvme-path " + d;
+  for (const std::string input : {"p.json", "c.json"}) {
+    const std::string before = ReadAll(d + "/" + input);
+    const Result r = Exec(tune + " --out " + d + "/" + input);
+    EXPECT_EQ(r.rc, 2) << r.out;
+    EXPECT_NE(r.out.find("--out " + d + "/" + input + " is also --"), std::string::npos) << r.out;
+    EXPECT_EQ(ReadAll(d + "/" + input), before) << input << " was written";
+  }
+  nlohmann::json no_compute = nlohmann::json::parse(Profile(1.0));
+  no_compute.erase("compute");
+  Write(d + "/nc.json", no_compute.dump());
+  const std::string estimate = std::string(STRATA_ESTIMATE_BIN) + " --largest --hbm 1GiB --host 4GiB --disk 8GiB ";
+  Result r = Exec(estimate + "--profile " + d + "/nc.json");
+  EXPECT_EQ(r.rc, 2) << r.out;
+  EXPECT_NE(r.out.find("--gflops"), std::string::npos) << r.out;
+  r = Exec(estimate + "--profile " + d + "/nc.json --gflops 50");
+  EXPECT_EQ(r.rc, 0) << r.out;
+  EXPECT_NE(r.out.find("compute rate 50 GFLOP/s"), std::string::npos) << r.out;
+  r = Exec(std::string(STRATA_ESTIMATE_BIN) + " --params 1e6 --gflops 50");
+  EXPECT_EQ(r.rc, 2) << r.out;
+  EXPECT_NE(r.out.find("pass it with --largest and --profile"), std::string::npos) << r.out;
+  r = Exec(estimate + "--profile " + d + "/nc.json --gflops inf");
+  EXPECT_EQ(r.rc, 2) << r.out;
+  EXPECT_NE(r.out.find("--gflops=inf"), std::string::npos) << r.out;
+}
+
+// strata-swapbench nvme refuses a file larger than the disk's free space before writing, and
+// leaves nothing behind (it filled the disk, failed, and kept the partial file); profile
+// --apply refuses a config with comments before the sweep, since rewriting it would drop them.
+TEST(ProfileCliTest, NvmeBenchesDoNotFillTheDiskAndApplyKeepsComments) {
+  testing::TempDir dir;
+  const std::string d = dir.path();
+  const uint64_t free_bytes = FreeDiskBytes(d);
+  ASSERT_GT(free_bytes, 0u);
+  const std::string size = std::to_string(free_bytes / (1ull << 20) * 2 + (64ull << 10)) + "MiB";
+  Result r = Exec(std::string(STRATA_SWAPBENCH_BIN) + " nvme --path " + d + " --rw write --size " + size);
+  EXPECT_EQ(r.rc, 2) << r.out;
+  EXPECT_NE(r.out.find("lower --size or free disk space"), std::string::npos) << r.out;
+  EXPECT_TRUE(std::filesystem::is_empty(d)) << "the bench left a file in " << d;
+  Write(d + "/cfg.json", "{\n  // tuned by hand\n  \"train_micro_batch_size_per_gpu\": 1\n}\n");
+  r = Exec(std::string(STRATA_SWAPBENCH_BIN) + " profile --quick --no-fio --path " + d + " --apply " + d + "/cfg.json");
+  EXPECT_EQ(r.rc, 2) << r.out;
+  EXPECT_NE(r.out.find("holds comments"), std::string::npos) << r.out;
+  EXPECT_EQ(r.out.find("GB/s"), std::string::npos) << "refused after measuring:\n" << r.out;
 }
 
 // placement auto asks the estimator's replay for the device reserve; a config the replay

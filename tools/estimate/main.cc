@@ -45,15 +45,15 @@ void MeasureForAuto(const Config& config, EstimateOptions* eo) {
 StatusOr<uint64_t> BytesFlag(const std::string& flag, const std::string& v) {
   auto b = ParseBytes(v);
   if (!b.ok() || *b == 0)
-    return InvalidArgument(StrCat(flag, "=", v, ": must be a size such as 80GiB or 512MiB"));
+    return InvalidArgument(StrCat(flag, "=", v, ": must be a size above 0, such as 80GiB or 512MiB"));
   return *b;
 }
 
 // --largest: the machine's budgets (flags, else this machine), the search, and its report.
 int RunLargest(const Config& config, const std::string& device, const std::string& hbm,
                const std::string& host, const std::string& disk, std::string nvme_path,
-               const std::string& profile_path, int world, EstimateOptions::Build build, int init_element_bytes,
-               bool json) {
+               const std::string& profile_path, const std::string& gflops_s, int world,
+               EstimateOptions::Build build, int init_element_bytes, bool json) {
   auto fail = [](const Status& s) {
     std::cerr << "strata-estimate: " << s.message() << "\nRun `strata-estimate --help` for the options.\n";
     return 2;
@@ -111,7 +111,13 @@ int RunLargest(const Config& config, const std::string& device, const std::strin
   std::string lane;
   std::vector<std::string> assumptions;  // the rates' (where a figure came from)
   if (prof) {
-    auto rates = RatesFromProfile(*prof, o.device, 0, !r->config.bf16.enabled && !r->config.fp16.enabled);
+    double gflops = 0;
+    if (!gflops_s.empty()) {
+      auto g = ParseGflops(gflops_s);
+      if (!g.ok()) return fail(g.status());
+      gflops = *g;
+    }
+    auto rates = RatesFromProfile(*prof, o.device, gflops, !r->config.bf16.enabled && !r->config.fp16.enabled);
     if (!rates.ok()) return fail(rates.status());
     SetNvmeRates(*prof, r->config.aio, &*rates);
     rates->comm_busbw_gbps = prof->comm_busbw_gbps;
@@ -189,7 +195,7 @@ int main(int argc, char** argv) {
   std::string config_path, params, largest, device, stage_s, off_param, off_optim;
   std::string world_s = "1";
   bool json = false, largest_mode = false;
-  std::string hbm, host, disk, nvme_path, profile_path, build_s = "strata-train", init_dtype;
+  std::string hbm, host, disk, nvme_path, profile_path, gflops_s, build_s = "strata-train", init_dtype;
   app.add_option("--config", config_path,
                  "DeepSpeed-style config (strata-train's); its \"model\" section describes the GPT");
   app.add_option("--params", params, "model size in elements, instead of a \"model\" section (e.g. 1.3e9)");
@@ -216,6 +222,9 @@ int main(int argc, char** argv) {
   app.add_option("--nvme-path", nvme_path, "with --largest: where NVMe state would go (default: the config's, else /var/tmp/strata-nvme)");
   app.add_option("--profile", profile_path, "with --largest: a `strata-swapbench profile --json` report, to predict the bounding lane "
                                             "(and, on cuda without --hbm, the GPU's memory it measured)");
+  app.add_option("--gflops", gflops_s, "with --largest and --profile: the compute rate (GFLOP/s) to predict the step "
+                                       "with, instead of the profile's compute.gflops (for a profile without one, or "
+                                       "made on another device)");
   app.add_option("--build", build_s,
                  "how the model is built, which sets the disk it needs at start: strata-train (default; "
                  "its zero::Init stages a stage-3 model with NVMe parameter offload, all but the large "
@@ -282,9 +291,12 @@ int main(int argc, char** argv) {
     else if (init_dtype == "bf16" || init_dtype == "fp16") init_element_bytes = 2;
     else return fail(InvalidArgument(StrCat("--init-dtype=", init_dtype, ": must be fp32, bf16 or fp16")), 2);
   }
+  if (!gflops_s.empty() && (!largest_mode || profile_path.empty()))
+    return fail(InvalidArgument(StrCat("--gflops=", gflops_s, " sets the compute rate of --largest's step "
+                                       "prediction: pass it with --largest and --profile")), 2);
   if (largest_mode)
-    return RunLargest(config, device, hbm, host, disk, nvme_path, profile_path, static_cast<int>(*world), build,
-                      init_element_bytes, json);
+    return RunLargest(config, device, hbm, host, disk, nvme_path, profile_path, gflops_s, static_cast<int>(*world),
+                      build, init_element_bytes, json);
   auto model = ModelFromArgs(have_raw ? &raw : nullptr, config, params, largest);
   if (!model.ok()) return fail(model.status(), 2);
   EstimateOptions eo;

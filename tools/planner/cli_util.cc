@@ -51,13 +51,29 @@ Status ResolveAutoForPlanning(Config* config, const std::string& device, int wor
   return config->ResolveAuto(ctx);
 }
 
-StatusOr<nlohmann::json> ReadJsonFile(const std::string& path) {
+StatusOr<double> ParseGflops(const std::string& text) {
+  char* end = nullptr;
+  const double v = std::strtod(text.c_str(), &end);
+  if (text.empty() || *end != '\0' || !(v > 0) || !(v <= 1e7))
+    return InvalidArgument(StrCat("--gflops=", text, ": must be a number in (0, 1e7] GFLOP/s"));
+  return v;
+}
+
+StatusOr<nlohmann::json> ReadJsonFile(const std::string& path, bool* had_comments) {
   std::ifstream in(path);
   if (!in) return NotFound(StrCat(path, ": cannot open it"));
   std::stringstream ss;
   ss << in.rdbuf();
-  auto j = nlohmann::json::parse(ss.str(), nullptr, false);
-  if (j.is_discarded() || !j.is_object()) return InvalidArgument(StrCat(path, ": not a JSON object"));
+  const std::string text = ss.str();
+  const bool strict = nlohmann::json::accept(text);
+  if (had_comments) *had_comments = !strict;
+  nlohmann::json j;
+  try {
+    j = nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/true, /*ignore_comments=*/true);
+  } catch (const nlohmann::json::exception& e) {
+    return InvalidArgument(StrCat(path, ": not valid JSON (", e.what(), ")"));
+  }
+  if (!j.is_object()) return InvalidArgument(StrCat(path, ": not a JSON object"));
   return j;
 }
 

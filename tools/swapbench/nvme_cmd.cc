@@ -396,9 +396,28 @@ class NvmeBench {
     if (fd_ < 0) return ErrnoToStatus(errno, StrCat("opening ", s_.file));
     struct stat st;
     fstat(fd_, &st);
-    needs_fill_ = static_cast<uint64_t>(st.st_size) < s_.size;
-    if (needs_fill_ && fallocate(fd_, 0, 0, static_cast<off_t>(s_.size)) != 0 && errno != EOPNOTSUPP)
-      return ErrnoToStatus(errno, StrCat("preallocating ", FormatBytes(s_.size), " for ", s_.file));
+    const uint64_t had = static_cast<uint64_t>(st.st_size);
+    needs_fill_ = had < s_.size;
+    if (needs_fill_) {
+      // A file the disk cannot hold is refused before a byte is written, and one the disk
+      // turned out not to hold is put back as it was: a benchmark must not leave a full disk.
+      const auto put_back = [&] {
+        if (had == 0) unlink(s_.file.c_str());
+        else if (ftruncate(fd_, static_cast<off_t>(had)) != 0) STRATA_LOG(WARN) << "truncating " << s_.file << " back";
+      };
+      const uint64_t free_bytes = FreeDiskBytes(s_.dir);
+      if (s_.size - had > free_bytes) {
+        put_back();
+        return InvalidArgument(StrCat("--size ", FormatBytes(s_.size), " needs ", FormatBytes(s_.size - had),
+                                      " more at ", s_.dir, ", which has ", FormatBytes(free_bytes),
+                                      " free: lower --size or free disk space"));
+      }
+      if (fallocate(fd_, 0, 0, static_cast<off_t>(s_.size)) != 0 && errno != EOPNOTSUPP) {
+        const int err = errno;
+        put_back();
+        return ErrnoToStatus(err, StrCat("preallocating ", FormatBytes(s_.size), " for ", s_.file));
+      }
+    }
     nvme::IoEngineOptions eo;
     eo.aio = aio;
     eo.force_fallback = args_.fallback || !direct_;
@@ -550,7 +569,7 @@ int RunNvme(const NvmeArgs& args) {
   Status st = NvmeBench(args, s).Run();
   if (!st.ok()) {
     std::cerr << "strata-swapbench nvme: " << st << "\n";
-    return 1;
+    return st.code() == StatusCode::kInvalidArgument ? 2 : 1;  // a --size the disk cannot hold
   }
   return 0;
 }

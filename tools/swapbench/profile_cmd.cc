@@ -194,6 +194,17 @@ Status SweepNvme(const ProfileArgs& a, HardwareProfile* h, Progress* progress,
     notes->push_back(StrCat(a.path, " does not support O_DIRECT: buffered I/O (figures include the page cache)"));
   }
   if (fd < 0) return ErrnoToStatus(errno, StrCat("opening ", file));
+  // The file is the sweep's own, whatever it held: refused up front when the disk cannot hold it.
+  struct stat st;
+  const uint64_t had = fstat(fd, &st) == 0 ? static_cast<uint64_t>(st.st_size) : 0;
+  const uint64_t free_bytes = FreeDiskBytes(a.path);
+  if (size > had && size - had > free_bytes) {
+    close(fd);
+    unlink(file.c_str());
+    return InvalidArgument(StrCat("the NVMe sweep's ", FormatBytes(size), " file needs ", FormatBytes(size - had),
+                                  " more at ", a.path, ", which has ", FormatBytes(free_bytes),
+                                  " free: free disk space there, or pass another directory as --path"));
+  }
   if (fallocate(fd, 0, 0, static_cast<off_t>(size)) != 0 && errno != EOPNOTSUPP) {
     Status s = ErrnoToStatus(errno, StrCat("preallocating ", FormatBytes(size), " for ", file));
     close(fd);
@@ -564,6 +575,12 @@ std::string BadProfileArgs(const ProfileArgs& a) {
   if (!a.apply.empty()) {
     auto c = Config::FromFile(a.apply);
     if (!c.ok()) return StrCat("--apply=", a.apply, ": ", c.status().message());
+    bool comments = false;
+    auto raw = planner::ReadJsonFile(a.apply, &comments);
+    if (!raw.ok()) return StrCat("--apply=", a.apply, ": ", raw.status().message());
+    if (comments)
+      return StrCat("--apply=", a.apply, " holds comments, which writing the aio block into it "
+                    "would drop: remove them, or leave out --apply and copy the recommended block by hand");
   }
   if (!a.out.empty()) {
     struct stat st;

@@ -37,6 +37,7 @@
 #include "tiers/hbm/device_factory.h"
 #include "tools/planner/memory_model.h"
 #include "tools/planner/model_spec.h"
+#include "tools/planner/output_paths.h"
 #include "tools/train/embedded_config.h"
 #include "tools/train/gpt.h"
 #include "tools/train/plot.h"
@@ -234,12 +235,29 @@ class Trainer {
       }
       const int64_t ours = models::GptParameterCount(c_.model);
       if (saved != static_cast<double>(ours))
+        // Exact counts: rounded ones print two models that differ a little (or small ones) alike.
         return InvalidArgument(StrCat(
-            "--resume ", f_.resume, " holds a model of ", FormatParams(saved),
-            " parameters but this config's model "
-            "(its \"model\" section) has ",
-            FormatParams(static_cast<double>(ours)), ": resume with the config it was saved with"));
+            "--resume ", f_.resume, " holds a model of ", StrCat(static_cast<long long>(saved)),
+            " parameters but this config's model (its \"model\" section) has ", ours,
+            ": resume with the config it was saved with"));
     }
+    return Status::Ok();
+  }
+
+  // Where the run writes, checked before the model is built: a run must not train for an hour
+  // and then fail to save, nor write its trace or plot over an input.
+  Status CheckOutputs() const {
+    planner::NamedPaths inputs = {{"--config", f_.config}, {"--data", f_.data}};
+    if (!f_.save.empty()) {
+      STRATA_RETURN_IF_ERROR(checkpoint::CheckSaveRoot(f_.save).WithContext("--save"));
+      STRATA_RETURN_IF_ERROR(planner::PrepareOutputDir("--save", f_.save, inputs));
+      inputs.push_back({"--save", f_.save});
+    }
+    if (!f_.trace.empty()) {
+      STRATA_RETURN_IF_ERROR(planner::CheckOutputFile("--trace", f_.trace, inputs));
+      inputs.push_back({"--trace", f_.trace});
+    }
+    if (!f_.plot.empty() && leader()) STRATA_RETURN_IF_ERROR(planner::CheckOutputFile("--plot", f_.plot, inputs));
     return Status::Ok();
   }
 
@@ -271,6 +289,7 @@ class Trainer {
     STRATA_RETURN_IF_ERROR(
         StepPlan::CheckPrecisionOnDevice(c_, device_->kind(), /*fp16_ops_in_fp32=*/false));
     STRATA_RETURN_IF_ERROR(CheckResumable());
+    STRATA_RETURN_IF_ERROR(CheckOutputs());
     STRATA_ASSIGN_OR_RETURN(data_, LoadText(f_.data, c_.model.seq_len));
     EngineOptions eo;
     if (!f_.nvme_path.empty()) eo.nvme_path = {f_.nvme_path};

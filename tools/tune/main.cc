@@ -23,6 +23,7 @@
 #include "runtime/state/placement_plan.h"
 #include "tools/planner/cli_util.h"
 #include "tools/planner/cost_model.h"
+#include "tools/planner/output_paths.h"
 #include "tools/tune/calibrate.h"
 #include "tools/tune/verify.h"
 
@@ -291,11 +292,7 @@ StatusOr<TuneOptions> MakeTuneOptions(Args* a, const Config& config, const Hardw
     *dst = *b;
   }
   if (!a->gflops_s.empty()) {
-    char* end = nullptr;
-    to.gflops_override = std::strtod(a->gflops_s.c_str(), &end);
-    // 1e7 GFLOP/s is ten PFLOP/s, beyond any one device: a larger figure is a typo (or inf).
-    if (*end != '\0' || !(to.gflops_override > 0) || !(to.gflops_override <= 1e7))
-      return InvalidArgument(StrCat("--gflops=", a->gflops_s, ": must be a number in (0, 1e7] GFLOP/s"));
+    STRATA_ASSIGN_OR_RETURN(to.gflops_override, ParseGflops(a->gflops_s));
   }
   if (!a->comm_s.empty()) {
     char* end = nullptr;
@@ -354,6 +351,10 @@ int main(int argc, char** argv) {
               << "\n";
     return code;
   };
+  if (!a.out_path.empty() && !a.dry_run) {
+    Status out = CheckOutputFile("--out", a.out_path, {{"--config", a.config_path}, {"--profile", a.profile_path}});
+    if (!out.ok()) return fail(out, 2);
+  }
   auto config = Config::FromFile(a.config_path);
   if (!config.ok()) return fail(config.status(), 2);
   auto raw = ReadJsonFile(a.config_path);

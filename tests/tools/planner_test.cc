@@ -731,13 +731,40 @@ TEST(CostModelTest, TheOptimizerLaneRunsAtItsOwnThreadsRate) {
             std::string::npos);
 }
 
-// Note [deferred optimizer]: under stage 3, with a global condition (here gradient clipping) and
-// overlap, Step queues the updates and returns; they run beside the next step's first forward,
-// which waits for each chunk's update before it gathers that chunk, so only the lane time that
-// outlasts that forward adds to the step. Below stage 3, or without overlap, Step waits for the
-// updates. The norm is summed as the gradients land, so no mode pays a pass of its own over
-// them. Expected steps are written from that rule over the prediction's lanes; with the
-// parameters on a GPU the first forward is a third of one micro-step's compute.
+// Note [deferred updates in the step]: the lane's updates and the next forward are a two-stage
+// pipeline over the chunks. The closed form is checked against an event-by-event run of that
+// pipeline (each chunk's forward starts when both its update and the previous chunk's forward
+// are done) and against the uniform case worked by hand.
+TEST(CostModelTest, DeferredUpdatesPipelineWithTheNextForward) {
+  const auto simulate = [](const std::vector<int64_t>& numel, double lane, double forward) {
+    double total = 0;
+    for (int64_t n : numel) total += static_cast<double>(n);
+    double updated = 0, forward_end = 0;
+    for (int64_t n : numel) {
+      const double share = static_cast<double>(n) / total;
+      updated += lane * share;
+      forward_end = std::max(forward_end, updated) + forward * share;
+    }
+    return forward_end - forward;
+  };
+  const std::vector<std::vector<int64_t>> orders = {
+      std::vector<int64_t>(8, 1000), {750, 50, 50, 50, 50, 50}, {10, 990}, {300, 10, 500, 20, 170}, {42}};
+  for (const auto& order : orders)
+    for (const auto& [lane, forward] : {std::pair{2.0, 1.0}, {1.0, 2.0}, {1.0, 1.0}, {0.0, 1.0}, {3.0, 0.0}})
+      EXPECT_NEAR(DeferredUpdatesAdd(order, lane, forward), simulate(order, lane, forward), 1e-12)
+          << order.size() << " chunks, lane " << lane << ", forward " << forward;
+  // Eight equal chunks: the longer lane adds L - F + F/8; the shorter, its first chunk.
+  EXPECT_NEAR(DeferredUpdatesAdd(orders[0], 2.0, 1.0), 1.0 + 1.0 / 8, 1e-12);
+  EXPECT_NEAR(DeferredUpdatesAdd(orders[0], 1.0, 2.0), 1.0 / 8, 1e-12);
+  // A first chunk of three quarters of the model (a large tied embedding) hides little.
+  EXPECT_GE(DeferredUpdatesAdd(orders[1], 1.0, 1.0), 0.75);
+}
+
+// Under stage 3, with a global condition (here gradient clipping) and overlap, the updates are
+// deferred: the prediction adds what the pipeline above says, over the estimate's chunk order.
+// Below stage 3, or without overlap, Step waits for the updates. The norm is summed as the
+// gradients land, so no mode pays a pass of its own over them. With the parameters on a GPU
+// the first forward is a third of one micro-step's compute.
 TEST(CostModelTest, DeferredUpdatesRunBesideTheNextForward) {
   Config c = TuneConfig();
   c.zero_optimization.offload_optimizer.device = OffloadDevice::kCpu;
@@ -747,27 +774,30 @@ TEST(CostModelTest, DeferredUpdatesRunBesideTheNextForward) {
   ASSERT_OK_AND_ASSIGN(ModelSpec spec, GptModelSpec(c.model));
   EstimateOptions on_gpu;
   on_gpu.device = "cuda";
+  ASSERT_OK_AND_ASSIGN(MemoryEstimate mem, EstimateMemory(c, spec, on_gpu));
+  ASSERT_EQ(static_cast<int64_t>(mem.update_order_shard_numel.size()), mem.chunks);
+  int64_t ordered = 0;
+  for (int64_t n : mem.update_order_shard_numel) ordered += n;
+  EXPECT_EQ(ordered, mem.shard_numel);
   Rates r;
   r.gflops = 1;
   r.copy_gbps = 10;
   r.dram_gbps = 10;
   const auto predict = [&](const Config& cfg, double adam_gelems) {
     r.adam_gelems = adam_gelems;
-    auto mem = EstimateMemory(cfg, spec, on_gpu);
-    EXPECT_TRUE(mem.ok()) << mem.status();
-    auto p = PredictStep(cfg, spec, *mem, r, "cuda");
+    auto m = EstimateMemory(cfg, spec, on_gpu);
+    EXPECT_TRUE(m.ok()) << m.status();
+    auto p = PredictStep(cfg, spec, *m, r, "cuda");
     EXPECT_TRUE(p.ok()) << p.status();
     return p.ok() ? *p : StepPrediction{};
   };
-  // A slow optimizer: the lane outlasts the forward, which hides a forward's worth of it.
-  StepPrediction slow = predict(c, 1e-4);
-  const double first_forward = slow.compute_s / 2 / 3;
-  ASSERT_GT(slow.lane_s, 10 * first_forward);
-  EXPECT_NEAR(slow.step_s, slow.main_s + slow.lane_s - first_forward, 1e-9 * slow.step_s);
-  // A fast one: hidden whole.
-  StepPrediction fast = predict(c, 1e3);
-  ASSERT_LT(fast.lane_s, first_forward);
-  EXPECT_NEAR(fast.step_s, fast.main_s, 1e-12);
+  for (double adam : {1e-4, 1e3}) {  // a lane far longer than the forward, and far shorter
+    StepPrediction p = predict(c, adam);
+    const double first_forward = p.compute_s / 2 / 3;
+    const double added = DeferredUpdatesAdd(mem.update_order_shard_numel, p.lane_s, first_forward);
+    EXPECT_NEAR(p.step_s, p.main_s + added, 1e-9 * p.step_s) << adam;
+    EXPECT_LT(added, p.lane_s) << adam;
+  }
   // Step waits for the updates without overlap, and below stage 3.
   Config in_step = c;
   in_step.strata.overlap_optimizer = false;
@@ -783,7 +813,8 @@ TEST(CostModelTest, DeferredUpdatesRunBesideTheNextForward) {
   r.nvme_read_gbps = r.nvme_write_gbps = 1.0;
   Config unclipped = nvme;
   unclipped.gradient_clipping = 0;
-  const StepPrediction clipped_nvme = predict(nvme, 1e-4), unclipped_nvme = predict(unclipped, 1e-4);
+  const StepPrediction clipped_nvme = predict(nvme, 1e-4);
+  const StepPrediction unclipped_nvme = predict(unclipped, 1e-4);
   EXPECT_GT(clipped_nvme.bytes_nvme_read, 0u);
   EXPECT_EQ(clipped_nvme.bytes_nvme_read, unclipped_nvme.bytes_nvme_read);
 }

@@ -125,6 +125,29 @@ double LaneAdamRate(const Rates& r, const std::string& layout, double all_thread
 
 }  // namespace
 
+// Note [deferred updates in the step]
+// Step queues stage 3's deferred updates and returns; the next step's first forward waits for
+// each chunk's update just before it gathers that chunk (Note [deferred optimizer]). The lane and
+// that forward are then a two-stage pipeline over the chunks in one order: the forward finishes
+// chunk k at the latest of (the lane's end of chunk k) + its own work on k, over every k. With
+// each lane's time spread over the chunks by their elements (shares s_k, running sums S_k), the
+// forward ends after max over k of (L * S_k + F * (1 - S_(k-1))), that is F plus
+// max_k(L * S_k - F * S_(k-1)): what the updates add to the step. Uniform chunks give L - F (+ F/n)
+// when the lane is the longer, L/n when the forward is; a first chunk holding most of the model
+// (a large tied embedding, which the forward needs first) hides almost nothing.
+double DeferredUpdatesAdd(const std::vector<int64_t>& order_numel, double lane_s, double forward_s) {
+  double total = 0;
+  for (int64_t n : order_numel) total += static_cast<double>(n);
+  if (total <= 0) return std::max(0.0, lane_s - forward_s);
+  double added = 0, before = 0;
+  for (int64_t n : order_numel) {
+    const double through = before + static_cast<double>(n) / total;
+    added = std::max(added, lane_s * through - forward_s * before);
+    before = through;
+  }
+  return std::clamp(added, 0.0, lane_s);
+}
+
 StatusOr<StepPrediction> PredictStep(const Config& config, const ModelSpec& model,
                                      const MemoryEstimate& mem, const Rates& r,
                                      const std::string& device, int world_size) {
@@ -249,11 +272,8 @@ StatusOr<StepPrediction> PredictStep(const Config& config, const ModelSpec& mode
   if (immediate) {
     p.step_s = std::max(p.main_s, before_last + last_micro_forward + p.lane_s);
   } else if (deferred) {
-    // Step queues the updates and returns; the next step's first forward waits for each chunk's
-    // update just before it gathers that chunk, so the lane runs beside that forward and only
-    // what outlasts it adds to the step.
-    const double first_forward = compute_micro / 3 + param_io / 2;
-    p.step_s = p.main_s + std::max(0.0, p.lane_s - first_forward);
+    p.step_s = p.main_s + DeferredUpdatesAdd(mem.update_order_shard_numel, p.lane_s,
+                                             compute_micro / 3 + param_io / 2);
   } else {
     p.step_s = p.main_s + p.lane_s;  // Step waits for the updates
   }

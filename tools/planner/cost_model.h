@@ -93,6 +93,12 @@ StatusOr<Rates> RatesFromProfile(const HardwareProfile& profile, const std::stri
 // when the profile has no NVMe points (the prediction then has no NVMe lane, also said).
 void SetNvmeRates(const HardwareProfile& profile, const AioConfig& aio, Rates* rates);
 
+// What stage 3's deferred updates add to a step: `lane_s` of updates run over the chunks in
+// `order_numel`'s order (their shard elements) beside the next step's first forward
+// (`forward_s`), which waits for each chunk's update before gathering it; in [0, lane_s]
+// (Note [deferred updates in the step] in cost_model.cc).
+double DeferredUpdatesAdd(const std::vector<int64_t>& order_numel, double lane_s, double forward_s);
+
 // Predicts one step of a GPT model on each of `world_size` ranks (the model must carry its
 // ModelConfig: FLOPs need shapes; `memory` must be estimated for the same world size). With more
 // than one rank rates.comm_busbw_gbps must be set.

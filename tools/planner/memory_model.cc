@@ -103,6 +103,24 @@ StatusOr<MemoryEstimate> EstimateMemory(const Config& config, const ModelSpec& m
     }
   }
 
+  // The deferred updates' order (UpdateOrder): chunks kept gathered between steps (under stage
+  // 3 the small ones, below the persistence threshold) first, then the rest as forward first
+  // gathers them, block by block.
+  {
+    std::vector<bool> placed(chunks.size(), false);
+    const auto place = [&](size_t c) {
+      if (placed[c]) return;
+      placed[c] = true;
+      est.update_order_shard_numel.push_back(chunks[c].shard_numel);
+    };
+    if (z.stage == 3)
+      for (size_t c = 0; c < chunks.size(); ++c)
+        if (chunks[c].used_numel < z.stage3_param_persistence_threshold) place(c);
+    for (const auto& bc : block_chunks)
+      for (int64_t c : bc) place(static_cast<size_t>(c));
+    for (size_t c = 0; c < chunks.size(); ++c) place(c);
+  }
+
   // Resident per-state bytes, as registered (device allocations rounded).
   struct StateSum {
     MemTier tier;

@@ -111,6 +111,10 @@ struct MemoryEstimate {
   int64_t param_numel = 0;
   int64_t padded_numel = 0;       // all chunks, padding included
   int64_t shard_numel = 0;        // this rank's elements over all chunks
+  // This rank's shard elements chunk by chunk, in the order the next forward first gathers the
+  // chunks (persistent ones first), which is the order stage 3's deferred updates run in
+  // (Engine::Impl::UpdateOrder): what the step prediction pipelines them by.
+  std::vector<int64_t> update_order_shard_numel;
   // Model state (working copy, gradient, master, moments) over every tier and rank, per
   // parameter: 18 for fp32 states with a 16-bit working copy; fewer with the compact layouts.
   double bytes_per_param = 0;

@@ -309,14 +309,14 @@ class Trainer {
     if (leader() && !f_.json) std::fprintf(stderr, "strata-train: on %s\n", host_.c_str());
     STRATA_RETURN_IF_ERROR(ReserveForCompute());
     STRATA_RETURN_IF_ERROR(CheckActivationsFit());
+    STRATA_RETURN_IF_ERROR(CheckModelBuildFits());
     {
       // Stage 3 with NVMe offload: build the model under zero::Init, unit by unit into a staging
       // file on the NVMe directory, so the whole fp32 model never sits in DRAM; its large
       // matrices are registered with their draw instead (MakeLinear in gpt.cc).
       std::unique_ptr<zero::Init> init;
       const std::string nvme_dir = NvmeDirForHost();
-      if (c_.zero_optimization.stage == 3 && !nvme_dir.empty() &&
-          c_.zero_optimization.offload_param.device == OffloadDevice::kNvme) {
+      if (BuildsUnderZeroInit()) {
         // A bf16 master is the bf16 working copy the engine rounds to nearest at start: staging
         // in bf16 gives it the same bits from half the disk (zero_init.h). Only rank 0 keeps
         // values: Engine::Create broadcasts its chunks to the others, which build shapes only,
@@ -642,6 +642,27 @@ class Trainer {
         a.checkpointed ? ", checkpointed" : "", "), more than the ", FormatBytes(room), " the ",
         on_host ? "host has available" : "device has", "; lower train_micro_batch_size_per_gpu (--micro-batch)",
         a.checkpointed ? "" : " or set model.checkpoint_activations", " (strata-estimate --config shows the figure)"));
+  }
+
+  // Stage 3 with NVMe parameter offload builds the model under zero::Init, into a staging file.
+  bool BuildsUnderZeroInit() const {
+    return c_.zero_optimization.stage == 3 && !NvmeDirForHost().empty() &&
+           c_.zero_optimization.offload_param.device == OffloadDevice::kNvme;
+  }
+
+  // Built otherwise, every parameter is an fp32 tensor in host memory before the engine takes
+  // it: a model larger than the host failed inside LibTorch's allocator, with its backtrace.
+  Status CheckModelBuildFits() const {
+    if (BuildsUnderZeroInit()) return Status::Ok();
+    const double params = static_cast<double>(models::GptParameterCount(c_.model));
+    const double need = params * 4;
+    const uint64_t room = ReadHostMemory().available_bytes;
+    if (room == 0 || need <= static_cast<double>(room)) return Status::Ok();
+    return ResourceExhausted(StrCat(
+        "building the model's ", FormatParams(params), " parameters takes ",
+        FormatBytes(static_cast<uint64_t>(std::min(need, 1.8e19))), " of fp32 host memory before the engine places them, more than the ",
+        FormatBytes(room), " the host has available; build it on disk with zero_optimization.stage 3 and "
+        "offload_param.device nvme (and an nvme_path), or make the \"model\" section smaller"));
   }
 
   // The directory NVMe swap goes to, if any (for the disk in the host line).

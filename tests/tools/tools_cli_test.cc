@@ -497,6 +497,17 @@ TEST(CliFlagsTest, AMicroBatchBeyondMemoryIsRefusedBeforeTheModelIsBuilt) {
   EXPECT_NE(r.out.find("one micro-batch of 4000000 x 128 tokens keeps"), std::string::npos) << r.out;
   EXPECT_NE(r.out.find("the host has available"), std::string::npos) << r.out;
   EXPECT_EQ(r.out.find("building the model"), std::string::npos) << r.out;
+  // A model whose fp32 parameters alone outgrow the host (12 T of them) is refused before it is
+  // built, naming the way to build it on disk; it failed in LibTorch's allocator.
+  Write(dir.path() + "/huge.json", R"({
+    "train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 2}, "strata": {"device": "cpu"},
+    "model": {"n_layers": 1, "d_model": 1048576, "n_heads": 8, "seq_len": 8, "vocab_size": 256}
+  })");
+  const Result huge = Exec(std::string(STRATA_TRAIN_BIN) + " --config " + dir.path() + "/huge.json --steps 1 --plot ''");
+  EXPECT_EQ(huge.rc, 1) << huge.out;
+  EXPECT_NE(huge.out.find("of fp32 host memory before the engine places them"), std::string::npos) << huge.out;
+  EXPECT_NE(huge.out.find("offload_param.device nvme"), std::string::npos) << huge.out;
+  EXPECT_EQ(huge.out.find("building the model:"), std::string::npos) << huge.out;
 }
 
 // What the engine would refuse only once the model is built and the engine started is refused

@@ -13,6 +13,7 @@
 #include "runtime/base/config_keys.h"
 #include "runtime/base/config_section.h"
 #include "runtime/base/logging.h"
+#include "runtime/base/relaxed_json.h"
 #include "runtime/base/units.h"
 
 namespace strata {
@@ -836,7 +837,8 @@ StatusOr<Config> Config::FromJsonText(const std::string& text, const std::string
     return false;  // discard it, and what it holds
   };
   try {
-    root = json::parse(text, limit_depth, /*allow_exceptions=*/true, /*ignore_comments=*/true);
+    // DeepSpeed reads configs with hjson: comments and trailing commas load (RelaxedJson).
+    root = json::parse(RelaxedJson(text), limit_depth, /*allow_exceptions=*/true);
   } catch (const json::exception& e) {  // parse_error, and out_of_range for numbers like 1e400
     return InvalidArgument(StrCat(source, ": not valid JSON: ", e.what()));
   }

@@ -1,4 +1,5 @@
 #include "runtime/base/config.h"
+#include "runtime/base/relaxed_json.h"
 
 #include <cmath>
 #include <filesystem>
@@ -303,6 +304,30 @@ void ExpectError(const std::string& text, std::initializer_list<std::string> pie
   for (const auto& p : pieces)
     EXPECT_NE(r.status().message().find(p), std::string::npos)
         << "message '" << r.status().message() << "' lacks '" << p << "'";
+}
+
+// DeepSpeed parses configs with hjson: a JSON-shaped file with `//`, `#` and `/* */` comments and
+// trailing commas loads (strata-train refused what the same script's Python loader took); what
+// is inside strings is kept, and an error still names the right line.
+TEST(Config, CommentsAndTrailingCommasLoadAsDeepSpeedReadsThem) {
+  ASSERT_OK_AND_ASSIGN(Config c, Config::FromJsonText(R"({
+    # a hash comment
+    "train_micro_batch_size_per_gpu": 3, // a line comment
+    /* a block
+       comment */
+    "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "nvme",
+                                                            "nvme_path": ["/tmp/a#b//c", ], }, },
+    "strata": {"device": "cpu",},
+  })"));
+  EXPECT_EQ(c.train_micro_batch_size_per_gpu, 3);
+  EXPECT_EQ(c.zero_optimization.stage, 2);
+  ASSERT_EQ(c.zero_optimization.offload_optimizer.nvme_path.size(), 1u);
+  EXPECT_EQ(c.zero_optimization.offload_optimizer.nvme_path[0], "/tmp/a#b//c");
+  EXPECT_EQ(RelaxedJson("[1, 2, ]"), "[1, 2  ]");
+  EXPECT_EQ(RelaxedJson("{\"a\": \"x,}\"} # c\n"), "{\"a\": \"x,}\"} \n");
+  auto bad = Config::FromJsonText("{\n/* two\nlines */\n\"stage\": }\n");
+  ASSERT_FALSE(bad.ok());
+  EXPECT_NE(bad.status().message().find("line 4"), std::string::npos) << bad.status();
 }
 
 TEST(Config, UnknownKeysSuggestTheClosestSpelling) {

@@ -14,6 +14,7 @@
 #include <nlohmann/json.hpp>
 
 #include "runtime/base/host_info.h"
+#include "runtime/base/relaxed_json.h"
 
 namespace strata::planner {
 
@@ -65,11 +66,11 @@ StatusOr<nlohmann::json> ReadJsonFile(const std::string& path, bool* had_comment
   std::stringstream ss;
   ss << in.rdbuf();
   const std::string text = ss.str();
-  const bool strict = nlohmann::json::accept(text);
-  if (had_comments) *had_comments = !strict;
+  const std::string plain = RelaxedJson(text);
+  if (had_comments) *had_comments = plain != text;
   nlohmann::json j;
   try {
-    j = nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/true, /*ignore_comments=*/true);
+    j = nlohmann::json::parse(plain);
   } catch (const nlohmann::json::exception& e) {
     return InvalidArgument(StrCat(path, ": not valid JSON (", e.what(), ")"));
   }

@@ -29,8 +29,9 @@ StatusOr<double> ParseGflops(const std::string& text);
 Status ResolveAutoForPlanning(Config* config, const std::string& device, int world_size);
 
 // Reads a JSON object from a file (the raw document, for editing while keeping every key).
-// Comments are accepted, as Config::FromFile accepts them; *had_comments (when given) says whether
-// there were any, since a document written back from the result has none.
+// Comments and trailing commas are accepted, as Config::FromFile accepts them (RelaxedJson);
+// *had_comments (when given) says whether there were any, since a document written back from the
+// result has none.
 StatusOr<nlohmann::json> ReadJsonFile(const std::string& path, bool* had_comments = nullptr);
 // Writes `j` to `path` atomically: a temporary file in the same directory, fsync, rename.
 Status WriteJsonFileAtomic(const std::string& path, const nlohmann::json& j);

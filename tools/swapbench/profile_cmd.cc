@@ -579,7 +579,7 @@ std::string BadProfileArgs(const ProfileArgs& a) {
     auto raw = planner::ReadJsonFile(a.apply, &comments);
     if (!raw.ok()) return StrCat("--apply=", a.apply, ": ", raw.status().message());
     if (comments)
-      return StrCat("--apply=", a.apply, " holds comments, which writing the aio block into it "
+      return StrCat("--apply=", a.apply, " holds comments (or trailing commas), which writing the aio block into it "
                     "would drop: remove them, or leave out --apply and copy the recommended block by hand");
   }
   if (!a.out.empty()) {

@@ -246,7 +246,7 @@ class Trainer {
 
   // Where the run writes, checked before the model is built: a run must not train for an hour
   // and then fail to save, nor write its trace or plot over an input.
-  Status CheckOutputs() const {
+  Status CheckOutputs() {
     planner::NamedPaths inputs = {{"--config", f_.config}, {"--data", f_.data}};
     if (!f_.save.empty()) {
       STRATA_RETURN_IF_ERROR(checkpoint::CheckSaveRoot(f_.save).WithContext("--save"));
@@ -257,7 +257,17 @@ class Trainer {
       STRATA_RETURN_IF_ERROR(planner::CheckOutputFile("--trace", f_.trace, inputs));
       inputs.push_back({"--trace", f_.trace});
     }
-    if (!f_.plot.empty() && leader()) STRATA_RETURN_IF_ERROR(planner::CheckOutputFile("--plot", f_.plot, inputs));
+    if (!f_.plot.empty() && leader()) {
+      Status plot = planner::CheckOutputFile("--plot", f_.plot, inputs);
+      // The default plot, in a working directory the run cannot write, is only left out, as its
+      // failure at the end only warned; one the user named must be writable.
+      if (!plot.ok() && f_.plot == Flags{}.plot && !SamePathAsAnInput(f_.plot, inputs)) {
+        STRATA_LOG(WARN) << plot.message() << "; no plot is written (--plot FILE to choose one)";
+        f_.plot.clear();
+      } else {
+        STRATA_RETURN_IF_ERROR(plot);
+      }
+    }
     return Status::Ok();
   }
 
@@ -642,6 +652,12 @@ class Trainer {
         a.checkpointed ? ", checkpointed" : "", "), more than the ", FormatBytes(room), " the ",
         on_host ? "host has available" : "device has", "; lower train_micro_batch_size_per_gpu (--micro-batch)",
         a.checkpointed ? "" : " or set model.checkpoint_activations", " (strata-estimate --config shows the figure)"));
+  }
+
+  static bool SamePathAsAnInput(const std::string& path, const planner::NamedPaths& inputs) {
+    for (const auto& [flag, input] : inputs)
+      if (planner::SamePath(path, input)) return true;
+    return false;
   }
 
   // Stage 3 with NVMe parameter offload builds the model under zero::Init, into a staging file.

@@ -567,6 +567,13 @@ class Trainer {
       std::cout << summary.dump() << std::endl;
       return;
     }
+    if (t.loss.x.empty()) {  // resumed at or past --steps (or stopped at once): no losses to show
+      std::fprintf(stderr, "\nsummary: no steps run; at step %lld, %s params, peak RSS %s\n",
+                   static_cast<long long>(engine_->global_step()),
+                   FormatParams(static_cast<double>(engine_->num_parameters())).c_str(),
+                   FormatBytes(PeakRssBytes()).c_str());
+      return;
+    }
     // The first step includes warm-up work and is not timed; a run of one step has no mean.
     char timing[96] = "no step timed after the first (warm-up)";
     if (t.measured) std::snprintf(timing, sizeof timing, "mean step %.3f s", t.time_sum / t.measured);

@@ -43,6 +43,19 @@ Status WriteAll(int fd, const void* data, size_t n, const std::string& path) {
   return Status::Ok();
 }
 
+// Whose states exp_avg and exp_avg_sq hold (checkpoint::Manifest::optimizer): Adam and AdamW
+// keep the same two moments.
+const char* OptimizerStates(OptimizerType type) {
+  switch (type) {
+    case OptimizerType::kAdam:
+    case OptimizerType::kAdamW: return "adam";
+    case OptimizerType::kSGD: return "sgd";
+    case OptimizerType::kAdagrad: return "adagrad";
+    case OptimizerType::kLion: return "lion";
+  }
+  return "";
+}
+
 }  // namespace
 
 Status Engine::Impl::Save(const std::string& root, const nlohmann::json& extra,
@@ -111,6 +124,7 @@ checkpoint::Manifest Engine::Impl::NewManifest(const nlohmann::json& extra) cons
   m.stage = config_.zero_optimization.stage;
   m.dtype = optim::DTypeName(plan_.compute_dtype());
   m.state_dtype = plan_.StateLayoutName();
+  m.optimizer = OptimizerStates(config_.optimizer.type);
   m.parameters = num_params();
   for (const ChunkInfo& ci : partitioner_->chunks()) m.shard_numel.push_back(ci.shard_numel);
   m.global_step = step_.global_step;
@@ -258,6 +272,7 @@ StatusOr<nlohmann::json> Engine::Impl::Load(const std::string& path, bool weight
                            checkpoint::RankFileStem(comm_->rank()),
                            ".json: the checkpoint is incomplete; load an earlier one"));
   STRATA_RETURN_IF_ERROR(CheckManifestFits(m, dir));
+  bool states_too = !weights_only;
   if (m.world_size != comm_->world_size() || m.stage != config_.zero_optimization.stage ||
       m.dtype != optim::DTypeName(plan_.compute_dtype()))
     STRATA_LOG(WARN)
@@ -266,6 +281,18 @@ StatusOr<nlohmann::json> Engine::Impl::Load(const std::string& path, bool weight
         << config_.zero_optimization.stage << " in " << optim::DTypeName(plan_.compute_dtype())
         << ": every master and moment value as saved, the working copy rounded from the master"
         << " (Note [elastic resume])";
+  // Note [another optimizer's states]: an SGD run would take an Adam run's exp_avg as its momentum
+  // buffer (a tenth of its scale at momentum 0.9), Adagrad its exp_avg_sq as the running sum.
+  // Another optimizer's states are left out, as DeepSpeed's torch optimizers leave state keys
+  // they do not know; the weights and the counters load.
+  const std::string ours = OptimizerStates(config_.optimizer.type);
+  if (!weights_only && !m.optimizer.empty() && m.optimizer != ours) {
+    STRATA_LOG(WARN) << dir << " holds " << m.optimizer << "'s optimizer states and this run's optimizer is "
+                     << OptimizerTypeName(config_.optimizer.type)
+                     << ", whose states mean something else: loading the weights and the step count; its "
+                        "states start from zero";
+    states_too = false;
+  }
   // The loss scaler's state, read before any state is overwritten (a bad one loads nothing).
   std::optional<optim::DynamicLossScaler::State> scaler_state;
   if (step_.scaler && !weights_only) {
@@ -278,8 +305,8 @@ StatusOr<nlohmann::json> Engine::Impl::Load(const std::string& path, bool weight
   std::vector<torch::Tensor> buffer_values;
   Status s = ReadSavedBuffers(fd, bin, m, mpath, &buffer_values);
   if (s.ok())
-    s = SameShards(m) ? ReadSavedBlocks(fd, bin, m, mpath, weights_only)
-                      : ReadRelaidBlocks(dir, m, weights_only);
+    s = SameShards(m) ? ReadSavedBlocks(fd, bin, m, mpath, !states_too)
+                      : ReadRelaidBlocks(dir, m, !states_too);
   ::close(fd);
   STRATA_RETURN_IF_ERROR(s);
   {

@@ -61,6 +61,7 @@ std::string SerializeManifest(const Manifest& m) {
                       {"extra", m.extra},
                       {"blocks", blocks}};
   if (!m.layout.is_null()) j["layout"] = m.layout;
+  if (!m.optimizer.empty()) j["optimizer"] = m.optimizer;
   if (m.gradient_accumulation_steps > 0) j["gradient_accumulation_steps"] = m.gradient_accumulation_steps;
   if (!m.buffers.empty()) {
     nlohmann::json buffers = nlohmann::json::array();
@@ -119,6 +120,10 @@ StatusOr<Manifest> ParseManifest(std::string_view bytes, const std::string& sour
     m.scaler = j.at("scaler");
     m.extra = j.at("extra");
     if (j.contains("layout")) m.layout = j.at("layout");
+    if (j.contains("optimizer")) {
+      if (!j.at("optimizer").is_string()) return bad("optimizer must be a string");
+      m.optimizer = j.at("optimizer").get<std::string>();
+    }
     if (m.rank < 0 || m.world_size < 1 || m.rank >= m.world_size || m.stage < 0 || m.stage > 3 ||
         m.parameters < 0 || m.global_step < 0 || m.micro_step < 0)
       return bad("a counter is out of range");

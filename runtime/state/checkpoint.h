@@ -50,6 +50,9 @@ struct Manifest {
   int stage = 0;
   std::string dtype;        // working precision
   std::string state_dtype;  // exp_avg / exp_avg_sq
+  // Whose states exp_avg and exp_avg_sq hold: "adam" (Adam and AdamW alike), "sgd", "adagrad" or
+  // "lion"; empty in checkpoints written before it was kept.
+  std::string optimizer;
   int64_t parameters = 0;
   std::vector<int64_t> shard_numel;  // per chunk: identifies the model's layout
   int64_t global_step = 0;

@@ -221,6 +221,29 @@ TEST(ResumeErrors, MismatchesAndDamageAreClearAndOverwriteNothing) {
       << into_step;
   EXPECT_FALSE(fs::exists(fs::path(step_dir) / "step-00000001"));
 
+  // Note [another optimizer's states]: an SGD run does not take this AdamW run's exp_avg as its
+  // momentum buffer; it loads the weights and the step count, its momentum starting from zero.
+  // Adam takes AdamW's moments as they are (the same two).
+  {
+    Config sgd = c;
+    sgd.optimizer.type = OptimizerType::kSGD;
+    sgd.optimizer.momentum = 0.9;
+    Trainer other_opt(sgd, "");
+    ASSERT_OK(other_opt.engine->LoadCheckpoint(ckpt).status());
+    ExpectBitwiseEqual(other_opt.engine->GatherMasterParams().value(), saved_master);
+    EXPECT_EQ(other_opt.engine->global_step(), 1);
+    ASSERT_OK_AND_ASSIGN(auto momentum, other_opt.engine->GatherParamState(StateKind::kExpAvg, {}));
+    for (const auto& m : momentum) EXPECT_EQ(m.abs().max().item<float>(), 0.0f);
+    Config adam = c;
+    adam.optimizer.type = OptimizerType::kAdam;
+    Trainer same_states(adam, "");
+    ASSERT_OK(same_states.engine->LoadCheckpoint(ckpt).status());
+    ASSERT_OK_AND_ASSIGN(auto moments, same_states.engine->GatherParamState(StateKind::kExpAvg, {}));
+    float largest = 0;
+    for (const auto& m : moments) largest = std::max(largest, m.abs().max().item<float>());
+    EXPECT_GT(largest, 0.0f) << "AdamW's moments did not load into Adam";
+  }
+
   // Flip one byte of the shard file: DATA_LOSS naming the block, and the live state is untouched.
   const std::string bin = step_dir + "/rank-00000.bin";
   std::string bytes = checkpoint::ReadFile(bin).value();

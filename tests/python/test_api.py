@@ -78,7 +78,7 @@ def test_tagged_checkpoint_and_latest(tmp_path):
     assert (step_dir / "rank-00000.json").is_file()
     path, client = other.load_checkpoint(step_dir)
     assert path == str(step_dir) and client == {"k": 2} and other.global_steps == 2
-    with caplog_warnings() as records:
+    with StrataWarnings() as records:
         assert other.load_checkpoint(tmp_path / "nothing-here") == (None, None)
     assert any("holds no 'latest' file" in r.getMessage() for r in records)
     # A tag is one folder name inside the directory: '..' wrote over another run's `latest`, an
@@ -94,7 +94,7 @@ def test_tagged_checkpoint_and_latest(tmp_path):
     other.close()
 
 
-class caplog_warnings:
+class StrataWarnings:
     """The 'strata' logger's records of WARNING and above inside the block."""
 
     def __enter__(self):

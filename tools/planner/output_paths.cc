@@ -22,13 +22,19 @@ bool SamePath(const std::string& a, const std::string& b) {
   return !ec && ca == cb;
 }
 
+std::string InputNamedBy(const std::string& path, const NamedPaths& inputs) {
+  for (const auto& [in_flag, in_path] : inputs)
+    if (SamePath(path, in_path)) return in_flag;
+  return "";
+}
+
 namespace {
 
 Status NotAnInput(const std::string& flag, const std::string& path, const NamedPaths& inputs) {
-  for (const auto& [in_flag, in_path] : inputs)
-    if (SamePath(path, in_path))
-      return InvalidArgument(StrCat(flag, " ", path, " is also ", in_flag, ": writing it would replace that "
-                                    "input; pass another path"));
+  const std::string input = InputNamedBy(path, inputs);
+  if (!input.empty())
+    return InvalidArgument(StrCat(flag, " ", path, " is also ", input, ": writing it would replace that "
+                                  "input; pass another path"));
   return Status::Ok();
 }
 

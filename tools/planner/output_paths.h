@@ -18,6 +18,9 @@ using NamedPaths = std::vector<std::pair<std::string, std::string>>;
 // same absolute path with "." and ".." resolved and symlinks followed as far as they exist.
 bool SamePath(const std::string& a, const std::string& b);
 
+// The flag of the input `path` names, or "" when it names none of `inputs`.
+std::string InputNamedBy(const std::string& path, const NamedPaths& inputs);
+
 // `path`, given as `flag`, is a file this run may write at its end: not one of `inputs`, not a
 // directory, and in an existing directory where a file can be created (checked by creating and
 // removing a probe; an existing file is not touched).

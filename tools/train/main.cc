@@ -261,7 +261,7 @@ class Trainer {
       Status plot = planner::CheckOutputFile("--plot", f_.plot, inputs);
       // The default plot, in a working directory the run cannot write, is only left out, as its
       // failure at the end only warned; one the user named must be writable.
-      if (!plot.ok() && f_.plot == Flags{}.plot && !SamePathAsAnInput(f_.plot, inputs)) {
+      if (!plot.ok() && f_.plot == Flags{}.plot && planner::InputNamedBy(f_.plot, inputs).empty()) {
         STRATA_LOG(WARN) << plot.message() << "; no plot is written (--plot FILE to choose one)";
         f_.plot.clear();
       } else {
@@ -659,12 +659,6 @@ class Trainer {
         a.checkpointed ? ", checkpointed" : "", "), more than the ", FormatBytes(room), " the ",
         on_host ? "host has available" : "device has", "; lower train_micro_batch_size_per_gpu (--micro-batch)",
         a.checkpointed ? "" : " or set model.checkpoint_activations", " (strata-estimate --config shows the figure)"));
-  }
-
-  static bool SamePathAsAnInput(const std::string& path, const planner::NamedPaths& inputs) {
-    for (const auto& [flag, input] : inputs)
-      if (planner::SamePath(path, input)) return true;
-    return false;
   }
 
   // Stage 3 with NVMe parameter offload builds the model under zero::Init, into a staging file.

@@ -65,8 +65,8 @@ namespace strata {
 namespace {
 
 constexpr uint64_t kMaxTraceLength = 1ull << 24;
-constexpr size_t kMaxTraceLanes = 64;  // threads beyond this share the last lane
 constexpr uint64_t kNever = std::numeric_limits<uint64_t>::max();
+constexpr size_t kNotListed = std::numeric_limits<size_t>::max();
 
 using Clock = std::chrono::steady_clock;
 
@@ -127,6 +127,7 @@ struct TierManager::Block {
   uint64_t write_gen = 0, write_done_gen = 0;
   Status write_status;
   std::vector<uint64_t> uses;  // positions in the trace, ascending
+  size_t listed = kNotListed;  // index in host_copies_ while an NVMe-backed host copy exists
 };
 
 struct TierManager::IoAction {
@@ -292,6 +293,7 @@ Status TierManager::Unregister(BlockId id) {
       stats_.nvme_bytes_reserved -= b->bytes;
       region = b->region;
       free_region = true;
+      Unlist(b);
     }
     // The trace holds pointers to blocks: it is discarded, and the next bracketed iteration
     // records a new one.
@@ -410,9 +412,14 @@ uint64_t TierManager::LanePosition(size_t lane) const {
   return std::min(own, frontier_);
 }
 
-uint64_t TierManager::LaneDistance(size_t lane, uint64_t pos) const {
+void TierManager::LaneStarts(LaneArray* at) const {
+  // LanePosition is below 2n: one subtraction reduces it.
   const uint64_t n = trace_.size();
-  return (pos + n - LanePosition(lane) % n) % n;
+  for (size_t l = 0; l < lanes_.size(); ++l) {
+    if (lanes_[l].positions.empty()) continue;
+    const uint64_t p = LanePosition(l);
+    (*at)[l] = p >= n ? p - n : p;
+  }
 }
 
 void TierManager::ResetLanes(bool to_next_iteration) {
@@ -420,29 +427,57 @@ void TierManager::ResetLanes(bool to_next_iteration) {
   frontier_ = to_next_iteration ? trace_.size() : 0;
 }
 
-uint64_t TierManager::NextUse(const Block* b) const {
+uint64_t TierManager::NextUseFrom(const Block* b, const LaneArray& at) const {
   if (!trace_ready_ || b->uses.empty()) return kNever;
+  const uint64_t n = trace_.size();
   uint64_t best = kNever;
-  for (uint64_t p : b->uses) best = std::min(best, LaneDistance(trace_lane_[p], p));
+  for (uint64_t p : b->uses) {
+    const uint64_t from = at[trace_lane_[p]];  // a lane with a use has entries
+    best = std::min(best, p >= from ? p - from : p + n - from);
+  }
   return best;
 }
 
-bool TierManager::InWindow(const Block* b) const {
-  if (!trace_ready_ || options_.prefetch_lookahead == 0) return false;
-  return NextUse(b) < static_cast<uint64_t>(options_.prefetch_lookahead);
+uint64_t TierManager::NextUse(const Block* b) const {
+  if (!trace_ready_ || b->uses.empty()) return kNever;
+  LaneArray at;
+  LaneStarts(&at);
+  return NextUseFrom(b, at);
+}
+
+void TierManager::List(Block* b) {
+  if (b->listed != kNotListed) return;
+  b->listed = host_copies_.size();
+  host_copies_.push_back(b);
+}
+
+void TierManager::Unlist(Block* b) {
+  if (b->listed == kNotListed) return;
+  Block* last = host_copies_.back();
+  host_copies_[b->listed] = last;
+  last->listed = b->listed;
+  host_copies_.pop_back();
+  b->listed = kNotListed;
 }
 
 TierManager::Block* TierManager::PickVictim(const uint64_t* before) const {
   const bool belady = options_.eviction == EvictionPolicy::kNextUse && trace_ready_;
+  // Blocks whose next use falls in the prefetch window are kept when `before` is set.
+  const bool window = before != nullptr && trace_ready_ && options_.prefetch_lookahead > 0;
+  // The lanes' positions once per pick, not once per use of every candidate: this loop runs for
+  // almost every Acquire, under mu_, over every host copy.
+  LaneArray at;
+  if (belady || window) LaneStarts(&at);
   Block* best = nullptr;
   uint64_t best_nu = 0;
-  for (const auto& [k, up] : blocks_) {
-    Block* b = up.get();
-    if (b->home != BlockHome::kNvme || b->pins > 0) continue;
+  for (Block* b : host_copies_) {
+    STRATA_DCHECK(b->home == BlockHome::kNvme && b->host != HostResidency::kAbsent, ToString(b->id),
+                  " is listed as a host copy in state ", HostResidencyName(b->host));
+    if (b->pins > 0) continue;
     if (b->host != HostResidency::kClean && b->host != HostResidency::kDirty) continue;
-    if (before != nullptr && InWindow(b)) continue;
+    const uint64_t nu = belady || window ? NextUseFrom(b, at) : kNever;
+    if (window && nu < static_cast<uint64_t>(options_.prefetch_lookahead)) continue;
     if (belady) {
-      const uint64_t nu = NextUse(b);
       if (before != nullptr && nu <= *before) continue;
       // Farthest next use first; among equals a clean block (free to drop), then the older one.
       bool better;
@@ -475,6 +510,7 @@ void TierManager::Drop(Block* b) {
   stats_.host_bytes_resident -= b->mem.class_bytes;
   b->mem = PinnedBlock{};
   b->host = HostResidency::kAbsent;
+  Unlist(b);
 }
 
 void TierManager::StartWriteBack(Block* b, bool evict, std::vector<IoAction>* io) {
@@ -496,6 +532,7 @@ void TierManager::StartRead(Block* b, const PinnedBlock& mem, bool prefetch, std
                 NvmeResidencyName(b->nvme));
   b->mem = mem;
   b->host = HostResidency::kReading;
+  List(b);
   b->prefetched = prefetch;
   if (prefetch) ++stats_.prefetches_issued;
   ++inflight_;
@@ -535,6 +572,7 @@ void TierManager::OnReadDone(Block* b, uint64_t gen, const Status& s) {
       stats_.host_bytes_resident -= b->mem.class_bytes;
       b->mem = PinnedBlock{};
       b->host = HostResidency::kAbsent;
+      Unlist(b);
       b->prefetched = false;
     }
     Pump(&io);
@@ -798,6 +836,7 @@ StatusOr<void*> TierManager::Acquire(BlockId id, Access access) {
         }
         if (access == Access::kWrite) {
           b->mem = *mem;
+          List(b);
           void* p = pin();
           Pump(&io);
           lk.Unlock();
@@ -810,6 +849,7 @@ StatusOr<void*> TierManager::Acquire(BlockId id, Access access) {
           ++stats_.nvme_misses;
           b->mem = *mem;
           b->host = HostResidency::kReading;
+          List(b);
           const uint64_t gen = ++b->read_gen;
           ++b->pins;
           lk.Unlock();

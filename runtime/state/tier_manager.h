@@ -64,6 +64,7 @@
 // - Destruction waits for in-flight I/O, then frees the NVMe regions. No block may be pinned.
 #pragma once
 
+#include <array>
 #include <chrono>
 #include <cstdint>
 #include <memory>
@@ -236,19 +237,26 @@ class TierManager {
   bool MatchInLane(size_t lane, const Block* b, uint64_t horizon) REQUIRES(mu_);
   // Where the lane stands in the trace: the earlier of its next expected access and frontier_
   // (Note [lanes in the trace]); >= the trace's length once the lane and the frontier are in
-  // the next iteration. The lane has entries.
+  // the next iteration, and always below twice that length. The lane has entries.
   uint64_t LanePosition(size_t lane) const REQUIRES(mu_);
-  // Trace entries between the lane's position and trace position `pos` (which the lane reaches
-  // in this iteration or the next).
-  uint64_t LaneDistance(size_t lane, uint64_t pos) const REQUIRES(mu_);
+  static constexpr size_t kMaxTraceLanes = 64;  // threads beyond this share the last lane
+  using LaneArray = std::array<uint64_t, kMaxTraceLanes>;
+  // (*at)[l] = lane l's position reduced below the trace's length, for each lane with entries.
+  void LaneStarts(LaneArray* at) const REQUIRES(mu_);
   void ResetLanes(bool to_next_iteration) REQUIRES(mu_);
-  // Trace entries until `b` is next used (by whichever lane uses it first), or kNever.
+  // Trace entries until `b` is next used (by whichever lane uses it first, each use counted
+  // from its lane's position, as LaneStarts gives them), or kNever.
+  uint64_t NextUseFrom(const Block* b, const LaneArray& at) const REQUIRES(mu_);
   uint64_t NextUse(const Block* b) const REQUIRES(mu_);
-  bool InWindow(const Block* b) const REQUIRES(mu_);
   // The unpinned resident NVMe-backed block to evict next, or null. With `before` set, only
   // blocks whose next use is further away than `before` (a NextUse distance) qualify, and never
   // one inside the prefetch window.
+  // Scans host_copies_ only: a pick is O(host copies), not O(registered blocks).
   Block* PickVictim(const uint64_t* before) const REQUIRES(mu_);
+  // Keep host_copies_ equal to the NVMe-backed blocks whose host residency is not absent: List
+  // when one leaves absent, Unlist when it returns there or is unregistered (both idempotent).
+  void List(Block* b) REQUIRES(mu_);
+  void Unlist(Block* b) REQUIRES(mu_);
   void Drop(Block* b) REQUIRES(mu_);
   void StartWriteBack(Block* b, bool evict, std::vector<IoAction>* io) REQUIRES(mu_);
   void StartRead(Block* b, const PinnedBlock& mem, bool prefetch, std::vector<IoAction>* io) REQUIRES(mu_);
@@ -276,6 +284,9 @@ class TierManager {
   mutable Mutex mu_;
   CondVar cv_;  // any block state change, pin release or completion
   std::unordered_map<uint64_t, std::unique_ptr<Block>> blocks_ GUARDED_BY(mu_);
+  // The NVMe-backed blocks with a host copy (reading, clean, dirty or writing), in no order:
+  // the only ones PickVictim can choose. Block::listed is each one's index here.
+  std::vector<Block*> host_copies_ GUARDED_BY(mu_);
   uint64_t host_only_class_bytes_ GUARDED_BY(mu_) = 0;  // host-only blocks in the buddy arena
   uint64_t resident_region_bytes_ GUARDED_BY(mu_) = 0;  // host-only blocks in the resident region
   uint64_t largest_nvme_class_ GUARDED_BY(mu_) = 0;

@@ -452,6 +452,37 @@ TEST(FormatsCliTest, IsaPicksTheKernelsAndABadOneExitsTwo) {
   for (const auto& row : j["layouts"]) EXPECT_GT(row["gparams_s"].get<double>(), 0.0) << row.dump();
 }
 
+// tiers' default host budget is a quarter of the state but never under what the optimizer step
+// pins twice over: four 4 KiB chunks were refused by their own default ("lower --chunk-size",
+// already the smallest). What cannot work on the default names --chunks, and a budget below the
+// step's pins no longer suggests a smaller chunk when the chunk is the smallest.
+TEST(TiersCliTest, FewSmallChunksRunOnTheDefaultBudget) {
+  const std::string tiers = std::string(STRATA_SWAPBENCH_BIN) + " tiers";
+  Result r = Exec(tiers + " --chunks 4 --chunk-size 4KiB --iterations 1 --json");
+  ASSERT_EQ(r.rc, 0) << r.out;
+  const nlohmann::json j = nlohmann::json::parse(r.out.substr(r.out.find("{\n")));
+  EXPECT_EQ(j["host_budget"].get<uint64_t>(), 64u << 10) << r.out;  // 2 x 4 slots of 8 KiB
+  EXPECT_EQ(j["total_bytes"].get<uint64_t>(), 128u << 10) << r.out;
+  EXPECT_GT(j["bytes_read"].get<uint64_t>(), 0u) << r.out;  // the state really went to NVMe
+  EXPECT_NE(r.out.find("case 4 of 4"), std::string::npos) << r.out;  // progress on stderr
+
+  r = Exec(tiers + " --chunks 3 --chunk-size 5MiB");
+  EXPECT_EQ(r.rc, 2) << r.out;
+  EXPECT_NE(r.out.find("--chunks=3 of 5.00 MiB: the default --host-budget (128.00 MiB"),
+            std::string::npos)
+      << r.out;
+  EXPECT_NE(r.out.find("raise --chunks"), std::string::npos) << r.out;
+  r = Exec(tiers + " --chunks 8 --chunk-size 4KiB --host-budget 16KiB");
+  EXPECT_EQ(r.rc, 2) << r.out;
+  EXPECT_NE(r.out.find("give at least 64.00 KiB\n"), std::string::npos) << r.out;
+  r = Exec(tiers + " --chunks 8 --chunk-size 8KiB --host-budget 16KiB");
+  EXPECT_EQ(r.rc, 2) << r.out;
+  EXPECT_NE(r.out.find("or lower --chunk-size"), std::string::npos) << r.out;
+  r = Exec(tiers + " --chunks 2");
+  EXPECT_EQ(r.rc, 2) << r.out;
+  EXPECT_NE(r.out.find("--chunks=2: must be an integer in 3.."), std::string::npos) << r.out;
+}
+
 // Flags a fuzzing pass found unchecked: each now exits 2 with a message naming the flag and the
 // value (before: a crash in TBB or std::vector, an int overflow that printed zeros and exit 0,
 // NaN or an empty string taken as "not given", CLI11's own exit codes 104/105).

@@ -102,13 +102,20 @@ std::string DefaultBase() {
 StatusOr<Settings> Validate(const TiersArgs& a) {
   Settings s;
   s.keep = a.keep;
-  STRATA_ASSIGN_OR_RETURN(int64_t chunks, ParseInt("--chunks", a.chunks, 2, 1 << 20));
+  STRATA_ASSIGN_OR_RETURN(int64_t chunks, ParseInt("--chunks", a.chunks, 3, 1 << 20));
   s.chunks = static_cast<uint32_t>(chunks);
   STRATA_ASSIGN_OR_RETURN(s.chunk, ParseSize("--chunk-size", a.chunk_size));
   if (s.chunk < 4096) return InvalidArgument(StrCat("--chunk-size=", a.chunk_size, ": must be at least 4KiB"));
   s.total = 8 * s.chunk * s.chunks;  // param16 + grad + 2 × (master32, exp_avg, exp_avg_sq)
+  // The optimizer step pins five blocks of one chunk at once (8 chunk sizes, in power-of-two
+  // slots); prefetch needs room beyond that.
+  uint64_t slot = 4096;
+  while (slot < 2 * s.chunk) slot <<= 1;
+  const uint64_t pinned = 4 * slot;
   if (a.host_budget.empty()) {
-    s.host_budget = s.total / 4;
+    // A quarter of the state, but never less than the step needs: few small chunks would
+    // otherwise refuse the default itself.
+    s.host_budget = std::max(s.total / 4, 2 * pinned);
   } else {
     STRATA_ASSIGN_OR_RETURN(s.host_budget, ParseSize("--host-budget", a.host_budget));
   }
@@ -117,15 +124,16 @@ StatusOr<Settings> Validate(const TiersArgs& a) {
   } else {
     STRATA_ASSIGN_OR_RETURN(s.device_budget, ParseSize("--device-budget", a.device_budget));
   }
-  // The optimizer step pins five blocks of one chunk at once (8 chunk sizes, in power-of-two
-  // slots); prefetch needs room beyond that.
-  uint64_t slot = 4096;
-  while (slot < 2 * s.chunk) slot <<= 1;
-  const uint64_t pinned = 4 * slot;
   if (s.host_budget < 2 * pinned)
     return InvalidArgument(StrCat("--host-budget=", FormatBytes(s.host_budget),
                                   ": the optimizer step pins ", FormatBytes(pinned),
-                                  " at once; give at least ", FormatBytes(2 * pinned), " or lower --chunk-size"));
+                                  " at once; give at least ", FormatBytes(2 * pinned),
+                                  s.chunk > 4096 ? " or lower --chunk-size" : ""));
+  if (s.host_budget >= s.total && a.host_budget.empty())
+    return InvalidArgument(
+        StrCat("--chunks=", s.chunks, " of ", FormatBytes(s.chunk), ": the default --host-budget (",
+               FormatBytes(s.host_budget), ", twice what the optimizer step pins) holds all ",
+               FormatBytes(s.total), " of state, so nothing would go to NVMe; raise --chunks"));
   if (s.host_budget >= s.total)
     return InvalidArgument(StrCat("--host-budget=", FormatBytes(s.host_budget), " holds all ",
                                   FormatBytes(s.total), " of state: nothing would go to NVMe; lower it or "
@@ -432,7 +440,10 @@ int RunTiers(const TiersArgs& args) {
       return 1;
     }
     results.push_back(std::move(r).value());
-    if (!args.json) {
+    if (args.json) {  // stdout is the JSON object; progress goes to stderr
+      std::cerr << "strata-swapbench tiers: case " << results.size() << " of " << std::size(cases)
+                << " (" << results.back().policy << ", lookahead " << c.lookahead << ") done\n";
+    } else {
       const RunResult& x = results.back();
       std::cout << "policy=" << x.policy << " lookahead=" << x.lookahead << ": " << x.achieved_gbps
                 << " GB/s moved (" << FormatBytes(x.bytes_read) << " read, " << FormatBytes(x.bytes_written)
@@ -510,10 +521,12 @@ void RegisterTiersCommand(CLI::App& app, int* exit_code) {
   cmd->add_option("--path", args->path,
                   "Directory for the swap file (a real file system; default: a temporary directory under "
                   "/tmp, or /var/tmp when /tmp is tmpfs)");
-  cmd->add_option("--chunks", args->chunks, "Chunks in the model (default 16)");
+  cmd->add_option("--chunks", args->chunks, "Chunks in the model (default 16, at least 3)");
   cmd->add_option("--chunk-size", args->chunk_size,
                   "param16 bytes per chunk; grad is the same, master32/exp_avg/exp_avg_sq twice (default 8MiB)");
-  cmd->add_option("--host-budget", args->host_budget, "Pinned host pool (default: a quarter of all state)");
+  cmd->add_option("--host-budget", args->host_budget,
+                  "Pinned host pool (default: a quarter of all state, at least twice what the "
+                  "optimizer step pins)");
   cmd->add_option("--device-budget", args->device_budget,
                   "Device budget the trace's param working set exceeds (reported; default two chunks)");
   cmd->add_option("--iterations", args->iterations, "Timed iterations after the recording one (default 2)");

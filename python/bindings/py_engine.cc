@@ -1,12 +1,16 @@
 #include "python/bindings/py_engine.h"
 
+#include <atomic>
+#include <memory>
 #include <mutex>
+#include <stdexcept>
 
 #include <nlohmann/json.hpp>
 
 #include "runtime/base/device.h"
 #include "runtime/comm/backends.h"
 #include "runtime/engine/compute_dtype.h"
+#include "runtime/engine/engine_test_hooks.h"
 #include "runtime/state/lr_schedule.h"
 #include "tiers/hbm/device_factory.h"
 
@@ -37,6 +41,14 @@ Communicator* ProcessCommunicator(const CommOptions& co) {
   return comm;
 }
 }  // namespace
+
+namespace {
+std::atomic<int64_t> g_fail_start_after{-1};
+}  // namespace
+
+void FailNextStartAfterChunks(int64_t chunks) {
+  g_fail_start_after.store(chunks < 1 ? -1 : chunks);
+}
 
 PyEngine::PyEngine(py::handle model, const std::vector<py::handle>& units,
                    const std::string& config_json, const std::string& source,
@@ -81,6 +93,15 @@ PyEngine::PyEngine(py::handle model, const std::vector<py::handle>& units,
   // forward, so every operator on the model's fp16 tensors runs in fp32.
   eo.fp16_ops_in_fp32 = true;
   eo.device_owner = device_;
+  if (const int64_t after = g_fail_start_after.exchange(-1); after >= 1) {
+    auto hooks = std::make_shared<EngineTestHooks>();
+    hooks->initial_chunk_hook = [after, written = std::make_shared<int64_t>(0)](int64_t chunk) {
+      if (++*written == after)
+        throw std::runtime_error(
+            StrCat("injected start fault after ", after, " chunk(s), the last chunk ", chunk));
+    };
+    eo.test_hooks = std::move(hooks);
+  }
   py::gil_scoped_release nogil;  // partitioning writes the shards to their tiers (and rank 0's broadcast)
   engine_ = ValueOrThrow(Engine::Create(mirror_.root, config_, comm_, device_.get(), eo));
 }

@@ -53,6 +53,12 @@ struct AutoHints {
   int64_t micro_batch = 0;
 };
 
+// Testing only: the next engine start (in this process) fails once it has written `chunks`
+// chunks' initial blocks, as a LibTorch error at that point would, so that the Python tests can
+// show what such a start gives back. Every other check of the start runs before any chunk is
+// written, so no configuration reaches that point on purpose. A count below 1 clears it.
+void FailNextStartAfterChunks(int64_t chunks);
+
 class PyEngine {
  public:
   // `units`: the Python modules to manage as units, in forward order (the front end picks them

@@ -170,6 +170,9 @@ PYBIND11_MODULE(_strata, m) {
     for (const strata::EnvVar& v : strata::kEnvVars) out.emplace_back(v.name, v.reader, v.meaning);
     return out;
   }, "Every environment variable Strata reads: (name, reader, meaning), runtime/base/env_vars.h");
+  m.def(
+      "_fail_next_start_after_chunks", &strata::python::FailNextStartAfterChunks, py::arg("chunks"),
+      "Testing only: the next engine start fails once it has written `chunks` chunks (< 1: never)");
   m.def("host_description", [](const std::string& dir) { return strata::HostDescription(dir); },
         py::arg("dir") = "", "The machine: CPU model, ISA, cores (and the disk holding `dir`)");
 }

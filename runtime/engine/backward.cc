@@ -71,6 +71,16 @@ void Engine::Impl::OnParamGrad(int64_t pid) {
   }
 }
 
+StatusOr<torch::Tensor> Engine::Impl::ChunkGradient(int64_t c) {
+  const int64_t numel = partitioner_->chunks()[c].numel;
+  StatusOr<torch::Tensor> g = DeviceTensor(numel, torch::kFloat32);
+  if (!g.ok())
+    return g.status().WithContext(
+        StrCat("the fp32 gradient of chunk ", c, " (", FormatBytes(4 * numel), ")"));
+  g->zero_();
+  return g;
+}
+
 Status Engine::Impl::TakeParamGrad(int64_t pid, bool settle) {
   ParamInfo& p = params_[pid];
   if (p.grad_in) return Status::Ok();
@@ -81,9 +91,7 @@ Status Engine::Impl::TakeParamGrad(int64_t pid, bool settle) {
     torch::Tensor g = p.tensor.grad();
     if (g.defined()) {
       if (!cs.grad_full.defined()) {
-        STRATA_ASSIGN_OR_RETURN(cs.grad_full,
-                                DeviceTensor(partitioner_->chunks()[loc.chunk].numel, torch::kFloat32));
-        cs.grad_full.zero_();
+        STRATA_ASSIGN_OR_RETURN(cs.grad_full, ChunkGradient(loc.chunk));
       }
       cs.grad_full.narrow(0, loc.offset, loc.numel).add_(g.reshape({-1}).to(torch::kFloat32));
       p.tensor.mutable_grad() = torch::Tensor();
@@ -112,10 +120,8 @@ Status Engine::Impl::DrainReductions() { return reducer_->Drain(&meter_, trace_s
 
 Status Engine::Impl::ReduceChunk(int64_t c) {
   ChunkTable::Chunk& cs = chunks_[c];
-  const ChunkInfo& ci = partitioner_->chunks()[c];
   if (!cs.grad_full.defined()) {  // no parameter of the chunk took part: a zero gradient
-    STRATA_ASSIGN_OR_RETURN(cs.grad_full, DeviceTensor(ci.numel, torch::kFloat32));
-    cs.grad_full.zero_();
+    STRATA_ASSIGN_OR_RETURN(cs.grad_full, ChunkGradient(c));
   }
   // Stages 0 and 1 keep the chunk's whole gradient on every rank: the next micro-steps add into
   // it, and it is reduced once, at the accumulation boundary (all-reduce). Stages 2 and 3 shard

@@ -254,6 +254,9 @@ class Engine::Impl {
   static uint64_t TotalOf(const std::vector<ChunkStaging>& staged);
   Status OpenBlockStore();
   Status PlaceBuffers();
+  // Stage 3: refuses a start whose largest unit cannot be gathered on the device at all (Note [a
+  // unit that cannot fit] in engine_init.cc). Runs before any block is written.
+  Status CheckUnitsFitDevice() const;
   Status WriteInitialBlocks();
   Status MakeLanes();
   Status HookModel();
@@ -269,6 +272,9 @@ class Engine::Impl {
   void OnParamGrad(int64_t pid);
   // Takes a delivery of a parameter's gradient; `settle` completes it whatever came.
   Status TakeParamGrad(int64_t pid, bool settle);
+  // Chunk c's whole gradient in fp32 on the device, zeroed; a device without room for it is named
+  // with the chunk and the size.
+  StatusOr<torch::Tensor> ChunkGradient(int64_t c);
   // Hands chunk c's complete gradient to the reduce lane (Note [reduce lane]).
   Status ReduceChunk(int64_t c);
   Status ShareUpdatedShards();

@@ -42,6 +42,7 @@ Status Engine::Impl::Init(Engine* owner, const EngineOptions& options) {
   STRATA_RETURN_IF_ERROR(timed("nvme", [&] { return OpenNvmeTier(options); }));
   STRATA_RETURN_IF_ERROR(timed("host pool", [&] { return OpenBlockStore(); }));
   STRATA_RETURN_IF_ERROR(timed("buffers", [&] { return PlaceBuffers(); }));
+  STRATA_RETURN_IF_ERROR(CheckUnitsFitDevice());
   STRATA_RETURN_IF_ERROR(timed("initial blocks", [&] { return WriteInitialBlocks(); }));
   STRATA_RETURN_IF_ERROR(timed("lanes", [&] { return MakeLanes(); }));
   STRATA_RETURN_IF_ERROR(timed("hooks", [&] { return HookModel(); }));
@@ -326,6 +327,76 @@ uint64_t Engine::Impl::TotalOf(const std::vector<ChunkStaging>& staged) {
   uint64_t total = 0;
   for (const ChunkStaging& s : staged) total += s.on_read + s.after_blocks;
   return total;
+}
+
+// Note [a unit that cannot fit]
+// Stage 3 gathers a unit's chunks whole on the device, beside the device-placed state and the
+// root's own chunks, which stay gathered for the engine's life; in the unit's backward, while its
+// chunks are held, the first of its gradients to arrive takes its chunk's whole fp32 gradient
+// buffer (at least the smallest of the unit's chunks). When even that much exceeds the device's
+// capacity, the first forward would fail at that unit, after the start has written
+// every block (minutes, for a large model). So the start refuses first, before any block is
+// written, naming the unit. The figure is a floor, not an estimate: activations, gradients and
+// gathers ahead need more, and a run above it may still fail in its first step (with the
+// device's own error). Below it nothing could run, so nothing that would have run is refused.
+Status Engine::Impl::CheckUnitsFitDevice() const {
+  if (!plan_.stage3()) return Status::Ok();
+  const auto& chunk_infos = partitioner_->chunks();
+  const uint64_t esize = optim::DTypeSize(plan_.compute_dtype());
+  std::vector<char> live(chunk_infos.size(), 0);  // the root's chunks: gathered for good
+  for (int64_t u = 0; u < units_.size(); ++u)
+    if (units_[u].always_live)
+      for (int64_t c : units_[u].chunks) live[c] = 1;
+  uint64_t live_bytes = 0;
+  for (size_t c = 0; c < live.size(); ++c)
+    if (live[c]) live_bytes += static_cast<uint64_t>(chunk_infos[c].numel) * esize;
+  struct UnitNeed {
+    int64_t unit = -1;
+    uint64_t gathered = 0, grad = 0, params = 0;
+    uint64_t total() const { return gathered + grad; }
+  } worst;
+  for (int64_t u = 0; u < units_.size(); ++u) {
+    if (units_[u].always_live) continue;
+    UnitNeed n;
+    n.unit = u;
+    std::vector<int64_t> cs = units_[u].chunks;
+    std::sort(cs.begin(), cs.end());
+    cs.erase(std::unique(cs.begin(), cs.end()), cs.end());
+    for (int64_t c : cs) {
+      const auto numel = static_cast<uint64_t>(chunk_infos[c].numel);
+      if (!live[c]) n.gathered += numel * esize;
+      n.grad = n.grad == 0 ? 4 * numel : std::min(n.grad, 4 * numel);
+    }
+    if (worst.unit >= 0 && n.total() <= worst.total()) continue;
+    for (int64_t pid : units_[u].params)
+      n.params += static_cast<uint64_t>(partitioner_->location(pid).numel) * esize;
+    worst = n;
+  }
+  const uint64_t state = plan_.placement().TierBytes(Placement::kDevice);  // not yet allocated
+  const uint64_t held = device_->allocated();
+  const uint64_t need = held + state + live_bytes + worst.total();
+  const uint64_t capacity = device_->capacity();
+  if (need <= capacity) return Status::Ok();
+  const std::string unit = worst.unit >= 0
+                               ? StrCat("unit '", units_.name(worst.unit), "' (",
+                                        FormatBytes(worst.gathered), " gathered, and at least ",
+                                        FormatBytes(worst.grad), " for a chunk's fp32 gradient)")
+                               : std::string("no other unit");
+  return ResourceExhausted(StrCat(
+      "stage 3 gathers each unit whole on the device: ", unit, " beside the device-placed state (",
+      FormatBytes(state), "), the root's own parameters (", FormatBytes(live_bytes),
+      ", gathered for good) and what the device holds already (", FormatBytes(held), ") needs ",
+      FormatBytes(need), ", but ", device_->name(), " has ", FormatBytes(capacity),
+      " for the engine (strata.device_memory_budget; unset: the whole device). Raise it to at "
+      "least ",
+      FormatBytes(need), " (more for activations, gradients and gathers ahead)",
+      state > 0 ? ", place less state on the device (offload_param / offload_optimizer)" : "",
+      // Chunks are gathered whole: a unit whose chunks hold more than its own parameters
+      // shrinks with them.
+      worst.gathered > worst.params + worst.params / 2
+          ? StrCat(", or lower strata.chunk_size (the unit's own parameters take ",
+                   FormatBytes(worst.params), ")")
+          : std::string()));
 }
 
 // The host budget and the tiered block store over the device, the pinned pool and NVMe.

@@ -17,6 +17,7 @@ import torchvision
 
 import harness
 import strata
+from strata import _strata
 
 
 def _rss_anon_mib():
@@ -490,11 +491,12 @@ def test_a_start_that_fails_part_way_says_the_model_must_be_built_again(small_di
 
 
 def test_a_start_that_fails_part_way_gives_the_model_back(tmp_path):
-    """A stage-3 start that fails after it has taken some chunks (here a device budget too small
-    for the working set, met at a later chunk) gives every parameter back: a model in memory its
-    own tensors and values, a zero.Init build its mappings of the staging file, which the disk
-    could hold beside the state. The same model then starts with a budget that fits and trains
-    exactly as a fresh build."""
+    """A stage-3 start that fails after it has taken some chunks (a fault injected after the
+    second, as a LibTorch error there would end it: every budget is checked before the first)
+    gives every parameter back: a model in memory its own tensors and values, a zero.Init build
+    its mappings of the staging file, which the disk could hold beside the state. The same model
+    then starts and trains exactly as a fresh build. A device budget below the largest unit
+    beside the device-placed state is refused before any chunk is taken, the model untouched."""
     from gpt2_model import GPT2
 
     shape = {"vocab_size": 256, "seq_len": 32, "d_model": 128, "n_layers": 2, "n_heads": 4}
@@ -528,12 +530,16 @@ def test_a_start_that_fails_part_way_gives_the_model_back(tmp_path):
     for staged in (False, True):
         model = build(staged)
         before = [(p.data_ptr(), p.dtype, p.shape, p.detach().clone()) for p in model.parameters()]
-        with pytest.raises(strata.StrataError, match="cannot allocate") as failed:
+        with pytest.raises(strata.StrataError, match="stage 3 gathers each unit whole") as refused:
             strata.initialize(model=model, config=config(1 << 20))
+        assert "chunk(s) of them written" not in str(refused.value), str(refused.value)
+        _strata._fail_next_start_after_chunks(2)
+        with pytest.raises(strata.StrataError, match="injected start fault after 2") as failed:
+            strata.initialize(model=model, config=config(4 << 20))
         # Parameters were taken: the start had written chunks before it failed.
         given_back = re.search(r"the model is as the start found it \(\d+ parameters and buffers, "
                                r"(\d+) chunk\(s\) of them written", str(failed.value))
-        assert given_back and int(given_back.group(1)) >= 1, str(failed.value)
+        assert given_back and int(given_back.group(1)) == 2, str(failed.value)
         for p, (ptr, dtype, size, values) in zip(model.parameters(), before):
             assert (p.data_ptr(), p.dtype, p.shape) == (ptr, dtype, size)
             assert torch.equal(p.detach(), values)

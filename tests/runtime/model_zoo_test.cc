@@ -133,6 +133,48 @@ TEST(ZooMemory, Stage3ReleasesEachUnitAfterItsForward) {
   }
 }
 
+// Note [a unit that cannot fit]: a device too small for the largest unit (gathered whole, with
+// one chunk's fp32 gradient) is refused by the start, naming the unit and the budget's key,
+// instead of failing in the first forward. The floor stays below what a step really takes: a
+// device of exactly the peak the allocator measured over two steps still starts.
+TEST(ZooMemory, ADeviceBelowTheLargestUnitIsRefusedAtTheStart) {
+  Config c = ReleasingStage3(/*offload=*/true);
+  c.zero_optimization.stage3_prefetch_bucket_size = 0;
+  auto comm = CreateSingleCommunicator();
+  uint64_t peak = 0;
+  {
+    torch::manual_seed(7);
+    zoo::ResMlp net;
+    auto device = CreateDevice("cpu", 64 << 20).value();
+    ASSERT_OK_AND_ASSIGN(auto engine, Engine::Create(net.ptr(), c, comm.get(), device.get()));
+    for (int step = 0; step < 2; ++step) {
+      torch::Tensor loss = net->forward(torch::randn({8, 12})).pow(2).mean();
+      ASSERT_OK(engine->Backward(loss));
+      ASSERT_OK_AND_ASSIGN(StepReport rep, engine->Step());
+      peak = std::max(peak, rep.peak_device_bytes);
+    }
+  }
+  ASSERT_GT(peak, 0u);
+  {
+    torch::manual_seed(7);
+    zoo::ResMlp net;
+    auto device = CreateDevice("cpu", peak).value();
+    const Status started = Engine::Create(net.ptr(), c, comm.get(), device.get()).status();
+    EXPECT_TRUE(started.ok()) << "capacity " << peak << ": " << started;
+  }
+  // A residual block's parameters alone take 6.5 KB; 4 KiB cannot hold it.
+  torch::manual_seed(7);
+  zoo::ResMlp net;
+  auto device = CreateDevice("cpu", 4 << 10).value();
+  const Status refused = Engine::Create(net.ptr(), c, comm.get(), device.get()).status();
+  EXPECT_EQ(refused.code(), StatusCode::kResourceExhausted) << refused;
+  EXPECT_NE(refused.message().find("stage 3 gathers each unit whole on the device: unit 'blocks."),
+            std::string::npos)
+      << refused;
+  EXPECT_NE(refused.message().find("strata.device_memory_budget"), std::string::npos) << refused;
+  EXPECT_EQ(device->allocated(), 0u) << "the refusal came after device memory was taken";
+}
+
 // Outside its RunUnit a stage-3 parameter has an empty storage (no stale copy to read by
 // mistake) and 0 elements (Note [released parameters]); inside it, its shape and the gathered
 // values.

@@ -440,7 +440,9 @@ class Trainer {
     for (int64_t step = first; step < last && !g_stop.load(); ++step) {
       if (!f_.trace.empty() && step == trace_from) engine_->SetTracing(true);
       STRATA_ASSIGN_OR_RETURN(double loss, MicroSteps(step));
-      STRATA_ASSIGN_OR_RETURN(StepReport rep, engine_->Step());
+      StatusOr<StepReport> stepped = engine_->Step();
+      if (!stepped.ok()) return stepped.status().WithContext(StrCat("optimizer step ", step + 1));
+      StepReport rep = std::move(stepped).value();
       if (!f_.trace.empty() && (step + 1 == trace_to || (step + 1 == last && step >= trace_from)))
         STRATA_RETURN_IF_ERROR(WriteTrace());
       if (comm_->world_size() > 1)
@@ -505,7 +507,8 @@ class Trainer {
       } catch (const std::exception& e) {
         return Internal(StrCat("forward of step ", step + 1, " failed: ", e.what()));
       }
-      STRATA_RETURN_IF_ERROR(engine_->Backward(loss));
+      if (Status s = engine_->Backward(loss); !s.ok())
+        return s.WithContext(StrCat("backward of step ", step + 1));
       loss_sum += loss.item<double>() / accum;
     }
     return loss_sum;

@@ -208,6 +208,64 @@ TEST(EstimateVsEngineTest, Stage2CpuOffload) {
   EXPECT_GT(m.host, 0u);
 }
 
+// The first failure of two steps on a CPU device of `capacity` bytes: the start's or a step's.
+Status TrainOnDeviceOf(const Config& c, uint64_t capacity) {
+  STRATA_ASSIGN_OR_RETURN(auto dev, CreateDevice("cpu", capacity));
+  auto comm = CreateSingleCommunicator();
+  STRATA_ASSIGN_OR_RETURN(auto engine,
+                          Engine::Create(models::BuildGpt(c.model), c, comm.get(), dev.get()));
+  torch::manual_seed(3);
+  for (int s = 0; s < 2; ++s) {
+    torch::Tensor t =
+        torch::randint(0, c.model.vocab_size,
+                       {c.train_micro_batch_size_per_gpu, c.model.seq_len + 1}, torch::kLong);
+    try {
+      torch::Tensor logits = engine->Forward(t.narrow(1, 0, c.model.seq_len));
+      STRATA_RETURN_IF_ERROR(
+          engine->Backward(models::LanguageModelLoss(logits, t.narrow(1, 1, c.model.seq_len))));
+    } catch (const std::exception& e) {
+      return Internal(e.what());  // a forward's gather throws through LibTorch
+    }
+    STRATA_RETURN_IF_ERROR(engine->Step().status());
+  }
+  return Status::Ok();
+}
+
+bool HasDeviceNote(const MemoryEstimate& e) {
+  for (const std::string& n : e.notes)
+    if (n.find("the engine's device peak in a step") != std::string::npos) return true;
+  return false;
+}
+
+// strata-estimate warns where the engine's step peak exceeds the device budget, and only there:
+// below the lower peak figure the engine really fails (at the start or in a step, for want of
+// device memory); at twice the upper one there is no warning and two steps train.
+TEST(EstimateVsEngineTest, ADeviceBudgetBelowTheStepPeakIsNamedAndTheEngineFailsThere) {
+  Config c = SmallConfig();
+  c.zero_optimization.stage = 3;
+  c.zero_optimization.offload_param.device = OffloadDevice::kCpu;
+  c.zero_optimization.offload_optimizer.device = OffloadDevice::kCpu;
+  ASSERT_OK_AND_ASSIGN(ModelSpec spec, GptModelSpec(c.model));
+  ASSERT_OK_AND_ASSIGN(MemoryEstimate unbounded, EstimateMemory(c, spec));
+  const uint64_t low = unbounded.engine_device_peak_min_bytes,
+                 high = unbounded.engine_device_peak_bytes;
+  ASSERT_GT(low, 0u);
+
+  c.strata.device_memory_budget = low * 3 / 4 / 4096 * 4096;
+  ASSERT_OK_AND_ASSIGN(MemoryEstimate tight, EstimateMemory(c, spec));
+  EXPECT_TRUE(HasDeviceNote(tight)) << c.strata.device_memory_budget;
+  const Status failed = TrainOnDeviceOf(c, c.strata.device_memory_budget);
+  const std::string why = failed.ToString();
+  EXPECT_TRUE(why.find("cpu device: cannot allocate") != std::string::npos ||
+              why.find("stage 3 gathers each unit whole") != std::string::npos)
+      << why;
+
+  c.strata.device_memory_budget = 2 * high;
+  ASSERT_OK_AND_ASSIGN(MemoryEstimate roomy, EstimateMemory(c, spec));
+  EXPECT_FALSE(HasDeviceNote(roomy));
+  EXPECT_OK(TrainOnDeviceOf(c, c.strata.device_memory_budget));
+}
+
 TEST(EstimateVsEngineTest, Stage3NvmeOffloadDeferredOptimizer) {
   // Clipping defers the optimizer, so host staging is one chunk's states at a time: the
   // estimate's staging figure is then exact, not an upper bound.

@@ -467,6 +467,22 @@ StatusOr<MemoryEstimate> EstimateMemory(const Config& config, const ModelSpec& m
   }
 
   est.hbm_bytes = est.engine_device_peak_bytes + torch_dev;
+  // The engine's own allocations are what its device budget bounds (LibTorch's activations are
+  // outside it): above it the first step fails, or the start refuses the run when not even the
+  // largest unit fits (Note [a unit that cannot fit] in runtime/engine/engine_init.cc). The lower
+  // of the two peak figures, so that no run that fits is warned about.
+  if (pin.device_capacity > 0 && est.engine_device_peak_min_bytes > pin.device_capacity)
+    est.notes.push_back(StrCat("the engine's device peak in a step, at least ",
+                               FormatBytes(est.engine_device_peak_min_bytes),
+                               " (peak_device_bytes), is above the ",
+                               FormatBytes(pin.device_capacity), " it may use (",
+                               options.device_capacity ? "--hbm" : "strata.device_memory_budget",
+                               config.strata.device_memory_budget || options.device_capacity
+                                   ? ""
+                                   : ", the CPU device's default",
+                               "): the first step would fail for want of device memory; raise it, "
+                               "offload more state to the host "
+                               "or NVMe, or lower strata.chunk_size"));
   est.host_pageable_bytes = host_other;
   est.host_pinned_bytes = pool;
   // The plan's own sum (each NVMe-homed block rounded to 4 KiB), which the swap store reserves.

@@ -359,10 +359,7 @@ Status Engine::Impl::CheckUnitsFitDevice() const {
     if (units_[u].always_live) continue;
     UnitNeed n;
     n.unit = u;
-    std::vector<int64_t> cs = units_[u].chunks;
-    std::sort(cs.begin(), cs.end());
-    cs.erase(std::unique(cs.begin(), cs.end()), cs.end());
-    for (int64_t c : cs) {
+    for (int64_t c : units_[u].chunks) {  // each once (MapUnitsToChunks)
       const auto numel = static_cast<uint64_t>(chunk_infos[c].numel);
       if (!live[c]) n.gathered += numel * esize;
       n.grad = n.grad == 0 ? 4 * numel : std::min(n.grad, 4 * numel);

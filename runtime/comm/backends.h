@@ -42,4 +42,12 @@ StatusOr<std::unique_ptr<Communicator>> CreateNcclCommunicator(
 // An in-process store for a single rank (tests of nccl with world size 1).
 std::shared_ptr<RendezvousStore> CreateInProcessStore(double timeout_s);
 
+// The notes of ranks that gave up (Note [giving up] in communicator.cc), for the backends'
+// AbortImpl and PeerAbortNotes. Publishing writes rank `rank`'s note and waits until the store
+// has it; store errors are dropped (the note is a courtesy: closing the connections is what
+// releases the peers). Reading returns every other rank's note, "; "-joined, "" when none or
+// when the store cannot be read.
+void PublishAbortNote(RendezvousStore& store, int rank, const std::string& note);
+std::string ReadAbortNotes(RendezvousStore& store, int rank, int world_size);
+
 }  // namespace strata

@@ -59,16 +59,45 @@ template <typename F>
 Status Communicator::Run(const char* what, F&& call) {
   if (!broken_.ok()) {
     return FailedPrecondition(StrCat(backend(), " ", what, " on rank ", rank_,
-                                     ": the communicator failed earlier and cannot be used; first "
-                                     "error: ", broken_.ToString()));
+                                     ": the communicator failed earlier and cannot be used; "
+                                     "restart every rank of the job; first error: ",
+                                     broken_.ToString()));
   }
   ++backend_calls_;
   Status s = call();
   if (!s.ok()) {
     s = s.WithContext(StrCat(backend(), " ", what, " (rank ", rank_, " of ", world_size_, ")"));
+    // A peer that gave up is the cause, whatever the transport made of it (Note [giving up]).
+    if (const std::string notes = PeerAbortNotes(); !notes.empty()) {
+      s = Status(StatusCode::kCancelled,
+                 StrCat(notes, " (", backend(), " ", what, " on rank ", rank_, " ended with it)"));
+      peer_gave_up_ = true;
+    }
     broken_ = s;
   }
   return s;
+}
+
+// Note [giving up]
+// A rank whose engine start fails part-way has issued fewer collectives than its peers, which
+// wait in the next one until the timeout (300 s by default) and then report only that it timed
+// out; the rank that knows why may be another process's log away, or may never exit (a script
+// that catches the error). So a rank that gives up first writes its reason to the rendezvous
+// store, under strata/abort/<rank>, reads it back (a round trip, so the note is there before
+// anything below can be seen), and then closes its connections. A peer waiting on it fails at
+// once with the transport's "connection closed"; every failed call reads the peers' notes
+// before it returns, and where one gave up, the call's error is CANCELLED with that rank's
+// reason first. A rank that gives up because a peer did (its reason is that CANCELLED) writes
+// no note of its own: the others are to read the first cause, not a chain of echoes. It still
+// closes its connections, releasing whoever waits on it.
+void Communicator::Abort(const Status& why) {
+  const Status reason = why.ok() ? Internal("Communicator::Abort with an OK status") : why;
+  if (broken_.ok()) broken_ = reason;
+  if (world_size_ == 1 || aborted_) return;
+  aborted_ = true;
+  AbortImpl(peer_gave_up_ ? std::string()
+                          : StrCat("rank ", rank_, " of ", world_size_,
+                                   " gave up the job's collectives: ", reason.ToString()));
 }
 
 Status Communicator::CheckArgs(const char* what, const void* a, const void* b,

@@ -23,7 +23,9 @@
 // Failure: a peer that dies or hangs, or a store that cannot be reached, makes the call return a
 // non-OK Status (DEADLINE_EXCEEDED, UNAVAILABLE, ABORTED-like INTERNAL from the transport) within
 // the communicator's timeout — never a hang. After a failed collective the communicator is
-// broken: later calls fail fast with FAILED_PRECONDITION naming the first error.
+// broken: later calls fail fast with FAILED_PRECONDITION naming the first error. A rank that
+// cannot go on with the job's sequence of calls gives up with Abort: its peers' calls then fail
+// at once, CANCELLED, naming that rank and its reason (Note [giving up] in communicator.cc).
 //
 // Thread safety: a Communicator is used by one thread at a time (collectives are ordered; two
 // threads issuing them concurrently would interleave differently on different ranks).
@@ -82,6 +84,17 @@ class Communicator {
   Status Broadcast(void* buf, int64_t count, DType dtype, int root);
   Status Barrier();
 
+  // Gives up on the job's collectives, for a rank that can no longer follow the others' sequence
+  // of calls (an engine start that failed part-way): this rank's later calls fail fast naming
+  // `why`; a peer waiting in a call with this rank is released now instead of at the timeout,
+  // and its error names this rank and `why`. The first failure stays the one named. Called by
+  // the thread that issues the collectives, with none of them in flight. A communicator of one
+  // rank has no peers to release but is broken all the same.
+  void Abort(const Status& why);
+
+  // OK, or the failure that broke this communicator (a failed call or Abort).
+  const Status& failure() const { return broken_; }
+
   // COUNT: backend calls issued since construction (buckets count one each). For tests and stats.
   int64_t backend_calls() const { return backend_calls_; }
 
@@ -101,6 +114,14 @@ class Communicator {
   virtual Status BroadcastImpl(void* buf, int64_t count, DType dtype, int root) = 0;
   virtual Status BarrierImpl() = 0;
 
+  // Abort's transport part: publish `note` where the peers can read it (the rendezvous store;
+  // nothing when it is empty), then close this rank's connections so that a peer's pending call
+  // ends. Called at most once. Default: nothing, for backends without peers.
+  virtual void AbortImpl(const std::string& note) { (void)note; }
+  // The notes peers published with AbortImpl, "" when none (or no store to read them from):
+  // read once a call has failed, to name the rank that gave up.
+  virtual std::string PeerAbortNotes() { return ""; }
+
  private:
   // Runs one backend call and latches the first failure (see the header comment).
   template <typename F>
@@ -111,6 +132,8 @@ class Communicator {
   const int world_size_;
   BucketSizes buckets_;
   Status broken_;
+  bool peer_gave_up_ = false;  // broken_ is a peer's note, CANCELLED (Note [giving up])
+  bool aborted_ = false;       // AbortImpl has run
   int64_t backend_calls_ = 0;
 };
 
@@ -138,6 +161,9 @@ class RendezvousStore {
   virtual ~RendezvousStore() = default;
   virtual Status Set(const std::string& key, const std::string& value) = 0;
   virtual StatusOr<std::string> Get(const std::string& key) = 0;
+  // Whether the key exists now, without waiting; a round trip to the store, so a Set this
+  // client made before has landed when it returns.
+  virtual StatusOr<bool> Has(const std::string& key) = 0;
 };
 
 // Single-rank communicator: every collective is a copy at most (none when in place).

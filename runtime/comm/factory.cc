@@ -31,6 +31,10 @@ class InProcessStore final : public RendezvousStore {
     }
     return values_[key];
   }
+  StatusOr<bool> Has(const std::string& key) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    return values_.count(key) != 0;
+  }
 
  private:
   const double timeout_s_;

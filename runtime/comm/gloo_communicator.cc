@@ -59,6 +59,13 @@ class TcpRendezvousStore final : public RendezvousStore {
       return FromException(e, StrCat("store get '", key, "'"));
     }
   }
+  StatusOr<bool> Has(const std::string& key) override {
+    try {
+      return store_->check({key});
+    } catch (const std::exception& e) {
+      return FromException(e, StrCat("store check '", key, "'"));
+    }
+  }
   const c10::intrusive_ptr<c10d::Store>& c10d_store() const { return store_; }
 
  private:
@@ -126,8 +133,11 @@ at::Tensor WrapBytes(const void* p, int64_t count, DType d) {
 class GlooCommunicator final : public Communicator {
  public:
   GlooCommunicator(const DistEnv& env, c10::intrusive_ptr<c10d::ProcessGroupGloo> pg,
-                   double timeout_s)
-      : Communicator(env.rank, env.world_size), pg_(std::move(pg)), timeout_(ToMillis(timeout_s)) {}
+                   std::shared_ptr<RendezvousStore> store, double timeout_s)
+      : Communicator(env.rank, env.world_size),
+        pg_(std::move(pg)),
+        store_(std::move(store)),
+        timeout_(ToMillis(timeout_s)) {}
 
   std::string_view backend() const override { return "gloo"; }
   MemoryKind memory_kind() const override { return MemoryKind::kHost; }
@@ -217,6 +227,16 @@ class GlooCommunicator final : public Communicator {
     return Wait("barrier", [&] { return pg_->barrier(opts); });
   }
 
+  // The group goes, and with it every connection to the peers: a peer receiving from this rank
+  // gets "connection closed" at once. No call is in flight (Abort's contract), so its worker
+  // threads have nothing left to finish. The store stays: rank 0's serves the others.
+  void AbortImpl(const std::string& note) override {
+    PublishAbortNote(*store_, rank(), note);
+    pg_.reset();
+  }
+
+  std::string PeerAbortNotes() override { return ReadAbortNotes(*store_, rank(), world_size()); }
+
  private:
   // Issues one c10d call and waits for it, bounded by the timeout (Gloo's own timeout covers the
   // transport; the bounded wait covers everything else).
@@ -233,7 +253,8 @@ class GlooCommunicator final : public Communicator {
     }
   }
 
-  c10::intrusive_ptr<c10d::ProcessGroupGloo> pg_;
+  c10::intrusive_ptr<c10d::ProcessGroupGloo> pg_;  // null once given up
+  std::shared_ptr<RendezvousStore> store_;         // the job's TCPStore, unprefixed
   const std::chrono::milliseconds timeout_;
   // Staging for reduce-scatter and bf16 all-reduce; bounded by the bucket sizes.
   std::vector<char> send_;
@@ -267,7 +288,8 @@ StatusOr<std::unique_ptr<Communicator>> CreateGlooCommunicator(const DistEnv& en
     }
     options->threads = 2;
     auto pg = c10::make_intrusive<c10d::ProcessGroupGloo>(store, env.rank, env.world_size, options);
-    return std::unique_ptr<Communicator>(std::make_unique<GlooCommunicator>(env, pg, timeout_s));
+    return std::unique_ptr<Communicator>(std::make_unique<GlooCommunicator>(
+        env, pg, std::make_shared<TcpRendezvousStore>(tcp), timeout_s));
   } catch (const std::exception& e) {
     return FromException(e, StrCat("gloo rendezvous of rank ", env.rank, " of ", env.world_size,
                                    " via ", env.master_addr, ":", env.master_port));

@@ -60,8 +60,12 @@ ncclRedOp_t ToNccl(ReduceOp op) {
 
 class NcclCommunicator final : public Communicator {
  public:
-  NcclCommunicator(const DistEnv& env, int device, double timeout_s)
-      : Communicator(env.rank, env.world_size), device_(device), timeout_s_(timeout_s) {}
+  NcclCommunicator(const DistEnv& env, int device, std::shared_ptr<RendezvousStore> store,
+                   double timeout_s)
+      : Communicator(env.rank, env.world_size),
+        device_(device),
+        store_(std::move(store)),
+        timeout_s_(timeout_s) {}
 
   ~NcclCommunicator() override {
     if (comm_ != nullptr) {
@@ -81,7 +85,8 @@ class NcclCommunicator final : public Communicator {
   std::string_view backend() const override { return "nccl"; }
   MemoryKind memory_kind() const override { return MemoryKind::kDevice; }
 
-  Status Init(RendezvousStore& store) {
+  Status Init() {
+    RendezvousStore& store = *store_;
     STRATA_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
     STRATA_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
     STRATA_CUDA_RETURN_IF_ERROR(cudaMalloc(&scratch_, sizeof(int32_t)));
@@ -191,7 +196,8 @@ class NcclCommunicator final : public Communicator {
       if (r != ncclSuccess) return Fail(NcclError(r, "ncclCommGetAsyncError", comm_));
       if (state == ncclSuccess) return Status::Ok();
       if (state != ncclInProgress) return Fail(NcclError(state, what, comm_));
-      if (std::chrono::steady_clock::now() > deadline) return Abort(what);
+      if (std::chrono::steady_clock::now() > deadline) return TimedOut(what);
+      if (Status gone = PeerGaveUp(what); !gone.ok()) return gone;
       std::this_thread::sleep_for(std::chrono::microseconds(50));
     }
   }
@@ -210,29 +216,57 @@ class NcclCommunicator final : public Communicator {
           state != ncclInProgress) {
         return Fail(NcclError(state, what, comm_));
       }
-      if (std::chrono::steady_clock::now() > deadline) return Abort(what);
+      if (std::chrono::steady_clock::now() > deadline) return TimedOut(what);
+      if (Status gone = PeerGaveUp(what); !gone.ok()) return gone;
       std::this_thread::sleep_for(std::chrono::microseconds(20));
     }
   }
+
+  // A kernel waiting on a peer that gave up would wait out the deadline: NCCL does not tell the
+  // ranks left behind. So a wait looks for the peers' notes (Note [giving up] in
+  // communicator.cc) once a second and aborts its own communicator on finding one; Run then
+  // names the note.
+  Status PeerGaveUp(const char* what) {
+    const auto now = std::chrono::steady_clock::now();
+    if (world_size() == 1 || now - last_note_check_ < std::chrono::seconds(1)) return Status::Ok();
+    last_note_check_ = now;
+    if (ReadAbortNotes(*store_, rank(), world_size()).empty()) return Status::Ok();
+    AbortComm();
+    return Cancelled(StrCat(what, " abandoned: a peer rank gave up"));
+  }
+
+  void AbortImpl(const std::string& note) override {
+    PublishAbortNote(*store_, rank(), note);
+    AbortComm();
+  }
+
+  std::string PeerAbortNotes() override { return ReadAbortNotes(*store_, rank(), world_size()); }
 
   Status Fail(Status s) {
     failed_ = true;
     return s;
   }
 
-  Status Abort(const char* what) {
+  // Frees this rank's kernels from a peer that will not come; once.
+  void AbortComm() {
     failed_ = true;
     if (comm_ != nullptr && !aborted_) {
       ncclCommAbort(comm_);
       aborted_ = true;
     }
+  }
+
+  Status TimedOut(const char* what) {
+    AbortComm();
     return DeadlineExceeded(StrCat(what, " did not complete within strata.comm_timeout_s=",
                                    timeout_s_, " s; the NCCL communicator was aborted (a peer rank "
                                    "may have died or stalled)"));
   }
 
   const int device_;
+  std::shared_ptr<RendezvousStore> store_;  // the ncclUniqueId's, then the peers' notes
   const double timeout_s_;
+  std::chrono::steady_clock::time_point last_note_check_{};
   cudaStream_t stream_ = nullptr;
   ncclComm_t comm_ = nullptr;
   void* scratch_ = nullptr;  // 4 bytes of device memory for the barrier's all-reduce
@@ -261,8 +295,8 @@ StatusOr<std::unique_ptr<Communicator>> CreateNcclCommunicator(
   STRATA_CHECK(cuda_device >= 0 && cuda_device < count, "CUDA device ", cuda_device,
                " for rank ", env.rank, ": this host has ", count,
                " GPU(s); set LOCAL_RANK below the GPU count (one rank per GPU)");
-  auto comm = std::make_unique<NcclCommunicator>(env, cuda_device, timeout_s);
-  STRATA_RETURN_IF_ERROR(comm->Init(*store).WithContext(
+  auto comm = std::make_unique<NcclCommunicator>(env, cuda_device, std::move(store), timeout_s);
+  STRATA_RETURN_IF_ERROR(comm->Init().WithContext(
       StrCat("nccl init of rank ", env.rank, " of ", env.world_size, " on cuda:", cuda_device)));
   return std::unique_ptr<Communicator>(std::move(comm));
 }

@@ -99,8 +99,9 @@ std::string Engine::Impl::AbandonStart() {
     if (undone.lost.empty())
       return StrCat("the model is as the start found it (", undone.restored,
                     " parameters and buffers, ", chunks,
-                    " chunk(s) of them written, have their own values back): start it again once "
-                    "the cause is fixed");
+                    " chunk(s) of them written, have their own values back)",
+                    // Several ranks restart together (Note [a start that fails on one rank]).
+                    comm_->world_size() > 1 ? "" : ": start it again once the cause is fixed");
     const std::string others =
         undone.restored > 0 ? StrCat(" (", undone.restored, " others have theirs back)") : "";
     return StrCat("the values of ", undone.lost.size(), " parameters went with the start", others,
@@ -245,6 +246,11 @@ StatusOr<std::unique_ptr<Engine>> Engine::Create(std::shared_ptr<torch::nn::Modu
                                                  Device* device, const EngineOptions& options) {
   if (!model) return InvalidArgument("Engine::Create: the model is null");
   if (!comm || !device) return InvalidArgument("Engine::Create: communicator and device are required");
+  if (!comm->failure().ok())
+    return FailedPrecondition(
+        StrCat("Engine::Create: the ranks' communicator failed earlier, so no engine can start on "
+               "it; restart every rank of the job; its first error: ",
+               comm->failure().ToString()));
   // "auto" values not resolved by the caller (strata-train resolves them from its flags) are
   // resolved here from what the engine knows: the world size and the device.
   Config resolved = config;
@@ -270,9 +276,25 @@ StatusOr<std::unique_ptr<Engine>> Engine::Create(std::shared_ptr<torch::nn::Modu
                StrCat("engine start: ", what.substr(0, what.find('\n'))));
   }
   if (!s.ok()) {
+    // Note [a start that fails on one rank]
+    // The other ranks may be waiting in a broadcast of the start that this one will never join
+    // (its disk, its device or its host memory failed, not theirs). Giving up the collectives
+    // releases them at once with this error, where they would otherwise wait out
+    // strata.comm_timeout_s and then report only a timeout (Note [giving up] in
+    // runtime/comm/communicator.cc). The communicator cannot serve another start after that,
+    // nor could it: this rank has issued fewer collectives than the others.
+    std::string given_up;
+    if (comm->world_size() > 1) {
+      comm->Abort(s);
+      given_up = s.code() == StatusCode::kCancelled
+                     ? "; restart every rank once that rank's cause is fixed"
+                     : "; this rank gave up the job's collectives, and the other ranks' starts "
+                       "fail naming this "
+                       "error: restart every rank";
+    }
     const std::string outcome = raw->AbandonStart();
-    return outcome.empty() ? s
-                           : Status(s.code(), StrCat(s.message(), "; ", outcome), s.sys_errno());
+    return Status(s.code(), StrCat(s.message(), outcome.empty() ? "" : "; ", outcome, given_up),
+                  s.sys_errno());
   }
   return engine;
 }

@@ -144,7 +144,10 @@ class Engine {
   // Takes over `model`'s parameters: they are partitioned, their full storage is freed, and from
   // now on only the engine materializes them. `comm` and `device` must outlive the engine (the
   // device, also every tensor over its memory: EngineOptions::device_owner), and the model must
-  // outlive it too (the engine keeps a reference).
+  // outlive it too (the engine keeps a reference). A start that fails on one of several ranks
+  // gives up `comm` (Communicator::Abort): the other ranks' starts fail at once naming its
+  // error, and the communicator serves no later engine. A communicator that failed earlier is
+  // refused before anything is taken.
   static StatusOr<std::unique_ptr<Engine>> Create(std::shared_ptr<torch::nn::Module> model,
                                                   const Config& config, Communicator* comm,
                                                   Device* device, const EngineOptions& options = {});

@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -57,3 +58,33 @@ def test_two_ranks_match_pytorch(model_name, tmp_path):
         harness.assert_close(got, want, what=f"{name} loss")
         # Different data on each rank: a rank that trained alone would not match.
         assert ranks[0][name] != ranks[1][name]
+
+
+@pytest.mark.skipif(not harness.have_gloo(),
+                    reason="this build has no c10d Gloo (its headers were missing at build time)")
+def test_a_start_that_fails_on_one_rank_ends_the_others_naming_it():
+    """Rank 1's start fails part-way and rank 1 stays alive: rank 0, waiting in a broadcast of
+    the start, fails within seconds and not at the 60 s comm timeout, naming rank 1's error; a
+    second initialize on either rank says to restart every rank."""
+    t0 = time.monotonic()
+    run = subprocess.run([launcher(), "--nproc", "2", "--grace", "1", "--", sys.executable,
+                          os.path.join(HERE, "start_fault_worker.py")],
+                         capture_output=True, text=True, timeout=300)
+    took = time.monotonic() - t0
+    out = run.stdout + run.stderr
+    assert run.returncode == 3, out[-4000:]
+
+    def line(prefix):
+        found = [ln for ln in out.splitlines() if ln.startswith(prefix)]
+        assert found, f"no line starts with {prefix!r}:\n{out[-4000:]}"
+        return found[0]
+
+    injected = "INTERNAL: engine start: injected start fault after 2 chunk(s)"
+    assert injected in line("[rank 1] rank 1: failed after"), out[-4000:]
+    zero = line("[rank 0] rank 0: failed after")
+    assert "CANCELLED: " in zero, zero
+    assert f"rank 1 of 2 gave up the job's collectives: {injected}" in zero, zero
+    for rank in (0, 1):
+        again = line(f"[rank {rank}] rank {rank}: again: ")
+        assert "FAILED_PRECONDITION" in again and "restart every rank of the job" in again, again
+    assert took < 30, f"the job took {took:.1f} s: rank 0 waited for the timeout\n{out[-4000:]}"

@@ -68,6 +68,23 @@ TEST(CommFaultTest, StalledRankMakesPeerTimeOut) {
   EXPECT_LT(r.seconds, 15.0);
 }
 
+TEST(CommFaultTest, ARankThatGivesUpReleasesItsPeerAtOnceWithItsReason) {
+  // Rank 1 gives up and stays alive (a script that caught its error): rank 0, waiting in an
+  // all-reduce with it, fails within seconds rather than at the 30 s timeout, and names rank 1's
+  // reason; rank 1's own next call fails fast naming it too.
+  const auto r =
+      RunShell(StrCat(STRATA_LAUNCH_BIN, " --nproc 2 --grace 1 -- ", FAULT_RANK_BIN, " abort 30"));
+  EXPECT_EQ(r.exit_code, 3) << r.output;
+  EXPECT_NE(r.output.find("[rank 0] collective failed after"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("[rank 1] after giving up, next call: FAILED_PRECONDITION"),
+            std::string::npos)
+      << r.output;
+  EXPECT_NE(r.output.find("restart every rank of the job; first error: IO_ERROR: injected"),
+            std::string::npos)
+      << r.output;
+  EXPECT_LT(r.seconds, 15.0) << "rank 0 must not wait for the 30 s comm timeout";
+}
+
 TEST(CommFaultTest, CrashedRankTearsDownPeersAndLauncherFails) {
   const auto r = RunShell(
       StrCat(STRATA_LAUNCH_BIN, " --nproc 2 --grace 2 -- ", FAULT_RANK_BIN, " crash 30"));

@@ -6,6 +6,9 @@
 //     peer); rank 0 must get DEADLINE_EXCEEDED from the timeout, with the same exit codes.
 //   fault_rank crash <timeout_s>: rank 1 leaves with _exit(7); rank 0 blocks in a collective and
 //     is expected to be torn down by the launcher.
+//   fault_rank abort <timeout_s>: rank 1 gives up (Communicator::Abort) and stays alive; rank 0
+//     must fail at once, CANCELLED with rank 1's reason: exit 3 when it did within a third of
+//     the timeout, 4 when later or with another error, 5 on no error.
 #include <unistd.h>
 
 #include <chrono>
@@ -18,7 +21,7 @@
 
 int main(int argc, char** argv) {
   if (argc != 3) {
-    std::fprintf(stderr, "usage: fault_rank vanish|stall|crash <timeout_s>\n");
+    std::fprintf(stderr, "usage: fault_rank vanish|stall|crash|abort <timeout_s>\n");
     return 2;
   }
   const std::string mode = argv[1];
@@ -36,7 +39,12 @@ int main(int argc, char** argv) {
   std::printf("first all_reduce ok: %g\n", x);
   std::fflush(stdout);
   if (comm.rank() == 1) {
-    if (mode == "stall") {
+    if (mode == "abort") {
+      comm.Abort(strata::IoError("injected: rank 1's disk failed"));
+      std::printf("after giving up, next call: %s\n", comm.Barrier().ToString().c_str());
+      std::fflush(stdout);
+    }
+    if (mode == "stall" || mode == "abort") {
       for (;;) pause();  // until the launcher tears this rank down
     }
     _exit(mode == "crash" ? 7 : 0);
@@ -60,5 +68,12 @@ int main(int argc, char** argv) {
   std::printf("next call: %s\n", again.ToString().c_str());
   std::fflush(stdout);
   // _exit: destroying a Gloo group whose peer vanished can block in its destructor.
+  if (mode == "abort") {
+    const bool named = s.code() == strata::StatusCode::kCancelled &&
+                       s.message().find(
+                           "rank 1 of 2 gave up the job's collectives: IO_ERROR: "
+                           "injected: rank 1's disk failed") != std::string::npos;
+    _exit(took <= opts.timeout_s / 3 && named && !again.ok() ? 3 : 4);
+  }
   _exit(took <= opts.timeout_s + 2.0 && !again.ok() ? 3 : 4);
 }

@@ -106,9 +106,38 @@ PyEngine::PyEngine(py::handle model, const std::vector<py::handle>& units,
   engine_ = ValueOrThrow(Engine::Create(mirror_.root, config_, comm_, device_.get(), eo));
 }
 
-PyEngine::~PyEngine() { Close(); }
+PyEngine::~PyEngine() { engine_.reset(); }  // no Call can be in flight: each holds this object
 
-void PyEngine::Close() { engine_.reset(); }
+// Note [closing during a call]
+// engine.close() or destroy() from a hook that autograd runs inside engine.backward(), or from
+// another thread while a call has released the GIL, would free the engine under the call's
+// frames: a segfault at every stage. Each such call is a Call, counted with the GIL held, and a
+// close meets the count first: it is refused with what to do instead. The call itself then
+// goes on (a hook's error ends the backward as any error there does).
+void PyEngine::CheckClosable() const {
+  if (calls_ > 0)
+    ThrowIfError(FailedPrecondition(
+        "engine.close() or destroy() while a call into the engine runs (from a hook inside "
+        "engine.backward() or step(), or from another thread): end the engine after that call "
+        "returns"));
+}
+
+void PyEngine::BeginClose() {
+  CheckClosable();
+  closing_ = true;
+}
+
+void PyEngine::Close() {
+  CheckClosable();
+  closing_ = true;
+  engine_.reset();
+}
+
+PyEngine::Call::Call(PyEngine& owner) : owner_(owner) {
+  owner_.engine();  // throws when closed
+  if (owner_.closing_) ThrowIfError(FailedPrecondition("the engine is being closed"));
+  ++owner_.calls_;
+}
 
 Engine& PyEngine::engine() {
   if (!engine_) ThrowIfError(FailedPrecondition("the engine was closed"));
@@ -116,19 +145,22 @@ Engine& PyEngine::engine() {
 }
 
 void PyEngine::BeginUnit(int64_t unit, bool checkpointed) {
-  Engine& e = engine();
+  const Call call(*this);
+  Engine& e = call.engine();
   py::gil_scoped_release nogil;
   e.BeginUnit(unit, checkpointed);
 }
 
 void PyEngine::EndUnit(int64_t unit, const std::vector<torch::Tensor>& outputs) {
-  Engine& e = engine();
+  const Call call(*this);
+  Engine& e = call.engine();
   py::gil_scoped_release nogil;
   e.EndUnit(unit, outputs);
 }
 
 void PyEngine::Backward(const torch::Tensor& loss) {
-  Engine& e = engine();
+  const Call call(*this);
+  Engine& e = call.engine();
   Status s;
   {
     // Autograd calls back into Python (a checkpointed function's recomputation, Python hooks):
@@ -140,7 +172,8 @@ void PyEngine::Backward(const torch::Tensor& loss) {
 }
 
 StepReport PyEngine::Step() {
-  Engine& e = engine();
+  const Call call(*this);
+  Engine& e = call.engine();
   StatusOr<StepReport> r = FailedPrecondition("");
   {
     py::gil_scoped_release nogil;
@@ -150,7 +183,8 @@ StepReport PyEngine::Step() {
 }
 
 std::pair<bool, PyEngine::ClientPairs> PyEngine::BeginClientStep() {
-  Engine& e = engine();
+  const Call call(*this);
+  Engine& e = call.engine();
   StatusOr<Engine::ClientStep> r = FailedPrecondition("");
   {
     py::gil_scoped_release nogil;
@@ -161,7 +195,8 @@ std::pair<bool, PyEngine::ClientPairs> PyEngine::BeginClientStep() {
 }
 
 StepReport PyEngine::FinishClientStep(bool apply) {
-  Engine& e = engine();
+  const Call call(*this);
+  Engine& e = call.engine();
   StatusOr<StepReport> r = FailedPrecondition("");
   {
     py::gil_scoped_release nogil;
@@ -174,14 +209,16 @@ std::vector<std::vector<int64_t>> PyEngine::ClientSegments() { return engine().C
 
 void PyEngine::SaveCheckpoint(const std::string& dir, const std::string& extra_json,
                               const std::string& client_file) {
-  Engine& e = engine();
+  const Call call(*this);
+  Engine& e = call.engine();
   nlohmann::json extra = nlohmann::json::parse(extra_json);
   py::gil_scoped_release nogil;
   ThrowIfError(e.SaveCheckpoint(dir, extra, client_file));
 }
 
 py::bytes PyEngine::ReadClientFile(const std::string& dir) {
-  Engine& e = engine();
+  const Call call(*this);
+  Engine& e = call.engine();
   StatusOr<std::string> r = FailedPrecondition("");
   {
     py::gil_scoped_release nogil;
@@ -191,7 +228,8 @@ py::bytes PyEngine::ReadClientFile(const std::string& dir) {
 }
 
 std::string PyEngine::LoadCheckpoint(const std::string& dir, bool weights_only) {
-  Engine& e = engine();
+  const Call call(*this);
+  Engine& e = call.engine();
   StatusOr<nlohmann::json> extra = FailedPrecondition("");
   {
     py::gil_scoped_release nogil;
@@ -201,19 +239,22 @@ std::string PyEngine::LoadCheckpoint(const std::string& dir, bool weights_only) 
 }
 
 int64_t PyEngine::StashActivations(const std::vector<torch::Tensor>& tensors) {
-  Engine& e = engine();
+  const Call call(*this);
+  Engine& e = call.engine();
   py::gil_scoped_release nogil;
   return ValueOrThrow(e.StashActivations(tensors));
 }
 
 std::vector<torch::Tensor> PyEngine::RestoreActivations(int64_t handle) {
-  Engine& e = engine();
+  const Call call(*this);
+  Engine& e = call.engine();
   py::gil_scoped_release nogil;
   return ValueOrThrow(e.RestoreActivations(handle));
 }
 
 std::vector<torch::Tensor> PyEngine::MasterParams() {
-  Engine& e = engine();
+  const Call call(*this);
+  Engine& e = call.engine();
   py::gil_scoped_release nogil;
   return ValueOrThrow(e.GatherMasterParams());
 }

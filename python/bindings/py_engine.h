@@ -93,8 +93,30 @@ class PyEngine {
   std::vector<torch::Tensor> RestoreActivations(int64_t handle);
   std::vector<torch::Tensor> MasterParams();
   // Frees the engine (its tiers, NVMe files and threads) before Python collects the object.
+  // Refused (FAILED_PRECONDITION) while a Call is in flight. BeginClose refuses likewise and
+  // then refuses every later Call, for a close that has Python work to do before Close;
+  // CheckClosable only refuses.
   void Close();
+  void BeginClose();
+  void CheckClosable() const;
 
+  // A call into the engine that releases the GIL or may run Python (autograd hooks run inside
+  // Backward): it holds the engine open, so that a close() from a hook inside it or from
+  // another thread is refused instead of freeing the engine under it (Note [closing during a
+  // call] in py_engine.cc). Made and ended with the GIL held, which guards the count.
+  class Call {
+   public:
+    explicit Call(PyEngine& owner);
+    ~Call() { --owner_.calls_; }
+    Call(const Call&) = delete;
+    Call& operator=(const Call&) = delete;
+    Engine& engine() const { return *owner_.engine_; }
+
+   private:
+    PyEngine& owner_;
+  };
+
+  // For calls that hold the GIL throughout (nothing can close the engine under them).
   Engine& engine();
   const Config& config() const { return config_; }
   int rank() const;
@@ -109,6 +131,8 @@ class PyEngine {
   std::shared_ptr<Device> device_;
   Mirror mirror_;
   std::unique_ptr<Engine> engine_;
+  int calls_ = 0;         // Calls in flight; read and written with the GIL held
+  bool closing_ = false;  // BeginClose ran
 };
 
 }  // namespace strata::python

@@ -30,9 +30,10 @@ using StateReader = StatusOr<std::vector<torch::Tensor>> (Engine::*)(
 std::vector<torch::Tensor> ParamStates(PyEngine& e, StateKind kind,
                                        const std::vector<torch::Tensor>& params, StateReader read) {
   StatusOr<std::vector<torch::Tensor>> got = std::vector<torch::Tensor>{};
+  const PyEngine::Call call(e);
   {
     py::gil_scoped_release nogil;
-    got = (e.engine().*read)(kind, params);
+    got = (call.engine().*read)(kind, params);
   }
   return Checked(std::move(got));
 }
@@ -46,9 +47,10 @@ void DefStateMethods(py::class_<PyEngine>& engine) {
              std::vector<StateKind> kinds;
              for (const std::string& n : names) kinds.push_back(KindNamed(n, "offload_states"));
              StatusOr<uint64_t> moved = uint64_t{0};
+             const PyEngine::Call call(e);
              {
                py::gil_scoped_release nogil;
-               moved = e.engine().OffloadStates(kinds);
+               moved = call.engine().OffloadStates(kinds);
              }
              return Checked(std::move(moved));
            },
@@ -56,9 +58,10 @@ void DefStateMethods(py::class_<PyEngine>& engine) {
       .def("reload_states",
            [](PyEngine& e) {
              StatusOr<uint64_t> moved = uint64_t{0};
+             const PyEngine::Call call(e);
              {
                py::gil_scoped_release nogil;
-               moved = e.engine().ReloadStates();
+               moved = call.engine().ReloadStates();
              }
              return Checked(std::move(moved));
            })
@@ -86,9 +89,10 @@ void DefStateMethods(py::class_<PyEngine>& engine) {
               const std::vector<torch::Tensor>& values) {
              const StateKind k = KindNamed(kind, "write_param_state");
              Status s;
+             const PyEngine::Call call(e);
              {
                py::gil_scoped_release nogil;
-               s = e.engine().WriteParamState(k, params, values);
+               s = call.engine().WriteParamState(k, params, values);
              }
              ThrowIfError(s);
            },

@@ -85,35 +85,41 @@ void DefEngine(py::module_& m) {
       .def("restore_activations", &PyEngine::RestoreActivations)
       .def("master_params", &PyEngine::MasterParams)
       .def("close", &PyEngine::Close)
+      .def("begin_close", &PyEngine::BeginClose)
+      .def("check_closable", &PyEngine::CheckClosable)
       .def("lr_at", &PyEngine::LearningRateAt)
-      .def("betas_at",
-           [](PyEngine& e, int64_t step) { return strata::ScheduledBetas(e.config(), step); },
-           py::arg("step"))
-      .def("set_groups",
-           [](PyEngine& e, const std::vector<std::vector<double>>& groups) {
-             std::vector<strata::GroupHyperparameters> g;
-             for (const auto& h : groups) {
-               if (h.size() != 7)
-                 strata::python::ThrowIfError(strata::InvalidArgument(
-                     "set_groups: each group is (lr, beta1, beta2, eps, weight_decay, momentum, "
-                     "dampening)"));
-               g.push_back({h[0], h[1], h[2], h[3], h[4], h[5], h[6]});
-             }
-             strata::python::ThrowIfError(e.engine().SetGroupHyperparameters(g));
-           },
-           py::arg("groups"))
+      .def(
+          "betas_at",
+          [](PyEngine& e, int64_t step) { return strata::ScheduledBetas(e.config(), step); },
+          py::arg("step"))
+      .def(
+          "set_groups",
+          [](PyEngine& e, const std::vector<std::vector<double>>& groups) {
+            std::vector<strata::GroupHyperparameters> g;
+            for (const auto& h : groups) {
+              if (h.size() != 7)
+                strata::python::ThrowIfError(strata::InvalidArgument(
+                    "set_groups: each group is (lr, beta1, beta2, eps, weight_decay, momentum, "
+                    "dampening)"));
+              g.push_back({h[0], h[1], h[2], h[3], h[4], h[5], h[6]});
+            }
+            strata::python::ThrowIfError(e.engine().SetGroupHyperparameters(g));
+          },
+          py::arg("groups"))
       .def_property_readonly("num_param_groups",
                              [](PyEngine& e) { return e.engine().num_param_groups(); })
-      .def("write_params",
-           [](PyEngine& e, const std::vector<torch::Tensor>& params) {
-             strata::Status s;
-             {
-               py::gil_scoped_release nogil;
-               s = e.engine().WriteParameters(params);
-             }
-             strata::python::ThrowIfError(s);
-           },
-           py::arg("params"))
+      .def(
+          "write_params",
+          [](PyEngine& e, const std::vector<torch::Tensor>& params) {
+            strata::Status s;
+            const PyEngine::Call call(e);
+            {
+              py::gil_scoped_release nogil;
+              s = call.engine().WriteParameters(params);
+            }
+            strata::python::ThrowIfError(s);
+          },
+          py::arg("params"))
       .def_property_readonly("rank", &PyEngine::rank)
       .def_property_readonly("world_size", &PyEngine::world_size)
       .def_property_readonly("num_units", [](PyEngine& e) { return e.engine().num_units(); })
@@ -121,7 +127,8 @@ void DefEngine(py::module_& m) {
       .def_property_readonly("global_step", [](PyEngine& e) { return e.engine().global_step(); })
       .def_property_readonly("micro_step", [](PyEngine& e) { return e.engine().micro_step(); })
       .def_property_readonly("loss_scale", [](PyEngine& e) { return e.engine().loss_scale(); })
-      .def_property_readonly("num_parameters", [](PyEngine& e) { return e.engine().num_parameters(); })
+      .def_property_readonly("num_parameters",
+                             [](PyEngine& e) { return e.engine().num_parameters(); })
       .def_property_readonly("cpu_checkpointing",
                              [](PyEngine& e) { return e.engine().cpu_checkpointing(); })
       .def_property_readonly("device_bytes_in_use",

@@ -722,7 +722,9 @@ class StrataEngine(ConfigView, torch.nn.Module):
     def close(self):
         """Frees the engine's memory, NVMe files and threads now and removes its hooks. The model
         keeps no trained values afterwards (under stage 3 its parameters are empty): save a
-        checkpoint first, or call destroy(), which gives the model its weights back."""
+        checkpoint first, or call destroy(), which gives the model its weights back. Refused
+        while a call into the engine runs (from a hook inside backward, or another thread)."""
+        self._cpp.begin_close()
         self._hooks.remove()
         _param_state.detach(self, keep_shapes=self.zero_optimization_stage() >= 3)
         self._cpp.close()
@@ -736,6 +738,7 @@ class StrataEngine(ConfigView, torch.nn.Module):
         initialize again. Collective under stage 3 (every rank calls it)."""
         if self._replaced_by is not None:
             return
+        self._cpp.check_closable()
         values = self.master_parameters()
         params = [p for _, p in self.module.named_parameters() if p.requires_grad]
         self.close()

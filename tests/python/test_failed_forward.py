@@ -9,6 +9,7 @@ called."""
 
 import copy
 import gc
+import threading
 
 import pytest
 import torch
@@ -126,6 +127,44 @@ def test_a_backward_autograd_refuses_is_named_and_the_window_goes_on(case, tmp_p
         engine.step()
         first += loss.item() / 2
     got = [first] + harness.run_steps(engine, "gpt2", 1, 2, 2)
+    engine.close()
+    _sync()
+    harness.assert_close(got, want)
+
+
+def _close_on_another_thread(engine):
+    errors = []
+
+    def close():
+        try:
+            engine.close()
+        except strata.StrataError as e:
+            errors.append(e)
+
+    t = threading.Thread(target=close)
+    t.start()
+    t.join()
+    if errors:
+        raise errors[0]
+
+
+@pytest.mark.parametrize("how", ["destroy", "close_from_a_thread"])
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c[0])
+def test_ending_the_engine_inside_its_backward_is_refused_and_training_goes_on(case, how,
+                                                                              tmp_path):
+    """destroy() from an autograd hook inside engine.backward(), or close() from another thread
+    while backward runs, freed the engine under backward's frames (a segfault). It is refused,
+    the backward fails naming why, the engine is untouched, and it then trains exactly as plain
+    PyTorch does."""
+    want, _ = harness.train_reference("vit", 3, accum=case[4], clip=case[5])
+    engine = _engine(case, tmp_path)
+    x, y = harness.batch("vit", 0)
+    loss = harness.loss_of("vit", engine, x, y)
+    end = engine.destroy if how == "destroy" else (lambda: _close_on_another_thread(engine))
+    loss.register_hook(lambda grad: end())
+    with pytest.raises(strata.StrataError, match="while a call into the engine runs"):
+        engine.backward(loss)
+    got = harness.run_steps(engine, "vit", 0, 3, case[4])
     engine.close()
     _sync()
     harness.assert_close(got, want)

@@ -838,6 +838,13 @@ def _checked_tag(method, tag):
         raise InvalidArgumentError(
             f"{method}(tag={tag!r}): a tag is one folder name inside the checkpoint directory "
             f"(such as 'global_step100'), without '/', not '.' or '..', and not empty")
+    # The directory's `latest` file names the last tag, read back stripped (as DeepSpeed reads
+    # it): a tag of that name would be a folder in its place, and one with outer spaces would
+    # be read back as another tag.
+    if name == "latest" or name != name.strip():
+        raise InvalidArgumentError(
+            f"{method}(tag={tag!r}): 'latest' is the file that names the last tag, and a tag "
+            "cannot begin or end with white space; choose another tag (such as 'global_step100')")
     return name
 
 
@@ -854,8 +861,13 @@ def _resolve_checkpoint(load_dir, tag):
                 "load_checkpoint: %s holds no 'latest' file and no checkpoint, so nothing was "
                 "loaded; pass the directory save_checkpoint wrote to, or an explicit tag", load_dir)
             return None
-        with open(latest, encoding="utf-8") as f:
-            name = f.read().strip()
+        try:
+            with open(latest, "rb") as f:
+                name = f.read().decode("utf-8").strip()
+        except (OSError, UnicodeDecodeError) as e:
+            raise InvalidArgumentError(
+                f"load_checkpoint: {latest} should be a text file naming the last saved tag, "
+                f"and it cannot be read as one ({e}); pass tag=... explicitly") from None
         tagged = os.path.join(load_dir, name)
         # A tagged save keeps its own `latest`; an older untagged one is load_dir itself.
         return tagged if os.path.exists(os.path.join(tagged, "latest")) else load_dir

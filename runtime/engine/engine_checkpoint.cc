@@ -56,6 +56,13 @@ const char* OptimizerStates(OptimizerType type) {
   return "";
 }
 
+// "[6, 4]", as PyTorch prints a size.
+std::string ShapeText(const std::vector<int64_t>& shape) {
+  std::string out = "[";
+  for (size_t i = 0; i < shape.size(); ++i) out += StrCat(i ? ", " : "", shape[i]);
+  return out + "]";
+}
+
 }  // namespace
 
 Status Engine::Impl::Save(const std::string& root, const nlohmann::json& extra,
@@ -551,6 +558,10 @@ bool Engine::Impl::SameChunks(const checkpoint::Manifest& m) const {
     if (saved[pid].value("chunk", int64_t{-1}) != loc.chunk ||
         saved[pid].value("offset", int64_t{-1}) != loc.offset)
       return false;
+    // Chunks padded alike can hold other shapes at the same offsets (two layers swapped): the
+    // parameter-by-parameter path then names the difference.
+    if (saved[pid].contains("shape") && saved[pid]["shape"] != nlohmann::json(params_[pid].shape))
+      return false;
   }
   return true;
 }
@@ -565,9 +576,10 @@ Status Engine::Impl::ReadRelaidBlocks(const std::string& dir, const checkpoint::
     const auto& sp = saved.params()[pid];
     const int64_t numel = partitioner_->location(static_cast<int64_t>(pid)).numel;
     const std::string name = partitioner_->param_name(static_cast<int64_t>(pid));
-    if (sp.name != name || sp.numel != numel)
-      return InvalidArgument(StrCat(dir, ": parameter ", pid, " is '", sp.name, "' of ", sp.numel,
-                                    " elements there and '", name, "' of ", numel,
+    if (sp.name != name || sp.numel != numel || sp.shape != params_[pid].shape)
+      return InvalidArgument(StrCat(dir, ": parameter ", pid, " is '", sp.name, "' of shape ",
+                                    ShapeText(sp.shape), " there and '", name, "' of shape ",
+                                    ShapeText(params_[pid].shape),
                                     " here: it belongs to another model"));
   }
   const StateLayout now = plan_.layout();

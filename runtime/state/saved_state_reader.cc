@@ -45,8 +45,9 @@ StatusOr<SavedStateReader> SavedStateReader::Open(const std::string& dir,
     for (const auto& p : self.layout.at("params")) {
       Param q;
       q.name = p.at("name").get<std::string>();
+      q.shape = p.at("shape").get<std::vector<int64_t>>();
       q.numel = 1;
-      for (const auto& d : p.at("shape")) q.numel *= d.get<int64_t>();
+      for (const int64_t d : q.shape) q.numel *= d;
       q.chunk = p.at("chunk").get<int64_t>();
       q.offset = p.at("offset").get<int64_t>();
       if (q.chunk < 0 || q.chunk >= static_cast<int64_t>(r.shard_numel_.size()) || q.offset < 0 ||

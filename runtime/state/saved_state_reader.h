@@ -33,6 +33,7 @@ class SavedStateReader {
   // Parameters, in registration order, as saved: name, element count.
   struct Param {
     std::string name;
+    std::vector<int64_t> shape;
     int64_t numel = 0;
     int64_t chunk = 0;
     int64_t offset = 0;

@@ -5,6 +5,7 @@ import copy
 import json
 import math
 import os
+import re
 
 import pytest
 import torch
@@ -91,7 +92,47 @@ def test_tagged_checkpoint_and_latest(tmp_path):
     assert not (tmp_path / "abs").exists() and not (tmp_path / "latest").exists()
     assert not (tmp_path / "ck" / "nul").exists()
     assert (tmp_path / "ck" / "latest").read_text() == "second"
+    # `latest` itself, and tags that `latest` would read back as others ("v1 " as "v1").
+    for tag in ("latest", "second ", " second", "\tx"):
+        with pytest.raises(ValueError, match="'latest' is the file that names the last tag"):
+            other.save_checkpoint(tmp_path / "ck", tag=tag)
+    assert (tmp_path / "ck" / "latest").read_text() == "second"
+    # A `latest` that is not text is named, not a UnicodeDecodeError.
+    (tmp_path / "ck" / "latest").write_bytes(b"\xff\xfe\x00")
+    with pytest.raises(ValueError, match="should be a text file naming the last saved tag"):
+        other.load_checkpoint(tmp_path / "ck")
     other.close()
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_a_checkpoint_of_other_shapes_is_refused(stage, tmp_path):
+    """Two layers swapped, or one weight transposed (the same names and sizes), lie at the same
+    offsets of the same chunks: such a checkpoint loaded without a word. It is refused, naming
+    the parameter and both shapes."""
+    cfg = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": stage},
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
+
+    def engine_of(*layers):
+        torch.manual_seed(0)
+        engine, *_ = strata.initialize(model=torch.nn.Sequential(*layers),
+                                       config=copy.deepcopy(cfg))
+        return engine
+
+    saved = engine_of(torch.nn.Linear(4, 6), torch.nn.Linear(6, 4))
+    saved.save_checkpoint(tmp_path / "swapped")
+    saved.close()
+    saved = engine_of(torch.nn.Linear(4, 6, bias=False))
+    saved.save_checkpoint(tmp_path / "transposed")
+    saved.close()
+    cases = [((torch.nn.Linear(6, 4), torch.nn.Linear(4, 6)), "swapped",
+              "'0.weight' of shape [6, 4] there and '0.weight' of shape [4, 6] here"),
+             ((torch.nn.Linear(6, 4, bias=False),), "transposed",
+              "'0.weight' of shape [6, 4] there and '0.weight' of shape [4, 6] here")]
+    for layers, name, message in cases:
+        other = engine_of(*layers)
+        with pytest.raises(ValueError, match=re.escape(message) + ".*belongs to another model"):
+            other.load_checkpoint(tmp_path / name)
+        other.close()
 
 
 class StrataWarnings:

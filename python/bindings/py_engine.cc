@@ -56,9 +56,11 @@ PyEngine::PyEngine(py::handle model, const std::vector<py::handle>& units,
   config_ = ValueOrThrow(Config::FromJsonText(config_json, source));
   CommOptions co;
   co.backend = config_.strata.comm_backend;
-  co.device = config_.strata.device == "cuda" ||
-                      (config_.strata.device == "auto" && CudaDeviceCount() > 0)
-                  ? "cuda" : "cpu";
+  co.device =
+      config_.strata.NamesCuda() || (config_.strata.device == "auto" && CudaDeviceCount() > 0)
+          ? "cuda"
+          : "cpu";
+  co.cuda_device = config_.strata.CudaIndex();  // cuda:N: NCCL on that GPU, not LOCAL_RANK's
   co.timeout_s = config_.strata.comm_timeout_s;
   co.buckets = BucketSizes::FromConfig(config_.zero_optimization.allgather_bucket_size,
                                        config_.zero_optimization.reduce_bucket_size);

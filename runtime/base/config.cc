@@ -1,6 +1,7 @@
 #include "runtime/base/config.h"
 
 #include <algorithm>
+#include <filesystem>
 #include <fstream>
 #include <limits>
 #include <sstream>
@@ -581,30 +582,60 @@ ConfigKey<C> PageMultipleKey(const char* name, uint64_t C::*m, uint64_t lo, uint
   });
 }
 
+// "cuda:N"'s N, -1 for any other text (a digit string of at most four digits: no GPU count
+// comes near, and stoi cannot overflow).
+int CudaIndexOf(const std::string& spec) {
+  if (spec.rfind("cuda:", 0) != 0) return -1;
+  const std::string n = spec.substr(5);
+  if (n.empty() || n.size() > 4 || n.find_first_not_of("0123456789") != std::string::npos)
+    return -1;
+  return std::stoi(n);
+}
+
+// strata.device: the specs CreateDevice takes.
+template <typename C>
+ConfigKey<C> DeviceSpecKey(const char* name, std::string C::*m) {
+  return {
+      name,
+      [=](Section& s, C* c) -> Status {
+        std::string v = c->*m;
+        STRATA_RETURN_IF_ERROR(s.String(name, &v));
+        if (v != "auto" && v != "cpu" && v != "cuda" && CudaIndexOf(v) < 0)
+          return InvalidArgument(StrCat(
+              s.Key(name), "=\"", v, "\": must be auto, cpu, cuda or cuda:N (N: a GPU's index)"));
+        c->*m = v;
+        return Status::Ok();
+      },
+      [=](const C& c, json* j) { (*j)[name] = c.*m; }};
+}
+
 const KeyTable<StrataConfig>& StrataKeys() {
   using C = StrataConfig;
   static const KeyTable<C> keys = {
       BytesKey("device_memory_budget", &C::device_memory_budget, 0, kMaxBytes),
       BytesKey("host_memory_budget", &C::host_memory_budget, 0, kMaxBytes),
       BytesKey("nvme_capacity", &C::nvme_capacity, 0, kMaxBytes),
-      PageMultipleKey("chunk_size", &C::chunk_size, 4096, uint64_t{1} << 34, "(O_DIRECT alignment)"),
+      PageMultipleKey("chunk_size", &C::chunk_size, 4096, uint64_t{1} << 34,
+                      "(O_DIRECT alignment)"),
       EnumKey("eviction", &C::eviction,
               {{"next_use", EvictionPolicy::kNextUse}, {"lru", EvictionPolicy::kLru}}),
       BoolKey("overlap_optimizer", &C::overlap_optimizer),
       EnumKey("checksums", &C::checksums,
               {{"crc32c", ChecksumKind::kCrc32c}, {"none", ChecksumKind::kNone}}),
       IntKey("prefetch_lookahead", &C::prefetch_lookahead, 0, 4096),
-      EnumKey("placement", &C::placement, {{"config", PlacementMode::kConfig}, {"auto", PlacementMode::kAuto}}),
+      EnumKey("placement", &C::placement,
+              {{"config", PlacementMode::kConfig}, {"auto", PlacementMode::kAuto}}),
       BytesKey("device_reserve", &C::device_reserve, 0, kMaxBytes),
-      EnumKey("optimizer_state_dtype", &C::optimizer_state_dtype,
-              {{"fp32", StateDtype::kFp32}, {"bf16", StateDtype::kBf16}, {"int8", StateDtype::kInt8}}),
+      EnumKey(
+          "optimizer_state_dtype", &C::optimizer_state_dtype,
+          {{"fp32", StateDtype::kFp32}, {"bf16", StateDtype::kBf16}, {"int8", StateDtype::kInt8}}),
       BoolKey("stochastic_rounding", &C::stochastic_rounding),
       IntKey("optimizer_threads", &C::optimizer_threads, 0, 4096),
       PageMultipleKey("host_pool_colour_step", &C::host_pool_colour_step, 0, 1 << 20,
                       "(pages stay aligned for O_DIRECT); 0 turns colouring off"),
       ChoiceKey("comm_backend", &C::comm_backend, {"auto", "single", "gloo", "nccl"}),
       DoubleKey("comm_timeout_s", &C::comm_timeout_s, 0.0, 86400.0, false, true),
-      ChoiceKey("device", &C::device, {"auto", "cpu", "cuda"}),
+      DeviceSpecKey("device", &C::device),
   };
   return keys;
 }
@@ -911,21 +942,25 @@ std::string Config::ToJsonString(int indent) const { return ToJson().dump(indent
 
 bool operator==(const Config& a, const Config& b) { return a.ToJson() == b.ToJson(); }
 
+int StrataConfig::CudaIndex() const { return CudaIndexOf(device); }
+
 std::vector<std::string> ZeroConfig::NvmeTierPaths() const {
   std::vector<std::string> paths;
   if (offload_optimizer.device == OffloadDevice::kNvme) paths = offload_optimizer.nvme_path;
   if (offload_param.device != OffloadDevice::kNvme) return paths;
-  // The parameter section's directories the optimizer's do not name already ("/nvme/" and
-  // "/nvme" are one). A directory listed twice in one section stays so: the swap store refuses
-  // it, naming the path.
-  const auto bare = [](std::string p) {
-    while (p.size() > 1 && p.back() == '/') p.pop_back();
-    return p;
+  // The parameter section's directories the optimizer's do not name already: "/nvme/", "/nvme",
+  // a relative spelling or a symlink of an existing one are one. A directory listed twice in one
+  // section stays so: the swap store refuses it, naming both spellings.
+  const auto same = [](std::string a, std::string b) {
+    while (a.size() > 1 && a.back() == '/') a.pop_back();
+    while (b.size() > 1 && b.back() == '/') b.pop_back();
+    std::error_code ec;
+    return a == b || (std::filesystem::equivalent(a, b, ec) && !ec);
   };
   const size_t optimizer_paths = paths.size();
   for (const std::string& p : offload_param.nvme_path) {
     const auto end = paths.begin() + static_cast<std::ptrdiff_t>(optimizer_paths);
-    if (std::none_of(paths.begin(), end, [&](const std::string& q) { return bare(q) == bare(p); }))
+    if (std::none_of(paths.begin(), end, [&](const std::string& q) { return same(q, p); }))
       paths.push_back(p);
   }
   return paths;

@@ -222,7 +222,12 @@ struct StrataConfig {
   uint64_t host_pool_colour_step = 4096;
   std::string comm_backend = "auto";  // auto | single | gloo | nccl
   double comm_timeout_s = 300;
-  std::string device = "auto";        // auto | cpu | cuda
+  std::string device = "auto";  // auto | cpu | cuda | cuda:N
+
+  // Whether `device` names a GPU ("cuda" or "cuda:N"), and which: N, or -1 for "cuda" (the
+  // launcher's LOCAL_RANK, else GPU 0) and for the others.
+  bool NamesCuda() const { return device == "cuda" || device.rfind("cuda:", 0) == 0; }
+  int CudaIndex() const;
 };
 
 // The model strata-train builds (a decoder-only GPT with byte-level tokens by default).

@@ -207,6 +207,34 @@ TEST(Config, TheNvmeTierStripesOverBothSectionsPaths) {
   // A directory listed twice in one section stays twice, for the swap store to refuse by name.
   z.offload_optimizer.nvme_path = {"/o1", "/o1"};
   EXPECT_EQ(z.NvmeTierPaths(), (std::vector<std::string>{"/o1", "/o1"}));
+  // One existing directory spelled otherwise in the other section (a symlink, "x/../d") is one.
+  testing::TempDir t;
+  const std::string d = t.path() + "/d";
+  std::filesystem::create_directories(t.path() + "/x");
+  std::filesystem::create_directories(d);
+  std::filesystem::create_directory_symlink(d, t.path() + "/link");
+  z.offload_param.device = OffloadDevice::kNvme;
+  z.offload_optimizer.nvme_path = {d};
+  z.offload_param.nvme_path = {t.path() + "/link", t.path() + "/x/../d/", t.path() + "/x"};
+  EXPECT_EQ(z.NvmeTierPaths(), (std::vector<std::string>{d, t.path() + "/x"}));
+}
+
+TEST(Config, DeviceTakesCpuCudaAutoAndOneGpuByIndex) {
+  for (const char* spec : {"auto", "cpu", "cuda", "cuda:0", "cuda:7"}) {
+    ASSERT_OK_AND_ASSIGN(
+        Config c, Config::FromJsonText(StrCat(R"({"strata": {"device": ")", spec, R"("}})")));
+    EXPECT_EQ(c.strata.device, spec);
+    EXPECT_EQ(c.strata.NamesCuda(), std::string(spec).rfind("cuda", 0) == 0) << spec;
+    EXPECT_EQ(c.strata.CudaIndex(), std::string(spec) == "cuda:7"   ? 7
+                                    : std::string(spec) == "cuda:0" ? 0
+                                                                    : -1);
+  }
+  for (const char* spec : {"gpu", "cuda:", "cuda:-1", "cuda:x", "cuda:123456", "CPU", "cuda:1 "}) {
+    auto c = Config::FromJsonText(StrCat(R"({"strata": {"device": ")", spec, R"("}})"));
+    ASSERT_FALSE(c.ok()) << spec;
+    EXPECT_NE(c.status().message().find("must be auto, cpu, cuda or cuda:N"), std::string::npos)
+        << c.status();
+  }
 }
 
 TEST(Config, RoundTripThroughNormalizedJson) {

@@ -8,11 +8,12 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cstdint>
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
-#include <cstdint>
 #include <future>
+#include <map>
 #include <set>
 
 #include "runtime/base/check.h"
@@ -99,11 +100,18 @@ Status CheckPaths(const SwapStoreOptions& options) {
   STRATA_CHECK(options.paths.size() <= 64, "nvme_path has ", options.paths.size(),
                " directories: at most 64 can be striped");
   STRATA_RETURN_IF_ERROR(ValidateAioConfig(options.aio));
-  std::set<std::string> seen;
+  // By the directory itself: "/nvme", "/nvme/", "x/../nvme" and a symlink to it are one, and
+  // its files would collide (each path gets the same rank's file name).
+  std::map<std::pair<dev_t, ino_t>, std::string> seen;
   for (const auto& p : options.paths) {
-    STRATA_CHECK(seen.insert(p).second, "nvme path ", p,
-                 " is listed twice: each striped directory must be distinct");
     STRATA_RETURN_IF_ERROR(CheckDirectory(p));
+    struct stat st {};
+    if (::stat(p.c_str(), &st) != 0) return ErrnoToStatus(errno, StrCat("stat nvme path ", p));
+    const auto [it, fresh] = seen.emplace(std::make_pair(st.st_dev, st.st_ino), p);
+    STRATA_CHECK(fresh, "nvme path ", p,
+                 (it->second == p ? " is listed twice"
+                                  : StrCat(" is the directory ", it->second, " names too")),
+                 ": each striped directory must be distinct");
   }
   return Status::Ok();
 }
@@ -284,8 +292,9 @@ Status LockSwapFile(int fd, const std::string& path) {
   if (lock_rc == 0) return Status::Ok();
   const int err = errno;
   if (err == EWOULDBLOCK)
-    return FailedPrecondition(StrCat("swap file ", path, " is in use by another process "
-                                     "(locked); give each rank and job its own rank or path"));
+    return FailedPrecondition(StrCat("swap file ", path,
+                                     " is in use (locked by another engine or "
+                                     "process); give each rank and job its own rank or path"));
   return ErrnoToStatus(err, StrCat("locking swap file ", path));
 }
 

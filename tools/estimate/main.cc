@@ -59,7 +59,7 @@ int RunLargest(const Config& config, const std::string& device, const std::strin
     return 2;
   };
   LargestOptions o;
-  o.device = device.empty() ? (config.strata.device == "cuda" ? "cuda" : "cpu") : device;
+  o.device = device.empty() ? (config.strata.NamesCuda() ? "cuda" : "cpu") : device;
   o.world_size = world;
   o.build = build;
   o.init_element_bytes = init_element_bytes;

@@ -66,8 +66,8 @@ StatusOr<MemoryEstimate> EstimateMemory(const Config& config, const ModelSpec& m
   MemoryEstimate est;
   est.stage = z.stage;
   est.world_size = options.world_size;
-  est.device = options.device.empty() ? (config.strata.device == "cuda" ? "cuda" : "cpu")
-                                      : options.device;
+  est.device =
+      options.device.empty() ? (config.strata.NamesCuda() ? "cuda" : "cpu") : options.device;
   if (est.device != "cpu" && est.device != "cuda")
     return InvalidArgument(StrCat("--device=", est.device, ": must be cpu or cuda"));
   const bool cpu_device = est.device == "cpu";

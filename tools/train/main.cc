@@ -285,8 +285,10 @@ class Trainer {
     if (f_.threads > 0) torch::set_num_threads(f_.threads);
     CommOptions co;
     co.backend = c_.strata.comm_backend;
-    co.device = c_.strata.device == "cuda" || (c_.strata.device == "auto" && CudaDeviceCount() > 0)
-                    ? "cuda" : "cpu";
+    co.device = c_.strata.NamesCuda() || (c_.strata.device == "auto" && CudaDeviceCount() > 0)
+                    ? "cuda"
+                    : "cpu";
+    co.cuda_device = c_.strata.CudaIndex();  // cuda:N: NCCL on that GPU, not LOCAL_RANK's
     co.timeout_s = c_.strata.comm_timeout_s;
     co.buckets = BucketSizes::FromConfig(c_.zero_optimization.allgather_bucket_size,
                                          c_.zero_optimization.reduce_bucket_size);

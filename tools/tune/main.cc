@@ -281,7 +281,7 @@ StatusOr<TuneOptions> MakeTuneOptions(Args* a, const Config& config, const Hardw
   TuneOptions to;
   to.world_size = world;
   to.cpu_compute_threads = tune::ComputeThreads();
-  to.device = a->device.empty() ? (config.strata.device == "cuda" ? "cuda" : "cpu") : a->device;
+  to.device = a->device.empty() ? (config.strata.NamesCuda() ? "cuda" : "cpu") : a->device;
   if (to.device != "cpu" && to.device != "cuda")
     return InvalidArgument(StrCat("--device=", a->device, ": must be cpu or cuda"));
   for (auto [flag, text, dst] : {std::tuple{"--device-budget", &a->dev_budget, &to.device_budget},

@@ -648,8 +648,30 @@ TEST(SwapStoreEnvTest, SecondOpenOfTheSameRankIsRefused) {
   o.mode = SwapOpenMode::kOpenOrCreate;
   auto b = SwapStore::Open(o);
   EXPECT_EQ(b.status().code(), StatusCode::kFailedPrecondition) << b.status();
+  EXPECT_NE(b.status().message().find("locked by another engine or process"), std::string::npos)
+      << b.status();
   o.rank = 1;  // another rank has its own files
   ASSERT_OK(SwapStore::Open(o).status());
+}
+
+TEST(SwapStoreEnvTest, OneDirectoryNamedTwiceIsRefusedHoweverSpelled) {
+  // The same directory twice gives both stripes the same file: refused by the directory, not by
+  // the spelling, naming both spellings.
+  TempDir t;
+  ASSERT_EQ(::mkdir((t.path() + "/d").c_str(), 0755), 0);
+  ASSERT_EQ(::mkdir((t.path() + "/e").c_str(), 0755), 0);
+  ASSERT_EQ(::symlink((t.path() + "/d").c_str(), (t.path() + "/link").c_str()), 0);
+  const std::string d = t.path() + "/d";
+  for (const std::string& other : {d, d + "/", t.path() + "/e/../d", t.path() + "/link"}) {
+    auto s = SwapStore::Open(Opts({d, other}, false, 1 << 20));
+    EXPECT_EQ(s.status().code(), StatusCode::kInvalidArgument) << other << ": " << s.status();
+    EXPECT_NE(s.status().message().find(StrCat(
+                  "nvme path ", other,
+                  other == d ? " is listed twice" : " is the directory " + d + " names too")),
+              std::string::npos)
+        << s.status();
+  }
+  ASSERT_OK(SwapStore::Open(Opts({d, t.path() + "/e"}, false, 1 << 20)).status());
 }
 
 TEST(SwapIndexTest, RoundTripAndEveryTruncationIsRejected) {

@@ -24,8 +24,13 @@ class GatheredParameters:
 
     modifier_rank=r: on leaving the block, rank r's values are broadcast to every rank and written
     into the partitions (the fp32 master and the working copy, NVMe-resident ones included);
-    optimizer states are untouched. Every rank must enter the block. Without it, changes are
-    dropped. Outside an engine, the broadcast alone runs (the parameters are plain tensors)."""
+    optimizer states are untouched. Every rank must enter the block. Without it, changes reach no
+    partition: a unit the block gathered drops them as it is released, and a parameter that stays
+    gathered (stages 0-2, or under stage3_param_persistence_threshold) keeps them in its working
+    copy until the next step writes the master's values over it, as in DeepSpeed. Write into the
+    parameter (p[...] = ..., p.copy_(...)); a block that replaces p.data (another dtype, shape or
+    tensor) is refused on leaving and the parameter keeps its own tensor. Outside an engine, the
+    broadcast alone runs (the parameters are plain tensors)."""
 
     def __init__(self, params, modifier_rank=None, fwd_module=None, enabled=True):
         if isinstance(params, torch.Tensor):
@@ -75,6 +80,7 @@ class GatheredParameters:
                     f"{world} rank(s)")
         self._fill_scratch()
         if self._engine is None or self._engine.zero_optimization_stage() < 3:
+            self._remember_tensors()
             return self
         # A unit already gathered by an enclosing block, or whose forward is running (a model
         # that gathers its own weights inside forward), is not begun again: the outermost holder
@@ -92,10 +98,17 @@ class GatheredParameters:
             except BaseException:
                 self.__exit__(None, None, None)
                 raise
+        self._remember_tensors()
         return self
+
+    def _remember_tensors(self):
+        """Each engine parameter's tensor as the block starts (gathered), to find one the block
+        replaces (_keep_own_tensors)."""
+        self._tensors = [(p, p.data) for p in self._params] if self._engine is not None else []
 
     def __exit__(self, exc_type, *exc):
         try:
+            self._keep_own_tensors()
             if self._enabled and self._modifier_rank is not None and exc_type is None:
                 self._write_back()
         finally:
@@ -106,6 +119,27 @@ class GatheredParameters:
                     if began:
                         self._engine._cpp.end_unit(u, [])
         return False
+
+    def _keep_own_tensors(self):
+        """An engine's parameter is a view of its chunk, of the engine's dtype and shape: `p.data =
+        other` inside the block would leave it outside the chunk, where no write-back reaches and
+        every later forward meets the other dtype or shape. Such parameters get their own tensor
+        back, and the block is refused naming the first."""
+        replaced = [(p, own) for p, own in getattr(self, "_tensors", [])
+                    if p.data.data_ptr() != own.data_ptr() or p.data.dtype != own.dtype
+                    or p.data.shape != own.shape]
+        self._tensors = []
+        if not replaced:
+            return
+        with torch.no_grad():
+            for p, own in replaced:
+                p.data = own
+        p, own = replaced[0]
+        raise InvalidArgumentError(
+            f"GatheredParameters: {len(replaced)} parameter(s) had their tensor replaced inside "
+            f"the block (p.data = ...), the first from {own.dtype} {tuple(own.shape)}; the "
+            "engine's parameters are views of its memory, so they keep their own tensors: write "
+            "into them instead (p.copy_(new), p[...] = ...), with modifier_rank set")
 
     def _fill_scratch(self):
         """A zero.Init's parameters on ranks > 0 are scratch until an engine has them (Init's

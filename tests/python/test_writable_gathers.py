@@ -81,6 +81,31 @@ def test_without_modifier_rank_changes_are_dropped(tmp_path):
     engine.close()
 
 
+@pytest.mark.parametrize("name", ["stage0", "stage1_cpu", "stage3_cpu_release",
+                                  "stage3_nvme_clip_accum"])
+def test_a_block_that_replaces_a_tensor_is_refused_and_training_goes_on(name, tmp_path):
+    """`p.data = other` (another dtype, another shape) inside a writable block left the
+    parameter outside the engine's memory: the dtype was taken silently and every later step
+    failed, the shape was refused and the engine broken for good. Now each is refused, the
+    parameter keeps its own tensor, and training goes on exactly as if the block had not run."""
+    case = CASES[name]
+    accum = case[4]
+    engine, model = gpt2_engine(case, tmp_path / "nvme")
+    losses = harness.run_steps(engine, "gpt2", 0, BEFORE, accum)
+    w = model.blocks[0].fc.weight
+    for other in (lambda t: t.double() * 2, lambda t: torch.zeros(3, 3)):
+        with pytest.raises(InvalidArgumentError, match=r"had their tensor replaced.*p\.copy_"):
+            with strata.zero.GatheredParameters([w], modifier_rank=0):
+                w.data = other(w.data)
+    losses += harness.run_steps(engine, "gpt2", BEFORE, AFTER, accum)
+    torch.manual_seed(0)
+    plain = harness.MODELS["gpt2"]()
+    opt = torch.optim.AdamW(plain.parameters(), lr=harness.LR, weight_decay=harness.WEIGHT_DECAY)
+    harness.assert_close(losses, harness.reference_loop("gpt2", plain, opt, BEFORE + AFTER, accum,
+                                                        case[5]))
+    engine.close()
+
+
 def test_a_modifier_rank_outside_the_world_is_refused(tmp_path):
     engine, model = gpt2_engine(CASES["stage3"], tmp_path)
     with pytest.raises(InvalidArgumentError, match="modifier_rank=1.*1 rank"):

@@ -74,12 +74,15 @@ def _parse_slots(spec, flag):
             raise LaunchError(f"{flag} {spec}: host {host!r} is not this machine; the deepspeed "
                               "command of Strata starts ranks on one machine (see strata-launch "
                               "--help for several)")
-        if ids:
+        if ids or ":" in part:
             try:
-                slots.extend(int(x) for x in ids.split(","))
+                listed = [int(x) for x in ids.split(",")]
             except ValueError:
-                raise LaunchError(f"{flag} {spec}: slots must be integers, as localhost:0,1") \
-                    from None
+                listed = [-1]
+            if any(x < 0 for x in listed) or len(set(listed)) != len(listed):
+                raise LaunchError(f"{flag} {spec}: slots must be distinct integers >= 0, as "
+                                  "localhost:0,1")
+            slots.extend(listed)
     return slots
 
 
@@ -89,13 +92,22 @@ def _hostfile_slots(path):
     if not os.path.isfile(path):
         raise LaunchError(f"--hostfile {path}: no such file")
     hosts = {}
-    with open(path, encoding="utf-8") as f:
-        for line in f:
-            line = line.split("#")[0].strip()
-            if not line:
-                continue
-            host, _, slots = line.partition(" ")
-            hosts[host] = int(slots.strip().replace("slots=", "") or 1)
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = f.read().splitlines()
+    except (OSError, UnicodeDecodeError) as e:
+        raise LaunchError(f"--hostfile {path}: cannot be read as text ({e})") from None
+    for number, line in enumerate(lines, 1):
+        line = line.split("#")[0].strip()
+        if not line:
+            continue
+        host, _, slots = line.partition(" ")
+        slots = slots.strip()
+        count = (slots[len("slots="):] if slots.startswith("slots=") else slots) or "1"
+        if not count.isdigit() or not 1 <= int(count) <= 4096:
+            raise LaunchError(f"--hostfile {path}, line {number} ({line!r}): each line is "
+                              "'<host> slots=<n>' with n from 1 to 4096")
+        hosts[host] = int(count)
     others = [h for h in hosts if h not in _LOCAL_HOSTS]
     if others:
         raise LaunchError(f"--hostfile {path} names other machines ({', '.join(others)}); "
@@ -109,6 +121,8 @@ def _cores(spec):
     out = []
     for part in spec.split(","):
         a, _, b = part.partition("-")
+        if not a.isdigit() or not (b or a).isdigit() or int(b or a) < int(a):
+            raise LaunchError(f"--bind_core_list {spec}: cores are numbers and ranges, as 0-3,8")
         out.extend(range(int(a), int(b or a) + 1))
     return out
 

@@ -30,8 +30,8 @@ FEATURES = {
     "autotuning": ("DeepSpeed's autotuner", "use strata-tune (README: tune the offload config)"),
     "compile": ("compiling the engine (torch.compile, DeepCompile)",
                 "train uncompiled: Strata's unit hooks run around each module's forward"),
-    "elasticity": ("elastic training", "resume from a checkpoint (Strata's checkpoints load on "
-                                       "the world size they were saved on)"),
+    "elasticity": ("elastic training", "save a checkpoint and resume it on the new number of "
+                                       "ranks (README: Elastic resume)"),
     "sparse_gradients": ("sparse gradients", "use dense embeddings (nn.Embedding(sparse=False))"),
     "amp": ("NVIDIA apex AMP", "enable bf16 or fp16 in the config"),
     "grad_comm": ("gradient all-reduce through the engine's helpers",

@@ -625,6 +625,25 @@ def test_launcher_refuses_a_hostfile_naming_other_hosts(tmp_path):
         _plan("--hostfile", str(hostfile))
     hostfile.write_text("localhost slots=3  # this machine\n")
     assert _plan("--hostfile", str(hostfile))[0] == 3
+    # Malformed files are named with their line, never a traceback.
+    for text in ("localhost slots=abc\n", "localhost slots=0\n",
+                 "localhost slots=99999999999999999999\n", "\n\nlocalhost slots=-2\n"):
+        hostfile.write_text(text)
+        with pytest.raises(launcher.LaunchError, match=r"line \d+ .*slots=<n>"):
+            _plan("--hostfile", str(hostfile))
+    hostfile.write_bytes(b"\xff\xfe localhost")
+    with pytest.raises(launcher.LaunchError, match="cannot be read as text"):
+        _plan("--hostfile", str(hostfile))
+
+
+@pytest.mark.parametrize("argv", [["--include", "localhost:-1"], ["--include", "localhost:"],
+                                  ["--include", "localhost:0,0"], ["--exclude", "localhost:x"],
+                                  ["--bind_cores_to_rank", "--bind_core_list", "abc"],
+                                  ["--bind_cores_to_rank", "--bind_core_list", "3-1"]])
+def test_launcher_names_malformed_slots_and_cores(argv):
+    from strata import launcher
+    with pytest.raises(launcher.LaunchError, match="slots must be distinct integers|cores are"):
+        _plan(*argv)
 
 
 def test_deepspeed_command_names_a_bad_flag():

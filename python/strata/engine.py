@@ -76,6 +76,9 @@ class StrataEngine(ConfigView, torch.nn.Module):
             for p in module.parameters():
                 self._param_units.setdefault(id(p), set()).add(index)
         self._model_params = {id(p) for p in model.parameters()}
+        # What the engine trains, in master_parameters()'s order: requires_grad as initialize
+        # found it (a layer frozen later is still the engine's, and destroy gives it back).
+        self._trained = [p for _, p in model.named_parameters() if p.requires_grad]
         for p in model.parameters():
             # The engine holds rank 0's values on every rank now: no longer zero.Init's scratch.
             p.__dict__.pop("_strata_rank0_values", None)
@@ -740,10 +743,9 @@ class StrataEngine(ConfigView, torch.nn.Module):
             return
         self._cpp.check_closable()
         values = self.master_parameters()
-        params = [p for _, p in self.module.named_parameters() if p.requires_grad]
         self.close()
         with torch.no_grad():
-            for p, v in zip(params, values):
+            for p, v in zip(self._trained, values):
                 _param_state.give_values_back(p, v.to(self._device))
 
     def _module_keys(self):

@@ -92,8 +92,10 @@ class Communicator {
   // rank has no peers to release but is broken all the same.
   void Abort(const Status& why);
 
-  // OK, or the failure that broke this communicator (a failed call or Abort).
+  // OK, or the failure that broke this communicator (a failed call or Abort), and whether that
+  // failure is a peer's note: another rank gave up first.
   const Status& failure() const { return broken_; }
+  bool peer_gave_up() const { return peer_gave_up_; }
 
   // COUNT: backend calls issued since construction (buckets count one each). For tests and stats.
   int64_t backend_calls() const { return backend_calls_; }

@@ -286,11 +286,9 @@ StatusOr<std::unique_ptr<Engine>> Engine::Create(std::shared_ptr<torch::nn::Modu
     std::string given_up;
     if (comm->world_size() > 1) {
       comm->Abort(s);
-      given_up = s.code() == StatusCode::kCancelled
-                     ? "; restart every rank once that rank's cause is fixed"
-                     : "; this rank gave up the job's collectives, and the other ranks' starts "
-                       "fail naming this "
-                       "error: restart every rank";
+      given_up = comm->peer_gave_up() ? "; restart every rank once that rank's cause is fixed"
+                                      : "; this rank gave up the job's collectives, and the other "
+                                        "ranks' starts fail naming this error: restart every rank";
     }
     const std::string outcome = raw->AbandonStart();
     return Status(s.code(), StrCat(s.message(), outcome.empty() ? "" : "; ", outcome, given_up),

@@ -100,6 +100,13 @@ Status Engine::Impl::AddUnit(const std::string& name, std::shared_ptr<torch::nn:
             "parameter '", full_name, "' has no memory: the model belongs to a ZeRO-3 engine "
             "that was closed; call engine.destroy() (it gives the model its weights back) "
             "instead of close(), or load a checkpoint into a new model"));
+      // The chunks hold real floating values: a complex parameter would be cast to its real
+      // part (with only LibTorch's warning) and train so.
+      if (!p.is_floating_point())
+        return InvalidArgument(
+            StrCat("parameter '", full_name, "' is ", c10::toString(p.scalar_type()),
+                   ": the engine trains real floating-point parameters (fp32, bf16, fp16, "
+                   "fp64); keep a complex one as two real ones (torch.view_as_real)"));
       // A parameter staged by zero::Init has 0 elements; its staged shape is its own.
       std::vector<int64_t> shape = zero::StagedShape(p).value_or(p.sizes().vec());
       const int64_t numel = c10::multiply_integers(shape);
@@ -142,6 +149,19 @@ Status Engine::Impl::DiscoverUnits(const EngineOptions& options, optim::DType co
                                     "EngineOptions::units (or leave units empty for the default)"));
   }
   if (params_.empty()) return InvalidArgument("the model has no trainable parameters");
+  // fp64 parameters train in the engine's precision (an fp32 master, the compute dtype's
+  // working copy), so the model's forward meets fp32 weights: say so before an fp64 input does.
+  int64_t fp64 = 0;
+  std::string first_fp64;
+  for (const auto& item : model_.module->named_parameters(/*recurse=*/true))
+    if (item.value().requires_grad() && item.value().scalar_type() == torch::kDouble && fp64++ == 0)
+      first_fp64 = item.key();
+  if (fp64 > 0)
+    STRATA_LOG(WARN)
+        << fp64 << " parameter(s) are float64 (the first '" << first_fp64
+        << "'): the engine trains them in fp32 (or the configured 16-bit dtype), as their "
+        << "working copies; feed the model float32 inputs (model.float() before initialize "
+        << "makes the model match)";
   STRATA_RETURN_IF_ERROR(part.Finalize());
   partitioner_.emplace(std::move(part));
   MapUnitsToChunks();

@@ -135,6 +135,24 @@ def test_a_checkpoint_of_other_shapes_is_refused(stage, tmp_path):
         other.close()
 
 
+def test_a_complex_parameter_is_refused_and_float64_ones_are_named(capfd):
+    """A complex parameter was cast to its real part at initialize and trained so; an fp64 model
+    trains in fp32 without a word, and its fp64 inputs then failed in the first matmul."""
+    cfg = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 2},
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
+    model = torch.nn.Linear(4, 2)
+    model.phase = torch.nn.Parameter(torch.tensor([1 + 2j, 3 - 4j]))
+    with pytest.raises(ValueError, match="parameter 'phase' is ComplexFloat: the engine trains "
+                                         "real floating-point parameters"):
+        strata.initialize(model=model, config=copy.deepcopy(cfg))
+    engine, *_ = strata.initialize(model=torch.nn.Linear(4, 2).double(), config=copy.deepcopy(cfg))
+    assert "2 parameter(s) are float64 (the first 'weight')" in capfd.readouterr().err
+    loss = engine(torch.randn(2, 4)).pow(2).mean()
+    engine.backward(loss)
+    engine.step()
+    engine.close()
+
+
 class StrataWarnings:
     """The 'strata' logger's records of WARNING and above inside the block."""
 

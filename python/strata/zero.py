@@ -104,11 +104,13 @@ class GatheredParameters:
     def _remember_tensors(self):
         """Each engine parameter's tensor as the block starts (gathered), to find one the block
         replaces (_keep_own_tensors)."""
-        self._tensors = [(p, p.data) for p in self._params] if self._engine is not None else []
+        engine = self._engine
+        self._tensors = [(p, p.data) for p in self._params
+                         if engine is not None and engine._units_of_param(p) is not None]
 
     def __exit__(self, exc_type, *exc):
         try:
-            self._keep_own_tensors()
+            self._keep_own_tensors(refuse=exc_type is None)
             if self._enabled and self._modifier_rank is not None and exc_type is None:
                 self._write_back()
         finally:
@@ -120,11 +122,12 @@ class GatheredParameters:
                         self._engine._cpp.end_unit(u, [])
         return False
 
-    def _keep_own_tensors(self):
+    def _keep_own_tensors(self, refuse):
         """An engine's parameter is a view of its chunk, of the engine's dtype and shape: `p.data =
         other` inside the block would leave it outside the chunk, where no write-back reaches and
         every later forward meets the other dtype or shape. Such parameters get their own tensor
-        back, and the block is refused naming the first."""
+        back, and the block is refused naming the first (unless it is raising already: its own
+        error is the one to see)."""
         replaced = [(p, own) for p, own in getattr(self, "_tensors", [])
                     if p.data.data_ptr() != own.data_ptr() or p.data.dtype != own.dtype
                     or p.data.shape != own.shape]
@@ -134,6 +137,8 @@ class GatheredParameters:
         with torch.no_grad():
             for p, own in replaced:
                 p.data = own
+        if not refuse:
+            return
         p, own = replaced[0]
         raise InvalidArgumentError(
             f"GatheredParameters: {len(replaced)} parameter(s) had their tensor replaced inside "

@@ -97,6 +97,11 @@ def test_a_block_that_replaces_a_tensor_is_refused_and_training_goes_on(name, tm
         with pytest.raises(InvalidArgumentError, match=r"had their tensor replaced.*p\.copy_"):
             with strata.zero.GatheredParameters([w], modifier_rank=0):
                 w.data = other(w.data)
+    # A block that raises keeps its own error, and the parameter its tensor.
+    with pytest.raises(KeyError, match="the block's own"):
+        with strata.zero.GatheredParameters([w], modifier_rank=0):
+            w.data = torch.zeros(3, 3)
+            raise KeyError("the block's own")
     losses += harness.run_steps(engine, "gpt2", BEFORE, AFTER, accum)
     torch.manual_seed(0)
     plain = harness.MODELS["gpt2"]()

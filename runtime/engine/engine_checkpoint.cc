@@ -68,8 +68,7 @@ std::string ShapeText(const std::vector<int64_t>& shape) {
 Status Engine::Impl::Save(const std::string& root, const nlohmann::json& extra,
                           const std::string& client_file) {
   namespace fs = std::filesystem;
-  if (step_.step_open)
-    return FailedPrecondition("SaveCheckpoint during a step: save after Step() returns");
+  STRATA_RETURN_IF_ERROR(CheckBetweenSteps("SaveCheckpoint"));
   STRATA_RETURN_IF_ERROR(CheckStatesResident("SaveCheckpoint"));
   STRATA_RETURN_IF_ERROR(checkpoint::CheckSaveRoot(root));
   STRATA_RETURN_IF_ERROR(FinishUpdates());
@@ -265,7 +264,7 @@ StatusOr<std::string> Engine::Impl::ReadClientFile(const std::string& path) {
 
 StatusOr<nlohmann::json> Engine::Impl::Load(const std::string& path, bool weights_only) {
   namespace fs = std::filesystem;
-  if (step_.step_open) return FailedPrecondition("LoadCheckpoint during a step");
+  STRATA_RETURN_IF_ERROR(CheckBetweenSteps("LoadCheckpoint"));
   STRATA_RETURN_IF_ERROR(CheckStatesResident("LoadCheckpoint"));
   STRATA_RETURN_IF_ERROR(FinishUpdates());
   STRATA_ASSIGN_OR_RETURN(std::string dir, checkpoint::ResolveCheckpointDir(path));

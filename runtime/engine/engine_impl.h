@@ -125,6 +125,9 @@ class Engine::Impl {
   StatusOr<uint64_t> OffloadStates(const std::vector<StateKind>& kinds);
   StatusOr<uint64_t> ReloadStates();
   Status CheckStatesResident(const char* what) const;
+  // FAILED_PRECONDITION, naming `what`, while a step is open (a training forward ran since the
+  // last Step), with the ways out (engine_step.cc).
+  Status CheckBetweenSteps(const char* what) const;
   // FAILED_PRECONDITION when `key` (read or written as `wanted`) is offloaded.
   Status CheckBlockResident(const BlockKey& key, StateKind wanted) const;
   // Per-parameter state (param_state.cc).

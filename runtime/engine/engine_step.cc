@@ -73,6 +73,18 @@ void Engine::Impl::FixStepInputs(int64_t step, float grad_scale) {
   opt_lane_->SetStepInputs(std::move(in));
 }
 
+// A forward with autograd on opens the step, whether or not a backward follows: an evaluation
+// forward outside torch.no_grad() is the usual way to open one by surprise, and the message
+// says so.
+Status Engine::Impl::CheckBetweenSteps(const char* what) const {
+  if (!step_.step_open) return Status::Ok();
+  return FailedPrecondition(
+      StrCat(what,
+             " during a step: a training forward (autograd on) ran since the last "
+             "Step(); finish it with backward and Step() first, and run forwards "
+             "that only evaluate under torch.no_grad(), which opens no step"));
+}
+
 Status Engine::Impl::CheckStepBoundary() const {
   STRATA_RETURN_IF_ERROR(CheckStatesResident("Step"));
   if (step_.micro_step == 0 || step_.micro_step % config_.gradient_accumulation_steps != 0)

@@ -159,7 +159,7 @@ Status Engine::Impl::WriteMasters(
 }
 
 Status Engine::Impl::WriteParameters(const std::vector<torch::Tensor>& tensors) {
-  if (step_.step_open) return FailedPrecondition("WriteParameters during a step: write between steps");
+  STRATA_RETURN_IF_ERROR(CheckBetweenSteps("WriteParameters"));
   STRATA_RETURN_IF_ERROR(FinishUpdates());
   STRATA_ASSIGN_OR_RETURN(std::vector<int64_t> ids, ParamIds(tensors));
   // Each written parameter's full value in fp32 on the host, read through LibTorch (the device's
@@ -244,8 +244,7 @@ StatusOr<std::vector<torch::Tensor>> Engine::Impl::LocalParamState(
 Status Engine::Impl::WriteParamState(StateKind kind, const std::vector<torch::Tensor>& tensors,
                                      const std::vector<torch::Tensor>& values) {
   if (step_.step_open)
-    return FailedPrecondition(StrCat("writing the ", StateKindName(kind),
-                                     " state during a step: write between steps"));
+    return CheckBetweenSteps(StrCat("writing the ", StateKindName(kind), " state").c_str());
   if (tensors.size() != values.size())
     return InvalidArgument(StrCat(tensors.size(), " parameters but ", values.size(), " values"));
   if (kind == StateKind::kParam16)

@@ -17,8 +17,7 @@ StatusOr<uint64_t> Engine::Impl::OffloadStates(const std::vector<StateKind>& kin
   if (!plan_.stage3())
     return FailedPrecondition(StrCat("offload_states needs ZeRO stage 3 (this engine runs stage ",
                                      config_.zero_optimization.stage, "), as in DeepSpeed"));
-  if (step_.step_open)
-    return FailedPrecondition("offload_states during a step: call it after Step() returns");
+  STRATA_RETURN_IF_ERROR(CheckBetweenSteps("offload_states"));
   STRATA_RETURN_IF_ERROR(FinishUpdates());
   uint64_t moved = 0;
   for (StateKind kind : kinds) {

@@ -153,6 +153,24 @@ def test_a_complex_parameter_is_refused_and_float64_ones_are_named(capfd):
     engine.close()
 
 
+def test_saving_after_a_forward_with_autograd_on_says_how_to_get_out(tmp_path):
+    """A forward outside torch.no_grad() opens the step whether or not a backward follows, and
+    saving then was refused with only "save after Step() returns". The refusal now names the
+    cause and both ways out; an evaluation forward under no_grad opens no step."""
+    cfg = harness.config_for(STAGE2_CPU, tmp_path)
+    engine = _engine("gpt2", cfg)
+    _run(engine, "gpt2", 0, 1, cfg["gradient_accumulation_steps"])
+    x, y = harness.batch("gpt2", 3)
+    with torch.no_grad():
+        harness.loss_of("gpt2", engine, x, y)
+    engine.save_checkpoint(tmp_path / "ck")
+    harness.loss_of("gpt2", engine, x, y)
+    with pytest.raises(RuntimeError, match=r"SaveCheckpoint during a step: a training forward "
+                                           r"\(autograd on\).*under torch\.no_grad\(\)"):
+        engine.save_checkpoint(tmp_path / "ck2")
+    engine.close()
+
+
 class StrataWarnings:
     """The 'strata' logger's records of WARNING and above inside the block."""
 

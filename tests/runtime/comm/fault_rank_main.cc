@@ -69,6 +69,9 @@ int main(int argc, char** argv) {
   std::fflush(stdout);
   // _exit: destroying a Gloo group whose peer vanished can block in its destructor.
   if (mode == "abort") {
+    // Rank 1 reports its own next call after its Abort returns; the launcher ends it as soon as
+    // this rank exits, so give it time to print (it races otherwise, and lost under LibTorch 2.14).
+    sleep(2);
     const bool named = s.code() == strata::StatusCode::kCancelled &&
                        s.message().find(
                            "rank 1 of 2 gave up the job's collectives: IO_ERROR: "

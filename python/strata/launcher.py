@@ -89,8 +89,11 @@ def _parse_slots(spec, flag):
 def _hostfile_slots(path):
     if path is None:
         return None
-    if not os.path.isfile(path):
+    if not os.path.exists(path):
         raise LaunchError(f"--hostfile {path}: no such file")
+    if not os.path.isfile(path):
+        raise LaunchError(f"--hostfile {path}: not a regular file; give a file of "
+                          "'<host> slots=<n>' lines")
     hosts = {}
     try:
         with open(path, encoding="utf-8") as f:
@@ -112,7 +115,10 @@ def _hostfile_slots(path):
     if others:
         raise LaunchError(f"--hostfile {path} names other machines ({', '.join(others)}); "
                           "Strata's deepspeed command starts ranks on this machine only")
-    return sum(hosts.values()) or None
+    if not hosts:
+        raise LaunchError(f"--hostfile {path} lists no hosts; each line is '<host> slots=<n>', "
+                          "as 'localhost slots=2' (DeepSpeed refuses an empty hostfile too)")
+    return sum(hosts.values())
 
 
 def _cores(spec):
@@ -152,6 +158,8 @@ def plan(args):
     if args.master_addr is not None and args.master_addr not in _LOCAL_HOSTS:
         raise LaunchError(f"--master_addr {args.master_addr}: must be this machine "
                           "(localhost); Strata's deepspeed command runs on one machine")
+    if args.master_port is not None and not 1 <= args.master_port <= 65535:
+        raise LaunchError(f"--master_port {args.master_port}: a TCP port from 1 to 65535")
     if args.module and args.no_python:
         raise LaunchError("--module and --no_python exclude each other")
     env = {}

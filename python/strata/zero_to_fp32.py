@@ -79,7 +79,7 @@ class Fp32Checkpoint:
             raise CheckpointError(f"{paths[0]}: world_size={world!r} is not a rank count; the "
                                   "manifest is damaged")
         ranks = sorted(m["rank"] for m in self.manifests)
-        if ranks != list(range(world)):
+        if len(ranks) != world or ranks != list(range(world)):  # no list of a damaged count
             raise CheckpointError(f"{step_dir}: has the manifests of ranks {ranks} of a world of "
                                   f"{world}; every rank's file is needed")
         self.layout = self.manifests[0].get("layout")
@@ -90,6 +90,7 @@ class Fp32Checkpoint:
     def _chunk_master(self, chunk):
         """The full fp32 master of `chunk`, every rank's shard in its place."""
         full = torch.zeros(self.layout["chunk_numel"][chunk], dtype=torch.float32)
+        ranges = []
         for m in self.manifests:
             block = next((b for b in m["blocks"]
                           if b["chunk"] == chunk and b["state"] == "master32"), None)
@@ -101,7 +102,25 @@ class Fp32Checkpoint:
             values = _read(self.dir, m["rank"], block, torch.bfloat16 if bf16 else torch.float32,
                            f"chunk {chunk}'s master32").to(torch.float32)
             start = m["layout"]["shard_offset"][chunk]
+            want = m["shard_numel"][chunk]
+            if values.numel() != want or start + want > full.numel():
+                # a block cut short (bytes: 0 included) would leave zeros in its place
+                raise CheckpointError(
+                    f"{self.dir}: rank {m['rank']}'s master of chunk {chunk} holds "
+                    f"{values.numel()} values where its manifest's shard_numel says {want} at "
+                    f"offset {start} of {full.numel()}; the manifest is damaged")
             full[start:start + values.numel()] = values
+            ranges.append((start, want))
+        end = 0
+        for start, want in sorted(ranges):  # the shards tile the chunk, or zeros would show
+            if start != end:
+                raise CheckpointError(f"{self.dir}: the ranks' shards of chunk {chunk} leave "
+                                      f"elements {end} to {start} unread; the manifests are "
+                                      "damaged")
+            end = start + want
+        if end != full.numel():
+            raise CheckpointError(f"{self.dir}: the ranks' shards of chunk {chunk} end at element "
+                                  f"{end} of {full.numel()}; the manifests are damaged")
         return full
 
     def state_dict(self):

@@ -424,9 +424,16 @@ def test_zero_to_fp32_refuses_a_damaged_shard_naming_the_file(tmp_path):
     edits = {
         "cut": lambda m: None,
         "no_world": lambda m: m.pop("world_size"),
+        "huge_world": lambda m: m.__setitem__("world_size", 2**40),  # was a MemoryError
         "chunk_99": lambda m: m["layout"]["params"][0].__setitem__("chunk", 99),
         "negative_numel": lambda m: m["layout"]["chunk_numel"].__setitem__(0, -5),
         "no_params": lambda m: m["layout"].pop("params"),
+        # a master block of no bytes gave that shard's weights as zeros, without a word
+        "zero_bytes": lambda m: next(b for b in m["blocks"]
+                                     if b["state"] == "master32").__setitem__("bytes", 0),
+        "no_shard": lambda m: (m["shard_numel"].__setitem__(0, 0),
+                               next(b for b in m["blocks"] if b["state"] == "master32"
+                                    and b["chunk"] == 0).__setitem__("bytes", 0)),
     }
     for name, edit in edits.items():
         bad = tmp_path / f"manifest-{name}"
@@ -630,8 +637,10 @@ def test_launcher_maps_deepspeed_flags():
     (["--force_multi"], "--force_multi"),
     (["--autotuning", "run"], "--autotuning"),
     (["--include", "localhost:0", "--exclude", "localhost:1"], "exclude each other"),
+    (["--master_port", "-1"], "--master_port -1: a TCP port"),  # was named as --master-port
+    (["--master_port", "70000"], "--master_port 70000: a TCP port"),
 ])
-def test_launcher_refuses_what_needs_other_machines(argv, words):
+def test_launcher_refuses_flags_it_cannot_honour(argv, words):
     from strata import launcher
     with pytest.raises(launcher.LaunchError, match=words):
         _plan(*argv)
@@ -654,6 +663,13 @@ def test_launcher_refuses_a_hostfile_naming_other_hosts(tmp_path):
     hostfile.write_bytes(b"\xff\xfe localhost")
     with pytest.raises(launcher.LaunchError, match="cannot be read as text"):
         _plan("--hostfile", str(hostfile))
+    hostfile.write_text("# only a comment\n\n")
+    with pytest.raises(launcher.LaunchError, match="lists no hosts"):
+        _plan("--hostfile", str(hostfile))
+    with pytest.raises(launcher.LaunchError, match="/dev/null: not a regular file"):
+        _plan("--hostfile", "/dev/null")  # was "no such file"
+    with pytest.raises(launcher.LaunchError, match="no such file"):
+        _plan("--hostfile", str(tmp_path / "missing"))
 
 
 @pytest.mark.parametrize("argv", [["--include", "localhost:-1"], ["--include", "localhost:"],

@@ -1,11 +1,13 @@
 #include "python/bindings/py_engine.h"
 
 #include <atomic>
+#include <exception>
 #include <memory>
 #include <mutex>
 #include <stdexcept>
 
 #include <nlohmann/json.hpp>
+#include <torch/csrc/Exceptions.h>
 
 #include "runtime/base/device.h"
 #include "runtime/comm/backends.h"
@@ -26,6 +28,24 @@ template <class T>
 T ValueOrThrow(StatusOr<T> v) {
   ThrowIfError(v.status());
   return std::move(*v);
+}
+
+// Note [the caller's own exception]
+// A Python hook or custom Function that raises inside engine.backward() ends autograd with
+// LibTorch's python_error, which carries the Python exception. Its text alone would reach the
+// caller as a StrataError: a KeyboardInterrupt (Ctrl-C in a hook) would stop being one, and a
+// script's own exception type would be lost. So that exception is raised again as itself, as
+// plain loss.backward() gives it; the engine has already ended the micro-step's backward as it
+// does for any failure there. LibTorch's own refusals (a graph used twice) stay Strata's error.
+void RethrowCallersError(std::exception_ptr p) {
+  if (!p) return;
+  try {
+    std::rethrow_exception(p);
+  } catch (python_error& e) {
+    e.restore();
+    throw py::error_already_set();
+  } catch (...) {
+  }
 }
 
 // The process's ranks are joined once, by the first engine, and every later engine of the process
@@ -170,6 +190,7 @@ void PyEngine::Backward(const torch::Tensor& loss) {
     py::gil_scoped_release nogil;
     s = e.Backward(loss);
   }
+  if (!s.ok()) RethrowCallersError(e.TakeAutogradException());
   ThrowIfError(s);
 }
 

@@ -93,6 +93,12 @@ void DefEngine(py::module_& m) {
           [](PyEngine& e, int64_t step) { return strata::ScheduledBetas(e.config(), step); },
           py::arg("step"))
       .def(
+          "check_scheduled_betas",
+          [](PyEngine& e, int64_t step) {
+            strata::python::ThrowIfError(strata::CheckScheduledBetas(e.config(), step));
+          },
+          py::arg("step"))
+      .def(
           "set_groups",
           [](PyEngine& e, const std::vector<std::vector<double>>& groups) {
             std::vector<strata::GroupHyperparameters> g;

@@ -281,7 +281,13 @@ class StrataEngine(ConfigView, torch.nn.Module):
         defaults = self._config.get("optimizer", {}).get("params", {})
         values = [group_hyperparameters(g, defaults) for g in groups]
         if values != self._lr_pushed:
-            self._cpp.set_groups(values)
+            try:
+                self._cpp.set_groups(values)
+            except InvalidArgumentError:
+                # betas[0] past 1 from the config's OneCycle decay: the refusal names the schedule
+                if self.lr_scheduler is not None and not self._client_scheduler:
+                    self._cpp.check_scheduled_betas(self.global_steps + 1)
+                raise
             self._lr_pushed = values
 
     def _publish_lr(self):

@@ -156,7 +156,12 @@ Status Engine::Impl::Backward(const torch::Tensor& loss) {
     return FailedPrecondition(
         "Backward called without a training forward in this micro-step: the loss has no "
         "graph (computed under torch::NoGradGuard or torch.no_grad, or detached)");
+  // Updates that start in this backward take the schedule's betas: a schedule past what the
+  // optimizer takes is refused before anything runs, as Step refuses it.
+  if (last_micro_step() && plan_.immediate_optimizer() && !groups_.override_hyper)
+    STRATA_RETURN_IF_ERROR(CheckScheduledBetas(config_, step_.global_step + 1));
   step_.backward_error = Status::Ok();
+  step_.autograd_exception = nullptr;
   // The forward (and the loss), however it was driven.
   meter_.EndForward(trace_step());
   const double waits_at_backward = meter_.WaitsSoFar();
@@ -183,9 +188,14 @@ Status Engine::Impl::Backward(const torch::Tensor& loss) {
     // The engine's hooks record their own failures in backward_error; anything else is
     // autograd's refusal of the caller's graph (a second backward through it, a saved tensor
     // modified in place), which is not an engine fault.
-    result = step_.backward_error.ok()
-                 ? FailedPrecondition(StrCat("backward failed in autograd: ", e.what()))
-                 : step_.backward_error;
+    result = step_.backward_error;
+    if (result.ok()) {
+      step_.autograd_exception = std::current_exception();
+      const std::string what = e.what();
+      // A Python exception without arguments (KeyboardInterrupt()) has no text of its own.
+      result = FailedPrecondition(StrCat("backward failed in autograd: ",
+                                         what.empty() ? "an exception without a message" : what));
+    }
   }
   step_.in_backward = false;
   // Whatever leaves this function, the reduce lane is idle first (a throw below included).

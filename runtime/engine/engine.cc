@@ -318,6 +318,7 @@ StatusOr<uint64_t> Engine::OffloadStates(const std::vector<StateKind>& kinds) {
 }
 StatusOr<uint64_t> Engine::ReloadStates() { return impl_->ReloadStates(); }
 Status Engine::Backward(const torch::Tensor& loss) { return impl_->Backward(loss); }
+std::exception_ptr Engine::TakeAutogradException() { return impl_->TakeAutogradException(); }
 StatusOr<StepReport> Engine::Step() { return impl_->Step(); }
 StatusOr<std::vector<torch::Tensor>> Engine::GatherMasterParams() {
   return impl_->GatherMasterParams();

@@ -46,6 +46,7 @@
 #pragma once
 
 #include <cstdint>
+#include <exception>
 #include <functional>
 #include <memory>
 #include <optional>
@@ -210,6 +211,11 @@ class Engine {
   // Backward of `loss` (divided by gradient_accumulation_steps and multiplied by the fp16 loss
   // scale here, as DeepSpeed does) and the gradient reduction.
   Status Backward(const torch::Tensor& loss);
+  // After a Backward that autograd ended with an error not the engine's (a Python hook's or a
+  // custom Function's own exception), that exception, taken once; null otherwise. A binding
+  // rethrows it, so the caller meets its own exception type (a KeyboardInterrupt stays one) as
+  // plain autograd would give it. The Backward's Status says the same in words.
+  std::exception_ptr TakeAutogradException();
   // Completes an optimizer step once gradient_accumulation_steps micro-steps have run; before
   // that it returns FAILED_PRECONDITION.
   StatusOr<StepReport> Step();
@@ -278,10 +284,12 @@ class Engine {
                          const std::vector<torch::Tensor>& values);
 
   // Saves this rank's partitions and the training state into `dir` atomically; loads them back.
-  // `extra` is stored in the manifest and returned by Load (data position, RNG, ...).
-  // `client_file`, when not empty, is saved beside this rank's manifest (its size and crc32c in
-  // it) and published with the rest: the caller's own per-rank state, such as a client
-  // optimizer's. ReadClientFile returns it from a checkpoint, checked against the manifest.
+  // A save is taken between steps and after forwards alone (the state the last Step left); once
+  // a backward has run in the step it is refused. A load is taken between steps only. `extra` is
+  // stored in the manifest and returned by Load (data position, RNG, ...). `client_file`, when not
+  // empty, is saved beside this rank's manifest (its size and crc32c in it) and published with the
+  // rest: the caller's own per-rank state, such as a client optimizer's. ReadClientFile returns it
+  // from a checkpoint, checked against the manifest.
   Status SaveCheckpoint(const std::string& dir, const nlohmann::json& extra,
                         const std::string& client_file = {});
   StatusOr<std::string> ReadClientFile(const std::string& dir);

@@ -1,6 +1,9 @@
 // Checkpoints of the engine (layout and publication rules: runtime/state/checkpoint.h).
 #include <fcntl.h>
+#include <stdio.h>
 #include <unistd.h>
+
+#include <cerrno>
 
 #include "runtime/base/remove_tree.h"
 #include "runtime/engine/engine_impl.h"
@@ -68,15 +71,14 @@ std::string ShapeText(const std::vector<int64_t>& shape) {
 Status Engine::Impl::Save(const std::string& root, const nlohmann::json& extra,
                           const std::string& client_file) {
   namespace fs = std::filesystem;
-  STRATA_RETURN_IF_ERROR(CheckBetweenSteps("SaveCheckpoint"));
+  STRATA_RETURN_IF_ERROR(CheckNoBackwardSinceStep("SaveCheckpoint"));
   STRATA_RETURN_IF_ERROR(CheckStatesResident("SaveCheckpoint"));
   STRATA_RETURN_IF_ERROR(checkpoint::CheckSaveRoot(root));
   STRATA_RETURN_IF_ERROR(FinishUpdates());
   const std::string name = checkpoint::StepDirName(step_.global_step);
   const fs::path final_dir = fs::path(root) / name;
   const fs::path tmp_dir = fs::path(root) / ("." + name + ".tmp");
-  STRATA_ASSIGN_OR_RETURN(bool saved, PrepareSaveDir(root, name));
-  if (saved) return Status::Ok();
+  STRATA_RETURN_IF_ERROR(PrepareSaveDir(root, name));
 
   checkpoint::Manifest m = NewManifest(extra);
   const std::string stem = checkpoint::RankFileStem(comm_->rank());
@@ -98,29 +100,42 @@ Status Engine::Impl::Save(const std::string& root, const nlohmann::json& extra,
   return Status::Ok();
 }
 
-StatusOr<bool> Engine::Impl::PrepareSaveDir(const std::string& root, const std::string& name) {
+// Note [saving over a step]
+// A save of a step the root already holds writes the whole checkpoint again and replaces the old
+// one, as DeepSpeed's save into a tag does. Skipping it, as saves once did when the step's
+// manifest existed, kept another run's weights under this run's name (a fresh run into an old
+// root, a fork resumed from an earlier step), and on several ranks each rank decided from its
+// own files, so one skipped while another waited at the barrier. The replacement is one atomic
+// exchange of the two directories (renameat2 RENAME_EXCHANGE), so a crash leaves either whole
+// checkpoint under the name; where the file system lacks it, two renames, with the old copy
+// left under a hidden name for that instant.
+Status Engine::Impl::PrepareSaveDir(const std::string& root, const std::string& name) {
   namespace fs = std::filesystem;
   std::error_code ec;
   fs::create_directories(root, ec);
   if (ec) return ErrnoToStatus(ec.value(), StrCat("create checkpoint directory ", root));
-  const fs::path final_dir = fs::path(root) / name;
   const fs::path tmp_dir = fs::path(root) / ("." + name + ".tmp");
-  const int rank = comm_->rank();
-  if (fs::exists(final_dir / (checkpoint::RankFileStem(rank) + ".json"), ec)) {
-    // This step is already saved (a periodic save followed by the final one).
-    if (rank == 0) STRATA_RETURN_IF_ERROR(checkpoint::WriteFileAtomic((fs::path(root) / "latest").string(), name));
-    return true;
-  }
-  if (rank == 0) {  // leftovers of saves that crashed
+  if (comm_->rank() == 0) {
+    // Leftovers of saves that crashed, this step's own included: a stale one could hold the
+    // files of ranks this world does not have.
     for (const auto& e : fs::directory_iterator(root, ec)) {
       const std::string n = e.path().filename().string();
-      if (n.size() > 5 && n[0] == '.' && n.rfind(".tmp") == n.size() - 4 && e.path() != tmp_dir)
-        RemoveTree(e.path().string()).IgnoreError();  // best effort: a leftover is harmless
+      const bool leftover = n.size() > 5 && n[0] == '.' &&
+                            (n.rfind(".tmp") == n.size() - 4 || n.rfind(".old") == n.size() - 4);
+      if (leftover && e.path() != tmp_dir)
+        RemoveTree(e.path().string()).IgnoreError();  // harmless if it stays
     }
+    if (fs::exists(tmp_dir, ec))
+      STRATA_RETURN_IF_ERROR(
+          RemoveTree(tmp_dir.string()).WithContext("an earlier save's leftover of this step"));
+    fs::create_directories(tmp_dir, ec);
+    if (ec) return ErrnoToStatus(ec.value(), StrCat("create ", tmp_dir.string()));
   }
+  // No rank writes into the folder before rank 0 has made it afresh.
+  if (comm_->world_size() > 1) STRATA_RETURN_IF_ERROR(comm_->Barrier());
   fs::create_directories(tmp_dir, ec);
   if (ec) return ErrnoToStatus(ec.value(), StrCat("create ", tmp_dir.string()));
-  return false;
+  return Status::Ok();
 }
 
 checkpoint::Manifest Engine::Impl::NewManifest(const nlohmann::json& extra) const {
@@ -199,6 +214,36 @@ Status Engine::Impl::WriteStateFile(const std::string& bin, checkpoint::Manifest
   return s;
 }
 
+namespace {
+
+// Makes the finished folder `from` appear as `to` (Note [saving over a step]); an older `to` is
+// removed once the new one stands in its place.
+Status ReplaceDir(const std::filesystem::path& from, const std::filesystem::path& to) {
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  if (!fs::exists(to, ec)) {
+    fs::rename(from, to, ec);
+    if (ec) return ErrnoToStatus(ec.value(), StrCat("rename ", from.string(), " to ", to.string()));
+    return Status::Ok();
+  }
+  fs::path old = from;  // after the exchange, the older checkpoint
+  if (renameat2(AT_FDCWD, from.c_str(), AT_FDCWD, to.c_str(), RENAME_EXCHANGE) != 0) {
+    const int err = errno;
+    if (err != EINVAL && err != ENOSYS)
+      return ErrnoToStatus(err, StrCat("exchange ", from.string(), " with ", to.string()));
+    old = to.parent_path() / ("." + to.filename().string() + ".old");
+    fs::rename(to, old, ec);
+    if (!ec) fs::rename(from, to, ec);
+    if (ec)
+      return ErrnoToStatus(ec.value(), StrCat("replace ", to.string(), " by ", from.string()));
+  }
+  // The new checkpoint is in place; an old copy left by a crash here goes with the next save.
+  RemoveTree(old.string()).IgnoreError();
+  return Status::Ok();
+}
+
+}  // namespace
+
 Status Engine::Impl::PublishSave(const std::string& root, const std::string& name) {
   namespace fs = std::filesystem;
   const fs::path final_dir = fs::path(root) / name;
@@ -209,8 +254,7 @@ Status Engine::Impl::PublishSave(const std::string& root, const std::string& nam
   if (comm_->rank() == 0) {
     std::error_code ec;
     STRATA_RETURN_IF_ERROR(checkpoint::FsyncDir(tmp_dir.string()));
-    fs::rename(tmp_dir, final_dir, ec);
-    if (ec) return ErrnoToStatus(ec.value(), StrCat("rename ", tmp_dir.string(), " to ", final_dir.string()));
+    STRATA_RETURN_IF_ERROR(ReplaceDir(tmp_dir, final_dir));
     STRATA_RETURN_IF_ERROR(checkpoint::FsyncDir(root));
     STRATA_RETURN_IF_ERROR(checkpoint::WriteFileAtomic((fs::path(root) / "latest").string(), name));
   }

@@ -117,6 +117,9 @@ class Engine::Impl {
   void BeginUnit(int64_t u, bool checkpointed);
   void EndUnit(int64_t u, const std::vector<torch::Tensor>& outputs);
   Status Backward(const torch::Tensor& loss);
+  std::exception_ptr TakeAutogradException() {
+    return std::exchange(step_.autograd_exception, nullptr);
+  }
   StatusOr<StepReport> Step();
   Status SetGroupHyperparameters(const std::vector<GroupHyperparameters>& groups);
   int num_param_groups() const { return static_cast<int>(groups_.hyper.size()); }
@@ -128,6 +131,9 @@ class Engine::Impl {
   // FAILED_PRECONDITION, naming `what`, while a step is open (a training forward ran since the
   // last Step), with the ways out (engine_step.cc).
   Status CheckBetweenSteps(const char* what) const;
+  // The same for a reader of the step's starting state (SaveCheckpoint), which may also run
+  // after forwards alone: only a backward since the last Step refuses it (engine_step.cc).
+  Status CheckNoBackwardSinceStep(const char* what) const;
   // FAILED_PRECONDITION when `key` (read or written as `wanted`) is offloaded.
   Status CheckBlockResident(const BlockKey& key, StateKind wanted) const;
   // Per-parameter state (param_state.cc).
@@ -148,11 +154,11 @@ class Engine::Impl {
   std::vector<std::vector<int64_t>> ClientSegments() const;
   StatusOr<nlohmann::json> Load(const std::string& dir, bool weights_only);
   nlohmann::json LayoutJson() const;  // Manifest::layout of this rank
-  // Save's and Load's phases (engine_checkpoint.cc): the temporary folder made (true: this step
-  // is saved already), the manifest's header, the states and buffers streamed into the rank's
+  // Save's and Load's phases (engine_checkpoint.cc): the temporary folder made afresh (Note
+  // [saving over a step]), the manifest's header, the states and buffers streamed into the rank's
   // file, the folder published; the manifest checked against this run, the buffers and blocks
   // read back and checked. SavedBytes: a chunk's shard of a saved state.
-  StatusOr<bool> PrepareSaveDir(const std::string& root, const std::string& name);
+  Status PrepareSaveDir(const std::string& root, const std::string& name);
   checkpoint::Manifest NewManifest(const nlohmann::json& extra) const;
   Status WriteStateFile(const std::string& bin, checkpoint::Manifest* m, uint64_t* bytes_written);
   Status PublishSave(const std::string& root, const std::string& name);

@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstdint>
+#include <exception>
 #include <memory>
 #include <optional>
 #include <vector>
@@ -57,6 +58,7 @@ struct StepState {
   bool iteration_open = false;
   std::optional<optim::DynamicLossScaler> scaler;  // fp16, or EngineTestHooks::loss_scaling
   Status backward_error;  // what a hook met inside autograd, returned by Backward
+  std::exception_ptr autograd_exception;  // Engine::TakeAutogradException
 };
 
 // Parameter groups (param_groups.h), fixed at Init: each group's own hyperparameters, each

@@ -85,6 +85,26 @@ Status Engine::Impl::CheckBetweenSteps(const char* what) const {
              "that only evaluate under torch.no_grad(), which opens no step"));
 }
 
+// Note [saving after forwards alone]
+// A checkpoint holds the state the last Step left (masters, moments, working copy, counters),
+// never gradients. Forwards change none of it: their only traces are gathered copies and
+// deferred updates still queued, which the save waits for as it does between steps. So a save
+// after an evaluation forward outside torch.no_grad() is taken, as DeepSpeed takes it, and the
+// forward's graph stays usable for a backward afterwards. Once a backward has run, the step's
+// gradients would be lost from the checkpoint: refused.
+Status Engine::Impl::CheckNoBackwardSinceStep(const char* what) const {
+  if (!step_.step_open) return Status::Ok();
+  const int64_t done = step_.micro_step % config_.gradient_accumulation_steps;
+  if (step_.in_backward)
+    return FailedPrecondition(StrCat(what, " from inside backward: call it after Step() returns"));
+  if (done == 0 && !step_.boundary_reached) return Status::Ok();
+  return FailedPrecondition(StrCat(
+      what, " during a step: backward ran since the last Step() (",
+      step_.boundary_reached ? config_.gradient_accumulation_steps : done, " of ",
+      config_.gradient_accumulation_steps,
+      " micro-steps), and a checkpoint holds no gradients; finish the step with Step() first"));
+}
+
 Status Engine::Impl::CheckStepBoundary() const {
   STRATA_RETURN_IF_ERROR(CheckStatesResident("Step"));
   if (step_.micro_step == 0 || step_.micro_step % config_.gradient_accumulation_steps != 0)
@@ -133,6 +153,8 @@ StatusOr<StepReport> Engine::Impl::Step() {
                               "(EngineOptions::client_optimizer); step with BeginClientStep, the "
                               "optimizer's update, then FinishClientStep");
   STRATA_RETURN_IF_ERROR(CheckStepBoundary());
+  if (!groups_.override_hyper)
+    STRATA_RETURN_IF_ERROR(CheckScheduledBetas(config_, step_.global_step + 1));
   StepReport rep;
   rep.loss_scale = step_.scaler ? step_.scaler->scale() : 1.0;
   bool overflow = false;
@@ -169,7 +191,10 @@ StatusOr<StepReport> Engine::Impl::Step() {
 }
 
 StatusOr<StepReport> Engine::Impl::CompleteStep(StepReport rep, bool overflow) {
-  if (step_.scaler) STRATA_RETURN_IF_ERROR(step_.scaler->Update(overflow));
+  // An overflow at min_loss_scale is an error (DeepSpeed ends the run there), but the step is
+  // still closed as the skipped step it is, so the engine stays usable: a script that catches it
+  // may load a checkpoint (which an open step would refuse) or try the next step.
+  const Status at_min_scale = step_.scaler ? step_.scaler->Update(overflow) : Status::Ok();
   if (!overflow) {
     ++step_.global_step;
     if (!plan_.stage3() && plan_.shard_world() > 1) {
@@ -210,6 +235,7 @@ StatusOr<StepReport> Engine::Impl::CompleteStep(StepReport rep, bool overflow) {
   step_.step_open = false;
   step_.boundary_reached = false;
   ResetLanes();  // the next window starts now: deferred updates run in it
+  if (!at_min_scale.ok()) return at_min_scale;
   return rep;
 }
 

@@ -169,9 +169,16 @@ Status CheckSaveRoot(const std::string& root) {
 
 StatusOr<std::string> ResolveCheckpointDir(const std::string& path) {
   std::error_code ec;
-  if (!fs::is_directory(path, ec))
+  if (!fs::is_directory(path, ec)) {
+    if (fs::exists(path, ec))  // a rank's manifest or state file, say
+      return InvalidArgument(
+          StrCat(path,
+                 " is a file, not a checkpoint directory; pass the directory that "
+                 "holds it, ",
+                 fs::absolute(path, ec).parent_path().string()));
     return NotFound(StrCat("checkpoint directory ", path,
                            " does not exist; pass the --save directory of an earlier run"));
+  }
   if (fs::exists(fs::path(path) / (RankFileStem(0) + ".json"), ec)) return path;
   fs::path latest = fs::path(path) / "latest";
   if (fs::exists(latest, ec)) {

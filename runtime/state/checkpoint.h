@@ -10,7 +10,7 @@
 // at a barrier; rank 0 then renames the directory to its final name, fsyncs R, and replaces
 // `latest` atomically (temporary name, fsync, rename). A crash before that last rename leaves
 // `latest` naming the previous checkpoint, which is untouched. Leftover .tmp directories are
-// removed by the next save.
+// removed by the next save. A step saved again replaces the root's older copy of that step.
 #pragma once
 
 #include <cstdint>

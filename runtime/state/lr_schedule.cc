@@ -124,4 +124,17 @@ std::optional<std::pair<double, double>> ScheduledBetas(const Config& config, in
       s.cycle_max_mom * (1.0 + s.decay_mom_rate * k / static_cast<double>(s.decay_step_size)), kBeta2);
 }
 
+Status CheckScheduledBetas(const Config& config, int64_t step) {
+  const auto betas = ScheduledBetas(config, step);
+  if (!betas || betas->first < 1.0) return Status::Ok();
+  const SchedulerConfig& s = config.scheduler;
+  return InvalidArgument(
+      StrCat("scheduler OneCycle: its momentum decay (decay_mom_rate ", s.decay_mom_rate,
+             " per decay_step_size ", s.decay_step_size,
+             " steps after the cycle, from cycle_max_mom ", s.cycle_max_mom, ") takes betas[0] to ",
+             betas->first, " at step ", step, ", and ", OptimizerTypeName(config.optimizer.type),
+             " needs betas[0] below 1; lower scheduler.params.decay_mom_rate, or set "
+             "scheduler.params.cycle_momentum to false"));
+}
+
 }  // namespace strata

@@ -17,6 +17,7 @@
 #include <utility>
 
 #include "runtime/base/config.h"
+#include "runtime/base/status.h"
 
 namespace strata {
 
@@ -27,5 +28,11 @@ double LearningRate(const Config& config, int64_t step);
 // an optimizer that has betas (Adam, AdamW, Lion; DeepSpeed skips the others with a warning).
 // nullopt: the optimizer's own betas stand.
 std::optional<std::pair<double, double>> ScheduledBetas(const Config& config, int64_t step);
+
+// OK, or INVALID_ARGUMENT naming the schedule's keys, when ScheduledBetas for `step` takes
+// betas[0] to 1 or past it: OneCycle's momentum decay (decay_mom_rate) grows beta1 after the
+// cycle without bound, as DeepSpeed's does, and Adam's bias correction 1 - beta1^t then divides
+// by zero or flips sign, so the weights would go NaN without a word.
+Status CheckScheduledBetas(const Config& config, int64_t step);
 
 }  // namespace strata

@@ -153,22 +153,50 @@ def test_a_complex_parameter_is_refused_and_float64_ones_are_named(capfd):
     engine.close()
 
 
-def test_saving_after_a_forward_with_autograd_on_says_how_to_get_out(tmp_path):
-    """A forward outside torch.no_grad() opens the step whether or not a backward follows, and
-    saving then was refused with only "save after Step() returns". The refusal now names the
-    cause and both ways out; an evaluation forward under no_grad opens no step."""
-    cfg = harness.config_for(STAGE2_CPU, tmp_path)
+@pytest.mark.parametrize("case", [STAGE2_CPU, STAGE3_RELEASE, STAGE3_NVME], ids=lambda c: c[0])
+def test_a_save_after_forwards_alone_is_taken_and_refused_after_a_backward(case, tmp_path):
+    """A forward outside torch.no_grad() opens the step, and a save was then refused until a
+    backward and Step() had run; DeepSpeed takes it. A checkpoint holds what the last Step left,
+    which forwards do not change, so the save is taken between a forward and its backward: the
+    run goes on as plain PyTorch's, and a resume from that save is bit-exact. Once a backward has
+    run in the step, its gradients would be missing from the checkpoint: refused, saying so."""
+    cfg = harness.config_for(case, tmp_path / "nvme")
+    accum = cfg["gradient_accumulation_steps"]
+    want, _ = harness.train_reference("gpt2", 3, accum=accum, clip=case[5])
     engine = _engine("gpt2", cfg)
-    _run(engine, "gpt2", 0, 1, cfg["gradient_accumulation_steps"])
-    x, y = harness.batch("gpt2", 3)
-    with torch.no_grad():
-        harness.loss_of("gpt2", engine, x, y)
-    engine.save_checkpoint(tmp_path / "ck")
-    harness.loss_of("gpt2", engine, x, y)
-    with pytest.raises(RuntimeError, match=r"SaveCheckpoint during a step: a training forward "
-                                           r"\(autograd on\).*under torch\.no_grad\(\)"):
-        engine.save_checkpoint(tmp_path / "ck2")
+    got = _run(engine, "gpt2", 0, 1, accum)
+    harness.loss_of("gpt2", engine, *harness.batch("gpt2", 99))  # evaluation, autograd on
+    total = 0.0
+    for m in range(accum):
+        loss = harness.loss_of("gpt2", engine, *harness.batch("gpt2", accum + m))
+        if m == 0:
+            engine.save_checkpoint(tmp_path / "ck")  # the forward's graph stays usable
+        engine.backward(loss)
+        if m + 1 < accum:
+            with pytest.raises(strata.StrataError, match=rf"SaveCheckpoint during a step: backward "
+                                                         rf"ran since the last Step\(\) \(1 of "
+                                                         rf"{accum} micro-steps\)"):
+                engine.save_checkpoint(tmp_path / "ck2")
+        engine.step()
+        total += loss.item() / accum
+    got += [total] + _run(engine, "gpt2", 2, 1, accum)
+    harness.assert_close(got, want)
+    loss = harness.loss_of("gpt2", engine, *harness.batch("gpt2", 3 * accum))
+    engine.backward(loss)
+    if accum == 1:
+        with pytest.raises(strata.StrataError, match=r"backward ran since the last Step\(\) "
+                                                     r"\(1 of 1 micro-steps\).*holds no gradients"):
+            engine.save_checkpoint(tmp_path / "ck2")
+    with pytest.raises(strata.StrataError, match=r"LoadCheckpoint during a step: a training forward "
+                                                 r"\(autograd on\).*under torch\.no_grad\(\)"):
+        engine.load_checkpoint(tmp_path / "ck")
     engine.close()
+
+    resumed = _engine("gpt2", cfg)
+    resumed.load_checkpoint(tmp_path / "ck")
+    assert resumed.global_steps == 1
+    assert _run(resumed, "gpt2", 1, 2, accum) == got[1:]  # bit for bit
+    resumed.close()
 
 
 class StrataWarnings:

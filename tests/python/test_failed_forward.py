@@ -168,3 +168,32 @@ def test_ending_the_engine_inside_its_backward_is_refused_and_training_goes_on(c
     engine.close()
     _sync()
     harness.assert_close(got, want)
+
+
+class _Stop(Exception):
+    """A script's own exception type."""
+
+
+@pytest.mark.parametrize("raised", [_Stop, KeyboardInterrupt], ids=lambda t: t.__name__)
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c[0])
+def test_a_hooks_own_exception_leaves_backward_as_itself(case, raised, tmp_path):
+    """A hook that raised inside engine.backward() reached the caller as a StrataError holding
+    the exception's text, which is empty for a KeyboardInterrupt(): Ctrl-C in a hook stopped being
+    one, and a script's own exception type was lost. It now leaves as itself, as it does from
+    plain loss.backward(), and the engine then trains exactly as plain PyTorch does."""
+    want, _ = harness.train_reference("vit", 3, accum=case[4], clip=case[5])
+    engine = _engine(case, tmp_path)
+    x, y = harness.batch("vit", 0)
+    loss = harness.loss_of("vit", engine, x, y)
+
+    def hook(grad):
+        raise raised()
+
+    loss.register_hook(hook)
+    with pytest.raises(raised) as info:
+        engine.backward(loss)
+    assert type(info.value) is raised
+    got = harness.run_steps(engine, "vit", 0, 3, case[4])
+    engine.close()
+    _sync()
+    harness.assert_close(got, want)

@@ -221,6 +221,42 @@ def test_a_resumed_fp16_run_scales_as_the_uninterrupted_one(case, tmp_path):
     assert all(torch.equal(g, w) for g, w in zip(got_master, want_master))
 
 
+@pytest.mark.parametrize("case", [CASES[0], CASES[-1]], ids=[CASES[0][0], CASES[-1][0]])
+def test_an_overflow_at_the_minimum_scale_raises_and_leaves_the_engine_usable(case, tmp_path):
+    """An overflow while the scale sits at min_loss_scale raises, as DeepSpeed's does. The step
+    stayed open after it: every later step raised again, and load_checkpoint was refused until
+    destroy(). The step now closes as the skipped step it is: a script that catches the error
+    can load its last checkpoint, which then trains on exactly as a fresh engine from it."""
+    fp16 = dict(FP16, initial_scale_power=1, hysteresis=1)  # 2, then the minimum, 1
+    cfg = harness.config_for(case, tmp_path / "nvme", fp16=fp16)
+    accum = cfg["gradient_accumulation_steps"]
+
+    def engine_from(path=None):
+        torch.manual_seed(0)
+        engine, opt, _, _ = strata.initialize(model=harness.MODELS["kwargs"](),
+                                              config=copy.deepcopy(cfg))
+        if path is not None:
+            engine.load_checkpoint(path)
+        return engine, opt
+
+    engine, opt = engine_from()
+    _fp16_steps(engine, opt, range(accum))
+    engine.save_checkpoint(tmp_path / "ck")
+    before = [t.clone() for t in engine.master_parameters()]
+    _fp16_steps(engine, opt, range(accum, 2 * accum), poison=(accum,))  # 2 -> 1
+    assert opt.cur_scale == 1
+    with pytest.raises(strata.StrataError, match="fp16 overflow at the minimum loss scale"):
+        _fp16_steps(engine, opt, range(2 * accum, 3 * accum), poison=(2 * accum,))
+    assert all(torch.equal(b, a) for b, a in zip(before, engine.master_parameters()))
+    engine.load_checkpoint(tmp_path / "ck")
+    got = _fp16_steps(engine, opt, range(3 * accum, 6 * accum))
+    engine.close()
+    engine, opt = engine_from(tmp_path / "ck")
+    want = _fp16_steps(engine, opt, range(3 * accum, 6 * accum))
+    engine.close()
+    assert got == want
+
+
 def test_a_damaged_or_older_loss_scale_in_a_checkpoint(tmp_path):
     """A malformed scaler state is refused before anything loads; a checkpoint that kept the
     scale alone (as older ones did) restores that scale."""

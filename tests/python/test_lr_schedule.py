@@ -280,6 +280,28 @@ def test_the_configs_one_cycle_and_range_test_match_deepspeeds_rule(schedule, na
     harness.assert_close(got, want)
 
 
+def test_a_one_cycle_momentum_decay_past_one_is_refused_naming_the_schedule(tmp_path):
+    """OneCycle's decay_mom_rate grows betas[0] after the cycle without bound, as DeepSpeed's
+    does. The step it reached 1 at was refused as "parameter group 0: betas[0]=1.045 must be in
+    [0, 1)", naming nothing the config holds; the refusal now names the schedule's keys. The
+    steps before it train, and the engine's weights stay finite."""
+    params = {"cycle_min_lr": 1e-4, "cycle_max_lr": 1e-3, "cycle_first_step_size": 2,
+              "cycle_second_step_size": 2, "decay_step_size": 1, "cycle_min_mom": 0.85,
+              "cycle_max_mom": 0.95, "decay_mom_rate": 0.1}
+    cfg = harness.config_for(CASES["stage2_cpu_clip"], tmp_path / "nvme",
+                             scheduler={"type": "OneCycle", "params": params})
+    torch.manual_seed(0)
+    engine, *_ = strata.initialize(model=harness.MODELS["gpt2"](), config=cfg)
+    train(engine, 1, 0, 5)
+    with pytest.raises(InvalidArgumentError, match=r"scheduler OneCycle: .*decay_mom_rate 0\.1 per "
+                                                   r"decay_step_size 1 .*betas\[0\] to 1\.045 at "
+                                                   r"step 6.*cycle_momentum to false"):
+        train(engine, 1, 5, 1)
+    assert engine.global_steps == 5
+    assert all(torch.isfinite(p).all() for p in engine.master_parameters())
+    engine.close()
+
+
 def test_groups_added_after_initialize_are_refused_by_name(tmp_path):
     engine, opt, _, _ = strata_engine(CASES["stage0"], tmp_path)
     opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(1))]})

@@ -17,6 +17,7 @@
 #include "runtime/base/device.h"
 #include "runtime/comm/communicator.h"
 #include "runtime/engine/engine.h"
+#include "runtime/state/lr_schedule.h"
 #include "tests/runtime/gpt_training.h"
 #include "tests/test_util.h"
 #include "tiers/hbm/device_factory.h"
@@ -591,6 +592,54 @@ TEST(EquivalenceLowPrecision, Fp16OnTheCpuDeviceIsAClearError) {
   ASSERT_FALSE(engine.ok());
   EXPECT_EQ(engine.status().code(), StatusCode::kInvalidArgument);
   EXPECT_NE(engine.status().message().find("use bf16.enabled=true"), std::string::npos);
+}
+
+// Note: OneCycle's momentum decay grows beta1 after the cycle without bound, as DeepSpeed's does;
+// at 1 Adam's bias correction divides by zero and the weights went NaN without a word. The step
+// whose betas reach 1 is refused naming the schedule's keys, whether its updates start in
+// backward (no clipping) or in Step (clipping), and nothing is updated with them.
+TEST(Schedules, AOneCycleMomentumDecayPastOneIsRefusedAtItsStep) {
+  for (double clip : {0.0, 1.0}) {
+    Config c = BaseConfig();
+    c.zero_optimization.stage = 2;
+    c.zero_optimization.offload_optimizer.device = OffloadDevice::kCpu;
+    c.gradient_clipping = clip;
+    c.scheduler.type = SchedulerType::kOneCycle;
+    c.scheduler.cycle_min_lr = 1e-4;
+    c.scheduler.cycle_max_lr = 1e-3;
+    c.scheduler.cycle_first_step_size = 2;
+    c.scheduler.cycle_second_step_size = 2;
+    c.scheduler.decay_step_size = 1;
+    c.scheduler.cycle_min_mom = 0.85;
+    c.scheduler.cycle_max_mom = 0.95;
+    c.scheduler.decay_mom_rate = 0.1;  // 0.95 * (1 + 0.1 k): past 1 one step after the cycle
+    ASSERT_OK(CheckScheduledBetas(c, 5));
+    const Status past = CheckScheduledBetas(c, 6);
+    EXPECT_EQ(past.code(), StatusCode::kInvalidArgument);
+    EXPECT_NE(past.message().find("decay_mom_rate 0.1 per decay_step_size 1"), std::string::npos)
+        << past;
+    EXPECT_NE(past.message().find("betas[0] to 1.045 at step 6"), std::string::npos) << past;
+    auto comm = CreateSingleCommunicator();
+    auto device = CreateDevice("cpu", 256 << 20).value();
+    ASSERT_OK_AND_ASSIGN(auto engine,
+                         Engine::Create(models::BuildGpt(c.model), c, comm.get(), device.get()));
+    Status refused;
+    int step = 0;
+    while (refused.ok() && step < 8) {
+      torch::Tensor b = Batch(c, step, 0);
+      torch::Tensor l = models::LanguageModelLoss(engine->Forward(b.narrow(1, 0, c.model.seq_len)),
+                                                  b.narrow(1, 1, c.model.seq_len));
+      refused = engine->Backward(l);
+      if (refused.ok()) refused = engine->Step().status();
+      ++step;
+    }
+    EXPECT_EQ(step, 6) << "clip " << clip;
+    EXPECT_EQ(refused.code(), StatusCode::kInvalidArgument) << refused;
+    EXPECT_NE(refused.message().find("scheduler OneCycle"), std::string::npos) << refused;
+    EXPECT_EQ(engine->global_step(), 5);
+    ASSERT_OK_AND_ASSIGN(std::vector<torch::Tensor> masters, engine->GatherMasterParams());
+    for (const torch::Tensor& m : masters) EXPECT_TRUE(torch::isfinite(m).all().item<bool>());
+  }
 }
 
 // Offloaded parameters with the optimizer left on the device: refused on every device, as on a

@@ -4,6 +4,7 @@
 #include <filesystem>
 #include <fstream>
 #include <limits>
+#include <set>
 #include <sstream>
 #include <string>
 #include <utility>
@@ -862,20 +863,34 @@ constexpr size_t kMaxConfigBytes = size_t{64} << 20;
 StatusOr<Config> Config::FromJsonText(const std::string& text, const std::string& source) {
   json root;
   bool too_deep = false;
-  const json::parser_callback_t limit_depth = [&too_deep](int depth, json::parse_event_t, json&) {
-    if (depth <= kMaxConfigDepth) return true;
-    too_deep = true;
-    return false;  // discard it, and what it holds
+  // The keys of each object being read, innermost last: a key given twice is refused, as
+  // DeepSpeed refuses it (and Strata's Python side), where the parser alone would keep the last.
+  std::vector<std::set<std::string>> keys;
+  std::string duplicate;
+  const json::parser_callback_t check = [&](int depth, json::parse_event_t event, json& parsed) {
+    if (depth > kMaxConfigDepth) {
+      too_deep = true;
+      return false;  // discard it, and what it holds
+    }
+    if (event == json::parse_event_t::object_start) keys.emplace_back();
+    if (event == json::parse_event_t::object_end && !keys.empty()) keys.pop_back();
+    if (event == json::parse_event_t::key && !keys.empty() && parsed.is_string() &&
+        !keys.back().insert(parsed.get<std::string>()).second && duplicate.empty())
+      duplicate = parsed.get<std::string>();
+    return true;
   };
   try {
     // DeepSpeed reads configs with hjson: comments and trailing commas load (RelaxedJson).
-    root = json::parse(RelaxedJson(text), limit_depth, /*allow_exceptions=*/true);
+    root = json::parse(RelaxedJson(text), check, /*allow_exceptions=*/true);
   } catch (const json::exception& e) {  // parse_error, and out_of_range for numbers like 1e400
     return InvalidArgument(StrCat(source, ": not valid JSON: ", e.what()));
   }
   if (too_deep)
     return InvalidArgument(StrCat(source, ": a value is nested more than ", kMaxConfigDepth,
                                   " levels deep; a DeepSpeed config nests four"));
+  if (!duplicate.empty())
+    return InvalidArgument(
+        StrCat(source, ": key '", duplicate, "' appears twice in one object; keep one"));
   Config c;
   Status s = ParseRoot(root, &c);
   if (!s.ok()) return s.WithContext(source);

@@ -523,6 +523,24 @@ TEST(Config, FromFileNamesThePath) {
       << bad.status().message();
 }
 
+// A key given twice in one object was read as its last value without a word; DeepSpeed (and
+// Strata's Python side) refuse it. The same name in two objects is two keys.
+TEST(Config, AKeyGivenTwiceInOneObjectIsRefused) {
+  for (const char* text : {R"({"train_micro_batch_size_per_gpu": 2, "train_micro_batch_size_per_gpu": 4})",
+                           R"({"zero_optimization": {"stage": 2, "stage": 3}})"}) {
+    auto twice = Config::FromJsonText(text, "twice.json");
+    ASSERT_FALSE(twice.ok()) << text;
+    EXPECT_EQ(twice.status().code(), StatusCode::kInvalidArgument);
+    EXPECT_NE(twice.status().message().find("twice.json: key '"), std::string::npos) << twice.status();
+    EXPECT_NE(twice.status().message().find("' appears twice in one object; keep one"), std::string::npos)
+        << twice.status();
+  }
+  ASSERT_OK_AND_ASSIGN(Config c, Config::FromJsonText(R"({"zero_optimization": {"stage": 3,
+      "offload_param": {"device": "cpu"}, "offload_optimizer": {"device": "cpu"}}})"));
+  EXPECT_EQ(c.zero_optimization.offload_param.device, OffloadDevice::kCpu);
+  EXPECT_EQ(c.zero_optimization.offload_optimizer.device, OffloadDevice::kCpu);
+}
+
 // Note [config limits]: a value nested 100,000 deep used to overflow the stack while its error
 // message was written; an endless file was read until memory ran out.
 TEST(Config, DeepNestingAndEndlessFilesAreRefused) {

@@ -185,6 +185,14 @@ TEST(TuneCliTest, BadArgumentsExitTwo) {
   r = Exec(base + " --profile " + dir.path() + "/p.json --host-budget lots");
   EXPECT_EQ(r.rc, 2);
   EXPECT_NE(r.out.find("--host-budget=lots"), std::string::npos) << r.out;
+  // A profile given as --config: strata-tune has no --params, which the message named.
+  r = Exec(std::string(STRATA_TUNE_BIN) + " --config " + dir.path() + "/p.json --profile " +
+           dir.path() + "/p.json");
+  EXPECT_EQ(r.rc, 2) << r.out;
+  EXPECT_NE(r.out.find("has no \"model\" section: strata-tune tunes a config strata-train runs"),
+            std::string::npos)
+      << r.out;
+  EXPECT_EQ(r.out.find("--params"), std::string::npos) << r.out;
   Write(dir.path() + "/bad.json", R"({"nvme": {"points": [{"op": "sideways"}]}})");
   r = Exec(base + " --profile " + dir.path() + "/bad.json");
   EXPECT_EQ(r.rc, 2);
@@ -489,6 +497,7 @@ TEST(TiersCliTest, FewSmallChunksRunOnTheDefaultBudget) {
 TEST(CliFlagsTest, OutOfRangeValuesExitTwoNamingTheFlag) {
   const std::string swapbench = STRATA_SWAPBENCH_BIN, train = STRATA_TRAIN_BIN;
   const std::string launch = STRATA_LAUNCH_BIN, commbench = STRATA_COMMBENCH_BIN;
+  const std::string estimate = STRATA_ESTIMATE_BIN;
   const std::pair<std::string, std::string> cases[] = {
       {swapbench + " sgd --n 4294967296 --reps 1", "--n=4294967296"},
       {swapbench + " lion --n 4096 --reps 1000000000", "--reps=1000000000"},
@@ -503,8 +512,27 @@ TEST(CliFlagsTest, OutOfRangeValuesExitTwoNamingTheFlag) {
       {train + " --nvme-path '' --steps 1", "--nvme-path=''"},
       {train + " --micro-batch 16777217 --steps 1", "--micro-batch"},
       {train + " --threads 100000 --steps 1", "--threads 100000 is more than 1024"},
+      // Flags that do nothing without another were ignored: no checkpoint, no trace.
+      {train + " --save-every 1 --steps 1", "--save-every requires --save"},
+      {train + " --trace-steps 2 --steps 1", "--trace-steps requires --trace"},
+      // The reason a size is refused (it said "must be a size above 0" for each), and an empty
+      // value, which read as the default.
+      {estimate + " --params 1e9 --largest-layer 1e7 --largest --hbm 0.5",
+       "not a whole number of bytes"},
+      {estimate + " --params 1e9 --largest-layer 1e7 --largest --hbm 1PiB", "unknown unit"},
+      {estimate + " --params 1e9 --largest-layer 1e7 --largest --hbm ''",
+       "--hbm='': needs a value"},
+      // 10^12 layers of one element each filled memory until std::bad_alloc aborted.
+      {estimate + " --params 1e12 --largest-layer 1", "more than the 1000000 modelled"},
+      // A buffer no host holds aborted in std::bad_alloc.
+      {commbench + " --bytes 1TiB --iters 1", "this host has available"},
   };
-  for (const auto& [cmd, want] : cases) {
+  std::vector<std::pair<std::string, std::string>> all(std::begin(cases), std::end(cases));
+  // Two formats benchmarks' worth of buffers at the largest --n: about 180 GB.
+  if (ReadHostMemory().available_bytes < (uint64_t{150} << 30))
+    all.push_back({swapbench + " formats --n 2147483648 --reps 1",
+                   "this host has available; give a smaller --n"});
+  for (const auto& [cmd, want] : all) {
     const Result r = Exec(cmd);
     EXPECT_EQ(r.rc, 2) << cmd << "\n" << r.out;
     EXPECT_NE(r.out.find(want), std::string::npos) << cmd << "\n" << r.out;
@@ -632,6 +660,91 @@ TEST(CliFlagsTest, OutputPathsAreCheckedBeforeTheModelIsBuilt) {
   r = Exec(train + "--plot '' --steps 2 --resume " + step + " --save " + d + "/ck");
   EXPECT_EQ(r.rc, 0) << r.out;
   EXPECT_TRUE(std::filesystem::exists(d + "/ck/step-00000002/rank-00000.json")) << r.out;
+}
+
+// A save of a step the root already holds, from another run, printed "saved" and kept the other
+// run's weights (the step's manifest existed, so nothing was written). It replaces them, and the
+// exchange leaves no temporary folder behind.
+TEST(CliFlagsTest, ASaveOverAnotherRunsStepReplacesIt) {
+  testing::TempDir dir;
+  const std::string d = dir.path();
+  const std::string model = R"("model": {"n_layers": 1, "d_model": 32, "n_heads": 2, "seq_len": 16,
+                                         "vocab_size": 256})";
+  Write(d + "/a.json",
+        R"({"zero_optimization": {"stage": 2}, "strata": {"device": "cpu"}, )" + model + "}");
+  Write(d + "/b.json", R"({"zero_optimization": {"stage": 2}, "strata": {"device": "cpu"},
+      "optimizer": {"type": "AdamW", "params": {"lr": 0.05}}, )" +
+                           model + "}");
+  const std::string train =
+      std::string(STRATA_TRAIN_BIN) + " --eval-batches 0 --plot '' --steps 2 ";
+  Result r = Exec(train + "--config " + d + "/a.json --save " + d + "/ck");
+  ASSERT_EQ(r.rc, 0) << r.out;
+  const std::string bin = d + "/ck/step-00000002/rank-00000.bin";
+  const std::string first = ReadAll(bin);
+  r = Exec(train + "--config " + d + "/b.json --save " + d + "/fresh");
+  ASSERT_EQ(r.rc, 0) << r.out;
+  const std::string want = ReadAll(d + "/fresh/step-00000002/rank-00000.bin");
+  ASSERT_NE(first, want) << "the two runs' weights should differ";
+  r = Exec(train + "--config " + d + "/b.json --save " + d + "/ck");
+  ASSERT_EQ(r.rc, 0) << r.out;
+  EXPECT_NE(r.out.find("checkpoint step 2 saved"), std::string::npos) << r.out;
+  EXPECT_EQ(ReadAll(bin), want) << "the older run's step 2 was kept";
+  for (const auto& e : std::filesystem::directory_iterator(d + "/ck"))
+    EXPECT_NE(e.path().filename().string()[0], '.') << "left behind: " << e.path();
+  // Saved every step, with the last step both periodic and final: written once.
+  r = Exec(train + "--config " + d + "/a.json --save-every 1 --save " + d + "/every");
+  ASSERT_EQ(r.rc, 0) << r.out;
+  EXPECT_EQ(r.out.find("checkpoint step 2 saved"), r.out.rfind("checkpoint step 2 saved")) << r.out;
+  EXPECT_TRUE(std::filesystem::exists(d + "/every/step-00000001/rank-00000.json")) << r.out;
+}
+
+// Signals. During the start there is nothing to save, and a start can block for good (here a
+// FIFO with no writer given as --data): one SIGTERM, as `timeout` sends, ends it at once (it
+// was ignored until the start finished). Once training, a SIGINT that reaches one rank of two
+// stops both after the same step, and the checkpoint is written by both (the rank that stopped
+// alone waited in the save's barrier while the other waited in the next step's collectives).
+TEST(TrainSignalsTest, AStartEndsAtOnceAndRanksStopTogether) {
+  testing::TempDir dir;
+  const std::string d = dir.path();
+  Write(d + "/c.json", R"({"zero_optimization": {"stage": 2}, "strata": {"device": "cpu"},
+      "model": {"n_layers": 1, "d_model": 32, "n_heads": 2, "seq_len": 16, "vocab_size": 256}})");
+  const std::string train =
+      std::string(STRATA_TRAIN_BIN) + " --eval-batches 0 --plot '' --config " + d + "/c.json ";
+  // The signal is sent once the start is blocked opening the FIFO (wait_for_partner), not while
+  // the process is still loading, when the default action would end it anyway.
+  Result r = Exec("{ mkfifo " + d + "/fifo; " + train + "--steps 1 --data " + d + "/fifo & p=$!; "
+                  "for i in $(seq 600); do [ \"$(cat /proc/$p/wchan 2>/dev/null)\" = wait_for_partner ] && break; "
+                  "sleep 0.1; done; start=$(date +%s); kill -TERM $p; (sleep 60; kill -KILL $p) >/dev/null 2>&1 & k=$!; wait $p; "
+                  "echo \"rc=$? took=$(( $(date +%s) - start ))\"; kill $k; } 2>&1");
+  EXPECT_NE(r.out.find("interrupted during the start; nothing trained or saved"), std::string::npos)
+      << r.out;
+  const size_t took = r.out.find("took=");
+  ASSERT_NE(took, std::string::npos) << r.out;
+  EXPECT_LT(std::atoi(r.out.c_str() + took + 5), 30) << r.out;
+
+  // Rank 1 alone is interrupted once step 1's checkpoint is published (so, in the loop).
+  const std::string ck = d + "/ck";
+  r = Exec("{ timeout -k 10 240 " + std::string(STRATA_LAUNCH_BIN) +
+           " --nproc 2 -- sh -c 'if [ $RANK = 1 ]; then "
+           "(while [ ! -e " +
+           ck + "/step-00000001 ]; do sleep 0.05; done; kill -INT $$) & fi; exec " +
+           STRATA_TRAIN_BIN + " --eval-batches 0 --plot \"\" --config " + d +
+           "/c.json --steps 100000 --save-every 1 " + "--save " + ck + "'; echo \"rc=$?\"; } 2>&1");
+  EXPECT_NE(r.out.find("rc=130"), std::string::npos) << r.out;
+  const std::string latest = ReadAll(ck + "/latest");
+  ASSERT_EQ(latest.rfind("step-", 0), 0u) << r.out;
+  for (const char* f : {"/rank-00000.json", "/rank-00001.json"})
+    EXPECT_TRUE(std::filesystem::exists(ck + "/" + latest + f)) << latest << f << "\n" << r.out;
+  EXPECT_EQ(r.out.find("Connection closed"), std::string::npos) << r.out;
+  EXPECT_EQ(r.out.find("timed out"), std::string::npos) << r.out;
+
+  // A trace over steps the run never took was left out without a word.
+  r = Exec(train + "--steps 1 --trace " + d + "/t.json");
+  EXPECT_EQ(r.rc, 0) << r.out;
+  EXPECT_NE(r.out.find("--trace " + d +
+                       "/t.json not written: a trace records the steps after the run's first"),
+            std::string::npos)
+      << r.out;
 }
 
 // strata-tune's --out may not be its --profile or --config (it replaced the measured profile

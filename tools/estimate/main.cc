@@ -44,8 +44,12 @@ void MeasureForAuto(const Config& config, EstimateOptions* eo) {
 
 StatusOr<uint64_t> BytesFlag(const std::string& flag, const std::string& v) {
   auto b = ParseBytes(v);
-  if (!b.ok() || *b == 0)
-    return InvalidArgument(StrCat(flag, "=", v, ": must be a size above 0, such as 80GiB or 512MiB"));
+  if (!b.ok())  // ParseBytes says why: the unit, a fraction of a byte, too large
+    return InvalidArgument(
+        StrCat(flag, "=", v, ": ", b.status().message(), "; give a size such as 80GiB or 512MiB"));
+  if (*b == 0)
+    return InvalidArgument(
+        StrCat(flag, "=", v, ": must be a size above 0, such as 80GiB or 512MiB"));
   return *b;
 }
 
@@ -294,6 +298,13 @@ int main(int argc, char** argv) {
   if (!gflops_s.empty() && (!largest_mode || profile_path.empty()))
     return fail(InvalidArgument(StrCat("--gflops=", gflops_s, " sets the compute rate of --largest's step "
                                        "prediction: pass it with --largest and --profile")), 2);
+  // --hbm is the machine planned for: it replaces the config's strata.device_memory_budget,
+  // which the plan would otherwise take before the device's own size.
+  if (!hbm.empty()) {
+    auto b = BytesFlag("--hbm", hbm);
+    if (!b.ok()) return fail(b.status(), 2);
+    config.strata.device_memory_budget = *b;
+  }
   if (largest_mode)
     return RunLargest(config, device, hbm, host, disk, nvme_path, profile_path, gflops_s, static_cast<int>(*world),
                       build, init_element_bytes, json);

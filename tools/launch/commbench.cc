@@ -6,6 +6,7 @@
 #include <chrono>
 #include <cstdio>
 #include <cstring>
+#include <filesystem>
 #include <string>
 #include <vector>
 
@@ -50,16 +51,35 @@ strata::StatusOr<Result> Time(strata::Communicator& comm, int warmup, int iters,
 
 // Adds {"comm": {...}} to the profile strata-tune reads (tools/planner/profile.h), creating the
 // file when it does not exist; other sections are kept. Written atomically (temporary + rename).
-Status WriteToProfile(const std::string& path, const std::string& backend, int world, double busbw) {
-  nlohmann::json j = nlohmann::json::object();
-  if (auto text = strata::checkpoint::ReadFile(path); text.ok()) {
-    j = nlohmann::json::parse(*text, nullptr, /*allow_exceptions=*/false);
-    if (j.is_discarded() || !j.is_object())
-      return strata::InvalidArgument(strata::StrCat("--profile ", path, ": not a JSON object; ",
-                                                    "pass a strata-swapbench profile or a new path"));
-  } else if (text.status().code() != strata::StatusCode::kNotFound) {
+// The profile as it stands (an empty object when the file does not exist yet), read before the
+// benchmark runs so that a bad path costs no measurement. Only a profile is taken: every one
+// strata-swapbench or strata-commbench writes has "version", and a training config has not, so
+// a config given by mistake is refused instead of gaining a "comm" section.
+strata::StatusOr<nlohmann::json> ReadProfile(const std::string& path) {
+  std::error_code ec;
+  if (std::filesystem::is_directory(path, ec))
+    return strata::InvalidArgument(
+        strata::StrCat("--profile ", path, ": a directory; pass a profile file"));
+  auto text = strata::checkpoint::ReadFile(path);
+  if (!text.ok()) {
+    if (text.status().code() == strata::StatusCode::kNotFound) return nlohmann::json::object();
     return text.status();
   }
+  nlohmann::json j = nlohmann::json::parse(*text, nullptr, /*allow_exceptions=*/false);
+  if (j.is_discarded() || !j.is_object())
+    return strata::InvalidArgument(strata::StrCat("--profile ", path, ": not a JSON object; ",
+                                                  "pass a strata-swapbench profile or a new path"));
+  if (!j.contains("version"))
+    return strata::InvalidArgument(strata::StrCat(
+        "--profile ", path,
+        ": a JSON object without \"version\", so no strata-swapbench profile (a training "
+        "config?); pass a profile or a new path"));
+  return j;
+}
+
+Status WriteToProfile(const std::string& path, const std::string& backend, int world,
+                      double busbw) {
+  STRATA_ASSIGN_OR_RETURN(nlohmann::json j, ReadProfile(path));
   if (!j.contains("version")) j["version"] = 1;
   j["comm"] = {{"backend", backend}, {"world_size", world}, {"busbw_gbps", busbw}};
   return strata::checkpoint::WriteFileAtomic(path, j.dump(2) + "\n");
@@ -73,6 +93,7 @@ Status Run(const std::string& bytes_text, int iters, int warmup, const std::stri
     return strata::InvalidArgument(strata::StrCat("--bytes=", bytes_text, ": must be 4 B .. 1 TiB"));
   if (bucket < 0)
     return strata::InvalidArgument(strata::StrCat("--bucket=", bucket, ": must be >= 0 elements (0: the default)"));
+  if (!profile.empty()) STRATA_RETURN_IF_ERROR(ReadProfile(profile).status());
   strata::CommOptions opts;
   opts.backend = backend;
   opts.timeout_s = timeout_s;
@@ -86,6 +107,16 @@ Status Run(const std::string& bytes_text, int iters, int warmup, const std::stri
     return strata::InvalidArgument("--profile needs a bandwidth between ranks: run under "
                                    "`strata-launch --nproc N -- strata-commbench --profile ...`");
   const int64_t shard = std::max<int64_t>(1, static_cast<int64_t>(bytes / 4) / n);
+  // The full buffer and this rank's part, on every rank of this host: refused before they are
+  // allocated (std::bad_alloc would abort).
+  const uint64_t need = static_cast<uint64_t>(shard) * 4 * (n + 1) * n;
+  const uint64_t available = strata::ReadHostMemory().available_bytes;
+  if (available > 0 && need > available / 10 * 9)
+    return strata::InvalidArgument(strata::StrCat(
+        "--bytes=", bytes_text, ": ", n, " rank(s) here would hold ", strata::FormatBytes(need),
+        " of buffers, more than the ", strata::FormatBytes(available),
+        " this host has available; give a "
+        "smaller --bytes"));
   std::vector<float> full(static_cast<size_t>(shard) * n, 1.0f);
   std::vector<float> part(static_cast<size_t>(shard), 1.0f);
   const double full_bytes = static_cast<double>(full.size()) * 4;

@@ -13,6 +13,7 @@
 #include <netinet/in.h>
 #include <poll.h>
 #include <signal.h>
+#include <sys/prctl.h>
 #include <sys/signalfd.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
@@ -124,11 +125,17 @@ void EmitLines(int rank, int stream, std::string* partial, const char* data, siz
 
 pid_t SpawnRank(int rank, int nproc, int port, const std::vector<std::string>& cmd, int out_fd,
                 int err_fd, const sigset_t& old_mask) {
+  const pid_t parent = getpid();
   const pid_t pid = fork();
   if (pid < 0) Die(std::string("fork: ") + std::strerror(errno));
   if (pid > 0) return pid;
   // Child: own process group (so teardown reaches the rank's own children), default signals.
   setpgid(0, 0);
+  // A launcher that dies without its teardown (SIGKILL, OOM) takes the rank with it: an orphan
+  // rank would wait in a collective for peers that are gone, holding its memory and GPU. The
+  // check after covers a launcher that died before the request.
+  prctl(PR_SET_PDEATHSIG, SIGKILL);
+  if (getppid() != parent) _exit(127);
   sigprocmask(SIG_SETMASK, &old_mask, nullptr);
   dup2(out_fd, STDOUT_FILENO);
   dup2(err_fd, STDERR_FILENO);

@@ -30,6 +30,17 @@ int ParseArgs(CLI::App& app, int argc, char** argv) {
               << " --help` for the options.\n";
     return 2;
   }
+  // An empty value (--hbm '') would read as "not given" and the run go on with the default.
+  for (const CLI::Option* o : app.get_options()) {
+    if (o->count() == 0 || o->get_type_size() == 0) continue;  // not given, or a flag
+    for (const std::string& v : o->results()) {
+      if (!v.empty()) continue;
+      std::cerr << app.get_name() << ": " << o->get_name()
+                << "='': needs a value (leave the flag out for "
+                << "the default)\nRun `" << app.get_name() << " --help` for the options.\n";
+      return 2;
+    }
+  }
   return -1;
 }
 
@@ -40,7 +51,7 @@ StatusOr<int64_t> ParseCount(const std::string& flag, const std::string& text, i
   if (text.empty() || errno != 0 || *end != '\0' || !std::isfinite(v) || v != std::floor(v) ||
       v < static_cast<double>(lo) || v > static_cast<double>(hi))
     return InvalidArgument(StrCat(flag, "=", text, ": must be a whole number in ", lo, "..", hi,
-                                  " (e.g. 1.5e9)"));
+                                  hi >= 1500000000 ? " (e.g. 1.5e9)" : ""));
   return static_cast<int64_t>(v);
 }
 
@@ -55,8 +66,10 @@ Status ResolveAutoForPlanning(Config* config, const std::string& device, int wor
 StatusOr<double> ParseGflops(const std::string& text) {
   char* end = nullptr;
   const double v = std::strtod(text.c_str(), &end);
-  if (text.empty() || *end != '\0' || !(v > 0) || !(v <= 1e7))
-    return InvalidArgument(StrCat("--gflops=", text, ": must be a number in (0, 1e7] GFLOP/s"));
+  // From a thousandth of a GFLOP/s (far below any core) to 10^7 (far above any machine): outside
+  // that, a typo, and step times hundreds of digits wide.
+  if (text.empty() || *end != '\0' || !(v >= 1e-3) || !(v <= 1e7))
+    return InvalidArgument(StrCat("--gflops=", text, ": must be a number in [0.001, 1e7] GFLOP/s"));
   return v;
 }
 

@@ -1,6 +1,7 @@
 #include "tools/planner/model_spec.h"
 
 #include <algorithm>
+#include <limits>
 
 #include "tools/train/parallel_init_threshold.h"
 
@@ -80,6 +81,14 @@ StatusOr<ModelSpec> SyntheticModelSpec(int64_t params, int64_t largest_layer) {
   if (largest_layer < 1 || largest_layer > params)
     return InvalidArgument(StrCat("--largest-layer=", largest_layer, ": must be in 1..--params (",
                                   params, ")"));
+  // One block per layer: a count no real model has would only fill memory (10^12 for
+  // --params 1e12 --largest-layer 1). A million layers is far past any model's.
+  constexpr int64_t kMaxLayers = 1000000;
+  const int64_t layers = params / largest_layer + (params % largest_layer != 0);
+  if (layers > kMaxLayers)
+    return InvalidArgument(StrCat(
+        "--params=", params, " in layers of --largest-layer=", largest_layer, " is ", layers,
+        " layers, more than the ", kMaxLayers, " modelled; give the largest layer's real size"));
   ModelSpec m;
   int64_t left = params, block = 0;
   while (left > 0) {
@@ -118,25 +127,34 @@ StatusOr<ModelSpec> SyntheticModelSpec(int64_t params, int64_t largest_layer) {
 // Forward's peak (one block's working set without autograd) is below that.
 ActivationEstimate GptActivations(const ModelConfig& c, int64_t micro_batch, int elem_size,
                                   bool inputs_on_host) {
-  const uint64_t B = static_cast<uint64_t>(std::max<int64_t>(micro_batch, 0));
-  const uint64_t T = static_cast<uint64_t>(c.seq_len), d = static_cast<uint64_t>(c.d_model),
-                 h = static_cast<uint64_t>(c.n_heads), V = static_cast<uint64_t>(c.vocab_size);
-  const uint64_t e = static_cast<uint64_t>(elem_size);
+  // In long double (a 64-bit mantissa: exact wherever the result fits in uint64_t) and saturated
+  // at its largest value: a config of extreme sizes wrapped around, and its activations shrank
+  // as the micro-batch grew.
+  using F = long double;
+  const auto bytes = [](F v) {
+    constexpr F kMax = static_cast<F>(std::numeric_limits<uint64_t>::max());
+    return v >= kMax ? std::numeric_limits<uint64_t>::max() : static_cast<uint64_t>(v);
+  };
+  const F B = static_cast<F>(std::max<int64_t>(micro_batch, 0));
+  const F T = static_cast<F>(c.seq_len), d = static_cast<F>(c.d_model),
+          h = static_cast<F>(c.n_heads), V = static_cast<F>(c.vocab_size),
+          e = static_cast<F>(elem_size);
   ActivationEstimate a;
-  uint64_t block = 16 * T * d * e + h * T * T * e + 16 * T;
+  F block = 16 * T * d * e + h * T * T * e + 16 * T;
   if (c.dropout > 0) block += h * T * T + 2 * T * d;
-  a.per_block_bytes = B * block;
+  a.per_block_bytes = bytes(B * block);
   // fp32 logits are their own fp32 copy (.to(kFloat32) returns the same tensor).
-  a.head_bytes = B * (2 * T * d * e + 8 * T + T * V * e + (e == 4 ? 0 : T * V * 4));
-  const uint64_t L = static_cast<uint64_t>(c.n_layers), ids = B * T * 8;
+  const F head = B * (2 * T * d * e + 8 * T + T * V * e + (elem_size == 4 ? 0 : T * V * 4));
+  a.head_bytes = bytes(head);
+  const F L = static_cast<F>(c.n_layers), ids = B * T * 8;
   if (!c.checkpoint_activations) {
-    a.saved_bytes = a.per_block_bytes * L + a.head_bytes + ids;
+    a.saved_bytes = bytes(B * block * L + head + ids);
     return a;
   }
   a.checkpointed = true;
-  a.kept_inputs_bytes = B * T * d * e * L;
-  a.saved_bytes = (inputs_on_host ? 0 : a.kept_inputs_bytes) + a.per_block_bytes + B * T * d * e +
-                  a.head_bytes + ids;
+  const F kept = B * T * d * e * L;
+  a.kept_inputs_bytes = bytes(kept);
+  a.saved_bytes = bytes((inputs_on_host ? 0 : kept) + B * block + B * T * d * e + head + ids);
   return a;
 }
 

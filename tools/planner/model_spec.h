@@ -50,7 +50,8 @@ struct ModelSpec {
 StatusOr<ModelSpec> GptModelSpec(const ModelConfig& c);
 
 // A model known only by its size: `params` elements split into layers of at most
-// `largest_layer` elements, one engine block per layer (the last one takes the remainder).
+// `largest_layer` elements, one engine block per layer (the last one takes the remainder); at
+// most a million layers.
 StatusOr<ModelSpec> SyntheticModelSpec(int64_t params, int64_t largest_layer);
 
 // Bytes autograd keeps from forward to backward for one micro-batch of `micro_batch` sequences

@@ -382,6 +382,14 @@ int RunAdam(const AdamArgs& args) {
   }
   const Settings s = *settings;
   const size_t n = s.n;
+  // The two pools below, the roofline's streams and LibTorch's reference, about 100 bytes per
+  // element (--help's 6.5 GB at 64M): refused before the pool, whose own refusal names the
+  // engine's keys, not --n.
+  if (Status fits = CheckBuffersFit(static_cast<int64_t>(n), static_cast<uint64_t>(n) * 100);
+      !fits.ok()) {
+    std::cerr << "strata-swapbench adam: " << fits.message() << "\n";
+    return 2;
+  }
   tbb::task_arena arena(s.threads);
   torch::set_num_threads(s.threads);
 

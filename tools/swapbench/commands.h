@@ -7,7 +7,9 @@
 
 #include <CLI/CLI.hpp>
 
+#include "runtime/base/host_info.h"
 #include "runtime/base/status.h"
+#include "runtime/base/units.h"
 
 namespace strata::swapbench {
 
@@ -30,6 +32,17 @@ inline Status CheckKernelBenchSizes(int64_t n, int64_t threads, int64_t reps) {
   if (threads < 0 || threads > 1024) return out("--threads", threads, 0, 1024);
   if (reps < 1 || reps > 1000) return out("--reps", reps, 1, 1000);
   return Status::Ok();
+}
+
+// A benchmark's buffers, `bytes` for --n `n`, against what the host has available: refused
+// naming the flag before anything is allocated, where std::bad_alloc would abort the process
+// (or the kernel's OOM killer end it).
+inline Status CheckBuffersFit(int64_t n, uint64_t bytes) {
+  const uint64_t available = ReadHostMemory().available_bytes;
+  if (available == 0 || bytes <= available / 10 * 9) return Status::Ok();
+  return InvalidArgument(StrCat("--n=", n, ": the benchmark's buffers take about ",
+                                FormatBytes(bytes), ", more than the ", FormatBytes(available),
+                                " this host has available; give a smaller --n"));
 }
 
 }  // namespace strata::swapbench

@@ -130,8 +130,11 @@ void Report(const BenchArgs& a, size_t n, int threads, optim::Isa isa, double st
 
 int RunBench(const BenchArgs& a) {
   const char* name = NameOf(a.kind);
-  if (Status s = CheckKernelBenchSizes(a.n, a.threads, a.reps); !s.ok()) {
-    std::cerr << "strata-swapbench " << name << ": " << s.message() << "\n";
+  // Six fp32 arrays here, and LibTorch's parameter, gradient and up to two states.
+  Status fits = CheckKernelBenchSizes(a.n, a.threads, a.reps);
+  if (fits.ok()) fits = CheckBuffersFit(a.n, static_cast<uint64_t>(a.n) * 4 * 10);
+  if (!fits.ok()) {
+    std::cerr << "strata-swapbench " << name << ": " << fits.message() << "\n";
     return 2;
   }
   const size_t n = static_cast<size_t>(a.n);

@@ -195,6 +195,13 @@ int RunFormats(const FormatsArgs& a) {
     return 2;
   }
   const size_t n = static_cast<size_t>(a.n);
+  uint64_t buffers = 0;  // every layout's, held at once (Buffers below)
+  for (const Layout& l : kLayouts)
+    buffers += optim::MasterBytes(l.master, n) + 2 * optim::MomentBytes(l.moments, n) + 4 * n;
+  if (Status s = CheckBuffersFit(a.n, buffers); !s.ok()) {
+    std::fprintf(stderr, "strata-swapbench formats: %s\n", std::string(s.message()).c_str());
+    return 2;
+  }
   const int threads = a.threads > 0 ? a.threads : tbb::info::default_concurrency();
   tbb::task_arena arena(threads);
   std::vector<std::function<void()>> variants;  // per layout: Strata's step, then its roofline

@@ -61,14 +61,25 @@ CLI::Validator WholeAtLeast(int64_t lo) {
 
 namespace {
 
-// The first SIGINT or SIGTERM stops the run after its current step, which then saves as at the
-// end (--save); a second one ends the process at once, as the signal's default does (a start
-// of a large model takes minutes, and a user pressing Ctrl-C twice means it). Checkpoints are
-// written to a temporary name and renamed, so an end mid-save leaves the last whole one.
+// Once training has begun, the first SIGINT or SIGTERM stops the run after its current step,
+// which then saves as at the end (--save); a second one ends the process at once, as the
+// signal's default does (a user pressing Ctrl-C twice means it). Before that, during the start,
+// there is nothing to save, and the start may be blocked for minutes (a peer rank that never
+// comes, a FIFO given as --data with no writer): the first signal ends the process at once, so
+// `timeout` and other supervisors that send one SIGTERM are obeyed. Checkpoints are written to a
+// temporary name and renamed, so an end mid-save leaves the last whole one. Several ranks agree
+// on the stop after each step (Loop), so a signal that reaches them at different steps stops
+// them all after the same one.
 std::atomic<bool> g_stop{false};
+std::atomic<bool> g_training{false};
 void OnSignal(int sig) {
-  if (g_stop.exchange(true)) {
-    signal(sig, SIG_DFL);  // both async-signal-safe
+  if (!g_training.load() || g_stop.exchange(true)) {
+    if (!g_training.load()) {
+      static const char kMsg[] =
+          "strata-train: interrupted during the start; nothing trained or saved\n";
+      (void)!write(STDERR_FILENO, kMsg, sizeof kMsg - 1);
+    }
+    signal(sig, SIG_DFL);  // all three async-signal-safe
     raise(sig);
   }
 }
@@ -192,13 +203,10 @@ class Trainer {
   int Run() {
     Status s = Setup();
     if (!s.ok()) return Fail(s);
-    if (g_stop.load()) {
-      if (leader()) std::fprintf(stderr, "strata-train: interrupted during the start; nothing trained or saved\n");
-      return 130;
-    }
+    g_training.store(true);
     s = Loop();
     if (!s.ok()) return Fail(s);
-    return g_stop.load() ? 130 : 0;
+    return interrupted_ ? 130 : 0;
   }
 
  private:
@@ -303,6 +311,18 @@ class Trainer {
     STRATA_RETURN_IF_ERROR(CheckResumable());
     STRATA_RETURN_IF_ERROR(CheckOutputs());
     STRATA_ASSIGN_OR_RETURN(data_, LoadText(f_.data, c_.model.seq_len));
+    if (leader() && !f_.json && !data_.skipped.empty()) {
+      // Left out without a word, a corpus could be a fraction of what the user meant.
+      std::string names;
+      for (size_t i = 0; i < data_.skipped.size() && i < 5; ++i)
+        names += (i ? ", " : "") + data_.skipped[i];
+      if (data_.skipped.size() > 5) names += StrCat(" and ", data_.skipped.size() - 5, " more");
+      std::fprintf(
+          stderr,
+          "strata-train: --data %s: %zu entries left out (symbolic links, folders and fortune's "
+          "*.dat indexes are not read): %s\n",
+          f_.data.c_str(), data_.skipped.size(), names.c_str());
+    }
     EngineOptions eo;
     if (!f_.nvme_path.empty()) eo.nvme_path = {f_.nvme_path};
     const int64_t params = models::GptParameterCount(c_.model);
@@ -395,14 +415,26 @@ class Trainer {
   }
 
   Status Save() {
-    if (f_.save.empty()) return Status::Ok();
+    // A periodic save of the step the run ends on (or is interrupted after) is not written twice.
+    if (f_.save.empty() || saved_step_ == engine_->global_step()) return Status::Ok();
     auto t0 = std::chrono::steady_clock::now();
     STRATA_RETURN_IF_ERROR(engine_->SaveCheckpoint(f_.save, {{"seed", c_.model.seed}}));
     if (leader() && !f_.json)
       std::fprintf(stderr, "strata-train: checkpoint step %lld saved to %s in %.1f s\n",
                    (long long)engine_->global_step(), f_.save.c_str(),
                    std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+    saved_step_ = engine_->global_step();
     return Status::Ok();
+  }
+
+  // Whether to stop after this step: a signal on any rank stops every rank after the same step
+  // (a rank that stopped alone would wait in the save's barrier while the others wait in the
+  // next step's collectives).
+  StatusOr<bool> AgreeToStop() {
+    double stop = g_stop.load() ? 1.0 : 0.0;
+    if (comm_->world_size() > 1)
+      STRATA_RETURN_IF_ERROR(comm_->AllReduce(&stop, 1, strata::DType::kF64, ReduceOp::kMax));
+    return stop > 0;
   }
 
   void Progress(int64_t done, int64_t total, double elapsed, double loss) {
@@ -439,7 +471,8 @@ class Trainer {
     const auto t_start = std::chrono::steady_clock::now();
     // Traced: the steps after the first, which includes warm-up work.
     const int64_t trace_from = first + 1, trace_to = first + 1 + f_.trace_steps;
-    for (int64_t step = first; step < last && !g_stop.load(); ++step) {
+    bool stop = false;
+    for (int64_t step = first; step < last && !stop; ++step) {
       if (!f_.trace.empty() && step == trace_from) engine_->SetTracing(true);
       STRATA_ASSIGN_OR_RETURN(double loss, MicroSteps(step));
       StatusOr<StepReport> stepped = engine_->Step();
@@ -487,6 +520,20 @@ class Trainer {
                loss);
       if (f_.save_every > 0 && (step + 1) % f_.save_every == 0 && step + 1 != last)
         STRATA_RETURN_IF_ERROR(Save());
+      STRATA_ASSIGN_OR_RETURN(stop, AgreeToStop());
+      interrupted_ = stop;
+    }
+    if (!f_.trace.empty() && !trace_written_) {
+      // Interrupted while tracing: what was recorded. A run that never passed its first step
+      // (the trace leaves it out: it holds warm-up work) records nothing, and says so.
+      if (engine_->global_step() > first + 1) {
+        STRATA_RETURN_IF_ERROR(WriteTrace());
+      } else if (leader()) {
+        std::fprintf(stderr,
+                     "strata-train: --trace %s not written: a trace records the steps after the "
+                     "run's first, and this run took %lld step(s)\n",
+                     f_.trace.c_str(), (long long)(engine_->global_step() - first));
+      }
     }
     STRATA_RETURN_IF_ERROR(Save());
     const double wall = std::chrono::duration<double>(std::chrono::steady_clock::now() - t_start).count();
@@ -560,7 +607,7 @@ class Trainer {
         {"wall_s", wall},
         {"host", host_},
         {"peak_rss_bytes", PeakRssBytes()},
-        {"interrupted", g_stop.load()},
+        {"interrupted", interrupted_},
         {"engine", engine_->Describe()}};
     if (!f_.plot.empty() && !t.loss.x.empty()) {
       Status ps = WriteTrainingSvg(f_.plot, "strata-train", {t.loss, t.val}, "loss", {t.tps},
@@ -606,6 +653,7 @@ class Trainer {
     if (comm_->rank() > 0) path += StrCat(".rank", comm_->rank());
     STRATA_RETURN_IF_ERROR(checkpoint::WriteFileAtomic(path, engine_->TraceJson().dump()));
     if (leader()) std::fprintf(stderr, "strata-train: lane trace written to %s\n", path.c_str());
+    trace_written_ = true;
     return Status::Ok();
   }
 
@@ -704,6 +752,9 @@ class Trainer {
   std::unique_ptr<Device> device_;
   std::unique_ptr<Engine> engine_;
   TextData data_;
+  int64_t saved_step_ = -1;  // the step Save last wrote in this run
+  bool trace_written_ = false;
+  bool interrupted_ = false;  // a signal (on any rank) ended the loop early
 };
 
 }  // namespace
@@ -745,8 +796,11 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--nvme-path", f.nvme_path,
                  "directory for NVMe swap files (overrides offload_*.nvme_path)");
-  app.add_option("--save", f.save, "checkpoint root: saved at the end (and every --save-every steps)");
-  app.add_option("--save-every", f.save_every, "also save every N steps")->check(strata::train::WholeAtLeast(0));
+  CLI::Option* save = app.add_option(
+      "--save", f.save, "checkpoint root: saved at the end (and every --save-every steps)");
+  app.add_option("--save-every", f.save_every, "also save every N steps (needs --save)")
+      ->check(strata::train::WholeAtLeast(0))
+      ->needs(save);
   app.add_option("--resume", f.resume, "resume from a checkpoint root (its 'latest') or a step-* directory");
   app.add_flag("--json", f.json, "print one JSON object per step and a final summary object on stdout");
   app.add_option("--eval-every", f.eval_every, "validation loss every N steps (0: only at the end)")
@@ -762,12 +816,15 @@ int main(int argc, char** argv) {
                  "LibTorch compute threads (default: LibTorch's own choice, which the log prints "
                  "beside the optimizer's; updates that overlap compute take the cores it leaves)")
       ->check(strata::train::WholeAtLeast(0));
-  app.add_option("--trace", f.trace,
-                 "write the engine's lanes (compute, waits, copies, collectives, NVMe, each chunk's "
-                 "Adam) for --trace-steps steps after the first as Chrome trace-event JSON: open it "
-                 "in ui.perfetto.dev or chrome://tracing");
-  app.add_option("--trace-steps", f.trace_steps, "steps --trace records")
-      ->capture_default_str()->check(strata::train::WholeAtLeast(1));
+  CLI::Option* trace = app.add_option(
+      "--trace", f.trace,
+      "write the engine's lanes (compute, waits, copies, collectives, NVMe, each chunk's "
+      "Adam) for --trace-steps steps after the first as Chrome trace-event JSON: open it "
+      "in ui.perfetto.dev or chrome://tracing");
+  app.add_option("--trace-steps", f.trace_steps, "steps --trace records (needs --trace)")
+      ->capture_default_str()
+      ->check(strata::train::WholeAtLeast(1))
+      ->needs(trace);
   app.add_option("--micro-batch", f.micro_batch,
                  "micro-batch size per rank, used where the config says "
                  "train_micro_batch_size_per_gpu: \"auto\" (default 1)")

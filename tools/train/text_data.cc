@@ -20,17 +20,27 @@ StatusOr<TextData> LoadText(const std::string& path, int64_t seq_len, double hol
     return NotFound(StrCat("--data ", path, " does not exist; pass a text file or a directory of "
                            "text files (the default corpus comes with Debian's fortunes package)"));
   std::vector<fs::path> files;
+  TextData data;
   if (fs::is_directory(st)) {
     for (const auto& e : fs::directory_iterator(path, ec)) {
-      if (e.is_symlink() || !e.is_regular_file()) continue;
-      if (e.path().extension() == ".dat") continue;
+      // fortune's index of a file beside it: binary, left out without a word.
+      fs::path base = e.path();
+      if (e.path().extension() == ".dat" && fs::is_regular_file(base.replace_extension(), ec))
+        continue;
+      // A link to a file of this directory (fortune's *.u8 names) would read that file twice.
+      if (e.is_symlink() && fs::equivalent(fs::canonical(e.path(), ec).parent_path(), path, ec))
+        continue;
+      if (e.is_symlink() || !e.is_regular_file() || e.path().extension() == ".dat") {
+        data.skipped.push_back(e.path().filename().string());
+        continue;
+      }
       files.push_back(e.path());
     }
     std::sort(files.begin(), files.end());
+    std::sort(data.skipped.begin(), data.skipped.end());
   } else {
     files.push_back(path);
   }
-  TextData data;
   std::vector<uint8_t> all;
   // The corpus is held in memory, and copied once into its two splits: an eighth of what the
   // host has free leaves room for both and for a growing buffer's doubling (a device such as

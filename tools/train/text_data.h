@@ -14,12 +14,15 @@ namespace strata::train {
 struct TextData {
   std::vector<uint8_t> train;
   std::vector<uint8_t> validation;
-  std::vector<std::string> files;  // what was read, in order
+  std::vector<std::string> files;    // what was read, in order
+  std::vector<std::string> skipped;  // a directory's entries left out (links, folders, *.dat)
 };
 
-// Reads `path`: a file, or every regular file of a directory in name order (symbolic links and
-// fortune's binary *.dat indexes skipped). The last `holdout` fraction (at least one window)
-// becomes the validation split. Errors name the path and what to pass instead.
+// Reads `path`: a file, or every regular file of a directory in name order (symbolic links,
+// folders and *.dat files skipped, and listed in `skipped` unless a *.dat is fortune's binary
+// index of the file beside it or a link leads to a file of the same directory). The last `holdout`
+// fraction (at least one window) becomes the validation split. Errors name the path and what to
+// pass instead.
 StatusOr<TextData> LoadText(const std::string& path, int64_t seq_len, double holdout = 0.05);
 
 // Fills `tokens` with `batch` windows of seq_len + 1 bytes from `data`, starting at offsets drawn

@@ -376,6 +376,14 @@ int main(int argc, char** argv) {
   auto options = MakeTuneOptions(&a, *config, *profile, static_cast<int>(*world));
   if (!options.ok()) return fail(options.status(), 2);
   TuneOptions to = *options;
+  if (!raw->contains(
+          "model"))  // strata-tune has no --params: the model comes from the config alone
+    return fail(InvalidArgument(
+                    StrCat("--config ", a.config_path,
+                           " has no \"model\" section: strata-tune tunes "
+                           "a config strata-train runs, with its GPT (n_layers, d_model, n_heads, "
+                           "seq_len, vocab_size), as configs/tiny.json has")),
+                2);
   auto model = ModelFromArgs(&*raw, *config, "", "");
   if (!model.ok()) return fail(model.status(), 2);
   if (a.verify && to.world_size != 1)

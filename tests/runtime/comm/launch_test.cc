@@ -86,6 +86,23 @@ TEST(LaunchTest, ForwardsSigtermToRanks) {
   EXPECT_LT(r.seconds, 10.0);
 }
 
+// A launcher killed outright (SIGKILL, the OOM killer) has no teardown: its ranks went on as
+// orphans, holding their memory and waiting in collectives for peers that were gone. They now
+// end with it.
+TEST(LaunchTest, RanksEndWithALauncherKilledOutright) {
+  const auto r = RunShell(StrCat(
+      "d=$(mktemp -d); (", Launch("--nproc 2 -- sh -c 'echo $$ > '$d'/pid.$RANK; exec sleep 60'"),
+      ") & pid=$!; while [ ! -s $d/pid.0 ] || [ ! -s $d/pid.1 ]; do sleep 0.05; done; "
+      "kill -KILL $pid; wait $pid; sleep 1; for r in 0 1; do p=$(cat $d/pid.$r); "
+      // A rank killed but not reaped (init in a container may not reap) is a zombie: gone.
+      "case \"$(ps -o stat= -p $p)\" in \"\"|Z*) echo rank-$r-gone;; *) echo rank-$r-alive; kill "
+      "-KILL $p;; "
+      "esac; done; rm -rf $d"));
+  EXPECT_NE(r.output.find("rank-0-gone"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("rank-1-gone"), std::string::npos) << r.output;
+  EXPECT_LT(r.seconds, 20.0);
+}
+
 TEST(LaunchTest, UsageErrorsAndHelp) {
   auto r = RunShell(Launch("--nproc 2"));
   EXPECT_NE(r.exit_code, 0);

@@ -120,8 +120,10 @@ Status Engine::Impl::PrepareSaveDir(const std::string& root, const std::string& 
     // files of ranks this world does not have.
     for (const auto& e : fs::directory_iterator(root, ec)) {
       const std::string n = e.path().filename().string();
+      // .<name>.tmp of any save, and .step-<N>.old of a replacement cut short (ReplaceDir).
       const bool leftover = n.size() > 5 && n[0] == '.' &&
-                            (n.rfind(".tmp") == n.size() - 4 || n.rfind(".old") == n.size() - 4);
+                            (n.rfind(".tmp") == n.size() - 4 ||
+                             (n.rfind(".step-", 0) == 0 && n.rfind(".old") == n.size() - 4));
       if (leftover && e.path() != tmp_dir)
         RemoveTree(e.path().string()).IgnoreError();  // harmless if it stays
     }

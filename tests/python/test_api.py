@@ -199,6 +199,29 @@ def test_a_save_after_forwards_alone_is_taken_and_refused_after_a_backward(case,
     resumed.close()
 
 
+def test_saving_a_tag_another_run_saved_replaces_it(tmp_path):
+    """A save into a tag that already held this step from another run printed nothing and kept
+    the other run's weights (the step's manifest existed, so nothing was written); DeepSpeed
+    writes its files over the tag's. The save now replaces the step, and a load gives the new
+    run's masters."""
+    cfg = harness.config_for(STAGE2_CPU, tmp_path / "nvme")
+    other = copy.deepcopy(cfg)
+    other["optimizer"]["params"]["lr"] = 0.05
+    masters = []
+    for c in (cfg, other):
+        engine = _engine("gpt2", c)
+        _run(engine, "gpt2", 0, 1)
+        engine.save_checkpoint(tmp_path / "ck", tag="best")
+        masters.append([t.clone() for t in engine.master_parameters()])
+        engine.close()
+    assert not all(torch.equal(a, b) for a, b in zip(*masters))
+    loaded = _engine("gpt2", cfg)
+    loaded.load_checkpoint(tmp_path / "ck", tag="best")
+    assert all(torch.equal(a, b) for a, b in zip(loaded.master_parameters(), masters[1]))
+    loaded.close()
+    assert not [p.name for p in (tmp_path / "ck" / "best").iterdir() if p.name.startswith(".")]
+
+
 class StrataWarnings:
     """The 'strata' logger's records of WARNING and above inside the block."""
 

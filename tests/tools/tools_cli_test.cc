@@ -698,6 +698,43 @@ TEST(CliFlagsTest, ASaveOverAnotherRunsStepReplacesIt) {
   EXPECT_TRUE(std::filesystem::exists(d + "/every/step-00000001/rank-00000.json")) << r.out;
 }
 
+// What a run leaves out was left out without a word: a flag the config's own value overrides
+// (--lr, --micro-batch fill "auto" values only), and a --data directory's links, folders and
+// lone *.dat files. Each is named; fortune's own *.dat indexes and *.u8 links stay silent.
+TEST(CliFlagsTest, WhatARunLeavesOutIsNamed) {
+  testing::TempDir dir;
+  const std::string d = dir.path();
+  Write(d + "/c.json", R"({"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 2},
+      "strata": {"device": "cpu"}, "optimizer": {"type": "AdamW", "params": {"lr": 0.05}},
+      "model": {"n_layers": 1, "d_model": 32, "n_heads": 2, "seq_len": 16, "vocab_size": 256}})");
+  std::filesystem::create_directories(d + "/data/sub");
+  std::string text;
+  for (int i = 0; i < 40; ++i) text += "the quick brown fox jumps over the lazy dog\n";
+  Write(d + "/data/a", text);
+  Write(d + "/data/a.dat", "fortune's index of a");
+  std::filesystem::create_symlink("a", d + "/data/a.u8");
+  Write(d + "/elsewhere.txt", text);
+  std::filesystem::create_symlink(d + "/elsewhere.txt", d + "/data/link.txt");
+  Write(d + "/data/train.dat", text);
+  const Result r =
+      Exec(std::string(STRATA_TRAIN_BIN) + " --eval-batches 0 --plot '' --steps 1 --config " + d +
+           "/c.json --lr 0.5 --micro-batch 3 --data " + d + "/data");
+  EXPECT_EQ(r.rc, 0) << r.out;
+  EXPECT_NE(r.out.find("--lr 0.5 not used: the config sets optimizer.params.lr to 0.05"),
+            std::string::npos)
+      << r.out;
+  EXPECT_NE(
+      r.out.find("--micro-batch 3 not used: the config sets train_micro_batch_size_per_gpu to 2"),
+      std::string::npos)
+      << r.out;
+  EXPECT_NE(
+      r.out.find(
+          "3 entries left out (symbolic links, folders and fortune's *.dat indexes are not read): "
+          "link.txt, sub, train.dat"),
+      std::string::npos)
+      << r.out;
+}
+
 // Signals. During the start there is nothing to save, and a start can block for good (here a
 // FIFO with no writer given as --data): one SIGTERM, as `timeout` sends, ends it at once (it
 // was ignored until the start finished). Once training, a SIGINT that reaches one rank of two

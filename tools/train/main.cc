@@ -302,8 +302,23 @@ class Trainer {
                                          c_.zero_optimization.reduce_bucket_size);
     STRATA_ASSIGN_OR_RETURN(comm_, CreateCommunicator(co));
     STRATA_RETURN_IF_ERROR(c_.ResolveAuto(MakeAutoContext(f_, c_, comm_->world_size())));
-    if (leader() && !f_.json)
+    if (leader() && !f_.json) {
       for (const std::string& line : c_.auto_resolved) std::fprintf(stderr, "config: %s\n", line.c_str());
+      // The two flags fill "auto" values only (their --help says so); one the config's own value
+      // overrode is named, not dropped without a word.
+      if (f_.micro_batch > 0 && c_.train_micro_batch_size_per_gpu != f_.micro_batch)
+        std::fprintf(stderr,
+                     "strata-train: --micro-batch %lld not used: the config sets "
+                     "train_micro_batch_size_per_gpu "
+                     "to %lld (the flag fills \"auto\" only)\n",
+                     (long long)f_.micro_batch, (long long)c_.train_micro_batch_size_per_gpu);
+      if (f_.lr > 0 && c_.optimizer.lr != f_.lr)
+        std::fprintf(
+            stderr,
+            "strata-train: --lr %g not used: the config sets optimizer.params.lr to %g (the flag "
+            "fills \"auto\" only)\n",
+            f_.lr, c_.optimizer.lr);
+    }
     STRATA_ASSIGN_OR_RETURN(device_, CreateDevice(c_.strata.device, c_.strata.device_memory_budget));
     // What the engine would refuse only after the model is built (and, under NVMe, staged).
     STRATA_RETURN_IF_ERROR(

@@ -34,8 +34,11 @@ std::string RankFileStem(int rank) {
 StatusOr<std::string> LoadingStem(const std::string& dir, int rank) {
   namespace fs = std::filesystem;
   std::error_code ec;
-  for (const std::string& stem : {RankFileStem(rank), RankFileStem(0)})
+  for (const std::string& stem : {RankFileStem(rank), RankFileStem(0)}) {
     if (fs::exists(fs::path(dir) / (stem + ".json"), ec)) return stem;
+    // A folder this process may not search is not a missing checkpoint: say why.
+    if (ec) return ErrnoToStatus(ec.value(), StrCat("looking for ", stem, ".json in ", dir));
+  }
   return NotFound(StrCat(dir, " holds no ", RankFileStem(rank), ".json",
                          rank != 0 ? StrCat(" and no ", RankFileStem(0), ".json") : std::string(),
                          ": it is not a Strata checkpoint, or an incomplete one"));
@@ -170,6 +173,8 @@ Status CheckSaveRoot(const std::string& root) {
 StatusOr<std::string> ResolveCheckpointDir(const std::string& path) {
   std::error_code ec;
   if (!fs::is_directory(path, ec)) {
+    if (ec && ec != std::errc::no_such_file_or_directory)  // EACCES on a folder above it, say
+      return ErrnoToStatus(ec.value(), StrCat("checkpoint directory ", path));
     if (fs::exists(path, ec))  // a rank's manifest or state file, say
       return InvalidArgument(
           StrCat(path,

@@ -709,6 +709,11 @@ void TierManager::Pump(std::vector<IoAction>* io) {
     mu_.AssertHeld();  // Pump's own lock: the lambda runs inside it
     if (b->home != BlockHome::kNvme || b->host != HostResidency::kAbsent) return true;
     if (b->nvme != NvmeResidency::kResident) return true;  // never written: Acquire zero-fills it
+    // Note [no retry from a completion]: a block whose last read failed is read again only
+    // when it is acquired, which reports the failure. Prefetched again here, from the failed
+    // read's own completion, it failed again and again: the error was reported, then the
+    // engine's teardown waited forever for I/O that never ended.
+    if (b->read_failed_gen != 0 && b->read_failed_gen == b->read_done_gen) return true;
     const uint64_t need = pool_->ClassBytes(b->bytes);
     for (;;) {
       StatusOr<PinnedBlock> m = pool_->Allocate(b->bytes);
@@ -730,6 +735,7 @@ void TierManager::Pump(std::vector<IoAction>* io) {
         ++stats_.evictions_clean;
         continue;
       }
+      if (!v->write_status.ok()) return false;  // Note [no retry from a completion]
       pending += v->mem.class_bytes;
       StartWriteBack(v, /*evict=*/true, io);
     }
@@ -749,7 +755,10 @@ void TierManager::Pump(std::vector<IoAction>* io) {
   // to spare, nothing needs evicting soon. See Note [prefetch and eviction].
   if (writes_inflight_ == 0 && pool_->arena_bytes() - ArenaBytesInUse() < pool_->max_allocation()) {
     Block* v = PickVictim(&window);
-    if (v != nullptr && v->host == HostResidency::kDirty) StartWriteBack(v, /*evict=*/false, io);
+    // A write-back that failed is retried only by an eviction that needs the room (Note [no
+    // retry from a completion]).
+    if (v != nullptr && v->host == HostResidency::kDirty && v->write_status.ok())
+      StartWriteBack(v, /*evict=*/false, io);
   }
 }
 

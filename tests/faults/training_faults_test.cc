@@ -20,10 +20,13 @@
 
 #include <atomic>
 #include <cerrno>
+#include <chrono>
 #include <cmath>
+#include <cstdio>
 #include <cstring>
 #include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include <gtest/gtest.h>
@@ -67,10 +70,12 @@ struct Harness {
 
 // The smallest power-of-two host budget the engine accepts for this model: the tiny budget that
 // makes every step swap. Engine::Create says when a budget is too small.
-Status MakeEngine(const std::string& nvme_dir, const EngineOptions& opts, Harness* h) {
+Status MakeEngine(const std::string& nvme_dir, const EngineOptions& opts, Harness* h,
+                  int64_t prefetch = 0) {
   Status last;
   for (uint64_t budget = 64 << 10; budget <= (256ull << 20); budget *= 2) {
     h->config = NvmeConfig(nvme_dir, budget);
+    h->config.strata.prefetch_lookahead = prefetch;
     torch::manual_seed(h->config.model.seed);
     auto e = Engine::Create(models::BuildGpt(h->config.model), h->config, h->comm.get(),
                             h->device.get(), opts);
@@ -199,6 +204,56 @@ TEST(TrainingFaults, EioOnSwapInIsReportedNeverTrainedOn) {
   // Nothing trained on a failed read: the steps that completed match the clean run exactly.
   for (size_t i = 0; i < losses.size(); ++i) EXPECT_EQ(losses[i], clean[i]) << "step " << i;
   std::printf("EIO: reported after %zu steps: %s\n", losses.size(), st.ToString().c_str());
+}
+
+// With prefetch on (the default), a failed read or write-back was issued again from its own
+// completion, which served the prefetch window again: the error was reported, and then the
+// engine's teardown waited forever for I/O that never ended (strata-train printed the error and
+// spun; under strata-launch the whole job hung). Now the step fails, and the engine ends.
+TEST(TrainingFaults, AFailingDiskUnderPrefetchStopsTrainingAndTheEngineEnds) {
+  for (nvme::IoOp op : {nvme::IoOp::kRead, nvme::IoOp::kWrite}) {
+    const char* what = op == nvme::IoOp::kRead ? "read" : "write";
+    TempDir dir;
+    Injector inj;
+    inj.op = op;
+    inj.rewrite = [](const nvme::IoAttempt&, int64_t) -> int64_t { return -EIO; };
+    EngineOptions opts;
+    MutableHooks(&opts).nvme_fault_hook = inj.Hook();
+    Harness h;
+    ASSERT_OK(MakeEngine(dir.path(), opts, &h, /*prefetch=*/4));
+    for (int s = 0; s < kCleanSteps; ++s) {
+      double l;
+      ASSERT_OK(TrainStep(&h, s, &l));
+    }
+    inj.armed = true;
+    Status st;
+    for (int s = kCleanSteps; s < kCleanSteps + 10 && st.ok(); ++s) {
+      double l = 0;
+      st = TrainStep(&h, s, &l);
+    }
+    ASSERT_GT(inj.fired.load(), 0) << what << ": no swap I/O happened";
+    ASSERT_FALSE(st.ok()) << what << ": every " << what << " failed, yet training went on";
+    std::atomic<bool> ended{false};
+    std::thread watchdog([&] {
+      for (int i = 0; i < 600 && !ended.load(); ++i)
+        std::this_thread::sleep_for(std::chrono::milliseconds(100));
+      if (!ended.load()) {
+        std::fprintf(
+            stderr,
+            "FAILED: after a failed %s the engine did not end within 60 s (%d failed attempts)\n",
+            what, inj.fired.load());
+        std::fflush(stderr);
+        _exit(1);
+      }
+    });
+    const int fired_at_error = inj.fired.load();
+    h.engine.reset();
+    ended = true;
+    watchdog.join();
+    // Bounded: the I/O layer's own retries of what was in flight, not an endless reissue.
+    EXPECT_LT(inj.fired.load() - fired_at_error, 1000) << what;
+    std::printf("%s EIO under prefetch: %s; engine ended\n", what, st.ToString().c_str());
+  }
 }
 
 // Runs the fault-free schedule with `rewrite` applied to every swap-in; returns the losses of the

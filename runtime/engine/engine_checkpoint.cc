@@ -1,6 +1,7 @@
 // Checkpoints of the engine (layout and publication rules: runtime/state/checkpoint.h).
 #include <fcntl.h>
 #include <stdio.h>
+#include <sys/file.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -17,6 +18,38 @@ namespace {
 // SaveCheckpoint's client file: beside the rank's manifest, described in its "extra".
 constexpr const char* kClientFileSuffix = ".client.bin";
 constexpr const char* kClientFileKey = "strata_client_file";
+
+// Note [one save into a root at a time]
+// Two runs saving into one root removed each other's temporary folders, and the one that lost
+// failed with ENOENT on a file it had just made. Rank 0 holds an exclusive flock on the root's
+// .strata-save.lock for the whole save; a second run is refused at once, naming the root. The
+// file stays (removing a locked file would let a third process lock a new one beside it).
+class SaveRootLock {
+ public:
+  SaveRootLock() = default;
+  SaveRootLock(const SaveRootLock&) = delete;
+  SaveRootLock& operator=(const SaveRootLock&) = delete;
+  ~SaveRootLock() {
+    if (fd_ >= 0) close(fd_);
+  }
+  Status Take(const std::string& root) {
+    std::error_code ec;
+    std::filesystem::create_directories(root, ec);
+    if (ec) return ErrnoToStatus(ec.value(), StrCat("create checkpoint directory ", root));
+    const std::string path = (std::filesystem::path(root) / ".strata-save.lock").string();
+    fd_ = open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+    if (fd_ < 0) return ErrnoToStatus(errno, StrCat("open ", path));
+    if (flock(fd_, LOCK_EX | LOCK_NB) == 0) return Status::Ok();
+    const int err = errno;
+    if (err == EWOULDBLOCK)
+      return FailedPrecondition(StrCat("another process is saving into ", root, " (it holds ", path,
+                                       "); give each run its own save folder"));
+    return ErrnoToStatus(err, StrCat("lock ", path));
+  }
+
+ private:
+  int fd_ = -1;
+};
 }  // namespace
 
 // ---------------------------------------------------------------------------------------------
@@ -78,7 +111,29 @@ Status Engine::Impl::Save(const std::string& root, const nlohmann::json& extra,
   const std::string name = checkpoint::StepDirName(step_.global_step);
   const fs::path final_dir = fs::path(root) / name;
   const fs::path tmp_dir = fs::path(root) / ("." + name + ".tmp");
-  STRATA_RETURN_IF_ERROR(PrepareSaveDir(root, name));
+  SaveRootLock lock;
+  Status prepared;
+  if (comm_->rank() == 0) {
+    prepared = lock.Take(root);
+    if (prepared.ok()) prepared = PrepareSaveDir(root, name);
+  }
+  if (comm_->world_size() > 1) {
+    // Rank 0's outcome reaches every rank: none writes into the folder before rank 0 has made
+    // it afresh, and a refusal there ends the save on all of them (they waited at a barrier).
+    torch::Tensor failed = torch::tensor({prepared.ok() ? 0.0 : 1.0}, torch::kFloat64);
+    STRATA_RETURN_IF_ERROR(OnCommMemory(failed, [&](void* p) {
+      return comm_->AllReduce(static_cast<double*>(p), 1, strata::DType::kF64, ReduceOp::kMax);
+    }));
+    if (failed.item<double>() > 0 && prepared.ok())
+      prepared = FailedPrecondition(StrCat("saving checkpoint ", final_dir.string(),
+                                           ": rank 0 could not prepare it; its log says why"));
+  }
+  STRATA_RETURN_IF_ERROR(prepared);
+  {
+    std::error_code ec;
+    fs::create_directories(tmp_dir, ec);
+    if (ec) return ErrnoToStatus(ec.value(), StrCat("create ", tmp_dir.string()));
+  }
 
   checkpoint::Manifest m = NewManifest(extra);
   const std::string stem = checkpoint::RankFileStem(comm_->rank());
@@ -108,33 +163,26 @@ Status Engine::Impl::Save(const std::string& root, const nlohmann::json& extra,
 // own files, so one skipped while another waited at the barrier. The replacement is one atomic
 // exchange of the two directories (renameat2 RENAME_EXCHANGE), so a crash leaves either whole
 // checkpoint under the name; where the file system lacks it, two renames, with the old copy
-// left under a hidden name for that instant.
+// left under a hidden name for that instant. Rank 0 alone prepares, holding the root's lock
+// (Note [one save into a root at a time]).
 Status Engine::Impl::PrepareSaveDir(const std::string& root, const std::string& name) {
   namespace fs = std::filesystem;
   std::error_code ec;
-  fs::create_directories(root, ec);
-  if (ec) return ErrnoToStatus(ec.value(), StrCat("create checkpoint directory ", root));
   const fs::path tmp_dir = fs::path(root) / ("." + name + ".tmp");
-  if (comm_->rank() == 0) {
-    // Leftovers of saves that crashed, this step's own included: a stale one could hold the
-    // files of ranks this world does not have.
-    for (const auto& e : fs::directory_iterator(root, ec)) {
-      const std::string n = e.path().filename().string();
-      // .<name>.tmp of any save, and .step-<N>.old of a replacement cut short (ReplaceDir).
-      const bool leftover = n.size() > 5 && n[0] == '.' &&
-                            (n.rfind(".tmp") == n.size() - 4 ||
-                             (n.rfind(".step-", 0) == 0 && n.rfind(".old") == n.size() - 4));
-      if (leftover && e.path() != tmp_dir)
-        RemoveTree(e.path().string()).IgnoreError();  // harmless if it stays
-    }
-    if (fs::exists(tmp_dir, ec))
-      STRATA_RETURN_IF_ERROR(
-          RemoveTree(tmp_dir.string()).WithContext("an earlier save's leftover of this step"));
-    fs::create_directories(tmp_dir, ec);
-    if (ec) return ErrnoToStatus(ec.value(), StrCat("create ", tmp_dir.string()));
+  // Leftovers of saves that crashed, this step's own included: a stale one could hold the files
+  // of ranks this world does not have.
+  for (const auto& e : fs::directory_iterator(root, ec)) {
+    const std::string n = e.path().filename().string();
+    // .<name>.tmp of any save, and .step-<N>.old of a replacement cut short (ReplaceDir).
+    const bool leftover = n.size() > 5 && n[0] == '.' &&
+                          (n.rfind(".tmp") == n.size() - 4 ||
+                           (n.rfind(".step-", 0) == 0 && n.rfind(".old") == n.size() - 4));
+    if (leftover && e.path() != tmp_dir)
+      RemoveTree(e.path().string()).IgnoreError();  // harmless if it stays
   }
-  // No rank writes into the folder before rank 0 has made it afresh.
-  if (comm_->world_size() > 1) STRATA_RETURN_IF_ERROR(comm_->Barrier());
+  if (fs::exists(tmp_dir, ec))
+    STRATA_RETURN_IF_ERROR(
+        RemoveTree(tmp_dir.string()).WithContext("an earlier save's leftover of this step"));
   fs::create_directories(tmp_dir, ec);
   if (ec) return ErrnoToStatus(ec.value(), StrCat("create ", tmp_dir.string()));
   return Status::Ok();

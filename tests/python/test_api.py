@@ -219,7 +219,31 @@ def test_saving_a_tag_another_run_saved_replaces_it(tmp_path):
     loaded.load_checkpoint(tmp_path / "ck", tag="best")
     assert all(torch.equal(a, b) for a, b in zip(loaded.master_parameters(), masters[1]))
     loaded.close()
-    assert not [p.name for p in (tmp_path / "ck" / "best").iterdir() if p.name.startswith(".")]
+    assert not [p.name for p in (tmp_path / "ck" / "best").iterdir()
+                if p.name.startswith(".") and p.name != ".strata-save.lock"]
+
+
+def test_a_save_into_a_root_another_process_is_saving_into_is_refused(tmp_path):
+    """Two runs saving into one root removed each other's temporary folders, and the loser failed
+    with ENOENT on a file it had just written. The root's lock is held for the whole save: a
+    second saver (here this test, holding it) is refused at once, naming the root, and nothing
+    of the first is touched."""
+    import fcntl
+
+    cfg = harness.config_for(STAGE2_CPU, tmp_path / "nvme")
+    engine = _engine("gpt2", cfg)
+    _run(engine, "gpt2", 0, 1)
+    root = tmp_path / "ck" / "t"
+    root.mkdir(parents=True)
+    (root / ".step-00000001.tmp").mkdir()  # the other saver's folder, being written
+    with open(root / ".strata-save.lock", "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        with pytest.raises(strata.StrataError, match=r"another process is saving into .*/ck/t"):
+            engine.save_checkpoint(tmp_path / "ck", tag="t")
+        assert (root / ".step-00000001.tmp").is_dir()
+    engine.save_checkpoint(tmp_path / "ck", tag="t")  # once it is released
+    assert (root / "step-00000001" / "rank-00000.json").is_file()
+    engine.close()
 
 
 class StrataWarnings:

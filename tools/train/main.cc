@@ -29,6 +29,7 @@
 #include "runtime/base/logging.h"
 #include "runtime/base/units.h"
 #include "runtime/comm/backends.h"
+#include "runtime/engine/comm_memory.h"
 #include "runtime/engine/compute_dtype.h"
 #include "runtime/engine/engine.h"
 #include "runtime/engine/zero_init.h"
@@ -424,9 +425,7 @@ class Trainer {
       sum += models::LanguageModelLoss(logits, b.narrow(1, 1, T)).item<double>();
     }
     double loss = sum / f_.eval_batches;
-    if (comm_->world_size() > 1)
-      STRATA_RETURN_IF_ERROR(comm_->AllReduce(&loss, 1, strata::DType::kF64, ReduceOp::kAvg));
-    return loss;
+    return AllReduceScalar(loss, ReduceOp::kAvg);
   }
 
   Status Save() {
@@ -446,10 +445,20 @@ class Trainer {
   // (a rank that stopped alone would wait in the save's barrier while the others wait in the
   // next step's collectives).
   StatusOr<bool> AgreeToStop() {
-    double stop = g_stop.load() ? 1.0 : 0.0;
-    if (comm_->world_size() > 1)
-      STRATA_RETURN_IF_ERROR(comm_->AllReduce(&stop, 1, strata::DType::kF64, ReduceOp::kMax));
+    STRATA_ASSIGN_OR_RETURN(double stop,
+                            AllReduceScalar(g_stop.load() ? 1.0 : 0.0, ReduceOp::kMax));
     return stop > 0;
+  }
+
+  // One double over the ranks, through the memory the communicator takes (NCCL: the device's;
+  // a host address there was wrong).
+  StatusOr<double> AllReduceScalar(double v, ReduceOp op) {
+    if (comm_->world_size() == 1) return v;
+    torch::Tensor t = torch::tensor({v}, torch::kFloat64);
+    STRATA_RETURN_IF_ERROR(OnCommMemory(*comm_, *device_, t, [&](void* p) {
+      return comm_->AllReduce(static_cast<double*>(p), 1, strata::DType::kF64, op);
+    }));
+    return t.item<double>();
   }
 
   void Progress(int64_t done, int64_t total, double elapsed, double loss) {
@@ -495,8 +504,7 @@ class Trainer {
       StepReport rep = std::move(stepped).value();
       if (!f_.trace.empty() && (step + 1 == trace_to || (step + 1 == last && step >= trace_from)))
         STRATA_RETURN_IF_ERROR(WriteTrace());
-      if (comm_->world_size() > 1)
-        STRATA_RETURN_IF_ERROR(comm_->AllReduce(&loss, 1, strata::DType::kF64, ReduceOp::kAvg));
+      STRATA_ASSIGN_OR_RETURN(loss, AllReduceScalar(loss, ReduceOp::kAvg));
       if (!std::isfinite(loss))
         return Internal(StrCat("the loss is ", loss, " at step ", step + 1,
                                "; lower optimizer.params.lr or enable gradient_clipping"));

@@ -12,6 +12,7 @@ multi-line strings) are not: such a file gets an error naming the line, with the
 import json
 import math
 import os
+import time
 
 import torch
 
@@ -51,20 +52,28 @@ def _read(config):
         return json.loads(json.dumps(config)), "<dict>"
     if isinstance(config, (str, os.PathLike)):
         path = os.fspath(config)
-        try:
-            with open(path, encoding="utf-8") as f:
-                text = f.read()
-        except OSError as e:
-            raise InvalidArgumentError(f"config {path}: {e.strerror}; pass a path to a DeepSpeed "
-                                       "JSON file or a dict") from None
-        try:
-            return json.loads(relaxed_json(text), object_pairs_hook=_no_duplicate_keys), path
-        except json.JSONDecodeError as e:
-            raise InvalidArgumentError(
-                f"config {path}: not JSON ({e}); write it as JSON (comments and trailing commas "
-                "are accepted)") from None
-        except ValueError as e:
-            raise InvalidArgumentError(f"config {path}: {e}") from None
+        # Scripts launched on several ranks often have every rank write the config to one path
+        # just before initialize (DeepSpeed's own test scripts write /tmp/temp_config.json):
+        # a rank may read it while another rewrites it, empty or cut short. Such a file is read
+        # again for about a second before it is refused; a whole one parses the first time.
+        for attempt in range(6):
+            try:
+                with open(path, encoding="utf-8") as f:
+                    text = f.read()
+            except OSError as e:
+                raise InvalidArgumentError(f"config {path}: {e.strerror}; pass a path to a "
+                                           "DeepSpeed JSON file or a dict") from None
+            try:
+                return json.loads(relaxed_json(text), object_pairs_hook=_no_duplicate_keys), path
+            except json.JSONDecodeError as e:
+                if attempt < 5:
+                    time.sleep(0.2)
+                    continue
+                raise InvalidArgumentError(
+                    f"config {path}: not JSON ({e}); write it as JSON (comments and trailing "
+                    "commas are accepted)") from None
+            except ValueError as e:
+                raise InvalidArgumentError(f"config {path}: {e}") from None
     raise InvalidArgumentError(f"config must be a dict or a path to a JSON file, not "
                                f"{type(config).__name__}")
 

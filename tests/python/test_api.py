@@ -246,6 +246,26 @@ def test_a_save_into_a_root_another_process_is_saving_into_is_refused(tmp_path):
     engine.close()
 
 
+def test_a_config_file_read_while_another_rank_rewrites_it_is_read_again(tmp_path):
+    """DeepSpeed's own test scripts have every rank write /tmp/temp_config.json just before
+    initialize; a rank that read it mid-rewrite (empty) was refused as "not JSON". A file that
+    does not parse is read again for about a second; one that stays broken is still refused."""
+    import json
+    import threading
+
+    cfg = harness.config_for(STAGE2_CPU, tmp_path / "nvme")
+    path = tmp_path / "c.json"
+    path.write_text("")
+    writer = threading.Timer(0.3, lambda: path.write_text(json.dumps(cfg)))
+    writer.start()
+    engine, *_ = strata.initialize(model=harness.MODELS["gpt2"](), config=str(path))
+    writer.join()
+    engine.close()
+    path.write_text('{"train_micro_batch_size_per_gpu": 2,')
+    with pytest.raises(strata.InvalidArgumentError, match="not JSON"):
+        strata.initialize(model=harness.MODELS["gpt2"](), config=str(path))
+
+
 class StrataWarnings:
     """The 'strata' logger's records of WARNING and above inside the block."""
 

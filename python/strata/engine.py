@@ -13,6 +13,7 @@ optimizer states live in the configured tiers.
 
 import base64
 import io
+import itertools
 import json
 import os
 import weakref
@@ -57,6 +58,8 @@ class StrataEngine(ConfigView, torch.nn.Module):
         # "cuda:0", not the device's display name ("cuda:0 (NVIDIA H100 ...)").
         self._device = torch.device(json.loads(cpp.describe())["torch_device"])
         self._stepped_at = 0  # micro-step count at the last optimizer step
+        # The micro-step count at the last call of step() (Note [one backward]).
+        self._step_called_at = 0
         self._boundary_override = None  # set_gradient_accumulation_boundary's value
         self._replaced_by = None  # why this engine no longer trains (destroy, a later initialize)
         self.optimizer = None  # set by initialize: the optimizer and scheduler it returned
@@ -145,6 +148,7 @@ class StrataEngine(ConfigView, torch.nn.Module):
                                        "unit after its backward; run forward again instead")
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise InvalidArgumentError("engine.backward(loss) needs a scalar loss tensor")
+        self._check_one_backward()
         self._sync_lr()  # updates may start during this backward
         if not scale_wrt_gas:
             # The engine divides by the accumulation steps; undo it for a pre-divided loss.
@@ -153,6 +157,28 @@ class StrataEngine(ConfigView, torch.nn.Module):
         else:
             self._cpp.backward(loss)
         return loss
+
+    # Note [one backward]
+    # DeepSpeed ends a micro-batch in step(): a second backward before it adds its gradients to
+    # the same micro-batch. Strata's engine counts micro-batches by backward, so with
+    # gradient_accumulation_steps > 1 that second backward would count as the next micro-batch
+    # and the step would come early, on part of the batch. It is refused, naming both ways out.
+    # (With one micro-batch per step the engine refuses it itself. A caller that declares the
+    # boundaries (set_gradient_accumulation_boundary, as accelerate does) steps only at them,
+    # one backward per micro-batch, and the pipeline engine's train_batch runs one backward per
+    # micro-batch by construction.)
+    _micro_batch_per_backward = False
+
+    def _check_one_backward(self):
+        gas = self.gradient_accumulation_steps()
+        micro = self._cpp.micro_step
+        if gas > 1 and not self._micro_batch_per_backward and self._boundary_override is None \
+                and micro > self._step_called_at and micro % gas != 0:
+            raise InvalidArgumentError(
+                "engine.backward(): a second backward in one micro-batch (no engine.step() "
+                f"since the last backward; gradient_accumulation_steps={gas}). Strata counts "
+                "each backward as a micro-batch, where DeepSpeed would add both into one: add "
+                "the losses and call backward once, or call engine.step() after each backward")
 
     def is_gradient_accumulation_boundary(self):
         if self._boundary_override is not None:
@@ -172,6 +198,7 @@ class StrataEngine(ConfigView, torch.nn.Module):
         self._check_live()
         self._check_states_resident("step()")
         micro = self._cpp.micro_step
+        self._step_called_at = micro
         if micro == self._stepped_at and any(p.grad is not None for p in self.module.parameters()
                                              if p.requires_grad):
             # The engine moves every gradient out of .grad inside engine.backward: one left
@@ -308,8 +335,17 @@ class StrataEngine(ConfigView, torch.nn.Module):
         betas under cycle_momentum."""
         lr = self._cpp.lr_at(self.global_steps + 1)
         betas = self._cpp.betas_at(self.global_steps + 1)
-        for g in self.optimizer.param_groups:
-            g["lr"] = lr
+        lrs = [lr] * len(self.optimizer.param_groups)
+        sched = self._config.get("scheduler") or {}
+        base_lrs = getattr(self, "_schedule_base_lrs", None)
+        if sched.get("type") == "WarmupCosineLR" and base_lrs is not None and \
+                len(base_lrs) == len(lrs):
+            # The schedule's lr is the config's lr times a ratio that each group's own takes.
+            base = self._config.get("optimizer", {}).get("params", {}).get("lr")
+            if base:
+                lrs = [lr if b == base else b * (lr / base) for b in base_lrs]
+        for g, group_lr in zip(self.optimizer.param_groups, lrs):
+            g["lr"] = group_lr
             if betas is not None:
                 g["betas"] = tuple(betas)
 
@@ -528,8 +564,11 @@ class StrataEngine(ConfigView, torch.nn.Module):
         (path, client_state), or (None, None) when load_dir holds no checkpoint.
 
         load_module_only=True or load_optimizer_states=False: only the weights are restored
-        (every rank's fp32 master and working copy); the optimizer states, step counters and
-        schedule keep their current values, as in DeepSpeed.
+        (every rank's fp32 master and working copy), and the script's client_state is returned;
+        the optimizer states, step counters and schedule keep their current values. DeepSpeed
+        restores the counters and the schedule under load_optimizer_states=False; Strata's
+        optimizers count their bias-correction steps with global_steps, so restoring those
+        without the moments would change the next updates (README, "Checkpoints").
 
         client_state is unpickled: a checkpoint is trusted input (README, "Checkpoints"). It is
         read with torch's weights-only unpickler when its content allows, so a checkpoint of
@@ -541,15 +580,18 @@ class StrataEngine(ConfigView, torch.nn.Module):
         root = _resolve_checkpoint(os.fspath(load_dir), tag)
         if root is None:
             return None, None
-        if load_module_only or not load_optimizer_states:
-            self._cpp.load_checkpoint(root, weights_only=True)
-            return root, None
-        extra = json.loads(self._cpp.load_checkpoint(root))
-        self._stepped_at = self._cpp.micro_step
-        if self._client_params is not None:
-            self._load_client_optimizer(root)
+        weights_only = load_module_only or not load_optimizer_states
+        extra = json.loads(self._cpp.load_checkpoint(root, weights_only=weights_only))
         state = extra.get("client_state")
         client_state = _unpickle_trusted(base64.b64decode(state)) if state is not None else None
+        if weights_only:
+            if isinstance(client_state, dict):
+                for key in (_OPTIMIZER_KEY, _LR_SOURCE_KEY, _SCHEDULER_KEY):
+                    client_state.pop(key, None)
+            return root, client_state
+        self._stepped_at = self._step_called_at = self._cpp.micro_step
+        if self._client_params is not None:
+            self._load_client_optimizer(root)
         if isinstance(client_state, dict):
             groups = client_state.pop(_OPTIMIZER_KEY, None)
             source = client_state.pop(_LR_SOURCE_KEY, None)
@@ -744,7 +786,9 @@ class StrataEngine(ConfigView, torch.nn.Module):
     def destroy(self):
         """Ends the engine and gives the model its trained fp32 weights back as ordinary
         tensors on the engine's device, so the model can be used in plain PyTorch or handed to
-        initialize again. Collective under stage 3 (every rank calls it)."""
+        initialize again: buffers and frozen parameters, which a 16-bit run computes with in
+        its dtype, take back the dtype initialize found them in. Collective under stage 3
+        (every rank calls it)."""
         if self._replaced_by is not None:
             return
         self._cpp.check_closable()
@@ -753,6 +797,11 @@ class StrataEngine(ConfigView, torch.nn.Module):
         with torch.no_grad():
             for p, v in zip(self._trained, values):
                 _param_state.give_values_back(p, v.to(self._device))
+            found = getattr(self, "_found_dtypes", {})
+            for t in itertools.chain(self.module.buffers(), self.module.parameters()):
+                dtype = found.get(id(t))
+                if dtype is not None and t.dtype != dtype:
+                    t.data = t.data.to(dtype)
 
     def _module_keys(self):
         """How the module's state_dict names map onto the checkpoint's entries, for

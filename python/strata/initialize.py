@@ -1,5 +1,6 @@
 """strata.initialize: DeepSpeed's entry point, over Strata's engine."""
 
+import itertools
 import json
 import os
 import warnings
@@ -250,6 +251,10 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     if port is not None:
         os.environ["MASTER_PORT"] = str(port)  # Note [two rendezvous] in strata/comm.py
     shapes = _param_state.shapes_of(model)  # stage 3 empties the parameters it partitions
+    # The engine casts floating buffers and frozen parameters to a 16-bit compute dtype, which
+    # destroy() undoes.
+    found_dtypes = {id(t): t.dtype for t in itertools.chain(
+        model.buffers(), (p for p in model.parameters() if not p.requires_grad))}
     try:
         # A PipelineModule's pipeline groups repeat each other's batches (strata/pipe.py).
         engine_cfg = _pipe_engine.engine_config(cfg, model, _comm.get_world_size())
@@ -262,6 +267,7 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     engine_class = _pipe_engine.PipelineEngine if isinstance(model, _pipe.PipelineModule) \
         else StrataEngine
     engine = engine_class(cpp, model, units)
+    engine._found_dtypes = found_dtypes
     try:
         engine._user_config = user_cfg
         if isinstance(engine, _pipe_engine.PipelineEngine):

@@ -117,6 +117,9 @@ class ConfigSchedule:
 
     def __init__(self, engine):
         self._engine = engine
+        # Each group's lr before the schedule wrote any: WarmupCosineLR scales each group's own,
+        # as DeepSpeed's does (the others write one lr into every group).
+        engine._schedule_base_lrs = [g["lr"] for g in engine.optimizer.param_groups]
 
     @property
     def optimizer(self):

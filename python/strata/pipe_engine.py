@@ -30,6 +30,8 @@ class PipelineEngine(StrataEngine):
     train_batch and eval_batch drive the micro-batches; forward, backward and step alone are
     refused, as DeepSpeed refuses them in pipeline mode."""
 
+    _micro_batch_per_backward = True  # train_batch's own loop (Note [one backward])
+
     def __init__(self, cpp, model, units):
         super().__init__(cpp, model, units)
         self.pipeline_parallelism = True

@@ -611,6 +611,45 @@ def test_a_second_backward_before_step_is_refused_and_training_goes_on(stage, tm
     engine.close()
 
 
+@pytest.mark.parametrize("stage", [0, 2])
+def test_a_second_backward_in_one_micro_batch_is_refused_under_accumulation(stage, tmp_path):
+    """With gradient_accumulation_steps=2, backward(l1); backward(l2); step() counted each
+    backward as a micro-batch: the optimizer stepped on every step() call, each time on half a
+    batch (DeepSpeed adds both into one micro-batch). It is refused naming both ways out, and
+    the engine then trains on as plain PyTorch does."""
+    cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2,
+           "zero_optimization": {"stage": stage},
+           "optimizer": {"type": "AdamW", "params": {"lr": 0.01, "weight_decay": 0.0}}}
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+    ref = copy.deepcopy(model)
+    engine, *_ = strata.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+    g = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(2, 4, generator=g), torch.randn(2, 4, generator=g)) for _ in range(4)]
+    x1, x2 = batches[0]
+    engine.backward(engine(x1).pow(2).mean())
+    with pytest.raises(ValueError, match="second backward in one micro-batch.*add the losses"):
+        engine.backward(engine(x2).abs().mean())
+    engine.step()
+    assert engine.global_steps == 0
+    # Micro-batch 0 holds the first loss only; micro-batches 1-3 take one backward of the
+    # summed losses each.
+    for x1, x2 in batches[1:]:
+        engine.backward(engine(x1).pow(2).mean() + engine(x2).abs().mean())
+        engine.step()
+    assert engine.global_steps == 2
+    opt = torch.optim.AdamW(ref.parameters(), lr=0.01, weight_decay=0.0)
+    for i, (x1, x2) in enumerate(batches):
+        loss = ref(x1).pow(2).mean() + (ref(x2).abs().mean() if i else 0)
+        (loss / 2).backward()
+        if i % 2 == 1:
+            opt.step()
+            opt.zero_grad()
+    for p, q in zip(engine.master_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.cpu(), q.detach(), rtol=1e-5, atol=1e-6)
+    engine.close()
+
+
 def test_model_parameters_may_hold_frozen_ones_as_deepspeed_takes_them(tmp_path):
     """model.parameters() with some frozen is DeepSpeed's usual call: the frozen ones are left
     out (a group of nothing but frozen ones too), and only the trainable ones change. Bad

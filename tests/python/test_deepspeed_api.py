@@ -453,10 +453,12 @@ def test_zero_to_fp32_refuses_a_damaged_shard_naming_the_file(tmp_path):
 
 @pytest.mark.parametrize("flag", ["load_module_only", "no_optimizer_states"])
 def test_load_weights_only_keeps_optimizer_and_counters(flag, tmp_path):
+    """Only the weights are restored; the script's client_state comes back, as DeepSpeed
+    returns it (it came back None, and `client['epoch']` failed in a script)."""
     cfg = harness.config_for(STAGE2_CPU, tmp_path)
     saved = _engine("gpt2", cfg)
     harness.run_steps(saved, "gpt2", 0, 3)
-    saved.save_checkpoint(tmp_path / "ck")
+    saved.save_checkpoint(tmp_path / "ck", client_state={"epoch": 7})
     want = saved.master_parameters()
     saved.close()
     other = _engine("gpt2", cfg)
@@ -464,7 +466,7 @@ def test_load_weights_only_keeps_optimizer_and_counters(flag, tmp_path):
     kw = {"load_module_only": True} if flag == "load_module_only" else {
         "load_optimizer_states": False}
     path, client = other.load_checkpoint(tmp_path / "ck", **kw)
-    assert path is not None and client is None
+    assert path is not None and client == {"epoch": 7}
     assert other.global_steps == 1  # the counters stay
     for a, b in zip(other.master_parameters(), want):
         assert torch.equal(a, b)
@@ -559,6 +561,37 @@ def test_destroy_after_freezing_a_layer_gives_every_weight_back(stage, tmp_path)
         assert torch.equal(p.detach(), want)
     x, y = harness.batch("gpt2", 5)
     assert torch.isfinite(harness.loss_of("gpt2", model, x, y))
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_destroy_after_bf16_gives_buffers_and_frozen_weights_their_dtype_back(stage, tmp_path):
+    """A bf16 run computes with the buffers (BatchNorm's statistics) and frozen parameters in
+    bf16; destroy gave the trained parameters back in fp32 and left those in bf16, so a plain
+    forward and a new fp32 engine failed on the mixed dtypes."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8),
+                                torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
+    model[2].requires_grad_(False)
+    cfg = {"train_micro_batch_size_per_gpu": 4, "bf16": {"enabled": True},
+           "zero_optimization": {"stage": stage},
+           "optimizer": {"type": "AdamW", "params": {"lr": 0.01}}}
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                      config=copy.deepcopy(cfg))
+    assert model[1].running_mean.dtype == torch.bfloat16  # what the run computes with
+    for _ in range(2):
+        engine.backward(engine(torch.randn(4, 4).bfloat16()).float().pow(2).mean())
+        engine.step()
+    engine.destroy()
+    assert {n: t.dtype for n, t in model.state_dict().items()
+            if t.is_floating_point()} == {n: torch.float32 for n, t in model.state_dict().items()
+                                          if t.is_floating_point()}
+    assert model(torch.randn(4, 4)).dtype == torch.float32
+    del cfg["bf16"]
+    again, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+    again.backward(again(torch.randn(4, 4)).pow(2).mean())
+    again.step()
+    assert again.global_steps == 1
+    again.destroy()
 
 
 def test_initialize_on_a_model_whose_stage3_engine_was_closed_is_an_error(tmp_path):

@@ -168,6 +168,50 @@ def test_the_configs_schedule_writes_its_lr_into_the_groups(tmp_path):
     engine.close()
 
 
+def test_warmup_cosine_scales_each_groups_own_lr(tmp_path):
+    """DeepSpeed's WarmupCosineLR multiplies each group's own lr by its ratio (the other
+    schedules write one lr into every group); every group took the config's lr here, so a
+    second group at a tenth of it trained ten times too fast. The groups train as plain
+    PyTorch does with those lrs."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    ref = copy.deepcopy(model)
+    cfg = {"train_micro_batch_size_per_gpu": 1,
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.0}},
+           "scheduler": {"type": "WarmupCosineLR",
+                         "params": {"warmup_min_ratio": 0.5, "warmup_num_steps": 2,
+                                    "total_num_steps": 8, "warmup_type": "linear"}}}
+    groups = [{"params": model[0].parameters()}, {"params": model[1].parameters(), "lr": 1e-4}]
+    engine, opt, _, _ = strata.initialize(model=model, model_parameters=groups, config=cfg)
+    ref_opt = torch.optim.AdamW([{"params": ref[0].parameters()},
+                                 {"params": ref[1].parameters(), "lr": 1e-4}],
+                                lr=1e-3, weight_decay=0.0)
+    x = torch.randn(6, 1, 4, generator=torch.Generator().manual_seed(3))
+    for step in range(6):
+        lrs = [g["lr"] for g in opt.param_groups]
+        # The ratio from DeepSpeed's formula (iteration step - 2; warmup min 0.5 over 2 steps,
+        # then a cosine down to cos_min_ratio 0.0001 at step 8).
+        it = step - 1
+        if it < 0:
+            ratio = 0.0
+        elif it < 2:
+            ratio = 0.5 + 0.5 * it / 2
+        else:
+            cosine = (1 + math.cos(math.pi * min(1.0, (it - 2 + 1) / 6))) / 2
+            ratio = max(0.0, 0.0001 + (1 - 0.0001) * cosine)
+        assert lrs == pytest.approx([1e-3 * ratio, 1e-4 * ratio], rel=1e-12, abs=1e-18), step
+        for g, lr in zip(ref_opt.param_groups, lrs):
+            g["lr"] = lr
+        engine.backward(engine(x[step]).square().sum())
+        engine.step()
+        ref(x[step]).square().sum().backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    for p, q in zip(engine.master_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.cpu(), q.detach(), rtol=1e-6, atol=1e-7)
+    engine.close()
+
+
 def one_cycle(opt):
     # cycle_momentum (the default) moves Adam's betas[0] every step, as well as the lr.
     return torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=2e-3, total_steps=STEPS + 1)

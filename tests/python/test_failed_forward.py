@@ -119,7 +119,9 @@ def test_a_backward_autograd_refuses_is_named_and_the_window_goes_on(case, tmp_p
         loss = engine(x, targets=y)
         engine.backward(loss)
         if m == 0:
-            # Mid-window, so not the engine's own "backward after the last micro-step" refusal.
+            # Mid-window, so not the engine's own "backward after the last micro-step" refusal;
+            # after step(), so not the second backward of one micro-batch (Note [one backward]).
+            engine.step()
             refused = ("FAILED_PRECONDITION: backward failed in autograd: Trying to backward "
                        "through the graph")
             with pytest.raises(strata.StrataError, match=refused):

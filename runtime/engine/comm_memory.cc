@@ -15,4 +15,13 @@ Status OnCommMemory(Communicator& comm, Device& device, torch::Tensor& host,
   return Status::Ok();
 }
 
+Status AllReduceScalars(Communicator& comm, Device& device, double* values, int64_t n,
+                        ReduceOp op) {
+  if (comm.world_size() == 1 || n == 0) return Status::Ok();
+  torch::Tensor t = torch::from_blob(values, {n}, torch::kFloat64);  // a view: results land there
+  return OnCommMemory(comm, device, t, [&](void* p) {
+    return comm.AllReduce(static_cast<double*>(p), n, strata::DType::kF64, op);
+  });
+}
+
 }  // namespace strata

@@ -17,4 +17,9 @@ namespace strata {
 Status OnCommMemory(Communicator& comm, Device& device, torch::Tensor& host,
                     const std::function<Status(void*)>& collective);
 
+// The `n` host doubles at `values`, reduced in place over the ranks by `op` through
+// OnCommMemory: the one-number agreements (a norm, a flag, a loss) each rank makes in step.
+// A world of one leaves them as they are.
+Status AllReduceScalars(Communicator& comm, Device& device, double* values, int64_t n, ReduceOp op);
+
 }  // namespace strata

@@ -127,14 +127,11 @@ Status Engine::Impl::GlobalGradStats(double* norm, bool* nonfinite) {
   }
   if (comm_->world_size() > 1 && config_.zero_optimization.stage > 0) {
     LaneTimer t(&meter_.comm_s, &meter_.trace, Lane::kComm, "norm all-reduce", trace_step());
-    torch::Tensor flags = torch::tensor({sum_sq, *nonfinite ? 1.0 : 0.0}, torch::kFloat64);
-    STRATA_RETURN_IF_ERROR(OnCommMemory(flags, [&](void* p) {
-      auto* f = static_cast<double*>(p);
-      Status s = comm_->AllReduce(f, 1, strata::DType::kF64, ReduceOp::kSum);
-      return s.ok() ? comm_->AllReduce(f + 1, 1, strata::DType::kF64, ReduceOp::kMax) : s;
-    }));
-    sum_sq = flags[0].item<double>();
-    *nonfinite = flags[1].item<double>() > 0;
+    // One sum for both: the ranks' flags add up to more than 0 when any of them is set.
+    double v[2] = {sum_sq, *nonfinite ? 1.0 : 0.0};
+    STRATA_RETURN_IF_ERROR(AllReduceScalars(*comm_, *device_, v, 2, ReduceOp::kSum));
+    sum_sq = v[0];
+    *nonfinite = v[1] > 0;
   }
   *norm = std::sqrt(sum_sq);
   return Status::Ok();

@@ -453,12 +453,8 @@ class Trainer {
   // One double over the ranks, through the memory the communicator takes (NCCL: the device's;
   // a host address there was wrong).
   StatusOr<double> AllReduceScalar(double v, ReduceOp op) {
-    if (comm_->world_size() == 1) return v;
-    torch::Tensor t = torch::tensor({v}, torch::kFloat64);
-    STRATA_RETURN_IF_ERROR(OnCommMemory(*comm_, *device_, t, [&](void* p) {
-      return comm_->AllReduce(static_cast<double*>(p), 1, strata::DType::kF64, op);
-    }));
-    return t.item<double>();
+    STRATA_RETURN_IF_ERROR(AllReduceScalars(*comm_, *device_, &v, 1, op));
+    return v;
   }
 
   void Progress(int64_t done, int64_t total, double elapsed, double loss) {

@@ -159,8 +159,10 @@ Status StepPlan::AutoBudgets(const Inputs& in, PlacementPlan::Inputs* pin) const
   int64_t largest = 0;
   for (const ChunkInfo& ci : in.partitioner->chunks()) largest = std::max(largest, ci.numel);
   const uint64_t device = s.device_memory_budget ? s.device_memory_budget : in.device_capacity;
-  pin->device_budget_source = s.device_memory_budget ? StrCat("strata.device_memory_budget=", FormatBytes(device))
-                                                     : StrCat("the device's ", FormatBytes(device));
+  pin->device_budget_source =
+      !in.device_flag.empty()  ? StrCat(in.device_flag, " ", FormatBytes(device))
+      : s.device_memory_budget ? StrCat("strata.device_memory_budget=", FormatBytes(device))
+                               : StrCat("the device's ", FormatBytes(device));
   const uint64_t reserve = s.device_reserve ? s.device_reserve
                                             : std::max<uint64_t>(device / 4, 8ull * largest * optim::DTypeSize(compute_dtype_));
   pin->device_budget = device > reserve ? device - reserve : 0;
@@ -178,8 +180,9 @@ Status StepPlan::AutoBudgets(const Inputs& in, PlacementPlan::Inputs* pin) const
   } else {
     const uint64_t margin = std::max<uint64_t>(in.host_available / 8, 2ull << 30);
     pin->host_budget = in.host_available > margin ? in.host_available - margin : 0;
-    pin->host_budget_source = StrCat("available host memory ", FormatBytes(in.host_available), " less ",
-                                     FormatBytes(margin));
+    pin->host_budget_source =
+        StrCat(in.host_flag.empty() ? "available host memory" : in.host_flag, " ",
+               FormatBytes(in.host_available), " less ", FormatBytes(margin));
   }
   if (s.nvme_capacity) {
     if (in.disk_free && s.nvme_capacity > in.disk_free + in.disk_given_back)
@@ -195,14 +198,15 @@ Status StepPlan::AutoBudgets(const Inputs& in, PlacementPlan::Inputs* pin) const
   } else {
     const uint64_t disk = in.disk_free + in.disk_given_back;
     pin->nvme_budget = disk > (1ull << 30) ? disk - (1ull << 30) : 0;
-    pin->nvme_budget_source =
-        StrCat(in.nvme_paths > 1 ? StrCat("free disk for the ", in.nvme_paths, " nvme paths' shares ")
-                                 : std::string("free disk at the nvme_path "),
-               FormatBytes(in.disk_free),
-               in.disk_given_back ? StrCat(" and the ", FormatBytes(in.disk_given_back),
-                                           " of zero::Init's staging file that the start gives back")
-                                  : std::string(),
-               " less 1 GiB");
+    pin->nvme_budget_source = StrCat(
+        !in.disk_flag.empty() ? in.disk_flag + " "
+        : in.nvme_paths > 1   ? StrCat("free disk for the ", in.nvme_paths, " nvme paths' shares ")
+                              : std::string("free disk at the nvme_path "),
+        FormatBytes(in.disk_free),
+        in.disk_given_back ? StrCat(" and the ", FormatBytes(in.disk_given_back),
+                                    " of zero::Init's staging file that the start gives back")
+                           : std::string(),
+        " less 1 GiB");
   }
   if (pin->optim_floor != Placement::kNvme && pin->param_floor != Placement::kNvme) pin->nvme_available = false;
   return Status::Ok();

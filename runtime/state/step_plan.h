@@ -58,6 +58,9 @@ class StepPlan {
     // back as it reads the file: the NVMe tier may take them too (Note [start's disk]).
     uint64_t disk_given_back = 0;
     bool nvme_path_given = false;  // an nvme_path (section or EngineOptions) exists
+    // A planner's flags that gave the figures above (strata-estimate's "--hbm", "--host",
+    // "--disk"): a refusal names them, not the config key or the measure each stands in for.
+    std::string device_flag, host_flag, disk_flag;
   };
   // Refuses (INVALID_ARGUMENT, FAILED_PRECONDITION) what cannot run, naming the settings.
   static StatusOr<StepPlan> Make(const Inputs& in);

@@ -522,6 +522,11 @@ TEST(CliFlagsTest, OutOfRangeValuesExitTwoNamingTheFlag) {
       {estimate + " --params 1e9 --largest-layer 1e7 --largest --hbm 1PiB", "unknown unit"},
       {estimate + " --params 1e9 --largest-layer 1e7 --largest --hbm ''",
        "--hbm='': needs a value"},
+      // A refusal names the flags that gave the budgets (it named the config key --hbm had
+      // replaced, and the host's and the disk's measures).
+      {estimate + " --largest --hbm 60MiB --host 1GiB --disk 1GiB",
+       "(--hbm 60.00 MiB), host 0 B (--host 1.00 GiB less 2.00 GiB"},
+      {estimate + " --largest --hbm 60MiB --host 1GiB --disk 1GiB", "nvme 0 B (--disk 1.00 GiB"},
       // 10^12 layers of one element each filled memory until std::bad_alloc aborted.
       {estimate + " --params 1e12 --largest-layer 1", "more than the 1000000 modelled"},
       // A buffer no host holds aborted in std::bad_alloc.

@@ -83,6 +83,7 @@ int RunLargest(const Config& config, const std::string& device, const std::strin
     auto b = BytesFlag("--hbm", hbm);
     if (!b.ok()) return fail(b.status());
     o.device_bytes = *b;
+    o.device_flag = "--hbm";
   } else if (config.strata.device_memory_budget) {
     o.device_bytes = config.strata.device_memory_budget;
   } else if (o.device == "cpu") {
@@ -96,9 +97,11 @@ int RunLargest(const Config& config, const std::string& device, const std::strin
                                 "--profile made on the GPU machine"));
   }
   // A flag's size, else what this machine has (and the report says where it came from).
-  for (auto [flag, text, out, measured, from] :
-       {std::tuple{"--host", &host, &o.host_bytes, ReadHostMemory().available_bytes, std::string(" host from MemAvailable;")},
-        std::tuple{"--disk", &disk, &o.disk_bytes, FreeDiskBytes(nvme_path), StrCat(" disk free at ", nvme_path, ";")}}) {
+  for (auto [flag, text, out, out_flag, measured, from] :
+       {std::tuple{"--host", &host, &o.host_bytes, &o.host_flag, ReadHostMemory().available_bytes,
+                   std::string(" host from MemAvailable;")},
+        std::tuple{"--disk", &disk, &o.disk_bytes, &o.disk_flag, FreeDiskBytes(nvme_path),
+                   StrCat(" disk free at ", nvme_path, ";")}}) {
     if (text->empty()) {
       *out = measured;
       source += from;
@@ -107,6 +110,7 @@ int RunLargest(const Config& config, const std::string& device, const std::strin
     auto b = BytesFlag(flag, *text);
     if (!b.ok()) return fail(b.status());
     *out = *b;
+    *out_flag = flag;
   }
   auto r = FindLargest(config, o);
   if (!r.ok()) return fail(r.status());
@@ -322,13 +326,15 @@ int main(int argc, char** argv) {
       return fail(InvalidArgument("--hbm, --host and --disk size the tiers of strata.placement auto (or --largest); "
                                   "this config places each state by its offload section. Set \"strata\": "
                                   "{\"placement\": \"auto\"} or drop the flags"), 2);
-    for (auto [flag, text, out] : {std::tuple{"--hbm", &hbm, &eo.device_capacity},
-                                   std::tuple{"--host", &host, &eo.host_available},
-                                   std::tuple{"--disk", &disk, &eo.disk_free}}) {
+    for (auto [flag, text, out, out_flag] :
+         {std::tuple{"--hbm", &hbm, &eo.device_capacity, &eo.device_flag},
+          std::tuple{"--host", &host, &eo.host_available, &eo.host_flag},
+          std::tuple{"--disk", &disk, &eo.disk_free, &eo.disk_flag}}) {
       if (text->empty()) continue;
       auto b = BytesFlag(flag, *text);
       if (!b.ok()) return fail(b.status(), 2);
       *out = *b;
+      *out_flag = flag;
     }
   }
   auto est = EstimateAutoReserve(config, *model, eo);

@@ -57,6 +57,9 @@ Try Estimate(const Config& base, const LargestOptions& o, int64_t layers, int64_
   eo.disk_free = o.disk_bytes;
   eo.build = o.build;
   eo.init_element_bytes = o.init_element_bytes;
+  eo.device_flag = o.device_flag;
+  eo.host_flag = o.host_flag;
+  eo.disk_flag = o.disk_flag;
   auto est = EstimateAutoReserve(t.config, *spec, eo);
   if (!est.ok()) {
     t.why = est.status().message();

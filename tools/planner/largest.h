@@ -38,6 +38,7 @@ struct LargestOptions {
   int world_size = 1;
   EstimateOptions::Build build = EstimateOptions::Build::kStrataTrain;  // whose staging bounds the disk
   int init_element_bytes = 0;  // EstimateOptions::init_element_bytes
+  std::string device_flag, host_flag, disk_flag;  // EstimateOptions' (the flags that set them)
 };
 
 struct LargestResult {

@@ -167,6 +167,9 @@ StatusOr<MemoryEstimate> EstimateMemory(const Config& config, const ModelSpec& m
   // disk_free is what the striped tier can fill over all its paths (StripedFreeDisk), as the
   // engine budgets it; the count only words the refusals alike.
   pin.disk_free = options.disk_free;
+  pin.device_flag = options.device_flag;
+  pin.host_flag = options.host_flag;
+  pin.disk_flag = options.disk_flag;
   pin.nvme_paths = static_cast<int>(std::max<size_t>(z.NvmeTierPaths().size(), 1));
   STRATA_ASSIGN_OR_RETURN(const StepPlan plan, StepPlan::Make(pin));
   est.placement = plan.placement().ToJson();
@@ -478,17 +481,19 @@ StatusOr<MemoryEstimate> EstimateMemory(const Config& config, const ModelSpec& m
   // largest unit fits (Note [a unit that cannot fit] in runtime/engine/engine_init.cc). The lower
   // of the two peak figures, so that no run that fits is warned about.
   if (pin.device_capacity > 0 && est.engine_device_peak_min_bytes > pin.device_capacity)
-    est.notes.push_back(StrCat("the engine's device peak in a step, at least ",
-                               FormatBytes(est.engine_device_peak_min_bytes),
-                               " (peak_device_bytes), is above the ",
-                               FormatBytes(pin.device_capacity), " it may use (",
-                               options.device_capacity ? "--hbm" : "strata.device_memory_budget",
-                               config.strata.device_memory_budget || options.device_capacity
-                                   ? ""
-                                   : ", the CPU device's default",
-                               "): the first step would fail for want of device memory; raise it, "
-                               "offload more state to the host "
-                               "or NVMe, or lower strata.chunk_size"));
+    est.notes.push_back(
+        StrCat("the engine's device peak in a step, at least ",
+               FormatBytes(est.engine_device_peak_min_bytes), " (peak_device_bytes), is above the ",
+               FormatBytes(pin.device_capacity), " it may use (",
+               !options.device_flag.empty() ? options.device_flag
+               : options.device_capacity    ? std::string("--hbm")
+                                            : std::string("strata.device_memory_budget"),
+               config.strata.device_memory_budget || options.device_capacity
+                   ? ""
+                   : ", the CPU device's default",
+               "): the first step would fail for want of device memory; raise it, "
+               "offload more state to the host "
+               "or NVMe, or lower strata.chunk_size"));
   est.host_pageable_bytes = host_other;
   est.host_pinned_bytes = pool;
   // The plan's own sum (each NVMe-homed block rounded to 4 KiB), which the swap store reserves.

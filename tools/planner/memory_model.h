@@ -59,6 +59,9 @@ struct EstimateOptions {
   uint64_t host_capacity = 0;  // StepPlan::Inputs::host_capacity: a planned host tier, as is
   uint64_t disk_free = 0;
   bool assume_nvme_path = false;  // plan as if an nvme_path were set (--largest)
+  // The flags that gave the budgets above, named in refusals (StepPlan::Inputs'); empty: the
+  // config's keys and this machine's measures.
+  std::string device_flag, host_flag, disk_flag;
   // How the model is built (Note [init disk peak] in memory_model.cc): strata-train's zero::Init
   // stages a stage-3 model with NVMe parameter offload, all but its generated weights; a Python
   // script's strata.zero.Init stages every parameter, whatever the stage and offload.

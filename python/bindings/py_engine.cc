@@ -231,12 +231,12 @@ StepReport PyEngine::FinishClientStep(bool apply) {
 std::vector<std::vector<int64_t>> PyEngine::ClientSegments() { return engine().ClientSegments(); }
 
 void PyEngine::SaveCheckpoint(const std::string& dir, const std::string& extra_json,
-                              const std::string& client_file) {
+                              const std::string& client_file, bool with_frozen) {
   const Call call(*this);
   Engine& e = call.engine();
   nlohmann::json extra = nlohmann::json::parse(extra_json);
   py::gil_scoped_release nogil;
-  ThrowIfError(e.SaveCheckpoint(dir, extra, client_file));
+  ThrowIfError(e.SaveCheckpoint(dir, extra, client_file, with_frozen));
 }
 
 py::bytes PyEngine::ReadClientFile(const std::string& dir) {

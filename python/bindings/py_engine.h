@@ -83,9 +83,10 @@ class PyEngine {
   std::pair<bool, ClientPairs> BeginClientStep();
   StepReport FinishClientStep(bool apply);
   std::vector<std::vector<int64_t>> ClientSegments();
-  // `client_file`: bytes saved beside this rank's manifest (Engine::SaveCheckpoint).
+  // `client_file`: bytes saved beside this rank's manifest; `with_frozen`: the frozen
+  // parameters too (Engine::SaveCheckpoint).
   void SaveCheckpoint(const std::string& dir, const std::string& extra_json,
-                      const std::string& client_file);
+                      const std::string& client_file, bool with_frozen);
   pybind11::bytes ReadClientFile(const std::string& dir);
   // The extra JSON given to Save. weights_only: Engine::LoadCheckpoint's.
   std::string LoadCheckpoint(const std::string& dir, bool weights_only);

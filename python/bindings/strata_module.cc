@@ -74,7 +74,7 @@ void DefEngine(py::module_& m) {
       .def("backward", &PyEngine::Backward)
       .def("step", &PyEngine::Step)
       .def("save_checkpoint", &PyEngine::SaveCheckpoint, py::arg("dir"), py::arg("extra_json"),
-           py::arg("client_file") = std::string())
+           py::arg("client_file") = std::string(), py::arg("with_frozen") = true)
       .def("read_client_file", &PyEngine::ReadClientFile)
       .def("begin_client_step", &PyEngine::BeginClientStep)
       .def("finish_client_step", &PyEngine::FinishClientStep, py::arg("apply") = true)

@@ -522,7 +522,8 @@ class StrataEngine(ConfigView, torch.nn.Module):
     # --- checkpoints --------------------------------------------------------------------------
     def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest=True,
                         exclude_frozen_parameters=False):
-        """Saves every rank's partitions, the optimizer and schedule state, module buffers and
+        """Saves every rank's partitions, the optimizer and schedule state, module buffers, the
+        frozen parameters (rank 0, once; not with exclude_frozen_parameters=True) and
         `client_state` (anything torch.save can write) atomically: a crash while saving leaves the
         previous checkpoint loadable. Collective: every rank calls it. The checkpoint goes to
         save_dir/<tag>, the tag defaulting to DeepSpeed's global_step<N>, and save_dir/latest
@@ -552,7 +553,8 @@ class StrataEngine(ConfigView, torch.nn.Module):
             opt_buf = io.BytesIO()
             torch.save(self._client_optimizer.state_dict(), opt_buf)
             client_file = opt_buf.getvalue()
-        self._cpp.save_checkpoint(root, json.dumps(extra), client_file)
+        self._cpp.save_checkpoint(root, json.dumps(extra), client_file,
+                                  with_frozen=not exclude_frozen_parameters)
         if save_latest and self.global_rank == 0:
             _strata.write_file_atomic(os.path.join(save_dir, "latest"), str(tag).encode())
         return True

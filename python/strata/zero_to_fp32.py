@@ -9,11 +9,12 @@ manifest says where every parameter lives (runtime/state/checkpoint.h, Manifest:
 puts the shards of every rank side by side and cuts the parameters out, one chunk at a time;
 every block is read through the engine's own checked reader (its crc32c against the manifest).
 
-What the state_dict holds: every trainable parameter under its module path (a parameter shared
-by several modules under each of its names, as the module's own state_dict has it) and the
-persistent module buffers. Frozen parameters
-(requires_grad=False) are not in Strata checkpoints; load_state_dict(..., strict=False) keeps
-the model's own values for them.
+What the state_dict holds: every parameter under its module path (a parameter shared by
+several modules under each of its names, as the module's own state_dict has it) and the
+persistent module buffers. Frozen parameters (requires_grad=False at initialize) are saved by
+rank 0 in their working precision and come out as fp32 too, unless the checkpoint was saved, or
+is read, with exclude_frozen_parameters=True; load_state_dict(..., strict=False) then keeps the
+model's own values for them.
 """
 
 import argparse
@@ -49,7 +50,14 @@ def resolve_step_dir(checkpoint_dir, tag=None):
         if not os.path.isfile(latest):
             break
         with open(latest, encoding="utf-8") as f:
-            d = os.path.join(d, f.read().strip())
+            name = f.read().strip()
+        # A replacement of that step cut short between its two renames (a file system without
+        # an atomic exchange) left it under a hidden name; the engine's load reads it there too.
+        moved_aside = os.path.join(d, f".{name}.old")
+        if not os.path.isdir(os.path.join(d, name)) and os.path.isfile(
+                os.path.join(moved_aside, "rank-00000.json")):
+            name = f".{name}.old"
+        d = os.path.join(d, name)
     raise CheckpointError(f"{checkpoint_dir}: no Strata checkpoint there (no rank-*.json and no "
                           "`latest` file leading to one); pass the directory save_checkpoint "
                           "wrote")
@@ -58,8 +66,9 @@ def resolve_step_dir(checkpoint_dir, tag=None):
 class Fp32Checkpoint:
     """The manifests of one saved step, read once."""
 
-    def __init__(self, step_dir):
+    def __init__(self, step_dir, exclude_frozen_parameters=False):
         self.dir = step_dir
+        self.exclude_frozen = exclude_frozen_parameters
         paths = sorted(glob.glob(os.path.join(step_dir, "rank-*.json")))
         self.manifests = []
         for path in paths:
@@ -148,6 +157,14 @@ class Fp32Checkpoint:
                     numel *= d
                 out[p["name"]] = full[p["offset"]:p["offset"] + numel].clone().view(p["shape"])
         m0 = self.manifests[0]
+        if not self.exclude_frozen:
+            shapes = {p["name"]: p["shape"] for p in self.layout.get("frozen", [])}
+            for p in m0.get("frozen", []):
+                values = _read(self.dir, 0, p, _DTYPES[p["dtype"]], f"frozen parameter "
+                               f"'{p['name']}'")
+                if values.is_floating_point():
+                    values = values.to(torch.float32)
+                out[p["name"]] = values.view(shapes.get(p["name"], [values.numel()]))
         keys = m0.get("extra", {}).get("module_keys")
         if keys:  # the module's own state_dict names (Python engines record them)
             for alias, name in keys["aliases"].items():
@@ -179,8 +196,10 @@ def _read(step_dir, rank, entry, dtype, what):
 
 def get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir, tag=None,
                                              exclude_frozen_parameters=False, lazy_mode=False):
-    """The checkpoint's fp32 weights as an OrderedDict name -> tensor, on the CPU."""
-    return Fp32Checkpoint(resolve_step_dir(checkpoint_dir, tag)).state_dict()
+    """The checkpoint's fp32 weights as an OrderedDict name -> tensor, on the CPU; frozen
+    parameters too unless exclude_frozen_parameters."""
+    return Fp32Checkpoint(resolve_step_dir(checkpoint_dir, tag),
+                          exclude_frozen_parameters).state_dict()
 
 
 def convert_zero_checkpoint_to_fp32_state_dict(checkpoint_dir, output_dir_or_file, tag=None,
@@ -191,7 +210,8 @@ def convert_zero_checkpoint_to_fp32_state_dict(checkpoint_dir, output_dir_or_fil
     if safe_serialization:
         raise CheckpointError("safe_serialization=True: safetensors is not available with "
                               "Strata; the output is a torch.save file")
-    state = get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir, tag)
+    state = get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir, tag,
+                                                     exclude_frozen_parameters)
     out = os.fspath(output_dir_or_file)
     if os.path.isdir(out) or not os.path.splitext(out)[1]:
         os.makedirs(out, exist_ok=True)
@@ -204,7 +224,7 @@ def convert_zero_checkpoint_to_fp32_state_dict(checkpoint_dir, output_dir_or_fil
 
 def load_state_dict_from_zero_checkpoint(model, checkpoint_dir, tag=None):
     """Loads the checkpoint's fp32 weights into `model` (a plain module, on the CPU) and returns
-    it. Parameters the checkpoint lacks (frozen ones) keep their values."""
+    it. Parameters the checkpoint lacks (frozen ones it was saved without) keep their values."""
     state = get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir, tag)
     model = model.cpu()
     missing, unexpected = model.load_state_dict(state, strict=False)
@@ -223,10 +243,13 @@ def main(argv=None):
     parser.add_argument("output", help="a directory (pytorch_model.bin is written in it) or a "
                         "file name")
     parser.add_argument("-t", "--tag", default=None, help="the checkpoint tag (default: latest)")
+    parser.add_argument("--exclude_frozen_parameters", action="store_true",
+                        help="leave out the frozen parameters the checkpoint holds")
     args = parser.parse_args(argv)
     try:
-        path = convert_zero_checkpoint_to_fp32_state_dict(args.checkpoint_dir, args.output,
-                                                          tag=args.tag)
+        path = convert_zero_checkpoint_to_fp32_state_dict(
+            args.checkpoint_dir, args.output, tag=args.tag,
+            exclude_frozen_parameters=args.exclude_frozen_parameters)
     except (CheckpointError, OSError) as e:
         print(f"zero_to_fp32: {e}", file=sys.stderr)
         return 2

@@ -340,8 +340,8 @@ Status Engine::WriteParamState(StateKind kind, const std::vector<torch::Tensor>&
   return impl_->WriteParamState(kind, params, values);
 }
 Status Engine::SaveCheckpoint(const std::string& dir, const nlohmann::json& extra,
-                              const std::string& client_file) {
-  return impl_->Save(dir, extra, client_file);
+                              const std::string& client_file, bool with_frozen) {
+  return impl_->Save(dir, extra, client_file, with_frozen);
 }
 StatusOr<nlohmann::json> Engine::LoadCheckpoint(const std::string& dir, bool weights_only) {
   return impl_->Load(dir, weights_only);

@@ -289,12 +289,16 @@ class Engine {
   // stored in the manifest and returned by Load (data position, RNG, ...). `client_file`, when not
   // empty, is saved beside this rank's manifest (its size and crc32c in it) and published with the
   // rest: the caller's own per-rank state, such as a client optimizer's. ReadClientFile returns it
-  // from a checkpoint, checked against the manifest.
+  // from a checkpoint, checked against the manifest. The parameters no unit trains (frozen at
+  // the start) are saved once, by rank 0, unless `with_frozen` is false (DeepSpeed's
+  // exclude_frozen_parameters); a load restores those the checkpoint holds on every rank and
+  // leaves the others as they are.
   Status SaveCheckpoint(const std::string& dir, const nlohmann::json& extra,
-                        const std::string& client_file = {});
+                        const std::string& client_file = {}, bool with_frozen = true);
   StatusOr<std::string> ReadClientFile(const std::string& dir);
-  // weights_only: restores the fp32 masters (and the working copy from them) and the module
-  // buffers; the optimizer states, step counters and loss scale keep their current values.
+  // weights_only: restores the fp32 masters (and the working copy from them), the module
+  // buffers and the frozen parameters; the optimizer states, step counters and loss scale keep
+  // their current values.
   StatusOr<nlohmann::json> LoadCheckpoint(const std::string& dir, bool weights_only = false);
 
   int64_t global_step() const;

@@ -5,6 +5,7 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <map>
 
 #include "runtime/base/remove_tree.h"
 #include "runtime/engine/engine_impl.h"
@@ -102,7 +103,7 @@ std::string ShapeText(const std::vector<int64_t>& shape) {
 }  // namespace
 
 Status Engine::Impl::Save(const std::string& root, const nlohmann::json& extra,
-                          const std::string& client_file) {
+                          const std::string& client_file, bool with_frozen) {
   namespace fs = std::filesystem;
   STRATA_RETURN_IF_ERROR(CheckNoBackwardSinceStep("SaveCheckpoint"));
   STRATA_RETURN_IF_ERROR(CheckStatesResident("SaveCheckpoint"));
@@ -117,28 +118,20 @@ Status Engine::Impl::Save(const std::string& root, const nlohmann::json& extra,
     prepared = lock.Take(root);
     if (prepared.ok()) prepared = PrepareSaveDir(root, name);
   }
-  if (comm_->world_size() > 1) {
-    // Rank 0's outcome reaches every rank: none writes into the folder before rank 0 has made
-    // it afresh, and a refusal there ends the save on all of them (they waited at a barrier).
-    torch::Tensor failed = torch::tensor({prepared.ok() ? 0.0 : 1.0}, torch::kFloat64);
-    STRATA_RETURN_IF_ERROR(OnCommMemory(failed, [&](void* p) {
-      return comm_->AllReduce(static_cast<double*>(p), 1, strata::DType::kF64, ReduceOp::kMax);
-    }));
-    if (failed.item<double>() > 0 && prepared.ok())
-      prepared = FailedPrecondition(StrCat("saving checkpoint ", final_dir.string(),
-                                           ": rank 0 could not prepare it; its log says why"));
-  }
-  STRATA_RETURN_IF_ERROR(prepared);
-  {
-    std::error_code ec;
-    fs::create_directories(tmp_dir, ec);
-    if (ec) return ErrnoToStatus(ec.value(), StrCat("create ", tmp_dir.string()));
-  }
+  // None writes into the folder before rank 0 has made it afresh.
+  STRATA_RETURN_IF_ERROR(AgreeOnSave(std::move(prepared), final_dir.string(), "prepare it"));
+  if (hooks_.crash_point) hooks_.crash_point("checkpoint:before_write");
 
   checkpoint::Manifest m = NewManifest(extra);
   const std::string stem = checkpoint::RankFileStem(comm_->rank());
   uint64_t bytes = 0;
-  Status s = WriteStateFile((tmp_dir / (stem + ".bin")).string(), &m, &bytes);
+  Status s;
+  {
+    std::error_code ec;
+    fs::create_directories(tmp_dir, ec);
+    if (ec) s = ErrnoToStatus(ec.value(), StrCat("create ", tmp_dir.string()));
+  }
+  if (s.ok()) s = WriteStateFile((tmp_dir / (stem + ".bin")).string(), &m, with_frozen, &bytes);
   if (s.ok() && !client_file.empty()) {
     // The caller's own per-rank state, published with the rest; its size and crc32c in the
     // manifest let ReadClientFile refuse a damaged one.
@@ -149,7 +142,12 @@ Status Engine::Impl::Save(const std::string& root, const nlohmann::json& extra,
   if (s.ok())
     s = checkpoint::WriteFileAtomic((tmp_dir / (stem + ".json")).string(),
                                     checkpoint::SerializeManifest(m));
-  if (!s.ok()) return s.WithContext(StrCat("saving checkpoint ", final_dir.string()));
+  if (!s.ok()) s = s.WithContext(StrCat("saving checkpoint ", final_dir.string()));
+  s = AgreeOnSave(std::move(s), final_dir.string(), "write its files");
+  // Every rank is done with the folder; an unfinished one goes now rather than with the next
+  // save, since a full disk is the likeliest reason.
+  if (!s.ok() && comm_->rank() == 0) RemoveTree(tmp_dir.string()).IgnoreError();
+  STRATA_RETURN_IF_ERROR(s);
   STRATA_RETURN_IF_ERROR(PublishSave(root, name));
   STRATA_LOG(INFO) << "checkpoint saved dir=" << final_dir.string() << " bytes=" << bytes;
   return Status::Ok();
@@ -162,23 +160,39 @@ Status Engine::Impl::Save(const std::string& root, const nlohmann::json& extra,
 // root, a fork resumed from an earlier step), and on several ranks each rank decided from its
 // own files, so one skipped while another waited at the barrier. The replacement is one atomic
 // exchange of the two directories (renameat2 RENAME_EXCHANGE), so a crash leaves either whole
-// checkpoint under the name; where the file system lacks it, two renames, with the old copy
-// left under a hidden name for that instant. Rank 0 alone prepares, holding the root's lock
-// (Note [one save into a root at a time]).
+// checkpoint under the name; where the file system lacks it (NFS), two renames, with the old
+// copy under a hidden name (.step-N.old) for that instant. A crash there leaves the step
+// missing, so a load that `latest` sends there reads the hidden copy (ResolveCheckpointDir) and
+// the next save gives it its name back. Rank 0 alone prepares, holding the root's lock (Note
+// [one save into a root at a time]).
 Status Engine::Impl::PrepareSaveDir(const std::string& root, const std::string& name) {
   namespace fs = std::filesystem;
   std::error_code ec;
   const fs::path tmp_dir = fs::path(root) / ("." + name + ".tmp");
   // Leftovers of saves that crashed, this step's own included: a stale one could hold the files
   // of ranks this world does not have.
-  for (const auto& e : fs::directory_iterator(root, ec)) {
-    const std::string n = e.path().filename().string();
-    // .<name>.tmp of any save, and .step-<N>.old of a replacement cut short (ReplaceDir).
-    const bool leftover = n.size() > 5 && n[0] == '.' &&
-                          (n.rfind(".tmp") == n.size() - 4 ||
-                           (n.rfind(".step-", 0) == 0 && n.rfind(".old") == n.size() - 4));
-    if (leftover && e.path() != tmp_dir)
-      RemoveTree(e.path().string()).IgnoreError();  // harmless if it stays
+  std::vector<fs::path> leftovers;
+  for (const auto& e : fs::directory_iterator(root, ec)) leftovers.push_back(e.path());
+  for (const fs::path& p : leftovers) {
+    const std::string n = p.filename().string();
+    if (n.size() <= 5 || n[0] != '.') continue;
+    if (n.rfind(".step-", 0) == 0 && n.rfind(".old") == n.size() - 4) {
+      // .<step>.old of a replacement cut short (ReplaceDir's fallback): where <step> is
+      // missing, it is that step's only copy, which `latest` may name, so it takes its name
+      // back; otherwise the replacement finished and it goes.
+      const fs::path step = fs::path(root) / n.substr(1, n.size() - 5);
+      if (!fs::exists(step, ec)) {
+        fs::rename(p, step, ec);
+        if (ec)
+          return ErrnoToStatus(ec.value(), StrCat("restore ", step.string(), " from ", p.string()));
+        STRATA_LOG(WARN) << "restored " << step.string()
+                         << " from the copy a save cut short had moved aside";
+      } else {
+        RemoveTree(p.string()).IgnoreError();  // harmless if it stays
+      }
+    } else if (n.rfind(".tmp") == n.size() - 4 && p != tmp_dir) {
+      RemoveTree(p.string()).IgnoreError();  // .<name>.tmp of any save; harmless if it stays
+    }
   }
   if (fs::exists(tmp_dir, ec))
     STRATA_RETURN_IF_ERROR(
@@ -214,7 +228,7 @@ checkpoint::Manifest Engine::Impl::NewManifest(const nlohmann::json& extra) cons
 }
 
 Status Engine::Impl::WriteStateFile(const std::string& bin, checkpoint::Manifest* m,
-                                    uint64_t* bytes_written) {
+                                    bool with_frozen, uint64_t* bytes_written) {
   // Stream every block from wherever it lives straight into the file: no state is staged whole.
   int fd = ::open(bin.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
   if (fd < 0) return ErrnoToStatus(errno, StrCat("create ", bin));
@@ -248,15 +262,20 @@ Status Engine::Impl::WriteStateFile(const std::string& bin, checkpoint::Manifest
       offset += bytes;
     }
   }
-  // Buffers after the blocks, each from a host copy.
-  for (size_t i = 0; i < buffers_.size() && s.ok(); ++i) {
-    const auto& [name, b] = buffers_[i];
-    torch::Tensor host = b.detach().to(torch::kCPU).contiguous();
-    const uint64_t bytes = host.nbytes();
-    s = WriteAll(fd, host.data_ptr(), bytes, bin);
-    m->buffers.push_back({name, std::string(c10::toString(host.scalar_type())), offset, bytes,
+  // Buffers after the blocks, then (rank 0) the frozen parameters, each from a host copy.
+  const bool frozen_here = with_frozen && comm_->rank() == 0;
+  for (const auto& [tensors, entries] : {std::pair{&buffers_, &m->buffers},
+                                         std::pair{frozen_here ? &frozen_ : nullptr, &m->frozen}}) {
+    if (tensors == nullptr) continue;
+    for (size_t i = 0; i < tensors->size() && s.ok(); ++i) {
+      const auto& [name, b] = (*tensors)[i];
+      torch::Tensor host = b.detach().to(torch::kCPU).contiguous();
+      const uint64_t bytes = host.nbytes();
+      s = WriteAll(fd, host.data_ptr(), bytes, bin);
+      entries->push_back({name, std::string(c10::toString(host.scalar_type())), offset, bytes,
                           nvme::Crc32c(host.data_ptr(), bytes)});
-    offset += bytes;
+      offset += bytes;
+    }
   }
   if (s.ok() && ::fsync(fd) != 0) s = ErrnoToStatus(errno, StrCat("fsync ", bin));
   ::close(fd);
@@ -298,17 +317,43 @@ Status Engine::Impl::PublishSave(const std::string& root, const std::string& nam
   namespace fs = std::filesystem;
   const fs::path final_dir = fs::path(root) / name;
   const fs::path tmp_dir = fs::path(root) / ("." + name + ".tmp");
-  if (comm_->world_size() > 1) STRATA_RETURN_IF_ERROR(comm_->Barrier());
   // A crash point (EngineTestHooks): every file written, nothing published.
   if (hooks_.crash_point) hooks_.crash_point("checkpoint:before_publish");
+  Status published;
   if (comm_->rank() == 0) {
-    std::error_code ec;
-    STRATA_RETURN_IF_ERROR(checkpoint::FsyncDir(tmp_dir.string()));
-    STRATA_RETURN_IF_ERROR(ReplaceDir(tmp_dir, final_dir));
-    STRATA_RETURN_IF_ERROR(checkpoint::FsyncDir(root));
-    STRATA_RETURN_IF_ERROR(checkpoint::WriteFileAtomic((fs::path(root) / "latest").string(), name));
+    // `latest`'s new bytes are on disk before the step is published, so that a full disk
+    // refuses the save with the root as it was, not after the step stands unnamed (a first
+    // save would then leave a root that --resume calls empty). PrepareSaveDir removes a
+    // leftover.
+    const std::string latest_tmp = (fs::path(root) / ".latest.tmp").string();
+    published = checkpoint::FsyncDir(tmp_dir.string());
+    if (published.ok()) published = checkpoint::WriteNewFile(latest_tmp, name);
+    if (published.ok()) {
+      published = ReplaceDir(tmp_dir, final_dir);
+      if (published.ok()) published = checkpoint::FsyncDir(root);
+      if (published.ok())
+        published = checkpoint::PublishFile(latest_tmp, (fs::path(root) / "latest").string());
+      else
+        ::unlink(latest_tmp.c_str());
+    }
+    if (!published.ok()) {
+      published = published.WithContext(StrCat("saving checkpoint ", final_dir.string()));
+      RemoveTree(tmp_dir.string()).IgnoreError();  // gone already once ReplaceDir succeeded
+    }
   }
-  if (comm_->world_size() > 1) STRATA_RETURN_IF_ERROR(comm_->Barrier());
+  return AgreeOnSave(std::move(published), final_dir.string(), "publish it");
+}
+
+Status Engine::Impl::AgreeOnSave(Status own, const std::string& dir, const char* what) {
+  if (comm_->world_size() == 1) return own;
+  double failed = own.ok() ? 0.0 : comm_->rank() + 1.0;
+  Status agreed = AllReduceScalars(*comm_, *device_, &failed, 1, ReduceOp::kMax);
+  if (!own.ok()) return own;
+  STRATA_RETURN_IF_ERROR(agreed);
+  if (failed > 0)
+    return FailedPrecondition(StrCat("saving checkpoint ", dir, ": rank ",
+                                     static_cast<int>(failed) - 1, " could not ", what,
+                                     "; its log says why"));
   return Status::Ok();
 }
 
@@ -330,10 +375,15 @@ nlohmann::json Engine::Impl::LayoutJson() const {
                       {"chunk", loc.chunk},
                       {"offset", loc.offset}});
   }
-  nlohmann::json buffers = nlohmann::json::array();
+  nlohmann::json buffers = nlohmann::json::array(), frozen = nlohmann::json::array();
   for (const auto& [name, b] : buffers_) buffers.push_back({{"name", name}, {"shape", b.sizes().vec()}});
-  return {{"shard_offset", shard_offset}, {"chunk_numel", chunk_numel}, {"params", params},
-          {"buffers", buffers}};
+  for (const auto& [name, p] : frozen_)
+    frozen.push_back({{"name", name}, {"shape", p.sizes().vec()}});
+  return {{"shard_offset", shard_offset},
+          {"chunk_numel", chunk_numel},
+          {"params", params},
+          {"buffers", buffers},
+          {"frozen", frozen}};
 }
 
 StatusOr<std::string> Engine::Impl::ReadClientFile(const std::string& path) {
@@ -413,6 +463,7 @@ StatusOr<nlohmann::json> Engine::Impl::Load(const std::string& path, bool weight
     torch::NoGradGuard ng;
     for (size_t i = 0; i < buffer_values.size(); ++i) buffers_[i].second.copy_(buffer_values[i]);
   }
+  STRATA_RETURN_IF_ERROR(ReadSavedFrozen(dir, m));
   // The working copy is the master rounded to the working precision, exactly what Adam writes.
   {
     for (size_t c = 0; c < chunks_.size(); ++c) {
@@ -557,6 +608,34 @@ int64_t Engine::Impl::ResumedMicroStep(const checkpoint::Manifest& m,
   return boundaries * ga;
 }
 
+namespace {
+
+// A buffer's or frozen parameter's saved bytes, checked, as a host tensor of `like`'s type and
+// shape. A floating one takes the working precision (PlaceBuffers), so a run saved in another
+// precision kept it in another floating type: read as saved, then converted. DATA_LOSS when the
+// entry cannot hold this tensor.
+StatusOr<torch::Tensor> ReadSavedTensor(int fd, const std::string& bin,
+                                        const checkpoint::BufferEntry& e, const torch::Tensor& like,
+                                        const std::string& what, const std::string& mpath) {
+  const std::string type(c10::toString(like.scalar_type()));
+  torch::ScalarType saved = like.scalar_type();
+  if (e.dtype != type && like.is_floating_point())
+    for (torch::ScalarType t :
+         {torch::kFloat32, torch::kBFloat16, torch::kFloat16, torch::kFloat64})
+      if (e.dtype == c10::toString(t)) saved = t;
+  const uint64_t saved_bytes = static_cast<uint64_t>(like.numel()) * c10::elementSize(saved);
+  if (e.bytes != saved_bytes || e.dtype != c10::toString(saved))
+    return DataLoss(StrCat(mpath, ": ", what, " (", type, ", ", like.nbytes(), " bytes) is ",
+                           e.dtype, " of ", e.bytes,
+                           " bytes there; the checkpoint belongs to another model"));
+  torch::Tensor host = torch::empty(like.sizes(), torch::TensorOptions().dtype(saved));
+  STRATA_RETURN_IF_ERROR(
+      checkpoint::ReadChecked(fd, bin, e.offset, e.bytes, e.crc32c, what, host.data_ptr()));
+  return saved == like.scalar_type() ? host : host.to(like.scalar_type());
+}
+
+}  // namespace
+
 Status Engine::Impl::ReadSavedBuffers(int fd, const std::string& bin, const checkpoint::Manifest& m,
                                       const std::string& mpath, std::vector<torch::Tensor>* out) {
   // Every buffer the model has must be in the checkpoint, by name, with its size and type.
@@ -565,23 +644,71 @@ Status Engine::Impl::ReadSavedBuffers(int fd, const std::string& bin, const chec
     const checkpoint::BufferEntry* e = nullptr;
     for (const auto& be : m.buffers)
       if (be.name == name) e = &be;
-    const std::string type(c10::toString(b.scalar_type()));
-    // A floating buffer takes the working precision (PlaceBuffers), so a run saved in another
-    // precision kept it in another floating type: read as saved, then converted.
-    torch::ScalarType saved = b.scalar_type();
-    if (e && e->dtype != type && b.is_floating_point())
-      for (torch::ScalarType t :
-           {torch::kFloat32, torch::kBFloat16, torch::kFloat16, torch::kFloat64})
-        if (e->dtype == c10::toString(t)) saved = t;
-    const uint64_t saved_bytes = static_cast<uint64_t>(b.numel()) * c10::elementSize(saved);
-    if (!e || e->bytes != saved_bytes || e->dtype != c10::toString(saved))
-      return DataLoss(StrCat(mpath, ": buffer '", name, "' (", type, ", ", b.nbytes(),
-                             " bytes) is missing or differs; the checkpoint belongs to another model"));
-    torch::Tensor host = torch::empty(b.sizes(), torch::TensorOptions().dtype(saved));
-    STRATA_RETURN_IF_ERROR(checkpoint::ReadChecked(fd, bin, e->offset, e->bytes, e->crc32c,
-                                                   StrCat("buffer '", name, "'"), host.data_ptr()));
-    out->push_back(saved == b.scalar_type() ? host : host.to(b.scalar_type()));
+    if (!e)
+      return DataLoss(StrCat(mpath, ": buffer '", name, "' (", c10::toString(b.scalar_type()), ", ",
+                             b.nbytes(),
+                             " bytes) is missing; the checkpoint belongs to another model"));
+    STRATA_ASSIGN_OR_RETURN(torch::Tensor value,
+                            ReadSavedTensor(fd, bin, *e, b, StrCat("buffer '", name, "'"), mpath));
+    out->push_back(std::move(value));
   }
+  return Status::Ok();
+}
+
+// Note [frozen parameters in checkpoints]
+// Parameters no unit trains are whole on every rank and change only by the script's hand, yet
+// they are part of the model: a run resumed into a freshly built model needs them as saved (a
+// frozen embedding, a base model under adapters), and zero_to_fp32's state_dict must hold them to
+// load strictly. Rank 0 saves them once, after its buffers; every rank reads them from rank 0's
+// file on load, one at a time into the parameter once its bytes are checked. A checkpoint
+// without some of them (saved with exclude_frozen_parameters, as Hugging Face's Trainer saves
+// adapters; or before they were kept; or another set of layers was frozen) leaves those as the
+// model has them, and says so.
+Status Engine::Impl::ReadSavedFrozen(const std::string& dir, const checkpoint::Manifest& m) {
+  namespace fs = std::filesystem;
+  if (frozen_.empty()) return Status::Ok();
+  const std::string stem = checkpoint::RankFileStem(0);
+  const std::string mpath = (fs::path(dir) / (stem + ".json")).string();
+  checkpoint::Manifest rank0;
+  if (m.rank != 0) {
+    STRATA_ASSIGN_OR_RETURN(std::string text, checkpoint::ReadFile(mpath));
+    STRATA_ASSIGN_OR_RETURN(rank0, checkpoint::ParseManifest(text, mpath));
+  }
+  const checkpoint::Manifest& saved = m.rank == 0 ? m : rank0;
+  std::map<std::string, const checkpoint::BufferEntry*> by_name;
+  for (const auto& e : saved.frozen) by_name[e.name] = &e;
+  const std::string bin = (fs::path(dir) / (stem + ".bin")).string();
+  int fd = -1;
+  if (!by_name.empty()) {
+    fd = ::open(bin.c_str(), O_RDONLY | O_CLOEXEC);
+    if (fd < 0) return ErrnoToStatus(errno, StrCat("open ", bin));
+  }
+  Status s;
+  std::vector<std::string> kept;
+  for (const auto& [name, p] : frozen_) {
+    auto it = by_name.find(name);
+    if (it == by_name.end()) {
+      kept.push_back(name);
+      continue;
+    }
+    auto value =
+        ReadSavedTensor(fd, bin, *it->second, p, StrCat("frozen parameter '", name, "'"), mpath);
+    if (!value.ok()) {
+      s = value.status();
+      break;
+    }
+    torch::NoGradGuard ng;
+    p.copy_(*value);
+  }
+  if (fd >= 0) ::close(fd);
+  STRATA_RETURN_IF_ERROR(s);
+  if (!kept.empty() && comm_->rank() == 0)
+    STRATA_LOG(INFO) << dir << " holds "
+                     << (saved.frozen.empty() ? "no frozen parameters"
+                                              : "not all frozen parameters")
+                     << " (saved with exclude_frozen_parameters, or another set was frozen): "
+                     << kept.size() << " keep the model's values, '" << kept.front()
+                     << "' the first";
   return Status::Ok();
 }
 

@@ -146,7 +146,8 @@ class Engine::Impl {
                          const std::vector<torch::Tensor>& values);
   StatusOr<std::vector<Engine::Residency>> ParamResidency(
       const std::vector<torch::Tensor>& params) const;
-  Status Save(const std::string& dir, const nlohmann::json& extra, const std::string& client_file);
+  Status Save(const std::string& dir, const nlohmann::json& extra, const std::string& client_file,
+              bool with_frozen);
   StatusOr<std::string> ReadClientFile(const std::string& dir);
   // EngineOptions::client_optimizer (client_step.cc).
   StatusOr<Engine::ClientStep> BeginClientStep();
@@ -160,8 +161,13 @@ class Engine::Impl {
   // read back and checked. SavedBytes: a chunk's shard of a saved state.
   Status PrepareSaveDir(const std::string& root, const std::string& name);
   checkpoint::Manifest NewManifest(const nlohmann::json& extra) const;
-  Status WriteStateFile(const std::string& bin, checkpoint::Manifest* m, uint64_t* bytes_written);
+  Status WriteStateFile(const std::string& bin, checkpoint::Manifest* m, bool with_frozen,
+                        uint64_t* bytes_written);
   Status PublishSave(const std::string& root, const std::string& name);
+  // One phase of a save, agreed over the ranks: when any rank's `own` failed, every rank
+  // returns an error (its own, or one naming the highest failing rank and `what` it could not
+  // do), so that none waits in a later collective for a rank that has left the save.
+  Status AgreeOnSave(Status own, const std::string& dir, const char* what);
   Status CheckManifestFits(const checkpoint::Manifest& m, const std::string& dir) const;
   // The loss scaler's saved state, checked; none when the checkpoint was saved without fp16
   // (Note [a saved loss scale]).
@@ -169,6 +175,9 @@ class Engine::Impl {
       const checkpoint::Manifest& m, const std::string& mpath) const;
   Status ReadSavedBuffers(int fd, const std::string& bin, const checkpoint::Manifest& m,
                           const std::string& mpath, std::vector<torch::Tensor>* out);
+  // The frozen parameters rank 0 saved, into this run's by name (Note [frozen parameters in
+  // checkpoints]); `m` is this rank's manifest.
+  Status ReadSavedFrozen(const std::string& dir, const checkpoint::Manifest& m);
   Status ReadSavedBlocks(int fd, const std::string& bin, const checkpoint::Manifest& m,
                          const std::string& mpath, bool weights_only);
   // Another chunk layout saved them (Note [loading another chunk layout]): each shard filled by
@@ -390,6 +399,9 @@ class Engine::Impl {
   // The units and the order they ran in (unit_coordinator.h).
   UnitCoordinator units_;
   std::vector<std::pair<std::string, torch::Tensor>> buffers_;  // unique, in registration order
+  // The parameters no unit trains (requires_grad false at the start), unique, in registration
+  // order: placed and saved beside the buffers.
+  std::vector<std::pair<std::string, torch::Tensor>> frozen_;
   // Each chunk's working copy and residency (chunk_table.h): the compute thread's.
   ChunkTable chunks_;
 

@@ -41,9 +41,11 @@ struct EngineTestHooks {
   // pointed its parameters at the engine's memory, so a test can measure the start's disk use
   // chunk by chunk (Note [start's disk] in engine_init.cc).
   std::function<void(int64_t chunk)> initial_chunk_hook;
-  // Called at the engine's named crash points (the caller's thread): "checkpoint:before_publish"
-  // (every file of a checkpoint written and synced, nothing published). A test exits the process
-  // there to show what a crash at that moment leaves.
+  // Called at the engine's named points of a save (the caller's thread):
+  // "checkpoint:before_write" (the folder made, no rank's file written yet) and
+  // "checkpoint:before_publish" (every file of a checkpoint written and synced, nothing
+  // published). A test exits the process there to show what a crash at that moment leaves, or
+  // damages the file system to show what a failure does.
   std::function<void(std::string_view point)> crash_point;
 };
 

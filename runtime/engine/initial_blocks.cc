@@ -22,8 +22,7 @@ Status Engine::Impl::PlaceBuffers() {
   // BatchNorm's running statistics meet 16-bit activations in their own type.
   const torch::Dtype work = TorchDtype(plan_.compute_dtype());
   std::vector<std::pair<std::string, torch::Tensor>> placed = buffers_;
-  for (const auto& item : model_.module->named_parameters(/*recurse=*/true))
-    if (!item.value().requires_grad()) placed.push_back({item.key(), item.value()});
+  placed.insert(placed.end(), frozen_.begin(), frozen_.end());
   for (auto& [name, b] : placed) {
     torch::NoGradGuard ng;
     const torch::Dtype dtype =

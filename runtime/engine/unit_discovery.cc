@@ -170,6 +170,12 @@ Status Engine::Impl::DiscoverUnits(const EngineOptions& options, optim::DType co
   for (const auto& item : model_.module->named_buffers(/*recurse=*/true))
     if (seen_buffers.insert(item.value().unsafeGetTensorImpl()).second)
       buffers_.push_back({item.key(), item.value()});
+  // Frozen parameters, each once (a tied one under its first name).
+  std::set<const c10::TensorImpl*> seen_frozen;
+  for (const auto& item : model_.module->named_parameters(/*recurse=*/true))
+    if (!item.value().requires_grad() &&
+        seen_frozen.insert(item.value().unsafeGetTensorImpl()).second)
+      frozen_.push_back({item.key(), item.value()});
   return Status::Ok();
 }
 

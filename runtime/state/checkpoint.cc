@@ -13,6 +13,7 @@
 #include <stdexcept>
 #include <sstream>
 
+#include "runtime/base/logging.h"
 #include "tiers/nvme/crc32c.h"
 
 namespace strata::checkpoint {
@@ -66,12 +67,17 @@ std::string SerializeManifest(const Manifest& m) {
   if (!m.layout.is_null()) j["layout"] = m.layout;
   if (!m.optimizer.empty()) j["optimizer"] = m.optimizer;
   if (m.gradient_accumulation_steps > 0) j["gradient_accumulation_steps"] = m.gradient_accumulation_steps;
-  if (!m.buffers.empty()) {
-    nlohmann::json buffers = nlohmann::json::array();
-    for (const auto& b : m.buffers)
-      buffers.push_back({{"name", b.name}, {"dtype", b.dtype}, {"offset", b.offset},
-                         {"bytes", b.bytes}, {"crc32c", b.crc32c}});
-    j["buffers"] = buffers;
+  for (const auto& [key, entries] :
+       {std::pair{"buffers", &m.buffers}, std::pair{"frozen", &m.frozen}}) {
+    if (entries->empty()) continue;
+    nlohmann::json list = nlohmann::json::array();
+    for (const auto& b : *entries)
+      list.push_back({{"name", b.name},
+                      {"dtype", b.dtype},
+                      {"offset", b.offset},
+                      {"bytes", b.bytes},
+                      {"crc32c", b.crc32c}});
+    j[key] = list;
   }
   return j.dump(1);
 }
@@ -141,16 +147,18 @@ StatusOr<Manifest> ParseManifest(std::string_view bytes, const std::string& sour
         return bad(StrCat("block names chunk ", e.chunk, " of ", m.shard_numel.size()));
       m.blocks.push_back(std::move(e));
     }
-    if (j.contains("buffers")) {
-      if (!j.at("buffers").is_array()) return bad("buffers must be a list");
-      for (const auto& b : j.at("buffers")) {
+    for (const auto& [key, entries] :
+         {std::pair{"buffers", &m.buffers}, std::pair{"frozen", &m.frozen}}) {
+      if (!j.contains(key)) continue;
+      if (!j.at(key).is_array()) return bad(StrCat(key, " must be a list"));
+      for (const auto& b : j.at(key)) {
         BufferEntry e;
         e.name = b.at("name").get<std::string>();
         e.dtype = b.at("dtype").get<std::string>();
         e.offset = static_cast<uint64_t>(Int(b.at("offset"), "offset", 0, kMax));
         e.bytes = static_cast<uint64_t>(Int(b.at("bytes"), "bytes", 0, kMax));
         e.crc32c = static_cast<uint32_t>(Int(b.at("crc32c"), "crc32c", 0, 0xffffffffll));
-        m.buffers.push_back(std::move(e));
+        entries->push_back(std::move(e));
       }
     }
     return m;
@@ -204,8 +212,19 @@ StatusOr<std::string> ResolveCheckpointDir(const std::string& path) {
     if (name.empty() || name.find('/') != std::string::npos)
       return DataLoss(StrCat(latest.string(), " does not name a checkpoint"));
     fs::path dir = fs::path(path) / name;
-    if (!fs::is_directory(dir, ec))
+    if (!fs::is_directory(dir, ec)) {
+      // A save that replaced this step on a file system without RENAME_EXCHANGE, cut short
+      // between its two renames, left the step `latest` named under its hidden name (Note
+      // [saving over a step]).
+      const fs::path old = fs::path(path) / ("." + name + ".old");
+      if (fs::exists(old / (RankFileStem(0) + ".json"), ec)) {
+        STRATA_LOG(WARN) << latest.string() << " names " << name
+                         << ", which a save cut short moved aside; loading it from "
+                         << old.string();
+        return old.string();
+      }
       return DataLoss(StrCat(latest.string(), " names ", name, ", which is missing"));
+    }
     return dir.string();
   }
   return NotFound(StrCat(path, " holds no checkpoint (no 'latest' file and no ",
@@ -222,10 +241,9 @@ Status FsyncDir(const std::string& dir) {
   return Status::Ok();
 }
 
-Status WriteFileAtomic(const std::string& path, std::string_view bytes) {
-  const std::string tmp = path + ".tmp";
-  int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-  if (fd < 0) return ErrnoToStatus(errno, StrCat("create ", tmp));
+Status WriteNewFile(const std::string& path, std::string_view bytes) {
+  int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  if (fd < 0) return ErrnoToStatus(errno, StrCat("create ", path));
   size_t done = 0;
   while (done < bytes.size()) {
     ssize_t n = ::write(fd, bytes.data() + done, bytes.size() - done);
@@ -233,12 +251,24 @@ Status WriteFileAtomic(const std::string& path, std::string_view bytes) {
       if (errno == EINTR) continue;
       int err = errno;
       ::close(fd);
-      ::unlink(tmp.c_str());
-      return ErrnoToStatus(err, StrCat("write ", tmp));
+      ::unlink(path.c_str());
+      return ErrnoToStatus(err, StrCat("write ", path));
     }
     done += static_cast<size_t>(n);
   }
+  if (::fsync(fd) != 0) {  // ENOSPC can wait for this on some file systems
+    int err = errno;
+    ::close(fd);
+    ::unlink(path.c_str());
+    return ErrnoToStatus(err, StrCat("fsync ", path));
+  }
   ::close(fd);
+  return Status::Ok();
+}
+
+Status WriteFileAtomic(const std::string& path, std::string_view bytes) {
+  const std::string tmp = path + ".tmp";
+  STRATA_RETURN_IF_ERROR(WriteNewFile(tmp, bytes));
   return PublishFile(tmp, path);
 }
 

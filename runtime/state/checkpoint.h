@@ -66,11 +66,15 @@ struct Manifest {
   //   {"shard_offset": [per chunk, the first element of this rank's shard],
   //    "chunk_numel": [per chunk, padded elements],
   //    "params": [{"name", "shape", "chunk", "offset"} in registration order],
-  //    "buffers": [{"name", "shape"}]}
+  //    "buffers": [{"name", "shape"}], "frozen": [{"name", "shape"}]}
   // Null in checkpoints written before it existed.
   nlohmann::json layout;
   std::vector<BlockEntry> blocks;
   std::vector<BufferEntry> buffers;  // absent in checkpoints of models without buffers
+  // The parameters no unit trains (frozen at the start), in rank 0's manifest only: every rank
+  // holds them whole, so rank 0 writes them once. Absent where the model has none, where the
+  // save excluded them, and in checkpoints written before they were kept.
+  std::vector<BufferEntry> frozen;
 };
 
 std::string StepDirName(int64_t step);          // "step-00000010"
@@ -95,6 +99,9 @@ StatusOr<std::string> ResolveCheckpointDir(const std::string& path);
 
 // Writes `bytes` to `path` atomically: path.tmp, then PublishFile.
 Status WriteFileAtomic(const std::string& path, std::string_view bytes);
+// Creates (or truncates) `path` with `bytes`, fsynced; removed again on failure. The first half
+// of WriteFileAtomic, for a caller that publishes the file later.
+Status WriteNewFile(const std::string& path, std::string_view bytes);
 // Makes the finished file `tmp` appear as `path` and survive a crash: fsync of tmp, rename over
 // path, fsync of the directory. On failure tmp is removed and path keeps its old content. For
 // files written by another writer (torch.save from Python) that then publish through here.

@@ -85,7 +85,8 @@ inline Status FuzzManifest(std::string_view bytes, std::string* bug) {
     } else if (again->blocks.size() != m->blocks.size() || again->shard_numel != m->shard_numel ||
                again->global_step != m->global_step ||
                again->gradient_accumulation_steps != m->gradient_accumulation_steps ||
-               again->scaler != m->scaler) {
+               again->scaler != m->scaler || again->buffers.size() != m->buffers.size() ||
+               again->frozen.size() != m->frozen.size()) {
       *bug = "a parsed manifest does not survive a serialize/parse round trip";
     }
     return Status();

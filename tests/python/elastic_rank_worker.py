@@ -17,7 +17,9 @@ def main():
     with open(spec_path, encoding="utf-8") as f:
         spec = json.load(f)
     cfg = spec["config"]
-    model, engine = harness.gpt2_on_this_rank(cfg, f"{spec['mode']}-rank{rank}")
+    model, engine = harness.gpt2_on_this_rank(cfg, f"{spec['mode']}-rank{rank}",
+                                              spec.get("freeze", ()),
+                                              spec.get("shift_frozen", 0.0))
     accum, micro = cfg["gradient_accumulation_steps"], cfg["train_micro_batch_size_per_gpu"]
     first = spec["steps"]
     if spec["mode"] == "save":

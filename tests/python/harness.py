@@ -317,9 +317,10 @@ def train_strata(model_name, cfg, steps, rank=0, world=1, engine_out=None):
     return losses
 
 
-def gpt2_on_this_rank(cfg, swap_folder):
+def gpt2_on_this_rank(cfg, swap_folder, freeze=(), shift_frozen=0.0):
     """A rank worker's gpt2 (seed 0) under strata.initialize(config=cfg), with each nvme_path
-    moved into a folder of this rank's own, <nvme_path>/<swap_folder>; returns (model, engine)."""
+    moved into a folder of this rank's own, <nvme_path>/<swap_folder>; returns (model, engine).
+    The parameters named in `freeze` are frozen first, their values moved by `shift_frozen`."""
     import strata
     for section in ("offload_optimizer", "offload_param"):
         sub = cfg["zero_optimization"].get(section, {})
@@ -328,6 +329,11 @@ def gpt2_on_this_rank(cfg, swap_folder):
             os.makedirs(sub["nvme_path"], exist_ok=True)
     torch.manual_seed(0)
     model = MODELS["gpt2"]()
+    for name, p in model.named_parameters():
+        if name in freeze:
+            p.requires_grad_(False)
+            with torch.no_grad():
+                p.add_(shift_frozen)
     engine, _, _, _ = strata.initialize(model=model, model_parameters=model.parameters(),
                                         config=cfg)
     return model, engine
@@ -337,8 +343,11 @@ def full_states(model):
     """Each parameter's whole fp32 master and moments, by name, as lists: DeepSpeed's collective
     accessors (every rank calls it)."""
     from strata import param_state
-    out = {"master": {}, "exp_avg": {}, "exp_avg_sq": {}}
+    out = {"master": {}, "exp_avg": {}, "exp_avg_sq": {}, "frozen": {}}
     for name, p in model.named_parameters():
+        if not p.requires_grad:
+            out["frozen"][name] = p.detach().cpu().flatten().tolist()
+            continue
         out["master"][name] = param_state.safe_get_full_fp32_param(p).cpu().flatten().tolist()
         for key in ("exp_avg", "exp_avg_sq"):
             out[key][name] = \

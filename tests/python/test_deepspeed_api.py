@@ -385,6 +385,69 @@ def test_zero_to_fp32_of_a_stage3_nvme_checkpoint_equals_the_masters(tmp_path):
     assert bad.returncode == 2 and "no Strata checkpoint" in bad.stderr
 
 
+@pytest.mark.parametrize("stage,precision", [(1, "fp32"), (3, "bf16")])
+def test_frozen_parameters_are_saved_restored_and_in_zero_to_fp32(stage, precision, tmp_path):
+    """Frozen parameters were neither saved nor restored: a run resumed into a model built
+    afresh kept its random frozen weights, and zero_to_fp32's state_dict lacked them, so
+    load_state_dict(strict=True) failed. exclude_frozen_parameters=True leaves them out, as
+    DeepSpeed does, and a load then keeps the model's own."""
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+    cfg = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": stage},
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}}
+    if precision == "bf16":
+        cfg["bf16"] = {"enabled": True}
+    frozen_names = ["0.weight", "1.bias"]
+
+    def build(seed):
+        torch.manual_seed(seed)
+        model = torch.nn.Sequential(torch.nn.Embedding(10, 8), torch.nn.Linear(8, 8),
+                                    torch.nn.Linear(8, 2))
+        model[0].requires_grad_(False)
+        model[1].bias.requires_grad_(False)
+        engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                          config=copy.deepcopy(cfg))
+        return model, engine
+
+    def frozen_of(model):
+        return {n: p.detach().float().cpu().clone() for n, p in model.named_parameters()
+                if n in frozen_names}
+
+    model, engine = build(0)
+    for step in range(2):
+        x = torch.randint(0, 10, (2, 3), generator=torch.Generator().manual_seed(step))
+        engine.backward(engine(x).float().square().mean())
+        engine.step()
+    engine.save_checkpoint(tmp_path / "ck")
+    engine.save_checkpoint(tmp_path / "ex", exclude_frozen_parameters=True)
+    frozen, masters = frozen_of(model), engine.master_parameters()
+    engine.close()
+
+    other, engine = build(1)
+    assert all(not torch.equal(v, frozen[n]) for n, v in frozen_of(other).items())
+    engine.load_checkpoint(tmp_path / "ck")
+    got = frozen_of(other)
+    assert got.keys() == frozen.keys() and all(torch.equal(got[n], frozen[n]) for n in got)
+    assert all(torch.equal(a, b) for a, b in zip(engine.master_parameters(), masters))
+    engine.close()
+    # Saved without them: the model's own values stay.
+    other, engine = build(2)
+    own = frozen_of(other)
+    engine.load_checkpoint(tmp_path / "ex")
+    assert all(torch.equal(v, own[n]) for n, v in frozen_of(other).items())
+    engine.close()
+
+    state = get_fp32_state_dict_from_zero_checkpoint(tmp_path / "ck")
+    plain = torch.nn.Sequential(torch.nn.Embedding(10, 8), torch.nn.Linear(8, 8),
+                                torch.nn.Linear(8, 2))
+    plain.load_state_dict(state, strict=True)
+    for name in frozen_names:
+        assert state[name].dtype == torch.float32 and torch.equal(state[name], frozen[name])
+    for without in (get_fp32_state_dict_from_zero_checkpoint(tmp_path / "ex"),
+                    get_fp32_state_dict_from_zero_checkpoint(tmp_path / "ck",
+                                                             exclude_frozen_parameters=True)):
+        assert set(state) - set(without) == set(frozen_names)
+
+
 def test_zero_to_fp32_refuses_a_damaged_shard_naming_the_file(tmp_path):
     """zero_to_fp32 reads through the engine's checked reader: one flipped byte in a master
     block, or a cut file, is refused naming the file, as load_checkpoint refuses it."""

@@ -35,9 +35,9 @@ def _config(stage, offload, micro, tmp_path, precision="fp32", state_dtype=None,
     return cfg
 
 
-def _run(mode, world, cfg, tmp_path):
+def _run(mode, world, cfg, tmp_path, **more_spec):
     spec = {"mode": mode, "config": cfg, "checkpoint": str(tmp_path / "ckpt"), "steps": STEPS,
-            "more": MORE}
+            "more": MORE, **more_spec}
     spec_path = tmp_path / f"{mode}.json"
     spec_path.write_text(json.dumps(spec))
     out = str(tmp_path / mode)
@@ -115,6 +115,24 @@ def test_a_checkpoint_resumes_on_other_ranks_stage_and_precision(name, saving, l
     want, got = _mean_loss(saved), _mean_loss(loaded)
     # 16-bit compute rounds every activation: the losses agree to its precision.
     harness.assert_close(got, want, rel=1e-5 if sb == lb == "fp32" else 2e-2, what="resumed loss")
+
+
+@pytest.mark.skipif(not harness.have_gloo(),
+                    reason="this build has no c10d Gloo (its headers were missing at build time)")
+@pytest.mark.parametrize("loading_world", [2, 1])
+def test_frozen_parameters_come_back_on_every_rank(loading_world, tmp_path):
+    """Frozen parameters were not in checkpoints: a run resumed into a model built afresh kept
+    that model's values for them. Rank 0 saves them once and every loading rank reads them from
+    its file, whatever the world size; the run then goes on as the saved one."""
+    frozen = ["embed.pos", "blocks.0.qkv.bias"]
+    saved, _ = _run("save", 2, _config(3, "cpu", 2, tmp_path), tmp_path, freeze=frozen)
+    loaded, _ = _run("load", loading_world, _config(3, "cpu", 4 // loading_world, tmp_path),
+                     tmp_path, freeze=frozen, shift_frozen=1.0)
+    assert sorted(saved[0]["frozen"]) == sorted(frozen)
+    for r in range(loading_world):
+        assert loaded[r]["frozen"] == saved[0]["frozen"], f"rank {r}"
+        assert loaded[r]["master"] == saved[0]["master"], f"rank {r}"
+    harness.assert_close(_mean_loss(loaded), _mean_loss(saved), rel=1e-5, what="resumed loss")
 
 
 def test_a_checkpoint_with_a_client_optimizer_stays_on_its_ranks(tmp_path):

@@ -1,10 +1,16 @@
 // Equivalence with several ranks: run under strata-launch, each rank trains on its slice of every
 // global batch through Gloo (or, with STRATA_TEST_DEVICE=cuda, on GPU LOCAL_RANK through NCCL),
 // and the result must match plain LibTorch training on the whole batch in one process.
+#include <unistd.h>
+
+#include <filesystem>
+#include <string_view>
+
 #include <gtest/gtest.h>
 
 #include "runtime/comm/backends.h"
 #include "runtime/engine/zero_init.h"
+#include "runtime/state/checkpoint.h"
 #include "tests/runtime/gpt_training.h"
 #include "tests/runtime/model_zoo.h"
 #include "tiers/hbm/device_factory.h"
@@ -194,6 +200,60 @@ TEST(MultiRankOverflow, OneRankOverflowingSkipsTheStepEverywhere) {
   ASSERT_EQ(got.params.size(), ref.params.size());
   for (size_t i = 0; i < ref.params.size(); ++i)
     EXPECT_LT((ref.params[i] - got.params[i]).abs().max().item<double>(), 2e-5) << "parameter " << i;
+}
+
+// A save that one rank cannot finish ends on every rank with an error (rank 1's own, and on
+// rank 0 one naming rank 1), where rank 0 once waited for good at the publication's barrier;
+// nothing is published, and the next save works.
+TEST(MultiRankSave, ARankThatCannotWriteEndsTheSaveOnEveryRank) {
+  if (!EnoughGpus()) GTEST_SKIP();
+  Communicator* comm = SharedComm();
+  ASSERT_NE(comm, nullptr);
+  ASSERT_GE(comm->world_size(), 2);
+  namespace fs = std::filesystem;
+  // Both ranks are children of one strata-launch, so its pid names a folder they share.
+  const std::string root =
+      StrCat(fs::temp_directory_path().string(), "/strata-multirank-save-", getppid());
+  if (comm->rank() == 0) {
+    fs::remove_all(root);
+    fs::create_directories(root);
+  }
+  ASSERT_OK(comm->Barrier());
+  bool break_write = false;
+  EngineOptions opts;
+  MutableHooks(&opts).crash_point = [&](std::string_view point) {
+    // A folder where rank 1's state file goes: its open fails with EISDIR.
+    if (break_write && comm->rank() == 1 && point == "checkpoint:before_write")
+      fs::create_directories(root + "/.step-00000001.tmp/rank-00001.bin");
+  };
+  Config c = BaseConfig();
+  c.zero_optimization.stage = 2;
+  c.zero_optimization.offload_optimizer.device = OffloadDevice::kCpu;
+  auto device = CreateDevice(TestDeviceSpec(), 256 << 20).value();
+  ASSERT_OK_AND_ASSIGN(auto engine,
+                       Engine::Create(models::BuildGpt(c.model), c, comm, device.get(), opts));
+  torch::Tensor b = Batch(c, 0, comm->rank()).to(TorchDevice(*device));
+  ASSERT_OK(engine->Backward(models::LanguageModelLoss(
+      engine->Forward(b.narrow(1, 0, c.model.seq_len)), b.narrow(1, 1, c.model.seq_len))));
+  ASSERT_OK(engine->Step().status());
+
+  break_write = true;
+  Status refused = engine->SaveCheckpoint(root, {});
+  break_write = false;
+  ASSERT_FALSE(refused.ok());
+  EXPECT_NE(refused.ToString().find(comm->rank() == 1 ? "rank-00001.bin" : "rank 1 could not"),
+            std::string::npos)
+      << refused;
+  ASSERT_OK(comm->Barrier());
+  EXPECT_FALSE(fs::exists(root + "/step-00000001"));
+  EXPECT_FALSE(fs::exists(root + "/.step-00000001.tmp")) << "rank 0 removes what was written";
+  EXPECT_FALSE(fs::exists(root + "/latest"));
+
+  ASSERT_OK(engine->SaveCheckpoint(root, {}));
+  ASSERT_OK_AND_ASSIGN(std::string saved, checkpoint::ResolveCheckpointDir(root));
+  EXPECT_TRUE(fs::exists(fs::path(saved) / "rank-00001.json"));
+  ASSERT_OK(comm->Barrier());
+  if (comm->rank() == 0) fs::remove_all(root);
 }
 
 // Per-rank memory of each stage on 2 ranks, from the engine's measured device allocations

@@ -11,6 +11,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <random>
 #include <string_view>
 #include <thread>
@@ -29,6 +30,8 @@ namespace fs = std::filesystem;
 
 // Armed by SaveThenDieBeforePublish: the engine's crash point "checkpoint:before_publish" exits.
 std::atomic<bool> crash_before_publish{false};
+// Run at the same point when set (a test fills the disk there).
+std::function<void()> before_publish;
 
 struct Trainer {
   std::unique_ptr<Communicator> comm = CreateSingleCommunicator();
@@ -42,7 +45,9 @@ struct Trainer {
     // Dies where a crash hurts most (every file of a checkpoint written, nothing published) once
     // a test arms it.
     MutableHooks(&o).crash_point = [](std::string_view point) {
-      if (crash_before_publish && point == "checkpoint:before_publish") ::_exit(137);
+      if (point != "checkpoint:before_publish") return;
+      if (crash_before_publish) ::_exit(137);
+      if (before_publish) before_publish();
     };
     auto e = Engine::Create(models::BuildGpt(c.model), c, comm.get(), device.get(), o);
     if (!e.ok()) {
@@ -360,6 +365,89 @@ TEST(ResumeCrash, DeathBeforePublishKeepsThePreviousCheckpoint) {
   auto extra = t.engine->LoadCheckpoint(ckpt);
   ASSERT_TRUE(extra.ok()) << extra.status();
   EXPECT_EQ((*extra)["next_step"], 1);
+}
+
+// Writes into `path` until the file system is full.
+void FillDisk(const std::string& path) {
+  std::FILE* f = std::fopen(path.c_str(), "wb");
+  ASSERT_NE(f, nullptr) << std::strerror(errno);
+  std::setvbuf(f, nullptr, _IONBF, 0);
+  const std::vector<char> page(4096, 'x');
+  while (std::fwrite(page.data(), 1, page.size(), f) == page.size()) {
+  }
+  std::fclose(f);
+}
+
+// A disk that fills between the step's files and its publication refuses the save with the root
+// as it was: no step stands without `latest` naming it (a first save once left a root that a
+// resume called empty), and an older checkpoint stays the one `latest` names.
+TEST(ResumeDiskFull, AFullDiskAtPublicationLeavesTheRootAsItWas) {
+  testing::TempDir dir;
+  const std::string root = dir.path() + "/ckpt";
+  fs::create_directories(root);
+  testing::TmpfsMount tmpfs(root, "size=64M");
+  if (!tmpfs.mounted()) GTEST_SKIP() << "cannot mount a tmpfs here: " << std::strerror(errno);
+  Trainer t(ResumeConfig(2, OffloadDevice::kCpu), "");
+  t.Train(0, 1);
+
+  before_publish = [&] { FillDisk(root + "/filler"); };
+  Status full = t.engine->SaveCheckpoint(root, {});
+  EXPECT_FALSE(full.ok());
+  EXPECT_NE(full.ToString().find("No space left"), std::string::npos) << full;
+  EXPECT_FALSE(fs::exists(root + "/step-00000001"));
+  EXPECT_FALSE(fs::exists(root + "/latest"));
+  EXPECT_EQ(checkpoint::ResolveCheckpointDir(root).status().code(), StatusCode::kNotFound);
+
+  fs::remove(root + "/filler");
+  before_publish = nullptr;
+  ASSERT_OK(t.engine->SaveCheckpoint(root, {{"next_step", 1}}));
+  std::vector<torch::Tensor> step1 = t.engine->GatherMasterParams().value();
+  t.Train(1, 2);
+  before_publish = [&] { FillDisk(root + "/filler"); };
+  EXPECT_FALSE(t.engine->SaveCheckpoint(root, {}).ok());
+  before_publish = nullptr;
+  fs::remove(root + "/filler");
+  EXPECT_FALSE(fs::exists(root + "/step-00000002"));
+  ASSERT_OK_AND_ASSIGN(std::string latest, checkpoint::ResolveCheckpointDir(root));
+  EXPECT_EQ(fs::path(latest).filename(), "step-00000001");
+  for (const auto& e : fs::directory_iterator(root))  // no leftover of the refused saves
+    EXPECT_EQ(e.path().filename().string().find(".tmp"), std::string::npos) << e.path();
+
+  Trainer fresh(ResumeConfig(2, OffloadDevice::kCpu), "");
+  auto extra = fresh.engine->LoadCheckpoint(root);
+  ASSERT_TRUE(extra.ok()) << extra.status();
+  EXPECT_EQ((*extra)["next_step"], 1);
+  ExpectBitwiseEqual(fresh.engine->GatherMasterParams().value(), step1);
+}
+
+// A replacement cut short between its two renames (the fallback for a file system without
+// RENAME_EXCHANGE) leaves the step `latest` names as .step-N.old: a load reads it there, and the
+// next save gives it its name back.
+TEST(ResumeCrash, AReplacementCutShortIsLoadedFromTheCopyMovedAside) {
+  testing::TempDir dir;
+  const std::string root = dir.path() + "/ckpt";
+  Config c = ResumeConfig(2, OffloadDevice::kCpu);
+  Trainer t(c, "");
+  t.Train(0, 1);
+  ASSERT_OK(t.engine->SaveCheckpoint(root, {{"next_step", 1}}));
+  std::vector<torch::Tensor> step1 = t.engine->GatherMasterParams().value();
+  fs::rename(root + "/step-00000001", root + "/.step-00000001.old");  // where the crash left it
+
+  ASSERT_OK_AND_ASSIGN(std::string found, checkpoint::ResolveCheckpointDir(root));
+  EXPECT_EQ(fs::path(found).filename(), ".step-00000001.old");
+  Trainer resumed(c, "");
+  auto extra = resumed.engine->LoadCheckpoint(root);
+  ASSERT_TRUE(extra.ok()) << extra.status();
+  EXPECT_EQ((*extra)["next_step"], 1);
+  ExpectBitwiseEqual(resumed.engine->GatherMasterParams().value(), step1);
+
+  // The next save, of another step, restores the old copy's name before it publishes.
+  resumed.Train(1, 2);
+  ASSERT_OK(resumed.engine->SaveCheckpoint(root, {{"next_step", 2}}));
+  EXPECT_TRUE(fs::exists(root + "/step-00000001/rank-00000.json"));
+  EXPECT_FALSE(fs::exists(root + "/.step-00000001.old"));
+  ASSERT_OK_AND_ASSIGN(std::string latest, checkpoint::ResolveCheckpointDir(root));
+  EXPECT_EQ(fs::path(latest).filename(), "step-00000002");
 }
 
 // A job that is SIGKILLed at random moments (mid-step, mid-save) and restarted from its last

@@ -9,6 +9,13 @@
 // exits 0 early is not a failure: its peers either finish or fail on their own (their
 // collectives return an error within strata.comm_timeout_s), which is what the multi-process
 // fault test relies on.
+//
+// Note [an interrupted rank]
+// A rank that ends on SIGINT or SIGTERM (exit 130 or 143, or killed by them) with no signal sent
+// to the launcher is not torn down against at once: strata-train's ranks agree on a stop after
+// each step, so a signal reaching one rank stops all of them after the same step and checkpoint.
+// The others get --grace seconds to stop on their own; those still running then are torn down as
+// above, and the launcher exits with the interrupted rank's code.
 #include <fcntl.h>
 #include <netinet/in.h>
 #include <poll.h>
@@ -35,7 +42,8 @@ constexpr const char* kHelpFooter = R"(
 Each rank runs CMD with MASTER_ADDR=127.0.0.1, MASTER_PORT, RANK, WORLD_SIZE, LOCAL_RANK and
 LOCAL_WORLD_SIZE set; its stdout and stderr lines are prefixed with "[rank R] ". SIGINT and
 SIGTERM are forwarded to every rank. When a rank fails, the others get SIGTERM, then SIGKILL after
---grace seconds, and strata-launch exits with the failed rank's code.
+--grace seconds, and strata-launch exits with the failed rank's code. A rank that stopped on an
+interrupt of its own (exit 130 or 143) gives the others --grace seconds to stop too first.
 
 Example:
   strata-launch --nproc 2 -- strata-train --config configs/tiny.json
@@ -175,9 +183,12 @@ class Supervisor {
         drain_until_ = Clock::now() + std::chrono::seconds(2);
       if (running == 0 && Clock::now() >= drain_until_) break;
       int timeout_ms = -1;
-      if (kill_pending_) {
-        timeout_ms = static_cast<int>(std::max<int64_t>(
-            0, std::chrono::duration_cast<std::chrono::milliseconds>(kill_at_ - Clock::now()).count()));
+      for (const auto [pending, at] :
+           {std::pair{kill_pending_, kill_at_}, std::pair{term_pending_, term_at_}}) {
+        if (!pending) continue;
+        const int ms = static_cast<int>(std::max<int64_t>(
+            0, std::chrono::duration_cast<std::chrono::milliseconds>(at - Clock::now()).count()));
+        timeout_ms = timeout_ms < 0 ? ms : std::min(timeout_ms, ms);
       }
       if (running == 0) timeout_ms = 100;
       const int n = poll(pfds.data(), pfds.size(), timeout_ms);
@@ -185,6 +196,15 @@ class Supervisor {
       if (kill_pending_ && Clock::now() >= kill_at_) {
         SignalAll(SIGKILL);
         kill_pending_ = false;
+      }
+      if (term_pending_ && Clock::now() >= term_at_) {
+        term_pending_ = false;
+        if (running > 0) {
+          std::fprintf(stderr,
+                       "strata-launch: the other ranks did not stop within %gs; terminating them\n",
+                       grace_s_);
+          StartTeardown(SIGTERM);
+        }
       }
       RelayOutput(pfds, owners);
       if (pfds[0].revents & POLLIN) TakeSignals();
@@ -290,9 +310,21 @@ class Supervisor {
         if (!ok && failed_rank_ < 0 && received_signal_ == 0) {
           failed_rank_ = r;
           failed_code_ = ExitCodeOf(status);
-          std::fprintf(stderr, "strata-launch: rank %d %s; terminating the other ranks\n", r,
-                       Describe(status).c_str());
-          StartTeardown(SIGTERM);
+          // Note [an interrupted rank]: the others are likely stopping too.
+          if (failed_code_ == 128 + SIGINT || failed_code_ == 128 + SIGTERM) {
+            std::fprintf(
+                stderr,
+                "strata-launch: rank %d stopped on an interrupt (%s); the other ranks have "
+                "%gs to stop too\n",
+                r, Describe(status).c_str(), grace_s_);
+            term_pending_ = true;
+            term_at_ =
+                Clock::now() + std::chrono::milliseconds(static_cast<int64_t>(grace_s_ * 1000));
+          } else {
+            std::fprintf(stderr, "strata-launch: rank %d %s; terminating the other ranks\n", r,
+                         Describe(status).c_str());
+            StartTeardown(SIGTERM);
+          }
         }
       }
     }
@@ -323,6 +355,9 @@ class Supervisor {
   int received_signal_ = 0;
   bool kill_pending_ = false;
   Clock::time_point kill_at_;
+  // A rank stopped on an interrupt: the others are terminated at term_at_ if still running.
+  bool term_pending_ = false;
+  Clock::time_point term_at_;
   Clock::time_point drain_until_ = Clock::time_point::max();
 };
 

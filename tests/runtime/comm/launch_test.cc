@@ -50,6 +50,29 @@ TEST(LaunchTest, PicksAFreePortWhenAbsentOrZero) {
   EXPECT_NE(port, 29500);
 }
 
+// Note [an interrupted rank]: a rank that stopped on an interrupt of its own gives the others
+// the grace period to stop too (strata-train's ranks stop after the same step), and those still
+// running after it are torn down.
+TEST(LaunchTest, AnInterruptedRankGivesTheOthersTheGracePeriod) {
+  auto r = RunShell(
+      Launch("--nproc 2 --grace 10 -- sh -c 'if [ $RANK = 1 ]; then exit 130; fi; sleep 1; "
+             "echo finished; exit 130'"));
+  EXPECT_EQ(r.exit_code, 130) << r.output;
+  EXPECT_NE(r.output.find("[rank 0] finished"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("rank 1 stopped on an interrupt (exited with code 130)"),
+            std::string::npos)
+      << r.output;
+  EXPECT_EQ(r.output.find("terminating"), std::string::npos) << r.output;
+  EXPECT_LT(r.seconds, 8.0);
+  r =
+      RunShell(Launch("--nproc 2 --grace 1 -- sh -c 'if [ $RANK = 1 ]; then exit 143; fi; "
+                      "exec sleep 60'"));
+  EXPECT_EQ(r.exit_code, 143) << r.output;
+  EXPECT_NE(r.output.find("did not stop within 1s; terminating them"), std::string::npos)
+      << r.output;
+  EXPECT_LT(r.seconds, 10.0);
+}
+
 TEST(LaunchTest, FailingRankGivesItsExitCodeAndTearsDownTheOthers) {
   // Rank 1 fails at once; rank 0 would sleep for a minute unless the launcher kills it.
   const auto r = RunShell(Launch(

@@ -11,6 +11,7 @@
 
 #include "runtime/base/device.h"
 #include "runtime/comm/backends.h"
+#include "runtime/engine/comm_memory.h"
 #include "runtime/engine/compute_dtype.h"
 #include "runtime/engine/engine_test_hooks.h"
 #include "runtime/state/lr_schedule.h"
@@ -250,13 +251,45 @@ py::bytes PyEngine::ReadClientFile(const std::string& dir) {
   return py::bytes(ValueOrThrow(std::move(r)));
 }
 
-std::string PyEngine::LoadCheckpoint(const std::string& dir, bool weights_only) {
+std::vector<double> PyEngine::AllReduceScalars(std::vector<double> values, const std::string& op) {
+  ReduceOp which;
+  if (op == "sum")
+    which = ReduceOp::kSum;
+  else if (op == "max")
+    which = ReduceOp::kMax;
+  else if (op == "min")
+    which = ReduceOp::kMin;
+  else
+    ThrowIfError(InvalidArgument(StrCat("all_reduce_scalars(op=", op, "): 'sum', 'max' or 'min'")));
+  const Call call(*this);
+  call.engine();  // a live engine: its communicator and device
+  Status s;
+  {
+    py::gil_scoped_release nogil;
+    s = strata::AllReduceScalars(*comm_, *device_, values.data(),
+                                 static_cast<int64_t>(values.size()), which);
+  }
+  ThrowIfError(s);
+  return values;
+}
+
+std::string PyEngine::LoadCheckpoint(const std::string& dir, const std::string& parts) {
+  Engine::LoadParts which;
+  if (parts == "all")
+    which = Engine::LoadParts::kAll;
+  else if (parts == "weights")
+    which = Engine::LoadParts::kWeights;
+  else if (parts == "weights_and_counters")
+    which = Engine::LoadParts::kWeightsAndCounters;
+  else
+    ThrowIfError(InvalidArgument(
+        StrCat("load_checkpoint(parts=", parts, "): 'all', 'weights' or 'weights_and_counters'")));
   const Call call(*this);
   Engine& e = call.engine();
   StatusOr<nlohmann::json> extra = FailedPrecondition("");
   {
     py::gil_scoped_release nogil;
-    extra = e.LoadCheckpoint(dir, weights_only);
+    extra = e.LoadCheckpoint(dir, which);
   }
   return ValueOrThrow(std::move(extra)).dump();
 }

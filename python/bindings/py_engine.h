@@ -88,8 +88,12 @@ class PyEngine {
   void SaveCheckpoint(const std::string& dir, const std::string& extra_json,
                       const std::string& client_file, bool with_frozen);
   pybind11::bytes ReadClientFile(const std::string& dir);
-  // The extra JSON given to Save. weights_only: Engine::LoadCheckpoint's.
-  std::string LoadCheckpoint(const std::string& dir, bool weights_only);
+  // `values` reduced over the ranks by the engine's communicator ("sum", "max" or "min"): the
+  // agreements a save's Python half makes (Note [a save agreed by every rank]).
+  std::vector<double> AllReduceScalars(std::vector<double> values, const std::string& op);
+  // The extra JSON given to Save. parts: Engine::LoadParts, as "all", "weights" or
+  // "weights_and_counters".
+  std::string LoadCheckpoint(const std::string& dir, const std::string& parts);
   int64_t StashActivations(const std::vector<torch::Tensor>& tensors);
   std::vector<torch::Tensor> RestoreActivations(int64_t handle);
   std::vector<torch::Tensor> MasterParams();

@@ -76,11 +76,12 @@ void DefEngine(py::module_& m) {
       .def("save_checkpoint", &PyEngine::SaveCheckpoint, py::arg("dir"), py::arg("extra_json"),
            py::arg("client_file") = std::string(), py::arg("with_frozen") = true)
       .def("read_client_file", &PyEngine::ReadClientFile)
+      .def("all_reduce_scalars", &PyEngine::AllReduceScalars, py::arg("values"), py::arg("op"))
       .def("begin_client_step", &PyEngine::BeginClientStep)
       .def("finish_client_step", &PyEngine::FinishClientStep, py::arg("apply") = true)
       .def("client_segments", &PyEngine::ClientSegments)
       .def("load_checkpoint", &PyEngine::LoadCheckpoint, py::arg("dir"),
-           py::arg("weights_only") = false)
+           py::arg("parts") = std::string("all"))
       .def("stash_activations", &PyEngine::StashActivations)
       .def("restore_activations", &PyEngine::RestoreActivations)
       .def("master_params", &PyEngine::MasterParams)

@@ -17,6 +17,7 @@ import itertools
 import json
 import os
 import weakref
+import zlib
 from collections.abc import Mapping
 
 import torch
@@ -532,7 +533,28 @@ class StrataEngine(ConfigView, torch.nn.Module):
         save_dir = os.fspath(save_dir)
         if tag is None:
             tag = f"global_step{self.global_steps}"
-        root = os.path.join(save_dir, _checked_tag("save_checkpoint", tag))
+        prepared = None
+        try:
+            root = os.path.join(save_dir, _checked_tag("save_checkpoint", tag))
+            extra, client_file = self._saved_state(client_state, tag)
+        except Exception as e:  # noqa: BLE001 - every rank learns of it, then it is raised
+            prepared = e
+        self._agree_on_save(prepared, "prepare its state (its error says why)", tag)
+        self._cpp.save_checkpoint(root, json.dumps(extra), client_file,
+                                  with_frozen=not exclude_frozen_parameters)
+        named = None
+        if save_latest and self.global_rank == 0:
+            try:
+                _strata.write_file_atomic(os.path.join(save_dir, "latest"), str(tag).encode())
+            except Exception as e:  # noqa: BLE001
+                named = e
+        self._agree_on_save(named, f"name tag {tag!r} in {os.path.join(save_dir, 'latest')} "
+                            "(the tag's folder is saved whole)")
+        return True
+
+    def _saved_state(self, client_state, tag):
+        """save_checkpoint's Python half: the manifest's extra (client_state with the optimizer's
+        and schedule's state, pickled) and this rank's client-optimizer file."""
         state = dict(client_state) if client_state is not None else {}
         if self.lr_scheduler is not None and hasattr(self.lr_scheduler, "state_dict"):
             state[_SCHEDULER_KEY] = self.lr_scheduler.state_dict()
@@ -553,11 +575,34 @@ class StrataEngine(ConfigView, torch.nn.Module):
             opt_buf = io.BytesIO()
             torch.save(self._client_optimizer.state_dict(), opt_buf)
             client_file = opt_buf.getvalue()
-        self._cpp.save_checkpoint(root, json.dumps(extra), client_file,
-                                  with_frozen=not exclude_frozen_parameters)
-        if save_latest and self.global_rank == 0:
-            _strata.write_file_atomic(os.path.join(save_dir, "latest"), str(tag).encode())
-        return True
+        return extra, client_file
+
+    # Note [a save agreed by every rank]
+    # save_checkpoint is collective, and a rank that leaves it alone leaves the others waiting in
+    # the engine's save until the communicator's timeout: client_state that one rank cannot
+    # pickle, a tag that differs by rank (which would split one checkpoint over folders none of
+    # which is whole), or rank 0 failing to write save_dir/latest after the others returned True.
+    # Each phase is agreed through the engine's communicator, so every rank raises when any
+    # fails. The engine's own save agrees on its phases itself.
+    def _agree_on_save(self, error, what, tag=None):
+        """Raises on every rank when `error` is set on any (its own error there, elsewhere one
+        naming that rank and `what` it could not do); with `tag`, also when the ranks' tags
+        differ."""
+        if self.world_size > 1:
+            values = [self.global_rank + 1.0 if error is not None else 0.0]
+            if tag is not None:
+                crc = float(zlib.crc32(str(tag).encode("utf-8")))
+                values += [crc, -crc]
+            got = self._cpp.all_reduce_scalars(values, "max")
+            if error is None and got[0] > 0:
+                raise StrataError(f"save_checkpoint: rank {int(got[0]) - 1} could not {what}")
+            if error is None and tag is not None and got[1] != -got[2]:
+                raise InvalidArgumentError(
+                    f"save_checkpoint(tag={tag!r}): the ranks gave different tags; every rank "
+                    "saves into one tag's folder, so give them all the same tag (a tag made from "
+                    "the rank would leave a part of the checkpoint in each folder)")
+        if error is not None:
+            raise error
 
     def load_checkpoint(self, load_dir, tag=None, load_module_strict=True,
                         load_optimizer_states=True, load_lr_scheduler_states=True,
@@ -565,12 +610,12 @@ class StrataEngine(ConfigView, torch.nn.Module):
         """Loads what save_checkpoint wrote (save_dir/latest's tag, or `tag`) and returns
         (path, client_state), or (None, None) when load_dir holds no checkpoint.
 
-        load_module_only=True or load_optimizer_states=False: only the weights are restored
-        (every rank's fp32 master and working copy), and the script's client_state is returned;
-        the optimizer states, step counters and schedule keep their current values. DeepSpeed
-        restores the counters and the schedule under load_optimizer_states=False; Strata's
-        optimizers count their bias-correction steps with global_steps, so restoring those
-        without the moments would change the next updates (README, "Checkpoints").
+        load_module_only=True: only the weights are restored (every rank's fp32 master and
+        working copy, buffers and frozen parameters) and client_state is returned; the
+        optimizer states, step counters and schedule keep their current values.
+        load_optimizer_states=False: the weights, the step counters and (with
+        load_lr_scheduler_states) the schedule; the optimizer keeps its states and goes on
+        counting its own steps in their bias corrections, as DeepSpeed's does.
 
         client_state is unpickled: a checkpoint is trusted input (README, "Checkpoints"). It is
         read with torch's weights-only unpickler when its content allows, so a checkpoint of
@@ -582,31 +627,34 @@ class StrataEngine(ConfigView, torch.nn.Module):
         root = _resolve_checkpoint(os.fspath(load_dir), tag)
         if root is None:
             return None, None
-        weights_only = load_module_only or not load_optimizer_states
-        extra = json.loads(self._cpp.load_checkpoint(root, weights_only=weights_only))
+        parts = "weights" if load_module_only else \
+            "all" if load_optimizer_states else "weights_and_counters"
+        extra = json.loads(self._cpp.load_checkpoint(root, parts=parts))
         state = extra.get("client_state")
         client_state = _unpickle_trusted(base64.b64decode(state)) if state is not None else None
-        if weights_only:
-            if isinstance(client_state, dict):
-                for key in (_OPTIMIZER_KEY, _LR_SOURCE_KEY, _SCHEDULER_KEY):
-                    client_state.pop(key, None)
-            return root, client_state
-        self._stepped_at = self._step_called_at = self._cpp.micro_step
-        if self._client_params is not None:
-            self._load_client_optimizer(root)
+        groups = source = sched = None
         if isinstance(client_state, dict):
             groups = client_state.pop(_OPTIMIZER_KEY, None)
             source = client_state.pop(_LR_SOURCE_KEY, None)
             sched = client_state.pop(_SCHEDULER_KEY, None)
+        if load_module_only:
+            return root, client_state
+        self._stepped_at = self._step_called_at = self._cpp.micro_step
+        if load_optimizer_states:
+            if self._client_params is not None:
+                self._load_client_optimizer(root)
             if groups is not None and self.optimizer is not None:
                 self.optimizer.load_state_dict(groups)
             if source is not None and self._lr_source is not None and \
                     len(source) == len(self._lr_source.param_groups):
                 for mine, saved in zip(self._lr_source.param_groups, source):
                     mine.update(saved)
-            if sched is not None and load_lr_scheduler_states and self.lr_scheduler is not None \
-                    and hasattr(self.lr_scheduler, "load_state_dict"):
-                self.lr_scheduler.load_state_dict(sched)
+        if sched is not None and load_lr_scheduler_states and self.lr_scheduler is not None \
+                and hasattr(self.lr_scheduler, "load_state_dict"):
+            self.lr_scheduler.load_state_dict(sched)
+        if not load_optimizer_states and self.lr_scheduler is not None and \
+                not self._client_scheduler:
+            self._write_config_schedule()  # the restored step's lr, as the schedule gives it
         self._lr_pushed = None  # the C++ engine's lr is pushed again at the next step
         return root, client_state
 

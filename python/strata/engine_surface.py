@@ -222,11 +222,14 @@ SECTIONS["Features Strata does not implement"] = [
 SECTIONS["Checkpoints and weights"] = [
     Row("save_checkpoint", "method", DIFFERS, "(save_dir, tag=None, client_state=None, "
         "save_latest=True, exclude_frozen_parameters=False); Strata's own layout (tag "
-        "global_step<N>, a latest file, one directory per tag); returns True"),
+        "global_step<N>, a latest file, one directory per tag; frozen parameters once, by rank "
+        "0); returns True"),
     Row("load_checkpoint", "method", DIFFERS, "(load_dir, tag=None, load_module_strict=True, "
         "load_optimizer_states=True, load_lr_scheduler_states=True, load_module_only=False, "
         "custom_load_fn=None); returns (the tag's directory, client_state); "
-        "load_optimizer_states=False loads the weights only; custom_load_fn is refused by name"),
+        "load_optimizer_states=False loads the weights, the counters and the schedule, and the "
+        "optimizer keeps its states and its own step count, as DeepSpeed's; custom_load_fn is "
+        "refused by name"),
     Row("save_16bit_model", "method", SAME, "under stage 3 it needs "
         "stage3_gather_16bit_weights_on_model_save, else returns False"),
     Row("save_fp16_model", "method", SAME, "save_16bit_model's older name"),

@@ -159,7 +159,7 @@ std::vector<Segment> Segments(const OptimizerConfig& oc, const StepPlan& plan,
   const size_t state_size = optim::DTypeSize(plan.state_dtype());
   const size_t work_size = optim::DTypeSize(plan.compute_dtype());
   for (const ShardSegment& seg : runs) {
-    Segment sg = MakeSegment(oc, in.groups[seg.group], in.step);
+    Segment sg = MakeSegment(oc, in.groups[seg.group], in.optimizer_step);
     sg.bufs.master = static_cast<float*>(ptrs[0]) + seg.begin;
     sg.bufs.grad = static_cast<char*>(ptrs[3]) + seg.begin * 4;
     sg.bufs.grad_dtype = optim::DType::kFloat32;

@@ -26,7 +26,8 @@ Status ChunkUpdater::RunCompact(const OptimizerLane::StepInputs& in, const Held&
     const ParamLocation& loc = part.location(pid);
     const int64_t from = std::max(lo, loc.offset), to = std::min(lo + n, loc.offset + loc.numel);
     if (from >= to) continue;
-    const Segment sg = MakeSegment(*p_.optimizer, in.groups[p_.groups->of_param[pid]], in.step);
+    const Segment sg =
+        MakeSegment(*p_.optimizer, in.groups[p_.groups->of_param[pid]], in.optimizer_step);
     const auto begin = static_cast<size_t>(from - lo), size = static_cast<size_t>(to - from);
     const uint64_t index = model_offset_[pid] + static_cast<uint64_t>(from - loc.offset);
     if (adam) {

@@ -343,8 +343,8 @@ Status Engine::SaveCheckpoint(const std::string& dir, const nlohmann::json& extr
                               const std::string& client_file, bool with_frozen) {
   return impl_->Save(dir, extra, client_file, with_frozen);
 }
-StatusOr<nlohmann::json> Engine::LoadCheckpoint(const std::string& dir, bool weights_only) {
-  return impl_->Load(dir, weights_only);
+StatusOr<nlohmann::json> Engine::LoadCheckpoint(const std::string& dir, LoadParts parts) {
+  return impl_->Load(dir, parts);
 }
 StatusOr<std::string> Engine::ReadClientFile(const std::string& dir) {
   return impl_->ReadClientFile(dir);

@@ -296,10 +296,15 @@ class Engine {
   Status SaveCheckpoint(const std::string& dir, const nlohmann::json& extra,
                         const std::string& client_file = {}, bool with_frozen = true);
   StatusOr<std::string> ReadClientFile(const std::string& dir);
-  // weights_only: restores the fp32 masters (and the working copy from them), the module
-  // buffers and the frozen parameters; the optimizer states, step counters and loss scale keep
-  // their current values.
-  StatusOr<nlohmann::json> LoadCheckpoint(const std::string& dir, bool weights_only = false);
+  // What a load restores. kAll: everything saved. kWeights: the fp32 masters (and the working
+  // copy from them), the module buffers and the frozen parameters; the optimizer states, step
+  // counters and loss scale keep their current values (DeepSpeed's load_module_only).
+  // kWeightsAndCounters: kWeights and the step counters, which the config's schedule follows;
+  // the optimizer states and loss scale keep theirs, and the optimizer's bias corrections go on
+  // counting its own steps (DeepSpeed's load_optimizer_states=False).
+  enum class LoadParts { kAll, kWeights, kWeightsAndCounters };
+  StatusOr<nlohmann::json> LoadCheckpoint(const std::string& dir,
+                                          LoadParts parts = LoadParts::kAll);
 
   int64_t global_step() const;
   int64_t micro_step() const;

@@ -214,6 +214,7 @@ checkpoint::Manifest Engine::Impl::NewManifest(const nlohmann::json& extra) cons
   for (const ChunkInfo& ci : partitioner_->chunks()) m.shard_numel.push_back(ci.shard_numel);
   m.global_step = step_.global_step;
   m.micro_step = step_.micro_step;
+  m.optimizer_steps = step_.global_step - step_.moments_from;
   m.gradient_accumulation_steps = config_.gradient_accumulation_steps;
   if (step_.scaler) {
     const optim::DynamicLossScaler::State st = step_.scaler->state();
@@ -406,7 +407,112 @@ StatusOr<std::string> Engine::Impl::ReadClientFile(const std::string& path) {
   return bytes;
 }
 
-StatusOr<nlohmann::json> Engine::Impl::Load(const std::string& path, bool weights_only) {
+namespace {
+
+// A buffer's or frozen parameter's saved bytes, checked, as a host tensor of `like`'s type and
+// shape. A floating one takes the working precision (PlaceBuffers), so a run saved in another
+// precision kept it in another floating type: read as saved, then converted. DATA_LOSS when the
+// entry cannot hold this tensor.
+StatusOr<torch::Tensor> ReadSavedTensor(int fd, const std::string& bin,
+                                        const checkpoint::BufferEntry& e, const torch::Tensor& like,
+                                        const std::string& what, const std::string& mpath) {
+  const std::string type(c10::toString(like.scalar_type()));
+  torch::ScalarType saved = like.scalar_type();
+  if (e.dtype != type && like.is_floating_point())
+    for (torch::ScalarType t :
+         {torch::kFloat32, torch::kBFloat16, torch::kFloat16, torch::kFloat64})
+      if (e.dtype == c10::toString(t)) saved = t;
+  const uint64_t saved_bytes = static_cast<uint64_t>(like.numel()) * c10::elementSize(saved);
+  if (e.bytes != saved_bytes || e.dtype != c10::toString(saved))
+    return DataLoss(StrCat(mpath, ": ", what, " (", type, ", ", like.nbytes(), " bytes) is ",
+                           e.dtype, " of ", e.bytes,
+                           " bytes there; the checkpoint belongs to another model"));
+  torch::Tensor host = torch::empty(like.sizes(), torch::TensorOptions().dtype(saved));
+  STRATA_RETURN_IF_ERROR(
+      checkpoint::ReadChecked(fd, bin, e.offset, e.bytes, e.crc32c, what, host.data_ptr()));
+  return saved == like.scalar_type() ? host : host.to(like.scalar_type());
+}
+
+}  // namespace
+
+// Note [frozen parameters in checkpoints]
+// Parameters no unit trains are whole on every rank and change only by the script's hand, yet
+// they are part of the model: a run resumed into a freshly built model needs them as saved (a
+// frozen embedding, a base model under adapters), and zero_to_fp32's state_dict must hold them to
+// load strictly. Rank 0 saves them once, after its buffers, each under its first name; every rank
+// reads them from rank 0's file on load, matched under any of the parameter's names (a tied one
+// may come first under another module now). Load checks every one's bytes before it overwrites
+// any state (FrozenOnDisk::Check), then reads them again into the parameters, so that memory holds
+// one at a time. A checkpoint without some of them (saved with exclude_frozen_parameters, as
+// Hugging Face's Trainer saves adapters; or before they were kept) leaves those as the model has
+// them, and says so.
+namespace {
+
+struct FrozenOnDisk {
+  std::string dir, bin, mpath;
+  checkpoint::Manifest rank0;  // rank 0's manifest, which holds the frozen entries
+  // Per frozen parameter (Engine::Impl::frozen_), its saved entry, or null.
+  std::vector<const checkpoint::BufferEntry*> entry;
+  std::vector<std::string> kept;  // the names of those without one
+
+  // `m` is this rank's manifest; `module` the model, for every name of each frozen parameter.
+  static StatusOr<std::unique_ptr<FrozenOnDisk>> Find(
+      const std::string& dir, const checkpoint::Manifest& m, const torch::nn::Module& module,
+      const std::vector<std::pair<std::string, torch::Tensor>>& frozen) {
+    namespace fs = std::filesystem;
+    auto f = std::make_unique<FrozenOnDisk>();
+    f->dir = dir;
+    f->mpath = (fs::path(dir) / (checkpoint::RankFileStem(0) + ".json")).string();
+    f->bin = (fs::path(dir) / (checkpoint::RankFileStem(0) + ".bin")).string();
+    if (m.rank == 0) {
+      f->rank0 = m;
+    } else {
+      STRATA_ASSIGN_OR_RETURN(std::string text, checkpoint::ReadFile(f->mpath));
+      STRATA_ASSIGN_OR_RETURN(f->rank0, checkpoint::ParseManifest(text, f->mpath));
+    }
+    std::map<std::string, const checkpoint::BufferEntry*> by_name;
+    for (const auto& e : f->rank0.frozen) by_name[e.name] = &e;
+    std::map<const c10::TensorImpl*, std::vector<std::string>> names;
+    for (const auto& item : module.named_parameters(/*recurse=*/true))
+      names[item.value().unsafeGetTensorImpl()].push_back(item.key());
+    for (const auto& [first, p] : frozen) {
+      const checkpoint::BufferEntry* found = nullptr;
+      for (const std::string& n : names[p.unsafeGetTensorImpl()])
+        if (auto it = by_name.find(n); it != by_name.end() && !found) found = it->second;
+      f->entry.push_back(found);
+      if (!found) f->kept.push_back(first);
+    }
+    return f;
+  }
+
+  // Reads each saved one, checked against its size, type and crc32c; `apply` copies it into the
+  // parameter, else nothing is written.
+  Status Read(const std::vector<std::pair<std::string, torch::Tensor>>& frozen, bool apply) const {
+    if (kept.size() == frozen.size()) return Status::Ok();
+    const int fd = ::open(bin.c_str(), O_RDONLY | O_CLOEXEC);
+    if (fd < 0) return ErrnoToStatus(errno, StrCat("open ", bin));
+    Status s;
+    for (size_t i = 0; i < frozen.size() && s.ok(); ++i) {
+      if (!entry[i]) continue;
+      const auto& [name, p] = frozen[i];
+      auto value =
+          ReadSavedTensor(fd, bin, *entry[i], p, StrCat("frozen parameter '", name, "'"), mpath);
+      if (!value.ok()) {
+        s = value.status();
+      } else if (apply) {
+        torch::NoGradGuard ng;
+        p.copy_(*value);
+      }
+    }
+    ::close(fd);
+    return s;
+  }
+};
+
+}  // namespace
+
+StatusOr<nlohmann::json> Engine::Impl::Load(const std::string& path, Engine::LoadParts parts) {
+  const bool weights_only = parts != Engine::LoadParts::kAll;
   namespace fs = std::filesystem;
   STRATA_RETURN_IF_ERROR(CheckBetweenSteps("LoadCheckpoint"));
   STRATA_RETURN_IF_ERROR(CheckStatesResident("LoadCheckpoint"));
@@ -451,9 +557,14 @@ StatusOr<nlohmann::json> Engine::Impl::Load(const std::string& path, bool weight
   const std::string bin = (fs::path(dir) / (stem + ".bin")).string();
   int fd = ::open(bin.c_str(), O_RDONLY | O_CLOEXEC);
   if (fd < 0) return ErrnoToStatus(errno, StrCat("open ", bin));
-  // Buffers first, all read and checked before any state is overwritten.
+  // Buffers first, all read and checked before any state is overwritten; the frozen parameters'
+  // bytes checked too (Note [frozen parameters in checkpoints]).
   std::vector<torch::Tensor> buffer_values;
   Status s = ReadSavedBuffers(fd, bin, m, mpath, &buffer_values);
+  if (s.ok() && !frozen_.empty()) {
+    auto on_disk = FrozenOnDisk::Find(dir, m, *model_.module, frozen_);
+    s = on_disk.ok() ? (*on_disk)->Read(frozen_, /*apply=*/false) : on_disk.status();
+  }
   if (s.ok())
     s = SameShards(m) ? ReadSavedBlocks(fd, bin, m, mpath, !states_too)
                       : ReadRelaidBlocks(dir, m, !states_too);
@@ -476,14 +587,25 @@ StatusOr<nlohmann::json> Engine::Impl::Load(const std::string& path, bool weight
   }
   STRATA_RETURN_IF_ERROR(ShareUpdatedShards());
   STRATA_RETURN_IF_ERROR(materializer_->RefreshChunks());
-  if (!weights_only) {
+  if (parts != Engine::LoadParts::kWeights) {
+    // Note [the optimizer's own steps]
+    // Adam's bias corrections (and Adagrad's lr decay) count the steps the optimizer's states
+    // have taken, which is the global step until a load restores the counters without those
+    // states (load_optimizer_states=False, or another optimizer's checkpoint): DeepSpeed's
+    // optimizer then goes on with the states it has and their own count, here 0 in a fresh
+    // engine. moments_from keeps the two apart; a checkpoint records the count where it differs.
+    const int64_t own_steps = step_.global_step - step_.moments_from;
+    const int64_t saved_steps = m.optimizer_steps >= 0 ? m.optimizer_steps : m.global_step;
     step_.global_step = m.global_step;
     step_.micro_step = ResumedMicroStep(m, mpath);
+    step_.moments_from = m.global_step - (states_too ? saved_steps : own_steps);
     // Validated by SavedScalerState; a resumed fp16 run scales as the uninterrupted one would.
     if (scaler_state) STRATA_RETURN_IF_ERROR(step_.scaler->Restore(*scaler_state).WithContext(mpath));
   }
   STRATA_LOG(INFO) << "checkpoint loaded dir=" << dir << " step=" << m.global_step
-                   << (weights_only ? " (weights only)" : "");
+                   << (parts == Engine::LoadParts::kWeights ? " (weights only)"
+                       : weights_only                       ? " (weights and step counters)"
+                                                            : "");
   return m.extra;
 }
 
@@ -608,34 +730,6 @@ int64_t Engine::Impl::ResumedMicroStep(const checkpoint::Manifest& m,
   return boundaries * ga;
 }
 
-namespace {
-
-// A buffer's or frozen parameter's saved bytes, checked, as a host tensor of `like`'s type and
-// shape. A floating one takes the working precision (PlaceBuffers), so a run saved in another
-// precision kept it in another floating type: read as saved, then converted. DATA_LOSS when the
-// entry cannot hold this tensor.
-StatusOr<torch::Tensor> ReadSavedTensor(int fd, const std::string& bin,
-                                        const checkpoint::BufferEntry& e, const torch::Tensor& like,
-                                        const std::string& what, const std::string& mpath) {
-  const std::string type(c10::toString(like.scalar_type()));
-  torch::ScalarType saved = like.scalar_type();
-  if (e.dtype != type && like.is_floating_point())
-    for (torch::ScalarType t :
-         {torch::kFloat32, torch::kBFloat16, torch::kFloat16, torch::kFloat64})
-      if (e.dtype == c10::toString(t)) saved = t;
-  const uint64_t saved_bytes = static_cast<uint64_t>(like.numel()) * c10::elementSize(saved);
-  if (e.bytes != saved_bytes || e.dtype != c10::toString(saved))
-    return DataLoss(StrCat(mpath, ": ", what, " (", type, ", ", like.nbytes(), " bytes) is ",
-                           e.dtype, " of ", e.bytes,
-                           " bytes there; the checkpoint belongs to another model"));
-  torch::Tensor host = torch::empty(like.sizes(), torch::TensorOptions().dtype(saved));
-  STRATA_RETURN_IF_ERROR(
-      checkpoint::ReadChecked(fd, bin, e.offset, e.bytes, e.crc32c, what, host.data_ptr()));
-  return saved == like.scalar_type() ? host : host.to(like.scalar_type());
-}
-
-}  // namespace
-
 Status Engine::Impl::ReadSavedBuffers(int fd, const std::string& bin, const checkpoint::Manifest& m,
                                       const std::string& mpath, std::vector<torch::Tensor>* out) {
   // Every buffer the model has must be in the checkpoint, by name, with its size and type.
@@ -655,60 +749,17 @@ Status Engine::Impl::ReadSavedBuffers(int fd, const std::string& bin, const chec
   return Status::Ok();
 }
 
-// Note [frozen parameters in checkpoints]
-// Parameters no unit trains are whole on every rank and change only by the script's hand, yet
-// they are part of the model: a run resumed into a freshly built model needs them as saved (a
-// frozen embedding, a base model under adapters), and zero_to_fp32's state_dict must hold them to
-// load strictly. Rank 0 saves them once, after its buffers; every rank reads them from rank 0's
-// file on load, one at a time into the parameter once its bytes are checked. A checkpoint
-// without some of them (saved with exclude_frozen_parameters, as Hugging Face's Trainer saves
-// adapters; or before they were kept; or another set of layers was frozen) leaves those as the
-// model has them, and says so.
 Status Engine::Impl::ReadSavedFrozen(const std::string& dir, const checkpoint::Manifest& m) {
-  namespace fs = std::filesystem;
   if (frozen_.empty()) return Status::Ok();
-  const std::string stem = checkpoint::RankFileStem(0);
-  const std::string mpath = (fs::path(dir) / (stem + ".json")).string();
-  checkpoint::Manifest rank0;
-  if (m.rank != 0) {
-    STRATA_ASSIGN_OR_RETURN(std::string text, checkpoint::ReadFile(mpath));
-    STRATA_ASSIGN_OR_RETURN(rank0, checkpoint::ParseManifest(text, mpath));
-  }
-  const checkpoint::Manifest& saved = m.rank == 0 ? m : rank0;
-  std::map<std::string, const checkpoint::BufferEntry*> by_name;
-  for (const auto& e : saved.frozen) by_name[e.name] = &e;
-  const std::string bin = (fs::path(dir) / (stem + ".bin")).string();
-  int fd = -1;
-  if (!by_name.empty()) {
-    fd = ::open(bin.c_str(), O_RDONLY | O_CLOEXEC);
-    if (fd < 0) return ErrnoToStatus(errno, StrCat("open ", bin));
-  }
-  Status s;
-  std::vector<std::string> kept;
-  for (const auto& [name, p] : frozen_) {
-    auto it = by_name.find(name);
-    if (it == by_name.end()) {
-      kept.push_back(name);
-      continue;
-    }
-    auto value =
-        ReadSavedTensor(fd, bin, *it->second, p, StrCat("frozen parameter '", name, "'"), mpath);
-    if (!value.ok()) {
-      s = value.status();
-      break;
-    }
-    torch::NoGradGuard ng;
-    p.copy_(*value);
-  }
-  if (fd >= 0) ::close(fd);
-  STRATA_RETURN_IF_ERROR(s);
-  if (!kept.empty() && comm_->rank() == 0)
+  STRATA_ASSIGN_OR_RETURN(auto on_disk, FrozenOnDisk::Find(dir, m, *model_.module, frozen_));
+  STRATA_RETURN_IF_ERROR(on_disk->Read(frozen_, /*apply=*/true));
+  if (!on_disk->kept.empty() && comm_->rank() == 0)
     STRATA_LOG(INFO) << dir << " holds "
-                     << (saved.frozen.empty() ? "no frozen parameters"
-                                              : "not all frozen parameters")
+                     << (on_disk->rank0.frozen.empty() ? "no frozen parameters"
+                                                       : "not every frozen parameter")
                      << " (saved with exclude_frozen_parameters, or another set was frozen): "
-                     << kept.size() << " keep the model's values, '" << kept.front()
-                     << "' the first";
+                     << on_disk->kept.size() << " keep the model's values, '"
+                     << on_disk->kept.front() << "' the first";
   return Status::Ok();
 }
 
@@ -778,9 +829,13 @@ bool Engine::Impl::SameChunks(const checkpoint::Manifest& m) const {
     if (saved[pid].value("chunk", int64_t{-1}) != loc.chunk ||
         saved[pid].value("offset", int64_t{-1}) != loc.offset)
       return false;
-    // Chunks padded alike can hold other shapes at the same offsets (two layers swapped): the
-    // parameter-by-parameter path then names the difference.
+    // Chunks padded alike can hold other shapes at the same offsets (two layers swapped), or other
+    // parameters of the same shapes (another set of layers frozen): the parameter-by-parameter
+    // path then names the difference.
     if (saved[pid].contains("shape") && saved[pid]["shape"] != nlohmann::json(params_[pid].shape))
+      return false;
+    if (saved[pid].contains("name") &&
+        saved[pid]["name"] != partitioner_->param_name(static_cast<int64_t>(pid)))
       return false;
   }
   return true;
@@ -797,10 +852,11 @@ Status Engine::Impl::ReadRelaidBlocks(const std::string& dir, const checkpoint::
     const int64_t numel = partitioner_->location(static_cast<int64_t>(pid)).numel;
     const std::string name = partitioner_->param_name(static_cast<int64_t>(pid));
     if (sp.name != name || sp.numel != numel || sp.shape != params_[pid].shape)
-      return InvalidArgument(StrCat(dir, ": parameter ", pid, " is '", sp.name, "' of shape ",
-                                    ShapeText(sp.shape), " there and '", name, "' of shape ",
-                                    ShapeText(params_[pid].shape),
-                                    " here: it belongs to another model"));
+      return InvalidArgument(
+          StrCat(dir, ": parameter ", pid, " is '", sp.name, "' of shape ", ShapeText(sp.shape),
+                 " there and '", name, "' of shape ", ShapeText(params_[pid].shape),
+                 " here: it belongs to another model, or another set of its "
+                 "parameters was frozen (requires_grad=False) when it was saved"));
   }
   const StateLayout now = plan_.layout();
   STRATA_LOG(WARN) << dir << ": saved in other chunks (another strata.chunk_size, or the parameter "

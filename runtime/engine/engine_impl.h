@@ -153,7 +153,7 @@ class Engine::Impl {
   StatusOr<Engine::ClientStep> BeginClientStep();
   StatusOr<StepReport> FinishClientStep(bool apply);
   std::vector<std::vector<int64_t>> ClientSegments() const;
-  StatusOr<nlohmann::json> Load(const std::string& dir, bool weights_only);
+  StatusOr<nlohmann::json> Load(const std::string& dir, Engine::LoadParts parts);
   nlohmann::json LayoutJson() const;  // Manifest::layout of this rank
   // Save's and Load's phases (engine_checkpoint.cc): the temporary folder made afresh (Note
   // [saving over a step]), the manifest's header, the states and buffers streamed into the rank's

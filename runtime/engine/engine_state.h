@@ -45,6 +45,10 @@ struct EngineStreams {
 struct StepState {
   int64_t global_step = 0;  // optimizer steps taken (skipped ones excluded)
   int64_t micro_step = 0;   // backward passes so far
+  // The global step the optimizer's states started from: 0, or where a load left them fresh or
+  // as they were, negative when they are older than the step count (Note [the optimizer's own
+  // steps]). Bias corrections count from it.
+  int64_t moments_from = 0;
   bool step_open = false;   // the step's first training forward ran; its Step has not
   bool micro_open = false;  // a training forward has begun and its Backward not yet run
   bool in_backward = false;

@@ -57,6 +57,7 @@ void Engine::Impl::ResetLanes() {
 void Engine::Impl::FixStepInputs(int64_t step, float grad_scale) {
   OptimizerLane::StepInputs in;
   in.step = step;
+  in.optimizer_step = step - step_.moments_from;
   in.grad_scale = grad_scale;
   if (groups_.override_hyper) {
     in.groups = *groups_.override_hyper;

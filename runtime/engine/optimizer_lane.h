@@ -33,6 +33,9 @@ class OptimizerLane {
   // What one step's updates share, fixed before the first of them is queued.
   struct StepInputs {
     int64_t step = 0;        // the optimizer step the updates make (1 for the first)
+    // The step the optimizer's bias corrections take: `step` less where its states started
+    // (StepState::moments_from).
+    int64_t optimizer_step = 0;
     float grad_scale = 1;    // the clip factor times the loss scale's inverse
     double lr = 0;           // group 0's lr, the step report's
     std::vector<GroupHyperparameters> groups;  // each parameter group's, lr included

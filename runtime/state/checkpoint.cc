@@ -67,6 +67,8 @@ std::string SerializeManifest(const Manifest& m) {
   if (!m.layout.is_null()) j["layout"] = m.layout;
   if (!m.optimizer.empty()) j["optimizer"] = m.optimizer;
   if (m.gradient_accumulation_steps > 0) j["gradient_accumulation_steps"] = m.gradient_accumulation_steps;
+  if (m.optimizer_steps >= 0 && m.optimizer_steps != m.global_step)
+    j["optimizer_steps"] = m.optimizer_steps;
   for (const auto& [key, entries] :
        {std::pair{"buffers", &m.buffers}, std::pair{"frozen", &m.frozen}}) {
     if (entries->empty()) continue;
@@ -126,6 +128,8 @@ StatusOr<Manifest> ParseManifest(std::string_view bytes, const std::string& sour
     if (j.contains("gradient_accumulation_steps"))
       m.gradient_accumulation_steps =
           Int(j.at("gradient_accumulation_steps"), "gradient_accumulation_steps", 1, kMax);
+    if (j.contains("optimizer_steps"))
+      m.optimizer_steps = Int(j.at("optimizer_steps"), "optimizer_steps", 0, kMax);
     m.scaler = j.at("scaler");
     m.extra = j.at("extra");
     if (j.contains("layout")) m.layout = j.at("layout");

@@ -57,6 +57,9 @@ struct Manifest {
   std::vector<int64_t> shard_numel;  // per chunk: identifies the model's layout
   int64_t global_step = 0;
   int64_t micro_step = 0;
+  // The steps the saved optimizer states have taken, which their bias corrections count; -1
+  // (absent) where that is global_step, as in every run that loaded them whole or not at all.
+  int64_t optimizer_steps = -1;
   // The accumulation the run saved with; 0 in checkpoints written before it was kept. A run
   // that accumulates otherwise resumes at the same boundary count (Note [elastic resume]).
   int64_t gradient_accumulation_steps = 0;

@@ -514,7 +514,7 @@ def test_zero_to_fp32_refuses_a_damaged_shard_naming_the_file(tmp_path):
     assert get_fp32_state_dict_from_zero_checkpoint(tmp_path / "ck")  # the original still loads
 
 
-@pytest.mark.parametrize("flag", ["load_module_only", "no_optimizer_states"])
+@pytest.mark.parametrize("flag", ["load_module_only"])
 def test_load_weights_only_keeps_optimizer_and_counters(flag, tmp_path):
     """Only the weights are restored; the script's client_state comes back, as DeepSpeed
     returns it (it came back None, and `client['epoch']` failed in a script)."""
@@ -535,6 +535,75 @@ def test_load_weights_only_keeps_optimizer_and_counters(flag, tmp_path):
         assert torch.equal(a, b)
     harness.run_steps(other, "gpt2", 1, 1)  # and it trains on
     other.close()
+
+
+@pytest.mark.parametrize("stage", [0, 2])
+def test_load_without_optimizer_states_restores_counters_and_keeps_the_optimizer(stage, tmp_path):
+    """DeepSpeed's load_optimizer_states=False: the weights, global_steps and the schedule come
+    back, while the optimizer keeps its states and its own step count in their bias correction
+    (torch's AdamW state). Strata loaded the weights alone, and its Adam counted the global
+    step, so the next update differed from DeepSpeed's."""
+    cfg = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": stage},
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01}},
+           "scheduler": {"type": "WarmupLR",
+                         "params": {"warmup_min_lr": 1e-3, "warmup_max_lr": 1e-2,
+                                    "warmup_num_steps": 8, "warmup_type": "linear"}}}
+    if stage:
+        cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
+    g = torch.Generator().manual_seed(4)
+    xs = [torch.randn(2, 4, generator=g) for _ in range(6)]
+
+    def build():
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+        ref = copy.deepcopy(model)
+        engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                          config=copy.deepcopy(cfg))
+        return engine, ref
+
+    def step(engine, x):
+        lr = engine.get_lr()[0]
+        engine.backward(engine(x).square().mean())
+        engine.step()
+        return lr
+
+    saved, _ = build()
+    for x in xs[:3]:
+        step(saved, x)
+    saved.save_checkpoint(tmp_path / "ck", client_state={"epoch": 7})
+    want_lr, weights = saved.get_lr(), saved.master_parameters()
+    saved.close()
+
+    engine, ref = build()
+    ref_opt = torch.optim.AdamW(ref.parameters(), weight_decay=0.01)
+    lrs = [step(engine, xs[3])]
+    path, client = engine.load_checkpoint(tmp_path / "ck", load_optimizer_states=False)
+    assert client == {"epoch": 7} and engine.global_steps == 3 and engine.get_lr() == want_lr
+    assert all(torch.equal(a, b) for a, b in zip(engine.master_parameters(), weights))
+    lrs.append(step(engine, xs[4]))
+    assert engine.global_steps == 4
+    # The reference: AdamW's own state from its one step, the saved weights, the restored lr.
+    for i, x in enumerate(xs[3:5]):
+        if i == 1:
+            with torch.no_grad():
+                for p, w in zip(ref.parameters(), weights):
+                    p.copy_(w)
+        ref_opt.param_groups[0]["lr"] = lrs[i]
+        ref(x).square().mean().backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    for p, q in zip(engine.master_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.cpu(), q.detach(), rtol=1e-6, atol=1e-7)
+    # A checkpoint of this run records the optimizer's own count: a resume steps bit-exactly.
+    engine.save_checkpoint(tmp_path / "ck2")
+    resumed, _ = build()
+    resumed.load_checkpoint(tmp_path / "ck2")
+    step(engine, xs[5])
+    step(resumed, xs[5])
+    assert all(torch.equal(a, b) for a, b in zip(resumed.master_parameters(),
+                                                 engine.master_parameters()))
+    engine.close()
+    resumed.close()
 
 
 def test_client_state_with_plain_content_loads_weights_only(tmp_path):

@@ -88,3 +88,32 @@ def test_a_start_that_fails_on_one_rank_ends_the_others_naming_it():
         again = line(f"[rank {rank}] rank {rank}: again: ")
         assert "FAILED_PRECONDITION" in again and "restart every rank of the job" in again, again
     assert took < 30, f"the job took {took:.1f} s: rank 0 waited for the timeout\n{out[-4000:]}"
+
+
+@pytest.mark.skipif(not harness.have_gloo(),
+                    reason="this build has no c10d Gloo (its headers were missing at build time)")
+def test_a_save_that_fails_on_one_rank_fails_on_every_rank(tmp_path):
+    """save_checkpoint's Python half is agreed over the ranks (Note [a save agreed by every
+    rank]): client_state one rank cannot pickle left the other waiting in the engine's save
+    until the communicator's timeout; a tag made from the rank split the checkpoint over two
+    folders, each saved as whole; rank 0 failing to write save_dir/latest raised there while
+    rank 1 returned True. Each now raises on both ranks at once, and the next save works."""
+    ranks = harness.launch_two_ranks("save_agreement_worker.py", [tmp_path / "ck"], tmp_path)
+    want = {
+        "unpicklable": ("StrataError: save_checkpoint: rank 1 could not prepare its state",
+                        "PicklingError: this rank's client_state cannot be pickled"),
+        "tag_by_rank": ("InvalidArgumentError: save_checkpoint(tag='tag0'): the ranks gave "
+                        "different tags",
+                        "InvalidArgumentError: save_checkpoint(tag='tag1'): the ranks gave "
+                        "different tags"),
+        "latest_blocked": ("", "StrataError: save_checkpoint: rank 0 could not name tag 't'"),
+    }
+    for case, per_rank in want.items():
+        for rank, start in enumerate(per_rank):
+            got = ranks[rank][case]
+            assert got != "saved" and got.startswith(start), (case, rank, got)
+            assert ranks[rank][case + "_seconds"] < 30, (case, rank)
+    assert "latest" in ranks[0]["latest_blocked"]
+    assert not (tmp_path / "ck" / "b" / "tag0").exists()
+    assert ranks[0]["good"] == ranks[1]["good"] == "saved"
+

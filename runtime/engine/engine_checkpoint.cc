@@ -442,10 +442,10 @@ StatusOr<torch::Tensor> ReadSavedTensor(int fd, const std::string& bin,
 // load strictly. Rank 0 saves them once, after its buffers, each under its first name; every rank
 // reads them from rank 0's file on load, matched under any of the parameter's names (a tied one
 // may come first under another module now). Load checks every one's bytes before it overwrites
-// any state (FrozenOnDisk::Check), then reads them again into the parameters, so that memory holds
-// one at a time. A checkpoint without some of them (saved with exclude_frozen_parameters, as
-// Hugging Face's Trainer saves adapters; or before they were kept) leaves those as the model has
-// them, and says so.
+// any state (FrozenOnDisk::Read without apply), then reads them again into the parameters, so
+// that memory holds one at a time. A checkpoint without some of them (saved with
+// exclude_frozen_parameters, as Hugging Face's Trainer saves adapters; or before they were kept)
+// leaves those as the model has them, and says so.
 namespace {
 
 struct FrozenOnDisk {

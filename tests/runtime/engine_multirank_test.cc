@@ -248,6 +248,8 @@ TEST(MultiRankSave, ARankThatCannotWriteEndsTheSaveOnEveryRank) {
   EXPECT_FALSE(fs::exists(root + "/step-00000001"));
   EXPECT_FALSE(fs::exists(root + "/.step-00000001.tmp")) << "rank 0 removes what was written";
   EXPECT_FALSE(fs::exists(root + "/latest"));
+  // Both ranks have looked before rank 0's next save makes the folder afresh.
+  ASSERT_OK(comm->Barrier());
 
   ASSERT_OK(engine->SaveCheckpoint(root, {}));
   ASSERT_OK_AND_ASSIGN(std::string saved, checkpoint::ResolveCheckpointDir(root));

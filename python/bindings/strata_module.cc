@@ -90,6 +90,12 @@ void DefEngine(py::module_& m) {
       .def("check_closable", &PyEngine::CheckClosable)
       .def("lr_at", &PyEngine::LearningRateAt)
       .def(
+          "group_lr_at",
+          [](PyEngine& e, int64_t step, double group_lr) {
+            return strata::GroupLearningRate(e.config(), step, group_lr);
+          },
+          py::arg("step"), py::arg("group_lr"))
+      .def(
           "betas_at",
           [](PyEngine& e, int64_t step) { return strata::ScheduledBetas(e.config(), step); },
           py::arg("step"))

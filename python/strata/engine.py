@@ -334,17 +334,15 @@ class StrataEngine(ConfigView, torch.nn.Module):
     def _write_config_schedule(self):
         """The config's schedule for the next step into every group: its lr, and OneCycle's
         betas under cycle_momentum."""
-        lr = self._cpp.lr_at(self.global_steps + 1)
-        betas = self._cpp.betas_at(self.global_steps + 1)
-        lrs = [lr] * len(self.optimizer.param_groups)
-        sched = self._config.get("scheduler") or {}
+        step = self.global_steps + 1
+        betas = self._cpp.betas_at(step)
+        # Each group's lr from its own before the schedule wrote any (WarmupCosineLR scales it;
+        # the other schedules give every group theirs).
         base_lrs = getattr(self, "_schedule_base_lrs", None)
-        if sched.get("type") == "WarmupCosineLR" and base_lrs is not None and \
-                len(base_lrs) == len(lrs):
-            # The schedule's lr is the config's lr times a ratio that each group's own takes.
-            base = self._config.get("optimizer", {}).get("params", {}).get("lr")
-            if base:
-                lrs = [lr if b == base else b * (lr / base) for b in base_lrs]
+        if base_lrs is None or len(base_lrs) != len(self.optimizer.param_groups):
+            base_lrs = [None] * len(self.optimizer.param_groups)
+        lrs = [self._cpp.lr_at(step) if b is None else self._cpp.group_lr_at(step, b)
+               for b in base_lrs]
         for g, group_lr in zip(self.optimizer.param_groups, lrs):
             g["lr"] = group_lr
             if betas is not None:

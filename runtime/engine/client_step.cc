@@ -117,7 +117,9 @@ StatusOr<StepReport> Engine::Impl::FinishClientStep(bool apply) {
   rep.loss_scale = step_.scaler ? step_.scaler->scale() : 1.0;
   rep.grad_norm = skipped ? 0.0 : norm;
   // The lr the caller's groups held (SetGroupHyperparameters), else the config's schedule.
-  rep.lr = groups_.override_hyper ? groups_.override_hyper->front().lr : LearningRate(config_, step_.global_step + 1);
+  rep.lr = groups_.override_hyper
+               ? groups_.override_hyper->front().lr
+               : GroupLearningRate(config_, step_.global_step + 1, groups_.hyper.front().lr);
   return CompleteStep(rep, skipped);
 }
 

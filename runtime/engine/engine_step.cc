@@ -63,13 +63,14 @@ void Engine::Impl::FixStepInputs(int64_t step, float grad_scale) {
     in.groups = *groups_.override_hyper;
     in.lr = in.groups.front().lr;  // the step report's lr: group 0's
   } else {
-    in.lr = LearningRate(config_, step);
+    // Each group's own lr, or the schedule's (WarmupCosineLR: its ratio of each group's own).
     const auto betas = ScheduledBetas(config_, step);  // OneCycle's cycled momentum
     in.groups = groups_.hyper;
     for (GroupHyperparameters& g : in.groups) {
-      g.lr = in.lr;
+      g.lr = GroupLearningRate(config_, step, g.lr);
       if (betas) std::tie(g.beta1, g.beta2) = *betas;
     }
+    in.lr = in.groups.front().lr;  // the step report's lr: group 0's
   }
   opt_lane_->SetStepInputs(std::move(in));
 }
@@ -107,7 +108,7 @@ Status Engine::Impl::CheckNoBackwardSinceStep(const char* what) const {
 }
 
 Status Engine::Impl::CheckStepBoundary() const {
-  STRATA_RETURN_IF_ERROR(CheckStatesResident("Step"));
+  STRATA_RETURN_IF_ERROR(CheckStateWhole("Step"));
   if (step_.micro_step == 0 || step_.micro_step % config_.gradient_accumulation_steps != 0)
     return FailedPrecondition(StrCat("Step after ", step_.micro_step % config_.gradient_accumulation_steps,
                                      " of ", config_.gradient_accumulation_steps,

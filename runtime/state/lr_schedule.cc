@@ -44,8 +44,12 @@ double OneCycleTotal(const SchedulerConfig& s) {
 }  // namespace
 
 double LearningRate(const Config& config, int64_t step) {
+  return GroupLearningRate(config, step, config.optimizer.lr);
+}
+
+double GroupLearningRate(const Config& config, int64_t step, double group_lr) {
   const SchedulerConfig& s = config.scheduler;
-  if (s.type == SchedulerType::kNone) return config.optimizer.lr;
+  if (s.type == SchedulerType::kNone) return group_lr;
   // LRRangeTest and OneCycle: DeepSpeed's classes write the lr of batch index 0 when built, so
   // step `step` runs with batch index step - 1.
   const double it = static_cast<double>(std::max<int64_t>(step - 1, 0));
@@ -88,7 +92,7 @@ double LearningRate(const Config& config, int64_t step) {
       const double cosine = (1.0 + std::cos(M_PI * progress)) / 2.0;
       ratio = std::max(0.0, s.cos_min_ratio + (1.0 - s.cos_min_ratio) * cosine);
     }
-    return config.optimizer.lr * ratio;
+    return group_lr * ratio;
   }
   if (last < 0) return s.warmup_min_lr;
   double gamma;

@@ -21,8 +21,14 @@
 
 namespace strata {
 
-// The lr for optimizer step `step` (1-based: the first update is step 1).
+// The lr for optimizer step `step` (1-based: the first update is step 1) of a group whose own lr
+// is the optimizer's (config.optimizer.lr).
 double LearningRate(const Config& config, int64_t step);
+
+// The lr for optimizer step `step` of a parameter group whose own lr is `group_lr`:
+// WarmupCosineLR scales each group's own lr by its ratio, as DeepSpeed's does; every other
+// schedule gives every group the same lr (LearningRate), and with none the group keeps its own.
+double GroupLearningRate(const Config& config, int64_t step, double group_lr);
 
 // The (beta1, beta2) a schedule sets for optimizer step `step`: OneCycle with cycle_momentum on
 // an optimizer that has betas (Adam, AdamW, Lion; DeepSpeed skips the others with a warning).

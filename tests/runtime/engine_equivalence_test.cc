@@ -642,6 +642,96 @@ TEST(Schedules, AOneCycleMomentumDecayPastOneIsRefusedAtItsStep) {
   }
 }
 
+// EngineOptions::param_groups with lrs of their own, against LibTorch's AdamW over the same two
+// groups: with no scheduler each group trains at its own lr, under WarmupCosineLR at its own lr
+// times the schedule's ratio, and under WarmupLR at the schedule's lr, as DeepSpeed's schedulers
+// write them (the engine once gave every group the optimizer section's lr). The reference takes
+// the schedule's value at the config's lr (LearningRate, checked against DeepSpeed's formulas by
+// the Python suite) and applies the group rule itself.
+TEST(Schedules, EachParameterGroupKeepsItsOwnLr) {
+  constexpr int kGroupSteps = 5;
+  for (SchedulerType type :
+       {SchedulerType::kNone, SchedulerType::kWarmupCosineLR, SchedulerType::kWarmupLR}) {
+    Config c = BaseConfig();
+    c.zero_optimization.stage = 2;
+    c.zero_optimization.offload_optimizer.device = OffloadDevice::kCpu;
+    c.optimizer.lr = 4e-3;
+    c.scheduler.type = type;
+    c.scheduler.warmup_num_steps = 2;
+    c.scheduler.total_num_steps = kGroupSteps;
+    c.scheduler.warmup_min_lr = 1e-4;
+    c.scheduler.warmup_max_lr = 2e-3;
+    c.scheduler.warmup_min_ratio = 0.1;
+    const double own[2] = {c.optimizer.lr, 5e-4};
+    auto expected_lr = [&](int group, int64_t step) {
+      if (type == SchedulerType::kNone) return own[group];
+      const double at_config = LearningRate(c, step);
+      return type == SchedulerType::kWarmupCosineLR ? own[group] * (at_config / c.optimizer.lr)
+                                                    : at_config;
+    };
+    // Group 1: every other parameter tensor, without weight decay.
+    auto split = [](const std::vector<torch::Tensor>& params) {
+      std::vector<torch::Tensor> parts[2];
+      for (size_t i = 0; i < params.size(); ++i) parts[i % 2].push_back(params[i]);
+      return std::pair{parts[0], parts[1]};
+    };
+    const double decay[2] = {c.optimizer.weight_decay, 0.0};
+
+    auto ref_model = models::BuildGpt(c.model);
+    const std::vector<torch::Tensor> ref_params = models::UniqueParameters(*ref_model);
+    auto [r0, r1] = split(ref_params);
+    std::vector<torch::optim::OptimizerParamGroup> ref_groups;
+    ref_groups.emplace_back(r0, std::make_unique<torch::optim::AdamWOptions>(
+                                    ReferenceAdamWOptions(c).lr(own[0]).weight_decay(decay[0])));
+    ref_groups.emplace_back(r1, std::make_unique<torch::optim::AdamWOptions>(
+                                    ReferenceAdamWOptions(c).lr(own[1]).weight_decay(decay[1])));
+    torch::optim::AdamW ref_opt(std::move(ref_groups));
+    std::vector<double> ref_losses;
+    for (int s = 0; s < kGroupSteps; ++s) {
+      for (int g = 0; g < 2; ++g)
+        static_cast<torch::optim::AdamWOptions&>(ref_opt.param_groups()[g].options())
+            .lr(expected_lr(g, s + 1));
+      torch::Tensor l = ReferenceLoss(ref_model, c, s, 0);
+      l.backward();
+      ref_opt.step();
+      ref_opt.zero_grad();
+      ref_losses.push_back(l.item<double>());
+    }
+
+    auto model = models::BuildGpt(c.model);
+    auto [p0, p1] = split(models::UniqueParameters(*model));
+    EngineOptions opts;
+    for (int g = 0; g < 2; ++g) {
+      EngineOptions::ParamGroup pg;
+      pg.hyper.lr = own[g];
+      pg.hyper.beta1 = c.optimizer.beta1;
+      pg.hyper.beta2 = c.optimizer.beta2;
+      pg.hyper.eps = c.optimizer.eps;
+      pg.hyper.weight_decay = decay[g];
+      pg.params = g == 0 ? p0 : p1;
+      opts.param_groups.push_back(std::move(pg));
+    }
+    auto comm = CreateSingleCommunicator();
+    auto device = CreateDevice("cpu", 256 << 20).value();
+    ASSERT_OK_AND_ASSIGN(auto engine, Engine::Create(model, c, comm.get(), device.get(), opts));
+    for (int s = 0; s < kGroupSteps; ++s) {
+      torch::Tensor b = Batch(c, s, 0);
+      torch::Tensor l = models::LanguageModelLoss(engine->Forward(b.narrow(1, 0, c.model.seq_len)),
+                                                  b.narrow(1, 1, c.model.seq_len));
+      ASSERT_OK(engine->Backward(l));
+      ASSERT_OK_AND_ASSIGN(StepReport rep, engine->Step());
+      EXPECT_DOUBLE_EQ(rep.lr, expected_lr(0, s + 1)) << "step " << s + 1;
+      EXPECT_NEAR(l.item<double>(), ref_losses[s], 1e-5 * ref_losses[s]) << "step " << s;
+    }
+    ASSERT_OK_AND_ASSIGN(std::vector<torch::Tensor> masters, engine->GatherMasterParams());
+    ASSERT_EQ(masters.size(), ref_params.size());
+    for (size_t i = 0; i < masters.size(); ++i)
+      EXPECT_LT((masters[i] - ref_params[i]).abs().max().item<double>(), 2e-5)
+          << "scheduler " << static_cast<int>(type) << ", parameter " << i << " (group " << i % 2
+          << ")";
+  }
+}
+
 // Offloaded parameters with the optimizer left on the device: refused on every device, as on a
 // GPU (the CPU device used to accept it, on a path no GPU could take).
 TEST(PlacementErrors, OffloadedParamsNeedAnOffloadedOptimizer) {

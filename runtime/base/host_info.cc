@@ -157,6 +157,7 @@ uint64_t FreeDiskBytes(const std::string& path) {
       break;
     }
   }
+  if (st.f_blocks == 0) return ReadHostMemory().available_bytes;
   return static_cast<uint64_t>(st.f_bavail) * st.f_frsize;
 }
 

@@ -42,7 +42,9 @@ struct HostMemory {
 HostMemory ReadHostMemory();
 
 // Bytes free to an unprivileged writer on the filesystem holding `path` (its nearest existing
-// ancestor when it does not exist yet); 0 when it cannot be read.
+// ancestor when it does not exist yet); 0 when it cannot be read. A file system that reports no
+// size at all (ramfs; tmpfs mounted with size=0) keeps its files in memory without a limit of
+// its own, so what it has free is the host's available memory (ReadHostMemory).
 uint64_t FreeDiskBytes(const std::string& path);
 
 // `paths` grouped by the file system they lie on (st_dev), in the order of each group's first

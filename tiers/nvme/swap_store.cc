@@ -151,7 +151,7 @@ Status CheckFreeSpace(const SwapStoreOptions& options, uint64_t stripe_unit) {
       return ErrnoToStatus(err, StrCat("stat ", d.paths.front()));
     }
     if (statvfs(d.paths.front().c_str(), &vfs) != 0) return ErrnoToStatus(errno, StrCat("statvfs ", d.paths.front()));
-    uint64_t free_bytes = uint64_t{vfs.f_bavail} * vfs.f_frsize;
+    uint64_t free_bytes = FreeDiskBytes(d.paths.front());  // a ramfs: the host's memory
     for (const auto& p : d.paths) {
       struct stat old_file;
       if (stat(SwapFileName(p, options.rank).c_str(), &old_file) == 0)
@@ -208,7 +208,7 @@ StatusOr<uint64_t> NewCapacity(const SwapStoreOptions& options, uint64_t stripe_
   for (const auto& p : options.paths) {
     struct statvfs vfs;
     if (statvfs(p.c_str(), &vfs) != 0) return ErrnoToStatus(errno, StrCat("statvfs ", p));
-    min_free = std::min<uint64_t>(min_free, uint64_t{vfs.f_bavail} * vfs.f_frsize);
+    min_free = std::min<uint64_t>(min_free, FreeDiskBytes(p));
   }
   const uint64_t capacity = min_free / stripe_unit * stripe_unit * n;
   if (capacity == 0)

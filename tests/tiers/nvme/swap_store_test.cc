@@ -23,6 +23,7 @@
 #include <string>
 #include <vector>
 
+#include "runtime/base/host_info.h"
 #include "tests/test_util.h"
 #include "tiers/nvme/crc32c.h"
 #include "tiers/nvme/swap_index.h"
@@ -534,6 +535,32 @@ TEST(SwapStoreEnvTest, ReallyFullFileSystemIsResourceExhausted) {
     ASSERT_OK_AND_ASSIGN(auto ok, SwapStore::Open(Opts({t.path()}, false, 512 << 10)));
     ASSERT_OK(ok->Allocate(1, 4096));
   }
+}
+
+// A file system that reports no size at all (tmpfs mounted with size=0, like ramfs) holds its
+// files in memory without a limit of its own: its free space is the host's available memory, so
+// a store that needs space opens there (it was refused as having 0 B free).
+TEST(SwapStoreEnvTest, AFileSystemWithoutASizeHasTheHostsMemoryFree) {
+  TempDir t;
+  TmpfsMount tmpfs(t.path(), "size=0");
+  if (!tmpfs.mounted()) GTEST_SKIP() << "cannot mount tmpfs: " << std::strerror(errno);
+  struct statvfs vfs;
+  ASSERT_EQ(statvfs(t.path().c_str(), &vfs), 0);
+  ASSERT_EQ(vfs.f_blocks, 0u) << "a tmpfs of size=0 reports a size here";
+  const uint64_t available = ReadHostMemory().available_bytes;
+  const uint64_t free_bytes = FreeDiskBytes(t.path());
+  EXPECT_GT(free_bytes, available / 2);  // read a moment apart: memory moves in between
+  EXPECT_LT(free_bytes, available * 2);
+  SwapStoreOptions o = Opts({t.path()}, false, 0);  // the capacity from the free space
+  o.needed_bytes = 8 << 20;
+  ASSERT_OK_AND_ASSIGN(auto store, SwapStore::Open(o));
+  EXPECT_GE(store->capacity(), 8u << 20);
+  ASSERT_OK(store->Allocate(1, 1 << 20));
+  auto d = Pattern(1 << 20, 5);
+  ASSERT_OK(store->Write(1, d.data()));
+  std::vector<char> back(1 << 20);
+  ASSERT_OK(store->Read(1, back.data()));
+  EXPECT_EQ(back, d);
 }
 
 // A state known to be larger than the disk is refused at Open, naming the path, its free space and

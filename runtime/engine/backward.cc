@@ -149,7 +149,8 @@ Status Engine::Impl::Backward(const torch::Tensor& loss) {
         config_.gradient_accumulation_steps, ") without Step: call step() first, or raise "
         "gradient_accumulation_steps to accumulate more micro-batches into one step"));
   if ((!step_.step_open || !step_.micro_open) && loss.defined() && loss.requires_grad() && !step_.in_backward) {
-    if (!parked_.empty()) return CheckStatesResident("a training forward");
+    if (!parked_.empty() || !step_.torn_by_load.empty())
+      return CheckStateWhole("a training forward");
     OpenMicroStep();
   }
   if (!step_.step_open || !step_.micro_open)

@@ -93,6 +93,34 @@ const char* OptimizerStates(OptimizerType type) {
   return "";
 }
 
+// Every rank's own check of the save root (`own`, CheckSaveRoot) and the root each names, agreed
+// in one all-reduce before rank 0 prepares it: a rank that refused it, or a root that differs by
+// rank (each rank's files would go to its own folder, and rank 0 would publish a checkpoint
+// holding its own alone), fails the save on every rank. The roots are compared as given, up to
+// redundant separators and dots; the same relative root from another working directory is not
+// told apart.
+Status AgreeOnSaveRoot(Communicator& comm, Device& device, const std::string& root, Status own) {
+  if (comm.world_size() == 1) return own;
+  std::string normal = std::filesystem::path(root).lexically_normal().string();
+  while (normal.size() > 1 && normal.back() == '/') normal.pop_back();
+  const double crc = nvme::Crc32c(normal.data(), normal.size());
+  double values[3] = {own.ok() ? 0.0 : comm.rank() + 1.0, crc, -crc};
+  Status agreed = AllReduceScalars(comm, device, values, 3, ReduceOp::kMax);
+  if (!own.ok()) return own;
+  STRATA_RETURN_IF_ERROR(agreed);
+  if (values[0] > 0)
+    return FailedPrecondition(StrCat("saving checkpoint into ", root, ": rank ",
+                                     static_cast<int>(values[0]) - 1,
+                                     " refused its save folder; its log says why"));
+  if (values[1] != -values[2])
+    return InvalidArgument(StrCat(
+        "saving checkpoint into ", root, ": the ranks name different save folders (rank ",
+        comm.rank(),
+        " names this one); every rank saves into one folder, so give them all the "
+        "same path (a path made from the rank would leave a part of the checkpoint in each)"));
+  return Status::Ok();
+}
+
 // "[6, 4]", as PyTorch prints a size.
 std::string ShapeText(const std::vector<int64_t>& shape) {
   std::string out = "[";
@@ -106,20 +134,25 @@ Status Engine::Impl::Save(const std::string& root, const nlohmann::json& extra,
                           const std::string& client_file, bool with_frozen) {
   namespace fs = std::filesystem;
   STRATA_RETURN_IF_ERROR(CheckNoBackwardSinceStep("SaveCheckpoint"));
-  STRATA_RETURN_IF_ERROR(CheckStatesResident("SaveCheckpoint"));
-  STRATA_RETURN_IF_ERROR(checkpoint::CheckSaveRoot(root));
+  STRATA_RETURN_IF_ERROR(CheckStateWhole("SaveCheckpoint"));
   STRATA_RETURN_IF_ERROR(FinishUpdates());
   const std::string name = checkpoint::StepDirName(step_.global_step);
   const fs::path final_dir = fs::path(root) / name;
   const fs::path tmp_dir = fs::path(root) / ("." + name + ".tmp");
+  // Every check a rank makes on its own is in the first agreement, so that a rank refusing the
+  // root leaves none of the others waiting for it.
+  Status prepared = AgreeOnSaveRoot(*comm_, *device_, root, checkpoint::CheckSaveRoot(root));
   SaveRootLock lock;
-  Status prepared;
-  if (comm_->rank() == 0) {
+  bool made = false;
+  if (prepared.ok() && comm_->rank() == 0) {
     prepared = lock.Take(root);
     if (prepared.ok()) prepared = PrepareSaveDir(root, name);
+    made = prepared.ok();
   }
   // None writes into the folder before rank 0 has made it afresh.
-  STRATA_RETURN_IF_ERROR(AgreeOnSave(std::move(prepared), final_dir.string(), "prepare it"));
+  prepared = AgreeOnSave(std::move(prepared), final_dir.string(), "prepare it");
+  if (!prepared.ok() && made) RemoveTree(tmp_dir.string()).IgnoreError();
+  STRATA_RETURN_IF_ERROR(prepared);
   if (hooks_.crash_point) hooks_.crash_point("checkpoint:before_write");
 
   checkpoint::Manifest m = NewManifest(extra);
@@ -507,9 +540,39 @@ struct FrozenOnDisk {
     ::close(fd);
     return s;
   }
+
+  // Read with apply, then a word on those that keep the model's values (rank 0 says it).
+  Status Apply(const std::vector<std::pair<std::string, torch::Tensor>>& frozen, int rank) const {
+    STRATA_RETURN_IF_ERROR(Read(frozen, /*apply=*/true));
+    if (!kept.empty() && rank == 0)
+      STRATA_LOG(INFO) << dir << " holds "
+                       << (rank0.frozen.empty() ? "no frozen parameters"
+                                                : "not every frozen parameter")
+                       << " (saved with exclude_frozen_parameters, or another set was frozen): "
+                       << kept.size() << " keep the model's values, '" << kept.front()
+                       << "' the first";
+    return Status::Ok();
+  }
 };
 
 }  // namespace
+
+// Note [a load cut short]
+// A load checks the manifest, the buffers and the frozen parameters before it writes anything,
+// then reads each block into scratch memory, checked against its crc32c, before it overwrites
+// that block's state; a damaged block found after others were written (or a failing NVMe write)
+// ends the load with the state part saved, part the run's own. Checking every block first would
+// read the whole checkpoint twice. Instead the engine remembers the load, and refuses to train on
+// the mixture or save it (a save would publish it as a checkpoint) until a load completes: the
+// same checkpoint repaired, or an earlier one.
+Status Engine::Impl::CheckStateWhole(const char* what) const {
+  if (!step_.torn_by_load.empty())
+    return FailedPrecondition(StrCat(
+        what, " after a load of ", step_.torn_by_load,
+        " failed part way, with some of the state overwritten from it: load a checkpoint whole "
+        "first (that one repaired, or an earlier one)"));
+  return CheckStatesResident(what);
+}
 
 StatusOr<nlohmann::json> Engine::Impl::Load(const std::string& path, Engine::LoadParts parts) {
   const bool weights_only = parts != Engine::LoadParts::kAll;
@@ -518,6 +581,20 @@ StatusOr<nlohmann::json> Engine::Impl::Load(const std::string& path, Engine::Loa
   STRATA_RETURN_IF_ERROR(CheckStatesResident("LoadCheckpoint"));
   STRATA_RETURN_IF_ERROR(FinishUpdates());
   STRATA_ASSIGN_OR_RETURN(std::string dir, checkpoint::ResolveCheckpointDir(path));
+  // Note [a load cut short]: whatever returns from here on after a block was written leaves the
+  // state torn; a load that completes makes it whole.
+  step_.load_wrote = false;
+  struct TornOnError {
+    StepState& step;
+    const std::string& dir;
+    bool completed = false;
+    ~TornOnError() {
+      if (completed)
+        step.torn_by_load.clear();
+      else if (step.load_wrote)
+        step.torn_by_load = dir;
+    }
+  } torn{step_, dir};
   // This rank's manifest; rank 0's where the saving run had fewer ranks (Note [elastic resume]).
   STRATA_ASSIGN_OR_RETURN(const std::string stem, checkpoint::LoadingStem(dir, comm_->rank()));
   const std::string mpath = (fs::path(dir) / (stem + ".json")).string();
@@ -560,10 +637,12 @@ StatusOr<nlohmann::json> Engine::Impl::Load(const std::string& path, Engine::Loa
   // Buffers first, all read and checked before any state is overwritten; the frozen parameters'
   // bytes checked too (Note [frozen parameters in checkpoints]).
   std::vector<torch::Tensor> buffer_values;
+  std::unique_ptr<FrozenOnDisk> frozen_on_disk;
   Status s = ReadSavedBuffers(fd, bin, m, mpath, &buffer_values);
   if (s.ok() && !frozen_.empty()) {
-    auto on_disk = FrozenOnDisk::Find(dir, m, *model_.module, frozen_);
-    s = on_disk.ok() ? (*on_disk)->Read(frozen_, /*apply=*/false) : on_disk.status();
+    auto found = FrozenOnDisk::Find(dir, m, *model_.module, frozen_);
+    if (found.ok()) frozen_on_disk = std::move(found).value();
+    s = found.ok() ? frozen_on_disk->Read(frozen_, /*apply=*/false) : found.status();
   }
   if (s.ok())
     s = SameShards(m) ? ReadSavedBlocks(fd, bin, m, mpath, !states_too)
@@ -574,7 +653,7 @@ StatusOr<nlohmann::json> Engine::Impl::Load(const std::string& path, Engine::Loa
     torch::NoGradGuard ng;
     for (size_t i = 0; i < buffer_values.size(); ++i) buffers_[i].second.copy_(buffer_values[i]);
   }
-  STRATA_RETURN_IF_ERROR(ReadSavedFrozen(dir, m));
+  if (frozen_on_disk) STRATA_RETURN_IF_ERROR(frozen_on_disk->Apply(frozen_, comm_->rank()));
   // The working copy is the master rounded to the working precision, exactly what Adam writes.
   {
     for (size_t c = 0; c < chunks_.size(); ++c) {
@@ -602,6 +681,7 @@ StatusOr<nlohmann::json> Engine::Impl::Load(const std::string& path, Engine::Loa
     // Validated by SavedScalerState; a resumed fp16 run scales as the uninterrupted one would.
     if (scaler_state) STRATA_RETURN_IF_ERROR(step_.scaler->Restore(*scaler_state).WithContext(mpath));
   }
+  torn.completed = true;
   STRATA_LOG(INFO) << "checkpoint loaded dir=" << dir << " step=" << m.global_step
                    << (parts == Engine::LoadParts::kWeights ? " (weights only)"
                        : weights_only                       ? " (weights and step counters)"
@@ -749,20 +829,6 @@ Status Engine::Impl::ReadSavedBuffers(int fd, const std::string& bin, const chec
   return Status::Ok();
 }
 
-Status Engine::Impl::ReadSavedFrozen(const std::string& dir, const checkpoint::Manifest& m) {
-  if (frozen_.empty()) return Status::Ok();
-  STRATA_ASSIGN_OR_RETURN(auto on_disk, FrozenOnDisk::Find(dir, m, *model_.module, frozen_));
-  STRATA_RETURN_IF_ERROR(on_disk->Read(frozen_, /*apply=*/true));
-  if (!on_disk->kept.empty() && comm_->rank() == 0)
-    STRATA_LOG(INFO) << dir << " holds "
-                     << (on_disk->rank0.frozen.empty() ? "no frozen parameters"
-                                                       : "not every frozen parameter")
-                     << " (saved with exclude_frozen_parameters, or another set was frozen): "
-                     << on_disk->kept.size() << " keep the model's values, '"
-                     << on_disk->kept.front() << "' the first";
-  return Status::Ok();
-}
-
 Status Engine::Impl::ReadSavedBlocks(int fd, const std::string& bin, const checkpoint::Manifest& m,
                                      const std::string& mpath, bool weights_only) {
   std::map<BlockKey, const checkpoint::BlockEntry*> entries;
@@ -811,6 +877,7 @@ Status Engine::Impl::ReadSavedBlocks(int fd, const std::string& bin, const check
 Status Engine::Impl::WriteLoadedBlock(int64_t c, StateKind kind, const std::vector<char>& bytes) {
   const BlockKey key = kind == StateKind::kMaster32 ? plan_.MasterKey(c) : BlockKey{c, kind};
   STRATA_ASSIGN_OR_RETURN(void* dst, store_->Acquire(key, Access::kWrite));
+  step_.load_wrote = true;  // Note [a load cut short]
   Status s = WriteBlockBytes(dst, bytes.data(), bytes.size(), plan_.PlacementOf(c, key.kind));
   Status r = store_->Release(key, true);
   STRATA_RETURN_IF_ERROR(s);

@@ -128,6 +128,10 @@ class Engine::Impl {
   StatusOr<uint64_t> OffloadStates(const std::vector<StateKind>& kinds);
   StatusOr<uint64_t> ReloadStates();
   Status CheckStatesResident(const char* what) const;
+  // CheckStatesResident, and FAILED_PRECONDITION naming the checkpoint while a load cut short
+  // left the state part saved, part the run's own (Note [a load cut short]): training forwards,
+  // Backward, Step and saves.
+  Status CheckStateWhole(const char* what) const;
   // FAILED_PRECONDITION, naming `what`, while a step is open (a training forward ran since the
   // last Step), with the ways out (engine_step.cc).
   Status CheckBetweenSteps(const char* what) const;
@@ -175,9 +179,6 @@ class Engine::Impl {
       const checkpoint::Manifest& m, const std::string& mpath) const;
   Status ReadSavedBuffers(int fd, const std::string& bin, const checkpoint::Manifest& m,
                           const std::string& mpath, std::vector<torch::Tensor>* out);
-  // The frozen parameters rank 0 saved, into this run's by name (Note [frozen parameters in
-  // checkpoints]); `m` is this rank's manifest.
-  Status ReadSavedFrozen(const std::string& dir, const checkpoint::Manifest& m);
   Status ReadSavedBlocks(int fd, const std::string& bin, const checkpoint::Manifest& m,
                          const std::string& mpath, bool weights_only);
   // Another chunk layout saved them (Note [loading another chunk layout]): each shard filled by

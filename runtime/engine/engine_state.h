@@ -8,6 +8,7 @@
 #include <exception>
 #include <memory>
 #include <optional>
+#include <string>
 #include <vector>
 
 #include <tbb/task_arena.h>
@@ -63,6 +64,11 @@ struct StepState {
   std::optional<optim::DynamicLossScaler> scaler;  // fp16, or EngineTestHooks::loss_scaling
   Status backward_error;  // what a hook met inside autograd, returned by Backward
   std::exception_ptr autograd_exception;  // Engine::TakeAutogradException
+  // Note [a load cut short]: the checkpoint whose load failed after it had overwritten part of
+  // the state; empty while the state is one run's. Training and saves refuse until a load
+  // completes.
+  std::string torn_by_load;
+  bool load_wrote = false;  // the load under way has overwritten a block (WriteLoadedBlock)
 };
 
 // Parameter groups (param_groups.h), fixed at Init: each group's own hyperparameters, each

@@ -36,6 +36,7 @@ def main():
                             client_state={"x": NotPicklable()} if rank == 1 else {}),
         "tag_by_rank": dict(save_dir=os.path.join(root, "b"), tag=f"tag{rank}"),
         "latest_blocked": dict(save_dir=os.path.join(root, "blocked"), tag="t"),
+        "dir_by_rank": dict(save_dir=os.path.join(root, f"by-rank-{rank}"), tag="t"),
     }
     result = {}
     for name, kwargs in cases.items():

@@ -97,7 +97,8 @@ def test_a_save_that_fails_on_one_rank_fails_on_every_rank(tmp_path):
     rank]): client_state one rank cannot pickle left the other waiting in the engine's save
     until the communicator's timeout; a tag made from the rank split the checkpoint over two
     folders, each saved as whole; rank 0 failing to write save_dir/latest raised there while
-    rank 1 returned True. Each now raises on both ranks at once, and the next save works."""
+    rank 1 returned True; a save_dir made from the rank did the same as such a tag. Each now
+    raises on both ranks at once, and the next save works."""
     ranks = harness.launch_two_ranks("save_agreement_worker.py", [tmp_path / "ck"], tmp_path)
     want = {
         "unpicklable": ("StrataError: save_checkpoint: rank 1 could not prepare its state",
@@ -107,6 +108,9 @@ def test_a_save_that_fails_on_one_rank_fails_on_every_rank(tmp_path):
                         "InvalidArgumentError: save_checkpoint(tag='tag1'): the ranks gave "
                         "different tags"),
         "latest_blocked": ("", "StrataError: save_checkpoint: rank 0 could not name tag 't'"),
+        # The same tag in a save_dir that differs by rank: the engine's own save compares the
+        # folders, before anything is written in either.
+        "dir_by_rank": ("InvalidArgumentError", "InvalidArgumentError"),
     }
     for case, per_rank in want.items():
         for rank, start in enumerate(per_rank):
@@ -115,5 +119,9 @@ def test_a_save_that_fails_on_one_rank_fails_on_every_rank(tmp_path):
             assert ranks[rank][case + "_seconds"] < 30, (case, rank)
     assert "latest" in ranks[0]["latest_blocked"]
     assert not (tmp_path / "ck" / "b" / "tag0").exists()
+    for rank in (0, 1):
+        assert "the ranks name different save folders" in ranks[rank]["dir_by_rank"]
+        assert not (tmp_path / "ck" / f"by-rank-{rank}" / "t" / "latest").exists()
+        assert not (tmp_path / "ck" / f"by-rank-{rank}" / "latest").exists()
     assert ranks[0]["good"] == ranks[1]["good"] == "saved"
 

@@ -3,7 +3,9 @@
 // and the result must match plain LibTorch training on the whole batch in one process.
 #include <unistd.h>
 
+#include <chrono>
 #include <filesystem>
+#include <fstream>
 #include <string_view>
 
 #include <gtest/gtest.h>
@@ -249,6 +251,34 @@ TEST(MultiRankSave, ARankThatCannotWriteEndsTheSaveOnEveryRank) {
   EXPECT_FALSE(fs::exists(root + "/.step-00000001.tmp")) << "rank 0 removes what was written";
   EXPECT_FALSE(fs::exists(root + "/latest"));
   // Both ranks have looked before rank 0's next save makes the folder afresh.
+  ASSERT_OK(comm->Barrier());
+
+  // A root that differs by rank: refused on both, before anything is written in either.
+  const std::string own_root = StrCat(root, "/by-rank-", comm->rank());
+  refused = engine->SaveCheckpoint(own_root, {});
+  EXPECT_EQ(refused.code(), StatusCode::kInvalidArgument) << refused;
+  EXPECT_NE(refused.message().find("the ranks name different save folders"), std::string::npos)
+      << refused;
+  // Rank 1 alone refuses its root (it names one checkpoint, not a folder of them); rank 0 hears
+  // of it in the same agreement instead of waiting for rank 1 until the communicator's timeout.
+  const std::string one_checkpoint = root + "/one-checkpoint";
+  if (comm->rank() == 0) {
+    fs::create_directories(one_checkpoint);
+    std::ofstream(one_checkpoint + "/rank-00000.json") << "{}";
+  }
+  ASSERT_OK(comm->Barrier());
+  const auto before = std::chrono::steady_clock::now();
+  refused = engine->SaveCheckpoint(comm->rank() == 1 ? one_checkpoint : root, {});
+  EXPECT_LT(std::chrono::steady_clock::now() - before, std::chrono::seconds(20));
+  ASSERT_FALSE(refused.ok());
+  EXPECT_NE(refused.message().find(comm->rank() == 1 ? "not a folder of them" : "rank 1 refused"),
+            std::string::npos)
+      << refused;
+  ASSERT_OK(comm->Barrier());
+  for (const char* r : {"/by-rank-0", "/by-rank-1"})
+    EXPECT_FALSE(fs::exists(StrCat(root, r, "/step-00000001"))) << r;
+  EXPECT_FALSE(fs::exists(root + "/.step-00000001.tmp")) << "nothing prepared stays";
+  EXPECT_FALSE(fs::exists(root + "/latest"));
   ASSERT_OK(comm->Barrier());
 
   ASSERT_OK(engine->SaveCheckpoint(root, {}));

@@ -274,6 +274,76 @@ TEST(ResumeErrors, MismatchesAndDamageAreClearAndOverwriteNothing) {
   EXPECT_EQ(r5.status().code(), StatusCode::kDataLoss);
 }
 
+// Note [a load cut short]: the last block of a checkpoint damaged, so its load fails after
+// every other block has overwritten the state. A training forward, Backward, Step and a save are
+// then refused, naming the checkpoint; a load of the repaired checkpoint makes the state whole,
+// and training goes on from it as from an undamaged load.
+TEST(ResumeErrors, ALoadCutShortRefusesTrainingAndSavesUntilALoadCompletes) {
+  testing::TempDir dir;
+  Config c = ResumeConfig(2, OffloadDevice::kCpu);
+  const std::string ckpt = dir.path() + "/ckpt";
+  std::vector<torch::Tensor> saved_master;
+  {
+    Trainer t(c, "");
+    t.Train(0, 2);
+    ASSERT_OK(t.engine->SaveCheckpoint(ckpt, {}));
+    saved_master = t.engine->GatherMasterParams().value();
+  }
+  ASSERT_OK_AND_ASSIGN(std::string step_dir, checkpoint::ResolveCheckpointDir(ckpt));
+  ASSERT_OK_AND_ASSIGN(std::string text, checkpoint::ReadFile(step_dir + "/rank-00000.json"));
+  ASSERT_OK_AND_ASSIGN(checkpoint::Manifest m, checkpoint::ParseManifest(text, "manifest"));
+  ASSERT_GE(m.blocks.size(), 4u) << "too few blocks for a load cut short";
+  const checkpoint::BlockEntry last = m.blocks.back();
+  const std::string bin = step_dir + "/rank-00000.bin";
+  const std::string original = checkpoint::ReadFile(bin).value();
+  std::string damaged = original;
+  damaged[last.offset + last.bytes / 2] ^= 0x10;
+  std::ofstream(bin, std::ios::binary | std::ios::trunc) << damaged;
+
+  Trainer victim(c, "");
+  auto cut = victim.engine->LoadCheckpoint(ckpt);
+  ASSERT_FALSE(cut.ok());
+  EXPECT_EQ(cut.status().code(), StatusCode::kDataLoss) << cut.status();
+  // Part of the state is the checkpoint's now: the first chunk's master is as saved.
+  ASSERT_OK_AND_ASSIGN(auto mixed, victim.engine->GatherMasterParams());
+  bool some_loaded = false;
+  for (size_t i = 0; i < mixed.size(); ++i) some_loaded |= torch::equal(mixed[i], saved_master[i]);
+  EXPECT_TRUE(some_loaded) << "the damaged block was read before any other";
+
+  auto expect_refused = [&](const Status& s, const char* what) {
+    EXPECT_EQ(s.code(), StatusCode::kFailedPrecondition) << what << ": " << s;
+    EXPECT_NE(s.message().find("after a load of " + step_dir + " failed part way"),
+              std::string::npos)
+        << what << ": " << s;
+  };
+  torch::Tensor b = Batch(c, 2, 0);
+  try {
+    victim.engine->Forward(b.narrow(1, 0, c.model.seq_len));
+    ADD_FAILURE() << "a training forward ran on the torn state";
+  } catch (const std::exception& e) {
+    EXPECT_NE(std::string(e.what()).find("failed part way"), std::string::npos) << e.what();
+  }
+  expect_refused(victim.engine->Step().status(), "Step");
+  expect_refused(victim.engine->SaveCheckpoint(dir.path() + "/other", {}), "SaveCheckpoint");
+  EXPECT_FALSE(fs::exists(dir.path() + "/other/latest"));
+  // An evaluation forward reads the state without training on it.
+  {
+    torch::NoGradGuard ng;
+    EXPECT_NO_THROW(victim.engine->Forward(b.narrow(1, 0, c.model.seq_len)));
+  }
+
+  std::ofstream(bin, std::ios::binary | std::ios::trunc) << original;
+  ASSERT_OK(victim.engine->LoadCheckpoint(ckpt).status());
+  ExpectBitwiseEqual(victim.engine->GatherMasterParams().value(), saved_master);
+  const std::vector<double> resumed = victim.Train(2, 3);
+  // The same step from an engine that loaded the undamaged checkpoint at once.
+  Trainer clean(c, "");
+  ASSERT_OK(clean.engine->LoadCheckpoint(ckpt).status());
+  EXPECT_EQ(clean.Train(2, 3), resumed);
+  ExpectBitwiseEqual(victim.engine->GatherMasterParams().value(),
+                     clean.engine->GatherMasterParams().value());
+}
+
 // The crash tests run their victim job in a fresh process: this test binary started again with
 // only one of the ResumeCrashChild tests selected. Not fork(): LibTorch 2.x refuses autograd in a
 // forked child of a process that has already run a backward pass, and the parent here has.

@@ -19,6 +19,7 @@ model's own values for them.
 
 import argparse
 import collections
+import errno
 import glob
 import json
 import os
@@ -39,25 +40,28 @@ class CheckpointError(ValueError):
 
 def resolve_step_dir(checkpoint_dir, tag=None):
     """The directory holding rank-*.json: checkpoint_dir itself, or the one its `latest` files
-    lead to (save_dir/latest names the tag, save_dir/<tag>/latest the step directory)."""
+    lead to (save_dir/latest names the tag, save_dir/<tag>/latest the step directory), each
+    followed as the engine's load follows it (runtime/state/checkpoint.h ResolveCheckpointDir:
+    a damaged `latest`, one naming a missing step or anything but a folder beside it, and a step
+    a save moved aside are handled alike)."""
     d = os.fspath(checkpoint_dir)
     if tag is not None:
-        d = os.path.join(d, str(tag))
+        tag = str(tag)
+        if tag in ("", ".", "..") or "/" in tag or "\0" in tag:
+            raise CheckpointError(f"--tag {tag!r} is not a tag: a tag is one folder name")
+        d = os.path.join(d, tag)
+        if not os.path.isdir(d):
+            raise CheckpointError(f"{checkpoint_dir} holds no checkpoint tagged {tag!r} ({d} is "
+                                  "not a directory)")
     for _ in range(3):
-        if glob.glob(os.path.join(d, "rank-*.json")):
+        if os.path.lexists(os.path.join(d, "rank-00000.json")):
             return d
-        latest = os.path.join(d, "latest")
-        if not os.path.isfile(latest):
+        if not os.path.isdir(d) or not os.path.lexists(os.path.join(d, "latest")):
             break
-        with open(latest, encoding="utf-8") as f:
-            name = f.read().strip()
-        # A replacement of that step cut short between its two renames (a file system without
-        # an atomic exchange) left it under a hidden name; the engine's load reads it there too.
-        moved_aside = os.path.join(d, f".{name}.old")
-        if not os.path.isdir(os.path.join(d, name)) and os.path.isfile(
-                os.path.join(moved_aside, "rank-00000.json")):
-            name = f".{name}.old"
-        d = os.path.join(d, name)
+        try:
+            d = _strata.resolve_checkpoint_dir(d)
+        except _strata.StrataError as e:
+            raise CheckpointError(str(e)) from None
     raise CheckpointError(f"{checkpoint_dir}: no Strata checkpoint there (no rank-*.json and no "
                           "`latest` file leading to one); pass the directory save_checkpoint "
                           "wrote")
@@ -72,14 +76,17 @@ class Fp32Checkpoint:
         paths = sorted(glob.glob(os.path.join(step_dir, "rank-*.json")))
         self.manifests = []
         for path in paths:
-            with open(path, encoding="utf-8") as f:
-                try:
-                    m = json.load(f)
-                except ValueError as e:  # JSONDecodeError, and bad UTF-8
-                    raise CheckpointError(f"{path}: not valid JSON ({e}); the manifest is "
-                                          "damaged") from None
-            if not isinstance(m, dict) or m.get("format") != "strata-checkpoint":
-                raise CheckpointError(f"{path}: not a Strata checkpoint manifest")
+            try:
+                # The engine's own checks: a regular file, the format's version, every field's
+                # type and range (a future version, or a manifest without its rank, is refused).
+                text = _strata.read_checkpoint_file(path)
+                _strata.check_manifest(text, path)
+                m = json.loads(text)
+            except _strata.StrataError as e:
+                raise CheckpointError(str(e)) from None
+            except ValueError as e:  # JSONDecodeError, and bad UTF-8
+                raise CheckpointError(f"{path}: not valid JSON ({e}); the manifest is "
+                                      "damaged") from None
             self.manifests.append(m)
         if not self.manifests:
             raise CheckpointError(f"{step_dir}: no rank-*.json manifest")
@@ -210,15 +217,70 @@ def convert_zero_checkpoint_to_fp32_state_dict(checkpoint_dir, output_dir_or_fil
     if safe_serialization:
         raise CheckpointError("safe_serialization=True: safetensors is not available with "
                               "Strata; the output is a torch.save file")
-    state = get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir, tag,
-                                                     exclude_frozen_parameters)
-    out = os.fspath(output_dir_or_file)
-    if os.path.isdir(out) or not os.path.splitext(out)[1]:
-        os.makedirs(out, exist_ok=True)
-        out = os.path.join(out, "pytorch_model.bin")
+    step_dir = resolve_step_dir(checkpoint_dir, tag)
+    out = _output_path(os.fspath(output_dir_or_file), os.fspath(checkpoint_dir), step_dir)
+    state = Fp32Checkpoint(step_dir, exclude_frozen_parameters).state_dict()
+    os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
     tmp = out + ".tmp"
-    torch.save(state, tmp)
+    with open(tmp, "wb", buffering=0) as f:
+        sink = _WriteOnce(f)
+        try:
+            torch.save(state, sink)
+        finally:
+            if sink.error is not None:
+                f.close()
+                os.unlink(tmp)  # a full disk leaves no partial file behind
+    if sink.error is not None:
+        raise OSError(sink.error.errno, f"writing {out}: {sink.error.strerror}")
     _strata.publish_file(tmp, out)
+    return out
+
+
+class _WriteOnce:
+    """The file torch.save writes through. The first failed write (ENOSPC) is kept and every
+    later one is taken as written: torch's zip writer that sees a failure writes its end of file
+    again from its destructor, and a second failure there aborts the process."""
+
+    def __init__(self, f):
+        self._f = f
+        self.error = None
+
+    def write(self, data):
+        if self.error is None:
+            view = memoryview(data).cast("B")
+            try:
+                while view:
+                    n = self._f.write(view)
+                    if not n:
+                        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+                    view = view[n:]
+            except OSError as e:
+                self.error = e
+        return len(memoryview(data).cast("B"))
+
+    def flush(self):
+        pass
+
+
+def _output_path(out, checkpoint_dir, step_dir):
+    """The file to write: OUTPUT/pytorch_model.bin when OUTPUT is a directory (or has no
+    extension), else OUTPUT. Never a file of the checkpoint being read: inside its step
+    directory, or a `latest` that leads to it (the conversion would destroy its own input)."""
+    given = out
+    if os.path.isdir(out) or not os.path.splitext(out)[1]:
+        out = os.path.join(out, "pytorch_model.bin")
+    step = os.path.realpath(step_dir)
+    guarded = [os.path.realpath(os.path.join(checkpoint_dir, "latest"))]
+    parent = os.path.dirname(step)
+    while parent and parent != os.path.dirname(parent) and len(guarded) < 4:
+        guarded.append(os.path.join(parent, "latest"))
+        parent = os.path.dirname(parent)
+    for path in (given, out):
+        real = os.path.realpath(path)
+        if real == step or real.startswith(step + os.sep) or real in guarded:
+            raise CheckpointError(f"the output {given} is a file of the checkpoint being "
+                                  f"converted ({step_dir}); write it outside the checkpoint's "
+                                  "folder")
     return out
 
 
@@ -253,6 +315,10 @@ def main(argv=None):
     except (CheckpointError, OSError) as e:
         print(f"zero_to_fp32: {e}", file=sys.stderr)
         return 2
+    except MemoryError:
+        print("zero_to_fp32: out of host memory while reading the checkpoint (the state_dict "
+              "is built whole in memory)", file=sys.stderr)
+        return 1
     print(f"zero_to_fp32: wrote {path}")
     return 0
 

@@ -522,8 +522,7 @@ struct FrozenOnDisk {
   // parameter, else nothing is written.
   Status Read(const std::vector<std::pair<std::string, torch::Tensor>>& frozen, bool apply) const {
     if (kept.size() == frozen.size()) return Status::Ok();
-    const int fd = ::open(bin.c_str(), O_RDONLY | O_CLOEXEC);
-    if (fd < 0) return ErrnoToStatus(errno, StrCat("open ", bin));
+    STRATA_ASSIGN_OR_RETURN(const int fd, checkpoint::OpenCheckpointFile(bin));
     Status s;
     for (size_t i = 0; i < frozen.size() && s.ok(); ++i) {
       if (!entry[i]) continue;
@@ -632,8 +631,7 @@ StatusOr<nlohmann::json> Engine::Impl::Load(const std::string& path, Engine::Loa
     STRATA_ASSIGN_OR_RETURN(scaler_state, SavedScalerState(m, mpath));
   }
   const std::string bin = (fs::path(dir) / (stem + ".bin")).string();
-  int fd = ::open(bin.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) return ErrnoToStatus(errno, StrCat("open ", bin));
+  STRATA_ASSIGN_OR_RETURN(const int fd, checkpoint::OpenCheckpointFile(bin));
   // Buffers first, all read and checked before any state is overwritten; the frozen parameters'
   // bytes checked too (Note [frozen parameters in checkpoints]).
   std::vector<torch::Tensor> buffer_values;

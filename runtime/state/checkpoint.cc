@@ -205,7 +205,14 @@ StatusOr<std::string> ResolveCheckpointDir(const std::string& path) {
     if (!fs::is_regular_file(latest, ec) || fs::file_size(latest, ec) > 256)
       return DataLoss(StrCat(latest.string(), " is not a one-line file naming a checkpoint"));
     STRATA_ASSIGN_OR_RETURN(std::string name, ReadFile(latest.string()));
-    while (!name.empty() && (name.back() == '\n' || name.back() == ' ')) name.pop_back();
+    // Written as one name and a newline; a hand-edited one may have gained blanks, a CR or a
+    // trailing '/' (DeepSpeed strips its `latest` too).
+    auto blank = [](char ch) { return ch == ' ' || ch == '\t' || ch == '\r' || ch == '\n'; };
+    while (!name.empty() && (blank(name.back()) || name.back() == '/')) name.pop_back();
+    size_t lead = 0;
+    while (lead < name.size() && blank(name[lead])) ++lead;
+    name.erase(0, lead);
+    if (name.rfind("./", 0) == 0) name.erase(0, 2);
     const bool printable = std::all_of(name.begin(), name.end(), [](char ch) {
       const auto b = static_cast<unsigned char>(ch);
       return b >= 0x20 && b != 0x7f;
@@ -294,13 +301,45 @@ Status PublishFile(const std::string& tmp, const std::string& path) {
   return FsyncDir(fs::path(path).parent_path().empty() ? "." : fs::path(path).parent_path().string());
 }
 
+StatusOr<int> OpenCheckpointFile(const std::string& path, uint64_t* size) {
+  // Not blocking in open itself: a FIFO with no writer would wait there.
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
+  if (fd < 0) return ErrnoToStatus(errno, StrCat("open ", path));
+  struct stat st;
+  if (::fstat(fd, &st) != 0) {
+    const int err = errno;
+    ::close(fd);
+    return ErrnoToStatus(err, StrCat("stat ", path));
+  }
+  if (!S_ISREG(st.st_mode)) {
+    ::close(fd);
+    const char* kind = S_ISDIR(st.st_mode)    ? "a directory"
+                       : S_ISFIFO(st.st_mode) ? "a FIFO"
+                       : S_ISSOCK(st.st_mode) ? "a socket"
+                                              : "a device";
+    return DataLoss(StrCat(path, " is ", kind, ", not a regular file; the checkpoint is damaged"));
+  }
+  ::fcntl(fd, F_SETFL, ::fcntl(fd, F_GETFL) & ~O_NONBLOCK);
+  if (size != nullptr) *size = static_cast<uint64_t>(st.st_size);
+  return fd;
+}
+
 StatusOr<std::string> ReadFile(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) return ErrnoToStatus(errno, StrCat("open ", path));
-  std::stringstream ss;
-  ss << in.rdbuf();
-  if (in.bad()) return ErrnoToStatus(errno, StrCat("read ", path));
-  return ss.str();
+  uint64_t size = 0;
+  STRATA_ASSIGN_OR_RETURN(const int fd, OpenCheckpointFile(path, &size));
+  std::string out;
+  char buf[1 << 16];
+  Status s;
+  for (;;) {
+    const ssize_t n = ::read(fd, buf, sizeof(buf));
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) s = ErrnoToStatus(errno, StrCat("read ", path));
+    if (n <= 0) break;
+    out.append(buf, static_cast<size_t>(n));
+  }
+  ::close(fd);
+  STRATA_RETURN_IF_ERROR(s);
+  return out;
 }
 
 Status ReadChecked(int fd, const std::string& path, uint64_t offset, uint64_t bytes,

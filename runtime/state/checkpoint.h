@@ -110,6 +110,11 @@ Status WriteNewFile(const std::string& path, std::string_view bytes);
 // files written by another writer (torch.save from Python) that then publish through here.
 Status PublishFile(const std::string& tmp, const std::string& path);
 Status FsyncDir(const std::string& dir);
+// Opens a checkpoint's file for reading: its descriptor (the caller closes it), and its size in
+// `size` when given. DATA_LOSS naming the path when it is not a regular file: a FIFO or a device
+// in a rank file's place would block the read, a folder fail it with a bare EISDIR.
+StatusOr<int> OpenCheckpointFile(const std::string& path, uint64_t* size = nullptr);
+// A checkpoint's whole file (OpenCheckpointFile's checks).
 StatusOr<std::string> ReadFile(const std::string& path);
 
 // Reads `bytes` bytes at `offset` of a rank's state file (`fd`, opened on `path`) into `out` and

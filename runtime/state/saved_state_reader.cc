@@ -106,8 +106,7 @@ Status SavedStateReader::ReadShard(StateKind kind, int64_t chunk, int rank) {
   if (entry == nullptr || entry->bytes != bytes)
     return DataLoss(StrCat(bin, ": ", what, " is missing or has the wrong size"));
   std::vector<char> raw(bytes);
-  const int fd = ::open(bin.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) return ErrnoToStatus(errno, StrCat("open ", bin));
+  STRATA_ASSIGN_OR_RETURN(const int fd, checkpoint::OpenCheckpointFile(bin));
   Status s =
       checkpoint::ReadChecked(fd, bin, entry->offset, bytes, entry->crc32c, what, raw.data());
   ::close(fd);

@@ -497,6 +497,10 @@ def test_zero_to_fp32_refuses_a_damaged_shard_naming_the_file(tmp_path):
         "no_shard": lambda m: (m["shard_numel"].__setitem__(0, 0),
                                next(b for b in m["blocks"] if b["state"] == "master32"
                                     and b["chunk"] == 0).__setitem__("bytes", 0)),
+        # checked as the engine's load checks them: a KeyError traceback, and a future format
+        # converted without a word
+        "no_rank": lambda m: m.pop("rank"),
+        "future_version": lambda m: m.__setitem__("version", 9),
     }
     for name, edit in edits.items():
         bad = tmp_path / f"manifest-{name}"
@@ -512,6 +516,69 @@ def test_zero_to_fp32_refuses_a_damaged_shard_naming_the_file(tmp_path):
             get_fp32_state_dict_from_zero_checkpoint(bad)
         assert "rank-00000.json" in str(e.value) or "manifest" in str(e.value), (name, str(e.value))
     assert get_fp32_state_dict_from_zero_checkpoint(tmp_path / "ck")  # the original still loads
+    # Files that are not files: a FIFO in the state file's place blocked the read for ever; a
+    # `latest` of binary bytes was a UnicodeDecodeError traceback.
+    fifo = tmp_path / "fifo"
+    shutil.copytree(tmp_path / "ck", fifo)
+    bin_path = glob.glob(str(fifo / "**" / "rank-00000.bin"), recursive=True)[0]
+    os.unlink(bin_path)
+    os.mkfifo(bin_path)
+    with pytest.raises(CheckpointError, match="is a FIFO, not a regular file"):
+        get_fp32_state_dict_from_zero_checkpoint(fifo)
+    binary = tmp_path / "binary-latest"
+    shutil.copytree(tmp_path / "ck", binary)
+    with open(binary / "global_step1" / "latest", "wb") as f:
+        f.write(b"\x00\xff garbage")
+    with pytest.raises(CheckpointError, match="latest"):
+        get_fp32_state_dict_from_zero_checkpoint(binary)
+
+
+def test_zero_to_fp32_never_writes_over_its_own_checkpoint(tmp_path):
+    """An output inside the checkpoint being converted (a rank file, a `latest`) replaced that
+    file and exited 0: the checkpoint was gone. It is refused now and nothing changes; a
+    missing folder above the output is made, an unwritable one is a clear exit 2, and a full disk
+    (a tmpfs, where this process may mount one) leaves no partial file and no abort."""
+    import glob
+    import subprocess
+
+    from deepspeed.utils.zero_to_fp32 import convert_zero_checkpoint_to_fp32_state_dict
+    from strata.zero_to_fp32 import CheckpointError
+    cfg = harness.config_for(STAGE2_CPU, tmp_path / "nvme")
+    engine = _engine("gpt2", cfg)
+    harness.run_steps(engine, "gpt2", 0, 1)
+    engine.save_checkpoint(tmp_path / "ck")
+    engine.close()
+    ck = tmp_path / "ck"
+    files = sorted(glob.glob(str(ck / "**" / "*"), recursive=True))
+    before = {f: open(f, "rb").read() for f in files if os.path.isfile(f)}
+    step_dir = os.path.dirname(glob.glob(str(ck / "**" / "rank-00000.bin"), recursive=True)[0])
+    for out in (os.path.join(step_dir, "rank-00000.bin"), os.path.join(step_dir, "rank-00000.json"),
+                ck / "latest", ck / "global_step1" / "latest", step_dir):
+        with pytest.raises(CheckpointError, match="a file of the checkpoint being converted"):
+            convert_zero_checkpoint_to_fp32_state_dict(ck, out)
+    assert {f: open(f, "rb").read() for f in before} == before
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+
+    def cli(out):
+        return subprocess.run([sys.executable, "-m", "deepspeed.utils.zero_to_fp32", str(ck),
+                               str(out)], capture_output=True, text=True, env=env)
+    made = cli(tmp_path / "new" / "folder" / "w.bin")
+    assert made.returncode == 0 and (tmp_path / "new" / "folder" / "w.bin").exists(), made.stderr
+    refused = cli("/proc/strata-z2f.bin")
+    assert refused.returncode == 2 and "Traceback" not in refused.stderr, refused.stderr
+    assert "/proc/strata-z2f.bin" in refused.stderr, refused.stderr
+    small = tmp_path / "small"
+    small.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(small)],
+                      capture_output=True).returncode != 0:
+        return  # may not mount here (not root, or a container without CAP_SYS_ADMIN)
+    try:
+        full = cli(small / "w.bin")
+        assert full.returncode == 2, full.stderr
+        assert "No space left" in full.stderr and "Traceback" not in full.stderr, full.stderr
+        assert os.listdir(small) == []
+    finally:
+        subprocess.run(["umount", "-l", str(small)])
 
 
 @pytest.mark.parametrize("flag", ["load_module_only"])

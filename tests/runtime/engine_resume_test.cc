@@ -2,6 +2,7 @@
 // bit; a crash in the middle of a save leaves the previous checkpoint loadable; damaged or
 // mismatched checkpoints are clear errors that overwrite nothing.
 #include <signal.h>
+#include <sys/stat.h>
 #include <spawn.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -192,6 +193,26 @@ TEST(ResumeErrors, MismatchesAndDamageAreClearAndOverwriteNothing) {
   }
   ASSERT_OK_AND_ASSIGN(std::string step_dir, checkpoint::ResolveCheckpointDir(ckpt));
   EXPECT_EQ(fs::path(step_dir).filename(), "step-00000001");
+  // A hand-edited `latest` still names its step through blanks, a CR and a trailing '/', as
+  // DeepSpeed strips its own (leading blanks once named "  step-00000001", missing); a path
+  // anywhere else is still refused.
+  for (const char* text : {"  step-00000001  \n", "step-00000001\r\n", "./step-00000001/\n"}) {
+    std::ofstream(ckpt + "/latest", std::ios::trunc) << text;
+    ASSERT_OK_AND_ASSIGN(std::string named, checkpoint::ResolveCheckpointDir(ckpt));
+    EXPECT_EQ(fs::path(named).filename(), "step-00000001") << text;
+  }
+  std::ofstream(ckpt + "/latest", std::ios::trunc) << dir.path() << "/elsewhere\n";
+  EXPECT_EQ(checkpoint::ResolveCheckpointDir(ckpt).status().code(), StatusCode::kDataLoss);
+  std::ofstream(ckpt + "/latest", std::ios::trunc) << "step-00000001\n";
+  // A FIFO in a state file's place is refused, where its read blocked for ever.
+  {
+    const std::string fifo = dir.path() + "/fifo.bin";
+    ASSERT_EQ(mkfifo(fifo.c_str(), 0600), 0);
+    auto opened = checkpoint::OpenCheckpointFile(fifo);
+    EXPECT_EQ(opened.status().code(), StatusCode::kDataLoss);
+    EXPECT_NE(opened.status().message().find("is a FIFO, not a regular file"), std::string::npos)
+        << opened.status();
+  }
 
   auto missing = checkpoint::ResolveCheckpointDir(dir.path() + "/nope");
   ASSERT_FALSE(missing.ok());

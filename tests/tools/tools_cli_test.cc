@@ -522,11 +522,8 @@ TEST(CliFlagsTest, OutOfRangeValuesExitTwoNamingTheFlag) {
       {estimate + " --params 1e9 --largest-layer 1e7 --largest --hbm 1PiB", "unknown unit"},
       {estimate + " --params 1e9 --largest-layer 1e7 --largest --hbm ''",
        "--hbm='': needs a value"},
-      // A refusal names the flags that gave the budgets (it named the config key --hbm had
-      // replaced, and the host's and the disk's measures).
-      {estimate + " --largest --hbm 60MiB --host 1GiB --disk 1GiB",
-       "(--hbm 60.00 MiB), host 0 B (--host 1.00 GiB less 2.00 GiB"},
-      {estimate + " --largest --hbm 60MiB --host 1GiB --disk 1GiB", "nvme 0 B (--disk 1.00 GiB"},
+      // --largest took any --device ("--largest on cuda needs the GPU's memory" for tpu).
+      {estimate + " --largest --device tpu --hbm 1GiB", "--device=tpu: must be cpu or cuda"},
       // 10^12 layers of one element each filled memory until std::bad_alloc aborted.
       {estimate + " --params 1e12 --largest-layer 1", "more than the 1000000 modelled"},
       // A buffer no host holds aborted in std::bad_alloc.
@@ -542,6 +539,25 @@ TEST(CliFlagsTest, OutOfRangeValuesExitTwoNamingTheFlag) {
     EXPECT_EQ(r.rc, 2) << cmd << "\n" << r.out;
     EXPECT_NE(r.out.find(want), std::string::npos) << cmd << "\n" << r.out;
   }
+  // No GPT fitting the budgets is an answer, not a usage error: exit 1, the reason naming the
+  // flags that gave the budgets (it named the config key --hbm had replaced, and the host's and
+  // the disk's measures), and under --json a report with "largest": null (it printed none).
+  const std::string tight = estimate + " --largest --hbm 60MiB --host 1GiB --disk 1GiB";
+  Result r = Exec(tight);
+  EXPECT_EQ(r.rc, 1) << r.out;
+  EXPECT_NE(r.out.find("(--hbm 60.00 MiB), host 0 B (--host 1.00 GiB less 2.00 GiB"),
+            std::string::npos)
+      << r.out;
+  EXPECT_NE(r.out.find("nvme 0 B (--disk 1.00 GiB"), std::string::npos) << r.out;
+  EXPECT_EQ(r.out.find("--help"), std::string::npos) << r.out;
+  r = strata::testing::RunCommand(tight + " --json", /*with_stderr=*/false);
+  EXPECT_EQ(r.rc, 1) << r.out;
+  const nlohmann::json j = nlohmann::json::parse(r.out, nullptr, false);
+  ASSERT_TRUE(j.is_object()) << r.out;
+  EXPECT_TRUE(j["largest"].is_null()) << r.out;
+  EXPECT_NE(j.value("reason", "").find("no GPT of the GPT-3 widths fits"), std::string::npos)
+      << r.out;
+  EXPECT_EQ(j["budgets"]["device_bytes"].get<uint64_t>(), uint64_t{60} << 20) << r.out;
 }
 
 // A micro-batch whose activations alone exceed the host's available memory is refused before
@@ -595,6 +611,10 @@ TEST(CliFlagsTest, ABadResumeOrFp16OnTheCpuIsRefusedBeforeTheModelIsBuilt) {
   wider.replace(wider.find("\"d_model\": 64"), 13, "\"d_model\": 96");
   std::string reseeded = model;
   reseeded.replace(reseeded.find("\"seed\": 7"), 9, "\"seed\": 8");
+  // Another head count changes no parameter's shape: only the recorded model section tells.
+  std::string other_heads = model;
+  other_heads.replace(other_heads.find("\"n_heads\": 4"), 12, "\"n_heads\": 2");
+  Write(dir.path() + "/heads.json", R"({"strata": {"device": "cpu"}, )" + other_heads + "}");
   Write(dir.path() + "/wider.json", R"({"strata": {"device": "cpu"}, )" + wider + "}");
   Write(dir.path() + "/reseeded.json", R"({"strata": {"device": "cpu"}, )" + reseeded + "}");
   Write(dir.path() + "/fp16.json",
@@ -603,6 +623,8 @@ TEST(CliFlagsTest, ABadResumeOrFp16OnTheCpuIsRefusedBeforeTheModelIsBuilt) {
       {"wider.json --resume " + dir.path() + "/ck",
        "this config's model (its \"model\" section) has"},
       {"reseeded.json --resume " + dir.path() + "/ck", "was trained with model.seed=7"},
+      {"heads.json --resume " + dir.path() + "/ck",
+       "was trained with model.n_heads=4; this config has 2"},
       {"c.json --resume " + dir.path() + "/none", "does not exist"},
       {"fp16.json", "fp16.enabled=true on the cpu device"},
   };
@@ -632,6 +654,10 @@ TEST(CliFlagsTest, OutputPathsAreCheckedBeforeTheModelIsBuilt) {
       "model": {"n_layers": 2, "d_model": 64, "n_heads": 4, "seq_len": 32, "vocab_size": 256}})";
   Write(d + "/c.json", config);
   Write(d + "/file", "x");
+  std::filesystem::create_directories(d + "/corpus");
+  const std::string text(4096, 'a');
+  Write(d + "/corpus/a.txt", text);
+  Write(d + "/corpus/b.txt", text);
   const std::string train = std::string(STRATA_TRAIN_BIN) + " --eval-batches 0 --config " + d + "/c.json ";
   Result r = Exec(train + "--steps 1 --plot '' --save " + d + "/ck");
   ASSERT_EQ(r.rc, 0) << r.out;
@@ -645,6 +671,12 @@ TEST(CliFlagsTest, OutputPathsAreCheckedBeforeTheModelIsBuilt) {
       {"--plot '' --trace " + d + "/none/t.json", "its directory " + d + "/none does not exist"},
       {"--plot " + d + "/ck", "--plot " + d + "/ck is a directory"},
       {"--plot '' --save /proc/strata-ck", "--save /proc/strata-ck: cannot create it"},
+      // A --data directory is read whole: a plot or trace written into it replaced training
+      // text, and the next run trained on SVG.
+      {"--data " + d + "/corpus --plot " + d + "/corpus/b.txt",
+       "--plot " + d + "/corpus/b.txt is in the --data directory"},
+      {"--data " + d + "/corpus --plot '' --trace " + d + "/corpus/new.json",
+       "--trace " + d + "/corpus/new.json is in the --data directory"},
   };
   for (const auto& [args, want] : cases) {
     r = Exec(train + "--steps 1 " + args);
@@ -653,6 +685,8 @@ TEST(CliFlagsTest, OutputPathsAreCheckedBeforeTheModelIsBuilt) {
     EXPECT_EQ(r.out.find("GPT 2 layers"), std::string::npos) << args << ": refused after the model";
   }
   EXPECT_EQ(ReadAll(d + "/c.json"), config);
+  EXPECT_EQ(ReadAll(d + "/corpus/b.txt"), text);
+  EXPECT_FALSE(std::filesystem::exists(d + "/corpus/new.json"));
   EXPECT_FALSE(std::filesystem::exists(step + "/step-00000001")) << "a save went inside a checkpoint";
   // The default plot in a working directory the run cannot write is left out with a warning
   // (its failure at the end only warned), not refused.
@@ -665,6 +699,46 @@ TEST(CliFlagsTest, OutputPathsAreCheckedBeforeTheModelIsBuilt) {
   r = Exec(train + "--plot '' --steps 2 --resume " + step + " --save " + d + "/ck");
   EXPECT_EQ(r.rc, 0) << r.out;
   EXPECT_TRUE(std::filesystem::exists(d + "/ck/step-00000002/rank-00000.json")) << r.out;
+}
+
+// A --trace that cannot be written at the end (its disk full) ended the run with exit 1 before
+// its final save, losing the steps trained. It warns, as a failed plot does, and the run saves.
+TEST(CliFlagsTest, ATraceThatCannotBeWrittenStillLeavesTheRunSaved) {
+  testing::TempDir dir;
+  const std::string d = dir.path();
+  std::filesystem::create_directories(d + "/full");
+  testing::TmpfsMount full(d + "/full", "size=4k");
+  if (!full.mounted()) GTEST_SKIP() << "cannot mount a tmpfs here";
+  Write(d + "/full/filler", std::string(8192, 'x'));  // every block taken (a file still opens)
+  Write(d + "/c.json", R"({"zero_optimization": {"stage": 2}, "strata": {"device": "cpu"},
+      "model": {"n_layers": 2, "d_model": 64, "n_heads": 4, "seq_len": 32, "vocab_size": 256}})");
+  const Result r =
+      Exec(std::string(STRATA_TRAIN_BIN) + " --eval-batches 0 --plot '' --config " + d +
+           "/c.json --steps 3 --trace " + d + "/full/trace.json --save " + d + "/ck");
+  EXPECT_EQ(r.rc, 0) << r.out;
+  EXPECT_NE(r.out.find("--trace " + d + "/full/trace.json not written"), std::string::npos)
+      << r.out;
+  EXPECT_TRUE(std::filesystem::exists(d + "/ck/step-00000003/rank-00000.json")) << r.out;
+}
+
+// An interrupted strata-swapbench tiers left its swap file and index (1 GiB at the defaults) on
+// the disk it measured; --keep is what keeps them. SIGTERM now removes them, and the run ends as
+// the signal ends it (the shell's 128 + 15).
+TEST(CliFlagsTest, AnInterruptedTiersBenchmarkRemovesItsSwapFile) {
+  testing::TempDir dir;
+  const std::string d = dir.path() + "/tiers";
+  std::filesystem::create_directories(d);
+  const std::string cmd =
+      std::string(STRATA_SWAPBENCH_BIN) + " tiers --path " + d +
+      " --chunks 8 --chunk-size 1MiB --iterations 1000 >/dev/null 2>&1 & p=$!; for i in $(seq 400);"
+      " do [ -e " +
+      d +
+      "/strata-rank0.swap ] && break; sleep 0.05; done; sleep 0.3; kill -TERM $p;"
+      " wait $p; echo rc=$?";
+  const Result r = Exec(cmd);
+  EXPECT_NE(r.out.find("rc=143"), std::string::npos) << r.out;
+  EXPECT_FALSE(std::filesystem::exists(d + "/strata-rank0.swap")) << r.out;
+  EXPECT_FALSE(std::filesystem::exists(d + "/strata-rank0.index")) << r.out;
 }
 
 // A save of a step the root already holds, from another run, printed "saved" and kept the other

@@ -219,8 +219,8 @@ class Trainer {
 
   // A --resume that cannot load is refused before the model is built and the engine started
   // (minutes for a large model): the checkpoint's manifest must parse, hold a model of this
-  // config's size (its layout section) and come from the same data seed. The engine's load
-  // checks the rest.
+  // config's size (its layout section) and of its model section (as the checkpoint recorded it),
+  // and come from the same data seed. The engine's load checks the rest.
   Status CheckResumable() const {
     if (f_.resume.empty()) return Status::Ok();
     namespace fs = std::filesystem;
@@ -250,7 +250,26 @@ class Trainer {
             " parameters but this config's model (its \"model\" section) has ", ours,
             ": resume with the config it was saved with"));
     }
+    if (m.extra.is_object() && m.extra.contains("model") && m.extra["model"].is_object()) {
+      const nlohmann::json ours = ModelShapeJson();
+      for (const auto& [key, saved] : m.extra["model"].items())
+        if (ours.contains(key) && saved != ours[key])
+          return InvalidArgument(StrCat("--resume ", f_.resume, " was trained with model.", key,
+                                        "=", saved.dump(), "; this config has ", ours[key].dump(),
+                                        ": resume with the config it was saved with"));
+    }
     return Status::Ok();
+  }
+
+  // The model section's fields that make the GPT, recorded in every checkpoint: n_heads changes
+  // no parameter's shape, so the layout alone would take a 2-head model's weights into a 4-head
+  // one without a word.
+  nlohmann::json ModelShapeJson() const {
+    return {{"n_layers", c_.model.n_layers},
+            {"d_model", c_.model.d_model},
+            {"n_heads", c_.model.n_heads},
+            {"seq_len", c_.model.seq_len},
+            {"vocab_size", c_.model.vocab_size}};
   }
 
   // Where the run writes, checked before the model is built: a run must not train for an hour
@@ -261,6 +280,18 @@ class Trainer {
       STRATA_RETURN_IF_ERROR(checkpoint::CheckSaveRoot(f_.save).WithContext("--save"));
       STRATA_RETURN_IF_ERROR(planner::PrepareOutputDir("--save", f_.save, inputs));
       inputs.push_back({"--save", f_.save});
+    }
+    // A --data directory is read whole: every file directly in it is training text.
+    for (const auto& [flag, path] :
+         {std::pair{"--trace", &f_.trace}, std::pair{"--plot", &f_.plot}}) {
+      std::error_code ec;
+      const std::filesystem::path parent =
+          std::filesystem::absolute(*path, ec).lexically_normal().parent_path();
+      if (!path->empty() && std::filesystem::is_directory(f_.data, ec) &&
+          std::filesystem::equivalent(parent, f_.data, ec))
+        return InvalidArgument(StrCat(flag, " ", *path, " is in the --data directory ", f_.data,
+                                      ", whose every file the run reads as training text; pass a "
+                                      "path outside it"));
     }
     if (!f_.trace.empty()) {
       STRATA_RETURN_IF_ERROR(planner::CheckOutputFile("--trace", f_.trace, inputs));
@@ -432,7 +463,8 @@ class Trainer {
     // A periodic save of the step the run ends on (or is interrupted after) is not written twice.
     if (f_.save.empty() || saved_step_ == engine_->global_step()) return Status::Ok();
     auto t0 = std::chrono::steady_clock::now();
-    STRATA_RETURN_IF_ERROR(engine_->SaveCheckpoint(f_.save, {{"seed", c_.model.seed}}));
+    STRATA_RETURN_IF_ERROR(
+        engine_->SaveCheckpoint(f_.save, {{"seed", c_.model.seed}, {"model", ModelShapeJson()}}));
     if (leader() && !f_.json)
       std::fprintf(stderr, "strata-train: checkpoint step %lld saved to %s in %.1f s\n",
                    (long long)engine_->global_step(), f_.save.c_str(),
@@ -665,14 +697,20 @@ class Trainer {
                  summary.contains("plot") ? f_.plot.c_str() : "");
   }
 
-  // Ends the lane trace and writes it (rank r > 0 appends ".rank<r>" to the name).
+  // Ends the lane trace and writes it (rank r > 0 appends ".rank<r>" to the name). A trace that
+  // cannot be written (a full disk) is a warning, as a plot's is: the run goes on to its save,
+  // which a failed diagnostic must not cost.
   Status WriteTrace() {
     engine_->SetTracing(false);
+    trace_written_ = true;
     std::string path = f_.trace;
     if (comm_->rank() > 0) path += StrCat(".rank", comm_->rank());
-    STRATA_RETURN_IF_ERROR(checkpoint::WriteFileAtomic(path, engine_->TraceJson().dump()));
+    if (Status s = checkpoint::WriteFileAtomic(path, engine_->TraceJson().dump()); !s.ok()) {
+      STRATA_LOG(WARN) << "--trace " << path << " not written: " << s.message()
+                       << "; training goes on";
+      return Status::Ok();
+    }
     if (leader()) std::fprintf(stderr, "strata-train: lane trace written to %s\n", path.c_str());
-    trace_written_ = true;
     return Status::Ok();
   }
 

@@ -62,6 +62,8 @@ int RunLargest(const Config& config, const std::string& device, const std::strin
     std::cerr << "strata-estimate: " << s.message() << "\nRun `strata-estimate --help` for the options.\n";
     return 2;
   };
+  if (!device.empty() && device != "cpu" && device != "cuda")
+    return fail(InvalidArgument(StrCat("--device=", device, ": must be cpu or cuda")));
   LargestOptions o;
   o.device = device.empty() ? (config.strata.NamesCuda() ? "cuda" : "cpu") : device;
   o.world_size = world;
@@ -113,6 +115,22 @@ int RunLargest(const Config& config, const std::string& device, const std::strin
     *out_flag = flag;
   }
   auto r = FindLargest(config, o);
+  if (!r.ok() && r.status().code() == StatusCode::kNotFound) {
+    // Nothing fits these budgets: an answer, not a usage error (exit 1, and JSON under --json).
+    if (json) {
+      nlohmann::json j = {{"largest", nullptr},
+                          {"reason", r.status().message()},
+                          {"budgets",
+                           {{"device", o.device},
+                            {"device_bytes", o.device_bytes},
+                            {"host_bytes", o.host_bytes},
+                            {"disk_bytes", o.disk_bytes}}}};
+      std::cout << j.dump(2) << "\n";
+    } else {
+      std::cerr << "strata-estimate: " << r.status().message() << "\n";
+    }
+    return 1;
+  }
   if (!r.ok()) return fail(r.status());
   // The lane that bounds the step, when a measured profile is given.
   std::optional<StepPrediction> pred;

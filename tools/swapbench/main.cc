@@ -4,6 +4,7 @@
 #include <CLI/CLI.hpp>
 
 #include "tools/swapbench/commands.h"
+#include "tools/swapbench/scratch_files.h"
 
 int main(int argc, char** argv) {
   CLI::App app{
@@ -11,6 +12,7 @@ int main(int argc, char** argv) {
       "io_uring, CPU Adam) and compares each figure with its reference on the same machine.\n"
       "Run a subcommand with --help for its options."};
   app.require_subcommand(1);
+  strata::swapbench::InstallScratchCleanup();
   int exit_code = 0;
   strata::swapbench::RegisterNvmeCommand(app, &exit_code);
   strata::swapbench::RegisterAdamCommand(app, &exit_code);

@@ -35,6 +35,7 @@
 #include "tiers/nvme/io_engine.h"
 #include "tiers/nvme/swap_store.h"
 #include "tools/swapbench/commands.h"
+#include "tools/swapbench/scratch_files.h"
 
 namespace strata::swapbench {
 namespace {
@@ -363,6 +364,8 @@ class NvmeBench {
   Status OpenStore(const AioConfig& aio) {
     nvme::SwapStoreOptions so;
     so.paths = {s_.dir};
+    RemoveOnInterrupt(StrCat(s_.dir, "/strata-rank0.swap"));  // Close removes them too
+    RemoveOnInterrupt(StrCat(s_.dir, "/strata-rank0.index"));
     so.capacity = s_.size;
     so.aio = aio;
     so.force_fallback = args_.fallback;

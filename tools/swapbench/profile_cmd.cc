@@ -51,6 +51,7 @@
 #include "tools/planner/cli_util.h"
 #include "tools/planner/profile.h"
 #include "tools/swapbench/commands.h"
+#include "tools/swapbench/scratch_files.h"
 
 namespace strata::swapbench {
 namespace {
@@ -186,6 +187,7 @@ Status SweepNvme(const ProfileArgs& a, HardwareProfile* h, Progress* progress,
                  const std::vector<uint64_t>& bss, const std::vector<int64_t>& qds,
                  const std::vector<int64_t>& pars, uint64_t size, std::vector<std::string>* notes) {
   const std::string file = StrCat(a.path, a.path.back() == '/' ? "" : "/", "strata-profile.dat");
+  RemoveOnInterrupt(file);  // the sweep's own file, removed at its end too
   int fd = open(file.c_str(), O_RDWR | O_CREAT | O_CLOEXEC | O_DIRECT, 0644);
   bool direct = true;
   if (fd < 0 && errno == EINVAL) {

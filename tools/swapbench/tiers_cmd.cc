@@ -41,6 +41,7 @@
 #include "tiers/host/pinned_pool.h"
 #include "tiers/nvme/nvme_tier.h"
 #include "tools/swapbench/commands.h"
+#include "tools/swapbench/scratch_files.h"
 
 namespace strata::swapbench {
 namespace {
@@ -414,6 +415,11 @@ int RunTiers(const TiersArgs& args) {
     return 2;
   }
   const Settings& s = *settings;
+  if (!args.keep) {
+    RemoveOnInterrupt(s.dir + "/strata-rank0.swap");
+    RemoveOnInterrupt(s.dir + "/strata-rank0.index");
+    if (s.own_dir) RemoveOnInterrupt(s.dir, /*is_dir=*/true);
+  }
   auto cleanup = [&] {
     std::error_code ec;
     if (s.own_dir && !args.keep) {

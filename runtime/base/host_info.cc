@@ -11,9 +11,11 @@
 
 #include <cstdlib>
 #include <fstream>
+#include <mutex>
 #include <sstream>
 
 #include "runtime/base/cpu_features.h"
+#include "runtime/base/logging.h"
 
 namespace strata {
 namespace {
@@ -70,8 +72,17 @@ HostInfo ReadHostInfo() {
   }
   // CPUs with AMX-BF16 also report AVX512_BF16.
   h.native_bf16 = Cpu().avx512_bf16;
-  if (const char* o = GetEnv(kEnvCpuBf16); o && (o[0] == '0' || o[0] == '1') && o[1] == '\0')
-    h.native_bf16 = o[0] == '1';
+  if (const char* o = GetEnv(kEnvCpuBf16); o && *o != '\0') {
+    if ((o[0] == '0' || o[0] == '1') && o[1] == '\0') {
+      h.native_bf16 = o[0] == '1';
+    } else {
+      static std::once_flag warned;
+      std::call_once(warned, [o] {
+        STRATA_LOG(WARN) << kEnvCpuBf16.name << "=" << o
+                         << ": expected 0 or 1; the CPU's own answer stands";
+      });
+    }
+  }
   if (Cpu().avx512_bf16) {
     h.isa = "avx512_bf16";
   } else if (Cpu().avx512f) {

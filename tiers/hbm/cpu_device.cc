@@ -18,6 +18,7 @@
 
 #include "runtime/base/units.h"
 #include "runtime/base/env_vars.h"
+#include "runtime/base/logging.h"
 
 namespace strata {
 namespace {
@@ -418,8 +419,15 @@ bool CpuStream::Query() {
 
 CpuDeviceMemory DefaultCpuDeviceMemory() {
   const char* v = GetEnv(kEnvCpuDevice);
-  return v != nullptr && std::string_view(v) == "strict" ? CpuDeviceMemory::kStrict
-                                                        : CpuDeviceMemory::kPlain;
+  if (v == nullptr || *v == '\0') return CpuDeviceMemory::kPlain;
+  if (std::string_view(v) == "strict") return CpuDeviceMemory::kStrict;
+  // Another value ("Strict", "1") would otherwise turn the strict device off without a word.
+  static std::once_flag warned;
+  std::call_once(warned, [v] {
+    STRATA_LOG(WARN) << kEnvCpuDevice.name << "=" << v
+                     << ": expected strict (or unset); the CPU device runs plain";
+  });
+  return CpuDeviceMemory::kPlain;
 }
 
 std::unique_ptr<Device> MakeCpuDevice(uint64_t capacity, CpuDeviceMemory memory) {

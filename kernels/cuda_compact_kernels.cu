@@ -23,6 +23,7 @@
 // per call, freed on the stream after the kernel.
 #include <cuda_runtime.h>
 
+#include <cfloat>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
@@ -97,7 +98,10 @@ __device__ __forceinline__ void StoreMoment(void* base, size_t i, size_t blk, bo
   } else if constexpr (F == kBf16) {
     if (live) static_cast<uint16_t*>(base)[i] = DevFloatToBf16(x);
   } else {
-    // fmaxf(0, NaN) is 0: a NaN is skipped, as the CPU's absmax skips it.
+    // An infinite moment counts as the largest finite float of its sign, as on the CPU (Note [an
+    // infinite moment], compact_formats.cc); fmaxf(0, NaN) is 0: a NaN is skipped, as the CPU's
+    // absmax skips it.
+    if (isinf(x)) x = copysignf(FLT_MAX, x);
     const float scale = BlockMax(live ? fmaxf(0.0f, fabsf(x)) : 0.0f, red);
     if (live) {
       static_cast<uint8_t*>(base)[i] =

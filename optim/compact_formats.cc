@@ -180,10 +180,30 @@ void RoundToBf16Stochastic(const float* x, uint16_t* out, size_t n, uint32_t key
   internal::RoundSrSplit(internal::CompactKernelsFor(isa), x, out, n, key, index_base);
 }
 
+// Note [an infinite moment]
+// One gradient whose square overflows (1e25 in fp32) makes its exp_avg_sq infinite. As the
+// block's scale, inf quantized every other value of the block to the zero code, and decoded
+// 0 * inf = NaN: 255 neighbours' weights went NaN beside the one fp32 moments freeze. An infinite
+// value is taken as the largest finite float of its sign instead: the block's scale is FLT_MAX,
+// the value decodes to it, and its neighbours (far below it) to zero, for that step. Every path
+// clamps before the scale (the CPU here and in CompactStep, the GPU in StoreMoment), so the
+// kernels see finite quotients alone, and NaNs stay as they were (skipped by the scale).
+void internal::ClampInfinities(float* x, size_t n) {
+  for (size_t i = 0; i < n; ++i)
+    if (std::isinf(x[i])) x[i] = std::copysign(std::numeric_limits<float>::max(), x[i]);
+}
+
 void QuantizeBlock(const float* x, size_t n, bool is_signed, uint8_t* codes, float* scale,
                    Isa isa) {
   const internal::CompactKernels k = internal::CompactKernelsFor(isa);
   *scale = k.absmax(x, n);
+  std::vector<float> clamped;
+  if (std::isinf(*scale)) {  // Note [an infinite moment]
+    clamped.assign(x, x + n);
+    internal::ClampInfinities(clamped.data(), n);
+    x = clamped.data();
+    *scale = k.absmax(x, n);
+  }
   if (*scale == 0.0f) {
     std::fill(codes, codes + n, DynamicMapZero(is_signed));
     return;

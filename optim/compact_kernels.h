@@ -42,6 +42,10 @@ struct CodeTables {
 };
 const CodeTables& CodeTablesOf(bool is_signed);
 
+// Each infinite value of x[0, n) replaced by the largest finite float of its sign, before an
+// 8-bit block's scale is taken (Note [an infinite moment], compact_formats.cc).
+void ClampInfinities(float* x, size_t n);
+
 struct CompactKernels {
   // out[i] = FloatToBf16Stochastic(x[i], Hash32(lo + i ^ high)): the caller guarantees that
   // lo + n does not wrap (indices of one call share their upper 32 bits), and passes

@@ -1,6 +1,7 @@
 #include "optim/compact_step.h"
 
 #include <algorithm>
+#include <cmath>
 
 #include "optim/adam_kernels.h"
 #include "optim/blockwise.h"
@@ -80,6 +81,10 @@ class MomentView {
         // QuantizeBlock's steps with this call's kernels.
         float& scale = Scales()[off / kInt8Block];
         scale = k_.absmax(scratch_, len);
+        if (std::isinf(scale)) {  // Note [an infinite moment] (compact_formats.cc)
+          internal::ClampInfinities(scratch_, len);
+          scale = k_.absmax(scratch_, len);
+        }
         if (scale == 0.0f) {
           std::fill(Codes() + off, Codes() + off + len, DynamicMapZero(signed_));
         } else {

@@ -253,7 +253,7 @@ TEST(Int8Blocks, NonFiniteValuesGiveTheScalarCodesOnEveryIsa) {
       std::vector<float> x(kInt8Block);
       for (float& v : x) v = is_signed ? u(rng) : std::fabs(u(rng));
       if (pattern == 0) x[3] = nan, x[200] = -nan;  // NaNs beside finite values
-      if (pattern == 1) x[17] = inf;                 // the scale becomes inf
+      if (pattern == 1) x[17] = inf;                // the scale was inf: every other value NaN
       if (pattern == 2)
         for (float& v : x) v = nan;  // nothing but NaN: scale 0
       if (pattern == 3) x[0] = nan, x[255] = is_signed ? -inf : inf;
@@ -267,6 +267,21 @@ TEST(Int8Blocks, NonFiniteValuesGiveTheScalarCodesOnEveryIsa) {
       if (pattern == 0 || pattern == 4) {
         EXPECT_TRUE(std::isfinite(want_scale));
         EXPECT_EQ(want[pattern == 0 ? 3 : 128], 0);  // no midpoint lies below a NaN
+      }
+      if (pattern == 1 || pattern == 3) {
+        // Note [an infinite moment]: the infinity counts as the largest finite float, so the
+        // block decodes to finite values: it, and its neighbours far below it as zero (they
+        // decoded 0 * inf = NaN).
+        const float big = std::numeric_limits<float>::max();
+        EXPECT_EQ(want_scale, big) << "pattern " << pattern;
+        std::vector<float> back(kInt8Block);
+        DequantizeBlock(want.data(), want_scale, back.size(), is_signed, back.data(), Isa::kScalar);
+        for (float v : back) EXPECT_TRUE(std::isfinite(v)) << "pattern " << pattern;
+        const size_t at = pattern == 1 ? 17 : 255;
+        // The map's end codes: 1 and, signed, its most negative value (-0.993).
+        EXPECT_EQ(back[at], (is_signed && pattern == 3 ? DynamicMap(true)[0] : 1.0f) * big)
+            << "pattern " << pattern;
+        EXPECT_EQ(back[at == 17 ? 16 : 254], 0.0f) << "pattern " << pattern;
       }
       for (Isa isa : Isas()) {
         std::vector<uint8_t> got(kInt8Block, 77);

@@ -548,6 +548,8 @@ class StrataEngine(ConfigView, torch.nn.Module):
                 named = e
         self._agree_on_save(named, f"name tag {tag!r} in {os.path.join(save_dir, 'latest')} "
                             "(the tag's folder is saved whole)")
+        if self.global_rank == 0:
+            _drop_older_steps(root, f"step-{self.global_steps:08d}")
         return True
 
     def _saved_state(self, client_state, tag):
@@ -951,6 +953,23 @@ def _checked_tag(method, tag):
             f"{method}(tag={tag!r}): 'latest' is the file that names the last tag, and a tag "
             "cannot begin or end with white space; choose another tag (such as 'global_step100')")
     return name
+
+
+def _drop_older_steps(root, kept):
+    """One checkpoint per tag, as DeepSpeed's save into a tag replaces that tag's files: the
+    engine names each save's folder in the tag after its step, so a script saving under one tag
+    ("last") kept every step's copy and filled the disk. The new one is published and named
+    before the older ones go; one that cannot be removed is left with a warning."""
+    import re
+    import shutil
+
+    for name in os.listdir(root):
+        if name != kept and re.fullmatch(r"step-\d{8}", name):
+            try:
+                shutil.rmtree(os.path.join(root, name))
+            except OSError as e:
+                _logger().warning("save_checkpoint: could not remove the tag's older %s (%s)",
+                                  name, e)
 
 
 def _resolve_checkpoint(load_dir, tag):

@@ -223,6 +223,27 @@ def test_saving_a_tag_another_run_saved_replaces_it(tmp_path):
                 if p.name.startswith(".") and p.name != ".strata-save.lock"]
 
 
+def test_saving_under_one_tag_keeps_one_checkpoint(tmp_path):
+    """A script saving under a fixed tag ("last") each epoch kept every step's folder in the
+    tag (the engine names each after its step), so the disk filled; DeepSpeed keeps one
+    checkpoint per tag. The older steps go once the new one is named, and it loads."""
+    cfg = harness.config_for(STAGE2_CPU, tmp_path / "nvme")
+    engine = _engine("gpt2", cfg)
+    for step in range(3):
+        _run(engine, "gpt2", step, 1)
+        engine.save_checkpoint(tmp_path / "ck", tag="last", client_state={"step": step})
+    want = [t.clone() for t in engine.master_parameters()]
+    engine.close()
+    steps = sorted(p.name for p in (tmp_path / "ck" / "last").iterdir()
+                   if p.name.startswith("step-"))
+    assert steps == ["step-00000003"]
+    loaded = _engine("gpt2", cfg)
+    _, client = loaded.load_checkpoint(tmp_path / "ck")
+    assert client == {"step": 2} and loaded.global_steps == 3
+    assert all(torch.equal(a, b) for a, b in zip(loaded.master_parameters(), want))
+    loaded.close()
+
+
 def test_a_save_into_a_root_another_process_is_saving_into_is_refused(tmp_path):
     """Two runs saving into one root removed each other's temporary folders, and the loser failed
     with ENOENT on a file it had just written. The root's lock is held for the whole save: a

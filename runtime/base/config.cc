@@ -743,7 +743,13 @@ Status ParseBf16(Section& s, Bf16Config* c) {
 Status CheckCombinations(Section& s, Config* c) {
   if (c->fp16.enabled && c->bf16.enabled)
     return InvalidArgument("fp16.enabled and bf16.enabled are both true; enable at most one");
-  if ((c->bf16.bf16_master_weights_and_grads || c->bf16.bf16_optimizer_states) && !c->bf16.enabled)
+  // bf16.enabled "auto" is known once resolved (ResolveAuto checks it there): Hugging Face's
+  // Trainer and accelerate write "auto".
+  const bool bf16_auto =
+      std::count(c->auto_keys.begin(), c->auto_keys.end(), "bf16.enabled") > 0 ||
+      std::count(c->auto_keys.begin(), c->auto_keys.end(), "bfloat16.enabled") > 0;
+  if ((c->bf16.bf16_master_weights_and_grads || c->bf16.bf16_optimizer_states) &&
+      !c->bf16.enabled && !bf16_auto)
     return InvalidArgument(StrCat(
         "bf16.", c->bf16.bf16_master_weights_and_grads ? "bf16_master_weights_and_grads"
                                                        : "bf16_optimizer_states",

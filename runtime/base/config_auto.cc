@@ -165,6 +165,14 @@ Status Config::ResolveAuto(const AutoContext& ctx) {
   if (fp16.enabled && bf16.enabled)
     return InvalidArgument("fp16.enabled and bf16.enabled are both true after resolving \"auto\"; "
                            "enable at most one");
+  if ((bf16.bf16_master_weights_and_grads || bf16.bf16_optimizer_states) && !bf16.enabled)
+    return InvalidArgument(
+        StrCat("bf16.",
+               bf16.bf16_master_weights_and_grads ? "bf16_master_weights_and_grads"
+                                                  : "bf16_optimizer_states",
+               "=true needs bf16.enabled=true, and bf16.enabled \"auto\" resolved to false (",
+               fp16.enabled ? "fp16 is on" : "the device has no native bf16",
+               "): set bf16.enabled to true, or leave the compact layout out"));
   return CheckBatchSizes(ctx.world_size);
 }
 

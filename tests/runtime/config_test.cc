@@ -623,6 +623,35 @@ TEST(ConfigAuto, AutoKeysAreRecordedAndResolvedFromTheRun) {
   EXPECT_TRUE(d.bf16.enabled);
 }
 
+// A compact layout beside bf16.enabled "auto" (what Hugging Face's Trainer writes) was refused as
+// needing bf16.enabled=true before "auto" was resolved, even where it resolves to true. It is
+// checked once resolved: taken on a device with native bf16, refused without one, saying why.
+TEST(ConfigAuto, ACompactLayoutBesideBf16AutoIsCheckedOnceResolved) {
+  for (const char* key : {"bf16_master_weights_and_grads", "bf16_optimizer_states"}) {
+    const std::string text =
+        StrCat(R"({"train_micro_batch_size_per_gpu": 2, "bf16": {"enabled": "auto", ")", key,
+               R"(": true}})");
+    AutoContext ctx;
+    ctx.native_bf16 = true;
+    ASSERT_OK_AND_ASSIGN(Config with, Config::FromJsonText(text));
+    ASSERT_OK(with.ResolveAuto(ctx));
+    EXPECT_TRUE(with.bf16.enabled) << key;
+    ctx.native_bf16 = false;
+    ASSERT_OK_AND_ASSIGN(Config without, Config::FromJsonText(text));
+    const Status s = without.ResolveAuto(ctx);
+    EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << key << ": " << s;
+    EXPECT_NE(
+        s.message().find(StrCat("bf16.", key,
+                                "=true needs bf16.enabled=true, and bf16.enabled "
+                                "\"auto\" resolved to false (the device has no native bf16)")),
+        std::string::npos)
+        << s;
+  }
+  // Without "auto" the refusal stands at parse time.
+  EXPECT_FALSE(
+      Config::FromJsonText(R"({"bf16": {"enabled": false, "bf16_optimizer_states": true}})").ok());
+}
+
 // DeepSpeed's batch rules: all three given must agree; two given fix the third.
 TEST(ConfigAuto, BatchSizesFollowDeepSpeedsRules) {
   AutoContext two;

@@ -160,8 +160,11 @@ SECTIONS["Precision and loss scale"] = [
     Row("postscale_gradients", "method", SAME, ""),
     Row("gradient_predivide_factor", "method", DIFFERS, _CONFIG_AS_GIVEN),
 ] + _rows("method", DIFFERS, """fp16_auto_cast fp16_master_weights_and_gradients
-    bf16_master_weights_and_gradients bf16_optimizer_states torch_autocast_enabled""",
-          _CONFIG_AS_GIVEN) + [
+    torch_autocast_enabled""", _CONFIG_AS_GIVEN) + [
+    Row("bf16_master_weights_and_gradients", "method", SAME, "the configured value; Strata "
+        "keeps the master and gradients in bf16 under it (README, \"Compact layouts\")"),
+    Row("bf16_optimizer_states", "method", SAME, "the configured value; Strata keeps the "
+        "moments in bf16 under it"),
     Row("amp_enabled", "method", SAME, "false unless configured; apex AMP itself is refused"),
     Row("amp_params", "method", REFUSED, "amp"),
     Row("torch_autocast_dtype", "method", REFUSED, "internal"),

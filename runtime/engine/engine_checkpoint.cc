@@ -625,6 +625,22 @@ StatusOr<nlohmann::json> Engine::Impl::Load(const std::string& path, Engine::Loa
                         "states start from zero";
     states_too = false;
   }
+  // The same optimizer saved without a state this run keeps: SGD without momentum resumed with
+  // momentum (torch's SGD under DeepSpeed starts the buffer then). Weights and counters load;
+  // the states start from zero, as for another optimizer's.
+  if (states_too) {
+    for (StateKind kind : {StateKind::kExpAvg, StateKind::kExpAvgSq}) {
+      const bool saved = std::any_of(m.blocks.begin(), m.blocks.end(),
+                                     [&](const auto& b) { return b.state == StateKindName(kind); });
+      if (!plan_.HoldsState(kind) || saved || m.blocks.empty()) continue;
+      STRATA_LOG(WARN) << dir << " holds no " << StateKindName(kind)
+                       << " (its run's optimizer did not keep one: SGD without momentum, say) and "
+                          "this run's does: loading the weights and the step count; its states "
+                          "start from zero";
+      states_too = false;
+      break;
+    }
+  }
   // The loss scaler's state, read before any state is overwritten (a bad one loads nothing).
   std::optional<optim::DynamicLossScaler::State> scaler_state;
   if (step_.scaler && !weights_only) {

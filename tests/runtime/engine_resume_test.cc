@@ -260,6 +260,29 @@ TEST(ResumeErrors, MismatchesAndDamageAreClearAndOverwriteNothing) {
     EXPECT_EQ(other_opt.engine->global_step(), 1);
     ASSERT_OK_AND_ASSIGN(auto momentum, other_opt.engine->GatherParamState(StateKind::kExpAvg, {}));
     for (const auto& m : momentum) EXPECT_EQ(m.abs().max().item<float>(), 0.0f);
+    // SGD without momentum keeps no exp_avg: a resume with momentum was refused as a damaged
+    // checkpoint. It loads the weights and the count, the momentum from zero.
+    {
+      Config plain_sgd = c;
+      plain_sgd.optimizer.type = OptimizerType::kSGD;
+      plain_sgd.optimizer.momentum = 0.0;
+      const std::string sgd_ckpt = dir.path() + "/sgd";
+      std::vector<torch::Tensor> sgd_master;
+      {
+        Trainer t(plain_sgd, "");
+        t.Train(0, 1);
+        ASSERT_OK(t.engine->SaveCheckpoint(sgd_ckpt, {}));
+        sgd_master = t.engine->GatherMasterParams().value();
+      }
+      Trainer with_momentum(sgd, "");
+      ASSERT_OK(with_momentum.engine->LoadCheckpoint(sgd_ckpt).status());
+      ExpectBitwiseEqual(with_momentum.engine->GatherMasterParams().value(), sgd_master);
+      EXPECT_EQ(with_momentum.engine->global_step(), 1);
+      ASSERT_OK_AND_ASSIGN(auto buf,
+                           with_momentum.engine->GatherParamState(StateKind::kExpAvg, {}));
+      for (const auto& b : buf) EXPECT_EQ(b.abs().max().item<float>(), 0.0f);
+      EXPECT_EQ(with_momentum.Train(1, 2).size(), 1u);
+    }
     Config adam = c;
     adam.optimizer.type = OptimizerType::kAdam;
     Trainer same_states(adam, "");

@@ -754,10 +754,25 @@ Status CheckCombinations(Section& s, Config* c) {
         "bf16.", c->bf16.bf16_master_weights_and_grads ? "bf16_master_weights_and_grads"
                                                        : "bf16_optimizer_states",
         "=true needs bf16.enabled=true (the compact layouts keep bf16 copies of bf16 training)"));
+  const json* strata_section = s.Get("strata");
+  auto strata_given = [&](const char* key) {
+    return strata_section != nullptr && strata_section->is_object() &&
+           strata_section->contains(key);
+  };
+  if (strata_given("stochastic_rounding") && !c->bf16.bf16_master_weights_and_grads)
+    s.Warn(
+        "strata.stochastic_rounding has no effect without bf16.bf16_master_weights_and_grads=true: "
+        "it rounds the bf16 master's update, and the master is fp32 here");
   if (c->bf16.bf16_optimizer_states) {
-    if (c->strata.optimizer_state_dtype == StateDtype::kInt8)
-      return InvalidArgument("bf16.bf16_optimizer_states=true and strata.optimizer_state_dtype="
-                             "\"int8\" ask for two moment formats; keep one");
+    // An explicit "fp32" beside it asks for fp32 moments as plainly as "int8" asks for 8-bit ones.
+    if (c->strata.optimizer_state_dtype == StateDtype::kInt8 ||
+        (c->strata.optimizer_state_dtype == StateDtype::kFp32 &&
+         strata_given("optimizer_state_dtype")))
+      return InvalidArgument(StrCat(
+          "bf16.bf16_optimizer_states=true and strata.optimizer_state_dtype=",
+          strata_given("optimizer_state_dtype") ? strata_section->at("optimizer_state_dtype").dump()
+                                                : std::string("\"int8\""),
+          " ask for two moment formats; keep one"));
     c->strata.optimizer_state_dtype = StateDtype::kBf16;  // DeepSpeed's key, Strata's field
   }
   auto& z = c->zero_optimization;

@@ -306,6 +306,10 @@ TEST(Config, EveryKeyToJsonWritesIsReadBackIntoItsField) {
       // fp16 and bf16 exclude each other: turning fp16 on turns the bases' bf16 off.
       const bool fp16_on = it.key() == "/fp16/enabled";
       if (fp16_on) edited["bf16"]["enabled"] = false;
+      // bf16_optimizer_states beside an explicit optimizer_state_dtype "fp32" asks for two
+      // moment formats: the written "fp32" goes, as a config that sets the key alone has none.
+      if (it.key() == "/bf16/bf16_optimizer_states")
+        edited["strata"].erase("optimizer_state_dtype");
       auto parsed = Config::FromJsonText(edited.dump());
       ASSERT_TRUE(parsed.ok()) << it.key() << ": " << parsed.status().message();
       json back = parsed->ToJson();
@@ -650,6 +654,26 @@ TEST(ConfigAuto, ACompactLayoutBesideBf16AutoIsCheckedOnceResolved) {
   // Without "auto" the refusal stands at parse time.
   EXPECT_FALSE(
       Config::FromJsonText(R"({"bf16": {"enabled": false, "bf16_optimizer_states": true}})").ok());
+  // Two moment formats asked for: "fp32" given beside bf16_optimizer_states ran bf16 moments
+  // without a word ("int8" was refused).
+  for (const char* dtype : {"fp32", "int8"}) {
+    auto both =
+        Config::FromJsonText(StrCat(R"({"bf16": {"enabled": true, "bf16_optimizer_states": true},
+                   "strata": {"optimizer_state_dtype": ")",
+                                    dtype, R"("}})"));
+    EXPECT_EQ(both.status().code(), StatusCode::kInvalidArgument) << dtype;
+    EXPECT_NE(both.status().message().find(StrCat("strata.optimizer_state_dtype=\"", dtype,
+                                                  "\" ask for two moment formats")),
+              std::string::npos)
+        << both.status();
+  }
+  // strata.stochastic_rounding rounds the bf16 master's update: without that master it says so.
+  ASSERT_OK_AND_ASSIGN(Config fp32_master,
+                       Config::FromJsonText(R"({"strata": {"stochastic_rounding": false}})"));
+  bool warned = false;
+  for (const std::string& w : fp32_master.warnings)
+    warned |= w.find("strata.stochastic_rounding has no effect") != std::string::npos;
+  EXPECT_TRUE(warned);
 }
 
 // DeepSpeed's batch rules: all three given must agree; two given fix the third.

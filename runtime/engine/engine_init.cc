@@ -242,6 +242,7 @@ Status Engine::Impl::OpenNvmeTier(const EngineOptions& options) {
     // A disk too small for the state is refused now, naming the path and the bytes, not at the
     // first Allocate that meets ENOSPC (Note [preallocation] grows the files on demand).
     o.needed_bytes = std::min(need, o.capacity);
+    o.shrink_hint = plan_.ShrinkHint();
     // Per file system of the paths where a staging file lies too. Where the disk holds the whole
     // state beside the whole file, nothing is counted on: the start keeps the file until it has
     // gone through, so that a failure gives the model back (start_rollback.h). Otherwise the start
@@ -408,10 +409,12 @@ Status Engine::Impl::OpenBlockStore() {
     // terms, before the pool tries to lock it (Note [locking past the host's memory]).
     if (const HostMemory mem = ReadHostMemory(); mem.available_bytes > 0 && host_only > mem.available_bytes)
       return ResourceExhausted(StrCat(
-          "the host-offloaded state of this rank is ", FormatBytes(host_only), " but this host has ",
-          FormatBytes(mem.available_bytes), " available (of ", FormatBytes(mem.total_bytes),
-          "); set offload_optimizer.device (and offload_param.device) to nvme, use more ranks, or "
-          "set strata.optimizer_state_dtype to bf16"));
+          "the host-offloaded state of this rank is ", FormatBytes(host_only),
+          " but this host has ", FormatBytes(mem.available_bytes), " available (of ",
+          FormatBytes(mem.total_bytes),
+          "); set offload_optimizer.device (and offload_param.device) to nvme, use more ranks",
+          plan_.ShrinkHint().empty() ? std::string()
+                                     : StrCat(", or shrink the state: ", plan_.ShrinkHint())));
     TierManagerOptions tmo = TierManagerOptions::FromConfig(config_.strata, budget);
     tmo.host_budget = budget;
     tmo.resident_bytes = host_only;  // the host-placed blocks, each at its size

@@ -29,6 +29,7 @@ StatusOr<std::unique_ptr<NvmeTier>> NvmeTier::Create(const NvmeTierOptions& opti
   so.needed_bytes = options.needed_bytes;
   so.needed_free_on_device = options.needed_free_on_device;
   so.needed_free_why = options.needed_free_why;
+  so.shrink_hint = options.shrink_hint;
   so.aio = options.aio;
   so.checksums = options.checksums;
   so.mode = SwapOpenMode::kCreate;

@@ -29,6 +29,7 @@ struct NvmeTierOptions {
   uint64_t needed_bytes = 0;  // SwapStoreOptions::needed_bytes: checked against free space at Create
   std::map<uint64_t, uint64_t> needed_free_on_device;  // SwapStoreOptions' and its why
   std::string needed_free_why;
+  std::string shrink_hint;  // SwapStoreOptions::shrink_hint
   AioConfig aio;
   ChecksumKind checksums = ChecksumKind::kCrc32c;
   bool force_fallback = false;

@@ -169,15 +169,19 @@ Status CheckFreeSpace(const SwapStoreOptions& options, uint64_t stripe_unit) {
       where += " (one file system) have";
     }
     return ResourceExhausted(StrCat(
-        where, " ", FormatBytes(free_bytes), " free but rank ", options.rank, "'s NVMe-placed state needs ",
-        FormatBytes(need), " there (",
-        d.paths.size() > 1 ? StrCat(d.paths.size(), " shares of ", FormatBytes(share), " of ") : std::string(),
+        where, " ", FormatBytes(free_bytes), " free but rank ", options.rank,
+        "'s NVMe-placed state needs ", FormatBytes(need), " there (",
+        d.paths.size() > 1 ? StrCat(d.paths.size(), " shares of ", FormatBytes(share), " of ")
+                           : std::string(),
         FormatBytes(options.needed_bytes), " ",
-        given_back ? StrCat("less ", FormatBytes(shares - need), " in space ", options.needed_free_why, ", ")
+        given_back ? StrCat("less ", FormatBytes(shares - need), " in space ",
+                            options.needed_free_why, ", ")
                    : std::string(),
-        "in whole aio.block_size stripes of ", FormatBytes(stripe_unit), " over ", n, " path", n > 1 ? "s" : "",
-        "); free space there, add an nvme_path on another disk, set strata.optimizer_state_dtype to bf16, or "
-        "offload less to nvme"));
+        "in whole aio.block_size stripes of ", FormatBytes(stripe_unit), " over ", n, " path",
+        n > 1 ? "s" : "", "); free space there, add an nvme_path on another disk, ",
+        options.shrink_hint.empty() ? std::string()
+                                    : StrCat("shrink the state (", options.shrink_hint, "), "),
+        "or offload less to nvme"));
   }
   return Status::Ok();
 }

@@ -69,6 +69,9 @@ struct SwapStoreOptions {
   // it is below that sum. `needed_free_why` says where the rest comes from, in the refusal.
   std::map<uint64_t, uint64_t> needed_free_on_device;
   std::string needed_free_why;
+  // How the caller's state could shrink, offered by the refusal (the engine's
+  // StepPlan::ShrinkHint for its layout); empty: none is named.
+  std::string shrink_hint;
   AioConfig aio;
   ChecksumKind checksums = ChecksumKind::kCrc32c;  // ignored on reopen: the index's kind wins
   SwapOpenMode mode = SwapOpenMode::kCreate;

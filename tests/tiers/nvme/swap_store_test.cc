@@ -577,6 +577,14 @@ TEST(SwapStoreEnvTest, NeededBytesPastTheFreeSpaceAreRefusedAtOpen) {
   EXPECT_EQ(s.status().code(), StatusCode::kResourceExhausted) << s.status();
   EXPECT_NE(s.status().message().find("nvme path " + t.path()), std::string::npos) << s.status();
   EXPECT_NE(s.status().message().find("needs 32"), std::string::npos) << s.status();
+  // The way to shrink the state is the caller's (its layout's; it once named bf16 moments to
+  // runs that had them, or 8-bit ones that need less): named when given, else none.
+  EXPECT_EQ(s.status().message().find("shrink the state"), std::string::npos) << s.status();
+  o.shrink_hint = "8-bit moments (strata.optimizer_state_dtype: int8)";
+  s = SwapStore::Open(o);
+  EXPECT_NE(s.status().message().find("shrink the state (8-bit moments"), std::string::npos)
+      << s.status();
+  o.shrink_hint.clear();
   o.capacity = 6 << 20;
   o.needed_bytes = 6 << 20;
   {

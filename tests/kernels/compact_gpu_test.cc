@@ -7,6 +7,7 @@
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <limits>
 #include <memory>
@@ -140,13 +141,16 @@ class Shard {
   std::unique_ptr<DevBuf> d_master_, d_m_, d_v_, d_p16_;
 };
 
-// Steps `c` on both backends; returns after comparing every buffer after every step.
-void RunCase(const Case& c, cudaStream_t stream) {
+// Steps `c` on both backends; returns after comparing every buffer after every step. With
+// `overflow`, one gradient of step 2 is 1e25, whose square overflows fp32: an infinite moment
+// (Note [an infinite moment]), clamped alike on both, and an fp32 master that stays finite.
+void RunCase(const Case& c, cudaStream_t stream, bool overflow = false) {
   SCOPED_TRACE(Name(c));
   Shard shard(c);
   for (int64_t step = 1; step <= 3; ++step) {
     std::vector<float> g = RandomFloats(kN, 100 + static_cast<uint32_t>(step), 1e-2f, 4);
     for (size_t i = kZeroBlock * 256; i < (kZeroBlock + 1) * 256; ++i) g[i] = 0.0f;
+    if (overflow && step == 2) g[7] = 1e25f;
     const std::vector<uint8_t> grad = Encode(g, c.grad);
     DevBuf d_grad(grad);
     const float grad_scale = 0.5f;
@@ -193,6 +197,11 @@ void RunCase(const Case& c, cudaStream_t stream) {
     ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
     SCOPED_TRACE(step);
     shard.ExpectEqual();
+    if (overflow && c.master == MasterFormat::kFp32) {
+      std::vector<float> w(kN);
+      std::memcpy(w.data(), shard.master().data(), kN * sizeof(float));
+      EXPECT_TRUE(std::all_of(w.begin(), w.end(), [](float x) { return std::isfinite(x); }));
+    }
   }
 }
 
@@ -202,6 +211,12 @@ TEST_F(KernelsGpu, CompactAdamMatchesCpuBitForBitInEveryLayout) {
       for (MomentFormat f : {MomentFormat::kFp32, MomentFormat::kBf16, MomentFormat::kInt8})
         for (DType g : {DType::kFloat32, DType::kBFloat16, DType::kFloat16})
           for (int p16 = 0; p16 < (mf == MasterFormat::kFp32 ? 3 : 1); ++p16) RunCase({rule, mf, f, g, p16}, stream_);
+}
+
+TEST_F(KernelsGpu, AnOverflowingMomentIsClampedAsOnTheCpu) {
+  for (int rule : {1, 4})  // AdamW and Adagrad keep a squared moment
+    for (MomentFormat f : {MomentFormat::kFp32, MomentFormat::kInt8})
+      RunCase({rule, MasterFormat::kFp32, f, DType::kFloat32, 0}, stream_, /*overflow=*/true);
 }
 
 TEST_F(KernelsGpu, CompactSgdAdagradLionMatchCpuBitForBitInEveryLayout) {

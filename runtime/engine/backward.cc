@@ -149,8 +149,7 @@ Status Engine::Impl::Backward(const torch::Tensor& loss) {
         config_.gradient_accumulation_steps, ") without Step: call step() first, or raise "
         "gradient_accumulation_steps to accumulate more micro-batches into one step"));
   if ((!step_.step_open || !step_.micro_open) && loss.defined() && loss.requires_grad() && !step_.in_backward) {
-    if (!parked_.empty() || !step_.torn_by_load.empty())
-      return CheckStateWhole("a training forward");
+    STRATA_RETURN_IF_ERROR(CheckStateWhole("a training forward"));
     OpenMicroStep();
   }
   if (!step_.step_open || !step_.micro_open)

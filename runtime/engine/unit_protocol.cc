@@ -9,7 +9,7 @@ namespace strata {
 using namespace engine_detail;
 
 void Engine::Impl::OpenMicroStep() {
-  if (!parked_.empty() || !step_.torn_by_load.empty()) Throw(CheckStateWhole("a training forward"));
+  if (Status whole = CheckStateWhole("a training forward"); !whole.ok()) Throw(whole);
   if (!step_.step_open) {
     step_.step_open = true;
     // The first step's window opens here; later ones opened when the previous Step returned.

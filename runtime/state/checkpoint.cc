@@ -8,10 +8,8 @@
 #include <cerrno>
 #include <cstdio>
 #include <filesystem>
-#include <fstream>
 #include <limits>
 #include <stdexcept>
-#include <sstream>
 
 #include "runtime/base/logging.h"
 #include "tiers/nvme/crc32c.h"
